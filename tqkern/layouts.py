@@ -1,0 +1,454 @@
+"""Layout descriptors: what one compressed token of one KV head looks like, byte by byte.
+
+Everything here is a frozen, slotted, keyword-only dataclass validated in ``__post_init__``.
+Byte sizes and offsets are derived properties; kernels and oracles read them from here and
+never write a size as a literal. The vocabulary is defined once in ``docs/layout.md``.
+
+A *codec* describes how one vector (a key or a value of one token and one KV head, ``head_dim``
+numbers) becomes bytes. A :class:`KVFormat` pairs a key codec with a value codec and fixes the
+bit order of packed codes. A :class:`PagedLayout` places the slots of a format in a paged cache,
+either ``"slot"`` (vLLM: ``[num_blocks, block_size, num_kv_heads, slot_bytes]``) or ``"row"``
+(turboquant-vllm: per token, every head's first field, then every head's second field, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar, Literal, Union
+
+__all__ = [
+    "LloydMax",
+    "Uniform",
+    "FP8",
+    "Raw",
+    "Codec",
+    "Field",
+    "FieldAddress",
+    "KVFormat",
+    "PagedLayout",
+    "PRESETS",
+    "BIT_ORDERS",
+    "ROTATIONS",
+]
+
+BIT_ORDERS = ("lsb", "nibble_high_even")
+ROTATIONS = ("hadamard", "hadamard_signed", "haar")
+_FLOAT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def _bad(field: str, expected: str, actual: object) -> ValueError:
+    return ValueError(f"{field} must be {expected}, got {actual!r}")
+
+
+def _check_int(field: str, value: object, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{field} must be an int, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise _bad(field, f"in [{lo}, {hi}]", value)
+
+
+def _check_choice(field: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise _bad(field, f"one of {choices}", value)
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One named field of a codec's bytes.
+
+    Attributes:
+        name: ``"codes"``, ``"norm"``, ``"data"``, ``"scale"`` or ``"zero"``.
+        nbytes: size of the field for one vector.
+        dtype: how the bytes are read: ``"codes"`` (packed integer codes, see ``bit_order``),
+            ``"uint8"`` (one byte per element), ``"float8_e4m3fn"``, ``"float16"``,
+            ``"bfloat16"`` or ``"float32"`` (little-endian).
+    """
+
+    name: str
+    nbytes: int
+    dtype: str
+
+
+def _packed_bytes(head_dim: int, bits: int) -> int:
+    # Codes form one bitstream of head_dim * bits bits; a partial last byte is padded with zero
+    # bits (so 3-bit codes need no head_dim % 8 == 0).
+    return (head_dim * bits + 7) // 8
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LloydMax:
+    """TurboQuant_mse: store ``‖x‖``, rotate the unit vector, quantize each coordinate with the
+    Lloyd-Max codebook of the rotated coordinate's distribution.
+
+    Attributes:
+        bits: bits per coordinate, 1..8.
+        distribution: ``"beta"`` (exact density of a rotated unit vector's coordinate,
+            ∝ (1 − t²)^((d − 3)/2)) or ``"gaussian"`` (N(0, 1/d), what vLLM and turboquant-vllm use).
+        norm_dtype: ``"float16"`` or ``"float32"`` for the stored norm field.
+        norm_correction: ``"none"`` (norm field = ‖x‖, reconstruction ‖x‖·c[idx]);
+            ``"decode"`` (norm field = ‖x‖, reconstruction ‖x‖·c[idx]/‖c[idx]‖, the divisor
+            computed at decode: vLLM's ``_nc`` meaning); ``"stored"`` (norm field =
+            ‖x‖/‖c[idx]‖, reconstruction field·c[idx]: the correction is free at decode).
+    """
+
+    bits: int
+    distribution: Literal["beta", "gaussian"] = "beta"
+    norm_dtype: Literal["float16", "float32"] = "float32"
+    norm_correction: Literal["none", "decode", "stored"] = "none"
+
+    kind: ClassVar[str] = "lloyd_max"
+
+    def __post_init__(self) -> None:
+        _check_int("LloydMax.bits", self.bits, 1, 8)
+        _check_choice("LloydMax.distribution", self.distribution, ("beta", "gaussian"))
+        _check_choice("LloydMax.norm_dtype", self.norm_dtype, ("float16", "float32"))
+        _check_choice("LloydMax.norm_correction", self.norm_correction, ("none", "decode", "stored"))
+
+    @property
+    def rotated(self) -> bool:
+        return True
+
+    @property
+    def packed(self) -> bool:
+        return True
+
+    def fields(self, head_dim: int) -> tuple[Field, ...]:
+        return (
+            Field("codes", _packed_bytes(head_dim, self.bits), "codes"),
+            Field("norm", _FLOAT_BYTES[self.norm_dtype], self.norm_dtype),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Uniform:
+    """Uniform asymmetric quantization per vector: ``scale = (max − min)/(2^bits − 1)`` (floored at
+    1e-8), ``q = floor((x − min)/scale + 0.5)`` clamped to ``[0, 2^bits − 1]``; dequantized
+    ``q·scale + zero`` with ``zero = min``.
+
+    Attributes:
+        bits: 2..8.
+        param_dtype: dtype of the stored scale and zero, ``"float16"`` (vLLM) or ``"float32"``
+            (for bf16 models whose values exceed the fp16 range; fp16 saturates at ±65504).
+        rotated: quantize the rotated vector instead of the raw one (vLLM: raw).
+    """
+
+    bits: int
+    param_dtype: Literal["float16", "float32"] = "float16"
+    rotated: bool = False
+
+    kind: ClassVar[str] = "uniform"
+
+    def __post_init__(self) -> None:
+        _check_int("Uniform.bits", self.bits, 2, 8)
+        _check_choice("Uniform.param_dtype", self.param_dtype, ("float16", "float32"))
+        if not isinstance(self.rotated, bool):
+            raise TypeError(f"Uniform.rotated must be a bool, got {type(self.rotated).__name__}")
+
+    @property
+    def packed(self) -> bool:
+        return True
+
+    def fields(self, head_dim: int) -> tuple[Field, ...]:
+        nb = _FLOAT_BYTES[self.param_dtype]
+        return (
+            Field("data", _packed_bytes(head_dim, self.bits), "codes"),
+            Field("scale", nb, self.param_dtype),
+            Field("zero", nb, self.param_dtype),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FP8:
+    """FP8 E4M3 (``float8_e4m3fn``: bias 7, max 448, no infinities), one byte per element,
+    no scale. Rounding to nearest even, saturating at ±448 (vLLM's plain cast; NaN stays NaN).
+
+    Attributes:
+        rotated: cast the rotated vector instead of the raw one (vLLM: raw).
+    """
+
+    rotated: bool = False
+
+    kind: ClassVar[str] = "fp8"
+    bits: ClassVar[int] = 8
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rotated, bool):
+            raise TypeError(f"FP8.rotated must be a bool, got {type(self.rotated).__name__}")
+
+    @property
+    def packed(self) -> bool:
+        return False
+
+    def fields(self, head_dim: int) -> tuple[Field, ...]:
+        return (Field("data", head_dim, "float8_e4m3fn"),)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Raw:
+    """Uncompressed fp16 or bf16 (boundary layers, and the baseline), never rotated."""
+
+    dtype: Literal["float16", "bfloat16"] = "float16"
+
+    kind: ClassVar[str] = "raw"
+    bits: ClassVar[int] = 16
+
+    def __post_init__(self) -> None:
+        _check_choice("Raw.dtype", self.dtype, ("float16", "bfloat16"))
+
+    @property
+    def rotated(self) -> bool:
+        return False
+
+    @property
+    def packed(self) -> bool:
+        return False
+
+    def fields(self, head_dim: int) -> tuple[Field, ...]:
+        return (Field("data", 2 * head_dim, self.dtype),)
+
+
+Codec = Union[LloydMax, Uniform, FP8, Raw]
+_CODECS = (LloydMax, Uniform, FP8, Raw)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVFormat:
+    """The bytes of one slot: one token's key and value for one KV head.
+
+    A slot is ``[key fields | value fields | zero padding]``; fields follow each other without
+    alignment, in the order the codec lists them, and the slot is padded with zero bytes to a
+    multiple of ``slot_alignment``.
+
+    Attributes:
+        head_dim: D, even, 2..1024.
+        key: codec of the key. value: codec of the value.
+        bit_order: how packed codes sit in bytes. ``"lsb"``: one LSB-first bitstream, code j at
+            bits [j·b, j·b + b) (as ``numpy.packbits(bitorder="little")``; for 4 bits the even index
+            is the low nibble). ``"nibble_high_even"``: 4-bit codes only, two per byte, the even
+            index in the high nibble (turboquant-vllm).
+        rotation: kind of the orthogonal rotation Π shared by K and V when a codec is rotated:
+            ``"hadamard"`` (Sylvester Hadamard/√D without signs, vLLM), ``"hadamard_signed"``
+            (random ±1 signs applied before it), ``"haar"`` (seeded Haar-random orthogonal).
+        slot_alignment: the slot size is padded to a multiple of this (vLLM pads to even).
+    """
+
+    head_dim: int
+    key: Codec
+    value: Codec
+    bit_order: Literal["lsb", "nibble_high_even"] = "lsb"
+    rotation: Literal["hadamard", "hadamard_signed", "haar"] = "hadamard_signed"
+    slot_alignment: int = 2
+
+    def __post_init__(self) -> None:
+        _check_int("KVFormat.head_dim", self.head_dim, 2, 1024)
+        if self.head_dim % 2:
+            raise _bad("KVFormat.head_dim", "even", self.head_dim)
+        for name in ("key", "value"):
+            codec = getattr(self, name)
+            if not isinstance(codec, _CODECS):
+                raise TypeError(
+                    f"KVFormat.{name} must be one of LloydMax, Uniform, FP8, Raw, "
+                    f"got {type(codec).__name__}"
+                )
+        _check_choice("KVFormat.bit_order", self.bit_order, BIT_ORDERS)
+        _check_choice("KVFormat.rotation", self.rotation, ROTATIONS)
+        _check_int("KVFormat.slot_alignment", self.slot_alignment, 1, 256)
+        if self.slot_alignment & (self.slot_alignment - 1):
+            raise _bad("KVFormat.slot_alignment", "a power of two", self.slot_alignment)
+        if self.bit_order == "nibble_high_even":
+            for name in ("key", "value"):
+                codec = getattr(self, name)
+                if codec.packed and codec.bits != 4:
+                    raise _bad(
+                        f"KVFormat.{name}.bits",
+                        "4 with bit_order='nibble_high_even'",
+                        codec.bits,
+                    )
+
+    # -- derived sizes ---------------------------------------------------------------------
+    @property
+    def key_fields(self) -> tuple[Field, ...]:
+        return self.key.fields(self.head_dim)
+
+    @property
+    def value_fields(self) -> tuple[Field, ...]:
+        return self.value.fields(self.head_dim)
+
+    @property
+    def key_bytes(self) -> int:
+        return sum(f.nbytes for f in self.key_fields)
+
+    @property
+    def value_bytes(self) -> int:
+        return sum(f.nbytes for f in self.value_fields)
+
+    @property
+    def pad_bytes(self) -> int:
+        return self.slot_bytes - self.key_bytes - self.value_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes per token per KV head, K and V together, padding included."""
+        a = self.slot_alignment
+        return (self.key_bytes + self.value_bytes + a - 1) // a * a
+
+    @property
+    def rotated(self) -> bool:
+        """Whether any codec works in rotated space (so the format needs a rotation)."""
+        return bool(self.key.rotated or self.value.rotated)
+
+    @property
+    def compression(self) -> float:
+        """fp16 bytes (2·2·D) over ``slot_bytes``."""
+        return 4 * self.head_dim / self.slot_bytes
+
+    def slot_fields(self) -> tuple[tuple[str, Field, int], ...]:
+        """``(qualified_name, field, byte_offset_in_slot)`` for every field, e.g. ``"key.norm"``."""
+        out, offset = [], 0
+        for side, fields in (("key", self.key_fields), ("value", self.value_fields)):
+            for f in fields:
+                out.append((f"{side}.{f.name}", f, offset))
+                offset += f.nbytes
+        return tuple(out)
+
+    def field_offset(self, name: str) -> int:
+        """Byte offset of ``name`` (``"key.codes"``, ``"value.scale"``, ...) inside a slot."""
+        for qual, _, off in self.slot_fields():
+            if qual == name:
+                return off
+        raise _bad("name", f"one of {[q for q, _, _ in self.slot_fields()]}", name)
+
+    def replace(self, **changes) -> KVFormat:
+        return dataclasses.replace(self, **changes)
+
+    # -- presets ---------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str, head_dim: int) -> KVFormat:
+        """A named format. vLLM's ``turboquant_*`` cache dtypes (byte-exact, slot arrangement)
+        and turboquant-vllm's ``tq4`` (byte-exact, use with ``arrangement="row"``); ``tqkern_*``
+        are this library's own recommendations. See ``docs/layout.md``."""
+        if name not in PRESETS:
+            raise _bad("name", f"one of {sorted(PRESETS)}", name)
+        return cls(head_dim=head_dim, **PRESETS[name])
+
+
+def _vllm(key: Codec, value: Codec) -> dict:
+    return dict(key=key, value=value, bit_order="lsb", rotation="hadamard", slot_alignment=2)
+
+
+def _vllm_mse_key(bits: int) -> LloydMax:
+    return LloydMax(bits=bits, distribution="gaussian", norm_dtype="float16", norm_correction="decode")
+
+
+PRESETS: dict[str, dict] = {
+    "turboquant_k8v4": _vllm(FP8(), Uniform(bits=4)),
+    "turboquant_4bit_nc": _vllm(_vllm_mse_key(4), Uniform(bits=4)),
+    "turboquant_k3v4_nc": _vllm(_vllm_mse_key(3), Uniform(bits=4)),
+    "turboquant_3bit_nc": _vllm(_vllm_mse_key(3), Uniform(bits=3)),
+    "tq4": dict(
+        key=LloydMax(bits=4, distribution="gaussian", norm_dtype="float32"),
+        value=LloydMax(bits=4, distribution="gaussian", norm_dtype="float32"),
+        bit_order="nibble_high_even",
+        rotation="haar",
+        slot_alignment=1,
+    ),
+    # tqkern's own: keys carry most of the error, so spend the bits there (PRIOR_ART quality levers).
+    "tqkern_k5v3": dict(
+        key=LloydMax(bits=5, distribution="beta", norm_dtype="float32", norm_correction="stored"),
+        value=LloydMax(bits=3, distribution="beta", norm_dtype="float32", norm_correction="stored"),
+        rotation="hadamard_signed",
+    ),
+    "tqkern_k4v4": dict(
+        key=LloydMax(bits=4, distribution="beta", norm_dtype="float32", norm_correction="stored"),
+        value=LloydMax(bits=4, distribution="beta", norm_dtype="float32", norm_correction="stored"),
+        rotation="hadamard_signed",
+    ),
+    "fp16": dict(key=Raw(dtype="float16"), value=Raw(dtype="float16"), rotation="hadamard"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FieldAddress:
+    """Where a field of KV head ``h`` sits inside a token row:
+    ``offset + h * head_stride`` .. ``+ nbytes``."""
+
+    offset: int
+    head_stride: int
+    nbytes: int
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PagedLayout:
+    """A paged cache of a :class:`KVFormat`.
+
+    The cache is one uint8 tensor. A token row holds ``num_kv_heads`` slots
+    (``row_bytes = num_kv_heads * slot_bytes``); a block holds ``block_size`` rows; the physical
+    slot index of token position ``p`` of a sequence is ``block_table[p // block_size] *
+    block_size + p % block_size``.
+
+    Attributes:
+        format: the slot format.
+        num_kv_heads: KV heads per token row.
+        block_size: tokens per block, a power of two in [1, 1024].
+        arrangement: ``"slot"``: each head's slot is contiguous (vLLM, cache shape
+            ``[num_blocks, block_size, num_kv_heads, slot_bytes]``). ``"row"``: a row holds every
+            head's first field, then every head's second field, and so on, then the padding
+            (turboquant-vllm, cache shape ``[num_blocks, block_size, row_bytes]``).
+    """
+
+    format: KVFormat
+    num_kv_heads: int
+    block_size: int
+    arrangement: Literal["slot", "row"] = "slot"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.format, KVFormat):
+            raise TypeError(f"PagedLayout.format must be a KVFormat, got {type(self.format).__name__}")
+        _check_int("PagedLayout.num_kv_heads", self.num_kv_heads, 1, 4096)
+        _check_int("PagedLayout.block_size", self.block_size, 1, 1024)
+        if self.block_size & (self.block_size - 1):
+            raise _bad("PagedLayout.block_size", "a power of two", self.block_size)
+        _check_choice("PagedLayout.arrangement", self.arrangement, ("slot", "row"))
+
+    @property
+    def head_dim(self) -> int:
+        return self.format.head_dim
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token row (all KV heads)."""
+        return self.num_kv_heads * self.format.slot_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.row_bytes
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        if self.arrangement == "slot":
+            return (num_blocks, self.block_size, self.num_kv_heads, self.format.slot_bytes)
+        return (num_blocks, self.block_size, self.row_bytes)
+
+    def field(self, name: str) -> FieldAddress:
+        """Address of ``name`` (``"key.codes"``, ``"key.norm"``, ``"value.data"``, ...)."""
+        fmt = self.format
+        region = 0
+        for qual, f, off in fmt.slot_fields():
+            if qual == name:
+                if self.arrangement == "slot":
+                    return FieldAddress(off, fmt.slot_bytes, f.nbytes, f.dtype)
+                return FieldAddress(region, f.nbytes, f.nbytes, f.dtype)
+            region += self.num_kv_heads * f.nbytes
+        raise _bad("name", f"one of {[q for q, _, _ in fmt.slot_fields()]}", name)
+
+    def fields(self) -> dict[str, FieldAddress]:
+        return {qual: self.field(qual) for qual, _, _ in self.format.slot_fields()}
+
+    def pad_address(self) -> FieldAddress:
+        """Where each head's padding bytes sit (zero-filled by ``store``)."""
+        fmt = self.format
+        if self.arrangement == "slot":
+            return FieldAddress(fmt.key_bytes + fmt.value_bytes, fmt.slot_bytes, fmt.pad_bytes, "uint8")
+        used = self.num_kv_heads * (fmt.key_bytes + fmt.value_bytes)
+        return FieldAddress(used, fmt.pad_bytes, fmt.pad_bytes, "uint8")

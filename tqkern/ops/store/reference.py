@@ -1,0 +1,56 @@
+"""Writing new tokens into a paged cache: the NumPy oracle of ``store``.
+
+``store(cache, key, value, slot_mapping, layout, params)`` with ``key, value [T, H, D]`` and
+``slot_mapping [T]`` (int32 or int64): for every token t with ``slot_mapping[t] = s ≥ 0``, the row
+of physical slot s (block ``s // block_size``, offset ``s % block_size``) gets, for every head h,
+the slot ``compress(key, value, params)[t, h]`` written at the layout's field addresses (padding
+bytes written as zero). Tokens with a negative entry are skipped. No other byte of the cache
+changes. If two tokens map to the same slot the later one wins (kernels make no such promise:
+callers must not repeat a slot). Returns a new cache; the input is not modified.
+
+Raises ``ValueError`` when an entry of ``slot_mapping`` is ≥ num_blocks·block_size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tqkern.layouts import PagedLayout
+from tqkern.ops.compress.reference import compress
+from tqkern.ops.decompress.reference import _row_field_columns, cache_rows
+from tqkern.params import TQParams
+
+__all__ = ["store", "write_slots"]
+
+
+def write_slots(cache, layout: PagedLayout, slots, slot_mapping) -> np.ndarray:
+    """Place precomputed slots ``[T, H, slot_bytes]`` at ``slot_mapping`` (a new cache)."""
+    out = np.array(cache, dtype=np.uint8, copy=True)
+    rows = cache_rows(out, layout)
+    sm = np.asarray(slot_mapping, dtype=np.int64).reshape(-1)
+    slots = np.asarray(slots, dtype=np.uint8)
+    if slots.shape != (sm.shape[0], layout.num_kv_heads, layout.format.slot_bytes):
+        raise ValueError(f"slots must have shape {(sm.shape[0], layout.num_kv_heads, layout.format.slot_bytes)}, "
+                         f"got {slots.shape}")
+    if sm.size and sm.max() >= rows.shape[0]:
+        raise ValueError(f"slot_mapping entries must be < num_blocks * block_size = {rows.shape[0]}, "
+                         f"got {sm.max()}")
+    cols = _row_field_columns(layout)
+    for t in np.nonzero(sm >= 0)[0]:
+        rows[sm[t], cols] = slots[t]
+    return out
+
+
+def store(cache, key, value, slot_mapping, layout: PagedLayout, params: TQParams) -> np.ndarray:
+    """Compress ``key, value [T, H, D]`` and write them at ``slot_mapping [T]``; returns the new cache."""
+    if not isinstance(layout, PagedLayout):
+        raise TypeError(f"layout must be a PagedLayout, got {type(layout).__name__}")
+    if params.format != layout.format:
+        raise ValueError("params.format must equal layout.format")
+    key = np.asarray(key)
+    if key.ndim != 3 or key.shape[1] != layout.num_kv_heads:
+        raise ValueError(f"key must have shape [num_tokens, {layout.num_kv_heads}, {layout.head_dim}], got {key.shape}")
+    sm = np.asarray(slot_mapping)
+    if sm.shape != (key.shape[0],):
+        raise ValueError(f"slot_mapping must have shape ({key.shape[0]},), got {sm.shape}")
+    return write_slots(cache, layout, compress(key, value, params), sm)

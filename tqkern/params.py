@@ -1,0 +1,99 @@
+"""The numeric parameters of a format: rotation, codebooks and the optional key offset."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tqkern.codebooks import Codebook, lloyd_max
+from tqkern.layouts import KVFormat, LloydMax
+from tqkern.rotations import rotation_for
+
+__all__ = ["TQParams"]
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a = np.array(a, dtype=np.float64, copy=True)
+    a.setflags(write=False)
+    return a
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class TQParams:
+    """Everything besides the bytes that decoding a :class:`KVFormat` needs.
+
+    Attributes:
+        format: the format these parameters belong to.
+        rotation: float64 ``[D, D]`` orthogonal Π (``y = x @ Π``), shared by K and V; ``None``
+            when no codec of the format is rotated.
+        key_codebook / value_codebook: the Lloyd-Max codebook of a ``LloydMax`` codec, else
+            ``None``.
+        key_offset: float64 ``[num_kv_heads, D]`` per-head key offset μ (values exactly
+            representable in float32), subtracted from every key before it is compressed, or
+            ``None``. Attention is unchanged: q·(k − μ) = q·k − q·μ and softmax ignores the
+            per-query constant.
+
+    Build with :meth:`default` or pass your own matrices (e.g. vLLM's unsigned Hadamard and
+    codebook, turboquant-vllm's ``Qᵀ``): construction checks shapes, orthogonality (to 1e-6)
+    and that codebook bit widths match the codecs.
+    """
+
+    format: KVFormat
+    rotation: np.ndarray | None
+    key_codebook: Codebook | None = None
+    value_codebook: Codebook | None = None
+    key_offset: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        fmt = self.format
+        if not isinstance(fmt, KVFormat):
+            raise TypeError(f"TQParams.format must be a KVFormat, got {type(fmt).__name__}")
+        d = fmt.head_dim
+        if fmt.rotated:
+            if self.rotation is None:
+                raise ValueError("TQParams.rotation must be a [D, D] matrix for a rotated format, got None")
+            rot = np.asarray(self.rotation)
+            if rot.shape != (d, d):
+                raise ValueError(f"TQParams.rotation must have shape ({d}, {d}), got {rot.shape}")
+            err = np.max(np.abs(rot.astype(np.float64) @ rot.T.astype(np.float64) - np.eye(d)))
+            if not err < 1e-6:
+                raise ValueError(f"TQParams.rotation must be orthogonal (|ΠΠᵀ − I| < 1e-6), got {err:.3g}")
+            object.__setattr__(self, "rotation", _readonly(rot))
+        elif self.rotation is not None:
+            object.__setattr__(self, "rotation", _readonly(self.rotation))
+        for side in ("key", "value"):
+            codec = getattr(fmt, side)
+            cb = getattr(self, f"{side}_codebook")
+            if isinstance(codec, LloydMax):
+                if not isinstance(cb, Codebook):
+                    raise TypeError(f"TQParams.{side}_codebook must be a Codebook, got {type(cb).__name__}")
+                if cb.bits != codec.bits:
+                    raise ValueError(f"TQParams.{side}_codebook.bits must be {codec.bits}, got {cb.bits}")
+            elif cb is not None:
+                raise ValueError(f"TQParams.{side}_codebook must be None for a {codec.kind} codec, got a Codebook")
+        if self.key_offset is not None:
+            mu = np.asarray(self.key_offset)
+            if mu.ndim != 2 or mu.shape[1] != d:
+                raise ValueError(f"TQParams.key_offset must have shape [num_kv_heads, {d}], got {mu.shape}")
+            if not np.all(np.isfinite(mu)):
+                raise ValueError("TQParams.key_offset must be finite")
+            object.__setattr__(self, "key_offset", _readonly(mu.astype(np.float32)))
+
+    @classmethod
+    def default(cls, format: KVFormat, *, seed: int = 0, key_offset=None) -> TQParams:
+        """The format's own rotation (``format.rotation`` with ``seed``) and Lloyd-Max codebooks
+        (``lloyd_max(bits, head_dim, codec.distribution)``)."""
+        d = format.head_dim
+        rot = rotation_for(format.rotation, d, seed) if format.rotated else None
+        cbs = {}
+        for side in ("key", "value"):
+            codec = getattr(format, side)
+            cbs[f"{side}_codebook"] = (
+                lloyd_max(codec.bits, d, codec.distribution) if isinstance(codec, LloydMax) else None
+            )
+        return cls(format=format, rotation=rot, key_offset=key_offset, **cbs)
+
+    def with_key_offset(self, key_offset) -> TQParams:
+        return TQParams(format=self.format, rotation=self.rotation, key_codebook=self.key_codebook,
+                        value_codebook=self.value_codebook, key_offset=key_offset)

@@ -1,0 +1,85 @@
+"""Orthogonal rotations Π ∈ R^{d×d}, NumPy float64.
+
+Convention everywhere in tqkern: a row vector x is rotated as ``y = x @ Π`` and rotated back as
+``x = y @ Π.T``. (vLLM's Hadamard is symmetric, so both conventions agree; turboquant-vllm writes
+``y = x @ Qᵀ``, so its matrix enters tqkern as ``Π = Qᵀ``.)
+
+- :func:`hadamard`: for d a power of two, ``Π = diag(s) · H_d / √d`` with H_d Sylvester's
+  Hadamard matrix (``H_1 = [1]``, ``H_2n = [[H, H], [H, −H]]``) and s a seeded vector of ±1
+  (all +1 without a seed): the signs are applied before the transform. For other even d,
+  write d = p · m with p the largest power of two dividing d and m odd; then
+  ``Π = diag(s) · (Q_m ⊗ H_p/√p)`` with Q_m a seeded Haar-random m×m orthogonal matrix: the
+  coordinates form m groups of p consecutive entries, each group gets a fast Walsh-Hadamard
+  transform, and Q_m mixes the m groups. It costs d·log2(p) + d·m operations instead of d², stays
+  exactly orthogonal, and reduces to the plain transform when m = 1. (d = 96 = 32·3, d = 80 = 16·5.)
+- :func:`haar`: a seeded Haar-random orthogonal matrix: QR of a standard Gaussian matrix with the
+  columns of Q multiplied by sign(diag(R)) (Mezzadri 2007), which makes the distribution uniform.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["hadamard", "haar", "sylvester", "random_signs", "rotation_for"]
+
+
+def _check_dim(d: int) -> None:
+    if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+        raise ValueError(f"d must be a positive int, got {d!r}")
+
+
+def sylvester(d: int) -> np.ndarray:
+    """The unnormalised Sylvester Hadamard matrix H_d (entries ±1), d a power of two."""
+    _check_dim(d)
+    if d & (d - 1):
+        raise ValueError(f"d must be a power of two, got {d}")
+    h = np.ones((1, 1))
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def random_signs(d: int, seed: int) -> np.ndarray:
+    """d seeded ±1 values (float64), drawn as ``2·Bernoulli(1/2) − 1`` from ``default_rng(seed)``."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 2, size=d).astype(np.float64) * 2 - 1
+
+
+def haar(d: int, seed: int) -> np.ndarray:
+    """A seeded Haar-random orthogonal d×d matrix (float64)."""
+    _check_dim(d)
+    rng = np.random.default_rng(seed)
+    q, r = np.linalg.qr(rng.standard_normal((d, d)))
+    return q * np.sign(np.diag(r))[None, :]
+
+
+def hadamard(d: int, seed: int | None = None) -> np.ndarray:
+    """The (signed) Hadamard rotation described in the module docstring; d even or a power of two.
+
+    Args:
+        d: dimension.
+        seed: seeds the ±1 sign diagonal (and Q_m when d is not a power of two); ``None`` means
+            no signs (vLLM) and, for d not a power of two, Q_m from seed 0.
+    """
+    _check_dim(d)
+    p = d & -d  # largest power of two dividing d
+    m = d // p
+    if m > 1 and p == 1:
+        raise ValueError(f"d must be even or a power of two, got {d}")
+    h = sylvester(p) / np.sqrt(p)
+    rot = h if m == 1 else np.kron(haar(m, 0 if seed is None else seed + 1), h)
+    if seed is not None:
+        rot = random_signs(d, seed)[:, None] * rot
+    return rot
+
+
+def rotation_for(kind: str, d: int, seed: int) -> np.ndarray:
+    """The rotation a :class:`~tqkern.layouts.KVFormat` names: ``"hadamard"`` (unsigned),
+    ``"hadamard_signed"`` (signs from ``seed``) or ``"haar"`` (from ``seed``)."""
+    if kind == "hadamard":
+        return hadamard(d, None)
+    if kind == "hadamard_signed":
+        return hadamard(d, seed)
+    if kind == "haar":
+        return haar(d, seed)
+    raise ValueError(f"kind must be one of ('hadamard', 'hadamard_signed', 'haar'), got {kind!r}")
