@@ -1,0 +1,186 @@
+"""Hypothesis strategies and helpers shared by tqkern's property tests (and other stacks' tests).
+
+Importing this module needs ``hypothesis`` (the ``test`` extra); ``tqkern`` itself does not.
+
+Profiles (``settings.load_profile``): ``ci`` (CPU interpreter, small shapes, few examples) and
+``thorough`` (GPU, larger shapes, many examples). Select with
+``pytest --hypothesis-profile=thorough``; property tests size their shapes with :func:`scale`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+from tqkern.layouts import FP8, KVFormat, LloydMax, PagedLayout, Raw, Uniform
+from tqkern.params import TQParams
+
+__all__ = [
+    "HEAD_DIMS",
+    "lloyd_max_codecs",
+    "uniform_codecs",
+    "codecs",
+    "kv_formats",
+    "paged_layouts",
+    "tq_params",
+    "float_arrays",
+    "kv_arrays",
+    "paged_batches",
+    "PagedBatch",
+    "scale",
+    "is_thorough",
+]
+
+settings.register_profile(
+    "ci", max_examples=12, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "thorough", max_examples=150, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+HEAD_DIMS = (64, 96, 128, 256)
+
+
+def is_thorough() -> bool:
+    return settings().max_examples >= 100
+
+
+def scale(ci: int, thorough: int) -> int:
+    """A size bound: ``ci`` under the ci profile, ``thorough`` otherwise."""
+    return thorough if is_thorough() else ci
+
+
+def lloyd_max_codecs(bits=st.integers(1, 8)) -> st.SearchStrategy[LloydMax]:
+    return st.builds(
+        LloydMax,
+        bits=bits,
+        distribution=st.sampled_from(["beta", "gaussian"]),
+        norm_dtype=st.sampled_from(["float16", "float32"]),
+        norm_correction=st.sampled_from(["none", "decode", "stored"]),
+    )
+
+
+def uniform_codecs(bits=st.integers(2, 8)) -> st.SearchStrategy[Uniform]:
+    return st.builds(Uniform, bits=bits, param_dtype=st.sampled_from(["float16", "float32"]),
+                     rotated=st.booleans())
+
+
+def codecs(*, fp8: bool = True, raw: bool = True, max_bits: int = 8) -> st.SearchStrategy:
+    """Any codec; ``fp8=False`` drops FP8 (the CPU interpreter cannot run it)."""
+    options = [lloyd_max_codecs(st.integers(1, max_bits)), uniform_codecs(st.integers(2, max(2, max_bits)))]
+    if fp8:
+        options.append(st.builds(FP8, rotated=st.booleans()))
+    if raw:
+        options.append(st.builds(Raw, dtype=st.sampled_from(["float16", "bfloat16"])))
+    return st.one_of(options)
+
+
+@st.composite
+def kv_formats(draw, head_dims=None, *, fp8: bool = True, raw: bool = True, max_bits: int = 8) -> KVFormat:
+    """A format with K and V codecs drawn independently; head_dim from ``head_dims`` (default:
+    64/96/128/256 or any other even value up to 256)."""
+    if head_dims is None:
+        head_dims = st.one_of(st.sampled_from(HEAD_DIMS), st.integers(1, 128).map(lambda n: 2 * n))
+    d = draw(head_dims, label="head_dim")
+    key = draw(codecs(fp8=fp8, raw=raw, max_bits=max_bits), label="key")
+    value = draw(codecs(fp8=fp8, raw=raw, max_bits=max_bits), label="value")
+    packed4 = all((not c.packed) or c.bits == 4 for c in (key, value))
+    orders = ["lsb", "nibble_high_even"] if packed4 else ["lsb"]
+    return KVFormat(
+        head_dim=d, key=key, value=value,
+        bit_order=draw(st.sampled_from(orders), label="bit_order"),
+        rotation=draw(st.sampled_from(["hadamard", "hadamard_signed", "haar"]), label="rotation"),
+        slot_alignment=draw(st.sampled_from([1, 2, 4, 16]), label="slot_alignment"),
+    )
+
+
+@st.composite
+def paged_layouts(draw, formats=None, *, num_kv_heads=st.integers(1, 4),
+                  block_sizes=st.sampled_from([16, 32, 64, 128])) -> PagedLayout:
+    fmt = draw(formats if formats is not None else kv_formats(), label="format")
+    return PagedLayout(
+        format=fmt,
+        num_kv_heads=draw(num_kv_heads, label="num_kv_heads"),
+        block_size=draw(block_sizes, label="block_size"),
+        arrangement=draw(st.sampled_from(["slot", "row"]), label="arrangement"),
+    )
+
+
+@st.composite
+def tq_params(draw, fmt: KVFormat, num_kv_heads: int, *, key_offset=st.booleans()) -> TQParams:
+    """Default parameters of ``fmt`` with a drawn seed and, maybe, a random key offset."""
+    seed = draw(st.integers(0, 2**16), label="seed")
+    mu = None
+    if draw(key_offset, label="with_key_offset"):
+        rng = np.random.default_rng(seed + 1)
+        mu = (rng.standard_normal((num_kv_heads, fmt.head_dim)) * 0.5).astype(np.float32)
+    return TQParams.default(fmt, seed=seed, key_offset=mu)
+
+
+@st.composite
+def float_arrays(draw, shape, *, dtype=np.float16, outliers: bool = True) -> np.ndarray:
+    """Gaussian data of a drawn scale, with occasional outlier channels and exact zero vectors:
+    the inputs real K/V caches present."""
+    seed = draw(st.integers(0, 2**32 - 1), label="data_seed")
+    rng = np.random.default_rng(seed)
+    sigma = draw(st.sampled_from([0.05, 1.0, 8.0]), label="sigma")
+    x = rng.standard_normal(shape) * sigma
+    if outliers and len(shape) and draw(st.booleans(), label="outlier_channels"):
+        ch = rng.integers(0, shape[-1], size=max(1, shape[-1] // 32))
+        x[..., ch] *= 20.0
+    if len(shape) > 1 and shape[0] > 0 and draw(st.booleans(), label="zero_vector"):
+        x[0] = 0.0
+    return x.astype(dtype)
+
+
+def kv_arrays(num_tokens: int, num_kv_heads: int, head_dim: int, *, dtype=np.float16):
+    shape = (num_tokens, num_kv_heads, head_dim)
+    return st.tuples(float_arrays(shape, dtype=dtype), float_arrays(shape, dtype=dtype))
+
+
+class PagedBatch:
+    """A batch of sequences in a paged cache: ``block_table [num_seqs, max_blocks]`` int32 with
+    physical blocks shuffled across sequences, ``seq_lens [num_seqs]`` int32 and the
+    ``num_blocks`` the cache needs (block 0..num_blocks−1; unused blocks exist too)."""
+
+    def __init__(self, block_table: np.ndarray, seq_lens: np.ndarray, num_blocks: int, block_size: int):
+        self.block_table = block_table
+        self.seq_lens = seq_lens
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    def slot_ids(self, s: int) -> np.ndarray:
+        pos = np.arange(int(self.seq_lens[s]))
+        return self.block_table[s, pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
+
+    def __repr__(self) -> str:
+        return f"PagedBatch(seq_lens={self.seq_lens.tolist()}, num_blocks={self.num_blocks})"
+
+
+@st.composite
+def paged_batches(draw, block_size: int, *, max_seqs: int = 4, max_len: int = 200,
+                  min_len: int = 1) -> PagedBatch:
+    """Sequences with lengths in [min_len, max_len] (often exact page boundaries), their blocks
+    drawn without replacement from a shuffled pool with spare blocks."""
+    n = draw(st.integers(1, max_seqs), label="num_seqs")
+    lens = draw(st.lists(
+        st.one_of(st.integers(min_len, max_len),
+                  st.integers(1, max(1, max_len // block_size)).map(lambda b: b * block_size)),
+        min_size=n, max_size=n), label="seq_lens")
+    lens = [max(min_len, min(x, max_len)) for x in lens]
+    blocks_per = [-(-x // block_size) for x in lens]
+    max_blocks = max(blocks_per) + draw(st.integers(0, 2), label="extra_table_columns")
+    spare = draw(st.integers(0, 3), label="spare_blocks")
+    num_blocks = sum(blocks_per) + spare
+    perm = np.random.default_rng(draw(st.integers(0, 2**16), label="perm_seed")).permutation(num_blocks)
+    table = np.zeros((n, max_blocks), np.int32)
+    # Unused table entries point at arbitrary (valid) blocks: kernels must not read them.
+    table[:] = perm[-1]
+    i = 0
+    for s, nb in enumerate(blocks_per):
+        table[s, :nb] = perm[i: i + nb]
+        i += nb
+    return PagedBatch(table, np.array(lens, np.int32), num_blocks, block_size)
