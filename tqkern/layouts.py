@@ -30,6 +30,8 @@ __all__ = [
     "PRESETS",
     "BIT_ORDERS",
     "ROTATIONS",
+    "layout_to_dict",
+    "layout_from_dict",
 ]
 
 BIT_ORDERS = ("lsb", "nibble_high_even")
@@ -452,3 +454,42 @@ class PagedLayout:
             return FieldAddress(fmt.key_bytes + fmt.value_bytes, fmt.slot_bytes, fmt.pad_bytes, "uint8")
         used = self.num_kv_heads * (fmt.key_bytes + fmt.value_bytes)
         return FieldAddress(used, fmt.pad_bytes, fmt.pad_bytes, "uint8")
+
+
+def _codec_to_dict(codec: Codec) -> dict:
+    return {"kind": codec.kind, **{f.name: getattr(codec, f.name) for f in dataclasses.fields(codec)}}
+
+
+def _codec_from_dict(d: dict) -> Codec:
+    d = dict(d)
+    kind = d.pop("kind")
+    cls = {c.kind: c for c in _CODECS}.get(kind)
+    if cls is None:
+        raise _bad("codec kind", f"one of {[c.kind for c in _CODECS]}", kind)
+    return cls(**d)
+
+
+def layout_to_dict(layout: PagedLayout) -> dict:
+    """A JSON-able description of a layout (round-trips through :func:`layout_from_dict`)."""
+    fmt = layout.format
+    return {
+        "format": {
+            "head_dim": fmt.head_dim,
+            "key": _codec_to_dict(fmt.key),
+            "value": _codec_to_dict(fmt.value),
+            "bit_order": fmt.bit_order,
+            "rotation": fmt.rotation,
+            "slot_alignment": fmt.slot_alignment,
+        },
+        "num_kv_heads": layout.num_kv_heads,
+        "block_size": layout.block_size,
+        "arrangement": layout.arrangement,
+    }
+
+
+def layout_from_dict(d: dict) -> PagedLayout:
+    f = dict(d["format"])
+    f["key"] = _codec_from_dict(f["key"])
+    f["value"] = _codec_from_dict(f["value"])
+    return PagedLayout(format=KVFormat(**f), num_kv_heads=d["num_kv_heads"], block_size=d["block_size"],
+                       arrangement=d["arrangement"])

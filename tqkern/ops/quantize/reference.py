@@ -11,7 +11,7 @@ rotation Π:
     n = ‖x‖₂; u = x / n (u = 0 when n = 0); y = u @ Π
     idx_j = #{i : β_i ≤ y_j}                      (a tie goes to the upper bucket)
     norm field = n                                 norm_correction "none" / "decode"
-               = n / ‖c[idx]‖₂                     norm_correction "stored"
+               = n / ‖c[idx]‖₂                     norm_correction "stored" (n if ‖c[idx]‖ = 0)
     rounded to norm_dtype (float16 saturating at 65504; float32 nearest-even).
     dequantize (rotated space): ŷ = f·c[idx]  with f the stored field, except "decode":
     ŷ = f·c[idx]/‖c[idx]‖₂. In original space: ŷ @ Πᵀ.
@@ -109,7 +109,7 @@ def quantize(x: np.ndarray, codec: Codec, *, rotation=None, codebook: Codebook |
         unsure = cb.index(y - EPS) != cb.index(y + EPS)
         cnorm = np.sqrt(np.sum(cb.centroids[codes] ** 2, axis=-1))
         if codec.norm_correction == "stored":
-            raw = n / cnorm
+            raw = n / np.where(cnorm > 0, cnorm, 1.0)
             unsure_p = np.any(unsure, axis=-1) | ties_within(raw, codec.norm_dtype, 0.0)
         else:
             raw = n

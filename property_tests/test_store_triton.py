@@ -1,0 +1,91 @@
+"""The Triton store and decompress kernels equal their NumPy oracles.
+
+Bytes: exactly, except bytes the oracle marks uncertain (a code or stored float within EPS of a
+decision point, because the kernel rotates in float32). Bytes outside the written slots of a
+poisoned cache stay as they were. decompress: to float32 rounding of the oracle's float64.
+"""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+import tqkern.testing as T
+import tqkern_torch as tqt
+from tqkern import reference as ref
+from tqkern_torch.testing import device_under_test, kernels_available, poisoned_like, to_torch_kv
+
+pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1")
+
+DEV = device_under_test()
+ON_GPU = DEV.type == "cuda"
+DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16]
+
+
+@st.composite
+def store_cases(draw):
+    layout = draw(T.paged_layouts(T.kv_formats(), block_sizes=st.sampled_from([16, 32, 64, 128])), label="layout")
+    params = draw(T.tq_params(layout.format, layout.num_kv_heads), label="params")
+    num_blocks = draw(st.integers(1, T.scale(3, 12)), label="num_blocks")
+    capacity = num_blocks * layout.block_size
+    n = draw(st.integers(1, min(capacity, T.scale(40, 600))), label="num_tokens")
+    perm = np.random.default_rng(draw(st.integers(0, 2**16), label="slot_seed")).permutation(capacity)[:n]
+    skip = draw(st.lists(st.integers(0, n - 1), max_size=3), label="skipped")
+    slots = perm.astype(np.int64)
+    slots[skip] = -1
+    dtype = draw(st.sampled_from(DTYPES), label="dtype")
+    k, v = draw(T.kv_arrays(n, layout.num_kv_heads, layout.head_dim, dtype=np.float32), label="kv")
+    return layout, params, num_blocks, slots, dtype, k, v
+
+
+def _run_store(layout, params, num_blocks, slots, dtype, k, v):
+    kt, k64 = to_torch_kv(k, dtype, DEV)
+    vt, v64 = to_torch_kv(v, dtype, DEV)
+    poison = poisoned_like(layout.cache_shape(num_blocks), torch.uint8, DEV, seed=num_blocks)
+    cache = poison.clone()
+    sm = torch.from_numpy(slots).to(DEV)
+    tqt.store(cache, kt, vt, sm, layout, params)
+    expect = ref.store(poison.cpu().numpy(), k64, v64, slots, layout, params)
+    return cache.cpu().numpy(), expect, k64, v64
+
+
+@given(store_cases())
+def test_store_bytes_equal_oracle(case):
+    layout, params, num_blocks, slots, dtype, k, v = case
+    got, expect, k64, v64 = _run_store(*case)
+    keep = slots >= 0
+    _, unsure = ref.compress(k64, v64, params, return_uncertain=True)
+    g = ref.gather_slots(got, layout, slots[keep])
+    e = ref.gather_slots(expect, layout, slots[keep])
+    bad = (g != e) & ~unsure[keep]
+    note(f"uncertain bytes: {int(unsure[keep].sum())} / {unsure[keep].size}, differing: {int((g != e).sum())}")
+    assert not bad.any(), f"{int(bad.sum())} certain bytes differ; first at {np.argwhere(bad)[0]}"
+    # Nothing outside the written slots changed.
+    blank = np.zeros_like(g)
+    assert np.array_equal(ref.write_slots(got, layout, blank, slots[keep]),
+                          ref.write_slots(expect, layout, blank, slots[keep]))
+
+
+@given(store_cases(), st.booleans())
+def test_decompress_equals_oracle(case, rotate_back):
+    layout, params, num_blocks, slots, dtype, k, v = case
+    got, _, _, _ = _run_store(*case)
+    cache = torch.from_numpy(got).to(DEV)
+    ids = torch.from_numpy(slots).to(DEV)
+    kd, vd = tqt.decompress(cache, ids, layout, params, rotate_back=rotate_back)
+    keep = slots >= 0
+    ek, ev = ref.decompress(ref.gather_slots(got, layout, slots[keep]), params, rotate_back=rotate_back)
+    for name, out, exp in (("key", kd, ek), ("value", vd, ev)):
+        out = out.cpu().numpy().astype(np.float64)
+        assert np.all(out[~keep] == 0), f"{name}: skipped slots must read as zeros"
+        o, x = out[keep], exp
+        assert np.all(np.isfinite(o)) and np.all(np.isfinite(x)), name
+        # float32 results of float64 maths: a few ulps of the vector's largest entry; rotating
+        # back adds one float32 matmul over D terms (error grows like sqrt(D)).
+        if rotate_back:
+            tol = 4 * np.sqrt(layout.head_dim) * 2.0**-24 * np.linalg.norm(x, axis=-1, keepdims=True)
+        else:
+            tol = 8 * 2.0**-24 * np.max(np.abs(x), axis=-1, keepdims=True)
+        err = np.abs(o - x)
+        assert np.all(err <= tol), f"{name}: max error {err.max():.3g}, tolerance {tol.max():.3g}"

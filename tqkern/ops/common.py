@@ -1,0 +1,213 @@
+"""Triton building blocks shared by the kernels, and the map from a layout to kernel constexprs.
+
+Float encodings are done with integer arithmetic on the IEEE bits, so the GPU and the CPU
+interpreter (which cannot run bf16 or fp8 arithmetic) produce the same bytes, and so f64 → f16
+is one correct rounding (no double rounding through f32). The rules are those of
+:mod:`tqkern.numerics`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import triton
+import triton.language as tl
+
+from tqkern.layouts import FP8, LloydMax, PagedLayout, Raw, Uniform
+
+KIND_LLOYD_MAX, KIND_UNIFORM, KIND_FP8, KIND_RAW = 0, 1, 2, 3
+NC_NONE, NC_DECODE, NC_STORED = 0, 1, 2
+DT_F16, DT_F32, DT_BF16 = 0, 1, 2
+_DT = {"float16": DT_F16, "float32": DT_F32, "bfloat16": DT_BF16}
+_NC = {"none": NC_NONE, "decode": NC_DECODE, "stored": NC_STORED}
+
+
+@dataclasses.dataclass(frozen=True)
+class SideConsts:
+    """Constexprs describing one side (key or value) of a layout, for a kernel."""
+
+    kind: int
+    bits: int
+    rotated: bool
+    norm_correction: int
+    param_dtype: int  # norm / scale / zero / raw element dtype
+    a_off: int  # codes or data field
+    a_stride: int
+    a_bytes: int
+    b_off: int  # norm or scale field
+    b_stride: int
+    c_off: int  # zero field
+    c_stride: int
+
+    def kwargs(self, prefix: str) -> dict:
+        return {f"{prefix}_{k.upper()}": v for k, v in dataclasses.asdict(self).items()}
+
+
+def side_consts(layout: PagedLayout, side: str) -> SideConsts:
+    codec = getattr(layout.format, side)
+    addr = layout.fields()
+    a = addr[f"{side}.codes"] if isinstance(codec, LloydMax) else addr[f"{side}.data"]
+    b = addr.get(f"{side}.norm") or addr.get(f"{side}.scale") or a
+    c = addr.get(f"{side}.zero") or a
+    if isinstance(codec, LloydMax):
+        kind, pdt, nc = KIND_LLOYD_MAX, _DT[codec.norm_dtype], _NC[codec.norm_correction]
+    elif isinstance(codec, Uniform):
+        kind, pdt, nc = KIND_UNIFORM, _DT[codec.param_dtype], NC_NONE
+    elif isinstance(codec, FP8):
+        kind, pdt, nc = KIND_FP8, DT_F32, NC_NONE
+    elif isinstance(codec, Raw):
+        kind, pdt, nc = KIND_RAW, _DT[codec.dtype], NC_NONE
+    else:  # pragma: no cover - layouts validate codecs
+        raise TypeError(type(codec).__name__)
+    return SideConsts(kind=kind, bits=codec.bits, rotated=bool(codec.rotated), norm_correction=nc,
+                      param_dtype=pdt, a_off=a.offset, a_stride=a.head_stride, a_bytes=a.nbytes,
+                      b_off=b.offset, b_stride=b.head_stride, c_off=c.offset, c_stride=c.head_stride)
+
+
+def layout_consts(layout: PagedLayout) -> dict:
+    """All constexprs of a layout for the store/decompress kernels."""
+    fmt = layout.format
+    pad = layout.pad_address()
+    d = fmt.head_dim
+    return dict(
+        D=d,
+        DP=max(8, triton.next_power_of_2(d)),
+        ROW_BYTES=layout.row_bytes,
+        NIBBLE=fmt.bit_order == "nibble_high_even",
+        PAD_OFF=pad.offset,
+        PAD_STRIDE=pad.head_stride,
+        PAD_BYTES=pad.nbytes,
+        PADP=max(2, triton.next_power_of_2(max(1, pad.nbytes))),
+        **side_consts(layout, "key").kwargs("K"),
+        **side_consts(layout, "value").kwargs("V"),
+    )
+
+
+# -- float → bits -------------------------------------------------------------------------------
+@triton.jit
+def f64_to_f16_bits(v):
+    """float64 → IEEE half bits (int32, low 16 bits): nearest-even, saturating at ±65504."""
+    neg = v < 0
+    a = tl.minimum(tl.abs(v), 65504.0)
+    bits = a.to(tl.int64, bitcast=True)
+    r = bits + ((1 << 41) - 1) + ((bits >> 42) & 1)
+    normal = (((r >> 52) - 1023 + 15) << 10) | ((r >> 42) & 0x3FF)
+    magic = 4503599627370496.0  # 2^52: adding it rounds to an integer, ties to even
+    sub = ((a * 16777216.0 + magic) - magic).to(tl.int64)
+    code = tl.where(a >= 6.103515625e-05, normal, sub)
+    code = tl.where(a != a, 0x7E00, code)
+    return (code | tl.where(neg, 0x8000, 0)).to(tl.int32)
+
+
+@triton.jit
+def f32_to_bf16_bits(v):
+    """float32 → bfloat16 bits (int32, low 16 bits): nearest-even."""
+    u = v.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    r = tl.where(v != v, (u >> 16) | 0x40, r)
+    return (r & 0xFFFF).to(tl.int32)
+
+
+@triton.jit
+def f32_to_fp8e4m3_bits(v):
+    """float32 → float8_e4m3fn bits (int32, low 8 bits): nearest-even, saturating at ±448."""
+    neg = v < 0
+    a = tl.minimum(tl.abs(v), 448.0)
+    u = a.to(tl.int32, bitcast=True)
+    r = u + 0x7FFFF + ((u >> 20) & 1)
+    normal = (r >> 20) - (120 << 3)
+    magic = 8388608.0  # 2^23
+    sub = ((a * 512.0 + magic) - magic).to(tl.int32)
+    code = tl.where(a >= 0.015625, normal, sub)
+    code = tl.where(v != v, 0x7F, code)
+    return code | tl.where(neg, 0x80, 0)
+
+
+@triton.jit
+def f64_to_bits(v, DT: tl.constexpr):
+    """float64 → bits of a stored float field (DT: 0 f16, 1 f32), as int64."""
+    if DT == 0:
+        return f64_to_f16_bits(v).to(tl.int64)
+    else:
+        return v.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+
+
+@triton.jit
+def store_bytes(ptr, bits, NBYTES: tl.constexpr, mask):
+    """Write the low NBYTES bytes of integer ``bits`` little-endian at ``ptr`` (any alignment)."""
+    for m in tl.static_range(NBYTES):
+        tl.store(ptr + m, ((bits >> (8 * m)) & 255).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def load_bytes(ptr, NBYTES: tl.constexpr, mask):
+    """Read NBYTES little-endian bytes at ``ptr`` into an int64."""
+    out = tl.load(ptr, mask=mask, other=0).to(tl.int64)
+    for m in tl.static_range(1, NBYTES):
+        out |= tl.load(ptr + m, mask=mask, other=0).to(tl.int64) << (8 * m)
+    return out
+
+
+@triton.jit
+def bits_to_f32(bits, DT: tl.constexpr):
+    """Bits of a stored float field (DT: 0 f16, 1 f32, 2 bf16) → float32 (exact)."""
+    if DT == 1:
+        return bits.to(tl.int32).to(tl.float32, bitcast=True)
+    elif DT == 2:
+        return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def fp8e4m3_bits_to_f32(code):
+    """float8_e4m3fn bits (int32) → float32 (exact; 0x7F/0xFF → NaN)."""
+    e = (code >> 3) & 15
+    m = (code & 7).to(tl.float32)
+    mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))
+    mag = tl.where((code & 0x7F) == 0x7F, float("nan"), mag)
+    return tl.where((code & 0x80) != 0, -mag, mag)
+
+
+# -- packed codes -------------------------------------------------------------------------------
+@triton.jit
+def store_packed(row, codes, mask_t, BITS: tl.constexpr, NIBBLE: tl.constexpr, NBYTES: tl.constexpr,
+                 BT: tl.constexpr, DP: tl.constexpr):
+    """Pack ``codes [BT, DP]`` (int64, zero beyond head_dim) and write NBYTES bytes at ``row [BT]``.
+
+    LSB-first: every 8 codes form one ``BITS·8``-bit group g = Σ code_k << (BITS·k), written as
+    BITS bytes. Nibble order: byte j = code_2j << 4 | code_2j+1."""
+    if NIBBLE:
+        pairs = tl.reshape(codes, (BT, DP // 2, 2))
+        sh = tl.arange(0, 2).to(tl.int64)
+        byte = tl.sum(pairs << (4 - 4 * sh)[None, None, :], axis=2)
+        j = tl.arange(0, DP // 2)
+        tl.store(row[:, None] + j[None, :], byte.to(tl.uint8), mask=mask_t[:, None] & (j < NBYTES)[None, :])
+    else:
+        groups = tl.reshape(codes, (BT, DP // 8, 8))
+        sh = tl.arange(0, 8).to(tl.int64) * BITS
+        g = tl.sum(groups << sh[None, None, :], axis=2)
+        gi = tl.arange(0, DP // 8)
+        for m in tl.static_range(BITS):
+            off = gi * BITS + m
+            tl.store(row[:, None] + off[None, :], ((g >> (8 * m)) & 255).to(tl.uint8),
+                     mask=mask_t[:, None] & (off < NBYTES)[None, :])
+
+
+@triton.jit
+def load_packed(row, mask_t, BITS: tl.constexpr, NIBBLE: tl.constexpr, NBYTES: tl.constexpr,
+                DP: tl.constexpr):
+    """Read packed codes at ``row [BT]`` → int32 ``[BT, DP]`` (codes beyond the field read 0)."""
+    j = tl.arange(0, DP)
+    if NIBBLE:
+        ok = (j // 2) < NBYTES
+        byte = tl.load(row[:, None] + (j // 2)[None, :], mask=mask_t[:, None] & ok[None, :], other=0).to(tl.int32)
+        return (byte >> (4 - 4 * (j % 2))[None, :]) & 15
+    else:
+        first = (j * BITS) // 8
+        shift = (j * BITS) % 8
+        ok0 = first < NBYTES
+        ok1 = (first + 1) < NBYTES
+        b0 = tl.load(row[:, None] + first[None, :], mask=mask_t[:, None] & ok0[None, :], other=0).to(tl.int32)
+        b1 = tl.load(row[:, None] + (first + 1)[None, :], mask=mask_t[:, None] & ok1[None, :], other=0).to(tl.int32)
+        return ((b0 | (b1 << 8)) >> shift[None, :]) & ((1 << BITS) - 1)

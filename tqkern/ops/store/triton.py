@@ -1,0 +1,176 @@
+"""Fused store: normalize, rotate, quantize, pack and write slots into a paged cache.
+
+One kernel serves every codec and both arrangements: the layout becomes constexprs
+(:func:`tqkern.ops.common.layout_consts`). A program takes ``BT`` tokens of one KV head.
+Norms, uniform scales/codes and stored gains are computed in float64 from the exact inputs, so
+they equal the oracle's bytes; only the rotation runs in float32 (codes within
+``tqkern.ops.quantize.reference.EPS`` of a boundary may differ, as the spec allows).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tqkern.ops.common import (
+    f32_to_bf16_bits,
+    f32_to_fp8e4m3_bits,
+    f64_to_bits,
+    f64_to_f16_bits,
+    layout_consts,
+    store_bytes,
+    store_packed,
+)
+
+__all__ = ["_store_kernel", "_launch_store"]
+
+
+@triton.jit
+def _rotate(x_ptr_2d, n, tok_mask, rot_ptr, D: tl.constexpr, DP: tl.constexpr, KC: tl.constexpr,
+            BT: tl.constexpr, NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, mu_ptr_1d,
+            HAS_MU: tl.constexpr):
+    """y = (x / n) @ Π (or x @ Π), float32 [BT, DP]; x re-read from global in KC-wide chunks."""
+    acc = tl.zeros([BT, DP], tl.float32)
+    cols = tl.arange(0, DP)
+    for k0 in tl.static_range(0, DP, KC):
+        kk = k0 + tl.arange(0, KC)
+        km = kk < D
+        xk = tl.load(x_ptr_2d + kk[None, :], mask=tok_mask[:, None] & km[None, :], other=0.0).to(tl.float64)
+        if HAS_MU:
+            xk -= tl.load(mu_ptr_1d + kk, mask=km, other=0.0).to(tl.float64)[None, :]
+        if NORMALIZE:
+            xk = xk / tl.where(n > 0, n, 1.0)[:, None]
+        r = tl.load(rot_ptr + kk[:, None] * D + cols[None, :], mask=km[:, None] & (cols < D)[None, :], other=0.0)
+        acc += tl.dot(xk.to(tl.float32), r, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _encode_side(x, x_ptr_2d, mu_ptr_1d, HAS_MU: tl.constexpr, row, h, tok_mask, rot_ptr, bnd_ptr, cen_ptr,
+                 D: tl.constexpr, DP: tl.constexpr, KC: tl.constexpr, BT: tl.constexpr,
+                 NIBBLE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 KIND: tl.constexpr, BITS: tl.constexpr, ROTATED: tl.constexpr, NORM_CORRECTION: tl.constexpr,
+                 PARAM_DTYPE: tl.constexpr, A_OFF: tl.constexpr, A_STRIDE: tl.constexpr, A_BYTES: tl.constexpr,
+                 B_OFF: tl.constexpr, B_STRIDE: tl.constexpr, C_OFF: tl.constexpr, C_STRIDE: tl.constexpr):
+    """Encode x (float64 [BT, DP], zero beyond D; key offset already subtracted) into its fields."""
+    cols = tl.arange(0, DP)
+    dmask = cols < D
+    PB: tl.constexpr = 2 + 2 * PARAM_DTYPE  # bytes of a stored f16 / f32
+    if KIND == 0:  # Lloyd-Max
+        n = tl.sqrt(tl.sum(x * x, axis=1))
+        y = _rotate(x_ptr_2d, n, tok_mask, rot_ptr, D, DP, KC, BT, True, DOT_PRECISION, mu_ptr_1d, HAS_MU)
+        idx = tl.zeros([BT, DP], tl.int32)
+        for lvl in tl.static_range(BITS):  # binary search over the sorted boundaries; ties go up
+            cand = idx + (1 << (BITS - 1 - lvl))
+            thr = tl.load(bnd_ptr + cand - 1)
+            idx = tl.where(y >= thr, cand, idx)
+        idx = tl.where(dmask[None, :], idx, 0)
+        store_packed(row + A_OFF + h * A_STRIDE, idx.to(tl.int64), tok_mask, BITS, NIBBLE, A_BYTES, BT, DP)
+        if NORM_CORRECTION == 2:
+            c = tl.where(dmask[None, :], tl.load(cen_ptr + idx), 0.0)
+            cn = tl.sqrt(tl.sum(c * c, axis=1))
+            n = n / tl.where(cn > 0, cn, 1.0)
+        store_bytes(row + B_OFF + h * B_STRIDE, f64_to_bits(n, PARAM_DTYPE), PB, tok_mask)
+    elif KIND == 1:  # uniform asymmetric
+        if ROTATED:
+            y = _rotate(x_ptr_2d, tl.zeros([BT], tl.float64), tok_mask, rot_ptr, D, DP, KC, BT, False, DOT_PRECISION,
+                        mu_ptr_1d, HAS_MU).to(tl.float64)
+        else:
+            y = x
+        lo = tl.min(tl.where(dmask[None, :], y, float("inf")), axis=1)
+        hi = tl.max(tl.where(dmask[None, :], y, float("-inf")), axis=1)
+        scale = tl.maximum((hi - lo) / ((1 << BITS) - 1), 1e-8)
+        q = tl.floor((y - lo[:, None]) / scale[:, None] + 0.5)
+        q = tl.minimum(tl.maximum(q, 0.0), (1 << BITS) - 1).to(tl.int64)
+        q = tl.where(dmask[None, :], q, 0)
+        store_packed(row + A_OFF + h * A_STRIDE, q, tok_mask, BITS, NIBBLE, A_BYTES, BT, DP)
+        store_bytes(row + B_OFF + h * B_STRIDE, f64_to_bits(scale, PARAM_DTYPE), PB, tok_mask)
+        store_bytes(row + C_OFF + h * C_STRIDE, f64_to_bits(lo, PARAM_DTYPE), PB, tok_mask)
+    elif KIND == 2:  # FP8 E4M3
+        if ROTATED:
+            y = _rotate(x_ptr_2d, tl.zeros([BT], tl.float64), tok_mask, rot_ptr, D, DP, KC, BT, False, DOT_PRECISION,
+                        mu_ptr_1d, HAS_MU)
+        else:
+            y = x.to(tl.float32)
+        code = f32_to_fp8e4m3_bits(y)
+        tl.store(row[:, None] + A_OFF + h * A_STRIDE + cols[None, :], code.to(tl.uint8),
+                 mask=tok_mask[:, None] & dmask[None, :])
+    else:  # raw fp16 / bf16
+        if PARAM_DTYPE == 2:
+            bits = f32_to_bf16_bits(x.to(tl.float32))
+        else:
+            bits = f64_to_f16_bits(x)
+        base = row[:, None] + A_OFF + h * A_STRIDE + 2 * cols[None, :]
+        m = tok_mask[:, None] & dmask[None, :]
+        tl.store(base, (bits & 255).to(tl.uint8), mask=m)
+        tl.store(base + 1, ((bits >> 8) & 255).to(tl.uint8), mask=m)
+
+
+@triton.jit
+def _store_kernel(
+    key_ptr, value_ptr, slot_ptr, cache_ptr, rot_ptr, kb_ptr, kc_ptr, vb_ptr, vc_ptr, mu_ptr,
+    num_tokens, stride_kt, stride_kh, stride_vt, stride_vh,
+    HAS_MU: tl.constexpr, BT: tl.constexpr, KC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr,
+    PAD_OFF: tl.constexpr, PAD_STRIDE: tl.constexpr, PAD_BYTES: tl.constexpr, PADP: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_ROTATED: tl.constexpr, K_NORM_CORRECTION: tl.constexpr,
+    K_PARAM_DTYPE: tl.constexpr, K_A_OFF: tl.constexpr, K_A_STRIDE: tl.constexpr, K_A_BYTES: tl.constexpr,
+    K_B_OFF: tl.constexpr, K_B_STRIDE: tl.constexpr, K_C_OFF: tl.constexpr, K_C_STRIDE: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_ROTATED: tl.constexpr, V_NORM_CORRECTION: tl.constexpr,
+    V_PARAM_DTYPE: tl.constexpr, V_A_OFF: tl.constexpr, V_A_STRIDE: tl.constexpr, V_A_BYTES: tl.constexpr,
+    V_B_OFF: tl.constexpr, V_B_STRIDE: tl.constexpr, V_C_OFF: tl.constexpr, V_C_STRIDE: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    t = pid_t * BT + tl.arange(0, BT)
+    tmask = t < num_tokens
+    slot = tl.load(slot_ptr + t, mask=tmask, other=-1).to(tl.int64)
+    tok_mask = tmask & (slot >= 0)
+    row = cache_ptr + slot * ROW_BYTES  # [BT] pointers to each token row
+    cols = tl.arange(0, DP)
+    dmask = cols < D
+    m2 = tok_mask[:, None] & dmask[None, :]
+    t64 = t.to(tl.int64)
+
+    k_ptr_2d = key_ptr + t64[:, None] * stride_kt + h * stride_kh
+    k = tl.load(k_ptr_2d + cols[None, :], mask=m2, other=0.0).to(tl.float64)
+    if HAS_MU:
+        k = tl.where(m2, k - tl.load(mu_ptr + h * D + cols, mask=dmask, other=0.0).to(tl.float64)[None, :], 0.0)
+    _encode_side(k, k_ptr_2d, mu_ptr + h * D, HAS_MU, row, h, tok_mask, rot_ptr, kb_ptr, kc_ptr,
+                 D, DP, KC, BT, NIBBLE, DOT_PRECISION,
+                 K_KIND, K_BITS, K_ROTATED, K_NORM_CORRECTION, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE, K_A_BYTES,
+                 K_B_OFF, K_B_STRIDE, K_C_OFF, K_C_STRIDE)
+
+    v_ptr_2d = value_ptr + t64[:, None] * stride_vt + h * stride_vh
+    v = tl.load(v_ptr_2d + cols[None, :], mask=m2, other=0.0).to(tl.float64)
+    _encode_side(v, v_ptr_2d, mu_ptr, False, row, h, tok_mask, rot_ptr, vb_ptr, vc_ptr,
+                 D, DP, KC, BT, NIBBLE, DOT_PRECISION,
+                 V_KIND, V_BITS, V_ROTATED, V_NORM_CORRECTION, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE, V_A_BYTES,
+                 V_B_OFF, V_B_STRIDE, V_C_OFF, V_C_STRIDE)
+
+    if PAD_BYTES > 0:
+        p = tl.arange(0, PADP)
+        tl.store(row[:, None] + PAD_OFF + h * PAD_STRIDE + p[None, :], tl.zeros([BT, PADP], tl.uint8),
+                 mask=tok_mask[:, None] & (p < PAD_BYTES)[None, :])
+
+
+def _launch_store(cache, key, value, slot_mapping, layout, tables, *, interpret: bool, block_tokens: int = 16,
+                  num_warps: int = 4):
+    """Launch :func:`_store_kernel`. No checks: the torch frontend validates.
+
+    ``tables`` holds device tensors: ``rotation`` fp32 [D, D], ``key_boundaries`` / ``value_boundaries``
+    fp32, ``key_centroids`` / ``value_centroids`` fp64, ``key_offset`` fp32 [H, D] or None (any
+    1-element tensor stands in for an unused table).
+    """
+    c = layout_consts(layout)
+    num_tokens = key.shape[0]
+    grid = (triton.cdiv(num_tokens, block_tokens), layout.num_kv_heads)
+    mu = tables["key_offset"]
+    _store_kernel[grid](
+        key, value, slot_mapping, cache, tables["rotation"], tables["key_boundaries"], tables["key_centroids"],
+        tables["value_boundaries"], tables["value_centroids"], mu if mu is not None else tables["rotation"],
+        num_tokens, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        HAS_MU=mu is not None, BT=block_tokens, KC=min(c["DP"], 64),
+        DOT_PRECISION="ieee" if interpret else "tf32x3",
+        num_warps=num_warps, **c,
+    )

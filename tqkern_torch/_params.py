@@ -1,0 +1,73 @@
+"""TQParams on a torch device: the tables the kernels read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tqkern.params import TQParams
+
+__all__ = ["DeviceParams", "to_device"]
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceParams:
+    """A :class:`~tqkern.params.TQParams` as device tensors.
+
+    Attributes:
+        params: the NumPy parameters these tensors were made from.
+        rotation: float32 ``[D, D]`` Π (identity when the format is not rotated).
+        key_boundaries / value_boundaries: float32 ``[2**bits − 1]`` Lloyd-Max boundaries
+            (a 1-element placeholder for other codecs).
+        key_centroids / value_centroids: float64 ``[2**bits]`` centroids (placeholder likewise).
+        key_centroids_f32 / value_centroids_f32: the same in float32, for attention kernels.
+        key_offset: float32 ``[num_kv_heads, D]`` μ, or ``None``.
+    """
+
+    params: TQParams
+    rotation: torch.Tensor
+    key_boundaries: torch.Tensor
+    value_boundaries: torch.Tensor
+    key_centroids: torch.Tensor
+    value_centroids: torch.Tensor
+    key_centroids_f32: torch.Tensor
+    value_centroids_f32: torch.Tensor
+    key_offset: torch.Tensor | None
+
+    @property
+    def device(self) -> torch.device:
+        return self.rotation.device
+
+    def tables(self) -> dict:
+        return {
+            "rotation": self.rotation,
+            "key_boundaries": self.key_boundaries,
+            "value_boundaries": self.value_boundaries,
+            "key_centroids": self.key_centroids,
+            "value_centroids": self.value_centroids,
+            "key_offset": self.key_offset,
+        }
+
+
+def to_device(params: TQParams, device) -> DeviceParams:
+    """Copy ``params`` to ``device`` (``"cuda"``, ``"cpu"``, a ``torch.device``)."""
+    if isinstance(params, DeviceParams):
+        params = params.params
+    if not isinstance(params, TQParams):
+        raise TypeError(f"params must be a TQParams or DeviceParams, got {type(params).__name__}")
+    device = torch.device(device)
+    d = params.format.head_dim
+    rot = params.rotation if params.rotation is not None else np.eye(d)
+    t = {"rotation": torch.tensor(np.asarray(rot, np.float32), device=device)}
+    for side in ("key", "value"):
+        cb = getattr(params, f"{side}_codebook")
+        b = cb.boundaries if cb is not None else np.zeros(1)
+        c = cb.centroids if cb is not None else np.zeros(1)
+        t[f"{side}_boundaries"] = torch.tensor(np.asarray(b, np.float32), device=device)
+        t[f"{side}_centroids"] = torch.tensor(np.asarray(c, np.float64), device=device)
+        t[f"{side}_centroids_f32"] = torch.tensor(np.asarray(c, np.float32), device=device)
+    mu = params.key_offset
+    t["key_offset"] = None if mu is None else torch.tensor(np.asarray(mu, np.float32), device=device)
+    return DeviceParams(params=params, **t)

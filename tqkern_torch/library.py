@@ -1,0 +1,115 @@
+"""``torch.library`` registration: ``tqkern::store`` and ``tqkern::decompress``.
+
+The layout travels as a JSON string (static for a compiled graph); the parameters as tensors.
+Fake (meta) implementations make the ops traceable by ``torch.compile(fullgraph=True)``.
+The public, validating functions live in :mod:`tqkern_torch.ops` and call these.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Optional
+
+import numpy as np
+import torch
+
+from tqkern.codebooks import Codebook
+from tqkern.layouts import LloydMax, PagedLayout, layout_from_dict, layout_to_dict
+from tqkern.ops.decompress import reference as decompress_ref
+from tqkern.ops.store import reference as store_ref
+from tqkern.params import TQParams
+from tqkern_torch._validate import use_triton
+
+__all__ = ["layout_key", "layout_of"]
+
+
+def layout_key(layout: PagedLayout) -> str:
+    """The op argument that names ``layout``."""
+    return json.dumps(layout_to_dict(layout), sort_keys=True)
+
+
+@functools.lru_cache(maxsize=256)
+def layout_of(key: str) -> PagedLayout:
+    return layout_from_dict(json.loads(key))
+
+
+def _host_params(layout: PagedLayout, rotation, kc, vc, mu) -> TQParams:
+    """Rebuild NumPy parameters from the op's tensors (for the CPU oracle fallback)."""
+    fmt = layout.format
+    cbs = {}
+    for side, c in (("key", kc), ("value", vc)):
+        codec = getattr(fmt, side)
+        cbs[f"{side}_codebook"] = (
+            Codebook.from_centroids(c.cpu().numpy(), dim=fmt.head_dim) if isinstance(codec, LloydMax) else None
+        )
+    rot = rotation.cpu().double().numpy() if fmt.rotated else None
+    return TQParams(format=fmt, rotation=rot, key_offset=None if mu is None else mu.cpu().numpy(), **cbs)
+
+
+def _tables(rotation, kb, kc, vb, vc, mu) -> dict:
+    return {"rotation": rotation, "key_boundaries": kb, "key_centroids": kc, "value_boundaries": vb,
+            "value_centroids": vc, "key_offset": mu}
+
+
+@torch.library.custom_op("tqkern::store", mutates_args=("cache",))
+def store_op(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+             rotation: torch.Tensor, key_boundaries: torch.Tensor, key_centroids: torch.Tensor,
+             value_boundaries: torch.Tensor, value_centroids: torch.Tensor, key_offset: Optional[torch.Tensor],
+             layout: str) -> None:
+    lay = layout_of(layout)
+    if key.shape[0] == 0:
+        return
+    if use_triton(key.device):
+        from tqkern.ops.store.triton import _launch_store
+
+        tables = _tables(rotation, key_boundaries, key_centroids, value_boundaries, value_centroids, key_offset)
+        _launch_store(cache, key, value, slot_mapping, lay, tables, interpret=key.device.type == "cpu")
+        return
+    params = _host_params(lay, rotation, key_centroids, value_centroids, key_offset)
+    out = store_ref.store(cache.numpy(), key.float().numpy(), value.float().numpy(), slot_mapping.numpy(), lay,
+                          params)
+    cache.copy_(torch.from_numpy(out))
+
+
+@store_op.register_fake
+def _(cache, key, value, slot_mapping, rotation, key_boundaries, key_centroids, value_boundaries,
+      value_centroids, key_offset, layout) -> None:
+    return None
+
+
+@torch.library.custom_op("tqkern::decompress", mutates_args=())
+def decompress_op(cache: torch.Tensor, slot_ids: torch.Tensor, rotation: torch.Tensor,
+                  key_centroids: torch.Tensor, value_centroids: torch.Tensor, layout: str,
+                  rotate_back: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    lay = layout_of(layout)
+    n, h, d = slot_ids.shape[0], lay.num_kv_heads, lay.head_dim
+    dev = cache.device
+    k = torch.zeros((n, h, d), dtype=torch.float32, device=dev)
+    v = torch.zeros((n, h, d), dtype=torch.float32, device=dev)
+    if n == 0:
+        return k, v
+    if use_triton(dev):
+        from tqkern.ops.decompress.triton import _launch_decompress
+
+        tables = {"rotation": rotation, "key_centroids": key_centroids, "value_centroids": value_centroids}
+        _launch_decompress(k, v, cache, slot_ids, lay, tables, rotate_back=rotate_back,
+                           interpret=dev.type == "cpu")
+        return k, v
+    params = _host_params(lay, rotation, key_centroids, value_centroids, None)
+    ids = slot_ids.cpu().numpy().astype(np.int64)
+    valid = ids >= 0
+    if valid.any():
+        slots = decompress_ref.gather_slots(cache.cpu().numpy(), lay, ids[valid])
+        kk, vv = decompress_ref.decompress(slots, params, rotate_back=rotate_back)
+        sel = torch.from_numpy(np.nonzero(valid)[0]).to(dev)
+        k[sel] = torch.from_numpy(kk).float().to(dev)
+        v[sel] = torch.from_numpy(vv).float().to(dev)
+    return k, v
+
+
+@decompress_op.register_fake
+def _(cache, slot_ids, rotation, key_centroids, value_centroids, layout, rotate_back):
+    lay = layout_of(layout)
+    shape = (slot_ids.shape[0], lay.num_kv_heads, lay.head_dim)
+    return cache.new_empty(shape, dtype=torch.float32), cache.new_empty(shape, dtype=torch.float32)

@@ -1,0 +1,210 @@
+"""Public torch functions: validate, allocate, launch (or fall back to the NumPy oracle).
+
+Each function checks its arguments (``TypeError``/``ValueError`` naming the argument, expected and
+actual), then calls a ``torch.ops.tqkern`` op (:mod:`tqkern_torch.library`). Dispatch inside the
+ops: CUDA tensors run the Triton kernels. CPU tensors run the same Triton kernels through the
+interpreter when ``TRITON_INTERPRET=1`` was set before triton was imported; otherwise they run
+the NumPy oracle (:mod:`tqkern.reference`) and copy the result back. No autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tqkern.layouts import PagedLayout
+from tqkern.ops.pack import reference as pack_ref
+from tqkern.params import TQParams
+from tqkern_torch._params import DeviceParams, to_device
+from tqkern_torch._validate import check_tensor
+from tqkern_torch.library import layout_key
+
+__all__ = [
+    "allocate_cache",
+    "rotate",
+    "pack",
+    "unpack",
+    "store",
+    "compress",
+    "decompress",
+    "decompress_sequences",
+    "sequence_slot_ids",
+]
+
+_KV_DTYPES = (torch.float16, torch.bfloat16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_layout(layout) -> PagedLayout:
+    if not isinstance(layout, PagedLayout):
+        raise TypeError(f"layout must be a PagedLayout, got {type(layout).__name__}")
+    return layout
+
+
+def _device_params(params, layout_or_format, device: torch.device) -> DeviceParams:
+    fmt = layout_or_format.format if isinstance(layout_or_format, PagedLayout) else layout_or_format
+    if isinstance(params, TQParams):
+        params = to_device(params, device)
+    if not isinstance(params, DeviceParams):
+        raise TypeError(f"params must be a TQParams or DeviceParams, got {type(params).__name__}")
+    if params.params.format != fmt:
+        raise ValueError(f"params.format must equal the layout's format {fmt}, got {params.params.format}")
+    if params.device != device:
+        raise ValueError(f"params must be on {device}, got {params.device}")
+    kv_heads = getattr(layout_or_format, "num_kv_heads", None)
+    if params.key_offset is not None and kv_heads is not None and params.key_offset.shape[0] != kv_heads:
+        raise ValueError(f"params.key_offset must have {kv_heads} rows (num_kv_heads), got {params.key_offset.shape[0]}")
+    return params
+
+
+def _check_cache(cache, layout: PagedLayout, device=None):
+    check_tensor(cache, "cache", dtypes=(torch.uint8,), device=device, contiguous=True)
+    want = layout.cache_shape(0)[1:]
+    if cache.dim() != len(want) + 1 or tuple(cache.shape[1:]) != want:
+        raise ValueError(f"cache must have shape [num_blocks, {', '.join(map(str, want))}], got {list(cache.shape)}")
+
+
+def allocate_cache(layout: PagedLayout, num_blocks: int, device="cpu", *, fill: int = 0) -> torch.Tensor:
+    """A uint8 cache of ``layout.cache_shape(num_blocks)`` filled with ``fill``."""
+    _check_layout(layout)
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+        raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
+    return torch.full(layout.cache_shape(num_blocks), fill, dtype=torch.uint8, device=device)
+
+
+def rotate(x: torch.Tensor, params, *, inverse: bool = False) -> torch.Tensor:
+    """``x @ Π`` (or ``x @ Πᵀ``) in float32; ``x [..., D]`` float16/bfloat16/float32."""
+    check_tensor(x, "x", dtypes=(torch.float16, torch.bfloat16, torch.float32))
+    p = params if isinstance(params, DeviceParams) else to_device(params, x.device)
+    d = p.params.format.head_dim
+    if x.shape[-1] != d:
+        raise ValueError(f"x.shape[-1] must be head_dim = {d}, got {x.shape[-1]}")
+    if p.device != x.device:
+        raise ValueError(f"params must be on {x.device}, got {p.device}")
+    r = p.rotation.T if inverse else p.rotation
+    return x.float() @ r
+
+
+def pack(codes: torch.Tensor, bits: int, bit_order: str = "lsb") -> torch.Tensor:
+    """Pack uint8 codes ``[..., n]`` into ``[..., ⌈n·bits/8⌉]`` uint8 (see the pack oracle)."""
+    check_tensor(codes, "codes", dtypes=(torch.uint8,))
+    pack_ref._check(bits, bit_order)
+    n = codes.shape[-1]
+    if bit_order == "nibble_high_even":
+        if n % 2:
+            raise ValueError(f"codes.shape[-1] must be even for bit_order='nibble_high_even', got {n}")
+        return (codes[..., 0::2] << 4) | codes[..., 1::2]
+    shifts = torch.arange(bits, device=codes.device, dtype=torch.uint8)
+    stream = ((codes[..., None] >> shifts) & 1).reshape(*codes.shape[:-1], n * bits)
+    nbytes = pack_ref.packed_bytes(n, bits)
+    stream = torch.nn.functional.pad(stream, (0, nbytes * 8 - n * bits))
+    weights = (1 << torch.arange(8, device=codes.device, dtype=torch.int32))
+    return (stream.reshape(*codes.shape[:-1], nbytes, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int, n: int, bit_order: str = "lsb") -> torch.Tensor:
+    """Inverse of :func:`pack`."""
+    check_tensor(packed, "packed", dtypes=(torch.uint8,))
+    pack_ref._check(bits, bit_order)
+    nbytes = pack_ref.packed_bytes(n, bits)
+    if packed.shape[-1] != nbytes:
+        raise ValueError(f"packed.shape[-1] must be {nbytes} for n={n}, bits={bits}, got {packed.shape[-1]}")
+    if bit_order == "nibble_high_even":
+        return torch.stack([packed >> 4, packed & 15], dim=-1).reshape(*packed.shape[:-1], n)
+    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
+    stream = ((packed[..., None] >> shifts) & 1).reshape(*packed.shape[:-1], nbytes * 8)[..., : n * bits]
+    weights = (1 << torch.arange(bits, device=packed.device, dtype=torch.int32))
+    return (stream.reshape(*packed.shape[:-1], n, bits).to(torch.int32) * weights).sum(-1).to(torch.uint8)
+
+
+def _check_kv(key, value, layout: PagedLayout):
+    h, d = layout.num_kv_heads, layout.head_dim
+    check_tensor(key, "key", shape=(None, h, d), dtypes=_KV_DTYPES, last_contiguous=True)
+    check_tensor(value, "value", shape=(key.shape[0], h, d), dtypes=(key.dtype,), device=key.device,
+                 last_contiguous=True)
+
+
+def store(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+          layout: PagedLayout, params) -> torch.Tensor:
+    """Compress new tokens' K/V and write them into ``cache`` in place; returns ``cache``.
+
+    Args:
+        cache: uint8 ``layout.cache_shape(num_blocks)``, contiguous.
+        key, value: ``[num_tokens, num_kv_heads, head_dim]`` float16 or bfloat16 (last dim
+            contiguous; other strides free).
+        slot_mapping: ``[num_tokens]`` int32/int64 physical slots (negative = skip), each
+            < num_blocks·block_size and not repeated.
+        layout: the cache's :class:`PagedLayout`.
+        params: :class:`TQParams` or :class:`DeviceParams` of ``layout.format``.
+    """
+    layout = _check_layout(layout)
+    _check_kv(key, value, layout)
+    dev = key.device
+    _check_cache(cache, layout, dev)
+    check_tensor(slot_mapping, "slot_mapping", shape=(key.shape[0],), dtypes=_INDEX_DTYPES, device=dev,
+                 contiguous=True)
+    p = _device_params(params, layout, dev)
+    torch.ops.tqkern.store(cache, key, value, slot_mapping, p.rotation, p.key_boundaries, p.key_centroids,
+                           p.value_boundaries, p.value_centroids, p.key_offset, layout_key(layout))
+    return cache
+
+
+def compress(key: torch.Tensor, value: torch.Tensor, params) -> torch.Tensor:
+    """Slots ``[num_tokens, num_kv_heads, slot_bytes]`` uint8 of ``params.format`` (the store
+    kernel writing into a fresh one-token-per-block cache)."""
+    p = params.params if isinstance(params, DeviceParams) else params
+    if not isinstance(p, TQParams):
+        raise TypeError(f"params must be a TQParams or DeviceParams, got {type(params).__name__}")
+    check_tensor(key, "key", dtypes=_KV_DTYPES)
+    if key.dim() != 3:
+        raise ValueError(f"key must have shape [num_tokens, num_kv_heads, head_dim], got {list(key.shape)}")
+    layout = PagedLayout(format=p.format, num_kv_heads=key.shape[1], block_size=1)
+    cache = allocate_cache(layout, key.shape[0], key.device)
+    slots = torch.arange(key.shape[0], device=key.device, dtype=torch.int64)
+    store(cache, key, value, slots, layout, params)
+    return cache.reshape(key.shape[0], key.shape[1], p.format.slot_bytes)
+
+
+def _check_slot_ids(slot_ids, cache, layout, dev):
+    check_tensor(slot_ids, "slot_ids", shape=(None,), dtypes=_INDEX_DTYPES, device=dev, contiguous=True)
+
+
+def decompress(cache: torch.Tensor, slot_ids: torch.Tensor, layout: PagedLayout, params, *,
+               rotate_back: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read the slots ``slot_ids [N]`` (negative = leave zeros) back to float32 ``(key, value)``
+    ``[N, num_kv_heads, head_dim]``, each in its codec's space unless ``rotate_back``.
+
+    The key is the reconstruction of ``key − μ`` (see the decompress oracle)."""
+    layout = _check_layout(layout)
+    dev = cache.device
+    _check_cache(cache, layout)
+    _check_slot_ids(slot_ids, cache, layout, dev)
+    p = _device_params(params, layout, dev)
+    return torch.ops.tqkern.decompress(cache, slot_ids, p.rotation, p.key_centroids, p.value_centroids,
+                                       layout_key(layout), bool(rotate_back))
+
+
+def sequence_slot_ids(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Physical slots ``[num_seqs, max_blocks·block_size]`` (int64) of every position of every
+    sequence, −1 at positions ≥ seq_len. Device-side only (no host sync)."""
+    pos = torch.arange(block_table.shape[1] * block_size, device=block_table.device)
+    slots = block_table.long()[:, pos // block_size] * block_size + pos % block_size
+    return torch.where(pos[None, :] < seq_lens.long()[:, None], slots, -1)
+
+
+def decompress_sequences(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                         layout: PagedLayout, params, *, rotate_back: bool = False):
+    """Whole sequences: float32 ``(key, value)`` ``[num_seqs, max_blocks·block_size, H, D]``,
+    zero at positions ≥ seq_len. ``block_table [num_seqs, max_blocks]`` and ``seq_lens [num_seqs]``
+    int32. Entries of ``seq_lens`` must be ≤ max_blocks·block_size (checked on the host for CPU
+    tensors only, to keep CUDA paths free of syncs)."""
+    layout = _check_layout(layout)
+    dev = cache.device
+    check_tensor(block_table, "block_table", shape=(None, None), dtypes=(torch.int32,), device=dev)
+    check_tensor(seq_lens, "seq_lens", shape=(block_table.shape[0],), dtypes=(torch.int32,), device=dev)
+    cap = block_table.shape[1] * layout.block_size
+    if dev.type == "cpu" and seq_lens.numel() and int(seq_lens.max()) > cap:
+        raise ValueError(f"seq_lens must be <= max_blocks * block_size = {cap}, got {int(seq_lens.max())}")
+    ids = sequence_slot_ids(block_table, seq_lens, layout.block_size)
+    k, v = decompress(cache, ids.reshape(-1), layout, params, rotate_back=rotate_back)
+    shape = (*ids.shape, layout.num_kv_heads, layout.head_dim)
+    return k.reshape(shape), v.reshape(shape)
