@@ -47,6 +47,8 @@ class DeviceParams:
             "value_boundaries": self.value_boundaries,
             "key_centroids": self.key_centroids,
             "value_centroids": self.value_centroids,
+            "key_centroids_f32": self.key_centroids_f32,
+            "value_centroids_f32": self.value_centroids_f32,
             "key_offset": self.key_offset,
         }
 

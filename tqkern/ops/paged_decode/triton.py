@@ -1,0 +1,301 @@
+"""Split-KV, GQA-shared paged decode over a compressed cache (every codec, both arrangements).
+
+Grid ``(num_seqs, num_kv_heads, num_splits)``. A program owns one KV head and stacks the G query
+heads of its GQA group into one ``[GP, D]`` tensor-core tile, so every slot is read and decoded
+once for the whole group. It walks its share of the sequence in tiles of ``BN`` tokens with an
+online softmax and writes an unnormalised partial (acc, max, sum) to a workspace; a second small
+kernel merges the splits by log-sum-exp and rotates the result back (``@ Πᵀ``) when the value
+codec is rotated.
+
+Per-token scalars never touch the per-element loop: with a key decoded as ``f·c + z`` (f the
+norm, gain, uniform scale or FP8's 2^8; z the uniform zero point) the score is
+``f·(q·c) + z·Σq``; the value's f and z are folded into the probabilities the same way. For 4-bit
+codes whose nibbles pair up (``lsb`` or ``nibble_high_even`` with D a power of two) the tile is
+never interleaved: the two nibbles of each byte give two half-width tiles that meet the even and
+odd halves of q (and of the output) in two dots.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from tqkern.ops.common import layout_consts, load_bytes, load_packed, bits_to_f32
+
+__all__ = ["_paged_decode_kernel", "_merge_kernel", "_launch_paged_decode", "num_splits_for"]
+
+
+@triton.jit
+def _tile_codes(row, h, tmask, W: tl.constexpr, HALF: tl.constexpr, NIBBLE: tl.constexpr,
+                KIND: tl.constexpr, BITS: tl.constexpr, PARAM_DTYPE: tl.constexpr,
+                A_OFF: tl.constexpr, A_STRIDE: tl.constexpr, A_BYTES: tl.constexpr, D: tl.constexpr,
+                DP: tl.constexpr, cen_ptr, DOT: tl.constexpr):
+    """Element values of one tile, before the per-token factor: ``[BN, W]`` in the dot dtype.
+
+    ``HALF`` = -1: all DP columns; 0: even columns; 1: odd columns (4-bit fast path)."""
+    base = row + A_OFF + h * A_STRIDE
+    if HALF >= 0:
+        j = tl.arange(0, W)
+        byte = tl.load(base[:, None] + j[None, :], mask=tmask[:, None], other=0).to(tl.int32)
+        if NIBBLE:
+            codes = (byte >> (4 - 4 * HALF)) & 15
+        else:
+            codes = (byte >> (4 * HALF)) & 15
+    else:
+        cols = tl.arange(0, DP)
+        dm = cols < D
+        if KIND == 2:  # FP8 E4M3 → fp16 bits of value·2^-8 (the 2^8 joins the per-token factor)
+            code = tl.load(base[:, None] + cols[None, :], mask=tmask[:, None] & dm[None, :], other=0).to(tl.int32)
+            bits = ((code & 0x7F) << 7) | ((code & 0x80) << 8)
+            return bits.to(tl.int16).to(tl.float16, bitcast=True).to(DOT)
+        elif KIND == 3:  # raw fp16 / bf16
+            m2 = tmask[:, None] & dm[None, :]
+            lo = tl.load(base[:, None] + 2 * cols[None, :], mask=m2, other=0).to(tl.int64)
+            hi = tl.load(base[:, None] + 2 * cols[None, :] + 1, mask=m2, other=0).to(tl.int64)
+            return bits_to_f32(lo | (hi << 8), PARAM_DTYPE).to(DOT)
+        codes = load_packed(base, tmask, BITS, NIBBLE, A_BYTES, DP)
+        codes = tl.where(dm[None, :], codes, 0)
+    if KIND == 0:
+        return tl.load(cen_ptr + codes).to(DOT)
+    return codes.to(DOT)
+
+
+@triton.jit
+def _token_factors(row, h, tmask, cen_ptr, KIND: tl.constexpr, BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
+                   PARAM_DTYPE: tl.constexpr, NIBBLE: tl.constexpr, A_OFF: tl.constexpr,
+                   A_STRIDE: tl.constexpr, A_BYTES: tl.constexpr, B_OFF: tl.constexpr, B_STRIDE: tl.constexpr,
+                   C_OFF: tl.constexpr, C_STRIDE: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    """Per-token (factor f, zero z) with value = f·tile + z, float32 ``[BN]``."""
+    PB: tl.constexpr = 2 + 2 * PARAM_DTYPE
+    zero = tl.zeros_like(tmask.to(tl.float32))
+    if KIND == 0:
+        f = bits_to_f32(load_bytes(row + B_OFF + h * B_STRIDE, PB, tmask), PARAM_DTYPE)
+        if NORM_CORRECTION == 1:  # vLLM's _nc: divide by ‖c[idx]‖, computed here per token
+            cols = tl.arange(0, DP)
+            codes = load_packed(row + A_OFF + h * A_STRIDE, tmask, BITS, NIBBLE, A_BYTES, DP)
+            c = tl.where((cols < D)[None, :], tl.load(cen_ptr + codes), 0.0)
+            cn = tl.sqrt(tl.sum(c * c, axis=1))
+            f = tl.where(cn > 0, f / tl.where(cn > 0, cn, 1.0), 0.0)
+        return f, zero
+    elif KIND == 1:
+        f = bits_to_f32(load_bytes(row + B_OFF + h * B_STRIDE, PB, tmask), PARAM_DTYPE)
+        z = bits_to_f32(load_bytes(row + C_OFF + h * C_STRIDE, PB, tmask), PARAM_DTYPE)
+        return f, z
+    elif KIND == 2:
+        return zero + 256.0, zero
+    else:
+        return zero + 1.0, zero
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, cache_ptr, bt_ptr, sl_ptr, kc_ptr, vc_ptr, acc_ptr, ml_ptr,
+    max_blocks, sm_scale_log2,
+    G: tl.constexpr, GP: tl.constexpr, HQ: tl.constexpr, NUM_SPLITS: tl.constexpr, BN: tl.constexpr,
+    BS: tl.constexpr, K_HALVES: tl.constexpr, V_HALVES: tl.constexpr, DOT: tl.constexpr,
+    D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_ROTATED: tl.constexpr, K_NORM_CORRECTION: tl.constexpr,
+    K_PARAM_DTYPE: tl.constexpr, K_A_OFF: tl.constexpr, K_A_STRIDE: tl.constexpr, K_A_BYTES: tl.constexpr,
+    K_B_OFF: tl.constexpr, K_B_STRIDE: tl.constexpr, K_C_OFF: tl.constexpr, K_C_STRIDE: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_ROTATED: tl.constexpr, V_NORM_CORRECTION: tl.constexpr,
+    V_PARAM_DTYPE: tl.constexpr, V_A_OFF: tl.constexpr, V_A_STRIDE: tl.constexpr, V_A_BYTES: tl.constexpr,
+    V_B_OFF: tl.constexpr, V_B_STRIDE: tl.constexpr, V_C_OFF: tl.constexpr, V_C_STRIDE: tl.constexpr,
+):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    D2: tl.constexpr = DP // 2
+    g = tl.arange(0, GP)
+    gm = g < G
+    qh = h * G + g  # query heads of this group
+    q_row = q_ptr + (s * HQ + qh).to(tl.int64)[:, None] * D  # q is float32 [S, HQ, D], rotated
+    cols = tl.arange(0, DP)
+    if K_HALVES:
+        j = tl.arange(0, D2)
+        q_e = tl.load(q_row + 2 * j[None, :], mask=gm[:, None], other=0.0)
+        q_o = tl.load(q_row + 2 * j[None, :] + 1, mask=gm[:, None], other=0.0)
+        q_sum = tl.sum(q_e, axis=1) + tl.sum(q_o, axis=1)
+        q_e = q_e.to(DOT)
+        q_o = q_o.to(DOT)
+    else:
+        q_f = tl.load(q_row + cols[None, :], mask=gm[:, None] & (cols < D)[None, :], other=0.0)
+        q_sum = tl.sum(q_f, axis=1)
+        q_f = q_f.to(DOT)
+
+    seq_len = tl.minimum(tl.load(sl_ptr + s), max_blocks * BS)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BN) * BN
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    if V_HALVES:
+        acc_e = tl.zeros([GP, D2], tl.float32)
+        acc_o = tl.zeros([GP, D2], tl.float32)
+    else:
+        acc = tl.zeros([GP, DP], tl.float32)
+    n_off = tl.arange(0, BN)
+    bt_row = bt_ptr + s.to(tl.int64) * max_blocks
+    for t0 in range(start, end, BN):
+        pos = t0 + n_off
+        tmask = pos < end
+        blk = tl.load(bt_row + pos // BS, mask=tmask, other=0).to(tl.int64)
+        row = cache_ptr + (blk * BS + pos % BS) * ROW_BYTES  # [BN] token rows
+
+        # -- scores [GP, BN] ------------------------------------------------------------------
+        kf, kz = _token_factors(row, h, tmask, kc_ptr, K_KIND, K_BITS, K_NORM_CORRECTION, K_PARAM_DTYPE, NIBBLE,
+                                K_A_OFF, K_A_STRIDE, K_A_BYTES, K_B_OFF, K_B_STRIDE, K_C_OFF, K_C_STRIDE, D, DP)
+        if K_HALVES:
+            k_e = _tile_codes(row, h, tmask, D2, 0, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
+                              K_A_BYTES, D, DP, kc_ptr, DOT)
+            k_o = _tile_codes(row, h, tmask, D2, 1, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
+                              K_A_BYTES, D, DP, kc_ptr, DOT)
+            qk = tl.dot(q_e, tl.trans(k_e)) + tl.dot(q_o, tl.trans(k_o))
+        else:
+            k_f = _tile_codes(row, h, tmask, DP, -1, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
+                              K_A_BYTES, D, DP, kc_ptr, DOT)
+            qk = tl.dot(q_f, tl.trans(k_f))
+        sc = (qk * kf[None, :] + q_sum[:, None] * kz[None, :]) * sm_scale_log2
+        sc = tl.where(tmask[None, :], sc, float("-inf"))
+
+        # -- online softmax (base 2) -------------------------------------------------------------
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+        # -- values: p·f into the dot (scaled to the tile's largest f), p·z added per row -----
+        vf, vz = _token_factors(row, h, tmask, vc_ptr, V_KIND, V_BITS, V_NORM_CORRECTION, V_PARAM_DTYPE, NIBBLE,
+                                V_A_OFF, V_A_STRIDE, V_A_BYTES, V_B_OFF, V_B_STRIDE, V_C_OFF, V_C_STRIDE, D, DP)
+        fmax = tl.max(tl.abs(vf), axis=0)
+        fmax = tl.where(fmax > 0, fmax, 1.0)
+        pv = (p * (vf / fmax)[None, :]).to(DOT)
+        pz = tl.sum(p * vz[None, :], axis=1)
+        if V_HALVES:
+            v_e = _tile_codes(row, h, tmask, D2, 0, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
+                              V_A_BYTES, D, DP, vc_ptr, DOT)
+            v_o = _tile_codes(row, h, tmask, D2, 1, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
+                              V_A_BYTES, D, DP, vc_ptr, DOT)
+            acc_e = acc_e * alpha[:, None] + tl.dot(pv, v_e) * fmax + pz[:, None]
+            acc_o = acc_o * alpha[:, None] + tl.dot(pv, v_o) * fmax + pz[:, None]
+        else:
+            v_f = _tile_codes(row, h, tmask, DP, -1, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
+                              V_A_BYTES, D, DP, vc_ptr, DOT)
+            acc = acc * alpha[:, None] + tl.dot(pv, v_f) * fmax + pz[:, None]
+
+    # -- partial results: acc [S, HQ, NUM_SPLITS, DP], (m, l) [S, HQ, NUM_SPLITS, 2] ---------------
+    part = ((s * HQ + qh).to(tl.int64) * NUM_SPLITS + split)
+    a_row = acc_ptr + part[:, None] * DP
+    if V_HALVES:
+        j = tl.arange(0, D2)
+        tl.store(a_row + 2 * j[None, :], acc_e, mask=gm[:, None])
+        tl.store(a_row + 2 * j[None, :] + 1, acc_o, mask=gm[:, None])
+    else:
+        tl.store(a_row + cols[None, :], acc, mask=gm[:, None])
+    tl.store(ml_ptr + part * 2, m_i, mask=gm)
+    tl.store(ml_ptr + part * 2 + 1, l_i, mask=gm)
+
+
+@triton.jit
+def _merge_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, stride_os, stride_oh,
+                  G: tl.constexpr, GP: tl.constexpr, HQ: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  SP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CC: tl.constexpr,
+                  ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Merge the splits of one (sequence, KV head) by log-sum-exp; out = acc/l (@ Πᵀ)."""
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    g = tl.arange(0, GP)
+    gm = g < G
+    qh = h * G + g
+    sp = tl.arange(0, SP)
+    spm = sp < NUM_SPLITS
+    part = (s * HQ + qh).to(tl.int64)[:, None] * NUM_SPLITS + sp[None, :]  # [GP, SP]
+    pm = gm[:, None] & spm[None, :]
+    m = tl.load(ml_ptr + part * 2, mask=pm, other=float("-inf"))
+    l = tl.load(ml_ptr + part * 2 + 1, mask=pm, other=0.0)
+    m_all = tl.max(m, axis=1)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.where(pm & (m > float("-inf")), tl.exp2(m - m_safe[:, None]), 0.0)  # [GP, SP]
+    l_all = tl.sum(w * l, axis=1)
+    inv = tl.where(l_all > 0, 1.0 / tl.where(l_all > 0, l_all, 1.0), 0.0)
+    cols = tl.arange(0, DP)
+    o = tl.zeros([GP, DP], tl.float32)
+    for i in tl.static_range(NUM_SPLITS):
+        wi = tl.sum(tl.where(sp[None, :] == i, w, 0.0), axis=1)
+        a = tl.load(acc_ptr + ((s * HQ + qh).to(tl.int64) * NUM_SPLITS + i)[:, None] * DP + cols[None, :],
+                    mask=gm[:, None] & (wi > 0)[:, None], other=0.0)
+        o += a * wi[:, None]
+    o = o * inv[:, None]
+    o_row = out_ptr + s.to(tl.int64) * stride_os + qh.to(tl.int64)[:, None] * stride_oh
+    if ROTATE_BACK:  # out = o @ Πᵀ, CC output columns at a time: Πᵀ[:, c] = Π[c, :]
+        for c0 in tl.static_range(0, DP, CC):
+            cc = c0 + tl.arange(0, CC)
+            rt = tl.load(rot_ptr + cc[None, :] * D + cols[:, None], mask=(cols < D)[:, None] & (cc < D)[None, :],
+                         other=0.0)  # [DP, CC]
+            res = tl.dot(o, rt, input_precision=DOT_PRECISION)
+            tl.store(o_row + cc[None, :], res.to(out_ptr.dtype.element_ty), mask=gm[:, None] & (cc < D)[None, :])
+    else:
+        tl.store(o_row + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=gm[:, None] & (cols < D)[None, :])
+
+
+def num_splits_for(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int, block_n: int) -> int:
+    """Splits so that ~4 programs per SM exist, never fewer than 4·BN tokens per split.
+
+    Depends only on shapes (never on ``seq_lens`` values), so a CUDA graph captured for a batch
+    shape stays valid whatever lengths it replays with."""
+    programs = max(1, num_seqs * num_kv_heads)
+    want = max(1, math.ceil(4 * num_sms / programs))
+    cap = max(1, max_len // (4 * block_n))
+    return int(min(want, cap, 64))
+
+
+def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, tables, *, sm_scale: float,
+                         interpret: bool, workspace=None, num_splits: int | None = None,
+                         block_n: int = 32, num_warps: int = 4, num_stages: int = 2):
+    """Launch decode + merge. ``q_rot`` float32 ``[S, Hq, D]`` contiguous (already rotated when the
+    key codec is rotated). ``workspace``: optional float32 tensor with at least
+    ``workspace_numel(...)`` elements. No checks."""
+    c = layout_consts(layout)
+    s, hq, d = q_rot.shape
+    hkv = layout.num_kv_heads
+    g = hq // hkv
+    gp = max(16, triton.next_power_of_2(g))
+    dp = c["DP"]
+    if num_splits is None:
+        sms = 1 if interpret else torch.cuda.get_device_properties(q_rot.device).multi_processor_count
+        num_splits = num_splits_for(s, hkv, block_table.shape[1] * layout.block_size, sms, block_n)
+    need = workspace_numel(s, hq, num_splits, dp)
+    if workspace is None:
+        workspace = torch.empty(need, dtype=torch.float32, device=q_rot.device)
+    acc = workspace[: s * hq * num_splits * dp]
+    ml = workspace[s * hq * num_splits * dp: need]
+    fmt = layout.format
+
+    def halves(codec) -> bool:
+        return codec.kind in ("lloyd_max", "uniform") and codec.bits == 4 and dp == d and d >= 32
+
+    raw_bf16 = any(getattr(cd, "dtype", None) == "bfloat16" for cd in (fmt.key, fmt.value))
+    consts = {k: v for k, v in c.items() if not k.startswith("PAD")}
+    _paged_decode_kernel[(s, hkv, num_splits)](
+        q_rot, cache, block_table, seq_lens, tables["key_centroids_f32"], tables["value_centroids_f32"], acc, ml,
+        block_table.shape[1], sm_scale * 1.4426950408889634,
+        G=g, GP=gp, HQ=hq, NUM_SPLITS=num_splits, BN=block_n, BS=layout.block_size,
+        K_HALVES=halves(fmt.key), V_HALVES=halves(fmt.value), DOT=tl.bfloat16 if raw_bf16 else tl.float16,
+        num_warps=num_warps, num_stages=num_stages, **consts,
+    )
+    _merge_kernel[(s, hkv)](
+        acc, ml, tables["rotation"], out, out.stride(0), out.stride(1),
+        G=g, GP=gp, HQ=hq, NUM_SPLITS=num_splits, SP=max(2, triton.next_power_of_2(num_splits)), D=d, DP=dp,
+        CC=min(dp, 64), ROTATE_BACK=bool(fmt.value.rotated), DOT_PRECISION="ieee" if interpret else "tf32x3",
+        num_warps=4,
+    )
+    return out
+
+
+def workspace_numel(num_seqs: int, num_q_heads: int, num_splits: int, dp: int) -> int:
+    """float32 elements of the decode workspace: partial outputs plus (max, sum) per split."""
+    return num_seqs * num_q_heads * num_splits * (dp + 2)

@@ -1,0 +1,119 @@
+"""Attention over a compressed paged cache: ``paged_decode``."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from tqkern.layouts import PagedLayout
+from tqkern.ops.paged_decode import reference as paged_decode_ref
+from tqkern_torch._validate import check_tensor, use_triton
+from tqkern_torch.library import _host_params, layout_key, layout_of
+from tqkern_torch.ops import _check_cache, _check_layout, _device_params
+
+__all__ = ["paged_decode"]
+
+
+def _lengths_checked_on_host(block_table, seq_lens, num_blocks: int, block_size: int) -> None:
+    cap = block_table.shape[1] * block_size
+    if seq_lens.numel() == 0:
+        return
+    if int(seq_lens.min()) < 0 or int(seq_lens.max()) > cap:
+        raise ValueError(f"seq_lens must be in [0, max_blocks * block_size = {cap}], "
+                         f"got range [{int(seq_lens.min())}, {int(seq_lens.max())}]")
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * block_size < seq_lens[:, None]
+    ids = block_table[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise ValueError(f"block_table entries in use must be in [0, num_blocks = {num_blocks}), "
+                         f"got range [{int(ids.min())}, {int(ids.max())}]")
+
+
+def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                 layout: PagedLayout, params, *, scale: Optional[float] = None, out: Optional[torch.Tensor] = None,
+                 workspace: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
+                 check_lengths: Optional[bool] = None) -> torch.Tensor:
+    """One decode step: each sequence's query attends to its whole compressed cache.
+
+    Args:
+        q: ``[num_seqs, num_q_heads, head_dim]`` float16 or bfloat16 (original coordinates).
+        cache: uint8 ``layout.cache_shape(num_blocks)``.
+        block_table: ``[num_seqs, max_blocks]`` int32. seq_lens: ``[num_seqs]`` int32 in
+            ``[0, max_blocks·block_size]``; a length of 0 gives a zero output.
+        layout, params: the cache's layout and its parameters (TQParams or DeviceParams).
+        scale: softmax scale, default ``1/sqrt(head_dim)``.
+        out: optional output of q's shape and dtype (written, and returned).
+        workspace: optional float32 scratch of at least
+            ``tqkern.ops.paged_decode.triton.workspace_numel(num_seqs, Hq, num_splits, DP)``
+            elements, for CUDA-graph capture.
+        num_splits: split-KV count; default from the shapes (never from ``seq_lens`` values).
+        check_lengths: check ``seq_lens`` and the used ``block_table`` entries against the
+            cache on the host (a device sync). Default: on, except while a CUDA graph is being
+            captured. Unchecked lengths beyond the table are clamped by the kernel.
+
+    Returns:
+        ``[num_seqs, num_q_heads, head_dim]`` in q's dtype.
+    """
+    layout = _check_layout(layout)
+    h, d = layout.num_kv_heads, layout.head_dim
+    check_tensor(q, "q", dtypes=(torch.float16, torch.bfloat16))
+    if q.dim() != 3 or q.shape[2] != d:
+        raise ValueError(f"q must have shape [num_seqs, num_q_heads, {d}], got {list(q.shape)}")
+    if q.shape[1] == 0 or q.shape[1] % h:
+        raise ValueError(f"q.shape[1] (num_q_heads) must be a positive multiple of num_kv_heads = {h}, "
+                         f"got {q.shape[1]}")
+    dev = q.device
+    _check_cache(cache, layout, dev)
+    check_tensor(block_table, "block_table", shape=(q.shape[0], None), dtypes=(torch.int32,), device=dev,
+                 contiguous=True)
+    check_tensor(seq_lens, "seq_lens", shape=(q.shape[0],), dtypes=(torch.int32,), device=dev, contiguous=True)
+    if out is not None:
+        check_tensor(out, "out", shape=tuple(q.shape), dtypes=(q.dtype,), device=dev, last_contiguous=True)
+    if workspace is not None:
+        check_tensor(workspace, "workspace", dtypes=(torch.float32,), device=dev, contiguous=True)
+    if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= 256):
+        raise ValueError(f"num_splits must be an int in [1, 256], got {num_splits!r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    if check_lengths is None:
+        check_lengths = not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    if check_lengths:
+        _lengths_checked_on_host(block_table, seq_lens, cache.shape[0], layout.block_size)
+    p = _device_params(params, layout, dev)
+    if out is None:
+        out = torch.empty_like(q)
+    if q.shape[0] == 0:
+        return out
+    torch.ops.tqkern.paged_decode(q, cache, block_table, seq_lens, p.rotation, p.key_centroids,
+                                  p.value_centroids, p.key_centroids_f32, p.value_centroids_f32, out, workspace,
+                                  layout_key(layout), float(scale), num_splits or 0)
+    return out
+
+
+@torch.library.custom_op("tqkern::paged_decode", mutates_args=("out", "workspace"))
+def paged_decode_op(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                    rotation: torch.Tensor, key_centroids: torch.Tensor, value_centroids: torch.Tensor,
+                    key_centroids_f32: torch.Tensor, value_centroids_f32: torch.Tensor, out: torch.Tensor,
+                    workspace: Optional[torch.Tensor], layout: str, scale: float, num_splits: int) -> None:
+    lay = layout_of(layout)
+    if use_triton(q.device):
+        from tqkern.ops.paged_decode.triton import _launch_paged_decode
+
+        fmt = lay.format
+        q_rot = (q.float() @ rotation) if fmt.key.rotated else q.float().contiguous()
+        tables = {"rotation": rotation, "key_centroids_f32": key_centroids_f32,
+                  "value_centroids_f32": value_centroids_f32}
+        _launch_paged_decode(out, q_rot.contiguous(), cache, block_table, seq_lens, lay, tables, sm_scale=scale,
+                             interpret=q.device.type == "cpu", workspace=workspace, num_splits=num_splits or None)
+        return
+    params = _host_params(lay, rotation, key_centroids, value_centroids, None)
+    res = paged_decode_ref.paged_decode(q.float().numpy(), cache.numpy(), block_table.numpy(), seq_lens.numpy(),
+                                        lay, params, scale=scale)
+    out.copy_(torch.from_numpy(res).to(out.dtype))
+
+
+@paged_decode_op.register_fake
+def _(q, cache, block_table, seq_lens, rotation, key_centroids, value_centroids, key_centroids_f32,
+      value_centroids_f32, out, workspace, layout, scale, num_splits) -> None:
+    return None
