@@ -132,6 +132,24 @@ def _beta_moments(edges: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
     return norm * mass, norm * moment
 
 
+def _solve_tridiagonal(lower: np.ndarray, diag: np.ndarray, upper: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    """Thomas algorithm: solve J x = rhs for tridiagonal J (lower[0], upper[-1] unused)."""
+    n = diag.size
+    c = np.zeros(n)
+    d = np.zeros(n)
+    c[0] = upper[0] / diag[0] if n > 1 else 0.0
+    d[0] = rhs[0] / diag[0]
+    for i in range(1, n):
+        m = diag[i] - lower[i] * c[i - 1]
+        c[i] = upper[i] / m if i < n - 1 else 0.0
+        d[i] = (rhs[i] - lower[i] * d[i - 1]) / m
+    x = np.zeros(n)
+    x[-1] = d[-1]
+    for i in range(n - 2, -1, -1):
+        x[i] = d[i] - c[i] * x[i + 1]
+    return x
+
+
 def _normal_quantiles(p: np.ndarray) -> np.ndarray:
     """Inverse of the N(0, 1) CDF by bisection on erfc (64 halvings: float64-exact)."""
     lo = np.full(p.shape, -40.0)
@@ -176,16 +194,18 @@ def _solve(bits: int, dim: int, distribution: str) -> tuple[np.ndarray, float]:
         r = lloyd_map(c) - c
         if np.max(np.abs(r)) / sigma < _TOL:
             break
-        jac = -np.eye(n)
+        lower, diag, upper = np.zeros(n), -np.ones(n), np.zeros(n)  # J[i,i-1], J[i,i], J[i,i+1]
         for color in range(3):
             dc = np.zeros(n)
             dc[color::3] = h
             dr = (lloyd_map(c + dc) - (c + dc) - r) / h + (dc > 0)
             for j in range(color, n, 3):
-                for i in (j - 1, j, j + 1):
-                    if 0 <= i < n:
-                        jac[i, j] += dr[i]
-        step = np.linalg.solve(jac, -r)
+                diag[j] += dr[j]
+                if j > 0:
+                    upper[j - 1] += dr[j - 1]
+                if j + 1 < n:
+                    lower[j + 1] += dr[j + 1]
+        step = _solve_tridiagonal(lower, diag, upper, -r)
         t = 1.0
         while True:
             new = c + t * step
@@ -210,7 +230,6 @@ def _solve(bits: int, dim: int, distribution: str) -> tuple[np.ndarray, float]:
     return c * scale, mse * (scale**2) * dim
 
 
-@functools.lru_cache(maxsize=None)
 def lloyd_max(bits: int, dim: int, distribution: str = "beta") -> Codebook:
     """The Lloyd-Max codebook of ``2**bits`` levels for one coordinate of a rotated unit vector.
 
@@ -222,7 +241,7 @@ def lloyd_max(bits: int, dim: int, distribution: str = "beta") -> Codebook:
 
     Returns:
         A frozen :class:`Codebook` with float64 ascending centroids and midpoint boundaries,
-        cached per argument tuple.
+        cached per ``(bits, dim, distribution)``.
     """
     if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
         raise ValueError(f"bits must be an int in [1, 8], got {bits!r}")
@@ -230,6 +249,11 @@ def lloyd_max(bits: int, dim: int, distribution: str = "beta") -> Codebook:
         raise ValueError(f"dim must be an int >= 2, got {dim!r}")
     if distribution not in ("beta", "gaussian"):
         raise ValueError(f"distribution must be one of ('beta', 'gaussian'), got {distribution!r}")
+    return _cached_codebook(int(bits), int(dim), str(distribution))
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_codebook(bits: int, dim: int, distribution: str) -> Codebook:
     c, distortion = _solve(bits, dim, distribution)
     c = (c - c[::-1]) / 2  # exact symmetry: both densities are even
     b = (c[:-1] + c[1:]) / 2

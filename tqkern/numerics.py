@@ -61,7 +61,7 @@ def fp8_e4m3fn_decode(code: np.ndarray) -> np.ndarray:
     m = c & 7
     val = np.where(e == 0, m * 2.0**-9, (1.0 + m / 8.0) * np.exp2(e - 7.0))
     val = np.where((c & 0x7F) == 0x7F, np.nan, val)
-    return sign * val
+    return np.copysign(val, sign)
 
 
 def _bf16_bits(x: np.ndarray) -> np.ndarray:

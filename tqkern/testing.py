@@ -3,11 +3,13 @@
 Importing this module needs ``hypothesis`` (the ``test`` extra); ``tqkern`` itself does not.
 
 Profiles (``settings.load_profile``): ``ci`` (CPU interpreter, small shapes, few examples) and
-``thorough`` (GPU, larger shapes, many examples). Select with
+``thorough`` (GPU, larger shapes, 150 examples or ``$TQKERN_MAX_EXAMPLES``). Select with
 ``pytest --hypothesis-profile=thorough``; property tests size their shapes with :func:`scale`.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 from hypothesis import HealthCheck, settings
@@ -37,7 +39,7 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.register_profile(
-    "thorough", max_examples=150, deadline=None,
+    "thorough", max_examples=int(os.environ.get("TQKERN_MAX_EXAMPLES", "150")), deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
@@ -45,7 +47,8 @@ HEAD_DIMS = (64, 96, 128, 256)
 
 
 def is_thorough() -> bool:
-    return settings().max_examples >= 100
+    current = getattr(settings, "get_current_profile_name", None)
+    return (current() if current else settings._current_profile) == "thorough"
 
 
 def scale(ci: int, thorough: int) -> int:

@@ -71,7 +71,7 @@ def layout_consts(layout: PagedLayout) -> dict:
     d = fmt.head_dim
     return dict(
         D=d,
-        DP=max(8, triton.next_power_of_2(d)),
+        DP=max(16, triton.next_power_of_2(d)),  # tl.dot needs K >= 16 on GPUs
         ROW_BYTES=layout.row_bytes,
         NIBBLE=fmt.bit_order == "nibble_high_even",
         PAD_OFF=pad.offset,
@@ -81,6 +81,12 @@ def layout_consts(layout: PagedLayout) -> dict:
         **side_consts(layout, "key").kwargs("K"),
         **side_consts(layout, "value").kwargs("V"),
     )
+
+
+def halfword_aligned(layout: PagedLayout, side: str) -> bool:
+    """Whether every head's data field of ``side`` starts at an even byte (16-bit access)."""
+    c = side_consts(layout, side)
+    return c.a_off % 2 == 0 and c.a_stride % 2 == 0 and layout.row_bytes % 2 == 0
 
 
 # -- float → bits -------------------------------------------------------------------------------
@@ -182,6 +188,13 @@ def store_packed(row, codes, mask_t, BITS: tl.constexpr, NIBBLE: tl.constexpr, N
         sh = tl.arange(0, 2).to(tl.int64)
         byte = tl.sum(pairs << (4 - 4 * sh)[None, None, :], axis=2)
         j = tl.arange(0, DP // 2)
+        tl.store(row[:, None] + j[None, :], byte.to(tl.uint8), mask=mask_t[:, None] & (j < NBYTES)[None, :])
+    elif 8 % BITS == 0:  # 1, 2, 4, 8 bits: whole codes per byte, one contiguous byte row
+        P: tl.constexpr = 8 // BITS
+        per = tl.reshape(codes, (BT, DP // P, P))
+        sh = tl.arange(0, P).to(tl.int64) * BITS
+        byte = tl.sum(per << sh[None, None, :], axis=2)
+        j = tl.arange(0, DP // P)
         tl.store(row[:, None] + j[None, :], byte.to(tl.uint8), mask=mask_t[:, None] & (j < NBYTES)[None, :])
     else:
         groups = tl.reshape(codes, (BT, DP // 8, 8))

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tqkern.ops.common import layout_consts, load_bytes, load_packed, bits_to_f32
+from tqkern.ops.common import bits_to_f32, halfword_aligned, layout_consts, load_bytes, load_packed
 
 __all__ = ["_paged_decode_kernel", "_merge_kernel", "_launch_paged_decode", "num_splits_for"]
 
@@ -32,7 +32,7 @@ __all__ = ["_paged_decode_kernel", "_merge_kernel", "_launch_paged_decode", "num
 def _tile_codes(row, h, tmask, W: tl.constexpr, HALF: tl.constexpr, NIBBLE: tl.constexpr,
                 KIND: tl.constexpr, BITS: tl.constexpr, PARAM_DTYPE: tl.constexpr,
                 A_OFF: tl.constexpr, A_STRIDE: tl.constexpr, A_BYTES: tl.constexpr, D: tl.constexpr,
-                DP: tl.constexpr, cen_ptr, DOT: tl.constexpr):
+                DP: tl.constexpr, cen_ptr, DOT: tl.constexpr, ALIGNED: tl.constexpr):
     """Element values of one tile, before the per-token factor: ``[BN, W]`` in the dot dtype.
 
     ``HALF`` = -1: all DP columns; 0: even columns; 1: odd columns (4-bit fast path)."""
@@ -53,32 +53,32 @@ def _tile_codes(row, h, tmask, W: tl.constexpr, HALF: tl.constexpr, NIBBLE: tl.c
             return bits.to(tl.int16).to(tl.float16, bitcast=True).to(DOT)
         elif KIND == 3:  # raw fp16 / bf16
             m2 = tmask[:, None] & dm[None, :]
+            if ALIGNED:
+                p16 = base.to(tl.pointer_type(tl.int16))
+                w = tl.load(p16[:, None] + cols[None, :], mask=m2, other=0)
+                if PARAM_DTYPE == 2:
+                    return w.to(tl.bfloat16, bitcast=True).to(DOT)
+                return w.to(tl.float16, bitcast=True).to(DOT)
             lo = tl.load(base[:, None] + 2 * cols[None, :], mask=m2, other=0).to(tl.int64)
             hi = tl.load(base[:, None] + 2 * cols[None, :] + 1, mask=m2, other=0).to(tl.int64)
             return bits_to_f32(lo | (hi << 8), PARAM_DTYPE).to(DOT)
         codes = load_packed(base, tmask, BITS, NIBBLE, A_BYTES, DP)
         codes = tl.where(dm[None, :], codes, 0)
+        if KIND == 0:  # padded columns must read 0 (they enter ‖c[idx]‖)
+            return tl.where(dm[None, :], tl.load(cen_ptr + codes), 0.0).to(DOT)
     if KIND == 0:
         return tl.load(cen_ptr + codes).to(DOT)
     return codes.to(DOT)
 
 
 @triton.jit
-def _token_factors(row, h, tmask, cen_ptr, KIND: tl.constexpr, BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
-                   PARAM_DTYPE: tl.constexpr, NIBBLE: tl.constexpr, A_OFF: tl.constexpr,
-                   A_STRIDE: tl.constexpr, A_BYTES: tl.constexpr, B_OFF: tl.constexpr, B_STRIDE: tl.constexpr,
-                   C_OFF: tl.constexpr, C_STRIDE: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+def _token_factors(row, h, tmask, KIND: tl.constexpr, PARAM_DTYPE: tl.constexpr, B_OFF: tl.constexpr,
+                   B_STRIDE: tl.constexpr, C_OFF: tl.constexpr, C_STRIDE: tl.constexpr):
     """Per-token (factor f, zero z) with value = f·tile + z, float32 ``[BN]``."""
     PB: tl.constexpr = 2 + 2 * PARAM_DTYPE
     zero = tl.zeros_like(tmask.to(tl.float32))
-    if KIND == 0:
+    if KIND == 0:  # the norm field (vLLM's ‖c[idx]‖ divisor is applied by the caller)
         f = bits_to_f32(load_bytes(row + B_OFF + h * B_STRIDE, PB, tmask), PARAM_DTYPE)
-        if NORM_CORRECTION == 1:  # vLLM's _nc: divide by ‖c[idx]‖, computed here per token
-            cols = tl.arange(0, DP)
-            codes = load_packed(row + A_OFF + h * A_STRIDE, tmask, BITS, NIBBLE, A_BYTES, DP)
-            c = tl.where((cols < D)[None, :], tl.load(cen_ptr + codes), 0.0)
-            cn = tl.sqrt(tl.sum(c * c, axis=1))
-            f = tl.where(cn > 0, f / tl.where(cn > 0, cn, 1.0), 0.0)
         return f, zero
     elif KIND == 1:
         f = bits_to_f32(load_bytes(row + B_OFF + h * B_STRIDE, PB, tmask), PARAM_DTYPE)
@@ -96,6 +96,7 @@ def _paged_decode_kernel(
     max_blocks, sm_scale_log2,
     G: tl.constexpr, GP: tl.constexpr, HQ: tl.constexpr, NUM_SPLITS: tl.constexpr, BN: tl.constexpr,
     BS: tl.constexpr, K_HALVES: tl.constexpr, V_HALVES: tl.constexpr, DOT: tl.constexpr,
+    K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_ROTATED: tl.constexpr, K_NORM_CORRECTION: tl.constexpr,
     K_PARAM_DTYPE: tl.constexpr, K_A_OFF: tl.constexpr, K_A_STRIDE: tl.constexpr, K_A_BYTES: tl.constexpr,
@@ -146,18 +147,24 @@ def _paged_decode_kernel(
         row = cache_ptr + (blk * BS + pos % BS) * ROW_BYTES  # [BN] token rows
 
         # -- scores [GP, BN] ------------------------------------------------------------------
-        kf, kz = _token_factors(row, h, tmask, kc_ptr, K_KIND, K_BITS, K_NORM_CORRECTION, K_PARAM_DTYPE, NIBBLE,
-                                K_A_OFF, K_A_STRIDE, K_A_BYTES, K_B_OFF, K_B_STRIDE, K_C_OFF, K_C_STRIDE, D, DP)
+        kf, kz = _token_factors(row, h, tmask, K_KIND, K_PARAM_DTYPE, K_B_OFF, K_B_STRIDE, K_C_OFF, K_C_STRIDE)
         if K_HALVES:
             k_e = _tile_codes(row, h, tmask, D2, 0, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
-                              K_A_BYTES, D, DP, kc_ptr, DOT)
+                              K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED)
             k_o = _tile_codes(row, h, tmask, D2, 1, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
-                              K_A_BYTES, D, DP, kc_ptr, DOT)
+                              K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED)
             qk = tl.dot(q_e, tl.trans(k_e)) + tl.dot(q_o, tl.trans(k_o))
+            if K_NORM_CORRECTION == 1:  # vLLM's _nc: ‖c[idx]‖ from the decoded tile
+                ke32 = k_e.to(tl.float32)
+                ko32 = k_o.to(tl.float32)
+                kf = kf / tl.sqrt(tl.maximum(tl.sum(ke32 * ke32, axis=1) + tl.sum(ko32 * ko32, axis=1), 1e-30))
         else:
             k_f = _tile_codes(row, h, tmask, DP, -1, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
-                              K_A_BYTES, D, DP, kc_ptr, DOT)
+                              K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED)
             qk = tl.dot(q_f, tl.trans(k_f))
+            if K_NORM_CORRECTION == 1:
+                kf32 = k_f.to(tl.float32)
+                kf = kf / tl.sqrt(tl.maximum(tl.sum(kf32 * kf32, axis=1), 1e-30))
         sc = (qk * kf[None, :] + q_sum[:, None] * kz[None, :]) * sm_scale_log2
         sc = tl.where(tmask[None, :], sc, float("-inf"))
 
@@ -169,22 +176,31 @@ def _paged_decode_kernel(
         m_i = m_new
 
         # -- values: p·f into the dot (scaled to the tile's largest f), p·z added per row -----
-        vf, vz = _token_factors(row, h, tmask, vc_ptr, V_KIND, V_BITS, V_NORM_CORRECTION, V_PARAM_DTYPE, NIBBLE,
-                                V_A_OFF, V_A_STRIDE, V_A_BYTES, V_B_OFF, V_B_STRIDE, V_C_OFF, V_C_STRIDE, D, DP)
+        vf, vz = _token_factors(row, h, tmask, V_KIND, V_PARAM_DTYPE, V_B_OFF, V_B_STRIDE, V_C_OFF, V_C_STRIDE)
+        if V_HALVES:
+            v_e = _tile_codes(row, h, tmask, D2, 0, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
+                              V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED)
+            v_o = _tile_codes(row, h, tmask, D2, 1, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
+                              V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED)
+            if V_NORM_CORRECTION == 1:
+                ve32 = v_e.to(tl.float32)
+                vo32 = v_o.to(tl.float32)
+                vf = vf / tl.sqrt(tl.maximum(tl.sum(ve32 * ve32, axis=1) + tl.sum(vo32 * vo32, axis=1), 1e-30))
+        else:
+            v_f = _tile_codes(row, h, tmask, DP, -1, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
+                              V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED)
+            if V_NORM_CORRECTION == 1:
+                vf32 = v_f.to(tl.float32)
+                vf = vf / tl.sqrt(tl.maximum(tl.sum(vf32 * vf32, axis=1), 1e-30))
+        # p·f goes into the dot, scaled to the tile's largest |f| so fp16 keeps its precision.
         fmax = tl.max(tl.abs(vf), axis=0)
         fmax = tl.where(fmax > 0, fmax, 1.0)
         pv = (p * (vf / fmax)[None, :]).to(DOT)
         pz = tl.sum(p * vz[None, :], axis=1)
         if V_HALVES:
-            v_e = _tile_codes(row, h, tmask, D2, 0, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
-                              V_A_BYTES, D, DP, vc_ptr, DOT)
-            v_o = _tile_codes(row, h, tmask, D2, 1, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
-                              V_A_BYTES, D, DP, vc_ptr, DOT)
             acc_e = acc_e * alpha[:, None] + tl.dot(pv, v_e) * fmax + pz[:, None]
             acc_o = acc_o * alpha[:, None] + tl.dot(pv, v_o) * fmax + pz[:, None]
         else:
-            v_f = _tile_codes(row, h, tmask, DP, -1, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
-                              V_A_BYTES, D, DP, vc_ptr, DOT)
             acc = acc * alpha[:, None] + tl.dot(pv, v_f) * fmax + pz[:, None]
 
     # -- partial results: acc [S, HQ, NUM_SPLITS, DP], (m, l) [S, HQ, NUM_SPLITS, 2] ---------------
@@ -285,6 +301,7 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
         block_table.shape[1], sm_scale * 1.4426950408889634,
         G=g, GP=gp, HQ=hq, NUM_SPLITS=num_splits, BN=block_n, BS=layout.block_size,
         K_HALVES=halves(fmt.key), V_HALVES=halves(fmt.value), DOT=tl.bfloat16 if raw_bf16 else tl.float16,
+        K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
         num_warps=num_warps, num_stages=num_stages, **consts,
     )
     _merge_kernel[(s, hkv)](

@@ -17,7 +17,10 @@ rotation Π:
     ŷ = f·c[idx]/‖c[idx]‖₂. In original space: ŷ @ Πᵀ.
 ``Uniform(bits, param_dtype, rotated)``, on y = x (or x @ Π when rotated):
     lo = min_j y_j, hi = max_j y_j, scale = max((hi − lo)/(2^b − 1), 1e-8)
-    q_j = clamp(⌊(y_j − lo)/scale + 1/2⌋, 0, 2^b − 1)   (a half rounds up)
+    q_j = clamp(⌊(y_j − lo)/scale + 1/2⌋, 0, 2^b − 1)   in exact arithmetic, a half rounding up:
+          ⌊(y_j − lo)·(2^b − 1)/(hi − lo) + 1/2⌋ decided by exact float64 comparisons (see
+          ``_uniform_codes``). vLLM evaluates it in float32 and can differ where the quotient
+          lies within float32 rounding of a half.
     stored: scale and zero = lo, each rounded to param_dtype. The codes use the *unrounded*
     scale and lo (vLLM's order). dequantize: q·scale' + zero' with the rounded values.
 ``FP8(rotated)``: y = x (or x @ Π); stored E4M3FN(y) (nearest-even, saturating at ±448).
@@ -32,7 +35,7 @@ import numpy as np
 
 from tqkern.codebooks import Codebook
 from tqkern.layouts import FP8, Codec, LloydMax, Raw, Uniform
-from tqkern.numerics import fp8_e4m3fn_decode, fp8_e4m3fn_encode, round_float, ties_within
+from tqkern.numerics import fp8_e4m3fn_decode, fp8_e4m3fn_encode, round_float, ties_within  # noqa: F401
 
 __all__ = ["Quantized", "quantize", "dequantize", "EPS", "SCALE_FLOOR"]
 
@@ -83,9 +86,20 @@ def _rotation_for(codec: Codec, rotation, d: int) -> np.ndarray | None:
     return r
 
 
-def _uniform_codes(y: np.ndarray, lo: np.ndarray, scale: np.ndarray, bits: int) -> np.ndarray:
-    t = (y - lo[..., None]) / scale[..., None] + 0.5
-    return np.clip(np.floor(t), 0, (1 << bits) - 1).astype(np.uint8)
+def _uniform_codes(y: np.ndarray, lo: np.ndarray, hi: np.ndarray, bits: int) -> np.ndarray:
+    """⌊t + 1/2⌋ for t = (y − lo)·(2^b − 1)/(hi − lo), or t = (y − lo)/1e-8 when the scale is
+    floored, decided exactly: an estimate moved by the exact float64 comparisons
+    ``(q − 1/2)·den ≤ num < (q + 1/2)·den`` (the products are exact for fp16/bf16 inputs), so an
+    exact half rounds up."""
+    levels = (1 << bits) - 1
+    span = (hi - lo)[..., None]
+    floored = span / levels < SCALE_FLOOR
+    d = y - lo[..., None]
+    num = np.where(floored, d, d * levels)
+    den = np.where(floored, SCALE_FLOOR, span)
+    q = np.floor(num / den + 0.5)
+    q = q - ((q - 0.5) * den > num) + ((q + 0.5) * den <= num)
+    return np.clip(q, 0, levels).astype(np.uint8)
 
 
 def quantize(x: np.ndarray, codec: Codec, *, rotation=None, codebook: Codebook | None = None) -> Quantized:
@@ -106,11 +120,12 @@ def quantize(x: np.ndarray, codec: Codec, *, rotation=None, codebook: Codebook |
         u = np.divide(x, n[..., None], out=np.zeros_like(x), where=n[..., None] > 0)
         y = u @ rot
         codes = cb.index(y)
-        unsure = cb.index(y - EPS) != cb.index(y + EPS)
+        # A zero vector gives y = 0 exactly in any arithmetic: its codes are certain.
+        unsure = (cb.index(y - EPS) != cb.index(y + EPS)) & (n[..., None] > 0)
         cnorm = np.sqrt(np.sum(cb.centroids[codes] ** 2, axis=-1))
         if codec.norm_correction == "stored":
             raw = n / np.where(cnorm > 0, cnorm, 1.0)
-            unsure_p = np.any(unsure, axis=-1) | ties_within(raw, codec.norm_dtype, 0.0)
+            unsure_p = np.any(unsure, axis=-1)
         else:
             raw = n
             unsure_p = np.zeros(n.shape, bool)
@@ -120,7 +135,7 @@ def quantize(x: np.ndarray, codec: Codec, *, rotation=None, codebook: Codebook |
         y = x if rot is None else x @ rot
         lo, hi = y.min(axis=-1), y.max(axis=-1)
         scale = np.maximum((hi - lo) / ((1 << codec.bits) - 1), SCALE_FLOOR)
-        codes = _uniform_codes(y, lo, scale, codec.bits)
+        codes = _uniform_codes(y, lo, hi, codec.bits)
         params = {"scale": round_float(scale, codec.param_dtype), "zero": round_float(lo, codec.param_dtype)}
         if rot is None:
             unsure = np.zeros(y.shape, bool)
@@ -131,9 +146,8 @@ def quantize(x: np.ndarray, codec: Codec, *, rotation=None, codebook: Codebook |
             unsure = np.zeros(y.shape, bool)
             for s in (-1.0, 1.0):
                 lo2, hi2 = lo + s * e, hi - s * e
-                sc2 = np.maximum((hi2 - lo2) / ((1 << codec.bits) - 1), SCALE_FLOOR)
                 for t in (-1.0, 1.0):
-                    unsure |= _uniform_codes(y + t * e[..., None], lo2, sc2, codec.bits) != codes
+                    unsure |= _uniform_codes(y + t * e[..., None], lo2, hi2, codec.bits) != codes
             rel = EPS * 8
             unsure_p = {"scale": ties_within(scale, codec.param_dtype, rel),
                         "zero": ties_within(lo, codec.param_dtype, rel) | (np.abs(lo) < e)}

@@ -25,7 +25,10 @@ __all__ = ["store", "write_slots"]
 
 def write_slots(cache, layout: PagedLayout, slots, slot_mapping) -> np.ndarray:
     """Place precomputed slots ``[T, H, slot_bytes]`` at ``slot_mapping`` (a new cache)."""
-    out = np.array(cache, dtype=np.uint8, copy=True)
+    cache = np.asarray(cache)
+    if cache.dtype != np.uint8:
+        raise TypeError(f"cache must be uint8, got {cache.dtype}")
+    out = cache.copy()
     rows = cache_rows(out, layout)
     sm = np.asarray(slot_mapping, dtype=np.int64).reshape(-1)
     slots = np.asarray(slots, dtype=np.uint8)

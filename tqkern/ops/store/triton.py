@@ -2,13 +2,15 @@
 
 One kernel serves every codec and both arrangements: the layout becomes constexprs
 (:func:`tqkern.ops.common.layout_consts`). A program takes ``BT`` tokens of one KV head.
-Norms, uniform scales/codes and stored gains are computed in float64 from the exact inputs, so
-they equal the oracle's bytes; only the rotation runs in float32 (codes within
-``tqkern.ops.quantize.reference.EPS`` of a boundary may differ, as the spec allows).
+Norms, uniform scales/codes and stored gains are computed exactly (float64 from the exact
+inputs, or a float32 estimate corrected by exact float64 comparisons), so they equal the oracle's
+bytes; only the rotation runs in float32 (codes within ``tqkern.ops.quantize.reference.EPS`` of
+a boundary may differ, as the spec allows).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -17,6 +19,7 @@ from tqkern.ops.common import (
     f32_to_fp8e4m3_bits,
     f64_to_bits,
     f64_to_f16_bits,
+    halfword_aligned,
     layout_consts,
     store_bytes,
     store_packed,
@@ -26,39 +29,79 @@ __all__ = ["_store_kernel", "_launch_store"]
 
 
 @triton.jit
-def _rotate(x_ptr_2d, n, tok_mask, rot_ptr, D: tl.constexpr, DP: tl.constexpr, KC: tl.constexpr,
-            BT: tl.constexpr, NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, mu_ptr_1d,
-            HAS_MU: tl.constexpr):
-    """y = (x / n) @ Π (or x @ Π), float32 [BT, DP]; x re-read from global in KC-wide chunks."""
+def _rotate(x_ptr_2d, tok_mask, rot_ptr, D: tl.constexpr, DP: tl.constexpr, KC: tl.constexpr,
+            BT: tl.constexpr, DOT_PRECISION: tl.constexpr, mu_ptr_1d, HAS_MU: tl.constexpr):
+    """y = (x − μ) @ Π in float32 [BT, DP]; x read from global in KC-wide chunks (Π stays in
+    on-chip memory one chunk at a time, so D = 256 fits too)."""
     acc = tl.zeros([BT, DP], tl.float32)
     cols = tl.arange(0, DP)
     for k0 in tl.static_range(0, DP, KC):
         kk = k0 + tl.arange(0, KC)
         km = kk < D
-        xk = tl.load(x_ptr_2d + kk[None, :], mask=tok_mask[:, None] & km[None, :], other=0.0).to(tl.float64)
+        xk = tl.load(x_ptr_2d + kk[None, :], mask=tok_mask[:, None] & km[None, :], other=0.0).to(tl.float32)
         if HAS_MU:
-            xk -= tl.load(mu_ptr_1d + kk, mask=km, other=0.0).to(tl.float64)[None, :]
-        if NORMALIZE:
-            xk = xk / tl.where(n > 0, n, 1.0)[:, None]
+            xk -= tl.load(mu_ptr_1d + kk, mask=km, other=0.0)[None, :]
         r = tl.load(rot_ptr + kk[:, None] * D + cols[None, :], mask=km[:, None] & (cols < D)[None, :], other=0.0)
-        acc += tl.dot(xk.to(tl.float32), r, input_precision=DOT_PRECISION)
+        acc += tl.dot(xk, r, input_precision=DOT_PRECISION)
     return acc
 
 
 @triton.jit
-def _encode_side(x, x_ptr_2d, mu_ptr_1d, HAS_MU: tl.constexpr, row, h, tok_mask, rot_ptr, bnd_ptr, cen_ptr,
-                 D: tl.constexpr, DP: tl.constexpr, KC: tl.constexpr, BT: tl.constexpr,
-                 NIBBLE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def _load_exact(x_ptr_2d, mu_ptr_1d, HAS_MU: tl.constexpr, tok_mask, D: tl.constexpr, DP: tl.constexpr):
+    """x − μ in float64 [BT, DP] (exact for fp16/bf16 x and fp32 μ), zero outside."""
+    cols = tl.arange(0, DP)
+    dmask = cols < D
+    m2 = tok_mask[:, None] & dmask[None, :]
+    x = tl.load(x_ptr_2d + cols[None, :], mask=m2, other=0.0).to(tl.float64)
+    if HAS_MU:
+        x = tl.where(m2, x - tl.load(mu_ptr_1d + cols, mask=dmask, other=0.0).to(tl.float64)[None, :], 0.0)
+    return x
+
+
+@triton.jit
+def _uniform_codes(y, lo, hi, BITS: tl.constexpr):
+    """⌊(y − lo)·(2^b − 1)/(hi − lo) + 1/2⌋ exactly (÷1e-8 instead when the scale is floored):
+    a float32 estimate, then two exact float64 comparisons move it to the right integer."""
+    levels: tl.constexpr = (1 << BITS) - 1
+    span = hi - lo
+    floored = span / levels < 1e-8
+    d = y - lo[:, None]
+    num = tl.where(floored[:, None], d, d * levels)
+    den = tl.where(floored, 1e-8, span)[:, None]
+    q = tl.floor(num.to(tl.float32) / den.to(tl.float32) + 0.5).to(tl.float64)
+    q = q - ((q - 0.5) * den > num).to(tl.float64) + ((q + 0.5) * den <= num).to(tl.float64)
+    return tl.minimum(tl.maximum(q, 0.0), levels).to(tl.int64)
+
+
+@triton.jit
+def _store_halfwords(row, off, bits, mask, cols, ALIGNED: tl.constexpr):
+    """Write 16-bit values ``bits [BT, DP]`` at ``row + off + 2·col``."""
+    if ALIGNED:
+        p16 = (row + off).to(tl.pointer_type(tl.int16))
+        tl.store(p16[:, None] + cols[None, :], bits.to(tl.int16), mask=mask)
+    else:
+        base = row[:, None] + off + 2 * cols[None, :]
+        tl.store(base, (bits & 255).to(tl.uint8), mask=mask)
+        tl.store(base + 1, ((bits >> 8) & 255).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _encode_side(x_ptr_2d, mu_ptr_1d, HAS_MU: tl.constexpr, IN_BF16: tl.constexpr, row, h, tok_mask, rot_ptr,
+                 bnd_ptr, cen_ptr, D: tl.constexpr, DP: tl.constexpr, KC: tl.constexpr, BT: tl.constexpr,
+                 NIBBLE: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
                  KIND: tl.constexpr, BITS: tl.constexpr, ROTATED: tl.constexpr, NORM_CORRECTION: tl.constexpr,
                  PARAM_DTYPE: tl.constexpr, A_OFF: tl.constexpr, A_STRIDE: tl.constexpr, A_BYTES: tl.constexpr,
                  B_OFF: tl.constexpr, B_STRIDE: tl.constexpr, C_OFF: tl.constexpr, C_STRIDE: tl.constexpr):
-    """Encode x (float64 [BT, DP], zero beyond D; key offset already subtracted) into its fields."""
+    """Encode one side of BT tokens of head h into its fields."""
     cols = tl.arange(0, DP)
     dmask = cols < D
+    m2 = tok_mask[:, None] & dmask[None, :]
     PB: tl.constexpr = 2 + 2 * PARAM_DTYPE  # bytes of a stored f16 / f32
     if KIND == 0:  # Lloyd-Max
-        n = tl.sqrt(tl.sum(x * x, axis=1))
-        y = _rotate(x_ptr_2d, n, tok_mask, rot_ptr, D, DP, KC, BT, True, DOT_PRECISION, mu_ptr_1d, HAS_MU)
+        x = _load_exact(x_ptr_2d, mu_ptr_1d, HAS_MU, tok_mask, D, DP)
+        n = tl.sqrt(tl.sum(x * x, axis=1))  # float64: the norm bytes equal the oracle's
+        inv = tl.where(n > 0, 1.0 / tl.where(n > 0, n, 1.0), 0.0).to(tl.float32)
+        y = _rotate(x_ptr_2d, tok_mask, rot_ptr, D, DP, KC, BT, DOT_PRECISION, mu_ptr_1d, HAS_MU) * inv[:, None]
         idx = tl.zeros([BT, DP], tl.int32)
         for lvl in tl.static_range(BITS):  # binary search over the sorted boundaries; ties go up
             cand = idx + (1 << (BITS - 1 - lvl))
@@ -73,44 +116,46 @@ def _encode_side(x, x_ptr_2d, mu_ptr_1d, HAS_MU: tl.constexpr, row, h, tok_mask,
         store_bytes(row + B_OFF + h * B_STRIDE, f64_to_bits(n, PARAM_DTYPE), PB, tok_mask)
     elif KIND == 1:  # uniform asymmetric
         if ROTATED:
-            y = _rotate(x_ptr_2d, tl.zeros([BT], tl.float64), tok_mask, rot_ptr, D, DP, KC, BT, False, DOT_PRECISION,
-                        mu_ptr_1d, HAS_MU).to(tl.float64)
+            y = _rotate(x_ptr_2d, tok_mask, rot_ptr, D, DP, KC, BT, DOT_PRECISION, mu_ptr_1d, HAS_MU).to(tl.float64)
         else:
-            y = x
+            y = _load_exact(x_ptr_2d, mu_ptr_1d, HAS_MU, tok_mask, D, DP)
         lo = tl.min(tl.where(dmask[None, :], y, float("inf")), axis=1)
         hi = tl.max(tl.where(dmask[None, :], y, float("-inf")), axis=1)
         scale = tl.maximum((hi - lo) / ((1 << BITS) - 1), 1e-8)
-        q = tl.floor((y - lo[:, None]) / scale[:, None] + 0.5)
-        q = tl.minimum(tl.maximum(q, 0.0), (1 << BITS) - 1).to(tl.int64)
-        q = tl.where(dmask[None, :], q, 0)
+        q = tl.where(dmask[None, :], _uniform_codes(y, lo, hi, BITS), 0)
         store_packed(row + A_OFF + h * A_STRIDE, q, tok_mask, BITS, NIBBLE, A_BYTES, BT, DP)
         store_bytes(row + B_OFF + h * B_STRIDE, f64_to_bits(scale, PARAM_DTYPE), PB, tok_mask)
         store_bytes(row + C_OFF + h * C_STRIDE, f64_to_bits(lo, PARAM_DTYPE), PB, tok_mask)
     elif KIND == 2:  # FP8 E4M3
         if ROTATED:
-            y = _rotate(x_ptr_2d, tl.zeros([BT], tl.float64), tok_mask, rot_ptr, D, DP, KC, BT, False, DOT_PRECISION,
-                        mu_ptr_1d, HAS_MU)
+            y = _rotate(x_ptr_2d, tok_mask, rot_ptr, D, DP, KC, BT, DOT_PRECISION, mu_ptr_1d, HAS_MU)
         else:
-            y = x.to(tl.float32)
+            y = tl.load(x_ptr_2d + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+            if HAS_MU:
+                y = _load_exact(x_ptr_2d, mu_ptr_1d, HAS_MU, tok_mask, D, DP).to(tl.float32)
         code = f32_to_fp8e4m3_bits(y)
-        tl.store(row[:, None] + A_OFF + h * A_STRIDE + cols[None, :], code.to(tl.uint8),
-                 mask=tok_mask[:, None] & dmask[None, :])
+        tl.store(row[:, None] + A_OFF + h * A_STRIDE + cols[None, :], code.to(tl.uint8), mask=m2)
     else:  # raw fp16 / bf16
-        if PARAM_DTYPE == 2:
-            bits = f32_to_bf16_bits(x.to(tl.float32))
+        if HAS_MU:
+            xr = _load_exact(x_ptr_2d, mu_ptr_1d, HAS_MU, tok_mask, D, DP)
+            bits = f32_to_bf16_bits(xr.to(tl.float32)) if PARAM_DTYPE == 2 else f64_to_f16_bits(xr)
         else:
-            bits = f64_to_f16_bits(x)
-        base = row[:, None] + A_OFF + h * A_STRIDE + 2 * cols[None, :]
-        m = tok_mask[:, None] & dmask[None, :]
-        tl.store(base, (bits & 255).to(tl.uint8), mask=m)
-        tl.store(base + 1, ((bits >> 8) & 255).to(tl.uint8), mask=m)
+            xn = tl.load(x_ptr_2d + cols[None, :], mask=m2, other=0.0)
+            if (PARAM_DTYPE == 2) == IN_BF16:  # same dtype: copy the bits
+                bits = xn.to(tl.int16, bitcast=True).to(tl.int32)
+            elif PARAM_DTYPE == 2:
+                bits = f32_to_bf16_bits(xn.to(tl.float32))
+            else:
+                bits = f64_to_f16_bits(xn.to(tl.float64))
+        _store_halfwords(row, A_OFF + h * A_STRIDE, bits, m2, cols, ALIGNED)
 
 
 @triton.jit
 def _store_kernel(
     key_ptr, value_ptr, slot_ptr, cache_ptr, rot_ptr, kb_ptr, kc_ptr, vb_ptr, vc_ptr, mu_ptr,
     num_tokens, stride_kt, stride_kh, stride_vt, stride_vh,
-    HAS_MU: tl.constexpr, BT: tl.constexpr, KC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_MU: tl.constexpr, IN_BF16: tl.constexpr, BT: tl.constexpr, KC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr,
     PAD_OFF: tl.constexpr, PAD_STRIDE: tl.constexpr, PAD_BYTES: tl.constexpr, PADP: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_ROTATED: tl.constexpr, K_NORM_CORRECTION: tl.constexpr,
@@ -126,35 +171,25 @@ def _store_kernel(
     tmask = t < num_tokens
     slot = tl.load(slot_ptr + t, mask=tmask, other=-1).to(tl.int64)
     tok_mask = tmask & (slot >= 0)
-    row = cache_ptr + slot * ROW_BYTES  # [BT] pointers to each token row
-    cols = tl.arange(0, DP)
-    dmask = cols < D
-    m2 = tok_mask[:, None] & dmask[None, :]
+    row = cache_ptr + tl.where(tok_mask, slot, 0) * ROW_BYTES  # [BT] pointers to each token row
     t64 = t.to(tl.int64)
-
     k_ptr_2d = key_ptr + t64[:, None] * stride_kt + h * stride_kh
-    k = tl.load(k_ptr_2d + cols[None, :], mask=m2, other=0.0).to(tl.float64)
-    if HAS_MU:
-        k = tl.where(m2, k - tl.load(mu_ptr + h * D + cols, mask=dmask, other=0.0).to(tl.float64)[None, :], 0.0)
-    _encode_side(k, k_ptr_2d, mu_ptr + h * D, HAS_MU, row, h, tok_mask, rot_ptr, kb_ptr, kc_ptr,
-                 D, DP, KC, BT, NIBBLE, DOT_PRECISION,
+    _encode_side(k_ptr_2d, mu_ptr + h * D, HAS_MU, IN_BF16, row, h, tok_mask, rot_ptr, kb_ptr, kc_ptr,
+                 D, DP, KC, BT, NIBBLE, DOT_PRECISION, K_ALIGNED,
                  K_KIND, K_BITS, K_ROTATED, K_NORM_CORRECTION, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE, K_A_BYTES,
                  K_B_OFF, K_B_STRIDE, K_C_OFF, K_C_STRIDE)
-
     v_ptr_2d = value_ptr + t64[:, None] * stride_vt + h * stride_vh
-    v = tl.load(v_ptr_2d + cols[None, :], mask=m2, other=0.0).to(tl.float64)
-    _encode_side(v, v_ptr_2d, mu_ptr, False, row, h, tok_mask, rot_ptr, vb_ptr, vc_ptr,
-                 D, DP, KC, BT, NIBBLE, DOT_PRECISION,
+    _encode_side(v_ptr_2d, mu_ptr, False, IN_BF16, row, h, tok_mask, rot_ptr, vb_ptr, vc_ptr,
+                 D, DP, KC, BT, NIBBLE, DOT_PRECISION, V_ALIGNED,
                  V_KIND, V_BITS, V_ROTATED, V_NORM_CORRECTION, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE, V_A_BYTES,
                  V_B_OFF, V_B_STRIDE, V_C_OFF, V_C_STRIDE)
-
     if PAD_BYTES > 0:
         p = tl.arange(0, PADP)
         tl.store(row[:, None] + PAD_OFF + h * PAD_STRIDE + p[None, :], tl.zeros([BT, PADP], tl.uint8),
                  mask=tok_mask[:, None] & (p < PAD_BYTES)[None, :])
 
 
-def _launch_store(cache, key, value, slot_mapping, layout, tables, *, interpret: bool, block_tokens: int = 16,
+def _launch_store(cache, key, value, slot_mapping, layout, tables, *, interpret: bool, block_tokens: int = 32,
                   num_warps: int = 4):
     """Launch :func:`_store_kernel`. No checks: the torch frontend validates.
 
@@ -170,7 +205,8 @@ def _launch_store(cache, key, value, slot_mapping, layout, tables, *, interpret:
         key, value, slot_mapping, cache, tables["rotation"], tables["key_boundaries"], tables["key_centroids"],
         tables["value_boundaries"], tables["value_centroids"], mu if mu is not None else tables["rotation"],
         num_tokens, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        HAS_MU=mu is not None, BT=block_tokens, KC=min(c["DP"], 64),
+        HAS_MU=mu is not None, IN_BF16=key.dtype == torch.bfloat16, BT=block_tokens, KC=min(c["DP"], 128),
+        K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
         DOT_PRECISION="ieee" if interpret else "tf32x3",
         num_warps=num_warps, **c,
     )

@@ -1,0 +1,198 @@
+"""GPU benchmark of paged_decode (every preset) and store, against torch SDPA fp16 and copy_.
+
+One run: correctness gate against the NumPy oracle first (a variant that fails is not timed),
+then timings (CUDA events, median of ``triton.testing.do_bench``), a short table printed last,
+and everything as JSON under ``--out``.
+
+    python benchmarks/bench_decode.py --out $OUT            # all shapes
+    python benchmarks/bench_decode.py --shapes B32x16K --sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import tqkern  # noqa: E402
+import tqkern_torch as tqt  # noqa: E402
+from benchmarks.shapes import DECODE_PRESETS, DECODE_SHAPES, STORE_SHAPE  # noqa: E402
+from tqkern import reference as ref  # noqa: E402
+from tqkern.ops.paged_decode.triton import _launch_paged_decode  # noqa: E402
+from tqkern_torch.attention import paged_decode  # noqa: E402
+
+BLOCK = 16
+
+
+def bench(fn) -> float:
+    """Median microseconds."""
+    return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median") * 1e3
+
+
+def make_layout(preset, arrangement, hkv, d):
+    fmt = tqkern.KVFormat.preset(preset, d)
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=hkv, block_size=BLOCK, arrangement=arrangement)
+    return layout, tqt.to_device(tqkern.TQParams.default(fmt, seed=0), "cuda")
+
+
+def fill_cache(layout, params, num_blocks, g):
+    """Random fp16 K/V (N(0,1)) stored into every slot of the cache, in chunks."""
+    cache = torch.zeros(layout.cache_shape(num_blocks), dtype=torch.uint8, device="cuda")
+    total = num_blocks * BLOCK
+    chunk = 1 << 17
+    for t0 in range(0, total, chunk):
+        n = min(chunk, total - t0)
+        k = torch.randn(n, layout.num_kv_heads, layout.head_dim, device="cuda", dtype=torch.float16, generator=g)
+        v = torch.randn(n, layout.num_kv_heads, layout.head_dim, device="cuda", dtype=torch.float16, generator=g)
+        tqt.store(cache, k, v, torch.arange(t0, t0 + n, device="cuda"), layout, params)
+    return cache
+
+
+def gate(results):
+    """Every preset against the NumPy oracle on a small GQA batch with shuffled blocks."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for preset, arr in DECODE_PRESETS:
+        for hq, hkv, d in ((32, 8, 128), (9, 3, 64)):
+            layout, params = make_layout(preset, arr, hkv, d)
+            lens = torch.tensor([1, 77, 600, 1000], dtype=torch.int32, device="cuda")
+            mb = 64
+            nb = 4 * mb
+            bt = torch.randperm(nb, device="cuda", generator=g).int().reshape(4, mb)
+            cache = fill_cache(layout, params, nb, g)
+            q = torch.randn(4, hq, d, device="cuda", dtype=torch.float16, generator=g)
+            out = paged_decode(q, cache, bt, lens, layout, params)
+            exp = ref.paged_decode(q.float().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(),
+                                   lens.cpu().numpy(), layout, params.params)
+            _, v = tqt.decompress_sequences(cache, bt, lens, layout, params, rotate_back=True)
+            err = float(np.abs(out.float().cpu().numpy() - exp).max())
+            tol = 4e-3 * float(v.abs().max())
+            ok = bool(np.isfinite(err) and err <= tol)
+            results["gate"].append(dict(preset=preset, hq=hq, hkv=hkv, d=d, max_err=err, tol=tol, ok=ok))
+            print(f"gate {preset:20s} Hq{hq}/Hkv{hkv}/D{d}: max err {err:.2e} (tol {tol:.2e}) {'ok' if ok else 'FAIL'}",
+                  flush=True)
+    return {r["preset"] for r in results["gate"] if r["ok"]} - {r["preset"] for r in results["gate"] if not r["ok"]}
+
+
+def run_decode(shape, passed, results, sweep):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, L, hq, hkv, d = shape.batch, shape.seq_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim
+    q = torch.randn(b, hq, d, device="cuda", dtype=torch.float16, generator=g)
+    # SDPA fp16 on contiguous K/V (the baseline), GQA through enable_gqa.
+    k = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16, generator=g)
+    v = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16, generator=g)
+    q4 = q[:, :, None, :]
+    sdpa_us = bench(lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True))
+    sdpa_bytes = 2 * k.numel() * 2
+    del k, v
+    row = dict(shape=shape.name, variant="sdpa_fp16", us=sdpa_us, bytes=sdpa_bytes,
+               gbps=sdpa_bytes / sdpa_us / 1e3, ratio=1.0)
+    results["decode"].append(row)
+    print(f"{shape.name:16s} sdpa_fp16            {sdpa_us:9.1f} us {row['gbps']:8.0f} GB/s", flush=True)
+    nb = b * L // BLOCK
+    bt = torch.randperm(nb, device="cuda", generator=g).int().reshape(b, L // BLOCK)
+    sl = torch.full((b,), L, dtype=torch.int32, device="cuda")
+    for preset, arr in DECODE_PRESETS:
+        if preset not in passed:
+            continue
+        layout, params = make_layout(preset, arr, hkv, d)
+        cache = fill_cache(layout, params, nb, g)
+        out = torch.empty_like(q)
+        us = bench(lambda: paged_decode(q, cache, bt, sl, layout, params, out=out, check_lengths=False))
+        nbytes = b * L * layout.row_bytes
+        row = dict(shape=shape.name, variant=preset, us=us, bytes=nbytes, gbps=nbytes / us / 1e3,
+                   ratio=sdpa_us / us, slot_bytes=layout.format.slot_bytes)
+        results["decode"].append(row)
+        print(f"{shape.name:16s} {preset:20s} {us:9.1f} us {row['gbps']:8.0f} GB/s  {row['ratio']:.2f}x SDPA",
+              flush=True)
+        if sweep and preset in ("tq4", "turboquant_4bit_nc", "fp16") and shape.name == "B32x16K":
+            fmt = layout.format
+            q_rot = (q.float() @ params.rotation) if fmt.key.rotated else q.float()
+            q_rot = q_rot.contiguous()
+            for bn in (16, 32, 64):
+                for nw in (4,):
+                    for ns in (2, 3):
+                        try:
+                            t = bench(lambda: _launch_paged_decode(out, q_rot, cache, bt, sl, layout, params.tables(),
+                                                                    sm_scale=d**-0.5, interpret=False, block_n=bn,
+                                                                    num_warps=nw, num_stages=ns))
+                        except Exception as e:  # noqa: BLE001 - a config that does not compile is a data point
+                            t = float("nan")
+                            print("  sweep fail", bn, nw, ns, type(e).__name__, str(e)[:100])
+                        results["sweep"].append(dict(shape=shape.name, variant=preset, block_n=bn, num_warps=nw,
+                                                     num_stages=ns, us=t))
+                        print(f"  sweep {preset} BN{bn} W{nw} S{ns}: {t:.1f} us", flush=True)
+        del cache
+        torch.cuda.empty_cache()
+
+
+def run_store(results, sweep):
+    n, h, d = STORE_SHAPE["num_tokens"], STORE_SHAPE["num_kv_heads"], STORE_SHAPE["head_dim"]
+    g = torch.Generator(device="cuda").manual_seed(2)
+    k = torch.randn(n, h, d, device="cuda", dtype=torch.float16, generator=g)
+    v = torch.randn(n, h, d, device="cuda", dtype=torch.float16, generator=g)
+    src = torch.cat([k.reshape(-1), v.reshape(-1)])
+    dst = torch.empty_like(src)
+    copy_us = bench(lambda: dst.copy_(src))
+    in_bytes = src.numel() * 2
+    copy_gbps = 2 * in_bytes / copy_us / 1e3
+    results["store"].append(dict(variant="copy_", us=copy_us, gbps=copy_gbps))
+    print(f"store copy_ {copy_us:.1f} us {copy_gbps:.0f} GB/s (read+write)", flush=True)
+    slots = torch.randperm(n, device="cuda")
+    for preset, arr in DECODE_PRESETS:
+        layout, params = make_layout(preset, arr, h, d)
+        cache = torch.zeros(layout.cache_shape(n // BLOCK), dtype=torch.uint8, device="cuda")
+        us = bench(lambda: tqt.store(cache, k, v, slots, layout, params))
+        nbytes = in_bytes + n * layout.row_bytes
+        gbps = nbytes / us / 1e3
+        results["store"].append(dict(variant=preset, us=us, gbps=gbps, ratio_to_copy=gbps / copy_gbps))
+        print(f"store {preset:20s} {us:8.1f} us {gbps:7.0f} GB/s = {gbps / copy_gbps:.0%} of copy_", flush=True)
+        if sweep and preset in ("tq4", "turboquant_4bit_nc", "fp16"):
+            from tqkern.ops.store.triton import _launch_store
+
+            for bt in (16, 32, 64):
+                for nw in (2, 4, 8):
+                    t = bench(lambda: _launch_store(cache, k, v, slots, layout, params.tables(), interpret=False,
+                                                    block_tokens=bt, num_warps=nw))
+                    results["sweep"].append(dict(op="store", variant=preset, block_tokens=bt, num_warps=nw, us=t))
+                    print(f"  sweep store {preset} BT{bt} W{nw}: {t:.1f} us", flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--shapes", nargs="*", default=[s.name for s in DECODE_SHAPES])
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--no-store", action="store_true")
+    args = ap.parse_args(argv)
+    results = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                   time=time.strftime("%Y-%m-%d %H:%M:%S"), gate=[], decode=[], sweep=[], store=[])
+    passed = gate(results)
+    if not args.no_store:
+        run_store(results, args.sweep)
+    for shape in DECODE_SHAPES:
+        if shape.name in args.shapes:
+            run_decode(shape, passed, results, args.sweep)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_decode.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\n{results['gpu']}  torch {results['torch']}  triton {results['triton']}")
+    print(f"{'shape':16s} {'variant':20s} {'us':>9s} {'GB/s':>7s} {'vs SDPA':>8s}")
+    for r in results["decode"]:
+        print(f"{r['shape']:16s} {r['variant']:20s} {r['us']:9.1f} {r['gbps']:7.0f} {r['ratio']:7.2f}x")
+    for r in results["store"]:
+        extra = f" {r['ratio_to_copy']:.0%} of copy_" if "ratio_to_copy" in r else ""
+        print(f"store {r['variant']:20s} {r['us']:8.1f} us {r['gbps']:7.0f} GB/s{extra}")
+    return 0 if all(r["ok"] for r in results["gate"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

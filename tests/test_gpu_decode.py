@@ -1,0 +1,110 @@
+"""GPU-only decode checks: CUDA-graph capture and replay, 64K contexts, caches above 2 GiB."""
+
+import numpy as np
+import pytest
+import torch
+
+import tqkern
+import tqkern_torch as tqt
+from tqkern import reference as ref
+from tqkern_torch.attention import paged_decode
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _fill(layout, params, num_blocks, seq_lens, block_table, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cache = torch.randint(0, 256, layout.cache_shape(num_blocks), dtype=torch.uint8, device="cuda", generator=g)
+    h, d, bs = layout.num_kv_heads, layout.head_dim, layout.block_size
+    for s, n in enumerate(seq_lens.tolist()):
+        slots = tqt.sequence_slot_ids(block_table[s: s + 1], seq_lens[s: s + 1], bs)[0, :n]
+        k = torch.randn(n, h, d, device="cuda", dtype=torch.float16, generator=g)
+        v = torch.randn(n, h, d, device="cuda", dtype=torch.float16, generator=g)
+        tqt.store(cache, k, v, slots, layout, params)
+    return cache
+
+
+def _vmax(cache, block_table, seq_lens, layout, params) -> float:
+    _, v = tqt.decompress_sequences(cache, block_table, seq_lens, layout, params, rotate_back=True)
+    return float(v.abs().max())
+
+
+def _dense_reference(q, cache, block_table, seq_lens, layout, params):
+    """float32 attention over decompress(..., rotate_back=True), on the GPU (for long contexts)."""
+    k, v = tqt.decompress_sequences(cache, block_table, seq_lens, layout, params, rotate_back=True)
+    outs = []
+    g = q.shape[1] // layout.num_kv_heads
+    for s, n in enumerate(seq_lens.tolist()):
+        ks = k[s, :n].repeat_interleave(g, dim=1).transpose(0, 1)  # [Hq, n, D]
+        vs = v[s, :n].repeat_interleave(g, dim=1).transpose(0, 1)
+        qs = q[s].float()[:, None, :]
+        w = torch.softmax((qs @ ks.transpose(1, 2)) / layout.head_dim**0.5, dim=-1)
+        outs.append((w @ vs)[:, 0])
+    return torch.stack(outs)
+
+
+def test_cuda_graph_replay_with_new_lengths_and_tables():
+    fmt = tqkern.KVFormat.preset("turboquant_4bit_nc", 128)
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=2, block_size=16)
+    params = tqt.to_device(tqkern.TQParams.default(fmt), "cuda")
+    num_blocks, max_blocks, s = 64, 16, 3
+    perm = torch.randperm(num_blocks, device="cuda")[: s * max_blocks].reshape(s, max_blocks).int()
+    bt = perm.clone()
+    sl = torch.tensor([5, 100, 256], dtype=torch.int32, device="cuda")
+    cache = _fill(layout, params, num_blocks, torch.tensor([256] * s, dtype=torch.int32, device="cuda"), bt)
+    q = torch.randn(s, 8, 128, device="cuda", dtype=torch.float16)
+    out = torch.full_like(q, float("nan"))
+    ws = torch.empty(1 << 20, dtype=torch.float32, device="cuda")
+    paged_decode(q, cache, bt, sl, layout, params, out=out, workspace=ws, num_splits=3)  # warm up / compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode(q, cache, bt, sl, layout, params, out=out, workspace=ws, num_splits=3)
+    for lens, table in (([1, 17, 200], perm), ([256, 3, 64], perm.flip(0))):
+        sl.copy_(torch.tensor(lens, dtype=torch.int32))
+        bt.copy_(table)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        expect = ref.paged_decode(q.float().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(),
+                                  sl.cpu().numpy(), layout, params.params)
+        vmax = _vmax(cache, bt, sl, layout, params)
+        assert torch.isfinite(out).all()
+        assert np.abs(out.float().cpu().numpy() - expect).max() <= 4e-3 * vmax
+
+
+@pytest.mark.parametrize("preset,arrangement", [("tq4", "row"), ("turboquant_4bit_nc", "slot")])
+def test_64k_context(preset, arrangement):
+    fmt = tqkern.KVFormat.preset(preset, 128)
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=2, block_size=16, arrangement=arrangement)
+    params = tqt.to_device(tqkern.TQParams.default(fmt), "cuda")
+    n = 65536
+    nb = n // 16
+    bt = torch.randperm(nb, device="cuda").int()[None]
+    sl = torch.tensor([n], dtype=torch.int32, device="cuda")
+    cache = _fill(layout, params, nb, sl, bt)
+    q = torch.randn(1, 8, 128, device="cuda", dtype=torch.float16)
+    out = paged_decode(q, cache, bt, sl, layout, params)
+    expect = _dense_reference(q, cache, bt, sl, layout, params)
+    assert (out.float() - expect).abs().max() <= 4e-3 * _vmax(cache, bt, sl, layout, params)
+
+
+def test_cache_above_2gib_uses_64bit_offsets():
+    fmt = tqkern.KVFormat.preset("tq4", 128)
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=8, block_size=16, arrangement="row")
+    params = tqt.to_device(tqkern.TQParams.default(fmt), "cuda")
+    num_blocks = (2**31 // layout.block_bytes) + 4096  # > 2 GiB
+    cache = torch.randint(0, 256, layout.cache_shape(num_blocks), dtype=torch.uint8, device="cuda")
+    assert cache.numel() > 2**31
+    # The sequence's blocks sit at the very end of the cache.
+    bt = torch.arange(num_blocks - 64, num_blocks, device="cuda").int().flip(0)[None]
+    sl = torch.tensor([64 * 16], dtype=torch.int32, device="cuda")
+    slots = tqt.sequence_slot_ids(bt, sl, 16)[0]
+    k = torch.randn(1024, 8, 128, device="cuda", dtype=torch.float16)
+    v = torch.randn(1024, 8, 128, device="cuda", dtype=torch.float16)
+    tqt.store(cache, k, v, slots, layout, params)
+    got_k, got_v = tqt.decompress(cache, slots, layout, params, rotate_back=True)
+    assert (got_k - k.float()).norm() / k.float().norm() < 0.15
+    q = torch.randn(1, 32, 128, device="cuda", dtype=torch.float16)
+    out = paged_decode(q, cache, bt, sl, layout, params)
+    expect = _dense_reference(q, cache, bt, sl, layout, params)
+    assert (out.float() - expect).abs().max() <= 4e-3 * _vmax(cache, bt, sl, layout, params)

@@ -1,0 +1,214 @@
+"""TQParams: defaults per preset, validation naming the field, read-only arrays."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tqkern.codebooks import Codebook, lloyd_max
+from tqkern.layouts import PRESETS, FP8, KVFormat, LloydMax, Raw, Uniform
+from tqkern.params import TQParams
+from tqkern.rotations import haar, hadamard
+
+
+def _sylvester(d):
+    i = np.arange(d)
+    parity = np.vectorize(lambda v: bin(v).count("1") & 1)(i[:, None] & i[None, :])
+    return np.where(parity == 1, -1.0, 1.0)
+
+
+VLLM_MSE = ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"]
+
+
+@pytest.mark.parametrize("name", VLLM_MSE)
+def test_default_vllm_mse_presets(name):
+    fmt = KVFormat.preset(name, head_dim=128)
+    p = TQParams.default(fmt, seed=5)
+    # vLLM: unsigned Sylvester Hadamard / √D, whatever the seed.
+    np.testing.assert_allclose(p.rotation, _sylvester(128) / np.sqrt(128), rtol=0, atol=1e-15)
+    assert p.key_codebook == lloyd_max(fmt.key.bits, 128, "gaussian")
+    assert p.key_codebook.distribution == "gaussian" and p.key_codebook.dim == 128
+    assert p.value_codebook is None  # values are uniform
+    assert p.key_offset is None
+
+
+def test_default_k8v4_needs_no_rotation():
+    p = TQParams.default(KVFormat.preset("turboquant_k8v4", head_dim=64), seed=1)
+    assert p.rotation is None and p.key_codebook is None and p.value_codebook is None
+
+
+def test_default_fp16():
+    p = TQParams.default(KVFormat.preset("fp16", head_dim=64))
+    assert p.rotation is None and p.key_codebook is None and p.value_codebook is None
+
+
+@pytest.mark.parametrize("seed", [0, 9])
+def test_default_tq4(seed):
+    p = TQParams.default(KVFormat.preset("tq4", head_dim=128), seed=seed)
+    np.testing.assert_array_equal(p.rotation, haar(128, seed))
+    assert p.key_codebook == p.value_codebook == lloyd_max(4, 128, "gaussian")
+
+
+@pytest.mark.parametrize("name", ["tqkern_k5v3", "tqkern_k4v4"])
+def test_default_tqkern_presets(name):
+    fmt = KVFormat.preset(name, head_dim=96)
+    p = TQParams.default(fmt, seed=4)
+    assert fmt.rotation == "hadamard_signed"
+    np.testing.assert_array_equal(p.rotation, hadamard(96, 4))
+    assert not np.array_equal(p.rotation, hadamard(96, None))
+    assert p.key_codebook == lloyd_max(fmt.key.bits, 96, "beta")
+    assert p.value_codebook == lloyd_max(fmt.value.bits, 96, "beta")
+
+
+def test_every_preset_has_defaults():
+    for name in PRESETS:
+        for d in (64, 128):
+            p = TQParams.default(KVFormat.preset(name, head_dim=d))
+            assert p.format == KVFormat.preset(name, head_dim=d)
+            assert (p.rotation is None) == (not p.format.rotated)
+
+
+def test_seed_changes_signed_rotation_only():
+    fmt = KVFormat.preset("tqkern_k4v4", head_dim=64)
+    assert np.array_equal(TQParams.default(fmt, seed=1).rotation, TQParams.default(fmt, seed=1).rotation)
+    assert not np.array_equal(TQParams.default(fmt, seed=1).rotation, TQParams.default(fmt, seed=2).rotation)
+    v = KVFormat.preset("turboquant_4bit_nc", head_dim=64)
+    assert np.array_equal(TQParams.default(v, seed=1).rotation, TQParams.default(v, seed=2).rotation)
+
+
+# -- caller-supplied parameters and their validation ----------------------------------------
+
+D = 16
+FMT = KVFormat(head_dim=D, key=LloydMax(bits=3), value=Uniform(bits=4, rotated=True),
+               rotation="haar")
+
+
+def _params(**kw):
+    base = dict(format=FMT, rotation=np.eye(D), key_codebook=lloyd_max(3, D, "beta"))
+    base.update(kw)
+    return TQParams(**base)
+
+
+def test_own_matrices_accepted():
+    cb = Codebook.from_centroids(np.linspace(-0.5, 0.5, 8), dim=D)
+    p = _params(rotation=haar(D, 3).T, key_codebook=cb)
+    assert p.key_codebook is cb
+    np.testing.assert_array_equal(p.rotation, haar(D, 3).T)
+
+
+@pytest.mark.parametrize("shape", [(D, D + 2), (D - 2, D - 2), (D,), (1, D, D)])
+def test_rotation_shape(shape):
+    with pytest.raises(ValueError, match=r"^TQParams\.rotation must have shape \(16, 16\)"):
+        _params(rotation=np.ones(shape))
+
+
+def test_rotation_required_for_rotated_format():
+    with pytest.raises(ValueError, match=r"^TQParams\.rotation must be a \[D, D\] matrix"):
+        _params(rotation=None)
+
+
+@pytest.mark.parametrize("bad", [
+    2 * np.eye(D),
+    np.eye(D) + 1e-4 * np.triu(np.ones((D, D)), 1),
+    np.ones((D, D)) / 4,
+    np.full((D, D), np.nan),
+])
+def test_rotation_not_orthogonal(bad):
+    with pytest.raises(ValueError, match=r"^TQParams\.rotation must be orthogonal"):
+        _params(rotation=bad)
+
+
+def test_rotation_orthogonal_within_float32_error_is_accepted():
+    # A float32 copy of an orthogonal matrix (what a torch caller passes) must be accepted.
+    r = haar(D, 0).astype(np.float32)
+    assert _params(rotation=r).rotation.dtype == np.float64
+
+
+def test_codebook_bits_mismatch():
+    with pytest.raises(ValueError, match=r"^TQParams\.key_codebook\.bits must be 3, got 4"):
+        _params(key_codebook=lloyd_max(4, D, "beta"))
+
+
+def test_codebook_missing_for_lloyd_max():
+    with pytest.raises(TypeError, match=r"^TQParams\.key_codebook must be a Codebook, got NoneType"):
+        _params(key_codebook=None)
+    with pytest.raises(TypeError, match=r"^TQParams\.key_codebook must be a Codebook, got ndarray"):
+        _params(key_codebook=np.linspace(-1, 1, 8))
+
+
+def test_codebook_for_a_non_lloyd_max_codec():
+    with pytest.raises(ValueError, match=r"^TQParams\.value_codebook must be None for a uniform codec"):
+        _params(value_codebook=lloyd_max(4, D, "beta"))
+    fmt = KVFormat(head_dim=D, key=FP8(), value=Raw())
+    with pytest.raises(ValueError, match=r"^TQParams\.key_codebook must be None for a fp8 codec"):
+        TQParams(format=fmt, rotation=None, key_codebook=lloyd_max(3, D, "beta"))
+
+
+@pytest.mark.parametrize("shape", [(D,), (2, D + 2), (2, D, 1), (2, 3, D)])
+def test_key_offset_shape(shape):
+    with pytest.raises(ValueError, match=r"^TQParams\.key_offset must have shape \[num_kv_heads, 16\]"):
+        _params(key_offset=np.zeros(shape))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_key_offset_finite(bad):
+    mu = np.zeros((2, D))
+    mu[1, 3] = bad
+    with pytest.raises(ValueError, match=r"^TQParams\.key_offset must be finite"):
+        _params(key_offset=mu)
+
+
+def test_format_type():
+    with pytest.raises(TypeError, match=r"^TQParams\.format must be a KVFormat, got str"):
+        TQParams(format="tq4", rotation=None)
+
+
+def test_key_offset_is_rounded_to_float32_and_read_only():
+    mu = np.full((2, D), 0.1)  # 0.1 is not a float32 value
+    p = _params(key_offset=mu)
+    assert p.key_offset.dtype == np.float64
+    assert np.all(p.key_offset == float(np.float32(0.1)))
+    mu[:] = 5.0  # the params hold their own copy
+    assert np.all(p.key_offset == float(np.float32(0.1)))
+    assert not p.key_offset.flags.writeable
+    with pytest.raises(ValueError):
+        p.key_offset[0, 0] = 1.0
+
+
+def test_rotation_is_a_read_only_copy():
+    r = haar(D, 1)
+    p = _params(rotation=r)
+    assert not p.rotation.flags.writeable
+    with pytest.raises(ValueError):
+        p.rotation[0, 0] = 1.0
+    r[0, 0] = 7.0
+    assert p.rotation[0, 0] != 7.0
+    d = TQParams.default(KVFormat.preset("tq4", head_dim=64))
+    assert not d.rotation.flags.writeable
+
+
+def test_with_key_offset():
+    p = _params()
+    q = p.with_key_offset(np.ones((3, D)))
+    assert p.key_offset is None and q.key_offset.shape == (3, D)
+    assert q.rotation is p.rotation or np.array_equal(q.rotation, p.rotation)
+    assert q.key_codebook is p.key_codebook
+    with pytest.raises(ValueError, match=r"key_offset must have shape"):
+        p.with_key_offset(np.ones(D))
+
+
+def test_default_key_offset():
+    mu = np.arange(2 * 64, dtype=np.float32).reshape(2, 64) / 7
+    p = TQParams.default(KVFormat.preset("tq4", head_dim=64), key_offset=mu)
+    np.testing.assert_array_equal(p.key_offset, mu.astype(np.float64))
+
+
+def test_frozen_slotted_keyword_only():
+    p = _params()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.rotation = np.eye(D)
+    assert not hasattr(p, "__dict__")
+    with pytest.raises(TypeError):
+        TQParams(FMT, np.eye(D), lloyd_max(3, D, "beta"))

@@ -1,0 +1,108 @@
+"""Prefill with int8 Q·Kᵀ: the NumPy oracle and spec of ``int8_prefill``.
+
+``int8_prefill(q, cache, block_table, seq_lens, query_start_loc, layout, params, *, scale=None)``
+takes the arguments of :func:`tqkern.ops.prefill.reference.prefill` and returns float64
+``[num_tokens, Hq, D]``; positions, paging, causal masking (bottom-right aligned), the rotated
+space and validation are exactly those of ``prefill``. Only the scores differ: Q and K enter
+them through symmetric int8 quantization.
+
+int8 quantization of one vector x ``[D]`` (:func:`quantize_int8`), in float64:
+
+    s     = max_d |x_d| / 127                       (symmetric; one scale per vector)
+    c_d   = clamp(round_half_even(x_d / s), −127, 127)     (``numpy.rint``; −128 never occurs)
+    x = 0 (every entry zero): s = 0 and c = 0.
+
+Granularity: one scale per (query token, query head) for Q and per (key token, KV head) for K.
+The vectors quantized are those the kernel multiplies: the query in the key codec's space
+(``q_k = q @ Π`` if ``format.key.rotated``, else ``q``) and each decompressed key ``K̂`` in its
+codec's space (rotated for a rotated key codec, original coordinates otherwise; always the
+reconstruction of ``key − μ``). With ``g(h) = h // (Hq // num_kv_heads)``:
+
+    dot_ij   = Σ_d c_q[i, h, d] · c_k[j, g(h), d]    (integer, exact: |dot| ≤ 127² · D)
+    s_ij     = ((scale · s_q[i, h]) · s_k[j, g(h)]) · dot_ij     (float64, left to right)
+    s_ij     = −inf where j > seq_len − q_len + i    (causal)
+    out      = softmax_attend(s, V̂)                  (P·V in float64 with the decompressed V̂)
+    out      = out @ Πᵀ if format.value.rotated
+
+Rows follow ``attention``'s conventions (stable softmax; a row with no visible key is zeros).
+A kernel computing s and x/s in float32 may pick the neighbouring code where x_d / s lies within
+float32 rounding (~1e-7 relative) of a half-integer; compare kernels on outputs with a tolerance,
+and on codes only away from such ties.
+
+Error versus ``prefill``: x = s·(c + e) with |e_d| ≤ 1/2, so per score
+|q_k·k̂ − s_q·s_k·dot| ≤ s_q·s_k·(‖c_q‖₁ + ‖c_k‖₁ + D/2)/2, times ``scale``. If every visible
+score of a row moves by at most Δ, every softmax weight changes by a factor within e^{±2Δ}, so
+Σ_j |p'_j − p_j| ≤ e^{2Δ} − 1 and the output row (per token and head) moves by at most
+(e^{2Δ} − 1)·max_j ‖V̂_j‖₂ in the 2-norm, which Πᵀ preserves. That bound is rigorous and loose;
+for Gaussian-like vectors (no outlier channel dominating the max) the rounding errors are
+independent and the typical score error is ~0.01× the score's spread.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tqkern.layouts import PagedLayout
+from tqkern.ops.attention.reference import causal_visible, resolve_scale, softmax_attend
+from tqkern.ops.paged_decode.reference import _from_value_space, _sequences_kv, _to_key_space
+from tqkern.ops.prefill.reference import _check_varlen
+from tqkern.params import TQParams
+
+__all__ = ["int8_prefill", "quantize_int8", "INT8_MAX"]
+
+INT8_MAX = 127
+
+
+def quantize_int8(x) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-vector int8 quantization over the last axis (module docstring has the maths).
+
+    Args:
+        x: float ``[..., D]``.
+
+    Returns:
+        ``(codes, scales)``: int8 ``[..., D]`` in [−127, 127] and float64 ``[...]`` with
+        ``x ≈ codes · scales[..., None]``.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    s = np.max(np.abs(x), axis=-1) / INT8_MAX if x.shape[-1] else np.zeros(x.shape[:-1])
+    t = np.divide(x, s[..., None], out=np.zeros_like(x), where=s[..., None] > 0)
+    return np.clip(np.rint(t), -INT8_MAX, INT8_MAX).astype(np.int8), s
+
+
+def _int8_scores(q_k: np.ndarray, k: np.ndarray, scale: float) -> np.ndarray:
+    """float64 scores ``[Hq, Tq, Tk]`` of ``q_k [Tq, Hq, D]`` against ``k [Tk, Hkv, D]``."""
+    cq, sq = quantize_int8(q_k)
+    ck, sk = quantize_int8(k)
+    group = q_k.shape[1] // k.shape[1]
+    ckg = np.repeat(ck.astype(np.int64).transpose(1, 2, 0), group, axis=0)  # [Hq, D, Tk]
+    dot = cq.astype(np.int64).transpose(1, 0, 2) @ ckg  # [Hq, Tq, Tk], exact
+    skg = np.repeat(sk.T, group, axis=0)  # [Hq, Tk]
+    return (scale * sq.T[:, :, None]) * skg[:, None, :] * dot.astype(np.float64)
+
+
+def int8_prefill(q, cache, block_table, seq_lens, query_start_loc, layout: PagedLayout,
+                 params: TQParams, *, scale=None) -> np.ndarray:
+    """``prefill`` with int8 Q·Kᵀ (see module docstring).
+
+    Args:
+        q: float ``[num_tokens, num_q_heads, head_dim]``.
+        cache: uint8 ``layout.cache_shape(num_blocks)``, already holding the new tokens.
+        block_table: int32 ``[num_seqs, max_blocks]``.
+        seq_lens: int32 ``[num_seqs]``, lengths including the new tokens.
+        query_start_loc: int32 ``[num_seqs + 1]``.
+        layout: the cache's :class:`~tqkern.layouts.PagedLayout`.
+        params: the format's :class:`~tqkern.params.TQParams`.
+        scale: score multiplier, default ``1/√head_dim``.
+
+    Returns:
+        float64 ``[num_tokens, num_q_heads, head_dim]``.
+    """
+    q, cache, bt, sl, qsl = _check_varlen(q, cache, block_table, seq_lens, query_start_loc, layout, params)
+    sc = resolve_scale(scale, layout.head_dim)
+    out = np.zeros(q.shape, np.float64)
+    for s, (k, v) in enumerate(_sequences_kv(cache, layout, params, bt, sl)):
+        a, b = int(qsl[s]), int(qsl[s + 1])
+        scores = _int8_scores(_to_key_space(q[a:b], params), k, sc)
+        scores = np.where(causal_visible(b - a, k.shape[0])[None], scores, -np.inf)
+        out[a:b] = _from_value_space(softmax_attend(scores, v), params)
+    return out
