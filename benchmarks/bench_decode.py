@@ -82,7 +82,7 @@ def gate(results):
     return {r["preset"] for r in results["gate"] if r["ok"]} - {r["preset"] for r in results["gate"] if not r["ok"]}
 
 
-def run_decode(shape, passed, results, sweep):
+def run_decode(shape, passed, results, sweep, probe):
     g = torch.Generator(device="cuda").manual_seed(0)
     b, L, hq, hkv, d = shape.batch, shape.seq_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim
     q = torch.randn(b, hq, d, device="cuda", dtype=torch.float16, generator=g)
@@ -113,6 +113,15 @@ def run_decode(shape, passed, results, sweep):
         results["decode"].append(row)
         print(f"{shape.name:16s} {preset:20s} {us:9.1f} us {row['gbps']:8.0f} GB/s  {row['ratio']:.2f}x SDPA",
               flush=True)
+        if probe and preset in ("tq4", "turboquant_4bit_nc", "turboquant_k8v4", "fp16") and shape.name == "B32x16K":
+            # Where the time goes: the same launch with parts of the inner loop removed.
+            fmt = layout.format
+            q_rot = ((q.float() @ params.rotation) if fmt.key.rotated else q.float()).contiguous()
+            for pr in ("", "no_lut", "no_k", "no_v"):
+                t = bench(lambda: _launch_paged_decode(out, q_rot, cache, bt, sl, layout, params.tables(),
+                                                        sm_scale=d**-0.5, interpret=False, probe=pr))
+                results["probe"].append(dict(shape=shape.name, variant=preset, probe=pr or "full", us=t))
+                print(f"  probe {preset} {pr or 'full'}: {t:.1f} us", flush=True)
         if sweep and preset in ("tq4", "turboquant_4bit_nc", "fp16") and shape.name == "B32x16K":
             fmt = layout.format
             q_rot = (q.float() @ params.rotation) if fmt.key.rotated else q.float()
@@ -172,15 +181,16 @@ def main(argv=None):
     ap.add_argument("--shapes", nargs="*", default=[s.name for s in DECODE_SHAPES])
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-store", action="store_true")
+    ap.add_argument("--probe", action="store_true", help="time inner-loop probes at B32x16K")
     args = ap.parse_args(argv)
     results = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   time=time.strftime("%Y-%m-%d %H:%M:%S"), gate=[], decode=[], sweep=[], store=[])
+                   time=time.strftime("%Y-%m-%d %H:%M:%S"), gate=[], decode=[], sweep=[], probe=[], store=[])
     passed = gate(results)
     if not args.no_store:
         run_store(results, args.sweep)
     for shape in DECODE_SHAPES:
         if shape.name in args.shapes:
-            run_decode(shape, passed, results, args.sweep)
+            run_decode(shape, passed, results, args.sweep, args.probe)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_decode.json"), "w") as f:
         json.dump(results, f, indent=1)

@@ -24,8 +24,14 @@ from tqkern_torch._validate import use_triton
 __all__ = ["layout_key", "layout_of"]
 
 
+@torch.compiler.assume_constant_result
 def layout_key(layout: PagedLayout) -> str:
-    """The op argument that names ``layout``."""
+    """The op argument that names ``layout`` (a constant to ``torch.compile``)."""
+    return _layout_key(layout)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_key(layout: PagedLayout) -> str:
     return json.dumps(layout_to_dict(layout), sort_keys=True)
 
 

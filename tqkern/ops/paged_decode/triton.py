@@ -96,7 +96,7 @@ def _paged_decode_kernel(
     max_blocks, sm_scale_log2,
     G: tl.constexpr, GP: tl.constexpr, HQ: tl.constexpr, NUM_SPLITS: tl.constexpr, BN: tl.constexpr,
     BS: tl.constexpr, K_HALVES: tl.constexpr, V_HALVES: tl.constexpr, DOT: tl.constexpr,
-    K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr,
+    K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, SKIP_K: tl.constexpr, SKIP_V: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_ROTATED: tl.constexpr, K_NORM_CORRECTION: tl.constexpr,
     K_PARAM_DTYPE: tl.constexpr, K_A_OFF: tl.constexpr, K_A_STRIDE: tl.constexpr, K_A_BYTES: tl.constexpr,
@@ -147,24 +147,29 @@ def _paged_decode_kernel(
         row = cache_ptr + (blk * BS + pos % BS) * ROW_BYTES  # [BN] token rows
 
         # -- scores [GP, BN] ------------------------------------------------------------------
-        kf, kz = _token_factors(row, h, tmask, K_KIND, K_PARAM_DTYPE, K_B_OFF, K_B_STRIDE, K_C_OFF, K_C_STRIDE)
-        if K_HALVES:
-            k_e = _tile_codes(row, h, tmask, D2, 0, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
-                              K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED)
-            k_o = _tile_codes(row, h, tmask, D2, 1, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
-                              K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED)
-            qk = tl.dot(q_e, tl.trans(k_e)) + tl.dot(q_o, tl.trans(k_o))
-            if K_NORM_CORRECTION == 1:  # vLLM's _nc: ‖c[idx]‖ from the decoded tile
-                ke32 = k_e.to(tl.float32)
-                ko32 = k_o.to(tl.float32)
-                kf = kf / tl.sqrt(tl.maximum(tl.sum(ke32 * ke32, axis=1) + tl.sum(ko32 * ko32, axis=1), 1e-30))
+        if SKIP_K:  # probe: no key traffic or decode (timing only)
+            qk = tl.zeros([GP, BN], tl.float32)
+            kf = tl.full([BN], 1.0, tl.float32)
+            kz = tl.zeros([BN], tl.float32)
         else:
-            k_f = _tile_codes(row, h, tmask, DP, -1, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
-                              K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED)
-            qk = tl.dot(q_f, tl.trans(k_f))
-            if K_NORM_CORRECTION == 1:
-                kf32 = k_f.to(tl.float32)
-                kf = kf / tl.sqrt(tl.maximum(tl.sum(kf32 * kf32, axis=1), 1e-30))
+            kf, kz = _token_factors(row, h, tmask, K_KIND, K_PARAM_DTYPE, K_B_OFF, K_B_STRIDE, K_C_OFF, K_C_STRIDE)
+            if K_HALVES:
+                k_e = _tile_codes(row, h, tmask, D2, 0, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
+                                  K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED)
+                k_o = _tile_codes(row, h, tmask, D2, 1, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
+                                  K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED)
+                qk = tl.dot(q_e, tl.trans(k_e)) + tl.dot(q_o, tl.trans(k_o))
+                if K_NORM_CORRECTION == 1:  # vLLM's _nc: ‖c[idx]‖ from the decoded tile
+                    ke32 = k_e.to(tl.float32)
+                    ko32 = k_o.to(tl.float32)
+                    kf = kf / tl.sqrt(tl.maximum(tl.sum(ke32 * ke32, axis=1) + tl.sum(ko32 * ko32, axis=1), 1e-30))
+            else:
+                k_f = _tile_codes(row, h, tmask, DP, -1, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
+                                  K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED)
+                qk = tl.dot(q_f, tl.trans(k_f))
+                if K_NORM_CORRECTION == 1:
+                    kf32 = k_f.to(tl.float32)
+                    kf = kf / tl.sqrt(tl.maximum(tl.sum(kf32 * kf32, axis=1), 1e-30))
         sc = (qk * kf[None, :] + q_sum[:, None] * kz[None, :]) * sm_scale_log2
         sc = tl.where(tmask[None, :], sc, float("-inf"))
 
@@ -176,32 +181,33 @@ def _paged_decode_kernel(
         m_i = m_new
 
         # -- values: p·f into the dot (scaled to the tile's largest f), p·z added per row -----
-        vf, vz = _token_factors(row, h, tmask, V_KIND, V_PARAM_DTYPE, V_B_OFF, V_B_STRIDE, V_C_OFF, V_C_STRIDE)
-        if V_HALVES:
-            v_e = _tile_codes(row, h, tmask, D2, 0, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
-                              V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED)
-            v_o = _tile_codes(row, h, tmask, D2, 1, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
-                              V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED)
-            if V_NORM_CORRECTION == 1:
-                ve32 = v_e.to(tl.float32)
-                vo32 = v_o.to(tl.float32)
-                vf = vf / tl.sqrt(tl.maximum(tl.sum(ve32 * ve32, axis=1) + tl.sum(vo32 * vo32, axis=1), 1e-30))
-        else:
-            v_f = _tile_codes(row, h, tmask, DP, -1, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
-                              V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED)
-            if V_NORM_CORRECTION == 1:
-                vf32 = v_f.to(tl.float32)
-                vf = vf / tl.sqrt(tl.maximum(tl.sum(vf32 * vf32, axis=1), 1e-30))
-        # p·f goes into the dot, scaled to the tile's largest |f| so fp16 keeps its precision.
-        fmax = tl.max(tl.abs(vf), axis=0)
-        fmax = tl.where(fmax > 0, fmax, 1.0)
-        pv = (p * (vf / fmax)[None, :]).to(DOT)
-        pz = tl.sum(p * vz[None, :], axis=1)
-        if V_HALVES:
-            acc_e = acc_e * alpha[:, None] + tl.dot(pv, v_e) * fmax + pz[:, None]
-            acc_o = acc_o * alpha[:, None] + tl.dot(pv, v_o) * fmax + pz[:, None]
-        else:
-            acc = acc * alpha[:, None] + tl.dot(pv, v_f) * fmax + pz[:, None]
+        if not SKIP_V:  # (SKIP_V: probe without value traffic, timing only)
+            vf, vz = _token_factors(row, h, tmask, V_KIND, V_PARAM_DTYPE, V_B_OFF, V_B_STRIDE, V_C_OFF, V_C_STRIDE)
+            if V_HALVES:
+                v_e = _tile_codes(row, h, tmask, D2, 0, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
+                                  V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED)
+                v_o = _tile_codes(row, h, tmask, D2, 1, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
+                                  V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED)
+                if V_NORM_CORRECTION == 1:
+                    ve32 = v_e.to(tl.float32)
+                    vo32 = v_o.to(tl.float32)
+                    vf = vf / tl.sqrt(tl.maximum(tl.sum(ve32 * ve32, axis=1) + tl.sum(vo32 * vo32, axis=1), 1e-30))
+            else:
+                v_f = _tile_codes(row, h, tmask, DP, -1, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
+                                  V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED)
+                if V_NORM_CORRECTION == 1:
+                    vf32 = v_f.to(tl.float32)
+                    vf = vf / tl.sqrt(tl.maximum(tl.sum(vf32 * vf32, axis=1), 1e-30))
+            # p·f goes into the dot, scaled to the tile's largest |f| so fp16 keeps its precision.
+            fmax = tl.max(tl.abs(vf), axis=0)
+            fmax = tl.where(fmax > 0, fmax, 1.0)
+            pv = (p * (vf / fmax)[None, :]).to(DOT)
+            pz = tl.sum(p * vz[None, :], axis=1)
+            if V_HALVES:
+                acc_e = acc_e * alpha[:, None] + tl.dot(pv, v_e) * fmax + pz[:, None]
+                acc_o = acc_o * alpha[:, None] + tl.dot(pv, v_o) * fmax + pz[:, None]
+            else:
+                acc = acc * alpha[:, None] + tl.dot(pv, v_f) * fmax + pz[:, None]
 
     # -- partial results: acc [S, HQ, NUM_SPLITS, DP], (m, l) [S, HQ, NUM_SPLITS, 2] ---------------
     part = ((s * HQ + qh).to(tl.int64) * NUM_SPLITS + split)
@@ -271,7 +277,7 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int,
 
 def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, tables, *, sm_scale: float,
                          interpret: bool, workspace=None, num_splits: int | None = None,
-                         block_n: int = 32, num_warps: int = 4, num_stages: int = 2):
+                         block_n: int = 64, num_warps: int = 4, num_stages: int = 2, probe: str = ""):
     """Launch decode + merge. ``q_rot`` float32 ``[S, Hq, D]`` contiguous (already rotated when the
     key codec is rotated). ``workspace``: optional float32 tensor with at least
     ``workspace_numel(...)`` elements. No checks."""
@@ -296,12 +302,18 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
 
     raw_bf16 = any(getattr(cd, "dtype", None) == "bfloat16" for cd in (fmt.key, fmt.value))
     consts = {k: v for k, v in c.items() if not k.startswith("PAD")}
+    if probe == "no_lut":  # timing probe: read Lloyd-Max codes as integers (wrong values)
+        for side in ("K", "V"):
+            if consts[f"{side}_KIND"] == 0:
+                consts[f"{side}_KIND"] = 1
+                consts[f"{side}_C_OFF"] = consts[f"{side}_B_OFF"]
     _paged_decode_kernel[(s, hkv, num_splits)](
         q_rot, cache, block_table, seq_lens, tables["key_centroids_f32"], tables["value_centroids_f32"], acc, ml,
         block_table.shape[1], sm_scale * 1.4426950408889634,
         G=g, GP=gp, HQ=hq, NUM_SPLITS=num_splits, BN=block_n, BS=layout.block_size,
         K_HALVES=halves(fmt.key), V_HALVES=halves(fmt.value), DOT=tl.bfloat16 if raw_bf16 else tl.float16,
         K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
+        SKIP_K=probe == "no_k", SKIP_V=probe == "no_v",
         num_warps=num_warps, num_stages=num_stages, **consts,
     )
     _merge_kernel[(s, hkv)](

@@ -189,7 +189,7 @@ def _store_kernel(
                  mask=tok_mask[:, None] & (p < PAD_BYTES)[None, :])
 
 
-def _launch_store(cache, key, value, slot_mapping, layout, tables, *, interpret: bool, block_tokens: int = 32,
+def _launch_store(cache, key, value, slot_mapping, layout, tables, *, interpret: bool, block_tokens: int = 16,
                   num_warps: int = 4):
     """Launch :func:`_store_kernel`. No checks: the torch frontend validates.
 

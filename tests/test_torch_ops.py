@@ -1,0 +1,227 @@
+"""The torch frontend: op registration (opcheck, torch.compile), argument checks, CPU fallback."""
+
+import numpy as np
+import pytest
+import torch
+
+import tqkern
+import tqkern_torch as tqt
+from tqkern import reference as ref
+from tqkern_torch.attention import paged_decode
+from tqkern_torch.library import layout_key
+from tqkern_torch.testing import device_under_test, kernels_available
+
+DEV = device_under_test()
+needs_kernels = pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+@pytest.fixture(scope="module")
+def setup():
+    fmt = tqkern.KVFormat.preset("turboquant_4bit_nc", 64)
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=2, block_size=16)
+    params = tqkern.TQParams.default(fmt, seed=3)
+    return layout, params, tqt.to_device(params, DEV)
+
+
+def _kv(n, h=2, d=64, seed=0, dtype=torch.float16):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, h, d, generator=g).to(dtype).to(DEV), torch.randn(n, h, d, generator=g).to(dtype).to(DEV))
+
+
+@needs_kernels
+def test_opcheck_store_and_decompress(setup):
+    layout, _, dp = setup
+    k, v = _kv(5)
+    slots = torch.tensor([3, 17, -1, 40, 63], device=DEV)
+    cache = tqt.allocate_cache(layout, 4, DEV)
+    key = layout_key(layout)
+    torch.library.opcheck(torch.ops.tqkern.store.default,
+                          (cache, k, v, slots, dp.rotation, dp.key_boundaries, dp.key_centroids,
+                           dp.value_boundaries, dp.value_centroids, None, key))
+    torch.library.opcheck(torch.ops.tqkern.decompress.default,
+                          (cache, slots, dp.rotation, dp.key_centroids, dp.value_centroids, key, True))
+
+
+@needs_kernels
+def test_opcheck_paged_decode(setup):
+    layout, _, dp = setup
+    k, v = _kv(40)
+    cache = tqt.allocate_cache(layout, 4, DEV)
+    tqt.store(cache, k, v, torch.arange(40, device=DEV), layout, dp)
+    q = torch.randn(2, 4, 64, device=DEV).half()
+    bt = torch.tensor([[0, 1, 2], [3, 0, 0]], dtype=torch.int32, device=DEV)
+    sl = torch.tensor([40, 9], dtype=torch.int32, device=DEV)
+    out = torch.empty_like(q)
+    torch.library.opcheck(torch.ops.tqkern.paged_decode.default,
+                          (q, cache, bt, sl, dp.rotation, dp.key_centroids, dp.value_centroids, dp.key_centroids_f32,
+                           dp.value_centroids_f32, out, None, layout_key(layout), 0.125, 2))
+
+
+@needs_kernels
+def test_torch_compile_fullgraph_store_decompress_decode(setup):
+    layout, params, dp = setup
+    k, v = _kv(20, seed=1)
+    slots = torch.arange(20, device=DEV).flip(0)
+    q = torch.randn(1, 4, 64, device=DEV).half()
+    bt = torch.tensor([[1, 0]], dtype=torch.int32, device=DEV)
+    sl = torch.tensor([20], dtype=torch.int32, device=DEV)
+
+    def step(cache, k, v, slots, q):
+        tqt.store(cache, k, v, slots, layout, dp)
+        kk, vv = tqt.decompress(cache, slots, layout, dp, rotate_back=True)
+        out = paged_decode(q, cache, bt, sl, layout, dp, check_lengths=False, num_splits=2)
+        return kk, vv, out
+
+    backend = "inductor" if DEV.type == "cuda" else "aot_eager"  # no C++ build on CPU-only CI
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    c1, c2 = tqt.allocate_cache(layout, 2, DEV), tqt.allocate_cache(layout, 2, DEV)
+    got = compiled(c1, k, v, slots, q)
+    want = step(c2, k, v, slots, q)
+    assert torch.equal(c1, c2)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    exp = ref.paged_decode(q.float().cpu().numpy(), c2.cpu().numpy(), bt.cpu().numpy(), sl.cpu().numpy(),
+                           layout, params)
+    assert np.abs(got[2].float().cpu().numpy() - exp).max() < 4e-3 * float(got[1].abs().max())
+
+
+def test_numpy_fallback_equals_oracle(setup, monkeypatch):
+    """Without a GPU and without the interpreter, CPU tensors run the NumPy oracle."""
+    layout, params, _ = setup
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    k, v = _kv(7, seed=2)
+    k, v = k.cpu(), v.cpu()
+    slots = torch.tensor([0, 5, 9, -1, 33, 2, 63])
+    cache = tqt.allocate_cache(layout, 4, fill=7)
+    tqt.store(cache, k, v, slots, layout, params)
+    expect = ref.store(np.full(layout.cache_shape(4), 7, np.uint8), k.float().numpy(), v.float().numpy(),
+                       slots.numpy(), layout, params)
+    assert np.array_equal(cache.numpy(), expect)
+    kk, vv = tqt.decompress(cache, slots, layout, params)
+    ek, ev = ref.decompress(ref.gather_slots(expect, layout, slots.numpy()[slots.numpy() >= 0]), params)
+    assert np.allclose(kk.numpy()[slots.numpy() >= 0], ek, rtol=1e-6, atol=1e-7)
+    assert np.all(vv.numpy()[3] == 0)
+
+
+def test_rotate_pack_unpack_match_oracles(setup):
+    layout, params, _ = setup
+    x = torch.randn(3, 5, 64)
+    assert np.allclose(tqt.rotate(x, params).numpy(), ref.rotate(x.numpy(), params.rotation), atol=1e-5)
+    assert np.allclose(tqt.rotate(x, params, inverse=True).numpy(),
+                       ref.rotate(x.numpy(), params.rotation, inverse=True), atol=1e-5)
+    rng = np.random.default_rng(0)
+    for bits in range(1, 9):
+        for n in (1, 7, 64, 100):
+            codes = rng.integers(0, 1 << bits, size=(3, n), dtype=np.uint8)
+            packed = tqt.pack(torch.from_numpy(codes), bits)
+            assert np.array_equal(packed.numpy(), ref.pack(codes, bits))
+            assert np.array_equal(tqt.unpack(packed, bits, n).numpy(), codes)
+    codes = rng.integers(0, 16, size=(2, 64), dtype=np.uint8)
+    packed = tqt.pack(torch.from_numpy(codes), 4, "nibble_high_even")
+    assert np.array_equal(packed.numpy(), ref.pack(codes, 4, "nibble_high_even"))
+    assert np.array_equal(tqt.unpack(packed, 4, 64, "nibble_high_even").numpy(), codes)
+
+
+def test_compress_equals_oracle_bytes(setup):
+    layout, params, _ = setup
+    k, v = _kv(9, seed=4)
+    slots = tqt.compress(k, v, params).cpu().numpy()
+    expect, unsure = ref.compress(k.float().cpu().numpy(), v.float().cpu().numpy(), params, return_uncertain=True)
+    assert slots.shape == expect.shape
+    assert not np.any((slots != expect) & ~unsure)
+
+
+# -- argument checks: each error names the argument, the expectation and what it got -------------
+def test_store_rejects_bad_arguments(setup):
+    layout, params, _ = setup
+    k, v = _kv(4)
+    cache = tqt.allocate_cache(layout, 2, DEV)
+    sm = torch.arange(4, device=DEV)
+    with pytest.raises(TypeError, match=r"key must be float16 or bfloat16, got float32"):
+        tqt.store(cache, k.float(), v, sm, layout, params)
+    with pytest.raises(ValueError, match=r"key must have shape \[\*, 2, 64\], got \[4, 2, 32\]"):
+        tqt.store(cache, k[..., :32], v, sm, layout, params)
+    with pytest.raises(TypeError, match=r"value must be float16, got bfloat16"):
+        tqt.store(cache, k, v.bfloat16(), sm, layout, params)
+    with pytest.raises(TypeError, match=r"cache must be uint8, got int8"):
+        tqt.store(cache.to(torch.int8), k, v, sm, layout, params)
+    with pytest.raises(ValueError, match=r"cache must have shape \[num_blocks, 16, 2, 70\]"):
+        tqt.store(cache.reshape(2, 16, 140), k, v, sm, layout, params)
+    with pytest.raises(ValueError, match=r"slot_mapping must have shape \[4\], got \[3\]"):
+        tqt.store(cache, k, v, sm[:3], layout, params)
+    with pytest.raises(TypeError, match=r"slot_mapping must be int32 or int64, got float32"):
+        tqt.store(cache, k, v, sm.float(), layout, params)
+    with pytest.raises(ValueError, match=r"cache must be contiguous"):
+        tqt.store(cache.transpose(1, 2).contiguous().transpose(1, 2), k, v, sm, layout, params)
+    with pytest.raises(ValueError, match=r"key must have a contiguous last dimension"):
+        tqt.store(cache, k.transpose(0, 2).contiguous().transpose(0, 2), v, sm, layout, params)
+    with pytest.raises(TypeError, match=r"layout must be a PagedLayout, got KVFormat"):
+        tqt.store(cache, k, v, sm, layout.format, params)
+    other = tqkern.TQParams.default(tqkern.KVFormat.preset("tq4", 64))
+    with pytest.raises(ValueError, match=r"params.format must equal"):
+        tqt.store(cache, k, v, sm, layout, other)
+    with pytest.raises(TypeError, match=r"params must be a TQParams or DeviceParams, got str"):
+        tqt.store(cache, k, v, sm, layout, "params")
+
+
+def test_decompress_and_allocate_reject_bad_arguments(setup):
+    layout, params, _ = setup
+    cache = tqt.allocate_cache(layout, 2, DEV)
+    with pytest.raises(TypeError, match=r"slot_ids must be int32 or int64, got float32"):
+        tqt.decompress(cache, torch.zeros(3, device=DEV), layout, params)
+    with pytest.raises(ValueError, match=r"slot_ids must have shape \[\*\], got \[3, 1\]"):
+        tqt.decompress(cache, torch.zeros(3, 1, dtype=torch.long, device=DEV), layout, params)
+    with pytest.raises(ValueError, match=r"num_blocks must be a non-negative int, got -1"):
+        tqt.allocate_cache(layout, -1)
+    bt = torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"seq_lens must be int32, got int64"):
+        tqt.decompress_sequences(cache.cpu(), bt, torch.tensor([3]), layout, params)
+    with pytest.raises(ValueError, match=r"seq_lens must be <= max_blocks \* block_size = 32, got 33"):
+        tqt.decompress_sequences(cache.cpu(), bt, torch.tensor([33], dtype=torch.int32), layout, params)
+
+
+def test_paged_decode_rejects_bad_arguments(setup):
+    layout, params, _ = setup
+    cache = tqt.allocate_cache(layout, 3, DEV)
+    q = torch.randn(2, 4, 64, device=DEV).half()
+    bt = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32, device=DEV)
+    sl = torch.tensor([20, 5], dtype=torch.int32, device=DEV)
+    with pytest.raises(TypeError, match=r"q must be float16 or bfloat16, got float32"):
+        paged_decode(q.float(), cache, bt, sl, layout, params)
+    with pytest.raises(ValueError, match=r"num_q_heads\) must be a positive multiple of num_kv_heads = 2, got 3"):
+        paged_decode(q[:, :3], cache, bt, sl, layout, params)
+    with pytest.raises(ValueError, match=r"q must have shape \[num_seqs, num_q_heads, 64\], got \[2, 4, 32\]"):
+        paged_decode(q[..., :32], cache, bt, sl, layout, params)
+    with pytest.raises(TypeError, match=r"block_table must be int32, got int64"):
+        paged_decode(q, cache, bt.long(), sl, layout, params)
+    with pytest.raises(ValueError, match=r"seq_lens must have shape \[2\], got \[1\]"):
+        paged_decode(q, cache, bt, sl[:1], layout, params)
+    with pytest.raises(ValueError, match=r"seq_lens must be in \[0, max_blocks \* block_size = 32\], got range \[5, 33\]"):
+        paged_decode(q, cache, bt, torch.tensor([33, 5], dtype=torch.int32, device=DEV), layout, params)
+    with pytest.raises(ValueError, match=r"block_table entries in use must be in \[0, num_blocks = 3\), got range \[0, 7\]"):
+        paged_decode(q, cache, torch.tensor([[0, 7], [2, 0]], dtype=torch.int32, device=DEV), sl, layout, params)
+    with pytest.raises(ValueError, match=r"out must have shape \[2, 4, 64\]"):
+        paged_decode(q, cache, bt, sl, layout, params, out=torch.empty(2, 4, 32, device=DEV).half())
+    with pytest.raises(TypeError, match=r"out must be float16, got bfloat16"):
+        paged_decode(q, cache, bt, sl, layout, params, out=torch.empty_like(q).bfloat16())
+    with pytest.raises(ValueError, match=r"num_splits must be an int in \[1, 256\], got 0"):
+        paged_decode(q, cache, bt, sl, layout, params, num_splits=0)
+
+
+@needs_kernels
+def test_paged_decode_edge_lengths(setup):
+    """seq_len 0 gives zeros; seq_len 1; an exact page boundary; a batch of zero sequences."""
+    layout, params, dp = setup
+    k, v = _kv(48, seed=5)
+    cache = tqt.allocate_cache(layout, 3, DEV)
+    tqt.store(cache, k, v, torch.arange(48, device=DEV), layout, dp)
+    q = torch.randn(4, 4, 64, device=DEV).half()
+    bt = torch.tensor([[0, 1, 2]] * 4, dtype=torch.int32, device=DEV)
+    sl = torch.tensor([0, 1, 16, 48], dtype=torch.int32, device=DEV)
+    out = paged_decode(q, cache, bt, sl, layout, dp)
+    assert torch.all(out[0] == 0)
+    exp = ref.paged_decode(q.float().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(), sl.cpu().numpy(),
+                           layout, params)
+    assert np.abs(out.float().cpu().numpy() - exp).max() < 4e-3 * 5
+    empty = paged_decode(q[:0], cache, bt[:0], sl[:0], layout, dp)
+    assert empty.shape == (0, 4, 64)
