@@ -49,9 +49,9 @@ class PagedSetup:
     def num_seqs(self) -> int:
         return len(self.batch.seq_lens)
 
-    def dense_kv(self, s: int, length: int | None = None):
-        """Sequence s's first ``length`` tokens, decompressed to original coordinates."""
-        ids = self.batch.slot_ids(s)[:length]
+    def dense_kv(self, s: int):
+        """Sequence s's tokens, decompressed to original coordinates."""
+        ids = self.batch.slot_ids(s)
         return decompress(gather_slots(self.cache, self.layout, ids), self.params, rotate_back=True)
 
     def v_scale(self) -> float:
@@ -204,9 +204,12 @@ def test_prefill_with_prefix_equals_dense_causal_attention(setup, data):
     q = _queries(data.draw, setup, int(qsl[-1]))
     out = prefill(q, setup.cache, b.block_table, b.seq_lens, qsl, setup.layout, setup.params)
     # Query i of sequence s sits at position seq_len − q_len + i: it sees keys 0 .. that position.
-    ref = [attention(q[qsl[s] + i: qsl[s] + i + 1], *setup.dense_kv(s, int(b.seq_lens[s] - q_lens[s]) + i + 1))
-           for s in range(setup.num_seqs) for i in range(q_lens[s])]
-    ref = np.concatenate(ref) if ref else np.zeros((0, setup.num_q_heads, setup.layout.head_dim))
+    ref = np.zeros((int(qsl[-1]), setup.num_q_heads, setup.layout.head_dim))
+    for s in range(setup.num_seqs):
+        k, v = setup.dense_kv(s)
+        for i in range(q_lens[s]):
+            last = int(b.seq_lens[s] - q_lens[s]) + i
+            ref[qsl[s] + i] = attention(q[qsl[s] + i: qsl[s] + i + 1], k[: last + 1], v[: last + 1])[0]
     _assert_close(out, ref, setup.v_scale())
 
 

@@ -90,10 +90,10 @@ def _token_factors(row, h, tmask, KIND: tl.constexpr, PARAM_DTYPE: tl.constexpr,
         return zero + 1.0, zero
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["zero"])
 def _paged_decode_kernel(
     q_ptr, cache_ptr, bt_ptr, sl_ptr, kc_ptr, vc_ptr, acc_ptr, ml_ptr,
-    max_blocks, sm_scale_log2,
+    max_blocks, sm_scale_log2, zero,
     G: tl.constexpr, GP: tl.constexpr, HQ: tl.constexpr, NUM_SPLITS: tl.constexpr, BN: tl.constexpr,
     BS: tl.constexpr, K_HALVES: tl.constexpr, V_HALVES: tl.constexpr, DOT: tl.constexpr,
     K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, SKIP_K: tl.constexpr, SKIP_V: tl.constexpr,
@@ -144,7 +144,11 @@ def _paged_decode_kernel(
         pos = t0 + n_off
         tmask = pos < end
         blk = tl.load(bt_row + pos // BS, mask=tmask, other=0).to(tl.int64)
-        row = cache_ptr + (blk * BS + pos % BS) * ROW_BYTES  # [BN] token rows
+        # `zero` (a runtime 0 Triton may not specialize) keeps the compiler from deriving a
+        # 16-byte alignment for every row from `pos % BS` (Triton 3.6 carries the divisibility
+        # of contiguous groups through the multiply; compute-sanitizer caught the misaligned
+        # 16-byte loads this produced for ROW_BYTES = 216).
+        row = cache_ptr + (blk * BS + (pos + zero) % BS) * ROW_BYTES  # [BN] token rows
 
         # -- scores [GP, BN] ------------------------------------------------------------------
         if SKIP_K:  # probe: no key traffic or decode (timing only)
@@ -309,7 +313,7 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
                 consts[f"{side}_C_OFF"] = consts[f"{side}_B_OFF"]
     _paged_decode_kernel[(s, hkv, num_splits)](
         q_rot, cache, block_table, seq_lens, tables["key_centroids_f32"], tables["value_centroids_f32"], acc, ml,
-        block_table.shape[1], sm_scale * 1.4426950408889634,
+        block_table.shape[1], sm_scale * 1.4426950408889634, 0,
         G=g, GP=gp, HQ=hq, NUM_SPLITS=num_splits, BN=block_n, BS=layout.block_size,
         K_HALVES=halves(fmt.key), V_HALVES=halves(fmt.value), DOT=tl.bfloat16 if raw_bf16 else tl.float16,
         K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),

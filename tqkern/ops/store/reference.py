@@ -48,6 +48,8 @@ def store(cache, key, value, slot_mapping, layout: PagedLayout, params: TQParams
     """Compress ``key, value [T, H, D]`` and write them at ``slot_mapping [T]``; returns the new cache."""
     if not isinstance(layout, PagedLayout):
         raise TypeError(f"layout must be a PagedLayout, got {type(layout).__name__}")
+    if not isinstance(params, TQParams):
+        raise TypeError(f"params must be a TQParams, got {type(params).__name__}")
     if params.format != layout.format:
         raise ValueError("params.format must equal layout.format")
     key = np.asarray(key)
