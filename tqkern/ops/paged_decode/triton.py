@@ -29,10 +29,52 @@ __all__ = ["_paged_decode_kernel", "_merge_kernel", "_launch_paged_decode", "num
 
 
 @triton.jit
+def _lut16(codes, cen_ptr):
+    """c[codes] for a 16-entry table as a 4-level select tree on the code bits (15 selects per
+    code, no memory traffic); the table is read once per call as 16 scalars."""
+    b0 = (codes & 1) != 0
+    b1 = (codes & 2) != 0
+    b2 = (codes & 4) != 0
+    b3 = (codes & 8) != 0
+    a0 = tl.where(b0, tl.load(cen_ptr + 1), tl.load(cen_ptr + 0))
+    a1 = tl.where(b0, tl.load(cen_ptr + 3), tl.load(cen_ptr + 2))
+    a2 = tl.where(b0, tl.load(cen_ptr + 5), tl.load(cen_ptr + 4))
+    a3 = tl.where(b0, tl.load(cen_ptr + 7), tl.load(cen_ptr + 6))
+    a4 = tl.where(b0, tl.load(cen_ptr + 9), tl.load(cen_ptr + 8))
+    a5 = tl.where(b0, tl.load(cen_ptr + 11), tl.load(cen_ptr + 10))
+    a6 = tl.where(b0, tl.load(cen_ptr + 13), tl.load(cen_ptr + 12))
+    a7 = tl.where(b0, tl.load(cen_ptr + 15), tl.load(cen_ptr + 14))
+    e0 = tl.where(b1, a1, a0)
+    e1 = tl.where(b1, a3, a2)
+    e2 = tl.where(b1, a5, a4)
+    e3 = tl.where(b1, a7, a6)
+    f0 = tl.where(b2, e1, e0)
+    f1 = tl.where(b2, e3, e2)
+    return tl.where(b3, f1, f0)
+
+
+@triton.jit
+def _centroids(codes, cen_ptr, BITS: tl.constexpr, LUT_SELECT: tl.constexpr):
+    if LUT_SELECT and BITS == 4:
+        return _lut16(codes, cen_ptr)
+    return tl.load(cen_ptr + codes)
+
+
+@triton.jit
+def _small_ints(codes, DOT: tl.constexpr):
+    """Integer codes 0..255 as exact DOT values; for fp16 by the magic number 1024 (the code
+    ORed into the mantissa of 1024.0, minus 1024) instead of an int→float conversion."""
+    if DOT == tl.float16:
+        return (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    return codes.to(DOT)
+
+
+@triton.jit
 def _tile_codes(row, h, tmask, W: tl.constexpr, HALF: tl.constexpr, NIBBLE: tl.constexpr,
                 KIND: tl.constexpr, BITS: tl.constexpr, PARAM_DTYPE: tl.constexpr,
                 A_OFF: tl.constexpr, A_STRIDE: tl.constexpr, A_BYTES: tl.constexpr, D: tl.constexpr,
-                DP: tl.constexpr, cen_ptr, DOT: tl.constexpr, ALIGNED: tl.constexpr):
+                DP: tl.constexpr, cen_ptr, DOT: tl.constexpr, ALIGNED: tl.constexpr,
+                LUT_SELECT: tl.constexpr):
     """Element values of one tile, before the per-token factor: ``[BN, W]`` in the dot dtype.
 
     ``HALF`` = -1: all DP columns; 0: even columns; 1: odd columns (4-bit fast path)."""
@@ -62,13 +104,28 @@ def _tile_codes(row, h, tmask, W: tl.constexpr, HALF: tl.constexpr, NIBBLE: tl.c
             lo = tl.load(base[:, None] + 2 * cols[None, :], mask=m2, other=0).to(tl.int64)
             hi = tl.load(base[:, None] + 2 * cols[None, :] + 1, mask=m2, other=0).to(tl.int64)
             return bits_to_f32(lo | (hi << 8), PARAM_DTYPE).to(DOT)
-        codes = load_packed(base, tmask, BITS, NIBBLE, A_BYTES, DP)
+        if (not NIBBLE) and DP == D:
+            # LSB bitstream, D a power of two: every 8 codes are BITS whole bytes. Read each byte
+            # once, join a group into one word and split it into its 8 codes (the reshape keeps
+            # the natural column order d = 8·group + r).
+            G8: tl.constexpr = DP // 8
+            gi = tl.arange(0, G8)
+            WT: tl.constexpr = tl.int64 if BITS > 3 else tl.int32
+            w = tl.load(base[:, None] + gi[None, :] * BITS, mask=tmask[:, None], other=0).to(WT)
+            for m in tl.static_range(1, BITS):
+                w |= tl.load(base[:, None] + gi[None, :] * BITS + m, mask=tmask[:, None], other=0).to(WT) << (8 * m)
+            r = tl.arange(0, 8).to(WT)
+            codes = tl.reshape((w[:, :, None] >> (r * BITS)[None, None, :]) & ((1 << BITS) - 1),
+                               (row.shape[0], DP))
+            codes = codes.to(tl.int32)
+        else:
+            codes = load_packed(base, tmask, BITS, NIBBLE, A_BYTES, DP)
         codes = tl.where(dm[None, :], codes, 0)
         if KIND == 0:  # padded columns must read 0 (they enter ‖c[idx]‖)
-            return tl.where(dm[None, :], tl.load(cen_ptr + codes), 0.0).to(DOT)
+            return tl.where(dm[None, :], _centroids(codes, cen_ptr, BITS, LUT_SELECT), 0.0).to(DOT)
     if KIND == 0:
-        return tl.load(cen_ptr + codes).to(DOT)
-    return codes.to(DOT)
+        return _centroids(codes, cen_ptr, BITS, LUT_SELECT).to(DOT)
+    return _small_ints(codes, DOT)
 
 
 @triton.jit
@@ -97,6 +154,7 @@ def _paged_decode_kernel(
     G: tl.constexpr, GP: tl.constexpr, HQ: tl.constexpr, NUM_SPLITS: tl.constexpr, BN: tl.constexpr,
     BS: tl.constexpr, K_HALVES: tl.constexpr, V_HALVES: tl.constexpr, DOT: tl.constexpr,
     K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, SKIP_K: tl.constexpr, SKIP_V: tl.constexpr,
+    LUT_SELECT: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_ROTATED: tl.constexpr, K_NORM_CORRECTION: tl.constexpr,
     K_PARAM_DTYPE: tl.constexpr, K_A_OFF: tl.constexpr, K_A_STRIDE: tl.constexpr, K_A_BYTES: tl.constexpr,
@@ -159,21 +217,23 @@ def _paged_decode_kernel(
             kf, kz = _token_factors(row, h, tmask, K_KIND, K_PARAM_DTYPE, K_B_OFF, K_B_STRIDE, K_C_OFF, K_C_STRIDE)
             if K_HALVES:
                 k_e = _tile_codes(row, h, tmask, D2, 0, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
-                                  K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED)
+                                  K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED, LUT_SELECT)
                 k_o = _tile_codes(row, h, tmask, D2, 1, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
-                                  K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED)
+                                  K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED, LUT_SELECT)
                 qk = tl.dot(q_e, tl.trans(k_e)) + tl.dot(q_o, tl.trans(k_o))
-                if K_NORM_CORRECTION == 1:  # vLLM's _nc: ‖c[idx]‖ from the decoded tile
-                    ke32 = k_e.to(tl.float32)
-                    ko32 = k_o.to(tl.float32)
-                    kf = kf / tl.sqrt(tl.maximum(tl.sum(ke32 * ke32, axis=1) + tl.sum(ko32 * ko32, axis=1), 1e-30))
+                if K_NORM_CORRECTION == 1:  # vLLM's _nc: ‖c[idx]‖² of every token by the tensor
+                    # cores (a ones-row times the squared tile), already broadcast to [GP, BN]:
+                    # a row reduction over the tile measured ~2 ms at B32x16K.
+                    ones = tl.full([GP, D2], 1.0, DOT)
+                    cn2 = tl.dot(ones, tl.trans(k_e * k_e)) + tl.dot(ones, tl.trans(k_o * k_o))
+                    qk = qk * tl.rsqrt(tl.maximum(cn2, 1e-30))
             else:
                 k_f = _tile_codes(row, h, tmask, DP, -1, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
-                                  K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED)
+                                  K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED, LUT_SELECT)
                 qk = tl.dot(q_f, tl.trans(k_f))
                 if K_NORM_CORRECTION == 1:
-                    kf32 = k_f.to(tl.float32)
-                    kf = kf / tl.sqrt(tl.maximum(tl.sum(kf32 * kf32, axis=1), 1e-30))
+                    cn2 = tl.dot(tl.full([GP, DP], 1.0, DOT), tl.trans(k_f * k_f))
+                    qk = qk * tl.rsqrt(tl.maximum(cn2, 1e-30))
         sc = (qk * kf[None, :] + q_sum[:, None] * kz[None, :]) * sm_scale_log2
         sc = tl.where(tmask[None, :], sc, float("-inf"))
 
@@ -189,16 +249,16 @@ def _paged_decode_kernel(
             vf, vz = _token_factors(row, h, tmask, V_KIND, V_PARAM_DTYPE, V_B_OFF, V_B_STRIDE, V_C_OFF, V_C_STRIDE)
             if V_HALVES:
                 v_e = _tile_codes(row, h, tmask, D2, 0, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
-                                  V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED)
+                                  V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED, LUT_SELECT)
                 v_o = _tile_codes(row, h, tmask, D2, 1, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
-                                  V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED)
+                                  V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED, LUT_SELECT)
                 if V_NORM_CORRECTION == 1:
                     ve32 = v_e.to(tl.float32)
                     vo32 = v_o.to(tl.float32)
                     vf = vf / tl.sqrt(tl.maximum(tl.sum(ve32 * ve32, axis=1) + tl.sum(vo32 * vo32, axis=1), 1e-30))
             else:
                 v_f = _tile_codes(row, h, tmask, DP, -1, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
-                                  V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED)
+                                  V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED, LUT_SELECT)
                 if V_NORM_CORRECTION == 1:
                     vf32 = v_f.to(tl.float32)
                     vf = vf / tl.sqrt(tl.maximum(tl.sum(vf32 * vf32, axis=1), 1e-30))
@@ -281,7 +341,8 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int,
 
 def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, tables, *, sm_scale: float,
                          interpret: bool, workspace=None, num_splits: int | None = None,
-                         block_n: int = 64, num_warps: int = 4, num_stages: int = 2, probe: str = ""):
+                         block_n: int = 64, num_warps: int = 4, num_stages: int = 2, probe: str = "",
+                         lut: str = "select"):
     """Launch decode + merge. ``q_rot`` float32 ``[S, Hq, D]`` contiguous (already rotated when the
     key codec is rotated). ``workspace``: optional float32 tensor with at least
     ``workspace_numel(...)`` elements. No checks."""
@@ -317,7 +378,7 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
         G=g, GP=gp, HQ=hq, NUM_SPLITS=num_splits, BN=block_n, BS=layout.block_size,
         K_HALVES=halves(fmt.key), V_HALVES=halves(fmt.value), DOT=tl.bfloat16 if raw_bf16 else tl.float16,
         K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
-        SKIP_K=probe == "no_k", SKIP_V=probe == "no_v",
+        SKIP_K=probe == "no_k", SKIP_V=probe == "no_v", LUT_SELECT=lut == "select",
         num_warps=num_warps, num_stages=num_stages, **consts,
     )
     _merge_kernel[(s, hkv)](
