@@ -14,6 +14,7 @@ either ``"slot"`` (vLLM: ``[num_blocks, block_size, num_kv_heads, slot_bytes]``)
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Union
 
@@ -404,6 +405,8 @@ class PagedLayout:
     num_kv_heads: int
     block_size: int
     arrangement: Literal["slot", "row"] = "slot"
+    key: str = dataclasses.field(init=False, repr=False, compare=False)
+    """A canonical JSON string naming this layout (derived; the ``torch.library`` ops take it)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.format, KVFormat):
@@ -413,6 +416,7 @@ class PagedLayout:
         if self.block_size & (self.block_size - 1):
             raise _bad("PagedLayout.block_size", "a power of two", self.block_size)
         _check_choice("PagedLayout.arrangement", self.arrangement, ("slot", "row"))
+        object.__setattr__(self, "key", json.dumps(layout_to_dict(self), sort_keys=True))
 
     @property
     def head_dim(self) -> int:

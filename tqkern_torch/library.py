@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tqkern.codebooks import Codebook
-from tqkern.layouts import LloydMax, PagedLayout, layout_from_dict, layout_to_dict
+from tqkern.layouts import LloydMax, PagedLayout, layout_from_dict
 from tqkern.ops.decompress import reference as decompress_ref
 from tqkern.ops.store import reference as store_ref
 from tqkern.params import TQParams
@@ -24,15 +24,10 @@ from tqkern_torch._validate import use_triton
 __all__ = ["layout_key", "layout_of"]
 
 
-@torch.compiler.assume_constant_result
 def layout_key(layout: PagedLayout) -> str:
-    """The op argument that names ``layout`` (a constant to ``torch.compile``)."""
-    return _layout_key(layout)
-
-
-@functools.lru_cache(maxsize=256)
-def _layout_key(layout: PagedLayout) -> str:
-    return json.dumps(layout_to_dict(layout), sort_keys=True)
+    """The op argument that names ``layout`` (``layout.key``: a plain attribute, which
+    ``torch.compile`` reads as a constant)."""
+    return layout.key
 
 
 @functools.lru_cache(maxsize=256)
