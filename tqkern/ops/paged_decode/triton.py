@@ -104,7 +104,7 @@ def _tile_codes(row, h, tmask, W: tl.constexpr, HALF: tl.constexpr, NIBBLE: tl.c
             lo = tl.load(base[:, None] + 2 * cols[None, :], mask=m2, other=0).to(tl.int64)
             hi = tl.load(base[:, None] + 2 * cols[None, :] + 1, mask=m2, other=0).to(tl.int64)
             return bits_to_f32(lo | (hi << 8), PARAM_DTYPE).to(DOT)
-        if (not NIBBLE) and DP == D:
+        if (not NIBBLE) and DP == D and BITS <= 8:  # (Raw never gets here; its BITS is 16)
             # LSB bitstream, D a power of two: every 8 codes are BITS whole bytes. Read each byte
             # once, join a group into one word and split it into its 8 codes (the reshape keeps
             # the natural column order d = 8·group + r).
