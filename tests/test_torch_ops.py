@@ -225,3 +225,15 @@ def test_paged_decode_edge_lengths(setup):
     assert np.abs(out.float().cpu().numpy() - exp).max() < 4e-3 * 5
     empty = paged_decode(q[:0], cache, bt[:0], sl[:0], layout, dp)
     assert empty.shape == (0, 4, 64)
+
+
+def test_device_params_are_row_major_whatever_the_input_order():
+    """A transposed (Fortran-ordered) rotation must reach the kernels as the same matrix."""
+    fmt = tqkern.KVFormat.preset("tq4", 64)
+    rot = np.linalg.qr(np.random.default_rng(0).standard_normal((64, 64)))[0].T  # F-ordered view
+    params = tqkern.TQParams(format=fmt, rotation=rot, key_codebook=tqkern.lloyd_max(4, 64),
+                             value_codebook=tqkern.lloyd_max(4, 64))
+    assert params.rotation.flags.c_contiguous
+    dp = tqt.to_device(params, "cpu")
+    assert dp.rotation.is_contiguous()
+    assert np.array_equal(dp.rotation.numpy(), rot.astype(np.float32))

@@ -14,7 +14,7 @@ __all__ = ["TQParams"]
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
-    a = np.array(a, dtype=np.float64, copy=True)
+    a = np.array(a, dtype=np.float64, copy=True, order="C")  # kernels index row-major
     a.setflags(write=False)
     return a
 

@@ -62,7 +62,7 @@ def to_device(params: TQParams, device) -> DeviceParams:
     device = torch.device(device)
     d = params.format.head_dim
     rot = params.rotation if params.rotation is not None else np.eye(d)
-    t = {"rotation": torch.tensor(np.asarray(rot, np.float32), device=device)}
+    t = {"rotation": torch.tensor(np.ascontiguousarray(rot, np.float32), device=device).contiguous()}
     for side in ("key", "value"):
         cb = getattr(params, f"{side}_codebook")
         b = cb.boundaries if cb is not None else np.zeros(1)
@@ -71,5 +71,5 @@ def to_device(params: TQParams, device) -> DeviceParams:
         t[f"{side}_centroids"] = torch.tensor(np.asarray(c, np.float64), device=device)
         t[f"{side}_centroids_f32"] = torch.tensor(np.asarray(c, np.float32), device=device)
     mu = params.key_offset
-    t["key_offset"] = None if mu is None else torch.tensor(np.asarray(mu, np.float32), device=device)
+    t["key_offset"] = None if mu is None else torch.tensor(np.ascontiguousarray(mu, np.float32), device=device).contiguous()
     return DeviceParams(params=params, **t)

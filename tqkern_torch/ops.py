@@ -25,6 +25,7 @@ __all__ = [
     "unpack",
     "store",
     "compress",
+    "quantize",
     "decompress",
     "decompress_sequences",
     "sequence_slot_ids",
@@ -162,6 +163,35 @@ def compress(key: torch.Tensor, value: torch.Tensor, params) -> torch.Tensor:
     slots = torch.arange(key.shape[0], device=key.device, dtype=torch.int64)
     store(cache, key, value, slots, layout, params)
     return cache.reshape(key.shape[0], key.shape[1], p.format.slot_bytes)
+
+
+def _decode_fields(slots: torch.Tensor, fmt, side: str) -> dict:
+    out = {}
+    codec = getattr(fmt, side)
+    for qual, f, off in fmt.slot_fields():
+        if not qual.startswith(side + "."):
+            continue
+        raw = slots[..., off: off + f.nbytes].contiguous()
+        if f.dtype == "codes":
+            out["codes"] = unpack(raw, codec.bits, fmt.head_dim, fmt.bit_order)
+        elif f.dtype == "float8_e4m3fn":
+            out["data"] = raw.view(torch.float8_e4m3fn).float()
+        elif f.name == "data":
+            out["data"] = raw.view(torch.float16 if f.dtype == "float16" else torch.bfloat16).float()
+        else:
+            out[f.name] = raw.view(getattr(torch, f.dtype)).float()[..., 0]
+    return out
+
+
+def quantize(key: torch.Tensor, value: torch.Tensor, params) -> tuple[dict, dict]:
+    """Quantize K and V with ``params.format``'s codecs (the store kernel, then the fields read
+    back): two dicts with ``"codes"`` (uint8 ``[N, H, D]``, packed codecs), ``"data"`` (float32
+    ``[N, H, D]``, FP8/raw codecs) and the stored per-vector floats (``"norm"``, or ``"scale"``
+    and ``"zero"``, float32 ``[N, H]``), as :func:`tqkern.ops.quantize.reference.quantize`
+    defines them (the key after subtracting ``params.key_offset``)."""
+    slots = compress(key, value, params)
+    fmt = (params.params if isinstance(params, DeviceParams) else params).format
+    return _decode_fields(slots, fmt, "key"), _decode_fields(slots, fmt, "value")
 
 
 def _check_slot_ids(slot_ids, cache, layout, dev):
