@@ -237,3 +237,27 @@ def test_device_params_are_row_major_whatever_the_input_order():
     dp = tqt.to_device(params, "cpu")
     assert dp.rotation.is_contiguous()
     assert np.array_equal(dp.rotation.numpy(), rot.astype(np.float32))
+
+
+def test_sequence_slot_ids_and_its_checks():
+    bt = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)
+    sl = torch.tensor([5, 0], dtype=torch.int32)
+    ids = tqt.sequence_slot_ids(bt, sl, 4)
+    assert ids.tolist() == [[12, 13, 14, 15, 4, -1, -1, -1], [-1] * 8]
+    with pytest.raises(TypeError, match=r"block_table must be int32, got int64"):
+        tqt.sequence_slot_ids(bt.long(), sl, 4)
+    with pytest.raises(ValueError, match=r"seq_lens must have shape \[2\], got \[1\]"):
+        tqt.sequence_slot_ids(bt, sl[:1], 4)
+    with pytest.raises(ValueError, match=r"block_size must be a positive int, got 0"):
+        tqt.sequence_slot_ids(bt, sl, 0)
+
+
+def test_quantize_and_compress_reject_bad_arguments(setup):
+    _, params, _ = setup
+    k, v = _kv(3)
+    with pytest.raises(TypeError, match=r"key must be float16 or bfloat16, got float32"):
+        tqt.quantize(k.float(), v, params)
+    with pytest.raises(ValueError, match=r"key must have shape \[num_tokens, num_kv_heads, head_dim\]"):
+        tqt.compress(k[0], v[0], params)
+    with pytest.raises(TypeError, match=r"params must be a TQParams or DeviceParams, got int"):
+        tqt.compress(k, v, 3)

@@ -216,6 +216,11 @@ def decompress(cache: torch.Tensor, slot_ids: torch.Tensor, layout: PagedLayout,
 def sequence_slot_ids(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
     """Physical slots ``[num_seqs, max_blocks·block_size]`` (int64) of every position of every
     sequence, −1 at positions ≥ seq_len. Device-side only (no host sync)."""
+    check_tensor(block_table, "block_table", shape=(None, None), dtypes=(torch.int32,))
+    check_tensor(seq_lens, "seq_lens", shape=(block_table.shape[0],), dtypes=(torch.int32,),
+                 device=block_table.device)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     pos = torch.arange(block_table.shape[1] * block_size, device=block_table.device)
     slots = block_table.long()[:, pos // block_size] * block_size + pos % block_size
     return torch.where(pos[None, :] < seq_lens.long()[:, None], slots, -1)

@@ -35,7 +35,7 @@ import numpy as np
 
 from tqkern.codebooks import Codebook
 from tqkern.layouts import FP8, Codec, LloydMax, Raw, Uniform
-from tqkern.numerics import fp8_e4m3fn_decode, fp8_e4m3fn_encode, round_float, ties_within  # noqa: F401
+from tqkern.numerics import fp8_e4m3fn_decode, fp8_e4m3fn_encode, round_float, ties_within
 
 __all__ = ["Quantized", "quantize", "dequantize", "EPS", "SCALE_FLOOR"]
 
