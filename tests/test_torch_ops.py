@@ -261,3 +261,21 @@ def test_quantize_and_compress_reject_bad_arguments(setup):
         tqt.compress(k[0], v[0], params)
     with pytest.raises(TypeError, match=r"params must be a TQParams or DeviceParams, got int"):
         tqt.compress(k, v, 3)
+
+
+def test_rotate_pack_unpack_to_device_reject_bad_arguments(setup):
+    _, params, _ = setup
+    with pytest.raises(TypeError, match=r"x must be float16 or bfloat16 or float32, got int64"):
+        tqt.rotate(torch.zeros(2, 64, dtype=torch.long), params)
+    with pytest.raises(ValueError, match=r"x.shape\[-1\] must be head_dim = 64, got 32"):
+        tqt.rotate(torch.zeros(2, 32), params)
+    with pytest.raises(TypeError, match=r"codes must be uint8, got int32"):
+        tqt.pack(torch.zeros(4, dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match=r"bits must be an int in \[1, 8\], got 9"):
+        tqt.pack(torch.zeros(4, dtype=torch.uint8), 9)
+    with pytest.raises(ValueError, match=r"bits must be 4 with bit_order='nibble_high_even', got 3"):
+        tqt.pack(torch.zeros(4, dtype=torch.uint8), 3, "nibble_high_even")
+    with pytest.raises(ValueError, match=r"packed.shape\[-1\] must be 3 for n=8, bits=3, got 4"):
+        tqt.unpack(torch.zeros(4, dtype=torch.uint8), 3, 8)
+    with pytest.raises(TypeError, match=r"params must be a TQParams or DeviceParams, got dict"):
+        tqt.to_device({}, "cpu")
