@@ -121,30 +121,33 @@ def run_decode(shape, passed, results, sweep, probe):
             # Where the time goes: the same launch with parts of the inner loop removed.
             fmt = layout.format
             q_rot = ((q.float() @ params.rotation) if fmt.key.rotated else q.float()).contiguous()
-            for pr, lut in (("", "select"), ("", "gather"), ("no_lut", "select"), ("no_k", "select"),
-                            ("no_v", "select")):
+            for pr, lut in (("", "select"), ("no_lut", "select"), ("no_k", "select"), ("no_v", "select")):
                 t = bench(lambda: _launch_paged_decode(out, q_rot, cache, bt, sl, layout, params.tables(),
                                                         sm_scale=d**-0.5, interpret=False, probe=pr, lut=lut))
                 name = f"{pr or 'full'}/lut={lut}"
                 results["probe"].append(dict(shape=shape.name, variant=preset, probe=name, us=t))
                 print(f"  probe {preset} {name}: {t:.1f} us", flush=True)
-        if sweep and preset in ("tq4", "turboquant_4bit_nc", "fp16") and shape.name == "B32x16K":
+        if sweep and preset in ("tq4", "turboquant_4bit_nc", "fp16") and shape.name in ("B32x16K", "B8x64K"):
             fmt = layout.format
             q_rot = (q.float() @ params.rotation) if fmt.key.rotated else q.float()
             q_rot = q_rot.contiguous()
-            for bn in (16, 32, 64):
-                for nw in (4,):
-                    for ns in (2, 3):
-                        try:
-                            t = bench(lambda: _launch_paged_decode(out, q_rot, cache, bt, sl, layout, params.tables(),
-                                                                    sm_scale=d**-0.5, interpret=False, block_n=bn,
-                                                                    num_warps=nw, num_stages=ns))
-                        except Exception as e:  # noqa: BLE001 - a config that does not compile is a data point
-                            t = float("nan")
-                            print("  sweep fail", bn, nw, ns, type(e).__name__, str(e)[:100])
-                        results["sweep"].append(dict(shape=shape.name, variant=preset, block_n=bn, num_warps=nw,
-                                                     num_stages=ns, us=t))
-                        print(f"  sweep {preset} BN{bn} W{nw} S{ns}: {t:.1f} us", flush=True)
+            for path in ("fast", "old"):
+                for bn in (32, 64, 128):
+                    for nw in (4, 8):
+                        for ns in (2, 3):
+                            if path == "old" and (bn, nw, ns) != (64, 4, 2):
+                                continue
+                            try:
+                                t = bench(lambda: _launch_paged_decode(out, q_rot, cache, bt, sl, layout,
+                                                                        params.tables(), sm_scale=d**-0.5,
+                                                                        interpret=False, block_n=bn, num_warps=nw,
+                                                                        num_stages=ns, path=path))
+                            except Exception as e:  # noqa: BLE001 - a config that does not compile is a data point
+                                t = float("nan")
+                                print("  sweep fail", bn, nw, ns, type(e).__name__, str(e)[:100])
+                            results["sweep"].append(dict(shape=shape.name, variant=preset, path=path, block_n=bn,
+                                                         num_warps=nw, num_stages=ns, us=t))
+                            print(f"  sweep {preset} {path} BN{bn} W{nw} S{ns}: {t:.1f} us", flush=True)
         del cache
         torch.cuda.empty_cache()
 

@@ -128,6 +128,156 @@ def _tile_codes(row, h, tmask, W: tl.constexpr, HALF: tl.constexpr, NIBBLE: tl.c
     return _small_ints(codes, DOT)
 
 
+# -- 4-bit fast path: one 32-bit word = 8 codes, decoded by byte permutes ----------------------
+# Nibble r of a word holds code 8·i + r (lsb) or 8·i + (r ^ 1) (nibble_high_even). The asm
+# returns the 8 values of a word as fp16, nibble order.
+#
+# Lloyd-Max (16-entry table): the fp16 bits of the 16 centroids are split into eight 4-byte
+# tables (low bytes of entries 0-3, 4-7, 8-11, 12-15, then the high bytes). For 4 codes (16 bits
+# = 4 nibbles, a prmt selector once bit 3 is masked off) two permutes pick the low bytes from
+# entries 0-7 and from 8-15, a third chooses between them byte by byte (selector k + 4·bit3),
+# the same for the high bytes, and two more interleave low/high bytes into two fp16 pairs:
+# 10 integer instructions per 4 codes, no memory traffic.
+_LUT8_ASM = tl.constexpr("""
+{
+.reg .b32 w2, s, b, l0, l1, h0, h1, lo, hi, o0, o1;
+and.b32 s, $8, 0x7777;
+shr.u32 b, $8, 1;
+and.b32 b, b, 0x4444;
+or.b32 b, b, 0x3210;
+prmt.b32 l0, $9, $10, s;
+prmt.b32 l1, $11, $12, s;
+prmt.b32 h0, $13, $14, s;
+prmt.b32 h1, $15, $16, s;
+prmt.b32 lo, l0, l1, b;
+prmt.b32 hi, h0, h1, b;
+prmt.b32 o0, lo, hi, 0x5140;
+prmt.b32 o1, lo, hi, 0x7362;
+mov.b32 {$0, $1}, o0;
+mov.b32 {$2, $3}, o1;
+shr.u32 w2, $8, 16;
+and.b32 s, w2, 0x7777;
+shr.u32 b, w2, 1;
+and.b32 b, b, 0x4444;
+or.b32 b, b, 0x3210;
+prmt.b32 l0, $9, $10, s;
+prmt.b32 l1, $11, $12, s;
+prmt.b32 h0, $13, $14, s;
+prmt.b32 h1, $15, $16, s;
+prmt.b32 lo, l0, l1, b;
+prmt.b32 hi, h0, h1, b;
+prmt.b32 o0, lo, hi, 0x5140;
+prmt.b32 o1, lo, hi, 0x7362;
+mov.b32 {$4, $5}, o0;
+mov.b32 {$6, $7}, o1;
+}
+""")
+
+# Integer codes (uniform): two nibbles at a time ORed into the mantissas of a 1024.0 pair, minus
+# 1024 (exact): 4 instructions per 2 codes.
+_UNI8_ASM = tl.constexpr("""
+{
+.reg .b32 m, x, t;
+mov.b32 m, 0x64006400;
+and.b32 t, $8, 0x000F000F;
+or.b32 t, t, m;
+sub.rn.f16x2 t, t, m;
+mov.b32 {$0, $4}, t;
+shr.u32 x, $8, 4;
+and.b32 t, x, 0x000F000F;
+or.b32 t, t, m;
+sub.rn.f16x2 t, t, m;
+mov.b32 {$1, $5}, t;
+shr.u32 x, $8, 8;
+and.b32 t, x, 0x000F000F;
+or.b32 t, t, m;
+sub.rn.f16x2 t, t, m;
+mov.b32 {$2, $6}, t;
+shr.u32 x, $8, 12;
+and.b32 t, x, 0x000F000F;
+or.b32 t, t, m;
+sub.rn.f16x2 t, t, m;
+mov.b32 {$3, $7}, t;
+}
+""")
+
+
+@triton.jit
+def _byte_table(cen_ptr, FIRST: tl.constexpr, HIGH: tl.constexpr):
+    """Bytes (low or high) of the fp16 bits of centroids FIRST..FIRST+3, packed in one int32."""
+    e = tl.arange(0, 4)
+    bits = tl.load(cen_ptr + FIRST + e).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    if HIGH:
+        bits = bits >> 8
+    return tl.sum((bits & 255) << (8 * e), axis=0)
+
+
+@triton.jit
+def _prmt_tables(cen_ptr, KIND: tl.constexpr):
+    """The eight byte tables of a 16-entry codebook (zeros when KIND is not Lloyd-Max)."""
+    if KIND == 0:
+        return (_byte_table(cen_ptr, 0, False), _byte_table(cen_ptr, 4, False), _byte_table(cen_ptr, 8, False),
+                _byte_table(cen_ptr, 12, False), _byte_table(cen_ptr, 0, True), _byte_table(cen_ptr, 4, True),
+                _byte_table(cen_ptr, 8, True), _byte_table(cen_ptr, 12, True))
+    z = tl.zeros([], tl.int32)
+    return z, z, z, z, z, z, z, z
+
+
+@triton.jit
+def _decode_words(w, cen_ptr, tabs, KIND: tl.constexpr, NIBBLE: tl.constexpr, USE_ASM: tl.constexpr):
+    """int32 words ``[BN, NW]`` of 4-bit codes → fp16 values ``[BN, 8·NW]`` in code order.
+
+    KIND 0: centroid c[code]; KIND 1: the integer code. ``USE_ASM`` False (the interpreter) computes
+    the same values with shifts and the select tree."""
+    BN: tl.constexpr = w.shape[0]
+    NW: tl.constexpr = w.shape[1]
+    if USE_ASM:
+        if KIND == 0:
+            n = tl.inline_asm_elementwise(_LUT8_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r,r,r",
+                                          [w, tabs[0], tabs[1], tabs[2], tabs[3], tabs[4], tabs[5], tabs[6],
+                                           tabs[7]], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        else:
+            n = tl.inline_asm_elementwise(_UNI8_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w],
+                                          dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        if NIBBLE:  # slot r (code 8i + r) is nibble r ^ 1
+            s0, s1, s2, s3, s4, s5, s6, s7 = n[1], n[0], n[3], n[2], n[5], n[4], n[7], n[6]
+        else:
+            s0, s1, s2, s3, s4, s5, s6, s7 = n[0], n[1], n[2], n[3], n[4], n[5], n[6], n[7]
+        # [BN, NW, 2, 2, 2] with the last three indices (a, b, c) holding slot 4a + 2b + c, so the
+        # row-major reshape puts code 8i + r at column 8i + r (the joins stay within a thread).
+        x0 = tl.join(tl.join(s0, s4), tl.join(s2, s6))
+        x1 = tl.join(tl.join(s1, s5), tl.join(s3, s7))
+        return tl.reshape(tl.join(x0, x1), (BN, NW * 8))
+    r = tl.arange(0, 8)
+    if NIBBLE:
+        sh = 4 * (r ^ 1)
+    else:
+        sh = 4 * r
+    codes = tl.reshape((w[:, :, None] >> sh[None, None, :]) & 15, (BN, NW * 8))
+    if KIND == 0:
+        return _lut16(codes, cen_ptr).to(tl.float16)
+    return _small_ints(codes, tl.float16)
+
+
+@triton.jit
+def _fast_tile(row, h, tmask, U: tl.constexpr, A_OFF: tl.constexpr, A_STRIDE: tl.constexpr, D: tl.constexpr,
+               NIBBLE: tl.constexpr, KIND: tl.constexpr, cen_ptr, tabs, USE_ASM: tl.constexpr):
+    """A 4-bit side's tile ``[BN, D]`` fp16 read as 32-bit words (U = 4: the field is 4-byte aligned
+    in every row and head; U = 2: two 16-bit halves per word)."""
+    base = row + A_OFF + h * A_STRIDE
+    NW: tl.constexpr = D // 8
+    i = tl.arange(0, NW)
+    if U == 4:
+        p32 = base.to(tl.pointer_type(tl.int32))
+        w = tl.load(p32[:, None] + i[None, :], mask=tmask[:, None], other=0)
+    else:
+        p16 = base.to(tl.pointer_type(tl.int16))
+        lo = tl.load(p16[:, None] + 2 * i[None, :], mask=tmask[:, None], other=0).to(tl.int32) & 0xFFFF
+        hi = tl.load(p16[:, None] + 2 * i[None, :] + 1, mask=tmask[:, None], other=0).to(tl.int32)
+        w = lo | (hi << 16)
+    return _decode_words(w, cen_ptr, tabs, KIND, NIBBLE, USE_ASM)
+
+
 @triton.jit
 def _token_factors(row, h, tmask, KIND: tl.constexpr, PARAM_DTYPE: tl.constexpr, B_OFF: tl.constexpr,
                    B_STRIDE: tl.constexpr, C_OFF: tl.constexpr, C_STRIDE: tl.constexpr):
@@ -154,7 +304,7 @@ def _paged_decode_kernel(
     G: tl.constexpr, GP: tl.constexpr, HQ: tl.constexpr, NUM_SPLITS: tl.constexpr, BN: tl.constexpr,
     BS: tl.constexpr, K_HALVES: tl.constexpr, V_HALVES: tl.constexpr, DOT: tl.constexpr,
     K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, SKIP_K: tl.constexpr, SKIP_V: tl.constexpr,
-    LUT_SELECT: tl.constexpr,
+    LUT_SELECT: tl.constexpr, K_FAST: tl.constexpr, V_FAST: tl.constexpr, USE_ASM: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_ROTATED: tl.constexpr, K_NORM_CORRECTION: tl.constexpr,
     K_PARAM_DTYPE: tl.constexpr, K_A_OFF: tl.constexpr, K_A_STRIDE: tl.constexpr, K_A_BYTES: tl.constexpr,
@@ -183,6 +333,9 @@ def _paged_decode_kernel(
         q_f = tl.load(q_row + cols[None, :], mask=gm[:, None] & (cols < D)[None, :], other=0.0)
         q_sum = tl.sum(q_f, axis=1)
         q_f = q_f.to(DOT)
+
+    k_tabs = _prmt_tables(kc_ptr, K_KIND if K_FAST > 0 else 1)
+    v_tabs = _prmt_tables(vc_ptr, V_KIND if V_FAST > 0 else 1)
 
     seq_len = tl.minimum(tl.load(sl_ptr + s), max_blocks * BS)
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BN) * BN
@@ -228,8 +381,12 @@ def _paged_decode_kernel(
                     cn2 = tl.dot(ones, tl.trans(k_e * k_e)) + tl.dot(ones, tl.trans(k_o * k_o))
                     qk = qk * tl.rsqrt(tl.maximum(cn2, 1e-30))
             else:
-                k_f = _tile_codes(row, h, tmask, DP, -1, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
-                                  K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED, LUT_SELECT)
+                if K_FAST > 0:
+                    k_f = _fast_tile(row, h, tmask, K_FAST, K_A_OFF, K_A_STRIDE, D, NIBBLE, K_KIND, kc_ptr, k_tabs,
+                                     USE_ASM)
+                else:
+                    k_f = _tile_codes(row, h, tmask, DP, -1, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF,
+                                      K_A_STRIDE, K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED, LUT_SELECT)
                 qk = tl.dot(q_f, tl.trans(k_f))
                 if K_NORM_CORRECTION == 1:
                     cn2 = tl.dot(tl.full([GP, DP], 1.0, DOT), tl.trans(k_f * k_f))
@@ -257,8 +414,12 @@ def _paged_decode_kernel(
                     vo32 = v_o.to(tl.float32)
                     vf = vf / tl.sqrt(tl.maximum(tl.sum(ve32 * ve32, axis=1) + tl.sum(vo32 * vo32, axis=1), 1e-30))
             else:
-                v_f = _tile_codes(row, h, tmask, DP, -1, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
-                                  V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED, LUT_SELECT)
+                if V_FAST > 0:
+                    v_f = _fast_tile(row, h, tmask, V_FAST, V_A_OFF, V_A_STRIDE, D, NIBBLE, V_KIND, vc_ptr, v_tabs,
+                                     USE_ASM)
+                else:
+                    v_f = _tile_codes(row, h, tmask, DP, -1, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF,
+                                      V_A_STRIDE, V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED, LUT_SELECT)
                 if V_NORM_CORRECTION == 1:
                     vf32 = v_f.to(tl.float32)
                     vf = vf / tl.sqrt(tl.maximum(tl.sum(vf32 * vf32, axis=1), 1e-30))
@@ -342,7 +503,7 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int,
 def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, tables, *, sm_scale: float,
                          interpret: bool, workspace=None, num_splits: int | None = None,
                          block_n: int = 64, num_warps: int = 4, num_stages: int = 2, probe: str = "",
-                         lut: str = "select"):
+                         lut: str = "select", path: str = "fast"):
     """Launch decode + merge. ``q_rot`` float32 ``[S, Hq, D]`` contiguous (already rotated when the
     key codec is rotated). ``workspace``: optional float32 tensor with at least
     ``workspace_numel(...)`` elements. No checks."""
@@ -362,10 +523,24 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
     ml = workspace[s * hq * num_splits * dp: need]
     fmt = layout.format
 
-    def halves(codec) -> bool:
-        return codec.kind in ("lloyd_max", "uniform") and codec.bits == 4 and dp == d and d >= 32
-
     raw_bf16 = any(getattr(cd, "dtype", None) == "bfloat16" for cd in (fmt.key, fmt.value))
+
+    def fast(side) -> int:
+        """Word unit (4 or 2 bytes) of the 4-bit fast path for ``side``, or 0."""
+        codec = getattr(fmt, side)
+        if not (codec.kind in ("lloyd_max", "uniform") and codec.bits == 4 and dp == d and not raw_bf16
+                and path == "fast"):
+            return 0
+        a_off, a_stride = c[f"{side[0].upper()}_A_OFF"], c[f"{side[0].upper()}_A_STRIDE"]
+        for u in (4, 2):
+            if a_off % u == 0 and a_stride % u == 0 and layout.row_bytes % u == 0:
+                return u
+        return 0
+
+    def halves(side) -> bool:
+        codec = getattr(fmt, side)
+        return (codec.kind in ("lloyd_max", "uniform") and codec.bits == 4 and dp == d and d >= 32
+                and not fast(side))
     consts = {k: v for k, v in c.items() if not k.startswith("PAD")}
     if probe == "no_lut":  # timing probe: read Lloyd-Max codes as integers (wrong values)
         for side in ("K", "V"):
@@ -376,9 +551,10 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
         q_rot, cache, block_table, seq_lens, tables["key_centroids_f32"], tables["value_centroids_f32"], acc, ml,
         block_table.shape[1], sm_scale * 1.4426950408889634, 0,
         G=g, GP=gp, HQ=hq, NUM_SPLITS=num_splits, BN=block_n, BS=layout.block_size,
-        K_HALVES=halves(fmt.key), V_HALVES=halves(fmt.value), DOT=tl.bfloat16 if raw_bf16 else tl.float16,
+        K_HALVES=halves("key"), V_HALVES=halves("value"), DOT=tl.bfloat16 if raw_bf16 else tl.float16,
         K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
         SKIP_K=probe == "no_k", SKIP_V=probe == "no_v", LUT_SELECT=lut == "select",
+        K_FAST=fast("key"), V_FAST=fast("value"), USE_ASM=not interpret,
         num_warps=num_warps, num_stages=num_stages, **consts,
     )
     _merge_kernel[(s, hkv)](

@@ -1,0 +1,147 @@
+"""Compile the paged-decode kernel for sm_90 without a GPU and report what ptxas made of it.
+
+Registers, spills, shared memory and an instruction histogram of the SASS (the whole kernel),
+so inner-loop changes can be judged before spending device time. Uses the Triton installed
+here (its bundled ptxas / nvdisasm); the GPU's Triton may differ by a few versions.
+
+    python benchmarks/aot_inspect.py tq4 turboquant_4bit_nc [--path old] [--sass out.sass]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import tqkern  # noqa: E402
+from tqkern.ops.paged_decode import triton as pdt  # noqa: E402
+
+
+class _Capture(Exception):
+    pass
+
+
+def decode_constexprs(layout, hq, path, block_n=64, num_splits=4, probe="", lut="select"):
+    """The constexpr kwargs _launch_paged_decode would pass, captured by a stub kernel."""
+    got = {}
+
+    class Stub:
+        def __getitem__(self, grid):
+            def call(*args, **kw):
+                got.update(kw)
+                raise _Capture
+            return call
+
+    orig = pdt._paged_decode_kernel
+    pdt._paged_decode_kernel = Stub()
+    try:
+        import torch
+
+        d = layout.head_dim
+        q = torch.zeros(1, hq, d)
+        bt = torch.zeros(1, 4, dtype=torch.int32)
+        try:
+            pdt._launch_paged_decode(torch.zeros(1, hq, d), q, torch.zeros(1, dtype=torch.uint8), bt,
+                                     torch.zeros(1, dtype=torch.int32), layout,
+                                     {"key_centroids_f32": None, "value_centroids_f32": None, "rotation": None},
+                                     sm_scale=1.0, interpret=False, num_splits=num_splits, block_n=block_n,
+                                     probe=probe, lut=lut, path=path)
+        except _Capture:
+            pass
+    finally:
+        pdt._paged_decode_kernel = orig
+    return got
+
+
+def compile_decode(layout, hq, path="fast", **kw):
+    cx = decode_constexprs(layout, hq, path, **kw)
+    opts = {"num_warps": cx.pop("num_warps"), "num_stages": cx.pop("num_stages")}
+    fn = pdt._paged_decode_kernel
+    sig = {}
+    ptrs = {"q_ptr": "*fp32", "cache_ptr": "*u8", "bt_ptr": "*i32", "sl_ptr": "*i32", "kc_ptr": "*fp32",
+            "vc_ptr": "*fp32", "acc_ptr": "*fp32", "ml_ptr": "*fp32"}
+    for name in fn.arg_names:
+        if name in ptrs:
+            sig[name] = ptrs[name]
+        elif name in ("max_blocks", "zero"):
+            sig[name] = "i32"
+        elif name == "sm_scale_log2":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "constexpr"
+    cx = {k: (v if not isinstance(v, tl.dtype) else v) for k, v in cx.items()}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in cx.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def sass_of(compiled):
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    out = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    return out
+
+
+def resources(compiled):
+    """(registers, spill bytes, stack bytes) from cuobjdump's resource report."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    reg = re.search(r"REG:(\d+)", out)
+    stack = re.search(r"STACK:(\d+)", out)
+    return int(reg.group(1)) if reg else -1, int(stack.group(1)) if stack else -1
+
+
+def histogram(sass):
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", line)
+        if m:
+            ops[m.group(1).split(".")[0]] += 1
+    return ops
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("presets", nargs="+")
+    ap.add_argument("--path", default="fast")
+    ap.add_argument("--hq", type=int, default=32)
+    ap.add_argument("--hkv", type=int, default=8)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--block-n", type=int, default=64)
+    ap.add_argument("--sass", default="")
+    args = ap.parse_args(argv)
+    for preset in args.presets:
+        fmt = tqkern.KVFormat.preset(preset, args.d)
+        layout = tqkern.PagedLayout(format=fmt, num_kv_heads=args.hkv, block_size=16)
+        c = compile_decode(layout, args.hq, args.path, block_n=args.block_n)
+        sass = sass_of(c)
+        if args.sass:
+            with open(f"{args.sass}.{preset}.sass", "w") as f:
+                f.write(sass)
+        h = histogram(sass)
+        md = c.metadata
+        regs, stack = resources(c)
+        print(f"{preset} path={args.path}: regs {regs} stack {stack} smem {md.shared} "
+              f"instrs {sum(h.values())}")
+        print("  " + " ".join(f"{k}:{v}" for k, v in h.most_common(28)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
