@@ -31,6 +31,9 @@ from tqkern.ops.paged_decode.triton import _launch_paged_decode  # noqa: E402
 from tqkern_torch.attention import paged_decode  # noqa: E402
 
 BLOCK = 16
+# (BN, warps, stages, maxnreg)
+SWEEP_CONFIGS = ((64, 4, 2, 0), (128, 4, 1, 0), (128, 4, 2, 0), (128, 4, 3, 0), (128, 4, 2, 128), (128, 8, 2, 0),
+                 (256, 4, 2, 0), (256, 8, 2, 0))
 
 
 def bench(fn) -> float:
@@ -127,27 +130,23 @@ def run_decode(shape, passed, results, sweep, probe):
                 name = f"{pr or 'full'}/lut={lut}"
                 results["probe"].append(dict(shape=shape.name, variant=preset, probe=name, us=t))
                 print(f"  probe {preset} {name}: {t:.1f} us", flush=True)
-        if sweep and preset in ("tq4", "turboquant_4bit_nc", "fp16") and shape.name in ("B32x16K", "B8x64K"):
+        if sweep and preset in ("tq4", "turboquant_4bit_nc") and shape.name == "B32x16K":
             fmt = layout.format
             q_rot = (q.float() @ params.rotation) if fmt.key.rotated else q.float()
             q_rot = q_rot.contiguous()
-            for path in ("fast", "old"):
-                for bn in (32, 64, 128):
-                    for nw in (4, 8):
-                        for ns in (2, 3):
-                            if path == "old" and (bn, nw, ns) != (64, 4, 2):
-                                continue
-                            try:
-                                t = bench(lambda: _launch_paged_decode(out, q_rot, cache, bt, sl, layout,
-                                                                        params.tables(), sm_scale=d**-0.5,
-                                                                        interpret=False, block_n=bn, num_warps=nw,
-                                                                        num_stages=ns, path=path))
-                            except Exception as e:  # noqa: BLE001 - a config that does not compile is a data point
-                                t = float("nan")
-                                print("  sweep fail", bn, nw, ns, type(e).__name__, str(e)[:100])
-                            results["sweep"].append(dict(shape=shape.name, variant=preset, path=path, block_n=bn,
-                                                         num_warps=nw, num_stages=ns, us=t))
-                            print(f"  sweep {preset} {path} BN{bn} W{nw} S{ns}: {t:.1f} us", flush=True)
+            configs = [("old", 64, 4, 2, 0)] + [("fast", *c) for c in SWEEP_CONFIGS]
+            for path, bn, nw, ns, mr in configs:
+                try:
+                    t = bench(lambda: _launch_paged_decode(out, q_rot, cache, bt, sl, layout,
+                                                            params.tables(), sm_scale=d**-0.5,
+                                                            interpret=False, block_n=bn, num_warps=nw,
+                                                            num_stages=ns, path=path, maxnreg=mr or None))
+                except Exception as e:  # noqa: BLE001 - a config that does not compile is a data point
+                    t = float("nan")
+                    print("  sweep fail", bn, nw, ns, type(e).__name__, str(e)[:100])
+                results["sweep"].append(dict(shape=shape.name, variant=preset, path=path, block_n=bn,
+                                             num_warps=nw, num_stages=ns, maxnreg=mr, us=t))
+                print(f"  sweep {preset} {path} BN{bn} W{nw} S{ns} R{mr}: {t:.1f} us", flush=True)
         del cache
         torch.cuda.empty_cache()
 

@@ -9,15 +9,19 @@ for inputs whose logits are large enough that fp16 itself cannot resolve them. U
 hold random poison; the output starts as NaN.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, note
+from hypothesis import assume, given, note
 from hypothesis import strategies as st
 
+import tqkern
 import tqkern.testing as T
 import tqkern_torch as tqt
 from tqkern import reference as ref
+from tqkern.ops.paged_decode.triton import fast_path_plan
 from tqkern_torch.attention import paged_decode
 from tqkern_torch.testing import device_under_test, kernels_available, poisoned_like, to_torch_kv
 
@@ -44,7 +48,53 @@ def decode_cases(draw):
 
 @given(decode_cases(), st.data())
 def test_paged_decode_matches_oracle(case, data):
-    layout, params, group, batch, qdtype, num_splits = case
+    _check_against_oracle(*case, data)
+
+
+@st.composite
+def word_path_cases(draw, unit):
+    """Layouts that take the 4-bit word path with the given read plan (4: aligned words,
+    2: funnel-shifted words, 1: 16-bit halves), every 4-bit codec on either side. Plans 2 and 1
+    need 2-byte-aligned fields whose head stride is not a multiple of 4: 16-bit parameters,
+    "slot" arrangement and a key/value slot of 2 mod 4 bytes (one side with a norm, one with
+    scale and zero)."""
+    d = draw(st.sampled_from([16, 32, 64, 128] + ([256] if ON_GPU else [])), label="head_dim")
+    if unit == 4:
+        four = st.one_of(T.lloyd_max_codecs(st.just(4)), T.uniform_codecs(st.just(4)))
+        key, value = draw(four, label="key"), draw(four, label="value")
+        arrangement, align = draw(st.sampled_from(["slot", "row"])), draw(st.sampled_from([1, 2, 4, 16]))
+    else:
+        lm = T.lloyd_max_codecs(st.just(4)).map(lambda c: dataclasses.replace(c, norm_dtype="float16"))
+        un = T.uniform_codecs(st.just(4)).map(lambda c: dataclasses.replace(c, param_dtype="float16"))
+        key, value = draw(st.sampled_from([(lm, un), (un, lm)]).flatmap(lambda kv: st.tuples(*kv)), label="codecs")
+        arrangement, align = "slot", draw(st.sampled_from([1, 2]))
+    fmt = tqkern.KVFormat(head_dim=d, key=key, value=value,
+                          bit_order=draw(st.sampled_from(["lsb", "nibble_high_even"]), label="bit_order"),
+                          rotation=draw(st.sampled_from(["hadamard", "hadamard_signed", "haar"]), label="rotation"),
+                          slot_alignment=align)
+    heads = {4: st.integers(1, 3), 2: st.sampled_from([2, 4]), 1: st.sampled_from([1, 3])}[unit]
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=draw(heads, label="num_kv_heads"),
+                                block_size=draw(st.sampled_from([16, 32, 64, 128]), label="block_size"),
+                                arrangement=arrangement)
+    plan = fast_path_plan(layout)
+    assume(plan["K_FAST"] == unit or plan["V_FAST"] == unit)
+    params = draw(T.tq_params(fmt, layout.num_kv_heads), label="params")
+    group = draw(st.sampled_from([1, 3, 4, 8]), label="gqa_group")
+    batch = draw(T.paged_batches(layout.block_size, max_seqs=T.scale(3, 8), max_len=T.scale(200, 3000)),
+                 label="batch")
+    num_splits = draw(st.one_of(st.none(), st.integers(1, 5)), label="num_splits")
+    return layout, params, group, batch, torch.float16, num_splits
+
+
+@pytest.mark.parametrize("unit", [4, 2, 1])
+@given(st.data())
+def test_word_path_matches_oracle(unit, data):
+    """The 4-bit word path (byte-permute centroid lookup and magic-number integers on the GPU,
+    shifts and a select tree under the interpreter) for each way of reading the words."""
+    _check_against_oracle(*data.draw(word_path_cases(unit), label="case"), data)
+
+
+def _check_against_oracle(layout, params, group, batch, qdtype, num_splits, data):
     h, d = layout.num_kv_heads, layout.head_dim
     cache = poisoned_like(layout.cache_shape(batch.num_blocks), torch.uint8, DEV, seed=batch.num_blocks)
     for s in range(len(batch.seq_lens)):

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from tqkern.ops.common import bits_to_f32, halfword_aligned, layout_consts, load_bytes, load_packed
 
-__all__ = ["_paged_decode_kernel", "_merge_kernel", "_launch_paged_decode", "num_splits_for"]
+__all__ = ["_paged_decode_kernel", "_merge_kernel", "_launch_paged_decode", "num_splits_for", "fast_path_plan"]
 
 
 @triton.jit
@@ -129,77 +129,55 @@ def _tile_codes(row, h, tmask, W: tl.constexpr, HALF: tl.constexpr, NIBBLE: tl.c
 
 
 # -- 4-bit fast path: one 32-bit word = 8 codes, decoded by byte permutes ----------------------
-# Nibble r of a word holds code 8·i + r (lsb) or 8·i + (r ^ 1) (nibble_high_even). The asm
-# returns the 8 values of a word as fp16, nibble order.
+# Nibble r of a word holds code 8·i + r (lsb) or 8·i + (r ^ 1) (nibble_high_even). Each asm
+# returns the word's 8 values as four fp16 pairs in code order (slots 2k, 2k+1 in one register),
+# so nothing is unpacked and re-packed on the way to the tensor cores.
 #
 # Lloyd-Max (16-entry table): the fp16 bits of the 16 centroids are split into eight 4-byte
 # tables (low bytes of entries 0-3, 4-7, 8-11, 12-15, then the high bytes). For 4 codes (16 bits
 # = 4 nibbles, a prmt selector once bit 3 is masked off) two permutes pick the low bytes from
 # entries 0-7 and from 8-15, a third chooses between them byte by byte (selector k + 4·bit3),
 # the same for the high bytes, and two more interleave low/high bytes into two fp16 pairs:
-# 10 integer instructions per 4 codes, no memory traffic.
-_LUT8_ASM = tl.constexpr("""
-{
-.reg .b32 w2, s, b, l0, l1, h0, h1, lo, hi, o0, o1;
-and.b32 s, $8, 0x7777;
-shr.u32 b, $8, 1;
+# ~11 integer instructions per 4 codes, no memory traffic.
+def _lut_asm(nibble: bool) -> str:
+    i0, i1 = ("0x4051", "0x6273") if nibble else ("0x5140", "0x7362")
+    half = """
+and.b32 s, {w}, 0x7777;
+shr.u32 b, {w}, 1;
 and.b32 b, b, 0x4444;
 or.b32 b, b, 0x3210;
-prmt.b32 l0, $9, $10, s;
-prmt.b32 l1, $11, $12, s;
-prmt.b32 h0, $13, $14, s;
-prmt.b32 h1, $15, $16, s;
+prmt.b32 l0, $5, $6, s;
+prmt.b32 l1, $7, $8, s;
+prmt.b32 h0, $9, $10, s;
+prmt.b32 h1, $11, $12, s;
 prmt.b32 lo, l0, l1, b;
 prmt.b32 hi, h0, h1, b;
-prmt.b32 o0, lo, hi, 0x5140;
-prmt.b32 o1, lo, hi, 0x7362;
-mov.b32 {$0, $1}, o0;
-mov.b32 {$2, $3}, o1;
-shr.u32 w2, $8, 16;
-and.b32 s, w2, 0x7777;
-shr.u32 b, w2, 1;
-and.b32 b, b, 0x4444;
-or.b32 b, b, 0x3210;
-prmt.b32 l0, $9, $10, s;
-prmt.b32 l1, $11, $12, s;
-prmt.b32 h0, $13, $14, s;
-prmt.b32 h1, $15, $16, s;
-prmt.b32 lo, l0, l1, b;
-prmt.b32 hi, h0, h1, b;
-prmt.b32 o0, lo, hi, 0x5140;
-prmt.b32 o1, lo, hi, 0x7362;
-mov.b32 {$4, $5}, o0;
-mov.b32 {$6, $7}, o1;
-}
-""")
+prmt.b32 {o0}, lo, hi, {i0};
+prmt.b32 {o1}, lo, hi, {i1};
+"""
+    return ("{\n.reg .b32 w2, s, b, l0, l1, h0, h1, lo, hi;\n"
+            + half.format(w="$4", o0="$0", o1="$1", i0=i0, i1=i1)
+            + "shr.u32 w2, $4, 16;\n"
+            + half.format(w="w2", o0="$2", o1="$3", i0=i0, i1=i1) + "}\n")
 
-# Integer codes (uniform): two nibbles at a time ORed into the mantissas of a 1024.0 pair, minus
-# 1024 (exact): 4 instructions per 2 codes.
-_UNI8_ASM = tl.constexpr("""
-{
-.reg .b32 m, x, t;
-mov.b32 m, 0x64006400;
-and.b32 t, $8, 0x000F000F;
-or.b32 t, t, m;
-sub.rn.f16x2 t, t, m;
-mov.b32 {$0, $4}, t;
-shr.u32 x, $8, 4;
-and.b32 t, x, 0x000F000F;
-or.b32 t, t, m;
-sub.rn.f16x2 t, t, m;
-mov.b32 {$1, $5}, t;
-shr.u32 x, $8, 8;
-and.b32 t, x, 0x000F000F;
-or.b32 t, t, m;
-sub.rn.f16x2 t, t, m;
-mov.b32 {$2, $6}, t;
-shr.u32 x, $8, 12;
-and.b32 t, x, 0x000F000F;
-or.b32 t, t, m;
-sub.rn.f16x2 t, t, m;
-mov.b32 {$3, $7}, t;
-}
-""")
+
+# Integer codes (uniform): the two nibbles of byte k are placed in the mantissas of a 1024.0
+# pair (one as n, one as 16·n: a byte permute and one mask), then one fp16x2 FMA scales and
+# subtracts exactly: 3 instructions per 2 codes.
+def _uni_asm(nibble: bool) -> str:
+    mask, scale, add = ("0x000F00F0", "0x3C002C00", "0xE400D400") if nibble else \
+        ("0x00F0000F", "0x2C003C00", "0xD400E400")
+    body = "{\n.reg .b32 x, m, sc, ad;\nmov.b32 m, 0x64006400;\n" + f"mov.b32 sc, {scale};\nmov.b32 ad, {add};\n"
+    for k in range(4):
+        body += (f"prmt.b32 x, $4, 0, 0x4{k}4{k};\nand.b32 x, x, {mask};\nor.b32 x, x, m;\n"
+                 f"fma.rn.f16x2 ${k}, x, sc, ad;\n")
+    return body + "}\n"
+
+
+_LUT_ASM_LSB = tl.constexpr(_lut_asm(False))
+_LUT_ASM_NIBBLE = tl.constexpr(_lut_asm(True))
+_UNI_ASM_LSB = tl.constexpr(_uni_asm(False))
+_UNI_ASM_NIBBLE = tl.constexpr(_uni_asm(True))
 
 
 @triton.jit
@@ -233,21 +211,20 @@ def _decode_words(w, cen_ptr, tabs, KIND: tl.constexpr, NIBBLE: tl.constexpr, US
     NW: tl.constexpr = w.shape[1]
     if USE_ASM:
         if KIND == 0:
-            n = tl.inline_asm_elementwise(_LUT8_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r,r,r",
+            asm: tl.constexpr = _LUT_ASM_NIBBLE if NIBBLE else _LUT_ASM_LSB
+            p = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
                                           [w, tabs[0], tabs[1], tabs[2], tabs[3], tabs[4], tabs[5], tabs[6],
-                                           tabs[7]], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+                                           tabs[7]], dtype=(tl.int32,) * 4, is_pure=True, pack=1)
         else:
-            n = tl.inline_asm_elementwise(_UNI8_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w],
-                                          dtype=(tl.float16,) * 8, is_pure=True, pack=1)
-        if NIBBLE:  # slot r (code 8i + r) is nibble r ^ 1
-            s0, s1, s2, s3, s4, s5, s6, s7 = n[1], n[0], n[3], n[2], n[5], n[4], n[7], n[6]
-        else:
-            s0, s1, s2, s3, s4, s5, s6, s7 = n[0], n[1], n[2], n[3], n[4], n[5], n[6], n[7]
-        # [BN, NW, 2, 2, 2] with the last three indices (a, b, c) holding slot 4a + 2b + c, so the
-        # row-major reshape puts code 8i + r at column 8i + r (the joins stay within a thread).
-        x0 = tl.join(tl.join(s0, s4), tl.join(s2, s6))
-        x1 = tl.join(tl.join(s1, s5), tl.join(s3, s7))
-        return tl.reshape(tl.join(x0, x1), (BN, NW * 8))
+            asm: tl.constexpr = _UNI_ASM_NIBBLE if NIBBLE else _UNI_ASM_LSB
+            p = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r", [w], dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+        # pairs in code order: [BN, NW, 2, 2] → [BN, 4·NW] (pair 4i + k holds codes 8i + 2k, +1)
+        pairs = tl.reshape(tl.join(tl.join(p[0], p[2]), tl.join(p[1], p[3])), (BN, NW * 4))
+        # reinterpret each int32 pair as two fp16 (a register move: pack=2 hands the asm the two
+        # in-thread copies made by the join, and it returns their 32 bits as two fp16)
+        x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [tl.join(pairs, pairs)], dtype=tl.float16,
+                                      is_pure=True, pack=2)
+        return tl.reshape(x, (BN, NW * 8))
     r = tl.arange(0, 8)
     if NIBBLE:
         sh = 4 * (r ^ 1)
@@ -262,15 +239,30 @@ def _decode_words(w, cen_ptr, tabs, KIND: tl.constexpr, NIBBLE: tl.constexpr, US
 @triton.jit
 def _fast_tile(row, h, tmask, U: tl.constexpr, A_OFF: tl.constexpr, A_STRIDE: tl.constexpr, D: tl.constexpr,
                NIBBLE: tl.constexpr, KIND: tl.constexpr, cen_ptr, tabs, USE_ASM: tl.constexpr):
-    """A 4-bit side's tile ``[BN, D]`` fp16 read as 32-bit words (U = 4: the field is 4-byte aligned
-    in every row and head; U = 2: two 16-bit halves per word)."""
-    base = row + A_OFF + h * A_STRIDE
+    """A 4-bit side's tile ``[BN, D]`` fp16 read as 32-bit words.
+
+    U = 4: the field is 4-byte aligned in every row and head. U = 2: rows are 4-byte aligned and
+    the field 2-byte aligned (vLLM's 134-byte slots put every other head at offset 2 mod 4): two
+    aligned word loads and a funnel shift by this head's misalignment (the second load is masked
+    off when the head is aligned; when it is not, its last word ends 2 bytes past the field,
+    inside the same row because the row length is a multiple of 4 and the field's end is not).
+    U = 1: two 16-bit loads per word."""
+    a = A_OFF + h * A_STRIDE
     NW: tl.constexpr = D // 8
     i = tl.arange(0, NW)
     if U == 4:
-        p32 = base.to(tl.pointer_type(tl.int32))
+        p32 = (row + a).to(tl.pointer_type(tl.int32))
         w = tl.load(p32[:, None] + i[None, :], mask=tmask[:, None], other=0)
+    elif U == 2:
+        mis = a % 4
+        p32 = (row + (a - mis)).to(tl.pointer_type(tl.int32))
+        lo = tl.load(p32[:, None] + i[None, :], mask=tmask[:, None], other=0)
+        need_hi = (i * 0 + mis) != 0  # (a tensor: the interpreter cannot AND a mask with a scalar)
+        hi = tl.load(p32[:, None] + i[None, :] + 1, mask=tmask[:, None] & need_hi[None, :], other=0)
+        both = (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)
+        w = (both >> (8 * mis)).to(tl.int32)
     else:
+        base = row + a
         p16 = base.to(tl.pointer_type(tl.int16))
         lo = tl.load(p16[:, None] + 2 * i[None, :], mask=tmask[:, None], other=0).to(tl.int32) & 0xFFFF
         hi = tl.load(p16[:, None] + 2 * i[None, :] + 1, mask=tmask[:, None], other=0).to(tl.int32)
@@ -279,17 +271,31 @@ def _fast_tile(row, h, tmask, U: tl.constexpr, A_OFF: tl.constexpr, A_STRIDE: tl
 
 
 @triton.jit
+def _load_param(ptr, PARAM_DTYPE: tl.constexpr, tmask, ALIGNED: tl.constexpr):
+    """One stored float field per token → float32; a single typed load when ``ALIGNED``."""
+    PB: tl.constexpr = 4 if PARAM_DTYPE == 1 else 2  # f32: 4 bytes; f16, bf16: 2
+    if ALIGNED:
+        if PB == 4:
+            return tl.load(ptr.to(tl.pointer_type(tl.float32)), mask=tmask, other=0.0)
+        bits = tl.load(ptr.to(tl.pointer_type(tl.int16)), mask=tmask, other=0)
+        if PARAM_DTYPE == 2:
+            return bits.to(tl.bfloat16, bitcast=True).to(tl.float32)
+        return bits.to(tl.float16, bitcast=True).to(tl.float32)
+    return bits_to_f32(load_bytes(ptr, PB, tmask), PARAM_DTYPE)
+
+
+@triton.jit
 def _token_factors(row, h, tmask, KIND: tl.constexpr, PARAM_DTYPE: tl.constexpr, B_OFF: tl.constexpr,
-                   B_STRIDE: tl.constexpr, C_OFF: tl.constexpr, C_STRIDE: tl.constexpr):
+                   B_STRIDE: tl.constexpr, C_OFF: tl.constexpr, C_STRIDE: tl.constexpr,
+                   PAR_ALIGNED: tl.constexpr = False):
     """Per-token (factor f, zero z) with value = f·tile + z, float32 ``[BN]``."""
-    PB: tl.constexpr = 2 + 2 * PARAM_DTYPE
     zero = tl.zeros_like(tmask.to(tl.float32))
     if KIND == 0:  # the norm field (vLLM's ‖c[idx]‖ divisor is applied by the caller)
-        f = bits_to_f32(load_bytes(row + B_OFF + h * B_STRIDE, PB, tmask), PARAM_DTYPE)
+        f = _load_param(row + B_OFF + h * B_STRIDE, PARAM_DTYPE, tmask, PAR_ALIGNED)
         return f, zero
     elif KIND == 1:
-        f = bits_to_f32(load_bytes(row + B_OFF + h * B_STRIDE, PB, tmask), PARAM_DTYPE)
-        z = bits_to_f32(load_bytes(row + C_OFF + h * C_STRIDE, PB, tmask), PARAM_DTYPE)
+        f = _load_param(row + B_OFF + h * B_STRIDE, PARAM_DTYPE, tmask, PAR_ALIGNED)
+        z = _load_param(row + C_OFF + h * C_STRIDE, PARAM_DTYPE, tmask, PAR_ALIGNED)
         return f, z
     elif KIND == 2:
         return zero + 256.0, zero
@@ -305,6 +311,7 @@ def _paged_decode_kernel(
     BS: tl.constexpr, K_HALVES: tl.constexpr, V_HALVES: tl.constexpr, DOT: tl.constexpr,
     K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, SKIP_K: tl.constexpr, SKIP_V: tl.constexpr,
     LUT_SELECT: tl.constexpr, K_FAST: tl.constexpr, V_FAST: tl.constexpr, USE_ASM: tl.constexpr,
+    K_PAR_ALIGNED: tl.constexpr, V_PAR_ALIGNED: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_ROTATED: tl.constexpr, K_NORM_CORRECTION: tl.constexpr,
     K_PARAM_DTYPE: tl.constexpr, K_A_OFF: tl.constexpr, K_A_STRIDE: tl.constexpr, K_A_BYTES: tl.constexpr,
@@ -367,7 +374,8 @@ def _paged_decode_kernel(
             kf = tl.full([BN], 1.0, tl.float32)
             kz = tl.zeros([BN], tl.float32)
         else:
-            kf, kz = _token_factors(row, h, tmask, K_KIND, K_PARAM_DTYPE, K_B_OFF, K_B_STRIDE, K_C_OFF, K_C_STRIDE)
+            kf, kz = _token_factors(row, h, tmask, K_KIND, K_PARAM_DTYPE, K_B_OFF, K_B_STRIDE, K_C_OFF, K_C_STRIDE,
+                                    K_PAR_ALIGNED)
             if K_HALVES:
                 k_e = _tile_codes(row, h, tmask, D2, 0, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
                                   K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED, LUT_SELECT)
@@ -403,7 +411,8 @@ def _paged_decode_kernel(
 
         # -- values: p·f into the dot (scaled to the tile's largest f), p·z added per row -----
         if not SKIP_V:  # (SKIP_V: probe without value traffic, timing only)
-            vf, vz = _token_factors(row, h, tmask, V_KIND, V_PARAM_DTYPE, V_B_OFF, V_B_STRIDE, V_C_OFF, V_C_STRIDE)
+            vf, vz = _token_factors(row, h, tmask, V_KIND, V_PARAM_DTYPE, V_B_OFF, V_B_STRIDE, V_C_OFF, V_C_STRIDE,
+                                    V_PAR_ALIGNED)
             if V_HALVES:
                 v_e = _tile_codes(row, h, tmask, D2, 0, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
                                   V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED, LUT_SELECT)
@@ -500,10 +509,37 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int,
     return int(min(want, cap, 64))
 
 
+def fast_path_plan(layout) -> dict:
+    """Which sides take the 4-bit word path and how their words are read (``K_FAST``/``V_FAST``:
+    4 aligned words, 2 funnel-shifted words, 1 16-bit halves, 0 the general path), and whether
+    their per-token float fields allow one typed load (``*_PAR_ALIGNED``)."""
+    c = layout_consts(layout)
+    fmt = layout.format
+    d, dp, rb = fmt.head_dim, c["DP"], layout.row_bytes
+    raw_bf16 = any(getattr(cd, "dtype", None) == "bfloat16" for cd in (fmt.key, fmt.value))
+    plan = {}
+    for side, p in (("key", "K"), ("value", "V")):
+        codec = getattr(fmt, side)
+        a_off, a_stride = c[f"{p}_A_OFF"], c[f"{p}_A_STRIDE"]
+        unit = 0
+        if codec.kind in ("lloyd_max", "uniform") and codec.bits == 4 and dp == d and not raw_bf16:
+            if a_off % 4 == 0 and a_stride % 4 == 0 and rb % 4 == 0:
+                unit = 4
+            elif a_off % 2 == 0 and a_stride % 2 == 0 and rb % 4 == 0 and d % 8 == 0:
+                unit = 2
+            elif a_off % 2 == 0 and a_stride % 2 == 0 and rb % 2 == 0:
+                unit = 1
+        nb = 4 if c[f"{p}_PARAM_DTYPE"] == 1 else 2
+        plan[f"{p}_FAST"] = unit
+        plan[f"{p}_PAR_ALIGNED"] = all(v % nb == 0 for v in (c[f"{p}_B_OFF"], c[f"{p}_B_STRIDE"], c[f"{p}_C_OFF"],
+                                                              c[f"{p}_C_STRIDE"], rb))
+    return plan
+
+
 def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, tables, *, sm_scale: float,
                          interpret: bool, workspace=None, num_splits: int | None = None,
-                         block_n: int = 64, num_warps: int = 4, num_stages: int = 2, probe: str = "",
-                         lut: str = "select", path: str = "fast"):
+                         block_n: int | None = None, num_warps: int = 4, num_stages: int = 2, probe: str = "",
+                         lut: str = "select", path: str = "fast", maxnreg: int | None = None):
     """Launch decode + merge. ``q_rot`` float32 ``[S, Hq, D]`` contiguous (already rotated when the
     key codec is rotated). ``workspace``: optional float32 tensor with at least
     ``workspace_numel(...)`` elements. No checks."""
@@ -513,6 +549,10 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
     g = hq // hkv
     gp = max(16, triton.next_power_of_2(g))
     dp = c["DP"]
+    plan = fast_path_plan(layout) if path == "fast" else {"K_FAST": 0, "V_FAST": 0, "K_PAR_ALIGNED": False,
+                                                            "V_PAR_ALIGNED": False}
+    if block_n is None:  # measured (H100, B32x16K): 128 best for the word path, 64 for the rest
+        block_n = 128 if plan["K_FAST"] or plan["V_FAST"] else 64
     if num_splits is None:
         sms = 1 if interpret else torch.cuda.get_device_properties(q_rot.device).multi_processor_count
         num_splits = num_splits_for(s, hkv, block_table.shape[1] * layout.block_size, sms, block_n)
@@ -526,16 +566,7 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
     raw_bf16 = any(getattr(cd, "dtype", None) == "bfloat16" for cd in (fmt.key, fmt.value))
 
     def fast(side) -> int:
-        """Word unit (4 or 2 bytes) of the 4-bit fast path for ``side``, or 0."""
-        codec = getattr(fmt, side)
-        if not (codec.kind in ("lloyd_max", "uniform") and codec.bits == 4 and dp == d and not raw_bf16
-                and path == "fast"):
-            return 0
-        a_off, a_stride = c[f"{side[0].upper()}_A_OFF"], c[f"{side[0].upper()}_A_STRIDE"]
-        for u in (4, 2):
-            if a_off % u == 0 and a_stride % u == 0 and layout.row_bytes % u == 0:
-                return u
-        return 0
+        return plan[f"{side[0].upper()}_FAST"]
 
     def halves(side) -> bool:
         codec = getattr(fmt, side)
@@ -554,8 +585,8 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
         K_HALVES=halves("key"), V_HALVES=halves("value"), DOT=tl.bfloat16 if raw_bf16 else tl.float16,
         K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
         SKIP_K=probe == "no_k", SKIP_V=probe == "no_v", LUT_SELECT=lut == "select",
-        K_FAST=fast("key"), V_FAST=fast("value"), USE_ASM=not interpret,
-        num_warps=num_warps, num_stages=num_stages, **consts,
+        USE_ASM=not interpret, **plan,
+        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}), **consts,
     )
     _merge_kernel[(s, hkv)](
         acc, ml, tables["rotation"], out, out.stride(0), out.stride(1),
