@@ -32,7 +32,7 @@ class _Capture(Exception):
     pass
 
 
-def decode_constexprs(layout, hq, path, block_n=64, num_splits=4, probe="", lut="select"):
+def decode_constexprs(layout, hq, path, block_n=None, num_splits=4, probe="", lut="select"):
     """The constexpr kwargs _launch_paged_decode would pass, captured by a stub kernel."""
     got = {}
 
@@ -124,7 +124,7 @@ def main(argv=None):
     ap.add_argument("--hq", type=int, default=32)
     ap.add_argument("--hkv", type=int, default=8)
     ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--block-n", type=int, default=64)
+    ap.add_argument("--block-n", type=int, default=None)
     ap.add_argument("--sass", default="")
     args = ap.parse_args(argv)
     for preset in args.presets:

@@ -538,7 +538,8 @@ def fast_path_plan(layout) -> dict:
 
 def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, tables, *, sm_scale: float,
                          interpret: bool, workspace=None, num_splits: int | None = None,
-                         block_n: int | None = None, num_warps: int = 4, num_stages: int = 2, probe: str = "",
+                         block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+                         probe: str = "",
                          lut: str = "select", path: str = "fast", maxnreg: int | None = None):
     """Launch decode + merge. ``q_rot`` float32 ``[S, Hq, D]`` contiguous (already rotated when the
     key codec is rotated). ``workspace``: optional float32 tensor with at least
@@ -553,6 +554,8 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
                                                             "V_PAR_ALIGNED": False}
     if block_n is None:  # measured (H100, B32x16K): 128 best for the word path, 64 for the rest
         block_n = 128 if plan["K_FAST"] or plan["V_FAST"] else 64
+    if num_stages is None:  # measured (H100): funnel-shifted words with 2 stages ran 2.5x slower
+        num_stages = 1 if 2 in (plan["K_FAST"], plan["V_FAST"]) else 2
     if num_splits is None:
         sms = 1 if interpret else torch.cuda.get_device_properties(q_rot.device).multi_processor_count
         num_splits = num_splits_for(s, hkv, block_table.shape[1] * layout.block_size, sms, block_n)
