@@ -87,22 +87,24 @@ def compile_decode(layout, hq, path="fast", **kw):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def sass_of(compiled):
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+def _tool_on_cubin(compiled, tool, *flags):
+    """Run one of Triton's bundled CUDA binary tools on the kernel's cubin; its stdout."""
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
-    out = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
-    return out
+    try:
+        return subprocess.run([path, *flags, f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
+def sass_of(compiled):
+    return _tool_on_cubin(compiled, "nvdisasm", "-c")
 
 
 def resources(compiled):
-    """(registers, spill bytes, stack bytes) from cuobjdump's resource report."""
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
-    out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
+    """(registers, stack bytes) from cuobjdump's resource report."""
+    out = _tool_on_cubin(compiled, "cuobjdump", "-res-usage")
     reg = re.search(r"REG:(\d+)", out)
     stack = re.search(r"STACK:(\d+)", out)
     return int(reg.group(1)) if reg else -1, int(stack.group(1)) if stack else -1

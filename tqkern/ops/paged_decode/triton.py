@@ -271,6 +271,19 @@ def _fast_tile(row, h, tmask, U: tl.constexpr, A_OFF: tl.constexpr, A_STRIDE: tl
 
 
 @triton.jit
+def _whole_tile(row, h, tmask, FAST: tl.constexpr, NIBBLE: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
+                PARAM_DTYPE: tl.constexpr, A_OFF: tl.constexpr, A_STRIDE: tl.constexpr, A_BYTES: tl.constexpr,
+                D: tl.constexpr, DP: tl.constexpr, cen_ptr, tabs, DOT: tl.constexpr, ALIGNED: tl.constexpr,
+                LUT_SELECT: tl.constexpr, USE_ASM: tl.constexpr):
+    """One side's whole tile ``[BN, DP]`` before its per-token factor: the 4-bit word path when
+    ``FAST`` names a read plan, else the general decode."""
+    if FAST > 0:
+        return _fast_tile(row, h, tmask, FAST, A_OFF, A_STRIDE, D, NIBBLE, KIND, cen_ptr, tabs, USE_ASM)
+    return _tile_codes(row, h, tmask, DP, -1, NIBBLE, KIND, BITS, PARAM_DTYPE, A_OFF, A_STRIDE, A_BYTES, D, DP,
+                       cen_ptr, DOT, ALIGNED, LUT_SELECT)
+
+
+@triton.jit
 def _load_param(ptr, PARAM_DTYPE: tl.constexpr, tmask, ALIGNED: tl.constexpr):
     """One stored float field per token → float32; a single typed load when ``ALIGNED``."""
     PB: tl.constexpr = 4 if PARAM_DTYPE == 1 else 2  # f32: 4 bytes; f16, bf16: 2
@@ -389,12 +402,8 @@ def _paged_decode_kernel(
                     cn2 = tl.dot(ones, tl.trans(k_e * k_e)) + tl.dot(ones, tl.trans(k_o * k_o))
                     qk = qk * tl.rsqrt(tl.maximum(cn2, 1e-30))
             else:
-                if K_FAST > 0:
-                    k_f = _fast_tile(row, h, tmask, K_FAST, K_A_OFF, K_A_STRIDE, D, NIBBLE, K_KIND, kc_ptr, k_tabs,
-                                     USE_ASM)
-                else:
-                    k_f = _tile_codes(row, h, tmask, DP, -1, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF,
-                                      K_A_STRIDE, K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED, LUT_SELECT)
+                k_f = _whole_tile(row, h, tmask, K_FAST, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
+                                  K_A_BYTES, D, DP, kc_ptr, k_tabs, DOT, K_ALIGNED, LUT_SELECT, USE_ASM)
                 qk = tl.dot(q_f, tl.trans(k_f))
                 if K_NORM_CORRECTION == 1:
                     cn2 = tl.dot(tl.full([GP, DP], 1.0, DOT), tl.trans(k_f * k_f))
@@ -423,12 +432,8 @@ def _paged_decode_kernel(
                     vo32 = v_o.to(tl.float32)
                     vf = vf / tl.sqrt(tl.maximum(tl.sum(ve32 * ve32, axis=1) + tl.sum(vo32 * vo32, axis=1), 1e-30))
             else:
-                if V_FAST > 0:
-                    v_f = _fast_tile(row, h, tmask, V_FAST, V_A_OFF, V_A_STRIDE, D, NIBBLE, V_KIND, vc_ptr, v_tabs,
-                                     USE_ASM)
-                else:
-                    v_f = _tile_codes(row, h, tmask, DP, -1, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF,
-                                      V_A_STRIDE, V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED, LUT_SELECT)
+                v_f = _whole_tile(row, h, tmask, V_FAST, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
+                                  V_A_BYTES, D, DP, vc_ptr, v_tabs, DOT, V_ALIGNED, LUT_SELECT, USE_ASM)
                 if V_NORM_CORRECTION == 1:
                     vf32 = v_f.to(tl.float32)
                     vf = vf / tl.sqrt(tl.maximum(tl.sum(vf32 * vf32, axis=1), 1e-30))
