@@ -321,3 +321,23 @@ def test_public_api():
     assert decode_mod.__all__ == ["paged_decode"]
     assert prefill_mod.__all__ == ["prefill"]
     assert int8_mod.__all__ == ["int8_prefill", "quantize_int8", "INT8_MAX"]
+
+
+def test_fast_path_plan_read_plans_and_bad_input():
+    """Which read plan each vLLM / turboquant-vllm layout gets (what the word-path property tests
+    rely on), and a TypeError naming the argument for anything but a PagedLayout."""
+    from tqkern.ops.paged_decode.triton import fast_path_plan
+
+    def plan(preset, d, heads, arrangement):
+        fmt = KVFormat.preset(preset, d)
+        lay = PagedLayout(format=fmt, num_kv_heads=heads, block_size=16, arrangement=arrangement)
+        p = fast_path_plan(lay)
+        return p["K_FAST"], p["V_FAST"]
+
+    assert plan("tq4", 128, 8, "row") == (4, 4)  # every field 4-byte aligned
+    assert plan("turboquant_4bit_nc", 128, 8, "slot") == (2, 2)  # 134-byte slots: funnel shift
+    assert plan("turboquant_4bit_nc", 64, 3, "slot") == (1, 1)  # 210-byte rows: 16-bit halves
+    assert plan("turboquant_k8v4", 128, 8, "slot") == (0, 4)  # FP8 keys take the general path
+    assert plan("tqkern_k5v3", 128, 8, "slot") == (0, 0)
+    with pytest.raises(TypeError, match="layout must be a tqkern.PagedLayout, got KVFormat"):
+        fast_path_plan(KVFormat.preset("tq4", 128))

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tqkern.layouts import PagedLayout
 from tqkern.ops.common import bits_to_f32, halfword_aligned, layout_consts, load_bytes, load_packed
 
 __all__ = ["_paged_decode_kernel", "_merge_kernel", "_launch_paged_decode", "num_splits_for", "fast_path_plan"]
@@ -284,6 +285,20 @@ def _whole_tile(row, h, tmask, FAST: tl.constexpr, NIBBLE: tl.constexpr, KIND: t
 
 
 @triton.jit
+def _half_tiles(row, h, tmask, NIBBLE: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
+                PARAM_DTYPE: tl.constexpr, A_OFF: tl.constexpr, A_STRIDE: tl.constexpr, A_BYTES: tl.constexpr,
+                D: tl.constexpr, DP: tl.constexpr, cen_ptr, DOT: tl.constexpr, ALIGNED: tl.constexpr,
+                LUT_SELECT: tl.constexpr):
+    """A 4-bit side as its even and odd columns, two ``[BN, DP/2]`` tiles (one per nibble)."""
+    D2: tl.constexpr = DP // 2
+    e = _tile_codes(row, h, tmask, D2, 0, NIBBLE, KIND, BITS, PARAM_DTYPE, A_OFF, A_STRIDE, A_BYTES, D, DP,
+                    cen_ptr, DOT, ALIGNED, LUT_SELECT)
+    o = _tile_codes(row, h, tmask, D2, 1, NIBBLE, KIND, BITS, PARAM_DTYPE, A_OFF, A_STRIDE, A_BYTES, D, DP,
+                    cen_ptr, DOT, ALIGNED, LUT_SELECT)
+    return e, o
+
+
+@triton.jit
 def _load_param(ptr, PARAM_DTYPE: tl.constexpr, tmask, ALIGNED: tl.constexpr):
     """One stored float field per token → float32; a single typed load when ``ALIGNED``."""
     PB: tl.constexpr = 4 if PARAM_DTYPE == 1 else 2  # f32: 4 bytes; f16, bf16: 2
@@ -390,10 +405,8 @@ def _paged_decode_kernel(
             kf, kz = _token_factors(row, h, tmask, K_KIND, K_PARAM_DTYPE, K_B_OFF, K_B_STRIDE, K_C_OFF, K_C_STRIDE,
                                     K_PAR_ALIGNED)
             if K_HALVES:
-                k_e = _tile_codes(row, h, tmask, D2, 0, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
-                                  K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED, LUT_SELECT)
-                k_o = _tile_codes(row, h, tmask, D2, 1, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
-                                  K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED, LUT_SELECT)
+                k_e, k_o = _half_tiles(row, h, tmask, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
+                                         K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED, LUT_SELECT)
                 qk = tl.dot(q_e, tl.trans(k_e)) + tl.dot(q_o, tl.trans(k_o))
                 if K_NORM_CORRECTION == 1:  # vLLM's _nc: ‖c[idx]‖² of every token by the tensor
                     # cores (a ones-row times the squared tile), already broadcast to [GP, BN]:
@@ -423,10 +436,8 @@ def _paged_decode_kernel(
             vf, vz = _token_factors(row, h, tmask, V_KIND, V_PARAM_DTYPE, V_B_OFF, V_B_STRIDE, V_C_OFF, V_C_STRIDE,
                                     V_PAR_ALIGNED)
             if V_HALVES:
-                v_e = _tile_codes(row, h, tmask, D2, 0, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
-                                  V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED, LUT_SELECT)
-                v_o = _tile_codes(row, h, tmask, D2, 1, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
-                                  V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED, LUT_SELECT)
+                v_e, v_o = _half_tiles(row, h, tmask, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
+                                         V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED, LUT_SELECT)
                 if V_NORM_CORRECTION == 1:
                     ve32 = v_e.to(tl.float32)
                     vo32 = v_o.to(tl.float32)
@@ -518,6 +529,8 @@ def fast_path_plan(layout) -> dict:
     """Which sides take the 4-bit word path and how their words are read (``K_FAST``/``V_FAST``:
     4 aligned words, 2 funnel-shifted words, 1 16-bit halves, 0 the general path), and whether
     their per-token float fields allow one typed load (``*_PAR_ALIGNED``)."""
+    if not isinstance(layout, PagedLayout):
+        raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
     c = layout_consts(layout)
     fmt = layout.format
     d, dp, rb = fmt.head_dim, c["DP"], layout.row_bytes
