@@ -4,7 +4,7 @@ Registers, spills, shared memory and an instruction histogram of the SASS (the w
 so inner-loop changes can be judged before spending device time. Uses the Triton installed
 here (its bundled ptxas / nvdisasm); the GPU's Triton may differ by a few versions.
 
-    python benchmarks/aot_inspect.py tq4 turboquant_4bit_nc [--path old] [--sass out.sass]
+    python benchmarks/aot_inspect.py tq4 turboquant_4bit_nc [--path old|fast|mma] [--sass out.sass]
 """
 
 from __future__ import annotations
@@ -87,6 +87,27 @@ def compile_decode(layout, hq, path="fast", **kw):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
+def compile_mma(layout, hq, num_splits=8, warps=4):
+    """The warp-MMA decode kernel (tqkern.ops.paged_decode.triton_mma) for ``layout``."""
+    from tqkern.ops.paged_decode import triton_mma as tm
+
+    g = hq // layout.num_kv_heads
+    plan = tm.mma_plan(layout, g)
+    if plan is None:
+        raise SystemExit(f"the warp-MMA kernel does not apply to {layout.format} with group {g}")
+    fn = tm._paged_decode_mma_kernel
+    cx = dict(G=g, HKV=layout.num_kv_heads, HQ=hq, NUM_SPLITS=num_splits, WARPS=warps, BS=layout.block_size,
+              **plan)
+    ptrs = {"q_ptr": "*fp32", "cache_ptr": "*u8", "bt_ptr": "*i32", "sl_ptr": "*i32", "cen_ptr": "*fp32",
+            "acc_ptr": "*fp32", "ml_ptr": "*fp32"}
+    sig = {n: ptrs.get(n, "i32" if n in ("num_seqs", "max_blocks") else "fp32" if n == "sm_scale_log2"
+                       else "constexpr") for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in cx.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
+
+
 def _tool_on_cubin(compiled, tool, *flags):
     """Run one of Triton's bundled CUDA binary tools on the kernel's cubin; its stdout."""
     path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
@@ -128,11 +149,15 @@ def main(argv=None):
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--block-n", type=int, default=None)
     ap.add_argument("--sass", default="")
+    ap.add_argument("--arrangement", default="slot")
     args = ap.parse_args(argv)
     for preset in args.presets:
         fmt = tqkern.KVFormat.preset(preset, args.d)
-        layout = tqkern.PagedLayout(format=fmt, num_kv_heads=args.hkv, block_size=16)
-        c = compile_decode(layout, args.hq, args.path, block_n=args.block_n)
+        layout = tqkern.PagedLayout(format=fmt, num_kv_heads=args.hkv, block_size=16, arrangement=args.arrangement)
+        if args.path == "mma":
+            c = compile_mma(layout, args.hq)
+        else:
+            c = compile_decode(layout, args.hq, args.path, block_n=args.block_n)
         sass = sass_of(c)
         if args.sass:
             with open(f"{args.sass}.{preset}.sass", "w") as f:

@@ -27,7 +27,7 @@ import tqkern  # noqa: E402
 import tqkern_torch as tqt  # noqa: E402
 from benchmarks.shapes import DECODE_PRESETS, DECODE_SHAPES, STORE_SHAPE  # noqa: E402
 from tqkern import reference as ref  # noqa: E402
-from tqkern.ops.paged_decode.triton import _launch_paged_decode  # noqa: E402
+from tqkern.ops.paged_decode.triton import _launch_paged_decode, decode_path  # noqa: E402
 from tqkern_torch.attention import paged_decode  # noqa: E402
 
 BLOCK = 16
@@ -76,16 +76,29 @@ def gate(results):
             bt = torch.randperm(nb, device="cuda", generator=g).int().reshape(4, mb)
             cache = fill_cache(layout, params, nb, g)
             q = torch.randn(4, hq, d, device="cuda", dtype=torch.float16, generator=g)
-            out = paged_decode(q, cache, bt, lens, layout, params)
             exp = ref.paged_decode(q.float().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(),
                                    lens.cpu().numpy(), layout, params.params)
             _, v = tqt.decompress_sequences(cache, bt, lens, layout, params, rotate_back=True)
-            err = float(np.abs(out.float().cpu().numpy() - exp).max())
             tol = 4e-3 * float(v.abs().max())
-            ok = bool(np.isfinite(err) and err <= tol)
-            results["gate"].append(dict(preset=preset, hq=hq, hkv=hkv, d=d, max_err=err, tol=tol, ok=ok))
-            print(f"gate {preset:20s} Hq{hq}/Hkv{hkv}/D{d}: max err {err:.2e} (tol {tol:.2e}) {'ok' if ok else 'FAIL'}",
-                  flush=True)
+            path = decode_path(layout, hq // hkv, same_codebooks=params.same_codebooks)
+            variants = [("auto", None)]
+            if path == "mma" and layout.format.value.kind == "uniform":
+                variants.append(("mma_magic", True))
+            for name, magic in variants:
+                if magic is None:
+                    out = paged_decode(q, cache, bt, lens, layout, params)
+                else:
+                    out = torch.full_like(q, float("nan"))
+                    q_rot = ((q.float() @ params.rotation) if layout.format.key.rotated else q.float()).contiguous()
+                    _launch_paged_decode(out, q_rot, cache, bt, lens, layout, params.tables(), sm_scale=d**-0.5,
+                                         interpret=False, path="mma", same_codebooks=params.same_codebooks,
+                                         mma_magic=True)
+                err = float(np.abs(out.float().cpu().numpy() - exp).max())
+                ok = bool(np.isfinite(err) and err <= tol)
+                results["gate"].append(dict(preset=preset, hq=hq, hkv=hkv, d=d, path=path, variant=name,
+                                            max_err=err, tol=tol, ok=ok))
+                print(f"gate {preset:20s} Hq{hq}/Hkv{hkv}/D{d} [{path}/{name}]: max err {err:.2e} (tol {tol:.2e}) "
+                      f"{'ok' if ok else 'FAIL'}", flush=True)
     return {r["preset"] for r in results["gate"] if r["ok"]} - {r["preset"] for r in results["gate"] if not r["ok"]}
 
 
@@ -120,13 +133,27 @@ def run_decode(shape, passed, results, sweep, probe):
         results["decode"].append(row)
         print(f"{shape.name:16s} {preset:20s} {us:9.1f} us {row['gbps']:8.0f} GB/s  {row['ratio']:.2f}x SDPA",
               flush=True)
+        row["path"] = decode_path(layout, hq // hkv, same_codebooks=params.same_codebooks)
+        if preset in ("tq4", "turboquant_4bit_nc") and decode_path(layout, hq // hkv,
+                                                                   same_codebooks=params.same_codebooks) == "mma":
+            # the session-2 kernel (word path) in the same run, for the comparison
+            fmt = layout.format
+            q_rot = ((q.float() @ params.rotation) if fmt.key.rotated else q.float()).contiguous()
+            t = bench(lambda: _launch_paged_decode(out, q_rot, cache, bt, sl, layout, params.tables(),
+                                                   sm_scale=d**-0.5, interpret=False, path="fast"))
+            row = dict(shape=shape.name, variant=preset + "[word path]", us=t, bytes=nbytes, gbps=nbytes / t / 1e3,
+                       ratio=sdpa_us / t, slot_bytes=layout.format.slot_bytes)
+            results["decode"].append(row)
+            print(f"{shape.name:16s} {row['variant']:20s} {t:9.1f} us {row['gbps']:8.0f} GB/s  {row['ratio']:.2f}x SDPA",
+                  flush=True)
         if probe and preset in ("tq4", "turboquant_4bit_nc", "turboquant_k8v4", "fp16") and shape.name == "B32x16K":
             # Where the time goes: the same launch with parts of the inner loop removed.
             fmt = layout.format
             q_rot = ((q.float() @ params.rotation) if fmt.key.rotated else q.float()).contiguous()
             for pr, lut in (("", "select"), ("no_lut", "select"), ("no_k", "select"), ("no_v", "select")):
                 t = bench(lambda: _launch_paged_decode(out, q_rot, cache, bt, sl, layout, params.tables(),
-                                                        sm_scale=d**-0.5, interpret=False, probe=pr, lut=lut))
+                                                        sm_scale=d**-0.5, interpret=False, probe=pr, lut=lut,
+                                                        path="fast"))
                 name = f"{pr or 'full'}/lut={lut}"
                 results["probe"].append(dict(shape=shape.name, variant=preset, probe=name, us=t))
                 print(f"  probe {preset} {name}: {t:.1f} us", flush=True)

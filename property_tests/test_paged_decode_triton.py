@@ -21,7 +21,7 @@ import tqkern
 import tqkern.testing as T
 import tqkern_torch as tqt
 from tqkern import reference as ref
-from tqkern.ops.paged_decode.triton import fast_path_plan
+from tqkern.ops.paged_decode.triton import decode_path, fast_path_plan
 from tqkern_torch.attention import paged_decode
 from tqkern_torch.testing import device_under_test, kernels_available, poisoned_like, to_torch_kv
 
@@ -92,6 +92,48 @@ def test_word_path_matches_oracle(unit, data):
     """The 4-bit word path (byte-permute centroid lookup and magic-number integers on the GPU,
     shifts and a select tree under the interpreter) for each way of reading the words."""
     _check_against_oracle(*data.draw(word_path_cases(unit), label="case"), data)
+
+
+@st.composite
+def mma_path_cases(draw):
+    """Layouts the warp-MMA kernel takes (tqkern/ops/paged_decode/triton_mma.py): 4-bit
+    Lloyd-Max keys (every norm dtype and correction), 4-bit Lloyd-Max values with the keys'
+    codebook or 4-bit uniform values, head_dim 64/128, GQA groups 1..8, both bit orders and
+    arrangements, every slot alignment (fields misaligned against the lanes' chunks included),
+    block sizes 1..128 (blocks shorter than the kernel's 16-token step included)."""
+    d = draw(st.sampled_from([64, 128]), label="head_dim")
+    key = draw(T.lloyd_max_codecs(st.just(4)), label="key")
+    value = draw(st.one_of(
+        T.lloyd_max_codecs(st.just(4)).map(lambda c: dataclasses.replace(
+            c, distribution=key.distribution, norm_correction="stored" if c.norm_correction == "decode"
+            else c.norm_correction)),
+        T.uniform_codecs(st.just(4))), label="value")
+    fmt = tqkern.KVFormat(head_dim=d, key=key, value=value,
+                          bit_order=draw(st.sampled_from(["lsb", "nibble_high_even"]), label="bit_order"),
+                          rotation=draw(st.sampled_from(["hadamard", "hadamard_signed", "haar"]), label="rotation"),
+                          slot_alignment=draw(st.sampled_from([1, 2, 4, 16]), label="slot_alignment"))
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=draw(st.sampled_from([1, 2, 3, 4, 8]), label="num_kv_heads"),
+                                block_size=draw(st.sampled_from([1, 4, 16, 32, 128]), label="block_size"),
+                                arrangement=draw(st.sampled_from(["slot", "row"]), label="arrangement"))
+    group = draw(st.integers(1, 8), label="gqa_group")
+    assume(decode_path(layout, group) == "mma")
+    params = draw(T.tq_params(fmt, layout.num_kv_heads), label="params")
+    batch = draw(T.paged_batches(layout.block_size, max_seqs=8, max_len=T.scale(300, 3000)), label="batch")
+    num_splits = draw(st.one_of(st.none(), st.integers(1, 9)), label="num_splits")
+    return layout, params, group, batch, torch.float16, num_splits
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="the warp-MMA kernel is inline PTX: GPU only (the interpreter runs the "
+                                       "general kernel, tested above)")
+@given(mma_path_cases(), st.data())
+def test_mma_path_matches_oracle(case, data):
+    """The warp-level tensor-core kernel for 4-bit keys and values against the oracle; the
+    launcher must pick it for every drawn case."""
+    layout, params, group = case[:3]
+    p = tqt.to_device(params, DEV)
+    assert decode_path(layout, group, same_codebooks=p.same_codebooks) == "mma"
+    _check_against_oracle(*case, data)
 
 
 def _check_against_oracle(layout, params, group, batch, qdtype, num_splits, data):

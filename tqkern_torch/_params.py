@@ -24,6 +24,8 @@ class DeviceParams:
         key_centroids / value_centroids: float64 ``[2**bits]`` centroids (placeholder likewise).
         key_centroids_f32 / value_centroids_f32: the same in float32, for attention kernels.
         key_offset: float32 ``[num_kv_heads, D]`` μ, or ``None``.
+        same_codebooks: the key and value codebooks are equal (both Lloyd-Max with the same
+            centroids): the warp-MMA decode kernel then serves both from one table.
     """
 
     params: TQParams
@@ -35,6 +37,7 @@ class DeviceParams:
     key_centroids_f32: torch.Tensor
     value_centroids_f32: torch.Tensor
     key_offset: torch.Tensor | None
+    same_codebooks: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -70,6 +73,9 @@ def to_device(params: TQParams, device) -> DeviceParams:
         t[f"{side}_boundaries"] = torch.tensor(np.asarray(b, np.float32), device=device)
         t[f"{side}_centroids"] = torch.tensor(np.asarray(c, np.float64), device=device)
         t[f"{side}_centroids_f32"] = torch.tensor(np.asarray(c, np.float32), device=device)
+    kcb, vcb = params.key_codebook, params.value_codebook
+    t["same_codebooks"] = bool(kcb is not None and vcb is not None
+                               and np.array_equal(kcb.centroids, vcb.centroids))
     mu = params.key_offset
     t["key_offset"] = None if mu is None else torch.tensor(np.ascontiguousarray(mu, np.float32), device=device).contiguous()
     return DeviceParams(params=params, **t)

@@ -87,7 +87,7 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
         return out
     torch.ops.tqkern.paged_decode(q, cache, block_table, seq_lens, p.rotation, p.key_centroids,
                                   p.value_centroids, p.key_centroids_f32, p.value_centroids_f32, out, workspace,
-                                  layout_key(layout), float(scale), num_splits or 0)
+                                  layout_key(layout), float(scale), num_splits or 0, p.same_codebooks)
     return out
 
 
@@ -95,7 +95,8 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
 def paged_decode_op(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                     rotation: torch.Tensor, key_centroids: torch.Tensor, value_centroids: torch.Tensor,
                     key_centroids_f32: torch.Tensor, value_centroids_f32: torch.Tensor, out: torch.Tensor,
-                    workspace: Optional[torch.Tensor], layout: str, scale: float, num_splits: int) -> None:
+                    workspace: Optional[torch.Tensor], layout: str, scale: float, num_splits: int,
+                    same_codebooks: bool = False) -> None:
     lay = layout_of(layout)
     if use_triton(q.device):
         from tqkern.ops.paged_decode.triton import _launch_paged_decode
@@ -105,7 +106,8 @@ def paged_decode_op(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Ten
         tables = {"rotation": rotation, "key_centroids_f32": key_centroids_f32,
                   "value_centroids_f32": value_centroids_f32}
         _launch_paged_decode(out, q_rot.contiguous(), cache, block_table, seq_lens, lay, tables, sm_scale=scale,
-                             interpret=q.device.type == "cpu", workspace=workspace, num_splits=num_splits or None)
+                             interpret=q.device.type == "cpu", workspace=workspace, num_splits=num_splits or None,
+                             same_codebooks=same_codebooks)
         return
     params = _host_params(lay, rotation, key_centroids, value_centroids, None)
     res = paged_decode_ref.paged_decode(q.float().numpy(), cache.numpy(), block_table.numpy(), seq_lens.numpy(),
@@ -115,5 +117,5 @@ def paged_decode_op(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Ten
 
 @paged_decode_op.register_fake
 def _(q, cache, block_table, seq_lens, rotation, key_centroids, value_centroids, key_centroids_f32,
-      value_centroids_f32, out, workspace, layout, scale, num_splits) -> None:
+      value_centroids_f32, out, workspace, layout, scale, num_splits, same_codebooks=False) -> None:
     return None

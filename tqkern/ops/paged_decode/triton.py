@@ -25,8 +25,10 @@ import triton.language as tl
 
 from tqkern.layouts import PagedLayout
 from tqkern.ops.common import bits_to_f32, halfword_aligned, layout_consts, load_bytes, load_packed
+from tqkern.ops.paged_decode.triton_mma import _launch_paged_decode_mma, mma_plan, num_splits_mma
 
-__all__ = ["_paged_decode_kernel", "_merge_kernel", "_launch_paged_decode", "num_splits_for", "fast_path_plan"]
+__all__ = ["_paged_decode_kernel", "_merge_kernel", "_launch_paged_decode", "num_splits_for", "fast_path_plan",
+           "decode_path"]
 
 
 @triton.jit
@@ -558,16 +560,38 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
                          interpret: bool, workspace=None, num_splits: int | None = None,
                          block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                          probe: str = "",
-                         lut: str = "select", path: str = "fast", maxnreg: int | None = None):
+                         lut: str = "select", path: str = "auto", maxnreg: int | None = None,
+                         same_codebooks: bool = True, mma_magic: bool = False):
     """Launch decode + merge. ``q_rot`` float32 ``[S, Hq, D]`` contiguous (already rotated when the
     key codec is rotated). ``workspace``: optional float32 tensor with at least
-    ``workspace_numel(...)`` elements. No checks."""
+    ``workspace_numel(...)`` elements. ``path``: ``"auto"`` (the warp-MMA kernel of
+    :mod:`.triton_mma` where :func:`decode_path` says so, else the word path), ``"mma"`` (that
+    kernel, or ``ValueError``), ``"fast"`` (this module's kernel with the 4-bit word path),
+    ``"old"`` (this module's kernel, general decode only). ``same_codebooks``: whether the key
+    and value codebooks are equal (the warp-MMA kernel's one table serves both). No other checks."""
     c = layout_consts(layout)
     s, hq, d = q_rot.shape
     hkv = layout.num_kv_heads
     g = hq // hkv
     gp = max(16, triton.next_power_of_2(g))
     dp = c["DP"]
+    if path in ("auto", "mma"):
+        mma = decode_path(layout, g, interpret=interpret, same_codebooks=same_codebooks,
+                          cache_aligned=cache.data_ptr() % 16 == 0) == "mma"
+        if path == "mma" and not mma:
+            raise ValueError("the warp-MMA decode kernel does not apply to this layout/group/device")
+        if mma:
+            plan = mma_plan(layout, g)
+            if num_splits is None:
+                sms = torch.cuda.get_device_properties(q_rot.device).multi_processor_count
+                num_splits = num_splits_mma(s, hkv, block_table.shape[1] * layout.block_size, sms)
+            acc, ml = _workspace(workspace, s, hq, num_splits, dp, q_rot.device)
+            _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan,
+                                     tables["key_centroids_f32"], acc, ml, group=g, num_splits=num_splits,
+                                     sm_scale=sm_scale, magic=mma_magic)
+            _launch_merge(acc, ml, tables["rotation"], out, layout, g, num_splits, interpret)
+            return out
+        path = "fast"
     plan = fast_path_plan(layout) if path == "fast" else {"K_FAST": 0, "V_FAST": 0, "K_PAR_ALIGNED": False,
                                                             "V_PAR_ALIGNED": False}
     if block_n is None:  # measured (H100, B32x16K): 128 best for the word path, 64 for the rest
@@ -577,11 +601,7 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
     if num_splits is None:
         sms = 1 if interpret else torch.cuda.get_device_properties(q_rot.device).multi_processor_count
         num_splits = num_splits_for(s, hkv, block_table.shape[1] * layout.block_size, sms, block_n)
-    need = workspace_numel(s, hq, num_splits, dp)
-    if workspace is None:
-        workspace = torch.empty(need, dtype=torch.float32, device=q_rot.device)
-    acc = workspace[: s * hq * num_splits * dp]
-    ml = workspace[s * hq * num_splits * dp: need]
+    acc, ml = _workspace(workspace, s, hq, num_splits, dp, q_rot.device)
     fmt = layout.format
 
     raw_bf16 = any(getattr(cd, "dtype", None) == "bfloat16" for cd in (fmt.key, fmt.value))
@@ -609,13 +629,41 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
         USE_ASM=not interpret, **plan,
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}), **consts,
     )
-    _merge_kernel[(s, hkv)](
-        acc, ml, tables["rotation"], out, out.stride(0), out.stride(1),
-        G=g, GP=gp, HQ=hq, NUM_SPLITS=num_splits, SP=max(2, triton.next_power_of_2(num_splits)), D=d, DP=dp,
-        CC=min(dp, 64), ROTATE_BACK=bool(fmt.value.rotated), DOT_PRECISION="ieee" if interpret else "tf32x3",
-        num_warps=4,
-    )
+    _launch_merge(acc, ml, tables["rotation"], out, layout, g, num_splits, interpret)
     return out
+
+
+def _workspace(workspace, s: int, hq: int, num_splits: int, dp: int, device):
+    """The (acc, ml) views of a caller's workspace, or of a fresh one."""
+    need = workspace_numel(s, hq, num_splits, dp)
+    if workspace is None:
+        workspace = torch.empty(need, dtype=torch.float32, device=device)
+    return workspace[: s * hq * num_splits * dp], workspace[s * hq * num_splits * dp: need]
+
+
+def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, interpret: bool):
+    s, hq, d = out.shape
+    dp = layout_consts(layout)["DP"]
+    gp = max(16, triton.next_power_of_2(g))
+    _merge_kernel[(s, layout.num_kv_heads)](
+        acc, ml, rotation, out, out.stride(0), out.stride(1),
+        G=g, GP=gp, HQ=hq, NUM_SPLITS=num_splits, SP=max(2, triton.next_power_of_2(num_splits)), D=d, DP=dp,
+        CC=min(dp, 64), ROTATE_BACK=bool(layout.format.value.rotated),
+        DOT_PRECISION="ieee" if interpret else "tf32x3", num_warps=4,
+    )
+
+
+def decode_path(layout, group: int, *, interpret: bool = False, same_codebooks: bool = True,
+                cache_aligned: bool = True) -> str:
+    """Which kernel ``path="auto"`` runs: ``"mma"`` (the warp-MMA kernel: 4-bit keys and values,
+    see :func:`.triton_mma.mma_plan`; never under the interpreter, which cannot run its inline
+    PTX) or ``"fast"`` (this module's kernel)."""
+    plan = mma_plan(layout, group)
+    if interpret or plan is None or not cache_aligned:
+        return "fast"
+    if not plan["V_UNIFORM"] and not same_codebooks:
+        return "fast"
+    return "mma"
 
 
 def workspace_numel(num_seqs: int, num_q_heads: int, num_splits: int, dp: int) -> int:

@@ -1,0 +1,606 @@
+"""Warp-level tensor-core paged decode for caches whose keys and values are 4-bit codes.
+
+Every tensor in this kernel holds one value per thread (shape ``[32·WARPS]``), and the inner
+loop is inline PTX, so each value is produced in the register where ``mma.sync.m16n8k16``
+reads it: nothing goes through shared memory on its way to the tensor cores.
+
+One warp owns one (sequence, KV head, split) and walks its tokens 16 at a time:
+
+* ``S^T = K·Q^T``: the 16 tokens are the MMA's M rows, the G ≤ 8 query heads of the GQA group
+  its N columns. Lane ``l`` (``r = l // 4``, ``c = l % 4``) supplies tokens ``r`` and ``r + 8``.
+  A fixed permutation of the (rotated) coordinates, applied to q and K alike, leaves every score
+  unchanged; the kernel picks the one in which lane ``c`` needs one contiguous chunk of ``D/8``
+  bytes of each of its tokens: chunk byte ``j`` gives the fp16 pair of k-tile ``j // 2``.
+* Codes become fp16 through a 256-entry table of pairs (``c[low nibble], c[high nibble]``) in
+  shared memory, replicated per lane so that no two lanes share a bank: per byte one PRMT, one
+  IMAD and one LDS.
+* ``O^T = V^T·P^T``: 16 coordinates per M tile; lane ``(r, c)`` supplies ``D/16`` coordinates
+  (one chunk of ``D/16`` bytes) of tokens ``2c, 2c+1, 2c+8, 2c+9``. The K dimension of this MMA
+  is the tokens, so the nibbles of two tokens' bytes are merged into one byte before the lookup
+  (a token pair per coordinate); ``P^T`` moves from the score accumulator to the B operand by
+  two ``movmatrix.trans``. Uniform codes skip the table: the code lands in an fp16's mantissa
+  as a subnormal ``j·2^-24`` (or ``16j·2^-24`` for the high nibble) and the power of two comes
+  back at the end.
+* Per-token factors (norm, gain, uniform scale) multiply the scores and P^T; zero points add
+  ``Σ p·z`` per head. P^T is scaled by the running maximum of the value factors so that fp16 P
+  keeps its precision (the output is rescaled when that maximum grows, as for the softmax max).
+* vLLM's decode-time norm correction: ``‖c[idx]‖²`` per token by a second MMA against ones.
+
+A field that is not aligned to the chunk size (vLLM's 134-byte slots) is read as aligned
+blocks: lanes take blocks ``1 .. 3`` (``1 .. 7`` for values) of the field's aligned span, and
+the last lane joins block 0's tail with block 4's (8's) head byte by byte; the coordinate
+permutation accounts for it.
+
+Partials (unnormalised acc, base-2 max, sum) go to the workspace of
+:func:`tqkern.ops.paged_decode.triton._merge_kernel`, which merges splits and rotates back.
+GPU only (inline PTX); the CPU interpreter runs the general kernel instead.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import triton
+import triton.language as tl
+
+from tqkern.layouts import LloydMax, PagedLayout, Uniform
+from tqkern.ops.common import layout_consts
+
+__all__ = ["_paged_decode_mma_kernel", "_launch_paged_decode_mma", "mma_plan", "num_splits_mma"]
+
+_DT = {"float16": 0, "float32": 1, "bfloat16": 2}
+_NBYTES = {0: 2, 1: 4, 2: 2}
+
+
+# -- inline PTX helpers (each call is one value per thread) -----------------------------------
+# Fill: entry b (an fp16 pair) into its 32 lane replicas, 128 contiguous bytes at b·128.
+_FILL_ASM = tl.constexpr(
+    "{\n.reg .b32 a;\nmad.lo.u32 a, $2, 128, $1;\n"
+    + "".join(f"st.shared.v4.b32 [a+{16 * k}], {{$3, $3, $3, $3}};\n" for k in range(8))
+    + "mov.b32 $0, $1;\n}")
+# Uniform codes, byte k of two words a, b: PRMT gathers [a.k, a.k, b.k, b.k]; the masks keep the
+# low nibbles (the fp16 pair's mantissas: subnormals j·2^-24) or the high ones (16j·2^-24).
+_UNI_ASM = tl.constexpr(
+    "{\n.reg .b32 x;\n"
+    + "".join(f"prmt.b32 x, $8, $9, 0x{4 + k}{4 + k}{k}{k};\nand.b32 ${k}, x, 0x000F000F;\n"
+              f"and.b32 ${4 + k}, x, 0x00F000F0;\n" for k in range(4))
+    + "}")
+# The same as normal fp16 integers: the nibble ORed into 1024.0's mantissa, then 1024 taken off
+# (low nibble) or (x − 1024)/16 by one FMA (high nibble).
+_UNI_MAGIC_ASM = tl.constexpr(
+    "{\n.reg .b32 x, y;\n"
+    + "".join(f"prmt.b32 x, $8, $9, 0x{4 + k}{4 + k}{k}{k};\nand.b32 y, x, 0x000F000F;\nor.b32 y, y, 0x64006400;\n"
+              f"sub.rn.f16x2 ${k}, y, 0x64006400;\nand.b32 y, x, 0x00F000F0;\nor.b32 y, y, 0x64006400;\n"
+              f"fma.rn.f16x2 ${4 + k}, y, 0x2C002C00, 0xD400D400;\n" for k in range(4))
+    + "}")
+
+
+@triton.jit
+def _lut_declare(t):
+    """Declare the CTA's 32 KB pair table (exactly once per kernel) and return its address."""
+    return tl.inline_asm_elementwise(
+        ".shared .align 16 .b8 tqk_pair_lut[32768];\nmov.u32 $0, tqk_pair_lut;",
+        "=r,r", [t], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _lut_fill(base, t, cen_ptr, NT: tl.constexpr):
+    """Entry ``b`` (fp16 pair of c[b & 15], c[b >> 4]) into all 32 lane replicas (``b·128 +
+    4·lane``); then a CTA barrier. Returns the table address (lookups depend on it)."""
+    for i in tl.static_range(256 // NT):
+        b = t + i * NT
+        lo = tl.load(cen_ptr + (b & 15)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        hi = tl.load(cen_ptr + (b >> 4)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        base = tl.inline_asm_elementwise(_FILL_ASM, "=r,r,r,r", [base, b, lo | (hi << 16)], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+    return tl.inline_asm_elementwise("bar.sync 0;\nmov.b32 $0, $1;", "=r,r", [base], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _lut4(w, lb):
+    """The table entries of the 4 bytes of word ``w`` (``lb``: this lane's table base)."""
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b32 b0, b1, b2, b3;\n"
+        "prmt.b32 b0, $4, 0, 0x4440;\nprmt.b32 b1, $4, 0, 0x4441;\n"
+        "prmt.b32 b2, $4, 0, 0x4442;\nprmt.b32 b3, $4, 0, 0x4443;\n"
+        "mad.lo.u32 b0, b0, 128, $5;\nmad.lo.u32 b1, b1, 128, $5;\n"
+        "mad.lo.u32 b2, b2, 128, $5;\nmad.lo.u32 b3, b3, 128, $5;\n"
+        "ld.shared.b32 $0, [b0];\nld.shared.b32 $1, [b1];\nld.shared.b32 $2, [b2];\nld.shared.b32 $3, [b3];\n}",
+        "=r,=r,=r,=r,r,r", [w, lb], dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+
+
+@triton.jit
+def _uni4(wa, wb, MAGIC: tl.constexpr):
+    """Uniform codes of byte k of two tokens' words as fp16 token pairs, the low nibbles then the
+    high nibbles (4 each): subnormals (j·2^-24, 16j·2^-24), or with ``MAGIC`` the integers j."""
+    if MAGIC:
+        return tl.inline_asm_elementwise(_UNI_MAGIC_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [wa, wb],
+                                         dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(_UNI_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [wa, wb], dtype=(tl.int32,) * 8,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _nibble_merge(wa, wb):
+    """Two tokens' words → (low nibbles of a | low nibbles of b << 4, high nibbles likewise)."""
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b32 x;\nshl.b32 x, $3, 4;\nand.b32 x, x, 0xF0F0F0F0;\nand.b32 $0, $2, 0x0F0F0F0F;\n"
+        "or.b32 $0, $0, x;\nshr.u32 x, $2, 4;\nand.b32 x, x, 0x0F0F0F0F;\nand.b32 $1, $3, 0xF0F0F0F0;\n"
+        "or.b32 $1, $1, x;\n}",
+        "=r,=r,r,r", [wa, wb], dtype=(tl.int32,) * 2, is_pure=True, pack=1)
+
+
+@triton.jit
+def _mma(c, a0, a1, a2, a3, b0, b1):
+    """``c += A·B`` for one m16n8k16 tile (fp16 operands, fp32 accumulators ``c`` (4-tuple))."""
+    return tl.inline_asm_elementwise(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
+        "{$10,$11,$12,$13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, c[0], c[1], c[2], c[3]],
+        dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+
+
+@triton.jit
+def _sq(x):
+    return tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $1;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _pack2(lo, hi):
+    """Two float32 → one fp16x2 register (round to nearest)."""
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _p_fragments(p0, p1, p2, p3):
+    """Score-accumulator layout (tokens r / r+8, heads 2c, 2c+1) → the B operand of O^T = V^T·P^T
+    (tokens 2c, 2c+1 / 2c+8, 2c+9, head r), fp16."""
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b32 x0, x1;\ncvt.rn.f16x2.f32 x0, $3, $2;\ncvt.rn.f16x2.f32 x1, $5, $4;\n"
+        "movmatrix.sync.aligned.m8n8.trans.b16 $0, x0;\nmovmatrix.sync.aligned.m8n8.trans.b16 $1, x1;\n}",
+        "=r,=r,f,f,f,f", [p0, p1, p2, p3], dtype=(tl.int32,) * 2, is_pure=True, pack=1)
+
+
+@triton.jit
+def _warp_max_r(x):
+    """Max over the 8 lanes that share ``l % 4`` (xor 4, 8, 16)."""
+    return tl.inline_asm_elementwise(
+        "{\n.reg .f32 y;\nshfl.sync.bfly.b32 y, $1, 4, 0x1f, -1;\nmax.f32 $0, $1, y;\n"
+        "shfl.sync.bfly.b32 y, $0, 8, 0x1f, -1;\nmax.f32 $0, $0, y;\n"
+        "shfl.sync.bfly.b32 y, $0, 16, 0x1f, -1;\nmax.f32 $0, $0, y;\n}",
+        "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _warp_sum_r(x):
+    """Sum over the 8 lanes that share ``l % 4``."""
+    return tl.inline_asm_elementwise(
+        "{\n.reg .f32 y;\nshfl.sync.bfly.b32 y, $1, 4, 0x1f, -1;\nadd.f32 $0, $1, y;\n"
+        "shfl.sync.bfly.b32 y, $0, 8, 0x1f, -1;\nadd.f32 $0, $0, y;\n"
+        "shfl.sync.bfly.b32 y, $0, 16, 0x1f, -1;\nadd.f32 $0, $0, y;\n}",
+        "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _ld_words(ptr, pred, NW: tl.constexpr):
+    """NW (1, 2, 4) consecutive 32-bit words at ``ptr`` (aligned to 4·NW) through the read-only
+    path; zeros where ``pred`` is false."""
+    if NW == 4:
+        return tl.inline_asm_elementwise(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\n"
+            "mov.b32 $3, 0;\n@p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];\n}",
+            "=r,=r,=r,=r,l,r", [ptr, pred.to(tl.int32)], dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+    elif NW == 2:
+        return tl.inline_asm_elementwise(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\n"
+            "@p ld.global.nc.v2.b32 {$0, $1}, [$2];\n}",
+            "=r,=r,l,r", [ptr, pred.to(tl.int32)], dtype=(tl.int32,) * 2, is_pure=True, pack=1)
+    else:
+        w = tl.inline_asm_elementwise(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\nmov.b32 $0, 0;\n@p ld.global.nc.b32 $0, [$1];\n}",
+            "=r,l,r", [ptr, pred.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
+        return (w,)
+
+
+@triton.jit
+def _load_param(ptr, pred, DT: tl.constexpr):
+    """One stored float per lane (fp16 / fp32 / bf16 at an address aligned to its size) → fp32."""
+    if DT == 1:
+        return tl.load(ptr.to(tl.pointer_type(tl.float32)), mask=pred, other=0.0)
+    bits = tl.load(ptr.to(tl.pointer_type(tl.int16)), mask=pred, other=0)
+    if DT == 2:
+        return bits.to(tl.bfloat16, bitcast=True).to(tl.float32)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _byte_masks(nbytes, NW: tl.constexpr):
+    """Per word, 0xFF in every byte whose index (4·word + byte) is below ``nbytes``."""
+    res = ()
+    for i in tl.static_range(NW):
+        m = tl.zeros_like(nbytes)
+        for b in tl.static_range(4):
+            if b == 3:
+                m = m | tl.where(4 * i + b < nbytes, -16777216, 0)  # 0xFF000000 as int32
+            else:
+                m = m | tl.where(4 * i + b < nbytes, 0xFF << (8 * b), 0)
+        res = res + (m,)
+    return res
+
+
+@triton.jit
+def _merge_words(prim, sec, masks, NW: tl.constexpr):
+    res = ()
+    for i in tl.static_range(NW):
+        res = res + ((sec[i] & masks[i]) | (prim[i] & ~masks[i]),)
+    return res
+
+
+@triton.jit
+def _chunk(rowp, base_off, idx, CHUNK: tl.constexpr, mask_words, pred, pred_sec, NW: tl.constexpr,
+           MERGE: tl.constexpr, NLANES: tl.constexpr):
+    """This lane's chunk of a field: aligned block ``idx`` (block 0 joined with block NLANES
+    byte-wise when ``MERGE``)."""
+    prim = _ld_words(rowp + base_off + CHUNK * idx, pred, NW)
+    if MERGE:
+        sec = _ld_words(rowp + base_off + CHUNK * NLANES, pred_sec, NW)
+        return _merge_words(prim, sec, mask_words, NW)
+    return prim
+
+
+@triton.jit
+def _row_of(cache_ptr, bt_row, pos, end, BS: tl.constexpr, ROW_BYTES: tl.constexpr, ok):
+    """Address of token ``pos`` (clamped to ``end - 1``) of a sequence."""
+    p = tl.maximum(tl.minimum(pos, end - 1), 0)
+    blk = tl.load(bt_row + p // BS, mask=ok, other=0).to(tl.int64)
+    return cache_ptr + (blk * BS + p % BS) * ROW_BYTES
+
+
+@triton.jit
+def _load_step(cache_ptr, bt_row, t0, end, r, c, ka0, va0, kb_off, vb_off, vc_off, k_masks, v_masks,
+               k_sec_on, v_sec_on, BS: tl.constexpr, ROW_BYTES: tl.constexpr, CK: tl.constexpr,
+               CV: tl.constexpr, K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, K_DT: tl.constexpr,
+               V_DT: tl.constexpr, V_UNIFORM: tl.constexpr):
+    """Everything one 16-token step reads (predicated off past the warp's range)."""
+    ok = t0 < end
+    NKW: tl.constexpr = CK // 4
+    NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
+    if BS >= 16:  # the whole step sits in one block
+        blk = tl.load(bt_row + tl.maximum(tl.minimum(t0, end - 1), 0) // BS, mask=ok, other=0).to(tl.int64)
+        row0 = cache_ptr + (blk * BS + t0 % BS) * ROW_BYTES
+        rk0 = row0 + r * ROW_BYTES
+        rk1 = row0 + (r + 8) * ROW_BYTES
+        rv0 = row0 + (2 * c) * ROW_BYTES
+        rv1 = row0 + (2 * c + 1) * ROW_BYTES
+        rv2 = row0 + (2 * c + 8) * ROW_BYTES
+        rv3 = row0 + (2 * c + 9) * ROW_BYTES
+    else:
+        rk0 = _row_of(cache_ptr, bt_row, t0 + r, end, BS, ROW_BYTES, ok)
+        rk1 = _row_of(cache_ptr, bt_row, t0 + r + 8, end, BS, ROW_BYTES, ok)
+        rv0 = _row_of(cache_ptr, bt_row, t0 + 2 * c, end, BS, ROW_BYTES, ok)
+        rv1 = _row_of(cache_ptr, bt_row, t0 + 2 * c + 1, end, BS, ROW_BYTES, ok)
+        rv2 = _row_of(cache_ptr, bt_row, t0 + 2 * c + 8, end, BS, ROW_BYTES, ok)
+        rv3 = _row_of(cache_ptr, bt_row, t0 + 2 * c + 9, end, BS, ROW_BYTES, ok)
+    ki = (c + 1) % 4
+    vi = (r + 1) % 8
+    ks = ok & k_sec_on
+    vs = ok & v_sec_on
+    k0 = _chunk(rk0, ka0, ki, CK, k_masks, ok, ks, NKW, K_MERGE, 4)
+    k1 = _chunk(rk1, ka0, ki, CK, k_masks, ok, ks, NKW, K_MERGE, 4)
+    v0 = _chunk(rv0, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8)
+    v1 = _chunk(rv1, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8)
+    v2 = _chunk(rv2, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8)
+    v3 = _chunk(rv3, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8)
+    kf0 = _load_param(rk0 + kb_off, ok, K_DT)
+    kf1 = _load_param(rk1 + kb_off, ok, K_DT)
+    vf0 = _load_param(rk0 + vb_off, ok, V_DT)
+    vf1 = _load_param(rk1 + vb_off, ok, V_DT)
+    if V_UNIFORM:
+        vz0 = _load_param(rk0 + vc_off, ok, V_DT)
+        vz1 = _load_param(rk1 + vc_off, ok, V_DT)
+    else:
+        vz0 = tl.zeros_like(vf0)
+        vz1 = vz0
+    return k0, k1, v0, v1, v2, v3, (kf0, kf1, vf0, vf1, vz0, vz1)
+
+
+@triton.jit
+def _scores(k0, k1, qf, lb, ones, NKW: tl.constexpr, K_NC: tl.constexpr):
+    """S^T (tokens r, r+8 × heads 2c, 2c+1) and, for decode-time norm correction, ‖c‖² of the
+    same tokens (all columns equal)."""
+    z = tl.zeros_like(lb.to(tl.float32))
+    s = (z, z, z, z)
+    n = (z, z, z, z)
+    for i in tl.static_range(NKW):
+        pw = _lut4(k0[i], lb)  # chunk bytes 4i..4i+3 of token r
+        px = _lut4(k1[i], lb)  # ... of token r + 8
+        s = _mma(s, pw[0], px[0], pw[1], px[1], qf[4 * i], qf[4 * i + 1])
+        s = _mma(s, pw[2], px[2], pw[3], px[3], qf[4 * i + 2], qf[4 * i + 3])
+        if K_NC:
+            n = _mma(n, _sq(pw[0]), _sq(px[0]), _sq(pw[1]), _sq(px[1]), ones, ones)
+            n = _mma(n, _sq(pw[2]), _sq(px[2]), _sq(pw[3]), _sq(px[3]), ones, ones)
+    return s, n
+
+
+@triton.jit
+def _values(o, v0, v1, v2, v3, pb0, pb1, lb, NVW: tl.constexpr, CV: tl.constexpr, V_UNIFORM: tl.constexpr,
+            MAGIC: tl.constexpr):
+    """O^T += V^T·P^T over the lane's chunk (M tile i ← chunk byte i)."""
+    TPW: tl.constexpr = 4 if CV >= 4 else CV  # M tiles per 32-bit word of the chunk
+    res = ()
+    for w in tl.static_range(NVW):
+        if V_UNIFORM:
+            ab = _uni4(v0[w], v1[w], MAGIC)
+            cd = _uni4(v2[w], v3[w], MAGIC)
+            lo_ab = (ab[0], ab[1], ab[2], ab[3])
+            hi_ab = (ab[4], ab[5], ab[6], ab[7])
+            lo_cd = (cd[0], cd[1], cd[2], cd[3])
+            hi_cd = (cd[4], cd[5], cd[6], cd[7])
+        else:
+            m_ab = _nibble_merge(v0[w], v1[w])
+            m_cd = _nibble_merge(v2[w], v3[w])
+            lo_ab = _lut4(m_ab[0], lb)
+            hi_ab = _lut4(m_ab[1], lb)
+            lo_cd = _lut4(m_cd[0], lb)
+            hi_cd = _lut4(m_cd[1], lb)
+        for k in tl.static_range(TPW):  # M tile 4w + k
+            acc = _mma((o[16 * w + 4 * k], o[16 * w + 4 * k + 1], o[16 * w + 4 * k + 2], o[16 * w + 4 * k + 3]),
+                       lo_ab[k], hi_ab[k], lo_cd[k], hi_cd[k], pb0, pb1)
+            res = res + (acc[0], acc[1], acc[2], acc[3])
+    return res
+
+
+@triton.jit
+def _rescale(o, be, bo, NMT: tl.constexpr):
+    res = ()
+    for i in tl.static_range(NMT):
+        res = res + (o[4 * i] * be, o[4 * i + 1] * bo, o[4 * i + 2] * be, o[4 * i + 3] * bo)
+    return res
+
+
+@triton.jit
+def _dim_of(f, e, NIBBLE: tl.constexpr):
+    """Coordinate of nibble ``e`` (0 low, 1 high) of field byte ``f``."""
+    if NIBBLE:
+        return 2 * f + 1 - e
+    return 2 * f + e
+
+
+@triton.jit
+def _paged_decode_mma_kernel(
+    q_ptr, cache_ptr, bt_ptr, sl_ptr, cen_ptr, acc_ptr, ml_ptr,
+    num_seqs, max_blocks, sm_scale_log2,
+    G: tl.constexpr, HKV: tl.constexpr, HQ: tl.constexpr, NUM_SPLITS: tl.constexpr, WARPS: tl.constexpr,
+    BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr,
+    K_A_OFF: tl.constexpr, K_A_STRIDE: tl.constexpr, K_B_OFF: tl.constexpr, K_B_STRIDE: tl.constexpr,
+    K_DT: tl.constexpr, K_NC: tl.constexpr,
+    V_UNIFORM: tl.constexpr, V_A_OFF: tl.constexpr, V_A_STRIDE: tl.constexpr, V_B_OFF: tl.constexpr,
+    V_B_STRIDE: tl.constexpr, V_C_OFF: tl.constexpr, V_C_STRIDE: tl.constexpr, V_DT: tl.constexpr,
+    K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, V_MAGIC: tl.constexpr = False,
+):
+    NT: tl.constexpr = 32 * WARPS
+    CK: tl.constexpr = D // 8  # key chunk bytes per lane and token (2 per k-tile)
+    CV: tl.constexpr = D // 16  # value chunk bytes per lane and token (1 per M tile)
+    NKW: tl.constexpr = CK // 4
+    NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
+    NKT: tl.constexpr = D // 16
+    NMT: tl.constexpr = D // 16
+    t = tl.arange(0, NT)
+    lane = t % 32
+    r = lane // 4
+    c = lane % 4
+
+    # -- this warp's work item: KV head fastest, then split, then sequence --------------------
+    total = num_seqs * (HKV * NUM_SPLITS)
+    item = tl.program_id(0) * WARPS + t // 32
+    live = item < total
+    item = tl.minimum(item, total - 1)
+    h = item % HKV
+    split = (item // HKV) % NUM_SPLITS
+    s = item // (HKV * NUM_SPLITS)
+    seq_len = tl.minimum(tl.load(sl_ptr + s), max_blocks * BS)
+    per = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), 16) * 16
+    start = split * per
+    end = tl.where(live, tl.minimum(start + per, seq_len), start)
+    n_steps = tl.max(tl.maximum(tl.cdiv(end - start, 16), 0), axis=0)  # the CTA's longest range
+    bt_row = bt_ptr + s.to(tl.int64) * max_blocks
+
+    # -- pair table ------------------------------------------------------------------------------
+    lut = _lut_fill(_lut_declare(t), t, cen_ptr, NT)
+    lb = lut + lane * 4
+
+    # -- field geometry (aligned spans, byte masks for the joining lane) ---------------------------
+    ka = K_A_OFF + h * K_A_STRIDE
+    va = V_A_OFF + h * V_A_STRIDE
+    k_mis = ka % CK
+    v_mis = va % CV
+    ka0 = ka - k_mis
+    va0 = va - v_mis
+    k_masks = _byte_masks(tl.where(c == 3, k_mis, 0), NKW)
+    v_masks = _byte_masks(tl.where(r == 7, v_mis, 0), NVW)
+    k_sec_on = (c == 3) & (k_mis > 0)
+    v_sec_on = (r == 7) & (v_mis > 0)
+    kb_off = K_B_OFF + h * K_B_STRIDE
+    vb_off = V_B_OFF + h * V_B_STRIDE
+    vc_off = V_C_OFF + h * V_C_STRIDE
+
+    # -- q as the B operand of S^T = K·Q^T: head r, the coordinates of this lane's key chunk ------
+    q_row = q_ptr + ((s * HQ + h * G + r) * D).to(tl.int64)
+    q_ok = live & (r < G)
+    qf = ()
+    for j in tl.static_range(CK):
+        f = (CK * (c + 1) + j - k_mis) % (4 * CK)
+        x0 = tl.load(q_row + _dim_of(f, 0, NIBBLE), mask=q_ok, other=0.0)
+        x1 = tl.load(q_row + _dim_of(f, 1, NIBBLE), mask=q_ok, other=0.0)
+        qf = qf + (_pack2(x0, x1),)
+    ones = tl.full([NT], 0x3C003C00, tl.int32)
+
+    # -- state -----------------------------------------------------------------------------------
+    zf = tl.zeros([NT], tl.float32)
+    o = ()
+    for i in tl.static_range(NMT):
+        o = o + (zf, zf, zf, zf)
+    m_e = zf - 1e30  # running max (base-2 scores) of heads 2c and 2c+1
+    m_o = zf - 1e30
+    l_e = zf
+    l_o = zf
+    z_e = zf  # Σ p·zero (uniform values)
+    z_o = zf
+    vmax = zf  # running max of the value factors (P^T is scaled by 1/vmax)
+
+    nxt = _load_step(cache_ptr, bt_row, start, end, r, c, ka0, va0, kb_off, vb_off, vc_off, k_masks, v_masks,
+                     k_sec_on, v_sec_on, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM)
+    for it in range(0, n_steps):
+        t0 = start + it * 16
+        k0, k1, v0, v1, v2, v3, fac = nxt
+        nxt = _load_step(cache_ptr, bt_row, t0 + 16, end, r, c, ka0, va0, kb_off, vb_off, vc_off, k_masks,
+                         v_masks, k_sec_on, v_sec_on, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT, V_DT,
+                         V_UNIFORM)
+        ok0 = (t0 + r) < end
+        ok1 = (t0 + r + 8) < end
+
+        sv, cn = _scores(k0, k1, qf, lb, ones, NKW, K_NC)
+        f0 = fac[0] * sm_scale_log2
+        f1 = fac[1] * sm_scale_log2
+        if K_NC:
+            f0 = f0 * tl.rsqrt(tl.maximum(cn[0], 1e-30))
+            f1 = f1 * tl.rsqrt(tl.maximum(cn[2], 1e-30))
+        s0 = tl.where(ok0, sv[0] * f0, float("-inf"))
+        s1 = tl.where(ok0, sv[1] * f0, float("-inf"))
+        s2 = tl.where(ok1, sv[2] * f1, float("-inf"))
+        s3 = tl.where(ok1, sv[3] * f1, float("-inf"))
+
+        mn_e = tl.maximum(m_e, _warp_max_r(tl.maximum(s0, s2)))
+        mn_o = tl.maximum(m_o, _warp_max_r(tl.maximum(s1, s3)))
+        a_e = tl.exp2(m_e - mn_e)
+        a_o = tl.exp2(m_o - mn_o)
+        p0 = tl.exp2(s0 - mn_e)
+        p1 = tl.exp2(s1 - mn_o)
+        p2 = tl.exp2(s2 - mn_e)
+        p3 = tl.exp2(s3 - mn_o)
+        l_e = l_e * a_e + (p0 + p2)
+        l_o = l_o * a_o + (p1 + p3)
+        m_e = mn_e
+        m_o = mn_o
+
+        vf0 = tl.where(ok0, fac[2], 0.0)
+        vf1 = tl.where(ok1, fac[3], 0.0)
+        if V_UNIFORM:
+            vz0 = tl.where(ok0, fac[4], 0.0)
+            vz1 = tl.where(ok1, fac[5], 0.0)
+            z_e = z_e * a_e + (p0 * vz0 + p2 * vz1)
+            z_o = z_o * a_o + (p1 * vz0 + p3 * vz1)
+        vn = tl.maximum(vmax, _warp_max_r(tl.maximum(tl.abs(vf0), tl.abs(vf1))))
+        ratio = tl.where(vn > 0, vmax / tl.where(vn > 0, vn, 1.0), 1.0)
+        inv = tl.where(vn > 0, 1.0 / tl.where(vn > 0, vn, 1.0), 0.0)
+        vmax = vn
+        o = _rescale(o, a_e * ratio, a_o * ratio, NMT)
+        w0 = vf0 * inv
+        w1 = vf1 * inv
+        pb = _p_fragments(p0 * w0, p1 * w0, p2 * w1, p3 * w1)
+        o = _values(o, v0, v1, v2, v3, pb[0], pb[1], lb, NVW, CV, V_UNIFORM, V_MAGIC)
+
+    # -- partial results: acc [S, HQ, NUM_SPLITS, DP], (m, l) [S, HQ, NUM_SPLITS, 2] --------------
+    l_e = _warp_sum_r(l_e)
+    l_o = _warp_sum_r(l_o)
+    if V_UNIFORM:
+        z_e = _warp_sum_r(z_e)
+        z_o = _warp_sum_r(z_o)
+    if V_UNIFORM and not V_MAGIC:
+        sc_lo = vmax * 16777216.0  # 2^24: the low nibbles were subnormals j·2^-24
+        sc_hi = vmax * 1048576.0  # 2^20: the high nibbles 16j·2^-24
+    else:
+        sc_lo = vmax
+        sc_hi = vmax
+    part_e = (s * HQ + h * G + 2 * c).to(tl.int64) * NUM_SPLITS + split
+    part_o = part_e + NUM_SPLITS
+    ok_e = live & (2 * c < G)
+    ok_o = live & (2 * c + 1 < G)
+    v_mis2 = va % CV
+    for i in tl.static_range(NMT):
+        f = (CV * (r + 1) + i - v_mis2) % (8 * CV)
+        d_lo = _dim_of(f, 0, NIBBLE)
+        d_hi = _dim_of(f, 1, NIBBLE)
+        tl.store(acc_ptr + part_e * DP + d_lo, o[4 * i] * sc_lo + z_e, mask=ok_e)
+        tl.store(acc_ptr + part_o * DP + d_lo, o[4 * i + 1] * sc_lo + z_o, mask=ok_o)
+        tl.store(acc_ptr + part_e * DP + d_hi, o[4 * i + 2] * sc_hi + z_e, mask=ok_e)
+        tl.store(acc_ptr + part_o * DP + d_hi, o[4 * i + 3] * sc_hi + z_o, mask=ok_o)
+    first = r == 0
+    tl.store(ml_ptr + part_e * 2, tl.where(l_e > 0, m_e, float("-inf")), mask=ok_e & first)
+    tl.store(ml_ptr + part_e * 2 + 1, l_e, mask=ok_e & first)
+    tl.store(ml_ptr + part_o * 2, tl.where(l_o > 0, m_o, float("-inf")), mask=ok_o & first)
+    tl.store(ml_ptr + part_o * 2 + 1, l_o, mask=ok_o & first)
+
+
+# -- host side ------------------------------------------------------------------------------------
+def mma_plan(layout: PagedLayout, group: int, params=None) -> dict | None:
+    """Constexprs of the warp-MMA kernel for ``layout`` and GQA ``group``, or ``None`` where it
+    does not apply (then the general kernel runs).
+
+    It applies when keys are 4-bit Lloyd-Max codes; values 4-bit Lloyd-Max codes (no decode-time
+    norm correction; the same codebook as the keys when ``params`` is given) or 4-bit uniform
+    codes; ``head_dim`` 64 or 128; ``group ≤ 8``; rows a multiple of the key chunk (``D/8``
+    bytes); norms, scales and zeros aligned to their size."""
+    if not isinstance(layout, PagedLayout):
+        raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
+    fmt = layout.format
+    key, value = fmt.key, fmt.value
+    d = fmt.head_dim
+    if not (isinstance(key, LloydMax) and key.bits == 4):
+        return None
+    v_uniform = isinstance(value, Uniform)
+    if not ((isinstance(value, LloydMax) and value.norm_correction != "decode") or v_uniform) or value.bits != 4:
+        return None
+    if d not in (64, 128) or not 1 <= group <= 8:
+        return None
+    rb = layout.row_bytes
+    if rb % (d // 8) or rb % 4:
+        return None
+    c = layout_consts(layout)
+    k_dt = _DT[key.norm_dtype]
+    v_dt = _DT[value.param_dtype if v_uniform else value.norm_dtype]
+    for off, dt in ((c["K_B_OFF"], k_dt), (c["K_B_STRIDE"], k_dt), (c["V_B_OFF"], v_dt), (c["V_B_STRIDE"], v_dt),
+                    (c["V_C_OFF"], v_dt), (c["V_C_STRIDE"], v_dt)):
+        if off % _NBYTES[dt]:
+            return None
+    if params is not None and not v_uniform:
+        pk = getattr(params, "params", params)
+        if not np.array_equal(pk.key_codebook.centroids, pk.value_codebook.centroids):
+            return None
+    ck, cv = d // 8, d // 16
+    return dict(
+        D=d, DP=c["DP"], ROW_BYTES=rb, NIBBLE=fmt.bit_order == "nibble_high_even",
+        K_A_OFF=c["K_A_OFF"], K_A_STRIDE=c["K_A_STRIDE"], K_B_OFF=c["K_B_OFF"], K_B_STRIDE=c["K_B_STRIDE"],
+        K_DT=k_dt, K_NC=key.norm_correction == "decode",
+        V_UNIFORM=v_uniform, V_A_OFF=c["V_A_OFF"], V_A_STRIDE=c["V_A_STRIDE"], V_B_OFF=c["V_B_OFF"],
+        V_B_STRIDE=c["V_B_STRIDE"], V_C_OFF=c["V_C_OFF"], V_C_STRIDE=c["V_C_STRIDE"], V_DT=v_dt,
+        K_MERGE=bool(c["K_A_OFF"] % ck or c["K_A_STRIDE"] % ck),
+        V_MERGE=bool(c["V_A_OFF"] % cv or c["V_A_STRIDE"] % cv),
+    )
+
+
+def num_splits_mma(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int) -> int:
+    """Splits (one warp each) so that about 32 warps per SM exist, each with at least 256 tokens
+    of the longest possible sequence. Depends only on shapes (CUDA-graph safe)."""
+    pairs = max(1, num_seqs * num_kv_heads)
+    want = max(1, math.ceil(32 * num_sms / pairs))
+    cap = max(1, max_len // 256)
+    return int(min(want, cap, 64))
+
+
+def _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, *,
+                             group: int, num_splits: int, sm_scale: float, warps: int = 4, magic: bool = False):
+    """Launch the warp-MMA decode (partials only; the caller merges). No checks."""
+    s, hq, _ = q_rot.shape
+    hkv = layout.num_kv_heads
+    total = s * hkv * num_splits
+    grid = (triton.cdiv(total, warps),)
+    _paged_decode_mma_kernel[grid](
+        q_rot, cache, block_table, seq_lens, key_centroids_f32, acc, ml,
+        s, block_table.shape[1], sm_scale * 1.4426950408889634,
+        G=group, HKV=hkv, HQ=hq, NUM_SPLITS=num_splits, WARPS=warps, BS=layout.block_size, V_MAGIC=magic, **plan,
+        num_warps=warps, num_stages=1,
+    )
