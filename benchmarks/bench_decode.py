@@ -81,24 +81,12 @@ def gate(results):
             _, v = tqt.decompress_sequences(cache, bt, lens, layout, params, rotate_back=True)
             tol = 4e-3 * float(v.abs().max())
             path = decode_path(layout, hq // hkv, same_codebooks=params.same_codebooks)
-            variants = [("auto", None)]
-            if path == "mma" and layout.format.value.kind == "uniform":
-                variants.append(("mma_magic", True))
-            for name, magic in variants:
-                if magic is None:
-                    out = paged_decode(q, cache, bt, lens, layout, params)
-                else:
-                    out = torch.full_like(q, float("nan"))
-                    q_rot = ((q.float() @ params.rotation) if layout.format.key.rotated else q.float()).contiguous()
-                    _launch_paged_decode(out, q_rot, cache, bt, lens, layout, params.tables(), sm_scale=d**-0.5,
-                                         interpret=False, path="mma", same_codebooks=params.same_codebooks,
-                                         mma_magic=True)
-                err = float(np.abs(out.float().cpu().numpy() - exp).max())
-                ok = bool(np.isfinite(err) and err <= tol)
-                results["gate"].append(dict(preset=preset, hq=hq, hkv=hkv, d=d, path=path, variant=name,
-                                            max_err=err, tol=tol, ok=ok))
-                print(f"gate {preset:20s} Hq{hq}/Hkv{hkv}/D{d} [{path}/{name}]: max err {err:.2e} (tol {tol:.2e}) "
-                      f"{'ok' if ok else 'FAIL'}", flush=True)
+            out = paged_decode(q, cache, bt, lens, layout, params)
+            err = float(np.abs(out.float().cpu().numpy() - exp).max())
+            ok = bool(np.isfinite(err) and err <= tol)
+            results["gate"].append(dict(preset=preset, hq=hq, hkv=hkv, d=d, path=path, max_err=err, tol=tol, ok=ok))
+            print(f"gate {preset:20s} Hq{hq}/Hkv{hkv}/D{d} [{path}]: max err {err:.2e} (tol {tol:.2e}) "
+                  f"{'ok' if ok else 'FAIL'}", flush=True)
     return {r["preset"] for r in results["gate"] if r["ok"]} - {r["preset"] for r in results["gate"] if not r["ok"]}
 
 

@@ -66,14 +66,6 @@ _UNI_ASM = tl.constexpr(
     + "".join(f"prmt.b32 x, $8, $9, 0x{4 + k}{4 + k}{k}{k};\nand.b32 ${k}, x, 0x000F000F;\n"
               f"and.b32 ${4 + k}, x, 0x00F000F0;\n" for k in range(4))
     + "}")
-# The same as normal fp16 integers: the nibble ORed into 1024.0's mantissa, then 1024 taken off
-# (low nibble) or (x − 1024)/16 by one FMA (high nibble).
-_UNI_MAGIC_ASM = tl.constexpr(
-    "{\n.reg .b32 x, y;\n"
-    + "".join(f"prmt.b32 x, $8, $9, 0x{4 + k}{4 + k}{k}{k};\nand.b32 y, x, 0x000F000F;\nor.b32 y, y, 0x64006400;\n"
-              f"sub.rn.f16x2 ${k}, y, 0x64006400;\nand.b32 y, x, 0x00F000F0;\nor.b32 y, y, 0x64006400;\n"
-              f"fma.rn.f16x2 ${4 + k}, y, 0x2C002C00, 0xD400D400;\n" for k in range(4))
-    + "}")
 
 
 @triton.jit
@@ -112,12 +104,10 @@ def _lut4(w, lb):
 
 
 @triton.jit
-def _uni4(wa, wb, MAGIC: tl.constexpr):
-    """Uniform codes of byte k of two tokens' words as fp16 token pairs, the low nibbles then the
-    high nibbles (4 each): subnormals (j·2^-24, 16j·2^-24), or with ``MAGIC`` the integers j."""
-    if MAGIC:
-        return tl.inline_asm_elementwise(_UNI_MAGIC_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [wa, wb],
-                                         dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+def _uni4(wa, wb):
+    """Uniform codes of byte k of two tokens' words as subnormal fp16 token pairs: the low
+    nibbles (j·2^-24) and the high nibbles (16j·2^-24), 4 each. (The tensor cores multiply fp16
+    subnormals exactly; the GPU property tests cover it.)"""
     return tl.inline_asm_elementwise(_UNI_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [wa, wb], dtype=(tl.int32,) * 8,
                                      is_pure=True, pack=1)
 
@@ -326,15 +316,14 @@ def _scores(k0, k1, qf, lb, ones, NKW: tl.constexpr, K_NC: tl.constexpr):
 
 
 @triton.jit
-def _values(o, v0, v1, v2, v3, pb0, pb1, lb, NVW: tl.constexpr, CV: tl.constexpr, V_UNIFORM: tl.constexpr,
-            MAGIC: tl.constexpr):
+def _values(o, v0, v1, v2, v3, pb0, pb1, lb, NVW: tl.constexpr, CV: tl.constexpr, V_UNIFORM: tl.constexpr):
     """O^T += V^T·P^T over the lane's chunk (M tile i ← chunk byte i)."""
     TPW: tl.constexpr = 4 if CV >= 4 else CV  # M tiles per 32-bit word of the chunk
     res = ()
     for w in tl.static_range(NVW):
         if V_UNIFORM:
-            ab = _uni4(v0[w], v1[w], MAGIC)
-            cd = _uni4(v2[w], v3[w], MAGIC)
+            ab = _uni4(v0[w], v1[w])
+            cd = _uni4(v2[w], v3[w])
             lo_ab = (ab[0], ab[1], ab[2], ab[3])
             hi_ab = (ab[4], ab[5], ab[6], ab[7])
             lo_cd = (cd[0], cd[1], cd[2], cd[3])
@@ -379,7 +368,7 @@ def _paged_decode_mma_kernel(
     K_DT: tl.constexpr, K_NC: tl.constexpr,
     V_UNIFORM: tl.constexpr, V_A_OFF: tl.constexpr, V_A_STRIDE: tl.constexpr, V_B_OFF: tl.constexpr,
     V_B_STRIDE: tl.constexpr, V_C_OFF: tl.constexpr, V_C_STRIDE: tl.constexpr, V_DT: tl.constexpr,
-    K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, V_MAGIC: tl.constexpr = False,
+    K_MERGE: tl.constexpr, V_MERGE: tl.constexpr,
 ):
     NT: tl.constexpr = 32 * WARPS
     CK: tl.constexpr = D // 8  # key chunk bytes per lane and token (2 per k-tile)
@@ -501,7 +490,7 @@ def _paged_decode_mma_kernel(
         w0 = vf0 * inv
         w1 = vf1 * inv
         pb = _p_fragments(p0 * w0, p1 * w0, p2 * w1, p3 * w1)
-        o = _values(o, v0, v1, v2, v3, pb[0], pb[1], lb, NVW, CV, V_UNIFORM, V_MAGIC)
+        o = _values(o, v0, v1, v2, v3, pb[0], pb[1], lb, NVW, CV, V_UNIFORM)
 
     # -- partial results: acc [S, HQ, NUM_SPLITS, DP], (m, l) [S, HQ, NUM_SPLITS, 2] --------------
     l_e = _warp_sum_r(l_e)
@@ -509,7 +498,7 @@ def _paged_decode_mma_kernel(
     if V_UNIFORM:
         z_e = _warp_sum_r(z_e)
         z_o = _warp_sum_r(z_o)
-    if V_UNIFORM and not V_MAGIC:
+    if V_UNIFORM:
         sc_lo = vmax * 16777216.0  # 2^24: the low nibbles were subnormals j·2^-24
         sc_hi = vmax * 1048576.0  # 2^20: the high nibbles 16j·2^-24
     else:
@@ -592,7 +581,7 @@ def num_splits_mma(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int)
 
 
 def _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, *,
-                             group: int, num_splits: int, sm_scale: float, warps: int = 4, magic: bool = False):
+                             group: int, num_splits: int, sm_scale: float, warps: int = 4):
     """Launch the warp-MMA decode (partials only; the caller merges). No checks."""
     s, hq, _ = q_rot.shape
     hkv = layout.num_kv_heads
@@ -601,6 +590,6 @@ def _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, 
     _paged_decode_mma_kernel[grid](
         q_rot, cache, block_table, seq_lens, key_centroids_f32, acc, ml,
         s, block_table.shape[1], sm_scale * 1.4426950408889634,
-        G=group, HKV=hkv, HQ=hq, NUM_SPLITS=num_splits, WARPS=warps, BS=layout.block_size, V_MAGIC=magic, **plan,
+        G=group, HKV=hkv, HQ=hq, NUM_SPLITS=num_splits, WARPS=warps, BS=layout.block_size, **plan,
         num_warps=warps, num_stages=1,
     )
