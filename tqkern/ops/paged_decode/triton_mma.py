@@ -174,24 +174,35 @@ def _warp_sum_r(x):
         "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
 
 
+def _ld_asm(nw: int, hint: str) -> str:
+    regs = ", ".join(f"${i}" for i in range(nw))
+    vec = {4: ".v4", 2: ".v2", 1: ""}[nw]
+    dst = f"{{{regs}}}" if nw > 1 else regs
+    return ("{\n.reg .pred p;\n" + f"setp.ne.b32 p, ${nw + 1}, 0;\n"
+            + "".join(f"mov.b32 ${i}, 0;\n" for i in range(nw))
+            + f"@p ld.global.nc{hint}{vec}.b32 {dst}, [${nw}];\n}}")
+
+
+# Loads of 1, 2 or 4 words, plain or with an L2 prefetch hint of 256 bytes.
+_LD_ASM = {(nw, h): tl.constexpr(_ld_asm(nw, ".L2::256B" if h else "")) for nw in (1, 2, 4) for h in (0, 1)}
+_LD1, _LD2, _LD4 = _LD_ASM[1, 0], _LD_ASM[2, 0], _LD_ASM[4, 0]
+_LD1H, _LD2H, _LD4H = _LD_ASM[1, 1], _LD_ASM[2, 1], _LD_ASM[4, 1]
+
+
 @triton.jit
-def _ld_words(ptr, pred, NW: tl.constexpr):
+def _ld_words(ptr, pred, NW: tl.constexpr, HINT: tl.constexpr):
     """NW (1, 2, 4) consecutive 32-bit words at ``ptr`` (aligned to 4·NW) through the read-only
     path; zeros where ``pred`` is false."""
+    p = pred.to(tl.int32)
     if NW == 4:
-        return tl.inline_asm_elementwise(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\n"
-            "mov.b32 $3, 0;\n@p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];\n}",
-            "=r,=r,=r,=r,l,r", [ptr, pred.to(tl.int32)], dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(_LD4H if HINT else _LD4, "=r,=r,=r,=r,l,r", [ptr, p],
+                                         dtype=(tl.int32,) * 4, is_pure=True, pack=1)
     elif NW == 2:
-        return tl.inline_asm_elementwise(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\n"
-            "@p ld.global.nc.v2.b32 {$0, $1}, [$2];\n}",
-            "=r,=r,l,r", [ptr, pred.to(tl.int32)], dtype=(tl.int32,) * 2, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(_LD2H if HINT else _LD2, "=r,=r,l,r", [ptr, p], dtype=(tl.int32,) * 2,
+                                         is_pure=True, pack=1)
     else:
-        w = tl.inline_asm_elementwise(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\nmov.b32 $0, 0;\n@p ld.global.nc.b32 $0, [$1];\n}",
-            "=r,l,r", [ptr, pred.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
+        w = tl.inline_asm_elementwise(_LD1H if HINT else _LD1, "=r,l,r", [ptr, p], dtype=tl.int32,
+                                      is_pure=True, pack=1)
         return (w,)
 
 
@@ -231,12 +242,12 @@ def _merge_words(prim, sec, masks, NW: tl.constexpr):
 
 @triton.jit
 def _chunk(rowp, base_off, idx, CHUNK: tl.constexpr, mask_words, pred, pred_sec, NW: tl.constexpr,
-           MERGE: tl.constexpr, NLANES: tl.constexpr):
+           MERGE: tl.constexpr, NLANES: tl.constexpr, HINT: tl.constexpr):
     """This lane's chunk of a field: aligned block ``idx`` (block 0 joined with block NLANES
     byte-wise when ``MERGE``)."""
-    prim = _ld_words(rowp + base_off + CHUNK * idx, pred, NW)
+    prim = _ld_words(rowp + base_off + CHUNK * idx, pred, NW, HINT)
     if MERGE:
-        sec = _ld_words(rowp + base_off + CHUNK * NLANES, pred_sec, NW)
+        sec = _ld_words(rowp + base_off + CHUNK * NLANES, pred_sec, NW, HINT)
         return _merge_words(prim, sec, mask_words, NW)
     return prim
 
@@ -250,16 +261,25 @@ def _row_of(cache_ptr, bt_row, pos, end, BS: tl.constexpr, ROW_BYTES: tl.constex
 
 
 @triton.jit
-def _load_step(cache_ptr, bt_row, t0, end, r, c, ka0, va0, kb_off, vb_off, vc_off, k_masks, v_masks,
+def _step_block(bt_row, t0, end, BS: tl.constexpr):
+    """The block-table entry of the step at ``t0`` (blocks of at least 16 tokens hold a whole
+    step); 0 past the range."""
+    if BS >= 16:
+        return tl.load(bt_row + tl.maximum(tl.minimum(t0, end - 1), 0) // BS, mask=t0 < end, other=0).to(tl.int64)
+    return tl.zeros_like(t0).to(tl.int64)
+
+
+@triton.jit
+def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, ka0, va0, kb_off, vb_off, vc_off, k_masks, v_masks,
                k_sec_on, v_sec_on, BS: tl.constexpr, ROW_BYTES: tl.constexpr, CK: tl.constexpr,
                CV: tl.constexpr, K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, K_DT: tl.constexpr,
-               V_DT: tl.constexpr, V_UNIFORM: tl.constexpr):
-    """Everything one 16-token step reads (predicated off past the warp's range)."""
+               V_DT: tl.constexpr, V_UNIFORM: tl.constexpr, HINT: tl.constexpr):
+    """Everything one 16-token step reads (predicated off past the warp's range); ``blk`` is
+    the step's block (:func:`_step_block`, looked up a step earlier) when ``BS >= 16``."""
     ok = t0 < end
     NKW: tl.constexpr = CK // 4
     NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
     if BS >= 16:  # the whole step sits in one block
-        blk = tl.load(bt_row + tl.maximum(tl.minimum(t0, end - 1), 0) // BS, mask=ok, other=0).to(tl.int64)
         row0 = cache_ptr + (blk * BS + t0 % BS) * ROW_BYTES
         rk0 = row0 + r * ROW_BYTES
         rk1 = row0 + (r + 8) * ROW_BYTES
@@ -278,12 +298,12 @@ def _load_step(cache_ptr, bt_row, t0, end, r, c, ka0, va0, kb_off, vb_off, vc_of
     vi = (r + 1) % 8
     ks = ok & k_sec_on
     vs = ok & v_sec_on
-    k0 = _chunk(rk0, ka0, ki, CK, k_masks, ok, ks, NKW, K_MERGE, 4)
-    k1 = _chunk(rk1, ka0, ki, CK, k_masks, ok, ks, NKW, K_MERGE, 4)
-    v0 = _chunk(rv0, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8)
-    v1 = _chunk(rv1, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8)
-    v2 = _chunk(rv2, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8)
-    v3 = _chunk(rv3, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8)
+    k0 = _chunk(rk0, ka0, ki, CK, k_masks, ok, ks, NKW, K_MERGE, 4, HINT)
+    k1 = _chunk(rk1, ka0, ki, CK, k_masks, ok, ks, NKW, K_MERGE, 4, HINT)
+    v0 = _chunk(rv0, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
+    v1 = _chunk(rv1, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
+    v2 = _chunk(rv2, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
+    v3 = _chunk(rv3, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
     kf0 = _load_param(rk0 + kb_off, ok, K_DT)
     kf1 = _load_param(rk1 + kb_off, ok, K_DT)
     vf0 = _load_param(rk0 + vb_off, ok, V_DT)
@@ -302,17 +322,18 @@ def _scores(k0, k1, qf, lb, ones, NKW: tl.constexpr, K_NC: tl.constexpr):
     """S^T (tokens r, r+8 × heads 2c, 2c+1) and, for decode-time norm correction, ‖c‖² of the
     same tokens (all columns equal)."""
     z = tl.zeros_like(lb.to(tl.float32))
-    s = (z, z, z, z)
+    s = (z, z, z, z)  # two independent accumulation chains (even / odd k-tiles)
+    t = (z, z, z, z)
     n = (z, z, z, z)
     for i in tl.static_range(NKW):
         pw = _lut4(k0[i], lb)  # chunk bytes 4i..4i+3 of token r
         px = _lut4(k1[i], lb)  # ... of token r + 8
         s = _mma(s, pw[0], px[0], pw[1], px[1], qf[4 * i], qf[4 * i + 1])
-        s = _mma(s, pw[2], px[2], pw[3], px[3], qf[4 * i + 2], qf[4 * i + 3])
+        t = _mma(t, pw[2], px[2], pw[3], px[3], qf[4 * i + 2], qf[4 * i + 3])
         if K_NC:
             n = _mma(n, _sq(pw[0]), _sq(px[0]), _sq(pw[1]), _sq(px[1]), ones, ones)
             n = _mma(n, _sq(pw[2]), _sq(px[2]), _sq(pw[3]), _sq(px[3]), ones, ones)
-    return s, n
+    return (s[0] + t[0], s[1] + t[1], s[2] + t[2], s[3] + t[3]), n
 
 
 @triton.jit
@@ -368,7 +389,7 @@ def _paged_decode_mma_kernel(
     K_DT: tl.constexpr, K_NC: tl.constexpr,
     V_UNIFORM: tl.constexpr, V_A_OFF: tl.constexpr, V_A_STRIDE: tl.constexpr, V_B_OFF: tl.constexpr,
     V_B_STRIDE: tl.constexpr, V_C_OFF: tl.constexpr, V_C_STRIDE: tl.constexpr, V_DT: tl.constexpr,
-    K_MERGE: tl.constexpr, V_MERGE: tl.constexpr,
+    K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0,
 ):
     NT: tl.constexpr = 32 * WARPS
     CK: tl.constexpr = D // 8  # key chunk bytes per lane and token (2 per k-tile)
@@ -440,14 +461,26 @@ def _paged_decode_mma_kernel(
     z_o = zf
     vmax = zf  # running max of the value factors (P^T is scaled by 1/vmax)
 
-    nxt = _load_step(cache_ptr, bt_row, start, end, r, c, ka0, va0, kb_off, vb_off, vc_off, k_masks, v_masks,
-                     k_sec_on, v_sec_on, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM)
+    # Software pipeline: the K/V data of the next PREFETCH steps is in flight in registers (a
+    # ring), and the block-table entry of the step after those is looked up one iteration
+    # earlier still, so that the loads never wait on the table. (ptxas schedules the loads late in
+    # the iteration, after the current step's lookups and MMAs: the deeper ring is what gives
+    # them distance.)
+    blk = _step_block(bt_row, start, end, BS)
+    ring = ()
+    for j in tl.static_range(PREFETCH):
+        ring = ring + (_load_step(cache_ptr, bt_row, blk, start + 16 * j, end, r, c, ka0, va0, kb_off, vb_off, vc_off,
+                                  k_masks, v_masks, k_sec_on, v_sec_on, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT,
+                                  V_DT, V_UNIFORM, HINT),)
+        blk = _step_block(bt_row, start + 16 * (j + 1), end, BS)
     for it in range(0, n_steps):
         t0 = start + it * 16
-        k0, k1, v0, v1, v2, v3, fac = nxt
-        nxt = _load_step(cache_ptr, bt_row, t0 + 16, end, r, c, ka0, va0, kb_off, vb_off, vc_off, k_masks,
-                         v_masks, k_sec_on, v_sec_on, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT, V_DT,
-                         V_UNIFORM)
+        k0, k1, v0, v1, v2, v3, fac = ring[0]
+        tn = t0 + 16 * PREFETCH
+        ring = ring[1:] + (_load_step(cache_ptr, bt_row, blk, tn, end, r, c, ka0, va0, kb_off, vb_off, vc_off, k_masks,
+                                      v_masks, k_sec_on, v_sec_on, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT,
+                                      V_DT, V_UNIFORM, HINT),)
+        blk = _step_block(bt_row, tn + 16, end, BS)
         ok0 = (t0 + r) < end
         ok1 = (t0 + r + 8) < end
 
@@ -581,7 +614,8 @@ def num_splits_mma(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int)
 
 
 def _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, *,
-                             group: int, num_splits: int, sm_scale: float, warps: int = 4):
+                             group: int, num_splits: int, sm_scale: float, warps: int = 4, prefetch: int = 1,
+                             hint: int = 0):
     """Launch the warp-MMA decode (partials only; the caller merges). No checks."""
     s, hq, _ = q_rot.shape
     hkv = layout.num_kv_heads
@@ -590,6 +624,7 @@ def _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, 
     _paged_decode_mma_kernel[grid](
         q_rot, cache, block_table, seq_lens, key_centroids_f32, acc, ml,
         s, block_table.shape[1], sm_scale * 1.4426950408889634,
-        G=group, HKV=hkv, HQ=hq, NUM_SPLITS=num_splits, WARPS=warps, BS=layout.block_size, **plan,
+        G=group, HKV=hkv, HQ=hq, NUM_SPLITS=num_splits, WARPS=warps, BS=layout.block_size, PREFETCH=prefetch,
+        HINT=hint, **plan,
         num_warps=warps, num_stages=1,
     )

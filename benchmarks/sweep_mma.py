@@ -1,0 +1,128 @@
+"""Sweep the warp-MMA decode kernel's launch options on the GPU, against SDPA fp16 in the same run.
+
+Every configuration is first checked against the NumPy oracle on a small batch (a config that
+fails is reported and not timed), then timed with CUDA-graph replay at the named shapes.
+
+    python benchmarks/sweep_mma.py --out $OUT [--shapes B32x16K B8x64K] [--presets tq4 turboquant_4bit_nc]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_decode import BLOCK, bench, fill_cache, make_layout  # noqa: E402
+from benchmarks.shapes import DECODE_PRESETS, DECODE_SHAPES  # noqa: E402
+from tqkern import reference as ref  # noqa: E402
+from tqkern.ops.paged_decode.triton import _launch_merge, _workspace  # noqa: E402
+from tqkern.ops.paged_decode.triton_mma import _launch_paged_decode_mma, mma_plan, num_splits_mma  # noqa: E402
+
+
+def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_splits):
+    s, hq, d = q.shape
+    g = hq // layout.num_kv_heads
+    q_rot = ((q.float() @ params.rotation) if layout.format.key.rotated else q.float()).contiguous()
+    acc, ml = _workspace(None, s, hq, num_splits, max(16, triton.next_power_of_2(d)), q.device)
+    plan = mma_plan(layout, g)
+
+    def run():
+        _launch_paged_decode_mma(q_rot, cache, bt, sl, layout, plan, params.key_centroids_f32, acc, ml, group=g,
+                                 num_splits=num_splits, sm_scale=d**-0.5, warps=warps, prefetch=prefetch, hint=hint)
+        _launch_merge(acc, ml, params.rotation, out, layout, g, num_splits, False)
+    return run
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--shapes", nargs="*", default=["B32x16K", "B8x64K"])
+    ap.add_argument("--presets", nargs="*", default=["tq4", "turboquant_4bit_nc"])
+    ap.add_argument("--prefetch", nargs="*", type=int, default=[1, 2, 3])
+    ap.add_argument("--hint", nargs="*", type=int, default=[0, 1])
+    ap.add_argument("--warps", nargs="*", type=int, default=[4, 8])
+    ap.add_argument("--splits", nargs="*", type=int, default=[0], help="0: the default from the shapes")
+    args = ap.parse_args(argv)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    arr = dict(DECODE_PRESETS)
+    configs = list(itertools.product(args.prefetch, args.hint, args.warps, args.splits))
+    res = dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, time=time.strftime("%F %T"),
+               gate=[], rows=[])
+    g = torch.Generator(device="cuda").manual_seed(3)
+    ok_cfg = {}
+    for preset in args.presets:  # correctness gate per config
+        layout, params = make_layout(preset, arr[preset], 8, 128)
+        lens = torch.tensor([1, 77, 600, 1000], dtype=torch.int32, device="cuda")
+        nb = 4 * 64
+        bt = torch.randperm(nb, device="cuda", generator=g).int().reshape(4, 64)
+        cache = fill_cache(layout, params, nb, g)
+        q = torch.randn(4, 32, 128, device="cuda", dtype=torch.float16, generator=g)
+        exp = ref.paged_decode(q.float().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(), lens.cpu().numpy(),
+                               layout, params.params)
+        vmax = float(np.abs(exp).max()) * 4 + 1e-6
+        for pf, hint, warps, splits in configs:
+            out = torch.full_like(q, float("nan"))
+            launch(q, cache, bt, lens, layout, params, out, prefetch=pf, hint=hint, warps=warps,
+                   num_splits=splits or 5)()
+            err = float(np.abs(out.float().cpu().numpy() - exp).max())
+            ok = bool(np.isfinite(err) and err <= 4e-3 * vmax)
+            ok_cfg[preset, pf, hint, warps] = ok
+            res["gate"].append(dict(preset=preset, prefetch=pf, hint=hint, warps=warps, err=err, ok=ok))
+            print(f"gate {preset} pf{pf} hint{hint} w{warps}: err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+    for shape in DECODE_SHAPES:
+        if shape.name not in args.shapes:
+            continue
+        b, L, hq, hkv, d = shape.batch, shape.seq_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim
+        q = torch.randn(b, hq, d, device="cuda", dtype=torch.float16, generator=g)
+        k = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16, generator=g)
+        v = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16, generator=g)
+        sdpa = bench(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True))
+        del k, v
+        res["rows"].append(dict(shape=shape.name, variant="sdpa_fp16", us=sdpa))
+        print(f"{shape.name} sdpa_fp16 {sdpa:.1f} us", flush=True)
+        nb = b * L // BLOCK
+        bt = torch.randperm(nb, device="cuda", generator=g).int().reshape(b, L // BLOCK)
+        sl = torch.full((b,), L, dtype=torch.int32, device="cuda")
+        for preset in args.presets:
+            layout, params = make_layout(preset, arr[preset], hkv, d)
+            cache = fill_cache(layout, params, nb, g)
+            out = torch.empty_like(q)
+            nbytes = b * L * layout.row_bytes
+            for pf, hint, warps, splits in configs:
+                if not ok_cfg.get((preset, pf, hint, warps)):
+                    continue
+                ns = splits or num_splits_mma(b, hkv, L, sms)
+                us = bench(launch(q, cache, bt, sl, layout, params, out, prefetch=pf, hint=hint, warps=warps,
+                                  num_splits=ns))
+                row = dict(shape=shape.name, variant=preset, prefetch=pf, hint=hint, warps=warps, splits=ns, us=us,
+                           gbps=nbytes / us / 1e3, ratio=sdpa / us)
+                res["rows"].append(row)
+                print(f"{shape.name} {preset:20s} pf{pf} hint{hint} w{warps} splits{ns:3d}: {us:8.1f} us "
+                      f"{row['gbps']:6.0f} GB/s {row['ratio']:.2f}x SDPA", flush=True)
+            del cache
+            torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "sweep_mma.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"\n{res['gpu']} triton {res['triton']}")
+    for r in sorted(res["rows"], key=lambda r: (r["shape"], r["variant"], r["us"])):
+        if r["variant"] == "sdpa_fp16":
+            print(f"{r['shape']:10s} sdpa_fp16 {r['us']:8.1f} us")
+        else:
+            print(f"{r['shape']:10s} {r['variant']:20s} pf{r['prefetch']} hint{r['hint']} w{r['warps']} "
+                  f"splits{r['splits']:3d} {r['us']:8.1f} us {r['ratio']:.2f}x")
+    return 0 if all(x["ok"] for x in res["gate"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
