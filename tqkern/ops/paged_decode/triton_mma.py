@@ -615,7 +615,7 @@ def num_splits_mma(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int)
 
 def _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, *,
                              group: int, num_splits: int, sm_scale: float, warps: int = 4, prefetch: int = 1,
-                             hint: int = 0):
+                             hint: int = 1):
     """Launch the warp-MMA decode (partials only; the caller merges). No checks."""
     s, hq, _ = q_rot.shape
     hkv = layout.num_kv_heads
