@@ -29,7 +29,7 @@ from tqkern.ops.paged_decode.triton import _launch_merge, _workspace  # noqa: E4
 from tqkern.ops.paged_decode.triton_mma import _launch_paged_decode_mma, mma_plan, num_splits_mma  # noqa: E402
 
 
-def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_splits):
+def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_splits, v_prmt=False):
     s, hq, d = q.shape
     g = hq // layout.num_kv_heads
     q_rot = ((q.float() @ params.rotation) if layout.format.key.rotated else q.float()).contiguous()
@@ -38,7 +38,8 @@ def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_
 
     def run():
         _launch_paged_decode_mma(q_rot, cache, bt, sl, layout, plan, params.key_centroids_f32, acc, ml, group=g,
-                                 num_splits=num_splits, sm_scale=d**-0.5, warps=warps, prefetch=prefetch, hint=hint)
+                                 num_splits=num_splits, sm_scale=d**-0.5, warps=warps, prefetch=prefetch, hint=hint,
+                                 v_prmt=v_prmt)
         _launch_merge(acc, ml, params.rotation, out, layout, g, num_splits, False)
     return run
 
@@ -52,10 +53,11 @@ def main(argv=None):
     ap.add_argument("--hint", nargs="*", type=int, default=[0, 1])
     ap.add_argument("--warps", nargs="*", type=int, default=[4, 8])
     ap.add_argument("--splits", nargs="*", type=int, default=[0], help="0: the default from the shapes")
+    ap.add_argument("--vprmt", nargs="*", type=int, default=[0], help="1: value lookups on the integer pipe")
     args = ap.parse_args(argv)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     arr = dict(DECODE_PRESETS)
-    configs = list(itertools.product(args.prefetch, args.hint, args.warps, args.splits))
+    configs = list(itertools.product(args.prefetch, args.hint, args.warps, args.splits, args.vprmt))
     res = dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, time=time.strftime("%F %T"),
                gate=[], rows=[])
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -70,15 +72,18 @@ def main(argv=None):
         exp = ref.paged_decode(q.float().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(), lens.cpu().numpy(),
                                layout, params.params)
         vmax = float(np.abs(exp).max()) * 4 + 1e-6
-        for pf, hint, warps, splits in configs:
+        for pf, hint, warps, splits, vp in configs:
+            if vp and layout.format.value.kind != "lloyd_max":
+                continue
             out = torch.full_like(q, float("nan"))
             launch(q, cache, bt, lens, layout, params, out, prefetch=pf, hint=hint, warps=warps,
-                   num_splits=splits or 5)()
+                   num_splits=splits or 5, v_prmt=bool(vp))()
             err = float(np.abs(out.float().cpu().numpy() - exp).max())
             ok = bool(np.isfinite(err) and err <= 4e-3 * vmax)
-            ok_cfg[preset, pf, hint, warps] = ok
-            res["gate"].append(dict(preset=preset, prefetch=pf, hint=hint, warps=warps, err=err, ok=ok))
-            print(f"gate {preset} pf{pf} hint{hint} w{warps}: err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+            ok_cfg[preset, pf, hint, warps, vp] = ok
+            res["gate"].append(dict(preset=preset, prefetch=pf, hint=hint, warps=warps, v_prmt=vp, err=err, ok=ok))
+            print(f"gate {preset} pf{pf} hint{hint} w{warps} vprmt{vp}: err {err:.2e} {'ok' if ok else 'FAIL'}",
+                  flush=True)
     for shape in DECODE_SHAPES:
         if shape.name not in args.shapes:
             continue
@@ -98,16 +103,16 @@ def main(argv=None):
             cache = fill_cache(layout, params, nb, g)
             out = torch.empty_like(q)
             nbytes = b * L * layout.row_bytes
-            for pf, hint, warps, splits in configs:
-                if not ok_cfg.get((preset, pf, hint, warps)):
+            for pf, hint, warps, splits, vp in configs:
+                if not ok_cfg.get((preset, pf, hint, warps, vp)):
                     continue
                 ns = splits or num_splits_mma(b, hkv, L, sms)
                 us = bench(launch(q, cache, bt, sl, layout, params, out, prefetch=pf, hint=hint, warps=warps,
-                                  num_splits=ns))
-                row = dict(shape=shape.name, variant=preset, prefetch=pf, hint=hint, warps=warps, splits=ns, us=us,
-                           gbps=nbytes / us / 1e3, ratio=sdpa / us)
+                                  num_splits=ns, v_prmt=bool(vp)))
+                row = dict(shape=shape.name, variant=preset, prefetch=pf, hint=hint, warps=warps, splits=ns,
+                           v_prmt=vp, us=us, gbps=nbytes / us / 1e3, ratio=sdpa / us)
                 res["rows"].append(row)
-                print(f"{shape.name} {preset:20s} pf{pf} hint{hint} w{warps} splits{ns:3d}: {us:8.1f} us "
+                print(f"{shape.name} {preset:20s} pf{pf} hint{hint} w{warps} vprmt{vp} splits{ns:3d}: {us:8.1f} us "
                       f"{row['gbps']:6.0f} GB/s {row['ratio']:.2f}x SDPA", flush=True)
             del cache
             torch.cuda.empty_cache()
@@ -120,7 +125,7 @@ def main(argv=None):
             print(f"{r['shape']:10s} sdpa_fp16 {r['us']:8.1f} us")
         else:
             print(f"{r['shape']:10s} {r['variant']:20s} pf{r['prefetch']} hint{r['hint']} w{r['warps']} "
-                  f"splits{r['splits']:3d} {r['us']:8.1f} us {r['ratio']:.2f}x")
+                  f"vprmt{r['v_prmt']} splits{r['splits']:3d} {r['us']:8.1f} us {r['ratio']:.2f}x")
     return 0 if all(x["ok"] for x in res["gate"]) else 1
 
 

@@ -46,6 +46,7 @@ import triton.language as tl
 
 from tqkern.layouts import LloydMax, PagedLayout, Uniform
 from tqkern.ops.common import layout_consts
+from tqkern.ops.paged_decode._ptx import _lut_prmt4, _prmt_tables
 
 __all__ = ["_paged_decode_mma_kernel", "_launch_paged_decode_mma", "mma_plan", "num_splits_mma"]
 
@@ -337,7 +338,8 @@ def _scores(k0, k1, qf, lb, ones, NKW: tl.constexpr, K_NC: tl.constexpr):
 
 
 @triton.jit
-def _values(o, v0, v1, v2, v3, pb0, pb1, lb, NVW: tl.constexpr, CV: tl.constexpr, V_UNIFORM: tl.constexpr):
+def _values(o, v0, v1, v2, v3, pb0, pb1, lb, vtabs, NVW: tl.constexpr, CV: tl.constexpr, V_UNIFORM: tl.constexpr,
+            V_PRMT: tl.constexpr):
     """O^T += V^T·P^T over the lane's chunk (M tile i ← chunk byte i)."""
     TPW: tl.constexpr = 4 if CV >= 4 else CV  # M tiles per 32-bit word of the chunk
     res = ()
@@ -352,10 +354,16 @@ def _values(o, v0, v1, v2, v3, pb0, pb1, lb, NVW: tl.constexpr, CV: tl.constexpr
         else:
             m_ab = _nibble_merge(v0[w], v1[w])
             m_cd = _nibble_merge(v2[w], v3[w])
-            lo_ab = _lut4(m_ab[0], lb)
-            hi_ab = _lut4(m_ab[1], lb)
-            lo_cd = _lut4(m_cd[0], lb)
-            hi_cd = _lut4(m_cd[1], lb)
+            if V_PRMT:  # the byte-permute LUT on the integer pipe (spares the shared-memory pipe)
+                lo_ab = _lut_prmt4(m_ab[0], vtabs)
+                hi_ab = _lut_prmt4(m_ab[1], vtabs)
+                lo_cd = _lut_prmt4(m_cd[0], vtabs)
+                hi_cd = _lut_prmt4(m_cd[1], vtabs)
+            else:
+                lo_ab = _lut4(m_ab[0], lb)
+                hi_ab = _lut4(m_ab[1], lb)
+                lo_cd = _lut4(m_cd[0], lb)
+                hi_cd = _lut4(m_cd[1], lb)
         for k in tl.static_range(TPW):  # M tile 4w + k
             acc = _mma((o[16 * w + 4 * k], o[16 * w + 4 * k + 1], o[16 * w + 4 * k + 2], o[16 * w + 4 * k + 3]),
                        lo_ab[k], hi_ab[k], lo_cd[k], hi_cd[k], pb0, pb1)
@@ -363,12 +371,35 @@ def _values(o, v0, v1, v2, v3, pb0, pb1, lb, NVW: tl.constexpr, CV: tl.constexpr
     return res
 
 
+def _rescale_asm(n: int) -> str:
+    """Multiply n accumulators (even ones by $2n, odd ones by $2n+1) unless both factors are 1 in
+    every lane of the warp (then a uniform branch skips the n multiplies)."""
+    return ("{\n.reg .pred p, q;\n" + f"setp.neu.f32 p, ${2 * n}, 0f3F800000;\nsetp.neu.f32 q, ${2 * n + 1}, 0f3F800000;\n"
+            + "or.pred p, p, q;\nvote.sync.any.pred p, p, -1;\n@!p bra.uni SKIP_${:uid};\n"
+            + "".join(f"mul.f32 ${i}, ${i}, ${2 * n + (i % 2)};\n" for i in range(n)) + "SKIP_${:uid}:\n}")
+
+
+_RESCALE16 = tl.constexpr(_rescale_asm(16))
+_RESCALE32 = tl.constexpr(_rescale_asm(32))
+_RESCALE16_C = tl.constexpr(",".join(["=f"] * 16 + [str(i) for i in range(16)] + ["f", "f"]))
+_RESCALE32_C = tl.constexpr(",".join(["=f"] * 32 + [str(i) for i in range(32)] + ["f", "f"]))
+
+
 @triton.jit
 def _rescale(o, be, bo, NMT: tl.constexpr):
-    res = ()
-    for i in tl.static_range(NMT):
-        res = res + (o[4 * i] * be, o[4 * i + 1] * bo, o[4 * i + 2] * be, o[4 * i + 3] * bo)
-    return res
+    """O^T columns 2c (×be) and 2c+1 (×bo); skipped by the warp when every factor is 1 (the usual
+    case once the running maxima settle)."""
+    if NMT == 8:
+        return tl.inline_asm_elementwise(
+            _RESCALE32, _RESCALE32_C,
+            [o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8], o[9], o[10], o[11], o[12], o[13], o[14], o[15],
+             o[16], o[17], o[18], o[19], o[20], o[21], o[22], o[23], o[24], o[25], o[26], o[27], o[28], o[29],
+             o[30], o[31], be, bo], dtype=(tl.float32,) * 32, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(
+            _RESCALE16, _RESCALE16_C,
+            [o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8], o[9], o[10], o[11], o[12], o[13], o[14], o[15], be,
+             bo], dtype=(tl.float32,) * 16, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -390,6 +421,7 @@ def _paged_decode_mma_kernel(
     V_UNIFORM: tl.constexpr, V_A_OFF: tl.constexpr, V_A_STRIDE: tl.constexpr, V_B_OFF: tl.constexpr,
     V_B_STRIDE: tl.constexpr, V_C_OFF: tl.constexpr, V_C_STRIDE: tl.constexpr, V_DT: tl.constexpr,
     K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0,
+    V_PRMT: tl.constexpr = False,
 ):
     NT: tl.constexpr = 32 * WARPS
     CK: tl.constexpr = D // 8  # key chunk bytes per lane and token (2 per k-tile)
@@ -421,6 +453,7 @@ def _paged_decode_mma_kernel(
     # -- pair table ------------------------------------------------------------------------------
     lut = _lut_fill(_lut_declare(t), t, cen_ptr, NT)
     lb = lut + lane * 4
+    vtabs = _prmt_tables(cen_ptr, 0 if V_PRMT and not V_UNIFORM else 1)  # (zeros when unused)
 
     # -- field geometry (aligned spans, byte masks for the joining lane) ---------------------------
     ka = K_A_OFF + h * K_A_STRIDE
@@ -523,7 +556,7 @@ def _paged_decode_mma_kernel(
         w0 = vf0 * inv
         w1 = vf1 * inv
         pb = _p_fragments(p0 * w0, p1 * w0, p2 * w1, p3 * w1)
-        o = _values(o, v0, v1, v2, v3, pb[0], pb[1], lb, NVW, CV, V_UNIFORM)
+        o = _values(o, v0, v1, v2, v3, pb[0], pb[1], lb, vtabs, NVW, CV, V_UNIFORM, V_PRMT)
 
     # -- partial results: acc [S, HQ, NUM_SPLITS, DP], (m, l) [S, HQ, NUM_SPLITS, 2] --------------
     l_e = _warp_sum_r(l_e)
@@ -615,7 +648,7 @@ def num_splits_mma(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int)
 
 def _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, *,
                              group: int, num_splits: int, sm_scale: float, warps: int = 4, prefetch: int = 1,
-                             hint: int = 1):
+                             hint: int = 1, v_prmt: bool = False):
     """Launch the warp-MMA decode (partials only; the caller merges). No checks."""
     s, hq, _ = q_rot.shape
     hkv = layout.num_kv_heads
@@ -625,6 +658,6 @@ def _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, 
         q_rot, cache, block_table, seq_lens, key_centroids_f32, acc, ml,
         s, block_table.shape[1], sm_scale * 1.4426950408889634,
         G=group, HKV=hkv, HQ=hq, NUM_SPLITS=num_splits, WARPS=warps, BS=layout.block_size, PREFETCH=prefetch,
-        HINT=hint, **plan,
+        HINT=hint, V_PRMT=v_prmt, **plan,
         num_warps=warps, num_stages=1,
     )
