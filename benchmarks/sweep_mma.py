@@ -26,10 +26,11 @@ from benchmarks.bench_decode import BLOCK, bench, fill_cache, make_layout  # noq
 from benchmarks.shapes import DECODE_PRESETS, DECODE_SHAPES  # noqa: E402
 from tqkern import reference as ref  # noqa: E402
 from tqkern.ops.paged_decode.triton import _launch_merge, _workspace  # noqa: E402
-from tqkern.ops.paged_decode.triton_mma import _launch_paged_decode_mma, mma_plan, num_splits_mma  # noqa: E402
+from tqkern.ops.paged_decode.triton_mma import (  # noqa: E402
+    _launch_paged_decode_mma, mma_plan, num_splits_mma, resident_warps)
 
 
-def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_splits, v_prmt=False):
+def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_splits):
     s, hq, d = q.shape
     g = hq // layout.num_kv_heads
     q_rot = ((q.float() @ params.rotation) if layout.format.key.rotated else q.float()).contiguous()
@@ -38,8 +39,7 @@ def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_
 
     def run():
         _launch_paged_decode_mma(q_rot, cache, bt, sl, layout, plan, params.key_centroids_f32, acc, ml, group=g,
-                                 num_splits=num_splits, sm_scale=d**-0.5, warps=warps, prefetch=prefetch, hint=hint,
-                                 v_prmt=v_prmt)
+                                 num_splits=num_splits, sm_scale=d**-0.5, warps=warps, prefetch=prefetch, hint=hint)
         _launch_merge(acc, ml, params.rotation, out, layout, g, num_splits, False)
     return run
 
@@ -53,11 +53,9 @@ def main(argv=None):
     ap.add_argument("--hint", nargs="*", type=int, default=[0, 1])
     ap.add_argument("--warps", nargs="*", type=int, default=[4, 8])
     ap.add_argument("--splits", nargs="*", type=int, default=[0], help="0: the default from the shapes")
-    ap.add_argument("--vprmt", nargs="*", type=int, default=[0], help="1: value lookups on the integer pipe")
     args = ap.parse_args(argv)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     arr = dict(DECODE_PRESETS)
-    configs = list(itertools.product(args.prefetch, args.hint, args.warps, args.splits, args.vprmt))
+    configs = list(itertools.product(args.prefetch, args.hint, args.warps, args.splits))
     res = dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, time=time.strftime("%F %T"),
                gate=[], rows=[])
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -72,18 +70,15 @@ def main(argv=None):
         exp = ref.paged_decode(q.float().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(), lens.cpu().numpy(),
                                layout, params.params)
         vmax = float(np.abs(exp).max()) * 4 + 1e-6
-        for pf, hint, warps, splits, vp in configs:
-            if vp and layout.format.value.kind != "lloyd_max":
-                continue
+        for pf, hint, warps, splits in configs:
             out = torch.full_like(q, float("nan"))
             launch(q, cache, bt, lens, layout, params, out, prefetch=pf, hint=hint, warps=warps,
-                   num_splits=splits or 5, v_prmt=bool(vp))()
+                   num_splits=splits or 5)()
             err = float(np.abs(out.float().cpu().numpy() - exp).max())
             ok = bool(np.isfinite(err) and err <= 4e-3 * vmax)
-            ok_cfg[preset, pf, hint, warps, vp] = ok
-            res["gate"].append(dict(preset=preset, prefetch=pf, hint=hint, warps=warps, v_prmt=vp, err=err, ok=ok))
-            print(f"gate {preset} pf{pf} hint{hint} w{warps} vprmt{vp}: err {err:.2e} {'ok' if ok else 'FAIL'}",
-                  flush=True)
+            ok_cfg[preset, pf, hint, warps] = ok
+            res["gate"].append(dict(preset=preset, prefetch=pf, hint=hint, warps=warps, err=err, ok=ok))
+            print(f"gate {preset} pf{pf} hint{hint} w{warps}: err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
     for shape in DECODE_SHAPES:
         if shape.name not in args.shapes:
             continue
@@ -103,16 +98,21 @@ def main(argv=None):
             cache = fill_cache(layout, params, nb, g)
             out = torch.empty_like(q)
             nbytes = b * L * layout.row_bytes
-            for pf, hint, warps, splits, vp in configs:
-                if not ok_cfg.get((preset, pf, hint, warps, vp)):
+            for pf, hint, warps, splits in configs:
+                if not ok_cfg.get((preset, pf, hint, warps)):
                     continue
-                ns = splits or num_splits_mma(b, hkv, L, sms)
+                q_rot = ((q.float() @ params.rotation) if layout.format.key.rotated else q.float()).contiguous()
+                resident = resident_warps(q_rot, cache, bt, sl, layout, mma_plan(layout, hq // hkv),
+                                          params.key_centroids_f32, group=hq // hkv, warps=warps, prefetch=pf,
+                                          hint=hint)
+                ns = splits or num_splits_mma(b, hkv, L, resident)
                 us = bench(launch(q, cache, bt, sl, layout, params, out, prefetch=pf, hint=hint, warps=warps,
-                                  num_splits=ns, v_prmt=bool(vp)))
+                                  num_splits=ns))
                 row = dict(shape=shape.name, variant=preset, prefetch=pf, hint=hint, warps=warps, splits=ns,
-                           v_prmt=vp, us=us, gbps=nbytes / us / 1e3, ratio=sdpa / us)
+                           resident_warps=resident, us=us, gbps=nbytes / us / 1e3, ratio=sdpa / us)
                 res["rows"].append(row)
-                print(f"{shape.name} {preset:20s} pf{pf} hint{hint} w{warps} vprmt{vp} splits{ns:3d}: {us:8.1f} us "
+                print(f"{shape.name} {preset:20s} pf{pf} hint{hint} w{warps} splits{ns:3d} (resident {resident}): "
+                      f"{us:8.1f} us "
                       f"{row['gbps']:6.0f} GB/s {row['ratio']:.2f}x SDPA", flush=True)
             del cache
             torch.cuda.empty_cache()
@@ -125,7 +125,7 @@ def main(argv=None):
             print(f"{r['shape']:10s} sdpa_fp16 {r['us']:8.1f} us")
         else:
             print(f"{r['shape']:10s} {r['variant']:20s} pf{r['prefetch']} hint{r['hint']} w{r['warps']} "
-                  f"vprmt{r['v_prmt']} splits{r['splits']:3d} {r['us']:8.1f} us {r['ratio']:.2f}x")
+                  f"splits{r['splits']:3d} {r['us']:8.1f} us {r['ratio']:.2f}x")
     return 0 if all(x["ok"] for x in res["gate"]) else 1
 
 

@@ -206,6 +206,9 @@ def test_paged_decode_rejects_bad_arguments(setup):
         paged_decode(q, cache, bt, sl, layout, params, out=torch.empty_like(q).bfloat16())
     with pytest.raises(ValueError, match=r"num_splits must be an int in \[1, 256\], got 0"):
         paged_decode(q, cache, bt, sl, layout, params, num_splits=0)
+    with pytest.raises(ValueError, match=r"workspace must have at least .* = 1056 float32 elements, got 1055"):
+        paged_decode(q, cache, bt, sl, layout, params, num_splits=2,
+                     workspace=torch.empty(1055, dtype=torch.float32, device=DEV))
 
 
 @needs_kernels

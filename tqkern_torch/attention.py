@@ -46,7 +46,8 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
         out: optional output of q's shape and dtype (written, and returned).
         workspace: optional float32 scratch of at least
             ``tqkern.ops.paged_decode.triton.workspace_numel(num_seqs, Hq, num_splits, DP)``
-            elements, for CUDA-graph capture.
+            elements (DP: head_dim rounded up to a power of two, at least 16), for CUDA-graph
+            capture; pass ``num_splits`` with it (the default split count depends on the GPU).
         num_splits: split-KV count; default from the shapes (never from ``seq_lens`` values).
         check_lengths: check ``seq_lens`` and the used ``block_table`` entries against the
             cache on the host (a device sync). Default: on, except while a CUDA graph is being
@@ -74,6 +75,13 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
         check_tensor(workspace, "workspace", dtypes=(torch.float32,), device=dev, contiguous=True)
     if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= 256):
         raise ValueError(f"num_splits must be an int in [1, 256], got {num_splits!r}")
+    if workspace is not None and num_splits is not None:
+        from tqkern.ops.paged_decode.triton import workspace_numel
+
+        need = workspace_numel(q.shape[0], q.shape[1], num_splits, max(16, 1 << (d - 1).bit_length()))
+        if workspace.numel() < need:
+            raise ValueError(f"workspace must have at least workspace_numel(num_seqs, num_q_heads, num_splits, DP) = "
+                             f"{need} float32 elements, got {workspace.numel()}")
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     if check_lengths is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["_LUT_ASM_LSB", "_LUT_ASM_NIBBLE", "_UNI_ASM_LSB", "_UNI_ASM_NIBBLE", "_prmt_tables", "_lut_prmt4"]
+__all__ = ["_LUT_ASM_LSB", "_LUT_ASM_NIBBLE", "_UNI_ASM_LSB", "_UNI_ASM_NIBBLE", "_prmt_tables"]
 
 
 # One 32-bit word = 8 codes, decoded by byte permutes.
@@ -80,12 +80,3 @@ def _prmt_tables(cen_ptr, KIND: tl.constexpr):
                 _byte_table(cen_ptr, 8, True), _byte_table(cen_ptr, 12, True))
     z = tl.zeros([], tl.int32)
     return z, z, z, z, z, z, z, z
-
-
-@triton.jit
-def _lut_prmt4(w, tabs):
-    """The 4 fp16 pairs (codes 2k, 2k+1) of the 8 LSB-first 4-bit codes of ``w``, looked up in
-    the byte tables ``tabs`` (:func:`_prmt_tables`) on the integer pipe."""
-    return tl.inline_asm_elementwise(_LUT_ASM_LSB, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
-                                     [w, tabs[0], tabs[1], tabs[2], tabs[3], tabs[4], tabs[5], tabs[6], tabs[7]],
-                                     dtype=(tl.int32,) * 4, is_pure=True, pack=1)

@@ -26,7 +26,7 @@ import triton.language as tl
 from tqkern.layouts import PagedLayout
 from tqkern.ops.common import bits_to_f32, halfword_aligned, layout_consts, load_bytes, load_packed
 from tqkern.ops.paged_decode._ptx import _LUT_ASM_LSB, _LUT_ASM_NIBBLE, _UNI_ASM_LSB, _UNI_ASM_NIBBLE, _prmt_tables
-from tqkern.ops.paged_decode.triton_mma import _launch_paged_decode_mma, mma_plan, num_splits_mma
+from tqkern.ops.paged_decode.triton_mma import _launch_paged_decode_mma, mma_plan, num_splits_mma, resident_warps
 
 __all__ = ["_paged_decode_kernel", "_merge_kernel", "_launch_paged_decode", "num_splits_for", "fast_path_plan",
            "decode_path"]
@@ -511,8 +511,9 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
         if mma:
             plan = mma_plan(layout, g)
             if num_splits is None:
-                sms = torch.cuda.get_device_properties(q_rot.device).multi_processor_count
-                num_splits = num_splits_mma(s, hkv, block_table.shape[1] * layout.block_size, sms)
+                resident = resident_warps(q_rot, cache, block_table, seq_lens, layout, plan,
+                                          tables["key_centroids_f32"], group=g)
+                num_splits = num_splits_mma(s, hkv, block_table.shape[1] * layout.block_size, resident)
             acc, ml = _workspace(workspace, s, hq, num_splits, dp, q_rot.device)
             _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan,
                                      tables["key_centroids_f32"], acc, ml, group=g, num_splits=num_splits,
@@ -566,6 +567,9 @@ def _workspace(workspace, s: int, hq: int, num_splits: int, dp: int, device):
     need = workspace_numel(s, hq, num_splits, dp)
     if workspace is None:
         workspace = torch.empty(need, dtype=torch.float32, device=device)
+    elif workspace.numel() < need:
+        raise ValueError(f"workspace must have at least workspace_numel({s}, {hq}, num_splits={num_splits}, {dp}) = "
+                         f"{need} float32 elements, got {workspace.numel()}")
     return workspace[: s * hq * num_splits * dp], workspace[s * hq * num_splits * dp: need]
 
 
