@@ -30,7 +30,7 @@ from tqkern.ops.paged_decode.triton_mma import (  # noqa: E402
     _launch_paged_decode_mma, mma_plan, num_splits_mma, resident_warps)
 
 
-def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_splits):
+def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_splits, l2pf=0, parts="all", maxnreg=0):
     s, hq, d = q.shape
     g = hq // layout.num_kv_heads
     q_rot = ((q.float() @ params.rotation) if layout.format.key.rotated else q.float()).contiguous()
@@ -38,9 +38,14 @@ def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_
     plan = mma_plan(layout, g)
 
     def run():
-        _launch_paged_decode_mma(q_rot, cache, bt, sl, layout, plan, params.key_centroids_f32, acc, ml, group=g,
-                                 num_splits=num_splits, sm_scale=d**-0.5, warps=warps, prefetch=prefetch, hint=hint)
-        _launch_merge(acc, ml, params.rotation, out, layout, g, num_splits, False)
+        if parts in ("all", "rotate"):  # what the public API does before the kernel
+            torch.matmul(q.float(), params.rotation, out=q_rot)
+        if parts in ("all", "kernel"):
+            _launch_paged_decode_mma(q_rot, cache, bt, sl, layout, plan, params.key_centroids_f32, acc, ml, group=g,
+                                     num_splits=num_splits, sm_scale=d**-0.5, warps=warps, prefetch=prefetch,
+                                     hint=hint, l2pf=l2pf, maxnreg=maxnreg)
+        if parts in ("all", "merge"):
+            _launch_merge(acc, ml, params.rotation, out, layout, g, num_splits, False)
     return run
 
 
@@ -53,9 +58,12 @@ def main(argv=None):
     ap.add_argument("--hint", nargs="*", type=int, default=[0, 1])
     ap.add_argument("--warps", nargs="*", type=int, default=[4, 8])
     ap.add_argument("--splits", nargs="*", type=int, default=[0], help="0: the default from the shapes")
+    ap.add_argument("--l2pf", nargs="*", type=int, default=[0])
+    ap.add_argument("--maxnreg", nargs="*", type=int, default=[0])
+    ap.add_argument("--parts", action="store_true", help="also time the q rotation, kernel and merge alone")
     args = ap.parse_args(argv)
     arr = dict(DECODE_PRESETS)
-    configs = list(itertools.product(args.prefetch, args.hint, args.warps, args.splits))
+    configs = list(itertools.product(args.prefetch, args.hint, args.warps, args.splits, args.l2pf, args.maxnreg))
     res = dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, time=time.strftime("%F %T"),
                gate=[], rows=[])
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -70,15 +78,17 @@ def main(argv=None):
         exp = ref.paged_decode(q.float().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(), lens.cpu().numpy(),
                                layout, params.params)
         vmax = float(np.abs(exp).max()) * 4 + 1e-6
-        for pf, hint, warps, splits in configs:
+        for pf, hint, warps, splits, l2, mr in configs:
             out = torch.full_like(q, float("nan"))
             launch(q, cache, bt, lens, layout, params, out, prefetch=pf, hint=hint, warps=warps,
-                   num_splits=splits or 5)()
+                   num_splits=splits or 5, l2pf=l2, maxnreg=mr)()
             err = float(np.abs(out.float().cpu().numpy() - exp).max())
             ok = bool(np.isfinite(err) and err <= 4e-3 * vmax)
-            ok_cfg[preset, pf, hint, warps] = ok
-            res["gate"].append(dict(preset=preset, prefetch=pf, hint=hint, warps=warps, err=err, ok=ok))
-            print(f"gate {preset} pf{pf} hint{hint} w{warps}: err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+            ok_cfg[preset, pf, hint, warps, l2, mr] = ok
+            res["gate"].append(dict(preset=preset, prefetch=pf, hint=hint, warps=warps, l2pf=l2, maxnreg=mr, err=err,
+                                    ok=ok))
+            print(f"gate {preset} pf{pf} hint{hint} w{warps} l2pf{l2} r{mr}: err {err:.2e} {'ok' if ok else 'FAIL'}",
+                  flush=True)
     for shape in DECODE_SHAPES:
         if shape.name not in args.shapes:
             continue
@@ -98,21 +108,29 @@ def main(argv=None):
             cache = fill_cache(layout, params, nb, g)
             out = torch.empty_like(q)
             nbytes = b * L * layout.row_bytes
-            for pf, hint, warps, splits in configs:
-                if not ok_cfg.get((preset, pf, hint, warps)):
+            for pf, hint, warps, splits, l2, mr in configs:
+                if not ok_cfg.get((preset, pf, hint, warps, l2, mr)):
                     continue
                 q_rot = ((q.float() @ params.rotation) if layout.format.key.rotated else q.float()).contiguous()
                 resident = resident_warps(q_rot, cache, bt, sl, layout, mma_plan(layout, hq // hkv),
                                           params.key_centroids_f32, group=hq // hkv, warps=warps, prefetch=pf,
-                                          hint=hint)
+                                          hint=hint, l2pf=l2, maxnreg=mr)
                 ns = splits or num_splits_mma(b, hkv, L, resident)
                 us = bench(launch(q, cache, bt, sl, layout, params, out, prefetch=pf, hint=hint, warps=warps,
-                                  num_splits=ns))
-                row = dict(shape=shape.name, variant=preset, prefetch=pf, hint=hint, warps=warps, splits=ns,
+                                  num_splits=ns, l2pf=l2, maxnreg=mr))
+                row = dict(shape=shape.name, variant=preset, prefetch=pf, hint=hint, warps=warps, splits=ns, l2pf=l2,
+                           maxnreg=mr,
                            resident_warps=resident, us=us, gbps=nbytes / us / 1e3, ratio=sdpa / us)
+                if args.parts:
+                    for part in ("rotate", "kernel", "merge"):
+                        row[part + "_us"] = bench(launch(q, cache, bt, sl, layout, params, out, prefetch=pf, hint=hint,
+                                                         warps=warps, num_splits=ns, l2pf=l2, parts=part,
+                                                         maxnreg=mr))
                 res["rows"].append(row)
-                print(f"{shape.name} {preset:20s} pf{pf} hint{hint} w{warps} splits{ns:3d} (resident {resident}): "
-                      f"{us:8.1f} us "
+                print(f"{shape.name} {preset:20s} pf{pf} hint{hint} w{warps} l2pf{l2} r{mr} splits{ns:3d} "
+                      f"(resident {resident}): {us:8.1f} us "
+                      + (f"[rotate {row['rotate_us']:.1f} kernel {row['kernel_us']:.1f} merge {row['merge_us']:.1f}] "
+                         if args.parts else "") +
                       f"{row['gbps']:6.0f} GB/s {row['ratio']:.2f}x SDPA", flush=True)
             del cache
             torch.cuda.empty_cache()
@@ -125,7 +143,7 @@ def main(argv=None):
             print(f"{r['shape']:10s} sdpa_fp16 {r['us']:8.1f} us")
         else:
             print(f"{r['shape']:10s} {r['variant']:20s} pf{r['prefetch']} hint{r['hint']} w{r['warps']} "
-                  f"splits{r['splits']:3d} {r['us']:8.1f} us {r['ratio']:.2f}x")
+                  f"l2pf{r['l2pf']} r{r['maxnreg']} splits{r['splits']:3d} {r['us']:8.1f} us {r['ratio']:.2f}x")
     return 0 if all(x["ok"] for x in res["gate"]) else 1
 
 
