@@ -25,12 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_decode import BLOCK, bench, fill_cache, make_layout  # noqa: E402
 from benchmarks.shapes import DECODE_PRESETS, DECODE_SHAPES  # noqa: E402
 from tqkern import reference as ref  # noqa: E402
-from tqkern.ops.paged_decode.triton import _launch_merge, _workspace  # noqa: E402
+from tqkern.ops.paged_decode.triton import _launch_merge, _workspace, rotate_q  # noqa: E402
 from tqkern.ops.paged_decode.triton_mma import (  # noqa: E402
     _launch_paged_decode_mma, mma_plan, num_splits_mma, resident_warps)
 
 
-def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_splits, l2pf=0, parts="all", maxnreg=0):
+def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_splits, parts="all", maxnreg=None):
     s, hq, d = q.shape
     g = hq // layout.num_kv_heads
     q_rot = ((q.float() @ params.rotation) if layout.format.key.rotated else q.float()).contiguous()
@@ -39,11 +39,11 @@ def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_
 
     def run():
         if parts in ("all", "rotate"):  # what the public API does before the kernel
-            torch.matmul(q.float(), params.rotation, out=q_rot)
+            rotate_q(q, params.rotation, True, False)
         if parts in ("all", "kernel"):
             _launch_paged_decode_mma(q_rot, cache, bt, sl, layout, plan, params.key_centroids_f32, acc, ml, group=g,
                                      num_splits=num_splits, sm_scale=d**-0.5, warps=warps, prefetch=prefetch,
-                                     hint=hint, l2pf=l2pf, maxnreg=maxnreg)
+                                     hint=hint, maxnreg=maxnreg)
         if parts in ("all", "merge"):
             _launch_merge(acc, ml, params.rotation, out, layout, g, num_splits, False)
     return run
@@ -58,12 +58,11 @@ def main(argv=None):
     ap.add_argument("--hint", nargs="*", type=int, default=[0, 1])
     ap.add_argument("--warps", nargs="*", type=int, default=[4, 8])
     ap.add_argument("--splits", nargs="*", type=int, default=[0], help="0: the default from the shapes")
-    ap.add_argument("--l2pf", nargs="*", type=int, default=[0])
-    ap.add_argument("--maxnreg", nargs="*", type=int, default=[0])
+    ap.add_argument("--maxnreg", nargs="*", type=int, default=[-1], help="-1: the launcher's default")
     ap.add_argument("--parts", action="store_true", help="also time the q rotation, kernel and merge alone")
     args = ap.parse_args(argv)
     arr = dict(DECODE_PRESETS)
-    configs = list(itertools.product(args.prefetch, args.hint, args.warps, args.splits, args.l2pf, args.maxnreg))
+    configs = list(itertools.product(args.prefetch, args.hint, args.warps, args.splits, args.maxnreg))
     res = dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, time=time.strftime("%F %T"),
                gate=[], rows=[])
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -78,16 +77,16 @@ def main(argv=None):
         exp = ref.paged_decode(q.float().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(), lens.cpu().numpy(),
                                layout, params.params)
         vmax = float(np.abs(exp).max()) * 4 + 1e-6
-        for pf, hint, warps, splits, l2, mr in configs:
+        for pf, hint, warps, splits, mr in configs:
             out = torch.full_like(q, float("nan"))
             launch(q, cache, bt, lens, layout, params, out, prefetch=pf, hint=hint, warps=warps,
-                   num_splits=splits or 5, l2pf=l2, maxnreg=mr)()
+                   num_splits=splits or 5, maxnreg=None if mr < 0 else mr)()
             err = float(np.abs(out.float().cpu().numpy() - exp).max())
             ok = bool(np.isfinite(err) and err <= 4e-3 * vmax)
-            ok_cfg[preset, pf, hint, warps, l2, mr] = ok
-            res["gate"].append(dict(preset=preset, prefetch=pf, hint=hint, warps=warps, l2pf=l2, maxnreg=mr, err=err,
+            ok_cfg[preset, pf, hint, warps, mr] = ok
+            res["gate"].append(dict(preset=preset, prefetch=pf, hint=hint, warps=warps, maxnreg=mr, err=err,
                                     ok=ok))
-            print(f"gate {preset} pf{pf} hint{hint} w{warps} l2pf{l2} r{mr}: err {err:.2e} {'ok' if ok else 'FAIL'}",
+            print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr}: err {err:.2e} {'ok' if ok else 'FAIL'}",
                   flush=True)
     for shape in DECODE_SHAPES:
         if shape.name not in args.shapes:
@@ -108,26 +107,26 @@ def main(argv=None):
             cache = fill_cache(layout, params, nb, g)
             out = torch.empty_like(q)
             nbytes = b * L * layout.row_bytes
-            for pf, hint, warps, splits, l2, mr in configs:
-                if not ok_cfg.get((preset, pf, hint, warps, l2, mr)):
+            for pf, hint, warps, splits, mr in configs:
+                if not ok_cfg.get((preset, pf, hint, warps, mr)):
                     continue
                 q_rot = ((q.float() @ params.rotation) if layout.format.key.rotated else q.float()).contiguous()
                 resident = resident_warps(q_rot, cache, bt, sl, layout, mma_plan(layout, hq // hkv),
                                           params.key_centroids_f32, group=hq // hkv, warps=warps, prefetch=pf,
-                                          hint=hint, l2pf=l2, maxnreg=mr)
+                                          hint=hint, maxnreg=None if mr < 0 else mr)
                 ns = splits or num_splits_mma(b, hkv, L, resident)
                 us = bench(launch(q, cache, bt, sl, layout, params, out, prefetch=pf, hint=hint, warps=warps,
-                                  num_splits=ns, l2pf=l2, maxnreg=mr))
-                row = dict(shape=shape.name, variant=preset, prefetch=pf, hint=hint, warps=warps, splits=ns, l2pf=l2,
+                                  num_splits=ns, maxnreg=None if mr < 0 else mr))
+                row = dict(shape=shape.name, variant=preset, prefetch=pf, hint=hint, warps=warps, splits=ns,
                            maxnreg=mr,
                            resident_warps=resident, us=us, gbps=nbytes / us / 1e3, ratio=sdpa / us)
                 if args.parts:
                     for part in ("rotate", "kernel", "merge"):
                         row[part + "_us"] = bench(launch(q, cache, bt, sl, layout, params, out, prefetch=pf, hint=hint,
-                                                         warps=warps, num_splits=ns, l2pf=l2, parts=part,
-                                                         maxnreg=mr))
+                                                         warps=warps, num_splits=ns, parts=part,
+                                                         maxnreg=None if mr < 0 else mr))
                 res["rows"].append(row)
-                print(f"{shape.name} {preset:20s} pf{pf} hint{hint} w{warps} l2pf{l2} r{mr} splits{ns:3d} "
+                print(f"{shape.name} {preset:20s} pf{pf} hint{hint} w{warps} r{mr} splits{ns:3d} "
                       f"(resident {resident}): {us:8.1f} us "
                       + (f"[rotate {row['rotate_us']:.1f} kernel {row['kernel_us']:.1f} merge {row['merge_us']:.1f}] "
                          if args.parts else "") +
@@ -143,7 +142,7 @@ def main(argv=None):
             print(f"{r['shape']:10s} sdpa_fp16 {r['us']:8.1f} us")
         else:
             print(f"{r['shape']:10s} {r['variant']:20s} pf{r['prefetch']} hint{r['hint']} w{r['warps']} "
-                  f"l2pf{r['l2pf']} r{r['maxnreg']} splits{r['splits']:3d} {r['us']:8.1f} us {r['ratio']:.2f}x")
+                  f"r{r['maxnreg']} splits{r['splits']:3d} {r['us']:8.1f} us {r['ratio']:.2f}x")
     return 0 if all(x["ok"] for x in res["gate"]) else 1
 
 

@@ -7,6 +7,7 @@ import torch
 import tqkern
 import tqkern_torch as tqt
 from tqkern import reference as ref
+from tqkern.ops.paged_decode.triton import decode_path
 from tqkern_torch.attention import paged_decode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -43,10 +44,12 @@ def _dense_reference(q, cache, block_table, seq_lens, layout, params):
     return torch.stack(outs)
 
 
-def test_cuda_graph_replay_with_new_lengths_and_tables():
-    fmt = tqkern.KVFormat.preset("turboquant_4bit_nc", 128)
-    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=2, block_size=16)
+@pytest.mark.parametrize("preset,arrangement,path", [("turboquant_4bit_nc", "slot", "fast"), ("tq4", "row", "mma")])
+def test_cuda_graph_replay_with_new_lengths_and_tables(preset, arrangement, path):
+    fmt = tqkern.KVFormat.preset(preset, 128)
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=2, block_size=16, arrangement=arrangement)
     params = tqt.to_device(tqkern.TQParams.default(fmt), "cuda")
+    assert decode_path(layout, 4, same_codebooks=params.same_codebooks) == path
     num_blocks, max_blocks, s = 64, 16, 3
     perm = torch.randperm(num_blocks, device="cuda")[: s * max_blocks].reshape(s, max_blocks).int()
     bt = perm.clone()

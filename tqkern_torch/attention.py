@@ -107,14 +107,15 @@ def paged_decode_op(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Ten
                     same_codebooks: bool = False) -> None:
     lay = layout_of(layout)
     if use_triton(q.device):
-        from tqkern.ops.paged_decode.triton import _launch_paged_decode
+        from tqkern.ops.paged_decode.triton import _launch_paged_decode, rotate_q
 
         fmt = lay.format
-        q_rot = (q.float() @ rotation) if fmt.key.rotated else q.float().contiguous()
+        interp = q.device.type == "cpu"
+        q_rot = rotate_q(q if q.stride(2) == 1 else q.contiguous(), rotation, bool(fmt.key.rotated), interp)
         tables = {"rotation": rotation, "key_centroids_f32": key_centroids_f32,
                   "value_centroids_f32": value_centroids_f32}
-        _launch_paged_decode(out, q_rot.contiguous(), cache, block_table, seq_lens, lay, tables, sm_scale=scale,
-                             interpret=q.device.type == "cpu", workspace=workspace, num_splits=num_splits or None,
+        _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, lay, tables, sm_scale=scale,
+                             interpret=interp, workspace=workspace, num_splits=num_splits or None,
                              same_codebooks=same_codebooks)
         return
     params = _host_params(lay, rotation, key_centroids, value_centroids, None)

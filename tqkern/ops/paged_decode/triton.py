@@ -29,7 +29,7 @@ from tqkern.ops.paged_decode._ptx import _LUT_ASM_LSB, _LUT_ASM_NIBBLE, _UNI_ASM
 from tqkern.ops.paged_decode.triton_mma import _launch_paged_decode_mma, mma_plan, num_splits_mma, resident_warps
 
 __all__ = ["_paged_decode_kernel", "_merge_kernel", "_launch_paged_decode", "num_splits_for", "fast_path_plan",
-           "decode_path"]
+           "decode_path", "rotate_q"]
 
 
 @triton.jit
@@ -407,9 +407,12 @@ def _merge_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, stride_os, stride_oh,
                   G: tl.constexpr, GP: tl.constexpr, HQ: tl.constexpr, NUM_SPLITS: tl.constexpr,
                   SP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CC: tl.constexpr,
                   ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Merge the splits of one (sequence, KV head) by log-sum-exp; out = acc/l (@ Πᵀ)."""
+    """Merge the splits of one (sequence, KV head) by log-sum-exp; out = acc/l (@ Πᵀ). Program
+    ``(s, h, j)`` writes output columns ``j·CC .. j·CC + CC − 1`` (with the rotation it merges all
+    columns and rotates into its chunk: the chunks spread the rotate-back over more programs)."""
     s = tl.program_id(0)
     h = tl.program_id(1)
+    c0 = tl.program_id(2) * CC
     g = tl.arange(0, GP)
     gm = g < G
     qh = h * G + g
@@ -424,24 +427,55 @@ def _merge_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, stride_os, stride_oh,
     w = tl.where(pm & (m > float("-inf")), tl.exp2(m - m_safe[:, None]), 0.0)  # [GP, SP]
     l_all = tl.sum(w * l, axis=1)
     inv = tl.where(l_all > 0, 1.0 / tl.where(l_all > 0, l_all, 1.0), 0.0)
-    cols = tl.arange(0, DP)
-    o = tl.zeros([GP, DP], tl.float32)
+    o_row = out_ptr + s.to(tl.int64) * stride_os + qh.to(tl.int64)[:, None] * stride_oh
+    cc = c0 + tl.arange(0, CC)
+    if ROTATE_BACK:  # out[:, cc] = o @ Πᵀ[:, cc], Πᵀ[:, c] = Π[c, :]
+        cols = tl.arange(0, DP)
+    else:
+        cols = cc
+    o = tl.zeros([GP, cols.shape[0]], tl.float32)
     for i in tl.static_range(NUM_SPLITS):
         wi = tl.sum(tl.where(sp[None, :] == i, w, 0.0), axis=1)
         a = tl.load(acc_ptr + ((s * HQ + qh).to(tl.int64) * NUM_SPLITS + i)[:, None] * DP + cols[None, :],
                     mask=gm[:, None] & (wi > 0)[:, None], other=0.0)
         o += a * wi[:, None]
     o = o * inv[:, None]
-    o_row = out_ptr + s.to(tl.int64) * stride_os + qh.to(tl.int64)[:, None] * stride_oh
-    if ROTATE_BACK:  # out = o @ Πᵀ, CC output columns at a time: Πᵀ[:, c] = Π[c, :]
-        for c0 in tl.static_range(0, DP, CC):
-            cc = c0 + tl.arange(0, CC)
-            rt = tl.load(rot_ptr + cc[None, :] * D + cols[:, None], mask=(cols < D)[:, None] & (cc < D)[None, :],
-                         other=0.0)  # [DP, CC]
-            res = tl.dot(o, rt, input_precision=DOT_PRECISION)
-            tl.store(o_row + cc[None, :], res.to(out_ptr.dtype.element_ty), mask=gm[:, None] & (cc < D)[None, :])
-    else:
-        tl.store(o_row + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=gm[:, None] & (cols < D)[None, :])
+    if ROTATE_BACK:
+        rt = tl.load(rot_ptr + cc[None, :] * D + cols[:, None], mask=(cols < D)[:, None] & (cc < D)[None, :],
+                     other=0.0)  # [DP, CC]
+        o = tl.dot(o, rt, input_precision=DOT_PRECISION)
+    tl.store(o_row + cc[None, :], o.to(out_ptr.dtype.element_ty), mask=gm[:, None] & (cc < D)[None, :])
+
+
+@triton.jit
+def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, n_rows, stride_qs, stride_qh, HQ: tl.constexpr, D: tl.constexpr,
+                     DP: tl.constexpr, ROWS: tl.constexpr, ROTATE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``out[r] = float32(q[r]) @ Π`` (or the plain cast) for ROWS query rows ``r = s·HQ + h``: one
+    launch instead of a cast and a GEMM. out: float32 ``[n_rows, D]`` contiguous."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rm = rows < n_rows
+    cols = tl.arange(0, DP)
+    cm = cols < D
+    src = q_ptr + (rows // HQ).to(tl.int64)[:, None] * stride_qs + (rows % HQ).to(tl.int64)[:, None] * stride_qh
+    x = tl.load(src + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
+    if ROTATE:
+        rot = tl.load(rot_ptr + cols[:, None] * D + cols[None, :], mask=cm[:, None] & cm[None, :], other=0.0)
+        x = tl.dot(x, rot, input_precision=DOT_PRECISION)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], x, mask=rm[:, None] & cm[None, :])
+
+
+def rotate_q(q, rotation, rotate: bool, interpret: bool):
+    """float32 ``[S, Hq, D]`` contiguous: ``q @ Π`` when ``rotate`` (the key codec is rotated),
+    else q cast. ``q``: fp16/bf16/fp32 with a contiguous last dimension."""
+    s, hq, d = q.shape
+    out = torch.empty((s, hq, d), dtype=torch.float32, device=q.device)
+    n = s * hq
+    if n:
+        rows = 16
+        _rotate_q_kernel[(triton.cdiv(n, rows),)](
+            q, rotation, out, n, q.stride(0), q.stride(1), HQ=hq, D=d, DP=max(16, triton.next_power_of_2(d)),
+            ROWS=rows, ROTATE=rotate, DOT_PRECISION="ieee" if interpret else "tf32x3", num_warps=4)
+    return out
 
 
 def num_splits_for(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int, block_n: int) -> int:
@@ -577,10 +611,11 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
     s, hq, d = out.shape
     dp = layout_consts(layout)["DP"]
     gp = max(16, triton.next_power_of_2(g))
-    _merge_kernel[(s, layout.num_kv_heads)](
+    cc = min(dp, 32)  # measured (H100): a grid over (seq, KV head) alone took 12-23 µs for TQ4's rotate-back
+    _merge_kernel[(s, layout.num_kv_heads, dp // cc)](
         acc, ml, rotation, out, out.stride(0), out.stride(1),
         G=g, GP=gp, HQ=hq, NUM_SPLITS=num_splits, SP=max(2, triton.next_power_of_2(num_splits)), D=d, DP=dp,
-        CC=min(dp, 64), ROTATE_BACK=bool(layout.format.value.rotated),
+        CC=cc, ROTATE_BACK=bool(layout.format.value.rotated),
         DOT_PRECISION="ieee" if interpret else "tf32x3", num_warps=4,
     )
 
