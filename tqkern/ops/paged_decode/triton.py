@@ -441,10 +441,15 @@ def _merge_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, stride_os, stride_oh,
         o += a * wi[:, None]
     o = o * inv[:, None]
     if ROTATE_BACK:
-        rt = tl.load(rot_ptr + cc[None, :] * D + cols[:, None], mask=(cols < D)[:, None] & (cc < D)[None, :],
-                     other=0.0)  # [DP, CC]
-        o = tl.dot(o, rt, input_precision=DOT_PRECISION)
-    tl.store(o_row + cc[None, :], o.to(out_ptr.dtype.element_ty), mask=gm[:, None] & (cc < D)[None, :])
+        SUB: tl.constexpr = CC if CC < 64 else 64
+        for c1 in tl.static_range(0, CC, SUB):
+            cs = c0 + c1 + tl.arange(0, SUB)
+            rt = tl.load(rot_ptr + cs[None, :] * D + cols[:, None], mask=(cols < D)[:, None] & (cs < D)[None, :],
+                         other=0.0)  # [DP, SUB]
+            res = tl.dot(o, rt, input_precision=DOT_PRECISION)
+            tl.store(o_row + cs[None, :], res.to(out_ptr.dtype.element_ty), mask=gm[:, None] & (cs < D)[None, :])
+    else:
+        tl.store(o_row + cc[None, :], o.to(out_ptr.dtype.element_ty), mask=gm[:, None] & (cc < D)[None, :])
 
 
 @triton.jit
@@ -611,8 +616,16 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
     s, hq, d = out.shape
     dp = layout_consts(layout)["DP"]
     gp = max(16, triton.next_power_of_2(g))
-    cc = min(dp, 32)  # measured (H100): a grid over (seq, KV head) alone took 12-23 µs for TQ4's rotate-back
-    _merge_kernel[(s, layout.num_kv_heads, dp // cc)](
+    # Column chunks only where (seq, KV head) programs cannot fill the GPU: with the rotation each
+    # chunk merges every column again. Measured (H100, TQ4 rotate-back): B8x64K (64 programs) 22.6 µs
+    # unchunked; B32x16K (256 programs) 11.8 µs unchunked, 30.6 µs in 4 chunks.
+    programs = s * layout.num_kv_heads
+    sms = 1 if interpret else torch.cuda.get_device_properties(out.device).multi_processor_count
+    nch = 1
+    while nch < dp // 16 and programs * nch < sms:
+        nch *= 2
+    cc = dp // nch
+    _merge_kernel[(s, layout.num_kv_heads, nch)](
         acc, ml, rotation, out, out.stride(0), out.stride(1),
         G=g, GP=gp, HQ=hq, NUM_SPLITS=num_splits, SP=max(2, triton.next_power_of_2(num_splits)), D=d, DP=dp,
         CC=cc, ROTATE_BACK=bool(layout.format.value.rotated),
