@@ -3,7 +3,8 @@
 Importing this module needs ``hypothesis`` (the ``test`` extra); ``tqkern`` itself does not.
 
 Profiles (``settings.load_profile``): ``ci`` (CPU interpreter, small shapes, few examples) and
-``thorough`` (GPU, larger shapes, 150 examples or ``$TQKERN_MAX_EXAMPLES``). Select with
+``thorough`` (GPU, larger shapes, 150 examples or ``$TQKERN_MAX_EXAMPLES``; no shrinking with
+``TQKERN_NO_SHRINK=1``). Select with
 ``pytest --hypothesis-profile=thorough``; property tests size their shapes with :func:`scale`.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
 from tqkern.layouts import FP8, KVFormat, LloydMax, PagedLayout, Raw, Uniform
@@ -41,6 +42,8 @@ settings.register_profile(
 settings.register_profile(
     "thorough", max_examples=int(os.environ.get("TQKERN_MAX_EXAMPLES", "150")), deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    # TQKERN_NO_SHRINK=1: report a failing example as drawn (no shrinking), for short GPU leases.
+    **({"phases": [Phase.explicit, Phase.reuse, Phase.generate]} if os.environ.get("TQKERN_NO_SHRINK") else {}),
 )
 
 HEAD_DIMS = (64, 96, 128, 256)
