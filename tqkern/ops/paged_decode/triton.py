@@ -463,10 +463,16 @@ def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, n_rows, stride_qs, stride_qh, HQ: 
     cm = cols < D
     src = q_ptr + (rows // HQ).to(tl.int64)[:, None] * stride_qs + (rows % HQ).to(tl.int64)[:, None] * stride_qh
     x = tl.load(src + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
-    if ROTATE:
-        rot = tl.load(rot_ptr + cols[:, None] * D + cols[None, :], mask=cm[:, None] & cm[None, :], other=0.0)
-        x = tl.dot(x, rot, input_precision=DOT_PRECISION)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], x, mask=rm[:, None] & cm[None, :])
+    dst = out_ptr + rows.to(tl.int64)[:, None] * D
+    if ROTATE:  # 64 output columns at a time (a whole [DP, DP] tile of Π overflows shared memory)
+        CC: tl.constexpr = DP if DP < 64 else 64
+        for c0 in tl.static_range(0, DP, CC):
+            cc = c0 + tl.arange(0, CC)
+            rot = tl.load(rot_ptr + cols[:, None] * D + cc[None, :], mask=cm[:, None] & (cc < D)[None, :], other=0.0)
+            tl.store(dst + cc[None, :], tl.dot(x, rot, input_precision=DOT_PRECISION),
+                     mask=rm[:, None] & (cc < D)[None, :])
+    else:
+        tl.store(dst + cols[None, :], x, mask=rm[:, None] & cm[None, :])
 
 
 def rotate_q(q, rotation, rotate: bool, interpret: bool):
