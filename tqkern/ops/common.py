@@ -224,3 +224,17 @@ def load_packed(row, mask_t, BITS: tl.constexpr, NIBBLE: tl.constexpr, NBYTES: t
         b0 = tl.load(row[:, None] + first[None, :], mask=mask_t[:, None] & ok0[None, :], other=0).to(tl.int32)
         b1 = tl.load(row[:, None] + (first + 1)[None, :], mask=mask_t[:, None] & ok1[None, :], other=0).to(tl.int32)
         return ((b0 | (b1 << 8)) >> shift[None, :]) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def load_param(ptr, PARAM_DTYPE: tl.constexpr, tmask, ALIGNED: tl.constexpr):
+    """One stored float field per token → float32; a single typed load when ``ALIGNED``."""
+    PB: tl.constexpr = 4 if PARAM_DTYPE == 1 else 2  # f32: 4 bytes; f16, bf16: 2
+    if ALIGNED:
+        if PB == 4:
+            return tl.load(ptr.to(tl.pointer_type(tl.float32)), mask=tmask, other=0.0)
+        bits = tl.load(ptr.to(tl.pointer_type(tl.int16)), mask=tmask, other=0)
+        if PARAM_DTYPE == 2:
+            return bits.to(tl.bfloat16, bitcast=True).to(tl.float32)
+        return bits.to(tl.float16, bitcast=True).to(tl.float32)
+    return bits_to_f32(load_bytes(ptr, PB, tmask), PARAM_DTYPE)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from tqkern.layouts import PagedLayout
-from tqkern.ops.common import bits_to_f32, halfword_aligned, layout_consts, load_bytes, load_packed
+from tqkern.ops.common import bits_to_f32, halfword_aligned, layout_consts, load_bytes, load_packed, load_param
 from tqkern.ops.paged_decode._ptx import _LUT_ASM_LSB, _LUT_ASM_NIBBLE, _UNI_ASM_LSB, _UNI_ASM_NIBBLE, _prmt_tables
 from tqkern.ops.paged_decode.triton_mma import _launch_paged_decode_mma, mma_plan, num_splits_mma, resident_warps
 
@@ -229,31 +229,17 @@ def _half_tiles(row, h, tmask, NIBBLE: tl.constexpr, KIND: tl.constexpr, BITS: t
 
 
 @triton.jit
-def _load_param(ptr, PARAM_DTYPE: tl.constexpr, tmask, ALIGNED: tl.constexpr):
-    """One stored float field per token → float32; a single typed load when ``ALIGNED``."""
-    PB: tl.constexpr = 4 if PARAM_DTYPE == 1 else 2  # f32: 4 bytes; f16, bf16: 2
-    if ALIGNED:
-        if PB == 4:
-            return tl.load(ptr.to(tl.pointer_type(tl.float32)), mask=tmask, other=0.0)
-        bits = tl.load(ptr.to(tl.pointer_type(tl.int16)), mask=tmask, other=0)
-        if PARAM_DTYPE == 2:
-            return bits.to(tl.bfloat16, bitcast=True).to(tl.float32)
-        return bits.to(tl.float16, bitcast=True).to(tl.float32)
-    return bits_to_f32(load_bytes(ptr, PB, tmask), PARAM_DTYPE)
-
-
-@triton.jit
 def _token_factors(row, h, tmask, KIND: tl.constexpr, PARAM_DTYPE: tl.constexpr, B_OFF: tl.constexpr,
                    B_STRIDE: tl.constexpr, C_OFF: tl.constexpr, C_STRIDE: tl.constexpr,
                    PAR_ALIGNED: tl.constexpr = False):
     """Per-token (factor f, zero z) with value = f·tile + z, float32 ``[BN]``."""
     zero = tl.zeros_like(tmask.to(tl.float32))
     if KIND == 0:  # the norm field (vLLM's ‖c[idx]‖ divisor is applied by the caller)
-        f = _load_param(row + B_OFF + h * B_STRIDE, PARAM_DTYPE, tmask, PAR_ALIGNED)
+        f = load_param(row + B_OFF + h * B_STRIDE, PARAM_DTYPE, tmask, PAR_ALIGNED)
         return f, zero
     elif KIND == 1:
-        f = _load_param(row + B_OFF + h * B_STRIDE, PARAM_DTYPE, tmask, PAR_ALIGNED)
-        z = _load_param(row + C_OFF + h * C_STRIDE, PARAM_DTYPE, tmask, PAR_ALIGNED)
+        f = load_param(row + B_OFF + h * B_STRIDE, PARAM_DTYPE, tmask, PAR_ALIGNED)
+        z = load_param(row + C_OFF + h * C_STRIDE, PARAM_DTYPE, tmask, PAR_ALIGNED)
         return f, z
     elif KIND == 2:
         return zero + 256.0, zero

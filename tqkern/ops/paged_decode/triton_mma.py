@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from tqkern.layouts import LloydMax, PagedLayout, Uniform
-from tqkern.ops.common import layout_consts
+from tqkern.ops.common import layout_consts, load_param
 
 __all__ = ["_paged_decode_mma_kernel", "_launch_paged_decode_mma", "mma_plan", "num_splits_mma", "resident_warps"]
 
@@ -206,17 +206,6 @@ def _ld_words(ptr, pred, NW: tl.constexpr, HINT: tl.constexpr):
 
 
 @triton.jit
-def _load_param(ptr, pred, DT: tl.constexpr):
-    """One stored float per lane (fp16 / fp32 / bf16 at an address aligned to its size) → fp32."""
-    if DT == 1:
-        return tl.load(ptr.to(tl.pointer_type(tl.float32)), mask=pred, other=0.0)
-    bits = tl.load(ptr.to(tl.pointer_type(tl.int16)), mask=pred, other=0)
-    if DT == 2:
-        return bits.to(tl.bfloat16, bitcast=True).to(tl.float32)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
 def _byte_masks(nbytes, NW: tl.constexpr):
     """Per word, 0xFF in every byte whose index (4·word + byte) is below ``nbytes``."""
     res = ()
@@ -303,13 +292,13 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, ka0, va0, kb_off, vb_off, 
     v1 = _chunk(rv1, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
     v2 = _chunk(rv2, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
     v3 = _chunk(rv3, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
-    kf0 = _load_param(rk0 + kb_off, ok, K_DT)
-    kf1 = _load_param(rk1 + kb_off, ok, K_DT)
-    vf0 = _load_param(rk0 + vb_off, ok, V_DT)
-    vf1 = _load_param(rk1 + vb_off, ok, V_DT)
+    kf0 = load_param(rk0 + kb_off, K_DT, ok, True)
+    kf1 = load_param(rk1 + kb_off, K_DT, ok, True)
+    vf0 = load_param(rk0 + vb_off, V_DT, ok, True)
+    vf1 = load_param(rk1 + vb_off, V_DT, ok, True)
     if V_UNIFORM:
-        vz0 = _load_param(rk0 + vc_off, ok, V_DT)
-        vz1 = _load_param(rk1 + vc_off, ok, V_DT)
+        vz0 = load_param(rk0 + vc_off, V_DT, ok, True)
+        vz1 = load_param(rk1 + vc_off, V_DT, ok, True)
     else:
         vz0 = tl.zeros_like(vf0)
         vz1 = vz0
