@@ -38,7 +38,6 @@ GPU only (inline PTX); the CPU interpreter runs the general kernel instead.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -387,7 +386,6 @@ def _paged_decode_mma_kernel(
     CV: tl.constexpr = D // 16  # value chunk bytes per lane and token (1 per M tile)
     NKW: tl.constexpr = CK // 4
     NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
-    NKT: tl.constexpr = D // 16
     NMT: tl.constexpr = D // 16
     t = tl.arange(0, NT)
     lane = t % 32
@@ -454,9 +452,8 @@ def _paged_decode_mma_kernel(
 
     # Software pipeline: the K/V data of the next PREFETCH steps is in flight in registers (a
     # ring), and the block-table entry of the step after those is looked up one iteration
-    # earlier still, so that the loads never wait on the table. (ptxas schedules the loads late in
-    # the iteration, after the current step's lookups and MMAs: the deeper ring is what gives
-    # them distance.)
+    # earlier still, so that the loads never wait on the table. PREFETCH = 1 measured fastest on
+    # the H100: ptxas sinks a deeper ring's loads to the end of the iteration anyway.
     blk = _step_block(bt_row, start, end, BS)
     ring = ()
     for j in tl.static_range(PREFETCH):
@@ -532,9 +529,8 @@ def _paged_decode_mma_kernel(
     part_o = part_e + NUM_SPLITS
     ok_e = live & (2 * c < G)
     ok_o = live & (2 * c + 1 < G)
-    v_mis2 = va % CV
     for i in tl.static_range(NMT):
-        f = (CV * (r + 1) + i - v_mis2) % (8 * CV)
+        f = (CV * (r + 1) + i - v_mis) % (8 * CV)
         d_lo = _dim_of(f, 0, NIBBLE)
         d_hi = _dim_of(f, 1, NIBBLE)
         tl.store(acc_ptr + part_e * DP + d_lo, o[4 * i] * sc_lo + z_e, mask=ok_e)
@@ -549,13 +545,13 @@ def _paged_decode_mma_kernel(
 
 
 # -- host side ------------------------------------------------------------------------------------
-def mma_plan(layout: PagedLayout, group: int, params=None) -> dict | None:
+def mma_plan(layout: PagedLayout, group: int) -> dict | None:
     """Constexprs of the warp-MMA kernel for ``layout`` and GQA ``group``, or ``None`` where it
     does not apply (then the general kernel runs).
 
     It applies when keys are 4-bit Lloyd-Max codes; values 4-bit Lloyd-Max codes (no decode-time
-    norm correction; the same codebook as the keys when ``params`` is given) or 4-bit uniform
-    codes; ``head_dim`` 64 or 128; ``group ≤ 8``; rows a multiple of the key chunk (``D/8``
+    norm correction; the launcher also requires the keys' codebook, see
+    ``tqkern.ops.paged_decode.triton.decode_path``) or 4-bit uniform codes; ``head_dim`` 64 or 128; ``group ≤ 8``; rows a multiple of the key chunk (``D/8``
     bytes); norms, scales and zeros aligned to their size."""
     if not isinstance(layout, PagedLayout):
         raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
@@ -578,10 +574,6 @@ def mma_plan(layout: PagedLayout, group: int, params=None) -> dict | None:
     for off, dt in ((c["K_B_OFF"], k_dt), (c["K_B_STRIDE"], k_dt), (c["V_B_OFF"], v_dt), (c["V_B_STRIDE"], v_dt),
                     (c["V_C_OFF"], v_dt), (c["V_C_STRIDE"], v_dt)):
         if off % _NBYTES[dt]:
-            return None
-    if params is not None and not v_uniform:
-        pk = getattr(params, "params", params)
-        if not np.array_equal(pk.key_codebook.centroids, pk.value_codebook.centroids):
             return None
     ck, cv = d // 8, d // 16
     return dict(
