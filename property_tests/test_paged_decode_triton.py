@@ -120,7 +120,8 @@ def mma_path_cases(draw):
     params = draw(T.tq_params(fmt, layout.num_kv_heads), label="params")
     batch = draw(T.paged_batches(layout.block_size, max_seqs=8, max_len=T.scale(300, 3000)), label="batch")
     num_splits = draw(st.one_of(st.none(), st.integers(1, 9)), label="num_splits")
-    return layout, params, group, batch, torch.float16, num_splits
+    qdtype = draw(st.sampled_from([torch.float16, torch.bfloat16]), label="q_dtype")
+    return layout, params, group, batch, qdtype, num_splits
 
 
 @pytest.mark.gpu

@@ -29,7 +29,7 @@ from tqkern.ops.paged_decode._ptx import _LUT_ASM_LSB, _LUT_ASM_NIBBLE, _UNI_ASM
 from tqkern.ops.paged_decode.triton_mma import _launch_paged_decode_mma, mma_plan, num_splits_mma, resident_warps
 
 __all__ = ["_paged_decode_kernel", "_merge_kernel", "_launch_paged_decode", "num_splits_for", "fast_path_plan",
-           "decode_path", "rotate_q"]
+           "decode_path", "rotate_q", "merge_chunks"]
 
 
 @triton.jit
@@ -604,18 +604,26 @@ def _workspace(workspace, s: int, hq: int, num_splits: int, dp: int, device):
     return workspace[: s * hq * num_splits * dp], workspace[s * hq * num_splits * dp: need]
 
 
-def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, interpret: bool):
+def merge_chunks(programs: int, num_sms: int, dp: int) -> int:
+    """Output-column chunks per (sequence, KV head) in the merge: 1, doubled (to at most DP/16)
+    while the programs cannot fill the GPU. With the rotate-back every chunk merges all columns
+    again, so chunks pay only when programs are few. Measured (H100, TQ4 rotate-back): B8x64K
+    (64 programs) 22.6 µs unchunked; B32x16K (256 programs) 11.8 µs unchunked, 30.6 µs in 4."""
+    nch = 1
+    while nch < dp // 16 and programs * nch < num_sms:
+        nch *= 2
+    return nch
+
+
+def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, interpret: bool,
+                  chunks: int | None = None):
     s, hq, d = out.shape
     dp = layout_consts(layout)["DP"]
     gp = max(16, triton.next_power_of_2(g))
-    # Column chunks only where (seq, KV head) programs cannot fill the GPU: with the rotation each
-    # chunk merges every column again. Measured (H100, TQ4 rotate-back): B8x64K (64 programs) 22.6 µs
-    # unchunked; B32x16K (256 programs) 11.8 µs unchunked, 30.6 µs in 4 chunks.
-    programs = s * layout.num_kv_heads
-    sms = 1 if interpret else torch.cuda.get_device_properties(out.device).multi_processor_count
-    nch = 1
-    while nch < dp // 16 and programs * nch < sms:
-        nch *= 2
+    if chunks is None:
+        sms = 1 if interpret else torch.cuda.get_device_properties(out.device).multi_processor_count
+        chunks = merge_chunks(s * layout.num_kv_heads, sms, dp)
+    nch = chunks
     cc = dp // nch
     _merge_kernel[(s, layout.num_kv_heads, nch)](
         acc, ml, rotation, out, out.stride(0), out.stride(1),

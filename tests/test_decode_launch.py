@@ -1,0 +1,108 @@
+"""The decode launcher's pieces outside the main kernels: which kernel runs (`decode_path`), the
+split merge (every column-chunk count, with and without the rotate-back) and the q rotation,
+against NumPy. Run in Triton's interpreter on CPU (TRITON_INTERPRET=1) or on a GPU."""
+
+import numpy as np
+import pytest
+import torch
+
+import tqkern
+import tqkern_torch as tqt
+from tqkern.ops.paged_decode.triton import (_launch_merge, decode_path, merge_chunks, rotate_q,
+                                            workspace_numel)
+from tqkern.ops.paged_decode.triton_mma import mma_plan
+from tqkern_torch.testing import device_under_test, kernels_available
+
+DEV = device_under_test()
+needs_kernels = pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1")
+INTERP = DEV.type == "cpu"
+
+
+def _layout(preset, d, heads, arrangement="slot"):
+    return tqkern.PagedLayout(format=tqkern.KVFormat.preset(preset, d), num_kv_heads=heads, block_size=16,
+                              arrangement=arrangement)
+
+
+def test_decode_path_rules_and_bad_input():
+    """The warp-MMA kernel takes 4-bit keys and values (shared codebook for Lloyd-Max values),
+    head_dim 64/128, groups up to 8, rows a multiple of D/8 bytes; never under the interpreter."""
+    tq4 = _layout("tq4", 128, 8, "row")
+    nc = _layout("turboquant_4bit_nc", 128, 8)
+    assert decode_path(tq4, 4) == "mma" and decode_path(nc, 4) == "mma"
+    plan = mma_plan(nc, 4)
+    assert plan["K_MERGE"] and plan["V_MERGE"] and plan["K_NC"] and plan["V_UNIFORM"]  # 134-byte slots
+    assert not mma_plan(tq4, 4)["K_MERGE"]
+    assert decode_path(tq4, 4, interpret=True) == "fast"
+    assert decode_path(tq4, 9) == "fast"  # group > 8
+    assert decode_path(tq4, 4, same_codebooks=False) == "fast"  # one table serves K and V
+    assert decode_path(nc, 4, same_codebooks=False) == "mma"  # uniform values need no table
+    assert decode_path(tq4, 4, cache_aligned=False) == "fast"
+    assert decode_path(_layout("turboquant_4bit_nc", 64, 3), 3) == "fast"  # 210-byte rows
+    assert decode_path(_layout("turboquant_k8v4", 128, 8), 4) == "fast"
+    assert decode_path(_layout("tq4", 256, 8, "row"), 4) == "fast"
+    with pytest.raises(TypeError, match="layout must be a tqkern.PagedLayout, got KVFormat"):
+        decode_path(tqkern.KVFormat.preset("tq4", 128), 4)
+
+
+def test_same_codebooks_flag():
+    assert tqt.to_device(tqkern.TQParams.default(tqkern.KVFormat.preset("tq4", 128)), "cpu").same_codebooks
+    assert not tqt.to_device(tqkern.TQParams.default(tqkern.KVFormat.preset("turboquant_4bit_nc", 128)),
+                             "cpu").same_codebooks
+    fmt = tqkern.KVFormat(head_dim=64, key=tqkern.LloydMax(bits=4, distribution="beta"),
+                          value=tqkern.LloydMax(bits=4, distribution="gaussian"))
+    assert not tqt.to_device(tqkern.TQParams.default(fmt), "cpu").same_codebooks
+
+
+def test_merge_chunks_rule():
+    assert merge_chunks(256, 132, 128) == 1
+    assert merge_chunks(64, 132, 128) == 4
+    assert merge_chunks(1, 132, 128) == 8  # at most DP / 16
+    assert merge_chunks(1, 132, 16) == 1
+
+
+@needs_kernels
+@pytest.mark.parametrize("preset", ["tq4", "turboquant_4bit_nc"])  # values rotated back / not
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_merge_matches_numpy(preset, chunks):
+    """out = Σ_i exp2(m_i − m)·acc_i / Σ_i exp2(m_i − m)·l_i (@ Πᵀ when values are rotated), with
+    empty splits (m = −inf, l = 0) ignored; the output is poisoned first."""
+    layout = _layout(preset, 128, 2)
+    params = tqt.to_device(tqkern.TQParams.default(layout.format, seed=3), DEV)
+    s, hq, ns, dp, g = 3, 8, 5, 128, 4
+    rng = np.random.default_rng(0)
+    acc = rng.standard_normal((s, hq, ns, dp)).astype(np.float32)
+    m = (rng.standard_normal((s, hq, ns)) * 4).astype(np.float32)
+    l = rng.uniform(0.5, 3.0, (s, hq, ns)).astype(np.float32)
+    m[0, :, 1] = -np.inf  # an empty split
+    l[0, :, 1] = 0.0
+    ws = np.concatenate([acc.ravel(), np.stack([m, l], -1).ravel()])
+    assert ws.size == workspace_numel(s, hq, ns, dp)
+    ws_t = torch.from_numpy(ws).to(DEV)
+    out = torch.full((s, hq, 128), float("nan"), dtype=torch.float32, device=DEV)
+    n_acc = acc.size
+    _launch_merge(ws_t[:n_acc], ws_t[n_acc:], params.rotation, out, layout, g, ns, INTERP, chunks=chunks)
+    w = np.exp2(m - m.max(-1, keepdims=True))
+    w[~np.isfinite(m)] = 0.0
+    o = (w[..., None] * acc).sum(2) / (w * l).sum(-1)[..., None]
+    if layout.format.value.rotated:
+        o = o @ params.params.rotation.T
+    got = out.cpu().numpy()
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, o, rtol=1e-4, atol=1e-4 * np.abs(o).max())
+
+
+@needs_kernels
+@pytest.mark.parametrize("d", [64, 142, 256])
+@pytest.mark.parametrize("rotate", [True, False])
+def test_rotate_q_matches_numpy(d, rotate):
+    """float32(q) @ Π (Π in 64-column chunks; head_dim 142 pads to 256) or the plain cast, for a
+    q whose head dimension is strided."""
+    fmt = tqkern.KVFormat(head_dim=d, key=tqkern.LloydMax(bits=4), value=tqkern.LloydMax(bits=4), rotation="haar")
+    params = tqt.to_device(tqkern.TQParams.default(fmt, seed=1), DEV)
+    q_full = torch.randn(3, 10, d, device=DEV).half()
+    q = q_full[:, ::2]  # [3, 5, d], head stride 2·d
+    got = rotate_q(q, params.rotation, rotate, INTERP).cpu().numpy()
+    q64 = q.double().cpu().numpy()
+    expect = q64 @ params.params.rotation if rotate else q64
+    assert got.shape == (3, 5, d) and got.dtype == np.float32
+    np.testing.assert_allclose(got, expect, rtol=0, atol=1e-5 * np.abs(expect).max())
