@@ -87,7 +87,7 @@ def compile_decode(layout, hq, path="fast", **kw):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def compile_mma(layout, hq, num_splits=8, warps=4, **extra):
+def compile_mma(layout, hq, num_splits=8, warps=4, maxnreg=0, **extra):
     """The warp-MMA decode kernel (tqkern.ops.paged_decode.triton_mma) for ``layout``."""
     from tqkern.ops.paged_decode import triton_mma as tm
 
@@ -105,7 +105,8 @@ def compile_mma(layout, hq, num_splits=8, warps=4, **extra):
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in cx.items()},
                     attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1,
+                                                                        **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
 def _tool_on_cubin(compiled, tool, *flags):
@@ -153,12 +154,15 @@ def main(argv=None):
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--prefetch", type=int, default=1)
     ap.add_argument("--hint", type=int, default=0)
+    ap.add_argument("--nshare", type=int, default=0, help="mma: CTA-shared per-token factors")
+    ap.add_argument("--maxnreg", type=int, default=0)
     args = ap.parse_args(argv)
     for preset in args.presets:
         fmt = tqkern.KVFormat.preset(preset, args.d)
         layout = tqkern.PagedLayout(format=fmt, num_kv_heads=args.hkv, block_size=16, arrangement=args.arrangement)
         if args.path == "mma":
-            c = compile_mma(layout, args.hq, warps=args.warps, PREFETCH=args.prefetch, HINT=args.hint)
+            c = compile_mma(layout, args.hq, warps=args.warps, maxnreg=args.maxnreg, PREFETCH=args.prefetch,
+                            HINT=args.hint, NSHARE=args.nshare)
         else:
             c = compile_decode(layout, args.hq, args.path, block_n=args.block_n)
         sass = sass_of(c)

@@ -30,7 +30,8 @@ from tqkern.ops.paged_decode.triton_mma import (  # noqa: E402
     _launch_paged_decode_mma, mma_plan, num_splits_mma, resident_warps)
 
 
-def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_splits, parts="all", maxnreg=None):
+def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_splits, parts="all", maxnreg=None,
+           share=None):
     s, hq, d = q.shape
     g = hq // layout.num_kv_heads
     q_rot = ((q.float() @ params.rotation) if layout.format.key.rotated else q.float()).contiguous()
@@ -43,10 +44,44 @@ def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_
         if parts in ("all", "kernel"):
             _launch_paged_decode_mma(q_rot, cache, bt, sl, layout, plan, params.key_centroids_f32, acc, ml, group=g,
                                      num_splits=num_splits, sm_scale=d**-0.5, warps=warps, prefetch=prefetch,
-                                     hint=hint, maxnreg=maxnreg)
+                                     hint=hint, maxnreg=maxnreg, share=share)
         if parts in ("all", "merge"):
             _launch_merge(acc, ml, params.rotation, out, layout, g, num_splits, False)
     return run
+
+
+MERGES = (("heads", 16, None), ("rows", 16, 1), ("rows", 16, 2), ("rows", 16, 4), ("rows", 32, 1), ("rows", 32, 2),
+          ("rows", 16, None))
+
+
+def fixed_costs(res, shape, preset, q, layout, params, out, num_splits):
+    """The q rotation at 16/32/64 rows per program, and every merge variant on a workspace of
+    this shape (finite maxima, positive sums), each checked against the first merge's output."""
+    s, hq, d = q.shape
+    g = hq // layout.num_kv_heads
+    acc, ml = _workspace(None, s, hq, num_splits, max(16, triton.next_power_of_2(d)), q.device)
+    acc.normal_()
+    ml.view(-1, 2)[:, 0].normal_()
+    ml.view(-1, 2)[:, 1].uniform_(0.5, 2.0)
+    ref_rot = rotate_q(q, params.rotation, True, False)
+    for rows in (16, 32, 64):
+        got = rotate_q(q, params.rotation, True, False, rows=rows)
+        err = float((got - ref_rot).abs().max())
+        us = bench(lambda: rotate_q(q, params.rotation, True, False, rows=rows))
+        res.setdefault("fixed", []).append(dict(shape=shape, variant=preset, part=f"rotate_q rows{rows}", us=us,
+                                                err=err))
+        print(f"{shape} {preset} rotate_q rows{rows}: {us:.1f} us (err vs rows16 {err:.1e})", flush=True)
+    first = None
+    for kind, rows, chunks in MERGES:
+        o = torch.full_like(out, float("nan"))
+        _launch_merge(acc, ml, params.rotation, o, layout, g, num_splits, False, chunks=chunks, impl=kind, rows=rows)
+        first = o if first is None else first
+        err = float((o.float() - first.float()).abs().max())
+        us = bench(lambda: _launch_merge(acc, ml, params.rotation, out, layout, g, num_splits, False, chunks=chunks,
+                                         impl=kind, rows=rows))
+        name = f"merge {kind} rows{rows} chunks{chunks or 'auto'}"
+        res.setdefault("fixed", []).append(dict(shape=shape, variant=preset, part=name, us=us, err=err))
+        print(f"{shape} {preset} {name}: {us:.1f} us (err vs heads {err:.1e})", flush=True)
 
 
 def main(argv=None):
@@ -59,10 +94,14 @@ def main(argv=None):
     ap.add_argument("--warps", nargs="*", type=int, default=[4, 8])
     ap.add_argument("--splits", nargs="*", type=int, default=[0], help="0: the default from the shapes")
     ap.add_argument("--maxnreg", nargs="*", type=int, default=[-1], help="-1: the launcher's default")
+    ap.add_argument("--share", nargs="*", type=int, default=[-1],
+                    help="CTA-shared factor loads: -1 where they apply, 0 off, 1 on")
     ap.add_argument("--parts", action="store_true", help="also time the q rotation, kernel and merge alone")
+    ap.add_argument("--fixed", action="store_true",
+                    help="also time the q rotation (rows per program) and merge variants (kind, rows, chunks)")
     args = ap.parse_args(argv)
     arr = dict(DECODE_PRESETS)
-    configs = list(itertools.product(args.prefetch, args.hint, args.warps, args.splits, args.maxnreg))
+    configs = list(itertools.product(args.prefetch, args.hint, args.warps, args.splits, args.maxnreg, args.share))
     res = dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, time=time.strftime("%F %T"),
                gate=[], rows=[])
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -77,16 +116,20 @@ def main(argv=None):
         exp = ref.paged_decode(q.float().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(), lens.cpu().numpy(),
                                layout, params.params)
         vmax = float(np.abs(exp).max()) * 4 + 1e-6
-        for pf, hint, warps, splits, mr in configs:
+        for pf, hint, warps, splits, mr, sh in configs:
             out = torch.full_like(q, float("nan"))
-            launch(q, cache, bt, lens, layout, params, out, prefetch=pf, hint=hint, warps=warps,
-                   num_splits=splits or 5, maxnreg=None if mr < 0 else mr)()
+            try:
+                launch(q, cache, bt, lens, layout, params, out, prefetch=pf, hint=hint, warps=warps,
+                       num_splits=splits or 5, maxnreg=None if mr < 0 else mr, share=None if sh < 0 else sh)()
+            except ValueError as e:  # share=1 where it does not apply
+                print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr} s{sh}: skipped ({e})", flush=True)
+                continue
             err = float(np.abs(out.float().cpu().numpy() - exp).max())
             ok = bool(np.isfinite(err) and err <= 4e-3 * vmax)
-            ok_cfg[preset, pf, hint, warps, mr] = ok
-            res["gate"].append(dict(preset=preset, prefetch=pf, hint=hint, warps=warps, maxnreg=mr, err=err,
-                                    ok=ok))
-            print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr}: err {err:.2e} {'ok' if ok else 'FAIL'}",
+            ok_cfg[preset, pf, hint, warps, mr, sh] = ok
+            res["gate"].append(dict(preset=preset, prefetch=pf, hint=hint, warps=warps, maxnreg=mr, share=sh,
+                                    err=err, ok=ok))
+            print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr} s{sh}: err {err:.2e} {'ok' if ok else 'FAIL'}",
                   flush=True)
     for shape in DECODE_SHAPES:
         if shape.name not in args.shapes:
@@ -107,30 +150,33 @@ def main(argv=None):
             cache = fill_cache(layout, params, nb, g)
             out = torch.empty_like(q)
             nbytes = b * L * layout.row_bytes
-            for pf, hint, warps, splits, mr in configs:
-                if not ok_cfg.get((preset, pf, hint, warps, mr)):
+            for pf, hint, warps, splits, mr, sh in configs:
+                if not ok_cfg.get((preset, pf, hint, warps, mr, sh)):
                     continue
+                share = None if sh < 0 else sh
                 q_rot = ((q.float() @ params.rotation) if layout.format.key.rotated else q.float()).contiguous()
                 resident = resident_warps(q_rot, cache, bt, sl, layout, mma_plan(layout, hq // hkv),
                                           params.key_centroids_f32, group=hq // hkv, warps=warps, prefetch=pf,
-                                          hint=hint, maxnreg=None if mr < 0 else mr)
+                                          hint=hint, maxnreg=None if mr < 0 else mr, share=share)
                 ns = splits or num_splits_mma(b, hkv, L, resident)
                 us = bench(launch(q, cache, bt, sl, layout, params, out, prefetch=pf, hint=hint, warps=warps,
-                                  num_splits=ns, maxnreg=None if mr < 0 else mr))
+                                  num_splits=ns, maxnreg=None if mr < 0 else mr, share=share))
                 row = dict(shape=shape.name, variant=preset, prefetch=pf, hint=hint, warps=warps, splits=ns,
-                           maxnreg=mr,
+                           maxnreg=mr, share=sh,
                            resident_warps=resident, us=us, gbps=nbytes / us / 1e3, ratio=sdpa / us)
                 if args.parts:
                     for part in ("rotate", "kernel", "merge"):
                         row[part + "_us"] = bench(launch(q, cache, bt, sl, layout, params, out, prefetch=pf, hint=hint,
                                                          warps=warps, num_splits=ns, parts=part,
-                                                         maxnreg=None if mr < 0 else mr))
+                                                         maxnreg=None if mr < 0 else mr, share=share))
                 res["rows"].append(row)
-                print(f"{shape.name} {preset:20s} pf{pf} hint{hint} w{warps} r{mr} splits{ns:3d} "
+                print(f"{shape.name} {preset:20s} pf{pf} hint{hint} w{warps} r{mr} s{sh} splits{ns:3d} "
                       f"(resident {resident}): {us:8.1f} us "
                       + (f"[rotate {row['rotate_us']:.1f} kernel {row['kernel_us']:.1f} merge {row['merge_us']:.1f}] "
                          if args.parts else "") +
                       f"{row['gbps']:6.0f} GB/s {row['ratio']:.2f}x SDPA", flush=True)
+            if args.fixed:
+                fixed_costs(res, shape.name, preset, q, layout, params, out, ns)
             del cache
             torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
@@ -142,7 +188,9 @@ def main(argv=None):
             print(f"{r['shape']:10s} sdpa_fp16 {r['us']:8.1f} us")
         else:
             print(f"{r['shape']:10s} {r['variant']:20s} pf{r['prefetch']} hint{r['hint']} w{r['warps']} "
-                  f"r{r['maxnreg']} splits{r['splits']:3d} {r['us']:8.1f} us {r['ratio']:.2f}x")
+                  f"r{r['maxnreg']} s{r['share']} splits{r['splits']:3d} {r['us']:8.1f} us {r['ratio']:.2f}x")
+    for r in res.get("fixed", []):
+        print(f"{r['shape']:10s} {r['variant']:20s} {r['part']:24s} {r['us']:8.1f} us")
     return 0 if all(x["ok"] for x in res["gate"]) else 1
 
 

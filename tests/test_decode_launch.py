@@ -10,7 +10,7 @@ import tqkern
 import tqkern_torch as tqt
 from tqkern.ops.paged_decode.triton import (_launch_merge, decode_path, merge_chunks, rotate_q,
                                             workspace_numel)
-from tqkern.ops.paged_decode.triton_mma import mma_plan
+from tqkern.ops.paged_decode.triton_mma import can_share_factors, mma_plan
 from tqkern_torch.testing import device_under_test, kernels_available
 
 DEV = device_under_test()
@@ -44,6 +44,17 @@ def test_decode_path_rules_and_bad_input():
         decode_path(tqkern.KVFormat.preset("tq4", 128), 4)
 
 
+def test_shared_factor_rule():
+    """The CTA's warps load key and value norms together only where each field's heads are
+    contiguous (row arrangement), both are one float type, values are Lloyd-Max (two factors per
+    token), and CTAs hold whole groups of KV heads."""
+    tq4_row = mma_plan(_layout("tq4", 128, 8, "row"), 4)
+    assert can_share_factors(tq4_row, 8, 4) and can_share_factors(tq4_row, 8, 8)
+    assert not can_share_factors(tq4_row, 6, 4)  # a CTA would mix sequences/splits
+    assert not can_share_factors(mma_plan(_layout("tq4", 128, 8), 4), 8, 4)  # slots: heads 136 bytes apart
+    assert not can_share_factors(mma_plan(_layout("turboquant_4bit_nc", 128, 8, "row"), 4), 8, 4)  # uniform
+
+
 def test_same_codebooks_flag():
     assert tqt.to_device(tqkern.TQParams.default(tqkern.KVFormat.preset("tq4", 128)), "cpu").same_codebooks
     assert not tqt.to_device(tqkern.TQParams.default(tqkern.KVFormat.preset("turboquant_4bit_nc", 128)),
@@ -63,9 +74,12 @@ def test_merge_chunks_rule():
 @needs_kernels
 @pytest.mark.parametrize("preset", ["tq4", "turboquant_4bit_nc"])  # values rotated back / not
 @pytest.mark.parametrize("chunks", [1, 2, 4])
-def test_merge_matches_numpy(preset, chunks):
+@pytest.mark.parametrize("impl,rows", [("heads", 16), ("rows", 16), ("rows", 32)])
+def test_merge_matches_numpy(preset, chunks, impl, rows):
     """out = Σ_i exp2(m_i − m)·acc_i / Σ_i exp2(m_i − m)·l_i (@ Πᵀ when values are rotated), with
-    empty splits (m = −inf, l = 0) ignored; the output is poisoned first."""
+    empty splits (m = −inf, l = 0) ignored, a row without any tokens gives 0; the output is poisoned first. Both merge kernels: per
+    GQA group, and per block of query rows (24 rows: a partial block of 16 or 32; 5 splits: a
+    partial unroll of 2 or 8)."""
     layout = _layout(preset, 128, 2)
     params = tqt.to_device(tqkern.TQParams.default(layout.format, seed=3), DEV)
     s, hq, ns, dp, g = 3, 8, 5, 128, 4
@@ -75,15 +89,21 @@ def test_merge_matches_numpy(preset, chunks):
     l = rng.uniform(0.5, 3.0, (s, hq, ns)).astype(np.float32)
     m[0, :, 1] = -np.inf  # an empty split
     l[0, :, 1] = 0.0
+    m[2, 3, :] = -np.inf  # a row with no tokens (sequence length 0): output 0
+    l[2, 3, :] = 0.0
     ws = np.concatenate([acc.ravel(), np.stack([m, l], -1).ravel()])
     assert ws.size == workspace_numel(s, hq, ns, dp)
     ws_t = torch.from_numpy(ws).to(DEV)
     out = torch.full((s, hq, 128), float("nan"), dtype=torch.float32, device=DEV)
     n_acc = acc.size
-    _launch_merge(ws_t[:n_acc], ws_t[n_acc:], params.rotation, out, layout, g, ns, INTERP, chunks=chunks)
-    w = np.exp2(m - m.max(-1, keepdims=True))
+    _launch_merge(ws_t[:n_acc], ws_t[n_acc:], params.rotation, out, layout, g, ns, INTERP, chunks=chunks,
+                  impl=impl, rows=rows, unroll=2 if rows == 32 else 8)
+    m_max = m.max(-1, keepdims=True)
+    w = np.exp2(m - np.where(np.isfinite(m_max), m_max, 0.0))
     w[~np.isfinite(m)] = 0.0
-    o = (w[..., None] * acc).sum(2) / (w * l).sum(-1)[..., None]
+    den = (w * l).sum(-1)[..., None]
+    o = (w[..., None] * acc).sum(2) / np.where(den > 0, den, 1.0)
+    assert np.all(o[2, 3] == 0)
     if layout.format.value.rotated:
         o = o @ params.params.rotation.T
     got = out.cpu().numpy()

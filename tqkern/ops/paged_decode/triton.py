@@ -439,6 +439,54 @@ def _merge_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, stride_os, stride_oh,
 
 
 @triton.jit
+def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, n_rows, num_splits, stride_os, stride_oh,
+                       HQ: tl.constexpr, ROWS: tl.constexpr, UNROLL: tl.constexpr, D: tl.constexpr,
+                       DP: tl.constexpr, CC: tl.constexpr, ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The merge by blocks of ``ROWS`` query rows (``row = s·HQ + head``, any heads and
+    sequences): the rotate-back is a full ``[ROWS, DP] @ [DP, CC]`` tile and Π is read once per
+    ROWS rows, instead of once per GQA group padded to 16. Program ``(b, j)`` writes columns
+    ``j·CC .. j·CC + CC − 1`` of rows ``b·ROWS ..``; same workspace layout and result as
+    :func:`_merge_kernel`. Splits are read ``UNROLL`` at a time (loads in flight together)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rm = rows < n_rows
+    c0 = tl.program_id(1) * CC
+    part0 = rows.to(tl.int64) * num_splits
+    m_all = tl.full([ROWS], float("-inf"), tl.float32)
+    for i in range(num_splits):
+        m_all = tl.maximum(m_all, tl.load(ml_ptr + (part0 + i) * 2, mask=rm, other=float("-inf")))
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    if ROTATE_BACK:  # out[:, cc] = o @ Πᵀ[:, cc], Πᵀ[:, c] = Π[c, :]
+        cols = tl.arange(0, DP)
+    else:
+        cols = c0 + tl.arange(0, CC)
+    o = tl.zeros([ROWS, cols.shape[0]], tl.float32)
+    l_all = tl.zeros([ROWS], tl.float32)
+    for i0 in range(0, num_splits, UNROLL):
+        for j in tl.static_range(UNROLL):
+            part = part0 + (i0 + j)
+            ok = rm & (tl.full([ROWS], i0 + j, tl.int32) < num_splits)
+            m = tl.load(ml_ptr + part * 2, mask=ok, other=float("-inf"))
+            l = tl.load(ml_ptr + part * 2 + 1, mask=ok, other=0.0)
+            w = tl.where(m > float("-inf"), tl.exp2(m - m_safe), 0.0)
+            l_all += w * l
+            a = tl.load(acc_ptr + part[:, None] * DP + cols[None, :], mask=(w > 0)[:, None], other=0.0)
+            o += a * w[:, None]
+    inv = tl.where(l_all > 0, 1.0 / tl.where(l_all > 0, l_all, 1.0), 0.0)
+    o = o * inv[:, None]
+    o_row = out_ptr + (rows // HQ).to(tl.int64)[:, None] * stride_os + (rows % HQ).to(tl.int64)[:, None] * stride_oh
+    if ROTATE_BACK:
+        SUB: tl.constexpr = CC if CC < 64 else 64
+        for c1 in tl.static_range(0, CC, SUB):
+            cs = c0 + c1 + tl.arange(0, SUB)
+            rt = tl.load(rot_ptr + cs[None, :] * D + cols[:, None], mask=(cols < D)[:, None] & (cs < D)[None, :],
+                         other=0.0)  # [DP, SUB]
+            res = tl.dot(o, rt, input_precision=DOT_PRECISION)
+            tl.store(o_row + cs[None, :], res.to(out_ptr.dtype.element_ty), mask=rm[:, None] & (cs < D)[None, :])
+    else:
+        tl.store(o_row + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=rm[:, None] & (cols < D)[None, :])
+
+
+@triton.jit
 def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, n_rows, stride_qs, stride_qh, HQ: tl.constexpr, D: tl.constexpr,
                      DP: tl.constexpr, ROWS: tl.constexpr, ROTATE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``out[r] = float32(q[r]) @ Π`` (or the plain cast) for ROWS query rows ``r = s·HQ + h``: one
@@ -461,14 +509,14 @@ def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, n_rows, stride_qs, stride_qh, HQ: 
         tl.store(dst + cols[None, :], x, mask=rm[:, None] & cm[None, :])
 
 
-def rotate_q(q, rotation, rotate: bool, interpret: bool):
+def rotate_q(q, rotation, rotate: bool, interpret: bool, rows: int = 16):
     """float32 ``[S, Hq, D]`` contiguous: ``q @ Π`` when ``rotate`` (the key codec is rotated),
-    else q cast. ``q``: fp16/bf16/fp32 with a contiguous last dimension."""
+    else q cast. ``q``: fp16/bf16/fp32 with a contiguous last dimension; ``rows`` query rows per
+    program (each program reads all of Π)."""
     s, hq, d = q.shape
     out = torch.empty((s, hq, d), dtype=torch.float32, device=q.device)
     n = s * hq
     if n:
-        rows = 16
         _rotate_q_kernel[(triton.cdiv(n, rows),)](
             q, rotation, out, n, q.stride(0), q.stride(1), HQ=hq, D=d, DP=max(16, triton.next_power_of_2(d)),
             ROWS=rows, ROTATE=rotate, DOT_PRECISION="ieee" if interpret else "tf32x3", num_warps=4)
@@ -520,14 +568,15 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
                          block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                          probe: str = "",
                          lut: str = "select", path: str = "auto", maxnreg: int | None = None,
-                         same_codebooks: bool = True):
+                         same_codebooks: bool = True, share: bool | None = None):
     """Launch decode + merge. ``q_rot`` float32 ``[S, Hq, D]`` contiguous (already rotated when the
     key codec is rotated). ``workspace``: optional float32 tensor with at least
     ``workspace_numel(...)`` elements. ``path``: ``"auto"`` (the warp-MMA kernel of
     :mod:`.triton_mma` where :func:`decode_path` says so, else the word path), ``"mma"`` (that
     kernel, or ``ValueError``), ``"fast"`` (this module's kernel with the 4-bit word path),
     ``"old"`` (this module's kernel, general decode only). ``same_codebooks``: whether the key
-    and value codebooks are equal (the warp-MMA kernel's one table serves both). No other checks."""
+    and value codebooks are equal (the warp-MMA kernel's one table serves both). ``share``: the
+    warp-MMA kernel's CTA-shared factor loads (``None``: where they apply). No other checks."""
     c = layout_consts(layout)
     s, hq, d = q_rot.shape
     hkv = layout.num_kv_heads
@@ -543,12 +592,12 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
             plan = mma_plan(layout, g)
             if num_splits is None:
                 resident = resident_warps(q_rot, cache, block_table, seq_lens, layout, plan,
-                                          tables["key_centroids_f32"], group=g)
+                                          tables["key_centroids_f32"], group=g, share=share)
                 num_splits = num_splits_mma(s, hkv, block_table.shape[1] * layout.block_size, resident)
             acc, ml = _workspace(workspace, s, hq, num_splits, dp, q_rot.device)
             _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan,
                                      tables["key_centroids_f32"], acc, ml, group=g, num_splits=num_splits,
-                                     sm_scale=sm_scale)
+                                     sm_scale=sm_scale, share=share)
             _launch_merge(acc, ml, tables["rotation"], out, layout, g, num_splits, interpret)
             return out
         path = "fast"
@@ -616,9 +665,27 @@ def merge_chunks(programs: int, num_sms: int, dp: int) -> int:
 
 
 def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, interpret: bool,
-                  chunks: int | None = None):
+                  chunks: int | None = None, impl: str = "rows", rows: int = 16, unroll: int = 8):
+    """Merge the splits into ``out`` (rotating back when the value codec is rotated). ``impl``:
+    ``"rows"`` (:func:`_merge_rows_kernel`, blocks of ``rows`` query rows) or ``"heads"``
+    (:func:`_merge_kernel`, one GQA group per program); ``chunks``: output-column chunks per
+    program block (default :func:`merge_chunks`)."""
     s, hq, d = out.shape
     dp = layout_consts(layout)["DP"]
+    rotate_back = bool(layout.format.value.rotated)
+    precision = "ieee" if interpret else "tf32x3"
+    if impl == "rows":
+        n = s * hq
+        blocks = triton.cdiv(n, rows)
+        if chunks is None:
+            sms = 1 if interpret else torch.cuda.get_device_properties(out.device).multi_processor_count
+            chunks = merge_chunks(blocks, sms, dp)
+        if n:
+            _merge_rows_kernel[(blocks, chunks)](
+                acc, ml, rotation, out, n, num_splits, out.stride(0), out.stride(1),
+                HQ=hq, ROWS=rows, UNROLL=max(1, min(unroll, num_splits)), D=d, DP=dp, CC=dp // chunks,
+                ROTATE_BACK=rotate_back, DOT_PRECISION=precision, num_warps=4)
+        return
     gp = max(16, triton.next_power_of_2(g))
     if chunks is None:
         sms = 1 if interpret else torch.cuda.get_device_properties(out.device).multi_processor_count
@@ -628,8 +695,7 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
     _merge_kernel[(s, layout.num_kv_heads, nch)](
         acc, ml, rotation, out, out.stride(0), out.stride(1),
         G=g, GP=gp, HQ=hq, NUM_SPLITS=num_splits, SP=max(2, triton.next_power_of_2(num_splits)), D=d, DP=dp,
-        CC=cc, ROTATE_BACK=bool(layout.format.value.rotated),
-        DOT_PRECISION="ieee" if interpret else "tf32x3", num_warps=4,
+        CC=cc, ROTATE_BACK=rotate_back, DOT_PRECISION=precision, num_warps=4,
     )
 
 

@@ -45,7 +45,8 @@ import triton.language as tl
 from tqkern.layouts import LloydMax, PagedLayout, Uniform
 from tqkern.ops.common import layout_consts, load_param
 
-__all__ = ["_paged_decode_mma_kernel", "_launch_paged_decode_mma", "mma_plan", "num_splits_mma", "resident_warps"]
+__all__ = ["_paged_decode_mma_kernel", "_launch_paged_decode_mma", "mma_plan", "num_splits_mma", "resident_warps",
+           "can_share_factors"]
 
 _DT = {"float16": 0, "float32": 1, "bfloat16": 2}
 _NBYTES = {0: 2, 1: 4, 2: 2}
@@ -72,6 +73,23 @@ def _lut_declare(t):
     return tl.inline_asm_elementwise(
         ".shared .align 16 .b8 tqk_pair_lut[32768];\nmov.u32 $0, tqk_pair_lut;",
         "=r,r", [t], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _norms_declare(t):
+    """Declare the CTA's exchange buffer for shared per-token factors (two stages of
+    ``8 × (4·WARPS + 4)`` words, WARPS ≤ 8) and return its address."""
+    return tl.inline_asm_elementwise(
+        ".shared .align 16 .b8 tqk_norm_xchg[2304];\nmov.u32 $0, tqk_norm_xchg;",
+        "=r,r", [t], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _norms_exchange(x, st_addr, ld_addr):
+    """Store this thread's factor, CTA barrier, load this lane's four (k_r, k_r+8, v_r, v_r+8)."""
+    return tl.inline_asm_elementwise(
+        "st.shared.f32 [$4], $5;\nbar.sync 0;\nld.shared.v4.f32 {$0, $1, $2, $3}, [$6];",
+        "=f,=f,=f,=f,r,f,r", [st_addr, x, ld_addr], dtype=(tl.float32,) * 4, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -258,11 +276,13 @@ def _step_block(bt_row, t0, end, BS: tl.constexpr):
 
 @triton.jit
 def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, ka0, va0, kb_off, vb_off, vc_off, k_masks, v_masks,
-               k_sec_on, v_sec_on, BS: tl.constexpr, ROW_BYTES: tl.constexpr, CK: tl.constexpr,
+               k_sec_on, v_sec_on, n_row, n_off, BS: tl.constexpr, ROW_BYTES: tl.constexpr, CK: tl.constexpr,
                CV: tl.constexpr, K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, K_DT: tl.constexpr,
-               V_DT: tl.constexpr, V_UNIFORM: tl.constexpr, HINT: tl.constexpr):
+               V_DT: tl.constexpr, V_UNIFORM: tl.constexpr, HINT: tl.constexpr, NSHARE: tl.constexpr):
     """Everything one 16-token step reads (predicated off past the warp's range); ``blk`` is
-    the step's block (:func:`_step_block`, looked up a step earlier) when ``BS >= 16``."""
+    the step's block (:func:`_step_block`, looked up a step earlier) when ``BS >= 16``. With
+    ``NSHARE`` the factors come as one value per thread: row ``n_row`` of the step at byte
+    ``n_off`` (the CTA's warps load them together, see the kernel)."""
     ok = t0 < end
     NKW: tl.constexpr = CK // 4
     NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
@@ -291,17 +311,25 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, ka0, va0, kb_off, vb_off, 
     v1 = _chunk(rv1, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
     v2 = _chunk(rv2, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
     v3 = _chunk(rv3, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
-    kf0 = load_param(rk0 + kb_off, K_DT, ok, True)
-    kf1 = load_param(rk1 + kb_off, K_DT, ok, True)
-    vf0 = load_param(rk0 + vb_off, V_DT, ok, True)
-    vf1 = load_param(rk1 + vb_off, V_DT, ok, True)
-    if V_UNIFORM:
-        vz0 = load_param(rk0 + vc_off, V_DT, ok, True)
-        vz1 = load_param(rk1 + vc_off, V_DT, ok, True)
+    if NSHARE:
+        if BS >= 16:
+            rn = row0 + n_row * ROW_BYTES
+        else:
+            rn = _row_of(cache_ptr, bt_row, t0 + n_row, end, BS, ROW_BYTES, ok)
+        fac = (load_param(rn + n_off, K_DT, ok, True),)
     else:
-        vz0 = tl.zeros_like(vf0)
-        vz1 = vz0
-    return k0, k1, v0, v1, v2, v3, (kf0, kf1, vf0, vf1, vz0, vz1)
+        kf0 = load_param(rk0 + kb_off, K_DT, ok, True)
+        kf1 = load_param(rk1 + kb_off, K_DT, ok, True)
+        vf0 = load_param(rk0 + vb_off, V_DT, ok, True)
+        vf1 = load_param(rk1 + vb_off, V_DT, ok, True)
+        if V_UNIFORM:
+            vz0 = load_param(rk0 + vc_off, V_DT, ok, True)
+            vz1 = load_param(rk1 + vc_off, V_DT, ok, True)
+        else:
+            vz0 = tl.zeros_like(vf0)
+            vz1 = vz0
+        fac = (kf0, kf1, vf0, vf1, vz0, vz1)
+    return k0, k1, v0, v1, v2, v3, fac
 
 
 @triton.jit
@@ -380,6 +408,7 @@ def _paged_decode_mma_kernel(
     V_UNIFORM: tl.constexpr, V_A_OFF: tl.constexpr, V_A_STRIDE: tl.constexpr, V_B_OFF: tl.constexpr,
     V_B_STRIDE: tl.constexpr, V_C_OFF: tl.constexpr, V_C_STRIDE: tl.constexpr, V_DT: tl.constexpr,
     K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0,
+    NSHARE: tl.constexpr = 0,
 ):
     NT: tl.constexpr = 32 * WARPS
     CK: tl.constexpr = D // 8  # key chunk bytes per lane and token (2 per k-tile)
@@ -425,6 +454,21 @@ def _paged_decode_mma_kernel(
     kb_off = K_B_OFF + h * K_B_STRIDE
     vb_off = V_B_OFF + h * V_B_STRIDE
     vc_off = V_C_OFF + h * V_C_STRIDE
+    # Shared factors (NSHARE: the CTA's warps hold the KV heads h0 .. h0 + WARPS − 1 of one
+    # (sequence, split), whose key norms and value norms are contiguous in each row): thread t
+    # loads the factor of head t % WARPS, field (t // WARPS) % 2 (key, value), step row
+    # t // (2·WARPS) -- one load per thread, 4·WARPS useful bytes per sector -- and the CTA
+    # exchanges them through shared memory: word (R % 8)·(4·WARPS + 4) + 4·head + 2·field + R // 8
+    # of the step's stage, so that lane (r, c) of warp w reads its four as one 16-byte word.
+    n_head = t % WARPS
+    n_field = (t // WARPS) % 2
+    n_row = t // (2 * WARPS)
+    n_off = tl.where(n_field == 0, K_B_OFF, V_B_OFF) + (h - t // 32 + n_head) * K_B_STRIDE
+    NSTAGE_B: tl.constexpr = 8 * (4 * WARPS + 4) * 4
+    if NSHARE:
+        nbuf = _norms_declare(t)
+        n_st = nbuf + ((n_row % 8) * (4 * WARPS + 4) + 4 * n_head + 2 * n_field + n_row // 8) * 4
+        n_ld = nbuf + (r * (4 * WARPS + 4) + 4 * (t // 32)) * 4
 
     # -- q as the B operand of S^T = K·Q^T: head r, the coordinates of this lane's key chunk ------
     q_row = q_ptr + ((s * HQ + h * G + r) * D).to(tl.int64)
@@ -458,19 +502,22 @@ def _paged_decode_mma_kernel(
     ring = ()
     for j in tl.static_range(PREFETCH):
         ring = ring + (_load_step(cache_ptr, bt_row, blk, start + 16 * j, end, r, c, ka0, va0, kb_off, vb_off, vc_off,
-                                  k_masks, v_masks, k_sec_on, v_sec_on, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT,
-                                  V_DT, V_UNIFORM, HINT),)
+                                  k_masks, v_masks, k_sec_on, v_sec_on, n_row, n_off, BS, ROW_BYTES, CK, CV, K_MERGE,
+                                  V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, NSHARE),)
         blk = _step_block(bt_row, start + 16 * (j + 1), end, BS)
     for it in range(0, n_steps):
         t0 = start + it * 16
         k0, k1, v0, v1, v2, v3, fac = ring[0]
         tn = t0 + 16 * PREFETCH
         ring = ring[1:] + (_load_step(cache_ptr, bt_row, blk, tn, end, r, c, ka0, va0, kb_off, vb_off, vc_off, k_masks,
-                                      v_masks, k_sec_on, v_sec_on, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT,
-                                      V_DT, V_UNIFORM, HINT),)
+                                      v_masks, k_sec_on, v_sec_on, n_row, n_off, BS, ROW_BYTES, CK, CV, K_MERGE,
+                                      V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, NSHARE),)
         blk = _step_block(bt_row, tn + 16, end, BS)
         ok0 = (t0 + r) < end
         ok1 = (t0 + r + 8) < end
+        if NSHARE:  # double-buffered: a stage is rewritten two steps later, after the next barrier
+            stage = (it % 2) * NSTAGE_B
+            fac = _norms_exchange(fac[0], n_st + stage, n_ld + stage)
 
         sv, cn = _scores(k0, k1, qf, lb, ones, NKW, K_NC)
         f0 = fac[0] * sm_scale_log2
@@ -601,13 +648,27 @@ def num_splits_mma(num_seqs: int, num_kv_heads: int, max_len: int, resident_warp
 _SMEM_PER_CTA = 32768 + 1024  # the pair table (static) and the per-CTA reservation
 
 
+def can_share_factors(plan: dict, num_kv_heads: int, warps: int) -> bool:
+    """Whether the CTA's warps can load their per-token factors together (``NSHARE``): Lloyd-Max
+    values (two factors per token: key norm, value norm) of one float type, each field's heads
+    contiguous in the row (the ``row`` arrangement), and whole CTAs of KV heads."""
+    nb = _NBYTES[plan["K_DT"]]
+    return (not plan["V_UNIFORM"] and plan["K_DT"] == plan["V_DT"] and plan["K_B_STRIDE"] == nb
+            and plan["V_B_STRIDE"] == nb and num_kv_heads % warps == 0 and warps <= 8)
+
+
 def _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, group, num_splits,
-                 sm_scale, warps, prefetch, hint, maxnreg=None):
+                 sm_scale, warps, prefetch, hint, maxnreg=None, share=None):
     s, hq, _ = q_rot.shape
+    if share is None:
+        share = can_share_factors(plan, layout.num_kv_heads, warps)
+    elif share and not can_share_factors(plan, layout.num_kv_heads, warps):
+        raise ValueError("share=True needs Lloyd-Max values, key and value norms of one dtype, each contiguous "
+                         f"across heads, and num_kv_heads ({layout.num_kv_heads}) a multiple of warps ({warps})")
     args = (q_rot, cache, block_table, seq_lens, key_centroids_f32, acc, ml, s, block_table.shape[1],
             sm_scale * 1.4426950408889634, num_splits)
     kwargs = dict(G=group, HKV=layout.num_kv_heads, HQ=hq, WARPS=warps, BS=layout.block_size, PREFETCH=prefetch,
-                  HINT=hint, **plan, num_warps=warps, num_stages=1)
+                  HINT=hint, NSHARE=int(bool(share)), **plan, num_warps=warps, num_stages=1)
     if maxnreg is None:  # measured (H100): capped at 128 registers ~2% faster for aligned fields (no spill
         # inside the loop); with joined fields the kernel needs ~168 and a cap spills in the loop
         maxnreg = 0 if plan["K_MERGE"] or plan["V_MERGE"] else 128
@@ -620,12 +681,13 @@ _RESIDENT: dict = {}
 
 
 def resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, *, group: int,
-                   warps: int = 4, prefetch: int = 1, hint: int = 1, maxnreg: int | None = None) -> int:
+                   warps: int = 4, prefetch: int = 1, hint: int = 1, maxnreg: int | None = None,
+                   share: bool | None = None) -> int:
     """Warps of this launch's compiled kernel that the GPU holds at once (from its registers and
     shared memory; compiled once, cached); a conservative 8 per SM if the compiled kernel cannot
     be inspected (that costs speed, never correctness)."""
     args, kwargs = _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, q_rot, q_rot,
-                                group, 1, 1.0, warps, prefetch, hint, maxnreg)
+                                group, 1, 1.0, warps, prefetch, hint, maxnreg, share)
     dev = q_rot.device.index or 0
     key = (tuple(sorted((k, str(v)) for k, v in kwargs.items())), dev)
     if key not in _RESIDENT:
@@ -634,7 +696,7 @@ def resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, key_centro
             k = _paged_decode_mma_kernel.warmup(*args, grid=(1,), **kwargs)
             k._init_handles()  # loads the binary: n_regs
             per_warp = -(-int(k.n_regs) * 32 // 256) * 256
-            smem = _SMEM_PER_CTA + int(getattr(k.metadata, "shared", 0))
+            smem = _SMEM_PER_CTA + (2304 if kwargs["NSHARE"] else 0) + int(getattr(k.metadata, "shared", 0))
             smem_sm = int(getattr(props, "shared_memory_per_multiprocessor", 233472))
             ctas = max(1, min(65536 // (per_warp * warps), smem_sm // smem, 64 // warps, 32))
         except Exception:  # noqa: BLE001
@@ -645,10 +707,10 @@ def resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, key_centro
 
 def _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, *,
                              group: int, num_splits: int, sm_scale: float, warps: int = 4, prefetch: int = 1,
-                             hint: int = 1, maxnreg: int | None = None):
+                             hint: int = 1, maxnreg: int | None = None, share: bool | None = None):
     """Launch the warp-MMA decode (partials only; the caller merges). No checks."""
     s = q_rot.shape[0]
     total = s * layout.num_kv_heads * num_splits
     args, kwargs = _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, group,
-                                num_splits, sm_scale, warps, prefetch, hint, maxnreg)
+                                num_splits, sm_scale, warps, prefetch, hint, maxnreg, share)
     _paged_decode_mma_kernel[(triton.cdiv(total, warps),)](*args, **kwargs)
