@@ -10,7 +10,7 @@ import tqkern
 import tqkern_torch as tqt
 from tqkern.ops.paged_decode.triton import (_launch_merge, decode_path, merge_chunks, rotate_q,
                                             workspace_numel)
-from tqkern.ops.paged_decode.triton_mma import can_share_factors, mma_plan
+from tqkern.ops.paged_decode.triton_mma import mma_plan
 from tqkern_torch.testing import device_under_test, kernels_available
 
 DEV = device_under_test()
@@ -42,17 +42,6 @@ def test_decode_path_rules_and_bad_input():
     assert decode_path(_layout("tq4", 256, 8, "row"), 4) == "fast"
     with pytest.raises(TypeError, match="layout must be a tqkern.PagedLayout, got KVFormat"):
         decode_path(tqkern.KVFormat.preset("tq4", 128), 4)
-
-
-def test_shared_factor_rule():
-    """The CTA's warps load key and value norms together only where each field's heads are
-    contiguous (row arrangement), both are one float type, values are Lloyd-Max (two factors per
-    token), and CTAs hold whole groups of KV heads."""
-    tq4_row = mma_plan(_layout("tq4", 128, 8, "row"), 4)
-    assert can_share_factors(tq4_row, 8, 4) and can_share_factors(tq4_row, 8, 8)
-    assert not can_share_factors(tq4_row, 6, 4)  # a CTA would mix sequences/splits
-    assert not can_share_factors(mma_plan(_layout("tq4", 128, 8), 4), 8, 4)  # slots: heads 136 bytes apart
-    assert not can_share_factors(mma_plan(_layout("turboquant_4bit_nc", 128, 8, "row"), 4), 8, 4)  # uniform
 
 
 def test_same_codebooks_flag():

@@ -75,40 +75,6 @@ def test_cuda_graph_replay_with_new_lengths_and_tables(preset, arrangement, path
         assert np.abs(out.float().cpu().numpy() - expect).max() <= 4e-3 * vmax
 
 
-@pytest.mark.parametrize("block_size", [4, 16])
-def test_mma_shared_factor_loads_match_per_warp_loads(block_size):
-    """The warp-MMA kernel with CTA-shared key/value norm loads (tq4, row arrangement) gives
-    bitwise the same output as with per-warp loads (the same values reach the same registers),
-    and matches the oracle; lengths that end mid-step, a length of 1, blocks shorter than a step."""
-    from tqkern.ops.paged_decode.triton import _launch_paged_decode, rotate_q
-    from tqkern.ops.paged_decode.triton_mma import can_share_factors, mma_plan
-
-    fmt = tqkern.KVFormat.preset("tq4", 128)
-    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=8, block_size=block_size, arrangement="row")
-    params = tqt.to_device(tqkern.TQParams.default(fmt, seed=2), "cuda")
-    assert can_share_factors(mma_plan(layout, 4), 8, 4)
-    sl = torch.tensor([1, 37, 300, 16, 129], dtype=torch.int32, device="cuda")
-    max_blocks = 320 // block_size
-    nb = 5 * max_blocks
-    bt = torch.randperm(nb, device="cuda").int().reshape(5, max_blocks)
-    cache = _fill(layout, params, nb, sl, bt)
-    q = torch.randn(5, 32, 128, device="cuda", dtype=torch.float16)
-    q_rot = rotate_q(q, params.rotation, True, False)
-    tables = dict(key_centroids_f32=params.key_centroids_f32, value_centroids_f32=params.value_centroids_f32,
-                  rotation=params.rotation)
-    outs = []
-    for share in (True, False):
-        out = torch.full_like(q, float("nan"))
-        _launch_paged_decode(out, q_rot, cache, bt, sl, layout, tables, sm_scale=128**-0.5, interpret=False,
-                             path="mma", num_splits=3, share=share)
-        outs.append(out)
-    torch.cuda.synchronize()
-    assert torch.equal(outs[0], outs[1])
-    expect = ref.paged_decode(q.float().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(), sl.cpu().numpy(),
-                              layout, params.params)
-    assert np.abs(outs[0].float().cpu().numpy() - expect).max() <= 4e-3 * _vmax(cache, bt, sl, layout, params)
-
-
 @pytest.mark.parametrize("preset,arrangement", [("tq4", "row"), ("turboquant_4bit_nc", "slot")])
 def test_64k_context(preset, arrangement):
     fmt = tqkern.KVFormat.preset(preset, 128)

@@ -45,8 +45,7 @@ import triton.language as tl
 from tqkern.layouts import LloydMax, PagedLayout, Uniform
 from tqkern.ops.common import layout_consts, load_param
 
-__all__ = ["_paged_decode_mma_kernel", "_launch_paged_decode_mma", "mma_plan", "num_splits_mma", "resident_warps",
-           "can_share_factors"]
+__all__ = ["_paged_decode_mma_kernel", "_launch_paged_decode_mma", "mma_plan", "num_splits_mma", "resident_warps"]
 
 _DT = {"float16": 0, "float32": 1, "bfloat16": 2}
 _NBYTES = {0: 2, 1: 4, 2: 2}
@@ -73,23 +72,6 @@ def _lut_declare(t):
     return tl.inline_asm_elementwise(
         ".shared .align 16 .b8 tqk_pair_lut[32768];\nmov.u32 $0, tqk_pair_lut;",
         "=r,r", [t], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _norms_declare(t):
-    """Declare the CTA's exchange buffer for shared per-token factors (two stages of
-    ``8 × (4·WARPS + 4)`` words, WARPS ≤ 8) and return its address."""
-    return tl.inline_asm_elementwise(
-        ".shared .align 16 .b8 tqk_norm_xchg[2304];\nmov.u32 $0, tqk_norm_xchg;",
-        "=r,r", [t], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _norms_exchange(x, st_addr, ld_addr):
-    """Store this thread's factor, CTA barrier, load this lane's four (k_r, k_r+8, v_r, v_r+8)."""
-    return tl.inline_asm_elementwise(
-        "st.shared.f32 [$4], $5;\nbar.sync 0;\nld.shared.v4.f32 {$0, $1, $2, $3}, [$6];",
-        "=f,=f,=f,=f,r,f,r", [st_addr, x, ld_addr], dtype=(tl.float32,) * 4, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -222,6 +204,68 @@ def _ld_words(ptr, pred, NW: tl.constexpr, HINT: tl.constexpr):
         return (w,)
 
 
+def _cp_asm(nb: int) -> str:
+    """cp.async of ``nb`` bytes global → shared: ``$1`` shared address, ``$2`` global address,
+    ``$3`` bytes to read (0: zero-fill), ``$4`` nonzero to issue at all. 16-byte copies bypass L1."""
+    kind = "cg" if nb == 16 else "ca"
+    return ("{\n.reg .pred p;\nsetp.ne.b32 p, $4, 0;\n"
+            f"@p cp.async.{kind}.shared.global [$1], [$2], {nb}, $3;\nmov.u32 $0, 0;\n}}")
+
+
+_CP16, _CP8, _CP4 = tl.constexpr(_cp_asm(16)), tl.constexpr(_cp_asm(8)), tl.constexpr(_cp_asm(4))
+_WAIT = {n: tl.constexpr(f"cp.async.wait_group {n};\nmov.b32 $0, $1;") for n in range(4)}
+_WAIT0, _WAIT1, _WAIT2, _WAIT3 = _WAIT[0], _WAIT[1], _WAIT[2], _WAIT[3]
+
+
+@triton.jit
+def _cp(dst, src, size, on, NB: tl.constexpr):
+    """One cp.async of NB (4, 8, 16) bytes; zero-filled when ``size`` is 0, skipped unless ``on``."""
+    if NB == 16:
+        asm: tl.constexpr = _CP16
+    elif NB == 8:
+        asm: tl.constexpr = _CP8
+    else:
+        asm: tl.constexpr = _CP4
+    return tl.inline_asm_elementwise(asm, "=r,r,l,r,r", [dst, src, size, on.to(tl.int32)], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _cp_commit(x):
+    return tl.inline_asm_elementwise("cp.async.commit_group;\nmov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _cp_wait(x, N: tl.constexpr):
+    """Wait until at most N of this thread's cp.async groups are pending; returns ``x`` (make the
+    shared-memory reads depend on it)."""
+    if N == 0:
+        asm: tl.constexpr = _WAIT0
+    elif N == 1:
+        asm: tl.constexpr = _WAIT1
+    elif N == 2:
+        asm: tl.constexpr = _WAIT2
+    else:
+        asm: tl.constexpr = _WAIT3
+    return tl.inline_asm_elementwise(asm, "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _lds_words(addr, NW: tl.constexpr):
+    """NW (1, 2, 4) consecutive 32-bit words of shared memory at ``addr`` (aligned to 4·NW)."""
+    if NW == 4:
+        return tl.inline_asm_elementwise("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", [addr],
+                                         dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+    elif NW == 2:
+        return tl.inline_asm_elementwise("ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r", [addr],
+                                         dtype=(tl.int32,) * 2, is_pure=True, pack=1)
+    else:
+        w = tl.inline_asm_elementwise("ld.shared.b32 $0, [$1];", "=r,r", [addr], dtype=tl.int32, is_pure=True,
+                                      pack=1)
+        return (w,)
+
+
 @triton.jit
 def _byte_masks(nbytes, NW: tl.constexpr):
     """Per word, 0xFF in every byte whose index (4·word + byte) is below ``nbytes``."""
@@ -276,13 +320,11 @@ def _step_block(bt_row, t0, end, BS: tl.constexpr):
 
 @triton.jit
 def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, ka0, va0, kb_off, vb_off, vc_off, k_masks, v_masks,
-               k_sec_on, v_sec_on, n_row, n_off, BS: tl.constexpr, ROW_BYTES: tl.constexpr, CK: tl.constexpr,
+               k_sec_on, v_sec_on, BS: tl.constexpr, ROW_BYTES: tl.constexpr, CK: tl.constexpr,
                CV: tl.constexpr, K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, K_DT: tl.constexpr,
-               V_DT: tl.constexpr, V_UNIFORM: tl.constexpr, HINT: tl.constexpr, NSHARE: tl.constexpr):
+               V_DT: tl.constexpr, V_UNIFORM: tl.constexpr, HINT: tl.constexpr):
     """Everything one 16-token step reads (predicated off past the warp's range); ``blk`` is
-    the step's block (:func:`_step_block`, looked up a step earlier) when ``BS >= 16``. With
-    ``NSHARE`` the factors come as one value per thread: row ``n_row`` of the step at byte
-    ``n_off`` (the CTA's warps load them together, see the kernel)."""
+    the step's block (:func:`_step_block`, looked up a step earlier) when ``BS >= 16``."""
     ok = t0 < end
     NKW: tl.constexpr = CK // 4
     NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
@@ -311,25 +353,132 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, ka0, va0, kb_off, vb_off, 
     v1 = _chunk(rv1, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
     v2 = _chunk(rv2, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
     v3 = _chunk(rv3, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
-    if NSHARE:
-        if BS >= 16:
-            rn = row0 + n_row * ROW_BYTES
-        else:
-            rn = _row_of(cache_ptr, bt_row, t0 + n_row, end, BS, ROW_BYTES, ok)
-        fac = (load_param(rn + n_off, K_DT, ok, True),)
+    kf0 = load_param(rk0 + kb_off, K_DT, ok, True)
+    kf1 = load_param(rk1 + kb_off, K_DT, ok, True)
+    vf0 = load_param(rk0 + vb_off, V_DT, ok, True)
+    vf1 = load_param(rk1 + vb_off, V_DT, ok, True)
+    if V_UNIFORM:
+        vz0 = load_param(rk0 + vc_off, V_DT, ok, True)
+        vz1 = load_param(rk1 + vc_off, V_DT, ok, True)
     else:
-        kf0 = load_param(rk0 + kb_off, K_DT, ok, True)
-        kf1 = load_param(rk1 + kb_off, K_DT, ok, True)
-        vf0 = load_param(rk0 + vb_off, V_DT, ok, True)
-        vf1 = load_param(rk1 + vb_off, V_DT, ok, True)
-        if V_UNIFORM:
-            vz0 = load_param(rk0 + vc_off, V_DT, ok, True)
-            vz1 = load_param(rk1 + vc_off, V_DT, ok, True)
-        else:
-            vz0 = tl.zeros_like(vf0)
-            vz1 = vz0
-        fac = (kf0, kf1, vf0, vf1, vz0, vz1)
-    return k0, k1, v0, v1, v2, v3, fac
+        vz0 = tl.zeros_like(vf0)
+        vz1 = vz0
+    return k0, k1, v0, v1, v2, v3, (kf0, kf1, vf0, vf1, vz0, vz1)
+
+
+def stage_bytes(d: int, k_merge: bool, v_merge: bool, with_v: bool = True) -> int:
+    """Shared memory of one warp's one cp.async stage: two key chunks per lane (and the joining
+    lanes' extra blocks: 8 lanes × 2 rows), then with ``with_v`` four value chunks per lane (and
+    4 lanes × 4 rows of extra blocks)."""
+    ck, cv = d // 8, d // 16
+    return 64 * ck + (16 * ck if k_merge else 0) + ((128 * cv + (16 * cv if v_merge else 0)) if with_v else 0)
+
+
+@triton.jit
+def _rows_of_step(cache_ptr, bt_row, blk, t0, end, r, c, BS: tl.constexpr, ROW_BYTES: tl.constexpr):
+    """Row addresses of tokens r, r+8 (keys) and 2c, 2c+1, 2c+8, 2c+9 (values) of a step."""
+    ok = t0 < end
+    if BS >= 16:  # the whole step sits in one block
+        row0 = cache_ptr + (blk * BS + t0 % BS) * ROW_BYTES
+        rk0 = row0 + r * ROW_BYTES
+        rk1 = row0 + (r + 8) * ROW_BYTES
+        rv0 = row0 + (2 * c) * ROW_BYTES
+        rv1 = row0 + (2 * c + 1) * ROW_BYTES
+        rv2 = row0 + (2 * c + 8) * ROW_BYTES
+        rv3 = row0 + (2 * c + 9) * ROW_BYTES
+    else:
+        rk0 = _row_of(cache_ptr, bt_row, t0 + r, end, BS, ROW_BYTES, ok)
+        rk1 = _row_of(cache_ptr, bt_row, t0 + r + 8, end, BS, ROW_BYTES, ok)
+        rv0 = _row_of(cache_ptr, bt_row, t0 + 2 * c, end, BS, ROW_BYTES, ok)
+        rv1 = _row_of(cache_ptr, bt_row, t0 + 2 * c + 1, end, BS, ROW_BYTES, ok)
+        rv2 = _row_of(cache_ptr, bt_row, t0 + 2 * c + 8, end, BS, ROW_BYTES, ok)
+        rv3 = _row_of(cache_ptr, bt_row, t0 + 2 * c + 9, end, BS, ROW_BYTES, ok)
+    return rk0, rk1, rv0, rv1, rv2, rv3
+
+
+@triton.jit
+def _issue_step(cache_ptr, bt_row, blk, t0, end, lane, r, c, ka0, va0, kb_off, vb_off, vc_off, k_sec_on, v_sec_on,
+                sb, v_masks, BS: tl.constexpr, ROW_BYTES: tl.constexpr, CK: tl.constexpr, CV: tl.constexpr,
+                K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, K_DT: tl.constexpr, V_DT: tl.constexpr,
+                V_UNIFORM: tl.constexpr, STAGE_V: tl.constexpr, HINT: tl.constexpr):
+    """Start one step's cp.async copies into the stage at shared address ``sb`` (zero-filled past
+    the warp's range): the key chunks, and the value chunks with ``STAGE_V``; otherwise the value
+    chunks are loaded into registers (returned, like the per-token factors)."""
+    ok = t0 < end
+    rk0, rk1, rv0, rv1, rv2, rv3 = _rows_of_step(cache_ptr, bt_row, blk, t0, end, r, c, BS, ROW_BYTES)
+    ki = (c + 1) % 4
+    vi = (r + 1) % 8
+    on = lane >= 0
+    nk = tl.where(ok, CK, 0)
+    nv = tl.where(ok, CV, 0)
+    x = _cp(sb + lane * CK, rk0 + ka0 + CK * ki, nk, on, CK)
+    x += _cp(sb + (32 + lane) * CK, rk1 + ka0 + CK * ki, nk, on, CK)
+    KS: tl.constexpr = 64 * CK
+    if K_MERGE:  # block 4 of the key span, for lane c == 3 (rows r and r + 8)
+        x += _cp(sb + KS + r * CK, rk0 + ka0 + CK * 4, nk, k_sec_on, CK)
+        x += _cp(sb + KS + (8 + r) * CK, rk1 + ka0 + CK * 4, nk, k_sec_on, CK)
+    V0: tl.constexpr = KS + (16 * CK if K_MERGE else 0)
+    NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
+    if STAGE_V:
+        x += _cp(sb + V0 + lane * CV, rv0 + va0 + CV * vi, nv, on, CV)
+        x += _cp(sb + V0 + (32 + lane) * CV, rv1 + va0 + CV * vi, nv, on, CV)
+        x += _cp(sb + V0 + (64 + lane) * CV, rv2 + va0 + CV * vi, nv, on, CV)
+        x += _cp(sb + V0 + (96 + lane) * CV, rv3 + va0 + CV * vi, nv, on, CV)
+        VS: tl.constexpr = V0 + 128 * CV
+        if V_MERGE:  # block 8 of the value span, for lane r == 7 (rows 2c, 2c+1, 2c+8, 2c+9)
+            x += _cp(sb + VS + c * CV, rv0 + va0 + CV * 8, nv, v_sec_on, CV)
+            x += _cp(sb + VS + (4 + c) * CV, rv1 + va0 + CV * 8, nv, v_sec_on, CV)
+            x += _cp(sb + VS + (8 + c) * CV, rv2 + va0 + CV * 8, nv, v_sec_on, CV)
+            x += _cp(sb + VS + (12 + c) * CV, rv3 + va0 + CV * 8, nv, v_sec_on, CV)
+        vw = ()
+    else:
+        vs = ok & v_sec_on
+        vw = (_chunk(rv0, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT),
+              _chunk(rv1, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT),
+              _chunk(rv2, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT),
+              _chunk(rv3, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT))
+    x = _cp_commit(x)
+    kf0 = load_param(rk0 + kb_off, K_DT, ok, True)
+    kf1 = load_param(rk1 + kb_off, K_DT, ok, True)
+    vf0 = load_param(rk0 + vb_off, V_DT, ok, True)
+    vf1 = load_param(rk1 + vb_off, V_DT, ok, True)
+    if V_UNIFORM:
+        vz0 = load_param(rk0 + vc_off, V_DT, ok, True)
+        vz1 = load_param(rk1 + vc_off, V_DT, ok, True)
+    else:
+        vz0 = tl.zeros_like(vf0)
+        vz1 = vz0
+    return (kf0, kf1, vf0, vf1, vz0, vz1), vw
+
+
+@triton.jit
+def _read_step(sb, lane, r, c, k_masks, v_masks, vw, CK: tl.constexpr, CV: tl.constexpr, K_MERGE: tl.constexpr,
+               V_MERGE: tl.constexpr, STAGE_V: tl.constexpr):
+    """This lane's key and value chunks of the stage at ``sb`` (joined where a field is
+    misaligned); without ``STAGE_V`` the value chunks are ``vw`` (loaded into registers)."""
+    NKW: tl.constexpr = CK // 4
+    NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
+    k0 = _lds_words(sb + lane * CK, NKW)
+    k1 = _lds_words(sb + (32 + lane) * CK, NKW)
+    KS: tl.constexpr = 64 * CK
+    if K_MERGE:
+        k0 = _merge_words(k0, _lds_words(sb + KS + r * CK, NKW), k_masks, NKW)
+        k1 = _merge_words(k1, _lds_words(sb + KS + (8 + r) * CK, NKW), k_masks, NKW)
+    V0: tl.constexpr = KS + (16 * CK if K_MERGE else 0)
+    if STAGE_V:
+        v0 = _lds_words(sb + V0 + lane * CV, NVW)
+        v1 = _lds_words(sb + V0 + (32 + lane) * CV, NVW)
+        v2 = _lds_words(sb + V0 + (64 + lane) * CV, NVW)
+        v3 = _lds_words(sb + V0 + (96 + lane) * CV, NVW)
+        VS: tl.constexpr = V0 + 128 * CV
+        if V_MERGE:
+            v0 = _merge_words(v0, _lds_words(sb + VS + c * CV, NVW), v_masks, NVW)
+            v1 = _merge_words(v1, _lds_words(sb + VS + (4 + c) * CV, NVW), v_masks, NVW)
+            v2 = _merge_words(v2, _lds_words(sb + VS + (8 + c) * CV, NVW), v_masks, NVW)
+            v3 = _merge_words(v3, _lds_words(sb + VS + (12 + c) * CV, NVW), v_masks, NVW)
+    else:
+        v0, v1, v2, v3 = vw[0], vw[1], vw[2], vw[3]
+    return k0, k1, v0, v1, v2, v3
 
 
 @triton.jit
@@ -408,7 +557,8 @@ def _paged_decode_mma_kernel(
     V_UNIFORM: tl.constexpr, V_A_OFF: tl.constexpr, V_A_STRIDE: tl.constexpr, V_B_OFF: tl.constexpr,
     V_B_STRIDE: tl.constexpr, V_C_OFF: tl.constexpr, V_C_STRIDE: tl.constexpr, V_DT: tl.constexpr,
     K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0,
-    NSHARE: tl.constexpr = 0,
+    STAGES: tl.constexpr = 0, STAGE_BYTES: tl.constexpr = 0, STAGE_DECL: tl.constexpr = "",
+    STAGE_V: tl.constexpr = 1,
 ):
     NT: tl.constexpr = 32 * WARPS
     CK: tl.constexpr = D // 8  # key chunk bytes per lane and token (2 per k-tile)
@@ -454,21 +604,6 @@ def _paged_decode_mma_kernel(
     kb_off = K_B_OFF + h * K_B_STRIDE
     vb_off = V_B_OFF + h * V_B_STRIDE
     vc_off = V_C_OFF + h * V_C_STRIDE
-    # Shared factors (NSHARE: the CTA's warps hold the KV heads h0 .. h0 + WARPS − 1 of one
-    # (sequence, split), whose key norms and value norms are contiguous in each row): thread t
-    # loads the factor of head t % WARPS, field (t // WARPS) % 2 (key, value), step row
-    # t // (2·WARPS) -- one load per thread, 4·WARPS useful bytes per sector -- and the CTA
-    # exchanges them through shared memory: word (R % 8)·(4·WARPS + 4) + 4·head + 2·field + R // 8
-    # of the step's stage, so that lane (r, c) of warp w reads its four as one 16-byte word.
-    n_head = t % WARPS
-    n_field = (t // WARPS) % 2
-    n_row = t // (2 * WARPS)
-    n_off = tl.where(n_field == 0, K_B_OFF, V_B_OFF) + (h - t // 32 + n_head) * K_B_STRIDE
-    NSTAGE_B: tl.constexpr = 8 * (4 * WARPS + 4) * 4
-    if NSHARE:
-        nbuf = _norms_declare(t)
-        n_st = nbuf + ((n_row % 8) * (4 * WARPS + 4) + 4 * n_head + 2 * n_field + n_row // 8) * 4
-        n_ld = nbuf + (r * (4 * WARPS + 4) + 4 * (t // 32)) * 4
 
     # -- q as the B operand of S^T = K·Q^T: head r, the coordinates of this lane's key chunk ------
     q_row = q_ptr + ((s * HQ + h * G + r) * D).to(tl.int64)
@@ -499,25 +634,45 @@ def _paged_decode_mma_kernel(
     # earlier still, so that the loads never wait on the table. PREFETCH = 1 measured fastest on
     # the H100: ptxas sinks a deeper ring's loads to the end of the iteration anyway.
     blk = _step_block(bt_row, start, end, BS)
-    ring = ()
-    for j in tl.static_range(PREFETCH):
-        ring = ring + (_load_step(cache_ptr, bt_row, blk, start + 16 * j, end, r, c, ka0, va0, kb_off, vb_off, vc_off,
-                                  k_masks, v_masks, k_sec_on, v_sec_on, n_row, n_off, BS, ROW_BYTES, CK, CV, K_MERGE,
-                                  V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, NSHARE),)
-        blk = _step_block(bt_row, start + 16 * (j + 1), end, BS)
+    if STAGES > 0:  # K/V chunks through cp.async into a per-warp ring of STAGES shared-memory stages
+        wb = tl.inline_asm_elementwise(STAGE_DECL, "=r,r", [t], dtype=tl.int32, is_pure=False, pack=1)
+        wb = wb + (t // 32) * (STAGES * STAGE_BYTES)
+        facs = ()
+        for j in tl.static_range(STAGES - 1):
+            f = _issue_step(cache_ptr, bt_row, blk, start + 16 * j, end, lane, r, c, ka0, va0, kb_off, vb_off,
+                            vc_off, k_sec_on, v_sec_on, wb + j * STAGE_BYTES, v_masks, BS, ROW_BYTES, CK, CV, K_MERGE,
+                            V_MERGE, K_DT, V_DT, V_UNIFORM, STAGE_V, HINT)
+            facs = facs + (f,)
+            blk = _step_block(bt_row, start + 16 * (j + 1), end, BS)
+    else:
+        ring = ()
+        for j in tl.static_range(PREFETCH):
+            ring = ring + (_load_step(cache_ptr, bt_row, blk, start + 16 * j, end, r, c, ka0, va0, kb_off, vb_off,
+                                      vc_off, k_masks, v_masks, k_sec_on, v_sec_on, BS, ROW_BYTES, CK, CV, K_MERGE,
+                                      V_MERGE, K_DT, V_DT, V_UNIFORM, HINT),)
+            blk = _step_block(bt_row, start + 16 * (j + 1), end, BS)
     for it in range(0, n_steps):
         t0 = start + it * 16
-        k0, k1, v0, v1, v2, v3, fac = ring[0]
-        tn = t0 + 16 * PREFETCH
-        ring = ring[1:] + (_load_step(cache_ptr, bt_row, blk, tn, end, r, c, ka0, va0, kb_off, vb_off, vc_off, k_masks,
-                                      v_masks, k_sec_on, v_sec_on, n_row, n_off, BS, ROW_BYTES, CK, CV, K_MERGE,
-                                      V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, NSHARE),)
-        blk = _step_block(bt_row, tn + 16, end, BS)
+        if STAGES > 0:
+            tn = t0 + 16 * (STAGES - 1)
+            f = _issue_step(cache_ptr, bt_row, blk, tn, end, lane, r, c, ka0, va0, kb_off, vb_off, vc_off,
+                            k_sec_on, v_sec_on, wb + ((it + STAGES - 1) % STAGES) * STAGE_BYTES, v_masks, BS,
+                            ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM, STAGE_V, HINT)
+            blk = _step_block(bt_row, tn + 16, end, BS)
+            sb = _cp_wait(wb + (it % STAGES) * STAGE_BYTES, STAGES - 1)
+            fac, vw = facs[0]
+            k0, k1, v0, v1, v2, v3 = _read_step(sb, lane, r, c, k_masks, v_masks, vw, CK, CV, K_MERGE, V_MERGE,
+                                                STAGE_V)
+            facs = facs[1:] + (f,)
+        else:
+            k0, k1, v0, v1, v2, v3, fac = ring[0]
+            tn = t0 + 16 * PREFETCH
+            ring = ring[1:] + (_load_step(cache_ptr, bt_row, blk, tn, end, r, c, ka0, va0, kb_off, vb_off, vc_off,
+                                          k_masks, v_masks, k_sec_on, v_sec_on, BS, ROW_BYTES, CK, CV, K_MERGE,
+                                          V_MERGE, K_DT, V_DT, V_UNIFORM, HINT),)
+            blk = _step_block(bt_row, tn + 16, end, BS)
         ok0 = (t0 + r) < end
         ok1 = (t0 + r + 8) < end
-        if NSHARE:  # double-buffered: a stage is rewritten two steps later, after the next barrier
-            stage = (it % 2) * NSTAGE_B
-            fac = _norms_exchange(fac[0], n_st + stage, n_ld + stage)
 
         sv, cn = _scores(k0, k1, qf, lb, ones, NKW, K_NC)
         f0 = fac[0] * sm_scale_log2
@@ -560,6 +715,8 @@ def _paged_decode_mma_kernel(
         pb = _p_fragments(p0 * w0, p1 * w0, p2 * w1, p3 * w1)
         o = _values(o, v0, v1, v2, v3, pb[0], pb[1], lb, NVW, CV, V_UNIFORM)
 
+    if STAGES > 0:  # no copy may still be writing when the CTA exits
+        lut = _cp_wait(lut, 0)
     # -- partial results: acc [S, HQ, NUM_SPLITS, DP], (m, l) [S, HQ, NUM_SPLITS, 2] --------------
     l_e = _warp_sum_r(l_e)
     l_o = _warp_sum_r(l_o)
@@ -648,27 +805,16 @@ def num_splits_mma(num_seqs: int, num_kv_heads: int, max_len: int, resident_warp
 _SMEM_PER_CTA = 32768 + 1024  # the pair table (static) and the per-CTA reservation
 
 
-def can_share_factors(plan: dict, num_kv_heads: int, warps: int) -> bool:
-    """Whether the CTA's warps can load their per-token factors together (``NSHARE``): Lloyd-Max
-    values (two factors per token: key norm, value norm) of one float type, each field's heads
-    contiguous in the row (the ``row`` arrangement), and whole CTAs of KV heads."""
-    nb = _NBYTES[plan["K_DT"]]
-    return (not plan["V_UNIFORM"] and plan["K_DT"] == plan["V_DT"] and plan["K_B_STRIDE"] == nb
-            and plan["V_B_STRIDE"] == nb and num_kv_heads % warps == 0 and warps <= 8)
-
-
 def _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, group, num_splits,
-                 sm_scale, warps, prefetch, hint, maxnreg=None, share=None):
+                 sm_scale, warps, prefetch, hint, maxnreg=None, stages=0, stage_v=True):
     s, hq, _ = q_rot.shape
-    if share is None:
-        share = can_share_factors(plan, layout.num_kv_heads, warps)
-    elif share and not can_share_factors(plan, layout.num_kv_heads, warps):
-        raise ValueError("share=True needs Lloyd-Max values, key and value norms of one dtype, each contiguous "
-                         f"across heads, and num_kv_heads ({layout.num_kv_heads}) a multiple of warps ({warps})")
+    sb = stage_bytes(plan["D"], plan["K_MERGE"], plan["V_MERGE"], stage_v) if stages else 0
+    decl = (f".shared .align 16 .b8 tqk_stage[{stages * warps * sb}];\nmov.u32 $0, tqk_stage;" if stages else "")
     args = (q_rot, cache, block_table, seq_lens, key_centroids_f32, acc, ml, s, block_table.shape[1],
             sm_scale * 1.4426950408889634, num_splits)
     kwargs = dict(G=group, HKV=layout.num_kv_heads, HQ=hq, WARPS=warps, BS=layout.block_size, PREFETCH=prefetch,
-                  HINT=hint, NSHARE=int(bool(share)), **plan, num_warps=warps, num_stages=1)
+                  HINT=hint, STAGES=stages, STAGE_BYTES=sb, STAGE_DECL=decl, STAGE_V=int(bool(stage_v)), **plan, num_warps=warps,
+                  num_stages=1)
     if maxnreg is None:  # measured (H100): capped at 128 registers ~2% faster for aligned fields (no spill
         # inside the loop); with joined fields the kernel needs ~168 and a cap spills in the loop
         maxnreg = 0 if plan["K_MERGE"] or plan["V_MERGE"] else 128
@@ -682,12 +828,12 @@ _RESIDENT: dict = {}
 
 def resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, *, group: int,
                    warps: int = 4, prefetch: int = 1, hint: int = 1, maxnreg: int | None = None,
-                   share: bool | None = None) -> int:
+                   stages: int = 0, stage_v: bool = True) -> int:
     """Warps of this launch's compiled kernel that the GPU holds at once (from its registers and
     shared memory; compiled once, cached); a conservative 8 per SM if the compiled kernel cannot
     be inspected (that costs speed, never correctness)."""
     args, kwargs = _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, q_rot, q_rot,
-                                group, 1, 1.0, warps, prefetch, hint, maxnreg, share)
+                                group, 1, 1.0, warps, prefetch, hint, maxnreg, stages, stage_v)
     dev = q_rot.device.index or 0
     key = (tuple(sorted((k, str(v)) for k, v in kwargs.items())), dev)
     if key not in _RESIDENT:
@@ -696,7 +842,8 @@ def resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, key_centro
             k = _paged_decode_mma_kernel.warmup(*args, grid=(1,), **kwargs)
             k._init_handles()  # loads the binary: n_regs
             per_warp = -(-int(k.n_regs) * 32 // 256) * 256
-            smem = _SMEM_PER_CTA + (2304 if kwargs["NSHARE"] else 0) + int(getattr(k.metadata, "shared", 0))
+            smem = (_SMEM_PER_CTA + kwargs["STAGES"] * warps * kwargs["STAGE_BYTES"]
+                    + int(getattr(k.metadata, "shared", 0)))
             smem_sm = int(getattr(props, "shared_memory_per_multiprocessor", 233472))
             ctas = max(1, min(65536 // (per_warp * warps), smem_sm // smem, 64 // warps, 32))
         except Exception:  # noqa: BLE001
@@ -707,10 +854,11 @@ def resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, key_centro
 
 def _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, *,
                              group: int, num_splits: int, sm_scale: float, warps: int = 4, prefetch: int = 1,
-                             hint: int = 1, maxnreg: int | None = None, share: bool | None = None):
+                             hint: int = 1, maxnreg: int | None = None, stages: int = 0,
+                             stage_v: bool = True):
     """Launch the warp-MMA decode (partials only; the caller merges). No checks."""
     s = q_rot.shape[0]
     total = s * layout.num_kv_heads * num_splits
     args, kwargs = _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, group,
-                                num_splits, sm_scale, warps, prefetch, hint, maxnreg, share)
+                                num_splits, sm_scale, warps, prefetch, hint, maxnreg, stages, stage_v)
     _paged_decode_mma_kernel[(triton.cdiv(total, warps),)](*args, **kwargs)
