@@ -87,7 +87,7 @@ def compile_decode(layout, hq, path="fast", **kw):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def compile_mma(layout, hq, num_splits=8, warps=4, maxnreg=0, hpw=1, **extra):
+def compile_mma(layout, hq, num_splits=8, warps=4, maxnreg=0, **extra):
     """The warp-MMA decode kernel (tqkern.ops.paged_decode.triton_mma) for ``layout``."""
     from tqkern.ops.paged_decode import triton_mma as tm
 
@@ -97,7 +97,7 @@ def compile_mma(layout, hq, num_splits=8, warps=4, maxnreg=0, hpw=1, **extra):
         raise SystemExit(f"the warp-MMA kernel does not apply to {layout.format} with group {g}")
     fn = tm._paged_decode_mma_kernel
     cx = dict(G=g, HKV=layout.num_kv_heads, HQ=hq, NUM_SPLITS=num_splits, WARPS=warps, BS=layout.block_size,
-              HPW=hpw, PAIR=int(tm.pair_factors(plan, hpw)), **plan, **extra)
+              **plan, **extra)
     ptrs = {"q_ptr": "*fp32", "cache_ptr": "*u8", "bt_ptr": "*i32", "sl_ptr": "*i32", "cen_ptr": "*fp32",
             "acc_ptr": "*fp32", "ml_ptr": "*fp32"}
     sig = {n: ptrs.get(n, "i32" if n in ("num_seqs", "max_blocks") else "fp32" if n == "sm_scale_log2"
@@ -154,15 +154,14 @@ def main(argv=None):
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--prefetch", type=int, default=1)
     ap.add_argument("--hint", type=int, default=0)
-    ap.add_argument("--hpw", type=int, default=1, help="mma: KV heads per warp")
     ap.add_argument("--maxnreg", type=int, default=0)
     args = ap.parse_args(argv)
     for preset in args.presets:
         fmt = tqkern.KVFormat.preset(preset, args.d)
         layout = tqkern.PagedLayout(format=fmt, num_kv_heads=args.hkv, block_size=16, arrangement=args.arrangement)
         if args.path == "mma":
-            c = compile_mma(layout, args.hq, warps=args.warps, maxnreg=args.maxnreg, hpw=args.hpw,
-                            PREFETCH=args.prefetch, HINT=args.hint)
+            c = compile_mma(layout, args.hq, warps=args.warps, maxnreg=args.maxnreg, PREFETCH=args.prefetch,
+                            HINT=args.hint)
         else:
             c = compile_decode(layout, args.hq, args.path, block_n=args.block_n)
         sass = sass_of(c)

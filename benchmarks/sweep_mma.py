@@ -31,7 +31,7 @@ from tqkern.ops.paged_decode.triton_mma import (  # noqa: E402
 
 
 def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_splits, parts="all", maxnreg=None,
-           hpw=1):
+):
     s, hq, d = q.shape
     g = hq // layout.num_kv_heads
     q_rot = ((q.float() @ params.rotation) if layout.format.key.rotated else q.float()).contiguous()
@@ -44,7 +44,7 @@ def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_
         if parts in ("all", "kernel"):
             _launch_paged_decode_mma(q_rot, cache, bt, sl, layout, plan, params.key_centroids_f32, acc, ml, group=g,
                                      num_splits=num_splits, sm_scale=d**-0.5, warps=warps, prefetch=prefetch,
-                                     hint=hint, maxnreg=maxnreg, hpw=hpw)
+                                     hint=hint, maxnreg=maxnreg)
         if parts in ("all", "merge"):
             _launch_merge(acc, ml, params.rotation, out, layout, g, num_splits, False)
     return run
@@ -94,13 +94,12 @@ def main(argv=None):
     ap.add_argument("--warps", nargs="*", type=int, default=[4, 8])
     ap.add_argument("--splits", nargs="*", type=int, default=[0], help="0: the default from the shapes")
     ap.add_argument("--maxnreg", nargs="*", type=int, default=[-1], help="-1: the launcher's default")
-    ap.add_argument("--hpw", nargs="*", type=int, default=[1], help="KV heads per warp")
     ap.add_argument("--parts", action="store_true", help="also time the q rotation, kernel and merge alone")
     ap.add_argument("--fixed", action="store_true",
                     help="also time the q rotation (rows per program) and merge variants (kind, rows, chunks)")
     args = ap.parse_args(argv)
     arr = dict(DECODE_PRESETS)
-    configs = list(itertools.product(args.prefetch, args.hint, args.warps, args.splits, args.maxnreg, args.hpw))
+    configs = list(itertools.product(args.prefetch, args.hint, args.warps, args.splits, args.maxnreg))
     res = dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, time=time.strftime("%F %T"),
                gate=[], rows=[])
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -115,21 +114,21 @@ def main(argv=None):
         exp = ref.paged_decode(q.float().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(), lens.cpu().numpy(),
                                layout, params.params)
         vmax = float(np.abs(exp).max()) * 4 + 1e-6
-        for pf, hint, warps, splits, mr, sh in configs:
+        for pf, hint, warps, splits, mr in configs:
             out = torch.full_like(q, float("nan"))
             try:
                 launch(q, cache, bt, lens, layout, params, out, prefetch=pf, hint=hint, warps=warps,
-                       num_splits=splits or 5, maxnreg=None if mr < 0 else mr, hpw=sh)()
+                       num_splits=splits or 5, maxnreg=None if mr < 0 else mr)()
             except Exception as e:  # noqa: BLE001 -- a config that does not compile or apply
                 why = str(e).splitlines()[0][:120]
-                print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr} hpw{sh}: skipped ({why})", flush=True)
+                print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr}: skipped ({why})", flush=True)
                 continue
             err = float(np.abs(out.float().cpu().numpy() - exp).max())
             ok = bool(np.isfinite(err) and err <= 4e-3 * vmax)
-            ok_cfg[preset, pf, hint, warps, mr, sh] = ok
-            res["gate"].append(dict(preset=preset, prefetch=pf, hint=hint, warps=warps, maxnreg=mr, hpw=sh,
+            ok_cfg[preset, pf, hint, warps, mr] = ok
+            res["gate"].append(dict(preset=preset, prefetch=pf, hint=hint, warps=warps, maxnreg=mr,
                                     err=err, ok=ok))
-            print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr} hpw{sh}: err {err:.2e} {'ok' if ok else 'FAIL'}",
+            print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr}: err {err:.2e} {'ok' if ok else 'FAIL'}",
                   flush=True)
     for shape in DECODE_SHAPES:
         if shape.name not in args.shapes:
@@ -150,26 +149,26 @@ def main(argv=None):
             cache = fill_cache(layout, params, nb, g)
             out = torch.empty_like(q)
             nbytes = b * L * layout.row_bytes
-            for pf, hint, warps, splits, mr, sh in configs:
-                if not ok_cfg.get((preset, pf, hint, warps, mr, sh)):
+            for pf, hint, warps, splits, mr in configs:
+                if not ok_cfg.get((preset, pf, hint, warps, mr)):
                     continue
                 q_rot = ((q.float() @ params.rotation) if layout.format.key.rotated else q.float()).contiguous()
                 resident = resident_warps(q_rot, cache, bt, sl, layout, mma_plan(layout, hq // hkv),
                                           params.key_centroids_f32, group=hq // hkv, warps=warps, prefetch=pf,
-                                          hint=hint, maxnreg=None if mr < 0 else mr, hpw=sh)
-                ns = splits or num_splits_mma(b, hkv // sh, L, resident)
+                                          hint=hint, maxnreg=None if mr < 0 else mr)
+                ns = splits or num_splits_mma(b, hkv, L, resident)
                 us = bench(launch(q, cache, bt, sl, layout, params, out, prefetch=pf, hint=hint, warps=warps,
-                                  num_splits=ns, maxnreg=None if mr < 0 else mr, hpw=sh))
+                                  num_splits=ns, maxnreg=None if mr < 0 else mr))
                 row = dict(shape=shape.name, variant=preset, prefetch=pf, hint=hint, warps=warps, splits=ns,
-                           maxnreg=mr, hpw=sh,
+                           maxnreg=mr,
                            resident_warps=resident, us=us, gbps=nbytes / us / 1e3, ratio=sdpa / us)
                 if args.parts:
                     for part in ("rotate", "kernel", "merge"):
                         row[part + "_us"] = bench(launch(q, cache, bt, sl, layout, params, out, prefetch=pf, hint=hint,
                                                          warps=warps, num_splits=ns, parts=part,
-                                                         maxnreg=None if mr < 0 else mr, hpw=sh))
+                                                         maxnreg=None if mr < 0 else mr))
                 res["rows"].append(row)
-                print(f"{shape.name} {preset:20s} pf{pf} hint{hint} w{warps} r{mr} hpw{sh} splits{ns:3d} "
+                print(f"{shape.name} {preset:20s} pf{pf} hint{hint} w{warps} r{mr} splits{ns:3d} "
                       f"(resident {resident}): {us:8.1f} us "
                       + (f"[rotate {row['rotate_us']:.1f} kernel {row['kernel_us']:.1f} merge {row['merge_us']:.1f}] "
                          if args.parts else "") +
@@ -187,7 +186,7 @@ def main(argv=None):
             print(f"{r['shape']:10s} sdpa_fp16 {r['us']:8.1f} us")
         else:
             print(f"{r['shape']:10s} {r['variant']:20s} pf{r['prefetch']} hint{r['hint']} w{r['warps']} "
-                  f"r{r['maxnreg']} hpw{r['hpw']} splits{r['splits']:3d} {r['us']:8.1f} us {r['ratio']:.2f}x")
+                  f"r{r['maxnreg']} splits{r['splits']:3d} {r['us']:8.1f} us {r['ratio']:.2f}x")
     for r in res.get("fixed", []):
         print(f"{r['shape']:10s} {r['variant']:20s} {r['part']:24s} {r['us']:8.1f} us")
     return 0 if all(x["ok"] for x in res["gate"]) else 1

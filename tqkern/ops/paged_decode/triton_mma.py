@@ -257,28 +257,15 @@ def _step_block(bt_row, t0, end, BS: tl.constexpr):
 
 
 @triton.jit
-def _head_geometry(h, r, c, K_A_OFF: tl.constexpr, K_A_STRIDE: tl.constexpr, K_B_OFF: tl.constexpr,
-                   K_B_STRIDE: tl.constexpr, V_A_OFF: tl.constexpr, V_A_STRIDE: tl.constexpr, V_B_OFF: tl.constexpr,
-                   V_B_STRIDE: tl.constexpr, V_C_OFF: tl.constexpr, V_C_STRIDE: tl.constexpr, CK: tl.constexpr,
-                   CV: tl.constexpr):
-    """Where KV head ``h``'s fields sit in a row: the aligned spans of its codes, the byte masks of
-    the joining lane (lane c == 3 for keys, r == 7 for values), the factor offsets."""
+def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, ka0, va0, kb_off, vb_off, vc_off, k_masks, v_masks,
+               k_sec_on, v_sec_on, BS: tl.constexpr, ROW_BYTES: tl.constexpr, CK: tl.constexpr,
+               CV: tl.constexpr, K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, K_DT: tl.constexpr,
+               V_DT: tl.constexpr, V_UNIFORM: tl.constexpr, HINT: tl.constexpr):
+    """Everything one 16-token step reads (predicated off past the warp's range); ``blk`` is
+    the step's block (:func:`_step_block`, looked up a step earlier) when ``BS >= 16``."""
+    ok = t0 < end
     NKW: tl.constexpr = CK // 4
     NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
-    ka = K_A_OFF + h * K_A_STRIDE
-    va = V_A_OFF + h * V_A_STRIDE
-    k_mis = ka % CK
-    v_mis = va % CV
-    k_masks = _byte_masks(tl.where(c == 3, k_mis, 0), NKW)
-    v_masks = _byte_masks(tl.where(r == 7, v_mis, 0), NVW)
-    return (ka - k_mis, va - v_mis, k_mis, v_mis, k_masks, v_masks, (c == 3) & (k_mis > 0), (r == 7) & (v_mis > 0),
-            K_B_OFF + h * K_B_STRIDE, V_B_OFF + h * V_B_STRIDE, V_C_OFF + h * V_C_STRIDE)
-
-
-@triton.jit
-def _rows_of_step(cache_ptr, bt_row, blk, t0, end, r, c, BS: tl.constexpr, ROW_BYTES: tl.constexpr):
-    """Row addresses of tokens r, r+8 (keys) and 2c, 2c+1, 2c+8, 2c+9 (values) of a step."""
-    ok = t0 < end
     if BS >= 16:  # the whole step sits in one block
         row0 = cache_ptr + (blk * BS + t0 % BS) * ROW_BYTES
         rk0 = row0 + r * ROW_BYTES
@@ -294,88 +281,27 @@ def _rows_of_step(cache_ptr, bt_row, blk, t0, end, r, c, BS: tl.constexpr, ROW_B
         rv1 = _row_of(cache_ptr, bt_row, t0 + 2 * c + 1, end, BS, ROW_BYTES, ok)
         rv2 = _row_of(cache_ptr, bt_row, t0 + 2 * c + 8, end, BS, ROW_BYTES, ok)
         rv3 = _row_of(cache_ptr, bt_row, t0 + 2 * c + 9, end, BS, ROW_BYTES, ok)
-    return rk0, rk1, rv0, rv1, rv2, rv3
-
-
-@triton.jit
-def _param_pair(ptr, DT: tl.constexpr, ok, HINT: tl.constexpr):
-    """Two consecutive float fields (heads h, h + 1) with one load → two float32."""
-    if DT == 1:
-        w = _ld_words(ptr, ok, 2, HINT)
-        return w[0].to(tl.float32, bitcast=True), w[1].to(tl.float32, bitcast=True)
-    w = _ld_words(ptr, ok, 1, HINT)[0]
-    lo = (w & 0xFFFF).to(tl.int16)
-    hi = ((w >> 16) & 0xFFFF).to(tl.int16)
-    if DT == 2:
-        return lo.to(tl.bfloat16, bitcast=True).to(tl.float32), hi.to(tl.bfloat16, bitcast=True).to(tl.float32)
-    return lo.to(tl.float16, bitcast=True).to(tl.float32), hi.to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _factors(rk0, rk1, geo, ok, K_DT: tl.constexpr, V_DT: tl.constexpr, V_UNIFORM: tl.constexpr,
-             HPW: tl.constexpr, PAIR: tl.constexpr, HINT: tl.constexpr):
-    """Per head: (key norm, value factor, value zero) of tokens r and r + 8, as
-    (kf0, kf1, vf0, vf1, vz0, vz1). With ``PAIR`` the two heads' fields are adjacent and each
-    field of each row is one load for both heads."""
-    res = ()
-    if PAIR:
-        k0 = _param_pair(rk0 + geo[0][8], K_DT, ok, HINT)
-        k1 = _param_pair(rk1 + geo[0][8], K_DT, ok, HINT)
-        v0 = _param_pair(rk0 + geo[0][9], V_DT, ok, HINT)
-        v1 = _param_pair(rk1 + geo[0][9], V_DT, ok, HINT)
-        if V_UNIFORM:
-            z0 = _param_pair(rk0 + geo[0][10], V_DT, ok, HINT)
-            z1 = _param_pair(rk1 + geo[0][10], V_DT, ok, HINT)
-        else:
-            z = tl.zeros_like(k0[0])
-            z0 = (z, z)
-            z1 = (z, z)
-        for j in tl.static_range(2):
-            res = res + ((k0[j], k1[j], v0[j], v1[j], z0[j], z1[j]),)
-    else:
-        for j in tl.static_range(HPW):
-            kf0 = load_param(rk0 + geo[j][8], K_DT, ok, True)
-            kf1 = load_param(rk1 + geo[j][8], K_DT, ok, True)
-            vf0 = load_param(rk0 + geo[j][9], V_DT, ok, True)
-            vf1 = load_param(rk1 + geo[j][9], V_DT, ok, True)
-            if V_UNIFORM:
-                vz0 = load_param(rk0 + geo[j][10], V_DT, ok, True)
-                vz1 = load_param(rk1 + geo[j][10], V_DT, ok, True)
-            else:
-                vz0 = tl.zeros_like(vf0)
-                vz1 = vz0
-            res = res + ((kf0, kf1, vf0, vf1, vz0, vz1),)
-    return res
-
-
-@triton.jit
-def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, geo, BS: tl.constexpr, ROW_BYTES: tl.constexpr,
-               CK: tl.constexpr, CV: tl.constexpr, K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, K_DT: tl.constexpr,
-               V_DT: tl.constexpr, V_UNIFORM: tl.constexpr, HINT: tl.constexpr, HPW: tl.constexpr,
-               PAIR: tl.constexpr):
-    """Everything one 16-token step reads for the warp's HPW heads (predicated off past the
-    warp's range): per head (k0, k1, v0, v1, v2, v3, factors). ``blk`` is the step's block
-    (:func:`_step_block`, looked up a step earlier) when ``BS >= 16``."""
-    ok = t0 < end
-    NKW: tl.constexpr = CK // 4
-    NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
-    rk0, rk1, rv0, rv1, rv2, rv3 = _rows_of_step(cache_ptr, bt_row, blk, t0, end, r, c, BS, ROW_BYTES)
     ki = (c + 1) % 4
     vi = (r + 1) % 8
-    fac = _factors(rk0, rk1, geo, ok, K_DT, V_DT, V_UNIFORM, HPW, PAIR, HINT)
-    res = ()
-    for j in tl.static_range(HPW):
-        ka0, va0, k_masks, v_masks = geo[j][0], geo[j][1], geo[j][4], geo[j][5]
-        ks = ok & geo[j][6]
-        vs = ok & geo[j][7]
-        k0 = _chunk(rk0, ka0, ki, CK, k_masks, ok, ks, NKW, K_MERGE, 4, HINT)
-        k1 = _chunk(rk1, ka0, ki, CK, k_masks, ok, ks, NKW, K_MERGE, 4, HINT)
-        v0 = _chunk(rv0, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
-        v1 = _chunk(rv1, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
-        v2 = _chunk(rv2, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
-        v3 = _chunk(rv3, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
-        res = res + ((k0, k1, v0, v1, v2, v3, fac[j]),)
-    return res
+    ks = ok & k_sec_on
+    vs = ok & v_sec_on
+    k0 = _chunk(rk0, ka0, ki, CK, k_masks, ok, ks, NKW, K_MERGE, 4, HINT)
+    k1 = _chunk(rk1, ka0, ki, CK, k_masks, ok, ks, NKW, K_MERGE, 4, HINT)
+    v0 = _chunk(rv0, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
+    v1 = _chunk(rv1, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
+    v2 = _chunk(rv2, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
+    v3 = _chunk(rv3, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
+    kf0 = load_param(rk0 + kb_off, K_DT, ok, True)
+    kf1 = load_param(rk1 + kb_off, K_DT, ok, True)
+    vf0 = load_param(rk0 + vb_off, V_DT, ok, True)
+    vf1 = load_param(rk1 + vb_off, V_DT, ok, True)
+    if V_UNIFORM:
+        vz0 = load_param(rk0 + vc_off, V_DT, ok, True)
+        vz1 = load_param(rk1 + vc_off, V_DT, ok, True)
+    else:
+        vz0 = tl.zeros_like(vf0)
+        vz1 = vz0
+    return k0, k1, v0, v1, v2, v3, (kf0, kf1, vf0, vf1, vz0, vz1)
 
 
 @triton.jit
@@ -444,55 +370,6 @@ def _dim_of(f, e, NIBBLE: tl.constexpr):
 
 
 @triton.jit
-def _head_step(st, data, qf, lb, ones, t0, end, r, sm_scale_log2, NKW: tl.constexpr, NVW: tl.constexpr,
-               CV: tl.constexpr, NMT: tl.constexpr, K_NC: tl.constexpr, V_UNIFORM: tl.constexpr):
-    """One head's 16-token step: scores, online softmax, O^T += V^T·P^T. ``st`` = (o, m_e, m_o,
-    l_e, l_o, z_e, z_o, vmax) → the same, updated."""
-    o, m_e, m_o, l_e, l_o, z_e, z_o, vmax = st
-    k0, k1, v0, v1, v2, v3, fac = data
-    ok0 = (t0 + r) < end
-    ok1 = (t0 + r + 8) < end
-    sv, cn = _scores(k0, k1, qf, lb, ones, NKW, K_NC)
-    f0 = fac[0] * sm_scale_log2
-    f1 = fac[1] * sm_scale_log2
-    if K_NC:
-        f0 = f0 * tl.rsqrt(tl.maximum(cn[0], 1e-30))
-        f1 = f1 * tl.rsqrt(tl.maximum(cn[2], 1e-30))
-    s0 = tl.where(ok0, sv[0] * f0, float("-inf"))
-    s1 = tl.where(ok0, sv[1] * f0, float("-inf"))
-    s2 = tl.where(ok1, sv[2] * f1, float("-inf"))
-    s3 = tl.where(ok1, sv[3] * f1, float("-inf"))
-
-    mn_e = tl.maximum(m_e, _warp_max_r(tl.maximum(s0, s2)))
-    mn_o = tl.maximum(m_o, _warp_max_r(tl.maximum(s1, s3)))
-    a_e = tl.exp2(m_e - mn_e)
-    a_o = tl.exp2(m_o - mn_o)
-    p0 = tl.exp2(s0 - mn_e)
-    p1 = tl.exp2(s1 - mn_o)
-    p2 = tl.exp2(s2 - mn_e)
-    p3 = tl.exp2(s3 - mn_o)
-    l_e = l_e * a_e + (p0 + p2)
-    l_o = l_o * a_o + (p1 + p3)
-
-    vf0 = tl.where(ok0, fac[2], 0.0)
-    vf1 = tl.where(ok1, fac[3], 0.0)
-    if V_UNIFORM:
-        vz0 = tl.where(ok0, fac[4], 0.0)
-        vz1 = tl.where(ok1, fac[5], 0.0)
-        z_e = z_e * a_e + (p0 * vz0 + p2 * vz1)
-        z_o = z_o * a_o + (p1 * vz0 + p3 * vz1)
-    vn = tl.maximum(vmax, _warp_max_r(tl.maximum(tl.abs(vf0), tl.abs(vf1))))
-    ratio = tl.where(vn > 0, vmax / tl.where(vn > 0, vn, 1.0), 1.0)
-    inv = tl.where(vn > 0, 1.0 / tl.where(vn > 0, vn, 1.0), 0.0)
-    o = _rescale(o, a_e * ratio, a_o * ratio, NMT)
-    w0 = vf0 * inv
-    w1 = vf1 * inv
-    pb = _p_fragments(p0 * w0, p1 * w0, p2 * w1, p3 * w1)
-    o = _values(o, v0, v1, v2, v3, pb[0], pb[1], lb, NVW, CV, V_UNIFORM)
-    return o, mn_e, mn_o, l_e, l_o, z_e, z_o, vn
-
-
-@triton.jit
 def _paged_decode_mma_kernel(
     q_ptr, cache_ptr, bt_ptr, sl_ptr, cen_ptr, acc_ptr, ml_ptr,
     num_seqs, max_blocks, sm_scale_log2, NUM_SPLITS,
@@ -503,7 +380,6 @@ def _paged_decode_mma_kernel(
     V_UNIFORM: tl.constexpr, V_A_OFF: tl.constexpr, V_A_STRIDE: tl.constexpr, V_B_OFF: tl.constexpr,
     V_B_STRIDE: tl.constexpr, V_C_OFF: tl.constexpr, V_C_STRIDE: tl.constexpr, V_DT: tl.constexpr,
     K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0,
-    HPW: tl.constexpr = 1, PAIR: tl.constexpr = 0,
 ):
     NT: tl.constexpr = 32 * WARPS
     CK: tl.constexpr = D // 8  # key chunk bytes per lane and token (2 per k-tile)
@@ -511,20 +387,19 @@ def _paged_decode_mma_kernel(
     NKW: tl.constexpr = CK // 4
     NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
     NMT: tl.constexpr = D // 16
-    HG: tl.constexpr = HKV // HPW  # groups of HPW KV heads, one group per warp
     t = tl.arange(0, NT)
     lane = t % 32
     r = lane // 4
     c = lane % 4
 
-    # -- this warp's work item: head group fastest, then split, then sequence ----------------------
-    total = num_seqs * (HG * NUM_SPLITS)
+    # -- this warp's work item: KV head fastest, then split, then sequence --------------------
+    total = num_seqs * (HKV * NUM_SPLITS)
     item = tl.program_id(0) * WARPS + t // 32
     live = item < total
     item = tl.minimum(item, total - 1)
-    h0 = (item % HG) * HPW
-    split = (item // HG) % NUM_SPLITS
-    s = item // (HG * NUM_SPLITS)
+    h = item % HKV
+    split = (item // HKV) % NUM_SPLITS
+    s = item // (HKV * NUM_SPLITS)
     seq_len = tl.minimum(tl.load(sl_ptr + s), max_blocks * BS)
     per = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), 16) * 16
     start = split * per
@@ -536,33 +411,44 @@ def _paged_decode_mma_kernel(
     lut = _lut_fill(_lut_declare(t), t, cen_ptr, NT)
     lb = lut + lane * 4
 
-    # -- per head: field geometry, q as the B operand of S^T = K·Q^T (head r, the coordinates of
-    # this lane's key chunk), softmax / output state ---------------------------------------------
+    # -- field geometry (aligned spans, byte masks for the joining lane) ---------------------------
+    ka = K_A_OFF + h * K_A_STRIDE
+    va = V_A_OFF + h * V_A_STRIDE
+    k_mis = ka % CK
+    v_mis = va % CV
+    ka0 = ka - k_mis
+    va0 = va - v_mis
+    k_masks = _byte_masks(tl.where(c == 3, k_mis, 0), NKW)
+    v_masks = _byte_masks(tl.where(r == 7, v_mis, 0), NVW)
+    k_sec_on = (c == 3) & (k_mis > 0)
+    v_sec_on = (r == 7) & (v_mis > 0)
+    kb_off = K_B_OFF + h * K_B_STRIDE
+    vb_off = V_B_OFF + h * V_B_STRIDE
+    vc_off = V_C_OFF + h * V_C_STRIDE
+
+    # -- q as the B operand of S^T = K·Q^T: head r, the coordinates of this lane's key chunk ------
+    q_row = q_ptr + ((s * HQ + h * G + r) * D).to(tl.int64)
+    q_ok = live & (r < G)
+    qf = ()
+    for j in tl.static_range(CK):
+        f = (CK * (c + 1) + j - k_mis) % (4 * CK)
+        x0 = tl.load(q_row + _dim_of(f, 0, NIBBLE), mask=q_ok, other=0.0)
+        x1 = tl.load(q_row + _dim_of(f, 1, NIBBLE), mask=q_ok, other=0.0)
+        qf = qf + (_pack2(x0, x1),)
     ones = tl.full([NT], 0x3C003C00, tl.int32)
+
+    # -- state -----------------------------------------------------------------------------------
     zf = tl.zeros([NT], tl.float32)
-    geo = ()
-    qfs = ()
-    st = ()
-    for j in tl.static_range(HPW):
-        h = h0 + j
-        g = _head_geometry(h, r, c, K_A_OFF, K_A_STRIDE, K_B_OFF, K_B_STRIDE, V_A_OFF, V_A_STRIDE, V_B_OFF,
-                           V_B_STRIDE, V_C_OFF, V_C_STRIDE, CK, CV)
-        geo = geo + (g,)
-        q_row = q_ptr + ((s * HQ + h * G + r) * D).to(tl.int64)
-        q_ok = live & (r < G)
-        qf = ()
-        for i in tl.static_range(CK):
-            f = (CK * (c + 1) + i - g[2]) % (4 * CK)
-            x0 = tl.load(q_row + _dim_of(f, 0, NIBBLE), mask=q_ok, other=0.0)
-            x1 = tl.load(q_row + _dim_of(f, 1, NIBBLE), mask=q_ok, other=0.0)
-            qf = qf + (_pack2(x0, x1),)
-        qfs = qfs + (qf,)
-        o = ()
-        for i in tl.static_range(NMT):
-            o = o + (zf, zf, zf, zf)
-        # (o, running max of heads 2c / 2c+1 (base 2), sums, Σ p·zero (uniform values), running max
-        # of the value factors: P^T is scaled by 1/vmax)
-        st = st + ((o, zf - 1e30, zf - 1e30, zf, zf, zf, zf, zf),)
+    o = ()
+    for i in tl.static_range(NMT):
+        o = o + (zf, zf, zf, zf)
+    m_e = zf - 1e30  # running max (base-2 scores) of heads 2c and 2c+1
+    m_o = zf - 1e30
+    l_e = zf
+    l_o = zf
+    z_e = zf  # Σ p·zero (uniform values)
+    z_o = zf
+    vmax = zf  # running max of the value factors (P^T is scaled by 1/vmax)
 
     # Software pipeline: the K/V data of the next PREFETCH steps is in flight in registers (a
     # ring), and the block-table entry of the step after those is looked up one iteration
@@ -571,54 +457,91 @@ def _paged_decode_mma_kernel(
     blk = _step_block(bt_row, start, end, BS)
     ring = ()
     for j in tl.static_range(PREFETCH):
-        ring = ring + (_load_step(cache_ptr, bt_row, blk, start + 16 * j, end, r, c, geo, BS, ROW_BYTES, CK, CV,
-                                  K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, HPW, PAIR),)
+        ring = ring + (_load_step(cache_ptr, bt_row, blk, start + 16 * j, end, r, c, ka0, va0, kb_off, vb_off, vc_off,
+                                  k_masks, v_masks, k_sec_on, v_sec_on, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT,
+                                  V_DT, V_UNIFORM, HINT),)
         blk = _step_block(bt_row, start + 16 * (j + 1), end, BS)
     for it in range(0, n_steps):
         t0 = start + it * 16
-        data = ring[0]
+        k0, k1, v0, v1, v2, v3, fac = ring[0]
         tn = t0 + 16 * PREFETCH
-        ring = ring[1:] + (_load_step(cache_ptr, bt_row, blk, tn, end, r, c, geo, BS, ROW_BYTES, CK, CV, K_MERGE,
-                                      V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, HPW, PAIR),)
+        ring = ring[1:] + (_load_step(cache_ptr, bt_row, blk, tn, end, r, c, ka0, va0, kb_off, vb_off, vc_off, k_masks,
+                                      v_masks, k_sec_on, v_sec_on, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT,
+                                      V_DT, V_UNIFORM, HINT),)
         blk = _step_block(bt_row, tn + 16, end, BS)
-        nst = ()
-        for j in tl.static_range(HPW):
-            nst = nst + (_head_step(st[j], data[j], qfs[j], lb, ones, t0, end, r, sm_scale_log2, NKW, NVW, CV, NMT,
-                                    K_NC, V_UNIFORM),)
-        st = nst
+        ok0 = (t0 + r) < end
+        ok1 = (t0 + r + 8) < end
+
+        sv, cn = _scores(k0, k1, qf, lb, ones, NKW, K_NC)
+        f0 = fac[0] * sm_scale_log2
+        f1 = fac[1] * sm_scale_log2
+        if K_NC:
+            f0 = f0 * tl.rsqrt(tl.maximum(cn[0], 1e-30))
+            f1 = f1 * tl.rsqrt(tl.maximum(cn[2], 1e-30))
+        s0 = tl.where(ok0, sv[0] * f0, float("-inf"))
+        s1 = tl.where(ok0, sv[1] * f0, float("-inf"))
+        s2 = tl.where(ok1, sv[2] * f1, float("-inf"))
+        s3 = tl.where(ok1, sv[3] * f1, float("-inf"))
+
+        mn_e = tl.maximum(m_e, _warp_max_r(tl.maximum(s0, s2)))
+        mn_o = tl.maximum(m_o, _warp_max_r(tl.maximum(s1, s3)))
+        a_e = tl.exp2(m_e - mn_e)
+        a_o = tl.exp2(m_o - mn_o)
+        p0 = tl.exp2(s0 - mn_e)
+        p1 = tl.exp2(s1 - mn_o)
+        p2 = tl.exp2(s2 - mn_e)
+        p3 = tl.exp2(s3 - mn_o)
+        l_e = l_e * a_e + (p0 + p2)
+        l_o = l_o * a_o + (p1 + p3)
+        m_e = mn_e
+        m_o = mn_o
+
+        vf0 = tl.where(ok0, fac[2], 0.0)
+        vf1 = tl.where(ok1, fac[3], 0.0)
+        if V_UNIFORM:
+            vz0 = tl.where(ok0, fac[4], 0.0)
+            vz1 = tl.where(ok1, fac[5], 0.0)
+            z_e = z_e * a_e + (p0 * vz0 + p2 * vz1)
+            z_o = z_o * a_o + (p1 * vz0 + p3 * vz1)
+        vn = tl.maximum(vmax, _warp_max_r(tl.maximum(tl.abs(vf0), tl.abs(vf1))))
+        ratio = tl.where(vn > 0, vmax / tl.where(vn > 0, vn, 1.0), 1.0)
+        inv = tl.where(vn > 0, 1.0 / tl.where(vn > 0, vn, 1.0), 0.0)
+        vmax = vn
+        o = _rescale(o, a_e * ratio, a_o * ratio, NMT)
+        w0 = vf0 * inv
+        w1 = vf1 * inv
+        pb = _p_fragments(p0 * w0, p1 * w0, p2 * w1, p3 * w1)
+        o = _values(o, v0, v1, v2, v3, pb[0], pb[1], lb, NVW, CV, V_UNIFORM)
 
     # -- partial results: acc [S, HQ, NUM_SPLITS, DP], (m, l) [S, HQ, NUM_SPLITS, 2] --------------
-    for j in tl.static_range(HPW):
-        o, m_e, m_o, l_e, l_o, z_e, z_o, vmax = st[j]
-        v_mis = geo[j][3]
-        l_e = _warp_sum_r(l_e)
-        l_o = _warp_sum_r(l_o)
-        if V_UNIFORM:
-            z_e = _warp_sum_r(z_e)
-            z_o = _warp_sum_r(z_o)
-        if V_UNIFORM:
-            sc_lo = vmax * 16777216.0  # 2^24: the low nibbles were subnormals j·2^-24
-            sc_hi = vmax * 1048576.0  # 2^20: the high nibbles 16j·2^-24
-        else:
-            sc_lo = vmax
-            sc_hi = vmax
-        part_e = (s * HQ + (h0 + j) * G + 2 * c).to(tl.int64) * NUM_SPLITS + split
-        part_o = part_e + NUM_SPLITS
-        ok_e = live & (2 * c < G)
-        ok_o = live & (2 * c + 1 < G)
-        for i in tl.static_range(NMT):
-            f = (CV * (r + 1) + i - v_mis) % (8 * CV)
-            d_lo = _dim_of(f, 0, NIBBLE)
-            d_hi = _dim_of(f, 1, NIBBLE)
-            tl.store(acc_ptr + part_e * DP + d_lo, o[4 * i] * sc_lo + z_e, mask=ok_e)
-            tl.store(acc_ptr + part_o * DP + d_lo, o[4 * i + 1] * sc_lo + z_o, mask=ok_o)
-            tl.store(acc_ptr + part_e * DP + d_hi, o[4 * i + 2] * sc_hi + z_e, mask=ok_e)
-            tl.store(acc_ptr + part_o * DP + d_hi, o[4 * i + 3] * sc_hi + z_o, mask=ok_o)
-        first = r == 0
-        tl.store(ml_ptr + part_e * 2, tl.where(l_e > 0, m_e, float("-inf")), mask=ok_e & first)
-        tl.store(ml_ptr + part_e * 2 + 1, l_e, mask=ok_e & first)
-        tl.store(ml_ptr + part_o * 2, tl.where(l_o > 0, m_o, float("-inf")), mask=ok_o & first)
-        tl.store(ml_ptr + part_o * 2 + 1, l_o, mask=ok_o & first)
+    l_e = _warp_sum_r(l_e)
+    l_o = _warp_sum_r(l_o)
+    if V_UNIFORM:
+        z_e = _warp_sum_r(z_e)
+        z_o = _warp_sum_r(z_o)
+    if V_UNIFORM:
+        sc_lo = vmax * 16777216.0  # 2^24: the low nibbles were subnormals j·2^-24
+        sc_hi = vmax * 1048576.0  # 2^20: the high nibbles 16j·2^-24
+    else:
+        sc_lo = vmax
+        sc_hi = vmax
+    part_e = (s * HQ + h * G + 2 * c).to(tl.int64) * NUM_SPLITS + split
+    part_o = part_e + NUM_SPLITS
+    ok_e = live & (2 * c < G)
+    ok_o = live & (2 * c + 1 < G)
+    for i in tl.static_range(NMT):
+        f = (CV * (r + 1) + i - v_mis) % (8 * CV)
+        d_lo = _dim_of(f, 0, NIBBLE)
+        d_hi = _dim_of(f, 1, NIBBLE)
+        tl.store(acc_ptr + part_e * DP + d_lo, o[4 * i] * sc_lo + z_e, mask=ok_e)
+        tl.store(acc_ptr + part_o * DP + d_lo, o[4 * i + 1] * sc_lo + z_o, mask=ok_o)
+        tl.store(acc_ptr + part_e * DP + d_hi, o[4 * i + 2] * sc_hi + z_e, mask=ok_e)
+        tl.store(acc_ptr + part_o * DP + d_hi, o[4 * i + 3] * sc_hi + z_o, mask=ok_o)
+    first = r == 0
+    tl.store(ml_ptr + part_e * 2, tl.where(l_e > 0, m_e, float("-inf")), mask=ok_e & first)
+    tl.store(ml_ptr + part_e * 2 + 1, l_e, mask=ok_e & first)
+    tl.store(ml_ptr + part_o * 2, tl.where(l_o > 0, m_o, float("-inf")), mask=ok_o & first)
+    tl.store(ml_ptr + part_o * 2 + 1, l_o, mask=ok_o & first)
 
 
 # -- host side ------------------------------------------------------------------------------------
@@ -678,29 +601,16 @@ def num_splits_mma(num_seqs: int, num_kv_heads: int, max_len: int, resident_warp
 _SMEM_PER_CTA = 32768 + 1024  # the pair table (static) and the per-CTA reservation
 
 
-def pair_factors(plan: dict, hpw: int) -> bool:
-    """Whether a warp of two heads loads each per-token factor field of both with one load: the
-    fields of adjacent heads are adjacent (``row`` arrangement) and the pair is aligned."""
-    nb = _NBYTES[plan["K_DT"]]
-    vb = _NBYTES[plan["V_DT"]]
-    return (hpw == 2 and plan["K_B_STRIDE"] == nb and plan["V_B_STRIDE"] == vb
-            and (not plan["V_UNIFORM"] or plan["V_C_STRIDE"] == vb)
-            and all(x % (2 * n) == 0 for x, n in ((plan["K_B_OFF"], nb), (plan["V_B_OFF"], vb), (plan["V_C_OFF"], vb),
-                                                   (plan["ROW_BYTES"], nb), (plan["ROW_BYTES"], vb))))
-
-
 def _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, group, num_splits,
-                 sm_scale, warps, prefetch, hint, maxnreg=None, hpw=1):
+                 sm_scale, warps, prefetch, hint, maxnreg=None):
     s, hq, _ = q_rot.shape
-    if hpw not in (1, 2) or layout.num_kv_heads % hpw:
-        raise ValueError(f"heads per warp must be 1 or 2 and divide num_kv_heads ({layout.num_kv_heads}), got {hpw}")
     args = (q_rot, cache, block_table, seq_lens, key_centroids_f32, acc, ml, s, block_table.shape[1],
             sm_scale * 1.4426950408889634, num_splits)
     kwargs = dict(G=group, HKV=layout.num_kv_heads, HQ=hq, WARPS=warps, BS=layout.block_size, PREFETCH=prefetch,
-                  HINT=hint, HPW=hpw, PAIR=int(pair_factors(plan, hpw)), **plan, num_warps=warps, num_stages=1)
+                  HINT=hint, **plan, num_warps=warps, num_stages=1)
     if maxnreg is None:  # measured (H100): capped at 128 registers ~2% faster for aligned fields (no spill
         # inside the loop); with joined fields the kernel needs ~168 and a cap spills in the loop
-        maxnreg = 0 if plan["K_MERGE"] or plan["V_MERGE"] or hpw > 1 else 128
+        maxnreg = 0 if plan["K_MERGE"] or plan["V_MERGE"] else 128
     if maxnreg:
         kwargs["maxnreg"] = maxnreg
     return args, kwargs
@@ -710,13 +620,12 @@ _RESIDENT: dict = {}
 
 
 def resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, *, group: int,
-                   warps: int = 4, prefetch: int = 1, hint: int = 1, maxnreg: int | None = None,
-                   hpw: int = 1) -> int:
+                   warps: int = 4, prefetch: int = 1, hint: int = 1, maxnreg: int | None = None) -> int:
     """Warps of this launch's compiled kernel that the GPU holds at once (from its registers and
     shared memory; compiled once, cached); a conservative 8 per SM if the compiled kernel cannot
     be inspected (that costs speed, never correctness)."""
     args, kwargs = _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, q_rot, q_rot,
-                                group, 1, 1.0, warps, prefetch, hint, maxnreg, hpw)
+                                group, 1, 1.0, warps, prefetch, hint, maxnreg)
     dev = q_rot.device.index or 0
     key = (tuple(sorted((k, str(v)) for k, v in kwargs.items())), dev)
     if key not in _RESIDENT:
@@ -736,10 +645,10 @@ def resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, key_centro
 
 def _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, *,
                              group: int, num_splits: int, sm_scale: float, warps: int = 4, prefetch: int = 1,
-                             hint: int = 1, maxnreg: int | None = None, hpw: int = 1):
+                             hint: int = 1, maxnreg: int | None = None):
     """Launch the warp-MMA decode (partials only; the caller merges). No checks."""
     s = q_rot.shape[0]
-    total = s * (layout.num_kv_heads // hpw) * num_splits
+    total = s * layout.num_kv_heads * num_splits
     args, kwargs = _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, group,
-                                num_splits, sm_scale, warps, prefetch, hint, maxnreg, hpw)
+                                num_splits, sm_scale, warps, prefetch, hint, maxnreg)
     _paged_decode_mma_kernel[(triton.cdiv(total, warps),)](*args, **kwargs)
