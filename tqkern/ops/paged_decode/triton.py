@@ -389,6 +389,24 @@ def _paged_decode_kernel(
 
 
 @triton.jit
+def _store_merged(o, o_row, rmask, rot_ptr, c0, cols, D: tl.constexpr, CC: tl.constexpr,
+                  ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Store merged rows ``o`` ([rows, cols]) to output columns ``c0 .. c0 + CC − 1``: with the
+    rotate-back ``cols`` are all DP columns and ``out[:, c] = o @ Πᵀ[:, c]`` (``Πᵀ[:, c] = Π[c, :]``,
+    64 columns per dot), else ``cols`` are the chunk's columns."""
+    if ROTATE_BACK:
+        SUB: tl.constexpr = CC if CC < 64 else 64
+        for c1 in tl.static_range(0, CC, SUB):
+            cs = c0 + c1 + tl.arange(0, SUB)
+            rt = tl.load(rot_ptr + cs[None, :] * D + cols[:, None], mask=(cols < D)[:, None] & (cs < D)[None, :],
+                         other=0.0)  # [DP, SUB]
+            res = tl.dot(o, rt, input_precision=DOT_PRECISION)
+            tl.store(o_row + cs[None, :], res.to(o_row.dtype.element_ty), mask=rmask[:, None] & (cs < D)[None, :])
+    else:
+        tl.store(o_row + cols[None, :], o.to(o_row.dtype.element_ty), mask=rmask[:, None] & (cols < D)[None, :])
+
+
+@triton.jit
 def _merge_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, stride_os, stride_oh,
                   G: tl.constexpr, GP: tl.constexpr, HQ: tl.constexpr, NUM_SPLITS: tl.constexpr,
                   SP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CC: tl.constexpr,
@@ -426,16 +444,7 @@ def _merge_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, stride_os, stride_oh,
                     mask=gm[:, None] & (wi > 0)[:, None], other=0.0)
         o += a * wi[:, None]
     o = o * inv[:, None]
-    if ROTATE_BACK:
-        SUB: tl.constexpr = CC if CC < 64 else 64
-        for c1 in tl.static_range(0, CC, SUB):
-            cs = c0 + c1 + tl.arange(0, SUB)
-            rt = tl.load(rot_ptr + cs[None, :] * D + cols[:, None], mask=(cols < D)[:, None] & (cs < D)[None, :],
-                         other=0.0)  # [DP, SUB]
-            res = tl.dot(o, rt, input_precision=DOT_PRECISION)
-            tl.store(o_row + cs[None, :], res.to(out_ptr.dtype.element_ty), mask=gm[:, None] & (cs < D)[None, :])
-    else:
-        tl.store(o_row + cc[None, :], o.to(out_ptr.dtype.element_ty), mask=gm[:, None] & (cc < D)[None, :])
+    _store_merged(o, o_row, gm, rot_ptr, c0, cols, D, CC, ROTATE_BACK, DOT_PRECISION)
 
 
 @triton.jit
@@ -474,16 +483,7 @@ def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, n_rows, num_splits, st
     inv = tl.where(l_all > 0, 1.0 / tl.where(l_all > 0, l_all, 1.0), 0.0)
     o = o * inv[:, None]
     o_row = out_ptr + (rows // HQ).to(tl.int64)[:, None] * stride_os + (rows % HQ).to(tl.int64)[:, None] * stride_oh
-    if ROTATE_BACK:
-        SUB: tl.constexpr = CC if CC < 64 else 64
-        for c1 in tl.static_range(0, CC, SUB):
-            cs = c0 + c1 + tl.arange(0, SUB)
-            rt = tl.load(rot_ptr + cs[None, :] * D + cols[:, None], mask=(cols < D)[:, None] & (cs < D)[None, :],
-                         other=0.0)  # [DP, SUB]
-            res = tl.dot(o, rt, input_precision=DOT_PRECISION)
-            tl.store(o_row + cs[None, :], res.to(out_ptr.dtype.element_ty), mask=rm[:, None] & (cs < D)[None, :])
-    else:
-        tl.store(o_row + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=rm[:, None] & (cols < D)[None, :])
+    _store_merged(o, o_row, rm, rot_ptr, c0, cols, D, CC, ROTATE_BACK, DOT_PRECISION)
 
 
 @triton.jit
