@@ -66,9 +66,9 @@ def test_merge_chunks_rule():
 @pytest.mark.parametrize("impl,rows", [("heads", 16), ("rows", 16), ("rows", 32)])
 def test_merge_matches_numpy(preset, chunks, impl, rows):
     """out = Σ_i exp2(m_i − m)·acc_i / Σ_i exp2(m_i − m)·l_i (@ Πᵀ when values are rotated), with
-    empty splits (m = −inf, l = 0) ignored, a row without any tokens gives 0; the output is poisoned first. Both merge kernels: per
-    GQA group, and per block of query rows (24 rows: a partial block of 16 or 32; 5 splits: a
-    partial unroll of 2 or 8)."""
+    empty splits (m = −inf, l = 0) ignored, a row without any tokens gives 0; the output is
+    poisoned first. Both merge kernels: per GQA group, and per block of query rows (24 rows: a
+    partial block of 16 or 32; 5 splits: a partial unroll of 2 or 8)."""
     layout = _layout(preset, 128, 2)
     params = tqt.to_device(tqkern.TQParams.default(layout.format, seed=3), DEV)
     s, hq, ns, dp, g = 3, 8, 5, 128, 4

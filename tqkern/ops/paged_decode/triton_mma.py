@@ -551,7 +551,8 @@ def mma_plan(layout: PagedLayout, group: int) -> dict | None:
 
     It applies when keys are 4-bit Lloyd-Max codes; values 4-bit Lloyd-Max codes (no decode-time
     norm correction; the launcher also requires the keys' codebook, see
-    ``tqkern.ops.paged_decode.triton.decode_path``) or 4-bit uniform codes; ``head_dim`` 64 or 128; ``group ≤ 8``; rows a multiple of the key chunk (``D/8``
+    ``tqkern.ops.paged_decode.triton.decode_path``) or 4-bit uniform codes; ``head_dim`` 64 or
+    128; ``group ≤ 8``; rows a multiple of the key chunk (``D/8``
     bytes); norms, scales and zeros aligned to their size."""
     if not isinstance(layout, PagedLayout):
         raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
