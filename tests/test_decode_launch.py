@@ -100,6 +100,22 @@ def test_merge_matches_numpy(preset, chunks, impl, rows):
     np.testing.assert_allclose(got, o, rtol=1e-4, atol=1e-4 * np.abs(o).max())
 
 
+def test_merge_and_rotation_options_rejected():
+    """Unknown merge kernels and row blocks that are not powers of two ≥ 16 (tl.arange) raise
+    before any launch."""
+    layout = _layout("tq4", 128, 2)
+    params = tqt.to_device(tqkern.TQParams.default(layout.format), DEV)
+    ws = torch.zeros(workspace_numel(1, 8, 2, 128), device=DEV)
+    out = torch.zeros(1, 8, 128, device=DEV)
+    acc, ml = ws[: 8 * 2 * 128], ws[8 * 2 * 128:]
+    with pytest.raises(ValueError, match="impl must be 'rows', 'heads' or None, got 'row'"):
+        _launch_merge(acc, ml, params.rotation, out, layout, 4, 2, INTERP, impl="row")
+    with pytest.raises(ValueError, match="rows must be a power of two >= 16, got 24"):
+        _launch_merge(acc, ml, params.rotation, out, layout, 4, 2, INTERP, rows=24)
+    with pytest.raises(ValueError, match="rows must be a power of two >= 16, got 8"):
+        rotate_q(torch.zeros(1, 8, 128, device=DEV), params.rotation, True, INTERP, rows=8)
+
+
 @needs_kernels
 @pytest.mark.parametrize("d", [64, 142, 256])
 @pytest.mark.parametrize("rotate", [True, False])

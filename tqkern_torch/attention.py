@@ -76,9 +76,10 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
     if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= 256):
         raise ValueError(f"num_splits must be an int in [1, 256], got {num_splits!r}")
     if workspace is not None and num_splits is not None:
+        from tqkern.ops.common import layout_consts
         from tqkern.ops.paged_decode.triton import workspace_numel
 
-        need = workspace_numel(q.shape[0], q.shape[1], num_splits, max(16, 1 << (d - 1).bit_length()))
+        need = workspace_numel(q.shape[0], q.shape[1], num_splits, layout_consts(layout)["DP"])
         if workspace.numel() < need:
             raise ValueError(f"workspace must have at least workspace_numel(num_seqs, num_q_heads, num_splits, DP) = "
                              f"{need} float32 elements, got {workspace.numel()}")

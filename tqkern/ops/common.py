@@ -9,6 +9,7 @@ is one correct rounding (no double rounding through f32). The rules are those of
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import triton
 import triton.language as tl
@@ -65,11 +66,17 @@ def side_consts(layout: PagedLayout, side: str) -> SideConsts:
 
 
 def layout_consts(layout: PagedLayout) -> dict:
-    """All constexprs of a layout for the store/decompress kernels."""
+    """All constexprs of a layout for the store/decompress kernels (a fresh dict; computed once
+    per layout: deriving them takes ~90 µs of host time, and every launch asks)."""
+    return dict(_layout_consts(layout))
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_consts(layout: PagedLayout) -> tuple:
     fmt = layout.format
     pad = layout.pad_address()
     d = fmt.head_dim
-    return dict(
+    return tuple(dict(
         D=d,
         DP=max(16, triton.next_power_of_2(d)),  # tl.dot needs K >= 16 on GPUs
         ROW_BYTES=layout.row_bytes,
@@ -80,7 +87,7 @@ def layout_consts(layout: PagedLayout) -> dict:
         PADP=max(2, triton.next_power_of_2(max(1, pad.nbytes))),
         **side_consts(layout, "key").kwargs("K"),
         **side_consts(layout, "value").kwargs("V"),
-    )
+    ).items())
 
 
 def halfword_aligned(layout: PagedLayout, side: str) -> bool:

@@ -514,6 +514,8 @@ def rotate_q(q, rotation, rotate: bool, interpret: bool, rows: int = 16):
     else q cast. ``q``: fp16/bf16/fp32 with a contiguous last dimension; ``rows`` query rows per
     program (each program reads all of Π; measured on the H100 at 1024 rows: 16 rows 4.6 µs,
     32 rows 9.5 µs, 64 rows 9.8 µs)."""
+    if not isinstance(rows, int) or rows < 16 or rows & (rows - 1):
+        raise ValueError(f"rows must be a power of two >= 16, got {rows!r}")
     s, hq, d = q.shape
     out = torch.empty((s, hq, d), dtype=torch.float32, device=q.device)
     n = s * hq
@@ -680,6 +682,10 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
     rotate_back = bool(layout.format.value.rotated)
     if impl is None:
         impl = "rows" if rotate_back else "heads"
+    if impl not in ("rows", "heads"):
+        raise ValueError(f"impl must be 'rows', 'heads' or None, got {impl!r}")
+    if not isinstance(rows, int) or rows < 16 or rows & (rows - 1):
+        raise ValueError(f"rows must be a power of two >= 16, got {rows!r}")
     precision = "ieee" if interpret else "tf32x3"
     if impl == "rows":
         n = s * hq

@@ -38,6 +38,8 @@ GPU only (inline PTX); the CPU interpreter runs the general kernel instead.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -556,6 +558,12 @@ def mma_plan(layout: PagedLayout, group: int) -> dict | None:
     bytes); norms, scales and zeros aligned to their size."""
     if not isinstance(layout, PagedLayout):
         raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
+    plan = _mma_plan(layout, group)
+    return None if plan is None else dict(plan)
+
+
+@functools.lru_cache(maxsize=256)
+def _mma_plan(layout: PagedLayout, group: int) -> tuple | None:
     fmt = layout.format
     key, value = fmt.key, fmt.value
     d = fmt.head_dim
@@ -577,7 +585,7 @@ def mma_plan(layout: PagedLayout, group: int) -> dict | None:
         if off % _NBYTES[dt]:
             return None
     ck, cv = d // 8, d // 16
-    return dict(
+    return tuple(dict(
         D=d, DP=c["DP"], ROW_BYTES=rb, NIBBLE=fmt.bit_order == "nibble_high_even",
         K_A_OFF=c["K_A_OFF"], K_A_STRIDE=c["K_A_STRIDE"], K_B_OFF=c["K_B_OFF"], K_B_STRIDE=c["K_B_STRIDE"],
         K_DT=k_dt, K_NC=key.norm_correction == "decode",
@@ -585,7 +593,7 @@ def mma_plan(layout: PagedLayout, group: int) -> dict | None:
         V_B_STRIDE=c["V_B_STRIDE"], V_C_OFF=c["V_C_OFF"], V_C_STRIDE=c["V_C_STRIDE"], V_DT=v_dt,
         K_MERGE=bool(c["K_A_OFF"] % ck or c["K_A_STRIDE"] % ck),
         V_MERGE=bool(c["V_A_OFF"] % cv or c["V_A_STRIDE"] % cv),
-    )
+    ).items())
 
 
 def num_splits_mma(num_seqs: int, num_kv_heads: int, max_len: int, resident_warps: int) -> int:
