@@ -1,0 +1,144 @@
+"""A/B the public ``paged_decode`` under launch variants, against SDPA fp16 in the same run.
+
+Variants change how the public path launches (programmatic dependent launch on/off, the merge
+kernel, a register cap), never what it computes: each variant's output is first compared with
+the plain variant's on the benchmark inputs (bit-exact where the arithmetic is the same, else
+within 1e-5 of the output's scale); a variant that differs is reported and not timed. Timing is
+CUDA-graph replay (``bench_decode.bench``).
+
+    python benchmarks/ab_public.py --out $OUT [--shapes B32x16K B8x64K] [--presets tq4 turboquant_4bit_nc]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_decode import BLOCK, bench, fill_cache, make_layout  # noqa: E402
+from benchmarks.shapes import DECODE_PRESETS, DECODE_SHAPES  # noqa: E402
+from tqkern.ops.paged_decode import triton as pdt  # noqa: E402
+from tqkern.ops.paged_decode import triton_mma as tm  # noqa: E402
+from tqkern_torch.attention import paged_decode  # noqa: E402
+
+
+@contextlib.contextmanager
+def variant(pdl: bool, merge: str | None = None, maxnreg: int | None = None):
+    """PDL on/off (TQKERN_PDL), the merge kernel (``impl`` of ``_launch_merge``), a register
+    cap for the warp-MMA kernel (None: the launcher's default)."""
+    old_env = os.environ.get("TQKERN_PDL")
+    old_merge, old_args = pdt._launch_merge, tm._kernel_args
+    os.environ["TQKERN_PDL"] = "1" if pdl else "0"
+    if merge is not None:
+        pdt._launch_merge = lambda *a, **k: old_merge(*a, **{**k, "impl": merge})
+    if maxnreg is not None:
+        def args_capped(*a, **k):
+            a = list(a)
+            if len(a) > 15:
+                a[15] = maxnreg if a[15] is None else a[15]
+            else:
+                k["maxnreg"] = k.get("maxnreg") or maxnreg
+            return old_args(*a, **k)
+        tm._kernel_args = args_capped
+    try:
+        yield
+    finally:
+        pdt._launch_merge, tm._kernel_args = old_merge, old_args
+        if old_env is None:
+            os.environ.pop("TQKERN_PDL", None)
+        else:
+            os.environ["TQKERN_PDL"] = old_env
+
+
+VARIANTS = {
+    "plain": dict(pdl=False),
+    "pdl": dict(pdl=True),
+    "split": dict(pdl=False, merge="split"),
+    "pdl+split": dict(pdl=True, merge="split"),
+    "pdl+r160": dict(pdl=True, maxnreg=160),
+    "r160": dict(pdl=False, maxnreg=160),
+}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--shapes", nargs="*", default=["B32x16K", "B8x64K", "B32x4K", "B128x1K", "SmolLM2_B32x4K"])
+    ap.add_argument("--presets", nargs="*", default=["tq4", "turboquant_4bit_nc"])
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    args = ap.parse_args(argv)
+    arr = dict(DECODE_PRESETS)
+    res = dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, torch=torch.__version__,
+               time=time.strftime("%F %T"), rows=[], checks=[])
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for shape in DECODE_SHAPES:
+        if shape.name not in args.shapes:
+            continue
+        b, L, hq, hkv, d = shape.batch, shape.seq_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim
+        q = torch.randn(b, hq, d, device="cuda", dtype=torch.float16, generator=g)
+        k = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16, generator=g)
+        v = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16, generator=g)
+        sdpa = bench(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True))
+        del k, v
+        res["rows"].append(dict(shape=shape.name, variant="sdpa_fp16", us=sdpa))
+        print(f"{shape.name} sdpa_fp16 {sdpa:.1f} us", flush=True)
+        nb = b * L // BLOCK
+        bt = torch.randperm(nb, device="cuda", generator=g).int().reshape(b, L // BLOCK)
+        sl = torch.full((b,), L, dtype=torch.int32, device="cuda")
+        for preset in args.presets:
+            layout, params = make_layout(preset, arr[preset], hkv, d)
+            cache = fill_cache(layout, params, nb, g)
+            out = torch.empty_like(q)
+            ref_out = None
+            for name in args.variants:
+                spec = VARIANTS[name]
+                if spec.get("maxnreg") and tm.mma_plan(layout, hq // hkv) and not (
+                        tm.mma_plan(layout, hq // hkv)["K_MERGE"] or tm.mma_plan(layout, hq // hkv)["V_MERGE"]):
+                    continue  # the cap is for the kernel with joined fields (aligned ones run at 128)
+                if spec.get("merge") and not layout.format.value.rotated:
+                    continue  # without the rotate-back "split" is the row-block merge
+                with variant(**spec):
+                    got = paged_decode(q, cache, bt, sl, layout, params, check_lengths=False)
+                    torch.cuda.synchronize()
+                    if ref_out is None:
+                        ref_out = got
+                    exact = spec.get("merge") is None or not layout.format.value.rotated
+                    err = float((got.float() - ref_out.float()).abs().max())
+                    scale = float(ref_out.float().abs().max())
+                    ok = bool(torch.isfinite(got).all()) and (err == 0.0 if exact else err <= 1e-5 * scale + 1e-3)
+                    res["checks"].append(dict(shape=shape.name, preset=preset, variant=name, err=err, exact=exact,
+                                              ok=ok))
+                    if not ok:
+                        print(f"{shape.name} {preset} {name}: output differs from {args.variants[0]} "
+                              f"(max err {err:.3e}); not timed", flush=True)
+                        continue
+                    us = bench(lambda: paged_decode(q, cache, bt, sl, layout, params, out=out, check_lengths=False))
+                res["rows"].append(dict(shape=shape.name, variant=preset, launch=name, us=us, ratio=sdpa / us,
+                                        err=err))
+                print(f"{shape.name} {preset:20s} {name:10s} {us:8.1f} us {sdpa / us:.2f}x SDPA (err {err:.1e})",
+                      flush=True)
+            del cache
+            torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "ab_public.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"\n{res['gpu']} torch {res['torch']} triton {res['triton']}")
+    for r in res["rows"]:
+        if r["variant"] == "sdpa_fp16":
+            print(f"{r['shape']:16s} sdpa_fp16 {r['us']:8.1f} us")
+        else:
+            print(f"{r['shape']:16s} {r['variant']:20s} {r['launch']:10s} {r['us']:8.1f} us {r['ratio']:.2f}x")
+    return 0 if all(c["ok"] for c in res["checks"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
