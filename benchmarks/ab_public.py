@@ -1,7 +1,7 @@
 """A/B the public ``paged_decode`` under launch variants, against SDPA fp16 in the same run.
 
-Variants change how the public path launches (programmatic dependent launch on/off, the merge
-kernel, a register cap), never what it computes: each variant's output is first compared with
+Variants change how the public path launches (the merge kernel, a register cap), never what it
+computes: each variant's output is first compared with
 the plain variant's on the benchmark inputs (bit-exact where the arithmetic is the same, else
 within 1e-5 of the output's scale); a variant that differs is reported and not timed. Timing is
 CUDA-graph replay (``bench_decode.bench``).
@@ -32,12 +32,10 @@ from tqkern_torch.attention import paged_decode  # noqa: E402
 
 
 @contextlib.contextmanager
-def variant(pdl: bool, merge: str | None = None, maxnreg: int | None = None):
-    """PDL on/off (TQKERN_PDL), the merge kernel (``impl`` of ``_launch_merge``), a register
-    cap for the warp-MMA kernel (None: the launcher's default)."""
-    old_env = os.environ.get("TQKERN_PDL")
+def variant(merge: str | None = None, maxnreg: int | None = None):
+    """The merge kernel (``impl`` of ``_launch_merge``) and a register cap for the warp-MMA
+    kernel (None: the launcher's defaults)."""
     old_merge, old_args = pdt._launch_merge, tm._kernel_args
-    os.environ["TQKERN_PDL"] = "1" if pdl else "0"
     if merge is not None:
         pdt._launch_merge = lambda *a, **k: old_merge(*a, **{**k, "impl": merge})
     if maxnreg is not None:
@@ -53,19 +51,14 @@ def variant(pdl: bool, merge: str | None = None, maxnreg: int | None = None):
         yield
     finally:
         pdt._launch_merge, tm._kernel_args = old_merge, old_args
-        if old_env is None:
-            os.environ.pop("TQKERN_PDL", None)
-        else:
-            os.environ["TQKERN_PDL"] = old_env
 
 
+# Session 5 run 1 also had programmatic dependent launch and a two-launch merge here (both
+# slower, removed: benchmarks/NOTES.md §19, the code is in commit d537786).
 VARIANTS = {
-    "plain": dict(pdl=False),
-    "pdl": dict(pdl=True),
-    "split": dict(pdl=False, merge="split"),
-    "pdl+split": dict(pdl=True, merge="split"),
-    "pdl+r160": dict(pdl=True, maxnreg=160),
-    "r160": dict(pdl=False, maxnreg=160),
+    "default": dict(),
+    "merge-rows": dict(merge="rows"),
+    "merge-heads": dict(merge="heads"),
 }
 
 
@@ -104,14 +97,12 @@ def main(argv=None):
                 if spec.get("maxnreg") and tm.mma_plan(layout, hq // hkv) and not (
                         tm.mma_plan(layout, hq // hkv)["K_MERGE"] or tm.mma_plan(layout, hq // hkv)["V_MERGE"]):
                     continue  # the cap is for the kernel with joined fields (aligned ones run at 128)
-                if spec.get("merge") and not layout.format.value.rotated:
-                    continue  # without the rotate-back "split" is the row-block merge
                 with variant(**spec):
                     got = paged_decode(q, cache, bt, sl, layout, params, check_lengths=False)
                     torch.cuda.synchronize()
                     if ref_out is None:
                         ref_out = got
-                    exact = spec.get("merge") is None or not layout.format.value.rotated
+                    exact = not spec
                     err = float((got.float() - ref_out.float()).abs().max())
                     scale = float(ref_out.float().abs().max())
                     ok = bool(torch.isfinite(got).all()) and (err == 0.0 if exact else err <= 1e-5 * scale + 1e-3)

@@ -63,12 +63,12 @@ def test_merge_chunks_rule():
 @needs_kernels
 @pytest.mark.parametrize("preset", ["tq4", "turboquant_4bit_nc"])  # values rotated back / not
 @pytest.mark.parametrize("chunks", [1, 2, 4])
-@pytest.mark.parametrize("impl,rows", [("heads", 16), ("rows", 16), ("rows", 32), ("split", 16)])
+@pytest.mark.parametrize("impl,rows", [("heads", 16), ("rows", 16), ("rows", 32)])
 def test_merge_matches_numpy(preset, chunks, impl, rows):
     """out = Σ_i exp2(m_i − m)·acc_i / Σ_i exp2(m_i − m)·l_i (@ Πᵀ when values are rotated), with
     empty splits (m = −inf, l = 0) ignored, a row without any tokens gives 0; the output is
-    poisoned first. Every merge: per GQA group, per block of query rows (24 rows: a partial block
-    of 16 or 32; 5 splits: a partial unroll of 2 or 8), and merge-then-rotate in two launches."""
+    poisoned first. Both merge kernels: per GQA group, and per block of query rows (24 rows: a
+    partial block of 16 or 32; 5 splits: a partial unroll of 2 or 8)."""
     layout = _layout(preset, 128, 2)
     params = tqt.to_device(tqkern.TQParams.default(layout.format, seed=3), DEV)
     s, hq, ns, dp, g = 3, 8, 5, 128, 4
@@ -108,7 +108,7 @@ def test_merge_and_rotation_options_rejected():
     ws = torch.zeros(workspace_numel(1, 8, 2, 128), device=DEV)
     out = torch.zeros(1, 8, 128, device=DEV)
     acc, ml = ws[: 8 * 2 * 128], ws[8 * 2 * 128:]
-    with pytest.raises(ValueError, match="impl must be 'rows', 'heads', 'split' or None, got 'row'"):
+    with pytest.raises(ValueError, match="impl must be 'rows', 'heads' or None, got 'row'"):
         _launch_merge(acc, ml, params.rotation, out, layout, 4, 2, INTERP, impl="row")
     with pytest.raises(ValueError, match="rows must be a power of two >= 16, got 24"):
         _launch_merge(acc, ml, params.rotation, out, layout, 4, 2, INTERP, rows=24)
@@ -131,15 +131,3 @@ def test_rotate_q_matches_numpy(d, rotate):
     expect = q64 @ params.params.rotation if rotate else q64
     assert got.shape == (3, 5, d) and got.dtype == np.float32
     np.testing.assert_allclose(got, expect, rtol=0, atol=1e-5 * np.abs(expect).max())
-
-
-def test_use_pdl_rules(monkeypatch):
-    """Programmatic dependent launch only on CUDA devices (sm_90+), never under TQKERN_PDL=0."""
-    from tqkern.ops.paged_decode.triton_mma import use_pdl
-
-    assert use_pdl(torch.device("cpu")) is False
-    monkeypatch.setenv("TQKERN_PDL", "0")
-    assert use_pdl(torch.device("cuda")) is False  # decided before asking the device
-    monkeypatch.setenv("TQKERN_PDL", "1")
-    if torch.cuda.is_available():
-        assert use_pdl(torch.device("cuda")) is (torch.cuda.get_device_capability()[0] >= 9)

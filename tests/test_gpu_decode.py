@@ -111,37 +111,3 @@ def test_cache_above_2gib_uses_64bit_offsets():
     out = paged_decode(q, cache, bt, sl, layout, params)
     expect = _dense_reference(q, cache, bt, sl, layout, params)
     assert (out.float() - expect).abs().max() <= 4e-3 * _vmax(cache, bt, sl, layout, params)
-
-
-@pytest.mark.parametrize("preset,arrangement,merge", [("tq4", "row", "rows"), ("tq4", "row", "split"),
-                                                      ("turboquant_4bit_nc", "slot", None)])
-def test_pdl_chain_reads_each_calls_own_q(preset, arrangement, merge, monkeypatch):
-    """With programmatic dependent launch the decode starts before the q rotation has finished
-    and the merge before the decode has: each must wait for its input. Ten calls back to back
-    without a sync, each with a new q, reuse the same q-rotation and workspace memory, so a read
-    before the wait would see the previous call's data. Every output must equal (bit for bit)
-    the same call with plain launches (TQKERN_PDL=0)."""
-    from tqkern.ops.paged_decode import triton as pdt
-
-    fmt = tqkern.KVFormat.preset(preset, 128)
-    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=8, block_size=16, arrangement=arrangement)
-    params = tqt.to_device(tqkern.TQParams.default(fmt), "cuda")
-    if merge is not None:
-        orig = pdt._launch_merge
-        monkeypatch.setattr(pdt, "_launch_merge", lambda *a, **k: orig(*a, **{**k, "impl": merge}))
-    s, max_blocks = 4, 64
-    bt = torch.randperm(s * max_blocks, device="cuda").reshape(s, max_blocks).int()
-    sl = torch.tensor([1024, 700, 33, 1], dtype=torch.int32, device="cuda")
-    cache = _fill(layout, params, s * max_blocks, sl, bt)
-    qs = [torch.randn(s, 32, 128, device="cuda", dtype=torch.float16) for _ in range(10)]
-    ws = torch.empty(1 << 22, dtype=torch.float32, device="cuda")
-    outs = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("TQKERN_PDL", flag)
-        outs[flag] = [paged_decode(q, cache, bt, sl, layout, params, workspace=ws) for q in qs]
-        torch.cuda.synchronize()
-    assert pdt.use_pdl(torch.device("cuda")) is False  # TQKERN_PDL=0 is still set
-    for a, b in zip(outs["1"], outs["0"]):
-        assert torch.isfinite(a).all()
-        assert torch.equal(a, b)
-    assert not torch.equal(outs["1"][0], outs["1"][1])

@@ -1,14 +1,12 @@
-"""Inline-PTX pieces shared by the decode kernels: the 16-entry centroid lookup by byte permutes,
-the magic-number decode of 4-bit integer codes, and grid dependency control (programmatic
-dependent launch, sm_90+)."""
+"""Inline-PTX pieces shared by the decode kernels: the 16-entry centroid lookup by byte permutes
+and the magic-number decode of 4-bit integer codes."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-__all__ = ["_LUT_ASM_LSB", "_LUT_ASM_NIBBLE", "_UNI_ASM_LSB", "_UNI_ASM_NIBBLE", "_prmt_tables", "_gdc_wait",
-           "_gdc_launch_dependents"]
+__all__ = ["_LUT_ASM_LSB", "_LUT_ASM_NIBBLE", "_UNI_ASM_LSB", "_UNI_ASM_NIBBLE", "_prmt_tables"]
 
 
 # One 32-bit word = 8 codes, decoded by byte permutes.
@@ -82,24 +80,3 @@ def _prmt_tables(cen_ptr, KIND: tl.constexpr):
                 _byte_table(cen_ptr, 8, True), _byte_table(cen_ptr, 12, True))
     z = tl.zeros([], tl.int32)
     return z, z, z, z, z, z, z, z
-
-
-# Programmatic dependent launch (PDL). A kernel launched with ``launch_pdl=True`` may start while
-# the previous kernel in the stream is still running, as soon as every CTA of that kernel has
-# executed ``griddepcontrol.launch_dependents`` (or exited); ``griddepcontrol.wait`` then blocks
-# until the previous kernel has completed and its writes are visible. Both are no-ops in a
-# kernel launched without PDL. Each helper returns its argument through the asm, so that whatever
-# is computed from the result (addresses of the previous kernel's outputs) cannot be scheduled
-# before the instruction.
-@triton.jit
-def _gdc_wait(x):
-    """``griddepcontrol.wait``; returns ``x`` (int32, any shape)."""
-    return tl.inline_asm_elementwise("griddepcontrol.wait;\nmov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _gdc_launch_dependents(x):
-    """``griddepcontrol.launch_dependents``; returns ``x`` (int32, any shape)."""
-    return tl.inline_asm_elementwise("griddepcontrol.launch_dependents;\nmov.b32 $0, $1;", "=r,r", [x],
-                                     dtype=tl.int32, is_pure=False, pack=1)

@@ -25,10 +25,8 @@ import triton.language as tl
 
 from tqkern.layouts import PagedLayout
 from tqkern.ops.common import bits_to_f32, halfword_aligned, layout_consts, load_bytes, load_packed, load_param
-from tqkern.ops.paged_decode._ptx import (_LUT_ASM_LSB, _LUT_ASM_NIBBLE, _UNI_ASM_LSB, _UNI_ASM_NIBBLE,
-                                          _gdc_launch_dependents, _gdc_wait, _prmt_tables)
-from tqkern.ops.paged_decode.triton_mma import (_launch_paged_decode_mma, mma_plan, num_splits_mma, resident_warps,
-                                                use_pdl)
+from tqkern.ops.paged_decode._ptx import _LUT_ASM_LSB, _LUT_ASM_NIBBLE, _UNI_ASM_LSB, _UNI_ASM_NIBBLE, _prmt_tables
+from tqkern.ops.paged_decode.triton_mma import _launch_paged_decode_mma, mma_plan, num_splits_mma, resident_warps
 
 __all__ = ["_paged_decode_kernel", "_merge_kernel", "_launch_paged_decode", "num_splits_for", "fast_path_plan",
            "decode_path", "rotate_q", "merge_chunks"]
@@ -412,14 +410,11 @@ def _store_merged(o, o_row, rmask, rot_ptr, c0, cols, D: tl.constexpr, CC: tl.co
 def _merge_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, stride_os, stride_oh,
                   G: tl.constexpr, GP: tl.constexpr, HQ: tl.constexpr, NUM_SPLITS: tl.constexpr,
                   SP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CC: tl.constexpr,
-                  ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = 0):
+                  ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Merge the splits of one (sequence, KV head) by log-sum-exp; out = acc/l (@ Πᵀ). Program
     ``(s, h, j)`` writes output columns ``j·CC .. j·CC + CC − 1`` (with the rotation it merges all
-    columns and rotates into its chunk: the chunks spread the rotate-back over more programs).
-    ``PDL``: launched as a programmatic dependent of the decode (waits for it first)."""
+    columns and rotates into its chunk: the chunks spread the rotate-back over more programs)."""
     s = tl.program_id(0)
-    if PDL:
-        s = _gdc_wait(s)
     h = tl.program_id(1)
     c0 = tl.program_id(2) * CC
     g = tl.arange(0, GP)
@@ -455,16 +450,12 @@ def _merge_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, stride_os, stride_oh,
 @triton.jit
 def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, n_rows, num_splits, stride_os, stride_oh,
                        HQ: tl.constexpr, ROWS: tl.constexpr, UNROLL: tl.constexpr, D: tl.constexpr,
-                       DP: tl.constexpr, CC: tl.constexpr, ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       PDL: tl.constexpr = 0):
+                       DP: tl.constexpr, CC: tl.constexpr, ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The merge by blocks of ``ROWS`` query rows (``row = s·HQ + head``, any heads and
     sequences): the rotate-back is a full ``[ROWS, DP] @ [DP, CC]`` tile and Π is read once per
     ROWS rows, instead of once per GQA group padded to 16. Program ``(b, j)`` writes columns
     ``j·CC .. j·CC + CC − 1`` of rows ``b·ROWS ..``; same workspace layout and result as
     :func:`_merge_kernel`. Splits are read ``UNROLL`` at a time (loads in flight together)."""
-    if PDL:  # launched as a programmatic dependent of the decode: wait for its partials, and let
-        num_splits = _gdc_wait(num_splits)  # a PDL-launched successor (the rotate-back) start
-        _gdc_launch_dependents(num_splits)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rm = rows < n_rows
     c0 = tl.program_id(1) * CC
@@ -496,73 +487,43 @@ def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, n_rows, num_splits, st
 
 
 @triton.jit
-def _rotate_rows_kernel(x_ptr, rot_ptr, out_ptr, n_rows, stride_xs, stride_xh, stride_os, stride_oh,
-                        HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, ROWS: tl.constexpr, CC: tl.constexpr,
-                        ROTATE: tl.constexpr, TRANSPOSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        PDL_WAIT: tl.constexpr = 0, PDL_LAUNCH: tl.constexpr = 0):
-    """``out[r] = float32(x[r]) @ Π`` (``@ Πᵀ`` when TRANSPOSE; the plain cast when not ROTATE) for
-    ROWS rows ``r = s·HQ + h`` (``x[s, h, :]``, ``out[s, h, :]``, last dimensions contiguous).
-    Program ``(b, j)`` writes output columns ``j·CC .. j·CC + CC − 1`` of rows ``b·ROWS ..``, 64
-    columns per dot (a whole ``[DP, DP]`` tile of Π overflows shared memory at DP 256).
-    ``PDL_WAIT``: wait for the previous kernel (its output is ``x``) first; ``PDL_LAUNCH``: let a
-    PDL-launched successor start at once (it waits for this kernel before reading ``out``)."""
-    pid = tl.program_id(0)
-    if PDL_LAUNCH:
-        _gdc_launch_dependents(pid)
-    if PDL_WAIT:
-        pid = _gdc_wait(pid)
-    rows = pid * ROWS + tl.arange(0, ROWS)
+def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, n_rows, stride_qs, stride_qh, HQ: tl.constexpr, D: tl.constexpr,
+                     DP: tl.constexpr, ROWS: tl.constexpr, ROTATE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``out[r] = float32(q[r]) @ Π`` (or the plain cast) for ROWS query rows ``r = s·HQ + h``: one
+    launch instead of a cast and a GEMM. out: float32 ``[n_rows, D]`` contiguous."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rm = rows < n_rows
     cols = tl.arange(0, DP)
     cm = cols < D
-    src = x_ptr + (rows // HQ).to(tl.int64)[:, None] * stride_xs + (rows % HQ).to(tl.int64)[:, None] * stride_xh
+    src = q_ptr + (rows // HQ).to(tl.int64)[:, None] * stride_qs + (rows % HQ).to(tl.int64)[:, None] * stride_qh
     x = tl.load(src + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
-    dst = out_ptr + (rows // HQ).to(tl.int64)[:, None] * stride_os + (rows % HQ).to(tl.int64)[:, None] * stride_oh
-    c0 = tl.program_id(1) * CC
-    if ROTATE:
-        SUB: tl.constexpr = CC if CC < 64 else 64
-        for c1 in tl.static_range(0, CC, SUB):
-            cc = c0 + c1 + tl.arange(0, SUB)
-            if TRANSPOSE:  # Πᵀ[i, j] = Π[j, i]
-                rot = tl.load(rot_ptr + cc[None, :] * D + cols[:, None], mask=cm[:, None] & (cc < D)[None, :],
-                              other=0.0)
-            else:
-                rot = tl.load(rot_ptr + cols[:, None] * D + cc[None, :], mask=cm[:, None] & (cc < D)[None, :],
-                              other=0.0)
-            res = tl.dot(x, rot, input_precision=DOT_PRECISION)
-            tl.store(dst + cc[None, :], res.to(out_ptr.dtype.element_ty), mask=rm[:, None] & (cc < D)[None, :])
+    dst = out_ptr + rows.to(tl.int64)[:, None] * D
+    if ROTATE:  # 64 output columns at a time (a whole [DP, DP] tile of Π overflows shared memory)
+        CC: tl.constexpr = DP if DP < 64 else 64
+        for c0 in tl.static_range(0, DP, CC):
+            cc = c0 + tl.arange(0, CC)
+            rot = tl.load(rot_ptr + cols[:, None] * D + cc[None, :], mask=cm[:, None] & (cc < D)[None, :], other=0.0)
+            tl.store(dst + cc[None, :], tl.dot(x, rot, input_precision=DOT_PRECISION),
+                     mask=rm[:, None] & (cc < D)[None, :])
     else:
-        tl.store(dst + cols[None, :], x.to(out_ptr.dtype.element_ty), mask=rm[:, None] & cm[None, :])
+        tl.store(dst + cols[None, :], x, mask=rm[:, None] & cm[None, :])
 
 
-def rotate_q(q, rotation, rotate: bool, interpret: bool, rows: int = 16, pdl: bool | None = None):
+def rotate_q(q, rotation, rotate: bool, interpret: bool, rows: int = 16):
     """float32 ``[S, Hq, D]`` contiguous: ``q @ Π`` when ``rotate`` (the key codec is rotated),
     else q cast. ``q``: fp16/bf16/fp32 with a contiguous last dimension; ``rows`` query rows per
     program (each program reads all of Π; measured on the H100 at 1024 rows: 16 rows 4.6 µs,
-    32 rows 9.5 µs, 64 rows 9.8 µs). ``pdl``: signal a PDL-launched successor at the start
-    (default :func:`.triton_mma.use_pdl`; harmless when the successor is launched without it)."""
+    32 rows 9.5 µs, 64 rows 9.8 µs)."""
     if not isinstance(rows, int) or rows < 16 or rows & (rows - 1):
         raise ValueError(f"rows must be a power of two >= 16, got {rows!r}")
     s, hq, d = q.shape
     out = torch.empty((s, hq, d), dtype=torch.float32, device=q.device)
     n = s * hq
     if n:
-        dp = max(16, triton.next_power_of_2(d))
-        _rotate_rows_kernel[(triton.cdiv(n, rows), 1)](
-            q, rotation, out, n, q.stride(0), q.stride(1), out.stride(0), out.stride(1), HQ=hq, D=d, DP=dp,
-            ROWS=rows, CC=dp, ROTATE=rotate, TRANSPOSE=False, DOT_PRECISION="ieee" if interpret else "tf32x3",
-            PDL_LAUNCH=int(_pdl(pdl, q.device, interpret)), num_warps=4)
+        _rotate_q_kernel[(triton.cdiv(n, rows),)](
+            q, rotation, out, n, q.stride(0), q.stride(1), HQ=hq, D=d, DP=max(16, triton.next_power_of_2(d)),
+            ROWS=rows, ROTATE=rotate, DOT_PRECISION="ieee" if interpret else "tf32x3", num_warps=4)
     return out
-
-
-def _pdl(pdl: bool | None, device, interpret: bool) -> bool:
-    if interpret:
-        return False
-    return use_pdl(device) if pdl is None else bool(pdl)
-
-
-def _pdl_kwargs(pdl: bool) -> dict:
-    return {"PDL": 1, "launch_pdl": True} if pdl else {}
 
 
 def num_splits_for(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int, block_n: int) -> int:
@@ -610,18 +571,15 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
                          block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                          probe: str = "",
                          lut: str = "select", path: str = "auto", maxnreg: int | None = None,
-                         same_codebooks: bool = True, pdl: bool | None = None):
+                         same_codebooks: bool = True):
     """Launch decode + merge. ``q_rot`` float32 ``[S, Hq, D]`` contiguous (already rotated when the
     key codec is rotated). ``workspace``: optional float32 tensor with at least
     ``workspace_numel(...)`` elements. ``path``: ``"auto"`` (the warp-MMA kernel of
     :mod:`.triton_mma` where :func:`decode_path` says so, else the word path), ``"mma"`` (that
     kernel, or ``ValueError``), ``"fast"`` (this module's kernel with the 4-bit word path),
     ``"old"`` (this module's kernel, general decode only). ``same_codebooks``: whether the key
-    and value codebooks are equal (the warp-MMA kernel's one table serves both). ``pdl``:
-    programmatic dependent launch of the warp-MMA decode and of the merge (default
-    :func:`.triton_mma.use_pdl`). No other checks."""
+    and value codebooks are equal (the warp-MMA kernel's one table serves both). No other checks."""
     c = layout_consts(layout)
-    pdl = _pdl(pdl, q_rot.device, interpret)
     s, hq, d = q_rot.shape
     hkv = layout.num_kv_heads
     g = hq // hkv
@@ -641,8 +599,8 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
             acc, ml = _workspace(workspace, s, hq, num_splits, dp, q_rot.device)
             _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan,
                                      tables["key_centroids_f32"], acc, ml, group=g, num_splits=num_splits,
-                                     sm_scale=sm_scale, pdl=pdl)
-            _launch_merge(acc, ml, tables["rotation"], out, layout, g, num_splits, interpret, pdl=pdl)
+                                     sm_scale=sm_scale)
+            _launch_merge(acc, ml, tables["rotation"], out, layout, g, num_splits, interpret)
             return out
         path = "fast"
     plan = fast_path_plan(layout) if path == "fast" else {"K_FAST": 0, "V_FAST": 0, "K_PAR_ALIGNED": False,
@@ -682,7 +640,7 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
         USE_ASM=not interpret, **plan,
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}), **consts,
     )
-    _launch_merge(acc, ml, tables["rotation"], out, layout, g, num_splits, interpret, pdl=pdl)
+    _launch_merge(acc, ml, tables["rotation"], out, layout, g, num_splits, interpret)
     return out
 
 
@@ -711,51 +669,24 @@ def merge_chunks(programs: int, num_sms: int, dp: int) -> int:
 
 
 def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, interpret: bool,
-                  chunks: int | None = None, impl: str | None = None, rows: int = 16, unroll: int = 8,
-                  pdl: bool = False):
+                  chunks: int | None = None, impl: str | None = None, rows: int = 16, unroll: int = 8):
     """Merge the splits into ``out`` (rotating back when the value codec is rotated). ``impl``:
-    ``"rows"`` (:func:`_merge_rows_kernel`, blocks of ``rows`` query rows), ``"heads"``
-    (:func:`_merge_kernel`, one GQA group per program) or ``"split"`` (with the rotate-back: the
-    row-block merge without it in column chunks, then :func:`_rotate_rows_kernel`; without the
-    rotate-back the same as ``"rows"``); by default rows with the rotate-back, heads without. Measured (H100, session 4, `benchmarks/results/h100_session4_run1_sweep.log`):
+    ``"rows"`` (:func:`_merge_rows_kernel`, blocks of ``rows`` query rows) or ``"heads"``
+    (:func:`_merge_kernel`, one GQA group per program); by default rows with the rotate-back,
+    heads without. Measured (H100, session 4, `benchmarks/results/h100_session4_run1_sweep.log`):
     with the rotate-back rows are 2x faster (tq4 B32x16K 11.7 → 6.0 µs, B8x64K 24.5 → 14.6 µs);
     without it heads are faster (turboquant_4bit_nc 2.8 vs 3.2 µs, 5.5 vs 7.0 µs). ``chunks``:
-    output-column chunks per program block (default :func:`merge_chunks`). ``pdl``: launch as a
-    programmatic dependent of the decode (the merge waits for it before reading the partials)."""
+    output-column chunks per program block (default :func:`merge_chunks`)."""
     s, hq, d = out.shape
     dp = layout_consts(layout)["DP"]
     rotate_back = bool(layout.format.value.rotated)
     if impl is None:
         impl = "rows" if rotate_back else "heads"
-    if impl not in ("rows", "heads", "split"):
-        raise ValueError(f"impl must be 'rows', 'heads', 'split' or None, got {impl!r}")
+    if impl not in ("rows", "heads"):
+        raise ValueError(f"impl must be 'rows', 'heads' or None, got {impl!r}")
     if not isinstance(rows, int) or rows < 16 or rows & (rows - 1):
         raise ValueError(f"rows must be a power of two >= 16, got {rows!r}")
     precision = "ieee" if interpret else "tf32x3"
-    if impl == "split" and rotate_back:
-        # Two launches: the merge in column chunks (each program reads only its columns) into a
-        # float32 buffer, then the rotate-back of whole rows, ``[rows, DP] @ Πᵀ`` in column chunks.
-        n = s * hq
-        blocks = triton.cdiv(n, rows)
-        sms = 1 if interpret else torch.cuda.get_device_properties(out.device).multi_processor_count
-        if chunks is None:
-            chunks = merge_chunks(blocks, sms, dp)
-        tmp = torch.empty((s, hq, d), dtype=torch.float32, device=out.device)
-        if n:
-            _merge_rows_kernel[(blocks, chunks)](
-                acc, ml, rotation, tmp, n, num_splits, tmp.stride(0), tmp.stride(1),
-                HQ=hq, ROWS=rows, UNROLL=max(1, min(unroll, num_splits)), D=d, DP=dp, CC=dp // chunks,
-                ROTATE_BACK=False, DOT_PRECISION=precision, **_pdl_kwargs(pdl), num_warps=4)
-            rch = 1
-            while rch < max(1, dp // 64) and blocks * rch < sms:
-                rch *= 2
-            _rotate_rows_kernel[(blocks, rch)](
-                tmp, rotation, out, n, tmp.stride(0), tmp.stride(1), out.stride(0), out.stride(1), HQ=hq, D=d,
-                DP=dp, ROWS=rows, CC=dp // rch, ROTATE=True, TRANSPOSE=True, DOT_PRECISION=precision,
-                **({"PDL_WAIT": 1, "launch_pdl": True} if pdl else {}), num_warps=4)
-        return
-    if impl == "split":
-        impl = "rows"
     if impl == "rows":
         n = s * hq
         blocks = triton.cdiv(n, rows)
@@ -766,7 +697,7 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
             _merge_rows_kernel[(blocks, chunks)](
                 acc, ml, rotation, out, n, num_splits, out.stride(0), out.stride(1),
                 HQ=hq, ROWS=rows, UNROLL=max(1, min(unroll, num_splits)), D=d, DP=dp, CC=dp // chunks,
-                ROTATE_BACK=rotate_back, DOT_PRECISION=precision, **_pdl_kwargs(pdl), num_warps=4)
+                ROTATE_BACK=rotate_back, DOT_PRECISION=precision, num_warps=4)
         return
     gp = max(16, triton.next_power_of_2(g))
     if chunks is None:
@@ -777,7 +708,7 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
     _merge_kernel[(s, layout.num_kv_heads, nch)](
         acc, ml, rotation, out, out.stride(0), out.stride(1),
         G=g, GP=gp, HQ=hq, NUM_SPLITS=num_splits, SP=max(2, triton.next_power_of_2(num_splits)), D=d, DP=dp,
-        CC=cc, ROTATE_BACK=rotate_back, DOT_PRECISION=precision, **_pdl_kwargs(pdl), num_warps=4,
+        CC=cc, ROTATE_BACK=rotate_back, DOT_PRECISION=precision, num_warps=4,
     )
 
 

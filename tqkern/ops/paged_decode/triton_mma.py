@@ -39,7 +39,6 @@ GPU only (inline PTX); the CPU interpreter runs the general kernel instead.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -47,10 +46,8 @@ import triton.language as tl
 
 from tqkern.layouts import LloydMax, PagedLayout, Uniform
 from tqkern.ops.common import layout_consts, load_param
-from tqkern.ops.paged_decode._ptx import _gdc_launch_dependents, _gdc_wait
 
-__all__ = ["_paged_decode_mma_kernel", "_launch_paged_decode_mma", "mma_plan", "num_splits_mma", "resident_warps",
-           "use_pdl"]
+__all__ = ["_paged_decode_mma_kernel", "_launch_paged_decode_mma", "mma_plan", "num_splits_mma", "resident_warps"]
 
 _DT = {"float16": 0, "float32": 1, "bfloat16": 2}
 _NBYTES = {0: 2, 1: 4, 2: 2}
@@ -385,7 +382,6 @@ def _paged_decode_mma_kernel(
     V_UNIFORM: tl.constexpr, V_A_OFF: tl.constexpr, V_A_STRIDE: tl.constexpr, V_B_OFF: tl.constexpr,
     V_B_STRIDE: tl.constexpr, V_C_OFF: tl.constexpr, V_C_STRIDE: tl.constexpr, V_DT: tl.constexpr,
     K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0,
-    PDL: tl.constexpr = 0,
 ):
     NT: tl.constexpr = 32 * WARPS
     CK: tl.constexpr = D // 8  # key chunk bytes per lane and token (2 per k-tile)
@@ -394,8 +390,6 @@ def _paged_decode_mma_kernel(
     NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
     NMT: tl.constexpr = D // 16
     t = tl.arange(0, NT)
-    if PDL:  # the merge may be scheduled now; it waits for this grid to complete
-        _gdc_launch_dependents(t)
     lane = t % 32
     r = lane // 4
     c = lane % 4
@@ -434,6 +428,17 @@ def _paged_decode_mma_kernel(
     vb_off = V_B_OFF + h * V_B_STRIDE
     vc_off = V_C_OFF + h * V_C_STRIDE
 
+    # -- q as the B operand of S^T = K·Q^T: head r, the coordinates of this lane's key chunk ------
+    q_row = q_ptr + ((s * HQ + h * G + r) * D).to(tl.int64)
+    q_ok = live & (r < G)
+    qf = ()
+    for j in tl.static_range(CK):
+        f = (CK * (c + 1) + j - k_mis) % (4 * CK)
+        x0 = tl.load(q_row + _dim_of(f, 0, NIBBLE), mask=q_ok, other=0.0)
+        x1 = tl.load(q_row + _dim_of(f, 1, NIBBLE), mask=q_ok, other=0.0)
+        qf = qf + (_pack2(x0, x1),)
+    ones = tl.full([NT], 0x3C003C00, tl.int32)
+
     # -- state -----------------------------------------------------------------------------------
     zf = tl.zeros([NT], tl.float32)
     o = ()
@@ -458,23 +463,6 @@ def _paged_decode_mma_kernel(
                                   k_masks, v_masks, k_sec_on, v_sec_on, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT,
                                   V_DT, V_UNIFORM, HINT),)
         blk = _step_block(bt_row, start + 16 * (j + 1), end, BS)
-
-    # -- q as the B operand of S^T = K·Q^T: head r, the coordinates of this lane's key chunk ------
-    # q is the previous kernel's output (the rotation): with PDL everything above (table fill,
-    # block table, the first K/V loads) overlaps that kernel, and only here the warp waits for it.
-    s_q = s
-    if PDL:
-        s_q = _gdc_wait(s)
-    q_row = q_ptr + ((s_q * HQ + h * G + r) * D).to(tl.int64)
-    q_ok = live & (r < G)
-    qf = ()
-    for j in tl.static_range(CK):
-        f = (CK * (c + 1) + j - k_mis) % (4 * CK)
-        x0 = tl.load(q_row + _dim_of(f, 0, NIBBLE), mask=q_ok, other=0.0)
-        x1 = tl.load(q_row + _dim_of(f, 1, NIBBLE), mask=q_ok, other=0.0)
-        qf = qf + (_pack2(x0, x1),)
-    ones = tl.full([NT], 0x3C003C00, tl.int32)
-
     for it in range(0, n_steps):
         t0 = start + it * 16
         k0, k1, v0, v1, v2, v3, fac = ring[0]
@@ -622,32 +610,13 @@ def num_splits_mma(num_seqs: int, num_kv_heads: int, max_len: int, resident_warp
 _SMEM_PER_CTA = 32768 + 1024  # the pair table (static) and the per-CTA reservation
 
 
-_PDL: dict = {}
-
-
-def use_pdl(device) -> bool:
-    """Whether the decode launches on ``device`` use programmatic dependent launch: a CUDA device
-    of compute capability 9.0 or newer, unless the environment sets ``TQKERN_PDL=0``. The decode
-    kernel then overlaps its prologue with the q rotation, and the merge is scheduled while the
-    decode drains (both wait for their input with ``griddepcontrol.wait``)."""
-    device = torch.device(device)
-    if device.type != "cuda" or os.environ.get("TQKERN_PDL", "1") == "0":
-        return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _PDL:
-        _PDL[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
-    return _PDL[idx]
-
-
 def _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, group, num_splits,
-                 sm_scale, warps, prefetch, hint, maxnreg=None, pdl=False):
+                 sm_scale, warps, prefetch, hint, maxnreg=None):
     s, hq, _ = q_rot.shape
     args = (q_rot, cache, block_table, seq_lens, key_centroids_f32, acc, ml, s, block_table.shape[1],
             sm_scale * 1.4426950408889634, num_splits)
     kwargs = dict(G=group, HKV=layout.num_kv_heads, HQ=hq, WARPS=warps, BS=layout.block_size, PREFETCH=prefetch,
-                  HINT=hint, **plan, PDL=int(pdl), num_warps=warps, num_stages=1)
-    if pdl:
-        kwargs["launch_pdl"] = True
+                  HINT=hint, **plan, num_warps=warps, num_stages=1)
     if maxnreg is None:  # measured (H100): capped at 128 registers ~2% faster for aligned fields (no spill
         # inside the loop); with joined fields the kernel needs ~168 and a cap spills in the loop
         maxnreg = 0 if plan["K_MERGE"] or plan["V_MERGE"] else 128
@@ -660,13 +629,12 @@ _RESIDENT: dict = {}
 
 
 def resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, *, group: int,
-                   warps: int = 4, prefetch: int = 1, hint: int = 1, maxnreg: int | None = None,
-                   pdl: bool = False) -> int:
+                   warps: int = 4, prefetch: int = 1, hint: int = 1, maxnreg: int | None = None) -> int:
     """Warps of this launch's compiled kernel that the GPU holds at once (from its registers and
     shared memory; compiled once, cached); a conservative 8 per SM if the compiled kernel cannot
     be inspected (that costs speed, never correctness)."""
     args, kwargs = _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, q_rot, q_rot,
-                                group, 1, 1.0, warps, prefetch, hint, maxnreg, pdl)
+                                group, 1, 1.0, warps, prefetch, hint, maxnreg)
     dev = q_rot.device.index or 0
     key = (tuple(sorted((k, str(v)) for k, v in kwargs.items())), dev)
     if key not in _RESIDENT:
@@ -686,12 +654,10 @@ def resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, key_centro
 
 def _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, *,
                              group: int, num_splits: int, sm_scale: float, warps: int = 4, prefetch: int = 1,
-                             hint: int = 1, maxnreg: int | None = None, pdl: bool = False):
-    """Launch the warp-MMA decode (partials only; the caller merges). ``pdl``: launch as a
-    programmatic dependent of the previous kernel (the q rotation; see :func:`use_pdl`). No
-    checks."""
+                             hint: int = 1, maxnreg: int | None = None):
+    """Launch the warp-MMA decode (partials only; the caller merges). No checks."""
     s = q_rot.shape[0]
     total = s * layout.num_kv_heads * num_splits
     args, kwargs = _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, group,
-                                num_splits, sm_scale, warps, prefetch, hint, maxnreg, pdl)
+                                num_splits, sm_scale, warps, prefetch, hint, maxnreg)
     _paged_decode_mma_kernel[(triton.cdiv(total, warps),)](*args, **kwargs)
