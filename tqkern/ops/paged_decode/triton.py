@@ -448,40 +448,40 @@ def _merge_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, stride_os, stride_oh,
 
 
 @triton.jit
-def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, n_rows, stride_os, stride_oh,
-                       HQ: tl.constexpr, ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr, SP: tl.constexpr,
-                       D: tl.constexpr, DP: tl.constexpr, CC: tl.constexpr,
-                       ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, n_rows, num_splits, stride_os, stride_oh,
+                       HQ: tl.constexpr, ROWS: tl.constexpr, SP: tl.constexpr, UNROLL: tl.constexpr, D: tl.constexpr,
+                       DP: tl.constexpr, CC: tl.constexpr, ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The merge by blocks of ``ROWS`` query rows (``row = s·HQ + head``, any heads and
     sequences): the rotate-back is a full ``[ROWS, DP] @ [DP, CC]`` tile and Π is read once per
     ROWS rows, instead of once per GQA group padded to 16. Program ``(b, j)`` writes columns
     ``j·CC .. j·CC + CC − 1`` of rows ``b·ROWS ..``; same workspace layout and result as
-    :func:`_merge_kernel`. The (max, sum) of all splits are one ``[ROWS, SP]`` load; the
-    partials are read (a static loop over the splits) by loads that depend only on the row (an
-    empty split's weight 0 selects 0, whatever its partial holds), so they do not wait for the
-    maxima."""
+    :func:`_merge_kernel`. The maxima of all splits are one ``[ROWS, SP]`` load; then splits are
+    read ``UNROLL`` at a time, the partials by loads that do not wait for the weights (an empty
+    split's weight 0 selects 0, whatever its partial holds)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rm = rows < n_rows
     c0 = tl.program_id(1) * CC
-    part0 = rows.to(tl.int64) * NUM_SPLITS
-    sp = tl.arange(0, SP)
-    pm = rm[:, None] & (sp < NUM_SPLITS)[None, :]
-    m = tl.load(ml_ptr + (part0[:, None] + sp[None, :]) * 2, mask=pm, other=float("-inf"))  # [ROWS, SP]
-    l = tl.load(ml_ptr + (part0[:, None] + sp[None, :]) * 2 + 1, mask=pm, other=0.0)
-    m_all = tl.max(m, axis=1)
+    part0 = rows.to(tl.int64) * num_splits
+    sp = tl.arange(0, SP)  # the maxima of all splits: one load, not one round trip per split
+    m_all = tl.max(tl.load(ml_ptr + (part0[:, None] + sp[None, :]) * 2, mask=rm[:, None] & (sp < num_splits)[None, :],
+                           other=float("-inf")), axis=1)
     m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-    l_all = tl.sum(tl.where(m > float("-inf"), tl.exp2(m - m_safe[:, None]), 0.0) * l, axis=1)
     if ROTATE_BACK:  # out[:, cc] = o @ Πᵀ[:, cc], Πᵀ[:, c] = Π[c, :]
         cols = tl.arange(0, DP)
     else:
         cols = c0 + tl.arange(0, CC)
     o = tl.zeros([ROWS, cols.shape[0]], tl.float32)
-    for i in tl.static_range(NUM_SPLITS):
-        part = part0 + i
-        mi = tl.load(ml_ptr + part * 2, mask=rm, other=float("-inf"))
-        a = tl.load(acc_ptr + part[:, None] * DP + cols[None, :], mask=rm[:, None], other=0.0)
-        w = tl.where(mi > float("-inf"), tl.exp2(mi - m_safe), 0.0)
-        o += tl.where((w > 0)[:, None], a * w[:, None], 0.0)
+    l_all = tl.zeros([ROWS], tl.float32)
+    for i0 in range(0, num_splits, UNROLL):
+        for j in tl.static_range(UNROLL):
+            part = part0 + (i0 + j)
+            ok = rm & (tl.full([ROWS], i0 + j, tl.int32) < num_splits)
+            m = tl.load(ml_ptr + part * 2, mask=ok, other=float("-inf"))
+            l = tl.load(ml_ptr + part * 2 + 1, mask=ok, other=0.0)
+            w = tl.where(m > float("-inf"), tl.exp2(m - m_safe), 0.0)
+            l_all += w * l
+            a = tl.load(acc_ptr + part[:, None] * DP + cols[None, :], mask=(rm & ok)[:, None], other=0.0)
+            o += tl.where((w > 0)[:, None], a * w[:, None], 0.0)  # the load does not wait for w
     inv = tl.where(l_all > 0, 1.0 / tl.where(l_all > 0, l_all, 1.0), 0.0)
     o = o * inv[:, None]
     o_row = out_ptr + (rows // HQ).to(tl.int64)[:, None] * stride_os + (rows % HQ).to(tl.int64)[:, None] * stride_oh
@@ -671,7 +671,7 @@ def merge_chunks(programs: int, num_sms: int, dp: int) -> int:
 
 
 def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, interpret: bool,
-                  chunks: int | None = None, impl: str | None = None, rows: int = 16):
+                  chunks: int | None = None, impl: str | None = None, rows: int = 16, unroll: int = 8):
     """Merge the splits into ``out`` (rotating back when the value codec is rotated). ``impl``:
     ``"rows"`` (:func:`_merge_rows_kernel`, blocks of ``rows`` query rows) or ``"heads"``
     (:func:`_merge_kernel`, one GQA group per program); by default rows with the rotate-back,
@@ -697,9 +697,9 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
             chunks = merge_chunks(blocks, sms, dp)
         if n:
             _merge_rows_kernel[(blocks, chunks)](
-                acc, ml, rotation, out, n, out.stride(0), out.stride(1),
-                HQ=hq, ROWS=rows, NUM_SPLITS=num_splits, SP=max(2, triton.next_power_of_2(num_splits)),
-                D=d, DP=dp, CC=dp // chunks,
+                acc, ml, rotation, out, n, num_splits, out.stride(0), out.stride(1),
+                HQ=hq, ROWS=rows, SP=max(2, triton.next_power_of_2(num_splits)),
+                UNROLL=max(1, min(unroll, num_splits)), D=d, DP=dp, CC=dp // chunks,
                 ROTATE_BACK=rotate_back, DOT_PRECISION=precision, num_warps=4)
         return
     gp = max(16, triton.next_power_of_2(g))
