@@ -64,13 +64,13 @@ def fixed_costs(res, shape, preset, q, layout, params, out, num_splits):
     ml.view(-1, 2)[:, 0].normal_()
     ml.view(-1, 2)[:, 1].uniform_(0.5, 2.0)
     ref_rot = rotate_q(q, params.rotation, True, False)
-    for rows in (16, 32, 64):
-        got = rotate_q(q, params.rotation, True, False, rows=rows)
+    for rows, cols in ((16, 64), (16, 128), (32, 64), (16, 32)):
+        got = rotate_q(q, params.rotation, True, False, rows=rows, cols=cols)
         err = float((got - ref_rot).abs().max())
-        us = bench(lambda: rotate_q(q, params.rotation, True, False, rows=rows))
-        res.setdefault("fixed", []).append(dict(shape=shape, variant=preset, part=f"rotate_q rows{rows}", us=us,
-                                                err=err))
-        print(f"{shape} {preset} rotate_q rows{rows}: {us:.1f} us (err vs rows16 {err:.1e})", flush=True)
+        us = bench(lambda: rotate_q(q, params.rotation, True, False, rows=rows, cols=cols))
+        res.setdefault("fixed", []).append(dict(shape=shape, variant=preset, part=f"rotate_q rows{rows} cols{cols}",
+                                                us=us, err=err))
+        print(f"{shape} {preset} rotate_q rows{rows} cols{cols}: {us:.1f} us (err vs default {err:.1e})", flush=True)
     first = None
     for kind, rows, chunks in MERGES:
         o = torch.full_like(out, float("nan"))

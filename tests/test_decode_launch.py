@@ -118,19 +118,23 @@ def test_merge_and_rotation_options_rejected():
         _launch_merge(acc, ml, params.rotation, out, layout, 4, 2, INTERP, rows=24)
     with pytest.raises(ValueError, match="rows must be a power of two >= 16, got 8"):
         rotate_q(torch.zeros(1, 8, 128, device=DEV), params.rotation, True, INTERP, rows=8)
+    with pytest.raises(ValueError, match="cols must be a power of two >= 16, got 48"):
+        rotate_q(torch.zeros(1, 8, 128, device=DEV), params.rotation, True, INTERP, cols=48)
 
 
 @needs_kernels
 @pytest.mark.parametrize("d", [64, 142, 256])
 @pytest.mark.parametrize("rotate", [True, False])
-def test_rotate_q_matches_numpy(d, rotate):
-    """float32(q) @ Π (Π in 64-column chunks; head_dim 142 pads to 256) or the plain cast, for a
+@pytest.mark.parametrize("cols", [16, 64, 256])
+def test_rotate_q_matches_numpy(d, rotate, cols):
+    """float32(q) @ Π (programs of 16 rows × ``cols`` output columns, 64 per dot; head_dim 142
+    pads to 256, and ``cols`` above the padded head_dim means all of it) or the plain cast, for a
     q whose head dimension is strided."""
     fmt = tqkern.KVFormat(head_dim=d, key=tqkern.LloydMax(bits=4), value=tqkern.LloydMax(bits=4), rotation="haar")
     params = tqt.to_device(tqkern.TQParams.default(fmt, seed=1), DEV)
     q_full = torch.randn(3, 10, d, device=DEV).half()
     q = q_full[:, ::2]  # [3, 5, d], head stride 2·d
-    got = rotate_q(q, params.rotation, rotate, INTERP).cpu().numpy()
+    got = rotate_q(q, params.rotation, rotate, INTERP, cols=cols).cpu().numpy()
     q64 = q.double().cpu().numpy()
     expect = q64 @ params.params.rotation if rotate else q64
     assert got.shape == (3, 5, d) and got.dtype == np.float32

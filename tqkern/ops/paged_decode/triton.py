@@ -490,9 +490,12 @@ def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, n_rows, num_splits, st
 
 @triton.jit
 def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, n_rows, stride_qs, stride_qh, HQ: tl.constexpr, D: tl.constexpr,
-                     DP: tl.constexpr, ROWS: tl.constexpr, ROTATE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     DP: tl.constexpr, ROWS: tl.constexpr, CC: tl.constexpr, ROTATE: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
     """``out[r] = float32(q[r]) @ Π`` (or the plain cast) for ROWS query rows ``r = s·HQ + h``: one
-    launch instead of a cast and a GEMM. out: float32 ``[n_rows, D]`` contiguous."""
+    launch instead of a cast and a GEMM. Program ``(b, j)`` writes output columns ``j·CC ..
+    j·CC + CC − 1`` of rows ``b·ROWS ..`` (64 columns at a time: a whole ``[DP, DP]`` tile of Π
+    overflows shared memory). out: float32 ``[n_rows, D]`` contiguous."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rm = rows < n_rows
     cols = tl.arange(0, DP)
@@ -500,10 +503,10 @@ def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, n_rows, stride_qs, stride_qh, HQ: 
     src = q_ptr + (rows // HQ).to(tl.int64)[:, None] * stride_qs + (rows % HQ).to(tl.int64)[:, None] * stride_qh
     x = tl.load(src + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
     dst = out_ptr + rows.to(tl.int64)[:, None] * D
-    if ROTATE:  # 64 output columns at a time (a whole [DP, DP] tile of Π overflows shared memory)
-        CC: tl.constexpr = DP if DP < 64 else 64
-        for c0 in tl.static_range(0, DP, CC):
-            cc = c0 + tl.arange(0, CC)
+    if ROTATE:
+        SUB: tl.constexpr = CC if CC < 64 else 64
+        for c1 in tl.static_range(0, CC, SUB):
+            cc = tl.program_id(1) * CC + c1 + tl.arange(0, SUB)
             rot = tl.load(rot_ptr + cols[:, None] * D + cc[None, :], mask=cm[:, None] & (cc < D)[None, :], other=0.0)
             tl.store(dst + cc[None, :], tl.dot(x, rot, input_precision=DOT_PRECISION),
                      mask=rm[:, None] & (cc < D)[None, :])
@@ -511,20 +514,25 @@ def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, n_rows, stride_qs, stride_qh, HQ: 
         tl.store(dst + cols[None, :], x, mask=rm[:, None] & cm[None, :])
 
 
-def rotate_q(q, rotation, rotate: bool, interpret: bool, rows: int = 16):
+def rotate_q(q, rotation, rotate: bool, interpret: bool, rows: int = 16, cols: int = 64):
     """float32 ``[S, Hq, D]`` contiguous: ``q @ Π`` when ``rotate`` (the key codec is rotated),
-    else q cast. ``q``: fp16/bf16/fp32 with a contiguous last dimension; ``rows`` query rows per
-    program (each program reads all of Π; measured on the H100 at 1024 rows: 16 rows 4.6 µs,
-    32 rows 9.5 µs, 64 rows 9.8 µs)."""
+    else q cast. ``q``: fp16/bf16/fp32 with a contiguous last dimension; ``rows`` query rows and
+    ``cols`` output columns (at most the padded head_dim) per program. Measured on the H100 at
+    1024 rows, D = 128: 16 rows × all columns 4.6 µs, 32 rows 9.5 µs, 64 rows 9.8 µs (session 4);
+    16 rows × 64 columns: see ``benchmarks/NOTES.md`` §21."""
     if not isinstance(rows, int) or rows < 16 or rows & (rows - 1):
         raise ValueError(f"rows must be a power of two >= 16, got {rows!r}")
+    if not isinstance(cols, int) or cols < 16 or cols & (cols - 1):
+        raise ValueError(f"cols must be a power of two >= 16, got {cols!r}")
     s, hq, d = q.shape
     out = torch.empty((s, hq, d), dtype=torch.float32, device=q.device)
     n = s * hq
+    dp = max(16, triton.next_power_of_2(d))
+    cc = min(cols, dp) if rotate else dp
     if n:
-        _rotate_q_kernel[(triton.cdiv(n, rows),)](
-            q, rotation, out, n, q.stride(0), q.stride(1), HQ=hq, D=d, DP=max(16, triton.next_power_of_2(d)),
-            ROWS=rows, ROTATE=rotate, DOT_PRECISION="ieee" if interpret else "tf32x3", num_warps=4)
+        _rotate_q_kernel[(triton.cdiv(n, rows), dp // cc)](
+            q, rotation, out, n, q.stride(0), q.stride(1), HQ=hq, D=d, DP=dp, ROWS=rows, CC=cc, ROTATE=rotate,
+            DOT_PRECISION="ieee" if interpret else "tf32x3", num_warps=4)
     return out
 
 
@@ -694,7 +702,10 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
         blocks = triton.cdiv(n, rows)
         if chunks is None:
             sms = 1 if interpret else torch.cuda.get_device_properties(out.device).multi_processor_count
-            chunks = merge_chunks(blocks, sms, dp)
+            # with the rotate-back each chunk re-merges every column: at most 2 measured best
+            # (H100, tq4, session 5: B32x16K 1/2/4 chunks 6.3/4.8/5.4 µs, B8x64K 1/2/4/8 chunks
+            # 11.4/10.3/10.5/10.7 µs)
+            chunks = min(2, merge_chunks(blocks, sms, dp)) if rotate_back else merge_chunks(blocks, sms, dp)
         if n:
             _merge_rows_kernel[(blocks, chunks)](
                 acc, ml, rotation, out, n, num_splits, out.stride(0), out.stride(1),
