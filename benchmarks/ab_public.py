@@ -19,13 +19,11 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_decode import BLOCK, bench, fill_cache, make_layout  # noqa: E402
-from benchmarks.shapes import DECODE_PRESETS, DECODE_SHAPES  # noqa: E402
+from benchmarks.bench_decode import baseline_runs, bench, preset_caches  # noqa: E402
 from tqkern.ops.paged_decode import triton as pdt  # noqa: E402
 from tqkern.ops.paged_decode import triton_mma as tm  # noqa: E402
 from tqkern_torch.attention import paged_decode  # noqa: E402
@@ -69,33 +67,18 @@ def main(argv=None):
     ap.add_argument("--presets", nargs="*", default=["tq4", "turboquant_4bit_nc"])
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
     args = ap.parse_args(argv)
-    arr = dict(DECODE_PRESETS)
     res = dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, torch=torch.__version__,
                time=time.strftime("%F %T"), rows=[], checks=[])
     g = torch.Generator(device="cuda").manual_seed(0)
-    for shape in DECODE_SHAPES:
-        if shape.name not in args.shapes:
-            continue
-        b, L, hq, hkv, d = shape.batch, shape.seq_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim
-        q = torch.randn(b, hq, d, device="cuda", dtype=torch.float16, generator=g)
-        k = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16, generator=g)
-        v = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16, generator=g)
-        sdpa = bench(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True))
-        del k, v
-        res["rows"].append(dict(shape=shape.name, variant="sdpa_fp16", us=sdpa))
-        print(f"{shape.name} sdpa_fp16 {sdpa:.1f} us", flush=True)
-        nb = b * L // BLOCK
-        bt = torch.randperm(nb, device="cuda", generator=g).int().reshape(b, L // BLOCK)
-        sl = torch.full((b,), L, dtype=torch.int32, device="cuda")
-        for preset in args.presets:
-            layout, params = make_layout(preset, arr[preset], hkv, d)
-            cache = fill_cache(layout, params, nb, g)
+    for shape, q, sdpa, bt, sl in baseline_runs(args.shapes, g, res["rows"]):
+        group = shape.num_q_heads // shape.num_kv_heads
+        for preset, layout, params, cache in preset_caches(shape, args.presets, g):
             out = torch.empty_like(q)
             ref_out = None
             for name in args.variants:
                 spec = VARIANTS[name]
-                if spec.get("maxnreg") and tm.mma_plan(layout, hq // hkv) and not (
-                        tm.mma_plan(layout, hq // hkv)["K_MERGE"] or tm.mma_plan(layout, hq // hkv)["V_MERGE"]):
+                plan = tm.mma_plan(layout, group)
+                if spec.get("maxnreg") and plan and not (plan["K_MERGE"] or plan["V_MERGE"]):
                     continue  # the cap is for the kernel with joined fields (aligned ones run at 128)
                 with variant(**spec):
                     got = paged_decode(q, cache, bt, sl, layout, params, check_lengths=False)
@@ -117,8 +100,6 @@ def main(argv=None):
                                         err=err))
                 print(f"{shape.name} {preset:20s} {name:10s} {us:8.1f} us {sdpa / us:.2f}x SDPA (err {err:.1e})",
                       flush=True)
-            del cache
-            torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "ab_public.json"), "w") as f:
         json.dump(res, f, indent=1)

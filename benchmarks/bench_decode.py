@@ -64,6 +64,43 @@ def fill_cache(layout, params, num_blocks, g):
     return cache
 
 
+def shape_inputs(shape, g):
+    """For a decode shape: q (fp16), the SDPA fp16 time (µs) on contiguous K/V of the shape (the
+    baseline, measured now), a shuffled block table and full lengths."""
+    b, L, hq, hkv, d = shape.batch, shape.seq_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim
+    q = torch.randn(b, hq, d, device="cuda", dtype=torch.float16, generator=g)
+    k = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16, generator=g)
+    v = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16, generator=g)
+    sdpa = bench(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True))
+    del k, v
+    bt = torch.randperm(b * L // BLOCK, device="cuda", generator=g).int().reshape(b, L // BLOCK)
+    sl = torch.full((b,), L, dtype=torch.int32, device="cuda")
+    return q, sdpa, bt, sl
+
+
+def baseline_runs(names, g, rows):
+    """For each decode shape named in ``names``: ``(shape, q, sdpa_us, block_table, seq_lens)``
+    from :func:`shape_inputs`, with the SDPA row appended to ``rows`` and printed."""
+    for shape in DECODE_SHAPES:
+        if shape.name in names:
+            q, sdpa, bt, sl = shape_inputs(shape, g)
+            rows.append(dict(shape=shape.name, variant="sdpa_fp16", us=sdpa))
+            print(f"{shape.name} sdpa_fp16 {sdpa:.1f} us", flush=True)
+            yield shape, q, sdpa, bt, sl
+
+
+def preset_caches(shape, presets, g):
+    """For each preset in ``presets``: ``(preset, layout, params, cache)``, a full cache of the
+    shape (every block written, :func:`fill_cache`); the cache is freed before the next one."""
+    arr = dict(DECODE_PRESETS)
+    for preset in presets:
+        layout, params = make_layout(preset, arr[preset], shape.num_kv_heads, shape.head_dim)
+        cache = fill_cache(layout, params, shape.batch * shape.seq_len // BLOCK, g)
+        yield preset, layout, params, cache
+        del cache
+        torch.cuda.empty_cache()
+
+
 def gate(results, presets):
     """Every preset against the NumPy oracle on a small GQA batch with shuffled blocks."""
     g = torch.Generator(device="cuda").manual_seed(1)

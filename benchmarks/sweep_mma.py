@@ -17,13 +17,12 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_decode import BLOCK, bench, fill_cache, make_layout  # noqa: E402
-from benchmarks.shapes import DECODE_PRESETS, DECODE_SHAPES  # noqa: E402
+from benchmarks.bench_decode import baseline_runs, bench, fill_cache, make_layout, preset_caches  # noqa: E402
+from benchmarks.shapes import DECODE_PRESETS  # noqa: E402
 from tqkern import reference as ref  # noqa: E402
 from tqkern.ops.paged_decode.triton import _launch_merge, _workspace, rotate_q  # noqa: E402
 from tqkern.ops.paged_decode.triton_mma import (  # noqa: E402
@@ -130,23 +129,9 @@ def main(argv=None):
                                     err=err, ok=ok))
             print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr}: err {err:.2e} {'ok' if ok else 'FAIL'}",
                   flush=True)
-    for shape in DECODE_SHAPES:
-        if shape.name not in args.shapes:
-            continue
+    for shape, q, sdpa, bt, sl in baseline_runs(args.shapes, g, res["rows"]):
         b, L, hq, hkv, d = shape.batch, shape.seq_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim
-        q = torch.randn(b, hq, d, device="cuda", dtype=torch.float16, generator=g)
-        k = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16, generator=g)
-        v = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16, generator=g)
-        sdpa = bench(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True))
-        del k, v
-        res["rows"].append(dict(shape=shape.name, variant="sdpa_fp16", us=sdpa))
-        print(f"{shape.name} sdpa_fp16 {sdpa:.1f} us", flush=True)
-        nb = b * L // BLOCK
-        bt = torch.randperm(nb, device="cuda", generator=g).int().reshape(b, L // BLOCK)
-        sl = torch.full((b,), L, dtype=torch.int32, device="cuda")
-        for preset in args.presets:
-            layout, params = make_layout(preset, arr[preset], hkv, d)
-            cache = fill_cache(layout, params, nb, g)
+        for preset, layout, params, cache in preset_caches(shape, args.presets, g):
             out = torch.empty_like(q)
             nbytes = b * L * layout.row_bytes
             for pf, hint, warps, splits, mr in configs:
@@ -175,8 +160,6 @@ def main(argv=None):
                       f"{row['gbps']:6.0f} GB/s {row['ratio']:.2f}x SDPA", flush=True)
             if args.fixed:
                 fixed_costs(res, shape.name, preset, q, layout, params, out, ns)
-            del cache
-            torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "sweep_mma.json"), "w") as f:
         json.dump(res, f, indent=1)
