@@ -77,12 +77,9 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
         raise ValueError(f"num_splits must be an int in [1, 256], got {num_splits!r}")
     if workspace is not None and num_splits is not None:
         from tqkern.ops.common import layout_consts
-        from tqkern.ops.paged_decode.triton import workspace_numel
+        from tqkern.ops.paged_decode.triton import check_workspace
 
-        need = workspace_numel(q.shape[0], q.shape[1], num_splits, layout_consts(layout)["DP"])
-        if workspace.numel() < need:
-            raise ValueError(f"workspace must have at least workspace_numel(num_seqs, num_q_heads, num_splits, DP) = "
-                             f"{need} float32 elements, got {workspace.numel()}")
+        check_workspace(workspace, q.shape[0], q.shape[1], num_splits, layout_consts(layout)["DP"])
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     if check_lengths is None:

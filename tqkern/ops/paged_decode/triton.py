@@ -29,7 +29,7 @@ from tqkern.ops.paged_decode._ptx import _LUT_ASM_LSB, _LUT_ASM_NIBBLE, _UNI_ASM
 from tqkern.ops.paged_decode.triton_mma import _launch_paged_decode_mma, mma_plan, num_splits_mma, resident_warps
 
 __all__ = ["_paged_decode_kernel", "_merge_kernel", "_launch_paged_decode", "num_splits_for", "fast_path_plan",
-           "decode_path", "rotate_q", "merge_chunks"]
+           "decode_path", "rotate_q", "merge_chunks", "check_workspace"]
 
 
 @triton.jit
@@ -654,14 +654,23 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
     return out
 
 
-def _workspace(workspace, s: int, hq: int, num_splits: int, dp: int, device):
-    """The (acc, ml) views of a caller's workspace, or of a fresh one."""
+def check_workspace(workspace, s: int, hq: int, num_splits: int, dp: int) -> int:
+    """ValueError unless ``workspace`` holds ``workspace_numel(s, hq, num_splits, dp)`` float32
+    elements; returns that count."""
     need = workspace_numel(s, hq, num_splits, dp)
-    if workspace is None:
-        workspace = torch.empty(need, dtype=torch.float32, device=device)
-    elif workspace.numel() < need:
+    if workspace.numel() < need:
         raise ValueError(f"workspace must have at least workspace_numel({s}, {hq}, num_splits={num_splits}, {dp}) = "
                          f"{need} float32 elements, got {workspace.numel()}")
+    return need
+
+
+def _workspace(workspace, s: int, hq: int, num_splits: int, dp: int, device):
+    """The (acc, ml) views of a caller's workspace, or of a fresh one."""
+    if workspace is None:
+        need = workspace_numel(s, hq, num_splits, dp)
+        workspace = torch.empty(need, dtype=torch.float32, device=device)
+    else:
+        need = check_workspace(workspace, s, hq, num_splits, dp)
     return workspace[: s * hq * num_splits * dp], workspace[s * hq * num_splits * dp: need]
 
 
