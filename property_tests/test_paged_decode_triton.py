@@ -97,17 +97,21 @@ def test_word_path_matches_oracle(unit, data):
 @st.composite
 def mma_path_cases(draw):
     """Layouts the warp-MMA kernel takes (tqkern/ops/paged_decode/triton_mma.py): 4-bit
-    Lloyd-Max keys (every norm dtype and correction), 4-bit Lloyd-Max values with the keys'
-    codebook or 4-bit uniform values, head_dim 64/128, GQA groups 1..8, both bit orders and
-    arrangements, every slot alignment (fields misaligned against the lanes' chunks included),
-    block sizes 1..128 (blocks shorter than the kernel's 16-token step included)."""
+    Lloyd-Max keys (every norm dtype and correction) or FP8 keys (rotated or not), 4-bit
+    Lloyd-Max values with the keys' codebook or 4-bit uniform values (FP8 keys: uniform only),
+    head_dim 64/128, GQA groups 1..8, both bit orders and arrangements, every slot alignment
+    (fields misaligned against the lanes' chunks included), block sizes 1..128 (blocks shorter
+    than the kernel's 16-token step included)."""
     d = draw(st.sampled_from([64, 128]), label="head_dim")
-    key = draw(T.lloyd_max_codecs(st.just(4)), label="key")
-    value = draw(st.one_of(
-        T.lloyd_max_codecs(st.just(4)).map(lambda c: dataclasses.replace(
-            c, distribution=key.distribution, norm_correction="stored" if c.norm_correction == "decode"
-            else c.norm_correction)),
-        T.uniform_codecs(st.just(4))), label="value")
+    key = draw(st.one_of(T.lloyd_max_codecs(st.just(4)), st.builds(tqkern.FP8, rotated=st.booleans())), label="key")
+    if isinstance(key, tqkern.FP8):
+        value = draw(T.uniform_codecs(st.just(4)), label="value")
+    else:
+        value = draw(st.one_of(
+            T.lloyd_max_codecs(st.just(4)).map(lambda c: dataclasses.replace(
+                c, distribution=key.distribution, norm_correction="stored" if c.norm_correction == "decode"
+                else c.norm_correction)),
+            T.uniform_codecs(st.just(4))), label="value")
     fmt = tqkern.KVFormat(head_dim=d, key=key, value=value,
                           bit_order=draw(st.sampled_from(["lsb", "nibble_high_even"]), label="bit_order"),
                           rotation=draw(st.sampled_from(["hadamard", "hadamard_signed", "haar"]), label="rotation"),
@@ -129,8 +133,8 @@ def mma_path_cases(draw):
                                        "general kernel, tested above)")
 @given(mma_path_cases(), st.data())
 def test_mma_path_matches_oracle(case, data):
-    """The warp-level tensor-core kernel for 4-bit keys and values against the oracle; the
-    launcher must pick it for every drawn case."""
+    """The warp-level tensor-core kernel for 4-bit or FP8 keys and 4-bit values against the
+    oracle; the launcher must pick it for every drawn case."""
     layout, params, group = case[:3]
     p = tqt.to_device(params, DEV)
     assert decode_path(layout, group, same_codebooks=p.same_codebooks) == "mma"

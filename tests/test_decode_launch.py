@@ -24,8 +24,9 @@ def _layout(preset, d, heads, arrangement="slot"):
 
 
 def test_decode_path_rules_and_bad_input():
-    """The warp-MMA kernel takes 4-bit keys and values (shared codebook for Lloyd-Max values),
-    head_dim 64/128, groups up to 8, rows a multiple of D/8 bytes; never under the interpreter."""
+    """The warp-MMA kernel takes 4-bit or FP8 keys and 4-bit values (shared codebook for
+    Lloyd-Max values, uniform values with FP8 keys), head_dim 64/128, groups up to 8, rows a
+    multiple of D/8 bytes (FP8 keys: D/16 and 4); never under the interpreter."""
     tq4 = _layout("tq4", 128, 8, "row")
     nc = _layout("turboquant_4bit_nc", 128, 8)
     assert decode_path(tq4, 4) == "mma" and decode_path(nc, 4) == "mma"
@@ -38,7 +39,13 @@ def test_decode_path_rules_and_bad_input():
     assert decode_path(nc, 4, same_codebooks=False) == "mma"  # uniform values need no table
     assert decode_path(tq4, 4, cache_aligned=False) == "fast"
     assert decode_path(_layout("turboquant_4bit_nc", 64, 3), 3) == "fast"  # 210-byte rows
-    assert decode_path(_layout("turboquant_k8v4", 128, 8), 4) == "fast"
+    k8v4 = mma_plan(_layout("turboquant_k8v4", 128, 8), 4)  # 196-byte slots: word loads of the keys
+    assert k8v4["K_FP8"] and k8v4["K_NW"] == 1 and not k8v4["K_MERGE"] and k8v4["V_MERGE"] and not k8v4["K_NC"]
+    assert mma_plan(_layout("turboquant_k8v4", 128, 8, "row"), 4)["K_NW"] == 4  # 16-byte aligned key fields
+    assert decode_path(_layout("turboquant_k8v4", 64, 3), 3) == "mma"  # 300-byte rows: 4-byte value chunks
+    assert decode_path(_layout("turboquant_k8v4", 128, 3), 3) == "fast"  # 588-byte rows: not 8-byte aligned
+    fp8_lm = tqkern.KVFormat(head_dim=128, key=tqkern.FP8(), value=tqkern.LloydMax(bits=4))
+    assert decode_path(tqkern.PagedLayout(format=fp8_lm, num_kv_heads=8, block_size=16), 4) == "fast"  # no table
     assert decode_path(_layout("tq4", 256, 8, "row"), 4) == "fast"
     with pytest.raises(TypeError, match="layout must be a tqkern.PagedLayout, got KVFormat"):
         decode_path(tqkern.KVFormat.preset("tq4", 128), 4)

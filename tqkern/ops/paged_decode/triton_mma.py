@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tqkern.layouts import LloydMax, PagedLayout, Uniform
+from tqkern.layouts import FP8, LloydMax, PagedLayout, Uniform
 from tqkern.ops.common import layout_consts, load_param
 
 __all__ = ["_paged_decode_mma_kernel", "_launch_paged_decode_mma", "mma_plan", "num_splits_mma", "resident_warps"]
@@ -123,6 +123,15 @@ def _nibble_merge(wa, wb):
 
 
 @triton.jit
+def _fp8_pairs(w):
+    """Four FP8 E4M3 bytes → two fp16 pairs (bytes 0, 1 → the low register; the low byte of each
+    pair → the low half). Exact: every E4M3 value is an fp16 value."""
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $2;\ncvt.rn.f16x2.e4m3x2 $0, lo;\ncvt.rn.f16x2.e4m3x2 $1, hi;\n}",
+        "=r,=r,r", [w], dtype=(tl.int32,) * 2, is_pure=True, pack=1)
+
+
+@triton.jit
 def _mma(c, a0, a1, a2, a3, b0, b1):
     """``c += A·B`` for one m16n8k16 tile (fp16 operands, fp32 accumulators ``c`` (4-tuple))."""
     return tl.inline_asm_elementwise(
@@ -183,10 +192,13 @@ def _ld_asm(nw: int, hint: str) -> str:
             + f"@p ld.global.nc{hint}{vec}.b32 {dst}, [${nw}];\n}}")
 
 
-# Loads of 1, 2 or 4 words, plain or with an L2 prefetch hint of 256 bytes.
-_LD_ASM = {(nw, h): tl.constexpr(_ld_asm(nw, ".L2::256B" if h else "")) for nw in (1, 2, 4) for h in (0, 1)}
+# Loads of 1, 2 or 4 words: plain (HINT 0), with an L2 prefetch hint of 256 bytes (1), or that
+# hint and no L1 allocation (2).
+_HINTS = ("", ".L2::256B", ".L1::no_allocate.L2::256B")
+_LD_ASM = {(nw, h): tl.constexpr(_ld_asm(nw, _HINTS[h])) for nw in (1, 2, 4) for h in range(3)}
 _LD1, _LD2, _LD4 = _LD_ASM[1, 0], _LD_ASM[2, 0], _LD_ASM[4, 0]
 _LD1H, _LD2H, _LD4H = _LD_ASM[1, 1], _LD_ASM[2, 1], _LD_ASM[4, 1]
+_LD1N, _LD2N, _LD4N = _LD_ASM[1, 2], _LD_ASM[2, 2], _LD_ASM[4, 2]
 
 
 @triton.jit
@@ -195,14 +207,14 @@ def _ld_words(ptr, pred, NW: tl.constexpr, HINT: tl.constexpr):
     path; zeros where ``pred`` is false."""
     p = pred.to(tl.int32)
     if NW == 4:
-        return tl.inline_asm_elementwise(_LD4H if HINT else _LD4, "=r,=r,=r,=r,l,r", [ptr, p],
-                                         dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(_LD4N if HINT == 2 else _LD4H if HINT else _LD4, "=r,=r,=r,=r,l,r",
+                                         [ptr, p], dtype=(tl.int32,) * 4, is_pure=True, pack=1)
     elif NW == 2:
-        return tl.inline_asm_elementwise(_LD2H if HINT else _LD2, "=r,=r,l,r", [ptr, p], dtype=(tl.int32,) * 2,
-                                         is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(_LD2N if HINT == 2 else _LD2H if HINT else _LD2, "=r,=r,l,r", [ptr, p],
+                                         dtype=(tl.int32,) * 2, is_pure=True, pack=1)
     else:
-        w = tl.inline_asm_elementwise(_LD1H if HINT else _LD1, "=r,l,r", [ptr, p], dtype=tl.int32,
-                                      is_pure=True, pack=1)
+        w = tl.inline_asm_elementwise(_LD1N if HINT == 2 else _LD1H if HINT else _LD1, "=r,l,r", [ptr, p],
+                                      dtype=tl.int32, is_pure=True, pack=1)
         return (w,)
 
 
@@ -242,6 +254,16 @@ def _chunk(rowp, base_off, idx, CHUNK: tl.constexpr, mask_words, pred, pred_sec,
 
 
 @triton.jit
+def _fp8_chunk(fieldp, c, pred, NKW: tl.constexpr, NW: tl.constexpr, HINT: tl.constexpr):
+    """This lane's ``NKW`` words of an FP8 key field, ``NW`` consecutive words per load: load
+    ``j`` reads field words ``NW·(4j + c) ..`` (the 4 lanes of a token read one contiguous run)."""
+    res = ()
+    for j in tl.static_range(NKW // NW):
+        res = res + _ld_words(fieldp + 4 * NW * (4 * j + c), pred, NW, HINT)
+    return res
+
+
+@triton.jit
 def _row_of(cache_ptr, bt_row, pos, end, BS: tl.constexpr, ROW_BYTES: tl.constexpr, ok):
     """Address of token ``pos`` (clamped to ``end - 1``) of a sequence."""
     p = tl.maximum(tl.minimum(pos, end - 1), 0)
@@ -262,9 +284,11 @@ def _step_block(bt_row, t0, end, BS: tl.constexpr):
 def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, ka0, va0, kb_off, vb_off, vc_off, k_masks, v_masks,
                k_sec_on, v_sec_on, BS: tl.constexpr, ROW_BYTES: tl.constexpr, CK: tl.constexpr,
                CV: tl.constexpr, K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, K_DT: tl.constexpr,
-               V_DT: tl.constexpr, V_UNIFORM: tl.constexpr, HINT: tl.constexpr):
+               V_DT: tl.constexpr, V_UNIFORM: tl.constexpr, HINT: tl.constexpr, K_FP8: tl.constexpr,
+               K_NW: tl.constexpr):
     """Everything one 16-token step reads (predicated off past the warp's range); ``blk`` is
-    the step's block (:func:`_step_block`, looked up a step earlier) when ``BS >= 16``."""
+    the step's block (:func:`_step_block`, looked up a step earlier) when ``BS >= 16``. FP8 keys
+    (``K_FP8``) are read word-wise from their own offset ``ka0`` and have no factor (1)."""
     ok = t0 < end
     NKW: tl.constexpr = CK // 4
     NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
@@ -287,16 +311,24 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, ka0, va0, kb_off, vb_off, 
     vi = (r + 1) % 8
     ks = ok & k_sec_on
     vs = ok & v_sec_on
-    k0 = _chunk(rk0, ka0, ki, CK, k_masks, ok, ks, NKW, K_MERGE, 4, HINT)
-    k1 = _chunk(rk1, ka0, ki, CK, k_masks, ok, ks, NKW, K_MERGE, 4, HINT)
+    if K_FP8:
+        k0 = _fp8_chunk(rk0 + ka0, c, ok, NKW, K_NW, HINT)
+        k1 = _fp8_chunk(rk1 + ka0, c, ok, NKW, K_NW, HINT)
+    else:
+        k0 = _chunk(rk0, ka0, ki, CK, k_masks, ok, ks, NKW, K_MERGE, 4, HINT)
+        k1 = _chunk(rk1, ka0, ki, CK, k_masks, ok, ks, NKW, K_MERGE, 4, HINT)
     v0 = _chunk(rv0, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
     v1 = _chunk(rv1, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
     v2 = _chunk(rv2, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
     v3 = _chunk(rv3, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
-    kf0 = load_param(rk0 + kb_off, K_DT, ok, True)
-    kf1 = load_param(rk1 + kb_off, K_DT, ok, True)
     vf0 = load_param(rk0 + vb_off, V_DT, ok, True)
     vf1 = load_param(rk1 + vb_off, V_DT, ok, True)
+    if K_FP8:
+        kf0 = tl.zeros_like(vf0) + 1.0
+        kf1 = kf0
+    else:
+        kf0 = load_param(rk0 + kb_off, K_DT, ok, True)
+        kf1 = load_param(rk1 + kb_off, K_DT, ok, True)
     if V_UNIFORM:
         vz0 = load_param(rk0 + vc_off, V_DT, ok, True)
         vz1 = load_param(rk1 + vc_off, V_DT, ok, True)
@@ -307,21 +339,31 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, ka0, va0, kb_off, vb_off, 
 
 
 @triton.jit
-def _scores(k0, k1, qf, lb, ones, NKW: tl.constexpr, K_NC: tl.constexpr):
+def _scores(k0, k1, qf, lb, ones, NKW: tl.constexpr, K_NC: tl.constexpr, K_FP8: tl.constexpr):
     """S^T (tokens r, r+8 × heads 2c, 2c+1) and, for decode-time norm correction, ‖c‖² of the
-    same tokens (all columns equal)."""
+    same tokens (all columns equal). FP8 keys: word ``i`` of the chunk is k-tile ``i`` (its
+    bytes 0, 1 the MMA columns 2c, 2c+1; bytes 2, 3 the columns 2c+8, 2c+9)."""
     z = tl.zeros_like(lb.to(tl.float32))
     s = (z, z, z, z)  # two independent accumulation chains (even / odd k-tiles)
     t = (z, z, z, z)
     n = (z, z, z, z)
-    for i in tl.static_range(NKW):
-        pw = _lut4(k0[i], lb)  # chunk bytes 4i..4i+3 of token r
-        px = _lut4(k1[i], lb)  # ... of token r + 8
-        s = _mma(s, pw[0], px[0], pw[1], px[1], qf[4 * i], qf[4 * i + 1])
-        t = _mma(t, pw[2], px[2], pw[3], px[3], qf[4 * i + 2], qf[4 * i + 3])
-        if K_NC:
-            n = _mma(n, _sq(pw[0]), _sq(px[0]), _sq(pw[1]), _sq(px[1]), ones, ones)
-            n = _mma(n, _sq(pw[2]), _sq(px[2]), _sq(pw[3]), _sq(px[3]), ones, ones)
+    if K_FP8:
+        for i in tl.static_range(NKW):
+            pw = _fp8_pairs(k0[i])
+            px = _fp8_pairs(k1[i])
+            if i % 2 == 0:
+                s = _mma(s, pw[0], px[0], pw[1], px[1], qf[2 * i], qf[2 * i + 1])
+            else:
+                t = _mma(t, pw[0], px[0], pw[1], px[1], qf[2 * i], qf[2 * i + 1])
+    else:
+        for i in tl.static_range(NKW):
+            pw = _lut4(k0[i], lb)  # chunk bytes 4i..4i+3 of token r
+            px = _lut4(k1[i], lb)  # ... of token r + 8
+            s = _mma(s, pw[0], px[0], pw[1], px[1], qf[4 * i], qf[4 * i + 1])
+            t = _mma(t, pw[2], px[2], pw[3], px[3], qf[4 * i + 2], qf[4 * i + 3])
+            if K_NC:
+                n = _mma(n, _sq(pw[0]), _sq(px[0]), _sq(pw[1]), _sq(px[1]), ones, ones)
+                n = _mma(n, _sq(pw[2]), _sq(px[2]), _sq(pw[3]), _sq(px[3]), ones, ones)
     return (s[0] + t[0], s[1] + t[1], s[2] + t[2], s[3] + t[3]), n
 
 
@@ -381,10 +423,12 @@ def _paged_decode_mma_kernel(
     K_DT: tl.constexpr, K_NC: tl.constexpr,
     V_UNIFORM: tl.constexpr, V_A_OFF: tl.constexpr, V_A_STRIDE: tl.constexpr, V_B_OFF: tl.constexpr,
     V_B_STRIDE: tl.constexpr, V_C_OFF: tl.constexpr, V_C_STRIDE: tl.constexpr, V_DT: tl.constexpr,
-    K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0,
+    K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, K_FP8: tl.constexpr = False, K_NW: tl.constexpr = 1,
+    PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0,
 ):
     NT: tl.constexpr = 32 * WARPS
-    CK: tl.constexpr = D // 8  # key chunk bytes per lane and token (2 per k-tile)
+    CK: tl.constexpr = (D // 8) * (1 + K_FP8)  # key chunk bytes per lane and token (4-bit: 2 per k-tile)
+    NEED_LUT: tl.constexpr = not (K_FP8 and V_UNIFORM)  # FP8 keys and uniform values need no table
     CV: tl.constexpr = D // 16  # value chunk bytes per lane and token (1 per M tile)
     NKW: tl.constexpr = CK // 4
     NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
@@ -410,13 +454,19 @@ def _paged_decode_mma_kernel(
     bt_row = bt_ptr + s.to(tl.int64) * max_blocks
 
     # -- pair table ------------------------------------------------------------------------------
-    lut = _lut_fill(_lut_declare(t), t, cen_ptr, NT)
-    lb = lut + lane * 4
+    if NEED_LUT:
+        lut = _lut_fill(_lut_declare(t), t, cen_ptr, NT)
+        lb = lut + lane * 4
+    else:
+        lb = lane * 4
 
     # -- field geometry (aligned spans, byte masks for the joining lane) ---------------------------
     ka = K_A_OFF + h * K_A_STRIDE
     va = V_A_OFF + h * V_A_STRIDE
-    k_mis = ka % CK
+    if K_FP8:  # FP8 keys are read word-wise from ka itself
+        k_mis = ka * 0
+    else:
+        k_mis = ka % CK
     v_mis = va % CV
     ka0 = ka - k_mis
     va0 = va - v_mis
@@ -432,11 +482,19 @@ def _paged_decode_mma_kernel(
     q_row = q_ptr + ((s * HQ + h * G + r) * D).to(tl.int64)
     q_ok = live & (r < G)
     qf = ()
-    for j in tl.static_range(CK):
-        f = (CK * (c + 1) + j - k_mis) % (4 * CK)
-        x0 = tl.load(q_row + _dim_of(f, 0, NIBBLE), mask=q_ok, other=0.0)
-        x1 = tl.load(q_row + _dim_of(f, 1, NIBBLE), mask=q_ok, other=0.0)
-        qf = qf + (_pack2(x0, x1),)
+    if K_FP8:  # word i of the chunk (field word fw, coordinates 4fw .. 4fw + 3): two pairs
+        for i in tl.static_range(NKW):
+            fw = K_NW * (4 * (i // K_NW) + c) + i % K_NW
+            for e in tl.static_range(2):
+                x0 = tl.load(q_row + 4 * fw + 2 * e, mask=q_ok, other=0.0)
+                x1 = tl.load(q_row + 4 * fw + 2 * e + 1, mask=q_ok, other=0.0)
+                qf = qf + (_pack2(x0, x1),)
+    else:
+        for j in tl.static_range(CK):
+            f = (CK * (c + 1) + j - k_mis) % (4 * CK)
+            x0 = tl.load(q_row + _dim_of(f, 0, NIBBLE), mask=q_ok, other=0.0)
+            x1 = tl.load(q_row + _dim_of(f, 1, NIBBLE), mask=q_ok, other=0.0)
+            qf = qf + (_pack2(x0, x1),)
     ones = tl.full([NT], 0x3C003C00, tl.int32)
 
     # -- state -----------------------------------------------------------------------------------
@@ -461,7 +519,7 @@ def _paged_decode_mma_kernel(
     for j in tl.static_range(PREFETCH):
         ring = ring + (_load_step(cache_ptr, bt_row, blk, start + 16 * j, end, r, c, ka0, va0, kb_off, vb_off, vc_off,
                                   k_masks, v_masks, k_sec_on, v_sec_on, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT,
-                                  V_DT, V_UNIFORM, HINT),)
+                                  V_DT, V_UNIFORM, HINT, K_FP8, K_NW),)
         blk = _step_block(bt_row, start + 16 * (j + 1), end, BS)
     for it in range(0, n_steps):
         t0 = start + it * 16
@@ -469,12 +527,12 @@ def _paged_decode_mma_kernel(
         tn = t0 + 16 * PREFETCH
         ring = ring[1:] + (_load_step(cache_ptr, bt_row, blk, tn, end, r, c, ka0, va0, kb_off, vb_off, vc_off, k_masks,
                                       v_masks, k_sec_on, v_sec_on, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT,
-                                      V_DT, V_UNIFORM, HINT),)
+                                      V_DT, V_UNIFORM, HINT, K_FP8, K_NW),)
         blk = _step_block(bt_row, tn + 16, end, BS)
         ok0 = (t0 + r) < end
         ok1 = (t0 + r + 8) < end
 
-        sv, cn = _scores(k0, k1, qf, lb, ones, NKW, K_NC)
+        sv, cn = _scores(k0, k1, qf, lb, ones, NKW, K_NC, K_FP8)
         f0 = fac[0] * sm_scale_log2
         f1 = fac[1] * sm_scale_log2
         if K_NC:
@@ -567,18 +625,26 @@ def _mma_plan(layout: PagedLayout, group: int) -> tuple | None:
     fmt = layout.format
     key, value = fmt.key, fmt.value
     d = fmt.head_dim
-    if not (isinstance(key, LloydMax) and key.bits == 4):
+    k_fp8 = isinstance(key, FP8)
+    if not ((isinstance(key, LloydMax) and key.bits == 4) or k_fp8):
         return None
     v_uniform = isinstance(value, Uniform)
     if not ((isinstance(value, LloydMax) and value.norm_correction != "decode") or v_uniform) or value.bits != 4:
         return None
+    if k_fp8 and not v_uniform:  # the one table holds the keys' codebook; FP8 keys have none
+        return None
     if d not in (64, 128) or not 1 <= group <= 8:
         return None
     rb = layout.row_bytes
-    if rb % (d // 8) or rb % 4:
+    if rb % (d // 16) or rb % 4 or (rb % (d // 8) and not k_fp8):
         return None
     c = layout_consts(layout)
-    k_dt = _DT[key.norm_dtype]
+    k_nw = 1
+    if k_fp8:  # word loads of the key field: as wide as its alignment allows
+        if (c["K_A_OFF"] | c["K_A_STRIDE"]) % 4:
+            return None
+        k_nw = next(n for n in (4, 2, 1) if (c["K_A_OFF"] | c["K_A_STRIDE"] | rb) % (4 * n) == 0)
+    k_dt = _DT["float32" if k_fp8 else key.norm_dtype]
     v_dt = _DT[value.param_dtype if v_uniform else value.norm_dtype]
     for off, dt in ((c["K_B_OFF"], k_dt), (c["K_B_STRIDE"], k_dt), (c["V_B_OFF"], v_dt), (c["V_B_STRIDE"], v_dt),
                     (c["V_C_OFF"], v_dt), (c["V_C_STRIDE"], v_dt)):
@@ -588,10 +654,10 @@ def _mma_plan(layout: PagedLayout, group: int) -> tuple | None:
     return tuple(dict(
         D=d, DP=c["DP"], ROW_BYTES=rb, NIBBLE=fmt.bit_order == "nibble_high_even",
         K_A_OFF=c["K_A_OFF"], K_A_STRIDE=c["K_A_STRIDE"], K_B_OFF=c["K_B_OFF"], K_B_STRIDE=c["K_B_STRIDE"],
-        K_DT=k_dt, K_NC=key.norm_correction == "decode",
+        K_DT=k_dt, K_NC=not k_fp8 and key.norm_correction == "decode", K_FP8=k_fp8, K_NW=k_nw,
         V_UNIFORM=v_uniform, V_A_OFF=c["V_A_OFF"], V_A_STRIDE=c["V_A_STRIDE"], V_B_OFF=c["V_B_OFF"],
         V_B_STRIDE=c["V_B_STRIDE"], V_C_OFF=c["V_C_OFF"], V_C_STRIDE=c["V_C_STRIDE"], V_DT=v_dt,
-        K_MERGE=bool(c["K_A_OFF"] % ck or c["K_A_STRIDE"] % ck),
+        K_MERGE=not k_fp8 and bool(c["K_A_OFF"] % ck or c["K_A_STRIDE"] % ck),
         V_MERGE=bool(c["V_A_OFF"] % cv or c["V_A_STRIDE"] % cv),
     ).items())
 
@@ -607,7 +673,12 @@ def num_splits_mma(num_seqs: int, num_kv_heads: int, max_len: int, resident_warp
     return int(max(1, min(resident_warps // pairs, max_len // 256, 64)))
 
 
-_SMEM_PER_CTA = 32768 + 1024  # the pair table (static) and the per-CTA reservation
+_LUT_BYTES, _SMEM_RESERVED = 32768, 1024  # the pair table (static, inline PTX) and the per-CTA reservation
+
+
+def _needs_lut(plan: dict) -> bool:
+    """Whether the kernel declares the pair table (mirrors ``NEED_LUT`` in the kernel)."""
+    return not (plan.get("K_FP8") and plan["V_UNIFORM"])
 
 
 def _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, group, num_splits,
@@ -643,7 +714,7 @@ def resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, key_centro
             k = _paged_decode_mma_kernel.warmup(*args, grid=(1,), **kwargs)
             k._init_handles()  # loads the binary: n_regs
             per_warp = -(-int(k.n_regs) * 32 // 256) * 256
-            smem = _SMEM_PER_CTA + int(getattr(k.metadata, "shared", 0))
+            smem = _LUT_BYTES * _needs_lut(plan) + _SMEM_RESERVED + int(getattr(k.metadata, "shared", 0))
             smem_sm = int(getattr(props, "shared_memory_per_multiprocessor", 233472))
             ctas = max(1, min(65536 // (per_warp * warps), smem_sm // smem, 64 // warps, 32))
         except Exception:  # noqa: BLE001
