@@ -132,6 +132,9 @@ def main(argv=None):
     for shape, q, sdpa, bt, sl in baseline_runs(args.shapes, g, res["rows"]):
         b, L, hq, hkv, d = shape.batch, shape.seq_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim
         for preset, layout, params, cache in preset_caches(shape, args.presets, g):
+            if mma_plan(layout, hq // hkv) is None:
+                print(f"{shape.name} {preset}: the warp-MMA kernel does not apply", flush=True)
+                continue
             out = torch.empty_like(q)
             nbytes = b * L * layout.row_bytes
             for pf, hint, warps, splits, mr in configs:

@@ -192,13 +192,11 @@ def _ld_asm(nw: int, hint: str) -> str:
             + f"@p ld.global.nc{hint}{vec}.b32 {dst}, [${nw}];\n}}")
 
 
-# Loads of 1, 2 or 4 words: plain (HINT 0), with an L2 prefetch hint of 256 bytes (1), or that
-# hint and no L1 allocation (2).
-_HINTS = ("", ".L2::256B", ".L1::no_allocate.L2::256B")
-_LD_ASM = {(nw, h): tl.constexpr(_ld_asm(nw, _HINTS[h])) for nw in (1, 2, 4) for h in range(3)}
+# Loads of 1, 2 or 4 words, plain or with an L2 prefetch hint of 256 bytes. (Adding
+# L1::no_allocate measured 1-29% slower on the H100 for every format: benchmarks/NOTES.md §23.)
+_LD_ASM = {(nw, h): tl.constexpr(_ld_asm(nw, ".L2::256B" if h else "")) for nw in (1, 2, 4) for h in (0, 1)}
 _LD1, _LD2, _LD4 = _LD_ASM[1, 0], _LD_ASM[2, 0], _LD_ASM[4, 0]
 _LD1H, _LD2H, _LD4H = _LD_ASM[1, 1], _LD_ASM[2, 1], _LD_ASM[4, 1]
-_LD1N, _LD2N, _LD4N = _LD_ASM[1, 2], _LD_ASM[2, 2], _LD_ASM[4, 2]
 
 
 @triton.jit
@@ -207,13 +205,13 @@ def _ld_words(ptr, pred, NW: tl.constexpr, HINT: tl.constexpr):
     path; zeros where ``pred`` is false."""
     p = pred.to(tl.int32)
     if NW == 4:
-        return tl.inline_asm_elementwise(_LD4N if HINT == 2 else _LD4H if HINT else _LD4, "=r,=r,=r,=r,l,r",
+        return tl.inline_asm_elementwise(_LD4H if HINT else _LD4, "=r,=r,=r,=r,l,r",
                                          [ptr, p], dtype=(tl.int32,) * 4, is_pure=True, pack=1)
     elif NW == 2:
-        return tl.inline_asm_elementwise(_LD2N if HINT == 2 else _LD2H if HINT else _LD2, "=r,=r,l,r", [ptr, p],
+        return tl.inline_asm_elementwise(_LD2H if HINT else _LD2, "=r,=r,l,r", [ptr, p],
                                          dtype=(tl.int32,) * 2, is_pure=True, pack=1)
     else:
-        w = tl.inline_asm_elementwise(_LD1N if HINT == 2 else _LD1H if HINT else _LD1, "=r,l,r", [ptr, p],
+        w = tl.inline_asm_elementwise(_LD1H if HINT else _LD1, "=r,l,r", [ptr, p],
                                       dtype=tl.int32, is_pure=True, pack=1)
         return (w,)
 
