@@ -96,15 +96,16 @@ def test_word_path_matches_oracle(unit, data):
 
 @st.composite
 def mma_path_cases(draw):
-    """Layouts the warp-MMA kernel takes (tqkern/ops/paged_decode/triton_mma.py): 4-bit
+    """Layouts the warp-MMA kernel takes (tqkern/ops/paged_decode/triton_mma.py): 4-bit or 3-bit
     Lloyd-Max keys (every norm dtype and correction) or FP8 keys (rotated or not), 4-bit
-    Lloyd-Max values with the keys' codebook or 4-bit uniform values (FP8 keys: uniform only),
-    head_dim 64/128, GQA groups 1..8, both bit orders and arrangements, every slot alignment
-    (fields misaligned against the lanes' chunks included), block sizes 1..128 (blocks shorter
-    than the kernel's 16-token step included)."""
+    Lloyd-Max values with the keys' codebook or 4-bit uniform values (3-bit and FP8 keys: uniform
+    only), head_dim 64/128, GQA groups 1..8, both bit orders (3-bit: LSB only) and arrangements,
+    every slot alignment (fields misaligned against the lanes' chunks included), block sizes
+    1..128 (blocks shorter than the kernel's 16-token step included)."""
     d = draw(st.sampled_from([64, 128]), label="head_dim")
-    key = draw(st.one_of(T.lloyd_max_codecs(st.just(4)), st.builds(tqkern.FP8, rotated=st.booleans())), label="key")
-    if isinstance(key, tqkern.FP8):
+    key = draw(st.one_of(T.lloyd_max_codecs(st.sampled_from([4, 3])), st.builds(tqkern.FP8, rotated=st.booleans())),
+               label="key")
+    if isinstance(key, tqkern.FP8) or key.bits == 3:
         value = draw(T.uniform_codecs(st.just(4)), label="value")
     else:
         value = draw(st.one_of(
@@ -112,8 +113,9 @@ def mma_path_cases(draw):
                 c, distribution=key.distribution, norm_correction="stored" if c.norm_correction == "decode"
                 else c.norm_correction)),
             T.uniform_codecs(st.just(4))), label="value")
+    orders = ["lsb"] if key.bits == 3 else ["lsb", "nibble_high_even"]
     fmt = tqkern.KVFormat(head_dim=d, key=key, value=value,
-                          bit_order=draw(st.sampled_from(["lsb", "nibble_high_even"]), label="bit_order"),
+                          bit_order=draw(st.sampled_from(orders), label="bit_order"),
                           rotation=draw(st.sampled_from(["hadamard", "hadamard_signed", "haar"]), label="rotation"),
                           slot_alignment=draw(st.sampled_from([1, 2, 4, 16]), label="slot_alignment"))
     layout = tqkern.PagedLayout(format=fmt, num_kv_heads=draw(st.sampled_from([1, 2, 3, 4, 8]), label="num_kv_heads"),
@@ -133,8 +135,8 @@ def mma_path_cases(draw):
                                        "general kernel, tested above)")
 @given(mma_path_cases(), st.data())
 def test_mma_path_matches_oracle(case, data):
-    """The warp-level tensor-core kernel for 4-bit or FP8 keys and 4-bit values against the
-    oracle; the launcher must pick it for every drawn case."""
+    """The warp-level tensor-core kernel for 4-bit, 3-bit or FP8 keys and 4-bit values against
+    the oracle; the launcher must pick it for every drawn case."""
     layout, params, group = case[:3]
     p = tqt.to_device(params, DEV)
     assert decode_path(layout, group, same_codebooks=p.same_codebooks) == "mma"

@@ -24,9 +24,9 @@ def _layout(preset, d, heads, arrangement="slot"):
 
 
 def test_decode_path_rules_and_bad_input():
-    """The warp-MMA kernel takes 4-bit or FP8 keys and 4-bit values (shared codebook for
-    Lloyd-Max values, uniform values with FP8 keys), head_dim 64/128, groups up to 8, rows a
-    multiple of D/8 bytes (FP8 keys: D/16 and 4); never under the interpreter."""
+    """The warp-MMA kernel takes 4-bit, 3-bit (LSB) or FP8 keys and 4-bit values (shared codebook
+    for Lloyd-Max values, uniform values with 3-bit or FP8 keys), head_dim 64/128, groups up to 8,
+    rows a multiple of D/8 bytes (3-bit or FP8 keys: D/16 and 4); never under the interpreter."""
     tq4 = _layout("tq4", 128, 8, "row")
     nc = _layout("turboquant_4bit_nc", 128, 8)
     assert decode_path(tq4, 4) == "mma" and decode_path(nc, 4) == "mma"
@@ -44,6 +44,13 @@ def test_decode_path_rules_and_bad_input():
     assert mma_plan(_layout("turboquant_k8v4", 128, 8, "row"), 4)["K_NW"] == 4  # 16-byte aligned key fields
     assert decode_path(_layout("turboquant_k8v4", 64, 3), 3) == "mma"  # 300-byte rows: 4-byte value chunks
     assert decode_path(_layout("turboquant_k8v4", 128, 3), 3) == "fast"  # 588-byte rows: not 8-byte aligned
+    k3 = mma_plan(_layout("turboquant_k3v4_nc", 128, 8), 4)  # 118-byte slots: shifted word chunks
+    assert k3["K_BITS"] == 3 and k3["K_NC"] and not k3["K_MERGE"] and k3["V_UNIFORM"]
+    assert decode_path(_layout("turboquant_3bit_nc", 128, 8), 4) == "fast"  # 3-bit values
+    assert decode_path(_layout("tqkern_k5v3", 128, 8), 4) == "fast"
+    k3_64 = tqkern.KVFormat(head_dim=64, key=tqkern.LloydMax(bits=3), value=tqkern.Uniform(bits=4))
+    # D=64: 6-byte lane chunks of the 24-byte key field, half of them 2 bytes off a word boundary
+    assert decode_path(tqkern.PagedLayout(format=k3_64, num_kv_heads=8, block_size=16, arrangement="row"), 4) == "mma"
     fp8_lm = tqkern.KVFormat(head_dim=128, key=tqkern.FP8(), value=tqkern.LloydMax(bits=4))
     assert decode_path(tqkern.PagedLayout(format=fp8_lm, num_kv_heads=8, block_size=16), 4) == "fast"  # no table
     assert decode_path(_layout("tq4", 256, 8, "row"), 4) == "fast"

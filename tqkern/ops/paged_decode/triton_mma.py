@@ -77,13 +77,16 @@ def _lut_declare(t):
 
 
 @triton.jit
-def _lut_fill(base, t, cen_ptr, NT: tl.constexpr):
-    """Entry ``b`` (fp16 pair of c[b & 15], c[b >> 4]) into all 32 lane replicas (``b·128 +
-    4·lane``); then a CTA barrier. Returns the table address (lookups depend on it)."""
+def _lut_fill(base, t, cen_ptr, NT: tl.constexpr, BITS: tl.constexpr):
+    """Entry ``b`` (fp16 pair of c[b & m], c[(b >> BITS) & m], m = 2^BITS − 1: two consecutive
+    codes of an LSB bitstream, or the two nibbles of a byte) into all 32 lane replicas (``b·128 +
+    4·lane``); then a CTA barrier. Returns the table address (lookups depend on it). All 256
+    entries are written (3-bit codes use entries 0..63)."""
+    M: tl.constexpr = (1 << BITS) - 1
     for i in tl.static_range(256 // NT):
         b = t + i * NT
-        lo = tl.load(cen_ptr + (b & 15)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        hi = tl.load(cen_ptr + (b >> 4)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        lo = tl.load(cen_ptr + (b & M)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        hi = tl.load(cen_ptr + ((b >> BITS) & M)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         base = tl.inline_asm_elementwise(_FILL_ASM, "=r,r,r,r", [base, b, lo | (hi << 16)], dtype=tl.int32,
                                          is_pure=False, pack=1)
     return tl.inline_asm_elementwise("bar.sync 0;\nmov.b32 $0, $1;", "=r,r", [base], dtype=tl.int32,
@@ -101,6 +104,33 @@ def _lut4(w, lb):
         "mad.lo.u32 b2, b2, 128, $5;\nmad.lo.u32 b3, b3, 128, $5;\n"
         "ld.shared.b32 $0, [b0];\nld.shared.b32 $1, [b1];\nld.shared.b32 $2, [b2];\nld.shared.b32 $3, [b3];\n}",
         "=r,=r,=r,=r,r,r", [w, lb], dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+
+
+@triton.jit
+def _lut1(idx, lb):
+    """The table entry ``idx`` (``lb``: this lane's table base)."""
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b32 a;\nmad.lo.u32 a, $1, 128, $2;\nld.shared.b32 $0, [a];\n}",
+        "=r,r,r", [idx, lb], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _funnel(lo, hi, sh):
+    """Bits ``sh .. sh + 31`` of the 64-bit ``hi:lo`` (``sh`` in 0..31)."""
+    return tl.inline_asm_elementwise("shf.r.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r", [lo, hi, sh], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _k3_pair(y, p: tl.constexpr):
+    """Six-bit index of the code pair ``p`` (chunk bits ``6p .. 6p + 5``) of the chunk words ``y``."""
+    W: tl.constexpr = (6 * p) // 32
+    OFF: tl.constexpr = (6 * p) % 32
+    if OFF <= 26:
+        v = y[W] >> OFF
+    else:
+        v = _funnel(y[W], y[W + 1], OFF)
+    return v & 63
 
 
 @triton.jit
@@ -283,10 +313,11 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, ka0, va0, kb_off, vb_off, 
                k_sec_on, v_sec_on, BS: tl.constexpr, ROW_BYTES: tl.constexpr, CK: tl.constexpr,
                CV: tl.constexpr, K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, K_DT: tl.constexpr,
                V_DT: tl.constexpr, V_UNIFORM: tl.constexpr, HINT: tl.constexpr, K_FP8: tl.constexpr,
-               K_NW: tl.constexpr):
+               K_NW: tl.constexpr, K_BITS: tl.constexpr):
     """Everything one 16-token step reads (predicated off past the warp's range); ``blk`` is
     the step's block (:func:`_step_block`, looked up a step earlier) when ``BS >= 16``. FP8 keys
-    (``K_FP8``) are read word-wise from their own offset ``ka0`` and have no factor (1)."""
+    (``K_FP8``) are read word-wise from their own offset ``ka0`` and have no factor (1); 3-bit keys
+    as ``NKW`` words from this lane's aligned offset ``ka0``."""
     ok = t0 < end
     NKW: tl.constexpr = CK // 4
     NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
@@ -312,6 +343,12 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, ka0, va0, kb_off, vb_off, 
     if K_FP8:
         k0 = _fp8_chunk(rk0 + ka0, c, ok, NKW, K_NW, HINT)
         k1 = _fp8_chunk(rk1 + ka0, c, ok, NKW, K_NW, HINT)
+    elif K_BITS == 3:
+        k0 = ()
+        k1 = ()
+        for i in tl.static_range(NKW):
+            k0 = k0 + _ld_words(rk0 + ka0 + 4 * i, ok, 1, HINT)
+            k1 = k1 + _ld_words(rk1 + ka0 + 4 * i, ok, 1, HINT)
     else:
         k0 = _chunk(rk0, ka0, ki, CK, k_masks, ok, ks, NKW, K_MERGE, 4, HINT)
         k1 = _chunk(rk1, ka0, ki, CK, k_masks, ok, ks, NKW, K_MERGE, 4, HINT)
@@ -337,10 +374,13 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, ka0, va0, kb_off, vb_off, 
 
 
 @triton.jit
-def _scores(k0, k1, qf, lb, ones, NKW: tl.constexpr, K_NC: tl.constexpr, K_FP8: tl.constexpr):
+def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K_FP8: tl.constexpr,
+            K_BITS: tl.constexpr, NKT: tl.constexpr):
     """S^T (tokens r, r+8 × heads 2c, 2c+1) and, for decode-time norm correction, ‖c‖² of the
     same tokens (all columns equal). FP8 keys: word ``i`` of the chunk is k-tile ``i`` (its
-    bytes 0, 1 the MMA columns 2c, 2c+1; bytes 2, 3 the columns 2c+8, 2c+9)."""
+    bytes 0, 1 the MMA columns 2c, 2c+1; bytes 2, 3 the columns 2c+8, 2c+9). 3-bit keys: the
+    chunk words shifted by ``k_sh`` bits, code pair ``p`` (bits ``6p ..``) one table entry; k-tile
+    ``i`` takes pairs ``2i`` (columns 2c, 2c+1) and ``2i + 1`` (2c+8, 2c+9)."""
     z = tl.zeros_like(lb.to(tl.float32))
     s = (z, z, z, z)  # two independent accumulation chains (even / odd k-tiles)
     t = (z, z, z, z)
@@ -353,6 +393,23 @@ def _scores(k0, k1, qf, lb, ones, NKW: tl.constexpr, K_NC: tl.constexpr, K_FP8: 
                 s = _mma(s, pw[0], px[0], pw[1], px[1], qf[2 * i], qf[2 * i + 1])
             else:
                 t = _mma(t, pw[0], px[0], pw[1], px[1], qf[2 * i], qf[2 * i + 1])
+    elif K_BITS == 3:
+        x = ()
+        y = ()
+        for i in tl.static_range(NKW - 1):
+            x = x + (_funnel(k0[i], k0[i + 1], k_sh),)
+            y = y + (_funnel(k1[i], k1[i + 1], k_sh),)
+        for i in tl.static_range(NKT):
+            a0 = _lut1(_k3_pair(x, 2 * i), lb)
+            a1 = _lut1(_k3_pair(y, 2 * i), lb)
+            a2 = _lut1(_k3_pair(x, 2 * i + 1), lb)
+            a3 = _lut1(_k3_pair(y, 2 * i + 1), lb)
+            if i % 2 == 0:
+                s = _mma(s, a0, a1, a2, a3, qf[2 * i], qf[2 * i + 1])
+            else:
+                t = _mma(t, a0, a1, a2, a3, qf[2 * i], qf[2 * i + 1])
+            if K_NC:
+                n = _mma(n, _sq(a0), _sq(a1), _sq(a2), _sq(a3), ones, ones)
     else:
         for i in tl.static_range(NKW):
             pw = _lut4(k0[i], lb)  # chunk bytes 4i..4i+3 of token r
@@ -422,10 +479,13 @@ def _paged_decode_mma_kernel(
     V_UNIFORM: tl.constexpr, V_A_OFF: tl.constexpr, V_A_STRIDE: tl.constexpr, V_B_OFF: tl.constexpr,
     V_B_STRIDE: tl.constexpr, V_C_OFF: tl.constexpr, V_C_STRIDE: tl.constexpr, V_DT: tl.constexpr,
     K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, K_FP8: tl.constexpr = False, K_NW: tl.constexpr = 1,
-    PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0,
+    K_BITS: tl.constexpr = 4, PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0,
 ):
     NT: tl.constexpr = 32 * WARPS
-    CK: tl.constexpr = (D // 8) * (1 + K_FP8)  # key chunk bytes per lane and token (4-bit: 2 per k-tile)
+    K3: tl.constexpr = K_BITS == 3
+    # Key bytes a lane loads per token: 4-bit D/8 (2 per k-tile), FP8 D/4, 3-bit its 3D/32-byte
+    # chunk in whole words from the aligned address below it, plus one word for the shift.
+    CK: tl.constexpr = (D // 8) * (1 + K_FP8) * (1 - K3) + 4 * ((3 * D + 127) // 128 + 1) * K3
     NEED_LUT: tl.constexpr = not (K_FP8 and V_UNIFORM)  # FP8 keys and uniform values need no table
     CV: tl.constexpr = D // 16  # value chunk bytes per lane and token (1 per M tile)
     NKW: tl.constexpr = CK // 4
@@ -453,7 +513,7 @@ def _paged_decode_mma_kernel(
 
     # -- pair table ------------------------------------------------------------------------------
     if NEED_LUT:
-        lut = _lut_fill(_lut_declare(t), t, cen_ptr, NT)
+        lut = _lut_fill(_lut_declare(t), t, cen_ptr, NT, K_BITS)
         lb = lut + lane * 4
     else:
         lb = lane * 4
@@ -463,10 +523,18 @@ def _paged_decode_mma_kernel(
     va = V_A_OFF + h * V_A_STRIDE
     if K_FP8:  # FP8 keys are read word-wise from ka itself
         k_mis = ka * 0
+        ka0 = ka
+        k_sh = ka * 0
+    elif K3:  # this lane's chunk: codes c·D/4 .. (bytes 3D/32·c ..), from the word below it
+        k_mis = ka * 0
+        k_lane = ka + (3 * D // 32) * c
+        ka0 = k_lane - (k_lane & 3)
+        k_sh = (k_lane & 3) * 8
     else:
         k_mis = ka % CK
+        ka0 = ka - k_mis
+        k_sh = ka * 0
     v_mis = va % CV
-    ka0 = ka - k_mis
     va0 = va - v_mis
     k_masks = _byte_masks(tl.where(c == 3, k_mis, 0), NKW)
     v_masks = _byte_masks(tl.where(r == 7, v_mis, 0), NVW)
@@ -480,7 +548,12 @@ def _paged_decode_mma_kernel(
     q_row = q_ptr + ((s * HQ + h * G + r) * D).to(tl.int64)
     q_ok = live & (r < G)
     qf = ()
-    if K_FP8:  # word i of the chunk (field word fw, coordinates 4fw .. 4fw + 3): two pairs
+    if K3:  # code pair p of the chunk: coordinates c·D/4 + 2p, + 1
+        for p in tl.static_range(D // 8):
+            x0 = tl.load(q_row + c * (D // 4) + 2 * p, mask=q_ok, other=0.0)
+            x1 = tl.load(q_row + c * (D // 4) + 2 * p + 1, mask=q_ok, other=0.0)
+            qf = qf + (_pack2(x0, x1),)
+    elif K_FP8:  # word i of the chunk (field word fw, coordinates 4fw .. 4fw + 3): two pairs
         for i in tl.static_range(NKW):
             fw = K_NW * (4 * (i // K_NW) + c) + i % K_NW
             for e in tl.static_range(2):
@@ -517,7 +590,7 @@ def _paged_decode_mma_kernel(
     for j in tl.static_range(PREFETCH):
         ring = ring + (_load_step(cache_ptr, bt_row, blk, start + 16 * j, end, r, c, ka0, va0, kb_off, vb_off, vc_off,
                                   k_masks, v_masks, k_sec_on, v_sec_on, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT,
-                                  V_DT, V_UNIFORM, HINT, K_FP8, K_NW),)
+                                  V_DT, V_UNIFORM, HINT, K_FP8, K_NW, K_BITS),)
         blk = _step_block(bt_row, start + 16 * (j + 1), end, BS)
     for it in range(0, n_steps):
         t0 = start + it * 16
@@ -525,12 +598,12 @@ def _paged_decode_mma_kernel(
         tn = t0 + 16 * PREFETCH
         ring = ring[1:] + (_load_step(cache_ptr, bt_row, blk, tn, end, r, c, ka0, va0, kb_off, vb_off, vc_off, k_masks,
                                       v_masks, k_sec_on, v_sec_on, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT,
-                                      V_DT, V_UNIFORM, HINT, K_FP8, K_NW),)
+                                      V_DT, V_UNIFORM, HINT, K_FP8, K_NW, K_BITS),)
         blk = _step_block(bt_row, tn + 16, end, BS)
         ok0 = (t0 + r) < end
         ok1 = (t0 + r + 8) < end
 
-        sv, cn = _scores(k0, k1, qf, lb, ones, NKW, K_NC, K_FP8)
+        sv, cn = _scores(k0, k1, qf, lb, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16)
         f0 = fac[0] * sm_scale_log2
         f1 = fac[1] * sm_scale_log2
         if K_NC:
@@ -624,25 +697,30 @@ def _mma_plan(layout: PagedLayout, group: int) -> tuple | None:
     key, value = fmt.key, fmt.value
     d = fmt.head_dim
     k_fp8 = isinstance(key, FP8)
-    if not ((isinstance(key, LloydMax) and key.bits == 4) or k_fp8):
+    k3 = isinstance(key, LloydMax) and key.bits == 3 and fmt.bit_order == "lsb"
+    if not ((isinstance(key, LloydMax) and key.bits == 4) or k_fp8 or k3):
         return None
     v_uniform = isinstance(value, Uniform)
     if not ((isinstance(value, LloydMax) and value.norm_correction != "decode") or v_uniform) or value.bits != 4:
         return None
-    if k_fp8 and not v_uniform:  # the one table holds the keys' codebook; FP8 keys have none
+    if (k_fp8 or k3) and not v_uniform:  # the one table holds 4-bit key pairs or none
         return None
     if d not in (64, 128) or not 1 <= group <= 8:
         return None
     rb = layout.row_bytes
-    if rb % (d // 16) or rb % 4 or (rb % (d // 8) and not k_fp8):
+    if rb % (d // 16) or rb % 4 or (rb % (d // 8) and not (k_fp8 or k3)):
         return None
     c = layout_consts(layout)
+    last_key = c["K_A_OFF"] + (layout.num_kv_heads - 1) * c["K_A_STRIDE"]
+    if k3 and last_key + 3 * (3 * d // 32) + 4 * ((3 * d + 127) // 128 + 1) > rb:
+        return None  # 3-bit keys: a lane's whole words (one beyond its chunk) must stay in the row
     k_nw = 1
     if k_fp8:  # word loads of the key field: as wide as its alignment allows
         if (c["K_A_OFF"] | c["K_A_STRIDE"]) % 4:
             return None
         k_nw = next(n for n in (4, 2, 1) if (c["K_A_OFF"] | c["K_A_STRIDE"] | rb) % (4 * n) == 0)
     k_dt = _DT["float32" if k_fp8 else key.norm_dtype]
+    k_bits = 8 if k_fp8 else key.bits
     v_dt = _DT[value.param_dtype if v_uniform else value.norm_dtype]
     for off, dt in ((c["K_B_OFF"], k_dt), (c["K_B_STRIDE"], k_dt), (c["V_B_OFF"], v_dt), (c["V_B_STRIDE"], v_dt),
                     (c["V_C_OFF"], v_dt), (c["V_C_STRIDE"], v_dt)):
@@ -652,10 +730,10 @@ def _mma_plan(layout: PagedLayout, group: int) -> tuple | None:
     return tuple(dict(
         D=d, DP=c["DP"], ROW_BYTES=rb, NIBBLE=fmt.bit_order == "nibble_high_even",
         K_A_OFF=c["K_A_OFF"], K_A_STRIDE=c["K_A_STRIDE"], K_B_OFF=c["K_B_OFF"], K_B_STRIDE=c["K_B_STRIDE"],
-        K_DT=k_dt, K_NC=not k_fp8 and key.norm_correction == "decode", K_FP8=k_fp8, K_NW=k_nw,
+        K_DT=k_dt, K_NC=not k_fp8 and key.norm_correction == "decode", K_FP8=k_fp8, K_NW=k_nw, K_BITS=k_bits,
         V_UNIFORM=v_uniform, V_A_OFF=c["V_A_OFF"], V_A_STRIDE=c["V_A_STRIDE"], V_B_OFF=c["V_B_OFF"],
         V_B_STRIDE=c["V_B_STRIDE"], V_C_OFF=c["V_C_OFF"], V_C_STRIDE=c["V_C_STRIDE"], V_DT=v_dt,
-        K_MERGE=not k_fp8 and bool(c["K_A_OFF"] % ck or c["K_A_STRIDE"] % ck),
+        K_MERGE=key.bits == 4 and bool(c["K_A_OFF"] % ck or c["K_A_STRIDE"] % ck),
         V_MERGE=bool(c["V_A_OFF"] % cv or c["V_A_STRIDE"] % cv),
     ).items())
 
