@@ -1,4 +1,4 @@
-"""Warp-level tensor-core paged decode for caches whose keys and values are 4-bit codes.
+"""Warp-level tensor-core paged decode for caches with 4-bit values and 4-bit, 3-bit or FP8 keys.
 
 Every tensor in this kernel holds one value per thread (shape ``[32·WARPS]``), and the inner
 loop is inline PTX, so each value is produced in the register where ``mma.sync.m16n8k16``
@@ -25,6 +25,12 @@ One warp owns one (sequence, KV head, split) and walks its tokens 16 at a time:
   ``Σ p·z`` per head. P^T is scaled by the running maximum of the value factors so that fp16 P
   keeps its precision (the output is rescaled when that maximum grows, as for the softmax max).
 * vLLM's decode-time norm correction: ``‖c[idx]‖²`` per token by a second MMA against ones.
+* FP8 E4M3 keys: two bytes are one fp16 pair by ``cvt.rn.f16x2.e4m3x2``; lane ``c`` reads words
+  ``NW·(4j + c) ..`` of the field (word ``i`` of its chunk = k-tile ``i``), no key factor, and
+  with uniform values no table at all.
+* 3-bit keys (LSB bitstream): two consecutive codes are a 6-bit field, looked up in a 64-entry
+  pair table; lane ``c`` owns codes ``c·D/4 ..``, loaded as whole words from the word boundary
+  below its chunk and funnel-shifted into place (no joining lanes).
 
 A field that is not aligned to the chunk size (vLLM's 134-byte slots) is read as aligned
 blocks: lanes take blocks ``1 .. 3`` (``1 .. 7`` for values) of the field's aligned span, and
@@ -680,11 +686,13 @@ def mma_plan(layout: PagedLayout, group: int) -> dict | None:
     """Constexprs of the warp-MMA kernel for ``layout`` and GQA ``group``, or ``None`` where it
     does not apply (then the general kernel runs).
 
-    It applies when keys are 4-bit Lloyd-Max codes; values 4-bit Lloyd-Max codes (no decode-time
-    norm correction; the launcher also requires the keys' codebook, see
-    ``tqkern.ops.paged_decode.triton.decode_path``) or 4-bit uniform codes; ``head_dim`` 64 or
-    128; ``group ≤ 8``; rows a multiple of the key chunk (``D/8``
-    bytes); norms, scales and zeros aligned to their size."""
+    It applies when keys are 4-bit Lloyd-Max codes and values 4-bit Lloyd-Max codes (no
+    decode-time norm correction; the launcher also requires the keys' codebook, see
+    ``tqkern.ops.paged_decode.triton.decode_path``) or 4-bit uniform codes, or keys are 3-bit
+    Lloyd-Max codes (LSB bit order) or FP8 and values 4-bit uniform codes; ``head_dim`` 64 or
+    128; ``group ≤ 8``; rows a multiple of the key chunk (``D/8`` bytes; 3-bit and FP8 keys: of 4
+    bytes and of the value chunk, ``D/16``); FP8 key fields at 4-byte offsets; norms, scales and
+    zeros aligned to their size."""
     if not isinstance(layout, PagedLayout):
         raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
     plan = _mma_plan(layout, group)
