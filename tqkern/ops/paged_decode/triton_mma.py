@@ -241,14 +241,14 @@ def _ld_words(ptr, pred, NW: tl.constexpr, HINT: tl.constexpr):
     path; zeros where ``pred`` is false."""
     p = pred.to(tl.int32)
     if NW == 4:
-        return tl.inline_asm_elementwise(_LD4H if HINT else _LD4, "=r,=r,=r,=r,l,r",
-                                         [ptr, p], dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(_LD4H if HINT else _LD4, "=r,=r,=r,=r,l,r", [ptr, p],
+                                         dtype=(tl.int32,) * 4, is_pure=True, pack=1)
     elif NW == 2:
-        return tl.inline_asm_elementwise(_LD2H if HINT else _LD2, "=r,=r,l,r", [ptr, p],
-                                         dtype=(tl.int32,) * 2, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(_LD2H if HINT else _LD2, "=r,=r,l,r", [ptr, p], dtype=(tl.int32,) * 2,
+                                         is_pure=True, pack=1)
     else:
-        w = tl.inline_asm_elementwise(_LD1H if HINT else _LD1, "=r,l,r", [ptr, p],
-                                      dtype=tl.int32, is_pure=True, pack=1)
+        w = tl.inline_asm_elementwise(_LD1H if HINT else _LD1, "=r,l,r", [ptr, p], dtype=tl.int32,
+                                      is_pure=True, pack=1)
         return (w,)
 
 
