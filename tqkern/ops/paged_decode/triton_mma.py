@@ -727,13 +727,14 @@ def _mma_plan(layout: PagedLayout, group: int) -> tuple | None:
         if (c["K_A_OFF"] | c["K_A_STRIDE"]) % 4:
             return None
         k_nw = next(n for n in (4, 2, 1) if (c["K_A_OFF"] | c["K_A_STRIDE"] | rb) % (4 * n) == 0)
-    k_dt = _DT["float32" if k_fp8 else key.norm_dtype]
+    k_dt = _DT["float32" if k_fp8 else key.norm_dtype]  # FP8 keys have no factor: K_DT is unused
     k_bits = 8 if k_fp8 else key.bits
     v_dt = _DT[value.param_dtype if v_uniform else value.norm_dtype]
-    for off, dt in ((c["K_B_OFF"], k_dt), (c["K_B_STRIDE"], k_dt), (c["V_B_OFF"], v_dt), (c["V_B_STRIDE"], v_dt),
-                    (c["V_C_OFF"], v_dt), (c["V_C_STRIDE"], v_dt)):
-        if off % _NBYTES[dt]:
-            return None
+    factors = [(c["V_B_OFF"], v_dt), (c["V_B_STRIDE"], v_dt), (c["V_C_OFF"], v_dt), (c["V_C_STRIDE"], v_dt)]
+    if not k_fp8:
+        factors += [(c["K_B_OFF"], k_dt), (c["K_B_STRIDE"], k_dt)]
+    if any(off % _NBYTES[dt] for off, dt in factors):
+        return None
     ck, cv = d // 8, d // 16
     return tuple(dict(
         D=d, DP=c["DP"], ROW_BYTES=rb, NIBBLE=fmt.bit_order == "nibble_high_even",
