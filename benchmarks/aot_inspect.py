@@ -87,7 +87,7 @@ def compile_decode(layout, hq, path="fast", **kw):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def compile_mma(layout, hq, num_splits=8, warps=4, maxnreg=0, **extra):
+def compile_mma(layout, hq, num_splits=8, warps=4, maxnreg=0, shifted=False, **extra):
     """The warp-MMA decode kernel (tqkern.ops.paged_decode.triton_mma) for ``layout``."""
     from tqkern.ops.paged_decode import triton_mma as tm
 
@@ -95,6 +95,8 @@ def compile_mma(layout, hq, num_splits=8, warps=4, maxnreg=0, **extra):
     plan = tm.mma_plan(layout, g)
     if plan is None:
         raise SystemExit(f"the warp-MMA kernel does not apply to {layout.format} with group {g}")
+    if shifted:
+        plan = tm.shifted_plan(plan)
     fn = tm._paged_decode_mma_kernel
     cx = dict(G=g, HKV=layout.num_kv_heads, HQ=hq, NUM_SPLITS=num_splits, WARPS=warps, BS=layout.block_size,
               **plan, **extra)
@@ -155,12 +157,13 @@ def main(argv=None):
     ap.add_argument("--prefetch", type=int, default=1)
     ap.add_argument("--hint", type=int, default=0)
     ap.add_argument("--maxnreg", type=int, default=0)
+    ap.add_argument("--shifted", action="store_true", help="mma: read 4-bit fields as shifted words")
     args = ap.parse_args(argv)
     for preset in args.presets:
         fmt = tqkern.KVFormat.preset(preset, args.d)
         layout = tqkern.PagedLayout(format=fmt, num_kv_heads=args.hkv, block_size=16, arrangement=args.arrangement)
         if args.path == "mma":
-            c = compile_mma(layout, args.hq, warps=args.warps, maxnreg=args.maxnreg, PREFETCH=args.prefetch,
+            c = compile_mma(layout, args.hq, warps=args.warps, maxnreg=args.maxnreg, shifted=args.shifted, PREFETCH=args.prefetch,
                             HINT=args.hint)
         else:
             c = compile_decode(layout, args.hq, args.path, block_n=args.block_n)

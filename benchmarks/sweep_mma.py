@@ -26,16 +26,21 @@ from benchmarks.shapes import DECODE_PRESETS  # noqa: E402
 from tqkern import reference as ref  # noqa: E402
 from tqkern.ops.paged_decode.triton import _launch_merge, _workspace, rotate_q  # noqa: E402
 from tqkern.ops.paged_decode.triton_mma import (  # noqa: E402
-    _launch_paged_decode_mma, mma_plan, num_splits_mma, resident_warps)
+    _launch_paged_decode_mma, mma_plan, num_splits_mma, resident_warps, shifted_plan)
+
+
+def plan_for(layout, g, shifted):
+    plan = mma_plan(layout, g)
+    return shifted_plan(plan) if shifted and plan is not None else plan
 
 
 def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_splits, parts="all", maxnreg=None,
-):
+           shifted=0):
     s, hq, d = q.shape
     g = hq // layout.num_kv_heads
     q_rot = ((q.float() @ params.rotation) if layout.format.key.rotated else q.float()).contiguous()
     acc, ml = _workspace(None, s, hq, num_splits, max(16, triton.next_power_of_2(d)), q.device)
-    plan = mma_plan(layout, g)
+    plan = plan_for(layout, g, shifted)
 
     def run():
         if parts in ("all", "rotate"):  # what the public API does before the kernel
@@ -93,12 +98,14 @@ def main(argv=None):
     ap.add_argument("--warps", nargs="*", type=int, default=[4, 8])
     ap.add_argument("--splits", nargs="*", type=int, default=[0], help="0: the default from the shapes")
     ap.add_argument("--maxnreg", nargs="*", type=int, default=[-1], help="-1: the launcher's default")
+    ap.add_argument("--shifted", nargs="*", type=int, default=[0],
+                    help="1: read 4-bit fields as shifted words (triton_mma.shifted_plan)")
     ap.add_argument("--parts", action="store_true", help="also time the q rotation, kernel and merge alone")
     ap.add_argument("--fixed", action="store_true",
                     help="also time the q rotation (rows per program) and merge variants (kind, rows, chunks)")
     args = ap.parse_args(argv)
     arr = dict(DECODE_PRESETS)
-    configs = list(itertools.product(args.prefetch, args.hint, args.warps, args.splits, args.maxnreg))
+    configs = list(itertools.product(args.prefetch, args.hint, args.warps, args.splits, args.maxnreg, args.shifted))
     res = dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, time=time.strftime("%F %T"),
                gate=[], rows=[])
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -113,21 +120,21 @@ def main(argv=None):
         exp = ref.paged_decode(q.float().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(), lens.cpu().numpy(),
                                layout, params.params)
         vmax = float(np.abs(exp).max()) * 4 + 1e-6
-        for pf, hint, warps, splits, mr in configs:
+        for pf, hint, warps, splits, mr, sh in configs:
             out = torch.full_like(q, float("nan"))
             try:
                 launch(q, cache, bt, lens, layout, params, out, prefetch=pf, hint=hint, warps=warps,
-                       num_splits=splits or 5, maxnreg=None if mr < 0 else mr)()
+                       num_splits=splits or 5, maxnreg=None if mr < 0 else mr, shifted=sh)()
             except Exception as e:  # noqa: BLE001 -- a config that does not compile or apply
                 why = str(e).splitlines()[0][:120]
-                print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr}: skipped ({why})", flush=True)
+                print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr} s{sh}: skipped ({why})", flush=True)
                 continue
             err = float(np.abs(out.float().cpu().numpy() - exp).max())
             ok = bool(np.isfinite(err) and err <= 4e-3 * vmax)
-            ok_cfg[preset, pf, hint, warps, mr] = ok
-            res["gate"].append(dict(preset=preset, prefetch=pf, hint=hint, warps=warps, maxnreg=mr,
+            ok_cfg[preset, pf, hint, warps, mr, sh] = ok
+            res["gate"].append(dict(preset=preset, prefetch=pf, hint=hint, warps=warps, maxnreg=mr, shifted=sh,
                                     err=err, ok=ok))
-            print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr}: err {err:.2e} {'ok' if ok else 'FAIL'}",
+            print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr} s{sh}: err {err:.2e} {'ok' if ok else 'FAIL'}",
                   flush=True)
     for shape, q, sdpa, bt, sl in baseline_runs(args.shapes, g, res["rows"]):
         b, L, hq, hkv, d = shape.batch, shape.seq_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim
@@ -137,26 +144,26 @@ def main(argv=None):
                 continue
             out = torch.empty_like(q)
             nbytes = b * L * layout.row_bytes
-            for pf, hint, warps, splits, mr in configs:
-                if not ok_cfg.get((preset, pf, hint, warps, mr)):
+            for pf, hint, warps, splits, mr, sh in configs:
+                if not ok_cfg.get((preset, pf, hint, warps, mr, sh)):
                     continue
                 q_rot = ((q.float() @ params.rotation) if layout.format.key.rotated else q.float()).contiguous()
-                resident = resident_warps(q_rot, cache, bt, sl, layout, mma_plan(layout, hq // hkv),
+                resident = resident_warps(q_rot, cache, bt, sl, layout, plan_for(layout, hq // hkv, sh),
                                           params.key_centroids_f32, group=hq // hkv, warps=warps, prefetch=pf,
                                           hint=hint, maxnreg=None if mr < 0 else mr)
                 ns = splits or num_splits_mma(b, hkv, L, resident)
                 us = bench(launch(q, cache, bt, sl, layout, params, out, prefetch=pf, hint=hint, warps=warps,
-                                  num_splits=ns, maxnreg=None if mr < 0 else mr))
+                                  num_splits=ns, maxnreg=None if mr < 0 else mr, shifted=sh))
                 row = dict(shape=shape.name, variant=preset, prefetch=pf, hint=hint, warps=warps, splits=ns,
-                           maxnreg=mr,
+                           maxnreg=mr, shifted=sh,
                            resident_warps=resident, us=us, gbps=nbytes / us / 1e3, ratio=sdpa / us)
                 if args.parts:
                     for part in ("rotate", "kernel", "merge"):
                         row[part + "_us"] = bench(launch(q, cache, bt, sl, layout, params, out, prefetch=pf, hint=hint,
                                                          warps=warps, num_splits=ns, parts=part,
-                                                         maxnreg=None if mr < 0 else mr))
+                                                         maxnreg=None if mr < 0 else mr, shifted=sh))
                 res["rows"].append(row)
-                print(f"{shape.name} {preset:20s} pf{pf} hint{hint} w{warps} r{mr} splits{ns:3d} "
+                print(f"{shape.name} {preset:20s} pf{pf} hint{hint} w{warps} r{mr} s{sh} splits{ns:3d} "
                       f"(resident {resident}): {us:8.1f} us "
                       + (f"[rotate {row['rotate_us']:.1f} kernel {row['kernel_us']:.1f} merge {row['merge_us']:.1f}] "
                          if args.parts else "") +
@@ -172,7 +179,7 @@ def main(argv=None):
             print(f"{r['shape']:10s} sdpa_fp16 {r['us']:8.1f} us")
         else:
             print(f"{r['shape']:10s} {r['variant']:20s} pf{r['prefetch']} hint{r['hint']} w{r['warps']} "
-                  f"r{r['maxnreg']} splits{r['splits']:3d} {r['us']:8.1f} us {r['ratio']:.2f}x")
+                  f"r{r['maxnreg']} s{r['shifted']} splits{r['splits']:3d} {r['us']:8.1f} us {r['ratio']:.2f}x")
     for r in res.get("fixed", []):
         print(f"{r['shape']:10s} {r['variant']:20s} {r['part']:24s} {r['us']:8.1f} us")
     return 0 if all(x["ok"] for x in res["gate"]) else 1

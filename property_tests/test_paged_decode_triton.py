@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from hypothesis import assume, given, note
+from hypothesis import assume, event, given, note
 from hypothesis import strategies as st
 
 import tqkern
@@ -22,6 +22,7 @@ import tqkern.testing as T
 import tqkern_torch as tqt
 from tqkern import reference as ref
 from tqkern.ops.paged_decode.triton import decode_path, fast_path_plan
+from tqkern.ops.paged_decode.triton_mma import mma_plan
 from tqkern_torch.attention import paged_decode
 from tqkern_torch.testing import device_under_test, kernels_available, poisoned_like, to_torch_kv
 
@@ -98,22 +99,24 @@ def test_word_path_matches_oracle(unit, data):
 def mma_path_cases(draw):
     """Layouts the warp-MMA kernel takes (tqkern/ops/paged_decode/triton_mma.py): 4-bit or 3-bit
     Lloyd-Max keys (every norm dtype and correction) or FP8 keys (rotated or not), 4-bit
-    Lloyd-Max values with the keys' codebook or 4-bit uniform values (3-bit and FP8 keys: uniform
-    only), head_dim 64/128, GQA groups 1..8, both bit orders (3-bit: LSB only) and arrangements,
-    every slot alignment (fields misaligned against the lanes' chunks included), block sizes
-    1..128 (blocks shorter than the kernel's 16-token step included)."""
+    Lloyd-Max values with the keys' codebook or 4-bit or 3-bit uniform values (3-bit and FP8
+    keys: uniform only), head_dim 64/128, GQA groups 1..8, both bit orders (3-bit codes: LSB
+    only) and arrangements, every slot alignment (fields misaligned against the lanes' chunks and
+    rows of 2 mod 4 bytes included), block sizes 1..128 (blocks shorter than the kernel's
+    16-token step included)."""
     d = draw(st.sampled_from([64, 128]), label="head_dim")
     key = draw(st.one_of(T.lloyd_max_codecs(st.sampled_from([4, 3])), st.builds(tqkern.FP8, rotated=st.booleans())),
                label="key")
+    uniform = T.uniform_codecs(st.sampled_from([4, 3]))
     if isinstance(key, tqkern.FP8) or key.bits == 3:
-        value = draw(T.uniform_codecs(st.just(4)), label="value")
+        value = draw(uniform, label="value")
     else:
         value = draw(st.one_of(
             T.lloyd_max_codecs(st.just(4)).map(lambda c: dataclasses.replace(
                 c, distribution=key.distribution, norm_correction="stored" if c.norm_correction == "decode"
                 else c.norm_correction)),
-            T.uniform_codecs(st.just(4))), label="value")
-    orders = ["lsb"] if key.bits == 3 else ["lsb", "nibble_high_even"]
+            uniform), label="value")
+    orders = ["lsb"] if 3 in (key.bits, value.bits) else ["lsb", "nibble_high_even"]
     fmt = tqkern.KVFormat(head_dim=d, key=key, value=value,
                           bit_order=draw(st.sampled_from(orders), label="bit_order"),
                           rotation=draw(st.sampled_from(["hadamard", "hadamard_signed", "haar"]), label="rotation"),
@@ -135,11 +138,15 @@ def mma_path_cases(draw):
                                        "general kernel, tested above)")
 @given(mma_path_cases(), st.data())
 def test_mma_path_matches_oracle(case, data):
-    """The warp-level tensor-core kernel for 4-bit, 3-bit or FP8 keys and 4-bit values against
-    the oracle; the launcher must pick it for every drawn case."""
+    """The warp-level tensor-core kernel for 4-bit, 3-bit or FP8 keys and 4-bit or 3-bit values
+    against the oracle; the launcher must pick it for every drawn case."""
     layout, params, group = case[:3]
     p = tqt.to_device(params, DEV)
     assert decode_path(layout, group, same_codebooks=p.same_codebooks) == "mma"
+    plan = mma_plan(layout, group)  # which read schemes were drawn (--hypothesis-show-statistics)
+    event(f"keys {plan['K_BITS']}-bit {'shifted' if plan['K_FUN'] else 'joined' if plan['K_MERGE'] else 'aligned'}")
+    event(f"values {plan['V_BITS']}-bit {'shifted' if plan['V_FUN'] else 'joined' if plan['V_MERGE'] else 'aligned'}")
+    event(f"rows {layout.row_bytes % 4} mod 4")
     _check_against_oracle(*case, data)
 
 

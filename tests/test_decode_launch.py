@@ -25,8 +25,10 @@ def _layout(preset, d, heads, arrangement="slot"):
 
 def test_decode_path_rules_and_bad_input():
     """The warp-MMA kernel takes 4-bit, 3-bit (LSB) or FP8 keys and 4-bit values (shared codebook
-    for Lloyd-Max values, uniform values with 3-bit or FP8 keys), head_dim 64/128, groups up to 8,
-    rows a multiple of D/8 bytes (3-bit or FP8 keys: D/16 and 4); never under the interpreter."""
+    for Lloyd-Max values) or 4-/3-bit uniform values (the only values with 3-bit or FP8 keys),
+    head_dim 64/128, groups up to 8, rows of an even number of bytes (2 mod 4 only in blocks of an
+    even number of rows, and not with FP8 keys); fields that are not at fixed offsets from the
+    lanes' aligned chunks are read as shifted words; never under the interpreter."""
     tq4 = _layout("tq4", 128, 8, "row")
     nc = _layout("turboquant_4bit_nc", 128, 8)
     assert decode_path(tq4, 4) == "mma" and decode_path(nc, 4) == "mma"
@@ -38,15 +40,32 @@ def test_decode_path_rules_and_bad_input():
     assert decode_path(tq4, 4, same_codebooks=False) == "fast"  # one table serves K and V
     assert decode_path(nc, 4, same_codebooks=False) == "mma"  # uniform values need no table
     assert decode_path(tq4, 4, cache_aligned=False) == "fast"
-    assert decode_path(_layout("turboquant_4bit_nc", 64, 3), 3) == "fast"  # 210-byte rows
+    nc64 = _layout("turboquant_4bit_nc", 64, 3)  # 210-byte rows: odd tokens' rows 2 bytes off a word
+    assert decode_path(nc64, 3) == "mma"
+    plan = mma_plan(nc64, 3)
+    assert plan["K_FUN"] and plan["V_FUN"] and not (plan["K_MERGE"] or plan["V_MERGE"])
+    assert not any(mma_plan(tq4, 4)[k] for k in ("K_FUN", "V_FUN"))  # 1088-byte rows: aligned chunks
+    bs1 = tqkern.PagedLayout(format=nc64.format, num_kv_heads=3, block_size=1)
+    assert decode_path(bs1, 3) == "fast"  # a row's offset from a word boundary would follow its block
     k8v4 = mma_plan(_layout("turboquant_k8v4", 128, 8), 4)  # 196-byte slots: word loads of the keys
     assert k8v4["K_FP8"] and k8v4["K_NW"] == 1 and not k8v4["K_MERGE"] and k8v4["V_MERGE"] and not k8v4["K_NC"]
     assert mma_plan(_layout("turboquant_k8v4", 128, 8, "row"), 4)["K_NW"] == 4  # 16-byte aligned key fields
     assert decode_path(_layout("turboquant_k8v4", 64, 3), 3) == "mma"  # 300-byte rows: 4-byte value chunks
-    assert decode_path(_layout("turboquant_k8v4", 128, 3), 3) == "fast"  # 588-byte rows: not 8-byte aligned
+    k8v4_3 = mma_plan(_layout("turboquant_k8v4", 128, 3), 3)  # 588-byte rows: 8-byte value chunks shifted
+    assert k8v4_3["V_FUN"] and k8v4_3["K_FP8"]
+    f32_2mod4 = tqkern.KVFormat(head_dim=64, key=tqkern.LloydMax(bits=4, norm_dtype="float16"),
+                                value=tqkern.LloydMax(bits=4, norm_dtype="float32"), slot_alignment=2)
+    assert f32_2mod4.slot_bytes == 70  # odd tokens' float32 value norms would be 2 bytes off
+    assert decode_path(tqkern.PagedLayout(format=f32_2mod4, num_kv_heads=1, block_size=16), 1) == "fast"
     k3 = mma_plan(_layout("turboquant_k3v4_nc", 128, 8), 4)  # 118-byte slots: shifted word chunks
     assert k3["K_BITS"] == 3 and k3["K_NC"] and not k3["K_MERGE"] and k3["V_UNIFORM"]
-    assert decode_path(_layout("turboquant_3bit_nc", 128, 8), 4) == "fast"  # 3-bit values
+    assert k3["V_FUN"] and not k3["V_MERGE"]  # with 3-bit keys, misaligned values are shifted, not joined
+    assert mma_plan(nc, 4)["V_MERGE"] and not mma_plan(nc, 4)["V_FUN"]  # with 4-bit keys, joined
+    v3 = mma_plan(_layout("turboquant_3bit_nc", 128, 8), 4)  # 3-bit uniform values: shifted 6-byte chunks
+    assert v3["V_BITS"] == 3 and v3["V_FUN"] and v3["K_BITS"] == 3
+    assert decode_path(_layout("turboquant_3bit_nc", 64, 3), 3) == "mma"  # 162-byte rows, 3-byte chunks
+    v3_lm = tqkern.KVFormat(head_dim=128, key=tqkern.LloydMax(bits=4), value=tqkern.LloydMax(bits=3))
+    assert decode_path(tqkern.PagedLayout(format=v3_lm, num_kv_heads=8, block_size=16), 4) == "fast"
     assert decode_path(_layout("tqkern_k5v3", 128, 8), 4) == "fast"
     k3_64 = tqkern.KVFormat(head_dim=64, key=tqkern.LloydMax(bits=3), value=tqkern.Uniform(bits=4))
     # D=64: 6-byte lane chunks of the 24-byte key field, half of them 2 bytes off a word boundary

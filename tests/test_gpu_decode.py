@@ -44,7 +44,10 @@ def _dense_reference(q, cache, block_table, seq_lens, layout, params):
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("preset,arrangement,path", [("turboquant_4bit_nc", "slot", "fast"), ("tq4", "row", "mma")])
+@pytest.mark.parametrize("preset,arrangement,path", [
+    ("tqkern_k5v3", "slot", "fast"), ("tq4", "row", "mma"),
+    ("turboquant_4bit_nc", "slot", "mma"),  # 268-byte rows: shifted word reads
+    ("turboquant_3bit_nc", "slot", "mma")])  # 3-bit uniform values
 def test_cuda_graph_replay_with_new_lengths_and_tables(preset, arrangement, path):
     fmt = tqkern.KVFormat.preset(preset, 128)
     layout = tqkern.PagedLayout(format=fmt, num_kv_heads=2, block_size=16, arrangement=arrangement)

@@ -53,7 +53,8 @@ import triton.language as tl
 from tqkern.layouts import FP8, LloydMax, PagedLayout, Uniform
 from tqkern.ops.common import layout_consts, load_param
 
-__all__ = ["_paged_decode_mma_kernel", "_launch_paged_decode_mma", "mma_plan", "num_splits_mma", "resident_warps"]
+__all__ = ["_paged_decode_mma_kernel", "_launch_paged_decode_mma", "mma_plan", "num_splits_mma", "resident_warps",
+           "shifted_plan"]
 
 _DT = {"float16": 0, "float32": 1, "bfloat16": 2}
 _NBYTES = {0: 2, 1: 4, 2: 2}
@@ -146,6 +147,35 @@ def _uni4(wa, wb):
     subnormals exactly; the GPU property tests cover it.)"""
     return tl.inline_asm_elementwise(_UNI_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [wa, wb], dtype=(tl.int32,) * 8,
                                      is_pure=True, pack=1)
+
+
+@triton.jit
+def _uni3(xa, xb, k: tl.constexpr):
+    """3-bit uniform code ``k`` (chunk bits ``3k ..``) of two tokens as an fp16 pair of subnormals
+    ``code·2^(P-24)``, ``P = 3k mod 8`` (the output scales that back): one PRMT takes the 16-bit
+    window at the code's byte from each token (``xa``, ``xb``: the chunk's words as bytes 0..3 and
+    2..5) and one AND keeps the code's bits. (PRMT's selector and the mask are constants.)"""
+    W: tl.constexpr = (3 * k) // 8
+    P: tl.constexpr = (3 * k) % 8
+    S: tl.constexpr = (W + (P > 5)) > 3  # the window's last byte beyond byte 3: the word of bytes 2..5
+    O: tl.constexpr = W - 2 * S
+    O2: tl.constexpr = O + (O < 3)
+    SEL: tl.constexpr = O | (O2 << 4) | ((O + 4) << 8) | ((O2 + 4) << 12)
+    MASK: tl.constexpr = (7 << P) | (7 << (16 + P))
+    z = tl.zeros_like(xa[0])
+    return tl.inline_asm_elementwise("{\nprmt.b32 $0, $1, $2, $3;\nand.b32 $0, $0, $4;\n}", "=r,r,r,r,r",
+                                     [xa[S], xb[S], z + SEL, z + MASK], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _v3_words(w, sh, NB: tl.constexpr):
+    """A token's 3-bit value chunk (``NB`` bytes, from :func:`_ld_span`) as the words of bytes
+    0..3 and (NB > 4) 2..5."""
+    x = _shifted(w, sh, (NB + 3) // 4)
+    if NB > 4:
+        return x[0], _funnel(x[0], x[1], tl.zeros_like(sh) + 16)
+    else:
+        return (x[0],)
 
 
 @triton.jit
@@ -298,6 +328,26 @@ def _fp8_chunk(fieldp, c, pred, NKW: tl.constexpr, NW: tl.constexpr, HINT: tl.co
 
 
 @triton.jit
+def _ld_span(ptr, mis, ok, NB: tl.constexpr, HINT: tl.constexpr):
+    """The words at ``ptr`` (4-byte aligned) that hold bytes ``mis .. mis + NB - 1`` (``mis`` in
+    0..3): ``NB // 4 + 1`` single-word loads, each predicated on holding one of those bytes (so
+    nothing past them is read); zeros elsewhere. :func:`_shifted` aligns them."""
+    res = ()
+    for i in tl.static_range((NB + 3) // 4 + 1):
+        res = res + _ld_words(ptr + 4 * i, ok & (4 * i < mis + NB), 1, HINT)
+    return res
+
+
+@triton.jit
+def _shifted(w, sh, N: tl.constexpr):
+    """``N`` words of the byte stream ``w`` (from :func:`_ld_span`) starting ``sh`` bits in."""
+    res = ()
+    for i in tl.static_range(N):
+        res = res + (_funnel(w[i], w[i + 1], sh),)
+    return res
+
+
+@triton.jit
 def _row_of(cache_ptr, bt_row, pos, end, BS: tl.constexpr, ROW_BYTES: tl.constexpr, ok):
     """Address of token ``pos`` (clamped to ``end - 1``) of a sequence."""
     p = tl.maximum(tl.minimum(pos, end - 1), 0)
@@ -315,15 +365,18 @@ def _step_block(bt_row, t0, end, BS: tl.constexpr):
 
 
 @triton.jit
-def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, ka0, va0, kb_off, vb_off, vc_off, k_masks, v_masks,
-               k_sec_on, v_sec_on, BS: tl.constexpr, ROW_BYTES: tl.constexpr, CK: tl.constexpr,
-               CV: tl.constexpr, K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, K_DT: tl.constexpr,
-               V_DT: tl.constexpr, V_UNIFORM: tl.constexpr, HINT: tl.constexpr, K_FP8: tl.constexpr,
-               K_NW: tl.constexpr, K_BITS: tl.constexpr):
+def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, ka0, va0, va1, kb_off, vb_off, vc_off, k_masks, v_masks,
+               k_sec_on, v_sec_on, k_mis, v_mis_e, v_mis_o, BS: tl.constexpr, ROW_BYTES: tl.constexpr,
+               CK: tl.constexpr, CV: tl.constexpr, K_MERGE: tl.constexpr, V_MERGE: tl.constexpr,
+               K_DT: tl.constexpr, V_DT: tl.constexpr, V_UNIFORM: tl.constexpr, HINT: tl.constexpr,
+               K_FP8: tl.constexpr, K_NW: tl.constexpr, K_BITS: tl.constexpr, K_FUN: tl.constexpr,
+               V_FUN: tl.constexpr):
     """Everything one 16-token step reads (predicated off past the warp's range); ``blk`` is
     the step's block (:func:`_step_block`, looked up a step earlier) when ``BS >= 16``. FP8 keys
     (``K_FP8``) are read word-wise from their own offset ``ka0`` and have no factor (1); 3-bit keys
-    as ``NKW`` words from this lane's aligned offset ``ka0``."""
+    as ``NKW`` words from this lane's aligned offset ``ka0``. Shifted chunks (``K_FUN``,
+    ``V_FUN``: ``CK`` / ``CV`` bytes ``k_mis`` / ``v_mis_*`` bytes past the aligned offsets
+    ``ka0`` / ``va0`` (even tokens), ``va1`` (odd tokens)) as the words that hold them."""
     ok = t0 < end
     NKW: tl.constexpr = CK // 4
     NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
@@ -355,13 +408,22 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, ka0, va0, kb_off, vb_off, 
         for i in tl.static_range(NKW):
             k0 = k0 + _ld_words(rk0 + ka0 + 4 * i, ok, 1, HINT)
             k1 = k1 + _ld_words(rk1 + ka0 + 4 * i, ok, 1, HINT)
+    elif K_FUN:
+        k0 = _ld_span(rk0 + ka0, k_mis, ok, CK, HINT)
+        k1 = _ld_span(rk1 + ka0, k_mis, ok, CK, HINT)
     else:
         k0 = _chunk(rk0, ka0, ki, CK, k_masks, ok, ks, NKW, K_MERGE, 4, HINT)
         k1 = _chunk(rk1, ka0, ki, CK, k_masks, ok, ks, NKW, K_MERGE, 4, HINT)
-    v0 = _chunk(rv0, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
-    v1 = _chunk(rv1, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
-    v2 = _chunk(rv2, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
-    v3 = _chunk(rv3, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
+    if V_FUN:
+        v0 = _ld_span(rv0 + va0, v_mis_e, ok, CV, HINT)
+        v1 = _ld_span(rv1 + va1, v_mis_o, ok, CV, HINT)
+        v2 = _ld_span(rv2 + va0, v_mis_e, ok, CV, HINT)
+        v3 = _ld_span(rv3 + va1, v_mis_o, ok, CV, HINT)
+    else:
+        v0 = _chunk(rv0, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
+        v1 = _chunk(rv1, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
+        v2 = _chunk(rv2, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
+        v3 = _chunk(rv3, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
     vf0 = load_param(rk0 + vb_off, V_DT, ok, True)
     vf1 = load_param(rk1 + vb_off, V_DT, ok, True)
     if K_FP8:
@@ -381,7 +443,7 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, ka0, va0, kb_off, vb_off, 
 
 @triton.jit
 def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K_FP8: tl.constexpr,
-            K_BITS: tl.constexpr, NKT: tl.constexpr):
+            K_BITS: tl.constexpr, NKT: tl.constexpr, K_FUN: tl.constexpr):
     """S^T (tokens r, r+8 × heads 2c, 2c+1) and, for decode-time norm correction, ‖c‖² of the
     same tokens (all columns equal). FP8 keys: word ``i`` of the chunk is k-tile ``i`` (its
     bytes 0, 1 the MMA columns 2c, 2c+1; bytes 2, 3 the columns 2c+8, 2c+9). 3-bit keys: the
@@ -417,6 +479,9 @@ def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K
             if K_NC:
                 n = _mma(n, _sq(a0), _sq(a1), _sq(a2), _sq(a3), ones, ones)
     else:
+        if K_FUN:  # the chunk's words from the words that hold it
+            k0 = _shifted(k0, k_sh, NKW)
+            k1 = _shifted(k1, k_sh, NKW)
         for i in tl.static_range(NKW):
             pw = _lut4(k0[i], lb)  # chunk bytes 4i..4i+3 of token r
             px = _lut4(k1[i], lb)  # ... of token r + 8
@@ -429,29 +494,47 @@ def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K
 
 
 @triton.jit
-def _values(o, v0, v1, v2, v3, pb0, pb1, lb, NVW: tl.constexpr, CV: tl.constexpr, V_UNIFORM: tl.constexpr):
-    """O^T += V^T·P^T over the lane's chunk (M tile i ← chunk byte i)."""
+def _values(o, v0, v1, v2, v3, pb0, pb1, lb, v_sh_e, v_sh_o, NVW: tl.constexpr, CV: tl.constexpr,
+            V_UNIFORM: tl.constexpr, V_FUN: tl.constexpr, V_BITS: tl.constexpr, NMT: tl.constexpr):
+    """O^T += V^T·P^T over the lane's chunk (4-bit: M tile i ← chunk byte i; 3-bit: M tile i ←
+    codes 2i (row r) and 2i + 1 (row r + 8) of the chunk). Shifted chunks (``V_FUN``) are
+    aligned first (even tokens by ``v_sh_e`` bits, odd ones by ``v_sh_o``)."""
     TPW: tl.constexpr = 4 if CV >= 4 else CV  # M tiles per 32-bit word of the chunk
     res = ()
-    for w in tl.static_range(NVW):
-        if V_UNIFORM:
-            ab = _uni4(v0[w], v1[w])
-            cd = _uni4(v2[w], v3[w])
-            lo_ab = (ab[0], ab[1], ab[2], ab[3])
-            hi_ab = (ab[4], ab[5], ab[6], ab[7])
-            lo_cd = (cd[0], cd[1], cd[2], cd[3])
-            hi_cd = (cd[4], cd[5], cd[6], cd[7])
-        else:
-            m_ab = _nibble_merge(v0[w], v1[w])
-            m_cd = _nibble_merge(v2[w], v3[w])
-            lo_ab = _lut4(m_ab[0], lb)
-            hi_ab = _lut4(m_ab[1], lb)
-            lo_cd = _lut4(m_cd[0], lb)
-            hi_cd = _lut4(m_cd[1], lb)
-        for k in tl.static_range(TPW):  # M tile 4w + k
-            acc = _mma((o[16 * w + 4 * k], o[16 * w + 4 * k + 1], o[16 * w + 4 * k + 2], o[16 * w + 4 * k + 3]),
-                       lo_ab[k], hi_ab[k], lo_cd[k], hi_cd[k], pb0, pb1)
+    if V_BITS == 3:
+        xa = _v3_words(v0, v_sh_e, CV)
+        xb = _v3_words(v1, v_sh_o, CV)
+        xc = _v3_words(v2, v_sh_e, CV)
+        xd = _v3_words(v3, v_sh_o, CV)
+        for i in tl.static_range(NMT):
+            acc = _mma((o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]), _uni3(xa, xb, 2 * i),
+                       _uni3(xa, xb, 2 * i + 1), _uni3(xc, xd, 2 * i), _uni3(xc, xd, 2 * i + 1), pb0, pb1)
             res = res + (acc[0], acc[1], acc[2], acc[3])
+    else:
+        if V_FUN:
+            v0 = _shifted(v0, v_sh_e, NVW)
+            v1 = _shifted(v1, v_sh_o, NVW)
+            v2 = _shifted(v2, v_sh_e, NVW)
+            v3 = _shifted(v3, v_sh_o, NVW)
+        for w in tl.static_range(NVW):
+            if V_UNIFORM:
+                ab = _uni4(v0[w], v1[w])
+                cd = _uni4(v2[w], v3[w])
+                lo_ab = (ab[0], ab[1], ab[2], ab[3])
+                hi_ab = (ab[4], ab[5], ab[6], ab[7])
+                lo_cd = (cd[0], cd[1], cd[2], cd[3])
+                hi_cd = (cd[4], cd[5], cd[6], cd[7])
+            else:
+                m_ab = _nibble_merge(v0[w], v1[w])
+                m_cd = _nibble_merge(v2[w], v3[w])
+                lo_ab = _lut4(m_ab[0], lb)
+                hi_ab = _lut4(m_ab[1], lb)
+                lo_cd = _lut4(m_cd[0], lb)
+                hi_cd = _lut4(m_cd[1], lb)
+            for k in tl.static_range(TPW):  # M tile 4w + k
+                acc = _mma((o[16 * w + 4 * k], o[16 * w + 4 * k + 1], o[16 * w + 4 * k + 2], o[16 * w + 4 * k + 3]),
+                           lo_ab[k], hi_ab[k], lo_cd[k], hi_cd[k], pb0, pb1)
+                res = res + (acc[0], acc[1], acc[2], acc[3])
     return res
 
 
@@ -485,7 +568,8 @@ def _paged_decode_mma_kernel(
     V_UNIFORM: tl.constexpr, V_A_OFF: tl.constexpr, V_A_STRIDE: tl.constexpr, V_B_OFF: tl.constexpr,
     V_B_STRIDE: tl.constexpr, V_C_OFF: tl.constexpr, V_C_STRIDE: tl.constexpr, V_DT: tl.constexpr,
     K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, K_FP8: tl.constexpr = False, K_NW: tl.constexpr = 1,
-    K_BITS: tl.constexpr = 4, PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0,
+    K_BITS: tl.constexpr = 4, K_FUN: tl.constexpr = False, V_FUN: tl.constexpr = False, V_BITS: tl.constexpr = 4,
+    PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0,
 ):
     NT: tl.constexpr = 32 * WARPS
     K3: tl.constexpr = K_BITS == 3
@@ -493,7 +577,8 @@ def _paged_decode_mma_kernel(
     # chunk in whole words from the aligned address below it, plus one word for the shift.
     CK: tl.constexpr = (D // 8) * (1 + K_FP8) * (1 - K3) + 4 * ((3 * D + 127) // 128 + 1) * K3
     NEED_LUT: tl.constexpr = not (K_FP8 and V_UNIFORM)  # FP8 keys and uniform values need no table
-    CV: tl.constexpr = D // 16  # value chunk bytes per lane and token (1 per M tile)
+    # value chunk bytes per lane and token: 4-bit 1 per M tile, 3-bit 2 codes per M tile
+    CV: tl.constexpr = D // 16 if V_BITS == 4 else 3 * D // 64
     NKW: tl.constexpr = CK // 4
     NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
     NMT: tl.constexpr = D // 16
@@ -527,6 +612,10 @@ def _paged_decode_mma_kernel(
     # -- field geometry (aligned spans, byte masks for the joining lane) ---------------------------
     ka = K_A_OFF + h * K_A_STRIDE
     va = V_A_OFF + h * V_A_STRIDE
+    # Rows of 2 mod 4 bytes (blocks of an even number of them; steps start at multiples of 16):
+    # a token row starts (its index · ROW_BYTES) mod 4 bytes past a word boundary, so the
+    # shifts below are constant per lane (keys: tokens r, r + 8; values: even / odd tokens).
+    k_row = (r * ROW_BYTES) % 4
     if K_FP8:  # FP8 keys are read word-wise from ka itself
         k_mis = ka * 0
         ka0 = ka
@@ -534,14 +623,31 @@ def _paged_decode_mma_kernel(
     elif K3:  # this lane's chunk: codes c·D/4 .. (bytes 3D/32·c ..), from the word below it
         k_mis = ka * 0
         k_lane = ka + (3 * D // 32) * c
-        ka0 = k_lane - (k_lane & 3)
-        k_sh = (k_lane & 3) * 8
+        k_off = (k_lane + k_row) & 3
+        ka0 = k_lane - k_off
+        k_sh = k_off * 8
+    elif K_FUN:  # this lane's chunk: field bytes CK·c .., from the word below it
+        k_lane = ka + CK * c
+        k_mis = (k_lane + k_row) & 3
+        ka0 = k_lane - k_mis
+        k_sh = k_mis * 8
     else:
         k_mis = ka % CK
         ka0 = ka - k_mis
         k_sh = ka * 0
-    v_mis = va % CV
-    va0 = va - v_mis
+    if V_FUN:  # this lane's chunk: field bytes CV·r .., from the word below it
+        v_lane = va + CV * r
+        v_mis_e = v_lane & 3
+        v_mis_o = (v_lane + ROW_BYTES) & 3
+        va0 = v_lane - v_mis_e
+        va1 = v_lane - v_mis_o
+        v_mis = va * 0
+    else:
+        v_mis = va % CV
+        va0 = va - v_mis
+        va1 = va0
+        v_mis_e = v_mis
+        v_mis_o = v_mis
     k_masks = _byte_masks(tl.where(c == 3, k_mis, 0), NKW)
     v_masks = _byte_masks(tl.where(r == 7, v_mis, 0), NVW)
     k_sec_on = (c == 3) & (k_mis > 0)
@@ -568,7 +674,10 @@ def _paged_decode_mma_kernel(
                 qf = qf + (_pack2(x0, x1),)
     else:
         for j in tl.static_range(CK):
-            f = (CK * (c + 1) + j - k_mis) % (4 * CK)
+            if K_FUN:
+                f = CK * c + j
+            else:
+                f = (CK * (c + 1) + j - k_mis) % (4 * CK)
             x0 = tl.load(q_row + _dim_of(f, 0, NIBBLE), mask=q_ok, other=0.0)
             x1 = tl.load(q_row + _dim_of(f, 1, NIBBLE), mask=q_ok, other=0.0)
             qf = qf + (_pack2(x0, x1),)
@@ -594,22 +703,24 @@ def _paged_decode_mma_kernel(
     blk = _step_block(bt_row, start, end, BS)
     ring = ()
     for j in tl.static_range(PREFETCH):
-        ring = ring + (_load_step(cache_ptr, bt_row, blk, start + 16 * j, end, r, c, ka0, va0, kb_off, vb_off, vc_off,
-                                  k_masks, v_masks, k_sec_on, v_sec_on, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT,
-                                  V_DT, V_UNIFORM, HINT, K_FP8, K_NW, K_BITS),)
+        ring = ring + (_load_step(cache_ptr, bt_row, blk, start + 16 * j, end, r, c, ka0, va0, va1, kb_off, vb_off,
+                                  vc_off, k_masks, v_masks, k_sec_on, v_sec_on, k_mis, v_mis_e, v_mis_o, BS,
+                                  ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, K_FP8, K_NW,
+                                  K_BITS, K_FUN, V_FUN),)
         blk = _step_block(bt_row, start + 16 * (j + 1), end, BS)
     for it in range(0, n_steps):
         t0 = start + it * 16
         k0, k1, v0, v1, v2, v3, fac = ring[0]
         tn = t0 + 16 * PREFETCH
-        ring = ring[1:] + (_load_step(cache_ptr, bt_row, blk, tn, end, r, c, ka0, va0, kb_off, vb_off, vc_off, k_masks,
-                                      v_masks, k_sec_on, v_sec_on, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT,
-                                      V_DT, V_UNIFORM, HINT, K_FP8, K_NW, K_BITS),)
+        ring = ring[1:] + (_load_step(cache_ptr, bt_row, blk, tn, end, r, c, ka0, va0, va1, kb_off, vb_off, vc_off,
+                                      k_masks, v_masks, k_sec_on, v_sec_on, k_mis, v_mis_e, v_mis_o, BS, ROW_BYTES,
+                                      CK, CV, K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, K_FP8, K_NW, K_BITS,
+                                      K_FUN, V_FUN),)
         blk = _step_block(bt_row, tn + 16, end, BS)
         ok0 = (t0 + r) < end
         ok1 = (t0 + r + 8) < end
 
-        sv, cn = _scores(k0, k1, qf, lb, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16)
+        sv, cn = _scores(k0, k1, qf, lb, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN)
         f0 = fac[0] * sm_scale_log2
         f1 = fac[1] * sm_scale_log2
         if K_NC:
@@ -648,7 +759,8 @@ def _paged_decode_mma_kernel(
         w0 = vf0 * inv
         w1 = vf1 * inv
         pb = _p_fragments(p0 * w0, p1 * w0, p2 * w1, p3 * w1)
-        o = _values(o, v0, v1, v2, v3, pb[0], pb[1], lb, NVW, CV, V_UNIFORM)
+        o = _values(o, v0, v1, v2, v3, pb[0], pb[1], lb, v_mis_e * 8, v_mis_o * 8, NVW, CV, V_UNIFORM, V_FUN,
+                    V_BITS, NMT)
 
     # -- partial results: acc [S, HQ, NUM_SPLITS, DP], (m, l) [S, HQ, NUM_SPLITS, 2] --------------
     l_e = _warp_sum_r(l_e)
@@ -667,13 +779,24 @@ def _paged_decode_mma_kernel(
     ok_e = live & (2 * c < G)
     ok_o = live & (2 * c + 1 < G)
     for i in tl.static_range(NMT):
-        f = (CV * (r + 1) + i - v_mis) % (8 * CV)
-        d_lo = _dim_of(f, 0, NIBBLE)
-        d_hi = _dim_of(f, 1, NIBBLE)
-        tl.store(acc_ptr + part_e * DP + d_lo, o[4 * i] * sc_lo + z_e, mask=ok_e)
-        tl.store(acc_ptr + part_o * DP + d_lo, o[4 * i + 1] * sc_lo + z_o, mask=ok_o)
-        tl.store(acc_ptr + part_e * DP + d_hi, o[4 * i + 2] * sc_hi + z_e, mask=ok_e)
-        tl.store(acc_ptr + part_o * DP + d_hi, o[4 * i + 3] * sc_hi + z_o, mask=ok_o)
+        if V_BITS == 3:  # codes 2i, 2i + 1 of the lane's chunk; code k was code·2^(3k mod 8 - 24)
+            d_lo = r * (D // 8) + 2 * i
+            d_hi = d_lo + 1
+            s_lo = vmax * (16777216.0 / (1 << ((6 * i) % 8)))
+            s_hi = vmax * (16777216.0 / (1 << ((6 * i + 3) % 8)))
+        else:
+            if V_FUN:
+                f = CV * r + i
+            else:
+                f = (CV * (r + 1) + i - v_mis) % (8 * CV)
+            d_lo = _dim_of(f, 0, NIBBLE)
+            d_hi = _dim_of(f, 1, NIBBLE)
+            s_lo = sc_lo
+            s_hi = sc_hi
+        tl.store(acc_ptr + part_e * DP + d_lo, o[4 * i] * s_lo + z_e, mask=ok_e)
+        tl.store(acc_ptr + part_o * DP + d_lo, o[4 * i + 1] * s_lo + z_o, mask=ok_o)
+        tl.store(acc_ptr + part_e * DP + d_hi, o[4 * i + 2] * s_hi + z_e, mask=ok_e)
+        tl.store(acc_ptr + part_o * DP + d_hi, o[4 * i + 3] * s_hi + z_o, mask=ok_o)
     first = r == 0
     tl.store(ml_ptr + part_e * 2, tl.where(l_e > 0, m_e, float("-inf")), mask=ok_e & first)
     tl.store(ml_ptr + part_e * 2 + 1, l_e, mask=ok_e & first)
@@ -709,16 +832,24 @@ def _mma_plan(layout: PagedLayout, group: int) -> tuple | None:
     if not ((isinstance(key, LloydMax) and key.bits == 4) or k_fp8 or k3):
         return None
     v_uniform = isinstance(value, Uniform)
-    if not ((isinstance(value, LloydMax) and value.norm_correction != "decode") or v_uniform) or value.bits != 4:
+    if not ((isinstance(value, LloydMax) and value.norm_correction != "decode" and value.bits == 4)
+            or (v_uniform and value.bits in (3, 4))):
         return None
     if (k_fp8 or k3) and not v_uniform:  # the one table holds 4-bit key pairs or none
         return None
     if d not in (64, 128) or not 1 <= group <= 8:
         return None
     rb = layout.row_bytes
-    if rb % (d // 16) or rb % 4 or (rb % (d // 8) and not (k_fp8 or k3)):
+    # Rows of 2 mod 4 bytes: a row's offset from a word boundary must follow from the token's
+    # position alone (blocks of an even number of rows), and FP8 keys are read as aligned words.
+    if rb % 2 or (rb % 4 and (layout.block_size % 2 or k_fp8)):
         return None
+    ck, cv = d // 8, d // 16
     c = layout_consts(layout)
+    k_fun = not (k_fp8 or k3) and rb % ck != 0  # chunks not at fixed offsets from aligned blocks: shifted words
+    # 3-bit values: always shifted (3D/64-byte chunks). With 3-bit keys, values that would be
+    # joined are shifted too (measured 4-5% faster on the H100: benchmarks/NOTES.md §25).
+    v_fun = value.bits == 3 or rb % cv != 0 or (k3 and bool(c["V_A_OFF"] % cv or c["V_A_STRIDE"] % cv))
     last_key = c["K_A_OFF"] + (layout.num_kv_heads - 1) * c["K_A_STRIDE"]
     if k3 and last_key + 3 * (3 * d // 32) + 4 * ((3 * d + 127) // 128 + 1) > rb:
         return None  # 3-bit keys: a lane's whole words (one beyond its chunk) must stay in the row
@@ -730,21 +861,33 @@ def _mma_plan(layout: PagedLayout, group: int) -> tuple | None:
     k_dt = _DT["float32" if k_fp8 else key.norm_dtype]  # FP8 keys have no factor: K_DT is unused
     k_bits = 8 if k_fp8 else key.bits
     v_dt = _DT[value.param_dtype if v_uniform else value.norm_dtype]
-    factors = [(c["V_B_OFF"], v_dt), (c["V_B_STRIDE"], v_dt), (c["V_C_OFF"], v_dt), (c["V_C_STRIDE"], v_dt)]
+    factors = [(c["V_B_OFF"], v_dt), (c["V_B_STRIDE"], v_dt), (c["V_C_OFF"], v_dt), (c["V_C_STRIDE"], v_dt),
+               (rb, v_dt)]
     if not k_fp8:
-        factors += [(c["K_B_OFF"], k_dt), (c["K_B_STRIDE"], k_dt)]
+        factors += [(c["K_B_OFF"], k_dt), (c["K_B_STRIDE"], k_dt), (rb, k_dt)]
     if any(off % _NBYTES[dt] for off, dt in factors):
         return None
-    ck, cv = d // 8, d // 16
     return tuple(dict(
         D=d, DP=c["DP"], ROW_BYTES=rb, NIBBLE=fmt.bit_order == "nibble_high_even",
         K_A_OFF=c["K_A_OFF"], K_A_STRIDE=c["K_A_STRIDE"], K_B_OFF=c["K_B_OFF"], K_B_STRIDE=c["K_B_STRIDE"],
         K_DT=k_dt, K_NC=not k_fp8 and key.norm_correction == "decode", K_FP8=k_fp8, K_NW=k_nw, K_BITS=k_bits,
         V_UNIFORM=v_uniform, V_A_OFF=c["V_A_OFF"], V_A_STRIDE=c["V_A_STRIDE"], V_B_OFF=c["V_B_OFF"],
         V_B_STRIDE=c["V_B_STRIDE"], V_C_OFF=c["V_C_OFF"], V_C_STRIDE=c["V_C_STRIDE"], V_DT=v_dt,
-        K_MERGE=key.bits == 4 and bool(c["K_A_OFF"] % ck or c["K_A_STRIDE"] % ck),
-        V_MERGE=bool(c["V_A_OFF"] % cv or c["V_A_STRIDE"] % cv),
+        K_MERGE=key.bits == 4 and not k_fun and bool(c["K_A_OFF"] % ck or c["K_A_STRIDE"] % ck),
+        V_MERGE=not v_fun and bool(c["V_A_OFF"] % cv or c["V_A_STRIDE"] % cv),
+        K_FUN=k_fun, V_FUN=v_fun, V_BITS=value.bits,
     ).items())
+
+
+def shifted_plan(plan: dict) -> dict:
+    """``plan`` with every 4-bit field read as shifted words (``K_FUN`` / ``V_FUN``) instead of
+    aligned or joined blocks: valid for any plan (the shifted reads need only 2-byte rows); for
+    measuring one read scheme against the other."""
+    plan = dict(plan)
+    if plan["K_BITS"] == 4:
+        plan.update(K_FUN=True, K_MERGE=False)
+    plan.update(V_FUN=True, V_MERGE=False)
+    return plan
 
 
 def num_splits_mma(num_seqs: int, num_kv_heads: int, max_len: int, resident_warps: int) -> int:
