@@ -101,7 +101,7 @@ def compile_mma(layout, hq, num_splits=8, warps=4, maxnreg=0, shifted=False, **e
     cx = dict(G=g, HKV=layout.num_kv_heads, HQ=hq, NUM_SPLITS=num_splits, WARPS=warps, BS=layout.block_size,
               **plan, **extra)
     ptrs = {"q_ptr": "*fp32", "cache_ptr": "*u8", "bt_ptr": "*i32", "sl_ptr": "*i32", "cen_ptr": "*fp32",
-            "acc_ptr": "*fp32", "ml_ptr": "*fp32"}
+            "vcen_ptr": "*fp32", "acc_ptr": "*fp32", "ml_ptr": "*fp32"}
     sig = {n: ptrs.get(n, "i32" if n in ("num_seqs", "max_blocks") else "fp32" if n == "sm_scale_log2"
                        else "constexpr") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}

@@ -48,7 +48,7 @@ def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_
         if parts in ("all", "kernel"):
             _launch_paged_decode_mma(q_rot, cache, bt, sl, layout, plan, params.key_centroids_f32, acc, ml, group=g,
                                      num_splits=num_splits, sm_scale=d**-0.5, warps=warps, prefetch=prefetch,
-                                     hint=hint, maxnreg=maxnreg)
+                                     hint=hint, maxnreg=maxnreg, value_centroids_f32=params.value_centroids_f32)
         if parts in ("all", "merge"):
             _launch_merge(acc, ml, params.rotation, out, layout, g, num_splits, False)
     return run
@@ -150,7 +150,8 @@ def main(argv=None):
                 q_rot = ((q.float() @ params.rotation) if layout.format.key.rotated else q.float()).contiguous()
                 resident = resident_warps(q_rot, cache, bt, sl, layout, plan_for(layout, hq // hkv, sh),
                                           params.key_centroids_f32, group=hq // hkv, warps=warps, prefetch=pf,
-                                          hint=hint, maxnreg=None if mr < 0 else mr)
+                                          hint=hint, maxnreg=None if mr < 0 else mr,
+                                          value_centroids_f32=params.value_centroids_f32)
                 ns = splits or num_splits_mma(b, hkv, L, resident)
                 us = bench(launch(q, cache, bt, sl, layout, params, out, prefetch=pf, hint=hint, warps=warps,
                                   num_splits=ns, maxnreg=None if mr < 0 else mr, shifted=sh))

@@ -97,26 +97,29 @@ def test_word_path_matches_oracle(unit, data):
 
 @st.composite
 def mma_path_cases(draw):
-    """Layouts the warp-MMA kernel takes (tqkern/ops/paged_decode/triton_mma.py): 4-bit or 3-bit
+    """Layouts the warp-MMA kernel takes (tqkern/ops/paged_decode/triton_mma.py): 4-, 3- or 5-bit
     Lloyd-Max keys (every norm dtype and correction) or FP8 keys (rotated or not), 4-bit
-    Lloyd-Max values with the keys' codebook or 4-bit or 3-bit uniform values (3-bit and FP8
-    keys: uniform only), head_dim 64/128, GQA groups 1..8, both bit orders (3-bit codes: LSB
+    Lloyd-Max values with the keys' codebook (4-bit keys), 3-bit Lloyd-Max values with their own
+    (5-bit keys), or 4-bit or 3-bit uniform values, head_dim 64/128, GQA groups 1..8, both bit orders (3-bit codes: LSB
     only) and arrangements, every slot alignment (fields misaligned against the lanes' chunks and
     rows of 2 mod 4 bytes included), block sizes 1..128 (blocks shorter than the kernel's
     16-token step included)."""
     d = draw(st.sampled_from([64, 128]), label="head_dim")
-    key = draw(st.one_of(T.lloyd_max_codecs(st.sampled_from([4, 3])), st.builds(tqkern.FP8, rotated=st.booleans())),
+    key = draw(st.one_of(T.lloyd_max_codecs(st.sampled_from([4, 3, 5])), st.builds(tqkern.FP8, rotated=st.booleans())),
                label="key")
     uniform = T.uniform_codecs(st.sampled_from([4, 3]))
     if isinstance(key, tqkern.FP8) or key.bits == 3:
         value = draw(uniform, label="value")
+    elif key.bits == 5:  # 3-bit Lloyd-Max values with their own codebook, or uniform
+        value = draw(st.one_of(T.lloyd_max_codecs(st.just(3)).filter(lambda c: c.norm_correction != "decode"),
+                               uniform), label="value")
     else:
         value = draw(st.one_of(
             T.lloyd_max_codecs(st.just(4)).map(lambda c: dataclasses.replace(
                 c, distribution=key.distribution, norm_correction="stored" if c.norm_correction == "decode"
                 else c.norm_correction)),
             uniform), label="value")
-    orders = ["lsb"] if 3 in (key.bits, value.bits) else ["lsb", "nibble_high_even"]
+    orders = ["lsb"] if {3, 5} & {key.bits, value.bits} else ["lsb", "nibble_high_even"]
     fmt = tqkern.KVFormat(head_dim=d, key=key, value=value,
                           bit_order=draw(st.sampled_from(orders), label="bit_order"),
                           rotation=draw(st.sampled_from(["hadamard", "hadamard_signed", "haar"]), label="rotation"),
@@ -138,7 +141,7 @@ def mma_path_cases(draw):
                                        "general kernel, tested above)")
 @given(mma_path_cases(), st.data())
 def test_mma_path_matches_oracle(case, data):
-    """The warp-level tensor-core kernel for 4-bit, 3-bit or FP8 keys and 4-bit or 3-bit values
+    """The warp-level tensor-core kernel for 4-, 3-, 5-bit or FP8 keys and 4-bit or 3-bit values
     against the oracle; the launcher must pick it for every drawn case."""
     layout, params, group = case[:3]
     p = tqt.to_device(params, DEV)

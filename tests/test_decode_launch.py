@@ -24,8 +24,8 @@ def _layout(preset, d, heads, arrangement="slot"):
 
 
 def test_decode_path_rules_and_bad_input():
-    """The warp-MMA kernel takes 4-bit, 3-bit (LSB) or FP8 keys and 4-bit values (shared codebook
-    for Lloyd-Max values) or 4-/3-bit uniform values (the only values with 3-bit or FP8 keys),
+    """The warp-MMA kernel takes 4-bit, 3-bit, 5-bit (LSB) or FP8 keys and 4-bit Lloyd-Max values
+    (4-bit keys, shared codebook), 3-bit Lloyd-Max values (5-bit keys) or 4-/3-bit uniform values,
     head_dim 64/128, groups up to 8, rows of an even number of bytes (2 mod 4 only in blocks of an
     even number of rows, and not with FP8 keys); fields that are not at fixed offsets from the
     lanes' aligned chunks are read as shifted words; never under the interpreter."""
@@ -64,9 +64,13 @@ def test_decode_path_rules_and_bad_input():
     v3 = mma_plan(_layout("turboquant_3bit_nc", 128, 8), 4)  # 3-bit uniform values: shifted 6-byte chunks
     assert v3["V_BITS"] == 3 and v3["V_FUN"] and v3["K_BITS"] == 3
     assert decode_path(_layout("turboquant_3bit_nc", 64, 3), 3) == "mma"  # 162-byte rows, 3-byte chunks
-    v3_lm = tqkern.KVFormat(head_dim=128, key=tqkern.LloydMax(bits=4), value=tqkern.LloydMax(bits=3))
-    assert decode_path(tqkern.PagedLayout(format=v3_lm, num_kv_heads=8, block_size=16), 4) == "fast"
-    assert decode_path(_layout("tqkern_k5v3", 128, 8), 4) == "fast"
+    k5 = mma_plan(_layout("tqkern_k5v3", 128, 8), 4)  # 5-bit keys (shifted words), 3-bit Lloyd-Max values
+    assert k5["K_BITS"] == 5 and k5["K_FUN"] and k5["V_BITS"] == 3 and not k5["V_UNIFORM"]
+    assert decode_path(_layout("tqkern_k5v3", 128, 8), 4, same_codebooks=False) == "mma"  # both codebooks loaded
+    k5v4 = tqkern.KVFormat(head_dim=128, key=tqkern.LloydMax(bits=5), value=tqkern.LloydMax(bits=4))
+    assert decode_path(tqkern.PagedLayout(format=k5v4, num_kv_heads=8, block_size=16), 4) == "fast"
+    k4v3 = tqkern.KVFormat(head_dim=128, key=tqkern.LloydMax(bits=4), value=tqkern.LloydMax(bits=3))
+    assert decode_path(tqkern.PagedLayout(format=k4v3, num_kv_heads=8, block_size=16), 4) == "fast"
     k3_64 = tqkern.KVFormat(head_dim=64, key=tqkern.LloydMax(bits=3), value=tqkern.Uniform(bits=4))
     # D=64: 6-byte lane chunks of the 24-byte key field, half of them 2 bytes off a word boundary
     assert decode_path(tqkern.PagedLayout(format=k3_64, num_kv_heads=8, block_size=16, arrangement="row"), 4) == "mma"

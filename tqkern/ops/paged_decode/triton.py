@@ -604,12 +604,13 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
             plan = mma_plan(layout, g)
             if num_splits is None:
                 resident = resident_warps(q_rot, cache, block_table, seq_lens, layout, plan,
-                                          tables["key_centroids_f32"], group=g)
+                                          tables["key_centroids_f32"], group=g,
+                                          value_centroids_f32=tables["value_centroids_f32"])
                 num_splits = num_splits_mma(s, hkv, block_table.shape[1] * layout.block_size, resident)
             acc, ml = _workspace(workspace, s, hq, num_splits, dp, q_rot.device)
             _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan,
                                      tables["key_centroids_f32"], acc, ml, group=g, num_splits=num_splits,
-                                     sm_scale=sm_scale)
+                                     sm_scale=sm_scale, value_centroids_f32=tables["value_centroids_f32"])
             _launch_merge(acc, ml, tables["rotation"], out, layout, g, num_splits, interpret)
             return out
         path = "fast"
@@ -737,13 +738,14 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
 
 def decode_path(layout, group: int, *, interpret: bool = False, same_codebooks: bool = True,
                 cache_aligned: bool = True) -> str:
-    """Which kernel ``path="auto"`` runs: ``"mma"`` (the warp-MMA kernel: 4-bit keys and values,
-    see :func:`.triton_mma.mma_plan`; never under the interpreter, which cannot run its inline
-    PTX) or ``"fast"`` (this module's kernel)."""
+    """Which kernel ``path="auto"`` runs: ``"mma"`` (the warp-MMA kernel where
+    :func:`.triton_mma.mma_plan` takes the layout, and for 4-bit Lloyd-Max values only with the
+    keys' codebook (``same_codebooks``); never under the interpreter, which cannot run its inline
+    PTX, nor for a cache not 16-byte aligned) or ``"fast"`` (this module's kernel)."""
     plan = mma_plan(layout, group)
     if interpret or plan is None or not cache_aligned:
         return "fast"
-    if not plan["V_UNIFORM"] and not same_codebooks:
+    if plan["V_BITS"] == 4 and not plan["V_UNIFORM"] and not same_codebooks:  # one codebook for K and V
         return "fast"
     return "mma"
 

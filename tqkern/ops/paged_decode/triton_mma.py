@@ -101,6 +101,26 @@ def _lut_fill(base, t, cen_ptr, NT: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _lut_fill_k5(base, t, kcen_ptr, vcen_ptr, NT: tl.constexpr, V_LM: tl.constexpr):
+    """The table for 5-bit keys: entries ``64 + j`` hold ``(ck[j], ck[j])`` (one key code per
+    lookup), entries ``b < 64`` the value pairs ``(cv[b & 7], cv[b >> 3])`` of 3-bit Lloyd-Max
+    values (``V_LM``; zeros otherwise: uniform values need no table), in the layout of
+    :func:`_lut_fill`; then a CTA barrier."""
+    for i in tl.static_range(256 // NT):
+        b = t + i * NT
+        kc = tl.load(kcen_ptr + ((b - 64) & 31)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        if V_LM:
+            lo = tl.load(vcen_ptr + (b & 7)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            hi = tl.load(vcen_ptr + ((b >> 3) & 7)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            e = tl.where(b < 64, lo | (hi << 16), kc | (kc << 16))
+        else:
+            e = kc | (kc << 16)
+        base = tl.inline_asm_elementwise(_FILL_ASM, "=r,r,r,r", [base, b, e], dtype=tl.int32, is_pure=False, pack=1)
+    return tl.inline_asm_elementwise("bar.sync 0;\nmov.b32 $0, $1;", "=r,r", [base], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def _lut4(w, lb):
     """The table entries of the 4 bytes of word ``w`` (``lb``: this lane's table base)."""
     return tl.inline_asm_elementwise(
@@ -129,15 +149,33 @@ def _funnel(lo, hi, sh):
 
 
 @triton.jit
-def _k3_pair(y, p: tl.constexpr):
-    """Six-bit index of the code pair ``p`` (chunk bits ``6p .. 6p + 5``) of the chunk words ``y``."""
-    W: tl.constexpr = (6 * p) // 32
-    OFF: tl.constexpr = (6 * p) % 32
-    if OFF <= 26:
+def _bits_at(y, POS: tl.constexpr, NB: tl.constexpr):
+    """Bits ``POS .. POS + NB - 1`` of the chunk words ``y`` (``NB`` ≤ 8), as an integer."""
+    W: tl.constexpr = POS // 32
+    OFF: tl.constexpr = POS % 32
+    if OFF <= 32 - NB:
         v = y[W] >> OFF
     else:
-        v = _funnel(y[W], y[W + 1], OFF)
-    return v & 63
+        v = _funnel(y[W], y[W + 1], tl.zeros_like(y[W]) + OFF)
+    return v & ((1 << NB) - 1)
+
+
+@triton.jit
+def _k5_pair(y, p: tl.constexpr, lbk):
+    """fp16 pair of key codes ``2p``, ``2p + 1`` (5 bits each, chunk bits ``10p ..``): one lookup
+    each in the key entries (``lbk``: this lane's base of entry 64) and one LOP3."""
+    e0 = _lut1(_bits_at(y, 10 * p, 5), lbk)
+    e1 = _lut1(_bits_at(y, 10 * p + 5, 5), lbk)
+    return (e0 & 0xFFFF) | (e1 & -65536)
+
+
+@triton.jit
+def _v3_index(xa, xb, k: tl.constexpr):
+    """Pair-table index ``code_a | code_b << 3`` of 3-bit code ``k`` of two tokens (``xa``, ``xb``
+    from :func:`_v3_words`: bytes 0..3 and 2..5 of each chunk)."""
+    S: tl.constexpr = (3 * k + 2) > 31  # the code's bits beyond word 0: take the word of bytes 2..5
+    OFF: tl.constexpr = 3 * k - 16 * S
+    return ((xa[S] >> OFF) & 7) | (((xb[S] >> OFF) & 7) << 3)
 
 
 @triton.jit
@@ -461,6 +499,21 @@ def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K
                 s = _mma(s, pw[0], px[0], pw[1], px[1], qf[2 * i], qf[2 * i + 1])
             else:
                 t = _mma(t, pw[0], px[0], pw[1], px[1], qf[2 * i], qf[2 * i + 1])
+    elif K_BITS == 5:  # code pair p (coordinates c·D/4 + 2p, + 1): two single-code lookups
+        x = _shifted(k0, k_sh, NKW)
+        y = _shifted(k1, k_sh, NKW)
+        lbk = lb + 64 * 128
+        for i in tl.static_range(NKT):
+            a0 = _k5_pair(x, 2 * i, lbk)
+            a1 = _k5_pair(y, 2 * i, lbk)
+            a2 = _k5_pair(x, 2 * i + 1, lbk)
+            a3 = _k5_pair(y, 2 * i + 1, lbk)
+            if i % 2 == 0:
+                s = _mma(s, a0, a1, a2, a3, qf[2 * i], qf[2 * i + 1])
+            else:
+                t = _mma(t, a0, a1, a2, a3, qf[2 * i], qf[2 * i + 1])
+            if K_NC:
+                n = _mma(n, _sq(a0), _sq(a1), _sq(a2), _sq(a3), ones, ones)
     elif K_BITS == 3:
         x = ()
         y = ()
@@ -468,10 +521,10 @@ def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K
             x = x + (_funnel(k0[i], k0[i + 1], k_sh),)
             y = y + (_funnel(k1[i], k1[i + 1], k_sh),)
         for i in tl.static_range(NKT):
-            a0 = _lut1(_k3_pair(x, 2 * i), lb)
-            a1 = _lut1(_k3_pair(y, 2 * i), lb)
-            a2 = _lut1(_k3_pair(x, 2 * i + 1), lb)
-            a3 = _lut1(_k3_pair(y, 2 * i + 1), lb)
+            a0 = _lut1(_bits_at(x, 12 * i, 6), lb)
+            a1 = _lut1(_bits_at(y, 12 * i, 6), lb)
+            a2 = _lut1(_bits_at(x, 12 * i + 6, 6), lb)
+            a3 = _lut1(_bits_at(y, 12 * i + 6, 6), lb)
             if i % 2 == 0:
                 s = _mma(s, a0, a1, a2, a3, qf[2 * i], qf[2 * i + 1])
             else:
@@ -507,8 +560,17 @@ def _values(o, v0, v1, v2, v3, pb0, pb1, lb, v_sh_e, v_sh_o, NVW: tl.constexpr, 
         xc = _v3_words(v2, v_sh_e, CV)
         xd = _v3_words(v3, v_sh_o, CV)
         for i in tl.static_range(NMT):
-            acc = _mma((o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]), _uni3(xa, xb, 2 * i),
-                       _uni3(xa, xb, 2 * i + 1), _uni3(xc, xd, 2 * i), _uni3(xc, xd, 2 * i + 1), pb0, pb1)
+            if V_UNIFORM:
+                a0 = _uni3(xa, xb, 2 * i)
+                a1 = _uni3(xa, xb, 2 * i + 1)
+                a2 = _uni3(xc, xd, 2 * i)
+                a3 = _uni3(xc, xd, 2 * i + 1)
+            else:  # Lloyd-Max: the pair table's entries 0..63 (token pairs of 3-bit codes)
+                a0 = _lut1(_v3_index(xa, xb, 2 * i), lb)
+                a1 = _lut1(_v3_index(xa, xb, 2 * i + 1), lb)
+                a2 = _lut1(_v3_index(xc, xd, 2 * i), lb)
+                a3 = _lut1(_v3_index(xc, xd, 2 * i + 1), lb)
+            acc = _mma((o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]), a0, a1, a2, a3, pb0, pb1)
             res = res + (acc[0], acc[1], acc[2], acc[3])
     else:
         if V_FUN:
@@ -559,7 +621,7 @@ def _dim_of(f, e, NIBBLE: tl.constexpr):
 
 @triton.jit
 def _paged_decode_mma_kernel(
-    q_ptr, cache_ptr, bt_ptr, sl_ptr, cen_ptr, acc_ptr, ml_ptr,
+    q_ptr, cache_ptr, bt_ptr, sl_ptr, cen_ptr, vcen_ptr, acc_ptr, ml_ptr,
     num_seqs, max_blocks, sm_scale_log2, NUM_SPLITS,
     G: tl.constexpr, HKV: tl.constexpr, HQ: tl.constexpr, WARPS: tl.constexpr,
     BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr,
@@ -573,13 +635,16 @@ def _paged_decode_mma_kernel(
 ):
     NT: tl.constexpr = 32 * WARPS
     K3: tl.constexpr = K_BITS == 3
+    K5: tl.constexpr = K_BITS == 5
     # Key bytes a lane loads per token: 4-bit D/8 (2 per k-tile), FP8 D/4, 3-bit its 3D/32-byte
-    # chunk in whole words from the aligned address below it, plus one word for the shift.
-    CK: tl.constexpr = (D // 8) * (1 + K_FP8) * (1 - K3) + 4 * ((3 * D + 127) // 128 + 1) * K3
+    # chunk in whole words from the aligned address below it, plus one word for the shift; 5-bit
+    # its 5D/32-byte chunk (shifted words, K_FUN).
+    CK: tl.constexpr = ((D // 8) * (1 + K_FP8) * (1 - K3 - K5) + 4 * ((3 * D + 127) // 128 + 1) * K3
+                        + (5 * D // 32) * K5)
     NEED_LUT: tl.constexpr = not (K_FP8 and V_UNIFORM)  # FP8 keys and uniform values need no table
     # value chunk bytes per lane and token: 4-bit 1 per M tile, 3-bit 2 codes per M tile
     CV: tl.constexpr = D // 16 if V_BITS == 4 else 3 * D // 64
-    NKW: tl.constexpr = CK // 4
+    NKW: tl.constexpr = (CK + 3) // 4
     NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
     NMT: tl.constexpr = D // 16
     t = tl.arange(0, NT)
@@ -603,7 +668,10 @@ def _paged_decode_mma_kernel(
     bt_row = bt_ptr + s.to(tl.int64) * max_blocks
 
     # -- pair table ------------------------------------------------------------------------------
-    if NEED_LUT:
+    if NEED_LUT and K5:
+        lut = _lut_fill_k5(_lut_declare(t), t, cen_ptr, vcen_ptr, NT, not V_UNIFORM)
+        lb = lut + lane * 4
+    elif NEED_LUT:
         lut = _lut_fill(_lut_declare(t), t, cen_ptr, NT, K_BITS)
         lb = lut + lane * 4
     else:
@@ -660,7 +728,7 @@ def _paged_decode_mma_kernel(
     q_row = q_ptr + ((s * HQ + h * G + r) * D).to(tl.int64)
     q_ok = live & (r < G)
     qf = ()
-    if K3:  # code pair p of the chunk: coordinates c·D/4 + 2p, + 1
+    if K3 or K5:  # code pair p of the chunk: coordinates c·D/4 + 2p, + 1
         for p in tl.static_range(D // 8):
             x0 = tl.load(q_row + c * (D // 4) + 2 * p, mask=q_ok, other=0.0)
             x1 = tl.load(q_row + c * (D // 4) + 2 * p + 1, mask=q_ok, other=0.0)
@@ -829,13 +897,16 @@ def _mma_plan(layout: PagedLayout, group: int) -> tuple | None:
     d = fmt.head_dim
     k_fp8 = isinstance(key, FP8)
     k3 = isinstance(key, LloydMax) and key.bits == 3 and fmt.bit_order == "lsb"
-    if not ((isinstance(key, LloydMax) and key.bits == 4) or k_fp8 or k3):
+    k5 = isinstance(key, LloydMax) and key.bits == 5 and fmt.bit_order == "lsb"
+    if not ((isinstance(key, LloydMax) and key.bits == 4) or k_fp8 or k3 or k5):
         return None
     v_uniform = isinstance(value, Uniform)
-    if not ((isinstance(value, LloydMax) and value.norm_correction != "decode" and value.bits == 4)
-            or (v_uniform and value.bits in (3, 4))):
+    v_lm = isinstance(value, LloydMax) and value.norm_correction != "decode"
+    if not ((v_lm and value.bits in (3, 4)) or (v_uniform and value.bits in (3, 4))):
         return None
-    if (k_fp8 or k3) and not v_uniform:  # the one table holds 4-bit key pairs or none
+    # The one table holds 4-bit key pairs (and then 4-bit Lloyd-Max value pairs of the same
+    # codebook), 3-bit key pairs, or 5-bit key codes next to 3-bit Lloyd-Max value pairs.
+    if v_lm and not ((value.bits == 4 and isinstance(key, LloydMax) and key.bits == 4) or (value.bits == 3 and k5)):
         return None
     if d not in (64, 128) or not 1 <= group <= 8:
         return None
@@ -846,7 +917,8 @@ def _mma_plan(layout: PagedLayout, group: int) -> tuple | None:
         return None
     ck, cv = d // 8, d // 16
     c = layout_consts(layout)
-    k_fun = not (k_fp8 or k3) and rb % ck != 0  # chunks not at fixed offsets from aligned blocks: shifted words
+    # 4-bit key chunks not at fixed offsets from aligned blocks, and 5-bit keys: shifted words
+    k_fun = k5 or (not (k_fp8 or k3) and rb % ck != 0)
     # 3-bit values: always shifted (3D/64-byte chunks). With 3-bit keys, values that would be
     # joined are shifted too (measured 4-5% faster on the H100: benchmarks/NOTES.md §25).
     v_fun = value.bits == 3 or rb % cv != 0 or (k3 and bool(c["V_A_OFF"] % cv or c["V_A_STRIDE"] % cv))
@@ -910,9 +982,11 @@ def _needs_lut(plan: dict) -> bool:
 
 
 def _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, group, num_splits,
-                 sm_scale, warps, prefetch, hint, maxnreg=None):
+                 sm_scale, warps, prefetch, hint, maxnreg=None, value_centroids_f32=None):
     s, hq, _ = q_rot.shape
-    args = (q_rot, cache, block_table, seq_lens, key_centroids_f32, acc, ml, s, block_table.shape[1],
+    # The value codebook is read only for 3-bit Lloyd-Max values next to 5-bit keys.
+    vcen = value_centroids_f32 if plan["K_BITS"] == 5 and not plan["V_UNIFORM"] else key_centroids_f32
+    args = (q_rot, cache, block_table, seq_lens, key_centroids_f32, vcen, acc, ml, s, block_table.shape[1],
             sm_scale * 1.4426950408889634, num_splits)
     kwargs = dict(G=group, HKV=layout.num_kv_heads, HQ=hq, WARPS=warps, BS=layout.block_size, PREFETCH=prefetch,
                   HINT=hint, **plan, num_warps=warps, num_stages=1)
@@ -928,12 +1002,13 @@ _RESIDENT: dict = {}
 
 
 def resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, *, group: int,
-                   warps: int = 4, prefetch: int = 1, hint: int = 1, maxnreg: int | None = None) -> int:
+                   warps: int = 4, prefetch: int = 1, hint: int = 1, maxnreg: int | None = None,
+                   value_centroids_f32=None) -> int:
     """Warps of this launch's compiled kernel that the GPU holds at once (from its registers and
     shared memory; compiled once, cached); a conservative 8 per SM if the compiled kernel cannot
     be inspected (that costs speed, never correctness)."""
     args, kwargs = _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, q_rot, q_rot,
-                                group, 1, 1.0, warps, prefetch, hint, maxnreg)
+                                group, 1, 1.0, warps, prefetch, hint, maxnreg, value_centroids_f32)
     dev = q_rot.device.index or 0
     key = (tuple(sorted((k, str(v)) for k, v in kwargs.items())), dev)
     if key not in _RESIDENT:
@@ -953,10 +1028,11 @@ def resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, key_centro
 
 def _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, *,
                              group: int, num_splits: int, sm_scale: float, warps: int = 4, prefetch: int = 1,
-                             hint: int = 1, maxnreg: int | None = None):
-    """Launch the warp-MMA decode (partials only; the caller merges). No checks."""
+                             hint: int = 1, maxnreg: int | None = None, value_centroids_f32=None):
+    """Launch the warp-MMA decode (partials only; the caller merges). ``value_centroids_f32`` is
+    required for 3-bit Lloyd-Max values (5-bit keys). No checks."""
     s = q_rot.shape[0]
     total = s * layout.num_kv_heads * num_splits
     args, kwargs = _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, group,
-                                num_splits, sm_scale, warps, prefetch, hint, maxnreg)
+                                num_splits, sm_scale, warps, prefetch, hint, maxnreg, value_centroids_f32)
     _paged_decode_mma_kernel[(triton.cdiv(total, warps),)](*args, **kwargs)
