@@ -45,7 +45,7 @@ def _dense_reference(q, cache, block_table, seq_lens, layout, params):
 
 
 @pytest.mark.parametrize("preset,arrangement,path", [
-    ("tqkern_k5v3", "slot", "fast"), ("tq4", "row", "mma"),
+    ("fp16", "slot", "fast"), ("tq4", "row", "mma"), ("tqkern_k5v3", "slot", "mma"),
     ("turboquant_4bit_nc", "slot", "mma"),  # 268-byte rows: shifted word reads
     ("turboquant_3bit_nc", "slot", "mma")])  # 3-bit uniform values
 def test_cuda_graph_replay_with_new_lengths_and_tables(preset, arrangement, path):

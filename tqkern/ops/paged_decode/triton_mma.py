@@ -847,11 +847,15 @@ def _paged_decode_mma_kernel(
     ok_e = live & (2 * c < G)
     ok_o = live & (2 * c + 1 < G)
     for i in tl.static_range(NMT):
-        if V_BITS == 3:  # codes 2i, 2i + 1 of the lane's chunk; code k was code·2^(3k mod 8 - 24)
+        if V_BITS == 3:  # codes 2i, 2i + 1 of the lane's chunk; uniform code k was code·2^(3k mod 8 - 24)
             d_lo = r * (D // 8) + 2 * i
             d_hi = d_lo + 1
-            s_lo = vmax * (16777216.0 / (1 << ((6 * i) % 8)))
-            s_hi = vmax * (16777216.0 / (1 << ((6 * i + 3) % 8)))
+            if V_UNIFORM:
+                s_lo = vmax * (16777216.0 / (1 << ((6 * i) % 8)))
+                s_hi = vmax * (16777216.0 / (1 << ((6 * i + 3) % 8)))
+            else:
+                s_lo = sc_lo
+                s_hi = sc_hi
         else:
             if V_FUN:
                 f = CV * r + i
