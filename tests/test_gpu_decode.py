@@ -114,3 +114,52 @@ def test_cache_above_2gib_uses_64bit_offsets():
     out = paged_decode(q, cache, bt, sl, layout, params)
     expect = _dense_reference(q, cache, bt, sl, layout, params)
     assert (out.float() - expect).abs().max() <= 4e-3 * _vmax(cache, bt, sl, layout, params)
+
+
+_K5 = tqkern.LloydMax(bits=5, norm_dtype="float16")
+
+
+@pytest.mark.parametrize("fmt,heads,block_size,expect", [
+    # rows of 2 mod 4 bytes (odd tokens' rows 2 bytes off a word): SmolLM2's vLLM formats
+    (tqkern.KVFormat.preset("turboquant_4bit_nc", 64), 3, 16, dict(K_FUN=True, V_FUN=True)),
+    (tqkern.KVFormat.preset("turboquant_4bit_nc", 64), 3, 2, dict(K_FUN=True, V_FUN=True)),
+    (tqkern.KVFormat.preset("turboquant_k3v4_nc", 64), 3, 32, dict(K_BITS=3, V_FUN=True)),
+    (tqkern.KVFormat.preset("turboquant_3bit_nc", 64), 3, 16, dict(K_BITS=3, V_BITS=3)),
+    (tqkern.KVFormat.preset("turboquant_3bit_nc", 128), 1, 4, dict(K_BITS=3, V_BITS=3)),
+    # 4-bit keys misaligned against their 16-byte chunks (rows of 268 bytes): shifted, not joined
+    (tqkern.KVFormat.preset("turboquant_4bit_nc", 128), 2, 16, dict(K_FUN=True, K_MERGE=False)),
+    # 5-bit keys with 3-bit Lloyd-Max values (own codebook) and with 3-/4-bit uniform values
+    (tqkern.KVFormat.preset("tqkern_k5v3", 128), 2, 16, dict(K_BITS=5, V_BITS=3, V_UNIFORM=False)),
+    (tqkern.KVFormat.preset("tqkern_k5v3", 64), 3, 16, dict(K_BITS=5, V_BITS=3)),
+    (tqkern.KVFormat(head_dim=64, key=_K5, value=tqkern.Uniform(bits=3), slot_alignment=2), 3, 16,
+     dict(K_BITS=5, V_BITS=3, V_UNIFORM=True)),
+    (tqkern.KVFormat(head_dim=128, key=_K5, value=tqkern.Uniform(bits=4), slot_alignment=2), 1, 16,
+     dict(K_BITS=5, V_BITS=4, V_UNIFORM=True)),
+], ids=lambda x: x if isinstance(x, int) else None)
+def test_warp_mma_read_schemes_match_oracle(fmt, heads, block_size, expect):
+    """Each read scheme of the warp-MMA kernel (shifted words, 3-bit values, 5-bit keys) on a
+    layout that is sure to take it, against the NumPy oracle: shuffled blocks, random poison in
+    every unused byte, lengths that end mid-block and mid-step, 3 query heads per KV head."""
+    from tqkern.ops.paged_decode.triton_mma import mma_plan
+
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=heads, block_size=block_size)
+    group = 3
+    plan = mma_plan(layout, group)
+    assert plan is not None and {k: plan[k] for k in expect} == expect
+    params = tqkern.TQParams.default(fmt)
+    p = tqt.to_device(params, "cuda")
+    assert decode_path(layout, group, same_codebooks=p.same_codebooks) == "mma"
+    seq_lens = torch.tensor([1, 37, 300, 513], dtype=torch.int32, device="cuda")
+    max_blocks = -(-600 // block_size)
+    num_blocks = 4 * max_blocks + 3
+    g = torch.Generator(device="cuda").manual_seed(7)
+    bt = torch.randperm(num_blocks, device="cuda", generator=g)[: 4 * max_blocks].reshape(4, max_blocks).int()
+    cache = _fill(layout, p, num_blocks, seq_lens, bt, seed=block_size + heads)
+    q = torch.randn(4, heads * group, fmt.head_dim, device="cuda", dtype=torch.float16, generator=g)
+    out = torch.full_like(q, float("nan"))
+    paged_decode(q, cache, bt, seq_lens, layout, p, out=out, num_splits=3)
+    expect_out = ref.paged_decode(q.double().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(),
+                                  seq_lens.cpu().numpy(), layout, params)
+    vmax = _vmax(cache, bt, seq_lens, layout, p)
+    assert torch.isfinite(out).all()
+    assert np.abs(out.float().cpu().numpy() - expect_out).max() <= 4e-3 * vmax
