@@ -387,10 +387,12 @@ def _shifted(w, sh, N: tl.constexpr):
 
 @triton.jit
 def _row_of(cache_ptr, bt_row, pos, end, BS: tl.constexpr, ROW_BYTES: tl.constexpr, ok):
-    """Address of token ``pos`` (clamped to ``end - 1``) of a sequence."""
+    """Address of token ``pos`` of a sequence; past ``end - 1``, row ``pos % BS`` of the block of
+    token ``end - 1`` (a row of the same parity as ``pos``, so that the shifted reads' per-lane
+    word offsets still hold; its data is masked off)."""
     p = tl.maximum(tl.minimum(pos, end - 1), 0)
     blk = tl.load(bt_row + p // BS, mask=ok, other=0).to(tl.int64)
-    return cache_ptr + (blk * BS + p % BS) * ROW_BYTES
+    return cache_ptr + (blk * BS + pos % BS) * ROW_BYTES
 
 
 @triton.jit
