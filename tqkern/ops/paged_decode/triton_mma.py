@@ -1,4 +1,4 @@
-"""Warp-level tensor-core paged decode for caches with 4-bit values and 4-bit, 3-bit or FP8 keys.
+"""Warp-level tensor-core paged decode: 4-, 3- or 5-bit Lloyd-Max or FP8 keys, 4- or 3-bit values.
 
 Every tensor in this kernel holds one value per thread (shape ``[32·WARPS]``), and the inner
 loop is inline PTX, so each value is produced in the register where ``mma.sync.m16n8k16``
@@ -30,7 +30,14 @@ One warp owns one (sequence, KV head, split) and walks its tokens 16 at a time:
   with uniform values no table at all.
 * 3-bit keys (LSB bitstream): two consecutive codes are a 6-bit field, looked up in a 64-entry
   pair table; lane ``c`` owns codes ``c·D/4 ..``, loaded as whole words from the word boundary
-  below its chunk and funnel-shifted into place (no joining lanes).
+  below its chunk and funnel-shifted into place (no joining lanes). 5-bit keys: the same order,
+  one lookup per code in 32 single entries (table entries 64..95), two joined by one LOP3.
+* 3-bit values: lane ``r`` owns codes ``r·D/8 ..``; M tile ``i`` takes codes ``2i``, ``2i + 1``.
+  Uniform: PRMT + AND per token pair into subnormals ``code·2^(3k mod 8 - 24)``; Lloyd-Max (next
+  to 5-bit keys): token-pair entries 0..63 of the value codebook.
+* Shifted words (``K_FUN`` / ``V_FUN``): a chunk not at a fixed offset from aligned blocks is
+  read as the words that hold it and funnel-shifted; in blocks of an even number of rows a
+  row's offset from a word boundary follows the token's parity, so rows of 2 mod 4 bytes work.
 
 A field that is not aligned to the chunk size (vLLM's 134-byte slots) is read as aligned
 blocks: lanes take blocks ``1 .. 3`` (``1 .. 7`` for values) of the field's aligned span, and
@@ -883,13 +890,14 @@ def mma_plan(layout: PagedLayout, group: int) -> dict | None:
     """Constexprs of the warp-MMA kernel for ``layout`` and GQA ``group``, or ``None`` where it
     does not apply (then the general kernel runs).
 
-    It applies when keys are 4-bit Lloyd-Max codes and values 4-bit Lloyd-Max codes (no
-    decode-time norm correction; the launcher also requires the keys' codebook, see
-    ``tqkern.ops.paged_decode.triton.decode_path``) or 4-bit uniform codes, or keys are 3-bit
-    Lloyd-Max codes (LSB bit order) or FP8 and values 4-bit uniform codes; ``head_dim`` 64 or
-    128; ``group ≤ 8``; rows a multiple of the key chunk (``D/8`` bytes; 3-bit and FP8 keys: of 4
-    bytes and of the value chunk, ``D/16``); FP8 key fields at 4-byte offsets; norms, scales and
-    zeros aligned to their size."""
+    It applies when keys are 4-bit Lloyd-Max codes, 3- or 5-bit Lloyd-Max codes (LSB bit order)
+    or FP8, and values are 4- or 3-bit uniform codes, 4-bit Lloyd-Max codes next to 4-bit keys
+    (no decode-time norm correction; the launcher also requires the keys' codebook, see
+    ``tqkern.ops.paged_decode.triton.decode_path``) or 3-bit Lloyd-Max codes next to 5-bit keys;
+    ``head_dim`` 64 or 128; ``group ≤ 8``; rows of an even number of bytes (2 mod 4 only in
+    blocks of an even number of rows and not with FP8 keys); FP8 key fields at 4-byte offsets;
+    a 3-bit key field's over-read word inside the row; norms, scales and zeros aligned to their
+    size in every row."""
     if not isinstance(layout, PagedLayout):
         raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
     plan = _mma_plan(layout, group)
