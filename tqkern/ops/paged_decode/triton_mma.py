@@ -508,32 +508,21 @@ def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K
                 s = _mma(s, pw[0], px[0], pw[1], px[1], qf[2 * i], qf[2 * i + 1])
             else:
                 t = _mma(t, pw[0], px[0], pw[1], px[1], qf[2 * i], qf[2 * i + 1])
-    elif K_BITS == 5:  # code pair p (coordinates c·D/4 + 2p, + 1): two single-code lookups
-        x = _shifted(k0, k_sh, NKW)
-        y = _shifted(k1, k_sh, NKW)
-        lbk = lb + 64 * 128
+    elif K_BITS == 3 or K_BITS == 5:  # code pair p: coordinates c·D/4 + 2p, + 1
+        x = _shifted(k0, k_sh, NKW - (K_BITS == 3))  # 3-bit: one word loaded beyond the chunk
+        y = _shifted(k1, k_sh, NKW - (K_BITS == 3))
+        lbk = lb + 64 * 128  # 5-bit: the single-code entries
         for i in tl.static_range(NKT):
-            a0 = _k5_pair(x, 2 * i, lbk)
-            a1 = _k5_pair(y, 2 * i, lbk)
-            a2 = _k5_pair(x, 2 * i + 1, lbk)
-            a3 = _k5_pair(y, 2 * i + 1, lbk)
-            if i % 2 == 0:
-                s = _mma(s, a0, a1, a2, a3, qf[2 * i], qf[2 * i + 1])
-            else:
-                t = _mma(t, a0, a1, a2, a3, qf[2 * i], qf[2 * i + 1])
-            if K_NC:
-                n = _mma(n, _sq(a0), _sq(a1), _sq(a2), _sq(a3), ones, ones)
-    elif K_BITS == 3:
-        x = ()
-        y = ()
-        for i in tl.static_range(NKW - 1):
-            x = x + (_funnel(k0[i], k0[i + 1], k_sh),)
-            y = y + (_funnel(k1[i], k1[i + 1], k_sh),)
-        for i in tl.static_range(NKT):
-            a0 = _lut1(_bits_at(x, 12 * i, 6), lb)
-            a1 = _lut1(_bits_at(y, 12 * i, 6), lb)
-            a2 = _lut1(_bits_at(x, 12 * i + 6, 6), lb)
-            a3 = _lut1(_bits_at(y, 12 * i + 6, 6), lb)
+            if K_BITS == 5:  # two single-code lookups per pair
+                a0 = _k5_pair(x, 2 * i, lbk)
+                a1 = _k5_pair(y, 2 * i, lbk)
+                a2 = _k5_pair(x, 2 * i + 1, lbk)
+                a3 = _k5_pair(y, 2 * i + 1, lbk)
+            else:  # one pair lookup (6-bit field)
+                a0 = _lut1(_bits_at(x, 12 * i, 6), lb)
+                a1 = _lut1(_bits_at(y, 12 * i, 6), lb)
+                a2 = _lut1(_bits_at(x, 12 * i + 6, 6), lb)
+                a3 = _lut1(_bits_at(y, 12 * i + 6, 6), lb)
             if i % 2 == 0:
                 s = _mma(s, a0, a1, a2, a3, qf[2 * i], qf[2 * i + 1])
             else:
