@@ -10,7 +10,7 @@ import tqkern
 import tqkern_torch as tqt
 from tqkern.ops.paged_decode.triton import (_launch_merge, decode_path, merge_chunks, rotate_q,
                                             workspace_numel)
-from tqkern.ops.paged_decode.triton_mma import mma_plan
+from tqkern.ops.paged_decode.triton_mma import mma_plan, shifted_plan
 from tqkern_torch.testing import device_under_test, kernels_available
 
 DEV = device_under_test()
@@ -79,6 +79,17 @@ def test_decode_path_rules_and_bad_input():
     assert decode_path(_layout("tq4", 256, 8, "row"), 4) == "fast"
     with pytest.raises(TypeError, match="layout must be a tqkern.PagedLayout, got KVFormat"):
         decode_path(tqkern.KVFormat.preset("tq4", 128), 4)
+
+
+def test_shifted_plan():
+    """The measuring helper turns every 4-bit field's read into shifted words (never 3-bit keys')."""
+    nc = mma_plan(_layout("turboquant_4bit_nc", 128, 8), 4)
+    sp = shifted_plan(nc)
+    assert sp["K_FUN"] and sp["V_FUN"] and not (sp["K_MERGE"] or sp["V_MERGE"]) and nc["K_MERGE"]
+    k3 = shifted_plan(mma_plan(_layout("turboquant_k3v4_nc", 128, 8), 4))
+    assert not k3["K_FUN"] and k3["V_FUN"]
+    with pytest.raises(TypeError, match="plan must be a dict from mma_plan, got NoneType"):
+        shifted_plan(None)
 
 
 def test_same_codebooks_flag():

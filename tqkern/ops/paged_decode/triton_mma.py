@@ -91,6 +91,12 @@ def _lut_declare(t):
 
 
 @triton.jit
+def _cen16(ptr):
+    """The fp16 bits (low half of an int32) of the float32 centroid at ``ptr``."""
+    return tl.load(ptr).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
 def _lut_fill(base, t, cen_ptr, NT: tl.constexpr, BITS: tl.constexpr):
     """Entry ``b`` (fp16 pair of c[b & m], c[(b >> BITS) & m], m = 2^BITS − 1: two consecutive
     codes of an LSB bitstream, or the two nibbles of a byte) into all 32 lane replicas (``b·128 +
@@ -99,8 +105,8 @@ def _lut_fill(base, t, cen_ptr, NT: tl.constexpr, BITS: tl.constexpr):
     M: tl.constexpr = (1 << BITS) - 1
     for i in tl.static_range(256 // NT):
         b = t + i * NT
-        lo = tl.load(cen_ptr + (b & M)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        hi = tl.load(cen_ptr + ((b >> BITS) & M)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        lo = _cen16(cen_ptr + (b & M))
+        hi = _cen16(cen_ptr + ((b >> BITS) & M))
         base = tl.inline_asm_elementwise(_FILL_ASM, "=r,r,r,r", [base, b, lo | (hi << 16)], dtype=tl.int32,
                                          is_pure=False, pack=1)
     return tl.inline_asm_elementwise("bar.sync 0;\nmov.b32 $0, $1;", "=r,r", [base], dtype=tl.int32,
@@ -113,8 +119,8 @@ def _lut_fill_k5(base, t, kcen_ptr, vcen_ptr, NT: tl.constexpr, V_LM: tl.constex
     lookup), entries ``b < 64`` the value pairs ``(cv[b & 7], cv[b >> 3])`` of 3-bit Lloyd-Max
     values (``V_LM``; zeros otherwise: uniform values need no table), in the layout of
     :func:`_lut_fill`; then a CTA barrier."""
-    for i in tl.static_range(256 // NT):
-        b = t + i * NT
+    for i in tl.static_range(256 // NT):  # (_cen16 written out: through it ptxas renames the
+        b = t + i * NT                       # prologue's registers, and this is the SASS measured)
         kc = tl.load(kcen_ptr + ((b - 64) & 31)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         if V_LM:
             lo = tl.load(vcen_ptr + (b & 7)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
@@ -213,12 +219,11 @@ def _uni3(xa, xb, k: tl.constexpr):
 
 
 @triton.jit
-def _v3_words(w, sh, NB: tl.constexpr):
-    """A token's 3-bit value chunk (``NB`` bytes, from :func:`_ld_span`) as the words of bytes
-    0..3 and (NB > 4) 2..5."""
-    x = _shifted(w, sh, (NB + 3) // 4)
+def _v3_words(x, NB: tl.constexpr):
+    """A token's 3-bit value chunk (``NB`` bytes, aligned words ``x``) as the words of bytes 0..3
+    and (NB > 4) 2..5."""
     if NB > 4:
-        return x[0], _funnel(x[0], x[1], tl.zeros_like(sh) + 16)
+        return x[0], _funnel(x[0], x[1], tl.zeros_like(x[0]) + 16)
     else:
         return (x[0],)
 
@@ -552,11 +557,16 @@ def _values(o, v0, v1, v2, v3, pb0, pb1, lb, v_sh_e, v_sh_o, NVW: tl.constexpr, 
     aligned first (even tokens by ``v_sh_e`` bits, odd ones by ``v_sh_o``)."""
     TPW: tl.constexpr = 4 if CV >= 4 else CV  # M tiles per 32-bit word of the chunk
     res = ()
+    if V_FUN:  # the chunks' words from the words that hold them (3-bit values: always)
+        v0 = _shifted(v0, v_sh_e, (CV + 3) // 4)
+        v1 = _shifted(v1, v_sh_o, (CV + 3) // 4)
+        v2 = _shifted(v2, v_sh_e, (CV + 3) // 4)
+        v3 = _shifted(v3, v_sh_o, (CV + 3) // 4)
     if V_BITS == 3:
-        xa = _v3_words(v0, v_sh_e, CV)
-        xb = _v3_words(v1, v_sh_o, CV)
-        xc = _v3_words(v2, v_sh_e, CV)
-        xd = _v3_words(v3, v_sh_o, CV)
+        xa = _v3_words(v0, CV)
+        xb = _v3_words(v1, CV)
+        xc = _v3_words(v2, CV)
+        xd = _v3_words(v3, CV)
         for i in tl.static_range(NMT):
             if V_UNIFORM:
                 a0 = _uni3(xa, xb, 2 * i)
@@ -571,11 +581,6 @@ def _values(o, v0, v1, v2, v3, pb0, pb1, lb, v_sh_e, v_sh_o, NVW: tl.constexpr, 
             acc = _mma((o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]), a0, a1, a2, a3, pb0, pb1)
             res = res + (acc[0], acc[1], acc[2], acc[3])
     else:
-        if V_FUN:
-            v0 = _shifted(v0, v_sh_e, NVW)
-            v1 = _shifted(v1, v_sh_o, NVW)
-            v2 = _shifted(v2, v_sh_e, NVW)
-            v3 = _shifted(v3, v_sh_o, NVW)
         for w in tl.static_range(NVW):
             if V_UNIFORM:
                 ab = _uni4(v0[w], v1[w])
@@ -686,14 +691,8 @@ def _paged_decode_mma_kernel(
         k_mis = ka * 0
         ka0 = ka
         k_sh = ka * 0
-    elif K3:  # this lane's chunk: codes c·D/4 .. (bytes 3D/32·c ..), from the word below it
-        k_mis = ka * 0
-        k_lane = ka + (3 * D // 32) * c
-        k_off = (k_lane + k_row) & 3
-        ka0 = k_lane - k_off
-        k_sh = k_off * 8
-    elif K_FUN:  # this lane's chunk: field bytes CK·c .., from the word below it
-        k_lane = ka + CK * c
+    elif K3 or K_FUN:  # this lane's chunk (3-bit: 3D/32 bytes, else CK) from the word below it
+        k_lane = ka + (3 * D // 32 if K3 else CK) * c
         k_mis = (k_lane + k_row) & 3
         ka0 = k_lane - k_mis
         k_sh = k_mis * 8
@@ -958,6 +957,8 @@ def shifted_plan(plan: dict) -> dict:
     """``plan`` with every 4-bit field read as shifted words (``K_FUN`` / ``V_FUN``) instead of
     aligned or joined blocks: valid for any plan (the shifted reads need only 2-byte rows); for
     measuring one read scheme against the other."""
+    if not isinstance(plan, dict):
+        raise TypeError(f"plan must be a dict from mma_plan, got {type(plan).__name__}")
     plan = dict(plan)
     if plan["K_BITS"] == 4:
         plan.update(K_FUN=True, K_MERGE=False)
