@@ -32,7 +32,7 @@ class _Capture(Exception):
     pass
 
 
-def decode_constexprs(layout, hq, path, block_n=None, num_splits=4, probe="", lut="select", l2pf=0):
+def decode_constexprs(layout, hq, path, block_n=None, num_splits=4, probe="", lut="select"):
     """The constexpr kwargs _launch_paged_decode would pass, captured by a stub kernel."""
     got = {}
 
@@ -56,7 +56,7 @@ def decode_constexprs(layout, hq, path, block_n=None, num_splits=4, probe="", lu
                                      torch.zeros(1, dtype=torch.int32), layout,
                                      {"key_centroids_f32": None, "value_centroids_f32": None, "rotation": None},
                                      sm_scale=1.0, interpret=False, num_splits=num_splits, block_n=block_n,
-                                     probe=probe, lut=lut, path=path, l2pf=l2pf)
+                                     probe=probe, lut=lut, path=path)
         except _Capture:
             pass
     finally:
@@ -158,16 +158,15 @@ def main(argv=None):
     ap.add_argument("--hint", type=int, default=0)
     ap.add_argument("--maxnreg", type=int, default=0)
     ap.add_argument("--shifted", action="store_true", help="mma: read 4-bit fields as shifted words")
-    ap.add_argument("--l2pf", type=int, default=0, help="mma: bulk L2 prefetch distance in steps (0: off)")
     args = ap.parse_args(argv)
     for preset in args.presets:
         fmt = tqkern.KVFormat.preset(preset, args.d)
         layout = tqkern.PagedLayout(format=fmt, num_kv_heads=args.hkv, block_size=16, arrangement=args.arrangement)
         if args.path == "mma":
             c = compile_mma(layout, args.hq, warps=args.warps, maxnreg=args.maxnreg, shifted=args.shifted,
-                            PREFETCH=args.prefetch, HINT=args.hint, L2PF=args.l2pf)
+                            PREFETCH=args.prefetch, HINT=args.hint)
         else:
-            c = compile_decode(layout, args.hq, args.path, block_n=args.block_n, l2pf=args.l2pf)
+            c = compile_decode(layout, args.hq, args.path, block_n=args.block_n)
         sass = sass_of(c)
         if args.sass:
             with open(f"{args.sass}.{preset}.sass", "w") as f:

@@ -26,7 +26,7 @@ import triton.language as tl
 from tqkern.layouts import PagedLayout
 from tqkern.ops.common import bits_to_f32, halfword_aligned, layout_consts, load_bytes, load_packed, load_param
 from tqkern.ops.paged_decode._ptx import _LUT_ASM_LSB, _LUT_ASM_NIBBLE, _UNI_ASM_LSB, _UNI_ASM_NIBBLE, _prmt_tables
-from tqkern.ops.paged_decode.triton_mma import _l2_prefetch, _launch_paged_decode_mma, mma_plan, num_splits_mma, resident_warps
+from tqkern.ops.paged_decode.triton_mma import _launch_paged_decode_mma, mma_plan, num_splits_mma, resident_warps
 
 __all__ = ["_paged_decode_kernel", "_merge_kernel", "_launch_paged_decode", "num_splits_for", "fast_path_plan",
            "decode_path", "rotate_q", "merge_chunks", "check_workspace"]
@@ -263,7 +263,6 @@ def _paged_decode_kernel(
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_ROTATED: tl.constexpr, V_NORM_CORRECTION: tl.constexpr,
     V_PARAM_DTYPE: tl.constexpr, V_A_OFF: tl.constexpr, V_A_STRIDE: tl.constexpr, V_A_BYTES: tl.constexpr,
     V_B_OFF: tl.constexpr, V_B_STRIDE: tl.constexpr, V_C_OFF: tl.constexpr, V_C_STRIDE: tl.constexpr,
-    L2PF: tl.constexpr = 0,
 ):
     s = tl.program_id(0)
     h = tl.program_id(1)
@@ -303,19 +302,7 @@ def _paged_decode_kernel(
         acc = tl.zeros([GP, DP], tl.float32)
     n_off = tl.arange(0, BN)
     bt_row = bt_ptr + s.to(tl.int64) * max_blocks
-    # L2PF > 0 (GPU only): the tile L2PF tiles ahead is prefetched into L2 by the TMA unit, in
-    # runs of RC contiguous rows; program h takes piece h of each run (the programs of the other
-    # KV heads read the rest of those rows), thread 0 issues it.
-    RC: tl.constexpr = BN if BN < BS else BS
-    piece = ((RC * ROW_BYTES + tl.num_programs(1) - 1) // tl.num_programs(1) + 15) // 16 * 16
-    pf_bytes = tl.minimum(tl.maximum(RC * ROW_BYTES - h * piece, 0), piece)
     for t0 in range(start, end, BN):
-        if L2PF > 0 and USE_ASM:
-            for j in tl.static_range(BN // RC):
-                tp = t0 + L2PF * BN + j * RC
-                pb = tl.load(bt_row + tl.minimum(tp, end - 1) // BS).to(tl.int64)
-                _l2_prefetch(cache_ptr + (pb * BS + tp % BS) * ROW_BYTES + h * piece + tl.zeros([1], tl.int32),
-                             pf_bytes + tl.zeros([1], tl.int32), (tp < end) & (pf_bytes > 0), True)
         pos = t0 + n_off
         tmask = pos < end
         blk = tl.load(bt_row + pos // BS, mask=tmask, other=0).to(tl.int64)
@@ -594,7 +581,7 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
                          block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                          probe: str = "",
                          lut: str = "select", path: str = "auto", maxnreg: int | None = None,
-                         same_codebooks: bool = True, l2pf: int | None = None):
+                         same_codebooks: bool = True):
     """Launch decode + merge. ``q_rot`` float32 ``[S, Hq, D]`` contiguous (already rotated when the
     key codec is rotated). ``workspace``: optional float32 tensor with at least
     ``workspace_numel(...)`` elements. ``path``: ``"auto"`` (the warp-MMA kernel of
@@ -618,13 +605,12 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
             if num_splits is None:
                 resident = resident_warps(q_rot, cache, block_table, seq_lens, layout, plan,
                                           tables["key_centroids_f32"], group=g,
-                                          value_centroids_f32=tables["value_centroids_f32"], l2pf=l2pf or 0)
+                                          value_centroids_f32=tables["value_centroids_f32"])
                 num_splits = num_splits_mma(s, hkv, block_table.shape[1] * layout.block_size, resident)
             acc, ml = _workspace(workspace, s, hq, num_splits, dp, q_rot.device)
             _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan,
                                      tables["key_centroids_f32"], acc, ml, group=g, num_splits=num_splits,
-                                     sm_scale=sm_scale, value_centroids_f32=tables["value_centroids_f32"],
-                                     l2pf=l2pf or 0)
+                                     sm_scale=sm_scale, value_centroids_f32=tables["value_centroids_f32"])
             _launch_merge(acc, ml, tables["rotation"], out, layout, g, num_splits, interpret)
             return out
         path = "fast"
@@ -662,7 +648,7 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
         K_HALVES=halves("key"), V_HALVES=halves("value"), DOT=tl.bfloat16 if raw_bf16 else tl.float16,
         K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
         SKIP_K=probe == "no_k", SKIP_V=probe == "no_v", LUT_SELECT=lut == "select",
-        USE_ASM=not interpret, L2PF=0 if interpret else (l2pf or 0), **plan,
+        USE_ASM=not interpret, **plan,
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}), **consts,
     )
     _launch_merge(acc, ml, tables["rotation"], out, layout, g, num_splits, interpret)

@@ -314,30 +314,6 @@ _LD_ASM = {(nw, h): tl.constexpr(_ld_asm(nw, ".L2::256B" if h else "")) for nw i
 _LD1, _LD2, _LD4 = _LD_ASM[1, 0], _LD_ASM[2, 0], _LD_ASM[4, 0]
 _LD1H, _LD2H, _LD4H = _LD_ASM[1, 1], _LD_ASM[2, 1], _LD_ASM[4, 1]
 
-# Bulk L2 prefetch (sm_90, the TMA unit: one instruction, no registers held, no L1 traffic) of
-# bytes [$1, $1 + $2) widened to whole 16-byte granules (so never past a page holding one of
-# them), where $3 != 0 (and, for the tensor kernels, only in thread 0 of the CTA).
-def _l2pf_asm(first_thread: bool) -> str:
-    tid = ".reg .b32 t;\nmov.u32 t, %tid.x;\nsetp.eq.and.u32 p, t, 0, p;\n" if first_thread else ""
-    return ("{\n.reg .pred p;\n.reg .b64 a, e;\n.reg .b32 n;\n"
-            "setp.ne.b32 p, $3, 0;\n" + tid
-            + "and.b64 a, $1, 0xFFFFFFFFFFFFFFF0;\n"
-            "cvt.u64.u32 e, $2;\nadd.u64 e, e, $1;\nadd.u64 e, e, 15;\nand.b64 e, e, 0xFFFFFFFFFFFFFFF0;\n"
-            "sub.u64 e, e, a;\ncvt.u32.u64 n, e;\n"
-            "@p cp.async.bulk.prefetch.L2.global [a], n;\n"
-            "mov.b32 $0, 0;\n}")
-
-
-_L2PF_ASM, _L2PF0_ASM = tl.constexpr(_l2pf_asm(False)), tl.constexpr(_l2pf_asm(True))
-
-
-@triton.jit
-def _l2_prefetch(ptr, nbytes, pred, FIRST_THREAD: tl.constexpr = False):
-    """Prefetch ``nbytes`` (> 0) at ``ptr`` into L2 where ``pred`` (in the warp kernel: one lane
-    per warp; ``FIRST_THREAD``: thread 0 of the CTA only, for replicated tensors)."""
-    return tl.inline_asm_elementwise(_L2PF0_ASM if FIRST_THREAD else _L2PF_ASM, "=r,l,r,r",
-                                     [ptr, nbytes, pred.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
 
 @triton.jit
 def _ld_words(ptr, pred, NW: tl.constexpr, HINT: tl.constexpr):
@@ -658,7 +634,7 @@ def _paged_decode_mma_kernel(
     V_B_STRIDE: tl.constexpr, V_C_OFF: tl.constexpr, V_C_STRIDE: tl.constexpr, V_DT: tl.constexpr,
     K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, K_FP8: tl.constexpr = False, K_NW: tl.constexpr = 1,
     K_BITS: tl.constexpr = 4, K_FUN: tl.constexpr = False, V_FUN: tl.constexpr = False, V_BITS: tl.constexpr = 4,
-    PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0, L2PF: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0,
 ):
     NT: tl.constexpr = 32 * WARPS
     K3: tl.constexpr = K_BITS == 3
@@ -797,14 +773,6 @@ def _paged_decode_mma_kernel(
                                   ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, K_FP8, K_NW,
                                   K_BITS, K_FUN, V_FUN),)
         blk = _step_block(bt_row, start + 16 * (j + 1), end, BS)
-    # L2PF > 0 (blocks of >= 16 rows): the step L2PF steps past the ring is prefetched into L2
-    # by the TMA unit, split across the HKV warps of the (sequence, split) that read it: warp h
-    # takes piece h of the step's 16 contiguous rows (all heads' bytes), lane 0 issues it.
-    SPAN: tl.constexpr = 16 * ROW_BYTES
-    PIECE: tl.constexpr = ((SPAN + HKV - 1) // HKV + 15) // 16 * 16
-    pf_bytes = tl.minimum(tl.maximum(SPAN - h * PIECE, 0), PIECE)
-    pf_on = (lane == 0) & (pf_bytes > 0)
-    pblk = _step_block(bt_row, start + 16 * (PREFETCH + L2PF), end, BS)
     for it in range(0, n_steps):
         t0 = start + it * 16
         k0, k1, v0, v1, v2, v3, fac = ring[0]
@@ -814,10 +782,6 @@ def _paged_decode_mma_kernel(
                                       CK, CV, K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, K_FP8, K_NW, K_BITS,
                                       K_FUN, V_FUN),)
         blk = _step_block(bt_row, tn + 16, end, BS)
-        if L2PF > 0 and BS >= 16:
-            tp = t0 + 16 * (PREFETCH + L2PF)
-            _l2_prefetch(cache_ptr + (pblk * BS + tp % BS) * ROW_BYTES + h * PIECE, pf_bytes, pf_on & (tp < end))
-            pblk = _step_block(bt_row, tp + 16, end, BS)
         ok0 = (t0 + r) < end
         ok1 = (t0 + r + 8) < end
 
@@ -1022,14 +986,14 @@ def _needs_lut(plan: dict) -> bool:
 
 
 def _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, group, num_splits,
-                 sm_scale, warps, prefetch, hint, maxnreg=None, value_centroids_f32=None, l2pf=0):
+                 sm_scale, warps, prefetch, hint, maxnreg=None, value_centroids_f32=None):
     s, hq, _ = q_rot.shape
     # The value codebook is read only for 3-bit Lloyd-Max values next to 5-bit keys.
     vcen = value_centroids_f32 if plan["K_BITS"] == 5 and not plan["V_UNIFORM"] else key_centroids_f32
     args = (q_rot, cache, block_table, seq_lens, key_centroids_f32, vcen, acc, ml, s, block_table.shape[1],
             sm_scale * 1.4426950408889634, num_splits)
     kwargs = dict(G=group, HKV=layout.num_kv_heads, HQ=hq, WARPS=warps, BS=layout.block_size, PREFETCH=prefetch,
-                  HINT=hint, L2PF=l2pf, **plan, num_warps=warps, num_stages=1)
+                  HINT=hint, **plan, num_warps=warps, num_stages=1)
     if maxnreg is None:  # measured (H100): capped at 128 registers ~2% faster for aligned fields (no spill
         # inside the loop); with joined fields the kernel needs ~168 and a cap spills in the loop
         maxnreg = 0 if plan["K_MERGE"] or plan["V_MERGE"] else 128
@@ -1043,12 +1007,12 @@ _RESIDENT: dict = {}
 
 def resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, *, group: int,
                    warps: int = 4, prefetch: int = 1, hint: int = 1, maxnreg: int | None = None,
-                   value_centroids_f32=None, l2pf: int = 0) -> int:
+                   value_centroids_f32=None) -> int:
     """Warps of this launch's compiled kernel that the GPU holds at once (from its registers and
     shared memory; compiled once, cached); a conservative 8 per SM if the compiled kernel cannot
     be inspected (that costs speed, never correctness)."""
     args, kwargs = _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, q_rot, q_rot,
-                                group, 1, 1.0, warps, prefetch, hint, maxnreg, value_centroids_f32, l2pf)
+                                group, 1, 1.0, warps, prefetch, hint, maxnreg, value_centroids_f32)
     dev = q_rot.device.index or 0
     key = (tuple(sorted((k, str(v)) for k, v in kwargs.items())), dev)
     if key not in _RESIDENT:
@@ -1068,11 +1032,11 @@ def resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, key_centro
 
 def _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, *,
                              group: int, num_splits: int, sm_scale: float, warps: int = 4, prefetch: int = 1,
-                             hint: int = 1, maxnreg: int | None = None, value_centroids_f32=None, l2pf: int = 0):
+                             hint: int = 1, maxnreg: int | None = None, value_centroids_f32=None):
     """Launch the warp-MMA decode (partials only; the caller merges). ``value_centroids_f32`` is
     required for 3-bit Lloyd-Max values (5-bit keys). No checks."""
     s = q_rot.shape[0]
     total = s * layout.num_kv_heads * num_splits
     args, kwargs = _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, group,
-                                num_splits, sm_scale, warps, prefetch, hint, maxnreg, value_centroids_f32, l2pf)
+                                num_splits, sm_scale, warps, prefetch, hint, maxnreg, value_centroids_f32)
     _paged_decode_mma_kernel[(triton.cdiv(total, warps),)](*args, **kwargs)
