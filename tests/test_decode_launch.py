@@ -8,7 +8,7 @@ import torch
 
 import tqkern
 import tqkern_torch as tqt
-from tqkern.ops.paged_decode.triton import (_launch_merge, decode_path, merge_chunks, rotate_q,
+from tqkern.ops.paged_decode.triton import (_launch_merge, decode_path, merge_chunks, num_splits_for, rotate_q,
                                             workspace_numel)
 from tqkern.ops.paged_decode.triton_mma import mma_plan, shifted_plan
 from tqkern_torch.testing import device_under_test, kernels_available
@@ -106,6 +106,28 @@ def test_merge_chunks_rule():
     assert merge_chunks(64, 132, 128) == 4
     assert merge_chunks(1, 132, 128) == 8  # at most DP / 16
     assert merge_chunks(1, 132, 16) == 1
+
+
+def test_num_splits_whole_waves():
+    """The general kernel's split count: ~4 programs per SM (at least 4·BN tokens per split);
+    with the resident program count and splits of >= 2048 tokens, the count (up to that one)
+    whose last wave is fullest per unit of work, the smallest on ties."""
+    # B8x64K, fp16 path on an H100 (396 programs resident): 9 splits = 576 programs = 1.45 waves
+    assert num_splits_for(8, 8, 65536, 132, 64) == 9
+    assert num_splits_for(8, 8, 65536, 132, 64, resident_ctas=396) == 6  # 384 programs, one wave
+    assert num_splits_for(8, 8, 65536, 132, 64, resident_ctas=264) == 4  # 256 of 264
+    # B32x16K: 3 splits = 768 programs = 1.94 waves of 396 is already the best
+    assert num_splits_for(32, 8, 16384, 132, 64) == num_splits_for(32, 8, 16384, 132, 64, resident_ctas=396) == 3
+    # short splits (SmolLM2 B32x4K: 683 tokens each) ignore waves
+    assert num_splits_for(32, 3, 4096, 132, 64, resident_ctas=396) == num_splits_for(32, 3, 4096, 132, 64) == 6
+    for seqs in (1, 2, 5, 8, 33, 64):
+        for ctas in (None, 1, 7, 132, 396, 1000):
+            plain = num_splits_for(seqs, 8, 65536, 132, 64)
+            n = num_splits_for(seqs, 8, 65536, 132, 64, resident_ctas=ctas)
+            assert 1 <= n <= plain
+            if ctas and 65536 // plain >= 2048:  # no count up to the plain one has fewer waves per work
+                waves = [-(-seqs * 8 * k // ctas) / k for k in range(1, plain + 1)]
+                assert waves[n - 1] == min(waves) and min(waves) not in waves[:n - 1]
 
 
 @needs_kernels
