@@ -10,7 +10,7 @@ import tqkern
 import tqkern_torch as tqt
 from tqkern.ops.paged_decode.triton import (_launch_merge, decode_path, merge_chunks, num_splits_for, rotate_q,
                                             workspace_numel)
-from tqkern.ops.paged_decode.triton_mma import mma_plan, shifted_plan
+from tqkern.ops.paged_decode.triton_mma import ctas_per_sm, mma_plan, shifted_plan
 from tqkern_torch.testing import device_under_test, kernels_available
 
 DEV = device_under_test()
@@ -128,6 +128,27 @@ def test_num_splits_whole_waves():
             if ctas and 65536 // plain >= 2048:  # no count up to the plain one has fewer waves per work
                 waves = [-(-seqs * 8 * k // ctas) / k for k in range(1, plain + 1)]
                 assert waves[n - 1] == min(waves) and min(waves) not in waves[:n - 1]
+
+
+def test_ctas_per_sm():
+    """Residency from a compiled kernel's registers and shared memory (H100: 64K registers,
+    228 KB of shared memory, 64 warps and 32 CTAs per SM; registers allocated per warp in units
+    of 256, 1 KB reserved per CTA)."""
+    class Kernel:
+        def __init__(self, n_regs, shared):
+            self.n_regs, self.metadata = n_regs, type("M", (), {"shared": shared})()
+
+        def _init_handles(self):
+            pass
+    h100 = type("Props", (), {"shared_memory_per_multiprocessor": 233472})()
+    # the general kernel's fp16 path: 139 registers (144 per thread: 18432 per 4-warp CTA), 39 KB
+    assert ctas_per_sm(Kernel(139, 39168), 4, 0, h100) == 3
+    # the warp-MMA kernel: 128 registers and the 32 KB pair table: 4 CTAs = 16 warps
+    assert ctas_per_sm(Kernel(128, 16), 4, 32768, h100) == 4
+    assert ctas_per_sm(Kernel(168, 16), 4, 32768, h100) == 3  # joined fields: 12 warps
+    assert ctas_per_sm(Kernel(32, 100000), 4, 0, h100) == 2  # shared memory bounds it
+    assert ctas_per_sm(Kernel(16, 0), 1, 0, h100) == 32  # the CTA limit
+    assert ctas_per_sm(Kernel(16, 0), 8, 0, h100) == 8  # the warp limit
 
 
 @needs_kernels

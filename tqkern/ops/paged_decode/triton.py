@@ -26,7 +26,8 @@ import triton.language as tl
 from tqkern.layouts import PagedLayout
 from tqkern.ops.common import bits_to_f32, halfword_aligned, layout_consts, load_bytes, load_packed, load_param
 from tqkern.ops.paged_decode._ptx import _LUT_ASM_LSB, _LUT_ASM_NIBBLE, _UNI_ASM_LSB, _UNI_ASM_NIBBLE, _prmt_tables
-from tqkern.ops.paged_decode.triton_mma import _launch_paged_decode_mma, mma_plan, num_splits_mma, resident_warps
+from tqkern.ops.paged_decode.triton_mma import (_launch_paged_decode_mma, ctas_per_sm, mma_plan, num_splits_mma,
+                                                resident_warps)
 
 __all__ = ["_paged_decode_kernel", "_merge_kernel", "_launch_paged_decode", "num_splits_for", "fast_path_plan",
            "decode_path", "rotate_q", "merge_chunks", "check_workspace"]
@@ -685,13 +686,7 @@ def _resident_ctas(q_rot, cache, block_table, seq_lens, tables, kwargs, num_spli
             k = _paged_decode_kernel.warmup(
                 q_rot, cache, block_table, seq_lens, tables["key_centroids_f32"], tables["value_centroids_f32"],
                 q_rot, q_rot, block_table.shape[1], 1.0, 0, NUM_SPLITS=num_splits, grid=(1,), **kwargs)
-            k._init_handles()  # loads the binary: n_regs
-            warps = kwargs["num_warps"]
-            per_warp = -(-int(k.n_regs) * 32 // 256) * 256
-            smem = int(getattr(k.metadata, "shared", 0)) + 1024  # + the per-CTA reservation
-            smem_sm = int(getattr(props, "shared_memory_per_multiprocessor", 233472))
-            ctas = max(1, min(65536 // (per_warp * warps), smem_sm // smem, 64 // warps, 32))
-            _RESIDENT_CTAS[key] = ctas * props.multi_processor_count
+            _RESIDENT_CTAS[key] = ctas_per_sm(k, kwargs["num_warps"], 0, props) * props.multi_processor_count
         except Exception:  # noqa: BLE001
             _RESIDENT_CTAS[key] = None
     return _RESIDENT_CTAS[key]

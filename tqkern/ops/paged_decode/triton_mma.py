@@ -1002,6 +1002,17 @@ def _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroid
     return args, kwargs
 
 
+def ctas_per_sm(kernel, warps: int, extra_smem: int, props) -> int:
+    """CTAs of ``warps`` warps of a compiled Triton kernel that one SM holds at once: from its
+    registers, its shared memory (plus ``extra_smem`` bytes declared outside Triton and the
+    per-CTA reservation), the 64 warps and 32 CTAs per SM."""
+    kernel._init_handles()  # loads the binary: n_regs
+    per_warp = -(-int(kernel.n_regs) * 32 // 256) * 256
+    smem = extra_smem + _SMEM_RESERVED + int(getattr(kernel.metadata, "shared", 0))
+    smem_sm = int(getattr(props, "shared_memory_per_multiprocessor", 233472))
+    return max(1, min(65536 // (per_warp * warps), smem_sm // smem, 64 // warps, 32))
+
+
 _RESIDENT: dict = {}
 
 
@@ -1019,11 +1030,7 @@ def resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, key_centro
         props = torch.cuda.get_device_properties(dev)
         try:
             k = _paged_decode_mma_kernel.warmup(*args, grid=(1,), **kwargs)
-            k._init_handles()  # loads the binary: n_regs
-            per_warp = -(-int(k.n_regs) * 32 // 256) * 256
-            smem = _LUT_BYTES * _needs_lut(plan) + _SMEM_RESERVED + int(getattr(k.metadata, "shared", 0))
-            smem_sm = int(getattr(props, "shared_memory_per_multiprocessor", 233472))
-            ctas = max(1, min(65536 // (per_warp * warps), smem_sm // smem, 64 // warps, 32))
+            ctas = ctas_per_sm(k, warps, _LUT_BYTES * _needs_lut(plan), props)
         except Exception:  # noqa: BLE001
             ctas = max(1, 8 // warps)
         _RESIDENT[key] = ctas * warps * props.multi_processor_count
