@@ -120,6 +120,9 @@ def test_num_splits_whole_waves():
     assert num_splits_for(32, 8, 16384, 132, 64) == num_splits_for(32, 8, 16384, 132, 64, resident_ctas=396) == 3
     # short splits (SmolLM2 B32x4K: 683 tokens each) ignore waves
     assert num_splits_for(32, 3, 4096, 132, 64, resident_ctas=396) == num_splits_for(32, 3, 4096, 132, 64) == 6
+    for bad in (0, -3, 2.5, "396"):
+        with pytest.raises(ValueError, match="resident_ctas"):
+            num_splits_for(8, 8, 65536, 132, 64, resident_ctas=bad)
     for seqs in (1, 2, 5, 8, 33, 64):
         for ctas in (None, 1, 7, 132, 396, 1000):
             plain = num_splits_for(seqs, 8, 65536, 132, 64)

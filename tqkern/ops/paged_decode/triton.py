@@ -550,6 +550,8 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int,
 
     Depends only on shapes (never on ``seq_lens`` values), so a CUDA graph captured for a batch
     shape stays valid whatever lengths it replays with."""
+    if resident_ctas is not None and (not isinstance(resident_ctas, int) or resident_ctas < 1):
+        raise ValueError(f"resident_ctas must be None or a positive int, got {resident_ctas!r}")
     programs = max(1, num_seqs * num_kv_heads)
     want = max(1, math.ceil(4 * num_sms / programs))
     cap = max(1, max_len // (4 * block_n))
@@ -661,7 +663,8 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
         sms = 1 if interpret else torch.cuda.get_device_properties(q_rot.device).multi_processor_count
         num_splits = num_splits_for(s, hkv, max_len, sms, block_n)
         if not interpret and max_len // num_splits >= 2048:
-            ctas = _resident_ctas(q_rot, cache, block_table, seq_lens, tables, kwargs, num_splits)
+            key = (layout, hq, path, block_n, num_warps, num_stages, maxnreg, probe, lut, q_rot.device.index or 0)
+            ctas = _resident_ctas(key, q_rot, cache, block_table, seq_lens, tables, kwargs, num_splits)
             num_splits = num_splits_for(s, hkv, max_len, sms, block_n, resident_ctas=ctas)
     acc, ml = _workspace(workspace, s, hq, num_splits, dp, q_rot.device)
     _paged_decode_kernel[(s, hkv, num_splits)](
@@ -674,14 +677,13 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
 _RESIDENT_CTAS: dict = {}
 
 
-def _resident_ctas(q_rot, cache, block_table, seq_lens, tables, kwargs, num_splits) -> int | None:
-    """Programs of the general kernel (compiled for ``kwargs``; cached) that the GPU holds at
-    once, from its registers and shared memory; ``None`` if the compiled kernel cannot be
-    inspected (the split count then ignores waves: speed, never correctness)."""
-    dev = q_rot.device.index or 0
-    key = (tuple(sorted((k, str(v)) for k, v in kwargs.items())), dev)
+def _resident_ctas(key, q_rot, cache, block_table, seq_lens, tables, kwargs, num_splits) -> int | None:
+    """Programs of the general kernel (compiled for ``kwargs``; cached under ``key``, the launch
+    options that determine ``kwargs``, cheap to hash on every launch) that the GPU holds at once,
+    from its registers and shared memory; ``None`` if the compiled kernel cannot be inspected
+    (the split count then ignores waves: speed, never correctness)."""
     if key not in _RESIDENT_CTAS:
-        props = torch.cuda.get_device_properties(dev)
+        props = torch.cuda.get_device_properties(q_rot.device)
         try:
             k = _paged_decode_kernel.warmup(
                 q_rot, cache, block_table, seq_lens, tables["key_centroids_f32"], tables["value_centroids_f32"],

@@ -1022,11 +1022,12 @@ def resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, key_centro
     """Warps of this launch's compiled kernel that the GPU holds at once (from its registers and
     shared memory; compiled once, cached); a conservative 8 per SM if the compiled kernel cannot
     be inspected (that costs speed, never correctness)."""
-    args, kwargs = _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, q_rot, q_rot,
-                                group, 1, 1.0, warps, prefetch, hint, maxnreg, value_centroids_f32)
     dev = q_rot.device.index or 0
-    key = (tuple(sorted((k, str(v)) for k, v in kwargs.items())), dev)
+    # what the compiled kernel depends on, cheap to hash (this runs on every launch)
+    key = (layout, tuple(plan.items()), group, q_rot.shape[1], warps, prefetch, hint, maxnreg, dev)
     if key not in _RESIDENT:
+        args, kwargs = _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, q_rot,
+                                    q_rot, group, 1, 1.0, warps, prefetch, hint, maxnreg, value_centroids_f32)
         props = torch.cuda.get_device_properties(dev)
         try:
             k = _paged_decode_mma_kernel.warmup(*args, grid=(1,), **kwargs)
