@@ -1,7 +1,6 @@
 """A/B the public ``paged_decode`` under launch variants, against SDPA fp16 in the same run.
 
-Variants change how the public path launches (the merge kernel, a register cap), never what it
-computes: each variant's output is first compared with
+Variants change how the public path launches (the merge kernel), never what it computes: each variant's output is first compared with
 the plain variant's on the benchmark inputs (bit-exact where the arithmetic is the same, else
 within 1e-5 of the output's scale); a variant that differs is reported and not timed. Timing is
 CUDA-graph replay (``bench_decode.bench``).
@@ -25,30 +24,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode import baseline_runs, bench, preset_caches  # noqa: E402
 from tqkern.ops.paged_decode import triton as pdt  # noqa: E402
-from tqkern.ops.paged_decode import triton_mma as tm  # noqa: E402
 from tqkern_torch.attention import paged_decode  # noqa: E402
 
 
 @contextlib.contextmanager
-def variant(merge: str | None = None, maxnreg: int | None = None):
-    """The merge kernel (``impl`` of ``_launch_merge``) and a register cap for the warp-MMA
-    kernel (None: the launcher's defaults)."""
-    old_merge, old_args = pdt._launch_merge, tm._kernel_args
+def variant(merge: str | None = None):
+    """The merge kernel (``impl`` of ``_launch_merge``; None: the launcher's default). (Register
+    caps of the warp-MMA kernel: ``sweep_mma.py --maxnreg``.)"""
+    old_merge = pdt._launch_merge
     if merge is not None:
         pdt._launch_merge = lambda *a, **k: old_merge(*a, **{**k, "impl": merge})
-    if maxnreg is not None:
-        def args_capped(*a, **k):
-            a = list(a)
-            if len(a) > 15:
-                a[15] = maxnreg if a[15] is None else a[15]
-            else:
-                k["maxnreg"] = k.get("maxnreg") or maxnreg
-            return old_args(*a, **k)
-        tm._kernel_args = args_capped
     try:
         yield
     finally:
-        pdt._launch_merge, tm._kernel_args = old_merge, old_args
+        pdt._launch_merge = old_merge
 
 
 # Session 5 run 1 also had programmatic dependent launch and a two-launch merge here (both
@@ -71,15 +60,11 @@ def main(argv=None):
                time=time.strftime("%F %T"), rows=[], checks=[])
     g = torch.Generator(device="cuda").manual_seed(0)
     for shape, q, sdpa, bt, sl in baseline_runs(args.shapes, g, res["rows"]):
-        group = shape.num_q_heads // shape.num_kv_heads
         for preset, layout, params, cache in preset_caches(shape, args.presets, g):
             out = torch.empty_like(q)
             ref_out = None
             for name in args.variants:
                 spec = VARIANTS[name]
-                plan = tm.mma_plan(layout, group)
-                if spec.get("maxnreg") and plan and not (plan["K_MERGE"] or plan["V_MERGE"]):
-                    continue  # the cap is for the kernel with joined fields (aligned ones run at 128)
                 with variant(**spec):
                     got = paged_decode(q, cache, bt, sl, layout, params, check_lengths=False)
                     torch.cuda.synchronize()
