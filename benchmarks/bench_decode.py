@@ -132,21 +132,14 @@ def gate(results, presets):
 def run_decode(shape, passed, results, sweep, probe):
     g = torch.Generator(device="cuda").manual_seed(0)
     b, L, hq, hkv, d = shape.batch, shape.seq_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim
-    q = torch.randn(b, hq, d, device="cuda", dtype=torch.float16, generator=g)
     # SDPA fp16 on contiguous K/V (the baseline), GQA through enable_gqa.
-    k = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16, generator=g)
-    v = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16, generator=g)
-    q4 = q[:, :, None, :]
-    sdpa_us = bench(lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True))
-    sdpa_bytes = 2 * k.numel() * 2
-    del k, v
+    q, sdpa_us, bt, sl = shape_inputs(shape, g)
+    sdpa_bytes = 2 * b * hkv * L * d * 2
     row = dict(shape=shape.name, variant="sdpa_fp16", us=sdpa_us, bytes=sdpa_bytes,
                gbps=sdpa_bytes / sdpa_us / 1e3, ratio=1.0)
     results["decode"].append(row)
     print(f"{shape.name:16s} sdpa_fp16            {sdpa_us:9.1f} us {row['gbps']:8.0f} GB/s", flush=True)
     nb = b * L // BLOCK
-    bt = torch.randperm(nb, device="cuda", generator=g).int().reshape(b, L // BLOCK)
-    sl = torch.full((b,), L, dtype=torch.int32, device="cuda")
     for preset, arr in DECODE_PRESETS:
         if preset not in passed:
             continue
