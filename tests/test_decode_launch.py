@@ -81,6 +81,40 @@ def test_decode_path_rules_and_bad_input():
         decode_path(tqkern.KVFormat.preset("tq4", 128), 4)
 
 
+def test_decode_path_capability_gate():
+    """The warp-MMA kernel's PTX needs sm_80 (mma.sync m16n8k16, the L2::256B hint) and, for FP8
+    keys, sm_89 (cvt.rn.f16x2.e4m3x2): below that the launcher's "auto" path takes the general
+    kernel; ``None`` skips the check; a malformed capability is a ValueError naming it."""
+    tq4 = _layout("tq4", 128, 8, "row")
+    k8v4 = _layout("turboquant_k8v4", 128, 8)
+    assert decode_path(tq4, 4, capability=(7, 5)) == "fast"
+    assert decode_path(tq4, 4, capability=(8, 0)) == "mma"
+    assert decode_path(tq4, 4, capability=(9, 0)) == "mma"
+    assert decode_path(k8v4, 4, capability=(8, 0)) == "fast"
+    assert decode_path(k8v4, 4, capability=(8, 6)) == "fast"
+    assert decode_path(k8v4, 4, capability=(8, 9)) == "mma"
+    assert decode_path(k8v4, 4, capability=(10, 0)) == "mma"
+    assert decode_path(k8v4, 4) == "mma"
+    with pytest.raises(ValueError, match=r"capability must be a \(major, minor\) pair, got \(9,\)"):
+        decode_path(tq4, 4, capability=(9,))
+
+
+def test_launcher_reads_the_capability(monkeypatch):
+    """The launcher asks the device's compute capability: with sm_70 reported (the lookup
+    patched) a forced warp-MMA launch is refused before anything runs, so "auto" takes the
+    general kernel there."""
+    import tqkern.ops.paged_decode.triton as tri
+
+    asked = []
+    monkeypatch.setattr(tri, "_capability", lambda device: asked.append(device) or (7, 0))
+    tq4 = _layout("tq4", 128, 8, "row")
+    with pytest.raises(ValueError, match="does not apply to this layout/group/device"):
+        tri._launch_paged_decode(None, torch.zeros(1, 32, 128), torch.zeros(16, tq4.row_bytes, dtype=torch.uint8),
+                                 torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), tq4, {},
+                                 sm_scale=1.0, interpret=False, path="mma")
+    assert len(asked) == 1
+
+
 def test_shifted_plan():
     """The measuring helper turns every 4-bit field's read into shifted words (never 3-bit keys')."""
     nc = mma_plan(_layout("turboquant_4bit_nc", 128, 8), 4)

@@ -17,6 +17,7 @@ odd halves of q (and of the output) in two dots.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -611,7 +612,8 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
     dp = c["DP"]
     if path in ("auto", "mma"):
         mma = decode_path(layout, g, interpret=interpret, same_codebooks=same_codebooks,
-                          cache_aligned=cache.data_ptr() % 16 == 0) == "mma"
+                          cache_aligned=cache.data_ptr() % 16 == 0,
+                          capability=None if interpret else _capability(q_rot.device)) == "mma"
         if path == "mma" and not mma:
             raise ValueError("the warp-MMA decode kernel does not apply to this layout/group/device")
         if mma:
@@ -675,6 +677,16 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
 
 
 _RESIDENT_CTAS: dict = {}
+
+
+@functools.lru_cache(maxsize=16)
+def _capability_of(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def _capability(device) -> tuple[int, int]:
+    """Compute capability of a CUDA ``device`` (cached per device index)."""
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _resident_ctas(key, q_rot, cache, block_table, seq_lens, tables, kwargs, num_splits) -> int | None:
@@ -775,15 +787,29 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
     )
 
 
+# The warp-MMA kernel's PTX: mma.sync m16n8k16 with fp16 operands, ld.global.nc.L2::256B
+# (sm_80); cvt.rn.f16x2.e4m3x2 for FP8 keys (sm_89).
+MMA_MIN_CAPABILITY = (8, 0)
+MMA_FP8_MIN_CAPABILITY = (8, 9)
+
+
 def decode_path(layout, group: int, *, interpret: bool = False, same_codebooks: bool = True,
-                cache_aligned: bool = True) -> str:
+                cache_aligned: bool = True, capability: tuple[int, int] | None = None) -> str:
     """Which kernel ``path="auto"`` runs: ``"mma"`` (the warp-MMA kernel where
     :func:`.triton_mma.mma_plan` takes the layout, and for 4-bit Lloyd-Max values only with the
     keys' codebook (``same_codebooks``); never under the interpreter, which cannot run its inline
-    PTX, nor for a cache not 16-byte aligned) or ``"fast"`` (this module's kernel)."""
+    PTX, nor for a cache not 16-byte aligned, nor on a GPU whose compute ``capability`` (major,
+    minor) is below ``MMA_MIN_CAPABILITY`` (``MMA_FP8_MIN_CAPABILITY`` for FP8 keys); ``None``
+    skips that check) or ``"fast"`` (this module's kernel)."""
     plan = mma_plan(layout, group)
     if interpret or plan is None or not cache_aligned:
         return "fast"
+    if capability is not None:
+        if len(capability) != 2:
+            raise ValueError(f"capability must be a (major, minor) pair, got {capability!r}")
+        need = MMA_FP8_MIN_CAPABILITY if plan["K_FP8"] else MMA_MIN_CAPABILITY
+        if tuple(capability) < need:
+            return "fast"
     if plan["V_BITS"] == 4 and not plan["V_UNIFORM"] and not same_codebooks:  # one codebook for K and V
         return "fast"
     return "mma"
