@@ -59,6 +59,7 @@ import triton.language as tl
 
 from tqkern.layouts import FP8, LloydMax, PagedLayout, Uniform
 from tqkern.ops.common import layout_consts, load_param
+from tqkern.ops.paged_decode._ptx import _LUT_ASM_LSB, _prmt_tables
 
 __all__ = ["_paged_decode_mma_kernel", "_launch_paged_decode_mma", "mma_plan", "num_splits_mma", "resident_warps",
            "shifted_plan"]
@@ -152,6 +153,16 @@ def _lut1(idx, lb):
     return tl.inline_asm_elementwise(
         "{\n.reg .b32 a;\nmad.lo.u32 a, $1, 128, $2;\nld.shared.b32 $0, [a];\n}",
         "=r,r,r", [idx, lb], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _lutp(w, tabs):
+    """The same four table entries as :func:`_lut4`, from the byte tables ``tabs`` of
+    :func:`tqkern.ops.paged_decode._ptx._prmt_tables` in registers by byte permutes (no shared
+    load; ~25 integer instructions instead of 12)."""
+    return tl.inline_asm_elementwise(_LUT_ASM_LSB, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+                                     [w, tabs[0], tabs[1], tabs[2], tabs[3], tabs[4], tabs[5], tabs[6], tabs[7]],
+                                     dtype=(tl.int32,) * 4, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -494,8 +505,8 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, ka0, va0, va1, kb_off, vb_
 
 
 @triton.jit
-def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K_FP8: tl.constexpr,
-            K_BITS: tl.constexpr, NKT: tl.constexpr, K_FUN: tl.constexpr):
+def _scores(k0, k1, qf, lb, ones, k_sh, tabs, NKW: tl.constexpr, K_NC: tl.constexpr, K_FP8: tl.constexpr,
+            K_BITS: tl.constexpr, NKT: tl.constexpr, K_FUN: tl.constexpr, K_PRMT: tl.constexpr):
     """S^T (tokens r, r+8 × heads 2c, 2c+1) and, for decode-time norm correction, ‖c‖² of the
     same tokens (all columns equal). FP8 keys: word ``i`` of the chunk is k-tile ``i`` (its
     bytes 0, 1 the MMA columns 2c, 2c+1; bytes 2, 3 the columns 2c+8, 2c+9). 3-bit keys: the
@@ -539,8 +550,12 @@ def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K
             k0 = _shifted(k0, k_sh, NKW)
             k1 = _shifted(k1, k_sh, NKW)
         for i in tl.static_range(NKW):
-            pw = _lut4(k0[i], lb)  # chunk bytes 4i..4i+3 of token r
-            px = _lut4(k1[i], lb)  # ... of token r + 8
+            if i < K_PRMT:  # byte permutes on the integer pipe instead of shared loads
+                pw = _lutp(k0[i], tabs)
+                px = _lutp(k1[i], tabs)
+            else:
+                pw = _lut4(k0[i], lb)  # chunk bytes 4i..4i+3 of token r
+                px = _lut4(k1[i], lb)  # ... of token r + 8
             s = _mma(s, pw[0], px[0], pw[1], px[1], qf[4 * i], qf[4 * i + 1])
             t = _mma(t, pw[2], px[2], pw[3], px[3], qf[4 * i + 2], qf[4 * i + 3])
             if K_NC:
@@ -550,8 +565,9 @@ def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K
 
 
 @triton.jit
-def _values(o, v0, v1, v2, v3, pb0, pb1, lb, v_sh_e, v_sh_o, NVW: tl.constexpr, CV: tl.constexpr,
-            V_UNIFORM: tl.constexpr, V_FUN: tl.constexpr, V_BITS: tl.constexpr, NMT: tl.constexpr):
+def _values(o, v0, v1, v2, v3, pb0, pb1, lb, v_sh_e, v_sh_o, tabs, NVW: tl.constexpr, CV: tl.constexpr,
+            V_UNIFORM: tl.constexpr, V_FUN: tl.constexpr, V_BITS: tl.constexpr, NMT: tl.constexpr,
+            V_PRMT: tl.constexpr):
     """O^T += V^T·P^T over the lane's chunk (4-bit: M tile i ← chunk byte i; 3-bit: M tile i ←
     codes 2i (row r) and 2i + 1 (row r + 8) of the chunk). Shifted chunks (``V_FUN``) are
     aligned first (even tokens by ``v_sh_e`` bits, odd ones by ``v_sh_o``)."""
@@ -592,10 +608,16 @@ def _values(o, v0, v1, v2, v3, pb0, pb1, lb, v_sh_e, v_sh_o, NVW: tl.constexpr, 
             else:
                 m_ab = _nibble_merge(v0[w], v1[w])
                 m_cd = _nibble_merge(v2[w], v3[w])
-                lo_ab = _lut4(m_ab[0], lb)
-                hi_ab = _lut4(m_ab[1], lb)
-                lo_cd = _lut4(m_cd[0], lb)
-                hi_cd = _lut4(m_cd[1], lb)
+                if w < V_PRMT:  # byte permutes instead of shared loads
+                    lo_ab = _lutp(m_ab[0], tabs)
+                    hi_ab = _lutp(m_ab[1], tabs)
+                    lo_cd = _lutp(m_cd[0], tabs)
+                    hi_cd = _lutp(m_cd[1], tabs)
+                else:
+                    lo_ab = _lut4(m_ab[0], lb)
+                    hi_ab = _lut4(m_ab[1], lb)
+                    lo_cd = _lut4(m_cd[0], lb)
+                    hi_cd = _lut4(m_cd[1], lb)
             for k in tl.static_range(TPW):  # M tile 4w + k
                 acc = _mma((o[16 * w + 4 * k], o[16 * w + 4 * k + 1], o[16 * w + 4 * k + 2], o[16 * w + 4 * k + 3]),
                            lo_ab[k], hi_ab[k], lo_cd[k], hi_cd[k], pb0, pb1)
@@ -634,7 +656,7 @@ def _paged_decode_mma_kernel(
     V_B_STRIDE: tl.constexpr, V_C_OFF: tl.constexpr, V_C_STRIDE: tl.constexpr, V_DT: tl.constexpr,
     K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, K_FP8: tl.constexpr = False, K_NW: tl.constexpr = 1,
     K_BITS: tl.constexpr = 4, K_FUN: tl.constexpr = False, V_FUN: tl.constexpr = False, V_BITS: tl.constexpr = 4,
-    PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0, K_PRMT: tl.constexpr = 0, V_PRMT: tl.constexpr = 0,
 ):
     NT: tl.constexpr = 32 * WARPS
     K3: tl.constexpr = K_BITS == 3
@@ -679,6 +701,10 @@ def _paged_decode_mma_kernel(
         lb = lut + lane * 4
     else:
         lb = lane * 4
+    if K_PRMT + V_PRMT > 0:  # 4-bit Lloyd-Max words decoded by byte permutes (one codebook)
+        tabs = _prmt_tables(cen_ptr, 0)
+    else:
+        tabs = _prmt_tables(cen_ptr, 1)  # zeros, unused
 
     # -- field geometry (aligned spans, byte masks for the joining lane) ---------------------------
     ka = K_A_OFF + h * K_A_STRIDE
@@ -785,7 +811,7 @@ def _paged_decode_mma_kernel(
         ok0 = (t0 + r) < end
         ok1 = (t0 + r + 8) < end
 
-        sv, cn = _scores(k0, k1, qf, lb, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN)
+        sv, cn = _scores(k0, k1, qf, lb, ones, k_sh, tabs, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN, K_PRMT)
         f0 = fac[0] * sm_scale_log2
         f1 = fac[1] * sm_scale_log2
         if K_NC:
@@ -824,8 +850,8 @@ def _paged_decode_mma_kernel(
         w0 = vf0 * inv
         w1 = vf1 * inv
         pb = _p_fragments(p0 * w0, p1 * w0, p2 * w1, p3 * w1)
-        o = _values(o, v0, v1, v2, v3, pb[0], pb[1], lb, v_mis_e * 8, v_mis_o * 8, NVW, CV, V_UNIFORM, V_FUN,
-                    V_BITS, NMT)
+        o = _values(o, v0, v1, v2, v3, pb[0], pb[1], lb, v_mis_e * 8, v_mis_o * 8, tabs, NVW, CV, V_UNIFORM, V_FUN,
+                    V_BITS, NMT, V_PRMT)
 
     # -- partial results: acc [S, HQ, NUM_SPLITS, DP], (m, l) [S, HQ, NUM_SPLITS, 2] --------------
     l_e = _warp_sum_r(l_e)
