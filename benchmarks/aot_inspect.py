@@ -160,13 +160,14 @@ def main(argv=None):
     ap.add_argument("--shifted", action="store_true", help="mma: read 4-bit fields as shifted words")
     ap.add_argument("--kprmt", type=int, default=0, help="mma: key words per token decoded by byte permutes")
     ap.add_argument("--vprmt", type=int, default=0, help="mma: value words decoded by byte permutes")
+    ap.add_argument("--sub", type=int, default=1, help="mma: 16-token steps per softmax update")
     args = ap.parse_args(argv)
     for preset in args.presets:
         fmt = tqkern.KVFormat.preset(preset, args.d)
         layout = tqkern.PagedLayout(format=fmt, num_kv_heads=args.hkv, block_size=16, arrangement=args.arrangement)
         if args.path == "mma":
             c = compile_mma(layout, args.hq, warps=args.warps, maxnreg=args.maxnreg, shifted=args.shifted,
-                            PREFETCH=args.prefetch, HINT=args.hint, K_PRMT=args.kprmt, V_PRMT=args.vprmt)
+                            PREFETCH=args.prefetch, HINT=args.hint, K_PRMT=args.kprmt, V_PRMT=args.vprmt, SUB=args.sub)
         else:
             c = compile_decode(layout, args.hq, args.path, block_n=args.block_n)
         sass = sass_of(c)

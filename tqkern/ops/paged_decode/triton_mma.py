@@ -626,6 +626,19 @@ def _values(o, v0, v1, v2, v3, pb0, pb1, lb, v_sh_e, v_sh_o, tabs, NVW: tl.const
 
 
 @triton.jit
+def _scaled_scores(sv, cn, fac, ok0, ok1, sm_scale_log2, K_NC: tl.constexpr):
+    """Base-2 scores of tokens r (``ok0``) and r + 8 (``ok1``), heads 2c / 2c+1: the key factors
+    (and the decode-time norm correction) applied, −inf past the range."""
+    f0 = fac[0] * sm_scale_log2
+    f1 = fac[1] * sm_scale_log2
+    if K_NC:
+        f0 = f0 * tl.rsqrt(tl.maximum(cn[0], 1e-30))
+        f1 = f1 * tl.rsqrt(tl.maximum(cn[2], 1e-30))
+    return (tl.where(ok0, sv[0] * f0, float("-inf")), tl.where(ok0, sv[1] * f0, float("-inf")),
+            tl.where(ok1, sv[2] * f1, float("-inf")), tl.where(ok1, sv[3] * f1, float("-inf")))
+
+
+@triton.jit
 def _rescale(o, be, bo, NMT: tl.constexpr):
     """O^T columns 2c (×be) and 2c+1 (×bo). (Skipping this when every factor is 1, by a
     warp-uniform branch, measured 2-3% slower on the H100: the branch splits ptxas's scheduling
@@ -657,6 +670,7 @@ def _paged_decode_mma_kernel(
     K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, K_FP8: tl.constexpr = False, K_NW: tl.constexpr = 1,
     K_BITS: tl.constexpr = 4, K_FUN: tl.constexpr = False, V_FUN: tl.constexpr = False, V_BITS: tl.constexpr = 4,
     PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0, K_PRMT: tl.constexpr = 0, V_PRMT: tl.constexpr = 0,
+    SUB: tl.constexpr = 1,
 ):
     NT: tl.constexpr = 32 * WARPS
     K3: tl.constexpr = K_BITS == 3
@@ -799,8 +813,8 @@ def _paged_decode_mma_kernel(
                                   ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, K_FP8, K_NW,
                                   K_BITS, K_FUN, V_FUN),)
         blk = _step_block(bt_row, start + 16 * (j + 1), end, BS)
-    for it in range(0, n_steps):
-        t0 = start + it * 16
+    for it in range(0, tl.cdiv(n_steps, SUB)):
+        t0 = start + it * (16 * SUB)
         k0, k1, v0, v1, v2, v3, fac = ring[0]
         tn = t0 + 16 * PREFETCH
         ring = ring[1:] + (_load_step(cache_ptr, bt_row, blk, tn, end, r, c, ka0, va0, va1, kb_off, vb_off, vc_off,
@@ -810,20 +824,32 @@ def _paged_decode_mma_kernel(
         blk = _step_block(bt_row, tn + 16, end, BS)
         ok0 = (t0 + r) < end
         ok1 = (t0 + r + 8) < end
-
         sv, cn = _scores(k0, k1, qf, lb, ones, k_sh, tabs, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN, K_PRMT)
-        f0 = fac[0] * sm_scale_log2
-        f1 = fac[1] * sm_scale_log2
-        if K_NC:
-            f0 = f0 * tl.rsqrt(tl.maximum(cn[0], 1e-30))
-            f1 = f1 * tl.rsqrt(tl.maximum(cn[2], 1e-30))
-        s0 = tl.where(ok0, sv[0] * f0, float("-inf"))
-        s1 = tl.where(ok0, sv[1] * f0, float("-inf"))
-        s2 = tl.where(ok1, sv[2] * f1, float("-inf"))
-        s3 = tl.where(ok1, sv[3] * f1, float("-inf"))
+        s0, s1, s2, s3 = _scaled_scores(sv, cn, fac, ok0, ok1, sm_scale_log2, K_NC)
+        vf0 = tl.where(ok0, fac[2], 0.0)
+        vf1 = tl.where(ok1, fac[3], 0.0)
+        mx_e = tl.maximum(s0, s2)
+        mx_o = tl.maximum(s1, s3)
+        mx_v = tl.maximum(tl.abs(vf0), tl.abs(vf1))
+        if SUB == 2:  # a second 16-token step under the same softmax bookkeeping
+            k0b, k1b, v0b, v1b, v2b, v3b, facb = ring[0]
+            ring = ring[1:] + (_load_step(cache_ptr, bt_row, blk, tn + 16, end, r, c, ka0, va0, va1, kb_off, vb_off,
+                                          vc_off, k_masks, v_masks, k_sec_on, v_sec_on, k_mis, v_mis_e, v_mis_o, BS,
+                                          ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, K_FP8, K_NW,
+                                          K_BITS, K_FUN, V_FUN),)
+            blk = _step_block(bt_row, tn + 32, end, BS)
+            ok0b = (t0 + 16 + r) < end
+            ok1b = (t0 + 24 + r) < end
+            svb, cnb = _scores(k0b, k1b, qf, lb, ones, k_sh, tabs, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN, K_PRMT)
+            s0b, s1b, s2b, s3b = _scaled_scores(svb, cnb, facb, ok0b, ok1b, sm_scale_log2, K_NC)
+            vf0b = tl.where(ok0b, facb[2], 0.0)
+            vf1b = tl.where(ok1b, facb[3], 0.0)
+            mx_e = tl.maximum(mx_e, tl.maximum(s0b, s2b))
+            mx_o = tl.maximum(mx_o, tl.maximum(s1b, s3b))
+            mx_v = tl.maximum(mx_v, tl.maximum(tl.abs(vf0b), tl.abs(vf1b)))
 
-        mn_e = tl.maximum(m_e, _warp_max_r(tl.maximum(s0, s2)))
-        mn_o = tl.maximum(m_o, _warp_max_r(tl.maximum(s1, s3)))
+        mn_e = tl.maximum(m_e, _warp_max_r(mx_e))
+        mn_o = tl.maximum(m_o, _warp_max_r(mx_o))
         a_e = tl.exp2(m_e - mn_e)
         a_o = tl.exp2(m_o - mn_o)
         p0 = tl.exp2(s0 - mn_e)
@@ -834,15 +860,12 @@ def _paged_decode_mma_kernel(
         l_o = l_o * a_o + (p1 + p3)
         m_e = mn_e
         m_o = mn_o
-
-        vf0 = tl.where(ok0, fac[2], 0.0)
-        vf1 = tl.where(ok1, fac[3], 0.0)
         if V_UNIFORM:
             vz0 = tl.where(ok0, fac[4], 0.0)
             vz1 = tl.where(ok1, fac[5], 0.0)
             z_e = z_e * a_e + (p0 * vz0 + p2 * vz1)
             z_o = z_o * a_o + (p1 * vz0 + p3 * vz1)
-        vn = tl.maximum(vmax, _warp_max_r(tl.maximum(tl.abs(vf0), tl.abs(vf1))))
+        vn = tl.maximum(vmax, _warp_max_r(mx_v))
         ratio = tl.where(vn > 0, vmax / tl.where(vn > 0, vn, 1.0), 1.0)
         inv = tl.where(vn > 0, 1.0 / tl.where(vn > 0, vn, 1.0), 0.0)
         vmax = vn
@@ -852,6 +875,23 @@ def _paged_decode_mma_kernel(
         pb = _p_fragments(p0 * w0, p1 * w0, p2 * w1, p3 * w1)
         o = _values(o, v0, v1, v2, v3, pb[0], pb[1], lb, v_mis_e * 8, v_mis_o * 8, tabs, NVW, CV, V_UNIFORM, V_FUN,
                     V_BITS, NMT, V_PRMT)
+        if SUB == 2:
+            p0b = tl.exp2(s0b - mn_e)
+            p1b = tl.exp2(s1b - mn_o)
+            p2b = tl.exp2(s2b - mn_e)
+            p3b = tl.exp2(s3b - mn_o)
+            l_e = l_e + (p0b + p2b)
+            l_o = l_o + (p1b + p3b)
+            if V_UNIFORM:
+                vz0b = tl.where(ok0b, facb[4], 0.0)
+                vz1b = tl.where(ok1b, facb[5], 0.0)
+                z_e = z_e + (p0b * vz0b + p2b * vz1b)
+                z_o = z_o + (p1b * vz0b + p3b * vz1b)
+            w0b = vf0b * inv
+            w1b = vf1b * inv
+            pbb = _p_fragments(p0b * w0b, p1b * w0b, p2b * w1b, p3b * w1b)
+            o = _values(o, v0b, v1b, v2b, v3b, pbb[0], pbb[1], lb, v_mis_e * 8, v_mis_o * 8, tabs, NVW, CV,
+                        V_UNIFORM, V_FUN, V_BITS, NMT, V_PRMT)
 
     # -- partial results: acc [S, HQ, NUM_SPLITS, DP], (m, l) [S, HQ, NUM_SPLITS, 2] --------------
     l_e = _warp_sum_r(l_e)
