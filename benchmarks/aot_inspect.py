@@ -98,8 +98,10 @@ def compile_mma(layout, hq, num_splits=8, warps=4, maxnreg=0, shifted=False, **e
     if shifted:
         plan = tm.shifted_plan(plan)
     fn = tm._paged_decode_mma_kernel
+    extra = {k: v for k, v in extra.items() if not (k == "PREFETCH" and not v)}
+    plan = {**plan, **extra}
     cx = dict(G=g, HKV=layout.num_kv_heads, HQ=hq, NUM_SPLITS=num_splits, WARPS=warps, BS=layout.block_size,
-              **plan, **extra)
+              PREFETCH=plan.pop("PREFETCH", plan["SUB"]), **plan)
     ptrs = {"q_ptr": "*fp32", "cache_ptr": "*u8", "bt_ptr": "*i32", "sl_ptr": "*i32", "cen_ptr": "*fp32",
             "vcen_ptr": "*fp32", "acc_ptr": "*fp32", "ml_ptr": "*fp32"}
     sig = {n: ptrs.get(n, "i32" if n in ("num_seqs", "max_blocks") else "fp32" if n == "sm_scale_log2"
@@ -154,20 +156,18 @@ def main(argv=None):
     ap.add_argument("--sass", default="")
     ap.add_argument("--arrangement", default="slot")
     ap.add_argument("--warps", type=int, default=4)
-    ap.add_argument("--prefetch", type=int, default=1)
+    ap.add_argument("--prefetch", type=int, default=0, help="mma: ring depth in steps (0: the launcher's)")
     ap.add_argument("--hint", type=int, default=0)
     ap.add_argument("--maxnreg", type=int, default=0)
     ap.add_argument("--shifted", action="store_true", help="mma: read 4-bit fields as shifted words")
-    ap.add_argument("--kprmt", type=int, default=0, help="mma: key words per token decoded by byte permutes")
-    ap.add_argument("--vprmt", type=int, default=0, help="mma: value words decoded by byte permutes")
-    ap.add_argument("--sub", type=int, default=1, help="mma: 16-token steps per softmax update")
+    ap.add_argument("--sub", type=int, default=0, help="mma: 16-token steps per softmax update (0: the plan's)")
     args = ap.parse_args(argv)
     for preset in args.presets:
         fmt = tqkern.KVFormat.preset(preset, args.d)
         layout = tqkern.PagedLayout(format=fmt, num_kv_heads=args.hkv, block_size=16, arrangement=args.arrangement)
         if args.path == "mma":
             c = compile_mma(layout, args.hq, warps=args.warps, maxnreg=args.maxnreg, shifted=args.shifted,
-                            PREFETCH=args.prefetch, HINT=args.hint, K_PRMT=args.kprmt, V_PRMT=args.vprmt, SUB=args.sub)
+                            PREFETCH=args.prefetch, HINT=args.hint, **({"SUB": args.sub} if args.sub else {}))
         else:
             c = compile_decode(layout, args.hq, args.path, block_n=args.block_n)
         sass = sass_of(c)

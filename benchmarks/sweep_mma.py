@@ -29,38 +29,33 @@ from tqkern.ops.paged_decode.triton_mma import (  # noqa: E402
     _launch_paged_decode_mma, mma_plan, num_splits_mma, resident_warps, shifted_plan)
 
 
-def plan_for(layout, g, shifted, prmt="0,0", sub=1):
-    """The launcher's plan, with 4-bit fields read as shifted words (``shifted``) and ``prmt`` =
-    "K,V": that many key words per token / value words decoded by byte permutes instead of the
-    shared table (4-bit Lloyd-Max fields only); ``sub`` 16-token steps per softmax update."""
+def plan_for(layout, g, shifted, sub=0):
+    """The launcher's plan, with 4-bit fields read as shifted words (``shifted``) and ``sub``
+    16-token steps per softmax update (0: the plan's)."""
     plan = mma_plan(layout, g)
     if plan is None:
         return None
     if shifted:
         plan = shifted_plan(plan)
-    kp, vp = (int(x) for x in prmt.split(","))
-    if kp or vp:
-        plan = dict(plan, K_PRMT=kp if plan["K_BITS"] == 4 and not plan["K_FP8"] else 0,
-                    V_PRMT=vp if plan["V_BITS"] == 4 and not plan["V_UNIFORM"] else 0)
-    if sub != 1:
+    if sub:
         plan = dict(plan, SUB=sub)
     return plan
 
 
 def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_splits, parts="all", maxnreg=None,
-           shifted=0, prmt="0,0", sub=1):
+           shifted=0, sub=0):
     s, hq, d = q.shape
     g = hq // layout.num_kv_heads
     q_rot = ((q.float() @ params.rotation) if layout.format.key.rotated else q.float()).contiguous()
     acc, ml = _workspace(None, s, hq, num_splits, max(16, triton.next_power_of_2(d)), q.device)
-    plan = plan_for(layout, g, shifted, prmt, sub)
+    plan = plan_for(layout, g, shifted, sub)
 
     def run():
         if parts in ("all", "rotate"):  # what the public API does before the kernel
             rotate_q(q, params.rotation, True, False)
         if parts in ("all", "kernel"):
             _launch_paged_decode_mma(q_rot, cache, bt, sl, layout, plan, params.key_centroids_f32, acc, ml, group=g,
-                                     num_splits=num_splits, sm_scale=d**-0.5, warps=warps, prefetch=prefetch,
+                                     num_splits=num_splits, sm_scale=d**-0.5, warps=warps, prefetch=prefetch or None,
                                      hint=hint, maxnreg=maxnreg, value_centroids_f32=params.value_centroids_f32)
         if parts in ("all", "merge"):
             _launch_merge(acc, ml, params.rotation, out, layout, g, num_splits, False)
@@ -106,23 +101,22 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--shapes", nargs="*", default=["B32x16K", "B8x64K"])
     ap.add_argument("--presets", nargs="*", default=["tq4", "turboquant_4bit_nc"])
-    ap.add_argument("--prefetch", nargs="*", type=int, default=[1, 2, 3])
+    ap.add_argument("--prefetch", nargs="*", type=int, default=[0], help="ring depth in steps (0: the launcher's)")
     ap.add_argument("--hint", nargs="*", type=int, default=[0, 1])
     ap.add_argument("--warps", nargs="*", type=int, default=[4, 8])
     ap.add_argument("--splits", nargs="*", type=int, default=[0], help="0: the default from the shapes")
     ap.add_argument("--maxnreg", nargs="*", type=int, default=[-1], help="-1: the launcher's default")
     ap.add_argument("--shifted", nargs="*", type=int, default=[0],
                     help="1: read 4-bit fields as shifted words (triton_mma.shifted_plan)")
-    ap.add_argument("--prmt", nargs="*", default=["0,0"],
-                    help="K,V: key words per token / value words decoded by byte permutes (4-bit Lloyd-Max)")
-    ap.add_argument("--sub", nargs="*", type=int, default=[1], help="16-token steps per softmax update")
+    ap.add_argument("--sub", nargs="*", type=int, default=[0],
+                    help="16-token steps per softmax update (0: the plan's)")
     ap.add_argument("--parts", action="store_true", help="also time the q rotation, kernel and merge alone")
     ap.add_argument("--fixed", action="store_true",
                     help="also time the q rotation (rows per program) and merge variants (kind, rows, chunks)")
     args = ap.parse_args(argv)
     arr = dict(DECODE_PRESETS)
     configs = list(itertools.product(args.prefetch, args.hint, args.warps, args.splits, args.maxnreg, args.shifted,
-                                     args.prmt, args.sub))
+                                     args.sub))
     res = dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, time=time.strftime("%F %T"),
                gate=[], rows=[])
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -137,21 +131,21 @@ def main(argv=None):
         exp = ref.paged_decode(q.float().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(), lens.cpu().numpy(),
                                layout, params.params)
         vmax = float(np.abs(exp).max()) * 4 + 1e-6
-        for pf, hint, warps, splits, mr, sh, pm, sb in configs:
+        for pf, hint, warps, splits, mr, sh, sb in configs:
             out = torch.full_like(q, float("nan"))
             try:
                 launch(q, cache, bt, lens, layout, params, out, prefetch=pf, hint=hint, warps=warps,
-                       num_splits=splits or 5, maxnreg=None if mr < 0 else mr, shifted=sh, prmt=pm, sub=sb)()
+                       num_splits=splits or 5, maxnreg=None if mr < 0 else mr, shifted=sh, sub=sb)()
             except Exception as e:  # noqa: BLE001 -- a config that does not compile or apply
                 why = str(e).splitlines()[0][:120]
-                print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr} s{sh} p{pm} u{sb}: skipped ({why})", flush=True)
+                print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr} s{sh} u{sb}: skipped ({why})", flush=True)
                 continue
             err = float(np.abs(out.float().cpu().numpy() - exp).max())
             ok = bool(np.isfinite(err) and err <= 4e-3 * vmax)
-            ok_cfg[preset, pf, hint, warps, mr, sh, pm, sb] = ok
+            ok_cfg[preset, pf, hint, warps, mr, sh, sb] = ok
             res["gate"].append(dict(preset=preset, prefetch=pf, hint=hint, warps=warps, maxnreg=mr, shifted=sh,
-                                    prmt=pm, sub=sb, err=err, ok=ok))
-            print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr} s{sh} p{pm} u{sb}: err {err:.2e} {'ok' if ok else 'FAIL'}",
+                                    sub=sb, err=err, ok=ok))
+            print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr} s{sh} u{sb}: err {err:.2e} {'ok' if ok else 'FAIL'}",
                   flush=True)
     for shape, q, sdpa, bt, sl in baseline_runs(args.shapes, g, res["rows"]):
         b, L, hq, hkv, d = shape.batch, shape.seq_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim
@@ -161,28 +155,27 @@ def main(argv=None):
                 continue
             out = torch.empty_like(q)
             nbytes = b * L * layout.row_bytes
-            for pf, hint, warps, splits, mr, sh, pm, sb in configs:
-                if not ok_cfg.get((preset, pf, hint, warps, mr, sh, pm, sb)):
+            for pf, hint, warps, splits, mr, sh, sb in configs:
+                if not ok_cfg.get((preset, pf, hint, warps, mr, sh, sb)):
                     continue
                 q_rot = ((q.float() @ params.rotation) if layout.format.key.rotated else q.float()).contiguous()
-                resident = resident_warps(q_rot, cache, bt, sl, layout, plan_for(layout, hq // hkv, sh, pm, sb),
-                                          params.key_centroids_f32, group=hq // hkv, warps=warps, prefetch=pf,
+                resident = resident_warps(q_rot, cache, bt, sl, layout, plan_for(layout, hq // hkv, sh, sb),
+                                          params.key_centroids_f32, group=hq // hkv, warps=warps, prefetch=pf or None,
                                           hint=hint, maxnreg=None if mr < 0 else mr,
                                           value_centroids_f32=params.value_centroids_f32)
                 ns = splits or num_splits_mma(b, hkv, L, resident)
                 us = bench(launch(q, cache, bt, sl, layout, params, out, prefetch=pf, hint=hint, warps=warps,
-                                  num_splits=ns, maxnreg=None if mr < 0 else mr, shifted=sh, prmt=pm, sub=sb))
+                                  num_splits=ns, maxnreg=None if mr < 0 else mr, shifted=sh, sub=sb))
                 row = dict(shape=shape.name, variant=preset, prefetch=pf, hint=hint, warps=warps, splits=ns,
-                           maxnreg=mr, shifted=sh, prmt=pm, sub=sb,
+                           maxnreg=mr, shifted=sh, sub=sb,
                            resident_warps=resident, us=us, gbps=nbytes / us / 1e3, ratio=sdpa / us)
                 if args.parts:
                     for part in ("rotate", "kernel", "merge"):
                         row[part + "_us"] = bench(launch(q, cache, bt, sl, layout, params, out, prefetch=pf, hint=hint,
                                                          warps=warps, num_splits=ns, parts=part,
-                                                         maxnreg=None if mr < 0 else mr, shifted=sh, prmt=pm,
-                                                         sub=sb))
+                                                         maxnreg=None if mr < 0 else mr, shifted=sh, sub=sb))
                 res["rows"].append(row)
-                print(f"{shape.name} {preset:20s} pf{pf} hint{hint} w{warps} r{mr} s{sh} p{pm} u{sb} splits{ns:3d} "
+                print(f"{shape.name} {preset:20s} pf{pf} hint{hint} w{warps} r{mr} s{sh} u{sb} splits{ns:3d} "
                       f"(resident {resident}): {us:8.1f} us "
                       + (f"[rotate {row['rotate_us']:.1f} kernel {row['kernel_us']:.1f} merge {row['merge_us']:.1f}] "
                          if args.parts else "") +
@@ -198,7 +191,7 @@ def main(argv=None):
             print(f"{r['shape']:10s} sdpa_fp16 {r['us']:8.1f} us")
         else:
             print(f"{r['shape']:10s} {r['variant']:20s} pf{r['prefetch']} hint{r['hint']} w{r['warps']} "
-                  f"r{r['maxnreg']} s{r['shifted']} p{r.get('prmt', '0,0')} u{r.get('sub', 1)} splits{r['splits']:3d} {r['us']:8.1f} us "
+                  f"r{r['maxnreg']} s{r['shifted']} u{r.get('sub', 0)} splits{r['splits']:3d} {r['us']:8.1f} us "
                   f"{r['ratio']:.2f}x")
     for r in res.get("fixed", []):
         print(f"{r['shape']:10s} {r['variant']:20s} {r['part']:24s} {r['us']:8.1f} us")

@@ -35,6 +35,7 @@ def test_decode_path_rules_and_bad_input():
     plan = mma_plan(nc, 4)
     assert plan["K_MERGE"] and plan["V_MERGE"] and plan["K_NC"] and plan["V_UNIFORM"]  # 134-byte slots
     assert not mma_plan(tq4, 4)["K_MERGE"]
+    assert mma_plan(tq4, 4)["SUB"] == 2 and mma_plan(nc, 4)["SUB"] == 1  # 32 tokens per softmax update: LM values
     assert decode_path(tq4, 4, interpret=True) == "fast"
     assert decode_path(tq4, 9) == "fast"  # group > 8
     assert decode_path(tq4, 4, same_codebooks=False) == "fast"  # one table serves K and V

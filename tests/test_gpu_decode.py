@@ -128,13 +128,17 @@ _K5 = tqkern.LloydMax(bits=5, norm_dtype="float16")
     (tqkern.KVFormat.preset("turboquant_3bit_nc", 128), 1, 4, dict(K_BITS=3, V_BITS=3)),
     # 4-bit keys misaligned against their 16-byte chunks (rows of 268 bytes): shifted, not joined
     (tqkern.KVFormat.preset("turboquant_4bit_nc", 128), 2, 16, dict(K_FUN=True, K_MERGE=False)),
+    # Lloyd-Max values: two 16-token steps per iteration (lengths end in either of them), also
+    # with blocks shorter than a step
+    (tqkern.KVFormat.preset("tq4", 128), 2, 16, dict(SUB=2, V_UNIFORM=False)),
+    (tqkern.KVFormat.preset("tq4", 64), 3, 4, dict(SUB=2, V_UNIFORM=False)),
     # 5-bit keys with 3-bit Lloyd-Max values (own codebook) and with 3-/4-bit uniform values
-    (tqkern.KVFormat.preset("tqkern_k5v3", 128), 2, 16, dict(K_BITS=5, V_BITS=3, V_UNIFORM=False)),
+    (tqkern.KVFormat.preset("tqkern_k5v3", 128), 2, 16, dict(K_BITS=5, V_BITS=3, V_UNIFORM=False, SUB=2)),
     (tqkern.KVFormat.preset("tqkern_k5v3", 64), 3, 16, dict(K_BITS=5, V_BITS=3)),
     (tqkern.KVFormat(head_dim=64, key=_K5, value=tqkern.Uniform(bits=3), slot_alignment=2), 3, 16,
      dict(K_BITS=5, V_BITS=3, V_UNIFORM=True)),
     (tqkern.KVFormat(head_dim=128, key=_K5, value=tqkern.Uniform(bits=4), slot_alignment=2), 1, 16,
-     dict(K_BITS=5, V_BITS=4, V_UNIFORM=True)),
+     dict(K_BITS=5, V_BITS=4, V_UNIFORM=True, SUB=1)),
 ], ids=lambda x: x if isinstance(x, int) else None)
 def test_warp_mma_read_schemes_match_oracle(fmt, heads, block_size, expect):
     """Each read scheme of the warp-MMA kernel (shifted words, 3-bit values, 5-bit keys) on a

@@ -6,6 +6,9 @@ reads it: nothing goes through shared memory on its way to the tensor cores.
 
 One warp owns one (sequence, KV head, split) and walks its tokens 16 at a time:
 
+* With Lloyd-Max values (``SUB = 2``) one loop iteration takes two 16-token steps under one
+  softmax update (one running max over both, one rescale of the output accumulators), the
+  register ring holding both steps' data.
 * ``S^T = K·Q^T``: the 16 tokens are the MMA's M rows, the G ≤ 8 query heads of the GQA group
   its N columns. Lane ``l`` (``r = l // 4``, ``c = l % 4``) supplies tokens ``r`` and ``r + 8``.
   A fixed permutation of the (rotated) coordinates, applied to q and K alike, leaves every score
@@ -59,7 +62,6 @@ import triton.language as tl
 
 from tqkern.layouts import FP8, LloydMax, PagedLayout, Uniform
 from tqkern.ops.common import layout_consts, load_param
-from tqkern.ops.paged_decode._ptx import _LUT_ASM_LSB, _prmt_tables
 
 __all__ = ["_paged_decode_mma_kernel", "_launch_paged_decode_mma", "mma_plan", "num_splits_mma", "resident_warps",
            "shifted_plan"]
@@ -153,16 +155,6 @@ def _lut1(idx, lb):
     return tl.inline_asm_elementwise(
         "{\n.reg .b32 a;\nmad.lo.u32 a, $1, 128, $2;\nld.shared.b32 $0, [a];\n}",
         "=r,r,r", [idx, lb], dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _lutp(w, tabs):
-    """The same four table entries as :func:`_lut4`, from the byte tables ``tabs`` of
-    :func:`tqkern.ops.paged_decode._ptx._prmt_tables` in registers by byte permutes (no shared
-    load; ~25 integer instructions instead of 12)."""
-    return tl.inline_asm_elementwise(_LUT_ASM_LSB, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
-                                     [w, tabs[0], tabs[1], tabs[2], tabs[3], tabs[4], tabs[5], tabs[6], tabs[7]],
-                                     dtype=(tl.int32,) * 4, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -505,8 +497,8 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, ka0, va0, va1, kb_off, vb_
 
 
 @triton.jit
-def _scores(k0, k1, qf, lb, ones, k_sh, tabs, NKW: tl.constexpr, K_NC: tl.constexpr, K_FP8: tl.constexpr,
-            K_BITS: tl.constexpr, NKT: tl.constexpr, K_FUN: tl.constexpr, K_PRMT: tl.constexpr):
+def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K_FP8: tl.constexpr,
+            K_BITS: tl.constexpr, NKT: tl.constexpr, K_FUN: tl.constexpr):
     """S^T (tokens r, r+8 × heads 2c, 2c+1) and, for decode-time norm correction, ‖c‖² of the
     same tokens (all columns equal). FP8 keys: word ``i`` of the chunk is k-tile ``i`` (its
     bytes 0, 1 the MMA columns 2c, 2c+1; bytes 2, 3 the columns 2c+8, 2c+9). 3-bit keys: the
@@ -550,12 +542,8 @@ def _scores(k0, k1, qf, lb, ones, k_sh, tabs, NKW: tl.constexpr, K_NC: tl.conste
             k0 = _shifted(k0, k_sh, NKW)
             k1 = _shifted(k1, k_sh, NKW)
         for i in tl.static_range(NKW):
-            if i < K_PRMT:  # byte permutes on the integer pipe instead of shared loads
-                pw = _lutp(k0[i], tabs)
-                px = _lutp(k1[i], tabs)
-            else:
-                pw = _lut4(k0[i], lb)  # chunk bytes 4i..4i+3 of token r
-                px = _lut4(k1[i], lb)  # ... of token r + 8
+            pw = _lut4(k0[i], lb)  # chunk bytes 4i..4i+3 of token r
+            px = _lut4(k1[i], lb)  # ... of token r + 8
             s = _mma(s, pw[0], px[0], pw[1], px[1], qf[4 * i], qf[4 * i + 1])
             t = _mma(t, pw[2], px[2], pw[3], px[3], qf[4 * i + 2], qf[4 * i + 3])
             if K_NC:
@@ -565,9 +553,8 @@ def _scores(k0, k1, qf, lb, ones, k_sh, tabs, NKW: tl.constexpr, K_NC: tl.conste
 
 
 @triton.jit
-def _values(o, v0, v1, v2, v3, pb0, pb1, lb, v_sh_e, v_sh_o, tabs, NVW: tl.constexpr, CV: tl.constexpr,
-            V_UNIFORM: tl.constexpr, V_FUN: tl.constexpr, V_BITS: tl.constexpr, NMT: tl.constexpr,
-            V_PRMT: tl.constexpr):
+def _values(o, v0, v1, v2, v3, pb0, pb1, lb, v_sh_e, v_sh_o, NVW: tl.constexpr, CV: tl.constexpr,
+            V_UNIFORM: tl.constexpr, V_FUN: tl.constexpr, V_BITS: tl.constexpr, NMT: tl.constexpr):
     """O^T += V^T·P^T over the lane's chunk (4-bit: M tile i ← chunk byte i; 3-bit: M tile i ←
     codes 2i (row r) and 2i + 1 (row r + 8) of the chunk). Shifted chunks (``V_FUN``) are
     aligned first (even tokens by ``v_sh_e`` bits, odd ones by ``v_sh_o``)."""
@@ -608,16 +595,10 @@ def _values(o, v0, v1, v2, v3, pb0, pb1, lb, v_sh_e, v_sh_o, tabs, NVW: tl.const
             else:
                 m_ab = _nibble_merge(v0[w], v1[w])
                 m_cd = _nibble_merge(v2[w], v3[w])
-                if w < V_PRMT:  # byte permutes instead of shared loads
-                    lo_ab = _lutp(m_ab[0], tabs)
-                    hi_ab = _lutp(m_ab[1], tabs)
-                    lo_cd = _lutp(m_cd[0], tabs)
-                    hi_cd = _lutp(m_cd[1], tabs)
-                else:
-                    lo_ab = _lut4(m_ab[0], lb)
-                    hi_ab = _lut4(m_ab[1], lb)
-                    lo_cd = _lut4(m_cd[0], lb)
-                    hi_cd = _lut4(m_cd[1], lb)
+                lo_ab = _lut4(m_ab[0], lb)
+                hi_ab = _lut4(m_ab[1], lb)
+                lo_cd = _lut4(m_cd[0], lb)
+                hi_cd = _lut4(m_cd[1], lb)
             for k in tl.static_range(TPW):  # M tile 4w + k
                 acc = _mma((o[16 * w + 4 * k], o[16 * w + 4 * k + 1], o[16 * w + 4 * k + 2], o[16 * w + 4 * k + 3]),
                            lo_ab[k], hi_ab[k], lo_cd[k], hi_cd[k], pb0, pb1)
@@ -669,8 +650,7 @@ def _paged_decode_mma_kernel(
     V_B_STRIDE: tl.constexpr, V_C_OFF: tl.constexpr, V_C_STRIDE: tl.constexpr, V_DT: tl.constexpr,
     K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, K_FP8: tl.constexpr = False, K_NW: tl.constexpr = 1,
     K_BITS: tl.constexpr = 4, K_FUN: tl.constexpr = False, V_FUN: tl.constexpr = False, V_BITS: tl.constexpr = 4,
-    PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0, K_PRMT: tl.constexpr = 0, V_PRMT: tl.constexpr = 0,
-    SUB: tl.constexpr = 1,
+    PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0, SUB: tl.constexpr = 1,
 ):
     NT: tl.constexpr = 32 * WARPS
     K3: tl.constexpr = K_BITS == 3
@@ -715,10 +695,6 @@ def _paged_decode_mma_kernel(
         lb = lut + lane * 4
     else:
         lb = lane * 4
-    if K_PRMT + V_PRMT > 0:  # 4-bit Lloyd-Max words decoded by byte permutes (one codebook)
-        tabs = _prmt_tables(cen_ptr, 0)
-    else:
-        tabs = _prmt_tables(cen_ptr, 1)  # zeros, unused
 
     # -- field geometry (aligned spans, byte masks for the joining lane) ---------------------------
     ka = K_A_OFF + h * K_A_STRIDE
@@ -824,7 +800,7 @@ def _paged_decode_mma_kernel(
         blk = _step_block(bt_row, tn + 16, end, BS)
         ok0 = (t0 + r) < end
         ok1 = (t0 + r + 8) < end
-        sv, cn = _scores(k0, k1, qf, lb, ones, k_sh, tabs, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN, K_PRMT)
+        sv, cn = _scores(k0, k1, qf, lb, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN)
         s0, s1, s2, s3 = _scaled_scores(sv, cn, fac, ok0, ok1, sm_scale_log2, K_NC)
         vf0 = tl.where(ok0, fac[2], 0.0)
         vf1 = tl.where(ok1, fac[3], 0.0)
@@ -840,7 +816,7 @@ def _paged_decode_mma_kernel(
             blk = _step_block(bt_row, tn + 32, end, BS)
             ok0b = (t0 + 16 + r) < end
             ok1b = (t0 + 24 + r) < end
-            svb, cnb = _scores(k0b, k1b, qf, lb, ones, k_sh, tabs, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN, K_PRMT)
+            svb, cnb = _scores(k0b, k1b, qf, lb, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN)
             s0b, s1b, s2b, s3b = _scaled_scores(svb, cnb, facb, ok0b, ok1b, sm_scale_log2, K_NC)
             vf0b = tl.where(ok0b, facb[2], 0.0)
             vf1b = tl.where(ok1b, facb[3], 0.0)
@@ -873,8 +849,8 @@ def _paged_decode_mma_kernel(
         w0 = vf0 * inv
         w1 = vf1 * inv
         pb = _p_fragments(p0 * w0, p1 * w0, p2 * w1, p3 * w1)
-        o = _values(o, v0, v1, v2, v3, pb[0], pb[1], lb, v_mis_e * 8, v_mis_o * 8, tabs, NVW, CV, V_UNIFORM, V_FUN,
-                    V_BITS, NMT, V_PRMT)
+        o = _values(o, v0, v1, v2, v3, pb[0], pb[1], lb, v_mis_e * 8, v_mis_o * 8, NVW, CV, V_UNIFORM, V_FUN,
+                    V_BITS, NMT)
         if SUB == 2:
             p0b = tl.exp2(s0b - mn_e)
             p1b = tl.exp2(s1b - mn_o)
@@ -890,8 +866,8 @@ def _paged_decode_mma_kernel(
             w0b = vf0b * inv
             w1b = vf1b * inv
             pbb = _p_fragments(p0b * w0b, p1b * w0b, p2b * w1b, p3b * w1b)
-            o = _values(o, v0b, v1b, v2b, v3b, pbb[0], pbb[1], lb, v_mis_e * 8, v_mis_o * 8, tabs, NVW, CV,
-                        V_UNIFORM, V_FUN, V_BITS, NMT, V_PRMT)
+            o = _values(o, v0b, v1b, v2b, v3b, pbb[0], pbb[1], lb, v_mis_e * 8, v_mis_o * 8, NVW, CV,
+                        V_UNIFORM, V_FUN, V_BITS, NMT)
 
     # -- partial results: acc [S, HQ, NUM_SPLITS, DP], (m, l) [S, HQ, NUM_SPLITS, 2] --------------
     l_e = _warp_sum_r(l_e)
@@ -1011,6 +987,9 @@ def _mma_plan(layout: PagedLayout, group: int) -> tuple | None:
         D=d, DP=c["DP"], ROW_BYTES=rb, NIBBLE=fmt.bit_order == "nibble_high_even",
         K_A_OFF=c["K_A_OFF"], K_A_STRIDE=c["K_A_STRIDE"], K_B_OFF=c["K_B_OFF"], K_B_STRIDE=c["K_B_STRIDE"],
         K_DT=k_dt, K_NC=not k_fp8 and key.norm_correction == "decode", K_FP8=k_fp8, K_NW=k_nw, K_BITS=k_bits,
+        # Two 16-token steps per softmax update for Lloyd-Max values (measured on the H100, every
+        # benchmark shape: tq4 -2 to -5%, tqkern_k5v3 -2 to -3%; with uniform values mixed or slower).
+        SUB=1 if v_uniform else 2,
         V_UNIFORM=v_uniform, V_A_OFF=c["V_A_OFF"], V_A_STRIDE=c["V_A_STRIDE"], V_B_OFF=c["V_B_OFF"],
         V_B_STRIDE=c["V_B_STRIDE"], V_C_OFF=c["V_C_OFF"], V_C_STRIDE=c["V_C_STRIDE"], V_DT=v_dt,
         K_MERGE=key.bits == 4 and not k_fun and bool(c["K_A_OFF"] % ck or c["K_A_STRIDE"] % ck),
@@ -1054,6 +1033,8 @@ def _needs_lut(plan: dict) -> bool:
 def _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, group, num_splits,
                  sm_scale, warps, prefetch, hint, maxnreg=None, value_centroids_f32=None):
     s, hq, _ = q_rot.shape
+    if prefetch is None:  # the ring holds the steps of one iteration (measured: SUB = 2 with 1 step slower)
+        prefetch = plan["SUB"]
     # The value codebook is read only for 3-bit Lloyd-Max values next to 5-bit keys.
     vcen = value_centroids_f32 if plan["K_BITS"] == 5 and not plan["V_UNIFORM"] else key_centroids_f32
     args = (q_rot, cache, block_table, seq_lens, key_centroids_f32, vcen, acc, ml, s, block_table.shape[1],
@@ -1061,8 +1042,9 @@ def _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroid
     kwargs = dict(G=group, HKV=layout.num_kv_heads, HQ=hq, WARPS=warps, BS=layout.block_size, PREFETCH=prefetch,
                   HINT=hint, **plan, num_warps=warps, num_stages=1)
     if maxnreg is None:  # measured (H100): capped at 128 registers ~2% faster for aligned fields (no spill
-        # inside the loop); with joined fields the kernel needs ~168 and a cap spills in the loop
-        maxnreg = 0 if plan["K_MERGE"] or plan["V_MERGE"] else 128
+        # inside the loop); with joined fields the kernel needs ~168 and a cap spills in the loop;
+        # two steps per iteration (SUB = 2) hold a two-step ring: 168 (12 warps/SM) measured fastest
+        maxnreg = 0 if plan["K_MERGE"] or plan["V_MERGE"] else 168 if plan["SUB"] == 2 else 128
     if maxnreg:
         kwargs["maxnreg"] = maxnreg
     return args, kwargs
@@ -1083,7 +1065,7 @@ _RESIDENT: dict = {}
 
 
 def resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, *, group: int,
-                   warps: int = 4, prefetch: int = 1, hint: int = 1, maxnreg: int | None = None,
+                   warps: int = 4, prefetch: int | None = None, hint: int = 1, maxnreg: int | None = None,
                    value_centroids_f32=None) -> int:
     """Warps of this launch's compiled kernel that the GPU holds at once (from its registers and
     shared memory; compiled once, cached); a conservative 8 per SM if the compiled kernel cannot
@@ -1105,7 +1087,8 @@ def resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, key_centro
 
 
 def _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, *,
-                             group: int, num_splits: int, sm_scale: float, warps: int = 4, prefetch: int = 1,
+                             group: int, num_splits: int, sm_scale: float, warps: int = 4,
+                             prefetch: int | None = None,
                              hint: int = 1, maxnreg: int | None = None, value_centroids_f32=None):
     """Launch the warp-MMA decode (partials only; the caller merges). ``value_centroids_f32`` is
     required for 3-bit Lloyd-Max values (5-bit keys). No checks."""
