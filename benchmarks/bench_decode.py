@@ -64,6 +64,20 @@ def fill_cache(layout, params, num_blocks, g):
     return cache
 
 
+def oracle_case(preset, arrangement, hq, hkv, d, g):
+    """A small GQA batch for the sweeps' correctness gate: 4 sequences (lengths 1, 77, 600, 1000,
+    shuffled blocks), fp16 q, the NumPy oracle's output and the tolerance (4e-3 of 4·max|out|).
+    Returns (layout, params, q, cache, block_table, seq_lens, expected, tol)."""
+    layout, params = make_layout(preset, arrangement, hkv, d)
+    lens = torch.tensor([1, 77, 600, 1000], dtype=torch.int32, device="cuda")
+    bt = torch.randperm(4 * 64, device="cuda", generator=g).int().reshape(4, 64)
+    cache = fill_cache(layout, params, 4 * 64, g)
+    q = torch.randn(4, hq, d, device="cuda", dtype=torch.float16, generator=g)
+    exp = ref.paged_decode(q.float().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(), lens.cpu().numpy(),
+                           layout, params.params)
+    return layout, params, q, cache, bt, lens, exp, 4e-3 * (float(np.abs(exp).max()) * 4 + 1e-6)
+
+
 def shape_inputs(shape, g):
     """For a decode shape: q (fp16), the SDPA fp16 time (µs) on contiguous K/V of the shape (the
     baseline, measured now), a shuffled block table and full lengths."""

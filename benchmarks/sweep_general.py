@@ -23,9 +23,8 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_decode import baseline_runs, bench, fill_cache, make_layout, preset_caches  # noqa: E402
+from benchmarks.bench_decode import baseline_runs, bench, oracle_case, preset_caches  # noqa: E402
 from benchmarks.shapes import DECODE_PRESETS, DECODE_SHAPES  # noqa: E402
-from tqkern import reference as ref  # noqa: E402
 from tqkern.ops.paged_decode.triton import _launch_paged_decode, num_splits_for, rotate_q  # noqa: E402
 
 # (BN, warps, stages); the first is the launcher's default for uncompressed caches
@@ -54,14 +53,7 @@ def gate(res, presets):
     for preset in presets:
         good = {c: True for c in CONFIGS}
         for hq, hkv, d in ((32, 8, 128), (9, 3, 64)):
-            layout, params = make_layout(preset, arr[preset], hkv, d)
-            lens = torch.tensor([1, 77, 600, 1000], dtype=torch.int32, device="cuda")
-            bt = torch.randperm(4 * 64, device="cuda", generator=g).int().reshape(4, 64)
-            cache = fill_cache(layout, params, 4 * 64, g)
-            q = torch.randn(4, hq, d, device="cuda", dtype=torch.float16, generator=g)
-            exp = ref.paged_decode(q.float().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(),
-                                   lens.cpu().numpy(), layout, params.params)
-            tol = 4e-3 * (float(np.abs(exp).max()) * 4 + 1e-6)
+            layout, params, q, cache, bt, lens, exp, tol = oracle_case(preset, arr[preset], hq, hkv, d, g)
             for cfg in CONFIGS:
                 for splits in (None, 7):
                     out = torch.full_like(q, float("nan"))

@@ -85,7 +85,7 @@ def test_decode_path_rules_and_bad_input():
 def test_decode_path_capability_gate():
     """The warp-MMA kernel's PTX needs sm_80 (mma.sync m16n8k16, the L2::256B hint) and, for FP8
     keys, sm_89 (cvt.rn.f16x2.e4m3x2): below that the launcher's "auto" path takes the general
-    kernel; ``None`` skips the check; a malformed capability is a ValueError naming it."""
+    kernel; ``None`` skips the check; a malformed capability is a TypeError naming it."""
     tq4 = _layout("tq4", 128, 8, "row")
     k8v4 = _layout("turboquant_k8v4", 128, 8)
     assert decode_path(tq4, 4, capability=(7, 5)) == "fast"
@@ -96,8 +96,9 @@ def test_decode_path_capability_gate():
     assert decode_path(k8v4, 4, capability=(8, 9)) == "mma"
     assert decode_path(k8v4, 4, capability=(10, 0)) == "mma"
     assert decode_path(k8v4, 4) == "mma"
-    with pytest.raises(ValueError, match=r"capability must be a \(major, minor\) pair, got \(9,\)"):
-        decode_path(tq4, 4, capability=(9,))
+    for bad in ((9,), 9, "9.0", (9.0, 0)):
+        with pytest.raises(TypeError, match=r"capability must be a \(major, minor\) pair of ints, got"):
+            decode_path(tq4, 4, capability=bad)
 
 
 def test_launcher_reads_the_capability(monkeypatch):

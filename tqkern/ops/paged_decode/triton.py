@@ -805,8 +805,9 @@ def decode_path(layout, group: int, *, interpret: bool = False, same_codebooks: 
     if interpret or plan is None or not cache_aligned:
         return "fast"
     if capability is not None:
-        if len(capability) != 2:
-            raise ValueError(f"capability must be a (major, minor) pair, got {capability!r}")
+        if not isinstance(capability, (tuple, list)) or len(capability) != 2 \
+                or not all(isinstance(x, int) for x in capability):
+            raise TypeError(f"capability must be a (major, minor) pair of ints, got {capability!r}")
         need = MMA_FP8_MIN_CAPABILITY if plan["K_FP8"] else MMA_MIN_CAPABILITY
         if tuple(capability) < need:
             return "fast"

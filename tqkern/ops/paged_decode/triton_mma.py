@@ -790,84 +790,75 @@ def _paged_decode_mma_kernel(
                                   K_BITS, K_FUN, V_FUN),)
         blk = _step_block(bt_row, start + 16 * (j + 1), end, BS)
     for it in range(0, tl.cdiv(n_steps, SUB)):
+        # SUB 16-token steps under one softmax update: their scores first, then one running
+        # max (scores and value factors), one rescale of the output, then their values.
         t0 = start + it * (16 * SUB)
-        k0, k1, v0, v1, v2, v3, fac = ring[0]
-        tn = t0 + 16 * PREFETCH
-        ring = ring[1:] + (_load_step(cache_ptr, bt_row, blk, tn, end, r, c, ka0, va0, va1, kb_off, vb_off, vc_off,
-                                      k_masks, v_masks, k_sec_on, v_sec_on, k_mis, v_mis_e, v_mis_o, BS, ROW_BYTES,
-                                      CK, CV, K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, K_FP8, K_NW, K_BITS,
-                                      K_FUN, V_FUN),)
-        blk = _step_block(bt_row, tn + 16, end, BS)
-        ok0 = (t0 + r) < end
-        ok1 = (t0 + r + 8) < end
-        sv, cn = _scores(k0, k1, qf, lb, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN)
-        s0, s1, s2, s3 = _scaled_scores(sv, cn, fac, ok0, ok1, sm_scale_log2, K_NC)
-        vf0 = tl.where(ok0, fac[2], 0.0)
-        vf1 = tl.where(ok1, fac[3], 0.0)
-        mx_e = tl.maximum(s0, s2)
-        mx_o = tl.maximum(s1, s3)
-        mx_v = tl.maximum(tl.abs(vf0), tl.abs(vf1))
-        if SUB == 2:  # a second 16-token step under the same softmax bookkeeping
-            k0b, k1b, v0b, v1b, v2b, v3b, facb = ring[0]
-            ring = ring[1:] + (_load_step(cache_ptr, bt_row, blk, tn + 16, end, r, c, ka0, va0, va1, kb_off, vb_off,
+        steps = ()
+        mx_e = zf
+        mx_o = zf
+        mx_v = zf
+        for u in tl.static_range(SUB):
+            k0, k1, v0, v1, v2, v3, fac = ring[0]
+            tn = t0 + 16 * (PREFETCH + u)
+            ring = ring[1:] + (_load_step(cache_ptr, bt_row, blk, tn, end, r, c, ka0, va0, va1, kb_off, vb_off,
                                           vc_off, k_masks, v_masks, k_sec_on, v_sec_on, k_mis, v_mis_e, v_mis_o, BS,
                                           ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, K_FP8, K_NW,
                                           K_BITS, K_FUN, V_FUN),)
-            blk = _step_block(bt_row, tn + 32, end, BS)
-            ok0b = (t0 + 16 + r) < end
-            ok1b = (t0 + 24 + r) < end
-            svb, cnb = _scores(k0b, k1b, qf, lb, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN)
-            s0b, s1b, s2b, s3b = _scaled_scores(svb, cnb, facb, ok0b, ok1b, sm_scale_log2, K_NC)
-            vf0b = tl.where(ok0b, facb[2], 0.0)
-            vf1b = tl.where(ok1b, facb[3], 0.0)
-            mx_e = tl.maximum(mx_e, tl.maximum(s0b, s2b))
-            mx_o = tl.maximum(mx_o, tl.maximum(s1b, s3b))
-            mx_v = tl.maximum(mx_v, tl.maximum(tl.abs(vf0b), tl.abs(vf1b)))
+            blk = _step_block(bt_row, tn + 16, end, BS)
+            ok0 = (t0 + 16 * u + r) < end
+            ok1 = (t0 + 16 * u + r + 8) < end
+            sv, cn = _scores(k0, k1, qf, lb, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN)
+            s0, s1, s2, s3 = _scaled_scores(sv, cn, fac, ok0, ok1, sm_scale_log2, K_NC)
+            vf0 = tl.where(ok0, fac[2], 0.0)
+            vf1 = tl.where(ok1, fac[3], 0.0)
+            if u == 0:
+                mx_e = tl.maximum(s0, s2)
+                mx_o = tl.maximum(s1, s3)
+                mx_v = tl.maximum(tl.abs(vf0), tl.abs(vf1))
+            else:
+                mx_e = tl.maximum(mx_e, tl.maximum(s0, s2))
+                mx_o = tl.maximum(mx_o, tl.maximum(s1, s3))
+                mx_v = tl.maximum(mx_v, tl.maximum(tl.abs(vf0), tl.abs(vf1)))
+            steps = steps + ((v0, v1, v2, v3, s0, s1, s2, s3, vf0, vf1, fac, ok0, ok1),)
 
         mn_e = tl.maximum(m_e, _warp_max_r(mx_e))
         mn_o = tl.maximum(m_o, _warp_max_r(mx_o))
         a_e = tl.exp2(m_e - mn_e)
         a_o = tl.exp2(m_o - mn_o)
-        p0 = tl.exp2(s0 - mn_e)
-        p1 = tl.exp2(s1 - mn_o)
-        p2 = tl.exp2(s2 - mn_e)
-        p3 = tl.exp2(s3 - mn_o)
-        l_e = l_e * a_e + (p0 + p2)
-        l_o = l_o * a_o + (p1 + p3)
+        for u in tl.static_range(SUB):
+            v0, v1, v2, v3, s0, s1, s2, s3, vf0, vf1, fac, ok0, ok1 = steps[u]
+            p0 = tl.exp2(s0 - mn_e)
+            p1 = tl.exp2(s1 - mn_o)
+            p2 = tl.exp2(s2 - mn_e)
+            p3 = tl.exp2(s3 - mn_o)
+            if u == 0:  # the running sums carry the correction factors once
+                l_e = l_e * a_e + (p0 + p2)
+                l_o = l_o * a_o + (p1 + p3)
+            else:
+                l_e = l_e + (p0 + p2)
+                l_o = l_o + (p1 + p3)
+            if V_UNIFORM:
+                vz0 = tl.where(ok0, fac[4], 0.0)
+                vz1 = tl.where(ok1, fac[5], 0.0)
+                if u == 0:
+                    z_e = z_e * a_e + (p0 * vz0 + p2 * vz1)
+                    z_o = z_o * a_o + (p1 * vz0 + p3 * vz1)
+                else:
+                    z_e = z_e + (p0 * vz0 + p2 * vz1)
+                    z_o = z_o + (p1 * vz0 + p3 * vz1)
+            if u == 0:  # one rescale of the output per update
+                vn = tl.maximum(vmax, _warp_max_r(mx_v))
+                ratio = tl.where(vn > 0, vmax / tl.where(vn > 0, vn, 1.0), 1.0)
+                inv = tl.where(vn > 0, 1.0 / tl.where(vn > 0, vn, 1.0), 0.0)
+                vmax = vn
+                o = _rescale(o, a_e * ratio, a_o * ratio, NMT)
+            w0 = vf0 * inv
+            w1 = vf1 * inv
+            pb = _p_fragments(p0 * w0, p1 * w0, p2 * w1, p3 * w1)
+            o = _values(o, v0, v1, v2, v3, pb[0], pb[1], lb, v_mis_e * 8, v_mis_o * 8, NVW, CV, V_UNIFORM, V_FUN,
+                        V_BITS, NMT)
         m_e = mn_e
         m_o = mn_o
-        if V_UNIFORM:
-            vz0 = tl.where(ok0, fac[4], 0.0)
-            vz1 = tl.where(ok1, fac[5], 0.0)
-            z_e = z_e * a_e + (p0 * vz0 + p2 * vz1)
-            z_o = z_o * a_o + (p1 * vz0 + p3 * vz1)
-        vn = tl.maximum(vmax, _warp_max_r(mx_v))
-        ratio = tl.where(vn > 0, vmax / tl.where(vn > 0, vn, 1.0), 1.0)
-        inv = tl.where(vn > 0, 1.0 / tl.where(vn > 0, vn, 1.0), 0.0)
-        vmax = vn
-        o = _rescale(o, a_e * ratio, a_o * ratio, NMT)
-        w0 = vf0 * inv
-        w1 = vf1 * inv
-        pb = _p_fragments(p0 * w0, p1 * w0, p2 * w1, p3 * w1)
-        o = _values(o, v0, v1, v2, v3, pb[0], pb[1], lb, v_mis_e * 8, v_mis_o * 8, NVW, CV, V_UNIFORM, V_FUN,
-                    V_BITS, NMT)
-        if SUB == 2:
-            p0b = tl.exp2(s0b - mn_e)
-            p1b = tl.exp2(s1b - mn_o)
-            p2b = tl.exp2(s2b - mn_e)
-            p3b = tl.exp2(s3b - mn_o)
-            l_e = l_e + (p0b + p2b)
-            l_o = l_o + (p1b + p3b)
-            if V_UNIFORM:
-                vz0b = tl.where(ok0b, facb[4], 0.0)
-                vz1b = tl.where(ok1b, facb[5], 0.0)
-                z_e = z_e + (p0b * vz0b + p2b * vz1b)
-                z_o = z_o + (p1b * vz0b + p3b * vz1b)
-            w0b = vf0b * inv
-            w1b = vf1b * inv
-            pbb = _p_fragments(p0b * w0b, p1b * w0b, p2b * w1b, p3b * w1b)
-            o = _values(o, v0b, v1b, v2b, v3b, pbb[0], pbb[1], lb, v_mis_e * 8, v_mis_o * 8, NVW, CV,
-                        V_UNIFORM, V_FUN, V_BITS, NMT)
 
     # -- partial results: acc [S, HQ, NUM_SPLITS, DP], (m, l) [S, HQ, NUM_SPLITS, 2] --------------
     l_e = _warp_sum_r(l_e)
@@ -988,7 +979,7 @@ def _mma_plan(layout: PagedLayout, group: int) -> tuple | None:
         K_A_OFF=c["K_A_OFF"], K_A_STRIDE=c["K_A_STRIDE"], K_B_OFF=c["K_B_OFF"], K_B_STRIDE=c["K_B_STRIDE"],
         K_DT=k_dt, K_NC=not k_fp8 and key.norm_correction == "decode", K_FP8=k_fp8, K_NW=k_nw, K_BITS=k_bits,
         # Two 16-token steps per softmax update for Lloyd-Max values (measured on the H100, every
-        # benchmark shape: tq4 -2 to -5%, tqkern_k5v3 -2 to -3%; with uniform values mixed or slower).
+        # benchmark shape: tq4 -1.7 to -4.9%, tqkern_k5v3 -1.6 to -2.6%; uniform values: mixed or slower).
         SUB=1 if v_uniform else 2,
         V_UNIFORM=v_uniform, V_A_OFF=c["V_A_OFF"], V_A_STRIDE=c["V_A_STRIDE"], V_B_OFF=c["V_B_OFF"],
         V_B_STRIDE=c["V_B_STRIDE"], V_C_OFF=c["V_C_OFF"], V_C_STRIDE=c["V_C_STRIDE"], V_DT=v_dt,
