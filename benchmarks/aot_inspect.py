@@ -161,13 +161,15 @@ def main(argv=None):
     ap.add_argument("--maxnreg", type=int, default=0)
     ap.add_argument("--shifted", action="store_true", help="mma: read 4-bit fields as shifted words")
     ap.add_argument("--sub", type=int, default=0, help="mma: 16-token steps per softmax update (0: the plan's)")
+    ap.add_argument("--probe", type=int, default=0, help="mma: 1 loads only, 2 no DRAM traffic (timing probes)")
     args = ap.parse_args(argv)
     for preset in args.presets:
         fmt = tqkern.KVFormat.preset(preset, args.d)
         layout = tqkern.PagedLayout(format=fmt, num_kv_heads=args.hkv, block_size=16, arrangement=args.arrangement)
         if args.path == "mma":
             c = compile_mma(layout, args.hq, warps=args.warps, maxnreg=args.maxnreg, shifted=args.shifted,
-                            PREFETCH=args.prefetch, HINT=args.hint, **({"SUB": args.sub} if args.sub else {}))
+                            PREFETCH=args.prefetch, HINT=args.hint, **({"SUB": args.sub} if args.sub else {}),
+                            **({"PROBE": args.probe} if args.probe else {}))
         else:
             c = compile_decode(layout, args.hq, args.path, block_n=args.block_n)
         sass = sass_of(c)

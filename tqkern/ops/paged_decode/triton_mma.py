@@ -631,6 +631,15 @@ def _rescale(o, be, bo, NMT: tl.constexpr):
 
 
 @triton.jit
+def _fold(x):
+    """XOR of the words of ``x`` (a tuple)."""
+    res = x[0]
+    for i in tl.static_range(1, len(x)):
+        res = res ^ x[i]
+    return res
+
+
+@triton.jit
 def _dim_of(f, e, NIBBLE: tl.constexpr):
     """Coordinate of nibble ``e`` (0 low, 1 high) of field byte ``f``."""
     if NIBBLE:
@@ -650,7 +659,7 @@ def _paged_decode_mma_kernel(
     V_B_STRIDE: tl.constexpr, V_C_OFF: tl.constexpr, V_C_STRIDE: tl.constexpr, V_DT: tl.constexpr,
     K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, K_FP8: tl.constexpr = False, K_NW: tl.constexpr = 1,
     K_BITS: tl.constexpr = 4, K_FUN: tl.constexpr = False, V_FUN: tl.constexpr = False, V_BITS: tl.constexpr = 4,
-    PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0, SUB: tl.constexpr = 1,
+    PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0, SUB: tl.constexpr = 1, PROBE: tl.constexpr = 0,
 ):
     NT: tl.constexpr = 32 * WARPS
     K3: tl.constexpr = K_BITS == 3
@@ -769,6 +778,8 @@ def _paged_decode_mma_kernel(
     o = ()
     for i in tl.static_range(NMT):
         o = o + (zf, zf, zf, zf)
+    pacc = lane * 0  # PROBE = 1: every loaded word folded into these (so that no load is dead code)
+    pfac = zf
     m_e = zf - 1e30  # running max (base-2 scores) of heads 2c and 2c+1
     m_o = zf - 1e30
     l_e = zf
@@ -800,67 +811,78 @@ def _paged_decode_mma_kernel(
         for u in tl.static_range(SUB):
             k0, k1, v0, v1, v2, v3, fac = ring[0]
             tn = t0 + 16 * (PREFETCH + u)
+            if PROBE == 2:  # the first PREFETCH steps' rows again (L1 / L2 hits): no DRAM traffic
+                tn = start + 16 * ((PREFETCH + u) % PREFETCH)
             ring = ring[1:] + (_load_step(cache_ptr, bt_row, blk, tn, end, r, c, ka0, va0, va1, kb_off, vb_off,
                                           vc_off, k_masks, v_masks, k_sec_on, v_sec_on, k_mis, v_mis_e, v_mis_o, BS,
                                           ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, K_FP8, K_NW,
                                           K_BITS, K_FUN, V_FUN),)
-            blk = _step_block(bt_row, tn + 16, end, BS)
+            if PROBE == 2:
+                blk = _step_block(bt_row, start + 16 * ((PREFETCH + u + 1) % PREFETCH), end, BS)
+            else:
+                blk = _step_block(bt_row, tn + 16, end, BS)
             ok0 = (t0 + 16 * u + r) < end
             ok1 = (t0 + 16 * u + r + 8) < end
-            sv, cn = _scores(k0, k1, qf, lb, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN)
-            s0, s1, s2, s3 = _scaled_scores(sv, cn, fac, ok0, ok1, sm_scale_log2, K_NC)
-            vf0 = tl.where(ok0, fac[2], 0.0)
-            vf1 = tl.where(ok1, fac[3], 0.0)
-            if u == 0:
-                mx_e = tl.maximum(s0, s2)
-                mx_o = tl.maximum(s1, s3)
-                mx_v = tl.maximum(tl.abs(vf0), tl.abs(vf1))
+            if PROBE == 1:  # loads only: no lookups, MMAs or softmax
+                pacc = pacc ^ _fold(k0) ^ _fold(k1) ^ _fold(v0) ^ _fold(v1) ^ _fold(v2) ^ _fold(v3)
+                pfac = pfac + fac[0] + fac[1] + fac[2] + fac[3] + fac[4] + fac[5]
             else:
-                mx_e = tl.maximum(mx_e, tl.maximum(s0, s2))
-                mx_o = tl.maximum(mx_o, tl.maximum(s1, s3))
-                mx_v = tl.maximum(mx_v, tl.maximum(tl.abs(vf0), tl.abs(vf1)))
-            steps = steps + ((v0, v1, v2, v3, s0, s1, s2, s3, vf0, vf1, fac, ok0, ok1),)
-
-        mn_e = tl.maximum(m_e, _warp_max_r(mx_e))
-        mn_o = tl.maximum(m_o, _warp_max_r(mx_o))
-        a_e = tl.exp2(m_e - mn_e)
-        a_o = tl.exp2(m_o - mn_o)
-        for u in tl.static_range(SUB):
-            v0, v1, v2, v3, s0, s1, s2, s3, vf0, vf1, fac, ok0, ok1 = steps[u]
-            p0 = tl.exp2(s0 - mn_e)
-            p1 = tl.exp2(s1 - mn_o)
-            p2 = tl.exp2(s2 - mn_e)
-            p3 = tl.exp2(s3 - mn_o)
-            if u == 0:  # the running sums carry the correction factors once
-                l_e = l_e * a_e + (p0 + p2)
-                l_o = l_o * a_o + (p1 + p3)
-            else:
-                l_e = l_e + (p0 + p2)
-                l_o = l_o + (p1 + p3)
-            if V_UNIFORM:
-                vz0 = tl.where(ok0, fac[4], 0.0)
-                vz1 = tl.where(ok1, fac[5], 0.0)
+                sv, cn = _scores(k0, k1, qf, lb, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN)
+                s0, s1, s2, s3 = _scaled_scores(sv, cn, fac, ok0, ok1, sm_scale_log2, K_NC)
+                vf0 = tl.where(ok0, fac[2], 0.0)
+                vf1 = tl.where(ok1, fac[3], 0.0)
                 if u == 0:
-                    z_e = z_e * a_e + (p0 * vz0 + p2 * vz1)
-                    z_o = z_o * a_o + (p1 * vz0 + p3 * vz1)
+                    mx_e = tl.maximum(s0, s2)
+                    mx_o = tl.maximum(s1, s3)
+                    mx_v = tl.maximum(tl.abs(vf0), tl.abs(vf1))
                 else:
-                    z_e = z_e + (p0 * vz0 + p2 * vz1)
-                    z_o = z_o + (p1 * vz0 + p3 * vz1)
-            if u == 0:  # one rescale of the output per update
-                vn = tl.maximum(vmax, _warp_max_r(mx_v))
-                ratio = tl.where(vn > 0, vmax / tl.where(vn > 0, vn, 1.0), 1.0)
-                inv = tl.where(vn > 0, 1.0 / tl.where(vn > 0, vn, 1.0), 0.0)
-                vmax = vn
-                o = _rescale(o, a_e * ratio, a_o * ratio, NMT)
-            w0 = vf0 * inv
-            w1 = vf1 * inv
-            pb = _p_fragments(p0 * w0, p1 * w0, p2 * w1, p3 * w1)
-            o = _values(o, v0, v1, v2, v3, pb[0], pb[1], lb, v_mis_e * 8, v_mis_o * 8, NVW, CV, V_UNIFORM, V_FUN,
-                        V_BITS, NMT)
-        m_e = mn_e
-        m_o = mn_o
+                    mx_e = tl.maximum(mx_e, tl.maximum(s0, s2))
+                    mx_o = tl.maximum(mx_o, tl.maximum(s1, s3))
+                    mx_v = tl.maximum(mx_v, tl.maximum(tl.abs(vf0), tl.abs(vf1)))
+                steps = steps + ((v0, v1, v2, v3, s0, s1, s2, s3, vf0, vf1, fac, ok0, ok1),)
+        if PROBE != 1:
+            mn_e = tl.maximum(m_e, _warp_max_r(mx_e))
+            mn_o = tl.maximum(m_o, _warp_max_r(mx_o))
+            a_e = tl.exp2(m_e - mn_e)
+            a_o = tl.exp2(m_o - mn_o)
+            for u in tl.static_range(SUB):
+                v0, v1, v2, v3, s0, s1, s2, s3, vf0, vf1, fac, ok0, ok1 = steps[u]
+                p0 = tl.exp2(s0 - mn_e)
+                p1 = tl.exp2(s1 - mn_o)
+                p2 = tl.exp2(s2 - mn_e)
+                p3 = tl.exp2(s3 - mn_o)
+                if u == 0:  # the running sums carry the correction factors once
+                    l_e = l_e * a_e + (p0 + p2)
+                    l_o = l_o * a_o + (p1 + p3)
+                else:
+                    l_e = l_e + (p0 + p2)
+                    l_o = l_o + (p1 + p3)
+                if V_UNIFORM:
+                    vz0 = tl.where(ok0, fac[4], 0.0)
+                    vz1 = tl.where(ok1, fac[5], 0.0)
+                    if u == 0:
+                        z_e = z_e * a_e + (p0 * vz0 + p2 * vz1)
+                        z_o = z_o * a_o + (p1 * vz0 + p3 * vz1)
+                    else:
+                        z_e = z_e + (p0 * vz0 + p2 * vz1)
+                        z_o = z_o + (p1 * vz0 + p3 * vz1)
+                if u == 0:  # one rescale of the output per update
+                    vn = tl.maximum(vmax, _warp_max_r(mx_v))
+                    ratio = tl.where(vn > 0, vmax / tl.where(vn > 0, vn, 1.0), 1.0)
+                    inv = tl.where(vn > 0, 1.0 / tl.where(vn > 0, vn, 1.0), 0.0)
+                    vmax = vn
+                    o = _rescale(o, a_e * ratio, a_o * ratio, NMT)
+                w0 = vf0 * inv
+                w1 = vf1 * inv
+                pb = _p_fragments(p0 * w0, p1 * w0, p2 * w1, p3 * w1)
+                o = _values(o, v0, v1, v2, v3, pb[0], pb[1], lb, v_mis_e * 8, v_mis_o * 8, NVW, CV, V_UNIFORM, V_FUN,
+                            V_BITS, NMT)
+            m_e = mn_e
+            m_o = mn_o
 
     # -- partial results: acc [S, HQ, NUM_SPLITS, DP], (m, l) [S, HQ, NUM_SPLITS, 2] --------------
+    if PROBE == 1:
+        o = (o[0] + pacc.to(tl.float32) + pfac,) + o[1:]
     l_e = _warp_sum_r(l_e)
     l_o = _warp_sum_r(l_o)
     if V_UNIFORM:
