@@ -44,7 +44,7 @@ def _read_blocks(words_ptr, order_ptr, out_ptr, WORDS: tl.constexpr, CHUNK: tl.c
 
 
 def read_blocks(cache, order, block_bytes):
-    words = cache.view(torch.int32)
+    words = cache.view(-1).view(torch.int32)  # rows of 134-byte slots: the whole cache as words
     out = torch.empty(order.numel(), dtype=torch.int32, device=cache.device)
     _read_blocks[(order.numel(),)](words, order, out, WORDS=block_bytes // 4, CHUNK=1024, num_warps=4)
     return out
