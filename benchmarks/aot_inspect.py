@@ -162,7 +162,6 @@ def main(argv=None):
     ap.add_argument("--shifted", action="store_true", help="mma: read 4-bit fields as shifted words")
     ap.add_argument("--sub", type=int, default=0, help="mma: 16-token steps per softmax update (0: the plan's)")
     ap.add_argument("--probe", type=int, default=0, help="mma: 1 loads only, 2 no DRAM traffic (timing probes)")
-    ap.add_argument("--l1pf", type=int, default=0, help="mma: prefetch whole rows into L1 this many steps ahead")
     args = ap.parse_args(argv)
     for preset in args.presets:
         fmt = tqkern.KVFormat.preset(preset, args.d)
@@ -170,8 +169,7 @@ def main(argv=None):
         if args.path == "mma":
             c = compile_mma(layout, args.hq, warps=args.warps, maxnreg=args.maxnreg, shifted=args.shifted,
                             PREFETCH=args.prefetch, HINT=args.hint, **({"SUB": args.sub} if args.sub else {}),
-                            **({"PROBE": args.probe} if args.probe else {}),
-                            **({"L1PF": args.l1pf} if args.l1pf else {}))
+                            **({"PROBE": args.probe} if args.probe else {}))
         else:
             c = compile_decode(layout, args.hq, args.path, block_n=args.block_n)
         sass = sass_of(c)

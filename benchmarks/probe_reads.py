@@ -74,7 +74,9 @@ def main(argv=None):
 
             for order, table in (("shuffled", bt), ("sorted", sorted_bt)):
                 flat = table.flatten().contiguous()
-                read_blocks(cache, flat, block_bytes)
+                got = read_blocks(cache, flat, block_bytes).long()
+                want = cache.view(-1).view(torch.int32).view(-1, block_bytes // 4)[flat.long()].long().sum(1)
+                assert torch.equal(got & 0xFFFFFFFF, want & 0xFFFFFFFF), "block read sums differ"
                 row("blocks", order, bench(lambda: read_blocks(cache, flat, block_bytes)))
                 row("public", order, bench(lambda: paged_decode(q, cache, table, sl, layout, params, out=out,
                                                                 check_lengths=False)))

@@ -128,6 +128,21 @@ def test_shifted_plan():
         shifted_plan(None)
 
 
+def test_timing_probes_stay_off_the_public_plan():
+    """The warp-MMA kernel's timing probe (``PROBE``: wrong outputs, for benchmarks/sweep_mma.py)
+    is off by default and no plan the launcher builds sets it."""
+    import inspect
+
+    from tqkern.ops.paged_decode.triton_mma import _paged_decode_mma_kernel
+
+    assert inspect.signature(_paged_decode_mma_kernel.fn).parameters["PROBE"].default == 0
+    for preset in ("tq4", "turboquant_4bit_nc", "turboquant_k8v4", "turboquant_k3v4_nc", "turboquant_3bit_nc",
+                   "tqkern_k5v3"):
+        for d, heads, group in ((128, 8, 4), (64, 3, 3)):
+            plan = mma_plan(_layout(preset, d, heads), group)
+            assert plan is not None and "PROBE" not in plan, (preset, d)
+
+
 def test_same_codebooks_flag():
     assert tqt.to_device(tqkern.TQParams.default(tqkern.KVFormat.preset("tq4", 128)), "cpu").same_codebooks
     assert not tqt.to_device(tqkern.TQParams.default(tqkern.KVFormat.preset("turboquant_4bit_nc", 128)),
