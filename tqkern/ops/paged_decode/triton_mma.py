@@ -630,31 +630,6 @@ def _rescale(o, be, bo, NMT: tl.constexpr):
     return res
 
 
-_PF_L1_ASM = tl.constexpr("{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p prefetch.global.L1 [$1];\nmov.b32 $0, 0;\n}")
-
-
-@triton.jit
-def _l1_prefetch_rows(cache_ptr, blk, t0, end, t, lane, BS: tl.constexpr, ROW_BYTES: tl.constexpr, NT: tl.constexpr,
-                      SHARED: tl.constexpr):
-    """Prefetch into L1 the 128-byte lines of the 16 rows of the step at ``t0`` (``blk``: its block;
-    blocks of at least 16 rows). ``SHARED``: the CTA's warps read the same rows (their KV heads
-    share a sequence and split), so its threads split the lines; else every warp prefetches all."""
-    base = cache_ptr + (blk * BS + t0 % BS) * ROW_BYTES
-    first = base.to(tl.int64, bitcast=True) & 127  # bytes of the first line before the rows
-    NL: tl.constexpr = (16 * ROW_BYTES + 127) // 128 + 1
-    if SHARED:
-        idx = t
-        STRIDE: tl.constexpr = NT
-    else:
-        idx = lane
-        STRIDE: tl.constexpr = 32
-    for k in tl.static_range((NL + STRIDE - 1) // STRIDE):
-        line = idx + k * STRIDE
-        ok = (line * 128 < 16 * ROW_BYTES + first) & (t0 < end)
-        tl.inline_asm_elementwise(_PF_L1_ASM, "=r,l,r", [base - first + line * 128, ok.to(tl.int32)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit
 def _fold(x):
     """XOR of the words of ``x`` (a tuple)."""
@@ -685,7 +660,6 @@ def _paged_decode_mma_kernel(
     K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, K_FP8: tl.constexpr = False, K_NW: tl.constexpr = 1,
     K_BITS: tl.constexpr = 4, K_FUN: tl.constexpr = False, V_FUN: tl.constexpr = False, V_BITS: tl.constexpr = 4,
     PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0, SUB: tl.constexpr = 1, PROBE: tl.constexpr = 0,
-    L1PF: tl.constexpr = 0,
 ):
     NT: tl.constexpr = 32 * WARPS
     K3: tl.constexpr = K_BITS == 3
@@ -819,8 +793,6 @@ def _paged_decode_mma_kernel(
     # earlier still, so that the loads never wait on the table. PREFETCH = 1 measured fastest on
     # the H100: ptxas sinks a deeper ring's loads to the end of the iteration anyway.
     blk = _step_block(bt_row, start, end, BS)
-    if L1PF:  # the block of the first step that is prefetched into L1
-        pblk = _step_block(bt_row, start + 16 * (PREFETCH + L1PF), end, BS)
     ring = ()
     for j in tl.static_range(PREFETCH):
         ring = ring + (_load_step(cache_ptr, bt_row, blk, start + 16 * j, end, r, c, ka0, va0, va1, kb_off, vb_off,
@@ -849,10 +821,6 @@ def _paged_decode_mma_kernel(
                 blk = _step_block(bt_row, start + 16 * ((PREFETCH + u + 1) % PREFETCH), end, BS)
             else:
                 blk = _step_block(bt_row, tn + 16, end, BS)
-            if L1PF:  # the rows of the step L1PF past this load, whole lines, into L1
-                _l1_prefetch_rows(cache_ptr, pblk, tn + 16 * L1PF, end, t, lane, BS, ROW_BYTES, NT,
-                                  HKV % WARPS == 0)
-                pblk = _step_block(bt_row, tn + 16 * (L1PF + 1), end, BS)
             ok0 = (t0 + 16 * u + r) < end
             ok1 = (t0 + 16 * u + r + 8) < end
             if PROBE == 1:  # loads only: no lookups, MMAs or softmax
