@@ -49,7 +49,9 @@ permutation accounts for it.
 
 Partials (unnormalised acc, base-2 max, sum) go to the workspace of
 :func:`tqkern.ops.paged_decode.triton._merge_kernel`, which merges splits and rotates back.
-GPU only (inline PTX); the CPU interpreter runs the general kernel instead.
+GPU only (inline PTX); the CPU interpreter runs the general kernel instead. ``PROBE`` (1: the
+loads only, 2: the loop without DRAM traffic) turns the kernel into a timing probe with wrong
+outputs for ``benchmarks/sweep_mma.py``; no plan of the launcher sets it.
 """
 
 from __future__ import annotations
