@@ -422,8 +422,7 @@ def _step_block(bt_row, t0, end, BS: tl.constexpr):
 
 
 @triton.jit
-def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, ka0, va0, va1, kb_off, vb_off, vc_off, k_masks, v_masks,
-               k_sec_on, v_sec_on, k_mis, v_mis_e, v_mis_o, BS: tl.constexpr, ROW_BYTES: tl.constexpr,
+def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, geo, BS: tl.constexpr, ROW_BYTES: tl.constexpr,
                CK: tl.constexpr, CV: tl.constexpr, K_MERGE: tl.constexpr, V_MERGE: tl.constexpr,
                K_DT: tl.constexpr, V_DT: tl.constexpr, V_UNIFORM: tl.constexpr, HINT: tl.constexpr,
                K_FP8: tl.constexpr, K_NW: tl.constexpr, K_BITS: tl.constexpr, K_FUN: tl.constexpr,
@@ -433,7 +432,9 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, ka0, va0, va1, kb_off, vb_
     (``K_FP8``) are read word-wise from their own offset ``ka0`` and have no factor (1); 3-bit keys
     as ``NKW`` words from this lane's aligned offset ``ka0``. Shifted chunks (``K_FUN``,
     ``V_FUN``: ``CK`` / ``CV`` bytes ``k_mis`` / ``v_mis_*`` bytes past the aligned offsets
-    ``ka0`` / ``va0`` (even tokens), ``va1`` (odd tokens)) as the words that hold them."""
+    ``ka0`` / ``va0`` (even tokens), ``va1`` (odd tokens)) as the words that hold them. ``geo``:
+    this lane's field geometry, fixed for the warp (built once in the kernel's prologue)."""
+    ka0, va0, va1, kb_off, vb_off, vc_off, k_masks, v_masks, k_sec_on, v_sec_on, k_mis, v_mis_e, v_mis_o = geo
     ok = t0 < end
     NKW: tl.constexpr = CK // 4
     NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
@@ -747,6 +748,7 @@ def _paged_decode_mma_kernel(
     kb_off = K_B_OFF + h * K_B_STRIDE
     vb_off = V_B_OFF + h * V_B_STRIDE
     vc_off = V_C_OFF + h * V_C_STRIDE
+    geo = (ka0, va0, va1, kb_off, vb_off, vc_off, k_masks, v_masks, k_sec_on, v_sec_on, k_mis, v_mis_e, v_mis_o)
 
     # -- q as the B operand of S^T = K·Q^T: head r, the coordinates of this lane's key chunk ------
     q_row = q_ptr + ((s * HQ + h * G + r) * D).to(tl.int64)
@@ -797,10 +799,8 @@ def _paged_decode_mma_kernel(
     blk = _step_block(bt_row, start, end, BS)
     ring = ()
     for j in tl.static_range(PREFETCH):
-        ring = ring + (_load_step(cache_ptr, bt_row, blk, start + 16 * j, end, r, c, ka0, va0, va1, kb_off, vb_off,
-                                  vc_off, k_masks, v_masks, k_sec_on, v_sec_on, k_mis, v_mis_e, v_mis_o, BS,
-                                  ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, K_FP8, K_NW,
-                                  K_BITS, K_FUN, V_FUN),)
+        ring = ring + (_load_step(cache_ptr, bt_row, blk, start + 16 * j, end, r, c, geo, BS, ROW_BYTES, CK, CV,
+                                  K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, K_FP8, K_NW, K_BITS, K_FUN, V_FUN),)
         blk = _step_block(bt_row, start + 16 * (j + 1), end, BS)
     for it in range(0, tl.cdiv(n_steps, SUB)):
         # SUB 16-token steps under one softmax update: their scores first, then one running
@@ -815,10 +815,8 @@ def _paged_decode_mma_kernel(
             tn = t0 + 16 * (PREFETCH + u)
             if PROBE == 2:  # the first PREFETCH steps' rows again (L1 / L2 hits): no DRAM traffic
                 tn = start + 16 * ((PREFETCH + u) % PREFETCH)
-            ring = ring[1:] + (_load_step(cache_ptr, bt_row, blk, tn, end, r, c, ka0, va0, va1, kb_off, vb_off,
-                                          vc_off, k_masks, v_masks, k_sec_on, v_sec_on, k_mis, v_mis_e, v_mis_o, BS,
-                                          ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, K_FP8, K_NW,
-                                          K_BITS, K_FUN, V_FUN),)
+            ring = ring[1:] + (_load_step(cache_ptr, bt_row, blk, tn, end, r, c, geo, BS, ROW_BYTES, CK, CV, K_MERGE,
+                                          V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, K_FP8, K_NW, K_BITS, K_FUN, V_FUN),)
             if PROBE == 2:
                 blk = _step_block(bt_row, start + 16 * ((PREFETCH + u + 1) % PREFETCH), end, BS)
             else:
