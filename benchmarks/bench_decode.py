@@ -51,6 +51,11 @@ def make_layout(preset, arrangement, hkv, d):
     return layout, tqt.to_device(tqkern.TQParams.default(fmt, seed=0), "cuda")
 
 
+def q_rotated(q, layout, params):
+    """q in the keys' rotated coordinates, float32 (what the kernels read)."""
+    return ((q.float() @ params.rotation) if layout.format.key.rotated else q.float()).contiguous()
+
+
 def fill_cache(layout, params, num_blocks, g):
     """Random fp16 K/V (N(0,1)) stored into every slot of the cache, in chunks."""
     cache = torch.zeros(layout.cache_shape(num_blocks), dtype=torch.uint8, device="cuda")
@@ -171,8 +176,7 @@ def run_decode(shape, passed, results, sweep, probe):
         if preset in ("tq4", "turboquant_4bit_nc") and decode_path(layout, hq // hkv,
                                                                    same_codebooks=params.same_codebooks) == "mma":
             # the session-2 kernel (word path) in the same run, for the comparison
-            fmt = layout.format
-            q_rot = ((q.float() @ params.rotation) if fmt.key.rotated else q.float()).contiguous()
+            q_rot = q_rotated(q, layout, params)
             t = bench(lambda: _launch_paged_decode(out, q_rot, cache, bt, sl, layout, params.tables(),
                                                    sm_scale=d**-0.5, interpret=False, path="fast"))
             row = dict(shape=shape.name, variant=preset + "[word path]", us=t, bytes=nbytes, gbps=nbytes / t / 1e3,
@@ -182,8 +186,7 @@ def run_decode(shape, passed, results, sweep, probe):
                   flush=True)
         if probe and preset in ("tq4", "turboquant_4bit_nc", "turboquant_k8v4", "fp16") and shape.name == "B32x16K":
             # Where the time goes: the same launch with parts of the inner loop removed.
-            fmt = layout.format
-            q_rot = ((q.float() @ params.rotation) if fmt.key.rotated else q.float()).contiguous()
+            q_rot = q_rotated(q, layout, params)
             for pr, lut in (("", "select"), ("no_lut", "select"), ("no_k", "select"), ("no_v", "select")):
                 t = bench(lambda: _launch_paged_decode(out, q_rot, cache, bt, sl, layout, params.tables(),
                                                         sm_scale=d**-0.5, interpret=False, probe=pr, lut=lut,
@@ -192,9 +195,7 @@ def run_decode(shape, passed, results, sweep, probe):
                 results["probe"].append(dict(shape=shape.name, variant=preset, probe=name, us=t))
                 print(f"  probe {preset} {name}: {t:.1f} us", flush=True)
         if sweep and preset in ("tq4", "turboquant_4bit_nc") and shape.name == "B32x16K":
-            fmt = layout.format
-            q_rot = (q.float() @ params.rotation) if fmt.key.rotated else q.float()
-            q_rot = q_rot.contiguous()
+            q_rot = q_rotated(q, layout, params)
             configs = [("old", 64, 4, 2, 0)] + [("fast", *c) for c in SWEEP_CONFIGS]
             for path, bn, nw, ns, mr in configs:
                 try:

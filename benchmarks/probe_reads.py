@@ -26,8 +26,8 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode import BLOCK, baseline_runs, bench, preset_caches  # noqa: E402
-from benchmarks.sweep_mma import launch  # noqa: E402
-from tqkern.ops.paged_decode.triton_mma import mma_plan, num_splits_mma, resident_warps  # noqa: E402
+from benchmarks.sweep_mma import launch, resident_for  # noqa: E402
+from tqkern.ops.paged_decode.triton_mma import mma_plan, num_splits_mma  # noqa: E402
 from tqkern_torch.attention import paged_decode  # noqa: E402
 
 
@@ -83,11 +83,7 @@ def main(argv=None):
                 g_ = hq // hkv
                 if mma_plan(layout, g_) is None:
                     continue
-                q_rot = ((q.float() @ params.rotation) if layout.format.key.rotated else q.float()).contiguous()
-                resident = resident_warps(q_rot, cache, table, sl, layout, mma_plan(layout, g_),
-                                          params.key_centroids_f32, group=g_, hint=1,
-                                          value_centroids_f32=params.value_centroids_f32)
-                ns = num_splits_mma(b, hkv, L, resident)
+                ns = num_splits_mma(b, hkv, L, resident_for(q, cache, table, sl, layout, params, mma_plan(layout, g_)))
                 for probe in (0, 1):
                     fn = launch(q, cache, table, sl, layout, params, out, prefetch=0, hint=1, warps=4, num_splits=ns,
                                 parts="kernel", probe=probe)

@@ -21,7 +21,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_decode import baseline_runs, bench, oracle_case, preset_caches  # noqa: E402
+from benchmarks.bench_decode import baseline_runs, bench, oracle_case, preset_caches, q_rotated  # noqa: E402
 from benchmarks.shapes import DECODE_PRESETS  # noqa: E402
 from tqkern.ops.paged_decode.triton import _launch_merge, _workspace, rotate_q  # noqa: E402
 from tqkern.ops.paged_decode.triton_mma import (  # noqa: E402
@@ -44,11 +44,20 @@ def plan_for(layout, g, shifted, sub=0, probe=0):
     return plan
 
 
+def resident_for(q, cache, bt, sl, layout, params, plan, *, warps=4, prefetch=None, hint=1, maxnreg=None):
+    """Warps of ``plan``'s compiled kernel the GPU holds at once (what the launcher's split count
+    is made from)."""
+    g = q.shape[1] // layout.num_kv_heads
+    return resident_warps(q_rotated(q, layout, params), cache, bt, sl, layout, plan, params.key_centroids_f32,
+                          group=g, warps=warps, prefetch=prefetch, hint=hint, maxnreg=maxnreg,
+                          value_centroids_f32=params.value_centroids_f32)
+
+
 def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_splits, parts="all", maxnreg=None,
            shifted=0, sub=0, probe=0):
     s, hq, d = q.shape
     g = hq // layout.num_kv_heads
-    q_rot = ((q.float() @ params.rotation) if layout.format.key.rotated else q.float()).contiguous()
+    q_rot = q_rotated(q, layout, params)
     acc, ml = _workspace(None, s, hq, num_splits, max(16, triton.next_power_of_2(d)), q.device)
     plan = plan_for(layout, g, shifted, sub, probe)
 
@@ -157,11 +166,8 @@ def main(argv=None):
             for pf, hint, warps, splits, mr, sh, sb, pr in configs:
                 if not ok_cfg.get((preset, pf, hint, warps, mr, sh, sb)):
                     continue
-                q_rot = ((q.float() @ params.rotation) if layout.format.key.rotated else q.float()).contiguous()
-                resident = resident_warps(q_rot, cache, bt, sl, layout, plan_for(layout, hq // hkv, sh, sb),
-                                          params.key_centroids_f32, group=hq // hkv, warps=warps, prefetch=pf or None,
-                                          hint=hint, maxnreg=None if mr < 0 else mr,
-                                          value_centroids_f32=params.value_centroids_f32)
+                resident = resident_for(q, cache, bt, sl, layout, params, plan_for(layout, hq // hkv, sh, sb),
+                                        warps=warps, prefetch=pf or None, hint=hint, maxnreg=None if mr < 0 else mr)
                 ns = splits or num_splits_mma(b, hkv, L, resident)
                 us = bench(launch(q, cache, bt, sl, layout, params, out, prefetch=pf, hint=hint, warps=warps,
                                   num_splits=ns, maxnreg=None if mr < 0 else mr, shifted=sh, sub=sb, probe=pr))
