@@ -162,14 +162,20 @@ def main(argv=None):
     ap.add_argument("--shifted", action="store_true", help="mma: read 4-bit fields as shifted words")
     ap.add_argument("--sub", type=int, default=0, help="mma: 16-token steps per softmax update (0: the plan's)")
     ap.add_argument("--probe", type=int, default=0, help="mma: 1 loads only, 2 no DRAM traffic (timing probes)")
+    ap.add_argument("--coop", type=int, default=0, help="mma: CTA-cooperative stages (warps = KV heads)")
     args = ap.parse_args(argv)
     for preset in args.presets:
         fmt = tqkern.KVFormat.preset(preset, args.d)
         layout = tqkern.PagedLayout(format=fmt, num_kv_heads=args.hkv, block_size=16, arrangement=args.arrangement)
         if args.path == "mma":
+            coop = {}
+            if args.coop:
+                from tqkern.ops.paged_decode.triton_mma import coop_row_stride
+                coop = dict(COOP=args.coop, RS=coop_row_stride(layout.row_bytes), SMEM_OFF=128)
+                args.warps = args.hkv
             c = compile_mma(layout, args.hq, warps=args.warps, maxnreg=args.maxnreg, shifted=args.shifted,
                             PREFETCH=args.prefetch, HINT=args.hint, **({"SUB": args.sub} if args.sub else {}),
-                            **({"PROBE": args.probe} if args.probe else {}))
+                            **({"PROBE": args.probe} if args.probe else {}), **coop)
         else:
             c = compile_decode(layout, args.hq, args.path, block_n=args.block_n)
         sass = sass_of(c)

@@ -168,6 +168,7 @@ def test_mma_path_matches_oracle(case, data):
     event(f"keys {plan['K_BITS']}-bit {'shifted' if plan['K_FUN'] else 'joined' if plan['K_MERGE'] else 'aligned'}")
     event(f"values {plan['V_BITS']}-bit {'shifted' if plan['V_FUN'] else 'joined' if plan['V_MERGE'] else 'aligned'}")
     event(f"rows {layout.row_bytes % 4} mod 4")
+    event(f"cooperative stages {plan.get('COOP', 0)}")
     _check_against_oracle(*case, data)
 
 

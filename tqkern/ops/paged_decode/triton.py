@@ -27,8 +27,8 @@ import triton.language as tl
 from tqkern.layouts import PagedLayout
 from tqkern.ops.common import bits_to_f32, halfword_aligned, layout_consts, load_bytes, load_packed, load_param
 from tqkern.ops.paged_decode._ptx import _LUT_ASM_LSB, _LUT_ASM_NIBBLE, _UNI_ASM_LSB, _UNI_ASM_NIBBLE, _prmt_tables
-from tqkern.ops.paged_decode.triton_mma import (_launch_paged_decode_mma, ctas_per_sm, mma_plan, num_splits_mma,
-                                                resident_warps)
+from tqkern.ops.paged_decode.triton_mma import (_launch_paged_decode_mma, ctas_per_sm, device_plan, mma_plan,
+                                                num_splits_mma, resident_warps)
 
 __all__ = ["_paged_decode_kernel", "_merge_kernel", "_launch_paged_decode", "num_splits_for", "fast_path_plan",
            "decode_path", "rotate_q", "merge_chunks", "check_workspace"]
@@ -617,7 +617,7 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
         if path == "mma" and not mma:
             raise ValueError("the warp-MMA decode kernel does not apply to this layout/group/device")
         if mma:
-            plan = mma_plan(layout, g)
+            plan = device_plan(layout, g, q_rot.device)
             if num_splits is None:
                 resident = resident_warps(q_rot, cache, block_table, seq_lens, layout, plan,
                                           tables["key_centroids_f32"], group=g,

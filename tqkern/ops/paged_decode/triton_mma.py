@@ -65,8 +65,8 @@ import triton.language as tl
 from tqkern.layouts import FP8, LloydMax, PagedLayout, Uniform
 from tqkern.ops.common import layout_consts, load_param
 
-__all__ = ["_paged_decode_mma_kernel", "_launch_paged_decode_mma", "mma_plan", "num_splits_mma", "resident_warps",
-           "shifted_plan"]
+__all__ = ["_paged_decode_mma_kernel", "_launch_paged_decode_mma", "coop_plan", "coop_smem_bytes", "device_plan",
+           "mma_plan", "num_splits_mma", "per_warp_plan", "resident_warps", "shifted_plan"]
 
 _DT = {"float16": 0, "float32": 1, "bfloat16": 2}
 _NBYTES = {0: 2, 1: 4, 2: 2}
@@ -304,13 +304,13 @@ def _warp_sum_r(x):
         "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
 
 
-def _ld_asm(nw: int, hint: str) -> str:
+def _ld_asm(nw: int, hint: str, space: str = "global.nc", typ: str = "b32") -> str:
     regs = ", ".join(f"${i}" for i in range(nw))
     vec = {4: ".v4", 2: ".v2", 1: ""}[nw]
     dst = f"{{{regs}}}" if nw > 1 else regs
     return ("{\n.reg .pred p;\n" + f"setp.ne.b32 p, ${nw + 1}, 0;\n"
             + "".join(f"mov.b32 ${i}, 0;\n" for i in range(nw))
-            + f"@p ld.global.nc{hint}{vec}.b32 {dst}, [${nw}];\n}}")
+            + f"@p ld.{space}{hint}{vec}.{typ} {dst}, [${nw}];\n}}")
 
 
 # Loads of 1, 2 or 4 words, plain or with an L2 prefetch hint of 256 bytes. (Adding
@@ -320,21 +320,56 @@ _LD1, _LD2, _LD4 = _LD_ASM[1, 0], _LD_ASM[2, 0], _LD_ASM[4, 0]
 _LD1H, _LD2H, _LD4H = _LD_ASM[1, 1], _LD_ASM[2, 1], _LD_ASM[4, 1]
 
 
+# The same from shared memory (the CTA-cooperative stages), and one 16-bit word zero-extended.
+_LDS_ASM = {nw: tl.constexpr(_ld_asm(nw, "", "shared")) for nw in (1, 2, 4)}
+_LDS1, _LDS2, _LDS4 = _LDS_ASM[1], _LDS_ASM[2], _LDS_ASM[4]
+_LDS16 = tl.constexpr(_ld_asm(1, "", "shared", "u16"))
+
+
 @triton.jit
-def _ld_words(ptr, pred, NW: tl.constexpr, HINT: tl.constexpr):
-    """NW (1, 2, 4) consecutive 32-bit words at ``ptr`` (aligned to 4·NW) through the read-only
-    path; zeros where ``pred`` is false."""
+def _lds_words(addr, pred, NW: tl.constexpr):
+    """NW (1, 2, 4) consecutive 32-bit words at shared address ``addr`` (aligned to 4·NW); zeros
+    where ``pred`` is false."""
     p = pred.to(tl.int32)
     if NW == 4:
-        return tl.inline_asm_elementwise(_LD4H if HINT else _LD4, "=r,=r,=r,=r,l,r", [ptr, p],
-                                         dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(_LDS4, "=r,=r,=r,=r,r,r", [addr, p], dtype=(tl.int32,) * 4, is_pure=True,
+                                         pack=1)
     elif NW == 2:
-        return tl.inline_asm_elementwise(_LD2H if HINT else _LD2, "=r,=r,l,r", [ptr, p], dtype=(tl.int32,) * 2,
-                                         is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(_LDS2, "=r,=r,r,r", [addr, p], dtype=(tl.int32,) * 2, is_pure=True, pack=1)
     else:
-        w = tl.inline_asm_elementwise(_LD1H if HINT else _LD1, "=r,l,r", [ptr, p], dtype=tl.int32,
-                                      is_pure=True, pack=1)
+        w = tl.inline_asm_elementwise(_LDS1, "=r,r,r", [addr, p], dtype=tl.int32, is_pure=True, pack=1)
         return (w,)
+
+
+@triton.jit
+def _lds_param(addr, PARAM_DTYPE: tl.constexpr, pred):
+    """One stored float field (aligned to its size) at shared address ``addr`` → float32; 0 where
+    ``pred`` is false."""
+    if PARAM_DTYPE == 1:
+        return _lds_words(addr, pred, 1)[0].to(tl.float32, bitcast=True)
+    bits = tl.inline_asm_elementwise(_LDS16, "=r,r,r", [addr, pred.to(tl.int32)], dtype=tl.int32, is_pure=True,
+                                     pack=1).to(tl.int16)
+    if PARAM_DTYPE == 2:
+        return bits.to(tl.bfloat16, bitcast=True).to(tl.float32)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _ld_words(ptr, pred, NW: tl.constexpr, HINT: tl.constexpr, SMEM: tl.constexpr = False):
+    """NW (1, 2, 4) consecutive 32-bit words at ``ptr`` (aligned to 4·NW) through the read-only
+    path (``SMEM``: at the shared address ``ptr``); zeros where ``pred`` is false."""
+    if SMEM:
+        res = _lds_words(ptr, pred, NW)
+    elif NW == 4:
+        res = tl.inline_asm_elementwise(_LD4H if HINT else _LD4, "=r,=r,=r,=r,l,r", [ptr, pred.to(tl.int32)],
+                                        dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+    elif NW == 2:
+        res = tl.inline_asm_elementwise(_LD2H if HINT else _LD2, "=r,=r,l,r", [ptr, pred.to(tl.int32)],
+                                        dtype=(tl.int32,) * 2, is_pure=True, pack=1)
+    else:
+        res = (tl.inline_asm_elementwise(_LD1H if HINT else _LD1, "=r,l,r", [ptr, pred.to(tl.int32)], dtype=tl.int32,
+                                         is_pure=True, pack=1),)
+    return res
 
 
 @triton.jit
@@ -362,34 +397,34 @@ def _merge_words(prim, sec, masks, NW: tl.constexpr):
 
 @triton.jit
 def _chunk(rowp, base_off, idx, CHUNK: tl.constexpr, mask_words, pred, pred_sec, NW: tl.constexpr,
-           MERGE: tl.constexpr, NLANES: tl.constexpr, HINT: tl.constexpr):
+           MERGE: tl.constexpr, NLANES: tl.constexpr, HINT: tl.constexpr, SMEM: tl.constexpr = False):
     """This lane's chunk of a field: aligned block ``idx`` (block 0 joined with block NLANES
     byte-wise when ``MERGE``)."""
-    prim = _ld_words(rowp + base_off + CHUNK * idx, pred, NW, HINT)
+    prim = _ld_words(rowp + base_off + CHUNK * idx, pred, NW, HINT, SMEM)
     if MERGE:
-        sec = _ld_words(rowp + base_off + CHUNK * NLANES, pred_sec, NW, HINT)
+        sec = _ld_words(rowp + base_off + CHUNK * NLANES, pred_sec, NW, HINT, SMEM)
         return _merge_words(prim, sec, mask_words, NW)
     return prim
 
 
 @triton.jit
-def _fp8_chunk(fieldp, c, pred, NKW: tl.constexpr, NW: tl.constexpr, HINT: tl.constexpr):
+def _fp8_chunk(fieldp, c, pred, NKW: tl.constexpr, NW: tl.constexpr, HINT: tl.constexpr, SMEM: tl.constexpr = False):
     """This lane's ``NKW`` words of an FP8 key field, ``NW`` consecutive words per load: load
     ``j`` reads field words ``NW·(4j + c) ..`` (the 4 lanes of a token read one contiguous run)."""
     res = ()
     for j in tl.static_range(NKW // NW):
-        res = res + _ld_words(fieldp + 4 * NW * (4 * j + c), pred, NW, HINT)
+        res = res + _ld_words(fieldp + 4 * NW * (4 * j + c), pred, NW, HINT, SMEM)
     return res
 
 
 @triton.jit
-def _ld_span(ptr, mis, ok, NB: tl.constexpr, HINT: tl.constexpr):
+def _ld_span(ptr, mis, ok, NB: tl.constexpr, HINT: tl.constexpr, SMEM: tl.constexpr = False):
     """The words at ``ptr`` (4-byte aligned) that hold bytes ``mis .. mis + NB - 1`` (``mis`` in
     0..3): ``NB // 4 + 1`` single-word loads, each predicated on holding one of those bytes (so
     nothing past them is read); zeros elsewhere. :func:`_shifted` aligns them."""
     res = ()
     for i in tl.static_range((NB + 3) // 4 + 1):
-        res = res + _ld_words(ptr + 4 * i, ok & (4 * i < mis + NB), 1, HINT)
+        res = res + _ld_words(ptr + 4 * i, ok & (4 * i < mis + NB), 1, HINT, SMEM)
     return res
 
 
@@ -421,24 +456,107 @@ def _step_block(bt_row, t0, end, BS: tl.constexpr):
     return tl.zeros_like(t0).to(tl.int64)
 
 
+# -- CTA-cooperative stages (COOP > 0): the CTA copies each step's 16 whole rows -------------------
+_CP16_ASM = tl.constexpr("{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\n@p cp.async.cg.shared.global [$1], [$2], 16;\n"
+                         "mov.b32 $0, $1;\n}")
+_WAIT_ASM = {n: tl.constexpr(f"cp.async.wait_group {n};\nbar.sync 0;\nmov.b32 $0, $1;") for n in range(7)}
+_WAIT0, _WAIT1, _WAIT2, _WAIT3, _WAIT4, _WAIT5, _WAIT6 = (_WAIT_ASM[n] for n in range(7))
+
+
+@triton.jit
+def _smem_base(t):
+    """Address of the kernel's dynamic shared memory (Triton's ``global_smem``; the launcher sizes it)."""
+    return tl.inline_asm_elementwise("mov.u32 $0, global_smem;", "=r,r", [t], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _coop_issue(cache_ptr, blks, t0, end, dst, cp_s, t, NT: tl.constexpr, BS: tl.constexpr,
+                ROW_BYTES: tl.constexpr, RS: tl.constexpr, SUB: tl.constexpr):
+    """The CTA's copies of the ``SUB`` 16-row steps at ``t0`` (blocks ``blks``) into the stage at
+    shared address ``dst`` (row ``j`` at ``dst + j·RS``): 16-byte ``cp.async`` chunk ``i = t + k·NT``
+    of the step's ``16·ROW_BYTES`` contiguous bytes goes to ``cp_s[k]``; steps at or past ``end``
+    copy nothing. Then one commit group per thread."""
+    NCP: tl.constexpr = (ROW_BYTES + NT - 1) // NT
+    for u in tl.static_range(SUB):
+        tu = t0 + 16 * u
+        src = cache_ptr + (blks[u] * BS + tu % BS) * ROW_BYTES
+        on = tu < end
+        for k in tl.static_range(NCP):
+            i = t + k * NT
+            tl.inline_asm_elementwise(_CP16_ASM, "=r,r,l,r", [dst + (16 * u * RS) + cp_s[k], src + 16 * i,
+                                                              (on & (i < ROW_BYTES)).to(tl.int32)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+    return tl.inline_asm_elementwise("cp.async.commit_group;\nmov.b32 $0, $1;", "=r,r", [dst], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _coop_wait(stage, N: tl.constexpr):
+    """Wait until at most ``N`` of this thread's copy groups are pending, then a CTA barrier (every
+    thread's copies of the stage have landed; every warp is done with the stage it read before);
+    returns ``stage`` (the stage's reads depend on it)."""
+    if N == 0:
+        return tl.inline_asm_elementwise(_WAIT0, "=r,r", [stage], dtype=tl.int32, is_pure=False, pack=1)
+    elif N == 1:
+        return tl.inline_asm_elementwise(_WAIT1, "=r,r", [stage], dtype=tl.int32, is_pure=False, pack=1)
+    elif N == 2:
+        return tl.inline_asm_elementwise(_WAIT2, "=r,r", [stage], dtype=tl.int32, is_pure=False, pack=1)
+    elif N == 3:
+        return tl.inline_asm_elementwise(_WAIT3, "=r,r", [stage], dtype=tl.int32, is_pure=False, pack=1)
+    elif N == 4:
+        return tl.inline_asm_elementwise(_WAIT4, "=r,r", [stage], dtype=tl.int32, is_pure=False, pack=1)
+    elif N == 5:
+        return tl.inline_asm_elementwise(_WAIT5, "=r,r", [stage], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        return tl.inline_asm_elementwise(_WAIT6, "=r,r", [stage], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _step_blocks(bt_row, t0, end, BS: tl.constexpr, SUB: tl.constexpr):
+    """The block-table entries of the ``SUB`` 16-token steps at ``t0``."""
+    res = ()
+    for u in tl.static_range(SUB):
+        res = res + (_step_block(bt_row, t0 + 16 * u, end, BS),)
+    return res
+
+
+@triton.jit
+def _param(ptr, PARAM_DTYPE: tl.constexpr, pred, SMEM: tl.constexpr):
+    """One aligned per-token factor: from global memory, or (``SMEM``) from the shared address ``ptr``."""
+    if SMEM:
+        res = _lds_param(ptr, PARAM_DTYPE, pred)
+    else:
+        res = load_param(ptr, PARAM_DTYPE, pred, True)
+    return res
+
+
 @triton.jit
 def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, geo, BS: tl.constexpr, ROW_BYTES: tl.constexpr,
                CK: tl.constexpr, CV: tl.constexpr, K_MERGE: tl.constexpr, V_MERGE: tl.constexpr,
                K_DT: tl.constexpr, V_DT: tl.constexpr, V_UNIFORM: tl.constexpr, HINT: tl.constexpr,
                K_FP8: tl.constexpr, K_NW: tl.constexpr, K_BITS: tl.constexpr, K_FUN: tl.constexpr,
-               V_FUN: tl.constexpr):
+               V_FUN: tl.constexpr, SMEM: tl.constexpr = False, RS: tl.constexpr = 0):
     """Everything one 16-token step reads (predicated off past the warp's range); ``blk`` is
     the step's block (:func:`_step_block`, looked up a step earlier) when ``BS >= 16``. FP8 keys
     (``K_FP8``) are read word-wise from their own offset ``ka0`` and have no factor (1); 3-bit keys
     as ``NKW`` words from this lane's aligned offset ``ka0``. Shifted chunks (``K_FUN``,
     ``V_FUN``: ``CK`` / ``CV`` bytes ``k_mis`` / ``v_mis_*`` bytes past the aligned offsets
     ``ka0`` / ``va0`` (even tokens), ``va1`` (odd tokens)) as the words that hold them. ``geo``:
-    this lane's field geometry, fixed for the warp (built once in the kernel's prologue)."""
+    this lane's field geometry, fixed for the warp (built once in the kernel's prologue). ``SMEM``:
+    the step's 16 rows are in a shared-memory stage at address ``blk``, ``RS`` bytes apart (the
+    CTA-cooperative kernel); the same reads from there."""
     ka0, va0, va1, kb_off, vb_off, vc_off, k_masks, v_masks, k_sec_on, v_sec_on, k_mis, v_mis_e, v_mis_o = geo
     ok = t0 < end
     NKW: tl.constexpr = CK // 4
     NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
-    if BS >= 16:  # the whole step sits in one block
+    if SMEM:
+        rk0 = blk + r * RS
+        rk1 = blk + (r + 8) * RS
+        rv0 = blk + (2 * c) * RS
+        rv1 = blk + (2 * c + 1) * RS
+        rv2 = blk + (2 * c + 8) * RS
+        rv3 = blk + (2 * c + 9) * RS
+    elif BS >= 16:  # the whole step sits in one block
         row0 = cache_ptr + (blk * BS + t0 % BS) * ROW_BYTES
         rk0 = row0 + r * ROW_BYTES
         rk1 = row0 + (r + 8) * ROW_BYTES
@@ -458,41 +576,41 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, geo, BS: tl.constexpr, ROW
     ks = ok & k_sec_on
     vs = ok & v_sec_on
     if K_FP8:
-        k0 = _fp8_chunk(rk0 + ka0, c, ok, NKW, K_NW, HINT)
-        k1 = _fp8_chunk(rk1 + ka0, c, ok, NKW, K_NW, HINT)
+        k0 = _fp8_chunk(rk0 + ka0, c, ok, NKW, K_NW, HINT, SMEM)
+        k1 = _fp8_chunk(rk1 + ka0, c, ok, NKW, K_NW, HINT, SMEM)
     elif K_BITS == 3:
         k0 = ()
         k1 = ()
         for i in tl.static_range(NKW):
-            k0 = k0 + _ld_words(rk0 + ka0 + 4 * i, ok, 1, HINT)
-            k1 = k1 + _ld_words(rk1 + ka0 + 4 * i, ok, 1, HINT)
+            k0 = k0 + _ld_words(rk0 + ka0 + 4 * i, ok, 1, HINT, SMEM)
+            k1 = k1 + _ld_words(rk1 + ka0 + 4 * i, ok, 1, HINT, SMEM)
     elif K_FUN:
-        k0 = _ld_span(rk0 + ka0, k_mis, ok, CK, HINT)
-        k1 = _ld_span(rk1 + ka0, k_mis, ok, CK, HINT)
+        k0 = _ld_span(rk0 + ka0, k_mis, ok, CK, HINT, SMEM)
+        k1 = _ld_span(rk1 + ka0, k_mis, ok, CK, HINT, SMEM)
     else:
-        k0 = _chunk(rk0, ka0, ki, CK, k_masks, ok, ks, NKW, K_MERGE, 4, HINT)
-        k1 = _chunk(rk1, ka0, ki, CK, k_masks, ok, ks, NKW, K_MERGE, 4, HINT)
+        k0 = _chunk(rk0, ka0, ki, CK, k_masks, ok, ks, NKW, K_MERGE, 4, HINT, SMEM)
+        k1 = _chunk(rk1, ka0, ki, CK, k_masks, ok, ks, NKW, K_MERGE, 4, HINT, SMEM)
     if V_FUN:
-        v0 = _ld_span(rv0 + va0, v_mis_e, ok, CV, HINT)
-        v1 = _ld_span(rv1 + va1, v_mis_o, ok, CV, HINT)
-        v2 = _ld_span(rv2 + va0, v_mis_e, ok, CV, HINT)
-        v3 = _ld_span(rv3 + va1, v_mis_o, ok, CV, HINT)
+        v0 = _ld_span(rv0 + va0, v_mis_e, ok, CV, HINT, SMEM)
+        v1 = _ld_span(rv1 + va1, v_mis_o, ok, CV, HINT, SMEM)
+        v2 = _ld_span(rv2 + va0, v_mis_e, ok, CV, HINT, SMEM)
+        v3 = _ld_span(rv3 + va1, v_mis_o, ok, CV, HINT, SMEM)
     else:
-        v0 = _chunk(rv0, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
-        v1 = _chunk(rv1, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
-        v2 = _chunk(rv2, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
-        v3 = _chunk(rv3, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT)
-    vf0 = load_param(rk0 + vb_off, V_DT, ok, True)
-    vf1 = load_param(rk1 + vb_off, V_DT, ok, True)
+        v0 = _chunk(rv0, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT, SMEM)
+        v1 = _chunk(rv1, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT, SMEM)
+        v2 = _chunk(rv2, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT, SMEM)
+        v3 = _chunk(rv3, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT, SMEM)
+    vf0 = _param(rk0 + vb_off, V_DT, ok, SMEM)
+    vf1 = _param(rk1 + vb_off, V_DT, ok, SMEM)
     if K_FP8:
         kf0 = tl.zeros_like(vf0) + 1.0
         kf1 = kf0
     else:
-        kf0 = load_param(rk0 + kb_off, K_DT, ok, True)
-        kf1 = load_param(rk1 + kb_off, K_DT, ok, True)
+        kf0 = _param(rk0 + kb_off, K_DT, ok, SMEM)
+        kf1 = _param(rk1 + kb_off, K_DT, ok, SMEM)
     if V_UNIFORM:
-        vz0 = load_param(rk0 + vc_off, V_DT, ok, True)
-        vz1 = load_param(rk1 + vc_off, V_DT, ok, True)
+        vz0 = _param(rk0 + vc_off, V_DT, ok, SMEM)
+        vz1 = _param(rk1 + vc_off, V_DT, ok, SMEM)
     else:
         vz0 = tl.zeros_like(vf0)
         vz1 = vz0
@@ -663,6 +781,7 @@ def _paged_decode_mma_kernel(
     K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, K_FP8: tl.constexpr = False, K_NW: tl.constexpr = 1,
     K_BITS: tl.constexpr = 4, K_FUN: tl.constexpr = False, V_FUN: tl.constexpr = False, V_BITS: tl.constexpr = 4,
     PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0, SUB: tl.constexpr = 1, PROBE: tl.constexpr = 0,
+    COOP: tl.constexpr = 0, RS: tl.constexpr = 0, SMEM_OFF: tl.constexpr = 0,
 ):
     NT: tl.constexpr = 32 * WARPS
     K3: tl.constexpr = K_BITS == 3
@@ -699,11 +818,18 @@ def _paged_decode_mma_kernel(
     bt_row = bt_ptr + s.to(tl.int64) * max_blocks
 
     # -- pair table ------------------------------------------------------------------------------
+    # (cooperative stages: the table is the start of the dynamic region, SMEM_OFF bytes in)
     if NEED_LUT and K5:
-        lut = _lut_fill_k5(_lut_declare(t), t, cen_ptr, vcen_ptr, NT, not V_UNIFORM)
+        if COOP:
+            lut = _lut_fill_k5(_smem_base(t) + SMEM_OFF, t, cen_ptr, vcen_ptr, NT, not V_UNIFORM)
+        else:
+            lut = _lut_fill_k5(_lut_declare(t), t, cen_ptr, vcen_ptr, NT, not V_UNIFORM)
         lb = lut + lane * 4
     elif NEED_LUT:
-        lut = _lut_fill(_lut_declare(t), t, cen_ptr, NT, K_BITS)
+        if COOP:
+            lut = _lut_fill(_smem_base(t) + SMEM_OFF, t, cen_ptr, NT, K_BITS)
+        else:
+            lut = _lut_fill(_lut_declare(t), t, cen_ptr, NT, K_BITS)
         lb = lut + lane * 4
     else:
         lb = lane * 4
@@ -796,31 +922,67 @@ def _paged_decode_mma_kernel(
     # ring), and the block-table entry of the step after those is looked up one iteration
     # earlier still, so that the loads never wait on the table. PREFETCH = 1 measured fastest on
     # the H100: ptxas sinks a deeper ring's loads to the end of the iteration anyway.
-    blk = _step_block(bt_row, start, end, BS)
-    ring = ()
-    for j in tl.static_range(PREFETCH):
-        ring = ring + (_load_step(cache_ptr, bt_row, blk, start + 16 * j, end, r, c, geo, BS, ROW_BYTES, CK, CV,
-                                  K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, K_FP8, K_NW, K_BITS, K_FUN, V_FUN),)
-        blk = _step_block(bt_row, start + 16 * (j + 1), end, BS)
+    if COOP:
+        # CTA-cooperative stages (the CTA's warps are the KV heads of one sequence and split):
+        # a ring of COOP stages of SUB steps' whole rows in dynamic shared memory, filled by
+        # cp.async COOP - 1 iterations ahead; thread t copies 16-byte chunks t, t + NT, ... of
+        # each step's 16 contiguous rows (to row i // (ROW_BYTES / 16) of the stage, RS bytes apart).
+        STG: tl.constexpr = 16 * SUB * RS
+        NCP: tl.constexpr = (ROW_BYTES + NT - 1) // NT
+        stages = _smem_base(t) + (SMEM_OFF + 32768 * NEED_LUT)
+        cp_s = ()
+        for k in tl.static_range(NCP):
+            ci = t + k * NT
+            if RS == ROW_BYTES:
+                cp_s = cp_s + (16 * ci,)
+            else:
+                cp_s = cp_s + ((ci // (ROW_BYTES // 16)) * RS + (ci % (ROW_BYTES // 16)) * 16,)
+        for j in tl.static_range(COOP - 1):
+            _coop_issue(cache_ptr, _step_blocks(bt_row, start + 16 * SUB * j, end, BS, SUB), start + 16 * SUB * j,
+                        end, stages + j * STG, cp_s, t, NT, BS, ROW_BYTES, RS, SUB)
+        nxt = _step_blocks(bt_row, start + 16 * SUB * (COOP - 1), end, BS, SUB)
+    else:
+        blk = _step_block(bt_row, start, end, BS)
+        ring = ()
+        for j in tl.static_range(PREFETCH):
+            ring = ring + (_load_step(cache_ptr, bt_row, blk, start + 16 * j, end, r, c, geo, BS, ROW_BYTES, CK, CV,
+                                      K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, K_FP8, K_NW, K_BITS, K_FUN,
+                                      V_FUN),)
+            blk = _step_block(bt_row, start + 16 * (j + 1), end, BS)
     for it in range(0, tl.cdiv(n_steps, SUB)):
         # SUB 16-token steps under one softmax update: their scores first, then one running
         # max (scores and value factors), one rescale of the output, then their values.
         t0 = start + it * (16 * SUB)
+        if COOP:  # this iteration's stage has landed; refill the one read last iteration
+            sb = _coop_wait(stages + (it % COOP) * STG, COOP - 2)
+            tc = t0 + 16 * SUB * (COOP - 1)
+            copy_end = end
+            if PROBE == 2:  # no refills: the loop runs on the prologue's stages (no DRAM traffic)
+                copy_end = start
+            _coop_issue(cache_ptr, nxt, tc, copy_end, stages + ((it + COOP - 1) % COOP) * STG, cp_s, t, NT, BS,
+                        ROW_BYTES, RS, SUB)
+            nxt = _step_blocks(bt_row, tc + 16 * SUB, end, BS, SUB)
         steps = ()
         mx_e = zf
         mx_o = zf
         mx_v = zf
         for u in tl.static_range(SUB):
-            k0, k1, v0, v1, v2, v3, fac = ring[0]
-            tn = t0 + 16 * (PREFETCH + u)
-            if PROBE == 2:  # the first PREFETCH steps' rows again (L1 / L2 hits): no DRAM traffic
-                tn = start + 16 * ((PREFETCH + u) % PREFETCH)
-            ring = ring[1:] + (_load_step(cache_ptr, bt_row, blk, tn, end, r, c, geo, BS, ROW_BYTES, CK, CV, K_MERGE,
-                                          V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, K_FP8, K_NW, K_BITS, K_FUN, V_FUN),)
-            if PROBE == 2:
-                blk = _step_block(bt_row, start + 16 * ((PREFETCH + u + 1) % PREFETCH), end, BS)
+            if COOP:
+                k0, k1, v0, v1, v2, v3, fac = _load_step(cache_ptr, bt_row, sb + 16 * u * RS, t0 + 16 * u, end, r, c,
+                                                         geo, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT, V_DT,
+                                                         V_UNIFORM, HINT, K_FP8, K_NW, K_BITS, K_FUN, V_FUN, True, RS)
             else:
-                blk = _step_block(bt_row, tn + 16, end, BS)
+                k0, k1, v0, v1, v2, v3, fac = ring[0]
+                tn = t0 + 16 * (PREFETCH + u)
+                if PROBE == 2:  # the first PREFETCH steps' rows again (L1 / L2 hits): no DRAM traffic
+                    tn = start + 16 * ((PREFETCH + u) % PREFETCH)
+                ring = ring[1:] + (_load_step(cache_ptr, bt_row, blk, tn, end, r, c, geo, BS, ROW_BYTES, CK, CV,
+                                              K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, K_FP8, K_NW, K_BITS,
+                                              K_FUN, V_FUN),)
+                if PROBE == 2:
+                    blk = _step_block(bt_row, start + 16 * ((PREFETCH + u + 1) % PREFETCH), end, BS)
+                else:
+                    blk = _step_block(bt_row, tn + 16, end, BS)
             ok0 = (t0 + 16 * u + r) < end
             ok1 = (t0 + 16 * u + r + 8) < end
             if PROBE == 1:  # loads only: no lookups, MMAs or softmax
@@ -928,6 +1090,15 @@ def _paged_decode_mma_kernel(
     tl.store(ml_ptr + part_o * 2 + 1, l_o, mask=ok_o & first)
 
 
+# The cooperative plans launch through a second wrapper of the same function that specializes no
+# argument (no "== 1" or 16-divisibility variants): exactly one compiled kernel per constexpr set,
+# so that its dynamic shared memory is sized once, before its binary is first loaded.
+_paged_decode_coop_kernel = triton.jit(
+    _paged_decode_mma_kernel.fn,
+    do_not_specialize=["q_ptr", "cache_ptr", "bt_ptr", "sl_ptr", "cen_ptr", "vcen_ptr", "acc_ptr", "ml_ptr", "num_seqs",
+                       "max_blocks", "sm_scale_log2", "NUM_SPLITS"])
+
+
 # -- host side ------------------------------------------------------------------------------------
 def mma_plan(layout: PagedLayout, group: int) -> dict | None:
     """Constexprs of the warp-MMA kernel for ``layout`` and GQA ``group``, or ``None`` where it
@@ -996,7 +1167,7 @@ def _mma_plan(layout: PagedLayout, group: int) -> tuple | None:
         factors += [(c["K_B_OFF"], k_dt), (c["K_B_STRIDE"], k_dt), (rb, k_dt)]
     if any(off % _NBYTES[dt] for off, dt in factors):
         return None
-    return tuple(dict(
+    plan = dict(
         D=d, DP=c["DP"], ROW_BYTES=rb, NIBBLE=fmt.bit_order == "nibble_high_even",
         K_A_OFF=c["K_A_OFF"], K_A_STRIDE=c["K_A_STRIDE"], K_B_OFF=c["K_B_OFF"], K_B_STRIDE=c["K_B_STRIDE"],
         K_DT=k_dt, K_NC=not k_fp8 and key.norm_correction == "decode", K_FP8=k_fp8, K_NW=k_nw, K_BITS=k_bits,
@@ -1008,7 +1179,37 @@ def _mma_plan(layout: PagedLayout, group: int) -> tuple | None:
         K_MERGE=key.bits == 4 and not k_fun and bool(c["K_A_OFF"] % ck or c["K_A_STRIDE"] % ck),
         V_MERGE=not v_fun and bool(c["V_A_OFF"] % cv or c["V_A_STRIDE"] % cv),
         K_FUN=k_fun, V_FUN=v_fun, V_BITS=value.bits,
-    ).items())
+    )
+    # CTA-cooperative stages where they apply and CTAs have at least 4 warps (each CTA fills its
+    # own 32 KB table): 4 stages of two steps (one CTA per SM) with Lloyd-Max values, 3 stages of
+    # one step (two CTAs per SM) otherwise (measured on the H100, benchmarks/NOTES.md §37-39).
+    # :func:`device_plan` drops them where the device's shared memory is smaller.
+    coop = coop_plan(plan, layout, 4 if plan["SUB"] == 2 else 3) if layout.num_kv_heads >= 4 else None
+    return tuple((coop or plan).items())
+
+
+def per_warp_plan(plan: dict) -> dict:
+    """``plan`` without cooperative stages (the per-warp kernel, each warp reading its own fields)."""
+    if not isinstance(plan, dict):
+        raise TypeError(f"plan must be a dict from mma_plan, got {type(plan).__name__}")
+    return {k: v for k, v in plan.items() if k not in ("COOP", "RS", "SMEM_OFF")}
+
+
+def device_plan(layout: PagedLayout, group: int, device) -> dict | None:
+    """:func:`mma_plan` for a launch on ``device``: without cooperative stages where a CTA of that
+    device cannot have the shared memory they need."""
+    plan = mma_plan(layout, group)
+    if plan is None or not plan.get("COOP"):
+        return plan
+    if coop_smem_bytes(plan) + _SMEM_RESERVED > _smem_optin(device.index or 0):
+        return per_warp_plan(plan)
+    return plan
+
+
+@functools.lru_cache(maxsize=16)
+def _smem_optin(index: int) -> int:
+    """Shared memory one CTA may use on CUDA device ``index`` (0 where torch does not say)."""
+    return int(getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 0))
 
 
 def shifted_plan(plan: dict) -> dict:
@@ -1024,6 +1225,60 @@ def shifted_plan(plan: dict) -> dict:
     return plan
 
 
+_COOP_SMEM_OFF = 1024  # the cooperative stages start here in the dynamic region (below: Triton's own scratch)
+_COOP_PAD = 64  # slack past the last stage
+_SMEM_OPTIN = 232448  # shared memory one CTA may use on sm_90 (227 KB)
+
+
+def coop_plan(plan: dict, layout: PagedLayout, stages: int = 2) -> dict | None:
+    """``plan`` with CTA-cooperative stages (``COOP = stages``): one CTA per (sequence, split) with
+    one warp per KV head, whose threads copy each step's 16 whole rows (all heads) into a ring of
+    ``stages`` shared-memory stages with ``cp.async`` (coalesced 16-byte chunks), and every head-warp
+    reads its fields from there. ``None`` where it does not apply: blocks not a multiple of 16
+    tokens, a KV-head count that is not a power of two up to 16 (a CTA's warps), or stages (plus
+    the pair table) beyond one CTA's shared memory. (With ``PROBE = 2`` the loop runs on the
+    prologue's stages: no refills.) The stages live in the kernel's dynamic shared memory, which the
+    launcher sizes (see :func:`coop_smem_bytes`)."""
+    if not isinstance(plan, dict):
+        raise TypeError(f"plan must be a dict from mma_plan, got {type(plan).__name__}")
+    if not isinstance(stages, int) or not 2 <= stages <= 8:
+        raise ValueError(f"stages must be an int in 2..8, got {stages!r}")
+    hkv = layout.num_kv_heads
+    if layout.block_size % 16 or hkv > 16 or hkv & (hkv - 1):
+        return None
+    out = dict(plan, COOP=stages, RS=coop_row_stride(layout.row_bytes), SMEM_OFF=_COOP_SMEM_OFF)
+    if coop_smem_bytes(out) + _SMEM_RESERVED > _SMEM_OPTIN:
+        return None
+    return out
+
+
+def coop_smem_bytes(plan: dict) -> int:
+    """Dynamic shared memory of a cooperative plan's launch: Triton's scratch, the pair table, the
+    stages, slack. (The table moves into the dynamic region with the stages: with a static table
+    beside a dynamic region under 48 KB, no opt-in for more than 48 KB in all would be set.)"""
+    return (plan["SMEM_OFF"] + _LUT_BYTES * _needs_lut(plan) + plan["COOP"] * 16 * plan["SUB"] * plan["RS"]
+            + _COOP_PAD)
+
+
+def _size_dynamic_smem(kernel, plan: dict) -> None:
+    """Give the compiled cooperative kernel ``kernel`` its dynamic shared memory before its binary
+    is loaded: Triton sizes a launch's dynamic shared memory (and, on load, the >48 KB opt-in)
+    from ``metadata.shared``, which counts only Triton's own scratch; the stages are addressed by
+    inline PTX past that scratch (``SMEM_OFF``)."""
+    want = coop_smem_bytes(plan)
+    md = kernel.metadata
+    if md.shared == want:
+        return
+    if md.shared > plan["SMEM_OFF"]:
+        raise RuntimeError(f"Triton's shared scratch ({md.shared} bytes) overlaps the stages at {plan['SMEM_OFF']}")
+    packed = getattr(kernel, "packed_metadata", None)
+    if getattr(kernel, "module", None) is not None or not (isinstance(packed, tuple) and len(packed) == 3
+                                                           and packed[2] == md.shared and hasattr(md, "_replace")):
+        raise RuntimeError("cannot size this Triton version's dynamic shared memory (metadata layout unknown)")
+    kernel.metadata = md._replace(shared=want)
+    kernel.packed_metadata = packed[:2] + (want,)
+
+
 def num_splits_mma(num_seqs: int, num_kv_heads: int, max_len: int, resident_warps: int) -> int:
     """Splits (one warp each) so that the launch is one full wave of ``resident_warps`` (the
     warps the GPU holds at once for this kernel), each split at least 256 tokens of the longest
@@ -1033,6 +1288,15 @@ def num_splits_mma(num_seqs: int, num_kv_heads: int, max_len: int, resident_warp
     = 1.94 waves 265 µs; 17 splits = 2.06 waves 301 µs)."""
     pairs = max(1, num_seqs * num_kv_heads)
     return int(max(1, min(resident_warps // pairs, max_len // 256, 64)))
+
+
+def coop_row_stride(row_bytes: int) -> int:
+    """Bytes between rows in a cooperative stage: rows of a multiple of 16 bytes padded to 16 mod
+    32 (the value reads of a warp, 4 rows 2 apart, then fall in 4 different 32-byte bank groups);
+    other rows unpadded (the stage is then a plain copy of the step's bytes)."""
+    if row_bytes % 16:
+        return row_bytes
+    return row_bytes + (16 - row_bytes % 32) % 32
 
 
 _LUT_BYTES, _SMEM_RESERVED = 32768, 1024  # the pair table (static, inline PTX) and the per-CTA reservation
@@ -1046,6 +1310,8 @@ def _needs_lut(plan: dict) -> bool:
 def _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, group, num_splits,
                  sm_scale, warps, prefetch, hint, maxnreg=None, value_centroids_f32=None):
     s, hq, _ = q_rot.shape
+    if plan.get("COOP"):  # one warp per KV head of a (sequence, split)
+        warps = layout.num_kv_heads
     if prefetch is None:  # the ring holds the steps of one iteration (measured: SUB = 2 with 1 step slower)
         prefetch = plan["SUB"]
     # The value codebook is read only for 3-bit Lloyd-Max values next to 5-bit keys.
@@ -1054,6 +1320,8 @@ def _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroid
             sm_scale * 1.4426950408889634, num_splits)
     kwargs = dict(G=group, HKV=layout.num_kv_heads, HQ=hq, WARPS=warps, BS=layout.block_size, PREFETCH=prefetch,
                   HINT=hint, **plan, num_warps=warps, num_stages=1)
+    if maxnreg is None and plan.get("COOP"):  # two CTAs of 8 warps per SM
+        maxnreg = 128
     if maxnreg is None:  # measured (H100): capped at 128 registers ~2% faster for aligned fields (no spill
         # inside the loop); with joined fields the kernel needs ~168 and a cap spills in the loop;
         # two steps per iteration (SUB = 2) hold a two-step ring: 168 (12 warps/SM) measured fastest
@@ -1075,6 +1343,18 @@ def ctas_per_sm(kernel, warps: int, extra_smem: int, props) -> int:
 
 
 _RESIDENT: dict = {}
+_COOP_READY: set = set()
+
+
+def _compiled(args, kwargs, plan, key):
+    """The compiled kernel of a launch (cooperative plans: with their dynamic shared memory sized,
+    once per ``key``)."""
+    if plan.get("COOP"):
+        k = _paged_decode_coop_kernel.warmup(*args, grid=(1,), **kwargs)
+        _size_dynamic_smem(k, plan)
+        _COOP_READY.add(key)
+        return k
+    return _paged_decode_mma_kernel.warmup(*args, grid=(1,), **kwargs)
 
 
 def resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, *, group: int,
@@ -1090,10 +1370,13 @@ def resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, key_centro
         args, kwargs = _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, q_rot,
                                     q_rot, group, 1, 1.0, warps, prefetch, hint, maxnreg, value_centroids_f32)
         props = torch.cuda.get_device_properties(dev)
+        warps = kwargs["num_warps"]
         try:
-            k = _paged_decode_mma_kernel.warmup(*args, grid=(1,), **kwargs)
-            ctas = ctas_per_sm(k, warps, _LUT_BYTES * _needs_lut(plan), props)
+            k = _compiled(args, kwargs, plan, key)  # (cooperative: the table is in metadata.shared)
+            ctas = ctas_per_sm(k, warps, 0 if plan.get("COOP") else _LUT_BYTES * _needs_lut(plan), props)
         except Exception:  # noqa: BLE001
+            if plan.get("COOP"):  # a cooperative plan must be sized before it can launch at all
+                raise
             ctas = max(1, 8 // warps)
         _RESIDENT[key] = ctas * warps * props.multi_processor_count
     return _RESIDENT[key]
@@ -1109,4 +1392,11 @@ def _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, 
     total = s * layout.num_kv_heads * num_splits
     args, kwargs = _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, group,
                                 num_splits, sm_scale, warps, prefetch, hint, maxnreg, value_centroids_f32)
-    _paged_decode_mma_kernel[(triton.cdiv(total, warps),)](*args, **kwargs)
+    if plan.get("COOP"):
+        key = (layout, tuple(plan.items()), group, q_rot.shape[1], warps, prefetch, hint, maxnreg,
+               q_rot.device.index or 0)
+        if key not in _COOP_READY:
+            _compiled(args, kwargs, plan, key)
+        _paged_decode_coop_kernel[(s * num_splits,)](*args, **kwargs)
+    else:
+        _paged_decode_mma_kernel[(triton.cdiv(total, warps),)](*args, **kwargs)
