@@ -284,3 +284,89 @@ def test_rotate_q_matches_numpy(d, rotate, cols):
     expect = q64 @ params.params.rotation if rotate else q64
     assert got.shape == (3, 5, d) and got.dtype == np.float32
     np.testing.assert_allclose(got, expect, rtol=0, atol=1e-5 * np.abs(expect).max())
+
+
+def test_cooperative_plan_rules():
+    """Cooperative stages (one CTA per sequence and split, a warp per KV head, whole rows through
+    shared memory) are in the launcher's plan for 4-16 KV heads (a power of two) in blocks of a
+    multiple of 16 tokens: 4 stages of two steps with Lloyd-Max values, 3 of one step otherwise;
+    rows of a multiple of 16 bytes padded to 16 mod 32 in the stage."""
+    from tqkern.ops.paged_decode.triton_mma import coop_plan, coop_row_stride, coop_smem_bytes, per_warp_plan
+
+    tq4 = mma_plan(_layout("tq4", 128, 8, "row"), 4)
+    nc = mma_plan(_layout("turboquant_4bit_nc", 128, 8), 4)
+    assert (tq4["COOP"], tq4["RS"], tq4["SUB"]) == (4, 1104, 2)  # 1088-byte rows -> 1104
+    assert (nc["COOP"], nc["RS"], nc["SUB"]) == (3, 1072, 1)  # 1072 = 16 mod 32 already
+    # Triton's scratch, the 32 KB pair table, the stages (16 rows of RS bytes per step), slack
+    assert coop_smem_bytes(tq4) == tq4["SMEM_OFF"] + 32768 + 4 * 2 * 16 * 1104 + 64
+    assert coop_row_stride(1024) == 1040 and coop_row_stride(1072) == 1072 and coop_row_stride(216) == 216
+    for heads in (1, 2, 3):  # CTAs of fewer than 4 warps (or not a power of two): per-warp kernel
+        assert "COOP" not in mma_plan(_layout("tq4", 128, heads, "row"), 4)
+    small = tqkern.PagedLayout(format=tqkern.KVFormat.preset("tq4", 128), num_kv_heads=8, block_size=4,
+                               arrangement="row")
+    assert "COOP" not in mma_plan(small, 4)
+    assert coop_plan(per_warp_plan(tq4), small, 2) is None  # blocks shorter than a step
+    assert coop_plan(per_warp_plan(tq4), _layout("tq4", 128, 2, "row"), 2)["COOP"] == 2  # opt-in
+    assert coop_plan(per_warp_plan(tq4), _layout("tq4", 128, 8, "row"), 8) is None  # 8 × 35 KB: too big
+    assert "COOP" not in per_warp_plan(tq4) and per_warp_plan(tq4)["SUB"] == 2
+    for bad in (1, 9, 2.0):
+        with pytest.raises(ValueError, match="stages must be an int in 2..8"):
+            coop_plan(per_warp_plan(tq4), _layout("tq4", 128, 8, "row"), bad)
+    with pytest.raises(TypeError, match="plan must be a dict from mma_plan, got NoneType"):
+        coop_plan(None, _layout("tq4", 128, 8, "row"))
+    with pytest.raises(TypeError, match="plan must be a dict from mma_plan, got NoneType"):
+        per_warp_plan(None)
+
+
+def test_device_plan_drops_stages_without_the_shared_memory(monkeypatch):
+    """On a GPU whose CTAs cannot have the stages' shared memory the launcher runs the per-warp
+    kernel (the same plan without ``COOP``)."""
+    import tqkern.ops.paged_decode.triton_mma as tm
+
+    layout = _layout("tq4", 128, 8, "row")
+    monkeypatch.setattr(tm, "_smem_optin", lambda index: 232448)  # H100 / H200
+    assert tm.device_plan(layout, 4, torch.device("cuda", 0))["COOP"] == 4
+    monkeypatch.setattr(tm, "_smem_optin", lambda index: 166912)  # A100: 175 KB do not fit
+    plan = tm.device_plan(layout, 4, torch.device("cuda", 0))
+    assert "COOP" not in plan and plan == tm.per_warp_plan(mma_plan(layout, 4))
+    assert tm.device_plan(_layout("fp16", 128, 8), 4, torch.device("cuda", 0)) is None
+
+
+class _FakeMeta(tuple):
+    """A namedtuple-like stand-in for a compiled kernel's metadata (only ``shared`` matters)."""
+
+    def __new__(cls, shared):
+        return super().__new__(cls, (shared,))
+
+    @property
+    def shared(self):
+        return self[0]
+
+    def _replace(self, shared):
+        return _FakeMeta(shared)
+
+
+class _FakeKernel:
+    def __init__(self, shared, module=None):
+        self.metadata = _FakeMeta(shared)
+        self.packed_metadata = (8, 1, shared)
+        self.module = module
+
+
+def test_dynamic_shared_memory_is_sized_before_the_binary_loads():
+    """The stages live past Triton's own scratch in its dynamic region; the launcher raises the
+    compiled kernel's shared-memory size (metadata and the launch's packed copy) before the
+    binary is loaded, once, and refuses where it cannot do so safely."""
+    from tqkern.ops.paged_decode.triton_mma import _size_dynamic_smem, coop_smem_bytes
+
+    plan = mma_plan(_layout("turboquant_4bit_nc", 128, 8), 4)
+    want = coop_smem_bytes(plan)
+    k = _FakeKernel(32)
+    _size_dynamic_smem(k, plan)
+    assert k.metadata.shared == want and k.packed_metadata == (8, 1, want)
+    k.module = object()  # loaded since: a second call is a no-op
+    _size_dynamic_smem(k, plan)
+    with pytest.raises(RuntimeError, match="cannot size"):
+        _size_dynamic_smem(_FakeKernel(32, module=object()), plan)  # loaded before sizing
+    with pytest.raises(RuntimeError, match="overlaps the stages"):
+        _size_dynamic_smem(_FakeKernel(plan["SMEM_OFF"] + 16), plan)

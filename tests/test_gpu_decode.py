@@ -44,13 +44,14 @@ def _dense_reference(q, cache, block_table, seq_lens, layout, params):
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("preset,arrangement,path", [
-    ("fp16", "slot", "fast"), ("tq4", "row", "mma"), ("tqkern_k5v3", "slot", "mma"),
-    ("turboquant_4bit_nc", "slot", "mma"),  # 268-byte rows: shifted word reads
-    ("turboquant_3bit_nc", "slot", "mma")])  # 3-bit uniform values
-def test_cuda_graph_replay_with_new_lengths_and_tables(preset, arrangement, path):
+@pytest.mark.parametrize("preset,arrangement,path,heads", [
+    ("fp16", "slot", "fast", 2), ("tq4", "row", "mma", 2), ("tqkern_k5v3", "slot", "mma", 2),
+    ("turboquant_4bit_nc", "slot", "mma", 2),  # 268-byte rows: shifted word reads
+    ("turboquant_3bit_nc", "slot", "mma", 2),  # 3-bit uniform values
+    ("tq4", "row", "mma", 8), ("turboquant_4bit_nc", "slot", "mma", 8)])  # cooperative stages
+def test_cuda_graph_replay_with_new_lengths_and_tables(preset, arrangement, path, heads):
     fmt = tqkern.KVFormat.preset(preset, 128)
-    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=2, block_size=16, arrangement=arrangement)
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=heads, block_size=16, arrangement=arrangement)
     params = tqt.to_device(tqkern.TQParams.default(fmt), "cuda")
     assert decode_path(layout, 4, same_codebooks=params.same_codebooks) == path
     num_blocks, max_blocks, s = 64, 16, 3
@@ -58,7 +59,7 @@ def test_cuda_graph_replay_with_new_lengths_and_tables(preset, arrangement, path
     bt = perm.clone()
     sl = torch.tensor([5, 100, 256], dtype=torch.int32, device="cuda")
     cache = _fill(layout, params, num_blocks, torch.tensor([256] * s, dtype=torch.int32, device="cuda"), bt)
-    q = torch.randn(s, 8, 128, device="cuda", dtype=torch.float16)
+    q = torch.randn(s, 4 * heads, 128, device="cuda", dtype=torch.float16)
     out = torch.full_like(q, float("nan"))
     ws = torch.empty(1 << 20, dtype=torch.float32, device="cuda")
     paged_decode(q, cache, bt, sl, layout, params, out=out, workspace=ws, num_splits=3)  # warm up / compile
@@ -78,20 +79,64 @@ def test_cuda_graph_replay_with_new_lengths_and_tables(preset, arrangement, path
         assert np.abs(out.float().cpu().numpy() - expect).max() <= 4e-3 * vmax
 
 
-@pytest.mark.parametrize("preset,arrangement", [("tq4", "row"), ("turboquant_4bit_nc", "slot")])
-def test_64k_context(preset, arrangement):
+@pytest.mark.parametrize("preset,arrangement,heads", [("tq4", "row", 2), ("turboquant_4bit_nc", "slot", 2),
+                                                     ("tq4", "row", 8)])  # 8 heads: cooperative stages
+def test_64k_context(preset, arrangement, heads):
     fmt = tqkern.KVFormat.preset(preset, 128)
-    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=2, block_size=16, arrangement=arrangement)
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=heads, block_size=16, arrangement=arrangement)
     params = tqt.to_device(tqkern.TQParams.default(fmt), "cuda")
     n = 65536
     nb = n // 16
     bt = torch.randperm(nb, device="cuda").int()[None]
     sl = torch.tensor([n], dtype=torch.int32, device="cuda")
     cache = _fill(layout, params, nb, sl, bt)
-    q = torch.randn(1, 8, 128, device="cuda", dtype=torch.float16)
+    q = torch.randn(1, 4 * heads, 128, device="cuda", dtype=torch.float16)
     out = paged_decode(q, cache, bt, sl, layout, params)
     expect = _dense_reference(q, cache, bt, sl, layout, params)
     assert (out.float() - expect).abs().max() <= 4e-3 * _vmax(cache, bt, sl, layout, params)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("preset,arrangement", [
+    ("tq4", "row"), ("turboquant_4bit_nc", "slot"), ("turboquant_k8v4", "slot"), ("turboquant_k3v4_nc", "slot"),
+    ("turboquant_3bit_nc", "slot"), ("tqkern_k5v3", "slot")])
+def test_cooperative_stages_match_the_per_warp_kernel_bit_for_bit(preset, arrangement, block_size):
+    """The cooperative stages only change where a head-warp reads its words (shared memory
+    instead of global memory): every partial (acc, max, sum) equals the per-warp kernel's bit for
+    bit, with 1 and 3 splits, lengths ending mid-step and mid-block, shuffled blocks, random bytes
+    in the unused slots, every stage count."""
+    import triton
+
+    from tqkern.ops.paged_decode.triton import _workspace
+    from tqkern.ops.paged_decode.triton_mma import _launch_paged_decode_mma, coop_plan, device_plan, per_warp_plan
+
+    fmt = tqkern.KVFormat.preset(preset, 128)
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=8, block_size=block_size, arrangement=arrangement)
+    params = tqt.to_device(tqkern.TQParams.default(fmt), "cuda")
+    plan = device_plan(layout, 4, torch.device("cuda"))
+    assert plan["COOP"] in (3, 4)  # the launcher's plan on this GPU has the stages
+    sl = torch.tensor([1, 15, 16, 17, 77, 600, 999, 1000], dtype=torch.int32, device="cuda")
+    max_blocks = -(-1000 // block_size)
+    num_blocks = len(sl) * max_blocks + 5
+    bt = torch.randperm(num_blocks, device="cuda")[: len(sl) * max_blocks].reshape(len(sl), max_blocks).int()
+    cache = _fill(layout, params, num_blocks, sl, bt, seed=block_size)
+    q = torch.randn(len(sl), 32, 128, device="cuda", dtype=torch.float16)
+    q_rot = ((q.float() @ params.rotation) if fmt.key.rotated else q.float()).contiguous()
+    for splits in (1, 3):
+        got = []
+        for p in [per_warp_plan(plan)] + [coop_plan(per_warp_plan(plan), layout, n) for n in (2, 3, 4)]:
+            if p is None:  # more stages than one CTA's shared memory holds
+                continue
+            acc, ml = _workspace(None, len(sl), 32, splits, max(16, triton.next_power_of_2(128)), q.device)
+            acc.fill_(float("nan"))
+            ml.fill_(float("nan"))
+            _launch_paged_decode_mma(q_rot, cache, bt, sl, layout, p, params.key_centroids_f32, acc, ml, group=4,
+                                     num_splits=splits, sm_scale=128 ** -0.5,
+                                     value_centroids_f32=params.value_centroids_f32)
+            got.append((p.get("COOP", 0), acc.nan_to_num(7.0), ml.nan_to_num(7.0)))
+        assert len(got) >= 3
+        for stages, acc, ml in got[1:]:
+            assert torch.equal(acc, got[0][1]) and torch.equal(ml, got[0][2]), (splits, stages)
 
 
 def test_cache_above_2gib_uses_64bit_offsets():
