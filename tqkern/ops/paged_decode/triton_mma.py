@@ -47,6 +47,11 @@ blocks: lanes take blocks ``1 .. 3`` (``1 .. 7`` for values) of the field's alig
 the last lane joins block 0's tail with block 4's (8's) head byte by byte; the coordinate
 permutation accounts for it.
 
+Cooperative stages (``COOP`` stages, :func:`coop_plan`): one CTA per (sequence, split), one warp
+per KV head; the CTA copies each step's 16 whole rows (one contiguous range of a block) into a
+ring of shared-memory stages with ``cp.async`` and the head-warps issue the same reads against the
+stage (``_load_step(..., SMEM=True)``), so the partials are bit-identical to the per-warp kernel's.
+
 Partials (unnormalised acc, base-2 max, sum) go to the workspace of
 :func:`tqkern.ops.paged_decode.triton._merge_kernel`, which merges splits and rotates back.
 GPU only (inline PTX); the CPU interpreter runs the general kernel instead. ``PROBE`` (1: the
