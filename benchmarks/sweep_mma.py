@@ -161,8 +161,8 @@ def main(argv=None):
             ok_cfg[preset, pf, hint, warps, mr, sh, sb, co] = ok
             res["gate"].append(dict(preset=preset, prefetch=pf, hint=hint, warps=warps, maxnreg=mr, shifted=sh,
                                     sub=sb, coop=co, err=err, ok=ok))
-            print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr} s{sh} u{sb} c{co}: err {err:.2e} {'ok' if ok else 'FAIL'}",
-                  flush=True)
+            print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr} s{sh} u{sb} c{co}: err {err:.2e} "
+                  f"{'ok' if ok else 'FAIL'}", flush=True)
     for shape, q, sdpa, bt, sl in baseline_runs(args.shapes, g, res["rows"]):
         b, L, hq, hkv, d = shape.batch, shape.seq_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim
         for preset, layout, params, cache in preset_caches(shape, args.presets, g):
@@ -190,7 +190,8 @@ def main(argv=None):
                                                          maxnreg=None if mr < 0 else mr, shifted=sh, sub=sb,
                                                          probe=pr, coop=co))
                 res["rows"].append(row)
-                print(f"{shape.name} {preset:20s} pf{pf} hint{hint} w{warps} r{mr} s{sh} u{sb} p{pr} c{co} splits{ns:3d} "
+                print(f"{shape.name} {preset:20s} pf{pf} hint{hint} w{warps} r{mr} s{sh} u{sb} p{pr} c{co} "
+                      f"splits{ns:3d} "
                       f"(resident {resident}): {us:8.1f} us "
                       + (f"[rotate {row['rotate_us']:.1f} kernel {row['kernel_us']:.1f} merge {row['merge_us']:.1f}] "
                          if args.parts else "") +
@@ -206,7 +207,8 @@ def main(argv=None):
             print(f"{r['shape']:10s} sdpa_fp16 {r['us']:8.1f} us")
         else:
             print(f"{r['shape']:10s} {r['variant']:20s} pf{r['prefetch']} hint{r['hint']} w{r['warps']} "
-                  f"r{r['maxnreg']} s{r['shifted']} u{r.get('sub', 0)} p{r.get('probe', 0)} c{r.get('coop', -1)} splits{r['splits']:3d} "
+                  f"r{r['maxnreg']} s{r['shifted']} u{r.get('sub', 0)} p{r.get('probe', 0)} c{r.get('coop', -1)} "
+                  f"splits{r['splits']:3d} "
                   f"{r['us']:8.1f} us "
                   f"{r['ratio']:.2f}x")
     for r in res.get("fixed", []):

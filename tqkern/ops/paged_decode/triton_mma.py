@@ -500,20 +500,9 @@ def _coop_wait(stage, N: tl.constexpr):
     """Wait until at most ``N`` of this thread's copy groups are pending, then a CTA barrier (every
     thread's copies of the stage have landed; every warp is done with the stage it read before);
     returns ``stage`` (the stage's reads depend on it)."""
-    if N == 0:
-        return tl.inline_asm_elementwise(_WAIT0, "=r,r", [stage], dtype=tl.int32, is_pure=False, pack=1)
-    elif N == 1:
-        return tl.inline_asm_elementwise(_WAIT1, "=r,r", [stage], dtype=tl.int32, is_pure=False, pack=1)
-    elif N == 2:
-        return tl.inline_asm_elementwise(_WAIT2, "=r,r", [stage], dtype=tl.int32, is_pure=False, pack=1)
-    elif N == 3:
-        return tl.inline_asm_elementwise(_WAIT3, "=r,r", [stage], dtype=tl.int32, is_pure=False, pack=1)
-    elif N == 4:
-        return tl.inline_asm_elementwise(_WAIT4, "=r,r", [stage], dtype=tl.int32, is_pure=False, pack=1)
-    elif N == 5:
-        return tl.inline_asm_elementwise(_WAIT5, "=r,r", [stage], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        return tl.inline_asm_elementwise(_WAIT6, "=r,r", [stage], dtype=tl.int32, is_pure=False, pack=1)
+    return tl.inline_asm_elementwise(
+        _WAIT0 if N == 0 else _WAIT1 if N == 1 else _WAIT2 if N == 2 else _WAIT3 if N == 3 else _WAIT4 if N == 4
+        else _WAIT5 if N == 5 else _WAIT6, "=r,r", [stage], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
