@@ -95,6 +95,7 @@ def compile_mma(layout, hq, num_splits=8, warps=4, maxnreg=0, shifted=False, **e
     plan = tm.mma_plan(layout, g)
     if plan is None:
         raise SystemExit(f"the warp-MMA kernel does not apply to {layout.format} with group {g}")
+    plan = tm.per_warp_plan(plan)  # cooperative stages only when asked for (--coop)
     if shifted:
         plan = tm.shifted_plan(plan)
     fn = tm._paged_decode_mma_kernel

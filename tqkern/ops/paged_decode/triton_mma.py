@@ -543,21 +543,18 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, geo, BS: tl.constexpr, ROW
     ok = t0 < end
     NKW: tl.constexpr = CK // 4
     NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
-    if SMEM:
-        rk0 = blk + r * RS
-        rk1 = blk + (r + 8) * RS
-        rv0 = blk + (2 * c) * RS
-        rv1 = blk + (2 * c + 1) * RS
-        rv2 = blk + (2 * c + 8) * RS
-        rv3 = blk + (2 * c + 9) * RS
-    elif BS >= 16:  # the whole step sits in one block
-        row0 = cache_ptr + (blk * BS + t0 % BS) * ROW_BYTES
-        rk0 = row0 + r * ROW_BYTES
-        rk1 = row0 + (r + 8) * ROW_BYTES
-        rv0 = row0 + (2 * c) * ROW_BYTES
-        rv1 = row0 + (2 * c + 1) * ROW_BYTES
-        rv2 = row0 + (2 * c + 8) * ROW_BYTES
-        rv3 = row0 + (2 * c + 9) * ROW_BYTES
+    if SMEM or BS >= 16:  # the whole step sits in one block (SMEM: in the stage at blk, rows RS apart)
+        if SMEM:
+            row0 = blk
+        else:
+            row0 = cache_ptr + (blk * BS + t0 % BS) * ROW_BYTES
+        STRIDE: tl.constexpr = RS if SMEM else ROW_BYTES
+        rk0 = row0 + r * STRIDE
+        rk1 = row0 + (r + 8) * STRIDE
+        rv0 = row0 + (2 * c) * STRIDE
+        rv1 = row0 + (2 * c + 1) * STRIDE
+        rv2 = row0 + (2 * c + 8) * STRIDE
+        rv3 = row0 + (2 * c + 9) * STRIDE
     else:
         rk0 = _row_of(cache_ptr, bt_row, t0 + r, end, BS, ROW_BYTES, ok)
         rk1 = _row_of(cache_ptr, bt_row, t0 + r + 8, end, BS, ROW_BYTES, ok)
