@@ -74,6 +74,7 @@ __all__ = ["_paged_decode_mma_kernel", "_launch_paged_decode_mma", "coop_plan", 
            "mma_plan", "num_splits_mma", "per_warp_plan", "resident_warps", "shifted_plan"]
 
 _DT = {"float16": 0, "float32": 1, "bfloat16": 2}
+LUT_BYTES = tl.constexpr(32768)  # the pair table: 256 entries × 32 lane replicas × 4 bytes
 _NBYTES = {0: 2, 1: 4, 2: 2}
 
 
@@ -96,7 +97,7 @@ _UNI_ASM = tl.constexpr(
 def _lut_declare(t):
     """Declare the CTA's 32 KB pair table (exactly once per kernel) and return its address."""
     return tl.inline_asm_elementwise(
-        ".shared .align 16 .b8 tqk_pair_lut[32768];\nmov.u32 $0, tqk_pair_lut;",
+        ".shared .align 16 .b8 tqk_pair_lut[32768];\nmov.u32 $0, tqk_pair_lut;",  # LUT_BYTES
         "=r,r", [t], dtype=tl.int32, is_pure=False, pack=1)
 
 
@@ -809,18 +810,15 @@ def _paged_decode_mma_kernel(
     bt_row = bt_ptr + s.to(tl.int64) * max_blocks
 
     # -- pair table ------------------------------------------------------------------------------
-    # (cooperative stages: the table is the start of the dynamic region, SMEM_OFF bytes in)
-    if NEED_LUT and K5:
-        if COOP:
-            lut = _lut_fill_k5(_smem_base(t) + SMEM_OFF, t, cen_ptr, vcen_ptr, NT, not V_UNIFORM)
+    if NEED_LUT:
+        if COOP:  # the start of the dynamic region, past Triton's scratch
+            lut = _smem_base(t) + SMEM_OFF
         else:
-            lut = _lut_fill_k5(_lut_declare(t), t, cen_ptr, vcen_ptr, NT, not V_UNIFORM)
-        lb = lut + lane * 4
-    elif NEED_LUT:
-        if COOP:
-            lut = _lut_fill(_smem_base(t) + SMEM_OFF, t, cen_ptr, NT, K_BITS)
+            lut = _lut_declare(t)
+        if K5:
+            lut = _lut_fill_k5(lut, t, cen_ptr, vcen_ptr, NT, not V_UNIFORM)
         else:
-            lut = _lut_fill(_lut_declare(t), t, cen_ptr, NT, K_BITS)
+            lut = _lut_fill(lut, t, cen_ptr, NT, K_BITS)
         lb = lut + lane * 4
     else:
         lb = lane * 4
@@ -920,7 +918,7 @@ def _paged_decode_mma_kernel(
         # each step's 16 contiguous rows (to row i // (ROW_BYTES / 16) of the stage, RS bytes apart).
         STG: tl.constexpr = 16 * SUB * RS
         NCP: tl.constexpr = (ROW_BYTES + NT - 1) // NT
-        stages = _smem_base(t) + (SMEM_OFF + 32768 * NEED_LUT)
+        stages = _smem_base(t) + (SMEM_OFF + LUT_BYTES * NEED_LUT)
         cp_s = ()
         for k in tl.static_range(NCP):
             ci = t + k * NT
@@ -1290,7 +1288,7 @@ def coop_row_stride(row_bytes: int) -> int:
     return row_bytes + (16 - row_bytes % 32) % 32
 
 
-_LUT_BYTES, _SMEM_RESERVED = 32768, 1024  # the pair table (static, inline PTX) and the per-CTA reservation
+_LUT_BYTES, _SMEM_RESERVED = LUT_BYTES.value, 1024  # the pair table (inline PTX) and the per-CTA reservation
 
 
 def _needs_lut(plan: dict) -> bool:
