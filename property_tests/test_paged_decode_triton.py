@@ -103,11 +103,13 @@ def mma_path_cases(draw):
     (5-bit keys), or 4-bit or 3-bit uniform values, head_dim 64/128, GQA groups 1..8, both bit orders (3-bit codes: LSB
     only) and arrangements, every slot alignment (fields misaligned against the lanes' chunks and
     rows of 2 mod 4 bytes included), block sizes 1..128 (blocks shorter than the kernel's
-    16-token step included)."""
+    16-token step included), with and without cooperative stages (4 or 8 KV heads in blocks of
+    16..128 tokens: the launcher's plan then copies whole rows through shared memory)."""
     # Three quarters of the examples steer toward the main formats' 4-bit keys (joined, shifted or
     # aligned by the slot geometry) or toward read schemes that free draws rarely reach (session
     # 7's statistics: 5-bit keys ~5%, rows of 2 mod 4 bytes 0-6%, FP8 keys half of all examples).
-    focus = draw(st.sampled_from(["free", "4-bit keys", "3- or 5-bit keys", "rows 2 mod 4"]), label="focus")
+    focus = draw(st.sampled_from(["free", "4-bit keys", "3- or 5-bit keys", "rows 2 mod 4", "cooperative stages"]),
+                 label="focus")
     d = draw(st.sampled_from([64, 128]), label="head_dim")
     if focus == "4-bit keys":
         key_st = T.lloyd_max_codecs(st.just(4))
@@ -132,21 +134,24 @@ def mma_path_cases(draw):
             uniform), label="value")
     orders = ["lsb"] if {3, 5} & {key.bits, value.bits} else ["lsb", "nibble_high_even"]
     rows2 = focus == "rows 2 mod 4"  # slots of 2 mod 4 bytes, an odd number of them per row
+    coop = focus == "cooperative stages"
     fmt = tqkern.KVFormat(head_dim=d, key=key, value=value,
                           bit_order=draw(st.sampled_from(orders), label="bit_order"),
                           rotation=draw(st.sampled_from(["hadamard", "hadamard_signed", "haar"]), label="rotation"),
                           slot_alignment=draw(st.sampled_from([1, 2] if rows2 else [1, 2, 4, 16]),
                                               label="slot_alignment"))
     layout = tqkern.PagedLayout(format=fmt,
-                                num_kv_heads=draw(st.sampled_from([1, 3] if rows2 else [1, 2, 3, 4, 8]),
-                                                  label="num_kv_heads"),
-                                block_size=draw(st.sampled_from([4, 16, 32, 128] if rows2 else [1, 4, 16, 32, 128]),
-                                                label="block_size"),
+                                num_kv_heads=draw(st.sampled_from([1, 3] if rows2 else [4, 8] if coop
+                                                                  else [1, 2, 3, 4, 8]), label="num_kv_heads"),
+                                block_size=draw(st.sampled_from([4, 16, 32, 128] if rows2 else [16, 32, 128] if coop
+                                                                else [1, 4, 16, 32, 128]), label="block_size"),
                                 arrangement=draw(st.sampled_from(["slot", "row"]), label="arrangement"))
     if rows2:
         assume(layout.row_bytes % 4 == 2)
     group = draw(st.integers(1, 8), label="gqa_group")
     assume(decode_path(layout, group) == "mma")
+    if coop:  # (more stages than one CTA's shared memory holds: the per-warp plan)
+        assume("COOP" in mma_plan(layout, group))
     params = draw(T.tq_params(fmt, layout.num_kv_heads), label="params")
     batch = draw(T.paged_batches(layout.block_size, max_seqs=8, max_len=T.scale(300, 3000)), label="batch")
     num_splits = draw(st.one_of(st.none(), st.integers(1, 9)), label="num_splits")

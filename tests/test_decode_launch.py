@@ -370,3 +370,47 @@ def test_dynamic_shared_memory_is_sized_before_the_binary_loads():
         _size_dynamic_smem(_FakeKernel(32, module=object()), plan)  # loaded before sizing
     with pytest.raises(RuntimeError, match="overlaps the stages"):
         _size_dynamic_smem(_FakeKernel(plan["SMEM_OFF"] + 16), plan)
+
+
+def test_launcher_falls_back_to_the_per_warp_kernel_when_sizing_fails(monkeypatch):
+    """Where the cooperative kernel's dynamic shared memory cannot be sized (another Triton's
+    metadata layout), nothing has launched yet: the launcher disables the stages for the device
+    and launches the per-warp plan, and later launches plan without them."""
+    import tqkern.ops.paged_decode.triton as tri
+    import tqkern.ops.paged_decode.triton_mma as tm
+
+    monkeypatch.setattr(tm, "_COOP_DISABLED", set())
+    monkeypatch.setattr(tm, "_smem_optin", lambda index: 232448)
+    monkeypatch.setattr(tri, "_capability", lambda device: (9, 0))
+    launched = []
+
+    def resident(*args, **kwargs):
+        if args[5].get("COOP"):
+            raise tm.DynamicSmemUnsupported("metadata layout unknown")
+        return 1056
+
+    monkeypatch.setattr(tri, "resident_warps", resident)
+    monkeypatch.setattr(tri, "_launch_paged_decode_mma", lambda *a, **k: launched.append(a[5]))
+    monkeypatch.setattr(tri, "_launch_merge", lambda *a, **k: None)
+    tq4 = _layout("tq4", 128, 8, "row")
+    args = (None, torch.zeros(2, 32, 128), torch.zeros(16, tq4.row_bytes, dtype=torch.uint8),
+            torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32), tq4, {"key_centroids_f32": None,
+                                                                                           "value_centroids_f32": None,
+                                                                                           "rotation": None})
+    tri._launch_paged_decode(*args, sm_scale=1.0, interpret=False)
+    assert len(launched) == 1 and "COOP" not in launched[0] and launched[0]["SUB"] == 2
+    assert "COOP" not in tm.device_plan(tq4, 4, torch.device("cuda", 0))
+
+
+def test_cooperative_helpers_reject_bad_input():
+    from tqkern.ops.paged_decode.triton_mma import coop_row_stride, coop_smem_bytes, device_plan, per_warp_plan
+
+    for bad in (0, -16, 1088.0, True, "1088"):
+        with pytest.raises(ValueError, match="row_bytes must be a positive int, got"):
+            coop_row_stride(bad)
+    tq4 = mma_plan(_layout("tq4", 128, 8, "row"), 4)
+    for bad in (None, per_warp_plan(tq4), [1]):
+        with pytest.raises(TypeError, match="plan must be a cooperative plan"):
+            coop_smem_bytes(bad)
+    with pytest.raises(TypeError, match="device must be a torch.device, got str"):
+        device_plan(_layout("tq4", 128, 8, "row"), 4, "cuda")

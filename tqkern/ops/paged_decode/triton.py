@@ -27,8 +27,9 @@ import triton.language as tl
 from tqkern.layouts import PagedLayout
 from tqkern.ops.common import bits_to_f32, halfword_aligned, layout_consts, load_bytes, load_packed, load_param
 from tqkern.ops.paged_decode._ptx import _LUT_ASM_LSB, _LUT_ASM_NIBBLE, _UNI_ASM_LSB, _UNI_ASM_NIBBLE, _prmt_tables
-from tqkern.ops.paged_decode.triton_mma import (_launch_paged_decode_mma, ctas_per_sm, device_plan, mma_plan,
-                                                num_splits_mma, resident_warps)
+from tqkern.ops.paged_decode.triton_mma import (DynamicSmemUnsupported, _launch_paged_decode_mma, ctas_per_sm,
+                                                device_plan, disable_cooperative_stages, mma_plan, num_splits_mma,
+                                                resident_warps)
 
 __all__ = ["_paged_decode_kernel", "_merge_kernel", "_launch_paged_decode", "num_splits_for", "fast_path_plan",
            "decode_path", "rotate_q", "merge_chunks", "check_workspace"]
@@ -617,16 +618,13 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
         if path == "mma" and not mma:
             raise ValueError("the warp-MMA decode kernel does not apply to this layout/group/device")
         if mma:
-            plan = device_plan(layout, g, q_rot.device)
-            if num_splits is None:
-                resident = resident_warps(q_rot, cache, block_table, seq_lens, layout, plan,
-                                          tables["key_centroids_f32"], group=g,
-                                          value_centroids_f32=tables["value_centroids_f32"])
-                num_splits = num_splits_mma(s, hkv, block_table.shape[1] * layout.block_size, resident)
-            acc, ml = _workspace(workspace, s, hq, num_splits, dp, q_rot.device)
-            _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan,
-                                     tables["key_centroids_f32"], acc, ml, group=g, num_splits=num_splits,
-                                     sm_scale=sm_scale, value_centroids_f32=tables["value_centroids_f32"])
+            try:
+                acc, ml, num_splits = _launch_mma(q_rot, cache, block_table, seq_lens, layout, tables, g, num_splits,
+                                                  workspace, sm_scale)
+            except DynamicSmemUnsupported:  # nothing launched yet: the per-warp kernel from now on
+                disable_cooperative_stages(q_rot.device)
+                acc, ml, num_splits = _launch_mma(q_rot, cache, block_table, seq_lens, layout, tables, g, num_splits,
+                                                  workspace, sm_scale)
             _launch_merge(acc, ml, tables["rotation"], out, layout, g, num_splits, interpret)
             return out
         path = "fast"
@@ -674,6 +672,21 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
         block_table.shape[1], sm_scale * 1.4426950408889634, 0, NUM_SPLITS=num_splits, **kwargs)
     _launch_merge(acc, ml, tables["rotation"], out, layout, g, num_splits, interpret)
     return out
+
+
+def _launch_mma(q_rot, cache, block_table, seq_lens, layout, tables, g, num_splits, workspace, sm_scale):
+    """The warp-MMA kernel with the device's plan; returns (acc, ml, num_splits) for the merge."""
+    s, hq, _ = q_rot.shape
+    plan = device_plan(layout, g, q_rot.device)
+    if num_splits is None:
+        resident = resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, tables["key_centroids_f32"],
+                                  group=g, value_centroids_f32=tables["value_centroids_f32"])
+        num_splits = num_splits_mma(s, layout.num_kv_heads, block_table.shape[1] * layout.block_size, resident)
+    acc, ml = _workspace(workspace, s, hq, num_splits, layout_consts(layout)["DP"], q_rot.device)
+    _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, tables["key_centroids_f32"], acc, ml,
+                             group=g, num_splits=num_splits, sm_scale=sm_scale,
+                             value_centroids_f32=tables["value_centroids_f32"])
+    return acc, ml, num_splits
 
 
 _RESIDENT_CTAS: dict = {}

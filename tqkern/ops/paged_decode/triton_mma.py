@@ -70,8 +70,9 @@ import triton.language as tl
 from tqkern.layouts import FP8, LloydMax, PagedLayout, Uniform
 from tqkern.ops.common import layout_consts, load_param
 
-__all__ = ["_paged_decode_mma_kernel", "_launch_paged_decode_mma", "coop_plan", "coop_smem_bytes", "device_plan",
-           "mma_plan", "num_splits_mma", "per_warp_plan", "resident_warps", "shifted_plan"]
+__all__ = ["_paged_decode_mma_kernel", "_launch_paged_decode_mma", "DynamicSmemUnsupported", "coop_plan",
+           "coop_row_stride", "coop_smem_bytes", "device_plan", "disable_cooperative_stages", "mma_plan",
+           "num_splits_mma", "per_warp_plan", "resident_warps", "shifted_plan"]
 
 _DT = {"float16": 0, "float32": 1, "bfloat16": 2}
 LUT_BYTES = tl.constexpr(32768)  # the pair table: 256 entries × 32 lane replicas × 4 bytes
@@ -1186,11 +1187,14 @@ def per_warp_plan(plan: dict) -> dict:
 
 def device_plan(layout: PagedLayout, group: int, device) -> dict | None:
     """:func:`mma_plan` for a launch on ``device``: without cooperative stages where a CTA of that
-    device cannot have the shared memory they need."""
+    device cannot have the shared memory they need, or after :func:`disable_cooperative_stages`."""
+    if not isinstance(device, torch.device):
+        raise TypeError(f"device must be a torch.device, got {type(device).__name__}")
     plan = mma_plan(layout, group)
     if plan is None or not plan.get("COOP"):
         return plan
-    if coop_smem_bytes(plan) + _SMEM_RESERVED > _smem_optin(device.index or 0):
+    index = device.index or 0
+    if index in _COOP_DISABLED or coop_smem_bytes(plan) + _SMEM_RESERVED > _smem_optin(index):
         return per_warp_plan(plan)
     return plan
 
@@ -1245,8 +1249,24 @@ def coop_smem_bytes(plan: dict) -> int:
     """Dynamic shared memory of a cooperative plan's launch: Triton's scratch, the pair table, the
     stages, slack. (The table moves into the dynamic region with the stages: with a static table
     beside a dynamic region under 48 KB, no opt-in for more than 48 KB in all would be set.)"""
+    if not isinstance(plan, dict) or not plan.get("COOP"):
+        raise TypeError(f"plan must be a cooperative plan (a dict from coop_plan), got {plan!r:.80}")
     return (plan["SMEM_OFF"] + _LUT_BYTES * _needs_lut(plan) + plan["COOP"] * 16 * plan["SUB"] * plan["RS"]
             + _COOP_PAD)
+
+
+class DynamicSmemUnsupported(RuntimeError):
+    """The compiled cooperative kernel's dynamic shared memory cannot be sized safely (an unknown
+    Triton metadata layout, or Triton's scratch reaching into the stages)."""
+
+
+_COOP_DISABLED: set = set()  # device indices on which a sizing failed: per-warp plans from then on
+
+
+def disable_cooperative_stages(device) -> None:
+    """Make :func:`device_plan` return per-warp plans for ``device`` from now on (the launcher calls
+    this when :class:`DynamicSmemUnsupported` is raised, then launches the per-warp plan)."""
+    _COOP_DISABLED.add(device.index or 0)
 
 
 def _size_dynamic_smem(kernel, plan: dict) -> None:
@@ -1259,11 +1279,13 @@ def _size_dynamic_smem(kernel, plan: dict) -> None:
     if md.shared == want:
         return
     if md.shared > plan["SMEM_OFF"]:
-        raise RuntimeError(f"Triton's shared scratch ({md.shared} bytes) overlaps the stages at {plan['SMEM_OFF']}")
+        raise DynamicSmemUnsupported(f"Triton's shared scratch ({md.shared} bytes) overlaps the stages at "
+                                     f"{plan['SMEM_OFF']}")
     packed = getattr(kernel, "packed_metadata", None)
     if getattr(kernel, "module", None) is not None or not (isinstance(packed, tuple) and len(packed) == 3
                                                            and packed[2] == md.shared and hasattr(md, "_replace")):
-        raise RuntimeError("cannot size this Triton version's dynamic shared memory (metadata layout unknown)")
+        raise DynamicSmemUnsupported("cannot size this Triton version's dynamic shared memory (metadata layout "
+                                     "unknown)")
     kernel.metadata = md._replace(shared=want)
     kernel.packed_metadata = packed[:2] + (want,)
 
@@ -1283,6 +1305,8 @@ def coop_row_stride(row_bytes: int) -> int:
     """Bytes between rows in a cooperative stage: rows of a multiple of 16 bytes padded to 16 mod
     32 (the value reads of a warp, 4 rows 2 apart, then fall in 4 different 32-byte bank groups);
     other rows unpadded (the stage is then a plain copy of the step's bytes)."""
+    if not isinstance(row_bytes, int) or isinstance(row_bytes, bool) or row_bytes < 1:
+        raise ValueError(f"row_bytes must be a positive int, got {row_bytes!r}")
     if row_bytes % 16:
         return row_bytes
     return row_bytes + (16 - row_bytes % 32) % 32
