@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tqkern  # noqa: E402
 import tqkern_torch as tqt  # noqa: E402
-from benchmarks.shapes import DECODE_PRESETS, DECODE_SHAPES, STORE_SHAPE  # noqa: E402
+from benchmarks.shapes import DECODE_PRESETS, DECODE_SHAPES, STORE_SHAPE, decode_shape  # noqa: E402
 from tqkern import reference as ref  # noqa: E402
 from tqkern.ops.paged_decode.triton import _launch_paged_decode, decode_path  # noqa: E402
 from tqkern_torch.attention import paged_decode  # noqa: E402
@@ -98,14 +98,13 @@ def shape_inputs(shape, g):
 
 
 def baseline_runs(names, g, rows):
-    """For each decode shape named in ``names``: ``(shape, q, sdpa_us, block_table, seq_lens)``
+    """For each decode shape named in ``names`` (:func:`benchmarks.shapes.decode_shape`): ``(shape, q, sdpa_us, block_table, seq_lens)``
     from :func:`shape_inputs`, with the SDPA row appended to ``rows`` and printed."""
-    for shape in DECODE_SHAPES:
-        if shape.name in names:
-            q, sdpa, bt, sl = shape_inputs(shape, g)
-            rows.append(dict(shape=shape.name, variant="sdpa_fp16", us=sdpa))
-            print(f"{shape.name} sdpa_fp16 {sdpa:.1f} us", flush=True)
-            yield shape, q, sdpa, bt, sl
+    for shape in map(decode_shape, names):
+        q, sdpa, bt, sl = shape_inputs(shape, g)
+        rows.append(dict(shape=shape.name, variant="sdpa_fp16", us=sdpa))
+        print(f"{shape.name} sdpa_fp16 {sdpa:.1f} us", flush=True)
+        yield shape, q, sdpa, bt, sl
 
 
 def preset_caches(shape, presets, g):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-__all__ = ["DecodeShape", "DECODE_SHAPES", "DECODE_PRESETS", "STORE_SHAPE"]
+__all__ = ["DecodeShape", "DECODE_SHAPES", "DECODE_PRESETS", "STORE_SHAPE", "decode_shape"]
 
 
 @dataclass(frozen=True)
@@ -35,5 +36,19 @@ DECODE_PRESETS = (
     ("tqkern_k5v3", "slot"),
     ("fp16", "slot"),
 )
+
+
+
+def decode_shape(name: str) -> DecodeShape:
+    """A named shape of ``DECODE_SHAPES``, or an ad-hoc ``B<batch>x<tokens>K`` one with the
+    benchmark's Hq 32 / Hkv 8 / D 128 (e.g. ``B33x16K`` for a sweep that fills 132 SMs)."""
+    for shape in DECODE_SHAPES:
+        if shape.name == name:
+            return shape
+    m = re.fullmatch(r"B(\d+)x(\d+)K", name)
+    if not m or int(m[1]) < 1 or int(m[2]) < 1:
+        raise ValueError(f"shape must be one of {[s.name for s in DECODE_SHAPES]} or B<batch>x<tokens>K, got {name!r}")
+    return DecodeShape(name, int(m[1]), 1024 * int(m[2]), 32, 8, 128)
+
 
 STORE_SHAPE = dict(num_tokens=16384, num_kv_heads=8, head_dim=128)
