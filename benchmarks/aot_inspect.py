@@ -103,6 +103,9 @@ def compile_mma(layout, hq, num_splits=8, warps=4, maxnreg=0, shifted=False, **e
     plan = {**plan, **extra}
     cx = dict(G=g, HKV=layout.num_kv_heads, HQ=hq, NUM_SPLITS=num_splits, WARPS=warps, BS=layout.block_size,
               PREFETCH=plan.pop("PREFETCH", plan["SUB"]), **plan)
+    for prm in fn.params:  # constexprs left at their defaults (else they would compile as None)
+        if prm.is_constexpr and prm.name not in cx and getattr(prm, "has_default", False):
+            cx[prm.name] = prm.default
     ptrs = {"q_ptr": "*fp32", "cache_ptr": "*u8", "bt_ptr": "*i32", "sl_ptr": "*i32", "cen_ptr": "*fp32",
             "vcen_ptr": "*fp32", "acc_ptr": "*fp32", "ml_ptr": "*fp32"}
     sig = {n: ptrs.get(n, "i32" if n in ("num_seqs", "max_blocks") else "fp32" if n == "sm_scale_log2"
@@ -164,15 +167,22 @@ def main(argv=None):
     ap.add_argument("--sub", type=int, default=0, help="mma: 16-token steps per softmax update (0: the plan's)")
     ap.add_argument("--probe", type=int, default=0, help="mma: 1 loads only, 2 no DRAM traffic (timing probes)")
     ap.add_argument("--coop", type=int, default=0, help="mma: CTA-cooperative stages (warps = KV heads)")
+    ap.add_argument("--table256", type=int, default=1,
+                    help="mma with --coop: 0 forces the 128-byte-entry pair table (1: the plan's choice)")
     args = ap.parse_args(argv)
     for preset in args.presets:
         fmt = tqkern.KVFormat.preset(preset, args.d)
         layout = tqkern.PagedLayout(format=fmt, num_kv_heads=args.hkv, block_size=16, arrangement=args.arrangement)
         if args.path == "mma":
             coop = {}
-            if args.coop:
-                from tqkern.ops.paged_decode.triton_mma import coop_row_stride
-                coop = dict(COOP=args.coop, RS=coop_row_stride(layout.row_bytes), SMEM_OFF=128)
+            if args.coop:  # the launcher's cooperative plan with that many stages
+                from tqkern.ops.paged_decode import triton_mma as tm
+                full = tm.coop_plan(tm.per_warp_plan(tm.mma_plan(layout, args.hq // args.hkv)), layout, args.coop)
+                if full is None:
+                    raise SystemExit(f"{args.coop} cooperative stages do not apply to {preset}")
+                if not args.table256:
+                    full = dict(full, LUT_AT=0, NLOW=0)
+                coop = {k: full[k] for k in ("COOP", "RS", "SMEM_OFF", "LUT_AT", "NLOW") if k in full}
                 args.warps = args.hkv
             c = compile_mma(layout, args.hq, warps=args.warps, maxnreg=args.maxnreg, shifted=args.shifted,
                             PREFETCH=args.prefetch, HINT=args.hint, **({"SUB": args.sub} if args.sub else {}),

@@ -298,7 +298,11 @@ def test_cooperative_plan_rules():
     assert (tq4["COOP"], tq4["RS"], tq4["SUB"]) == (4, 1104, 2)  # 1088-byte rows -> 1104
     assert (nc["COOP"], nc["RS"], nc["SUB"]) == (3, 1072, 1)  # 1072 = 16 mod 32 already
     # Triton's scratch, the 32 KB pair table, the stages (16 rows of RS bytes per step), slack
-    assert coop_smem_bytes(tq4) == tq4["SMEM_OFF"] + 32768 + 4 * 2 * 16 * 1104 + 64
+    assert coop_smem_bytes(nc) == nc["SMEM_OFF"] + 32768 + 3 * 16 * 1072 + 64
+    # tq4 (one CTA per SM anyway): the PRMT-addressed 64 KB table at 128 KB, three stages below it,
+    # the fourth above it; counted from shared address 0
+    assert (tq4["LUT_AT"], tq4["NLOW"]) == (0x20000, 3) and "LUT_AT" not in nc
+    assert coop_smem_bytes(tq4) == 0x20000 + 65536 + 1 * 2 * 16 * 1104 + 64
     assert coop_row_stride(1024) == 1040 and coop_row_stride(1072) == 1072 and coop_row_stride(216) == 216
     for heads in (1, 2, 3):  # CTAs of fewer than 4 warps (or not a power of two): per-warp kernel
         assert "COOP" not in mma_plan(_layout("tq4", 128, heads, "row"), 4)
@@ -318,6 +322,40 @@ def test_cooperative_plan_rules():
         per_warp_plan(None)
 
 
+def test_table256_layouts_fit_and_do_not_overlap():
+    """The PRMT-addressed table (entries 256 bytes apart from a shared address with 16 zero low
+    bits): the stages below it end before it (the dynamic region starting at most 1 KB in), those
+    above it start at its end, and the whole launch fits one CTA; where no such layout fits (or
+    the keys are not 4-bit codes) there is none."""
+    from tqkern.ops.paged_decode.triton_mma import coop_plan, coop_smem_bytes, per_warp_plan, table256_plan
+
+    for preset, arr in (("tq4", "row"), ("turboquant_4bit_nc", "slot"), ("tqkern_k5v3", "slot")):
+        base = per_warp_plan(mma_plan(_layout(preset, 128, 8, arr), 4))
+        for stages in range(2, 9):
+            plan = coop_plan(base, _layout(preset, 128, 8, arr), stages)
+            if plan is None:
+                continue
+            t = table256_plan(plan)
+            if base["K_BITS"] != 4:
+                assert t is None
+                continue
+            if t is None:
+                continue
+            stg = 16 * t["SUB"] * t["RS"]
+            assert t["LUT_AT"] % 65536 == 0 and 0 <= t["NLOW"] <= stages
+            assert 0x400 + t["SMEM_OFF"] + t["NLOW"] * stg <= t["LUT_AT"]
+            assert coop_smem_bytes(t) == t["LUT_AT"] + 65536 + (stages - t["NLOW"]) * stg + 64 <= 232448
+    tq4 = per_warp_plan(mma_plan(_layout("tq4", 128, 8, "row"), 4))
+    two = table256_plan(coop_plan(tq4, _layout("tq4", 128, 8, "row"), 2))
+    assert (two["LUT_AT"], two["NLOW"]) == (0x10000, 1)
+    five = coop_plan(tq4, _layout("tq4", 128, 8, "row"), 5)  # no table layout fits: the 32 KB table
+    assert five["COOP"] == 5 and not five.get("LUT_AT") and table256_plan(five) is None
+    nc = mma_plan(_layout("turboquant_4bit_nc", 128, 8), 4)
+    assert "LUT_AT" not in nc and table256_plan(nc)["LUT_AT"]  # two CTAs per SM: not in the plan
+    with pytest.raises(TypeError, match="plan must be a cooperative plan"):
+        table256_plan(tq4)
+
+
 def test_device_plan_drops_stages_without_the_shared_memory(monkeypatch):
     """On a GPU whose CTAs cannot have the stages' shared memory the launcher runs the per-warp
     kernel (the same plan without ``COOP``)."""
@@ -326,7 +364,7 @@ def test_device_plan_drops_stages_without_the_shared_memory(monkeypatch):
     layout = _layout("tq4", 128, 8, "row")
     monkeypatch.setattr(tm, "_smem_optin", lambda index: 232448)  # H100 / H200
     assert tm.device_plan(layout, 4, torch.device("cuda", 0))["COOP"] == 4
-    monkeypatch.setattr(tm, "_smem_optin", lambda index: 166912)  # A100: 175 KB do not fit
+    monkeypatch.setattr(tm, "_smem_optin", lambda index: 166912)  # A100: 227 KB do not fit
     plan = tm.device_plan(layout, 4, torch.device("cuda", 0))
     assert "COOP" not in plan and plan == tm.per_warp_plan(mma_plan(layout, 4))
     assert tm.device_plan(_layout("fp16", 128, 8), 4, torch.device("cuda", 0)) is None

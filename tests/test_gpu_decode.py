@@ -104,11 +104,13 @@ def test_cooperative_stages_match_the_per_warp_kernel_bit_for_bit(preset, arrang
     """The cooperative stages only change where a head-warp reads its words (shared memory
     instead of global memory): every partial (acc, max, sum) equals the per-warp kernel's bit for
     bit, with 1 and 3 splits, lengths ending mid-step and mid-block, shuffled blocks, random bytes
-    in the unused slots, every stage count."""
+    in the unused slots, every stage count, with the 32 KB pair table and (4-bit keys) the
+    PRMT-addressed 64 KB one."""
     import triton
 
     from tqkern.ops.paged_decode.triton import _workspace
-    from tqkern.ops.paged_decode.triton_mma import _launch_paged_decode_mma, coop_plan, device_plan, per_warp_plan
+    from tqkern.ops.paged_decode.triton_mma import (_launch_paged_decode_mma, coop_plan, device_plan, per_warp_plan,
+                                                    table256_plan)
 
     fmt = tqkern.KVFormat.preset(preset, 128)
     layout = tqkern.PagedLayout(format=fmt, num_kv_heads=8, block_size=block_size, arrangement=arrangement)
@@ -122,21 +124,28 @@ def test_cooperative_stages_match_the_per_warp_kernel_bit_for_bit(preset, arrang
     cache = _fill(layout, params, num_blocks, sl, bt, seed=block_size)
     q = torch.randn(len(sl), 32, 128, device="cuda", dtype=torch.float16)
     q_rot = ((q.float() @ params.rotation) if fmt.key.rotated else q.float()).contiguous()
+    plans = [per_warp_plan(plan)]
+    for n in (2, 3, 4):
+        p = coop_plan(per_warp_plan(plan), layout, n)
+        if p is None:  # more stages than one CTA's shared memory holds
+            continue
+        plans.append({k: v for k, v in p.items() if k not in ("LUT_AT", "NLOW")})  # the 32 KB table
+        if table256_plan(p):
+            plans.append(table256_plan(p))
+    assert any(p.get("LUT_AT") for p in plans) == (plan["K_BITS"] == 4)
     for splits in (1, 3):
         got = []
-        for p in [per_warp_plan(plan)] + [coop_plan(per_warp_plan(plan), layout, n) for n in (2, 3, 4)]:
-            if p is None:  # more stages than one CTA's shared memory holds
-                continue
+        for p in plans:
             acc, ml = _workspace(None, len(sl), 32, splits, max(16, triton.next_power_of_2(128)), q.device)
             acc.fill_(float("nan"))
             ml.fill_(float("nan"))
             _launch_paged_decode_mma(q_rot, cache, bt, sl, layout, p, params.key_centroids_f32, acc, ml, group=4,
                                      num_splits=splits, sm_scale=128 ** -0.5,
                                      value_centroids_f32=params.value_centroids_f32)
-            got.append((p.get("COOP", 0), acc.nan_to_num(7.0), ml.nan_to_num(7.0)))
+            got.append(((p.get("COOP", 0), p.get("LUT_AT", 0)), acc.nan_to_num(7.0), ml.nan_to_num(7.0)))
         assert len(got) >= 3
-        for stages, acc, ml in got[1:]:
-            assert torch.equal(acc, got[0][1]) and torch.equal(ml, got[0][2]), (splits, stages)
+        for variant, acc, ml in got[1:]:
+            assert torch.equal(acc, got[0][1]) and torch.equal(ml, got[0][2]), (splits, variant)
 
 
 def test_cache_above_2gib_uses_64bit_offsets():

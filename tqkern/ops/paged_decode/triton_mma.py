@@ -72,7 +72,7 @@ from tqkern.ops.common import layout_consts, load_param
 
 __all__ = ["_paged_decode_mma_kernel", "_launch_paged_decode_mma", "DynamicSmemUnsupported", "coop_plan",
            "coop_row_stride", "coop_smem_bytes", "device_plan", "disable_cooperative_stages", "mma_plan",
-           "num_splits_mma", "per_warp_plan", "resident_warps", "shifted_plan"]
+           "num_splits_mma", "per_warp_plan", "resident_warps", "shifted_plan", "table256_plan"]
 
 _DT = {"float16": 0, "float32": 1, "bfloat16": 2}
 LUT_BYTES = tl.constexpr(32768)  # the pair table: 256 entries × 32 lane replicas × 4 bytes
@@ -80,11 +80,16 @@ _NBYTES = {0: 2, 1: 4, 2: 2}
 
 
 # -- inline PTX helpers (each call is one value per thread) -----------------------------------
-# Fill: entry b (an fp16 pair) into its 32 lane replicas, 128 contiguous bytes at b·128.
-_FILL_ASM = tl.constexpr(
-    "{\n.reg .b32 a;\nmad.lo.u32 a, $2, 128, $1;\n"
-    + "".join(f"st.shared.v4.b32 [a+{16 * k}], {{$3, $3, $3, $3}};\n" for k in range(8))
-    + "mov.b32 $0, $1;\n}")
+# Fill: entry b (an fp16 pair) into its 32 lane replicas, 128 contiguous bytes at b·128 (or, for
+# the PRMT-addressed table, b·256: the other 128 bytes of each entry unused).
+def _fill_asm(stride: int) -> str:
+    return ("{\n.reg .b32 a;\n" + f"mad.lo.u32 a, $2, {stride}, $1;\n"
+            + "".join(f"st.shared.v4.b32 [a+{16 * k}], {{$3, $3, $3, $3}};\n" for k in range(8))
+            + "mov.b32 $0, $1;\n}")
+
+
+_FILL_ASM = tl.constexpr(_fill_asm(128))
+_FILL256_ASM = tl.constexpr(_fill_asm(256))
 # Uniform codes, byte k of two words a, b: PRMT gathers [a.k, a.k, b.k, b.k]; the masks keep the
 # low nibbles (the fp16 pair's mantissas: subnormals j·2^-24) or the high ones (16j·2^-24).
 _UNI_ASM = tl.constexpr(
@@ -109,18 +114,19 @@ def _cen16(ptr):
 
 
 @triton.jit
-def _lut_fill(base, t, cen_ptr, NT: tl.constexpr, BITS: tl.constexpr):
+def _lut_fill(base, t, cen_ptr, NT: tl.constexpr, BITS: tl.constexpr, E256: tl.constexpr = False):
     """Entry ``b`` (fp16 pair of c[b & m], c[(b >> BITS) & m], m = 2^BITS − 1: two consecutive
     codes of an LSB bitstream, or the two nibbles of a byte) into all 32 lane replicas (``b·128 +
-    4·lane``); then a CTA barrier. Returns the table address (lookups depend on it). All 256
-    entries are written (3-bit codes use entries 0..63)."""
+    4·lane``; ``b·256 + 4·lane`` for the PRMT-addressed table, ``E256``); then a CTA barrier.
+    Returns the table address (lookups depend on it). All 256 entries are written (3-bit codes
+    use entries 0..63)."""
     M: tl.constexpr = (1 << BITS) - 1
     for i in tl.static_range(256 // NT):
         b = t + i * NT
         lo = _cen16(cen_ptr + (b & M))
         hi = _cen16(cen_ptr + ((b >> BITS) & M))
-        base = tl.inline_asm_elementwise(_FILL_ASM, "=r,r,r,r", [base, b, lo | (hi << 16)], dtype=tl.int32,
-                                         is_pure=False, pack=1)
+        base = tl.inline_asm_elementwise(_FILL256_ASM if E256 else _FILL_ASM, "=r,r,r,r", [base, b, lo | (hi << 16)],
+                                         dtype=tl.int32, is_pure=False, pack=1)
     return tl.inline_asm_elementwise("bar.sync 0;\nmov.b32 $0, $1;", "=r,r", [base], dtype=tl.int32,
                                      is_pure=False, pack=1)
 
@@ -145,17 +151,29 @@ def _lut_fill_k5(base, t, kcen_ptr, vcen_ptr, NT: tl.constexpr, V_LM: tl.constex
                                      is_pure=False, pack=1)
 
 
+# PRMT-addressed table (entries 256 bytes apart at a shared address whose low 16 bits are 0): the
+# address of byte k's entry is this lane's base with byte k of the word as its byte 1 — one PRMT
+# (bytes: base.0 = 4·lane, w.k, base.2, base.3) instead of a PRMT and an IMAD.
+_LUT4_ASM = tl.constexpr(
+    "{\n.reg .b32 b0, b1, b2, b3;\n"
+    "prmt.b32 b0, $4, 0, 0x4440;\nprmt.b32 b1, $4, 0, 0x4441;\n"
+    "prmt.b32 b2, $4, 0, 0x4442;\nprmt.b32 b3, $4, 0, 0x4443;\n"
+    "mad.lo.u32 b0, b0, 128, $5;\nmad.lo.u32 b1, b1, 128, $5;\n"
+    "mad.lo.u32 b2, b2, 128, $5;\nmad.lo.u32 b3, b3, 128, $5;\n"
+    "ld.shared.b32 $0, [b0];\nld.shared.b32 $1, [b1];\nld.shared.b32 $2, [b2];\nld.shared.b32 $3, [b3];\n}")
+_LUT4_256_ASM = tl.constexpr(
+    "{\n.reg .b32 b0, b1, b2, b3;\n"
+    "prmt.b32 b0, $4, $5, 0x7604;\nprmt.b32 b1, $4, $5, 0x7614;\n"
+    "prmt.b32 b2, $4, $5, 0x7624;\nprmt.b32 b3, $4, $5, 0x7634;\n"
+    "ld.shared.b32 $0, [b0];\nld.shared.b32 $1, [b1];\nld.shared.b32 $2, [b2];\nld.shared.b32 $3, [b3];\n}")
+
+
 @triton.jit
-def _lut4(w, lb):
-    """The table entries of the 4 bytes of word ``w`` (``lb``: this lane's table base)."""
-    return tl.inline_asm_elementwise(
-        "{\n.reg .b32 b0, b1, b2, b3;\n"
-        "prmt.b32 b0, $4, 0, 0x4440;\nprmt.b32 b1, $4, 0, 0x4441;\n"
-        "prmt.b32 b2, $4, 0, 0x4442;\nprmt.b32 b3, $4, 0, 0x4443;\n"
-        "mad.lo.u32 b0, b0, 128, $5;\nmad.lo.u32 b1, b1, 128, $5;\n"
-        "mad.lo.u32 b2, b2, 128, $5;\nmad.lo.u32 b3, b3, 128, $5;\n"
-        "ld.shared.b32 $0, [b0];\nld.shared.b32 $1, [b1];\nld.shared.b32 $2, [b2];\nld.shared.b32 $3, [b3];\n}",
-        "=r,=r,=r,=r,r,r", [w, lb], dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+def _lut4(w, lb, E256: tl.constexpr = False):
+    """The table entries of the 4 bytes of word ``w`` (``lb``: this lane's table base; ``E256``:
+    the PRMT-addressed table)."""
+    return tl.inline_asm_elementwise(_LUT4_256_ASM if E256 else _LUT4_ASM, "=r,=r,=r,=r,r,r", [w, lb],
+                                     dtype=(tl.int32,) * 4, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -508,6 +526,15 @@ def _coop_wait(stage, N: tl.constexpr):
 
 
 @triton.jit
+def _stage(stages, lut, j, STG: tl.constexpr, LUT_AT: tl.constexpr, NLOW: tl.constexpr):
+    """Shared address of stage ``j``: ``stages + j·STG``; with the PRMT-addressed table (``LUT_AT``)
+    stages ``NLOW ..`` lie past the table's 64 KB."""
+    if LUT_AT:
+        return tl.where(j < NLOW, stages + j * STG, lut + (65536 - NLOW * STG) + j * STG)
+    return stages + j * STG
+
+
+@triton.jit
 def _step_blocks(bt_row, t0, end, BS: tl.constexpr, SUB: tl.constexpr):
     """The block-table entries of the ``SUB`` 16-token steps at ``t0``."""
     res = ()
@@ -612,7 +639,7 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, geo, BS: tl.constexpr, ROW
 
 @triton.jit
 def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K_FP8: tl.constexpr,
-            K_BITS: tl.constexpr, NKT: tl.constexpr, K_FUN: tl.constexpr):
+            K_BITS: tl.constexpr, NKT: tl.constexpr, K_FUN: tl.constexpr, E256: tl.constexpr = False):
     """S^T (tokens r, r+8 × heads 2c, 2c+1) and, for decode-time norm correction, ‖c‖² of the
     same tokens (all columns equal). FP8 keys: word ``i`` of the chunk is k-tile ``i`` (its
     bytes 0, 1 the MMA columns 2c, 2c+1; bytes 2, 3 the columns 2c+8, 2c+9). 3-bit keys: the
@@ -656,8 +683,8 @@ def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K
             k0 = _shifted(k0, k_sh, NKW)
             k1 = _shifted(k1, k_sh, NKW)
         for i in tl.static_range(NKW):
-            pw = _lut4(k0[i], lb)  # chunk bytes 4i..4i+3 of token r
-            px = _lut4(k1[i], lb)  # ... of token r + 8
+            pw = _lut4(k0[i], lb, E256)  # chunk bytes 4i..4i+3 of token r
+            px = _lut4(k1[i], lb, E256)  # ... of token r + 8
             s = _mma(s, pw[0], px[0], pw[1], px[1], qf[4 * i], qf[4 * i + 1])
             t = _mma(t, pw[2], px[2], pw[3], px[3], qf[4 * i + 2], qf[4 * i + 3])
             if K_NC:
@@ -668,7 +695,8 @@ def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K
 
 @triton.jit
 def _values(o, v0, v1, v2, v3, pb0, pb1, lb, v_sh_e, v_sh_o, NVW: tl.constexpr, CV: tl.constexpr,
-            V_UNIFORM: tl.constexpr, V_FUN: tl.constexpr, V_BITS: tl.constexpr, NMT: tl.constexpr):
+            V_UNIFORM: tl.constexpr, V_FUN: tl.constexpr, V_BITS: tl.constexpr, NMT: tl.constexpr,
+            E256: tl.constexpr = False):
     """O^T += V^T·P^T over the lane's chunk (4-bit: M tile i ← chunk byte i; 3-bit: M tile i ←
     codes 2i (row r) and 2i + 1 (row r + 8) of the chunk). Shifted chunks (``V_FUN``) are
     aligned first (even tokens by ``v_sh_e`` bits, odd ones by ``v_sh_o``)."""
@@ -709,10 +737,10 @@ def _values(o, v0, v1, v2, v3, pb0, pb1, lb, v_sh_e, v_sh_o, NVW: tl.constexpr, 
             else:
                 m_ab = _nibble_merge(v0[w], v1[w])
                 m_cd = _nibble_merge(v2[w], v3[w])
-                lo_ab = _lut4(m_ab[0], lb)
-                hi_ab = _lut4(m_ab[1], lb)
-                lo_cd = _lut4(m_cd[0], lb)
-                hi_cd = _lut4(m_cd[1], lb)
+                lo_ab = _lut4(m_ab[0], lb, E256)
+                hi_ab = _lut4(m_ab[1], lb, E256)
+                lo_cd = _lut4(m_cd[0], lb, E256)
+                hi_cd = _lut4(m_cd[1], lb, E256)
             for k in tl.static_range(TPW):  # M tile 4w + k
                 acc = _mma((o[16 * w + 4 * k], o[16 * w + 4 * k + 1], o[16 * w + 4 * k + 2], o[16 * w + 4 * k + 3]),
                            lo_ab[k], hi_ab[k], lo_cd[k], hi_cd[k], pb0, pb1)
@@ -774,7 +802,8 @@ def _paged_decode_mma_kernel(
     K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, K_FP8: tl.constexpr = False, K_NW: tl.constexpr = 1,
     K_BITS: tl.constexpr = 4, K_FUN: tl.constexpr = False, V_FUN: tl.constexpr = False, V_BITS: tl.constexpr = 4,
     PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0, SUB: tl.constexpr = 1, PROBE: tl.constexpr = 0,
-    COOP: tl.constexpr = 0, RS: tl.constexpr = 0, SMEM_OFF: tl.constexpr = 0,
+    COOP: tl.constexpr = 0, RS: tl.constexpr = 0, SMEM_OFF: tl.constexpr = 0, LUT_AT: tl.constexpr = 0,
+    NLOW: tl.constexpr = 0,
 ):
     NT: tl.constexpr = 32 * WARPS
     K3: tl.constexpr = K_BITS == 3
@@ -812,17 +841,20 @@ def _paged_decode_mma_kernel(
 
     # -- pair table ------------------------------------------------------------------------------
     if NEED_LUT:
-        if COOP:  # the start of the dynamic region, past Triton's scratch
+        if LUT_AT:  # the PRMT-addressed table at the shared address LUT_AT (low 16 bits 0)
+            lut = (_smem_base(t) & -65536) + LUT_AT
+        elif COOP:  # the start of the dynamic region, past Triton's scratch
             lut = _smem_base(t) + SMEM_OFF
         else:
             lut = _lut_declare(t)
         if K5:
             lut = _lut_fill_k5(lut, t, cen_ptr, vcen_ptr, NT, not V_UNIFORM)
         else:
-            lut = _lut_fill(lut, t, cen_ptr, NT, K_BITS)
+            lut = _lut_fill(lut, t, cen_ptr, NT, K_BITS, LUT_AT > 0)
         lb = lut + lane * 4
     else:
         lb = lane * 4
+        lut = lb  # (unused)
 
     # -- field geometry (aligned spans, byte masks for the joining lane) ---------------------------
     ka = K_A_OFF + h * K_A_STRIDE
@@ -919,7 +951,8 @@ def _paged_decode_mma_kernel(
         # each step's 16 contiguous rows (to row i // (ROW_BYTES / 16) of the stage, RS bytes apart).
         STG: tl.constexpr = 16 * SUB * RS
         NCP: tl.constexpr = (ROW_BYTES + NT - 1) // NT
-        stages = _smem_base(t) + (SMEM_OFF + LUT_BYTES * NEED_LUT)
+        # (LUT_AT: stages 0 .. NLOW - 1 below the table, the others right above its 64 KB)
+        stages = _smem_base(t) + (SMEM_OFF + LUT_BYTES * NEED_LUT * (LUT_AT == 0))
         cp_s = ()
         for k in tl.static_range(NCP):
             ci = t + k * NT
@@ -929,7 +962,7 @@ def _paged_decode_mma_kernel(
                 cp_s = cp_s + ((ci // (ROW_BYTES // 16)) * RS + (ci % (ROW_BYTES // 16)) * 16,)
         for j in tl.static_range(COOP - 1):
             _coop_issue(cache_ptr, _step_blocks(bt_row, start + 16 * SUB * j, end, BS, SUB), start + 16 * SUB * j,
-                        end, stages + j * STG, cp_s, t, NT, BS, ROW_BYTES, RS, SUB)
+                        end, _stage(stages, lut, j, STG, LUT_AT, NLOW), cp_s, t, NT, BS, ROW_BYTES, RS, SUB)
         nxt = _step_blocks(bt_row, start + 16 * SUB * (COOP - 1), end, BS, SUB)
     else:
         blk = _step_block(bt_row, start, end, BS)
@@ -944,12 +977,13 @@ def _paged_decode_mma_kernel(
         # max (scores and value factors), one rescale of the output, then their values.
         t0 = start + it * (16 * SUB)
         if COOP:  # this iteration's stage has landed; refill the one read last iteration
-            sb = _coop_wait(stages + (it % COOP) * STG, COOP - 2)
+            sb = _coop_wait(_stage(stages, lut, it % COOP, STG, LUT_AT, NLOW), COOP - 2)
             tc = t0 + 16 * SUB * (COOP - 1)
             copy_end = end
             if PROBE == 2:  # no refills: the loop runs on the prologue's stages (no DRAM traffic)
                 copy_end = start
-            _coop_issue(cache_ptr, nxt, tc, copy_end, stages + ((it + COOP - 1) % COOP) * STG, cp_s, t, NT, BS,
+            _coop_issue(cache_ptr, nxt, tc, copy_end, _stage(stages, lut, (it + COOP - 1) % COOP, STG, LUT_AT, NLOW),
+                        cp_s, t, NT, BS,
                         ROW_BYTES, RS, SUB)
             nxt = _step_blocks(bt_row, tc + 16 * SUB, end, BS, SUB)
         steps = ()
@@ -979,7 +1013,7 @@ def _paged_decode_mma_kernel(
                 pacc = pacc ^ _fold(k0) ^ _fold(k1) ^ _fold(v0) ^ _fold(v1) ^ _fold(v2) ^ _fold(v3)
                 pfac = pfac + fac[0] + fac[1] + fac[2] + fac[3] + fac[4] + fac[5]
             else:
-                sv, cn = _scores(k0, k1, qf, lb, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN)
+                sv, cn = _scores(k0, k1, qf, lb, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN, LUT_AT > 0)
                 s0, s1, s2, s3 = _scaled_scores(sv, cn, fac, ok0, ok1, sm_scale_log2, K_NC)
                 vf0 = tl.where(ok0, fac[2], 0.0)
                 vf1 = tl.where(ok1, fac[3], 0.0)
@@ -1028,7 +1062,7 @@ def _paged_decode_mma_kernel(
                 w1 = vf1 * inv
                 pb = _p_fragments(p0 * w0, p1 * w0, p2 * w1, p3 * w1)
                 o = _values(o, v0, v1, v2, v3, pb[0], pb[1], lb, v_mis_e * 8, v_mis_o * 8, NVW, CV, V_UNIFORM, V_FUN,
-                            V_BITS, NMT)
+                            V_BITS, NMT, LUT_AT > 0)
             m_e = mn_e
             m_o = mn_o
 
@@ -1182,7 +1216,7 @@ def per_warp_plan(plan: dict) -> dict:
     """``plan`` without cooperative stages (the per-warp kernel, each warp reading its own fields)."""
     if not isinstance(plan, dict):
         raise TypeError(f"plan must be a dict from mma_plan, got {type(plan).__name__}")
-    return {k: v for k, v in plan.items() if k not in ("COOP", "RS", "SMEM_OFF")}
+    return {k: v for k, v in plan.items() if k not in ("COOP", "RS", "SMEM_OFF", "LUT_AT", "NLOW")}
 
 
 def device_plan(layout: PagedLayout, group: int, device) -> dict | None:
@@ -1194,7 +1228,7 @@ def device_plan(layout: PagedLayout, group: int, device) -> dict | None:
     if plan is None or not plan.get("COOP"):
         return plan
     index = device.index or 0
-    if index in _COOP_DISABLED or coop_smem_bytes(plan) + _SMEM_RESERVED > _smem_optin(index):
+    if index in _COOP_DISABLED or coop_smem_bytes(plan) > _smem_optin(index):
         return per_warp_plan(plan)
     return plan
 
@@ -1220,7 +1254,11 @@ def shifted_plan(plan: dict) -> dict:
 
 _COOP_SMEM_OFF = 1024  # the cooperative stages start here in the dynamic region (below: Triton's own scratch)
 _COOP_PAD = 64  # slack past the last stage
-_SMEM_OPTIN = 232448  # shared memory one CTA may use on sm_90 (227 KB)
+_SMEM_OPTIN = 232448  # dynamic shared memory one CTA may use on sm_90 (227 KB)
+_SMEM_PER_SM = 233472  # shared memory of one sm_90 multiprocessor (228 KB, the per-CTA reservations included)
+# The dynamic region's shared address as sm_90 places it (past the 1 KB reserved per CTA): the
+# PRMT-addressed table's layout below assumes the region starts at most this far in.
+_SMEM_BASE = 0x400
 
 
 def coop_plan(plan: dict, layout: PagedLayout, stages: int = 2) -> dict | None:
@@ -1240,9 +1278,33 @@ def coop_plan(plan: dict, layout: PagedLayout, stages: int = 2) -> dict | None:
     if layout.block_size % 16 or hkv > 16 or hkv & (hkv - 1):
         return None
     out = dict(plan, COOP=stages, RS=coop_row_stride(layout.row_bytes), SMEM_OFF=_COOP_SMEM_OFF)
-    if coop_smem_bytes(out) + _SMEM_RESERVED > _SMEM_OPTIN:
+    if coop_smem_bytes(out) > _SMEM_OPTIN:
         return None
+    # One CTA per SM anyway (4-bit Lloyd-Max keys, whose table lookups are most of the loop): the
+    # PRMT-addressed table if it fits beside the stages
+    if out["K_BITS"] == 4 and coop_smem_bytes(out) + _SMEM_RESERVED > _SMEM_PER_SM // 2:
+        out = table256_plan(out) or out
     return out
+
+
+def table256_plan(plan: dict) -> dict | None:
+    """A cooperative ``plan`` with the PRMT-addressed pair table (``LUT_AT``: entries 256 bytes
+    apart from a shared address whose low 16 bits are 0, so that a byte's entry address is one
+    PRMT of the code byte into this lane's base instead of a PRMT and an IMAD). The table takes 64
+    KB at ``LUT_AT``; stages ``0 .. NLOW - 1`` lie below it (from ``SMEM_OFF``), the others right
+    above it. ``None`` if no such layout fits one CTA's shared memory, or the plan's keys are not
+    4-bit codes (3- and 5-bit keys index the table differently)."""
+    if not isinstance(plan, dict) or not plan.get("COOP"):
+        raise TypeError(f"plan must be a cooperative plan (a dict from coop_plan), got {plan!r:.80}")
+    if plan["K_BITS"] != 4:
+        return None
+    stg = 16 * plan["SUB"] * plan["RS"]
+    for at in (0x10000, 0x20000, 0x30000):
+        nlow = min(plan["COOP"], max(0, (at - _SMEM_BASE - plan["SMEM_OFF"]) // stg))
+        out = dict(plan, LUT_AT=at, NLOW=nlow)
+        if coop_smem_bytes(out) <= _SMEM_OPTIN:
+            return out
+    return None
 
 
 def coop_smem_bytes(plan: dict) -> int:
@@ -1251,8 +1313,10 @@ def coop_smem_bytes(plan: dict) -> int:
     beside a dynamic region under 48 KB, no opt-in for more than 48 KB in all would be set.)"""
     if not isinstance(plan, dict) or not plan.get("COOP"):
         raise TypeError(f"plan must be a cooperative plan (a dict from coop_plan), got {plan!r:.80}")
-    return (plan["SMEM_OFF"] + _LUT_BYTES * _needs_lut(plan) + plan["COOP"] * 16 * plan["SUB"] * plan["RS"]
-            + _COOP_PAD)
+    stg = 16 * plan["SUB"] * plan["RS"]
+    if plan.get("LUT_AT"):  # up to the last stage above the table, counted from shared address 0
+        return plan["LUT_AT"] + 65536 + (plan["COOP"] - plan["NLOW"]) * stg + _COOP_PAD
+    return plan["SMEM_OFF"] + _LUT_BYTES * _needs_lut(plan) + plan["COOP"] * stg + _COOP_PAD
 
 
 class DynamicSmemUnsupported(RuntimeError):
