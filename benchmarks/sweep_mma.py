@@ -85,8 +85,9 @@ def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_
     return run
 
 
-MERGES = (("heads", 16, None), ("rows", 16, 1), ("rows", 16, 2), ("rows", 16, 4), ("rows", 32, 1), ("rows", 32, 2),
-          ("rows", 16, None))
+# (kind, rows, chunks, splits unrolled per loop iteration)
+MERGES = (("heads", 16, None, 8), ("rows", 16, 1, 8), ("rows", 16, 2, 8), ("rows", 16, 4, 8), ("rows", 32, 1, 8),
+          ("rows", 32, 2, 8), ("rows", 16, None, 8), ("rows", 16, None, 64), ("rows", 16, 8, 64), ("rows", 16, 4, 64))
 
 
 def fixed_costs(res, shape, preset, q, layout, params, out, num_splits):
@@ -107,14 +108,15 @@ def fixed_costs(res, shape, preset, q, layout, params, out, num_splits):
                                                 us=us, err=err))
         print(f"{shape} {preset} rotate_q rows{rows} cols{cols}: {us:.1f} us (err vs default {err:.1e})", flush=True)
     first = None
-    for kind, rows, chunks in MERGES:
+    for kind, rows, chunks, unroll in MERGES:
         o = torch.full_like(out, float("nan"))
-        _launch_merge(acc, ml, params.rotation, o, layout, g, num_splits, False, chunks=chunks, impl=kind, rows=rows)
+        _launch_merge(acc, ml, params.rotation, o, layout, g, num_splits, False, chunks=chunks, impl=kind, rows=rows,
+                      unroll=unroll)
         first = o if first is None else first
         err = float((o.float() - first.float()).abs().max())
         us = bench(lambda: _launch_merge(acc, ml, params.rotation, out, layout, g, num_splits, False, chunks=chunks,
-                                         impl=kind, rows=rows))
-        name = f"merge {kind} rows{rows} chunks{chunks or 'auto'}"
+                                         impl=kind, rows=rows, unroll=unroll))
+        name = f"merge {kind} rows{rows} chunks{chunks or 'auto'} unroll{unroll}"
         res.setdefault("fixed", []).append(dict(shape=shape, variant=preset, part=name, us=us, err=err))
         print(f"{shape} {preset} {name}: {us:.1f} us (err vs heads {err:.1e})", flush=True)
 

@@ -513,6 +513,9 @@ _CP16_ASM = tl.constexpr("{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\n@p cp.async.c
                          "mov.b32 $0, $1;\n}")
 _WAIT_ASM = {n: tl.constexpr(f"cp.async.wait_group {n};\nbar.sync 0;\nmov.b32 $0, $1;") for n in range(7)}
 _WAIT0, _WAIT1, _WAIT2, _WAIT3, _WAIT4, _WAIT5, _WAIT6 = (_WAIT_ASM[n] for n in range(7))
+# ... for one of several work items of a CTA: a named barrier ($2) of the item's threads ($3)
+_WAITN_ASM = {n: tl.constexpr(f"cp.async.wait_group {n};\nbar.sync $2, $3;\nmov.b32 $0, $1;") for n in range(7)}
+_WAITN0, _WAITN1, _WAITN2, _WAITN3, _WAITN4, _WAITN5, _WAITN6 = (_WAITN_ASM[n] for n in range(7))
 
 
 @triton.jit
@@ -543,10 +546,16 @@ def _coop_issue(cache_ptr, blks, t0, end, dst, cp_s, t, NT: tl.constexpr, BS: tl
 
 
 @triton.jit
-def _coop_wait(stage, N: tl.constexpr):
+def _coop_wait(stage, N: tl.constexpr, bar_id=None, NTI: tl.constexpr = 0):
     """Wait until at most ``N`` of this thread's copy groups are pending, then a CTA barrier (every
     thread's copies of the stage have landed; every warp is done with the stage it read before);
-    returns ``stage`` (the stage's reads depend on it)."""
+    returns ``stage`` (the stage's reads depend on it). With ``NTI`` the barrier is the named
+    barrier ``bar_id`` of this work item's ``NTI`` threads (the CTA's other items go on)."""
+    if NTI:
+        return tl.inline_asm_elementwise(
+            _WAITN0 if N == 0 else _WAITN1 if N == 1 else _WAITN2 if N == 2 else _WAITN3 if N == 3
+            else _WAITN4 if N == 4 else _WAITN5 if N == 5 else _WAITN6, "=r,r,r,r", [stage, bar_id, bar_id * 0 + NTI],
+            dtype=tl.int32, is_pure=False, pack=1)
     return tl.inline_asm_elementwise(
         _WAIT0 if N == 0 else _WAIT1 if N == 1 else _WAIT2 if N == 2 else _WAIT3 if N == 3 else _WAIT4 if N == 4
         else _WAIT5 if N == 5 else _WAIT6, "=r,r", [stage], dtype=tl.int32, is_pure=False, pack=1)
@@ -998,10 +1007,12 @@ def _paged_decode_mma_kernel(
         # others above it, and a single ring (ITEMS = 1) split by it after NLOW stages
         ring0 = (t // NTI) * COOP
         SPLIT: tl.constexpr = NLOW if (LUT_AT > 0 and ITEMS == 1 and NLOW < COOP) else 0
-        if LUT_AT > 0 and ITEMS > 1:
+        if ITEMS == 1:
+            ring = stages
+        elif LUT_AT > 0:
             ring = tl.where(ring0 < NLOW, stages + ring0 * STG, lut + 65536 + (ring0 - NLOW) * STG)
         else:
-            ring = stages
+            ring = stages + ring0 * STG
         cp_s = ()
         for k in tl.static_range(NCP):
             ci = t_i + k * NTI
@@ -1026,7 +1037,10 @@ def _paged_decode_mma_kernel(
         # max (scores and value factors), one rescale of the output, then their values.
         t0 = start + it * (16 * SUB)
         if COOP:  # this iteration's stage has landed; refill the one read last iteration
-            sb = _coop_wait(_stage(ring, lut, it % COOP, STG, SPLIT), COOP - 2)
+            if ITEMS > 1:  # this item's own barrier (1 + item; Triton's barriers use 0)
+                sb = _coop_wait(_stage(ring, lut, it % COOP, STG, SPLIT), COOP - 2, 1 + t // NTI, NTI)
+            else:
+                sb = _coop_wait(_stage(ring, lut, it % COOP, STG, SPLIT), COOP - 2)
             tc = t0 + 16 * SUB * (COOP - 1)
             copy_end = end
             if PROBE == 2:  # no refills: the loop runs on the prologue's stages (no DRAM traffic)
