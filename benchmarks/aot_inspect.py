@@ -167,7 +167,6 @@ def main(argv=None):
     ap.add_argument("--sub", type=int, default=0, help="mma: 16-token steps per softmax update (0: the plan's)")
     ap.add_argument("--probe", type=int, default=0, help="mma: 1 loads only, 2 no DRAM traffic (timing probes)")
     ap.add_argument("--coop", type=int, default=0, help="mma: CTA-cooperative stages (warps = KV heads)")
-    ap.add_argument("--items", type=int, default=1, help="mma with --coop: work items per CTA")
     ap.add_argument("--table256", type=int, default=1,
                     help="mma with --coop: 0 forces the 128-byte-entry pair table (1: the plan's choice)")
     args = ap.parse_args(argv)
@@ -178,14 +177,13 @@ def main(argv=None):
             coop = {}
             if args.coop:  # the launcher's cooperative plan with that many stages
                 from tqkern.ops.paged_decode import triton_mma as tm
-                full = tm.coop_plan(tm.per_warp_plan(tm.mma_plan(layout, args.hq // args.hkv)), layout, args.coop,
-                                    args.items)
+                full = tm.coop_plan(tm.per_warp_plan(tm.mma_plan(layout, args.hq // args.hkv)), layout, args.coop)
                 if full is None:
                     raise SystemExit(f"{args.coop} cooperative stages do not apply to {preset}")
                 if not args.table256:
                     full = dict(full, LUT_AT=0, NLOW=0)
-                coop = {k: full[k] for k in ("COOP", "RS", "SMEM_OFF", "LUT_AT", "NLOW", "ITEMS") if k in full}
-                args.warps = args.hkv * args.items
+                coop = {k: full[k] for k in ("COOP", "RS", "SMEM_OFF", "LUT_AT", "NLOW") if k in full}
+                args.warps = args.hkv
             c = compile_mma(layout, args.hq, warps=args.warps, maxnreg=args.maxnreg, shifted=args.shifted,
                             PREFETCH=args.prefetch, HINT=args.hint, **({"SUB": args.sub} if args.sub else {}),
                             **({"PROBE": args.probe} if args.probe else {}), **coop)

@@ -28,13 +28,12 @@ from tqkern.ops.paged_decode.triton_mma import (  # noqa: E402
     _launch_paged_decode_mma, coop_plan, mma_plan, num_splits_mma, per_warp_plan, resident_warps, shifted_plan)
 
 
-def plan_for(layout, g, shifted, sub=0, probe=0, coop=0, t256=-1, items=0):
+def plan_for(layout, g, shifted, sub=0, probe=0, coop=0, t256=-1):
     """The launcher's plan, with 4-bit fields read as shifted words (``shifted``), ``sub``
     16-token steps per softmax update (0: the plan's), a timing probe (``probe``: 1 the loads
     only, 2 no DRAM traffic; wrong outputs) and CTA-cooperative stages (``coop``: their number,
     -1 the plan's own choice, 0 none); ``t256 = 0`` keeps the 32 KB pair table where the plan
-    would take the PRMT-addressed one (-1: the plan's choice); ``items`` (work items per
-    cooperative CTA, 0: the plan's)."""
+    would take the PRMT-addressed one (-1: the plan's choice)."""
     plan = mma_plan(layout, g)
     if plan is None:
         return None
@@ -46,9 +45,7 @@ def plan_for(layout, g, shifted, sub=0, probe=0, coop=0, t256=-1, items=0):
     if probe:
         plan = dict(plan, PROBE=probe)
     if coop > 0:
-        plan = coop_plan(plan, layout, coop, items or 1)
-    elif coop < 0 and items and plan.get("COOP"):
-        plan = coop_plan(per_warp_plan(plan), layout, plan["COOP"], items)
+        plan = coop_plan(plan, layout, coop)
     if plan is not None and t256 == 0:
         plan = {k: v for k, v in plan.items() if k not in ("LUT_AT", "NLOW")}
     return plan
@@ -64,12 +61,12 @@ def resident_for(q, cache, bt, sl, layout, params, plan, *, warps=4, prefetch=No
 
 
 def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_splits, parts="all", maxnreg=None,
-           shifted=0, sub=0, probe=0, coop=-1, t256=-1, items=0):
+           shifted=0, sub=0, probe=0, coop=-1, t256=-1):
     s, hq, d = q.shape
     g = hq // layout.num_kv_heads
     q_rot = q_rotated(q, layout, params)
     acc, ml = _workspace(None, s, hq, num_splits, max(16, triton.next_power_of_2(d)), q.device)
-    plan = plan_for(layout, g, shifted, sub, probe, coop, t256, items)
+    plan = plan_for(layout, g, shifted, sub, probe, coop, t256)
     if plan is None:
         raise ValueError("this plan does not apply")
 
@@ -140,8 +137,6 @@ def main(argv=None):
                          "the split count is the real kernel's")
     ap.add_argument("--coop", nargs="*", type=int, default=[-1],
                     help="CTA-cooperative stages (0: off, -1: the launcher's plan)")
-    ap.add_argument("--items", nargs="*", type=int, default=[0],
-                    help="work items per cooperative CTA (0: the plan's)")
     ap.add_argument("--table256", nargs="*", type=int, default=[-1],
                     help="0: the 32 KB pair table where the plan takes the PRMT-addressed one (-1: the plan's)")
     ap.add_argument("--parts", action="store_true", help="also time the q rotation, kernel and merge alone")
@@ -150,32 +145,32 @@ def main(argv=None):
     args = ap.parse_args(argv)
     arr = dict(DECODE_PRESETS)
     configs = list(itertools.product(args.prefetch, args.hint, args.warps, args.splits, args.maxnreg, args.shifted,
-                                     args.sub, args.probe, args.coop, args.table256, args.items))
+                                     args.sub, args.probe, args.coop, args.table256))
     res = dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, time=time.strftime("%F %T"),
                gate=[], rows=[])
     g = torch.Generator(device="cuda").manual_seed(3)
     ok_cfg = {}
     for preset in args.presets:  # correctness gate per config
         layout, params, q, cache, bt, lens, exp, tol = oracle_case(preset, arr[preset], 32, 8, 128, g)
-        for pf, hint, warps, splits, mr, sh, sb, pr, co, tb, it in configs:
+        for pf, hint, warps, splits, mr, sh, sb, pr, co, tb in configs:
             if pr:  # a probe computes nothing right: it runs if its real kernel passed
                 continue
             out = torch.full_like(q, float("nan"))
             try:
                 launch(q, cache, bt, lens, layout, params, out, prefetch=pf, hint=hint, warps=warps,
                        num_splits=splits or 5, maxnreg=None if mr < 0 else mr, shifted=sh, sub=sb, coop=co,
-                       t256=tb, items=it)()
+                       t256=tb)()
             except Exception as e:  # noqa: BLE001 -- a config that does not compile or apply
                 why = str(e).splitlines()[0][:120]
-                print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr} s{sh} u{sb} c{co} t{tb} i{it}: skipped ({why})",
+                print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr} s{sh} u{sb} c{co} t{tb}: skipped ({why})",
                       flush=True)
                 continue
             err = float(np.abs(out.float().cpu().numpy() - exp).max())
             ok = bool(np.isfinite(err) and err <= tol)
-            ok_cfg[preset, pf, hint, warps, mr, sh, sb, co, tb, it] = ok
+            ok_cfg[preset, pf, hint, warps, mr, sh, sb, co, tb] = ok
             res["gate"].append(dict(preset=preset, prefetch=pf, hint=hint, warps=warps, maxnreg=mr, shifted=sh,
-                                    sub=sb, coop=co, table256=tb, items=it, err=err, ok=ok))
-            print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr} s{sh} u{sb} c{co} t{tb} i{it}: err {err:.2e} "
+                                    sub=sb, coop=co, table256=tb, err=err, ok=ok))
+            print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr} s{sh} u{sb} c{co} t{tb}: err {err:.2e} "
                   f"{'ok' if ok else 'FAIL'}", flush=True)
     for shape, q, sdpa, bt, sl in baseline_runs(args.shapes, g, res["rows"]):
         b, L, hq, hkv, d = shape.batch, shape.seq_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim
@@ -185,27 +180,27 @@ def main(argv=None):
                 continue
             out = torch.empty_like(q)
             nbytes = b * L * layout.row_bytes
-            for pf, hint, warps, splits, mr, sh, sb, pr, co, tb, it in configs:
-                if not ok_cfg.get((preset, pf, hint, warps, mr, sh, sb, co, tb, it)):
+            for pf, hint, warps, splits, mr, sh, sb, pr, co, tb in configs:
+                if not ok_cfg.get((preset, pf, hint, warps, mr, sh, sb, co, tb)):
                     continue
                 resident = resident_for(q, cache, bt, sl, layout, params,
-                                        plan_for(layout, hq // hkv, sh, sb, 0, co, tb, it),
+                                        plan_for(layout, hq // hkv, sh, sb, 0, co, tb),
                                         warps=warps, prefetch=pf or None, hint=hint, maxnreg=None if mr < 0 else mr)
                 ns = splits or num_splits_mma(b, hkv, L, resident)
                 us = bench(launch(q, cache, bt, sl, layout, params, out, prefetch=pf, hint=hint, warps=warps,
                                   num_splits=ns, maxnreg=None if mr < 0 else mr, shifted=sh, sub=sb, probe=pr,
-                                  coop=co, t256=tb, items=it))
+                                  coop=co, t256=tb))
                 row = dict(shape=shape.name, variant=preset, prefetch=pf, hint=hint, warps=warps, splits=ns,
-                           maxnreg=mr, shifted=sh, sub=sb, probe=pr, coop=co, table256=tb, items=it,
+                           maxnreg=mr, shifted=sh, sub=sb, probe=pr, coop=co, table256=tb,
                            resident_warps=resident, us=us, gbps=nbytes / us / 1e3, ratio=sdpa / us)
                 if args.parts:
                     for part in ("rotate", "kernel", "merge"):
                         row[part + "_us"] = bench(launch(q, cache, bt, sl, layout, params, out, prefetch=pf, hint=hint,
                                                          warps=warps, num_splits=ns, parts=part,
                                                          maxnreg=None if mr < 0 else mr, shifted=sh, sub=sb,
-                                                         probe=pr, coop=co, t256=tb, items=it))
+                                                         probe=pr, coop=co, t256=tb))
                 res["rows"].append(row)
-                print(f"{shape.name} {preset:20s} pf{pf} hint{hint} w{warps} r{mr} s{sh} u{sb} p{pr} c{co} t{tb} i{it} "
+                print(f"{shape.name} {preset:20s} pf{pf} hint{hint} w{warps} r{mr} s{sh} u{sb} p{pr} c{co} t{tb} "
                       f"splits{ns:3d} "
                       f"(resident {resident}): {us:8.1f} us "
                       + (f"[rotate {row['rotate_us']:.1f} kernel {row['kernel_us']:.1f} merge {row['merge_us']:.1f}] "
@@ -223,7 +218,7 @@ def main(argv=None):
         else:
             print(f"{r['shape']:10s} {r['variant']:20s} pf{r['prefetch']} hint{r['hint']} w{r['warps']} "
                   f"r{r['maxnreg']} s{r['shifted']} u{r.get('sub', 0)} p{r.get('probe', 0)} c{r.get('coop', -1)} "
-                  f"t{r.get('table256', -1)} i{r.get('items', 0)} "
+                  f"t{r.get('table256', -1)} "
                   f"splits{r['splits']:3d} "
                   f"{r['us']:8.1f} us "
                   f"{r['ratio']:.2f}x")

@@ -352,13 +352,6 @@ def test_table256_layouts_fit_and_do_not_overlap():
     assert five["COOP"] == 5 and not five.get("LUT_AT") and table256_plan(five) is None
     nc = mma_plan(_layout("turboquant_4bit_nc", 128, 8), 4)
     assert "LUT_AT" not in nc and table256_plan(nc)["LUT_AT"]  # two CTAs per SM: not in the plan
-    # two work items per CTA (16 warps, one table): whole rings below and above the table
-    two = coop_plan(per_warp_plan(nc), _layout("turboquant_4bit_nc", 128, 8), 3, 2)
-    assert (two["ITEMS"], two["LUT_AT"], two["NLOW"]) == (2, 0x10000, 3)
-    assert coop_smem_bytes(two) == 0x10000 + 65536 + 3 * 16 * 1072 + 64
-    assert coop_plan(per_warp_plan(nc), _layout("turboquant_4bit_nc", 128, 16), 3, 2) is None  # 32 warps
-    with pytest.raises(ValueError, match="items must be 1, 2 or 4, got 3"):
-        coop_plan(per_warp_plan(nc), _layout("turboquant_4bit_nc", 128, 8), 3, 3)
     with pytest.raises(TypeError, match="plan must be a cooperative plan"):
         table256_plan(tq4)
 

@@ -1,7 +1,5 @@
 """GPU-only decode checks: CUDA-graph capture and replay, 64K contexts, caches above 2 GiB."""
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
@@ -106,8 +104,7 @@ def test_cooperative_stages_match_the_per_warp_kernel_bit_for_bit(preset, arrang
     """The cooperative stages only change where a head-warp reads its words (shared memory
     instead of global memory): every partial (acc, max, sum) equals the per-warp kernel's bit for
     bit, with 1 and 3 splits, lengths ending mid-step and mid-block, shuffled blocks, random bytes
-    in the unused slots, every stage count, one or two work items per CTA (an odd count of
-    items: the last CTA's second item idles), with the 32 KB pair table and (4-bit keys) the
+    in the unused slots, every stage count, with the 32 KB pair table and (4-bit keys) the
     PRMT-addressed 64 KB one."""
     import triton
 
@@ -120,7 +117,7 @@ def test_cooperative_stages_match_the_per_warp_kernel_bit_for_bit(preset, arrang
     params = tqt.to_device(tqkern.TQParams.default(fmt), "cuda")
     plan = device_plan(layout, 4, torch.device("cuda"))
     assert plan["COOP"] in (3, 4)  # the launcher's plan on this GPU has the stages
-    sl = torch.tensor([1, 15, 16, 17, 33, 77, 600, 999, 1000], dtype=torch.int32, device="cuda")  # 9: odd item counts
+    sl = torch.tensor([1, 15, 16, 17, 77, 600, 999, 1000], dtype=torch.int32, device="cuda")
     max_blocks = -(-1000 // block_size)
     num_blocks = len(sl) * max_blocks + 5
     bt = torch.randperm(num_blocks, device="cuda")[: len(sl) * max_blocks].reshape(len(sl), max_blocks).int()
@@ -128,8 +125,8 @@ def test_cooperative_stages_match_the_per_warp_kernel_bit_for_bit(preset, arrang
     q = torch.randn(len(sl), 32, 128, device="cuda", dtype=torch.float16)
     q_rot = ((q.float() @ params.rotation) if fmt.key.rotated else q.float()).contiguous()
     plans = [per_warp_plan(plan)]
-    for n, items in itertools.product((2, 3, 4), (1, 2)):
-        p = coop_plan(per_warp_plan(plan), layout, n, items)
+    for n in (2, 3, 4):
+        p = coop_plan(per_warp_plan(plan), layout, n)
         if p is None:  # more stages than one CTA's shared memory holds
             continue
         plans.append({k: v for k, v in p.items() if k not in ("LUT_AT", "NLOW")})  # the 32 KB table
@@ -145,8 +142,7 @@ def test_cooperative_stages_match_the_per_warp_kernel_bit_for_bit(preset, arrang
             _launch_paged_decode_mma(q_rot, cache, bt, sl, layout, p, params.key_centroids_f32, acc, ml, group=4,
                                      num_splits=splits, sm_scale=128 ** -0.5,
                                      value_centroids_f32=params.value_centroids_f32)
-            got.append(((p.get("COOP", 0), p.get("ITEMS", 1), p.get("LUT_AT", 0)), acc.nan_to_num(7.0),
-                        ml.nan_to_num(7.0)))
+            got.append(((p.get("COOP", 0), p.get("LUT_AT", 0)), acc.nan_to_num(7.0), ml.nan_to_num(7.0)))
         assert len(got) >= 3
         for variant, acc, ml in got[1:]:
             assert torch.equal(acc, got[0][1]) and torch.equal(ml, got[0][2]), (splits, variant)

@@ -90,12 +90,6 @@ def _fill_asm(stride: int) -> str:
 
 _FILL_ASM = tl.constexpr(_fill_asm(128))
 _FILL256_ASM = tl.constexpr(_fill_asm(256))
-# ... with each lane's replica 8 bytes: the pair and its squares (mul.rn.f16x2, the kernel's own
-# squaring for decode-time norm correction), 256 contiguous bytes at b·256.
-_FILL_SQ_ASM = tl.constexpr(
-    "{\n.reg .b32 a, q;\nmad.lo.u32 a, $2, 256, $1;\nmul.rn.f16x2 q, $3, $3;\n"
-    + "".join(f"st.shared.v4.b32 [a+{16 * k}], {{$3, q, $3, q}};\n" for k in range(16))
-    + "mov.b32 $0, $1;\n}")
 # Uniform codes, byte k of two words a, b: PRMT gathers [a.k, a.k, b.k, b.k]; the masks keep the
 # low nibbles (the fp16 pair's mantissas: subnormals j·2^-24) or the high ones (16j·2^-24).
 _UNI_ASM = tl.constexpr(
@@ -120,23 +114,18 @@ def _cen16(ptr):
 
 
 @triton.jit
-def _lut_fill(base, t, cen_ptr, NT: tl.constexpr, BITS: tl.constexpr, E256: tl.constexpr = False,
-              SQ: tl.constexpr = False):
+def _lut_fill(base, t, cen_ptr, NT: tl.constexpr, BITS: tl.constexpr, E256: tl.constexpr = False):
     """Entry ``b`` (fp16 pair of c[b & m], c[(b >> BITS) & m], m = 2^BITS − 1: two consecutive
     codes of an LSB bitstream, or the two nibbles of a byte) into all 32 lane replicas (``b·128 +
-    4·lane``; ``b·256 + 4·lane`` for the PRMT-addressed table, ``E256``; ``b·256 + 8·lane``, the
-    pair and its squares, with ``SQ``); then a CTA barrier. Returns the table address (lookups
-    depend on it). All 256 entries are written (3-bit codes use entries 0..63; CTAs of more than
-    256 threads write some twice)."""
+    4·lane``; ``b·256 + 4·lane`` for the PRMT-addressed table, ``E256``); then a CTA barrier.
+    Returns the table address (lookups depend on it). All 256 entries are written (3-bit codes
+    use entries 0..63)."""
     M: tl.constexpr = (1 << BITS) - 1
-    for i in tl.static_range(max(1, 256 // NT)):
-        if NT > 256:
-            b = t % 256
-        else:
-            b = t + i * NT
+    for i in tl.static_range(256 // NT):
+        b = t + i * NT
         lo = _cen16(cen_ptr + (b & M))
         hi = _cen16(cen_ptr + ((b >> BITS) & M))
-        base = tl.inline_asm_elementwise(_FILL_SQ_ASM if SQ else _FILL256_ASM if E256 else _FILL_ASM, "=r,r,r,r",
+        base = tl.inline_asm_elementwise(_FILL256_ASM if E256 else _FILL_ASM, "=r,r,r,r",
                                          [base, b, lo | (hi << 16)], dtype=tl.int32, is_pure=False, pack=1)
     return tl.inline_asm_elementwise("bar.sync 0;\nmov.b32 $0, $1;", "=r,r", [base], dtype=tl.int32,
                                      is_pure=False, pack=1)
@@ -177,22 +166,6 @@ _LUT4_256_ASM = tl.constexpr(
     "prmt.b32 b0, $4, $5, 0x7604;\nprmt.b32 b1, $4, $5, 0x7614;\n"
     "prmt.b32 b2, $4, $5, 0x7624;\nprmt.b32 b3, $4, $5, 0x7634;\n"
     "ld.shared.b32 $0, [b0];\nld.shared.b32 $1, [b1];\nld.shared.b32 $2, [b2];\nld.shared.b32 $3, [b3];\n}")
-
-
-_LUT4_SQ_ASM = tl.constexpr(
-    "{\n.reg .b32 b0, b1, b2, b3;\n"
-    "prmt.b32 b0, $8, $9, 0x7604;\nprmt.b32 b1, $8, $9, 0x7614;\n"
-    "prmt.b32 b2, $8, $9, 0x7624;\nprmt.b32 b3, $8, $9, 0x7634;\n"
-    "ld.shared.v2.b32 {$0, $4}, [b0];\nld.shared.v2.b32 {$1, $5}, [b1];\n"
-    "ld.shared.v2.b32 {$2, $6}, [b2];\nld.shared.v2.b32 {$3, $7}, [b3];\n}")
-
-
-@triton.jit
-def _lut4_sq(w, lb):
-    """The entries of the 4 bytes of word ``w`` and their squares (the PRMT-addressed table with
-    squares, ``lb``: this lane's base, 8 bytes per lane): one 8-byte LDS per byte."""
-    return tl.inline_asm_elementwise(_LUT4_SQ_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w, lb], dtype=(tl.int32,) * 8,
-                                     is_pure=True, pack=1)
 
 
 @triton.jit
@@ -513,9 +486,6 @@ _CP16_ASM = tl.constexpr("{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\n@p cp.async.c
                          "mov.b32 $0, $1;\n}")
 _WAIT_ASM = {n: tl.constexpr(f"cp.async.wait_group {n};\nbar.sync 0;\nmov.b32 $0, $1;") for n in range(7)}
 _WAIT0, _WAIT1, _WAIT2, _WAIT3, _WAIT4, _WAIT5, _WAIT6 = (_WAIT_ASM[n] for n in range(7))
-# ... for one of several work items of a CTA: a named barrier ($2) of the item's threads ($3)
-_WAITN_ASM = {n: tl.constexpr(f"cp.async.wait_group {n};\nbar.sync $2, $3;\nmov.b32 $0, $1;") for n in range(7)}
-_WAITN0, _WAITN1, _WAITN2, _WAITN3, _WAITN4, _WAITN5, _WAITN6 = (_WAITN_ASM[n] for n in range(7))
 
 
 @triton.jit
@@ -546,16 +516,10 @@ def _coop_issue(cache_ptr, blks, t0, end, dst, cp_s, t, NT: tl.constexpr, BS: tl
 
 
 @triton.jit
-def _coop_wait(stage, N: tl.constexpr, bar_id=None, NTI: tl.constexpr = 0):
+def _coop_wait(stage, N: tl.constexpr):
     """Wait until at most ``N`` of this thread's copy groups are pending, then a CTA barrier (every
     thread's copies of the stage have landed; every warp is done with the stage it read before);
-    returns ``stage`` (the stage's reads depend on it). With ``NTI`` the barrier is the named
-    barrier ``bar_id`` of this work item's ``NTI`` threads (the CTA's other items go on)."""
-    if NTI:
-        return tl.inline_asm_elementwise(
-            _WAITN0 if N == 0 else _WAITN1 if N == 1 else _WAITN2 if N == 2 else _WAITN3 if N == 3
-            else _WAITN4 if N == 4 else _WAITN5 if N == 5 else _WAITN6, "=r,r,r,r", [stage, bar_id, bar_id * 0 + NTI],
-            dtype=tl.int32, is_pure=False, pack=1)
+    returns ``stage`` (the stage's reads depend on it)."""
     return tl.inline_asm_elementwise(
         _WAIT0 if N == 0 else _WAIT1 if N == 1 else _WAIT2 if N == 2 else _WAIT3 if N == 3 else _WAIT4 if N == 4
         else _WAIT5 if N == 5 else _WAIT6, "=r,r", [stage], dtype=tl.int32, is_pure=False, pack=1)
@@ -563,8 +527,8 @@ def _coop_wait(stage, N: tl.constexpr, bar_id=None, NTI: tl.constexpr = 0):
 
 @triton.jit
 def _stage(ring, lut, j, STG: tl.constexpr, SPLIT: tl.constexpr):
-    """Shared address of stage ``j`` of this item's ring (at ``ring``): ``ring + j·STG``; a ring that
-    the PRMT-addressed table splits (``SPLIT`` stages below it) continues past the table's 64 KB."""
+    """Shared address of stage ``j`` of the ring at ``ring``: ``ring + j·STG``; a ring that the
+    PRMT-addressed table splits (``SPLIT`` stages below it) continues past the table's 64 KB."""
     if SPLIT:
         return tl.where(j < SPLIT, ring + j * STG, lut + 65536 + (j - SPLIT) * STG)
     return ring + j * STG
@@ -675,8 +639,7 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, geo, BS: tl.constexpr, ROW
 
 @triton.jit
 def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K_FP8: tl.constexpr,
-            K_BITS: tl.constexpr, NKT: tl.constexpr, K_FUN: tl.constexpr, E256: tl.constexpr = False,
-            SQ: tl.constexpr = False):
+            K_BITS: tl.constexpr, NKT: tl.constexpr, K_FUN: tl.constexpr, E256: tl.constexpr = False):
     """S^T (tokens r, r+8 × heads 2c, 2c+1) and, for decode-time norm correction, ‖c‖² of the
     same tokens (all columns equal). FP8 keys: word ``i`` of the chunk is k-tile ``i`` (its
     bytes 0, 1 the MMA columns 2c, 2c+1; bytes 2, 3 the columns 2c+8, 2c+9). 3-bit keys: the
@@ -720,22 +683,13 @@ def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K
             k0 = _shifted(k0, k_sh, NKW)
             k1 = _shifted(k1, k_sh, NKW)
         for i in tl.static_range(NKW):
-            if SQ:  # the squares come with the entries (decode-time norm correction)
-                pw = _lut4_sq(k0[i], lb)  # chunk bytes 4i..4i+3 of token r
-                px = _lut4_sq(k1[i], lb)  # ... of token r + 8
-                qw = (pw[4], pw[5], pw[6], pw[7])
-                qx = (px[4], px[5], px[6], px[7])
-            else:
-                pw = _lut4(k0[i], lb, E256)  # chunk bytes 4i..4i+3 of token r
-                px = _lut4(k1[i], lb, E256)  # ... of token r + 8
-                if K_NC:
-                    qw = (_sq(pw[0]), _sq(pw[1]), _sq(pw[2]), _sq(pw[3]))
-                    qx = (_sq(px[0]), _sq(px[1]), _sq(px[2]), _sq(px[3]))
+            pw = _lut4(k0[i], lb, E256)  # chunk bytes 4i..4i+3 of token r
+            px = _lut4(k1[i], lb, E256)  # ... of token r + 8
             s = _mma(s, pw[0], px[0], pw[1], px[1], qf[4 * i], qf[4 * i + 1])
             t = _mma(t, pw[2], px[2], pw[3], px[3], qf[4 * i + 2], qf[4 * i + 3])
             if K_NC:
-                n = _mma(n, qw[0], qx[0], qw[1], qx[1], ones, ones)
-                n = _mma(n, qw[2], qx[2], qw[3], qx[3], ones, ones)
+                n = _mma(n, _sq(pw[0]), _sq(px[0]), _sq(pw[1]), _sq(px[1]), ones, ones)
+                n = _mma(n, _sq(pw[2]), _sq(px[2]), _sq(pw[3]), _sq(px[3]), ones, ones)
     return (s[0] + t[0], s[1] + t[1], s[2] + t[2], s[3] + t[3]), n
 
 
@@ -849,11 +803,9 @@ def _paged_decode_mma_kernel(
     K_BITS: tl.constexpr = 4, K_FUN: tl.constexpr = False, V_FUN: tl.constexpr = False, V_BITS: tl.constexpr = 4,
     PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0, SUB: tl.constexpr = 1, PROBE: tl.constexpr = 0,
     COOP: tl.constexpr = 0, RS: tl.constexpr = 0, SMEM_OFF: tl.constexpr = 0, LUT_AT: tl.constexpr = 0,
-    NLOW: tl.constexpr = 0, ITEMS: tl.constexpr = 1,
+    NLOW: tl.constexpr = 0,
 ):
     NT: tl.constexpr = 32 * WARPS
-    NTI: tl.constexpr = NT // ITEMS  # the threads of one work item (cooperative: its KV heads' warps)
-    SQ: tl.constexpr = False  # squares in the table (LDS.64: measured offline, costs register moves)
     K3: tl.constexpr = K_BITS == 3
     K5: tl.constexpr = K_BITS == 5
     # Key bytes a lane loads per token: 4-bit D/8 (2 per k-tile), FP8 D/4, 3-bit its 3D/32-byte
@@ -898,8 +850,8 @@ def _paged_decode_mma_kernel(
         if K5:
             lut = _lut_fill_k5(lut, t, cen_ptr, vcen_ptr, NT, not V_UNIFORM)
         else:
-            lut = _lut_fill(lut, t, cen_ptr, NT, K_BITS, LUT_AT > 0, SQ)
-        lb = lut + lane * (8 if SQ else 4)
+            lut = _lut_fill(lut, t, cen_ptr, NT, K_BITS, LUT_AT > 0)
+        lb = lut + lane * 4
     else:
         lb = lane * 4
         lut = lb  # (unused)
@@ -997,32 +949,22 @@ def _paged_decode_mma_kernel(
         # a ring of COOP stages of SUB steps' whole rows in dynamic shared memory, filled by
         # cp.async COOP - 1 iterations ahead; thread t copies 16-byte chunks t, t + NT, ... of
         # each step's 16 contiguous rows (to row i // (ROW_BYTES / 16) of the stage, RS bytes apart).
-        # ITEMS work items per CTA: each item's threads fill its own ring (stages item·COOP ..).
         STG: tl.constexpr = 16 * SUB * RS
-        NCP: tl.constexpr = (ROW_BYTES + NTI - 1) // NTI
+        NCP: tl.constexpr = (ROW_BYTES + NT - 1) // NT
         # (LUT_AT: stages 0 .. NLOW - 1 below the table, the others right above its 64 KB)
         stages = _smem_base(t) + (SMEM_OFF + LUT_BYTES * NEED_LUT * (LUT_AT == 0))
-        t_i = t % NTI
-        # this item's ring; with the PRMT-addressed table, rings 0 .. NLOW / COOP - 1 below it, the
-        # others above it, and a single ring (ITEMS = 1) split by it after NLOW stages
-        ring0 = (t // NTI) * COOP
-        SPLIT: tl.constexpr = NLOW if (LUT_AT > 0 and ITEMS == 1 and NLOW < COOP) else 0
-        if ITEMS == 1:
-            ring = stages
-        elif LUT_AT > 0:
-            ring = tl.where(ring0 < NLOW, stages + ring0 * STG, lut + 65536 + (ring0 - NLOW) * STG)
-        else:
-            ring = stages + ring0 * STG
+        # (a ring that the PRMT-addressed table splits: NLOW stages below it, the others above it)
+        SPLIT: tl.constexpr = NLOW if (LUT_AT > 0 and NLOW < COOP) else 0
         cp_s = ()
         for k in tl.static_range(NCP):
-            ci = t_i + k * NTI
+            ci = t + k * NT
             if RS == ROW_BYTES:
                 cp_s = cp_s + (16 * ci,)
             else:
                 cp_s = cp_s + ((ci // (ROW_BYTES // 16)) * RS + (ci % (ROW_BYTES // 16)) * 16,)
         for j in tl.static_range(COOP - 1):
             _coop_issue(cache_ptr, _step_blocks(bt_row, start + 16 * SUB * j, end, BS, SUB), start + 16 * SUB * j,
-                        end, _stage(ring, lut, j, STG, SPLIT), cp_s, t_i, NTI, BS, ROW_BYTES, RS, SUB)
+                        end, _stage(stages, lut, j, STG, SPLIT), cp_s, t, NT, BS, ROW_BYTES, RS, SUB)
         nxt = _step_blocks(bt_row, start + 16 * SUB * (COOP - 1), end, BS, SUB)
     else:
         blk = _step_block(bt_row, start, end, BS)
@@ -1037,16 +979,13 @@ def _paged_decode_mma_kernel(
         # max (scores and value factors), one rescale of the output, then their values.
         t0 = start + it * (16 * SUB)
         if COOP:  # this iteration's stage has landed; refill the one read last iteration
-            if ITEMS > 1:  # this item's own barrier (1 + item; Triton's barriers use 0)
-                sb = _coop_wait(_stage(ring, lut, it % COOP, STG, SPLIT), COOP - 2, 1 + t // NTI, NTI)
-            else:
-                sb = _coop_wait(_stage(ring, lut, it % COOP, STG, SPLIT), COOP - 2)
+            sb = _coop_wait(_stage(stages, lut, it % COOP, STG, SPLIT), COOP - 2)
             tc = t0 + 16 * SUB * (COOP - 1)
             copy_end = end
             if PROBE == 2:  # no refills: the loop runs on the prologue's stages (no DRAM traffic)
                 copy_end = start
             _coop_issue(cache_ptr, nxt, tc, copy_end,
-                        _stage(ring, lut, (it + COOP - 1) % COOP, STG, SPLIT), cp_s, t_i, NTI, BS,
+                        _stage(stages, lut, (it + COOP - 1) % COOP, STG, SPLIT), cp_s, t, NT, BS,
                         ROW_BYTES, RS, SUB)
             nxt = _step_blocks(bt_row, tc + 16 * SUB, end, BS, SUB)
         steps = ()
@@ -1076,7 +1015,7 @@ def _paged_decode_mma_kernel(
                 pacc = pacc ^ _fold(k0) ^ _fold(k1) ^ _fold(v0) ^ _fold(v1) ^ _fold(v2) ^ _fold(v3)
                 pfac = pfac + fac[0] + fac[1] + fac[2] + fac[3] + fac[4] + fac[5]
             else:
-                sv, cn = _scores(k0, k1, qf, lb, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN, LUT_AT > 0, SQ)
+                sv, cn = _scores(k0, k1, qf, lb, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN, LUT_AT > 0)
                 s0, s1, s2, s3 = _scaled_scores(sv, cn, fac, ok0, ok1, sm_scale_log2, K_NC)
                 vf0 = tl.where(ok0, fac[2], 0.0)
                 vf1 = tl.where(ok1, fac[3], 0.0)
@@ -1279,7 +1218,7 @@ def per_warp_plan(plan: dict) -> dict:
     """``plan`` without cooperative stages (the per-warp kernel, each warp reading its own fields)."""
     if not isinstance(plan, dict):
         raise TypeError(f"plan must be a dict from mma_plan, got {type(plan).__name__}")
-    return {k: v for k, v in plan.items() if k not in ("COOP", "RS", "SMEM_OFF", "LUT_AT", "NLOW", "ITEMS")}
+    return {k: v for k, v in plan.items() if k not in ("COOP", "RS", "SMEM_OFF", "LUT_AT", "NLOW")}
 
 
 def device_plan(layout: PagedLayout, group: int, device) -> dict | None:
@@ -1324,7 +1263,7 @@ _SMEM_PER_SM = 233472  # shared memory of one sm_90 multiprocessor (228 KB, the 
 _SMEM_BASE = 0x400
 
 
-def coop_plan(plan: dict, layout: PagedLayout, stages: int = 2, items: int = 1) -> dict | None:
+def coop_plan(plan: dict, layout: PagedLayout, stages: int = 2) -> dict | None:
     """``plan`` with CTA-cooperative stages (``COOP = stages``): one CTA per (sequence, split) with
     one warp per KV head, whose threads copy each step's 16 whole rows (all heads) into a ring of
     ``stages`` shared-memory stages with ``cp.async`` (coalesced 16-byte chunks), and every head-warp
@@ -1332,20 +1271,15 @@ def coop_plan(plan: dict, layout: PagedLayout, stages: int = 2, items: int = 1) 
     tokens, a KV-head count that is not a power of two up to 16 (a CTA's warps), or stages (plus
     the pair table) beyond one CTA's shared memory. (With ``PROBE = 2`` the loop runs on the
     prologue's stages: no refills.) The stages live in the kernel's dynamic shared memory, which the
-    launcher sizes (see :func:`coop_smem_bytes`). ``items``: (sequence, split) work items per CTA,
-    each with its own warps and ring, all sharing the CTA's one pair table (at most 16 warps)."""
+    launcher sizes (see :func:`coop_smem_bytes`)."""
     if not isinstance(plan, dict):
         raise TypeError(f"plan must be a dict from mma_plan, got {type(plan).__name__}")
     if not isinstance(stages, int) or not 2 <= stages <= 8:
         raise ValueError(f"stages must be an int in 2..8, got {stages!r}")
-    if items not in (1, 2, 4):
-        raise ValueError(f"items must be 1, 2 or 4, got {items!r}")
     hkv = layout.num_kv_heads
-    if layout.block_size % 16 or hkv * items > 16 or hkv & (hkv - 1):
+    if layout.block_size % 16 or hkv > 16 or hkv & (hkv - 1):
         return None
     out = dict(plan, COOP=stages, RS=coop_row_stride(layout.row_bytes), SMEM_OFF=_COOP_SMEM_OFF)
-    if items > 1:
-        out["ITEMS"] = items
     if coop_smem_bytes(out) > _SMEM_OPTIN:
         return None
     # One CTA per SM anyway (4-bit Lloyd-Max keys, whose table lookups are most of the loop): the
@@ -1369,11 +1303,8 @@ def table256_plan(plan: dict) -> dict | None:
     if plan["K_BITS"] != 4:
         return None
     stg = 16 * plan["SUB"] * plan["RS"]
-    items = plan.get("ITEMS", 1)
     for at in (0x10000, 0x20000, 0x30000):
-        nlow = min(plan["COOP"] * items, max(0, (at - _SMEM_BASE - plan["SMEM_OFF"]) // stg))
-        if items > 1:  # whole rings below the table (one ring may straddle it only when it is alone)
-            nlow -= nlow % plan["COOP"]
+        nlow = min(plan["COOP"], max(0, (at - _SMEM_BASE - plan["SMEM_OFF"]) // stg))
         out = dict(plan, LUT_AT=at, NLOW=nlow)
         if coop_smem_bytes(out) <= _SMEM_OPTIN:
             return out
@@ -1387,10 +1318,9 @@ def coop_smem_bytes(plan: dict) -> int:
     if not isinstance(plan, dict) or not plan.get("COOP"):
         raise TypeError(f"plan must be a cooperative plan (a dict from coop_plan), got {plan!r:.80}")
     stg = 16 * plan["SUB"] * plan["RS"]
-    n = plan["COOP"] * plan.get("ITEMS", 1)  # every item's ring
     if plan.get("LUT_AT"):  # up to the last stage above the table, counted from shared address 0
-        return plan["LUT_AT"] + 65536 + (n - plan["NLOW"]) * stg + _COOP_PAD
-    return plan["SMEM_OFF"] + _LUT_BYTES * _needs_lut(plan) + n * stg + _COOP_PAD
+        return plan["LUT_AT"] + 65536 + (plan["COOP"] - plan["NLOW"]) * stg + _COOP_PAD
+    return plan["SMEM_OFF"] + _LUT_BYTES * _needs_lut(plan) + plan["COOP"] * stg + _COOP_PAD
 
 
 class DynamicSmemUnsupported(RuntimeError):
@@ -1461,8 +1391,8 @@ def _needs_lut(plan: dict) -> bool:
 def _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, group, num_splits,
                  sm_scale, warps, prefetch, hint, maxnreg=None, value_centroids_f32=None):
     s, hq, _ = q_rot.shape
-    if plan.get("COOP"):  # one warp per KV head of each (sequence, split) of the CTA
-        warps = layout.num_kv_heads * plan.get("ITEMS", 1)
+    if plan.get("COOP"):  # one warp per KV head of a (sequence, split)
+        warps = layout.num_kv_heads
     if prefetch is None:  # the ring holds the steps of one iteration (measured: SUB = 2 with 1 step slower)
         prefetch = plan["SUB"]
     # The value codebook is read only for 3-bit Lloyd-Max values next to 5-bit keys.
@@ -1548,6 +1478,6 @@ def _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, 
                q_rot.device.index or 0)
         if key not in _COOP_READY:
             _compiled(args, kwargs, plan, key)
-        _paged_decode_coop_kernel[(triton.cdiv(s * num_splits, plan.get("ITEMS", 1)),)](*args, **kwargs)
+        _paged_decode_coop_kernel[(s * num_splits,)](*args, **kwargs)
     else:
         _paged_decode_mma_kernel[(triton.cdiv(total, warps),)](*args, **kwargs)
