@@ -208,13 +208,15 @@ def test_ctas_per_sm():
 @needs_kernels
 @pytest.mark.parametrize("preset", ["tq4", "turboquant_4bit_nc"])  # values rotated back / not
 @pytest.mark.parametrize("chunks", [1, 2, 4])
-@pytest.mark.parametrize("impl,rows", [("heads", 16), ("rows", 16), ("rows", 32)])
-def test_merge_matches_numpy(preset, chunks, impl, rows):
+@pytest.mark.parametrize("impl,rows,unroll", [("heads", 16, None), ("rows", 16, 8), ("rows", 32, 2), ("rows", 16, None),
+                                              (None, 16, None)])
+def test_merge_matches_numpy(preset, chunks, impl, rows, unroll):
     """out = Σ_i exp2(m_i − m)·acc_i / Σ_i exp2(m_i − m)·l_i (@ Πᵀ when values are rotated), with
     empty splits (m = −inf, l = 0) ignored, a row without any tokens gives 0; the output is
     poisoned first, and so are the partials of the empty splits (NaN: a merge must not read them
     into the sum). Both merge kernels: per GQA group, and per block of query rows (24 rows: a
-    partial block of 16 or 32; 5 splits: a partial unroll of 2 or 8)."""
+    partial block of 16 or 32; 5 splits: a partial unroll of 2 or 8, or all 5 at once: the
+    default without the rotate-back); and the launcher's default choice."""
     layout = _layout(preset, 128, 2)
     params = tqt.to_device(tqkern.TQParams.default(layout.format, seed=3), DEV)
     s, hq, ns, dp, g = 3, 8, 5, 128, 4
@@ -235,7 +237,7 @@ def test_merge_matches_numpy(preset, chunks, impl, rows):
     out = torch.full((s, hq, 128), float("nan"), dtype=torch.float32, device=DEV)
     n_acc = acc.size
     _launch_merge(ws_t[:n_acc], ws_t[n_acc:], params.rotation, out, layout, g, ns, INTERP, chunks=chunks,
-                  impl=impl, rows=rows, unroll=2 if rows == 32 else 8)
+                  impl=impl, rows=rows, unroll=unroll)
     m_max = m.max(-1, keepdims=True)
     w = np.exp2(m - np.where(np.isfinite(m_max), m_max, 0.0))
     w[~np.isfinite(m)] = 0.0

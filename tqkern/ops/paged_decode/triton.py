@@ -753,19 +753,24 @@ def merge_chunks(programs: int, num_sms: int, dp: int) -> int:
 
 
 def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, interpret: bool,
-                  chunks: int | None = None, impl: str | None = None, rows: int = 16, unroll: int = 8):
+                  chunks: int | None = None, impl: str | None = None, rows: int = 16, unroll: int | None = None):
     """Merge the splits into ``out`` (rotating back when the value codec is rotated). ``impl``:
     ``"rows"`` (:func:`_merge_rows_kernel`, blocks of ``rows`` query rows) or ``"heads"``
-    (:func:`_merge_kernel`, one GQA group per program); by default rows with the rotate-back,
-    heads without. Measured (H100, session 4, `benchmarks/results/h100_session4_run1_sweep.log`):
+    (:func:`_merge_kernel`, one GQA group per program); by default rows with the rotate-back or
+    more than 16 splits, else heads. Measured (H100, session 4, `benchmarks/results/h100_session4_run1_sweep.log`):
     with the rotate-back rows are 2x faster (tq4 B32x16K 11.7 → 6.0 µs, B8x64K 24.5 → 14.6 µs);
-    without it heads are faster (turboquant_4bit_nc 2.8 vs 3.2 µs, 5.5 vs 7.0 µs). ``chunks``:
-    output-column chunks per program block (default :func:`merge_chunks`)."""
+    without it heads are faster at 8 splits (turboquant_4bit_nc B32x16K 3.0 vs 3.3 µs) and rows
+    with every split's load in flight at 33 (B8x64K 7.3 vs 9.3 µs; session 12,
+    `benchmarks/results/h100_session12_run4_sweep.log`). ``chunks``: output-column chunks per
+    program block (default :func:`merge_chunks`); ``unroll``: splits per loop iteration of the
+    row-block kernel (default 8 with the rotate-back, else all of them)."""
     s, hq, d = out.shape
     dp = layout_consts(layout)["DP"]
     rotate_back = bool(layout.format.value.rotated)
     if impl is None:
-        impl = "rows" if rotate_back else "heads"
+        impl = "rows" if rotate_back or num_splits > 16 else "heads"
+    if unroll is None:
+        unroll = 8 if rotate_back else 64
     if impl not in ("rows", "heads"):
         raise ValueError(f"impl must be 'rows', 'heads' or None, got {impl!r}")
     if not isinstance(rows, int) or rows < 16 or rows & (rows - 1):

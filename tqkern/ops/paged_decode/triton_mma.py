@@ -82,9 +82,12 @@ _NBYTES = {0: 2, 1: 4, 2: 2}
 # -- inline PTX helpers (each call is one value per thread) -----------------------------------
 # Fill: entry b (an fp16 pair) into its 32 lane replicas, 128 contiguous bytes at b·128 (or, for
 # the PRMT-addressed table, b·256: the other 128 bytes of each entry unused).
+# Thread b writes its 16-byte pieces in the order (k + b) mod 8, so that the 8 threads of a store
+# phase (consecutive b) hit 8 different 16-byte bank groups (in order k they would all hit one).
 def _fill_asm(stride: int) -> str:
-    return ("{\n.reg .b32 a;\n" + f"mad.lo.u32 a, $2, {stride}, $1;\n"
-            + "".join(f"st.shared.v4.b32 [a+{16 * k}], {{$3, $3, $3, $3}};\n" for k in range(8))
+    return ("{\n.reg .b32 a, o, p;\n" + f"mad.lo.u32 a, $2, {stride}, $1;\n"
+            + "".join(f"add.u32 o, $2, {k};\nand.b32 o, o, 7;\nmad.lo.u32 p, o, 16, a;\n"
+                      "st.shared.v4.b32 [p], {$3, $3, $3, $3};\n" for k in range(8))
             + "mov.b32 $0, $1;\n}")
 
 
@@ -839,7 +842,7 @@ def _paged_decode_mma_kernel(
     n_steps = tl.max(tl.maximum(tl.cdiv(end - start, 16), 0), axis=0)  # the CTA's longest range
     bt_row = bt_ptr + s.to(tl.int64) * max_blocks
 
-    # -- pair table ------------------------------------------------------------------------------
+    # -- pair table (its address), the cooperative stages' first copies, the table's fill ----------
     if NEED_LUT:
         if LUT_AT:  # the PRMT-addressed table at the shared address LUT_AT (low 16 bits 0)
             lut = (_smem_base(t) & -65536) + LUT_AT
@@ -847,6 +850,32 @@ def _paged_decode_mma_kernel(
             lut = _smem_base(t) + SMEM_OFF
         else:
             lut = _lut_declare(t)
+    else:
+        lut = t * 0  # (unused)
+    if COOP:
+        # CTA-cooperative stages (the CTA's warps are the KV heads of one sequence and split):
+        # a ring of COOP stages of SUB steps' whole rows in dynamic shared memory, filled by
+        # cp.async COOP - 1 iterations ahead; thread t copies 16-byte chunks t, t + NT, ... of
+        # each step's 16 contiguous rows (to row i // (ROW_BYTES / 16) of the stage, RS bytes apart).
+        # The first COOP - 1 stages are issued before the table is filled (their DRAM latency
+        # overlaps the fill).
+        STG: tl.constexpr = 16 * SUB * RS
+        NCP: tl.constexpr = (ROW_BYTES + NT - 1) // NT
+        # (LUT_AT: stages 0 .. NLOW - 1 below the table, the others right above its 64 KB)
+        stages = _smem_base(t) + (SMEM_OFF + LUT_BYTES * NEED_LUT * (LUT_AT == 0))
+        # (a ring that the PRMT-addressed table splits: NLOW stages below it, the others above it)
+        SPLIT: tl.constexpr = NLOW if (LUT_AT > 0 and NLOW < COOP) else 0
+        cp_s = ()
+        for k in tl.static_range(NCP):
+            ci = t + k * NT
+            if RS == ROW_BYTES:
+                cp_s = cp_s + (16 * ci,)
+            else:
+                cp_s = cp_s + ((ci // (ROW_BYTES // 16)) * RS + (ci % (ROW_BYTES // 16)) * 16,)
+        for j in tl.static_range(COOP - 1):
+            _coop_issue(cache_ptr, _step_blocks(bt_row, start + 16 * SUB * j, end, BS, SUB), start + 16 * SUB * j,
+                        end, _stage(stages, lut, j, STG, SPLIT), cp_s, t, NT, BS, ROW_BYTES, RS, SUB)
+    if NEED_LUT:
         if K5:
             lut = _lut_fill_k5(lut, t, cen_ptr, vcen_ptr, NT, not V_UNIFORM)
         else:
@@ -854,7 +883,6 @@ def _paged_decode_mma_kernel(
         lb = lut + lane * 4
     else:
         lb = lane * 4
-        lut = lb  # (unused)
 
     # -- field geometry (aligned spans, byte masks for the joining lane) ---------------------------
     ka = K_A_OFF + h * K_A_STRIDE
@@ -944,27 +972,7 @@ def _paged_decode_mma_kernel(
     # ring), and the block-table entry of the step after those is looked up one iteration
     # earlier still, so that the loads never wait on the table. PREFETCH = 1 measured fastest on
     # the H100: ptxas sinks a deeper ring's loads to the end of the iteration anyway.
-    if COOP:
-        # CTA-cooperative stages (the CTA's warps are the KV heads of one sequence and split):
-        # a ring of COOP stages of SUB steps' whole rows in dynamic shared memory, filled by
-        # cp.async COOP - 1 iterations ahead; thread t copies 16-byte chunks t, t + NT, ... of
-        # each step's 16 contiguous rows (to row i // (ROW_BYTES / 16) of the stage, RS bytes apart).
-        STG: tl.constexpr = 16 * SUB * RS
-        NCP: tl.constexpr = (ROW_BYTES + NT - 1) // NT
-        # (LUT_AT: stages 0 .. NLOW - 1 below the table, the others right above its 64 KB)
-        stages = _smem_base(t) + (SMEM_OFF + LUT_BYTES * NEED_LUT * (LUT_AT == 0))
-        # (a ring that the PRMT-addressed table splits: NLOW stages below it, the others above it)
-        SPLIT: tl.constexpr = NLOW if (LUT_AT > 0 and NLOW < COOP) else 0
-        cp_s = ()
-        for k in tl.static_range(NCP):
-            ci = t + k * NT
-            if RS == ROW_BYTES:
-                cp_s = cp_s + (16 * ci,)
-            else:
-                cp_s = cp_s + ((ci // (ROW_BYTES // 16)) * RS + (ci % (ROW_BYTES // 16)) * 16,)
-        for j in tl.static_range(COOP - 1):
-            _coop_issue(cache_ptr, _step_blocks(bt_row, start + 16 * SUB * j, end, BS, SUB), start + 16 * SUB * j,
-                        end, _stage(stages, lut, j, STG, SPLIT), cp_s, t, NT, BS, ROW_BYTES, RS, SUB)
+    if COOP:  # (the first COOP - 1 stages were issued before the pair table was filled)
         nxt = _step_blocks(bt_row, start + 16 * SUB * (COOP - 1), end, BS, SUB)
     else:
         blk = _step_block(bt_row, start, end, BS)
