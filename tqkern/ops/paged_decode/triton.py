@@ -29,7 +29,7 @@ from tqkern.ops.common import bits_to_f32, halfword_aligned, layout_consts, load
 from tqkern.ops.paged_decode._ptx import _LUT_ASM_LSB, _LUT_ASM_NIBBLE, _UNI_ASM_LSB, _UNI_ASM_NIBBLE, _prmt_tables
 from tqkern.ops.paged_decode.triton_mma import (DynamicSmemUnsupported, _launch_paged_decode_mma, ctas_per_sm,
                                                 device_plan, disable_cooperative_stages, mma_plan, num_splits_mma,
-                                                resident_warps)
+                                                per_warp_plan, resident_warps)
 
 __all__ = ["_paged_decode_kernel", "_merge_kernel", "_launch_paged_decode", "num_splits_for", "fast_path_plan",
            "decode_path", "rotate_q", "merge_chunks", "check_workspace"]
@@ -674,14 +674,30 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
     return out
 
 
+_COOP_MIN_TOKENS = 1024  # tokens per split below which one-step cooperative plans may give way
+
+
 def _launch_mma(q_rot, cache, block_table, seq_lens, layout, tables, g, num_splits, workspace, sm_scale):
     """The warp-MMA kernel with the device's plan; returns (acc, ml, num_splits) for the merge."""
     s, hq, _ = q_rot.shape
     plan = device_plan(layout, g, q_rot.device)
+    max_len = block_table.shape[1] * layout.block_size
     if num_splits is None:
-        resident = resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, tables["key_centroids_f32"],
-                                  group=g, value_centroids_f32=tables["value_centroids_f32"])
-        num_splits = num_splits_mma(s, layout.num_kv_heads, block_table.shape[1] * layout.block_size, resident)
+        def splits_for(p):
+            resident = resident_warps(q_rot, cache, block_table, seq_lens, layout, p, tables["key_centroids_f32"],
+                                      group=g, value_centroids_f32=tables["value_centroids_f32"])
+            return num_splits_mma(s, layout.num_kv_heads, max_len, resident)
+        num_splits = splits_for(plan)
+        # Short splits with one-step stages (two CTAs per SM): the cooperative prologue is not
+        # paid back; the per-warp kernel runs instead where it has at least 2 splits of its own
+        # (measured, H100: B32x4K turboquant_4bit_nc 75.1 vs 81.5 µs, k8v4 90.4 vs 96.2, 3bit_nc
+        # 73.3 vs 77.8; B128x1K 3bit_nc 76.3 vs 79.9 -- but turboquant_4bit_nc with 1 split of its
+        # own 92.2 vs 84.1: benchmarks/NOTES.md §45).
+        if plan.get("COOP") and plan["SUB"] == 1 and max_len < _COOP_MIN_TOKENS * num_splits:
+            per_warp = per_warp_plan(plan)
+            n = splits_for(per_warp)
+            if n >= 2:
+                plan, num_splits = per_warp, n
     acc, ml = _workspace(workspace, s, hq, num_splits, layout_consts(layout)["DP"], q_rot.device)
     _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, tables["key_centroids_f32"], acc, ml,
                              group=g, num_splits=num_splits, sm_scale=sm_scale,
