@@ -529,12 +529,15 @@ def _coop_wait(stage, N: tl.constexpr):
 
 
 @triton.jit
-def _stage(ring, lut, j, STG: tl.constexpr, SPLIT: tl.constexpr):
-    """Shared address of stage ``j`` of the ring at ``ring``: ``ring + j·STG``; a ring that the
-    PRMT-addressed table splits (``SPLIT`` stages below it) continues past the table's 64 KB."""
-    if SPLIT:
-        return tl.where(j < SPLIT, ring + j * STG, lut + 65536 + (j - SPLIT) * STG)
-    return ring + j * STG
+def _stage(stages, lut, j, STG: tl.constexpr, NBELOW: tl.constexpr):
+    """Shared address of stage ``j``: ``stages + j·STG`` (``NBELOW < 0``: one contiguous ring);
+    with the PRMT-addressed table, stages ``0 .. NBELOW - 1`` from ``stages`` (below the table) and
+    the others from the end of the table's 64 KB."""
+    if NBELOW < 0:
+        return stages + j * STG
+    if NBELOW == 0:
+        return lut + 65536 + j * STG
+    return tl.where(j < NBELOW, stages + j * STG, lut + 65536 + (j - NBELOW) * STG)
 
 
 @triton.jit
@@ -863,8 +866,7 @@ def _paged_decode_mma_kernel(
         NCP: tl.constexpr = (ROW_BYTES + NT - 1) // NT
         # (LUT_AT: stages 0 .. NLOW - 1 below the table, the others right above its 64 KB)
         stages = _smem_base(t) + (SMEM_OFF + LUT_BYTES * NEED_LUT * (LUT_AT == 0))
-        # (a ring that the PRMT-addressed table splits: NLOW stages below it, the others above it)
-        SPLIT: tl.constexpr = NLOW if (LUT_AT > 0 and NLOW < COOP) else 0
+        NBELOW: tl.constexpr = NLOW if (LUT_AT > 0 and NLOW < COOP) else -1
         cp_s = ()
         for k in tl.static_range(NCP):
             ci = t + k * NT
@@ -874,7 +876,7 @@ def _paged_decode_mma_kernel(
                 cp_s = cp_s + ((ci // (ROW_BYTES // 16)) * RS + (ci % (ROW_BYTES // 16)) * 16,)
         for j in tl.static_range(COOP - 1):
             _coop_issue(cache_ptr, _step_blocks(bt_row, start + 16 * SUB * j, end, BS, SUB), start + 16 * SUB * j,
-                        end, _stage(stages, lut, j, STG, SPLIT), cp_s, t, NT, BS, ROW_BYTES, RS, SUB)
+                        end, _stage(stages, lut, j, STG, NBELOW), cp_s, t, NT, BS, ROW_BYTES, RS, SUB)
     if NEED_LUT:
         if K5:
             lut = _lut_fill_k5(lut, t, cen_ptr, vcen_ptr, NT, not V_UNIFORM)
@@ -987,13 +989,13 @@ def _paged_decode_mma_kernel(
         # max (scores and value factors), one rescale of the output, then their values.
         t0 = start + it * (16 * SUB)
         if COOP:  # this iteration's stage has landed; refill the one read last iteration
-            sb = _coop_wait(_stage(stages, lut, it % COOP, STG, SPLIT), COOP - 2)
+            sb = _coop_wait(_stage(stages, lut, it % COOP, STG, NBELOW), COOP - 2)
             tc = t0 + 16 * SUB * (COOP - 1)
             copy_end = end
             if PROBE == 2:  # no refills: the loop runs on the prologue's stages (no DRAM traffic)
                 copy_end = start
             _coop_issue(cache_ptr, nxt, tc, copy_end,
-                        _stage(stages, lut, (it + COOP - 1) % COOP, STG, SPLIT), cp_s, t, NT, BS,
+                        _stage(stages, lut, (it + COOP - 1) % COOP, STG, NBELOW), cp_s, t, NT, BS,
                         ROW_BYTES, RS, SUB)
             nxt = _step_blocks(bt_row, tc + 16 * SUB, end, BS, SUB)
         steps = ()
@@ -1302,10 +1304,8 @@ def table256_plan(plan: dict) -> dict | None:
     apart from a shared address whose low 16 bits are 0, so that a byte's entry address is one
     PRMT of the code byte into this lane's base instead of a PRMT and an IMAD). The table takes 64
     KB at ``LUT_AT``; stages ``0 .. NLOW - 1`` lie below it (from ``SMEM_OFF``), the others right
-    above it. With decode-time norm correction each lane's replica is 8 bytes, the pair and its
-    squares (one 8-byte LDS per byte instead of an LDS and a squaring). ``None`` if no such layout
-    fits one CTA's shared memory, or the plan's keys are not 4-bit codes (3- and 5-bit keys index
-    the table differently)."""
+    above it. ``None`` if no such layout fits one CTA's shared memory, or the plan's keys are not
+    4-bit codes (3- and 5-bit keys index the table differently)."""
     if not isinstance(plan, dict) or not plan.get("COOP"):
         raise TypeError(f"plan must be a cooperative plan (a dict from coop_plan), got {plan!r:.80}")
     if plan["K_BITS"] != 4:
