@@ -105,10 +105,13 @@ def mma_path_cases(draw):
     rows of 2 mod 4 bytes included), block sizes 1..128 (blocks shorter than the kernel's
     16-token step included), with and without cooperative stages (4 or 8 KV heads in blocks of
     16..128 tokens: the launcher's plan then copies whole rows through shared memory)."""
-    # Three quarters of the examples steer toward the main formats' 4-bit keys (joined, shifted or
-    # aligned by the slot geometry) or toward read schemes that free draws rarely reach (session
-    # 7's statistics: 5-bit keys ~5%, rows of 2 mod 4 bytes 0-6%, FP8 keys half of all examples).
-    focus = draw(st.sampled_from(["free", "4-bit keys", "3- or 5-bit keys", "rows 2 mod 4", "cooperative stages"]),
+    # Four fifths of the examples steer toward the main formats' 4-bit keys (joined, shifted or
+    # aligned by the slot geometry), toward read schemes that free draws rarely reach (session
+    # 7's statistics: 5-bit keys ~5%, rows of 2 mod 4 bytes 0-6%, FP8 keys half of all examples),
+    # or toward the cooperative stages, the launcher's plan for 4-16 KV heads. That focus comes
+    # first: Hypothesis leans to the first choices, and with it last the stages were drawn in only
+    # 2 of 24 examples (session 12).
+    focus = draw(st.sampled_from(["cooperative stages", "free", "4-bit keys", "3- or 5-bit keys", "rows 2 mod 4"]),
                  label="focus")
     d = draw(st.sampled_from([64, 128]), label="head_dim")
     if focus == "4-bit keys":
