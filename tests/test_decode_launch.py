@@ -420,6 +420,7 @@ def test_launcher_falls_back_to_the_per_warp_kernel_when_sizing_fails(monkeypatc
     import tqkern.ops.paged_decode.triton_mma as tm
 
     monkeypatch.setattr(tm, "_COOP_DISABLED", set())
+    monkeypatch.setattr(tri, "_MMA_LAUNCHES", {})  # (plans are cached per launch shape)
     monkeypatch.setattr(tm, "_smem_optin", lambda index: 232448)
     monkeypatch.setattr(tri, "_capability", lambda device: (9, 0))
     launched = []
@@ -442,33 +443,44 @@ def test_launcher_falls_back_to_the_per_warp_kernel_when_sizing_fails(monkeypatc
     assert "COOP" not in tm.device_plan(tq4, 4, torch.device("cuda", 0))
 
 
-@pytest.mark.parametrize("preset,arr,batch,max_len,per_warp_resident,want_coop", [
-    ("turboquant_4bit_nc", "slot", 32, 4096, 1584, False),  # coop: 8 splits of 512; per-warp: 6 splits
-    ("turboquant_4bit_nc", "slot", 128, 1024, 1584, True),  # per-warp would have 1 split
-    ("turboquant_4bit_nc", "slot", 32, 16384, 1584, True),  # splits of 2048 tokens
-    ("tq4", "row", 32, 4096, 1584, True),  # two-step stages: always cooperative
+@pytest.mark.parametrize("preset,arr,batch,max_len,per_warp_resident,want_coop,asks", [
+    ("turboquant_4bit_nc", "slot", 32, 4096, 1584, False, 2),  # coop: 8 splits of 512; per-warp: 6 splits
+    ("turboquant_4bit_nc", "slot", 128, 1024, 1584, True, 2),  # per-warp would have 1 split
+    ("turboquant_4bit_nc", "slot", 32, 16384, 1584, True, 1),  # splits of 2048 tokens
+    ("tq4", "row", 32, 4096, 1584, True, 1),  # two-step stages: always cooperative
 ])
 def test_short_splits_give_way_to_the_per_warp_kernel(monkeypatch, preset, arr, batch, max_len, per_warp_resident,
-                                                      want_coop):
+                                                      want_coop, asks):
     """One-step cooperative plans with fewer than 1024 tokens per split run the per-warp kernel
     instead when it has at least 2 splits of its own (measured at B32x4K / B128x1K); the choice
-    depends on shapes only."""
+    depends on shapes only and is made once per launch shape (a second launch asks nothing)."""
     import tqkern.ops.paged_decode.triton as tri
     import tqkern.ops.paged_decode.triton_mma as tm
 
     monkeypatch.setattr(tm, "_COOP_DISABLED", set())
+    monkeypatch.setattr(tri, "_MMA_LAUNCHES", {})  # (plans are cached per launch shape)
     monkeypatch.setattr(tm, "_smem_optin", lambda index: 232448)
     monkeypatch.setattr(tri, "_capability", lambda device: (9, 0))
-    monkeypatch.setattr(tri, "resident_warps", lambda *a, **k: 2112 if a[5].get("COOP") else per_warp_resident)
+    asked = []
+
+    def resident(*a, **k):
+        asked.append(bool(a[5].get("COOP")))
+        return 2112 if a[5].get("COOP") else per_warp_resident
+
+    monkeypatch.setattr(tri, "resident_warps", resident)
     launched = []
     monkeypatch.setattr(tri, "_launch_paged_decode_mma", lambda *a, **k: launched.append((a[5], k["num_splits"])))
     monkeypatch.setattr(tri, "_launch_merge", lambda *a, **k: None)
     layout = _layout(preset, 128, 8, arr)
     bt = torch.zeros(batch, max_len // 16, dtype=torch.int32)
     tables = {"key_centroids_f32": None, "value_centroids_f32": None, "rotation": None}
-    tri._launch_paged_decode(None, torch.zeros(batch, 32, 128), torch.zeros(16, layout.row_bytes, dtype=torch.uint8),
-                             bt, torch.ones(batch, dtype=torch.int32), layout, tables, sm_scale=1.0, interpret=False)
-    (plan, splits), = launched
+    for _ in range(2):
+        tri._launch_paged_decode(None, torch.zeros(batch, 32, 128),
+                                 torch.zeros(16, layout.row_bytes, dtype=torch.uint8), bt,
+                                 torch.ones(batch, dtype=torch.int32), layout, tables, sm_scale=1.0, interpret=False)
+    assert len(launched) == 2 and launched[0] == launched[1]
+    assert asked == [True, False][:asks]  # the cooperative plan's residency, then (maybe) the per-warp one
+    (plan, splits) = launched[0]
     assert bool(plan.get("COOP")) == want_coop
     resident = 2112 if want_coop else per_warp_resident
     assert splits == tm.num_splits_mma(batch, 8, max_len, resident)

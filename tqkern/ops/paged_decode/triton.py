@@ -27,6 +27,7 @@ import triton.language as tl
 from tqkern.layouts import PagedLayout
 from tqkern.ops.common import bits_to_f32, halfword_aligned, layout_consts, load_bytes, load_packed, load_param
 from tqkern.ops.paged_decode._ptx import _LUT_ASM_LSB, _LUT_ASM_NIBBLE, _UNI_ASM_LSB, _UNI_ASM_NIBBLE, _prmt_tables
+from tqkern.ops.paged_decode import triton_mma as _tm
 from tqkern.ops.paged_decode.triton_mma import (DynamicSmemUnsupported, _launch_paged_decode_mma, ctas_per_sm,
                                                 device_plan, disable_cooperative_stages, mma_plan, num_splits_mma,
                                                 per_warp_plan, resident_warps)
@@ -675,13 +676,20 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
 
 
 _COOP_MIN_TOKENS = 1024  # tokens per split below which one-step cooperative plans may give way
+_MMA_LAUNCHES: dict = {}  # (layout, group, shapes, device, stages disabled) -> (plan, num_splits)
 
 
-def _launch_mma(q_rot, cache, block_table, seq_lens, layout, tables, g, num_splits, workspace, sm_scale):
-    """The warp-MMA kernel with the device's plan; returns (acc, ml, num_splits) for the merge."""
+def _mma_launch_plan(q_rot, cache, block_table, seq_lens, layout, tables, g, num_splits):
+    """The plan and split count of a warp-MMA launch: the device's plan, its split count from the
+    shapes (when not given), and the short-split rule; cached per layout, group, shapes and
+    device (it depends on nothing else), so a launch does this work once."""
     s, hq, _ = q_rot.shape
-    plan = device_plan(layout, g, q_rot.device)
+    dev = q_rot.device.index or 0
     max_len = block_table.shape[1] * layout.block_size
+    key = (layout, g, s, hq, max_len, num_splits, dev, dev in _tm._COOP_DISABLED)
+    if key in _MMA_LAUNCHES:
+        return _MMA_LAUNCHES[key]
+    plan = device_plan(layout, g, q_rot.device)
     if num_splits is None:
         def splits_for(p):
             resident = resident_warps(q_rot, cache, block_table, seq_lens, layout, p, tables["key_centroids_f32"],
@@ -698,6 +706,14 @@ def _launch_mma(q_rot, cache, block_table, seq_lens, layout, tables, g, num_spli
             n = splits_for(per_warp)
             if n >= 2:
                 plan, num_splits = per_warp, n
+    _MMA_LAUNCHES[key] = plan, num_splits
+    return plan, num_splits
+
+
+def _launch_mma(q_rot, cache, block_table, seq_lens, layout, tables, g, num_splits, workspace, sm_scale):
+    """The warp-MMA kernel with the device's plan; returns (acc, ml, num_splits) for the merge."""
+    s, hq, _ = q_rot.shape
+    plan, num_splits = _mma_launch_plan(q_rot, cache, block_table, seq_lens, layout, tables, g, num_splits)
     acc, ml = _workspace(workspace, s, hq, num_splits, layout_consts(layout)["DP"], q_rot.device)
     _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, tables["key_centroids_f32"], acc, ml,
                              group=g, num_splits=num_splits, sm_scale=sm_scale,

@@ -154,9 +154,7 @@ def _lut_fill_k5(base, t, kcen_ptr, vcen_ptr, NT: tl.constexpr, V_LM: tl.constex
                                      is_pure=False, pack=1)
 
 
-# PRMT-addressed table (entries 256 bytes apart at a shared address whose low 16 bits are 0): the
-# address of byte k's entry is this lane's base with byte k of the word as its byte 1 — one PRMT
-# (bytes: base.0 = 4·lane, w.k, base.2, base.3) instead of a PRMT and an IMAD.
+# Lookups of a word's 4 bytes: PRMT (the byte) + IMAD (·128 + this lane's base) + LDS each.
 _LUT4_ASM = tl.constexpr(
     "{\n.reg .b32 b0, b1, b2, b3;\n"
     "prmt.b32 b0, $4, 0, 0x4440;\nprmt.b32 b1, $4, 0, 0x4441;\n"
@@ -164,6 +162,9 @@ _LUT4_ASM = tl.constexpr(
     "mad.lo.u32 b0, b0, 128, $5;\nmad.lo.u32 b1, b1, 128, $5;\n"
     "mad.lo.u32 b2, b2, 128, $5;\nmad.lo.u32 b3, b3, 128, $5;\n"
     "ld.shared.b32 $0, [b0];\nld.shared.b32 $1, [b1];\nld.shared.b32 $2, [b2];\nld.shared.b32 $3, [b3];\n}")
+# The PRMT-addressed table (entries 256 bytes apart at a shared address whose low 16 bits are 0):
+# the address of byte k's entry is this lane's base with byte k of the word as its byte 1 — one
+# PRMT (bytes: base.0 = 4·lane, w.k, base.2, base.3) instead of a PRMT and an IMAD.
 _LUT4_256_ASM = tl.constexpr(
     "{\n.reg .b32 b0, b1, b2, b3;\n"
     "prmt.b32 b0, $4, $5, 0x7604;\nprmt.b32 b1, $4, $5, 0x7614;\n"
@@ -1281,7 +1282,8 @@ def coop_plan(plan: dict, layout: PagedLayout, stages: int = 2) -> dict | None:
     tokens, a KV-head count that is not a power of two up to 16 (a CTA's warps), or stages (plus
     the pair table) beyond one CTA's shared memory. (With ``PROBE = 2`` the loop runs on the
     prologue's stages: no refills.) The stages live in the kernel's dynamic shared memory, which the
-    launcher sizes (see :func:`coop_smem_bytes`)."""
+    launcher sizes (see :func:`coop_smem_bytes`). A plan of 4-bit keys whose CTA has the SM to
+    itself anyway takes the PRMT-addressed table where it fits (:func:`table256_plan`)."""
     if not isinstance(plan, dict):
         raise TypeError(f"plan must be a dict from mma_plan, got {type(plan).__name__}")
     if not isinstance(stages, int) or not 2 <= stages <= 8:
@@ -1435,6 +1437,13 @@ _RESIDENT: dict = {}
 _COOP_READY: set = set()
 
 
+def _compile_key(q_rot, layout, plan, group, warps, prefetch, hint, maxnreg) -> tuple:
+    """What a launch's compiled kernel depends on (cheap to hash: this runs on every launch); the
+    key of :data:`_RESIDENT` and :data:`_COOP_READY`."""
+    return (layout, tuple(plan.items()), group, q_rot.shape[1], warps, prefetch, hint, maxnreg,
+            q_rot.device.index or 0)
+
+
 def _compiled(args, kwargs, plan, key):
     """The compiled kernel of a launch (cooperative plans: with their dynamic shared memory sized,
     once per ``key``)."""
@@ -1453,8 +1462,7 @@ def resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, key_centro
     shared memory; compiled once, cached); a conservative 8 per SM if the compiled kernel cannot
     be inspected (that costs speed, never correctness)."""
     dev = q_rot.device.index or 0
-    # what the compiled kernel depends on, cheap to hash (this runs on every launch)
-    key = (layout, tuple(plan.items()), group, q_rot.shape[1], warps, prefetch, hint, maxnreg, dev)
+    key = _compile_key(q_rot, layout, plan, group, warps, prefetch, hint, maxnreg)
     if key not in _RESIDENT:
         args, kwargs = _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, q_rot,
                                     q_rot, group, 1, 1.0, warps, prefetch, hint, maxnreg, value_centroids_f32)
@@ -1482,8 +1490,7 @@ def _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, 
     args, kwargs = _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, group,
                                 num_splits, sm_scale, warps, prefetch, hint, maxnreg, value_centroids_f32)
     if plan.get("COOP"):
-        key = (layout, tuple(plan.items()), group, q_rot.shape[1], warps, prefetch, hint, maxnreg,
-               q_rot.device.index or 0)
+        key = _compile_key(q_rot, layout, plan, group, warps, prefetch, hint, maxnreg)
         if key not in _COOP_READY:
             _compiled(args, kwargs, plan, key)
         _paged_decode_coop_kernel[(s * num_splits,)](*args, **kwargs)
