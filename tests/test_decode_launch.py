@@ -412,10 +412,10 @@ def test_dynamic_shared_memory_is_sized_before_the_binary_loads():
         _size_dynamic_smem(_FakeKernel(plan["SMEM_OFF"] + 16), plan)
 
 
-def test_launcher_falls_back_to_the_per_warp_kernel_when_sizing_fails(monkeypatch):
-    """Where the cooperative kernel's dynamic shared memory cannot be sized (another Triton's
-    metadata layout), nothing has launched yet: the launcher disables the stages for the device
-    and launches the per-warp plan, and later launches plan without them."""
+def _mock_mma_launches(monkeypatch, resident):
+    """The launcher on a (pretend) H100 with the compiled kernels' residency given by
+    ``resident(plan)`` and the launches recorded, not run: returns (module, launched), each
+    launch as (plan, num_splits)."""
     import tqkern.ops.paged_decode.triton as tri
     import tqkern.ops.paged_decode.triton_mma as tm
 
@@ -423,23 +423,32 @@ def test_launcher_falls_back_to_the_per_warp_kernel_when_sizing_fails(monkeypatc
     monkeypatch.setattr(tri, "_MMA_LAUNCHES", {})  # (plans are cached per launch shape)
     monkeypatch.setattr(tm, "_smem_optin", lambda index: 232448)
     monkeypatch.setattr(tri, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(tri, "resident_warps", lambda *a, **k: resident(a[5]))
     launched = []
+    monkeypatch.setattr(tri, "_launch_paged_decode_mma", lambda *a, **k: launched.append((a[5], k["num_splits"])))
+    monkeypatch.setattr(tri, "_launch_merge", lambda *a, **k: None)
+    return tri, launched
 
-    def resident(*args, **kwargs):
-        if args[5].get("COOP"):
+
+def test_launcher_falls_back_to_the_per_warp_kernel_when_sizing_fails(monkeypatch):
+    """Where the cooperative kernel's dynamic shared memory cannot be sized (another Triton's
+    metadata layout), nothing has launched yet: the launcher disables the stages for the device
+    and launches the per-warp plan, and later launches plan without them."""
+    import tqkern.ops.paged_decode.triton_mma as tm
+
+    def resident(plan):
+        if plan.get("COOP"):
             raise tm.DynamicSmemUnsupported("metadata layout unknown")
         return 1056
 
-    monkeypatch.setattr(tri, "resident_warps", resident)
-    monkeypatch.setattr(tri, "_launch_paged_decode_mma", lambda *a, **k: launched.append(a[5]))
-    monkeypatch.setattr(tri, "_launch_merge", lambda *a, **k: None)
+    tri, launched = _mock_mma_launches(monkeypatch, resident)
     tq4 = _layout("tq4", 128, 8, "row")
     args = (None, torch.zeros(2, 32, 128), torch.zeros(16, tq4.row_bytes, dtype=torch.uint8),
             torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32), tq4, {"key_centroids_f32": None,
                                                                                            "value_centroids_f32": None,
                                                                                            "rotation": None})
     tri._launch_paged_decode(*args, sm_scale=1.0, interpret=False)
-    assert len(launched) == 1 and "COOP" not in launched[0] and launched[0]["SUB"] == 2
+    assert len(launched) == 1 and "COOP" not in launched[0][0] and launched[0][0]["SUB"] == 2
     assert "COOP" not in tm.device_plan(tq4, 4, torch.device("cuda", 0))
 
 
@@ -454,23 +463,15 @@ def test_short_splits_give_way_to_the_per_warp_kernel(monkeypatch, preset, arr, 
     """One-step cooperative plans with fewer than 1024 tokens per split run the per-warp kernel
     instead when it has at least 2 splits of its own (measured at B32x4K / B128x1K); the choice
     depends on shapes only and is made once per launch shape (a second launch asks nothing)."""
-    import tqkern.ops.paged_decode.triton as tri
     import tqkern.ops.paged_decode.triton_mma as tm
 
-    monkeypatch.setattr(tm, "_COOP_DISABLED", set())
-    monkeypatch.setattr(tri, "_MMA_LAUNCHES", {})  # (plans are cached per launch shape)
-    monkeypatch.setattr(tm, "_smem_optin", lambda index: 232448)
-    monkeypatch.setattr(tri, "_capability", lambda device: (9, 0))
     asked = []
 
-    def resident(*a, **k):
-        asked.append(bool(a[5].get("COOP")))
-        return 2112 if a[5].get("COOP") else per_warp_resident
+    def resident(plan):
+        asked.append(bool(plan.get("COOP")))
+        return 2112 if plan.get("COOP") else per_warp_resident
 
-    monkeypatch.setattr(tri, "resident_warps", resident)
-    launched = []
-    monkeypatch.setattr(tri, "_launch_paged_decode_mma", lambda *a, **k: launched.append((a[5], k["num_splits"])))
-    monkeypatch.setattr(tri, "_launch_merge", lambda *a, **k: None)
+    tri, launched = _mock_mma_launches(monkeypatch, resident)
     layout = _layout(preset, 128, 8, arr)
     bt = torch.zeros(batch, max_len // 16, dtype=torch.int32)
     tables = {"key_centroids_f32": None, "value_centroids_f32": None, "rotation": None}
