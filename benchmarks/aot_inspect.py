@@ -169,6 +169,8 @@ def main(argv=None):
     ap.add_argument("--coop", type=int, default=0, help="mma: CTA-cooperative stages (warps = KV heads)")
     ap.add_argument("--table256", type=int, default=1,
                     help="mma with --coop: 0 forces the 128-byte-entry pair table (1: the plan's choice)")
+    ap.add_argument("--late-v", type=int, default=-1,
+                    help="mma with --coop: 1 reads the values from the stage after the softmax update (-1: the plan's)")
     args = ap.parse_args(argv)
     for preset in args.presets:
         fmt = tqkern.KVFormat.preset(preset, args.d)
@@ -182,7 +184,9 @@ def main(argv=None):
                     raise SystemExit(f"{args.coop} cooperative stages do not apply to {preset}")
                 if not args.table256:
                     full = dict(full, LUT_AT=0, NLOW=0)
-                coop = {k: full[k] for k in ("COOP", "RS", "SMEM_OFF", "LUT_AT", "NLOW") if k in full}
+                if args.late_v >= 0:
+                    full = dict(full, LATE_V=args.late_v)
+                coop = {k: full[k] for k in ("COOP", "RS", "SMEM_OFF", "LUT_AT", "NLOW", "LATE_V") if k in full}
                 args.warps = args.hkv
             c = compile_mma(layout, args.hq, warps=args.warps, maxnreg=args.maxnreg, shifted=args.shifted,
                             PREFETCH=args.prefetch, HINT=args.hint, **({"SUB": args.sub} if args.sub else {}),

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -28,12 +29,13 @@ from tqkern.ops.paged_decode.triton_mma import (  # noqa: E402
     _launch_paged_decode_mma, coop_plan, mma_plan, num_splits_mma, per_warp_plan, resident_warps, shifted_plan)
 
 
-def plan_for(layout, g, shifted, sub=0, probe=0, coop=0, t256=-1):
+def plan_for(layout, g, shifted, sub=0, probe=0, coop=0, t256=-1, late_v=-1):
     """The launcher's plan, with 4-bit fields read as shifted words (``shifted``), ``sub``
     16-token steps per softmax update (0: the plan's), a timing probe (``probe``: 1 the loads
     only, 2 no DRAM traffic; wrong outputs) and CTA-cooperative stages (``coop``: their number,
     -1 the plan's own choice, 0 none); ``t256 = 0`` keeps the 32 KB pair table where the plan
-    would take the PRMT-addressed one (-1: the plan's choice)."""
+    would take the PRMT-addressed one (-1: the plan's choice); ``late_v`` 0 / 1 reads the values
+    with the keys / after the softmax update under the stages (-1: the plan's choice)."""
     plan = mma_plan(layout, g)
     if plan is None:
         return None
@@ -48,6 +50,8 @@ def plan_for(layout, g, shifted, sub=0, probe=0, coop=0, t256=-1):
         plan = coop_plan(plan, layout, coop)
     if plan is not None and t256 == 0:
         plan = {k: v for k, v in plan.items() if k not in ("LUT_AT", "NLOW")}
+    if plan is not None and late_v >= 0 and plan.get("COOP"):
+        plan = dict(plan, LATE_V=late_v)
     return plan
 
 
@@ -61,12 +65,12 @@ def resident_for(q, cache, bt, sl, layout, params, plan, *, warps=4, prefetch=No
 
 
 def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_splits, parts="all", maxnreg=None,
-           shifted=0, sub=0, probe=0, coop=-1, t256=-1):
+           shifted=0, sub=0, probe=0, coop=-1, t256=-1, late_v=-1):
     s, hq, d = q.shape
     g = hq // layout.num_kv_heads
     q_rot = q_rotated(q, layout, params)
     acc, ml = _workspace(None, s, hq, num_splits, max(16, triton.next_power_of_2(d)), q.device)
-    plan = plan_for(layout, g, shifted, sub, probe, coop, t256)
+    plan = plan_for(layout, g, shifted, sub, probe, coop, t256, late_v)
     if plan is None:
         raise ValueError("this plan does not apply")
 
@@ -80,6 +84,32 @@ def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_
         if parts in ("all", "merge"):
             _launch_merge(acc, ml, params.rotation, out, layout, g, num_splits, False)
     return run
+
+
+class Config(NamedTuple):
+    """One launch variant of the sweep (the command line's options, one value each)."""
+    prefetch: int
+    hint: int
+    warps: int
+    splits: int
+    maxnreg: int
+    shifted: int
+    sub: int
+    probe: int
+    coop: int
+    table256: int
+    late_v: int
+
+    @property
+    def tag(self) -> str:
+        return (f"pf{self.prefetch} hint{self.hint} w{self.warps} r{self.maxnreg} s{self.shifted} u{self.sub} "
+                f"p{self.probe} c{self.coop} t{self.table256} v{self.late_v}")
+
+    def kwargs(self) -> dict:
+        """The keyword arguments of :func:`launch` (the split count apart)."""
+        return dict(prefetch=self.prefetch, hint=self.hint, warps=self.warps,
+                    maxnreg=None if self.maxnreg < 0 else self.maxnreg, shifted=self.shifted, sub=self.sub,
+                    probe=self.probe, coop=self.coop, t256=self.table256, late_v=self.late_v)
 
 
 # (kind, rows, chunks, splits unrolled per loop iteration)
@@ -139,39 +169,38 @@ def main(argv=None):
                     help="CTA-cooperative stages (0: off, -1: the launcher's plan)")
     ap.add_argument("--table256", nargs="*", type=int, default=[-1],
                     help="0: the 32 KB pair table where the plan takes the PRMT-addressed one (-1: the plan's)")
+    ap.add_argument("--late-v", nargs="*", type=int, default=[-1],
+                    help="1: read the values from the stage after the softmax update, 0: with the keys (-1: the plan's)")
     ap.add_argument("--parts", action="store_true", help="also time the q rotation, kernel and merge alone")
     ap.add_argument("--fixed", action="store_true",
                     help="also time the q rotation (rows per program) and merge variants (kind, rows, chunks)")
     args = ap.parse_args(argv)
     arr = dict(DECODE_PRESETS)
-    configs = list(itertools.product(args.prefetch, args.hint, args.warps, args.splits, args.maxnreg, args.shifted,
-                                     args.sub, args.probe, args.coop, args.table256))
+    configs = [Config(*c) for c in itertools.product(
+        args.prefetch, args.hint, args.warps, args.splits, args.maxnreg, args.shifted, args.sub, args.probe, args.coop,
+        args.table256, args.late_v)]
     res = dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, time=time.strftime("%F %T"),
                gate=[], rows=[])
     g = torch.Generator(device="cuda").manual_seed(3)
     ok_cfg = {}
-    for preset in args.presets:  # correctness gate per config
+    for preset in args.presets:  # correctness gate per config (the split count aside)
         layout, params, q, cache, bt, lens, exp, tol = oracle_case(preset, arr[preset], 32, 8, 128, g)
-        for pf, hint, warps, splits, mr, sh, sb, pr, co, tb in configs:
-            if pr:  # a probe computes nothing right: it runs if its real kernel passed
+        for cfg in configs:
+            if cfg.probe:  # a probe computes nothing right: it runs if its real kernel passed
                 continue
+            key = cfg._replace(splits=0)
             out = torch.full_like(q, float("nan"))
             try:
-                launch(q, cache, bt, lens, layout, params, out, prefetch=pf, hint=hint, warps=warps,
-                       num_splits=splits or 5, maxnreg=None if mr < 0 else mr, shifted=sh, sub=sb, coop=co,
-                       t256=tb)()
+                launch(q, cache, bt, lens, layout, params, out, num_splits=cfg.splits or 5, **cfg.kwargs())()
             except Exception as e:  # noqa: BLE001 -- a config that does not compile or apply
                 why = str(e).splitlines()[0][:120]
-                print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr} s{sh} u{sb} c{co} t{tb}: skipped ({why})",
-                      flush=True)
+                print(f"gate {preset} {cfg.tag}: skipped ({why})", flush=True)
                 continue
             err = float(np.abs(out.float().cpu().numpy() - exp).max())
             ok = bool(np.isfinite(err) and err <= tol)
-            ok_cfg[preset, pf, hint, warps, mr, sh, sb, co, tb] = ok
-            res["gate"].append(dict(preset=preset, prefetch=pf, hint=hint, warps=warps, maxnreg=mr, shifted=sh,
-                                    sub=sb, coop=co, table256=tb, err=err, ok=ok))
-            print(f"gate {preset} pf{pf} hint{hint} w{warps} r{mr} s{sh} u{sb} c{co} t{tb}: err {err:.2e} "
-                  f"{'ok' if ok else 'FAIL'}", flush=True)
+            ok_cfg[preset, key] = ok
+            res["gate"].append(dict(preset=preset, **key._asdict(), err=err, ok=ok))
+            print(f"gate {preset} {cfg.tag}: err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
     for shape, q, sdpa, bt, sl in baseline_runs(args.shapes, g, res["rows"]):
         b, L, hq, hkv, d = shape.batch, shape.seq_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim
         for preset, layout, params, cache in preset_caches(shape, args.presets, g):
@@ -180,29 +209,25 @@ def main(argv=None):
                 continue
             out = torch.empty_like(q)
             nbytes = b * L * layout.row_bytes
-            for pf, hint, warps, splits, mr, sh, sb, pr, co, tb in configs:
-                if not ok_cfg.get((preset, pf, hint, warps, mr, sh, sb, co, tb)):
+            for cfg in configs:
+                if not ok_cfg.get((preset, cfg._replace(splits=0, probe=0))):
                     continue
+                kw = cfg.kwargs()
                 resident = resident_for(q, cache, bt, sl, layout, params,
-                                        plan_for(layout, hq // hkv, sh, sb, 0, co, tb),
-                                        warps=warps, prefetch=pf or None, hint=hint, maxnreg=None if mr < 0 else mr)
-                ns = splits or num_splits_mma(b, hkv, L, resident)
-                us = bench(launch(q, cache, bt, sl, layout, params, out, prefetch=pf, hint=hint, warps=warps,
-                                  num_splits=ns, maxnreg=None if mr < 0 else mr, shifted=sh, sub=sb, probe=pr,
-                                  coop=co, t256=tb))
-                row = dict(shape=shape.name, variant=preset, prefetch=pf, hint=hint, warps=warps, splits=ns,
-                           maxnreg=mr, shifted=sh, sub=sb, probe=pr, coop=co, table256=tb,
+                                        plan_for(layout, hq // hkv, cfg.shifted, cfg.sub, 0, cfg.coop, cfg.table256,
+                                                 cfg.late_v),
+                                        warps=cfg.warps, prefetch=cfg.prefetch or None, hint=cfg.hint,
+                                        maxnreg=kw["maxnreg"])
+                ns = cfg.splits or num_splits_mma(b, hkv, L, resident)
+                us = bench(launch(q, cache, bt, sl, layout, params, out, num_splits=ns, **kw))
+                row = dict(shape=shape.name, variant=preset, **cfg._replace(splits=ns)._asdict(),
                            resident_warps=resident, us=us, gbps=nbytes / us / 1e3, ratio=sdpa / us)
                 if args.parts:
                     for part in ("rotate", "kernel", "merge"):
-                        row[part + "_us"] = bench(launch(q, cache, bt, sl, layout, params, out, prefetch=pf, hint=hint,
-                                                         warps=warps, num_splits=ns, parts=part,
-                                                         maxnreg=None if mr < 0 else mr, shifted=sh, sub=sb,
-                                                         probe=pr, coop=co, t256=tb))
+                        row[part + "_us"] = bench(launch(q, cache, bt, sl, layout, params, out, num_splits=ns,
+                                                         parts=part, **kw))
                 res["rows"].append(row)
-                print(f"{shape.name} {preset:20s} pf{pf} hint{hint} w{warps} r{mr} s{sh} u{sb} p{pr} c{co} t{tb} "
-                      f"splits{ns:3d} "
-                      f"(resident {resident}): {us:8.1f} us "
+                print(f"{shape.name} {preset:20s} {cfg.tag} splits{ns:3d} (resident {resident}): {us:8.1f} us "
                       + (f"[rotate {row['rotate_us']:.1f} kernel {row['kernel_us']:.1f} merge {row['merge_us']:.1f}] "
                          if args.parts else "") +
                       f"{row['gbps']:6.0f} GB/s {row['ratio']:.2f}x SDPA", flush=True)
@@ -216,11 +241,8 @@ def main(argv=None):
         if r["variant"] == "sdpa_fp16":
             print(f"{r['shape']:10s} sdpa_fp16 {r['us']:8.1f} us")
         else:
-            print(f"{r['shape']:10s} {r['variant']:20s} pf{r['prefetch']} hint{r['hint']} w{r['warps']} "
-                  f"r{r['maxnreg']} s{r['shifted']} u{r.get('sub', 0)} p{r.get('probe', 0)} c{r.get('coop', -1)} "
-                  f"t{r.get('table256', -1)} "
-                  f"splits{r['splits']:3d} "
-                  f"{r['us']:8.1f} us "
+            cfg = Config(**{k: r[k] for k in Config._fields})
+            print(f"{r['shape']:10s} {r['variant']:20s} {cfg.tag} splits{r['splits']:3d} {r['us']:8.1f} us "
                   f"{r['ratio']:.2f}x")
     for r in res.get("fixed", []):
         print(f"{r['shape']:10s} {r['variant']:20s} {r['part']:24s} {r['us']:8.1f} us")
