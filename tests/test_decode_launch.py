@@ -10,7 +10,7 @@ import tqkern
 import tqkern_torch as tqt
 from tqkern.ops.paged_decode.triton import (_launch_merge, decode_path, merge_chunks, num_splits_for, rotate_q,
                                             workspace_numel)
-from tqkern.ops.paged_decode.triton_mma import ctas_per_sm, mma_plan, shifted_plan
+from tqkern.ops.paged_decode.triton_mma import ctas_per_sm, mma_plan, per_warp_plan, shifted_plan
 from tqkern_torch.testing import device_under_test, kernels_available
 
 DEV = device_under_test()
@@ -35,7 +35,9 @@ def test_decode_path_rules_and_bad_input():
     plan = mma_plan(nc, 4)
     assert plan["K_MERGE"] and plan["V_MERGE"] and plan["K_NC"] and plan["V_UNIFORM"]  # 134-byte slots
     assert not mma_plan(tq4, 4)["K_MERGE"]
-    assert mma_plan(tq4, 4)["SUB"] == 2 and mma_plan(nc, 4)["SUB"] == 1  # 32 tokens per softmax update: LM values
+    # 32 tokens per softmax update: Lloyd-Max values, and uniform ones under cooperative stages
+    assert mma_plan(tq4, 4)["SUB"] == 2 and mma_plan(nc, 4)["SUB"] == 2
+    assert per_warp_plan(mma_plan(nc, 4))["SUB"] == 1 and per_warp_plan(mma_plan(tq4, 4))["SUB"] == 2
     assert decode_path(tq4, 4, interpret=True) == "fast"
     assert decode_path(tq4, 9) == "fast"  # group > 8
     assert decode_path(tq4, 4, same_codebooks=False) == "fast"  # one table serves K and V
@@ -291,16 +293,25 @@ def test_rotate_q_matches_numpy(d, rotate, cols):
 def test_cooperative_plan_rules():
     """Cooperative stages (one CTA per sequence and split, a warp per KV head, whole rows through
     shared memory) are in the launcher's plan for 4-16 KV heads (a power of two) in blocks of a
-    multiple of 16 tokens: 4 stages of two steps with Lloyd-Max values, 3 of one step otherwise;
-    rows of a multiple of 16 bytes padded to 16 mod 32 in the stage."""
-    from tqkern.ops.paged_decode.triton_mma import coop_plan, coop_row_stride, coop_smem_bytes, per_warp_plan
+    multiple of 16 tokens: 4 stages of two steps with Lloyd-Max values, 2 of two steps with
+    uniform values next to table-decoded keys, 3 of one step with FP8 keys; values read after the
+    softmax update; rows of a multiple of 16 bytes padded to 16 mod 32 in the stage."""
+    from tqkern.ops.paged_decode.triton_mma import coop_plan, coop_row_stride, coop_smem_bytes
 
     tq4 = mma_plan(_layout("tq4", 128, 8, "row"), 4)
     nc = mma_plan(_layout("turboquant_4bit_nc", 128, 8), 4)
     assert (tq4["COOP"], tq4["RS"], tq4["SUB"]) == (4, 1104, 2)  # 1088-byte rows -> 1104
-    assert (nc["COOP"], nc["RS"], nc["SUB"]) == (3, 1072, 1)  # 1072 = 16 mod 32 already
+    assert (nc["COOP"], nc["RS"], nc["SUB"]) == (2, 1072, 2)  # 1072 = 16 mod 32 already
+    k8v4 = mma_plan(_layout("turboquant_k8v4", 128, 8), 4)
+    assert (k8v4["COOP"], k8v4["SUB"]) == (3, 1)
+    for name, k3 in (("turboquant_k3v4_nc", 3), ("turboquant_3bit_nc", 3), ("tqkern_k5v3", 5)):
+        p = mma_plan(_layout(name, 128, 8), 4)
+        assert p["K_BITS"] == k3 and (p["COOP"], p["SUB"]) == ((4, 2) if k3 == 5 else (2, 2))
+    assert tq4["LATE_V"] == nc["LATE_V"] == k8v4["LATE_V"] == 1
+    assert coop_plan(dict(per_warp_plan(nc), LATE_V=0), _layout("turboquant_4bit_nc", 128, 8), 2)["LATE_V"] == 0
+    assert per_warp_plan(nc)["SUB"] == 1 and "LATE_V" not in per_warp_plan(nc)  # the per-warp kernel's own
     # Triton's scratch, the 32 KB pair table, the stages (16 rows of RS bytes per step), slack
-    assert coop_smem_bytes(nc) == nc["SMEM_OFF"] + 32768 + 3 * 16 * 1072 + 64
+    assert coop_smem_bytes(nc) == nc["SMEM_OFF"] + 32768 + 2 * 2 * 16 * 1072 + 64
     # tq4 (one CTA per SM anyway): the PRMT-addressed 64 KB table at 128 KB, three stages below it,
     # the fourth above it; counted from shared address 0
     assert (tq4["LUT_AT"], tq4["NLOW"]) == (0x20000, 3) and "LUT_AT" not in nc
@@ -329,7 +340,7 @@ def test_table256_layouts_fit_and_do_not_overlap():
     bits): the stages below it end before it (the dynamic region starting at most 1 KB in), those
     above it start at its end, and the whole launch fits one CTA; where no such layout fits (or
     the keys are not 4-bit codes) there is none."""
-    from tqkern.ops.paged_decode.triton_mma import coop_plan, coop_smem_bytes, per_warp_plan, table256_plan
+    from tqkern.ops.paged_decode.triton_mma import coop_plan, coop_smem_bytes, table256_plan
 
     for preset, arr in (("tq4", "row"), ("turboquant_4bit_nc", "slot"), ("tqkern_k5v3", "slot")):
         base = per_warp_plan(mma_plan(_layout(preset, 128, 8, arr), 4))
@@ -453,10 +464,12 @@ def test_launcher_falls_back_to_the_per_warp_kernel_when_sizing_fails(monkeypatc
 
 
 @pytest.mark.parametrize("preset,arr,batch,max_len,per_warp_resident,want_coop,asks", [
-    ("turboquant_4bit_nc", "slot", 32, 4096, 1584, False, 2),  # coop: 8 splits of 512; per-warp: 6 splits
-    ("turboquant_4bit_nc", "slot", 128, 1024, 1584, True, 2),  # per-warp would have 1 split
-    ("turboquant_4bit_nc", "slot", 32, 16384, 1584, True, 1),  # splits of 2048 tokens
+    ("turboquant_k8v4", "slot", 32, 4096, 1584, False, 2),  # coop: 8 splits of 512; per-warp: 6 splits
+    ("turboquant_k8v4", "slot", 128, 1024, 1584, True, 2),  # per-warp would have 1 split
+    ("turboquant_k8v4", "slot", 32, 16384, 1584, True, 1),  # splits of 2048 tokens
     ("tq4", "row", 32, 4096, 1584, True, 1),  # two-step stages: always cooperative
+    ("turboquant_4bit_nc", "slot", 32, 4096, 1584, True, 1),
+
 ])
 def test_short_splits_give_way_to_the_per_warp_kernel(monkeypatch, preset, arr, batch, max_len, per_warp_resident,
                                                       want_coop, asks):
@@ -488,7 +501,7 @@ def test_short_splits_give_way_to_the_per_warp_kernel(monkeypatch, preset, arr, 
 
 
 def test_cooperative_helpers_reject_bad_input():
-    from tqkern.ops.paged_decode.triton_mma import coop_row_stride, coop_smem_bytes, device_plan, per_warp_plan
+    from tqkern.ops.paged_decode.triton_mma import coop_row_stride, coop_smem_bytes, device_plan
 
     for bad in (0, -16, 1088.0, True, "1088"):
         with pytest.raises(ValueError, match="row_bytes must be a positive int, got"):

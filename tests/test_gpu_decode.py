@@ -105,7 +105,9 @@ def test_cooperative_stages_match_the_per_warp_kernel_bit_for_bit(preset, arrang
     instead of global memory): every partial (acc, max, sum) equals the per-warp kernel's bit for
     bit, with 1 and 3 splits, lengths ending mid-step and mid-block, shuffled blocks, random bytes
     in the unused slots, every stage count, with the 32 KB pair table and (4-bit keys) the
-    PRMT-addressed 64 KB one (its stages split around it as planned, and all above it)."""
+    PRMT-addressed 64 KB one (its stages split around it as planned, and all above it), values
+    read after the update (the plan's) or with the keys, at the plan's steps per update and (one
+    ring) at the per-warp kernel's."""
     import triton
 
     from tqkern.ops.paged_decode.triton import _workspace
@@ -116,7 +118,7 @@ def test_cooperative_stages_match_the_per_warp_kernel_bit_for_bit(preset, arrang
     layout = tqkern.PagedLayout(format=fmt, num_kv_heads=8, block_size=block_size, arrangement=arrangement)
     params = tqt.to_device(tqkern.TQParams.default(fmt), "cuda")
     plan = device_plan(layout, 4, torch.device("cuda"))
-    assert plan["COOP"] in (3, 4)  # the launcher's plan on this GPU has the stages
+    assert plan["COOP"] in (2, 3, 4)  # the launcher's plan on this GPU has the stages
     sl = torch.tensor([1, 15, 16, 17, 77, 600, 999, 1000], dtype=torch.int32, device="cuda")
     max_blocks = -(-1000 // block_size)
     num_blocks = len(sl) * max_blocks + 5
@@ -124,31 +126,40 @@ def test_cooperative_stages_match_the_per_warp_kernel_bit_for_bit(preset, arrang
     cache = _fill(layout, params, num_blocks, sl, bt, seed=block_size)
     q = torch.randn(len(sl), 32, 128, device="cuda", dtype=torch.float16)
     q_rot = ((q.float() @ params.rotation) if fmt.key.rotated else q.float()).contiguous()
-    plans = [per_warp_plan(plan)]
-    for n in (2, 3, 4):
-        p = coop_plan(per_warp_plan(plan), layout, n)
-        if p is None:  # more stages than one CTA's shared memory holds
-            continue
-        plans.append({k: v for k, v in p.items() if k not in ("LUT_AT", "NLOW")})  # the 32 KB table
-        t256 = table256_plan(p)
-        if t256:
-            plans.append(t256)
-            if t256["NLOW"] and coop_smem_bytes(dict(t256, NLOW=0)) <= 232448:  # every stage above the table
-                plans.append(dict(t256, NLOW=0))
-    assert any(p.get("LUT_AT") for p in plans) == (plan["K_BITS"] == 4)
+    groups = []  # (per-warp reference, cooperative variants that must equal it bit for bit)
+    for sub in sorted({per_warp_plan(plan)["SUB"], plan["SUB"]}):
+        ref_plan = dict(per_warp_plan(plan), SUB=sub)
+        variants = []
+        for n in (2, 3, 4) if sub == plan["SUB"] else (3,):  # (the other step count: one ring)
+            p = coop_plan(ref_plan, layout, n)
+            if p is None:  # more stages than one CTA's shared memory holds
+                continue
+            variants.append({k: v for k, v in p.items() if k not in ("LUT_AT", "NLOW")})  # the 32 KB table
+            if n == plan["COOP"] and sub == plan["SUB"]:  # the values read with the keys (LATE_V = 0)
+                variants.append(dict(variants[-1], LATE_V=0))
+            t256 = table256_plan(p) if sub == plan["SUB"] else None
+            if t256:
+                variants.append(t256)
+                if t256["NLOW"] and coop_smem_bytes(dict(t256, NLOW=0)) <= 232448:  # every stage above the table
+                    variants.append(dict(t256, NLOW=0))
+        groups.append((ref_plan, variants))
+    assert any(p.get("LUT_AT") for _, vs in groups for p in vs) == (plan["K_BITS"] == 4)
+    assert any(p == plan for _, vs in groups for p in vs)  # the launcher's own plan is among them
     for splits in (1, 3):
-        got = []
-        for p in plans:
-            acc, ml = _workspace(None, len(sl), 32, splits, max(16, triton.next_power_of_2(128)), q.device)
-            acc.fill_(float("nan"))
-            ml.fill_(float("nan"))
-            _launch_paged_decode_mma(q_rot, cache, bt, sl, layout, p, params.key_centroids_f32, acc, ml, group=4,
-                                     num_splits=splits, sm_scale=128 ** -0.5,
-                                     value_centroids_f32=params.value_centroids_f32)
-            got.append(((p.get("COOP", 0), p.get("LUT_AT", 0), p.get("NLOW")), acc.nan_to_num(7.0), ml.nan_to_num(7.0)))
-        assert len(got) >= 3
-        for variant, acc, ml in got[1:]:
-            assert torch.equal(acc, got[0][1]) and torch.equal(ml, got[0][2]), (splits, variant)
+        for ref_plan, variants in groups:
+            got = []
+            for p in [ref_plan] + variants:
+                acc, ml = _workspace(None, len(sl), 32, splits, max(16, triton.next_power_of_2(128)), q.device)
+                acc.fill_(float("nan"))
+                ml.fill_(float("nan"))
+                _launch_paged_decode_mma(q_rot, cache, bt, sl, layout, p, params.key_centroids_f32, acc, ml, group=4,
+                                         num_splits=splits, sm_scale=128 ** -0.5,
+                                         value_centroids_f32=params.value_centroids_f32)
+                got.append(((p["SUB"], p.get("COOP", 0), p.get("LUT_AT", 0), p.get("NLOW"), p.get("LATE_V")),
+                            acc.nan_to_num(7.0), ml.nan_to_num(7.0)))
+            assert len(got) >= 2
+            for variant, acc, ml in got[1:]:
+                assert torch.equal(acc, got[0][1]) and torch.equal(ml, got[0][2]), (splits, variant)
 
 
 def test_cache_above_2gib_uses_64bit_offsets():

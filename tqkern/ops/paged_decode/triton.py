@@ -696,11 +696,14 @@ def _mma_launch_plan(q_rot, cache, block_table, seq_lens, layout, tables, g, num
                                       group=g, value_centroids_f32=tables["value_centroids_f32"])
             return num_splits_mma(s, layout.num_kv_heads, max_len, resident)
         num_splits = splits_for(plan)
-        # Short splits with one-step stages (two CTAs per SM): the cooperative prologue is not
-        # paid back; the per-warp kernel runs instead where it has at least 2 splits of its own
-        # (measured, H100: B32x4K turboquant_4bit_nc 75.1 vs 81.5 µs, k8v4 90.4 vs 96.2, 3bit_nc
-        # 73.3 vs 77.8; B128x1K 3bit_nc 76.3 vs 79.9 -- but turboquant_4bit_nc with 1 split of its
-        # own 92.2 vs 84.1: benchmarks/NOTES.md §45).
+        # Short splits with one-step stages (two CTAs per SM; since session 13 only FP8 keys'
+        # plans): the cooperative prologue is not paid back; the per-warp kernel runs instead where
+        # it has at least 2 splits of its own (measured, H100: B32x4K turboquant_k8v4 90.1 vs 95.3
+        # µs; session 12, with the then one-step plans of 3- and 4-bit keys: turboquant_4bit_nc
+        # 75.1 vs 81.5, 3bit_nc 73.3 vs 77.8 -- but turboquant_4bit_nc with 1 split of its own
+        # 92.2 vs 84.1: benchmarks/NOTES.md §45, §47). The two-step stages of 3- and 4-bit keys
+        # keep their plan: at B32x4K turboquant_4bit_nc 75.4 vs per-warp 75.0 µs, k3v4_nc 73.0 vs
+        # 77.2, 3bit_nc 72.2 vs 73.1; at B128x1K 79.0 vs 92.2, 76.1 vs 80.2, 74.6 vs 76.3.
         if plan.get("COOP") and plan["SUB"] == 1 and max_len < _COOP_MIN_TOKENS * num_splits:
             per_warp = per_warp_plan(plan)
             n = splits_for(per_warp)

@@ -565,7 +565,7 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, geo, BS: tl.constexpr, ROW
                CK: tl.constexpr, CV: tl.constexpr, K_MERGE: tl.constexpr, V_MERGE: tl.constexpr,
                K_DT: tl.constexpr, V_DT: tl.constexpr, V_UNIFORM: tl.constexpr, HINT: tl.constexpr,
                K_FP8: tl.constexpr, K_NW: tl.constexpr, K_BITS: tl.constexpr, K_FUN: tl.constexpr,
-               V_FUN: tl.constexpr, SMEM: tl.constexpr = False, RS: tl.constexpr = 0):
+               V_FUN: tl.constexpr, SMEM: tl.constexpr = False, RS: tl.constexpr = 0, PART: tl.constexpr = 0):
     """Everything one 16-token step reads (predicated off past the warp's range); ``blk`` is
     the step's block (:func:`_step_block`, looked up a step earlier) when ``BS >= 16``. FP8 keys
     (``K_FP8``) are read word-wise from their own offset ``ka0`` and have no factor (1); 3-bit keys
@@ -574,9 +574,15 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, geo, BS: tl.constexpr, ROW
     ``ka0`` / ``va0`` (even tokens), ``va1`` (odd tokens)) as the words that hold them. ``geo``:
     this lane's field geometry, fixed for the warp (built once in the kernel's prologue). ``SMEM``:
     the step's 16 rows are in a shared-memory stage at address ``blk``, ``RS`` bytes apart (the
-    CTA-cooperative kernel); the same reads from there."""
+    CTA-cooperative kernel); the same reads from there. ``PART``: 0 everything, 1 the keys and
+    factors only (the values come back as ``()``), 2 the values only (the cooperative kernel reads
+    them from the stage after the softmax update, so that they do not hold registers across the
+    scores)."""
     ka0, va0, va1, kb_off, vb_off, vc_off, k_masks, v_masks, k_sec_on, v_sec_on, k_mis, v_mis_e, v_mis_o = geo
-    ok = t0 < end
+    if SMEM:  # a cooperative CTA's warps share one range and its loop runs no step past it: unpredicated reads
+        ok = tl.zeros_like(t0) == 0
+    else:
+        ok = t0 < end
     NKW: tl.constexpr = CK // 4
     NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
     if SMEM or BS >= 16:  # the whole step sits in one block (SMEM: in the stage at blk, rows RS apart)
@@ -600,14 +606,20 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, geo, BS: tl.constexpr, ROW
         rv3 = _row_of(cache_ptr, bt_row, t0 + 2 * c + 9, end, BS, ROW_BYTES, ok)
     ki = (c + 1) % 4
     vi = (r + 1) % 8
-    ks = ok & k_sec_on
-    vs = ok & v_sec_on
-    if K_FP8:
+    if SMEM:  # the join's second word unconditionally (its byte masks are 0 where a lane needs none; a read
+        ks = ok  # past the stage's last row stays inside the ring, the table or the 64-byte pad above them)
+        vs = ok
+    else:
+        ks = ok & k_sec_on
+        vs = ok & v_sec_on
+    k0 = ()
+    k1 = ()
+    if PART == 2:
+        pass
+    elif K_FP8:
         k0 = _fp8_chunk(rk0 + ka0, c, ok, NKW, K_NW, HINT, SMEM)
         k1 = _fp8_chunk(rk1 + ka0, c, ok, NKW, K_NW, HINT, SMEM)
     elif K_BITS == 3:
-        k0 = ()
-        k1 = ()
         for i in tl.static_range(NKW):
             k0 = k0 + _ld_words(rk0 + ka0 + 4 * i, ok, 1, HINT, SMEM)
             k1 = k1 + _ld_words(rk1 + ka0 + 4 * i, ok, 1, HINT, SMEM)
@@ -617,7 +629,13 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, geo, BS: tl.constexpr, ROW
     else:
         k0 = _chunk(rk0, ka0, ki, CK, k_masks, ok, ks, NKW, K_MERGE, 4, HINT, SMEM)
         k1 = _chunk(rk1, ka0, ki, CK, k_masks, ok, ks, NKW, K_MERGE, 4, HINT, SMEM)
-    if V_FUN:
+    v0 = ()
+    v1 = ()
+    v2 = ()
+    v3 = ()
+    if PART == 1:
+        pass
+    elif V_FUN:
         v0 = _ld_span(rv0 + va0, v_mis_e, ok, CV, HINT, SMEM)
         v1 = _ld_span(rv1 + va1, v_mis_o, ok, CV, HINT, SMEM)
         v2 = _ld_span(rv2 + va0, v_mis_e, ok, CV, HINT, SMEM)
@@ -627,21 +645,24 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, geo, BS: tl.constexpr, ROW
         v1 = _chunk(rv1, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT, SMEM)
         v2 = _chunk(rv2, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT, SMEM)
         v3 = _chunk(rv3, va0, vi, CV, v_masks, ok, vs, NVW, V_MERGE, 8, HINT, SMEM)
-    vf0 = _param(rk0 + vb_off, V_DT, ok, SMEM)
-    vf1 = _param(rk1 + vb_off, V_DT, ok, SMEM)
-    if K_FP8:
-        kf0 = tl.zeros_like(vf0) + 1.0
-        kf1 = kf0
-    else:
-        kf0 = _param(rk0 + kb_off, K_DT, ok, SMEM)
-        kf1 = _param(rk1 + kb_off, K_DT, ok, SMEM)
-    if V_UNIFORM:
-        vz0 = _param(rk0 + vc_off, V_DT, ok, SMEM)
-        vz1 = _param(rk1 + vc_off, V_DT, ok, SMEM)
-    else:
-        vz0 = tl.zeros_like(vf0)
-        vz1 = vz0
-    return k0, k1, v0, v1, v2, v3, (kf0, kf1, vf0, vf1, vz0, vz1)
+    fac = ()
+    if PART != 2:
+        vf0 = _param(rk0 + vb_off, V_DT, ok, SMEM)
+        vf1 = _param(rk1 + vb_off, V_DT, ok, SMEM)
+        if K_FP8:
+            kf0 = tl.zeros_like(vf0) + 1.0
+            kf1 = kf0
+        else:
+            kf0 = _param(rk0 + kb_off, K_DT, ok, SMEM)
+            kf1 = _param(rk1 + kb_off, K_DT, ok, SMEM)
+        if V_UNIFORM:
+            vz0 = _param(rk0 + vc_off, V_DT, ok, SMEM)
+            vz1 = _param(rk1 + vc_off, V_DT, ok, SMEM)
+        else:
+            vz0 = tl.zeros_like(vf0)
+            vz1 = vz0
+        fac = (kf0, kf1, vf0, vf1, vz0, vz1)
+    return k0, k1, v0, v1, v2, v3, fac
 
 
 @triton.jit
@@ -810,7 +831,7 @@ def _paged_decode_mma_kernel(
     K_BITS: tl.constexpr = 4, K_FUN: tl.constexpr = False, V_FUN: tl.constexpr = False, V_BITS: tl.constexpr = 4,
     PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0, SUB: tl.constexpr = 1, PROBE: tl.constexpr = 0,
     COOP: tl.constexpr = 0, RS: tl.constexpr = 0, SMEM_OFF: tl.constexpr = 0, LUT_AT: tl.constexpr = 0,
-    NLOW: tl.constexpr = 0,
+    NLOW: tl.constexpr = 0, LATE_V: tl.constexpr = 0,
 ):
     NT: tl.constexpr = 32 * WARPS
     K3: tl.constexpr = K_BITS == 3
@@ -826,6 +847,7 @@ def _paged_decode_mma_kernel(
     NKW: tl.constexpr = (CK + 3) // 4
     NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
     NMT: tl.constexpr = D // 16
+    LV: tl.constexpr = LATE_V * (COOP > 0)  # values read after the update: cooperative stages only
     t = tl.arange(0, NT)
     lane = t % 32
     r = lane // 4
@@ -1007,7 +1029,8 @@ def _paged_decode_mma_kernel(
             if COOP:
                 k0, k1, v0, v1, v2, v3, fac = _load_step(cache_ptr, bt_row, sb + 16 * u * RS, t0 + 16 * u, end, r, c,
                                                          geo, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT, V_DT,
-                                                         V_UNIFORM, HINT, K_FP8, K_NW, K_BITS, K_FUN, V_FUN, True, RS)
+                                                         V_UNIFORM, HINT, K_FP8, K_NW, K_BITS, K_FUN, V_FUN, True, RS,
+                                                         LV)
             else:
                 k0, k1, v0, v1, v2, v3, fac = ring[0]
                 tn = t0 + 16 * (PREFETCH + u)
@@ -1046,6 +1069,11 @@ def _paged_decode_mma_kernel(
             a_o = tl.exp2(m_o - mn_o)
             for u in tl.static_range(SUB):
                 v0, v1, v2, v3, s0, s1, s2, s3, vf0, vf1, fac, ok0, ok1 = steps[u]
+                if LV:  # this step's values from the stage, now
+                    _, _, v0, v1, v2, v3, _ = _load_step(cache_ptr, bt_row, sb + 16 * u * RS, t0 + 16 * u, end, r, c,
+                                                         geo, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT, V_DT,
+                                                         V_UNIFORM, HINT, K_FP8, K_NW, K_BITS, K_FUN, V_FUN, True, RS,
+                                                         2)
                 p0 = tl.exp2(s0 - mn_e)
                 p1 = tl.exp2(s1 - mn_o)
                 p2 = tl.exp2(s2 - mn_e)
@@ -1155,6 +1183,9 @@ def mma_plan(layout: PagedLayout, group: int) -> dict | None:
     return None if plan is None else dict(plan)
 
 
+_PER_WARP_SUB = {True: 1, False: 2}  # the per-warp kernel's steps per softmax update, by "values uniform"
+
+
 @functools.lru_cache(maxsize=256)
 def _mma_plan(layout: PagedLayout, group: int) -> tuple | None:
     fmt = layout.format
@@ -1210,7 +1241,7 @@ def _mma_plan(layout: PagedLayout, group: int) -> tuple | None:
         K_DT=k_dt, K_NC=not k_fp8 and key.norm_correction == "decode", K_FP8=k_fp8, K_NW=k_nw, K_BITS=k_bits,
         # Two 16-token steps per softmax update for Lloyd-Max values (measured on the H100, every
         # benchmark shape: tq4 -1.7 to -4.9%, tqkern_k5v3 -1.6 to -2.6%; uniform values: mixed or slower).
-        SUB=1 if v_uniform else 2,
+        SUB=_PER_WARP_SUB[v_uniform],
         V_UNIFORM=v_uniform, V_A_OFF=c["V_A_OFF"], V_A_STRIDE=c["V_A_STRIDE"], V_B_OFF=c["V_B_OFF"],
         V_B_STRIDE=c["V_B_STRIDE"], V_C_OFF=c["V_C_OFF"], V_C_STRIDE=c["V_C_STRIDE"], V_DT=v_dt,
         K_MERGE=key.bits == 4 and not k_fun and bool(c["K_A_OFF"] % ck or c["K_A_STRIDE"] % ck),
@@ -1218,18 +1249,29 @@ def _mma_plan(layout: PagedLayout, group: int) -> tuple | None:
         K_FUN=k_fun, V_FUN=v_fun, V_BITS=value.bits,
     )
     # CTA-cooperative stages where they apply and CTAs have at least 4 warps (each CTA fills its
-    # own 32 KB table): 4 stages of two steps (one CTA per SM) with Lloyd-Max values, 3 stages of
-    # one step (two CTAs per SM) otherwise (measured on the H100, benchmarks/NOTES.md §37-39).
-    # :func:`device_plan` drops them where the device's shared memory is smaller.
-    coop = coop_plan(plan, layout, 4 if plan["SUB"] == 2 else 3) if layout.num_kv_heads >= 4 else None
+    # own table), measured on the H100 (benchmarks/NOTES.md §37-39, §47): Lloyd-Max values 4
+    # stages of two steps (one CTA per SM); uniform values next to table-decoded keys 2 stages of
+    # two steps per softmax update (two CTAs per SM; 3-7% faster than 3 stages of one step: the
+    # values are read from the stage after the update, so two steps no longer spill); FP8 keys 3
+    # stages of one step (two steps gained nothing). :func:`device_plan` drops them where the
+    # device's shared memory is smaller.
+    coop = None
+    if layout.num_kv_heads >= 4:
+        sub, stages = (2, 4) if not v_uniform else (1, 3) if k_fp8 else (2, 2)
+        coop = coop_plan(dict(plan, SUB=sub), layout, stages)
     return tuple((coop or plan).items())
 
 
 def per_warp_plan(plan: dict) -> dict:
-    """``plan`` without cooperative stages (the per-warp kernel, each warp reading its own fields)."""
+    """``plan`` without cooperative stages (the per-warp kernel, each warp reading its own fields),
+    with the per-warp kernel's steps per softmax update (uniform values: one; a cooperative plan
+    may take two)."""
     if not isinstance(plan, dict):
         raise TypeError(f"plan must be a dict from mma_plan, got {type(plan).__name__}")
-    return {k: v for k, v in plan.items() if k not in ("COOP", "RS", "SMEM_OFF", "LUT_AT", "NLOW")}
+    out = {k: v for k, v in plan.items() if k not in ("COOP", "RS", "SMEM_OFF", "LUT_AT", "NLOW", "LATE_V")}
+    if plan.get("COOP"):
+        out["SUB"] = _PER_WARP_SUB[bool(plan["V_UNIFORM"])]
+    return out
 
 
 def device_plan(layout: PagedLayout, group: int, device) -> dict | None:
@@ -1283,7 +1325,9 @@ def coop_plan(plan: dict, layout: PagedLayout, stages: int = 2) -> dict | None:
     the pair table) beyond one CTA's shared memory. (With ``PROBE = 2`` the loop runs on the
     prologue's stages: no refills.) The stages live in the kernel's dynamic shared memory, which the
     launcher sizes (see :func:`coop_smem_bytes`). A plan of 4-bit keys whose CTA has the SM to
-    itself anyway takes the PRMT-addressed table where it fits (:func:`table256_plan`)."""
+    itself anyway takes the PRMT-addressed table where it fits (:func:`table256_plan`). The values
+    are read from the stage after each softmax update (``LATE_V = 1``, unless ``plan`` sets it):
+    they then hold no registers across the scores."""
     if not isinstance(plan, dict):
         raise TypeError(f"plan must be a dict from mma_plan, got {type(plan).__name__}")
     if not isinstance(stages, int) or not 2 <= stages <= 8:
@@ -1291,7 +1335,8 @@ def coop_plan(plan: dict, layout: PagedLayout, stages: int = 2) -> dict | None:
     hkv = layout.num_kv_heads
     if layout.block_size % 16 or hkv > 16 or hkv & (hkv - 1):
         return None
-    out = dict(plan, COOP=stages, RS=coop_row_stride(layout.row_bytes), SMEM_OFF=_COOP_SMEM_OFF)
+    out = dict(plan, COOP=stages, RS=coop_row_stride(layout.row_bytes), SMEM_OFF=_COOP_SMEM_OFF,
+               LATE_V=plan.get("LATE_V", 1))
     if coop_smem_bytes(out) > _SMEM_OPTIN:
         return None
     # One CTA per SM anyway (4-bit Lloyd-Max keys, whose table lookups are most of the loop): the
