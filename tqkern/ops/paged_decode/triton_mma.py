@@ -566,7 +566,8 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, geo, BS: tl.constexpr, ROW
                K_DT: tl.constexpr, V_DT: tl.constexpr, V_UNIFORM: tl.constexpr, HINT: tl.constexpr,
                K_FP8: tl.constexpr, K_NW: tl.constexpr, K_BITS: tl.constexpr, K_FUN: tl.constexpr,
                V_FUN: tl.constexpr, SMEM: tl.constexpr = False, RS: tl.constexpr = 0, PART: tl.constexpr = 0):
-    """Everything one 16-token step reads (predicated off past the warp's range); ``blk`` is
+    """Everything one 16-token step reads (predicated off past the warp's range; from a stage,
+    unpredicated: see ``SMEM``); ``blk`` is
     the step's block (:func:`_step_block`, looked up a step earlier) when ``BS >= 16``. FP8 keys
     (``K_FP8``) are read word-wise from their own offset ``ka0`` and have no factor (1); 3-bit keys
     as ``NKW`` words from this lane's aligned offset ``ka0``. Shifted chunks (``K_FUN``,
@@ -574,7 +575,8 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, geo, BS: tl.constexpr, ROW
     ``ka0`` / ``va0`` (even tokens), ``va1`` (odd tokens)) as the words that hold them. ``geo``:
     this lane's field geometry, fixed for the warp (built once in the kernel's prologue). ``SMEM``:
     the step's 16 rows are in a shared-memory stage at address ``blk``, ``RS`` bytes apart (the
-    CTA-cooperative kernel); the same reads from there. ``PART``: 0 everything, 1 the keys and
+    CTA-cooperative kernel); the same reads from there, without predicates (the kernel's loop runs
+    no step past the CTA's range, which all its warps share). ``PART``: 0 everything, 1 the keys and
     factors only (the values come back as ``()``), 2 the values only (the cooperative kernel reads
     them from the stage after the softmax update, so that they do not hold registers across the
     scores)."""
