@@ -179,17 +179,20 @@ def main(argv=None):
             coop = {}
             if args.coop:  # the launcher's cooperative plan with that many stages
                 from tqkern.ops.paged_decode import triton_mma as tm
-                full = tm.coop_plan(tm.per_warp_plan(tm.mma_plan(layout, args.hq // args.hkv)), layout, args.coop)
+                # (the launcher's steps per update under stages, e.g. two for turboquant_4bit_nc; --sub overrides)
+                base = tm.mma_plan(layout, args.hq // args.hkv)
+                sub = args.sub or base["SUB"]
+                full = tm.coop_plan(dict(tm.per_warp_plan(base), SUB=sub), layout, args.coop)
                 if full is None:
                     raise SystemExit(f"{args.coop} cooperative stages do not apply to {preset}")
                 if not args.table256:
                     full = dict(full, LUT_AT=0, NLOW=0)
                 if args.late_v >= 0:
                     full = dict(full, LATE_V=args.late_v)
-                coop = {k: full[k] for k in ("COOP", "RS", "SMEM_OFF", "LUT_AT", "NLOW", "LATE_V") if k in full}
+                coop = {k: full[k] for k in ("SUB", "COOP", "RS", "SMEM_OFF", "LUT_AT", "NLOW", "LATE_V") if k in full}
                 args.warps = args.hkv
             c = compile_mma(layout, args.hq, warps=args.warps, maxnreg=args.maxnreg, shifted=args.shifted,
-                            PREFETCH=args.prefetch, HINT=args.hint, **({"SUB": args.sub} if args.sub else {}),
+                            PREFETCH=args.prefetch, HINT=args.hint, **({"SUB": args.sub} if args.sub and not coop else {}),
                             **({"PROBE": args.probe} if args.probe else {}), **coop)
         else:
             c = compile_decode(layout, args.hq, args.path, block_n=args.block_n)
