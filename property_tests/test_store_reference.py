@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tqkern.errors import ErrorFlag
 from tqkern.layouts import KVFormat, PagedLayout
 from tqkern.ops.compress.reference import compress
 from tqkern.ops.decompress.reference import gather_sequences, gather_slots
@@ -144,8 +145,10 @@ def test_repeated_slot_later_token_wins(poison):
 
 def test_store_validates(poison):
     layout, params, cache, k, v = _setup(poison)
-    with pytest.raises(ValueError, match=r"slot_mapping entries must be < num_blocks \* block_size = 8, got 8"):
-        store(cache, k, v, np.array([0, 8, 1]), layout, params)
+    # A slot past the cache is skipped and flagged, not an error (the policy every kernel follows).
+    out, flags = store(cache, k, v, np.array([0, 8, 1]), layout, params, return_flags=True)
+    assert flags == ErrorFlag.SLOT_OUT_OF_RANGE
+    assert np.array_equal(out, store(cache, k, v, np.array([0, -1, 1]), layout, params))
     with pytest.raises(ValueError, match=r"^slot_mapping must have shape \(3,\)"):
         store(cache, k, v, np.array([0, 1]), layout, params)
     with pytest.raises(ValueError, match=r"^key must have shape \[num_tokens, 2, 64\]"):

@@ -2,7 +2,10 @@
 
 Bytes: exactly, except bytes the oracle marks uncertain (a code or stored float within EPS of a
 decision point, because the kernel rotates in float32). Bytes outside the written slots of a
-poisoned cache stay as they were. decompress: to float32 rounding of the oracle's float64.
+poisoned cache stay as they were, and so do the bytes around the cache (it is a view into a
+larger poisoned buffer) whatever a slot index holds. Non-finite keys and values, slot indices
+past the cache and saturating values are injected; the error word's bits equal the oracle's.
+decompress: to float32 rounding of the oracle's float64.
 """
 
 import numpy as np
@@ -14,6 +17,7 @@ from hypothesis import strategies as st
 import tqkern.testing as T
 import tqkern_torch as tqt
 from tqkern import reference as ref
+from tqkern.errors import ErrorFlag
 from tqkern_torch.testing import device_under_test, kernels_available, poisoned_like, to_torch_kv
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1")
@@ -34,19 +38,40 @@ def store_cases(draw):
     skip = draw(st.lists(st.integers(0, n - 1), max_size=3), label="skipped")
     slots = perm.astype(np.int64)
     slots[skip] = -1
+    past = draw(st.lists(st.tuples(st.integers(0, n - 1), st.sampled_from([0, 1, 7, 10**6, 2**31 - 1 - capacity])),
+                         max_size=2), label="past_the_cache")  # (token, slots beyond the last one)
+    for t, extra in past:
+        slots[t] = capacity + extra
     dtype = draw(st.sampled_from(DTYPES), label="dtype")
     k, v = draw(T.kv_arrays(n, layout.num_kv_heads, layout.head_dim, dtype=np.float32), label="kv")
+    bad = draw(st.lists(st.tuples(st.booleans(), st.integers(0, n - 1), st.integers(0, layout.num_kv_heads - 1),
+                                  st.integers(0, layout.head_dim - 1), st.sampled_from([np.nan, np.inf, -np.inf])),
+                        max_size=3), label="non_finite")  # (key?, token, head, element, value)
+    for is_key, t, h, d, x in bad:
+        (k if is_key else v)[t, h, d] = x
     return layout, params, num_blocks, slots, dtype, k, v
+
+
+GUARD = 64  # poisoned bytes on each side of the cache (its tensor is a view into a larger buffer)
 
 
 def _run_store(layout, params, num_blocks, slots, dtype, k, v):
     kt, k64 = to_torch_kv(k, dtype, DEV)
     vt, v64 = to_torch_kv(v, dtype, DEV)
-    poison = poisoned_like(layout.cache_shape(num_blocks), torch.uint8, DEV, seed=num_blocks)
-    cache = poison.clone()
+    shape = layout.cache_shape(num_blocks)
+    size = int(np.prod(shape))
+    buf = poisoned_like((size + 2 * GUARD,), torch.uint8, DEV, seed=num_blocks)
+    before = buf.clone()
+    cache = buf[GUARD: GUARD + size].view(shape)
     sm = torch.from_numpy(slots).to(DEV)
+    tqt.read_errors(DEV)  # clear
     tqt.store(cache, kt, vt, sm, layout, params)
-    expect = ref.store(poison.cpu().numpy(), k64, v64, slots, layout, params)
+    flags = tqt.read_errors(DEV)
+    expect, expect_flags = ref.store(before[GUARD: GUARD + size].view(shape).cpu().numpy(), k64, v64, slots, layout,
+                                     params, return_flags=True)
+    around = torch.cat([buf[:GUARD], buf[GUARD + size:]])
+    assert torch.equal(around, torch.cat([before[:GUARD], before[GUARD + size:]])), "bytes around the cache changed"
+    assert flags == expect_flags, f"error word {flags!r}, oracle {expect_flags!r}"
     return cache.cpu().numpy(), expect, k64, v64
 
 
@@ -54,8 +79,9 @@ def _run_store(layout, params, num_blocks, slots, dtype, k, v):
 def test_store_bytes_equal_oracle(case):
     layout, params, num_blocks, slots, dtype, k, v = case
     got, expect, k64, v64 = _run_store(*case)
-    keep = slots >= 0
+    keep = (slots >= 0) & (slots < num_blocks * layout.block_size)
     _, unsure = ref.compress(k64, v64, params, return_uncertain=True)
+    assert unsure.shape[0] == len(slots)
     g = ref.gather_slots(got, layout, slots[keep])
     e = ref.gather_slots(expect, layout, slots[keep])
     bad = (g != e) & ~unsure[keep]
@@ -73,12 +99,14 @@ def test_decompress_equals_oracle(case, rotate_back):
     got, _, _, _ = _run_store(*case)
     cache = torch.from_numpy(got).to(DEV)
     ids = torch.from_numpy(slots).to(DEV)
+    tqt.read_errors(DEV)
     kd, vd = tqt.decompress(cache, ids, layout, params, rotate_back=rotate_back)
-    keep = slots >= 0
+    keep = (slots >= 0) & (slots < num_blocks * layout.block_size)
+    assert bool(tqt.read_errors(DEV) & ErrorFlag.SLOT_OUT_OF_RANGE) == bool(np.any(slots >= num_blocks * layout.block_size))
     ek, ev = ref.decompress(ref.gather_slots(got, layout, slots[keep]), params, rotate_back=rotate_back)
     for name, out, exp in (("key", kd, ek), ("value", vd, ev)):
         out = out.cpu().numpy().astype(np.float64)
-        assert np.all(out[~keep] == 0), f"{name}: skipped slots must read as zeros"
+        assert np.all(out[~keep] == 0), f"{name}: skipped and out-of-range slots must read as zeros"
         o, x = out[keep], exp
         assert np.all(np.isfinite(o)) and np.all(np.isfinite(x)), name
         # float32 results of float64 maths: a few ulps of the vector's largest entry; rotating

@@ -169,7 +169,8 @@ def _f32(bits: int) -> float:
     (0xBF808000, 0xBF80),  # negative tie
     (0xBF818000, 0xBF82),
     (0x3FFF8000, 0x4000),  # tie that carries into the exponent
-    (0x7F7FFFFF, 0x7F80),  # largest float32 rounds to +inf (IEEE overflow)
+    (0x7F7FFFFF, 0x7F7F),  # largest float32 saturates at bf16's largest (IEEE would overflow to inf)
+    (0xFF7FFFFF, 0xFF7F),  # and its negative
     (0x00008000, 0x0000),  # subnormal tie to even zero
     (0x00018000, 0x0002),
 ])

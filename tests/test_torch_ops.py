@@ -197,9 +197,11 @@ def test_paged_decode_rejects_bad_arguments(setup):
     with pytest.raises(ValueError, match=r"seq_lens must have shape \[2\], got \[1\]"):
         paged_decode(q, cache, bt, sl[:1], layout, params)
     with pytest.raises(ValueError, match=r"seq_lens must be in \[0, max_blocks \* block_size = 32\], got range \[5, 33\]"):
-        paged_decode(q, cache, bt, torch.tensor([33, 5], dtype=torch.int32, device=DEV), layout, params)
+        paged_decode(q, cache, bt, torch.tensor([33, 5], dtype=torch.int32, device=DEV), layout, params,
+                     check_lengths=True)
     with pytest.raises(ValueError, match=r"block_table entries in use must be in \[0, num_blocks = 3\), got range \[0, 7\]"):
-        paged_decode(q, cache, torch.tensor([[0, 7], [2, 0]], dtype=torch.int32, device=DEV), sl, layout, params)
+        paged_decode(q, cache, torch.tensor([[0, 7], [2, 0]], dtype=torch.int32, device=DEV), sl, layout, params,
+                     check_lengths=True)
     with pytest.raises(ValueError, match=r"out must have shape \[2, 4, 64\]"):
         paged_decode(q, cache, bt, sl, layout, params, out=torch.empty(2, 4, 32, device=DEV).half())
     with pytest.raises(TypeError, match=r"out must be float16, got bfloat16"):

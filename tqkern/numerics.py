@@ -3,11 +3,14 @@
 All functions take float64 values and return either the rounded float64 values (exactly
 representable in the target type) or their little-endian bytes.
 
-- float16: IEEE binary16, round to nearest, ties to even; *saturating*: values beyond ±65504
-  become ±65504 (an fp16 scale must never be inf). NaN stays NaN.
+Every encoding *saturates*: a finite value beyond the type's largest finite value ``MAX`` is
+stored as ±MAX (a stored norm or scale must never be inf), and ``store`` reports it
+(:class:`tqkern.errors.ErrorFlag` ``SATURATED``; see :func:`exceeds`). NaN stays NaN.
+
+- float16: IEEE binary16, round to nearest, ties to even; MAX = 65504.
 - bfloat16: the value rounded first to float32 (exact for fp16/bf16/fp32 inputs), then to the
-  top 16 bits with round to nearest, ties to even (IEEE overflow to ±inf).
-- float32: IEEE binary32, round to nearest even (``numpy.float32``).
+  top 16 bits with round to nearest, ties to even; MAX = (2 − 2^-7)·2^127.
+- float32: IEEE binary32, round to nearest even (``numpy.float32``); MAX = (2 − 2^-23)·2^127.
 - float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities; 0x7F/0xFF NaN;
   max ±448; subnormals 2^-9·m. Round to nearest, ties to even, saturating to ±448 (Hopper's
   ``cvt.rn.satfinite``); NaN → 0x7F (sign kept).
@@ -20,6 +23,8 @@ import numpy as np
 __all__ = [
     "FP16_MAX",
     "FP8_MAX",
+    "FLOAT_MAX",
+    "exceeds",
     "round_float",
     "encode_float",
     "decode_float",
@@ -30,6 +35,10 @@ __all__ = [
 
 FP16_MAX = 65504.0
 FP8_MAX = 448.0
+FP32_MAX = float(np.finfo(np.float32).max)
+BF16_MAX = float(np.float32(2.0**127 * (2 - 2.0**-7)))
+FLOAT_MAX = {"float16": FP16_MAX, "bfloat16": BF16_MAX, "float32": FP32_MAX, "float8_e4m3fn": FP8_MAX}
+"""The largest finite value of each stored float type."""
 _NBYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 
 
@@ -64,8 +73,20 @@ def fp8_e4m3fn_decode(code: np.ndarray) -> np.ndarray:
     return np.copysign(val, sign)
 
 
+def exceeds(x: np.ndarray, dtype: str) -> np.ndarray:
+    """True where finite ``x`` lies beyond ±MAX of ``dtype`` (encoding it saturates)."""
+    a = np.abs(np.asarray(x, dtype=np.float64))
+    return np.isfinite(a) & (a > FLOAT_MAX[dtype])
+
+
+def _f32(x: np.ndarray) -> np.ndarray:
+    """float64 → float32, saturating at ±FP32_MAX (NaN stays NaN)."""
+    return np.clip(np.asarray(x, dtype=np.float64), -FP32_MAX, FP32_MAX).astype(np.float32)
+
+
 def _bf16_bits(x: np.ndarray) -> np.ndarray:
-    u = np.asarray(x, dtype=np.float64).astype(np.float32).view(np.uint32).astype(np.uint64)
+    x = np.clip(np.asarray(x, dtype=np.float64), -BF16_MAX, BF16_MAX)
+    u = _f32(x).view(np.uint32).astype(np.uint64)
     rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
     nan = np.isnan(np.asarray(x, dtype=np.float64))
     return np.where(nan, (u >> 16) | 0x40, rounded).astype(np.uint16)
@@ -79,7 +100,7 @@ def round_float(x: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bfloat16":
         return (_bf16_bits(x).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     if dtype == "float32":
-        return x.astype(np.float32).astype(np.float64)
+        return _f32(x).astype(np.float64)
     if dtype == "float8_e4m3fn":
         return fp8_e4m3fn_decode(fp8_e4m3fn_encode(x))
     if dtype == "float64":
@@ -95,7 +116,7 @@ def encode_float(x: np.ndarray, dtype: str) -> np.ndarray:
     elif dtype == "bfloat16":
         raw = _bf16_bits(x).astype("<u2")
     elif dtype == "float32":
-        raw = x.astype("<f4")
+        raw = _f32(x).astype("<f4")
     elif dtype == "float8_e4m3fn":
         return fp8_e4m3fn_encode(x)[..., None]
     else:

@@ -8,6 +8,7 @@ No autograd.
 
 from tqkern_torch import library as _library  # noqa: F401  (registers torch.ops.tqkern.*)
 from tqkern_torch._params import DeviceParams, to_device
+from tqkern_torch.errors import TQKernError, check_errors, read_errors
 from tqkern_torch.ops import (
     allocate_cache,
     compress,
@@ -34,4 +35,7 @@ __all__ = [
     "decompress",
     "decompress_sequences",
     "sequence_slot_ids",
+    "check_errors",
+    "read_errors",
+    "TQKernError",
 ]

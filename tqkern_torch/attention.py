@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import numpy as np
 import torch
 
+from tqkern.errors import ErrorFlag
 from tqkern.layouts import PagedLayout
 from tqkern.ops.paged_decode import reference as paged_decode_ref
 from tqkern_torch._validate import check_tensor, use_triton
+from tqkern_torch.errors import check_errors, error_word
 from tqkern_torch.library import _host_params, layout_key, layout_of
 from tqkern_torch.ops import _check_cache, _check_layout, _device_params
 
@@ -33,7 +36,7 @@ def _lengths_checked_on_host(block_table, seq_lens, num_blocks: int, block_size:
 def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                  layout: PagedLayout, params, *, scale: Optional[float] = None, out: Optional[torch.Tensor] = None,
                  workspace: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
-                 check_lengths: Optional[bool] = None) -> torch.Tensor:
+                 check_lengths: bool = False, debug: bool = False) -> torch.Tensor:
     """One decode step: each sequence's query attends to its whole compressed cache.
 
     Args:
@@ -49,9 +52,17 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
             elements (DP: head_dim rounded up to a power of two, at least 16), for CUDA-graph
             capture; pass ``num_splits`` with it (the default split count depends on the GPU).
         num_splits: split-KV count; default from the shapes (never from ``seq_lens`` values).
-        check_lengths: check ``seq_lens`` and the used ``block_table`` entries against the
-            cache on the host (a device sync). Default: on, except while a CUDA graph is being
-            captured. Unchecked lengths beyond the table are clamped by the kernel.
+        check_lengths: debug mode: check ``seq_lens`` and the used ``block_table`` entries on
+            the host before the launch and raise ``ValueError`` naming them (a device sync and
+            several small kernels; skipped while ``torch.compile`` traces or a CUDA graph is
+            captured). Off by default: the kernels never read outside the cache whatever the
+            indices hold, clamp a bad length, and record what they met in the error word
+            (:func:`tqkern_torch.check_errors`).
+        debug: check the error word right after the call (a device sync) and raise
+            :class:`tqkern_torch.TQKernError` if any kernel reported something.
+
+    Non-finite values: a query row holding a NaN or inf gives a NaN output row
+    (``docs/layout.md``).
 
     Returns:
         ``[num_seqs, num_q_heads, head_dim]`` in q's dtype.
@@ -82,9 +93,7 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
         check_workspace(workspace, q.shape[0], q.shape[1], num_splits, layout_consts(layout)["DP"])
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    if check_lengths is None:
-        check_lengths = not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
-    if check_lengths:
+    if check_lengths and not _tracing_or_capturing(dev):
         _lengths_checked_on_host(block_table, seq_lens, cache.shape[0], layout.block_size)
     p = _device_params(params, layout, dev)
     if out is None:
@@ -94,7 +103,16 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
     torch.ops.tqkern.paged_decode(q, cache, block_table, seq_lens, p.rotation, p.key_centroids,
                                   p.value_centroids, p.key_centroids_f32, p.value_centroids_f32, out, workspace,
                                   layout_key(layout), float(scale), num_splits or 0, p.same_codebooks)
+    if debug:
+        check_errors(dev)
     return out
+
+
+def _tracing_or_capturing(dev: torch.device) -> bool:
+    """Host checks read tensor values: never while ``torch.compile`` traces or a CUDA graph is captured."""
+    if torch.compiler.is_compiling():
+        return True
+    return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 @torch.library.custom_op("tqkern::paged_decode", mutates_args=("out", "workspace"))
@@ -104,22 +122,48 @@ def paged_decode_op(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Ten
                     workspace: Optional[torch.Tensor], layout: str, scale: float, num_splits: int,
                     same_codebooks: bool = False) -> None:
     lay = layout_of(layout)
+    errors = error_word(q.device)
+    if cache.shape[0] == 0:  # no block to clamp a bad entry to: a zero block stands in (and flags it)
+        cache = torch.zeros((1, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+        num_blocks = 0
+    else:
+        num_blocks = cache.shape[0]
     if use_triton(q.device):
         from tqkern.ops.paged_decode.triton import _launch_paged_decode, rotate_q
 
         fmt = lay.format
         interp = q.device.type == "cpu"
-        q_rot = rotate_q(q if q.stride(2) == 1 else q.contiguous(), rotation, bool(fmt.key.rotated), interp)
+        poison = torch.empty(q.shape[0] * q.shape[1], dtype=torch.float32, device=q.device)
+        q_rot = rotate_q(q if q.stride(2) == 1 else q.contiguous(), rotation, bool(fmt.key.rotated), interp,
+                         poison=poison)
         tables = {"rotation": rotation, "key_centroids_f32": key_centroids_f32,
                   "value_centroids_f32": value_centroids_f32}
         _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, lay, tables, sm_scale=scale,
-                             interpret=interp, workspace=workspace, num_splits=num_splits or None,
-                             same_codebooks=same_codebooks)
+                             interpret=interp, errors=errors, q_poison=poison, workspace=workspace,
+                             num_splits=num_splits or None, same_codebooks=same_codebooks, num_blocks=num_blocks)
         return
+    # The NumPy oracle rejects bad indices; the kernels' policy is applied here first: lengths
+    # clamped, bad block entries read as block 0 (flagged), as the warp-MMA kernel does.
+    bt, sl, flags = _kernel_indices(block_table.numpy(), seq_lens.numpy(), num_blocks, lay.block_size)
+    errors.bitwise_or_(int(flags))
     params = _host_params(lay, rotation, key_centroids, value_centroids, None)
-    res = paged_decode_ref.paged_decode(q.float().numpy(), cache.numpy(), block_table.numpy(), seq_lens.numpy(),
-                                        lay, params, scale=scale)
+    res = paged_decode_ref.paged_decode(q.float().numpy(), cache.numpy(), bt, sl, lay, params, scale=scale)
     out.copy_(torch.from_numpy(res).to(out.dtype))
+
+
+def _kernel_indices(block_table: np.ndarray, seq_lens: np.ndarray, num_blocks: int, block_size: int):
+    """``(block_table, seq_lens, flags)`` as the kernels see them: lengths clamped into
+    ``[0, max_blocks·block_size]``, entries in use outside ``[0, num_blocks)`` replaced by 0."""
+    cap = block_table.shape[1] * block_size
+    flags = ErrorFlag(0)
+    sl = np.clip(seq_lens, 0, cap).astype(np.int32)
+    if np.any(sl != seq_lens):
+        flags |= ErrorFlag.SEQ_LEN_OUT_OF_RANGE
+    used = np.arange(block_table.shape[1])[None, :] * block_size < sl[:, None]
+    bad = used & ((block_table < 0) | (block_table >= num_blocks))
+    if np.any(bad):
+        flags |= ErrorFlag.BLOCK_OUT_OF_RANGE
+    return np.where(bad, 0, block_table).astype(np.int32), sl, flags
 
 
 @paged_decode_op.register_fake

@@ -15,11 +15,13 @@ import numpy as np
 import torch
 
 from tqkern.codebooks import Codebook
+from tqkern.errors import ErrorFlag
 from tqkern.layouts import LloydMax, PagedLayout, layout_from_dict
 from tqkern.ops.decompress import reference as decompress_ref
 from tqkern.ops.store import reference as store_ref
 from tqkern.params import TQParams
 from tqkern_torch._validate import use_triton
+from tqkern_torch.errors import error_word
 
 __all__ = ["layout_key", "layout_of"]
 
@@ -65,12 +67,14 @@ def store_op(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_m
         from tqkern.ops.store.triton import _launch_store
 
         tables = _tables(rotation, key_boundaries, key_centroids, value_boundaries, value_centroids, key_offset)
-        _launch_store(cache, key, value, slot_mapping, lay, tables, interpret=key.device.type == "cpu")
+        _launch_store(cache, key, value, slot_mapping, lay, tables, error_word(key.device),
+                      interpret=key.device.type == "cpu")
         return
     params = _host_params(lay, rotation, key_centroids, value_centroids, key_offset)
-    out = store_ref.store(cache.numpy(), key.float().numpy(), value.float().numpy(), slot_mapping.numpy(), lay,
-                          params)
+    out, flags = store_ref.store(cache.numpy(), key.float().numpy(), value.float().numpy(), slot_mapping.numpy(),
+                                 lay, params, return_flags=True)
     cache.copy_(torch.from_numpy(out))
+    error_word(key.device).bitwise_or_(int(flags))
 
 
 @store_op.register_fake
@@ -94,12 +98,15 @@ def decompress_op(cache: torch.Tensor, slot_ids: torch.Tensor, rotation: torch.T
         from tqkern.ops.decompress.triton import _launch_decompress
 
         tables = {"rotation": rotation, "key_centroids": key_centroids, "value_centroids": value_centroids}
-        _launch_decompress(k, v, cache, slot_ids, lay, tables, rotate_back=rotate_back,
+        _launch_decompress(k, v, cache, slot_ids, lay, tables, error_word(dev), rotate_back=rotate_back,
                            interpret=dev.type == "cpu")
         return k, v
     params = _host_params(lay, rotation, key_centroids, value_centroids, None)
     ids = slot_ids.cpu().numpy().astype(np.int64)
-    valid = ids >= 0
+    cap = cache.shape[0] * lay.block_size
+    valid = (ids >= 0) & (ids < cap)
+    if np.any(ids >= cap):
+        error_word(dev).bitwise_or_(int(ErrorFlag.SLOT_OUT_OF_RANGE))
     if valid.any():
         slots = decompress_ref.gather_slots(cache.cpu().numpy(), lay, ids[valid])
         kk, vv = decompress_ref.decompress(slots, params, rotate_back=rotate_back)

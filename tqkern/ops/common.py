@@ -114,10 +114,12 @@ def f64_to_f16_bits(v):
 
 @triton.jit
 def f32_to_bf16_bits(v):
-    """float32 → bfloat16 bits (int32, low 16 bits): nearest-even."""
-    u = v.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    """float32 → bfloat16 bits (int32, low 16 bits): nearest-even, saturating at ±(2 − 2^-7)·2^127."""
+    c = tl.minimum(tl.maximum(v, -3.3895313892515355e38), 3.3895313892515355e38)
+    u = c.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
     r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    r = tl.where(v != v, (u >> 16) | 0x40, r)
+    raw = v.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    r = tl.where(v != v, (raw >> 16) | 0x40, r)
     return (r & 0xFFFF).to(tl.int32)
 
 
@@ -138,10 +140,11 @@ def f32_to_fp8e4m3_bits(v):
 
 @triton.jit
 def f64_to_bits(v, DT: tl.constexpr):
-    """float64 → bits of a stored float field (DT: 0 f16, 1 f32), as int64."""
+    """float64 → bits of a stored float field (DT: 0 f16, 1 f32), as int64; both saturate."""
     if DT == 0:
         return f64_to_f16_bits(v).to(tl.int64)
     else:
+        v = tl.minimum(tl.maximum(v, -3.4028234663852886e38), 3.4028234663852886e38)
         return v.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
 
 

@@ -27,7 +27,11 @@ Maths, for every query head h and query row i, all in float64:
 - A row in which every key is masked (``Tk == 0``; every mask entry −inf; with ``causal`` and
   ``Tq > Tk`` the first ``Tq − Tk`` rows) has no softmax: its output is **zeros**, never NaN.
   Kernels must write the same zeros.
-- q, k, v are not checked for finiteness; a NaN in them propagates to the rows it touches.
+- Non-finite inputs are not rejected and propagate: a NaN or ±inf in q makes the rows of
+  that query head NaN (even where every key is masked); in k or v, every row that sees that
+  token (an ±inf score that is the row's maximum gives inf − inf = NaN). The compressed paths
+  never see a non-finite key or value: ``store`` writes such vectors as zeros
+  (``docs/layout.md``, "Non-finite and out-of-range values").
 
 Bad arguments raise ``TypeError`` (not a float array, scale not a real number) or ``ValueError``
 (shapes, head counts, mask values) naming the argument, the expected and the actual value.
@@ -82,12 +86,14 @@ def softmax_attend(scores: np.ndarray, v: np.ndarray) -> np.ndarray:
     hq, tq, tk = scores.shape
     hkv, d = v.shape[1], v.shape[2]
     m = np.max(scores, axis=-1, keepdims=True) if tk else np.full((hq, tq, 1), -np.inf)
-    live = np.isfinite(m)  # [Hq, Tq, 1]: the row has at least one visible key
-    p = np.exp(scores - np.where(live, m, 0.0))  # masked entries: exp(−inf) = 0
+    live = m != -np.inf  # [Hq, Tq, 1]: the row has a visible key (NaN rows stay live: NaN out)
+    with np.errstate(invalid="ignore"):
+        p = np.exp(scores - np.where(live, m, 0.0))  # masked entries: exp(−inf) = 0
     denom = np.sum(p, axis=-1, keepdims=True)
     vg = np.repeat(v.transpose(1, 0, 2), hq // hkv, axis=0)  # [Hq, Tk, D]
-    num = p @ vg  # [Hq, Tq, D]
-    out = np.divide(num, denom, out=np.zeros_like(num), where=live)
+    with np.errstate(invalid="ignore"):
+        num = p @ vg  # [Hq, Tq, D]
+        out = np.divide(num, denom, out=np.zeros_like(num), where=live)
     return out.transpose(1, 0, 2)
 
 

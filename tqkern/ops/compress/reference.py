@@ -4,6 +4,7 @@
 into slots ``[N, H, slot_bytes]`` uint8 of ``params.format``:
 
     k' = key − μ[h]                        (μ = params.key_offset, float32 values, or 0)
+    k', value: a vector (one token, one head) holding a NaN or ±inf becomes the zero vector
     key fields   = quantize(k', format.key)     (see tqkern.ops.quantize.reference)
     value fields = quantize(value, format.value)
     slot = [key fields | value fields | zero padding], fields in ``format.slot_fields()`` order,
@@ -14,12 +15,20 @@ Both K and V use the one rotation ``params.rotation``. With ``return_uncertain=T
 also returns a bool mask of the same shape as the slots marking the bytes a conforming kernel
 may produce differently (bytes holding a code or stored float that lies within
 :data:`~tqkern.ops.quantize.reference.EPS` of a decision point); every other byte must match.
+
+Non-finite and out-of-range inputs (``docs/layout.md``): a key or value vector with a NaN or
+±inf element is stored as the zero vector (every field as for ``x = 0``), so that one bad token
+cannot turn every later attention output of its sequence into NaN; a stored float beyond its
+dtype's range saturates (:mod:`tqkern.numerics`). With ``return_flags=True`` the oracle also
+returns the :class:`~tqkern.errors.ErrorFlag` bits a kernel sets for the same input:
+``NONFINITE_INPUT`` and ``SATURATED``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from tqkern.errors import ErrorFlag
 from tqkern.layouts import KVFormat
 from tqkern.numerics import encode_float
 from tqkern.ops.pack.reference import pack
@@ -41,12 +50,20 @@ def _check_kv(key: np.ndarray, value: np.ndarray, fmt: KVFormat, params: TQParam
                          f"got {params.key_offset.shape[0]}")
 
 
+def finite_vectors(x: np.ndarray) -> np.ndarray:
+    """bool ``[...]``: the vectors ``x [..., D]`` whose every element is finite."""
+    return np.all(np.isfinite(x), axis=-1)
+
+
 def codec_inputs(key, value, params: TQParams) -> tuple[np.ndarray, np.ndarray]:
-    """The float64 vectors the key and value codecs see: ``(key − μ, value)``."""
+    """The float64 vectors the key and value codecs see: ``(key − μ, value)``, a vector with a
+    non-finite element replaced by zeros."""
     k = np.asarray(key, dtype=np.float64)
     if params.key_offset is not None:
         k = k - params.key_offset.astype(np.float64)[None]
-    return k, np.asarray(value, dtype=np.float64)
+    v = np.asarray(value, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        return tuple(np.where(finite_vectors(x)[..., None], x, 0.0) for x in (k, v))
 
 
 def _side_bytes(q: Quantized, fields, bits: int, bit_order: str) -> tuple[list, list]:
@@ -76,11 +93,13 @@ def _side_bytes(q: Quantized, fields, bits: int, bit_order: str) -> tuple[list, 
     return chunks, unsure
 
 
-def compress(key, value, params: TQParams, *, return_uncertain: bool = False):
+def compress(key, value, params: TQParams, *, return_uncertain: bool = False, return_flags: bool = False):
     """Compress ``key, value [N, H, D]`` into slots ``[N, H, slot_bytes]`` uint8.
 
     Returns:
-        ``slots``, or ``(slots, uncertain)`` with ``return_uncertain``.
+        ``slots``, followed, as a tuple, by ``uncertain`` (bool ``[N, H, slot_bytes]``) with
+        ``return_uncertain`` and by the :class:`~tqkern.errors.ErrorFlag` bits with
+        ``return_flags``.
     """
     if not isinstance(params, TQParams):
         raise TypeError(f"params must be a TQParams, got {type(params).__name__}")
@@ -88,10 +107,16 @@ def compress(key, value, params: TQParams, *, return_uncertain: bool = False):
     key, value = np.asarray(key), np.asarray(value)
     _check_kv(key, value, fmt, params)
     k, v = codec_inputs(key, value, params)
+    flags = ErrorFlag(0)
+    with np.errstate(invalid="ignore"):
+        if not (np.all(np.isfinite(key)) and np.all(np.isfinite(value))):
+            flags |= ErrorFlag.NONFINITE_INPUT
     chunks, unsure = [], []
     for side, x, cb in (("key", k, params.key_codebook), ("value", v, params.value_codebook)):
         codec = getattr(fmt, side)
         q = quantize(x, codec, rotation=params.rotation, codebook=cb)
+        if np.any(q.saturated):
+            flags |= ErrorFlag.SATURATED
         c, u = _side_bytes(q, codec.fields(fmt.head_dim), codec.bits, fmt.bit_order)
         chunks += c
         unsure += u
@@ -100,6 +125,5 @@ def compress(key, value, params: TQParams, *, return_uncertain: bool = False):
     unsure.append(np.zeros((n, h, fmt.pad_bytes), bool))
     slots = np.concatenate(chunks, axis=-1)
     assert slots.shape[-1] == fmt.slot_bytes
-    if return_uncertain:
-        return slots, np.concatenate(unsure, axis=-1)
-    return slots
+    extra = ((np.concatenate(unsure, axis=-1),) if return_uncertain else ()) + ((flags,) if return_flags else ())
+    return (slots, *extra) if extra else slots

@@ -3,6 +3,9 @@
 A program reads ``BT`` slots of one KV head. Rotating back (``@ Πᵀ``) is left to the launcher's
 caller (one matmul over the dense output): this kernel exists for tests, debugging and
 prefix reuse, not for the decode hot path.
+
+A slot id outside ``[0, cache_slots)`` reads nothing: its rows are zeros (negative ids by
+definition; too large ones also set ``SLOT_OUT_OF_RANGE`` in ``err_ptr[0]``).
 """
 
 from __future__ import annotations
@@ -10,9 +13,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tqkern.errors import ErrorFlag
 from tqkern.ops.common import bits_to_f32, fp8e4m3_bits_to_f32, layout_consts, load_bytes, load_packed
 
 __all__ = ["_decompress_kernel", "_launch_decompress"]
+
+_ERR_SLOT = tl.constexpr(int(ErrorFlag.SLOT_OUT_OF_RANGE))
 
 
 @triton.jit
@@ -51,7 +57,7 @@ def _decode_side(out_ptr_2d, row, h, tok_mask, in_range, cen_ptr, D: tl.constexp
 
 @triton.jit
 def _decompress_kernel(
-    k_out, v_out, cache_ptr, slot_ptr, kc_ptr, vc_ptr, num_slots,
+    k_out, v_out, cache_ptr, slot_ptr, kc_ptr, vc_ptr, err_ptr, n, cache_slots,
     BT: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, H: tl.constexpr, ROW_BYTES: tl.constexpr,
     NIBBLE: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_ROTATED: tl.constexpr, K_NORM_CORRECTION: tl.constexpr,
@@ -64,9 +70,11 @@ def _decompress_kernel(
     pid = tl.program_id(0)
     h = tl.program_id(1)
     t = pid * BT + tl.arange(0, BT)
-    in_range = t < num_slots
+    in_range = t < n
     slot = tl.load(slot_ptr + t, mask=in_range, other=-1).to(tl.int64)
-    tok_mask = in_range & (slot >= 0)
+    tok_mask = in_range & (slot >= 0) & (slot < cache_slots)
+    bad = tl.max((in_range & (slot >= cache_slots)).to(tl.int32), axis=0)
+    tl.atomic_or(err_ptr, bad * _ERR_SLOT, mask=bad != 0, sem="relaxed")
     row = cache_ptr + tl.where(tok_mask, slot, 0) * ROW_BYTES
     out_off = (t.to(tl.int64) * H + h)[:, None] * D
     k_ptr = k_out + out_off
@@ -79,14 +87,16 @@ def _decompress_kernel(
                  V_B_OFF, V_B_STRIDE, V_C_OFF, V_C_STRIDE)
 
 
-def _launch_decompress(k_out, v_out, cache, slot_ids, layout, tables, *, rotate_back: bool, interpret: bool,
-                       block_tokens: int = 16):
-    """Fill ``k_out, v_out [N, H, D]`` float32 from ``slot_ids [N]``; no checks."""
+def _launch_decompress(k_out, v_out, cache, slot_ids, layout, tables, errors, *, rotate_back: bool,
+                       interpret: bool, block_tokens: int = 16):
+    """Fill ``k_out, v_out [N, H, D]`` float32 from ``slot_ids [N]``; no checks. ``errors``: the
+    int32 ``[1]`` error word."""
     c = layout_consts(layout)
     n = slot_ids.shape[0]
     grid = (triton.cdiv(n, block_tokens), layout.num_kv_heads)
     consts = {k: v for k, v in c.items() if not k.startswith("PAD")}
-    _decompress_kernel[grid](k_out, v_out, cache, slot_ids, tables["key_centroids"], tables["value_centroids"], n,
+    _decompress_kernel[grid](k_out, v_out, cache, slot_ids, tables["key_centroids"], tables["value_centroids"], errors, n,
+                             cache.shape[0] * layout.block_size,
                              BT=block_tokens, H=layout.num_kv_heads, **consts)
     if rotate_back:
         fmt = layout.format

@@ -36,6 +36,10 @@ score of a row moves by at most Δ, every softmax weight changes by a factor wit
 (e^{2Δ} − 1)·max_j ‖V̂_j‖₂ in the 2-norm, which Πᵀ preserves. That bound is rigorous and loose;
 for Gaussian-like vectors (no outlier channel dominating the max) the rounding errors are
 independent and the typical score error is ~0.01× the score's spread.
+
+Non-finite values, as in ``paged_decode``: a query row holding a NaN or ±inf gives a **NaN**
+output row and touches no other row; a cache written by ``store`` holds no non-finite key or
+value. Bad indices: as in ``paged_decode`` (this oracle rejects them; kernels clamp and flag).
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ import numpy as np
 
 from tqkern.layouts import PagedLayout
 from tqkern.ops.attention.reference import causal_visible, resolve_scale, softmax_attend
-from tqkern.ops.paged_decode.reference import _from_value_space, _sequences_kv, _to_key_space
+from tqkern.ops.paged_decode.reference import (_from_value_space, _sequences_kv, _to_key_space,
+                                                poison_nonfinite_rows)
 from tqkern.ops.prefill.reference import _check_varlen
 from tqkern.params import TQParams
 
@@ -105,4 +110,4 @@ def int8_prefill(q, cache, block_table, seq_lens, query_start_loc, layout: Paged
         scores = _int8_scores(_to_key_space(q[a:b], params), k, sc)
         scores = np.where(causal_visible(b - a, k.shape[0])[None], scores, -np.inf)
         out[a:b] = _from_value_space(softmax_attend(scores, v), params)
-    return out
+    return poison_nonfinite_rows(out, q)

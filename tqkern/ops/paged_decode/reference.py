@@ -28,6 +28,16 @@ Because ⟨q, k̂Πᵀ⟩ = ⟨qΠ, k̂⟩, this equals dense attention of q ove
 constant ``q·μ``. ``scale`` defaults to ``1/√D``. A sequence with ``seq_lens[s] == 0`` has no
 keys: its output is **zeros**. ``num_seqs == 0`` gives an empty ``[0, Hq, D]``.
 
+Non-finite values (``docs/layout.md``): a query row ``q[s, h]`` holding a NaN or ±inf gives a
+**NaN** output row ``out[s, h]`` (whatever the sequence length), and touches no other row. A cache
+written by ``store`` holds no non-finite key or value (they are stored as zeros).
+
+Bad indices: this oracle rejects them (below). The kernels instead never read outside the cache
+and record them in the error flag (:class:`~tqkern.errors.ErrorFlag`): a ``seq_lens`` entry
+outside ``[0, max_blocks·block_size]`` is clamped into it (``SEQ_LEN_OUT_OF_RANGE``); a sequence
+with a block id in use outside ``[0, num_blocks)`` gets an unspecified output
+(``BLOCK_OUT_OF_RANGE``).
+
 Validation (at this boundary only), each error naming the argument, expected and actual:
 ``TypeError`` for a non-float ``q``, a non-uint8 ``cache``, ``block_table``/``seq_lens`` not
 int32, ``layout``/``params`` of the wrong type; ``ValueError`` for shapes (``q.shape[-1] ==
@@ -139,4 +149,11 @@ def paged_decode(q, cache, block_table, seq_lens, layout: PagedLayout, params: T
     for s, (k, v) in enumerate(_sequences_kv(cache, layout, params, bt, sl)):
         o = attention(_to_key_space(q[s: s + 1], params), k, v, scale=sc)
         out[s] = _from_value_space(o, params)[0]
+    return poison_nonfinite_rows(out, q)
+
+
+def poison_nonfinite_rows(out: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """``out`` with NaN in every row ``[..., h, :]`` whose query row holds a NaN or ±inf."""
+    bad = ~np.all(np.isfinite(q), axis=-1)
+    out[bad] = np.nan
     return out

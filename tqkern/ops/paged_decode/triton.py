@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tqkern.errors import ErrorFlag
 from tqkern.layouts import PagedLayout
 from tqkern.ops.common import bits_to_f32, halfword_aligned, layout_consts, load_bytes, load_packed, load_param
 from tqkern.ops.paged_decode._ptx import _LUT_ASM_LSB, _LUT_ASM_NIBBLE, _UNI_ASM_LSB, _UNI_ASM_NIBBLE, _prmt_tables
@@ -31,6 +32,9 @@ from tqkern.ops.paged_decode import triton_mma as _tm
 from tqkern.ops.paged_decode.triton_mma import (DynamicSmemUnsupported, _launch_paged_decode_mma, ctas_per_sm,
                                                 device_plan, disable_cooperative_stages, mma_plan, num_splits_mma,
                                                 per_warp_plan, resident_warps)
+
+_ERR_BLOCK = tl.constexpr(int(ErrorFlag.BLOCK_OUT_OF_RANGE))
+_ERR_SEQ_LEN = tl.constexpr(int(ErrorFlag.SEQ_LEN_OUT_OF_RANGE))
 
 __all__ = ["_paged_decode_kernel", "_merge_kernel", "_launch_paged_decode", "num_splits_for", "fast_path_plan",
            "decode_path", "rotate_q", "merge_chunks", "check_workspace"]
@@ -251,10 +255,17 @@ def _token_factors(row, h, tmask, KIND: tl.constexpr, PARAM_DTYPE: tl.constexpr,
         return zero + 1.0, zero
 
 
+@triton.jit
+def _seq_len(sl_ptr, s, cap):
+    """Sequence ``s``'s length clamped into ``[0, cap]``, and the error bits (an int32 scalar)."""
+    n = tl.load(sl_ptr + s)
+    return tl.minimum(tl.maximum(n, 0), cap), ((n < 0) | (n > cap)).to(tl.int32) * _ERR_SEQ_LEN
+
+
 @triton.jit(do_not_specialize=["zero"])
 def _paged_decode_kernel(
-    q_ptr, cache_ptr, bt_ptr, sl_ptr, kc_ptr, vc_ptr, acc_ptr, ml_ptr,
-    max_blocks, sm_scale_log2, zero,
+    q_ptr, cache_ptr, bt_ptr, sl_ptr, kc_ptr, vc_ptr, acc_ptr, ml_ptr, err_ptr,
+    max_blocks, num_blocks, sm_scale_log2, zero,
     G: tl.constexpr, GP: tl.constexpr, HQ: tl.constexpr, NUM_SPLITS: tl.constexpr, BN: tl.constexpr,
     BS: tl.constexpr, K_HALVES: tl.constexpr, V_HALVES: tl.constexpr, DOT: tl.constexpr,
     K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, SKIP_K: tl.constexpr, SKIP_V: tl.constexpr,
@@ -292,7 +303,7 @@ def _paged_decode_kernel(
     k_tabs = _prmt_tables(kc_ptr, K_KIND if K_FAST > 0 else 1)
     v_tabs = _prmt_tables(vc_ptr, V_KIND if V_FAST > 0 else 1)
 
-    seq_len = tl.minimum(tl.load(sl_ptr + s), max_blocks * BS)
+    seq_len, err = _seq_len(sl_ptr, s, max_blocks * BS)
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BN) * BN
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
@@ -310,6 +321,10 @@ def _paged_decode_kernel(
         pos = t0 + n_off
         tmask = pos < end
         blk = tl.load(bt_row + pos // BS, mask=tmask, other=0).to(tl.int64)
+        bad = tmask & ((blk < 0) | (blk >= num_blocks))  # read nothing there: masked like the tail
+        err |= tl.max(bad.to(tl.int32), axis=0) * _ERR_BLOCK
+        tmask = tmask & ~bad
+        blk = tl.where(bad, 0, blk)
         # `zero` (a runtime 0 Triton may not specialize) keeps the compiler from deriving a
         # 16-byte alignment for every row from `pos % BS` (Triton 3.6 carries the divisibility
         # of contiguous groups through the multiply; compute-sanitizer caught the misaligned
@@ -390,6 +405,7 @@ def _paged_decode_kernel(
         tl.store(a_row + cols[None, :], acc, mask=gm[:, None])
     tl.store(ml_ptr + part * 2, m_i, mask=gm)
     tl.store(ml_ptr + part * 2 + 1, l_i, mask=gm)
+    tl.atomic_or(err_ptr, err, mask=err != 0, sem="relaxed")
 
 
 @triton.jit
@@ -411,10 +427,10 @@ def _store_merged(o, o_row, rmask, rot_ptr, c0, cols, D: tl.constexpr, CC: tl.co
 
 
 @triton.jit
-def _merge_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, stride_os, stride_oh,
+def _merge_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, stride_os, stride_oh,
                   G: tl.constexpr, GP: tl.constexpr, HQ: tl.constexpr, NUM_SPLITS: tl.constexpr,
                   SP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CC: tl.constexpr,
-                  ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr, POISON: tl.constexpr):
     """Merge the splits of one (sequence, KV head) by log-sum-exp; out = acc/l (@ Πᵀ). Program
     ``(s, h, j)`` writes output columns ``j·CC .. j·CC + CC − 1`` (with the rotation it merges all
     columns and rotates into its chunk: the chunks spread the rotate-back over more programs)."""
@@ -448,13 +464,16 @@ def _merge_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, stride_os, stride_oh,
                     mask=gm[:, None], other=0.0)  # not masked by the weight: no wait for (m, l)
         o += tl.where((wi > 0)[:, None], a * wi[:, None], 0.0)
     o = o * inv[:, None]
+    if POISON:  # NaN for a query row holding a NaN or inf (the policy of docs/layout.md)
+        o += tl.load(poison_ptr + (s * HQ + qh), mask=gm, other=0.0)[:, None]
     _store_merged(o, o_row, gm, rot_ptr, c0, cols, D, CC, ROTATE_BACK, DOT_PRECISION)
 
 
 @triton.jit
-def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, n_rows, num_splits, stride_os, stride_oh,
+def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, n_rows, num_splits, stride_os, stride_oh,
                        HQ: tl.constexpr, ROWS: tl.constexpr, SP: tl.constexpr, UNROLL: tl.constexpr, D: tl.constexpr,
-                       DP: tl.constexpr, CC: tl.constexpr, ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       DP: tl.constexpr, CC: tl.constexpr, ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       POISON: tl.constexpr):
     """The merge by blocks of ``ROWS`` query rows (``row = s·HQ + head``, any heads and
     sequences): the rotate-back is a full ``[ROWS, DP] @ [DP, CC]`` tile and Π is read once per
     ROWS rows, instead of once per GQA group padded to 16. Program ``(b, j)`` writes columns
@@ -488,14 +507,16 @@ def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, n_rows, num_splits, st
             o += tl.where((w > 0)[:, None], a * w[:, None], 0.0)  # the load does not wait for w
     inv = tl.where(l_all > 0, 1.0 / tl.where(l_all > 0, l_all, 1.0), 0.0)
     o = o * inv[:, None]
+    if POISON:  # NaN for a query row holding a NaN or inf (the policy of docs/layout.md)
+        o += tl.load(poison_ptr + rows, mask=rm, other=0.0)[:, None]
     o_row = out_ptr + (rows // HQ).to(tl.int64)[:, None] * stride_os + (rows % HQ).to(tl.int64)[:, None] * stride_oh
     _store_merged(o, o_row, rm, rot_ptr, c0, cols, D, CC, ROTATE_BACK, DOT_PRECISION)
 
 
 @triton.jit
-def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, n_rows, stride_qs, stride_qh, HQ: tl.constexpr, D: tl.constexpr,
-                     DP: tl.constexpr, ROWS: tl.constexpr, CC: tl.constexpr, ROTATE: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr):
+def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, poison_ptr, n_rows, stride_qs, stride_qh, HQ: tl.constexpr,
+                     D: tl.constexpr, DP: tl.constexpr, ROWS: tl.constexpr, CC: tl.constexpr, ROTATE: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, POISON: tl.constexpr):
     """``out[r] = float32(q[r]) @ Π`` (or the plain cast) for ROWS query rows ``r = s·HQ + h``: one
     launch instead of a cast and a GEMM. Program ``(b, j)`` writes output columns ``j·CC ..
     j·CC + CC − 1`` of rows ``b·ROWS ..`` (64 columns at a time: a whole ``[DP, DP]`` tile of Π
@@ -506,6 +527,10 @@ def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, n_rows, stride_qs, stride_qh, HQ: 
     cm = cols < D
     src = q_ptr + (rows // HQ).to(tl.int64)[:, None] * stride_qs + (rows % HQ).to(tl.int64)[:, None] * stride_qh
     x = tl.load(src + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
+    if POISON:  # poison[r] = NaN if q row r holds a NaN or inf, else 0 (x − x is NaN exactly there)
+        bad = tl.sum(((x - x) != 0).to(tl.int32), axis=1) > 0
+        if tl.program_id(1) == 0:
+            tl.store(poison_ptr + rows, tl.where(bad, float("nan"), 0.0), mask=rm)
     dst = out_ptr + rows.to(tl.int64)[:, None] * D
     if ROTATE:
         SUB: tl.constexpr = CC if CC < 64 else 64
@@ -518,12 +543,14 @@ def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, n_rows, stride_qs, stride_qh, HQ: 
         tl.store(dst + cols[None, :], x, mask=rm[:, None] & cm[None, :])
 
 
-def rotate_q(q, rotation, rotate: bool, interpret: bool, rows: int = 16, cols: int = 64):
+def rotate_q(q, rotation, rotate: bool, interpret: bool, rows: int = 16, cols: int = 64, poison=None):
     """float32 ``[S, Hq, D]`` contiguous: ``q @ Π`` when ``rotate`` (the key codec is rotated),
     else q cast. ``q``: fp16/bf16/fp32 with a contiguous last dimension; ``rows`` query rows and
     ``cols`` output columns (at most the padded head_dim) per program. Measured on the H100 at
     1024 rows, D = 128: 16 rows × all columns 4.6 µs, 32 rows 9.5 µs, 64 rows 9.8 µs (session 4);
-    16 rows × 64 columns: see ``benchmarks/NOTES.md`` §21."""
+    16 rows × 64 columns: see ``docs/performance.md``. ``poison``: optional float32 ``[S·Hq]``
+    that receives NaN for every query row holding a NaN or inf and 0 for the others (the merge
+    adds it to the output: :func:`_launch_merge`)."""
     if not isinstance(rows, int) or rows < 16 or rows & (rows - 1):
         raise ValueError(f"rows must be a power of two >= 16, got {rows!r}")
     if not isinstance(cols, int) or cols < 16 or cols & (cols - 1):
@@ -535,8 +562,9 @@ def rotate_q(q, rotation, rotate: bool, interpret: bool, rows: int = 16, cols: i
     cc = min(cols, dp) if rotate else dp
     if n:
         _rotate_q_kernel[(triton.cdiv(n, rows), dp // cc)](
-            q, rotation, out, n, q.stride(0), q.stride(1), HQ=hq, D=d, DP=dp, ROWS=rows, CC=cc, ROTATE=rotate,
-            DOT_PRECISION="ieee" if interpret else "tf32x3", num_warps=4)
+            q, rotation, out, out if poison is None else poison, n, q.stride(0), q.stride(1), HQ=hq, D=d, DP=dp,
+            ROWS=rows, CC=cc, ROTATE=rotate, DOT_PRECISION="ieee" if interpret else "tf32x3",
+            POISON=poison is not None, num_warps=4)
     return out
 
 
@@ -594,21 +622,30 @@ def fast_path_plan(layout) -> dict:
 
 
 def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, tables, *, sm_scale: float,
-                         interpret: bool, workspace=None, num_splits: int | None = None,
+                         interpret: bool, errors=None, q_poison=None, workspace=None, num_splits: int | None = None,
                          block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                          probe: str = "",
                          lut: str = "select", path: str = "auto", maxnreg: int | None = None,
-                         same_codebooks: bool = True):
+                         same_codebooks: bool = True, num_blocks: int | None = None):
     """Launch decode + merge. ``q_rot`` float32 ``[S, Hq, D]`` contiguous (already rotated when the
-    key codec is rotated). ``workspace``: optional float32 tensor with at least
+    key codec is rotated). ``errors``: the int32 ``[1]`` error word (``tqkern.errors``) the kernels
+    OR their bits into (the frontend's; a fresh one when ``None``). ``q_poison``: float32
+    ``[S·Hq]`` from :func:`rotate_q` (NaN for a non-finite query row, else 0), added to the output
+    rows by the merge; ``None``: no poisoning. ``workspace``: optional float32 tensor with at least
     ``workspace_numel(...)`` elements. ``path``: ``"auto"`` (the warp-MMA kernel of
     :mod:`.triton_mma` where :func:`decode_path` says so, else the word path), ``"mma"`` (that
     kernel, or ``ValueError``), ``"fast"`` (this module's kernel with the 4-bit word path),
     ``"old"`` (this module's kernel, general decode only). ``same_codebooks``: whether the key
-    and value codebooks are equal (the warp-MMA kernel's one table serves both). No other checks."""
+    and value codebooks are equal (the warp-MMA kernel's one table serves both). ``num_blocks``: the
+    block ids that are valid (default ``cache.shape[0]``; 0 with a one-block stand-in for an empty
+    cache). No other checks."""
     c = layout_consts(layout)
     s, hq, d = q_rot.shape
     hkv = layout.num_kv_heads
+    if errors is None:
+        errors = torch.zeros(1, dtype=torch.int32, device=q_rot.device)
+    if num_blocks is None:
+        num_blocks = cache.shape[0]
     g = hq // hkv
     gp = max(16, triton.next_power_of_2(g))
     dp = c["DP"]
@@ -621,12 +658,12 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
         if mma:
             try:
                 acc, ml, num_splits = _launch_mma(q_rot, cache, block_table, seq_lens, layout, tables, g, num_splits,
-                                                  workspace, sm_scale)
+                                                  workspace, sm_scale, errors, num_blocks)
             except DynamicSmemUnsupported:  # nothing launched yet: the per-warp kernel from now on
                 disable_cooperative_stages(q_rot.device)
                 acc, ml, num_splits = _launch_mma(q_rot, cache, block_table, seq_lens, layout, tables, g, num_splits,
-                                                  workspace, sm_scale)
-            _launch_merge(acc, ml, tables["rotation"], out, layout, g, num_splits, interpret)
+                                                  workspace, sm_scale, errors, num_blocks)
+            _launch_merge(acc, ml, tables["rotation"], out, layout, g, num_splits, interpret, q_poison=q_poison)
             return out
         path = "fast"
     plan = fast_path_plan(layout) if path == "fast" else {"K_FAST": 0, "V_FAST": 0, "K_PAR_ALIGNED": False,
@@ -670,8 +707,9 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
     acc, ml = _workspace(workspace, s, hq, num_splits, dp, q_rot.device)
     _paged_decode_kernel[(s, hkv, num_splits)](
         q_rot, cache, block_table, seq_lens, tables["key_centroids_f32"], tables["value_centroids_f32"], acc, ml,
-        block_table.shape[1], sm_scale * 1.4426950408889634, 0, NUM_SPLITS=num_splits, **kwargs)
-    _launch_merge(acc, ml, tables["rotation"], out, layout, g, num_splits, interpret)
+        errors, block_table.shape[1], num_blocks, sm_scale * 1.4426950408889634, 0, NUM_SPLITS=num_splits,
+        **kwargs)
+    _launch_merge(acc, ml, tables["rotation"], out, layout, g, num_splits, interpret, q_poison=q_poison)
     return out
 
 
@@ -713,14 +751,16 @@ def _mma_launch_plan(q_rot, cache, block_table, seq_lens, layout, tables, g, num
     return plan, num_splits
 
 
-def _launch_mma(q_rot, cache, block_table, seq_lens, layout, tables, g, num_splits, workspace, sm_scale):
+def _launch_mma(q_rot, cache, block_table, seq_lens, layout, tables, g, num_splits, workspace, sm_scale, errors,
+                num_blocks):
     """The warp-MMA kernel with the device's plan; returns (acc, ml, num_splits) for the merge."""
     s, hq, _ = q_rot.shape
     plan, num_splits = _mma_launch_plan(q_rot, cache, block_table, seq_lens, layout, tables, g, num_splits)
     acc, ml = _workspace(workspace, s, hq, num_splits, layout_consts(layout)["DP"], q_rot.device)
     _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, tables["key_centroids_f32"], acc, ml,
                              group=g, num_splits=num_splits, sm_scale=sm_scale,
-                             value_centroids_f32=tables["value_centroids_f32"])
+                             value_centroids_f32=tables["value_centroids_f32"], errors=errors,
+                             num_blocks=num_blocks)
     return acc, ml, num_splits
 
 
@@ -747,7 +787,8 @@ def _resident_ctas(key, q_rot, cache, block_table, seq_lens, tables, kwargs, num
         try:
             k = _paged_decode_kernel.warmup(
                 q_rot, cache, block_table, seq_lens, tables["key_centroids_f32"], tables["value_centroids_f32"],
-                q_rot, q_rot, block_table.shape[1], 1.0, 0, NUM_SPLITS=num_splits, grid=(1,), **kwargs)
+                q_rot, q_rot, seq_lens, block_table.shape[1], cache.shape[0], 1.0, 0, NUM_SPLITS=num_splits,
+                grid=(1,), **kwargs)  # (seq_lens stands in for the int32 error word: compiled, never run)
             _RESIDENT_CTAS[key] = ctas_per_sm(k, kwargs["num_warps"], 0, props) * props.multi_processor_count
         except Exception:  # noqa: BLE001
             _RESIDENT_CTAS[key] = None
@@ -788,7 +829,8 @@ def merge_chunks(programs: int, num_sms: int, dp: int) -> int:
 
 
 def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, interpret: bool,
-                  chunks: int | None = None, impl: str | None = None, rows: int = 16, unroll: int | None = None):
+                  chunks: int | None = None, impl: str | None = None, rows: int = 16, unroll: int | None = None,
+                  q_poison=None):
     """Merge the splits into ``out`` (rotating back when the value codec is rotated). ``impl``:
     ``"rows"`` (:func:`_merge_rows_kernel`, blocks of ``rows`` query rows) or ``"heads"``
     (:func:`_merge_kernel`, one GQA group per program); by default rows with the rotate-back or
@@ -798,7 +840,8 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
     with every split's load in flight at 33 (B8x64K 7.3 vs 9.3 µs; session 12,
     `benchmarks/results/h100_session12_run4_sweep.log`). ``chunks``: output-column chunks per
     program block (default :func:`merge_chunks`); ``unroll``: splits per loop iteration of the
-    row-block kernel (default 8 with the rotate-back, else all of them)."""
+    row-block kernel (default 8 with the rotate-back, else all of them). ``q_poison``: float32
+    ``[S·Hq]`` added to every output row (NaN poisons the row), or ``None``."""
     s, hq, d = out.shape
     dp = layout_consts(layout)["DP"]
     rotate_back = bool(layout.format.value.rotated)
@@ -822,10 +865,10 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
             chunks = min(2, merge_chunks(blocks, sms, dp)) if rotate_back else merge_chunks(blocks, sms, dp)
         if n:
             _merge_rows_kernel[(blocks, chunks)](
-                acc, ml, rotation, out, n, num_splits, out.stride(0), out.stride(1),
+                acc, ml, rotation, out, ml if q_poison is None else q_poison, n, num_splits, out.stride(0), out.stride(1),
                 HQ=hq, ROWS=rows, SP=max(2, triton.next_power_of_2(num_splits)),
                 UNROLL=max(1, min(unroll, num_splits)), D=d, DP=dp, CC=dp // chunks,
-                ROTATE_BACK=rotate_back, DOT_PRECISION=precision, num_warps=4)
+                ROTATE_BACK=rotate_back, DOT_PRECISION=precision, POISON=q_poison is not None, num_warps=4)
         return
     gp = max(16, triton.next_power_of_2(g))
     if chunks is None:
@@ -834,9 +877,9 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
     nch = chunks
     cc = dp // nch
     _merge_kernel[(s, layout.num_kv_heads, nch)](
-        acc, ml, rotation, out, out.stride(0), out.stride(1),
+        acc, ml, rotation, out, ml if q_poison is None else q_poison, out.stride(0), out.stride(1),
         G=g, GP=gp, HQ=hq, NUM_SPLITS=num_splits, SP=max(2, triton.next_power_of_2(num_splits)), D=d, DP=dp,
-        CC=cc, ROTATE_BACK=rotate_back, DOT_PRECISION=precision, num_warps=4,
+        CC=cc, ROTATE_BACK=rotate_back, DOT_PRECISION=precision, POISON=q_poison is not None, num_warps=4,
     )
 
 

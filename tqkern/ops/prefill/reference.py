@@ -31,6 +31,10 @@ call, because each row only depends on its own position. ``scale`` defaults to `
 Validation as in ``paged_decode`` (``q`` named by its role ``num_tokens``), plus
 ``query_start_loc``: int32 (``TypeError``), shape ``[num_seqs + 1]``, ``qsl[0] == 0``,
 non-decreasing, ``qsl[-1] == num_tokens`` and ``q_len_s ≤ seq_lens[s]`` (``ValueError``).
+
+Non-finite values, as in ``paged_decode``: a query row holding a NaN or ±inf gives a **NaN**
+output row and touches no other row; a cache written by ``store`` holds no non-finite key or
+value. Bad indices: as in ``paged_decode`` (this oracle rejects them; kernels clamp and flag).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from tqkern.ops.paged_decode.reference import (
     _from_value_space,
     _int32,
     _sequences_kv,
+    poison_nonfinite_rows,
     _to_key_space,
 )
 from tqkern.params import TQParams
@@ -97,4 +102,4 @@ def prefill(q, cache, block_table, seq_lens, query_start_loc, layout: PagedLayou
         a, b = int(qsl[s]), int(qsl[s + 1])
         o = attention(_to_key_space(q[a:b], params), k, v, scale=sc, causal=True)
         out[a:b] = _from_value_space(o, params)
-    return out
+    return poison_nonfinite_rows(out, q)

@@ -25,6 +25,12 @@ rotation Π:
     scale and lo (vLLM's order). dequantize: q·scale' + zero' with the rounded values.
 ``FP8(rotated)``: y = x (or x @ Π); stored E4M3FN(y) (nearest-even, saturating at ±448).
 ``Raw(dtype)``: stored round(x, dtype) (see :mod:`tqkern.numerics`).
+
+Out-of-range and non-finite values: every stored float saturates at its dtype's largest finite
+value (:mod:`tqkern.numerics`), and :attr:`Quantized.saturated` marks the vectors where that
+happened (a stored norm, scale or zero, or any FP8/Raw element, beyond ±MAX before rounding).
+This function takes finite inputs; ``compress`` replaces a non-finite vector by the zero vector
+before it gets here (``docs/layout.md``, "Non-finite and out-of-range values").
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import numpy as np
 
 from tqkern.codebooks import Codebook
 from tqkern.layouts import FP8, Codec, LloydMax, Raw, Uniform
-from tqkern.numerics import fp8_e4m3fn_decode, fp8_e4m3fn_encode, round_float, ties_within
+from tqkern.numerics import exceeds, fp8_e4m3fn_decode, fp8_e4m3fn_encode, round_float, ties_within
 
 __all__ = ["Quantized", "quantize", "dequantize", "EPS", "SCALE_FLOOR"]
 
@@ -58,6 +64,7 @@ class Quantized:
             ``[...]``, already rounded to their storage dtype.
         uncertain_codes: bool ``[..., D]``: this code (or element) may differ in a kernel.
         uncertain_params: name → bool ``[...]``: this stored float may differ in a kernel.
+        saturated: bool ``[...]``: some stored float of this vector was saturated.
     """
 
     codes: np.ndarray | None
@@ -65,6 +72,7 @@ class Quantized:
     params: dict[str, np.ndarray] = field(default_factory=dict)
     uncertain_codes: np.ndarray | None = None
     uncertain_params: dict[str, np.ndarray] = field(default_factory=dict)
+    saturated: np.ndarray | None = None
 
 
 def _codebook_for(codec: LloydMax, codebook: Codebook | None) -> Codebook:
@@ -130,7 +138,8 @@ def quantize(x: np.ndarray, codec: Codec, *, rotation=None, codebook: Codebook |
             raw = n
             unsure_p = np.zeros(n.shape, bool)
         return Quantized(codes=codes, data=None, params={"norm": round_float(raw, codec.norm_dtype)},
-                         uncertain_codes=unsure, uncertain_params={"norm": unsure_p})
+                         uncertain_codes=unsure, uncertain_params={"norm": unsure_p},
+                         saturated=exceeds(raw, codec.norm_dtype))
     if isinstance(codec, Uniform):
         y = x if rot is None else x @ rot
         lo, hi = y.min(axis=-1), y.max(axis=-1)
@@ -151,8 +160,9 @@ def quantize(x: np.ndarray, codec: Codec, *, rotation=None, codebook: Codebook |
             rel = EPS * 8
             unsure_p = {"scale": ties_within(scale, codec.param_dtype, rel),
                         "zero": ties_within(lo, codec.param_dtype, rel) | (np.abs(lo) < e)}
+        sat = exceeds(scale, codec.param_dtype) | exceeds(lo, codec.param_dtype)
         return Quantized(codes=codes, data=None, params=params, uncertain_codes=unsure,
-                         uncertain_params=unsure_p)
+                         uncertain_params=unsure_p, saturated=sat)
     if isinstance(codec, FP8):
         y = x if rot is None else x @ rot
         data = fp8_e4m3fn_decode(fp8_e4m3fn_encode(y))
@@ -161,9 +171,11 @@ def quantize(x: np.ndarray, codec: Codec, *, rotation=None, codebook: Codebook |
         else:
             e = EPS * np.sqrt(np.sum(x * x, axis=-1, keepdims=True))
             unsure = fp8_e4m3fn_encode(y - e) != fp8_e4m3fn_encode(y + e)
-        return Quantized(codes=None, data=data, uncertain_codes=unsure)
+        return Quantized(codes=None, data=data, uncertain_codes=unsure,
+                         saturated=np.any(exceeds(y, "float8_e4m3fn"), axis=-1))
     if isinstance(codec, Raw):
-        return Quantized(codes=None, data=round_float(x, codec.dtype), uncertain_codes=np.zeros(x.shape, bool))
+        return Quantized(codes=None, data=round_float(x, codec.dtype), uncertain_codes=np.zeros(x.shape, bool),
+                         saturated=np.any(exceeds(x, codec.dtype), axis=-1))
     raise TypeError(f"codec must be LloydMax, Uniform, FP8 or Raw, got {type(codec).__name__}")
 
 

@@ -8,13 +8,18 @@ bytes written as zero). Tokens with a negative entry are skipped. No other byte 
 changes. If two tokens map to the same slot the later one wins (kernels make no such promise:
 callers must not repeat a slot). Returns a new cache; the input is not modified.
 
-Raises ``ValueError`` when an entry of ``slot_mapping`` is ≥ num_blocks·block_size.
+A token whose entry is ≥ ``num_blocks·block_size`` is skipped too: it writes nothing, and the
+:class:`~tqkern.errors.ErrorFlag` bit ``SLOT_OUT_OF_RANGE`` is set (kernels never write outside
+the cache, whatever an index holds). With ``return_flags=True`` the oracle returns
+``(cache, flags)``: that bit and those of ``compress`` (``NONFINITE_INPUT``, ``SATURATED``,
+counted over the tokens that are written).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from tqkern.errors import ErrorFlag
 from tqkern.layouts import PagedLayout
 from tqkern.ops.compress.reference import compress
 from tqkern.ops.decompress.reference import _row_field_columns, cache_rows
@@ -23,8 +28,9 @@ from tqkern.params import TQParams
 __all__ = ["store", "write_slots"]
 
 
-def write_slots(cache, layout: PagedLayout, slots, slot_mapping) -> np.ndarray:
-    """Place precomputed slots ``[T, H, slot_bytes]`` at ``slot_mapping`` (a new cache)."""
+def write_slots(cache, layout: PagedLayout, slots, slot_mapping, *, return_flags: bool = False):
+    """Place precomputed slots ``[T, H, slot_bytes]`` at ``slot_mapping`` (a new cache; entries
+    that are negative or ≥ ``num_blocks·block_size`` write nothing, the latter flagged)."""
     cache = np.asarray(cache)
     if cache.dtype != np.uint8:
         raise TypeError(f"cache must be uint8, got {cache.dtype}")
@@ -35,17 +41,16 @@ def write_slots(cache, layout: PagedLayout, slots, slot_mapping) -> np.ndarray:
     if slots.shape != (sm.shape[0], layout.num_kv_heads, layout.format.slot_bytes):
         raise ValueError(f"slots must have shape {(sm.shape[0], layout.num_kv_heads, layout.format.slot_bytes)}, "
                          f"got {slots.shape}")
-    if sm.size and sm.max() >= rows.shape[0]:
-        raise ValueError(f"slot_mapping entries must be < num_blocks * block_size = {rows.shape[0]}, "
-                         f"got {sm.max()}")
+    flags = ErrorFlag.SLOT_OUT_OF_RANGE if np.any(sm >= rows.shape[0]) else ErrorFlag(0)
     cols = _row_field_columns(layout)
-    for t in np.nonzero(sm >= 0)[0]:
+    for t in np.nonzero((sm >= 0) & (sm < rows.shape[0]))[0]:
         rows[sm[t], cols] = slots[t]
-    return out
+    return (out, flags) if return_flags else out
 
 
-def store(cache, key, value, slot_mapping, layout: PagedLayout, params: TQParams) -> np.ndarray:
-    """Compress ``key, value [T, H, D]`` and write them at ``slot_mapping [T]``; returns the new cache."""
+def store(cache, key, value, slot_mapping, layout: PagedLayout, params: TQParams, *, return_flags: bool = False):
+    """Compress ``key, value [T, H, D]`` and write them at ``slot_mapping [T]``; returns the new
+    cache, or ``(cache, flags)`` with ``return_flags``."""
     if not isinstance(layout, PagedLayout):
         raise TypeError(f"layout must be a PagedLayout, got {type(layout).__name__}")
     if not isinstance(params, TQParams):
@@ -58,4 +63,10 @@ def store(cache, key, value, slot_mapping, layout: PagedLayout, params: TQParams
     sm = np.asarray(slot_mapping)
     if sm.shape != (key.shape[0],):
         raise ValueError(f"slot_mapping must have shape ({key.shape[0]},), got {sm.shape}")
-    return write_slots(cache, layout, compress(key, value, params), sm)
+    cache = np.asarray(cache)
+    written = (sm >= 0) & (sm < cache_rows(cache, layout).shape[0])
+    slots, cflags = compress(key, value, params, return_flags=True)
+    if not np.all(written):  # the flags count only the tokens that are written
+        _, cflags = compress(np.asarray(key)[written], np.asarray(value)[written], params, return_flags=True)
+    out, flags = write_slots(cache, layout, slots, sm, return_flags=True)
+    return (out, flags | cflags) if return_flags else out

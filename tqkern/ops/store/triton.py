@@ -6,6 +6,11 @@ Norms, uniform scales/codes and stored gains are computed exactly (float64 from 
 inputs, or a float32 estimate corrected by exact float64 comparisons), so they equal the oracle's
 bytes; only the rotation runs in float32 (codes within ``tqkern.ops.quantize.reference.EPS`` of
 a boundary may differ, as the spec allows).
+
+Safety (``tqkern.errors``): a slot outside ``[0, num_slots)`` writes nothing (negative: skipped
+silently; too large: ``SLOT_OUT_OF_RANGE``); a key or value vector holding a NaN or ±inf is read
+as zeros (``NONFINITE_INPUT``); a stored float beyond its dtype's range saturates
+(``SATURATED``). Each program ORs its bits into ``err_ptr[0]`` with one atomic, only when set.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tqkern.errors import ErrorFlag
 from tqkern.ops.common import (
     f32_to_bf16_bits,
     f32_to_fp8e4m3_bits,
@@ -27,6 +33,10 @@ from tqkern.ops.common import (
 
 __all__ = ["_store_kernel", "_launch_store"]
 
+_ERR_NONFINITE = tl.constexpr(int(ErrorFlag.NONFINITE_INPUT))
+_ERR_SATURATED = tl.constexpr(int(ErrorFlag.SATURATED))
+_ERR_SLOT = tl.constexpr(int(ErrorFlag.SLOT_OUT_OF_RANGE))
+
 
 @triton.jit
 def _rotate(x_ptr_2d, tok_mask, rot_ptr, D: tl.constexpr, DP: tl.constexpr, KC: tl.constexpr,
@@ -39,8 +49,8 @@ def _rotate(x_ptr_2d, tok_mask, rot_ptr, D: tl.constexpr, DP: tl.constexpr, KC: 
         kk = k0 + tl.arange(0, KC)
         km = kk < D
         xk = tl.load(x_ptr_2d + kk[None, :], mask=tok_mask[:, None] & km[None, :], other=0.0).to(tl.float32)
-        if HAS_MU:
-            xk -= tl.load(mu_ptr_1d + kk, mask=km, other=0.0)[None, :]
+        if HAS_MU:  # (a token read as zeros stays zero)
+            xk = tl.where(tok_mask[:, None], xk - tl.load(mu_ptr_1d + kk, mask=km, other=0.0)[None, :], 0.0)
         r = tl.load(rot_ptr + kk[:, None] * D + cols[None, :], mask=km[:, None] & (cols < D)[None, :], other=0.0)
         acc += tl.dot(xk, r, input_precision=DOT_PRECISION)
     return acc
@@ -86,22 +96,53 @@ def _store_halfwords(row, off, bits, mask, cols, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _encode_side(x_ptr_2d, mu_ptr_1d, HAS_MU: tl.constexpr, IN_BF16: tl.constexpr, row, h, tok_mask, rot_ptr,
-                 bnd_ptr, cen_ptr, D: tl.constexpr, DP: tl.constexpr, KC: tl.constexpr, BT: tl.constexpr,
+def _finite_rows(x_ptr_2d, tok_mask, D: tl.constexpr, DP: tl.constexpr):
+    """bool [BT]: the token's vector (D elements at ``x_ptr_2d``) holds no NaN or ±inf."""
+    cols = tl.arange(0, DP)
+    x = tl.load(x_ptr_2d + cols[None, :], mask=tok_mask[:, None] & (cols < D)[None, :], other=0.0).to(tl.float32)
+    return tl.sum(((x - x) != 0).to(tl.int32), axis=1) == 0  # x − x is NaN exactly for NaN and ±inf
+
+
+@triton.jit
+def _saturates(v, PARAM_DTYPE: tl.constexpr):
+    """|v| beyond the largest finite value of a stored float (DT: 0 f16, 1 f32)."""
+    if PARAM_DTYPE == 0:
+        return tl.abs(v) > 65504.0
+    return tl.abs(v) > 3.4028234663852886e38
+
+
+@triton.jit
+def _any_col(cond):
+    """bool [BT]: some column of the row of ``cond [BT, DP]`` holds."""
+    return tl.max(cond.to(tl.int32), axis=1) > 0
+
+
+@triton.jit
+def _flag(cond, BIT: tl.constexpr):
+    """BIT if any element of ``cond [BT]`` holds, else 0 (an int32 scalar)."""
+    return tl.max(cond.to(tl.int32), axis=0) * BIT
+
+
+@triton.jit
+def _encode_side(x_ptr_2d, mu_ptr_1d, HAS_MU: tl.constexpr, IN_BF16: tl.constexpr, row, h, tok_mask, ld_mask,
+                 rot_ptr, bnd_ptr, cen_ptr, D: tl.constexpr, DP: tl.constexpr, KC: tl.constexpr, BT: tl.constexpr,
                  NIBBLE: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
                  KIND: tl.constexpr, BITS: tl.constexpr, ROTATED: tl.constexpr, NORM_CORRECTION: tl.constexpr,
                  PARAM_DTYPE: tl.constexpr, A_OFF: tl.constexpr, A_STRIDE: tl.constexpr, A_BYTES: tl.constexpr,
                  B_OFF: tl.constexpr, B_STRIDE: tl.constexpr, C_OFF: tl.constexpr, C_STRIDE: tl.constexpr):
-    """Encode one side of BT tokens of head h into its fields."""
+    """Encode one side of BT tokens of head h into its fields: the vectors are read where
+    ``ld_mask`` (zeros elsewhere: the non-finite ones), written where ``tok_mask``. Returns the
+    error bits (``SATURATED``) as an int32 scalar."""
     cols = tl.arange(0, DP)
     dmask = cols < D
-    m2 = tok_mask[:, None] & dmask[None, :]
+    m2 = ld_mask[:, None] & dmask[None, :]
+    w2 = tok_mask[:, None] & dmask[None, :]
     PB: tl.constexpr = 2 + 2 * PARAM_DTYPE  # bytes of a stored f16 / f32
     if KIND == 0:  # Lloyd-Max
-        x = _load_exact(x_ptr_2d, mu_ptr_1d, HAS_MU, tok_mask, D, DP)
+        x = _load_exact(x_ptr_2d, mu_ptr_1d, HAS_MU, ld_mask, D, DP)
         n = tl.sqrt(tl.sum(x * x, axis=1))  # float64: the norm bytes equal the oracle's
         inv = tl.where(n > 0, 1.0 / tl.where(n > 0, n, 1.0), 0.0).to(tl.float32)
-        y = _rotate(x_ptr_2d, tok_mask, rot_ptr, D, DP, KC, BT, DOT_PRECISION, mu_ptr_1d, HAS_MU) * inv[:, None]
+        y = _rotate(x_ptr_2d, ld_mask, rot_ptr, D, DP, KC, BT, DOT_PRECISION, mu_ptr_1d, HAS_MU) * inv[:, None]
         idx = tl.zeros([BT, DP], tl.int32)
         for lvl in tl.static_range(BITS):  # binary search over the sorted boundaries; ties go up
             cand = idx + (1 << (BITS - 1 - lvl))
@@ -114,11 +155,12 @@ def _encode_side(x_ptr_2d, mu_ptr_1d, HAS_MU: tl.constexpr, IN_BF16: tl.constexp
             cn = tl.sqrt(tl.sum(c * c, axis=1))
             n = n / tl.where(cn > 0, cn, 1.0)
         store_bytes(row + B_OFF + h * B_STRIDE, f64_to_bits(n, PARAM_DTYPE), PB, tok_mask)
+        err = _flag(tok_mask & _saturates(n, PARAM_DTYPE), _ERR_SATURATED)
     elif KIND == 1:  # uniform asymmetric
         if ROTATED:
-            y = _rotate(x_ptr_2d, tok_mask, rot_ptr, D, DP, KC, BT, DOT_PRECISION, mu_ptr_1d, HAS_MU).to(tl.float64)
+            y = _rotate(x_ptr_2d, ld_mask, rot_ptr, D, DP, KC, BT, DOT_PRECISION, mu_ptr_1d, HAS_MU).to(tl.float64)
         else:
-            y = _load_exact(x_ptr_2d, mu_ptr_1d, HAS_MU, tok_mask, D, DP)
+            y = _load_exact(x_ptr_2d, mu_ptr_1d, HAS_MU, ld_mask, D, DP)
         lo = tl.min(tl.where(dmask[None, :], y, float("inf")), axis=1)
         hi = tl.max(tl.where(dmask[None, :], y, float("-inf")), axis=1)
         scale = tl.maximum((hi - lo) / ((1 << BITS) - 1), 1e-8)
@@ -126,34 +168,41 @@ def _encode_side(x_ptr_2d, mu_ptr_1d, HAS_MU: tl.constexpr, IN_BF16: tl.constexp
         store_packed(row + A_OFF + h * A_STRIDE, q, tok_mask, BITS, NIBBLE, A_BYTES, BT, DP)
         store_bytes(row + B_OFF + h * B_STRIDE, f64_to_bits(scale, PARAM_DTYPE), PB, tok_mask)
         store_bytes(row + C_OFF + h * C_STRIDE, f64_to_bits(lo, PARAM_DTYPE), PB, tok_mask)
+        err = _flag(tok_mask & (_saturates(scale, PARAM_DTYPE) | _saturates(lo, PARAM_DTYPE)), _ERR_SATURATED)
     elif KIND == 2:  # FP8 E4M3
         if ROTATED:
-            y = _rotate(x_ptr_2d, tok_mask, rot_ptr, D, DP, KC, BT, DOT_PRECISION, mu_ptr_1d, HAS_MU)
+            y = _rotate(x_ptr_2d, ld_mask, rot_ptr, D, DP, KC, BT, DOT_PRECISION, mu_ptr_1d, HAS_MU)
         else:
             y = tl.load(x_ptr_2d + cols[None, :], mask=m2, other=0.0).to(tl.float32)
             if HAS_MU:
-                y = _load_exact(x_ptr_2d, mu_ptr_1d, HAS_MU, tok_mask, D, DP).to(tl.float32)
+                y = _load_exact(x_ptr_2d, mu_ptr_1d, HAS_MU, ld_mask, D, DP).to(tl.float32)
         code = f32_to_fp8e4m3_bits(y)
-        tl.store(row[:, None] + A_OFF + h * A_STRIDE + cols[None, :], code.to(tl.uint8), mask=m2)
+        tl.store(row[:, None] + A_OFF + h * A_STRIDE + cols[None, :], code.to(tl.uint8), mask=w2)
+        err = _flag(_any_col(w2 & (tl.abs(y) > 448.0)), _ERR_SATURATED)
     else:  # raw fp16 / bf16
         if HAS_MU:
-            xr = _load_exact(x_ptr_2d, mu_ptr_1d, HAS_MU, tok_mask, D, DP)
+            xr = _load_exact(x_ptr_2d, mu_ptr_1d, HAS_MU, ld_mask, D, DP)
             bits = f32_to_bf16_bits(xr.to(tl.float32)) if PARAM_DTYPE == 2 else f64_to_f16_bits(xr)
+            big = tl.abs(xr) > (3.3895313892515355e38 if PARAM_DTYPE == 2 else 65504.0)
         else:
             xn = tl.load(x_ptr_2d + cols[None, :], mask=m2, other=0.0)
+            big = tl.zeros([BT, DP], tl.int32) != 0
             if (PARAM_DTYPE == 2) == IN_BF16:  # same dtype: copy the bits
                 bits = xn.to(tl.int16, bitcast=True).to(tl.int32)
             elif PARAM_DTYPE == 2:
                 bits = f32_to_bf16_bits(xn.to(tl.float32))
             else:
                 bits = f64_to_f16_bits(xn.to(tl.float64))
-        _store_halfwords(row, A_OFF + h * A_STRIDE, bits, m2, cols, ALIGNED)
+                big = tl.abs(xn.to(tl.float32)) > 65504.0
+        _store_halfwords(row, A_OFF + h * A_STRIDE, bits, w2, cols, ALIGNED)
+        err = _flag(_any_col(w2 & big), _ERR_SATURATED)
+    return err
 
 
 @triton.jit
 def _store_kernel(
-    key_ptr, value_ptr, slot_ptr, cache_ptr, rot_ptr, kb_ptr, kc_ptr, vb_ptr, vc_ptr, mu_ptr,
-    num_tokens, stride_kt, stride_kh, stride_vt, stride_vh,
+    key_ptr, value_ptr, slot_ptr, cache_ptr, rot_ptr, kb_ptr, kc_ptr, vb_ptr, vc_ptr, mu_ptr, err_ptr,
+    num_tokens, num_slots, stride_kt, stride_kh, stride_vt, stride_vh,
     HAS_MU: tl.constexpr, IN_BF16: tl.constexpr, BT: tl.constexpr, KC: tl.constexpr, DOT_PRECISION: tl.constexpr,
     K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr,
@@ -170,28 +219,34 @@ def _store_kernel(
     t = pid_t * BT + tl.arange(0, BT)
     tmask = t < num_tokens
     slot = tl.load(slot_ptr + t, mask=tmask, other=-1).to(tl.int64)
-    tok_mask = tmask & (slot >= 0)
+    tok_mask = tmask & (slot >= 0) & (slot < num_slots)  # never a byte outside the cache
+    err = _flag(tmask & (slot >= num_slots), _ERR_SLOT)
     row = cache_ptr + tl.where(tok_mask, slot, 0) * ROW_BYTES  # [BT] pointers to each token row
     t64 = t.to(tl.int64)
     k_ptr_2d = key_ptr + t64[:, None] * stride_kt + h * stride_kh
-    _encode_side(k_ptr_2d, mu_ptr + h * D, HAS_MU, IN_BF16, row, h, tok_mask, rot_ptr, kb_ptr, kc_ptr,
-                 D, DP, KC, BT, NIBBLE, DOT_PRECISION, K_ALIGNED,
-                 K_KIND, K_BITS, K_ROTATED, K_NORM_CORRECTION, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE, K_A_BYTES,
-                 K_B_OFF, K_B_STRIDE, K_C_OFF, K_C_STRIDE)
     v_ptr_2d = value_ptr + t64[:, None] * stride_vt + h * stride_vh
-    _encode_side(v_ptr_2d, mu_ptr, False, IN_BF16, row, h, tok_mask, rot_ptr, vb_ptr, vc_ptr,
-                 D, DP, KC, BT, NIBBLE, DOT_PRECISION, V_ALIGNED,
-                 V_KIND, V_BITS, V_ROTATED, V_NORM_CORRECTION, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE, V_A_BYTES,
-                 V_B_OFF, V_B_STRIDE, V_C_OFF, V_C_STRIDE)
+    k_ok = _finite_rows(k_ptr_2d, tok_mask, D, DP)
+    v_ok = _finite_rows(v_ptr_2d, tok_mask, D, DP)
+    err |= _flag(tok_mask & ~(k_ok & v_ok), _ERR_NONFINITE)
+    err |= _encode_side(k_ptr_2d, mu_ptr + h * D, HAS_MU, IN_BF16, row, h, tok_mask, tok_mask & k_ok, rot_ptr,
+                        kb_ptr, kc_ptr, D, DP, KC, BT, NIBBLE, DOT_PRECISION, K_ALIGNED,
+                        K_KIND, K_BITS, K_ROTATED, K_NORM_CORRECTION, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE, K_A_BYTES,
+                        K_B_OFF, K_B_STRIDE, K_C_OFF, K_C_STRIDE)
+    err |= _encode_side(v_ptr_2d, mu_ptr, False, IN_BF16, row, h, tok_mask, tok_mask & v_ok, rot_ptr, vb_ptr,
+                        vc_ptr, D, DP, KC, BT, NIBBLE, DOT_PRECISION, V_ALIGNED,
+                        V_KIND, V_BITS, V_ROTATED, V_NORM_CORRECTION, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE, V_A_BYTES,
+                        V_B_OFF, V_B_STRIDE, V_C_OFF, V_C_STRIDE)
     if PAD_BYTES > 0:
         p = tl.arange(0, PADP)
         tl.store(row[:, None] + PAD_OFF + h * PAD_STRIDE + p[None, :], tl.zeros([BT, PADP], tl.uint8),
                  mask=tok_mask[:, None] & (p < PAD_BYTES)[None, :])
+    tl.atomic_or(err_ptr, err, mask=err != 0, sem="relaxed")
 
 
-def _launch_store(cache, key, value, slot_mapping, layout, tables, *, interpret: bool, block_tokens: int = 16,
-                  num_warps: int = 4):
-    """Launch :func:`_store_kernel`. No checks: the torch frontend validates.
+def _launch_store(cache, key, value, slot_mapping, layout, tables, errors, *, interpret: bool,
+                  block_tokens: int = 16, num_warps: int = 4):
+    """Launch :func:`_store_kernel`. No checks: the torch frontend validates. ``errors``: int32
+    ``[1]`` device word the kernel ORs its :class:`~tqkern.errors.ErrorFlag` bits into.
 
     ``tables`` holds device tensors: ``rotation`` fp32 [D, D], ``key_boundaries`` / ``value_boundaries``
     fp32, ``key_centroids`` / ``value_centroids`` fp64, ``key_offset`` fp32 [H, D] or None (any
@@ -203,8 +258,8 @@ def _launch_store(cache, key, value, slot_mapping, layout, tables, *, interpret:
     mu = tables["key_offset"]
     _store_kernel[grid](
         key, value, slot_mapping, cache, tables["rotation"], tables["key_boundaries"], tables["key_centroids"],
-        tables["value_boundaries"], tables["value_centroids"], mu if mu is not None else tables["rotation"],
-        num_tokens, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        tables["value_boundaries"], tables["value_centroids"], mu if mu is not None else tables["rotation"], errors,
+        num_tokens, cache.shape[0] * layout.block_size, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         HAS_MU=mu is not None, IN_BF16=key.dtype == torch.bfloat16, BT=block_tokens, KC=min(c["DP"], 128),
         K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
         DOT_PRECISION="ieee" if interpret else "tf32x3",
