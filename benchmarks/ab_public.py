@@ -22,6 +22,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks._gpu import require_cuda  # noqa: E402
 from benchmarks.bench_decode import baseline_runs, bench, preset_caches  # noqa: E402
 from tqkern.ops.paged_decode import triton as pdt  # noqa: E402
 from tqkern_torch.attention import paged_decode  # noqa: E402
@@ -56,6 +57,7 @@ def main(argv=None):
     ap.add_argument("--presets", nargs="*", default=["tq4", "turboquant_4bit_nc"])
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
     args = ap.parse_args(argv)
+    require_cuda(__file__)
     res = dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, torch=torch.__version__,
                time=time.strftime("%F %T"), rows=[], checks=[])
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tqkern  # noqa: E402
 import tqkern_torch as tqt  # noqa: E402
+from benchmarks._gpu import require_cuda  # noqa: E402
 from benchmarks.shapes import DECODE_PRESETS, DECODE_SHAPES, STORE_SHAPE, decode_shape  # noqa: E402
 from tqkern import reference as ref  # noqa: E402
 from tqkern.ops.paged_decode.triton import _launch_paged_decode, decode_path  # noqa: E402
@@ -253,6 +254,7 @@ def main(argv=None):
     ap.add_argument("--no-store", action="store_true")
     ap.add_argument("--probe", action="store_true", help="time inner-loop probes at B32x16K")
     args = ap.parse_args(argv)
+    require_cuda(__file__)
     results = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                    time=time.strftime("%Y-%m-%d %H:%M:%S"), gate=[], decode=[], sweep=[], probe=[], store=[])
     passed = gate(results, args.presets)

@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks._gpu import require_cuda  # noqa: E402
 from benchmarks.bench_decode import BLOCK, fill_cache, make_layout  # noqa: E402
 from benchmarks.shapes import DECODE_PRESETS, decode_shape  # noqa: E402
 from tqkern_torch.attention import paged_decode  # noqa: E402
@@ -27,6 +28,7 @@ def main(argv=None):
     ap.add_argument("--shape", default="B32x16K")
     ap.add_argument("--calls", type=int, default=2)
     args = ap.parse_args(argv)
+    require_cuda(__file__)
     shape = decode_shape(args.shape)
     g = torch.Generator(device="cuda").manual_seed(0)
     layout, params = make_layout(args.preset, dict(DECODE_PRESETS)[args.preset], shape.num_kv_heads, shape.head_dim)

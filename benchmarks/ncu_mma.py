@@ -11,12 +11,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks._gpu import require_cuda  # noqa: E402
 from benchmarks.bench_decode import BLOCK, fill_cache, make_layout  # noqa: E402
 from benchmarks.shapes import DECODE_PRESETS  # noqa: E402
 from tqkern_torch.attention import paged_decode  # noqa: E402
 
 preset = sys.argv[1] if len(sys.argv) > 1 else "tq4"
 b, L, hq, hkv, d = 32, 16384, 32, 8, 128
+require_cuda(__file__)
 g = torch.Generator(device="cuda").manual_seed(0)
 layout, params = make_layout(preset, dict(DECODE_PRESETS)[preset], hkv, d)
 nb = b * L // BLOCK

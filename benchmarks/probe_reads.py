@@ -25,6 +25,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks._gpu import require_cuda  # noqa: E402
 from benchmarks.bench_decode import BLOCK, baseline_runs, bench, preset_caches  # noqa: E402
 from benchmarks.sweep_mma import launch, resident_for  # noqa: E402
 from tqkern.ops.paged_decode.triton_mma import mma_plan, num_splits_mma  # noqa: E402
@@ -56,6 +57,7 @@ def main(argv=None):
     ap.add_argument("--shapes", nargs="*", default=["B32x16K", "B8x64K"])
     ap.add_argument("--presets", nargs="*", default=["tq4", "turboquant_4bit_nc"])
     args = ap.parse_args(argv)
+    require_cuda(__file__)
     res = dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, time=time.strftime("%F %T"), rows=[])
     g = torch.Generator(device="cuda").manual_seed(5)
     for shape, q, sdpa, bt, sl in baseline_runs(args.shapes, g, res["rows"]):

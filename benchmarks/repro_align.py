@@ -2,9 +2,11 @@
 import os, sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
+from benchmarks._gpu import require_cuda
 from benchmarks.bench_decode import make_layout, fill_cache
 from tqkern_torch.attention import paged_decode
 
+require_cuda(__file__)
 g = torch.Generator(device="cuda").manual_seed(1)
 for preset, arr in (("tq4", "row"), ("turboquant_4bit_nc", "slot")):
     for trial in range(3):

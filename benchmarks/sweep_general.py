@@ -23,6 +23,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks._gpu import require_cuda  # noqa: E402
 from benchmarks.bench_decode import baseline_runs, bench, oracle_case, preset_caches  # noqa: E402
 from benchmarks.shapes import DECODE_PRESETS, DECODE_SHAPES  # noqa: E402
 from tqkern.ops.paged_decode.triton import _launch_paged_decode, num_splits_for, rotate_q  # noqa: E402
@@ -80,6 +81,7 @@ def main(argv=None):
     ap.add_argument("--shapes", nargs="*", default=[s.name for s in DECODE_SHAPES])
     ap.add_argument("--presets", nargs="*", default=["fp16"])
     args = ap.parse_args(argv)
+    require_cuda(__file__)
     res = dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, torch=torch.__version__,
                sms=torch.cuda.get_device_properties(0).multi_processor_count, time=time.strftime("%F %T"),
                gate=[], rows=[])

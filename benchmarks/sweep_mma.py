@@ -22,6 +22,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks._gpu import require_cuda  # noqa: E402
 from benchmarks.bench_decode import baseline_runs, bench, oracle_case, preset_caches, q_rotated  # noqa: E402
 from benchmarks.shapes import DECODE_PRESETS  # noqa: E402
 from tqkern.ops.paged_decode.triton import _launch_merge, _workspace, rotate_q  # noqa: E402
@@ -175,6 +176,7 @@ def main(argv=None):
     ap.add_argument("--fixed", action="store_true",
                     help="also time the q rotation (rows per program) and merge variants (kind, rows, chunks)")
     args = ap.parse_args(argv)
+    require_cuda(__file__)
     arr = dict(DECODE_PRESETS)
     configs = [Config(*c) for c in itertools.product(
         args.prefetch, args.hint, args.warps, args.splits, args.maxnreg, args.shifted, args.sub, args.probe, args.coop,

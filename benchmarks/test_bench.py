@@ -12,7 +12,8 @@ from benchmarks.bench_decode import fill_cache, make_layout
 from tqkern import reference as ref
 from tqkern_torch.attention import paged_decode
 
-pytestmark = [pytest.mark.benchmark, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.benchmark,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (no CUDA device found)")]
 PRESETS = [("tq4", "row"), ("turboquant_4bit_nc", "slot"), ("turboquant_k8v4", "slot"), ("fp16", "slot")]
 
 

@@ -11,7 +11,10 @@ import sys
 import pytest
 
 import tqkern
-from tqkern_torch.cli import main
+from tqkern import cli
+from tqkern.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Slot bytes at head_dim 128. The first five are PRIOR_ART's golden values (vLLM's table and
 # turboquant-vllm's 136); the tqkern_* and fp16 rows follow from the field sizes:
@@ -120,8 +123,61 @@ def test_bad_arguments_exit_2(argv, capsys):
 
 def test_module_entry_point_needs_no_gpu():
     out = subprocess.run(
-        [sys.executable, "-m", "tqkern_torch.cli", "--json", "--num-tokens", "8"],
+        [sys.executable, "-m", "tqkern.cli", "--json", "--num-tokens", "8"],
         capture_output=True, text=True, check=True, timeout=120,
         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
     ).stdout
     assert json.loads(out)["environment"]["cuda"] is None
+
+
+def _run_without(modules, tmp_path, *args) -> subprocess.CompletedProcess:
+    """``python -m tqkern.cli *args`` where importing any of ``modules`` raises ImportError."""
+    for name in modules:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('{name} blocked by the test')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])}
+    return subprocess.run([sys.executable, "-m", "tqkern.cli", *args], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=tmp_path)
+
+
+def test_info_needs_only_numpy(tmp_path):
+    res = _run_without(["torch", "triton"], tmp_path, "info", "--num-tokens", "8")
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stderr
+    assert set(_table_rows(res.stdout)) == set(tqkern.PRESETS)
+    assert set(_error_rows(res.stdout)) == set(tqkern.PRESETS)
+    assert "torch not available" in res.stdout.splitlines()[0]
+    assert "CUDA: none" in res.stdout.splitlines()[0]
+
+
+def test_help_needs_only_numpy(tmp_path):
+    res = _run_without(["torch", "triton"], tmp_path, "--help")
+    assert res.returncode == 0, res.stderr
+    assert "usage: tqkern" in res.stdout and "info" in res.stdout
+
+
+def test_environment_reports_torch_absent(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
+    env = cli._environment()
+    assert env["torch"] is None and env["cuda"] is None
+    assert env["numpy"] is not None
+
+
+def test_subcommand_needing_torch_names_it(monkeypatch, capsys):
+    def needs_torch(args) -> int:
+        cli.require_torch()
+        return 0
+
+    cmd = cli.Command("needs-torch", "a subcommand that imports torch", lambda p: None, needs_torch)
+    monkeypatch.setattr(cli, "COMMANDS", [*cli.COMMANDS, cmd])
+    assert main(["needs-torch"]) == 0  # torch is importable here
+    monkeypatch.setitem(sys.modules, "torch", None)
+    assert main(["needs-torch"]) == 1
+    err = capsys.readouterr().err
+    assert "tqkern needs-torch: needs torch" in err and "pip install torch" in err
+
+
+def test_torch_frontend_reexports_the_cli():
+    from tqkern_torch import cli as old
+
+    assert old.main is main and old.info_report is cli.info_report

@@ -180,6 +180,26 @@ def test_decompress_and_allocate_reject_bad_arguments(setup):
         tqt.decompress_sequences(cache.cpu(), bt, torch.tensor([33], dtype=torch.int32), layout, params)
 
 
+@needs_kernels
+def test_decompress_sequences_reads_each_sequence_in_order(setup):
+    layout, params, _ = setup
+    k, v = _kv(64, seed=5)
+    cache = tqt.allocate_cache(layout, 4, DEV)
+    tqt.store(cache, k, v, torch.arange(64, device=DEV), layout, params)
+    bt = torch.tensor([[2, 0], [3, 1], [1, 2]], dtype=torch.int32, device=DEV)  # shuffled blocks
+    sl = torch.tensor([20, 5, 0], dtype=torch.int32, device=DEV)
+    ks, vs = tqt.decompress_sequences(cache, bt, sl, layout, params)
+    assert ks.shape == vs.shape == (3, 32, 2, 64)
+    for s in range(3):
+        n = int(sl[s])
+        slots = (bt[s].long()[:, None] * 16 + torch.arange(16, device=DEV)).reshape(-1)[:n]
+        k1, v1 = tqt.decompress(cache, slots, layout, params)
+        assert torch.equal(ks[s, :n], k1) and torch.equal(vs[s, :n], v1)
+        assert not ks[s, n:].any() and not vs[s, n:].any()
+    empty = tqt.decompress_sequences(cache, bt[:0], sl[:0], layout, params)
+    assert [x.shape for x in empty] == [(0, 32, 2, 64)] * 2
+
+
 def test_paged_decode_rejects_bad_arguments(setup):
     layout, params, _ = setup
     cache = tqt.allocate_cache(layout, 3, DEV)

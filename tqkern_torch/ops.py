@@ -10,6 +10,7 @@ the NumPy oracle (:mod:`tqkern.reference`) and copy the result back. No autograd
 from __future__ import annotations
 
 import torch
+from einops import rearrange
 
 from tqkern.layouts import PagedLayout
 from tqkern.ops.pack import reference as pack_ref
@@ -241,5 +242,5 @@ def decompress_sequences(cache: torch.Tensor, block_table: torch.Tensor, seq_len
         raise ValueError(f"seq_lens must be <= max_blocks * block_size = {cap}, got {int(seq_lens.max())}")
     ids = sequence_slot_ids(block_table, seq_lens, layout.block_size)
     k, v = decompress(cache, ids.reshape(-1), layout, params, rotate_back=rotate_back)
-    shape = (*ids.shape, layout.num_kv_heads, layout.head_dim)
-    return k.reshape(shape), v.reshape(shape)
+    seqs, positions = ids.shape
+    return tuple(rearrange(x, "(seq pos) h d -> seq pos h d", seq=seqs, pos=positions) for x in (k, v))

@@ -46,6 +46,7 @@ import math
 import numbers
 
 import numpy as np
+from einops import repeat
 
 __all__ = ["attention", "softmax_attend", "causal_visible", "resolve_scale"]
 
@@ -90,7 +91,10 @@ def softmax_attend(scores: np.ndarray, v: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         p = np.exp(scores - np.where(live, m, 0.0))  # masked entries: exp(−inf) = 0
     denom = np.sum(p, axis=-1, keepdims=True)
-    vg = np.repeat(v.transpose(1, 0, 2), hq // hkv, axis=0)  # [Hq, Tk, D]
+    # GQA: query head h = kv·group + g reads KV head kv = h // group. A contiguous copy, as
+    # np.repeat made (einops returns a strided view when group == 1), so the matmul is given
+    # the same operands and its float64 sums stay bit-identical.
+    vg = np.ascontiguousarray(repeat(v, "tk hkv d -> (hkv g) tk d", g=hq // hkv))  # [Hq, Tk, D]
     with np.errstate(invalid="ignore"):
         num = p @ vg  # [Hq, Tq, D]
         out = np.divide(num, denom, out=np.zeros_like(num), where=live)
@@ -126,8 +130,8 @@ def attention(q, k, v, *, scale=None, causal: bool = False, mask=None) -> np.nda
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     sc = resolve_scale(scale, d)
-    group = hq // hkv
-    kg = np.repeat(k.transpose(1, 0, 2), group, axis=0)  # [Hq, Tk, D]
+    # GQA, group = Hq // Hkv: query head h = kv·group + g reads KV head kv (copy: see softmax_attend).
+    kg = np.ascontiguousarray(repeat(k, "tk hkv d -> (hkv g) tk d", g=hq // hkv))  # [Hq, Tk, D]
     scores = sc * (q.transpose(1, 0, 2) @ kg.transpose(0, 2, 1))  # [Hq, Tq, Tk]
     if mask is not None:
         mk = _float_array("mask", mask)

@@ -45,6 +45,7 @@ value. Bad indices: as in ``paged_decode`` (this oracle rejects them; kernels cl
 from __future__ import annotations
 
 import numpy as np
+from einops import repeat
 
 from tqkern.layouts import PagedLayout
 from tqkern.ops.attention.reference import causal_visible, resolve_scale, softmax_attend
@@ -78,10 +79,10 @@ def _int8_scores(q_k: np.ndarray, k: np.ndarray, scale: float) -> np.ndarray:
     """float64 scores ``[Hq, Tq, Tk]`` of ``q_k [Tq, Hq, D]`` against ``k [Tk, Hkv, D]``."""
     cq, sq = quantize_int8(q_k)
     ck, sk = quantize_int8(k)
-    group = q_k.shape[1] // k.shape[1]
-    ckg = np.repeat(ck.astype(np.int64).transpose(1, 2, 0), group, axis=0)  # [Hq, D, Tk]
+    group = q_k.shape[1] // k.shape[1]  # query head h = kv·group + g reads KV head kv
+    ckg = repeat(ck.astype(np.int64), "tk hkv d -> (hkv g) d tk", g=group)  # [Hq, D, Tk]
     dot = cq.astype(np.int64).transpose(1, 0, 2) @ ckg  # [Hq, Tq, Tk], exact
-    skg = np.repeat(sk.T, group, axis=0)  # [Hq, Tk]
+    skg = repeat(sk, "tk hkv -> (hkv g) tk", g=group)  # [Hq, Tk]
     return (scale * sq.T[:, :, None]) * skg[:, None, :] * dot.astype(np.float64)
 
 

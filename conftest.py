@@ -1,0 +1,67 @@
+"""Repository-wide pytest hooks: say why ``pytest --benchmark-only`` timed nothing.
+
+``--benchmark-only`` (pytest-benchmark) skips every test that does not use the ``benchmark``
+fixture, and the benchmarks themselves (``benchmarks/test_bench.py``, outside ``testpaths``)
+need a CUDA GPU. Without these hooks a CPU machine reports only "N skipped"; with them the
+summary ends with one line per reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+_BENCHMARK_IDS = pytest.StashKey[frozenset]()
+
+
+def _benchmark_only(config: pytest.Config) -> bool:
+    return bool(config.getoption("benchmark_only", default=False))  # False without pytest-benchmark
+
+
+def _cuda_device() -> bool:
+    try:
+        import torch
+    except Exception:  # noqa: BLE001 - no (working) torch: no CUDA device either
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _benchmark_only(config):
+        config.stash[_BENCHMARK_IDS] = frozenset(
+            item.nodeid for item in items if "benchmark" in getattr(item, "fixturenames", ()))
+
+
+def benchmark_hints(config: pytest.Config, stats: dict) -> list[str]:
+    """The lines that explain a ``--benchmark-only`` run that timed no benchmark (else none).
+
+    Args:
+        config: the session's config.
+        stats: the terminal reporter's ``stats`` (outcome -> reports).
+    """
+    if not _benchmark_only(config):
+        return []
+    bench = config.stash.get(_BENCHMARK_IDS, frozenset())
+    if any(r.nodeid in bench for r in stats.get("passed", ())):
+        return []
+    skipped = [r for r in stats.get("skipped", ()) if getattr(r, "nodeid", None)]
+    lines = []
+    if not bench:
+        lines.append("no benchmark collected: the benchmarks are in benchmarks/test_bench.py (not in testpaths); "
+                     "run `pytest benchmarks/test_bench.py --benchmark-only`")
+    if not _cuda_device():
+        n = sum(r.nodeid in bench for r in skipped)
+        lines.append(f"benchmarks need a CUDA GPU: {n} skipped (no CUDA device found)" if bench else
+                     "benchmarks need a CUDA GPU, and no CUDA device was found here either")
+    others = sum(r.nodeid not in bench for r in skipped)
+    if others:
+        lines.append(f"--benchmark-only skipped {others} tests that are not benchmarks")
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    lines = benchmark_hints(config, terminalreporter.stats)
+    if lines:
+        terminalreporter.write_sep("=", "why no benchmark ran", yellow=True)
+        for line in lines:
+            terminalreporter.write_line(line)

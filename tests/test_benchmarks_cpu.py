@@ -1,0 +1,89 @@
+"""The benchmarks on a machine without a CUDA device: a clear message, never a CUDA traceback.
+
+Every subprocess runs with ``CUDA_VISIBLE_DEVICES=""``, so torch sees no CUDA device on any
+machine and these tests run (and mean the same) on GPU machines too.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks._gpu import NO_CUDA_EXIT
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+
+# Scripts that run kernels on the GPU: each calls benchmarks._gpu.require_cuda before any CUDA call.
+GPU_SCRIPTS = ("ab_public.py", "bench_decode.py", "ncu_decode.py", "ncu_mma.py", "probe_reads.py",
+               "repro_align.py", "sweep_general.py", "sweep_mma.py")
+# Scripts that need no GPU: aot_inspect compiles for sm_90 offline; the others read text files.
+CPU_SCRIPTS = ("aot_inspect.py", "ncu_stalls.py", "sass_loop.py")
+# Imported modules, not scripts.
+MODULES = ("__init__.py", "_gpu.py", "shapes.py", "test_bench.py")
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def test_every_benchmark_file_is_classified():
+    assert sorted(p.name for p in BENCH.glob("*.py")) == sorted(GPU_SCRIPTS + CPU_SCRIPTS + MODULES)
+    for name in GPU_SCRIPTS:
+        assert "require_cuda(__file__)" in (BENCH / name).read_text(), name
+
+
+@pytest.mark.parametrize("script", GPU_SCRIPTS)
+def test_gpu_script_exits_cleanly_without_cuda(script, tmp_path):
+    res = subprocess.run([sys.executable, str(BENCH / script)], capture_output=True, text=True, timeout=120,
+                         env=_env(), cwd=tmp_path)
+    assert res.returncode == NO_CUDA_EXIT, res.stderr
+    assert "Traceback" not in res.stderr
+    assert res.stderr.startswith(f"{script} needs a CUDA GPU: no CUDA device found")
+    assert res.stdout == ""
+    assert not any(tmp_path.iterdir())  # no result files written
+
+
+def test_bench_decode_help_needs_no_gpu(tmp_path):
+    res = subprocess.run([sys.executable, str(BENCH / "bench_decode.py"), "--help"], capture_output=True,
+                         text=True, timeout=120, env=_env(), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "--shapes" in res.stdout
+
+
+def _pytest(*args) -> subprocess.CompletedProcess:
+    pytest.importorskip("pytest_benchmark")
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", *args],
+                          capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+
+
+def test_benchmark_only_says_the_benchmarks_need_a_gpu():
+    res = _pytest("--benchmark-only", "benchmarks/test_bench.py", "tests/test_bench_shapes.py")
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    assert "why no benchmark ran" in out
+    assert "benchmarks need a CUDA GPU: 5 skipped (no CUDA device found)" in out
+    assert "--benchmark-only skipped 7 tests that are not benchmarks" in out
+    assert "no benchmark collected" not in out
+    assert "needs a CUDA GPU (no CUDA device found)" in out.split("short test summary info")[1]
+
+
+def test_benchmark_only_outside_benchmarks_names_where_they_are():
+    res = _pytest("--benchmark-only", "tests/test_bench_shapes.py")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "no benchmark collected: the benchmarks are in benchmarks/test_bench.py" in res.stdout
+    assert "benchmarks need a CUDA GPU, and no CUDA device was found here either" in res.stdout
+
+
+def test_no_hint_without_benchmark_only():
+    res = _pytest("tests/test_bench_shapes.py")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "7 passed" in res.stdout
+    assert "why no benchmark ran" not in res.stdout and "CUDA" not in res.stdout
