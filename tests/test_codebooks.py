@@ -238,3 +238,67 @@ def test_distortion_attribute(bits):
     mass, means, second = _gauss_cells(cb.boundaries * math.sqrt(128))
     c = cb.centroids * math.sqrt(128)
     assert cb.distortion == pytest.approx(np.sum(second - 2 * c * means * mass + c * c * mass), rel=1e-9)
+
+
+# -- caller boundaries (Codebook.from_centroids(..., boundaries=)) ---------------------------
+
+def test_from_centroids_keeps_caller_boundaries_exactly():
+    c = np.array([-3.0, -1.0, 1.0, 3.0])
+    b32 = np.array([-1.5, 0.25, 2.5], np.float32)
+    src = b32.copy()
+    cb = Codebook.from_centroids(c, dim=8, boundaries=src)
+    src[0] = -2.9  # the codebook holds its own copy
+    assert cb.boundaries.dtype == np.float64 and cb.boundaries.tolist() == [-1.5, 0.25, 2.5]
+    assert not cb.boundaries.flags.writeable
+    # A float32 table one ulp off the midpoints survives exactly (it used to be replaced by them).
+    c32 = np.array([-0.3, -0.1, 0.1, 0.3], np.float32)
+    mids = (c32[:-1].astype(np.float64) + c32[1:]) / 2
+    peer = np.nextafter(mids.astype(np.float32), np.float32(np.inf))
+    got = Codebook.from_centroids(c32, dim=8, boundaries=peer).boundaries
+    assert np.array_equal(got, peer.astype(np.float64)) and not np.array_equal(got, mids)
+
+
+def test_caller_boundaries_decide_the_codes():
+    c = [-3.0, -1.0, 1.0, 3.0]
+    mid = Codebook.from_centroids(c, dim=8)  # boundaries -2, 0, 2
+    own = Codebook.from_centroids(c, dim=8, boundaries=[-1.5, 0.25, 2.5])
+    t = np.array([-1.8, -1.5, -1.2, 0.1, 0.25, 2.2, 2.5, 2.7, -5.0, 5.0])
+    assert mid.index(t).tolist() == [1, 1, 1, 2, 2, 3, 3, 3, 0, 3]
+    assert own.index(t).tolist() == [0, 1, 1, 1, 2, 2, 3, 3, 0, 3]  # ties still go up
+
+
+def test_boundaries_take_part_in_equality_and_hash():
+    c = [-3.0, -1.0, 1.0, 3.0]
+    a = Codebook.from_centroids(c, dim=8, boundaries=[-1.5, 0.25, 2.5])
+    b = Codebook.from_centroids(c, dim=8, boundaries=[-1.5, 0.25, 2.5])
+    m = Codebook.from_centroids(c, dim=8)
+    assert a == b and hash(a) == hash(b)
+    assert a != m and hash(a) != hash(m)
+    assert m == Codebook.from_centroids(c, dim=8, boundaries=[-2.0, 0.0, 2.0])
+    assert len({a, b, m}) == 2
+
+
+@pytest.mark.parametrize("boundaries", [[-2.0, 0.0], [-2.0, 0.0, 2.0, 2.5], [[-2.0, 0.0, 2.0]], np.zeros((3, 1))])
+def test_boundaries_bad_shape(boundaries):
+    with pytest.raises(ValueError, match=r"^boundaries must have shape \(3,\) .* got \("):
+        Codebook.from_centroids([-3.0, -1.0, 1.0, 3.0], dim=8, boundaries=boundaries)
+
+
+@pytest.mark.parametrize("boundaries, where", [
+    ([-2.0, np.nan, 2.0], 1),      # not finite
+    ([-2.0, 0.0, np.inf], 2),
+    ([-3.0, 0.0, 2.0], 0),         # on a centroid
+    ([-2.0, 1.0, 2.0], 1),
+    ([-2.0, 0.0, 3.5], 2),         # outside its cell
+    ([-0.5, -0.7, 2.0], 0),        # descending
+    ([-2.0, 2.0, 0.0], 1),
+])
+def test_boundaries_not_between_their_centroids(boundaries, where):
+    with pytest.raises(ValueError, match=rf"^boundaries must be finite with centroids\[i\] < boundaries\[i\] < "
+                                         rf"centroids\[i \+ 1\], got boundaries\[{where}\] = "):
+        Codebook.from_centroids([-3.0, -1.0, 1.0, 3.0], dim=8, boundaries=boundaries)
+
+
+def test_boundaries_not_numbers():
+    with pytest.raises(TypeError, match=r"^boundaries must be an array of real numbers, got list"):
+        Codebook.from_centroids([-3.0, -1.0, 1.0, 3.0], dim=8, boundaries=["a", "b", "c"])

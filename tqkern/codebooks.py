@@ -39,10 +39,21 @@ class Codebook:
         dim: the vector dimension d the distribution belongs to.
         distribution: ``"beta"``, ``"gaussian"`` or ``"custom"`` (caller-supplied).
         centroids: float64 ``[2**b]``, strictly ascending, read-only.
-        boundaries: float64 ``[2**b − 1]``, the midpoints of adjacent centroids, read-only.
+        boundaries: float64 ``[2**b − 1]``, read-only, strictly ascending with
+            ``centroids[i] < boundaries[i] < centroids[i + 1]``: the midpoints of adjacent
+            centroids unless the caller gave its own table (:meth:`from_centroids`).
             ``index(t) = #{i : boundaries[i] ≤ t}`` (a tie goes to the upper bucket).
         distortion: ``d · E[(t − c(t))²]``, i.e. D_mse = E‖u − û‖² for a unit vector u quantized
-            coordinate-wise (NaN for ``"custom"``).
+            coordinate-wise (NaN for caller-supplied tables).
+
+    Precision of the boundaries on each path: the NumPy oracles compare float64 values against
+    these float64 boundaries as stored. The torch frontend (:func:`tqkern_torch.to_device`) puts
+    them on the device rounded to float32, and the Triton kernels compare against those float32
+    values. A table that is already float32
+    (e.g. a peer's) is therefore used exactly everywhere; float64 midpoints lose their last bits
+    on the torch paths, which the oracles' ``uncertain`` flags cover.
+
+    Equality and hashing take every field but ``distortion`` into account, boundaries included.
     """
 
     bits: int
@@ -53,16 +64,35 @@ class Codebook:
     distortion: float
 
     @classmethod
-    def from_centroids(cls, centroids, *, dim: int, distribution: str = "custom") -> Codebook:
-        """Wrap a caller's centroids (e.g. vLLM's or turboquant-vllm's tables); boundaries are
-        their float64 midpoints."""
+    def from_centroids(cls, centroids, *, dim: int, distribution: str = "custom",
+                       boundaries=None) -> Codebook:
+        """Wrap a caller's table (e.g. vLLM's or turboquant-vllm's).
+
+        Args:
+            centroids: ``[2**bits]`` finite, strictly ascending values, bits in 1..8; copied to
+                float64.
+            dim: the vector dimension d the table is meant for.
+            distribution: a free-form label (``"custom"`` unless given).
+            boundaries: ``[2**bits − 1]`` decision boundaries, copied to float64 exactly (a
+                float32 table stays exact); each must lie strictly between its neighbouring
+                centroids, ``centroids[i] < boundaries[i] < centroids[i + 1]`` (so they are
+                finite and ascending too). ``None``: the float64 midpoints of adjacent centroids.
+
+        Raises:
+            ValueError: ``centroids`` or ``boundaries`` do not meet the above; the message names
+                the argument, what was expected and what was given.
+            TypeError: ``boundaries`` is not an array of real numbers.
+        """
         c = np.array(centroids, dtype=np.float64).reshape(-1)
         bits = int(round(math.log2(c.size))) if c.size > 0 else 0
         if c.size < 2 or 2**bits != c.size or bits > 8:
             raise ValueError(f"centroids must have 2**bits entries for bits in 1..8, got {c.size}")
         if not np.all(np.isfinite(c)) or not np.all(np.diff(c) > 0):
             raise ValueError("centroids must be finite and strictly ascending")
-        b = (c[:-1] + c[1:]) / 2
+        if boundaries is None:
+            b = (c[:-1] + c[1:]) / 2
+        else:
+            b = _check_boundaries(boundaries, c)
         c.setflags(write=False)
         b.setflags(write=False)
         return cls(bits=bits, dim=dim, distribution=distribution, centroids=c, boundaries=b,
@@ -73,14 +103,32 @@ class Codebook:
         return np.searchsorted(self.boundaries, np.asarray(t, np.float64), side="right").astype(np.uint8)
 
     def __hash__(self) -> int:
-        return hash((self.bits, self.dim, self.distribution, self.centroids.tobytes()))
+        return hash((self.bits, self.dim, self.distribution, self.centroids.tobytes(), self.boundaries.tobytes()))
 
     def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, Codebook)
             and (self.bits, self.dim, self.distribution) == (other.bits, other.dim, other.distribution)
             and np.array_equal(self.centroids, other.centroids)
+            and np.array_equal(self.boundaries, other.boundaries)
         )
+
+
+def _check_boundaries(boundaries, c: np.ndarray) -> np.ndarray:
+    """``boundaries`` as a fresh float64 array, validated against the centroids ``c``."""
+    try:
+        b = np.array(boundaries, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"boundaries must be an array of real numbers, got {type(boundaries).__name__}") from None
+    if b.shape != (c.size - 1,):
+        raise ValueError(f"boundaries must have shape ({c.size - 1},) (2**bits − 1 for {c.size} centroids), "
+                         f"got {b.shape}")
+    bad = ~(np.isfinite(b) & (c[:-1] < b) & (b < c[1:]))
+    if np.any(bad):
+        i = int(np.argmax(bad))
+        raise ValueError(f"boundaries must be finite with centroids[i] < boundaries[i] < centroids[i + 1], "
+                         f"got boundaries[{i}] = {b[i]!r} between {c[i]!r} and {c[i + 1]!r}")
+    return b
 
 
 # -- Gaussian N(0, 1) moments over intervals (scaled by 1/√d afterwards) -----------------------
