@@ -48,8 +48,8 @@ class Codebook:
 
     Precision of the boundaries on each path: the NumPy oracles compare float64 values against
     these float64 boundaries as stored. The torch frontend (:func:`tqkern_torch.to_device`) puts
-    them on the device rounded to float32, and the Triton kernels compare against those float32
-    values. A table that is already float32
+    them on the device rounded to float32, and both the Triton kernels and the CPU oracle fallback
+    of ``tqkern::store`` compare against those float32 values. A table that is already float32
     (e.g. a peer's) is therefore used exactly everywhere; float64 midpoints lose their last bits
     on the torch paths, which the oracles' ``uncertain`` flags cover.
 
