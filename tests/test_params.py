@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tqkern.codebooks import Codebook, lloyd_max
+from tqkern.codebooks import Codebook, lloyd_max, lloyd_max_vllm
 from tqkern.layouts import PRESETS, FP8, KVFormat, LloydMax, Raw, Uniform
 from tqkern.params import TQParams
 from tqkern.rotations import haar, hadamard
@@ -212,3 +212,45 @@ def test_frozen_slotted_keyword_only():
     assert not hasattr(p, "__dict__")
     with pytest.raises(TypeError):
         TQParams(FMT, np.eye(D), lloyd_max(3, D, "beta"))
+
+
+# -- vLLM's own numerics ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", VLLM_MSE)
+def test_vllm_params_for_vllm_presets(name):
+    fmt = KVFormat.preset(name, head_dim=128)
+    p = TQParams.vllm(fmt)
+    np.testing.assert_allclose(p.rotation, _sylvester(128) / np.sqrt(128), rtol=0, atol=1e-15)
+    assert p.key_codebook == lloyd_max_vllm(fmt.key.bits, 128) and p.key_codebook.distribution == "vllm"
+    assert p.key_codebook != TQParams.default(fmt).key_codebook  # default: the exact optimum
+    assert p.value_codebook is None and p.key_offset is None
+    mu = np.ones((2, 128))
+    np.testing.assert_array_equal(TQParams.vllm(fmt, key_offset=mu).key_offset, mu)
+
+
+def test_vllm_params_unrotated_format():
+    p = TQParams.vllm(KVFormat.preset("turboquant_k8v4", head_dim=64))
+    assert p.rotation is None and p.key_codebook is None and p.value_codebook is None
+
+
+def test_vllm_params_lloyd_max_values_get_vllms_codebook_too():
+    fmt = KVFormat(head_dim=64, key=LloydMax(bits=4, distribution="gaussian"),
+                   value=LloydMax(bits=3, distribution="gaussian"), rotation="hadamard")
+    p = TQParams.vllm(fmt)
+    assert p.key_codebook == lloyd_max_vllm(4, 64) and p.value_codebook == lloyd_max_vllm(3, 64)
+
+
+@pytest.mark.parametrize("name", ["tq4", "tqkern_k4v4"])
+def test_vllm_params_reject_other_rotations(name):
+    fmt = KVFormat.preset(name, head_dim=64)
+    with pytest.raises(ValueError, match=rf"^format\.rotation must be 'hadamard' .* got '{fmt.rotation}'"):
+        TQParams.vllm(fmt)
+
+
+def test_vllm_params_reject_beta_codebooks():
+    fmt = KVFormat(head_dim=64, key=LloydMax(bits=4, distribution="beta"), value=Uniform(bits=4),
+                   rotation="hadamard")
+    with pytest.raises(ValueError, match=r"^format\.key\.distribution must be 'gaussian' .* got 'beta'"):
+        TQParams.vllm(fmt)
+    with pytest.raises(TypeError, match=r"^format must be a KVFormat, got str"):
+        TQParams.vllm("turboquant_4bit_nc")
