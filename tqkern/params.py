@@ -10,7 +10,23 @@ from tqkern.codebooks import Codebook, lloyd_max, lloyd_max_vllm
 from tqkern.layouts import KVFormat, LloydMax
 from tqkern.rotations import rotation_for
 
-__all__ = ["TQParams"]
+__all__ = ["TQParams", "orthogonality_tolerance"]
+
+
+def orthogonality_tolerance(d: int) -> float:
+    """The largest ``max |ΠΠᵀ − I|`` that :class:`TQParams` accepts for a ``[d, d]`` rotation:
+    ``max(1e-6, d · 2^-24)``.
+
+    A float32 orthogonal matrix is what torch callers have, and one made in float32 by Householder
+    QR (turboquant-vllm's Haar Π) loses orthogonality by a multiple of the float32 unit roundoff
+    u = 2^-24 that grows with d (each of the d reflections adds O(u); Higham, *Accuracy and
+    Stability of Numerical Algorithms*, §19.3). Measured with torch's float32 QR: 4e-7 (7u) at
+    d = 16, 8.9e-7 at d = 256 and 1.01e-6 (17u) at d = 512, seed 42. The bound d·u (3.1e-5 at
+    d = 512, 6.1e-5 at d = 1024) leaves room for that; the 1e-6 floor (17u) covers small d. A
+    matrix within the bound scales norms by at most ~d·u, far below any codebook's resolution,
+    while a wrong or transposed-wrong matrix is off by O(1).
+    """
+    return max(1e-6, d * 2.0**-24)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -39,7 +55,8 @@ class TQParams:
     convention is ``y = x @ Π``: a peer that writes ``y = x @ Qᵀ`` (turboquant-vllm) enters as
     ``rotation=Q.T``. A transposed matrix is just as orthogonal, so it cannot be detected here
     and silently gives wrong codes (``docs/layout.md`` shows each peer's import). Construction
-    checks shapes, orthogonality (to 1e-6) and that codebook bit widths match the codecs.
+    checks shapes, orthogonality (to :func:`orthogonality_tolerance`, which admits float32
+    matrices) and that codebook bit widths match the codecs.
     """
 
     format: KVFormat
@@ -60,8 +77,10 @@ class TQParams:
             if rot.shape != (d, d):
                 raise ValueError(f"TQParams.rotation must have shape ({d}, {d}), got {rot.shape}")
             err = np.max(np.abs(rot.astype(np.float64) @ rot.T.astype(np.float64) - np.eye(d)))
-            if not err < 1e-6:
-                raise ValueError(f"TQParams.rotation must be orthogonal (|ΠΠᵀ − I| < 1e-6), got {err:.3g}")
+            tol = orthogonality_tolerance(d)
+            if not err <= tol:
+                raise ValueError(f"TQParams.rotation must be orthogonal (max |ΠΠᵀ − I| ≤ {tol:.3g} at D = {d}), "
+                                 f"got {err:.3g}")
             object.__setattr__(self, "rotation", _readonly(rot))
         elif self.rotation is not None:
             object.__setattr__(self, "rotation", _readonly(self.rotation))
