@@ -8,7 +8,8 @@ The peers' formulas are written here from their descriptions (PRIOR_ART.md):
   number of float32 midpoints of vLLM's float32 centroids ≤ y.
 - turboquant-vllm: Q from float32 QR of a seeded float32 Gaussian (torch), columns multiplied by
   sign(diag R); y = (x / (‖x‖ + 1e-10)) @ Qᵀ in float32; code = ``torch.bucketize(y, table)``
-  (boundaries < y) against its float32 boundary table (the float64 midpoints rounded to float32).
+  (boundaries < y) against its float32 boundary table (the float64 midpoints rounded to float32);
+  norm = torch's float32 ‖x‖.
 """
 
 import pathlib
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 import tqkern
+import tqkern_torch as tqt
 from tqkern import reference as ref
 from tqkern.codebooks import lloyd_max
 
@@ -103,3 +105,24 @@ def test_tq4_doc_import_gives_the_peers_codes(d):
                             value_codebook=params.value_codebook)
     bad, _, _ = _oracle_codes(wrong, x)
     assert np.mean(bad != want) > 0.5
+
+
+def test_tq4_norms_are_correctly_rounded_not_the_peers_float32_reduction():
+    # Documented: tqkern stores the correctly rounded fp32 ‖x‖ (oracle and store kernel alike); the
+    # peer's float32 torch norm differs from it in about 1 in 4 vectors, by an ulp or two.
+    d = 128
+    q, cents, bounds = _peer_tq4(d)
+    fmt = tqkern.KVFormat.preset("tq4", d)
+    cb = tqkern.Codebook.from_centroids(cents.numpy(), dim=d)  # the table does not matter here
+    params = tqkern.TQParams(format=fmt, rotation=q.numpy().T, key_codebook=cb, value_codebook=cb)
+    x = np.random.default_rng(4).standard_normal((400, 2, d)).astype(np.float16)
+    exact = np.sqrt(np.sum(x.astype(np.float64) ** 2, axis=-1)).astype(np.float32)
+    _, _, oracle = _oracle_codes(params, x)
+    assert np.array_equal(oracle, exact.astype(np.float64))
+    kq, vq = tqt.quantize(torch.from_numpy(x), torch.from_numpy(x), params)  # the active CPU path
+    assert np.array_equal(kq["norm"].numpy(), exact) and np.array_equal(vq["norm"].numpy(), exact)
+    _, peer = _peer_quantize(torch.from_numpy(x).float(), q, bounds)
+    peer, exact = peer.reshape(-1).astype(np.float64), exact.reshape(-1)
+    ulps = np.abs(peer - exact) / np.spacing(exact)
+    assert 0.1 < np.mean(ulps > 0) < 0.5
+    assert np.max(ulps) <= 3
