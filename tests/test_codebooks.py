@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from tqkern.codebooks import Codebook, lloyd_max
+from tqkern.codebooks import Codebook, lloyd_max, lloyd_max_vllm
 
 # PRIOR_ART "Golden values": positive halves, multiplied by √d.
 GAUSSIAN = {
@@ -238,3 +238,167 @@ def test_distortion_attribute(bits):
     mass, means, second = _gauss_cells(cb.boundaries * math.sqrt(128))
     c = cb.centroids * math.sqrt(128)
     assert cb.distortion == pytest.approx(np.sum(second - 2 * c * means * mass + c * c * mass), rel=1e-9)
+
+
+# -- caller boundaries (Codebook.from_centroids(..., boundaries=)) ---------------------------
+
+def test_from_centroids_keeps_caller_boundaries_exactly():
+    c = np.array([-3.0, -1.0, 1.0, 3.0])
+    b32 = np.array([-1.5, 0.25, 2.5], np.float32)
+    src = b32.copy()
+    cb = Codebook.from_centroids(c, dim=8, boundaries=src)
+    src[0] = -2.9  # the codebook holds its own copy
+    assert cb.boundaries.dtype == np.float64 and cb.boundaries.tolist() == [-1.5, 0.25, 2.5]
+    assert not cb.boundaries.flags.writeable
+    # A float32 table one ulp off the midpoints survives exactly (it used to be replaced by them).
+    c32 = np.array([-0.3, -0.1, 0.1, 0.3], np.float32)
+    mids = (c32[:-1].astype(np.float64) + c32[1:]) / 2
+    peer = np.nextafter(mids.astype(np.float32), np.float32(np.inf))
+    got = Codebook.from_centroids(c32, dim=8, boundaries=peer).boundaries
+    assert np.array_equal(got, peer.astype(np.float64)) and not np.array_equal(got, mids)
+
+
+def test_caller_boundaries_decide_the_codes():
+    c = [-3.0, -1.0, 1.0, 3.0]
+    mid = Codebook.from_centroids(c, dim=8)  # boundaries -2, 0, 2
+    own = Codebook.from_centroids(c, dim=8, boundaries=[-1.5, 0.25, 2.5])
+    t = np.array([-1.8, -1.5, -1.2, 0.1, 0.25, 2.2, 2.5, 2.7, -5.0, 5.0])
+    assert mid.index(t).tolist() == [1, 1, 1, 2, 2, 3, 3, 3, 0, 3]
+    assert own.index(t).tolist() == [0, 1, 1, 1, 2, 2, 3, 3, 0, 3]  # ties still go up
+
+
+def test_boundaries_take_part_in_equality_and_hash():
+    c = [-3.0, -1.0, 1.0, 3.0]
+    a = Codebook.from_centroids(c, dim=8, boundaries=[-1.5, 0.25, 2.5])
+    b = Codebook.from_centroids(c, dim=8, boundaries=[-1.5, 0.25, 2.5])
+    m = Codebook.from_centroids(c, dim=8)
+    assert a == b and hash(a) == hash(b)
+    assert a != m and hash(a) != hash(m)
+    assert m == Codebook.from_centroids(c, dim=8, boundaries=[-2.0, 0.0, 2.0])
+    assert len({a, b, m}) == 2
+
+
+@pytest.mark.parametrize("boundaries", [[-2.0, 0.0], [-2.0, 0.0, 2.0, 2.5], [[-2.0, 0.0, 2.0]], np.zeros((3, 1))])
+def test_boundaries_bad_shape(boundaries):
+    with pytest.raises(ValueError, match=r"^boundaries must have shape \(3,\) .* got \("):
+        Codebook.from_centroids([-3.0, -1.0, 1.0, 3.0], dim=8, boundaries=boundaries)
+
+
+@pytest.mark.parametrize("boundaries, where", [
+    ([-2.0, np.nan, 2.0], 1),      # not finite
+    ([-2.0, 0.0, np.inf], 2),
+    ([-3.0, 0.0, 2.0], 0),         # on a centroid
+    ([-2.0, 1.0, 2.0], 1),
+    ([-2.0, 0.0, 3.5], 2),         # outside its cell
+    ([-0.5, -0.7, 2.0], 0),        # descending
+    ([-2.0, 2.0, 0.0], 1),
+])
+def test_boundaries_not_between_their_centroids(boundaries, where):
+    with pytest.raises(ValueError, match=rf"^boundaries must be finite with centroids\[i\] < boundaries\[i\] < "
+                                         rf"centroids\[i \+ 1\], got boundaries\[{where}\] = "):
+        Codebook.from_centroids([-3.0, -1.0, 1.0, 3.0], dim=8, boundaries=boundaries)
+
+
+def test_boundaries_not_numbers():
+    with pytest.raises(TypeError, match=r"^boundaries must be an array of real numbers, got list"):
+        Codebook.from_centroids([-3.0, -1.0, 1.0, 3.0], dim=8, boundaries=["a", "b", "c"])
+
+
+# -- vLLM's numerically solved codebook ------------------------------------------------------
+# vLLM's float32 centroids (positive halves; vLLM's results are exactly symmetric), as bit
+# patterns: produced by running vLLM's own solve_lloyd_max source (the trapezoid version of
+# vllm/model_executor/layers/quantization/turboquant/centroids.py) on CPython 3 / x86-64 glibc.
+VLLM_F32_BITS = {
+    (3, 128): [0x3CB16317, 0x3D88C955, 0x3DF3243D, 0x3E42A09F],
+    (4, 128): [0x3C39FBAE, 0x3D0C8559, 0x3D6DD0E1, 0x3DAA99F2, 0x3DE3682B, 0x3E126F17, 0x3E3B36E7, 0x3E772CC4],
+    (4, 64): [0x3C83828A, 0x3D46B9FF, 0x3DA82948, 0x3DF1444A, 0x3E20CD0C, 0x3E4F16C0, 0x3E846170, 0x3EAEC76E],
+}
+
+
+def _vllm_formula(bits, d):
+    """vLLM's solve, written here from its description (plain Python floats, i.e. float64):
+    N(0, σ²) with σ² = 1/d; 2^b centroids start at lo + (hi − lo)(i + ½)/2^b, lo = −3.5σ,
+    hi = 3.5σ; a step integrates x·p and p over each cell [e_i, e_{i+1}] (outer edges 3·lo and
+    3·hi, inner edges the centroid midpoints) with the trapezoid rule on 200 equal pieces, summed
+    as ½(f(a) + f(b)) then f(a + k·h) for k = 1..199 in turn, times h; the new centroid is the
+    quotient (or the old one if ∫p ≤ 1e-15). Up to 200 steps; when no centroid moves by 1e-10 the
+    loop ends with the centroids from before that step. The result is rounded to float32."""
+    var = 1.0 / d
+    sd = math.sqrt(var)
+
+    def p(x):
+        return (1.0 / math.sqrt(2 * math.pi * var)) * math.exp(-x * x / (2 * var))
+
+    def trapezoid(f, a, b):
+        h = (b - a) / 200
+        acc = 0.5 * (f(a) + f(b))
+        for k in range(1, 200):
+            acc += f(a + k * h)
+        return acc * h
+
+    levels = 2**bits
+    lo, hi = -3.5 * sd, 3.5 * sd
+    cs = [lo + (hi - lo) * (i + 0.5) / levels for i in range(levels)]
+    for _ in range(200):
+        edges = [lo * 3] + [(cs[i] + cs[i + 1]) / 2.0 for i in range(levels - 1)] + [hi * 3]
+        nxt = []
+        for i in range(levels):
+            mass = trapezoid(p, edges[i], edges[i + 1])
+            first = trapezoid(lambda x: x * p(x), edges[i], edges[i + 1])
+            nxt.append(first / mass if mass > 1e-15 else cs[i])
+        if max(abs(u - v) for u, v in zip(nxt, cs)) < 1e-10:
+            break
+        cs = nxt
+    return np.array(cs, dtype=np.float32)
+
+
+@pytest.mark.parametrize("bits, dim", [(1, 128), (2, 64), (3, 96), (3, 2)])
+def test_vllm_codebook_equals_the_formula(bits, dim):
+    cb = lloyd_max_vllm(bits, dim)
+    want = _vllm_formula(bits, dim)
+    assert np.array_equal(cb.centroids, want.astype(np.float64))
+
+
+@pytest.mark.parametrize("bits, dim", sorted(VLLM_F32_BITS))
+def test_vllm_codebook_golden_bits(bits, dim):
+    half = np.array(VLLM_F32_BITS[bits, dim], np.uint32).view(np.float32)
+    want = np.concatenate([-half[::-1], half]).astype(np.float64)
+    assert np.array_equal(lloyd_max_vllm(bits, dim).centroids, want)
+
+
+@pytest.mark.parametrize("bits, dim", [(2, 128), (3, 128), (4, 128), (4, 64), (5, 256)])
+def test_vllm_codebook_structure(bits, dim):
+    cb = lloyd_max_vllm(bits, dim)
+    c32 = cb.centroids.astype(np.float32)
+    assert (cb.bits, cb.dim, cb.distribution) == (bits, dim, "vllm") and math.isnan(cb.distortion)
+    assert np.array_equal(c32.astype(np.float64), cb.centroids)  # float32 values, held exactly
+    # vLLM's store compares against midpoints computed in float32 from the float32 centroids.
+    mids32 = (c32[:-1] + c32[1:]) / np.float32(2)
+    assert mids32.dtype == np.float32 and np.array_equal(cb.boundaries, mids32.astype(np.float64))
+    assert not cb.centroids.flags.writeable and not cb.boundaries.flags.writeable
+    assert lloyd_max_vllm(bits, dim) is cb
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_vllm_codebook_differs_from_the_exact_one(bits):
+    # The documented gap (PRIOR_ART, docs/layout.md): 6-7e-4 relative at 3 and 4 bits.
+    v = lloyd_max_vllm(bits, 128).centroids
+    g = lloyd_max(bits, 128, "gaussian").centroids
+    rel = np.max(np.abs(v / g - 1))
+    assert 5e-4 < rel < 8e-4
+    # so codes near the boundaries differ: a dense sweep of N(0, 1/128) coordinates.
+    t = np.random.default_rng(0).standard_normal(200_000) / math.sqrt(128)
+    diff = np.mean(lloyd_max_vllm(bits, 128).index(t) != lloyd_max(bits, 128, "gaussian").index(t))
+    assert 1e-4 < diff < 1e-2
+
+
+@pytest.mark.parametrize("bits", [0, 9, 2.0, True, None])
+def test_vllm_codebook_bad_bits(bits):
+    with pytest.raises(ValueError, match=r"^bits must be an int in \[1, 8\], got "):
+        lloyd_max_vllm(bits, 128)
+
+
+@pytest.mark.parametrize("dim", [1, 0, 128.0, "128"])
+def test_vllm_codebook_bad_dim(dim):
+    with pytest.raises(ValueError, match=r"^dim must be an int >= 2, got "):
+        lloyd_max_vllm(4, dim)

@@ -76,6 +76,29 @@ def test_vllm_turboquant_4bit_nc_bytes():
     assert unsure.mean() < 0.02
 
 
+# vLLM's own float32 4-bit centroids at D = 128 (positive half, bit patterns; see test_codebooks).
+VLLM4_D128 = [0x3C39FBAE, 0x3D0C8559, 0x3D6DD0E1, 0x3DAA99F2, 0x3DE3682B, 0x3E126F17, 0x3E3B36E7, 0x3E772CC4]
+
+
+def test_vllm_params_store_writes_vllms_key_codes():
+    # TQParams.vllm: the key codes vLLM's store writes, i.e. against the float32 midpoints of its
+    # numerically solved float32 centroids.
+    fmt = tqkern.KVFormat.preset("turboquant_4bit_nc", D)
+    params = tqkern.TQParams.vllm(fmt)
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=H, block_size=8)
+    k, v = _kv(2)
+    got = _store(layout, params, k, v).reshape(N, H, fmt.slot_bytes)
+    half = np.array(VLLM4_D128, np.uint32).view(np.float32)
+    c32 = np.concatenate([-half[::-1], half])
+    mids = ((c32[:-1] + c32[1:]) / np.float32(2)).astype(np.float64)
+    k64 = k.astype(np.float64)
+    y = (k64 / (np.linalg.norm(k64, axis=-1, keepdims=True) + 1e-8)) @ (_sylvester(D) / np.sqrt(D))
+    kc = (y[..., None] >= mids).sum(-1).astype(np.uint8)
+    want = kc[..., 0::2] | (kc[..., 1::2] << 4)
+    _, unsure = ref.compress(k, v, params, return_uncertain=True)
+    assert not np.any((got[..., : D // 2] != want) & ~unsure[..., : D // 2])
+
+
 def test_turboquant_vllm_tq4_row_bytes():
     fmt = tqkern.KVFormat.preset("tq4", D)
     rng = np.random.default_rng(7)

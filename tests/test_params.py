@@ -7,9 +7,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tqkern.codebooks import Codebook, lloyd_max
+from tqkern.codebooks import Codebook, lloyd_max, lloyd_max_vllm
 from tqkern.layouts import PRESETS, FP8, KVFormat, LloydMax, Raw, Uniform
-from tqkern.params import TQParams
+from tqkern.params import TQParams, orthogonality_tolerance
 from tqkern.rotations import haar, hadamard
 
 
@@ -212,3 +212,114 @@ def test_frozen_slotted_keyword_only():
     assert not hasattr(p, "__dict__")
     with pytest.raises(TypeError):
         TQParams(FMT, np.eye(D), lloyd_max(3, D, "beta"))
+
+
+# -- vLLM's own numerics ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", VLLM_MSE)
+def test_vllm_params_for_vllm_presets(name):
+    fmt = KVFormat.preset(name, head_dim=128)
+    p = TQParams.vllm(fmt)
+    np.testing.assert_allclose(p.rotation, _sylvester(128) / np.sqrt(128), rtol=0, atol=1e-15)
+    assert p.key_codebook == lloyd_max_vllm(fmt.key.bits, 128) and p.key_codebook.distribution == "vllm"
+    assert p.key_codebook != TQParams.default(fmt).key_codebook  # default: the exact optimum
+    assert p.value_codebook is None and p.key_offset is None
+    mu = np.ones((2, 128))
+    np.testing.assert_array_equal(TQParams.vllm(fmt, key_offset=mu).key_offset, mu)
+
+
+def test_vllm_params_unrotated_format():
+    p = TQParams.vllm(KVFormat.preset("turboquant_k8v4", head_dim=64))
+    assert p.rotation is None and p.key_codebook is None and p.value_codebook is None
+
+
+def test_vllm_params_lloyd_max_values_get_vllms_codebook_too():
+    fmt = KVFormat(head_dim=64, key=LloydMax(bits=4, distribution="gaussian"),
+                   value=LloydMax(bits=3, distribution="gaussian"), rotation="hadamard")
+    p = TQParams.vllm(fmt)
+    assert p.key_codebook == lloyd_max_vllm(4, 64) and p.value_codebook == lloyd_max_vllm(3, 64)
+
+
+@pytest.mark.parametrize("name", ["tq4", "tqkern_k4v4"])
+def test_vllm_params_reject_other_rotations(name):
+    fmt = KVFormat.preset(name, head_dim=64)
+    with pytest.raises(ValueError, match=rf"^format\.rotation must be 'hadamard' .* got '{fmt.rotation}'"):
+        TQParams.vllm(fmt)
+
+
+def test_vllm_params_reject_beta_codebooks():
+    fmt = KVFormat(head_dim=64, key=LloydMax(bits=4, distribution="beta"), value=Uniform(bits=4),
+                   rotation="hadamard")
+    with pytest.raises(ValueError, match=r"^format\.key\.distribution must be 'gaussian' .* got 'beta'"):
+        TQParams.vllm(fmt)
+    with pytest.raises(TypeError, match=r"^format must be a KVFormat, got str"):
+        TQParams.vllm("turboquant_4bit_nc")
+
+
+# -- orthogonality tolerance: float32 rotations ----------------------------------------------
+
+def _float32_haar_torch(d, seed):
+    """turboquant-vllm's rotation: float32 QR of a seeded float32 Gaussian (torch), columns
+    multiplied by sign(diag(R))."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float32))
+    s = torch.sign(torch.diag(r))
+    s[s == 0] = 1.0
+    return (q * s).numpy()
+
+
+def _float32_householder_haar(d, seed):
+    """A Haar matrix made entirely in float32 arithmetic (Householder QR written out here), so
+    its orthogonality error is float32's, independent of any LAPACK."""
+    a = np.random.default_rng(seed).standard_normal((d, d)).astype(np.float32)
+    q = np.eye(d, dtype=np.float32)
+    for k in range(d - 1):
+        x = a[k:, k].copy()
+        v = x.copy()
+        v[0] += np.copysign(np.linalg.norm(x), x[0]).astype(np.float32)
+        v /= np.linalg.norm(v).astype(np.float32)
+        a[k:, k:] -= np.float32(2) * np.outer(v, v @ a[k:, k:])
+        q[:, k:] -= np.float32(2) * np.outer(q[:, k:] @ v, v)
+    return q * np.sign(np.diag(a))[None, :].astype(np.float32)
+
+
+def test_orthogonality_tolerance_formula():
+    assert orthogonality_tolerance(16) == 1e-6
+    assert orthogonality_tolerance(512) == 512 * 2.0**-24
+    assert orthogonality_tolerance(1024) == 2.0**-14
+
+
+def test_float32_qr_haar_rotation_accepted_at_512():
+    d = 512
+    fmt = KVFormat(head_dim=d, key=LloydMax(bits=4), value=Uniform(bits=4, rotated=True), rotation="haar")
+    cb = lloyd_max(4, d, "beta")
+    for q in (_float32_householder_haar(d, 42), _float32_haar_torch(d, 42)):
+        assert q.dtype == np.float32
+        err = np.max(np.abs(q.astype(np.float64) @ q.T.astype(np.float64) - np.eye(d)))
+        assert 1e-7 < err < orthogonality_tolerance(d)
+        p = TQParams(format=fmt, rotation=q, key_codebook=cb)
+        assert np.array_equal(p.rotation, q.astype(np.float64))
+        TQParams(format=fmt, rotation=q.T, key_codebook=cb)  # Qᵀ is as orthogonal as Q
+
+
+def test_float32_torch_haar_over_the_old_fixed_tolerance():
+    # The case reported: turboquant-vllm's default seed 42 at D = 512 gives 1.01e-6 > 1e-6.
+    q = _float32_haar_torch(512, 42)
+    err = np.max(np.abs(q.astype(np.float64) @ q.T.astype(np.float64) - np.eye(512)))
+    if not err > 1e-6:
+        pytest.skip(f"this LAPACK's float32 QR is more orthogonal ({err:.3g}) than the reported 1.01e-6")
+    fmt = KVFormat(head_dim=512, key=LloydMax(bits=4), value=Uniform(bits=4, rotated=True), rotation="haar")
+    TQParams(format=fmt, rotation=q, key_codebook=lloyd_max(4, 512, "beta"))
+
+
+@pytest.mark.parametrize("scale", [1.0 + 1e-4, 1.0 - 4e-5])
+def test_clearly_non_orthogonal_rejected_at_512(scale):
+    d = 512
+    fmt = KVFormat(head_dim=d, key=LloydMax(bits=4), value=Uniform(bits=4, rotated=True), rotation="haar")
+    bad = haar(d, 1) * scale
+    with pytest.raises(ValueError, match=r"^TQParams\.rotation must be orthogonal \(max \|ΠΠᵀ − I\| ≤ 3\.05e-05 "
+                                         r"at D = 512\), got "):
+        TQParams(format=fmt, rotation=bad, key_codebook=lloyd_max(4, d, "beta"))
+    with pytest.raises(ValueError, match=r"^TQParams\.rotation must be orthogonal"):
+        TQParams(format=fmt, rotation=haar(d, 1) + 1e-3 * np.eye(d), key_codebook=lloyd_max(4, d, "beta"))

@@ -6,11 +6,27 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tqkern.codebooks import Codebook, lloyd_max
+from tqkern.codebooks import Codebook, lloyd_max, lloyd_max_vllm
 from tqkern.layouts import KVFormat, LloydMax
 from tqkern.rotations import rotation_for
 
-__all__ = ["TQParams"]
+__all__ = ["TQParams", "orthogonality_tolerance"]
+
+
+def orthogonality_tolerance(d: int) -> float:
+    """The largest ``max |ΠΠᵀ − I|`` that :class:`TQParams` accepts for a ``[d, d]`` rotation:
+    ``max(1e-6, d · 2^-24)``.
+
+    A float32 orthogonal matrix is what torch callers have, and one made in float32 by Householder
+    QR (turboquant-vllm's Haar Π) loses orthogonality by a multiple of the float32 unit roundoff
+    u = 2^-24 that grows with d (each of the d reflections adds O(u); Higham, *Accuracy and
+    Stability of Numerical Algorithms*, §19.3). Measured with torch's float32 QR: 4e-7 (7u) at
+    d = 16, 8.9e-7 at d = 256 and 1.01e-6 (17u) at d = 512, seed 42. The bound d·u (3.1e-5 at
+    d = 512, 6.1e-5 at d = 1024) leaves room for that; the 1e-6 floor (17u) covers small d. A
+    matrix within the bound scales norms by at most ~d·u, far below any codebook's resolution,
+    while a wrong or transposed-wrong matrix is off by O(1).
+    """
+    return max(1e-6, d * 2.0**-24)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -34,9 +50,13 @@ class TQParams:
             ``None``. Attention is unchanged: q·(k − μ) = q·k − q·μ and softmax ignores the
             per-query constant.
 
-    Build with :meth:`default` or pass your own matrices (e.g. vLLM's unsigned Hadamard and
-    codebook, turboquant-vllm's ``Qᵀ``): construction checks shapes, orthogonality (to 1e-6)
-    and that codebook bit widths match the codecs.
+    Build with :meth:`default` (tqkern's exact codebooks), :meth:`vllm` (vLLM's numerically
+    solved codebooks, for codes byte-exact with vLLM) or pass your own matrices. The rotation
+    convention is ``y = x @ Π``: a peer that writes ``y = x @ Qᵀ`` (turboquant-vllm) enters as
+    ``rotation=Q.T``. A transposed matrix is just as orthogonal, so it cannot be detected here
+    and silently gives wrong codes (``docs/layout.md`` shows each peer's import). Construction
+    checks shapes, orthogonality (to :func:`orthogonality_tolerance`, which admits float32
+    matrices) and that codebook bit widths match the codecs.
     """
 
     format: KVFormat
@@ -57,8 +77,10 @@ class TQParams:
             if rot.shape != (d, d):
                 raise ValueError(f"TQParams.rotation must have shape ({d}, {d}), got {rot.shape}")
             err = np.max(np.abs(rot.astype(np.float64) @ rot.T.astype(np.float64) - np.eye(d)))
-            if not err < 1e-6:
-                raise ValueError(f"TQParams.rotation must be orthogonal (|ΠΠᵀ − I| < 1e-6), got {err:.3g}")
+            tol = orthogonality_tolerance(d)
+            if not err <= tol:
+                raise ValueError(f"TQParams.rotation must be orthogonal (max |ΠΠᵀ − I| ≤ {tol:.3g} at D = {d}), "
+                                 f"got {err:.3g}")
             object.__setattr__(self, "rotation", _readonly(rot))
         elif self.rotation is not None:
             object.__setattr__(self, "rotation", _readonly(self.rotation))
@@ -83,7 +105,11 @@ class TQParams:
     @classmethod
     def default(cls, format: KVFormat, *, seed: int = 0, key_offset=None) -> TQParams:
         """The format's own rotation (``format.rotation`` with ``seed``) and Lloyd-Max codebooks
-        (``lloyd_max(bits, head_dim, codec.distribution)``)."""
+        (``lloyd_max(bits, head_dim, codec.distribution)``, the exact optimum).
+
+        For vLLM's presets this is vLLM's rotation but not exactly its codebook: vLLM solves
+        numerically, and its centroids differ from the exact ones by up to ~7e-4 relative, so a
+        few key codes per thousand differ from vLLM's. Use :meth:`vllm` for vLLM's bytes."""
         d = format.head_dim
         rot = rotation_for(format.rotation, d, seed) if format.rotated else None
         cbs = {}
@@ -92,6 +118,40 @@ class TQParams:
             cbs[f"{side}_codebook"] = (
                 lloyd_max(codec.bits, d, codec.distribution) if isinstance(codec, LloydMax) else None
             )
+        return cls(format=format, rotation=rot, key_offset=key_offset, **cbs)
+
+    @classmethod
+    def vllm(cls, format: KVFormat, *, key_offset=None) -> TQParams:
+        """vLLM's parameters for ``format``: the unsigned Sylvester Hadamard / √D (vLLM's Π, symmetric,
+        so its ``x @ Π`` and ``x @ Πᵀ`` agree) and, for every Lloyd-Max codec,
+        :func:`~tqkern.codebooks.lloyd_max_vllm` (vLLM's float32 centroids and float32 midpoints,
+        bit for bit). With a ``turboquant_*`` preset the codes then match vLLM's store except where
+        a rotated coordinate lies within float32 rounding of a boundary.
+
+        Args:
+            format: a format whose rotated codecs use ``rotation="hadamard"`` and whose Lloyd-Max
+                codecs use ``distribution="gaussian"`` (vLLM's ``turboquant_*`` presets). vLLM
+                only has power-of-two D; for other D the rotation is tqkern's block Hadamard.
+            key_offset: as in :meth:`default`.
+
+        Raises:
+            ValueError: ``format`` rotates with anything but the unsigned Hadamard, or a Lloyd-Max
+                codec is not Gaussian.
+        """
+        if not isinstance(format, KVFormat):
+            raise TypeError(f"format must be a KVFormat, got {type(format).__name__}")
+        if format.rotated and format.rotation != "hadamard":
+            raise ValueError(f"format.rotation must be 'hadamard' (vLLM's unsigned Hadamard) for TQParams.vllm, "
+                             f"got {format.rotation!r}")
+        d = format.head_dim
+        cbs = {}
+        for side in ("key", "value"):
+            codec = getattr(format, side)
+            if isinstance(codec, LloydMax) and codec.distribution != "gaussian":
+                raise ValueError(f"format.{side}.distribution must be 'gaussian' (vLLM solves N(0, 1/D)) for "
+                                 f"TQParams.vllm, got {codec.distribution!r}")
+            cbs[f"{side}_codebook"] = lloyd_max_vllm(codec.bits, d) if isinstance(codec, LloydMax) else None
+        rot = rotation_for("hadamard", d, 0) if format.rotated else None
         return cls(format=format, rotation=rot, key_offset=key_offset, **cbs)
 
     def with_key_offset(self, key_offset) -> TQParams:

@@ -2,7 +2,9 @@
 
 Convention everywhere in tqkern: a row vector x is rotated as ``y = x @ Π`` and rotated back as
 ``x = y @ Π.T``. (vLLM's Hadamard is symmetric, so both conventions agree; turboquant-vllm writes
-``y = x @ Qᵀ``, so its matrix enters tqkern as ``Π = Qᵀ``.)
+``y = x @ Qᵀ``, so its matrix enters tqkern as ``Π = Qᵀ``: ``TQParams(..., rotation=Q.T)``.
+A transposed matrix is orthogonal too, so nothing can catch the wrong orientation; see
+``docs/layout.md``, *Importing a peer's parameters*.)
 
 - :func:`hadamard`: for d a power of two, ``Π = diag(s) · H_d / √d`` with H_d Sylvester's
   Hadamard matrix (``H_1 = [1]``, ``H_2n = [[H, H], [H, −H]]``) and s a seeded vector of ±1

@@ -19,8 +19,10 @@ class DeviceParams:
     Attributes:
         params: the NumPy parameters these tensors were made from.
         rotation: float32 ``[D, D]`` Π (identity when the format is not rotated).
-        key_boundaries / value_boundaries: float32 ``[2**bits − 1]`` Lloyd-Max boundaries
-            (a 1-element placeholder for other codecs).
+        key_boundaries / value_boundaries: float32 ``[2**bits − 1]`` Lloyd-Max boundaries: the
+            codebook's own (a caller's table from ``Codebook.from_centroids(..., boundaries=)``
+            or the midpoints) rounded to float32, the precision the kernels compare in (a
+            1-element placeholder for other codecs).
         key_centroids / value_centroids: float64 ``[2**bits]`` centroids (placeholder likewise).
         key_centroids_f32 / value_centroids_f32: the same in float32, for attention kernels.
         key_offset: float32 ``[num_kv_heads, D]`` μ, or ``None``.

@@ -37,14 +37,21 @@ def layout_of(key: str) -> PagedLayout:
     return layout_from_dict(json.loads(key))
 
 
-def _host_params(layout: PagedLayout, rotation, kc, vc, mu) -> TQParams:
-    """Rebuild NumPy parameters from the op's tensors (for the CPU oracle fallback)."""
+def _host_params(layout: PagedLayout, rotation, kc, vc, mu, kb=None, vb=None) -> TQParams:
+    """Rebuild NumPy parameters from the op's tensors (for the CPU oracle fallback).
+
+    ``kb`` / ``vb`` are the device boundary tables (float32, as the kernels read them); when given
+    the codebooks use them exactly, so the fallback decides codes against the same boundaries as
+    the kernel. Without them (decompress and attention read centroids only) the boundaries are
+    the centroids' midpoints."""
     fmt = layout.format
     cbs = {}
-    for side, c in (("key", kc), ("value", vc)):
+    for side, c, b in (("key", kc, kb), ("value", vc, vb)):
         codec = getattr(fmt, side)
         cbs[f"{side}_codebook"] = (
-            Codebook.from_centroids(c.cpu().numpy(), dim=fmt.head_dim) if isinstance(codec, LloydMax) else None
+            Codebook.from_centroids(c.cpu().numpy(), dim=fmt.head_dim,
+                                    boundaries=None if b is None else b.cpu().double().numpy())
+            if isinstance(codec, LloydMax) else None
         )
     rot = rotation.cpu().double().numpy() if fmt.rotated else None
     return TQParams(format=fmt, rotation=rot, key_offset=None if mu is None else mu.cpu().numpy(), **cbs)
@@ -70,7 +77,8 @@ def store_op(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_m
         _launch_store(cache, key, value, slot_mapping, lay, tables, error_word(key.device),
                       interpret=key.device.type == "cpu")
         return
-    params = _host_params(lay, rotation, key_centroids, value_centroids, key_offset)
+    params = _host_params(lay, rotation, key_centroids, value_centroids, key_offset, key_boundaries,
+                          value_boundaries)
     out, flags = store_ref.store(cache.numpy(), key.float().numpy(), value.float().numpy(), slot_mapping.numpy(),
                                  lay, params, return_flags=True)
     cache.copy_(torch.from_numpy(out))
