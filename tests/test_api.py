@@ -107,3 +107,23 @@ def test_import_needs_no_torch_or_hypothesis():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_tqkern_torch_exports_paged_decode():
+    import tqkern_torch
+    import tqkern_torch.attention
+
+    assert "paged_decode" in tqkern_torch.__all__
+    assert tqkern_torch.paged_decode is tqkern_torch.attention.paged_decode
+
+
+def test_import_tqkern_torch_registers_every_op():
+    # A fresh interpreter: nothing but `import tqkern_torch` may be needed before the ops resolve.
+    code = (
+        "import torch, tqkern_torch\n"
+        "for name in ('store', 'decompress', 'paged_decode'):\n"
+        "    op = getattr(torch.ops.tqkern, name)\n"
+        "    assert isinstance(op, torch._ops.OpOverloadPacket), (name, type(op))\n"
+        "from tqkern_torch import paged_decode\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

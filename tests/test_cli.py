@@ -16,8 +16,9 @@ from tqkern.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Slot bytes at head_dim 128. The first five are PRIOR_ART's golden values (vLLM's table and
-# turboquant-vllm's 136); the tqkern_* and fp16 rows follow from the field sizes:
+# Slot bytes at head_dim 128. The first five are the peers' sizes (vLLM's turboquant_* cache
+# dtypes, vllm-project/vllm#38479, and turboquant-vllm's 136 per head); the tqkern_* and fp16
+# rows follow from the field sizes:
 # k5v3 = (5·128/8 + 4) + (3·128/8 + 4), k4v4 = 2·(4·128/8 + 4), fp16 = 2·2·128.
 GOLDEN_SLOT_BYTES_128 = {
     "turboquant_k8v4": 196,
@@ -30,8 +31,8 @@ GOLDEN_SLOT_BYTES_128 = {
     "fp16": 512,
 }
 
-# D_mse of the Gaussian Lloyd-Max codebook for a unit vector (PRIOR_ART): the relative key
-# error of a Lloyd-Max key is about its square root (norm correction changes it by O(D²)).
+# D_mse of the Gaussian Lloyd-Max codebook for a unit vector (docs/algorithms.md): the relative
+# key error of a Lloyd-Max key is about its square root (norm correction changes it by O(D²)).
 DMSE = {3: 0.0345, 4: 0.0095}
 
 

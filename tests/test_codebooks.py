@@ -1,4 +1,4 @@
-"""Lloyd-Max codebooks: golden centroids (PRIOR_ART), structure, convergence, validation.
+"""Lloyd-Max codebooks: golden centroids, structure, convergence, validation.
 
 Convergence is checked against conditional means integrated here, independently of the solver:
 the Gaussian's in closed form through ``math.erfc``, the Beta's by composite Gauss-Legendre
@@ -15,7 +15,8 @@ import pytest
 
 from tqkern.codebooks import Codebook, lloyd_max, lloyd_max_vllm
 
-# PRIOR_ART "Golden values": positive halves, multiplied by √d.
+# Golden values, 4 decimals: positive halves, multiplied by √d. Gaussian: the N(0, 1) quantizers
+# Max (1960) tabulates; beta: the exact-density optimum, recorded by the tqkern authors.
 GAUSSIAN = {
     1: [0.7979],
     2: [0.4528, 1.5104],

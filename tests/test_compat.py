@@ -1,5 +1,5 @@
 """Compatibility: with the peers' rotation and codebook passed in as parameters, the store kernel
-writes the bytes their formats specify (PRIOR_ART.md), built here independently of tqkern's
+writes the bytes their formats specify (docs/layout.md), built here independently of tqkern's
 oracle, and ``quantize`` reads back the oracle's fields.
 
 vLLM ``turboquant_4bit_nc``: y = (k/‖k‖) @ H/√D (Sylvester, no signs); key code = number of
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs CUDA or T
 DEV = device_under_test()
 D, H, N = 128, 2, 24
 
-# PRIOR_ART's Gaussian 4-bit Lloyd-Max centroids (positive half, N(0,1)); vLLM scales by 1/√D.
+# The Gaussian 4-bit Lloyd-Max centroids (positive half, N(0,1); Max 1960); vLLM scales by 1/√D.
 GAUSS4 = np.array([0.1284, 0.3880, 0.6568, 0.9423, 1.2562, 1.6180, 2.0690, 2.7326])
 
 

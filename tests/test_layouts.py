@@ -1,7 +1,8 @@
 """Layout descriptors: golden sizes and offsets, validation, and the dataclass contract.
 
-Expected sizes and offsets are PRIOR_ART's tables or are computed here from the byte rules
-written out in the test (never read back from ``tqkern.layouts``).
+Expected sizes and offsets are the peers' published layouts (docs/algorithms.md names the
+peers) or are computed here from the byte rules written out in the test (never read back from
+``tqkern.layouts``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from tqkern.layouts import FP8, KVFormat, LloydMax, PagedLayout, Raw, Uniform
 
 # -- golden slot sizes -----------------------------------------------------------------------
 
-# PRIOR_ART, "vLLM TurboQuant": slot bytes at head_dim 64 / 128 / 256.
+# vLLM's turboquant_* cache dtypes (vllm-project/vllm#38479): slot bytes at head_dim 64 / 128 / 256.
 VLLM_SLOT_BYTES = {
     "turboquant_k8v4": (100, 196, 388),
     "turboquant_4bit_nc": (70, 134, 262),
@@ -44,7 +45,7 @@ def test_tq4_slot_bytes(head_dim, expected):
 
 
 def test_tq4_compression_vs_fp16():
-    # PRIOR_ART: 136 bytes per head at D=128 is 3.76x vs fp16 (2 · 2 · 128 = 512 bytes).
+    # turboquant-vllm (PyPI): 136 bytes per head at D=128 is 3.76x vs fp16 (2 · 2 · 128 = 512 bytes).
     assert KVFormat.preset("tq4", head_dim=128).compression == pytest.approx(3.76, abs=0.005)
     assert KVFormat.preset("turboquant_4bit_nc", head_dim=128).compression == pytest.approx(512 / 134)
 
@@ -106,7 +107,7 @@ def test_field_offset_unknown_name():
 
 
 def test_row_arrangement_tq4_h8_d128():
-    # PRIOR_ART, turboquant-vllm TQ4 with H=8, D=128: [K codes h·64 | K norms 512 + 4h |
+    # turboquant-vllm's TQ4 row with H=8, D=128: [K codes h·64 | K norms 512 + 4h |
     # V codes 544 + h·64 | V norms 1056 + 4h], 1088 bytes per token row.
     fmt = KVFormat.preset("tq4", head_dim=128)
     lay = PagedLayout(format=fmt, num_kv_heads=8, block_size=16, arrangement="row")

@@ -359,7 +359,8 @@ PRESETS: dict[str, dict] = {
         rotation="haar",
         slot_alignment=1,
     ),
-    # tqkern's own: keys carry most of the error, so spend the bits there (PRIOR_ART quality levers).
+    # tqkern's own: keys carry most of the error, so spend the bits there (measured by the tqkern
+    # authors on SmolLM2-135M, one run: 4-bit keys alone cost about +6% perplexity, values +0.6%).
     "tqkern_k5v3": dict(
         key=LloydMax(bits=5, distribution="beta", norm_dtype="float32", norm_correction="stored"),
         value=LloydMax(bits=3, distribution="beta", norm_dtype="float32", norm_correction="stored"),

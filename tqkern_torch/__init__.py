@@ -1,13 +1,17 @@
 """tqkern_torch: the torch frontend of tqkern.
 
 Validates torch tensors, allocates caches, launches the Triton kernels of ``tqkern`` and
-registers them as ``torch.library`` ops (``torch.ops.tqkern.*``); also the ``tqkern`` command
-line (:mod:`tqkern_torch.cli`). The layouts, parameters and NumPy oracles live in ``tqkern``.
+registers them as ``torch.library`` ops (``torch.ops.tqkern.*``); reports what kernels skipped
+(:mod:`tqkern_torch.errors`). The ``tqkern`` command line is :mod:`tqkern.cli`. The layouts, parameters and NumPy oracles live in ``tqkern``.
 No autograd.
+
+Importing this package registers every op: ``torch.ops.tqkern.store`` and ``.decompress``
+(:mod:`tqkern_torch.library`) and ``torch.ops.tqkern.paged_decode`` (:mod:`tqkern_torch.attention`).
 """
 
-from tqkern_torch import library as _library  # noqa: F401  (registers torch.ops.tqkern.*)
+from tqkern_torch import library as _library  # noqa: F401  (registers tqkern::store, tqkern::decompress)
 from tqkern_torch._params import DeviceParams, to_device
+from tqkern_torch.attention import paged_decode  # (registers tqkern::paged_decode)
 from tqkern_torch.errors import TQKernError, check_errors, read_errors
 from tqkern_torch.ops import (
     allocate_cache,
@@ -35,6 +39,7 @@ __all__ = [
     "decompress",
     "decompress_sequences",
     "sequence_slot_ids",
+    "paged_decode",
     "check_errors",
     "read_errors",
     "TQKernError",
