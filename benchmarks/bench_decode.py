@@ -213,6 +213,47 @@ def run_decode(shape, passed, results, sweep, probe):
         torch.cuda.empty_cache()
 
 
+EAGER_SHAPES = ("B1x4K", "B32x4K", "B32x16K")
+
+
+def eager_us(fn, iters: int = 200) -> float:
+    """Mean microseconds per call of ``fn`` called from Python without a CUDA graph (as
+    transformers' ``generate`` calls attention): host overhead and launches included."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+def run_eager(results, names, presets):
+    """Eager (no CUDA graph) paged_decode with default arguments against eager SDPA fp16."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for shape in map(decode_shape, names):
+        b, L, hq, hkv, d = shape.batch, shape.seq_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim
+        q = torch.randn(b, hq, d, device="cuda", dtype=torch.float16, generator=g)
+        k = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16, generator=g)
+        v = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16, generator=g)
+        sdpa = eager_us(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True))
+        del k, v
+        results["eager"].append(dict(shape=shape.name, variant="sdpa_fp16", us=sdpa, ratio=1.0))
+        print(f"eager {shape.name:10s} sdpa_fp16            {sdpa:8.1f} us", flush=True)
+        bt = torch.randperm(b * L // BLOCK, device="cuda", generator=g).int().reshape(b, L // BLOCK)
+        sl = torch.full((b,), L, dtype=torch.int32, device="cuda")
+        arr = dict(DECODE_PRESETS)
+        for preset in presets:
+            layout, params = make_layout(preset, arr[preset], hkv, d)
+            cache = fill_cache(layout, params, b * L // BLOCK, g)
+            us = eager_us(lambda: paged_decode(q, cache, bt, sl, layout, params))
+            results["eager"].append(dict(shape=shape.name, variant=preset, us=us, ratio=us / sdpa))
+            print(f"eager {shape.name:10s} {preset:20s} {us:8.1f} us = {us / sdpa:.2f}x SDPA's time", flush=True)
+            del cache
+            torch.cuda.empty_cache()
+
+
 def run_store(results, sweep):
     n, h, d = STORE_SHAPE["num_tokens"], STORE_SHAPE["num_kv_heads"], STORE_SHAPE["head_dim"]
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -253,16 +294,21 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-store", action="store_true")
     ap.add_argument("--probe", action="store_true", help="time inner-loop probes at B32x16K")
+    ap.add_argument("--eager", nargs="*", default=None, metavar="SHAPE",
+                    help=f"also time eager calls (no CUDA graph) at these shapes (default {' '.join(EAGER_SHAPES)})")
     args = ap.parse_args(argv)
     require_cuda(__file__)
     results = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   time=time.strftime("%Y-%m-%d %H:%M:%S"), gate=[], decode=[], sweep=[], probe=[], store=[])
+                   time=time.strftime("%Y-%m-%d %H:%M:%S"), gate=[], decode=[], sweep=[], probe=[], store=[],
+                   eager=[])
     passed = gate(results, args.presets)
     if not args.no_store:
         run_store(results, args.sweep)
     for shape in DECODE_SHAPES:
         if shape.name in args.shapes:
             run_decode(shape, passed, results, args.sweep, args.probe)
+    if args.eager is not None:
+        run_eager(results, args.eager or EAGER_SHAPES, [p for p in ("tq4", "turboquant_4bit_nc") if p in passed])
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_decode.json"), "w") as f:
         json.dump(results, f, indent=1)
@@ -270,6 +316,8 @@ def main(argv=None):
     print(f"{'shape':16s} {'variant':20s} {'us':>9s} {'GB/s':>7s} {'vs SDPA':>8s}")
     for r in results["decode"]:
         print(f"{r['shape']:16s} {r['variant']:20s} {r['us']:9.1f} {r['gbps']:7.0f} {r['ratio']:7.2f}x")
+    for r in results["eager"]:
+        print(f"eager {r['shape']:10s} {r['variant']:20s} {r['us']:9.1f} us {r['ratio']:6.2f}x SDPA's time")
     for r in results["store"]:
         extra = f" {r['ratio_to_copy']:.0%} of copy_" if "ratio_to_copy" in r else ""
         print(f"store {r['variant']:20s} {r['us']:8.1f} us {r['gbps']:7.0f} GB/s{extra}")

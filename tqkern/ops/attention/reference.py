@@ -132,7 +132,8 @@ def attention(q, k, v, *, scale=None, causal: bool = False, mask=None) -> np.nda
     sc = resolve_scale(scale, d)
     # GQA, group = Hq // Hkv: query head h = kv·group + g reads KV head kv (copy: see softmax_attend).
     kg = np.ascontiguousarray(repeat(k, "tk hkv d -> (hkv g) tk d", g=hq // hkv))  # [Hq, Tk, D]
-    scores = sc * (q.transpose(1, 0, 2) @ kg.transpose(0, 2, 1))  # [Hq, Tq, Tk]
+    with np.errstate(invalid="ignore"):  # (inf · 0 in a non-finite query row: NaN, as specified)
+        scores = sc * (q.transpose(1, 0, 2) @ kg.transpose(0, 2, 1))  # [Hq, Tq, Tk]
     if mask is not None:
         mk = _float_array("mask", mask)
         try:
