@@ -134,16 +134,18 @@ def paged_decode_op(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Ten
         fmt = lay.format
         interp = q.device.type == "cpu"
         poison = torch.empty(q.shape[0] * q.shape[1], dtype=torch.float32, device=q.device)
+        # one launch rotates q, marks its non-finite rows and checks the indices (the decode
+        # kernels clamp bad ones without a word)
         q_rot = rotate_q(q if q.stride(2) == 1 else q.contiguous(), rotation, bool(fmt.key.rotated), interp,
-                         poison=poison)
+                         poison=poison, scan=(block_table, seq_lens, num_blocks, lay.block_size, errors))
         tables = {"rotation": rotation, "key_centroids_f32": key_centroids_f32,
                   "value_centroids_f32": value_centroids_f32}
         _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, lay, tables, sm_scale=scale,
-                             interpret=interp, errors=errors, q_poison=poison, workspace=workspace,
-                             num_splits=num_splits or None, same_codebooks=same_codebooks, num_blocks=num_blocks)
+                             interpret=interp, q_poison=poison, workspace=workspace, num_splits=num_splits or None,
+                             same_codebooks=same_codebooks, max_block=max(num_blocks - 1, 0))
         return
     # The NumPy oracle rejects bad indices; the kernels' policy is applied here first: lengths
-    # clamped, bad block entries read as block 0 (flagged), as the warp-MMA kernel does.
+    # clamped, bad block entries in use clamped into [0, num_blocks) as unsigned numbers (flagged).
     bt, sl, flags = _kernel_indices(block_table.numpy(), seq_lens.numpy(), num_blocks, lay.block_size)
     errors.bitwise_or_(int(flags))
     params = _host_params(lay, rotation, key_centroids, value_centroids, None)
@@ -153,7 +155,8 @@ def paged_decode_op(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Ten
 
 def _kernel_indices(block_table: np.ndarray, seq_lens: np.ndarray, num_blocks: int, block_size: int):
     """``(block_table, seq_lens, flags)`` as the kernels see them: lengths clamped into
-    ``[0, max_blocks·block_size]``, entries in use outside ``[0, num_blocks)`` replaced by 0."""
+    ``[0, max_blocks·block_size]``, entries in use outside ``[0, num_blocks)`` clamped into it
+    as unsigned 32-bit numbers (negative ones become ``num_blocks − 1``)."""
     cap = block_table.shape[1] * block_size
     flags = ErrorFlag(0)
     sl = np.clip(seq_lens, 0, cap).astype(np.int32)
@@ -163,7 +166,8 @@ def _kernel_indices(block_table: np.ndarray, seq_lens: np.ndarray, num_blocks: i
     bad = used & ((block_table < 0) | (block_table >= num_blocks))
     if np.any(bad):
         flags |= ErrorFlag.BLOCK_OUT_OF_RANGE
-    return np.where(bad, 0, block_table).astype(np.int32), sl, flags
+    clamped = np.minimum(block_table.astype(np.int64) & 0xFFFFFFFF, max(num_blocks - 1, 0))
+    return np.where(bad, clamped, block_table).astype(np.int32), sl, flags
 
 
 @paged_decode_op.register_fake

@@ -255,17 +255,10 @@ def _token_factors(row, h, tmask, KIND: tl.constexpr, PARAM_DTYPE: tl.constexpr,
         return zero + 1.0, zero
 
 
-@triton.jit
-def _seq_len(sl_ptr, s, cap):
-    """Sequence ``s``'s length clamped into ``[0, cap]``, and the error bits (an int32 scalar)."""
-    n = tl.load(sl_ptr + s)
-    return tl.minimum(tl.maximum(n, 0), cap), ((n < 0) | (n > cap)).to(tl.int32) * _ERR_SEQ_LEN
-
-
 @triton.jit(do_not_specialize=["zero"])
 def _paged_decode_kernel(
-    q_ptr, cache_ptr, bt_ptr, sl_ptr, kc_ptr, vc_ptr, acc_ptr, ml_ptr, err_ptr,
-    max_blocks, num_blocks, sm_scale_log2, zero,
+    q_ptr, cache_ptr, bt_ptr, sl_ptr, kc_ptr, vc_ptr, acc_ptr, ml_ptr,
+    max_blocks, max_block, sm_scale_log2, zero,
     G: tl.constexpr, GP: tl.constexpr, HQ: tl.constexpr, NUM_SPLITS: tl.constexpr, BN: tl.constexpr,
     BS: tl.constexpr, K_HALVES: tl.constexpr, V_HALVES: tl.constexpr, DOT: tl.constexpr,
     K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, SKIP_K: tl.constexpr, SKIP_V: tl.constexpr,
@@ -303,7 +296,7 @@ def _paged_decode_kernel(
     k_tabs = _prmt_tables(kc_ptr, K_KIND if K_FAST > 0 else 1)
     v_tabs = _prmt_tables(vc_ptr, V_KIND if V_FAST > 0 else 1)
 
-    seq_len, err = _seq_len(sl_ptr, s, max_blocks * BS)
+    seq_len = tl.minimum(tl.maximum(tl.load(sl_ptr + s), 0), max_blocks * BS)  # (a bad length: clamped)
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BN) * BN
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
@@ -320,11 +313,10 @@ def _paged_decode_kernel(
     for t0 in range(start, end, BN):
         pos = t0 + n_off
         tmask = pos < end
-        blk = tl.load(bt_row + pos // BS, mask=tmask, other=0).to(tl.int64)
-        bad = tmask & ((blk < 0) | (blk >= num_blocks))  # read nothing there: masked like the tail
-        err |= tl.max(bad.to(tl.int32), axis=0) * _ERR_BLOCK
-        tmask = tmask & ~bad
-        blk = tl.where(bad, 0, blk)
+        blk = tl.load(bt_row + pos // BS, mask=tmask, other=0)
+        # an entry outside [0, max_block] is clamped into it as an unsigned number (rotate_q's
+        # index scan reports it): no read leaves the cache
+        blk = tl.minimum(blk.to(tl.uint32, bitcast=True), max_block.to(tl.uint32, bitcast=True)).to(tl.int64)
         # `zero` (a runtime 0 Triton may not specialize) keeps the compiler from deriving a
         # 16-byte alignment for every row from `pos % BS` (Triton 3.6 carries the divisibility
         # of contiguous groups through the multiply; compute-sanitizer caught the misaligned
@@ -405,7 +397,6 @@ def _paged_decode_kernel(
         tl.store(a_row + cols[None, :], acc, mask=gm[:, None])
     tl.store(ml_ptr + part * 2, m_i, mask=gm)
     tl.store(ml_ptr + part * 2 + 1, l_i, mask=gm)
-    tl.atomic_or(err_ptr, err, mask=err != 0, sem="relaxed")
 
 
 @triton.jit
@@ -514,9 +505,35 @@ def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, n_rows, nu
 
 
 @triton.jit
-def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, poison_ptr, n_rows, stride_qs, stride_qh, HQ: tl.constexpr,
-                     D: tl.constexpr, DP: tl.constexpr, ROWS: tl.constexpr, CC: tl.constexpr, ROTATE: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, POISON: tl.constexpr):
+def _scan_indices(bt_ptr, sl_ptr, err_ptr, num_seqs, max_blocks, num_blocks, BS: tl.constexpr, SB: tl.constexpr):
+    """The decode kernels clamp bad indices (no read leaves the cache) but do not report them:
+    this scan does, off their loops. The programs of the grid's first dimension share the
+    block table's ``num_seqs·max_blocks`` entries; an entry in use (position < the sequence's
+    clamped length) outside ``[0, num_blocks)`` sets ``BLOCK_OUT_OF_RANGE``, a length outside
+    ``[0, max_blocks·BS]`` ``SEQ_LEN_OUT_OF_RANGE``, with one atomic per program, only if set."""
+    total = num_seqs * max_blocks
+    per = tl.cdiv(total, tl.num_programs(0))
+    e0 = tl.program_id(0) * per
+    cap = max_blocks * BS
+    err = tl.program_id(0) * 0
+    for i in range(0, per, SB):
+        e = e0 + i + tl.arange(0, SB)
+        m = (e < e0 + per) & (e < total)
+        row = e // max_blocks
+        j = e - row * max_blocks
+        n = tl.load(sl_ptr + row, mask=m, other=0)  # (both loads in flight at once)
+        b = tl.load(bt_ptr + e.to(tl.int64), mask=m, other=0)
+        bad_b = m & (j * BS < tl.minimum(n, cap)) & ((b < 0) | (b >= num_blocks))
+        bad_n = m & (j == 0) & ((n < 0) | (n > cap))
+        err |= tl.max(bad_b.to(tl.int32), axis=0) * _ERR_BLOCK | tl.max(bad_n.to(tl.int32), axis=0) * _ERR_SEQ_LEN
+    tl.atomic_or(err_ptr, err, mask=err != 0, sem="relaxed")
+
+
+@triton.jit
+def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, poison_ptr, bt_ptr, sl_ptr, err_ptr, n_rows, stride_qs, stride_qh,
+                     num_seqs, max_blocks, num_blocks, HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                     ROWS: tl.constexpr, CC: tl.constexpr, ROTATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     POISON: tl.constexpr, SCAN: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr):
     """``out[r] = float32(q[r]) @ Π`` (or the plain cast) for ROWS query rows ``r = s·HQ + h``: one
     launch instead of a cast and a GEMM. Program ``(b, j)`` writes output columns ``j·CC ..
     j·CC + CC − 1`` of rows ``b·ROWS ..`` (64 columns at a time: a whole ``[DP, DP]`` tile of Π
@@ -527,6 +544,9 @@ def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, poison_ptr, n_rows, stride_qs, str
     cm = cols < D
     src = q_ptr + (rows // HQ).to(tl.int64)[:, None] * stride_qs + (rows % HQ).to(tl.int64)[:, None] * stride_qh
     x = tl.load(src + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
+    if SCAN:
+        if tl.program_id(1) == 0:
+            _scan_indices(bt_ptr, sl_ptr, err_ptr, num_seqs, max_blocks, num_blocks, BS, SB)
     if POISON:  # poison[r] = NaN if q row r holds a NaN or inf, else 0 (x − x is NaN exactly there)
         bad = tl.sum(((x - x) != 0).to(tl.int32), axis=1) > 0
         if tl.program_id(1) == 0:
@@ -543,14 +563,16 @@ def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, poison_ptr, n_rows, stride_qs, str
         tl.store(dst + cols[None, :], x, mask=rm[:, None] & cm[None, :])
 
 
-def rotate_q(q, rotation, rotate: bool, interpret: bool, rows: int = 16, cols: int = 64, poison=None):
+def rotate_q(q, rotation, rotate: bool, interpret: bool, rows: int = 16, cols: int = 64, poison=None, scan=None):
     """float32 ``[S, Hq, D]`` contiguous: ``q @ Π`` when ``rotate`` (the key codec is rotated),
     else q cast. ``q``: fp16/bf16/fp32 with a contiguous last dimension; ``rows`` query rows and
     ``cols`` output columns (at most the padded head_dim) per program. Measured on the H100 at
     1024 rows, D = 128: 16 rows × all columns 4.6 µs, 32 rows 9.5 µs, 64 rows 9.8 µs (session 4);
     16 rows × 64 columns: see ``docs/performance.md``. ``poison``: optional float32 ``[S·Hq]``
     that receives NaN for every query row holding a NaN or inf and 0 for the others (the merge
-    adds it to the output: :func:`_launch_merge`)."""
+    adds it to the output: :func:`_launch_merge`). ``scan``: optional ``(block_table, seq_lens,
+    num_blocks, block_size, errors)``: the same launch checks the decode's indices and ORs
+    ``tqkern.errors`` bits into ``errors`` (see :func:`_scan_indices`)."""
     if not isinstance(rows, int) or rows < 16 or rows & (rows - 1):
         raise ValueError(f"rows must be a power of two >= 16, got {rows!r}")
     if not isinstance(cols, int) or cols < 16 or cols & (cols - 1):
@@ -560,11 +582,16 @@ def rotate_q(q, rotation, rotate: bool, interpret: bool, rows: int = 16, cols: i
     n = s * hq
     dp = max(16, triton.next_power_of_2(d))
     cc = min(cols, dp) if rotate else dp
+    if scan is None:
+        scan_args, scan_ints, bs = (out, out, out), (0, 0, 0), 1
+    else:
+        bt, sl, num_blocks, bs, errors = scan
+        scan_args, scan_ints = (bt, sl, errors), (bt.shape[0], bt.shape[1], num_blocks)
     if n:
         _rotate_q_kernel[(triton.cdiv(n, rows), dp // cc)](
-            q, rotation, out, out if poison is None else poison, n, q.stride(0), q.stride(1), HQ=hq, D=d, DP=dp,
-            ROWS=rows, CC=cc, ROTATE=rotate, DOT_PRECISION="ieee" if interpret else "tf32x3",
-            POISON=poison is not None, num_warps=4)
+            q, rotation, out, out if poison is None else poison, *scan_args, n, q.stride(0), q.stride(1), *scan_ints,
+            HQ=hq, D=d, DP=dp, ROWS=rows, CC=cc, ROTATE=rotate, DOT_PRECISION="ieee" if interpret else "tf32x3",
+            POISON=poison is not None, SCAN=scan is not None, BS=bs, SB=512, num_warps=4)
     return out
 
 
@@ -622,30 +649,27 @@ def fast_path_plan(layout) -> dict:
 
 
 def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, tables, *, sm_scale: float,
-                         interpret: bool, errors=None, q_poison=None, workspace=None, num_splits: int | None = None,
+                         interpret: bool, q_poison=None, workspace=None, num_splits: int | None = None,
                          block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                          probe: str = "",
                          lut: str = "select", path: str = "auto", maxnreg: int | None = None,
-                         same_codebooks: bool = True, num_blocks: int | None = None):
+                         same_codebooks: bool = True, max_block: int | None = None):
     """Launch decode + merge. ``q_rot`` float32 ``[S, Hq, D]`` contiguous (already rotated when the
-    key codec is rotated). ``errors``: the int32 ``[1]`` error word (``tqkern.errors``) the kernels
-    OR their bits into (the frontend's; a fresh one when ``None``). ``q_poison``: float32
+    key codec is rotated). ``q_poison``: float32
     ``[S·Hq]`` from :func:`rotate_q` (NaN for a non-finite query row, else 0), added to the output
     rows by the merge; ``None``: no poisoning. ``workspace``: optional float32 tensor with at least
     ``workspace_numel(...)`` elements. ``path``: ``"auto"`` (the warp-MMA kernel of
     :mod:`.triton_mma` where :func:`decode_path` says so, else the word path), ``"mma"`` (that
     kernel, or ``ValueError``), ``"fast"`` (this module's kernel with the 4-bit word path),
     ``"old"`` (this module's kernel, general decode only). ``same_codebooks``: whether the key
-    and value codebooks are equal (the warp-MMA kernel's one table serves both). ``num_blocks``: the
-    block ids that are valid (default ``cache.shape[0]``; 0 with a one-block stand-in for an empty
-    cache). No other checks."""
+    and value codebooks are equal (the warp-MMA kernel's one table serves both). ``max_block``: block
+    ids are clamped into ``[0, max_block]`` (default ``cache.shape[0] - 1``), so that no index
+    reads outside the cache (:func:`rotate_q` reports bad ones). No other checks."""
     c = layout_consts(layout)
     s, hq, d = q_rot.shape
     hkv = layout.num_kv_heads
-    if errors is None:
-        errors = torch.zeros(1, dtype=torch.int32, device=q_rot.device)
-    if num_blocks is None:
-        num_blocks = cache.shape[0]
+    if max_block is None:
+        max_block = max(cache.shape[0] - 1, 0)
     g = hq // hkv
     gp = max(16, triton.next_power_of_2(g))
     dp = c["DP"]
@@ -658,11 +682,11 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
         if mma:
             try:
                 acc, ml, num_splits = _launch_mma(q_rot, cache, block_table, seq_lens, layout, tables, g, num_splits,
-                                                  workspace, sm_scale, errors, num_blocks)
+                                                  workspace, sm_scale, max_block)
             except DynamicSmemUnsupported:  # nothing launched yet: the per-warp kernel from now on
                 disable_cooperative_stages(q_rot.device)
                 acc, ml, num_splits = _launch_mma(q_rot, cache, block_table, seq_lens, layout, tables, g, num_splits,
-                                                  workspace, sm_scale, errors, num_blocks)
+                                                  workspace, sm_scale, max_block)
             _launch_merge(acc, ml, tables["rotation"], out, layout, g, num_splits, interpret, q_poison=q_poison)
             return out
         path = "fast"
@@ -707,7 +731,7 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
     acc, ml = _workspace(workspace, s, hq, num_splits, dp, q_rot.device)
     _paged_decode_kernel[(s, hkv, num_splits)](
         q_rot, cache, block_table, seq_lens, tables["key_centroids_f32"], tables["value_centroids_f32"], acc, ml,
-        errors, block_table.shape[1], num_blocks, sm_scale * 1.4426950408889634, 0, NUM_SPLITS=num_splits,
+        block_table.shape[1], max_block, sm_scale * 1.4426950408889634, 0, NUM_SPLITS=num_splits,
         **kwargs)
     _launch_merge(acc, ml, tables["rotation"], out, layout, g, num_splits, interpret, q_poison=q_poison)
     return out
@@ -751,16 +775,14 @@ def _mma_launch_plan(q_rot, cache, block_table, seq_lens, layout, tables, g, num
     return plan, num_splits
 
 
-def _launch_mma(q_rot, cache, block_table, seq_lens, layout, tables, g, num_splits, workspace, sm_scale, errors,
-                num_blocks):
+def _launch_mma(q_rot, cache, block_table, seq_lens, layout, tables, g, num_splits, workspace, sm_scale, max_block):
     """The warp-MMA kernel with the device's plan; returns (acc, ml, num_splits) for the merge."""
     s, hq, _ = q_rot.shape
     plan, num_splits = _mma_launch_plan(q_rot, cache, block_table, seq_lens, layout, tables, g, num_splits)
     acc, ml = _workspace(workspace, s, hq, num_splits, layout_consts(layout)["DP"], q_rot.device)
     _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, tables["key_centroids_f32"], acc, ml,
                              group=g, num_splits=num_splits, sm_scale=sm_scale,
-                             value_centroids_f32=tables["value_centroids_f32"], errors=errors,
-                             num_blocks=num_blocks)
+                             value_centroids_f32=tables["value_centroids_f32"], max_block=max_block)
     return acc, ml, num_splits
 
 
@@ -787,8 +809,7 @@ def _resident_ctas(key, q_rot, cache, block_table, seq_lens, tables, kwargs, num
         try:
             k = _paged_decode_kernel.warmup(
                 q_rot, cache, block_table, seq_lens, tables["key_centroids_f32"], tables["value_centroids_f32"],
-                q_rot, q_rot, seq_lens, block_table.shape[1], cache.shape[0], 1.0, 0, NUM_SPLITS=num_splits,
-                grid=(1,), **kwargs)  # (seq_lens stands in for the int32 error word: compiled, never run)
+                q_rot, q_rot, block_table.shape[1], 0, 1.0, 0, NUM_SPLITS=num_splits, grid=(1,), **kwargs)
             _RESIDENT_CTAS[key] = ctas_per_sm(k, kwargs["num_warps"], 0, props) * props.multi_processor_count
         except Exception:  # noqa: BLE001
             _RESIDENT_CTAS[key] = None

@@ -67,7 +67,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tqkern.errors import ErrorFlag
 from tqkern.layouts import FP8, LloydMax, PagedLayout, Uniform
 from tqkern.ops.common import layout_consts, load_param
 
@@ -76,8 +75,6 @@ __all__ = ["_paged_decode_mma_kernel", "_launch_paged_decode_mma", "DynamicSmemU
            "num_splits_mma", "per_warp_plan", "resident_warps", "shifted_plan", "table256_plan"]
 
 _DT = {"float16": 0, "float32": 1, "bfloat16": 2}
-_ERR_BLOCK = tl.constexpr(int(ErrorFlag.BLOCK_OUT_OF_RANGE))
-_ERR_SEQ_LEN = tl.constexpr(int(ErrorFlag.SEQ_LEN_OUT_OF_RANGE))
 LUT_BYTES = tl.constexpr(32768)  # the pair table: 256 entries × 32 lane replicas × 4 bytes
 _NBYTES = {0: 2, 1: 4, 2: 2}
 
@@ -471,16 +468,13 @@ def _shifted(w, sh, N: tl.constexpr):
 
 @triton.jit
 def _checked_block(tab, p, ok):
-    """The block-table entry of sequence position ``p`` (``tab``: the sequence's table row, the
-    cache's block count and the error word), 0 where ``ok`` is false. An entry outside
-    ``[0, num_blocks)`` reads as block 0, so that no read leaves the cache, and sets
-    ``BLOCK_OUT_OF_RANGE`` (one unsigned compare and a select per lookup; the atomic runs only
-    where an entry is bad)."""
-    bt_row, num_blocks, err_ptr = tab
+    """The block-table entry of sequence position ``p`` (``tab``: the sequence's table row and
+    the largest valid block id), 0 where ``ok`` is false. An entry outside ``[0, max_block]`` is
+    clamped into it as an unsigned number (one IMNMX per lookup), so that no read leaves the
+    cache; :func:`tqkern.ops.paged_decode.triton.rotate_q`'s index scan reports it."""
+    bt_row, max_block = tab
     b = tl.load(bt_row + p, mask=ok, other=0)
-    bad = ok & (b.to(tl.uint32, bitcast=True) >= num_blocks.to(tl.uint32))
-    tl.atomic_or(err_ptr + tl.zeros_like(b), tl.full(b.shape, _ERR_BLOCK, tl.int32), mask=bad, sem="relaxed")
-    return tl.where(bad, 0, b).to(tl.int64)
+    return tl.minimum(b.to(tl.uint32, bitcast=True), max_block.to(tl.uint32, bitcast=True)).to(tl.int64)
 
 
 @triton.jit
@@ -838,8 +832,8 @@ def _dim_of(f, e, NIBBLE: tl.constexpr):
 
 @triton.jit
 def _paged_decode_mma_kernel(
-    q_ptr, cache_ptr, bt_ptr, sl_ptr, cen_ptr, vcen_ptr, acc_ptr, ml_ptr, err_ptr,
-    num_seqs, max_blocks, num_blocks, sm_scale_log2, NUM_SPLITS,
+    q_ptr, cache_ptr, bt_ptr, sl_ptr, cen_ptr, vcen_ptr, acc_ptr, ml_ptr,
+    num_seqs, max_blocks, max_block, sm_scale_log2, NUM_SPLITS,
     G: tl.constexpr, HKV: tl.constexpr, HQ: tl.constexpr, WARPS: tl.constexpr,
     BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr,
     K_A_OFF: tl.constexpr, K_A_STRIDE: tl.constexpr, K_B_OFF: tl.constexpr, K_B_STRIDE: tl.constexpr,
@@ -880,15 +874,12 @@ def _paged_decode_mma_kernel(
     h = item % HKV
     split = (item // HKV) % NUM_SPLITS
     s = item // (HKV * NUM_SPLITS)
-    n_raw = tl.load(sl_ptr + s)  # clamped into [0, max_blocks·BS]; a bad length sets its bit
-    seq_len = tl.minimum(tl.maximum(n_raw, 0), max_blocks * BS)
-    tl.atomic_or(err_ptr + tl.zeros_like(n_raw), tl.full(n_raw.shape, _ERR_SEQ_LEN, tl.int32),
-                 mask=live & (seq_len != n_raw), sem="relaxed")
+    seq_len = tl.minimum(tl.maximum(tl.load(sl_ptr + s), 0), max_blocks * BS)  # (a bad length: clamped)
     per = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), 16) * 16
     start = split * per
     end = tl.where(live, tl.minimum(start + per, seq_len), start)
     n_steps = tl.max(tl.maximum(tl.cdiv(end - start, 16), 0), axis=0)  # the CTA's longest range
-    tab = (bt_ptr + s.to(tl.int64) * max_blocks, num_blocks, err_ptr)  # the sequence's table row, its bounds
+    tab = (bt_ptr + s.to(tl.int64) * max_blocks, max_block)  # the sequence's table row, the largest block id
 
     # -- pair table (its address), the cooperative stages' first copies, the table's fill ----------
     if NEED_LUT:
@@ -1182,8 +1173,8 @@ def _paged_decode_mma_kernel(
 # so that its dynamic shared memory is sized once, before its binary is first loaded.
 _paged_decode_coop_kernel = triton.jit(
     _paged_decode_mma_kernel.fn,
-    do_not_specialize=["q_ptr", "cache_ptr", "bt_ptr", "sl_ptr", "cen_ptr", "vcen_ptr", "acc_ptr", "ml_ptr", "err_ptr",
-                       "num_seqs", "max_blocks", "num_blocks", "sm_scale_log2", "NUM_SPLITS"])
+    do_not_specialize=["q_ptr", "cache_ptr", "bt_ptr", "sl_ptr", "cen_ptr", "vcen_ptr", "acc_ptr", "ml_ptr",
+                       "num_seqs", "max_blocks", "max_block", "sm_scale_log2", "NUM_SPLITS"])
 
 
 # -- host side ------------------------------------------------------------------------------------
@@ -1466,8 +1457,7 @@ def _needs_lut(plan: dict) -> bool:
 
 
 def _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, group, num_splits,
-                 sm_scale, warps, prefetch, hint, maxnreg=None, value_centroids_f32=None, errors=None,
-                 num_blocks=None):
+                 sm_scale, warps, prefetch, hint, maxnreg=None, value_centroids_f32=None, max_block=None):
     s, hq, _ = q_rot.shape
     if plan.get("COOP"):  # one warp per KV head of a (sequence, split)
         warps = layout.num_kv_heads
@@ -1475,11 +1465,9 @@ def _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroid
         prefetch = plan["SUB"]
     # The value codebook is read only for 3-bit Lloyd-Max values next to 5-bit keys.
     vcen = value_centroids_f32 if plan["K_BITS"] == 5 and not plan["V_UNIFORM"] else key_centroids_f32
-    # (errors: the int32 error word; compiling without one, any int32 tensor stands in)
-    args = (q_rot, cache, block_table, seq_lens, key_centroids_f32, vcen, acc, ml,
-            seq_lens if errors is None else errors, s, block_table.shape[1],
-            cache.shape[0] if num_blocks is None else num_blocks,
-            sm_scale * 1.4426950408889634, num_splits)
+    args = (q_rot, cache, block_table, seq_lens, key_centroids_f32, vcen, acc, ml, s, block_table.shape[1],
+            max(cache.shape[0] - 1, 0) if max_block is None else max_block, sm_scale * 1.4426950408889634,
+            num_splits)
     kwargs = dict(G=group, HKV=layout.num_kv_heads, HQ=hq, WARPS=warps, BS=layout.block_size, PREFETCH=prefetch,
                   HINT=hint, **plan, num_warps=warps, num_stages=1)
     if maxnreg is None and plan.get("COOP"):  # two CTAs of 8 warps per SM
@@ -1553,18 +1541,15 @@ def resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, key_centro
 def _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, *,
                              group: int, num_splits: int, sm_scale: float, warps: int = 4,
                              prefetch: int | None = None,
-                             hint: int = 1, maxnreg: int | None = None, value_centroids_f32=None, errors=None,
-                             num_blocks: int | None = None):
+                             hint: int = 1, maxnreg: int | None = None, value_centroids_f32=None,
+                             max_block: int | None = None):
     """Launch the warp-MMA decode (partials only; the caller merges). ``value_centroids_f32`` is
-    required for 3-bit Lloyd-Max values (5-bit keys); ``errors`` is the int32 error word (the
-    frontend always passes one; ``None`` only in timing tools). No checks."""
+    required for 3-bit Lloyd-Max values (5-bit keys); ``max_block``: block ids are clamped to
+    ``[0, max_block]`` (default ``cache.shape[0] - 1``). No checks."""
     s = q_rot.shape[0]
     total = s * layout.num_kv_heads * num_splits
-    if errors is None:
-        errors = torch.zeros(1, dtype=torch.int32, device=q_rot.device)
     args, kwargs = _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, group,
-                                num_splits, sm_scale, warps, prefetch, hint, maxnreg, value_centroids_f32, errors,
-                                num_blocks)
+                                num_splits, sm_scale, warps, prefetch, hint, maxnreg, value_centroids_f32, max_block)
     if plan.get("COOP"):
         key = _compile_key(q_rot, layout, plan, group, warps, prefetch, hint, maxnreg)
         if key not in _COOP_READY:
