@@ -74,7 +74,7 @@ def compile_decode(layout, hq, path="fast", **kw):
     for name in fn.arg_names:
         if name in ptrs:
             sig[name] = ptrs[name]
-        elif name in ("max_blocks", "zero"):
+        elif name in ("max_blocks", "max_block", "zero"):
             sig[name] = "i32"
         elif name == "sm_scale_log2":
             sig[name] = "fp32"
@@ -108,7 +108,7 @@ def compile_mma(layout, hq, num_splits=8, warps=4, maxnreg=0, shifted=False, **e
             cx[prm.name] = prm.default
     ptrs = {"q_ptr": "*fp32", "cache_ptr": "*u8", "bt_ptr": "*i32", "sl_ptr": "*i32", "cen_ptr": "*fp32",
             "vcen_ptr": "*fp32", "acc_ptr": "*fp32", "ml_ptr": "*fp32"}
-    sig = {n: ptrs.get(n, "i32" if n in ("num_seqs", "max_blocks") else "fp32" if n == "sm_scale_log2"
+    sig = {n: ptrs.get(n, "i32" if n in ("num_seqs", "max_blocks", "max_block") else "fp32" if n == "sm_scale_log2"
                        else "constexpr") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in cx.items()},

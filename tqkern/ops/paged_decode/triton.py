@@ -431,6 +431,8 @@ def _merge_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, stride_os, stri
     g = tl.arange(0, GP)
     gm = g < G
     qh = h * G + g
+    if POISON:  # NaN for a query row holding a NaN or inf (docs/layout.md); loaded first, used last
+        poison = tl.load(poison_ptr + (s * HQ + qh), mask=gm, other=0.0)
     sp = tl.arange(0, SP)
     spm = sp < NUM_SPLITS
     part = (s * HQ + qh).to(tl.int64)[:, None] * NUM_SPLITS + sp[None, :]  # [GP, SP]
@@ -455,8 +457,8 @@ def _merge_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, stride_os, stri
                     mask=gm[:, None], other=0.0)  # not masked by the weight: no wait for (m, l)
         o += tl.where((wi > 0)[:, None], a * wi[:, None], 0.0)
     o = o * inv[:, None]
-    if POISON:  # NaN for a query row holding a NaN or inf (the policy of docs/layout.md)
-        o += tl.load(poison_ptr + (s * HQ + qh), mask=gm, other=0.0)[:, None]
+    if POISON:
+        o += poison[:, None]
     _store_merged(o, o_row, gm, rot_ptr, c0, cols, D, CC, ROTATE_BACK, DOT_PRECISION)
 
 
@@ -475,6 +477,8 @@ def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, n_rows, nu
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rm = rows < n_rows
     c0 = tl.program_id(1) * CC
+    if POISON:  # NaN for a query row holding a NaN or inf (docs/layout.md); loaded first, used last
+        poison = tl.load(poison_ptr + rows, mask=rm, other=0.0)
     part0 = rows.to(tl.int64) * num_splits
     sp = tl.arange(0, SP)  # the maxima of all splits: one load, not one round trip per split
     m_all = tl.max(tl.load(ml_ptr + (part0[:, None] + sp[None, :]) * 2, mask=rm[:, None] & (sp < num_splits)[None, :],
@@ -498,8 +502,8 @@ def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, n_rows, nu
             o += tl.where((w > 0)[:, None], a * w[:, None], 0.0)  # the load does not wait for w
     inv = tl.where(l_all > 0, 1.0 / tl.where(l_all > 0, l_all, 1.0), 0.0)
     o = o * inv[:, None]
-    if POISON:  # NaN for a query row holding a NaN or inf (the policy of docs/layout.md)
-        o += tl.load(poison_ptr + rows, mask=rm, other=0.0)[:, None]
+    if POISON:
+        o += poison[:, None]
     o_row = out_ptr + (rows // HQ).to(tl.int64)[:, None] * stride_os + (rows % HQ).to(tl.int64)[:, None] * stride_oh
     _store_merged(o, o_row, rm, rot_ptr, c0, cols, D, CC, ROTATE_BACK, DOT_PRECISION)
 
@@ -542,11 +546,11 @@ def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, poison_ptr, bt_ptr, sl_ptr, err_pt
     rm = rows < n_rows
     cols = tl.arange(0, DP)
     cm = cols < D
-    src = q_ptr + (rows // HQ).to(tl.int64)[:, None] * stride_qs + (rows % HQ).to(tl.int64)[:, None] * stride_qh
-    x = tl.load(src + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
-    if SCAN:
+    if SCAN:  # (first: its loads overlap the q row's)
         if tl.program_id(1) == 0:
             _scan_indices(bt_ptr, sl_ptr, err_ptr, num_seqs, max_blocks, num_blocks, BS, SB)
+    src = q_ptr + (rows // HQ).to(tl.int64)[:, None] * stride_qs + (rows % HQ).to(tl.int64)[:, None] * stride_qh
+    x = tl.load(src + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
     if POISON:  # poison[r] = NaN if q row r holds a NaN or inf, else 0 (x − x is NaN exactly there)
         bad = tl.sum(((x - x) != 0).to(tl.int32), axis=1) > 0
         if tl.program_id(1) == 0:
@@ -587,11 +591,14 @@ def rotate_q(q, rotation, rotate: bool, interpret: bool, rows: int = 16, cols: i
     else:
         bt, sl, num_blocks, bs, errors = scan
         scan_args, scan_ints = (bt, sl, errors), (bt.shape[0], bt.shape[1], num_blocks)
+    # entries per scanning program in one tile where it fits (a loop of dependent rounds is latency)
+    per_program = triton.cdiv(scan_ints[0] * scan_ints[1], max(1, triton.cdiv(n, rows)))
+    sb = min(4096, max(128, triton.next_power_of_2(max(1, per_program))))
     if n:
         _rotate_q_kernel[(triton.cdiv(n, rows), dp // cc)](
             q, rotation, out, out if poison is None else poison, *scan_args, n, q.stride(0), q.stride(1), *scan_ints,
             HQ=hq, D=d, DP=dp, ROWS=rows, CC=cc, ROTATE=rotate, DOT_PRECISION="ieee" if interpret else "tf32x3",
-            POISON=poison is not None, SCAN=scan is not None, BS=bs, SB=512, num_warps=4)
+            POISON=poison is not None, SCAN=scan is not None, BS=bs, SB=sb, num_warps=4)
     return out
 
 
