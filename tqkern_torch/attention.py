@@ -134,15 +134,16 @@ def paged_decode_op(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Ten
         fmt = lay.format
         interp = q.device.type == "cpu"
         poison = torch.empty(q.shape[0] * q.shape[1], dtype=torch.float32, device=q.device)
-        # one launch rotates q, marks its non-finite rows and checks the indices (the decode
-        # kernels clamp bad ones without a word)
+        safe_table = torch.empty_like(block_table)
+        # one launch rotates q, marks its non-finite rows, and writes the block table clamped to
+        # the cache (flagging bad entries): the decode kernels read only that table
         q_rot = rotate_q(q if q.stride(2) == 1 else q.contiguous(), rotation, bool(fmt.key.rotated), interp,
-                         poison=poison, scan=(block_table, seq_lens, num_blocks, lay.block_size, errors))
+                         poison=poison, scan=(block_table, seq_lens, num_blocks, lay.block_size, errors, safe_table))
         tables = {"rotation": rotation, "key_centroids_f32": key_centroids_f32,
                   "value_centroids_f32": value_centroids_f32}
-        _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, lay, tables, sm_scale=scale,
+        _launch_paged_decode(out, q_rot, cache, safe_table, seq_lens, lay, tables, sm_scale=scale,
                              interpret=interp, q_poison=poison, workspace=workspace, num_splits=num_splits or None,
-                             same_codebooks=same_codebooks, max_block=max(num_blocks - 1, 0))
+                             same_codebooks=same_codebooks)
         return
     # The NumPy oracle rejects bad indices; the kernels' policy is applied here first: lengths
     # clamped, bad block entries in use clamped into [0, num_blocks) as unsigned numbers (flagged).

@@ -258,7 +258,7 @@ def _token_factors(row, h, tmask, KIND: tl.constexpr, PARAM_DTYPE: tl.constexpr,
 @triton.jit(do_not_specialize=["zero"])
 def _paged_decode_kernel(
     q_ptr, cache_ptr, bt_ptr, sl_ptr, kc_ptr, vc_ptr, acc_ptr, ml_ptr,
-    max_blocks, max_block, sm_scale_log2, zero,
+    max_blocks, sm_scale_log2, zero,
     G: tl.constexpr, GP: tl.constexpr, HQ: tl.constexpr, NUM_SPLITS: tl.constexpr, BN: tl.constexpr,
     BS: tl.constexpr, K_HALVES: tl.constexpr, V_HALVES: tl.constexpr, DOT: tl.constexpr,
     K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, SKIP_K: tl.constexpr, SKIP_V: tl.constexpr,
@@ -313,10 +313,7 @@ def _paged_decode_kernel(
     for t0 in range(start, end, BN):
         pos = t0 + n_off
         tmask = pos < end
-        blk = tl.load(bt_row + pos // BS, mask=tmask, other=0)
-        # an entry outside [0, max_block] is clamped into it as an unsigned number (rotate_q's
-        # index scan reports it): no read leaves the cache
-        blk = tl.minimum(blk.to(tl.uint32, bitcast=True), max_block.to(tl.uint32, bitcast=True)).to(tl.int64)
+        blk = tl.load(bt_row + pos // BS, mask=tmask, other=0).to(tl.int64)
         # `zero` (a runtime 0 Triton may not specialize) keeps the compiler from deriving a
         # 16-byte alignment for every row from `pos % BS` (Triton 3.6 carries the divisibility
         # of contiguous groups through the multiply; compute-sanitizer caught the misaligned
@@ -509,12 +506,16 @@ def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, n_rows, nu
 
 
 @triton.jit
-def _scan_indices(bt_ptr, sl_ptr, err_ptr, num_seqs, max_blocks, num_blocks, BS: tl.constexpr, SB: tl.constexpr):
-    """The decode kernels clamp bad indices (no read leaves the cache) but do not report them:
-    this scan does, off their loops. The programs of the grid's first dimension share the
-    block table's ``num_seqs·max_blocks`` entries; an entry in use (position < the sequence's
-    clamped length) outside ``[0, num_blocks)`` sets ``BLOCK_OUT_OF_RANGE``, a length outside
-    ``[0, max_blocks·BS]`` ``SEQ_LEN_OUT_OF_RANGE``, with one atomic per program, only if set."""
+def _scan_indices(bt_ptr, sl_ptr, err_ptr, safe_ptr, num_seqs, max_blocks, num_blocks, BS: tl.constexpr,
+                  SB: tl.constexpr):
+    """Make the decode's indices safe before it runs, off its loops: the programs of the grid's
+    first dimension share the block table's ``num_seqs·max_blocks`` entries and write each,
+    clamped into ``[0, num_blocks − 1]`` as an unsigned number (negative ones become the last
+    block), to ``safe_ptr``, the table the decode kernels read; so no index reads outside the
+    cache and the kernels' loops stay as they were (a clamp there cost tq4 2.5%, measured). An
+    entry in use (position < the sequence's clamped length) outside ``[0, num_blocks)`` sets
+    ``BLOCK_OUT_OF_RANGE``, a length outside ``[0, max_blocks·BS]`` ``SEQ_LEN_OUT_OF_RANGE``
+    (the kernels clamp lengths themselves), with one atomic per program, only if set."""
     total = num_seqs * max_blocks
     per = tl.cdiv(total, tl.num_programs(0))
     e0 = tl.program_id(0) * per
@@ -527,6 +528,9 @@ def _scan_indices(bt_ptr, sl_ptr, err_ptr, num_seqs, max_blocks, num_blocks, BS:
         j = e - row * max_blocks
         n = tl.load(sl_ptr + row, mask=m, other=0)  # (both loads in flight at once)
         b = tl.load(bt_ptr + e.to(tl.int64), mask=m, other=0)
+        last = tl.maximum(num_blocks - 1, 0).to(tl.uint32)
+        tl.store(safe_ptr + e.to(tl.int64), tl.minimum(b.to(tl.uint32, bitcast=True), last).to(tl.int32, bitcast=True),
+                 mask=m)
         bad_b = m & (j * BS < tl.minimum(n, cap)) & ((b < 0) | (b >= num_blocks))
         bad_n = m & (j == 0) & ((n < 0) | (n > cap))
         err |= tl.max(bad_b.to(tl.int32), axis=0) * _ERR_BLOCK | tl.max(bad_n.to(tl.int32), axis=0) * _ERR_SEQ_LEN
@@ -534,7 +538,7 @@ def _scan_indices(bt_ptr, sl_ptr, err_ptr, num_seqs, max_blocks, num_blocks, BS:
 
 
 @triton.jit
-def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, poison_ptr, bt_ptr, sl_ptr, err_ptr, n_rows, stride_qs, stride_qh,
+def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, poison_ptr, bt_ptr, sl_ptr, err_ptr, safe_ptr, n_rows, stride_qs, stride_qh,
                      num_seqs, max_blocks, num_blocks, HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                      ROWS: tl.constexpr, CC: tl.constexpr, ROTATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                      POISON: tl.constexpr, SCAN: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr):
@@ -548,7 +552,7 @@ def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, poison_ptr, bt_ptr, sl_ptr, err_pt
     cm = cols < D
     if SCAN:  # (first: its loads overlap the q row's)
         if tl.program_id(1) == 0:
-            _scan_indices(bt_ptr, sl_ptr, err_ptr, num_seqs, max_blocks, num_blocks, BS, SB)
+            _scan_indices(bt_ptr, sl_ptr, err_ptr, safe_ptr, num_seqs, max_blocks, num_blocks, BS, SB)
     src = q_ptr + (rows // HQ).to(tl.int64)[:, None] * stride_qs + (rows % HQ).to(tl.int64)[:, None] * stride_qh
     x = tl.load(src + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
     if POISON:  # poison[r] = NaN if q row r holds a NaN or inf, else 0 (x − x is NaN exactly there)
@@ -575,8 +579,9 @@ def rotate_q(q, rotation, rotate: bool, interpret: bool, rows: int = 16, cols: i
     16 rows × 64 columns: see ``docs/performance.md``. ``poison``: optional float32 ``[S·Hq]``
     that receives NaN for every query row holding a NaN or inf and 0 for the others (the merge
     adds it to the output: :func:`_launch_merge`). ``scan``: optional ``(block_table, seq_lens,
-    num_blocks, block_size, errors)``: the same launch checks the decode's indices and ORs
-    ``tqkern.errors`` bits into ``errors`` (see :func:`_scan_indices`)."""
+    num_blocks, block_size, errors, safe_table)``: the same launch writes the block table clamped
+    to the cache into ``safe_table`` (int32, the table's shape; what the decode kernels read) and
+    ORs ``tqkern.errors`` bits into ``errors`` (see :func:`_scan_indices`)."""
     if not isinstance(rows, int) or rows < 16 or rows & (rows - 1):
         raise ValueError(f"rows must be a power of two >= 16, got {rows!r}")
     if not isinstance(cols, int) or cols < 16 or cols & (cols - 1):
@@ -587,10 +592,10 @@ def rotate_q(q, rotation, rotate: bool, interpret: bool, rows: int = 16, cols: i
     dp = max(16, triton.next_power_of_2(d))
     cc = min(cols, dp) if rotate else dp
     if scan is None:
-        scan_args, scan_ints, bs = (out, out, out), (0, 0, 0), 1
+        scan_args, scan_ints, bs = (out, out, out, out), (0, 0, 0), 1
     else:
-        bt, sl, num_blocks, bs, errors = scan
-        scan_args, scan_ints = (bt, sl, errors), (bt.shape[0], bt.shape[1], num_blocks)
+        bt, sl, num_blocks, bs, errors, safe = scan
+        scan_args, scan_ints = (bt, sl, errors, safe), (bt.shape[0], bt.shape[1], num_blocks)
     # entries per scanning program in one tile where it fits (a loop of dependent rounds is latency)
     per_program = triton.cdiv(scan_ints[0] * scan_ints[1], max(1, triton.cdiv(n, rows)))
     sb = min(4096, max(128, triton.next_power_of_2(max(1, per_program))))
@@ -660,7 +665,7 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
                          block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                          probe: str = "",
                          lut: str = "select", path: str = "auto", maxnreg: int | None = None,
-                         same_codebooks: bool = True, max_block: int | None = None):
+                         same_codebooks: bool = True):
     """Launch decode + merge. ``q_rot`` float32 ``[S, Hq, D]`` contiguous (already rotated when the
     key codec is rotated). ``q_poison``: float32
     ``[S·Hq]`` from :func:`rotate_q` (NaN for a non-finite query row, else 0), added to the output
@@ -669,14 +674,12 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
     :mod:`.triton_mma` where :func:`decode_path` says so, else the word path), ``"mma"`` (that
     kernel, or ``ValueError``), ``"fast"`` (this module's kernel with the 4-bit word path),
     ``"old"`` (this module's kernel, general decode only). ``same_codebooks``: whether the key
-    and value codebooks are equal (the warp-MMA kernel's one table serves both). ``max_block``: block
-    ids are clamped into ``[0, max_block]`` (default ``cache.shape[0] - 1``), so that no index
-    reads outside the cache (:func:`rotate_q` reports bad ones). No other checks."""
+    and value codebooks are equal (the warp-MMA kernel's one table serves both). The block ids in
+    use must lie in ``[0, cache.shape[0])`` and the lengths in ``[0, max_blocks·block_size]``: the
+    frontend passes the clamped table that :func:`rotate_q`'s index scan writes. No other checks."""
     c = layout_consts(layout)
     s, hq, d = q_rot.shape
     hkv = layout.num_kv_heads
-    if max_block is None:
-        max_block = max(cache.shape[0] - 1, 0)
     g = hq // hkv
     gp = max(16, triton.next_power_of_2(g))
     dp = c["DP"]
@@ -689,11 +692,11 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
         if mma:
             try:
                 acc, ml, num_splits = _launch_mma(q_rot, cache, block_table, seq_lens, layout, tables, g, num_splits,
-                                                  workspace, sm_scale, max_block)
+                                                  workspace, sm_scale)
             except DynamicSmemUnsupported:  # nothing launched yet: the per-warp kernel from now on
                 disable_cooperative_stages(q_rot.device)
                 acc, ml, num_splits = _launch_mma(q_rot, cache, block_table, seq_lens, layout, tables, g, num_splits,
-                                                  workspace, sm_scale, max_block)
+                                                  workspace, sm_scale)
             _launch_merge(acc, ml, tables["rotation"], out, layout, g, num_splits, interpret, q_poison=q_poison)
             return out
         path = "fast"
@@ -738,7 +741,7 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
     acc, ml = _workspace(workspace, s, hq, num_splits, dp, q_rot.device)
     _paged_decode_kernel[(s, hkv, num_splits)](
         q_rot, cache, block_table, seq_lens, tables["key_centroids_f32"], tables["value_centroids_f32"], acc, ml,
-        block_table.shape[1], max_block, sm_scale * 1.4426950408889634, 0, NUM_SPLITS=num_splits,
+        block_table.shape[1], sm_scale * 1.4426950408889634, 0, NUM_SPLITS=num_splits,
         **kwargs)
     _launch_merge(acc, ml, tables["rotation"], out, layout, g, num_splits, interpret, q_poison=q_poison)
     return out
@@ -782,14 +785,14 @@ def _mma_launch_plan(q_rot, cache, block_table, seq_lens, layout, tables, g, num
     return plan, num_splits
 
 
-def _launch_mma(q_rot, cache, block_table, seq_lens, layout, tables, g, num_splits, workspace, sm_scale, max_block):
+def _launch_mma(q_rot, cache, block_table, seq_lens, layout, tables, g, num_splits, workspace, sm_scale):
     """The warp-MMA kernel with the device's plan; returns (acc, ml, num_splits) for the merge."""
     s, hq, _ = q_rot.shape
     plan, num_splits = _mma_launch_plan(q_rot, cache, block_table, seq_lens, layout, tables, g, num_splits)
     acc, ml = _workspace(workspace, s, hq, num_splits, layout_consts(layout)["DP"], q_rot.device)
     _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, tables["key_centroids_f32"], acc, ml,
                              group=g, num_splits=num_splits, sm_scale=sm_scale,
-                             value_centroids_f32=tables["value_centroids_f32"], max_block=max_block)
+                             value_centroids_f32=tables["value_centroids_f32"])
     return acc, ml, num_splits
 
 
@@ -816,7 +819,7 @@ def _resident_ctas(key, q_rot, cache, block_table, seq_lens, tables, kwargs, num
         try:
             k = _paged_decode_kernel.warmup(
                 q_rot, cache, block_table, seq_lens, tables["key_centroids_f32"], tables["value_centroids_f32"],
-                q_rot, q_rot, block_table.shape[1], 0, 1.0, 0, NUM_SPLITS=num_splits, grid=(1,), **kwargs)
+                q_rot, q_rot, block_table.shape[1], 1.0, 0, NUM_SPLITS=num_splits, grid=(1,), **kwargs)
             _RESIDENT_CTAS[key] = ctas_per_sm(k, kwargs["num_warps"], 0, props) * props.multi_processor_count
         except Exception:  # noqa: BLE001
             _RESIDENT_CTAS[key] = None

@@ -467,32 +467,21 @@ def _shifted(w, sh, N: tl.constexpr):
 
 
 @triton.jit
-def _checked_block(tab, p, ok):
-    """The block-table entry of sequence position ``p`` (``tab``: the sequence's table row and
-    the largest valid block id), 0 where ``ok`` is false. An entry outside ``[0, max_block]`` is
-    clamped into it as an unsigned number (one IMNMX per lookup), so that no read leaves the
-    cache; :func:`tqkern.ops.paged_decode.triton.rotate_q`'s index scan reports it."""
-    bt_row, max_block = tab
-    b = tl.load(bt_row + p, mask=ok, other=0)
-    return tl.minimum(b.to(tl.uint32, bitcast=True), max_block.to(tl.uint32, bitcast=True)).to(tl.int64)
-
-
-@triton.jit
-def _row_of(cache_ptr, tab, pos, end, BS: tl.constexpr, ROW_BYTES: tl.constexpr, ok):
+def _row_of(cache_ptr, bt_row, pos, end, BS: tl.constexpr, ROW_BYTES: tl.constexpr, ok):
     """Address of token ``pos`` of a sequence; past ``end - 1``, row ``pos % BS`` of the block of
     token ``end - 1`` (a row of the same parity as ``pos``, so that the shifted reads' per-lane
     word offsets still hold; its data is masked off)."""
     p = tl.maximum(tl.minimum(pos, end - 1), 0)
-    blk = _checked_block(tab, p // BS, ok)
+    blk = tl.load(bt_row + p // BS, mask=ok, other=0).to(tl.int64)
     return cache_ptr + (blk * BS + pos % BS) * ROW_BYTES
 
 
 @triton.jit
-def _step_block(tab, t0, end, BS: tl.constexpr):
+def _step_block(bt_row, t0, end, BS: tl.constexpr):
     """The block-table entry of the step at ``t0`` (blocks of at least 16 tokens hold a whole
     step); 0 past the range."""
     if BS >= 16:
-        return _checked_block(tab, tl.maximum(tl.minimum(t0, end - 1), 0) // BS, t0 < end)
+        return tl.load(bt_row + tl.maximum(tl.minimum(t0, end - 1), 0) // BS, mask=t0 < end, other=0).to(tl.int64)
     return tl.zeros_like(t0).to(tl.int64)
 
 
@@ -553,11 +542,11 @@ def _stage(stages, lut, j, STG: tl.constexpr, NBELOW: tl.constexpr):
 
 
 @triton.jit
-def _step_blocks(tab, t0, end, BS: tl.constexpr, SUB: tl.constexpr):
+def _step_blocks(bt_row, t0, end, BS: tl.constexpr, SUB: tl.constexpr):
     """The block-table entries of the ``SUB`` 16-token steps at ``t0``."""
     res = ()
     for u in tl.static_range(SUB):
-        res = res + (_step_block(tab, t0 + 16 * u, end, BS),)
+        res = res + (_step_block(bt_row, t0 + 16 * u, end, BS),)
     return res
 
 
@@ -572,7 +561,7 @@ def _param(ptr, PARAM_DTYPE: tl.constexpr, pred, SMEM: tl.constexpr):
 
 
 @triton.jit
-def _load_step(cache_ptr, tab, blk, t0, end, r, c, geo, BS: tl.constexpr, ROW_BYTES: tl.constexpr,
+def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, geo, BS: tl.constexpr, ROW_BYTES: tl.constexpr,
                CK: tl.constexpr, CV: tl.constexpr, K_MERGE: tl.constexpr, V_MERGE: tl.constexpr,
                K_DT: tl.constexpr, V_DT: tl.constexpr, V_UNIFORM: tl.constexpr, HINT: tl.constexpr,
                K_FP8: tl.constexpr, K_NW: tl.constexpr, K_BITS: tl.constexpr, K_FUN: tl.constexpr,
@@ -611,12 +600,12 @@ def _load_step(cache_ptr, tab, blk, t0, end, r, c, geo, BS: tl.constexpr, ROW_BY
         rv2 = row0 + (2 * c + 8) * STRIDE
         rv3 = row0 + (2 * c + 9) * STRIDE
     else:
-        rk0 = _row_of(cache_ptr, tab, t0 + r, end, BS, ROW_BYTES, ok)
-        rk1 = _row_of(cache_ptr, tab, t0 + r + 8, end, BS, ROW_BYTES, ok)
-        rv0 = _row_of(cache_ptr, tab, t0 + 2 * c, end, BS, ROW_BYTES, ok)
-        rv1 = _row_of(cache_ptr, tab, t0 + 2 * c + 1, end, BS, ROW_BYTES, ok)
-        rv2 = _row_of(cache_ptr, tab, t0 + 2 * c + 8, end, BS, ROW_BYTES, ok)
-        rv3 = _row_of(cache_ptr, tab, t0 + 2 * c + 9, end, BS, ROW_BYTES, ok)
+        rk0 = _row_of(cache_ptr, bt_row, t0 + r, end, BS, ROW_BYTES, ok)
+        rk1 = _row_of(cache_ptr, bt_row, t0 + r + 8, end, BS, ROW_BYTES, ok)
+        rv0 = _row_of(cache_ptr, bt_row, t0 + 2 * c, end, BS, ROW_BYTES, ok)
+        rv1 = _row_of(cache_ptr, bt_row, t0 + 2 * c + 1, end, BS, ROW_BYTES, ok)
+        rv2 = _row_of(cache_ptr, bt_row, t0 + 2 * c + 8, end, BS, ROW_BYTES, ok)
+        rv3 = _row_of(cache_ptr, bt_row, t0 + 2 * c + 9, end, BS, ROW_BYTES, ok)
     ki = (c + 1) % 4
     vi = (r + 1) % 8
     if SMEM:  # the join's second word unconditionally (its byte masks are 0 where a lane needs none; a read
@@ -833,7 +822,7 @@ def _dim_of(f, e, NIBBLE: tl.constexpr):
 @triton.jit
 def _paged_decode_mma_kernel(
     q_ptr, cache_ptr, bt_ptr, sl_ptr, cen_ptr, vcen_ptr, acc_ptr, ml_ptr,
-    num_seqs, max_blocks, max_block, sm_scale_log2, NUM_SPLITS,
+    num_seqs, max_blocks, sm_scale_log2, NUM_SPLITS,
     G: tl.constexpr, HKV: tl.constexpr, HQ: tl.constexpr, WARPS: tl.constexpr,
     BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr,
     K_A_OFF: tl.constexpr, K_A_STRIDE: tl.constexpr, K_B_OFF: tl.constexpr, K_B_STRIDE: tl.constexpr,
@@ -874,12 +863,12 @@ def _paged_decode_mma_kernel(
     h = item % HKV
     split = (item // HKV) % NUM_SPLITS
     s = item // (HKV * NUM_SPLITS)
-    seq_len = tl.minimum(tl.maximum(tl.load(sl_ptr + s), 0), max_blocks * BS)  # (a bad length: clamped)
+    seq_len = tl.minimum(tl.load(sl_ptr + s), max_blocks * BS)
     per = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), 16) * 16
     start = split * per
     end = tl.where(live, tl.minimum(start + per, seq_len), start)
     n_steps = tl.max(tl.maximum(tl.cdiv(end - start, 16), 0), axis=0)  # the CTA's longest range
-    tab = (bt_ptr + s.to(tl.int64) * max_blocks, max_block)  # the sequence's table row, the largest block id
+    bt_row = bt_ptr + s.to(tl.int64) * max_blocks
 
     # -- pair table (its address), the cooperative stages' first copies, the table's fill ----------
     if NEED_LUT:
@@ -911,7 +900,7 @@ def _paged_decode_mma_kernel(
             else:
                 cp_s = cp_s + ((ci // (ROW_BYTES // 16)) * RS + (ci % (ROW_BYTES // 16)) * 16,)
         for j in tl.static_range(COOP - 1):
-            _coop_issue(cache_ptr, _step_blocks(tab, start + 16 * SUB * j, end, BS, SUB), start + 16 * SUB * j,
+            _coop_issue(cache_ptr, _step_blocks(bt_row, start + 16 * SUB * j, end, BS, SUB), start + 16 * SUB * j,
                         end, _stage(stages, lut, j, STG, NBELOW), cp_s, t, NT, BS, ROW_BYTES, RS, SUB)
     if NEED_LUT:
         if K5:
@@ -1011,15 +1000,15 @@ def _paged_decode_mma_kernel(
     # earlier still, so that the loads never wait on the table. PREFETCH = 1 measured fastest on
     # the H100: ptxas sinks a deeper ring's loads to the end of the iteration anyway.
     if COOP:  # (the first COOP - 1 stages were issued before the pair table was filled)
-        nxt = _step_blocks(tab, start + 16 * SUB * (COOP - 1), end, BS, SUB)
+        nxt = _step_blocks(bt_row, start + 16 * SUB * (COOP - 1), end, BS, SUB)
     else:
-        blk = _step_block(tab, start, end, BS)
+        blk = _step_block(bt_row, start, end, BS)
         ring = ()
         for j in tl.static_range(PREFETCH):
-            ring = ring + (_load_step(cache_ptr, tab, blk, start + 16 * j, end, r, c, geo, BS, ROW_BYTES, CK, CV,
+            ring = ring + (_load_step(cache_ptr, bt_row, blk, start + 16 * j, end, r, c, geo, BS, ROW_BYTES, CK, CV,
                                       K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, K_FP8, K_NW, K_BITS, K_FUN,
                                       V_FUN),)
-            blk = _step_block(tab, start + 16 * (j + 1), end, BS)
+            blk = _step_block(bt_row, start + 16 * (j + 1), end, BS)
     for it in range(0, tl.cdiv(n_steps, SUB)):
         # SUB 16-token steps under one softmax update: their scores first, then one running
         # max (scores and value factors), one rescale of the output, then their values.
@@ -1033,14 +1022,14 @@ def _paged_decode_mma_kernel(
             _coop_issue(cache_ptr, nxt, tc, copy_end,
                         _stage(stages, lut, (it + COOP - 1) % COOP, STG, NBELOW), cp_s, t, NT, BS,
                         ROW_BYTES, RS, SUB)
-            nxt = _step_blocks(tab, tc + 16 * SUB, end, BS, SUB)
+            nxt = _step_blocks(bt_row, tc + 16 * SUB, end, BS, SUB)
         steps = ()
         mx_e = zf
         mx_o = zf
         mx_v = zf
         for u in tl.static_range(SUB):
             if COOP:
-                k0, k1, v0, v1, v2, v3, fac = _load_step(cache_ptr, tab, sb + 16 * u * RS, t0 + 16 * u, end, r, c,
+                k0, k1, v0, v1, v2, v3, fac = _load_step(cache_ptr, bt_row, sb + 16 * u * RS, t0 + 16 * u, end, r, c,
                                                          geo, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT, V_DT,
                                                          V_UNIFORM, HINT, K_FP8, K_NW, K_BITS, K_FUN, V_FUN, True, RS,
                                                          LV)
@@ -1049,13 +1038,13 @@ def _paged_decode_mma_kernel(
                 tn = t0 + 16 * (PREFETCH + u)
                 if PROBE == 2:  # the first PREFETCH steps' rows again (L1 / L2 hits): no DRAM traffic
                     tn = start + 16 * ((PREFETCH + u) % PREFETCH)
-                ring = ring[1:] + (_load_step(cache_ptr, tab, blk, tn, end, r, c, geo, BS, ROW_BYTES, CK, CV,
+                ring = ring[1:] + (_load_step(cache_ptr, bt_row, blk, tn, end, r, c, geo, BS, ROW_BYTES, CK, CV,
                                               K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, K_FP8, K_NW, K_BITS,
                                               K_FUN, V_FUN),)
                 if PROBE == 2:
-                    blk = _step_block(tab, start + 16 * ((PREFETCH + u + 1) % PREFETCH), end, BS)
+                    blk = _step_block(bt_row, start + 16 * ((PREFETCH + u + 1) % PREFETCH), end, BS)
                 else:
-                    blk = _step_block(tab, tn + 16, end, BS)
+                    blk = _step_block(bt_row, tn + 16, end, BS)
             ok0 = (t0 + 16 * u + r) < end
             ok1 = (t0 + 16 * u + r + 8) < end
             if PROBE == 1:  # loads only: no lookups, MMAs or softmax
@@ -1083,7 +1072,7 @@ def _paged_decode_mma_kernel(
             for u in tl.static_range(SUB):
                 v0, v1, v2, v3, s0, s1, s2, s3, vf0, vf1, fac, ok0, ok1 = steps[u]
                 if LV:  # this step's values from the stage, now
-                    _, _, v0, v1, v2, v3, _ = _load_step(cache_ptr, tab, sb + 16 * u * RS, t0 + 16 * u, end, r, c,
+                    _, _, v0, v1, v2, v3, _ = _load_step(cache_ptr, bt_row, sb + 16 * u * RS, t0 + 16 * u, end, r, c,
                                                          geo, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT, V_DT,
                                                          V_UNIFORM, HINT, K_FP8, K_NW, K_BITS, K_FUN, V_FUN, True, RS,
                                                          2)
@@ -1173,8 +1162,8 @@ def _paged_decode_mma_kernel(
 # so that its dynamic shared memory is sized once, before its binary is first loaded.
 _paged_decode_coop_kernel = triton.jit(
     _paged_decode_mma_kernel.fn,
-    do_not_specialize=["q_ptr", "cache_ptr", "bt_ptr", "sl_ptr", "cen_ptr", "vcen_ptr", "acc_ptr", "ml_ptr",
-                       "num_seqs", "max_blocks", "max_block", "sm_scale_log2", "NUM_SPLITS"])
+    do_not_specialize=["q_ptr", "cache_ptr", "bt_ptr", "sl_ptr", "cen_ptr", "vcen_ptr", "acc_ptr", "ml_ptr", "num_seqs",
+                       "max_blocks", "sm_scale_log2", "NUM_SPLITS"])
 
 
 # -- host side ------------------------------------------------------------------------------------
@@ -1457,7 +1446,7 @@ def _needs_lut(plan: dict) -> bool:
 
 
 def _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, group, num_splits,
-                 sm_scale, warps, prefetch, hint, maxnreg=None, value_centroids_f32=None, max_block=None):
+                 sm_scale, warps, prefetch, hint, maxnreg=None, value_centroids_f32=None):
     s, hq, _ = q_rot.shape
     if plan.get("COOP"):  # one warp per KV head of a (sequence, split)
         warps = layout.num_kv_heads
@@ -1466,8 +1455,7 @@ def _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroid
     # The value codebook is read only for 3-bit Lloyd-Max values next to 5-bit keys.
     vcen = value_centroids_f32 if plan["K_BITS"] == 5 and not plan["V_UNIFORM"] else key_centroids_f32
     args = (q_rot, cache, block_table, seq_lens, key_centroids_f32, vcen, acc, ml, s, block_table.shape[1],
-            max(cache.shape[0] - 1, 0) if max_block is None else max_block, sm_scale * 1.4426950408889634,
-            num_splits)
+            sm_scale * 1.4426950408889634, num_splits)
     kwargs = dict(G=group, HKV=layout.num_kv_heads, HQ=hq, WARPS=warps, BS=layout.block_size, PREFETCH=prefetch,
                   HINT=hint, **plan, num_warps=warps, num_stages=1)
     if maxnreg is None and plan.get("COOP"):  # two CTAs of 8 warps per SM
@@ -1541,15 +1529,13 @@ def resident_warps(q_rot, cache, block_table, seq_lens, layout, plan, key_centro
 def _launch_paged_decode_mma(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, *,
                              group: int, num_splits: int, sm_scale: float, warps: int = 4,
                              prefetch: int | None = None,
-                             hint: int = 1, maxnreg: int | None = None, value_centroids_f32=None,
-                             max_block: int | None = None):
+                             hint: int = 1, maxnreg: int | None = None, value_centroids_f32=None):
     """Launch the warp-MMA decode (partials only; the caller merges). ``value_centroids_f32`` is
-    required for 3-bit Lloyd-Max values (5-bit keys); ``max_block``: block ids are clamped to
-    ``[0, max_block]`` (default ``cache.shape[0] - 1``). No checks."""
+    required for 3-bit Lloyd-Max values (5-bit keys). No checks."""
     s = q_rot.shape[0]
     total = s * layout.num_kv_heads * num_splits
     args, kwargs = _kernel_args(q_rot, cache, block_table, seq_lens, layout, plan, key_centroids_f32, acc, ml, group,
-                                num_splits, sm_scale, warps, prefetch, hint, maxnreg, value_centroids_f32, max_block)
+                                num_splits, sm_scale, warps, prefetch, hint, maxnreg, value_centroids_f32)
     if plan.get("COOP"):
         key = _compile_key(q_rot, layout, plan, group, warps, prefetch, hint, maxnreg)
         if key not in _COOP_READY:
