@@ -13,6 +13,11 @@ coordinates. The key is the reconstruction of ``key − μ``: the key offset is 
 (``slot = block * block_size + offset``) of a paged cache in ``layout``'s arrangement, as
 ``[N, H, slot_bytes]``. ``gather_sequences(cache, layout, block_table, seq_lens)`` gathers every
 token of every sequence: a list of ``[seq_len, H, slot_bytes]``.
+
+Non-finite values: stored floats decode exactly, NaN and ±inf included, and propagate; a slot
+written by ``store`` holds none (``docs/layout.md``, "Non-finite and out-of-range values"). A
+slot id past the cache is a ``ValueError`` here; the ``decompress`` kernel returns zeros for it
+and sets ``SLOT_OUT_OF_RANGE`` in the error word.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ Two bit orders (``KVFormat.bit_order``):
   2j + 1 in its low nibble (turboquant-vllm).
 
 Shapes: codes ``[..., n]`` uint8 (each < 2**b) ↔ packed ``[..., packed_bytes(n, b)]`` uint8.
+Integers only: there are no non-finite values here (a code ≥ 2**b is a ``ValueError``).
 """
 
 from __future__ import annotations

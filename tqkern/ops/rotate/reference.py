@@ -3,6 +3,9 @@
 ``rotate(x, Π) = x @ Π`` and ``rotate(y, Π, inverse=True) = y @ Πᵀ`` over the last axis, computed
 in float64 (inputs of any float dtype are converted exactly). Π is a ``[D, D]`` orthogonal matrix
 (see :mod:`tqkern.rotations`); ``x`` is ``[..., D]``.
+
+Non-finite values propagate as in IEEE float64 arithmetic (a NaN in a row of ``x`` makes that
+output row NaN); ``compress`` never rotates one (it stores non-finite vectors as zeros).
 """
 
 from __future__ import annotations
