@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from tqkern.params import TQParams
+from tqkern_torch.errors import error_word
 
 __all__ = ["DeviceParams", "to_device"]
 
@@ -80,4 +81,5 @@ def to_device(params: TQParams, device) -> DeviceParams:
                                and np.array_equal(kcb.centroids, vcb.centroids))
     mu = params.key_offset
     t["key_offset"] = None if mu is None else torch.tensor(np.ascontiguousarray(mu, np.float32), device=device).contiguous()
+    error_word(device)  # allocated now, so that no op allocates it later, e.g. under CUDA-graph capture
     return DeviceParams(params=params, **t)
