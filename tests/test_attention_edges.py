@@ -317,7 +317,8 @@ def test_prefill_rejects_bad_query_start_loc(fn, qsl, exc, match):
 
 
 def test_public_api():
-    assert attention_mod.__all__ == ["attention", "softmax_attend", "causal_visible", "resolve_scale"]
+    assert attention_mod.__all__ == ["attention", "softmax_attend", "causal_visible", "window_visible", "softcap",
+                                     "check_options", "Options", "resolve_scale"]
     assert decode_mod.__all__ == ["paged_decode"]
     assert prefill_mod.__all__ == ["prefill"]
     assert int8_mod.__all__ == ["int8_prefill", "quantize_int8", "INT8_MAX"]

@@ -48,7 +48,8 @@ import numpy as np
 from einops import repeat
 
 from tqkern.layouts import PagedLayout
-from tqkern.ops.attention.reference import causal_visible, resolve_scale, softmax_attend
+from tqkern.ops.attention.reference import (causal_visible, check_options, resolve_scale, softcap, softmax_attend,
+                                           window_visible)
 from tqkern.ops.paged_decode.reference import (_from_value_space, _sequences_kv, _to_key_space,
                                                 poison_nonfinite_rows)
 from tqkern.ops.prefill.reference import _check_varlen
@@ -87,7 +88,8 @@ def _int8_scores(q_k: np.ndarray, k: np.ndarray, scale: float) -> np.ndarray:
 
 
 def int8_prefill(q, cache, block_table, seq_lens, query_start_loc, layout: PagedLayout,
-                 params: TQParams, *, scale=None) -> np.ndarray:
+                 params: TQParams, *, scale=None, window_left=None, logit_softcap=None, sinks=None,
+                 return_lse: bool = False):
     """``prefill`` with int8 Q·Kᵀ (see module docstring).
 
     Args:
@@ -99,16 +101,26 @@ def int8_prefill(q, cache, block_table, seq_lens, query_start_loc, layout: Paged
         layout: the cache's :class:`~tqkern.layouts.PagedLayout`.
         params: the format's :class:`~tqkern.params.TQParams`.
         scale: score multiplier, default ``1/√head_dim``.
+        window_left, logit_softcap, sinks, return_lse: as in ``prefill`` (the soft-cap applies to
+            the int8 scores ``s_ij``).
 
     Returns:
-        float64 ``[num_tokens, num_q_heads, head_dim]``.
+        float64 ``[num_tokens, num_q_heads, head_dim]``, or ``(out, lse)`` with ``return_lse``.
     """
     q, cache, bt, sl, qsl = _check_varlen(q, cache, block_table, seq_lens, query_start_loc, layout, params)
     sc = resolve_scale(scale, layout.head_dim)
+    opts = check_options(window_left, logit_softcap, sinks, q.shape[1])
     out = np.zeros(q.shape, np.float64)
+    lse = np.zeros(q.shape[:2], np.float64)
     for s, (k, v) in enumerate(_sequences_kv(cache, layout, params, bt, sl)):
         a, b = int(qsl[s]), int(qsl[s + 1])
-        scores = _int8_scores(_to_key_space(q[a:b], params), k, sc)
-        scores = np.where(causal_visible(b - a, k.shape[0])[None], scores, -np.inf)
-        out[a:b] = _from_value_space(softmax_attend(scores, v), params)
-    return poison_nonfinite_rows(out, q)
+        scores = softcap(_int8_scores(_to_key_space(q[a:b], params), k, sc), opts.logit_softcap)
+        visible = causal_visible(b - a, k.shape[0])
+        if opts.window_left is not None:
+            visible &= window_visible(b - a, k.shape[0], opts.window_left)
+        o, lse[a:b] = softmax_attend(np.where(visible[None], scores, -np.inf), v, sinks=opts.sinks, return_lse=True)
+        out[a:b] = _from_value_space(o, params)
+    out = poison_nonfinite_rows(out, q)
+    if return_lse:
+        return out, poison_nonfinite_rows(lse[..., None], q)[..., 0]
+    return out

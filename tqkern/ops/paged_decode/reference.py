@@ -1,6 +1,7 @@
 """Decode attention over a compressed paged cache: the NumPy oracle and spec of ``paged_decode``.
 
-``paged_decode(q, cache, block_table, seq_lens, layout, params, *, scale=None)``:
+``paged_decode(q, cache, block_table, seq_lens, layout, params, *, scale=None, window_left=None,
+logit_softcap=None, sinks=None, return_lse=False)``:
 
     q            [num_seqs, Hq, D]           float (float16/32/64), one new query per sequence
     cache        layout.cache_shape(num_blocks)   uint8
@@ -19,8 +20,14 @@ GQA: query head h reads KV head ``h // (Hq // num_kv_heads)``):
     K̂, V̂ = decompress(slots of sequence s, params)   each side in its codec's space: rotated
                                                       for a rotated codec (no rotate-back)
     q_k   = q[s] @ Π   if format.key.rotated   else q[s]
-    o     = attention(q_k, K̂, V̂, scale=scale)         (tqkern.ops.attention.reference)
+    o     = attention(q_k, K̂, V̂, scale=scale, window_left=.., logit_softcap=.., sinks=..)
+                                                      (tqkern.ops.attention.reference)
     out[s] = o @ Πᵀ    if format.value.rotated else o
+
+The options are :func:`~tqkern.ops.attention.reference.attention`'s: the query sits at position
+``seq_lens[s] − 1``, so ``window_left = W`` keeps its last W + 1 keys; the soft-cap applies to
+``scale·q·k`` (rotation does not change the product); ``return_lse`` also returns
+``lse [num_seqs, Hq]`` (natural log; −inf for an empty sequence without sinks).
 
 Because ⟨q, k̂Πᵀ⟩ = ⟨qΠ, k̂⟩, this equals dense attention of q over
 ``decompress(..., rotate_back=True)`` up to float64 rounding. The key is the reconstruction of
@@ -50,7 +57,7 @@ from __future__ import annotations
 import numpy as np
 
 from tqkern.layouts import PagedLayout
-from tqkern.ops.attention.reference import attention, resolve_scale
+from tqkern.ops.attention.reference import attention, check_options, resolve_scale
 from tqkern.ops.decompress.reference import decompress, gather_sequences
 from tqkern.params import TQParams
 
@@ -125,7 +132,7 @@ def _from_value_space(o: np.ndarray, params: TQParams) -> np.ndarray:
 
 
 def paged_decode(q, cache, block_table, seq_lens, layout: PagedLayout, params: TQParams, *,
-                 scale=None) -> np.ndarray:
+                 scale=None, window_left=None, logit_softcap=None, sinks=None, return_lse: bool = False):
     """One query per sequence attending to all its cached tokens (module docstring has the spec).
 
     Args:
@@ -136,20 +143,28 @@ def paged_decode(q, cache, block_table, seq_lens, layout: PagedLayout, params: T
         layout: the cache's :class:`~tqkern.layouts.PagedLayout`.
         params: the format's :class:`~tqkern.params.TQParams`.
         scale: score multiplier, default ``1/√head_dim``.
+        window_left, logit_softcap, sinks: as in :func:`~tqkern.ops.attention.reference.attention`.
+        return_lse: also return ``lse`` float64 ``[num_seqs, num_q_heads]``.
 
     Returns:
-        float64 ``[num_seqs, num_q_heads, head_dim]``.
+        float64 ``[num_seqs, num_q_heads, head_dim]``, or ``(out, lse)`` with ``return_lse``.
     """
     q, cache, bt, sl = _check_paged(q, cache, block_table, seq_lens, layout, params, "num_seqs")
     if q.shape[0] != bt.shape[0]:
         raise ValueError(f"q.shape[0] must be num_seqs = {bt.shape[0]} (block_table.shape[0]), "
                          f"got {q.shape[0]}")
     sc = resolve_scale(scale, layout.head_dim)
+    opts = check_options(window_left, logit_softcap, sinks, q.shape[1])
     out = np.zeros(q.shape, np.float64)
+    lse = np.zeros(q.shape[:2], np.float64)
     for s, (k, v) in enumerate(_sequences_kv(cache, layout, params, bt, sl)):
-        o = attention(_to_key_space(q[s: s + 1], params), k, v, scale=sc)
+        o, lse[s] = attention(_to_key_space(q[s: s + 1], params), k, v, scale=sc, window_left=opts.window_left,
+                              logit_softcap=opts.logit_softcap, sinks=opts.sinks, return_lse=True)
         out[s] = _from_value_space(o, params)[0]
-    return poison_nonfinite_rows(out, q)
+    out = poison_nonfinite_rows(out, q)
+    if return_lse:
+        return out, poison_nonfinite_rows(lse[..., None], q)[..., 0]
+    return out
 
 
 def poison_nonfinite_rows(out: np.ndarray, q: np.ndarray) -> np.ndarray:

@@ -17,7 +17,8 @@ positions ``0 .. p``: causal masking aligned to the bottom-right corner. Every k
 read from the paged cache (decompressed), the new tokens' own included, so prefill sees exactly
 the bytes a later decode step sees.
 
-The maths is that of :mod:`tqkern.ops.paged_decode.reference` with a causal mask, per sequence:
+The maths is that of :mod:`tqkern.ops.paged_decode.reference` with a causal mask, per sequence
+(and its options: ``window_left``, ``logit_softcap``, ``sinks``, ``return_lse``):
 
     K̂, V̂ = decompress(slots of positions 0 .. seq_lens[s] − 1)   (codec spaces, no rotate-back)
     q_k   = q[qsl[s]:qsl[s+1]] @ Π   if format.key.rotated   else the queries as given
@@ -42,7 +43,7 @@ from __future__ import annotations
 import numpy as np
 
 from tqkern.layouts import PagedLayout
-from tqkern.ops.attention.reference import attention, resolve_scale
+from tqkern.ops.attention.reference import attention, check_options, resolve_scale
 from tqkern.ops.paged_decode.reference import (
     _check_paged,
     _from_value_space,
@@ -79,7 +80,7 @@ def _check_varlen(q, cache, block_table, seq_lens, query_start_loc, layout, para
 
 
 def prefill(q, cache, block_table, seq_lens, query_start_loc, layout: PagedLayout, params: TQParams, *,
-            scale=None) -> np.ndarray:
+            scale=None, window_left=None, logit_softcap=None, sinks=None, return_lse: bool = False):
     """New tokens of several sequences attending causally to their paged cache (see module docstring).
 
     Args:
@@ -91,15 +92,25 @@ def prefill(q, cache, block_table, seq_lens, query_start_loc, layout: PagedLayou
         layout: the cache's :class:`~tqkern.layouts.PagedLayout`.
         params: the format's :class:`~tqkern.params.TQParams`.
         scale: score multiplier, default ``1/√head_dim``.
+        window_left, logit_softcap, sinks: as in :func:`~tqkern.ops.attention.reference.attention`
+            (positions are those of the whole sequence).
+        return_lse: also return ``lse`` float64 ``[num_tokens, num_q_heads]``.
 
     Returns:
-        float64 ``[num_tokens, num_q_heads, head_dim]``.
+        float64 ``[num_tokens, num_q_heads, head_dim]``, or ``(out, lse)`` with ``return_lse``.
     """
     q, cache, bt, sl, qsl = _check_varlen(q, cache, block_table, seq_lens, query_start_loc, layout, params)
     sc = resolve_scale(scale, layout.head_dim)
+    opts = check_options(window_left, logit_softcap, sinks, q.shape[1])
     out = np.zeros(q.shape, np.float64)
+    lse = np.zeros(q.shape[:2], np.float64)
     for s, (k, v) in enumerate(_sequences_kv(cache, layout, params, bt, sl)):
         a, b = int(qsl[s]), int(qsl[s + 1])
-        o = attention(_to_key_space(q[a:b], params), k, v, scale=sc, causal=True)
+        o, lse[a:b] = attention(_to_key_space(q[a:b], params), k, v, scale=sc, causal=True,
+                                window_left=opts.window_left, logit_softcap=opts.logit_softcap, sinks=opts.sinks,
+                                return_lse=True)
         out[a:b] = _from_value_space(o, params)
-    return poison_nonfinite_rows(out, q)
+    out = poison_nonfinite_rows(out, q)
+    if return_lse:
+        return out, poison_nonfinite_rows(lse[..., None], q)[..., 0]
+    return out
