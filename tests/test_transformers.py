@@ -178,6 +178,9 @@ def test_install_uninstall_restores(model):
         tqt.uninstall(model)
     with pytest.raises(ValueError, match="install"):
         tqt.TQCache(model)
+    cache = tqt.TQCache(model, params=tqt.layer_params(model, "fp16"))
+    with pytest.raises(RuntimeError, match="attention implementation"), torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)  # built without install: refused
 
 
 def test_calibrate_is_the_mean_stored_key(model):
@@ -223,3 +226,40 @@ def test_bad_arguments(model):
         tqt.install(model, "fp16", key_offset=[np.zeros((2, 2))])
     with pytest.raises(ValueError, match="name"):
         tqt.install(model, "no_such_format")
+
+
+def test_gemma2_softcap_scaling_alternating_windows(monkeypatch):
+    """Gemma2: soft-capped logits, query_pre_attn_scalar scaling, sliding and full layers
+    alternating. Soft-capping has no paged_decode: every step takes the dense path."""
+    cfg = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    query_pre_attn_scalar=24, attn_logit_softcapping=2.0, sliding_window=6,
+                                    max_position_embeddings=256, attn_implementation="eager")
+    torch.manual_seed(2)
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    ids = _ids(1, 9, seed=6)
+    ref = _generate(model, ids)  # transformers' eager attention (soft-capping)
+    tqt.install(model, "fp16")
+    counter = _Counter(monkeypatch)
+    out = _generate(model, ids, cache=tqt.TQCache(model))
+    assert out.tolist() == ref.tolist()
+    assert counter.calls == 0
+    tqt.uninstall(model)
+    assert model.config._attn_implementation == "eager"
+
+
+def test_key_offset_through_paged_decode(model, monkeypatch):
+    """With a calibrated μ the cache stores k − μ: paged_decode attends it as is (softmax drops
+    q·μ), the dense path adds μ back; both must give the logits of the oracle round trip."""
+    ids, steps = _ids(1, 11, seed=7), [5, 9]
+    mu = tqt.calibrate(model, _ids(2, 16, seed=8))
+    spec = tqt.install(model, "tqkern_k5v3", key_offset=mu)
+    assert all(np.array_equal(p.key_offset, m) for p, m in zip(spec.params, mu))
+    counter = _Counter(monkeypatch)
+    got = _teacher_forced_logits(model, ids, steps, tqt.TQCache(model))
+    assert counter.calls == len(steps) * 2
+    transformers.AttentionInterface.register("tqkern_oracle", _oracle_attention(spec.params))
+    transformers.AttentionMaskInterface.register("tqkern_oracle", transformers.masking_utils.sdpa_mask)
+    model.set_attn_implementation("tqkern_oracle")
+    emul = _teacher_forced_logits(model, ids, steps, DynamicCache())
+    assert float((got - emul).abs().max() / emul.std()) < 1e-2  # the bound of test_compressed_logits

@@ -279,6 +279,16 @@ class TQCache(Cache):
             raise NotImplementedError(f"TQCache supports full and sliding attention layers, got {sorted(kinds)}")
         layers = [TQCacheLayer(p, kv_heads, block_size or 16) for p in params]
         super().__init__(layers=layers)
+        self._config = config
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # A decode step returns only the new token's K/V (the "tqkern" attention reads the cache):
+        # any other attention would silently attend that token alone.
+        if self._config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise RuntimeError(f"TQCache needs the model's attention implementation to be "
+                               f"{ATTN_IMPLEMENTATION!r} (tqkern_torch.transformers.install), "
+                               f"got {self._config._attn_implementation!r}")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 def _dense_attention(query, key, value, mask, scaling: float, softcap: Optional[float]) -> torch.Tensor:
