@@ -83,15 +83,41 @@ def test_fp16_generate_matches_sdpa(model, batch, monkeypatch):
     assert counter.calls == 7 * 2  # every decode step of both layers ran paged_decode (no padding)
 
 
-def test_fp16_generate_left_padding_matches_sdpa(model, monkeypatch):
+@pytest.mark.parametrize("pads", [(0, 5), (3, 8)])
+def test_fp16_generate_left_padding_matches_sdpa(model, pads, monkeypatch):
     ids, mask = _ids(2, 11, seed=1), torch.ones(2, 11, dtype=torch.long)
-    ids[1, :5], mask[1, :5] = 0, 0  # row 1 left-padded by 5 (crosses no block boundary: block 4 below)
+    for row, pad in enumerate(pads):
+        ids[row, :pad], mask[row, :pad] = 0, 0
     ref = _generate(model, ids, mask)
-    tqt.install(model, "fp16", block_size=4)
+    tqt.install(model, "fp16", block_size=4)  # pads start rows mid-block and cross blocks
     counter = _Counter(monkeypatch)
-    out = _generate(model, ids, mask, cache=tqt.TQCache(model))
+    cache = tqt.TQCache(model)
+    out = _generate(model, ids, mask, cache=cache)
     assert out.tolist() == ref.tolist()
-    assert counter.calls == 0  # padding: the masked dense path, never paged_decode
+    assert counter.calls == 7 * 2  # the rows were re-paged from their first token: paged_decode
+    for layer in cache.layers:
+        assert layer.starts.tolist() == list(pads) and layer.seq_lens.tolist() == [11 + 7 - p for p in pads]
+
+
+def test_padded_rows_dense_view_and_dropped_positions(model):
+    ids, mask = _ids(2, 7, seed=9), torch.ones(2, 7, dtype=torch.long)
+    mask[1, :3] = 0
+    tqt.install(model, "fp16", block_size=2)
+    cache = tqt.TQCache(model)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        before = [layer.dense() for layer in cache.layers]
+        step_mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
+        model(torch.tensor([[4], [4]]), attention_mask=step_mask, past_key_values=cache, use_cache=True)
+    for layer, (k0, v0) in zip(cache.layers, before):
+        k1, v1 = layer.dense()
+        assert layer.starts.tolist() == [0, 3]
+        # the kept positions are bit-identical after re-paging; dropped ones read as zeros
+        assert torch.equal(k1[0, :, :7], k0[0]) and torch.equal(v1[1, :, 3:7], v0[1, :, 3:])
+        assert not k1[1, :, :3].any() and not v1[1, :, :3].any()
+    with pytest.raises(RuntimeError, match="dropped"), torch.no_grad():  # a mask attending them
+        model(torch.tensor([[4], [4]]), attention_mask=torch.ones(2, 9, dtype=torch.long), past_key_values=cache,
+              use_cache=True)
 
 
 def test_per_layer_formats_and_block_growth(model):

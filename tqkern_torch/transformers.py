@@ -23,11 +23,12 @@ Pieces:
   the whole sequence is read back with :func:`tqkern_torch.decompress_sequences`
   (``rotate_back=True``) and attended with torch SDPA and the model's mask; no prefill kernel
   over the compressed cache exists yet. Decode (one new token): :func:`tqkern_torch.paged_decode`
-  when the model's mask is ``None`` -- with ``sdpa_mask`` that means no padded position and no
-  active sliding window -- and no logit soft-capping; otherwise the decompress + dense path
-  (``paged_decode`` has no mask, per-row start or window). With left padding every decode step
-  therefore takes the dense path: padded positions are stored like any token and excluded by
-  the mask, never attended.
+  when there is no logit soft-capping, no ``sliding_window`` argument, and the model's mask is
+  ``None`` (with ``sdpa_mask``: no padding, no active window) or masks exactly a prefix of each
+  row (left padding); otherwise the decompress + dense path with the mask (``paged_decode`` has
+  no mask and no window). ``paged_decode`` has no per-row start either: at the first padded
+  decode step the cache re-pages each row from its first real token (an exact byte copy, once
+  per layer), so the padded positions, stored at prefill and masked there, are then gone.
 * :func:`install` / :func:`uninstall` and :func:`calibrate` (μ: the mean key after RoPE, i.e. what
   the cache stores, per layer and KV head; ``TQParams.key_offset``).
 
@@ -135,8 +136,12 @@ def layer_params(model_or_config, format: FormatSpec = "tqkern_k5v3", *, key_off
 class TQCacheLayer(CacheLayerMixin):
     """One decoder layer's K/V, compressed in a paged cache of ``params.format``.
 
-    Row ``b`` of the batch is paged sequence ``b``; all rows have the same length (transformers
-    pads batches; padded positions are stored and masked). Physical blocks are handed out in
+    Row ``b`` of the batch is paged sequence ``b``. transformers pads batches on the left, so all
+    rows have the same logical length ``seq_len``; padded positions are stored like any token.
+    At the first decode step whose mask masks exactly a prefix of each row (left padding, see
+    :meth:`paged_rows`), every row is re-paged from its first real token by copying slot bytes
+    (exact, once): row ``b`` then holds logical positions ``starts[b] ..`` as paged positions
+    ``0 ..``, and ``paged_decode`` serves the padded batch. Physical blocks are handed out in
     order and the pool grows by doubling. ``update`` stores the new tokens and returns
 
     * more than one new token (prefill, chunked prefill): the whole decompressed sequence
@@ -166,10 +171,12 @@ class TQCacheLayer(CacheLayerMixin):
         self.blocks_used = 0
         self.block_table = torch.zeros((self.batch_size, 0), dtype=torch.int32, device=self.device)
         self.seq_lens = torch.zeros(self.batch_size, dtype=torch.int32, device=self.device)
+        self.starts = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
+        self.start_min = self.start_max = 0  # host copies of starts.min(), starts.max()
         self.is_initialized = True
 
     def _reserve(self, length: int) -> None:
-        """Make every row's block table cover ``length`` positions."""
+        """Make every row's block table cover ``length`` paged positions."""
         bs, rows = self.layout.block_size, self.batch_size
         have = self.block_table.shape[1]
         need = -(-length // bs)
@@ -192,15 +199,15 @@ class TQCacheLayer(CacheLayerMixin):
         if b != self.batch_size:
             raise ValueError(f"key_states.shape[0] must be the cache's batch size {self.batch_size}, got {b}")
         start = self.seq_len
-        self._reserve(start + t)
+        self._reserve(start + t - self.start_min)
         bs = self.layout.block_size
-        pos = torch.arange(start, start + t, device=self.device)
-        slots = (self.block_table[:, pos // bs].long() * bs + pos % bs).reshape(-1)  # [b·t], row-major
+        pos = torch.arange(start, start + t, device=self.device)[None, :] - self.starts[:, None]  # [b, t] paged
+        slots = (self.block_table.gather(1, pos // bs).long() * bs + pos % bs).reshape(-1)  # [b·t], row-major
         k = key_states.transpose(1, 2).reshape(b * t, h, d).to(self.store_dtype).contiguous()
         v = value_states.transpose(1, 2).reshape(b * t, h, d).to(self.store_dtype).contiguous()
         store(self.pool, k, v, slots, self.layout, self.device_params)
         self.seq_len = start + t
-        self.seq_lens.fill_(self.seq_len)
+        self.seq_lens = (self.seq_len - self.starts).to(torch.int32)
         if t > 1:
             return self.dense()
         key, value = key_states.view(key_states.shape), value_states.view(value_states.shape)
@@ -211,12 +218,52 @@ class TQCacheLayer(CacheLayerMixin):
         """The whole stored sequence ``[batch, num_kv_heads, seq_len, head_dim]`` in the model's
         dtype: decompressed and rotated back, with μ added back to the keys."""
         k, v = decompress_sequences(self.pool, self.block_table, self.seq_lens, self.layout, self.device_params,
-                                    rotate_back=True)
+                                    rotate_back=True)  # [b, paged positions, h, d]
+        if self.start_max:  # logical position p of row b is paged p − starts[b]; dropped ones are zeros
+            p = torch.arange(self.seq_len, device=self.device)[None, :] - self.starts[:, None]  # [b, seq_len]
+            idx = p.clamp(min=0)[:, :, None, None].expand(-1, -1, *k.shape[2:])
+            keep = (p >= 0)[:, :, None, None]
+            k, v = k.gather(1, idx) * keep, v.gather(1, idx) * keep
         k = k[:, : self.seq_len].transpose(1, 2)
         v = v[:, : self.seq_len].transpose(1, 2)
         if self.mu is not None:
             k = k + self.mu
         return k.to(self.dtype), v.to(self.dtype)
+
+    def _drop_prefixes(self, starts: torch.Tensor) -> None:
+        """Re-page row ``b`` from logical position ``starts[b]`` on (slot bytes copied, exact);
+        the positions before it are dropped. Only from the un-dropped state."""
+        bs, rows = self.layout.block_size, self.batch_size
+        lengths = self.seq_len - starts  # [b]
+        width = -(-int(lengths.max()) // bs)
+        pool = allocate_cache(self.layout, rows * width, self.device)
+        table = torch.arange(rows * width, dtype=torch.int32, device=self.device).reshape(rows, width)
+        j = torch.arange(width * bs, device=self.device)[None, :].expand(rows, -1)  # new paged positions
+        p = (j + starts[:, None]).clamp(max=self.seq_len - 1)  # logical = old paged positions
+        src = self.block_table.gather(1, p // bs).long() * bs + p % bs
+        dst = table.gather(1, j // bs).long() * bs + j % bs
+        used = j < lengths[:, None]
+        pool.view(rows * width * bs, -1)[dst[used]] = self.pool.view(self.pool.shape[0] * bs, -1)[src[used]]
+        self.pool, self.block_table, self.blocks_used = pool, table, rows * width
+        self.starts, self.seq_lens = starts.clone(), lengths.to(torch.int32)
+        self.start_min, self.start_max = int(starts.min()), int(starts.max())
+
+    def paged_rows(self, attention_mask: torch.Tensor) -> bool:
+        """Whether a decode step's 4D ``attention_mask`` masks exactly each row's dropped (or
+        droppable) prefix, so that ``paged_decode`` over the re-paged rows is exact. Re-pages at
+        the first such mask with any padding. Raises if the mask attends a dropped position."""
+        allowed = _allowed(attention_mask)[..., : self.seq_len].any(dim=(1, 2))  # [b, seq_len]
+        positions = torch.arange(self.seq_len, device=self.device)[None, :]
+        if self.start_max and bool((allowed & (positions < self.starts[:, None])).any()):
+            raise RuntimeError("attention_mask attends positions that TQCache dropped as left padding")
+        if attention_mask.shape[1] != 1 or attention_mask.shape[2] != 1:
+            return False
+        starts = (~allowed).long().cumprod(dim=1).sum(dim=1)  # leading masked positions per row
+        if not torch.equal(allowed, positions >= starts[:, None]) or int(starts.max()) >= self.seq_len:
+            return False  # not a pure prefix (e.g. a sliding window inside a row), or a row all masked
+        if not self.start_max and int(starts.max()):
+            self._drop_prefixes(starts)
+        return torch.equal(starts, self.starts)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seq_len + query_length, 0
@@ -232,6 +279,8 @@ class TQCacheLayer(CacheLayerMixin):
             self.blocks_used = 0
             self.block_table = self.block_table[:, :0].contiguous()
             self.seq_lens.zero_()
+            self.starts.zero_()
+            self.start_min = self.start_max = 0
         self.seq_len = 0
 
     def offload(self):
@@ -312,6 +361,11 @@ def _dense_attention(query, key, value, mask, scaling: float, softcap: Optional[
     return out.transpose(1, 2).contiguous()
 
 
+def _allowed(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean (True = attend) view of a boolean or additive mask."""
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+
+
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
                       softcap: Optional[float] = None, **kwargs) -> tuple[torch.Tensor, None]:
@@ -319,16 +373,19 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
     ``query [B, Hq, Tq, D]``; ``key, value`` as :meth:`TQCacheLayer.update` returned them (or
     plain ``[B, Hkv, Tk, D]`` K/V from another cache). Returns ``([B, Tq, Hq, D], None)``.
-    Decode over a :class:`TQCache` runs ``paged_decode`` when the mask is ``None`` and there is
-    no soft-capping, else the dense path over the decompressed cache. ``sliding_window`` and
-    other keyword arguments are read from the mask, not used directly. Inference only
-    (``dropout`` must be 0)."""
+    Decode over a :class:`TQCache` runs ``paged_decode`` when there is no soft-capping and no
+    ``sliding_window`` argument and the mask is ``None`` or left padding only
+    (:meth:`TQCacheLayer.paged_rows`), else the dense path over the decompressed cache with the
+    mask (which carries any window). Inference only (``dropout`` must be 0)."""
     if dropout:
         raise NotImplementedError("tqkern attention is inference-only: dropout must be 0")
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     layer = getattr(key, _TAG, None)
     if layer is not None:
-        if attention_mask is None and softcap is None:
+        if attention_mask is None and layer.start_max:
+            raise RuntimeError("attention_mask is None but TQCache dropped left padding: pass the padded mask")
+        windowed = kwargs.get("sliding_window") is not None
+        if softcap is None and (attention_mask is None or (not windowed and layer.paged_rows(attention_mask))):
             b, hq, _, d = query.shape
             q = query[:, :, 0, :].to(layer.store_dtype).contiguous()
             out = paged_decode(q, layer.pool, layer.block_table, layer.seq_lens, layer.layout,
