@@ -289,3 +289,9 @@ def test_key_offset_through_paged_decode(model, monkeypatch):
     model.set_attn_implementation("tqkern_oracle")
     emul = _teacher_forced_logits(model, ids, steps, DynamicCache())
     assert float((got - emul).abs().max() / emul.std()) < 1e-2  # the bound of test_compressed_logits
+
+
+def test_public_api_is_pinned():
+    assert tqt.__all__ == ["ATTN_IMPLEMENTATION", "TQCache", "TQCacheLayer", "TQInstall", "attention_forward",
+                           "calibrate", "install", "layer_params", "uninstall"]
+    assert tqt.ATTN_IMPLEMENTATION == "tqkern"

@@ -60,7 +60,7 @@ from tqkern_torch.attention import paged_decode
 from tqkern_torch.ops import allocate_cache, decompress_sequences, store
 
 __all__ = ["ATTN_IMPLEMENTATION", "TQCache", "TQCacheLayer", "TQInstall", "attention_forward", "calibrate",
-           "install", "uninstall"]
+           "install", "layer_params", "uninstall"]
 
 ATTN_IMPLEMENTATION = "tqkern"
 _ATTR = "_tqkern_install"  # where install() keeps its TQInstall on the model
