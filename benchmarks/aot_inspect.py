@@ -5,7 +5,7 @@ so inner-loop changes can be judged before spending device time. Uses the Triton
 here (its bundled ptxas / nvdisasm); the GPU's Triton may differ by a few versions. The
 compile helpers are :mod:`tqkern.ops.paged_decode.aot` (the launchers' own constexprs).
 
-    python benchmarks/aot_inspect.py tq4 turboquant_4bit_nc [--path fast|mma] [--coop N] [--sass out]
+    python benchmarks/aot_inspect.py tq4 turboquant_4bit_nc [--path general|mma] [--coop N] [--sass out]
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from tqkern.ops.paged_decode.aot import histogram, resources, sass_of  # noqa: E
 _COOP_KEYS = ("COOP", "RS", "SMEM_OFF", "LUT_AT", "NLOW", "LATE_V")
 
 
-def compile_decode(layout, hq, path="fast", block_n=None, num_splits=4):
-    """The general kernel (``path="fast"``) as the launcher would compile it."""
-    if path != "fast":
-        raise ValueError(f"compile_decode compiles the general kernel (path 'fast'), got {path!r}")
+def compile_decode(layout, hq, path="general", block_n=None, num_splits=4):
+    """The general kernel (``path="general"``) as the launcher would compile it."""
+    if path != "general":
+        raise ValueError(f"compile_decode compiles the general kernel (path 'general'), got {path!r}")
     return aot.compile_general(layout, hq, num_splits=num_splits, **({"block_n": block_n} if block_n else {}))
 
 
@@ -60,7 +60,7 @@ def mma_plan_for(layout, hq, coop=-1, sub=0, table256=1, late_v=-1):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("presets", nargs="+")
-    ap.add_argument("--path", default="fast", choices=["fast", "mma"])
+    ap.add_argument("--path", default="general", choices=["general", "mma"])
     ap.add_argument("--hq", type=int, default=32)
     ap.add_argument("--hkv", type=int, default=8)
     ap.add_argument("--d", type=int, default=128)

@@ -178,7 +178,7 @@ def run_decode(shape, passed, results, sweep):
             # the session-2 kernel (word path) in the same run, for the comparison
             q_rot = q_rotated(q, layout, params)
             t = bench(lambda: _launch_paged_decode(out, q_rot, cache, bt, sl, layout, params.tables(),
-                                                   sm_scale=d**-0.5, interpret=False, path="fast",
+                                                   sm_scale=d**-0.5, interpret=False, path="general",
                                                    same_codebooks=params.same_codebooks))
             row = dict(shape=shape.name, variant=preset + "[word path]", us=t, bytes=nbytes, gbps=nbytes / t / 1e3,
                        ratio=sdpa_us / t, slot_bytes=layout.format.slot_bytes)
@@ -187,7 +187,7 @@ def run_decode(shape, passed, results, sweep):
                   flush=True)
         if sweep and preset in ("tq4", "turboquant_4bit_nc") and shape.name == "B32x16K":
             q_rot = q_rotated(q, layout, params)
-            configs = [("fast", *c) for c in SWEEP_CONFIGS]
+            configs = [("general", *c) for c in SWEEP_CONFIGS]
             for path, bn, nw, ns, mr in configs:
                 try:
                     t = bench(lambda: _launch_paged_decode(out, q_rot, cache, bt, sl, layout,

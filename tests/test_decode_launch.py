@@ -43,18 +43,18 @@ def test_decode_path_rules_and_bad_input():
     # 32 tokens per softmax update: Lloyd-Max values, and uniform ones under cooperative stages
     assert mma_plan(tq4, 4)["SUB"] == 2 and mma_plan(nc, 4)["SUB"] == 2
     assert per_warp_plan(mma_plan(nc, 4))["SUB"] == 1 and per_warp_plan(mma_plan(tq4, 4))["SUB"] == 2
-    assert _path(tq4, 4, interpret=True) == "fast"
-    assert _path(tq4, 9) == "fast"  # group > 8
-    assert decode_path(tq4, 4, same_codebooks=False) == "fast"  # one table serves K and V
+    assert _path(tq4, 4, interpret=True) == "general"
+    assert _path(tq4, 9) == "general"  # group > 8
+    assert decode_path(tq4, 4, same_codebooks=False) == "general"  # one table serves K and V
     assert decode_path(nc, 4, same_codebooks=False) == "mma"  # uniform values need no table
-    assert _path(tq4, 4, cache_aligned=False) == "fast"
+    assert _path(tq4, 4, cache_aligned=False) == "general"
     nc64 = _layout("turboquant_4bit_nc", 64, 3)  # 210-byte rows: odd tokens' rows 2 bytes off a word
     assert _path(nc64, 3) == "mma"
     plan = mma_plan(nc64, 3)
     assert plan["K_FUN"] and plan["V_FUN"] and not (plan["K_MERGE"] or plan["V_MERGE"])
     assert not any(mma_plan(tq4, 4)[k] for k in ("K_FUN", "V_FUN"))  # 1088-byte rows: aligned chunks
     bs1 = tqkern.PagedLayout(format=nc64.format, num_kv_heads=3, block_size=1)
-    assert _path(bs1, 3) == "fast"  # a row's offset from a word boundary would follow its block
+    assert _path(bs1, 3) == "general"  # a row's offset from a word boundary would follow its block
     k8v4 = mma_plan(_layout("turboquant_k8v4", 128, 8), 4)  # 196-byte slots: word loads of the keys
     assert k8v4["K_FP8"] and k8v4["K_NW"] == 1 and not k8v4["K_MERGE"] and k8v4["V_MERGE"] and not k8v4["K_NC"]
     assert mma_plan(_layout("turboquant_k8v4", 128, 8, "row"), 4)["K_NW"] == 4  # 16-byte aligned key fields
@@ -64,7 +64,7 @@ def test_decode_path_rules_and_bad_input():
     f32_2mod4 = tqkern.KVFormat(head_dim=64, key=tqkern.LloydMax(bits=4, norm_dtype="float16"),
                                 value=tqkern.LloydMax(bits=4, norm_dtype="float32"), slot_alignment=2)
     assert f32_2mod4.slot_bytes == 70  # odd tokens' float32 value norms would be 2 bytes off
-    assert _path(tqkern.PagedLayout(format=f32_2mod4, num_kv_heads=1, block_size=16), 1) == "fast"
+    assert _path(tqkern.PagedLayout(format=f32_2mod4, num_kv_heads=1, block_size=16), 1) == "general"
     k3 = mma_plan(_layout("turboquant_k3v4_nc", 128, 8), 4)  # 118-byte slots: shifted word chunks
     assert k3["K_BITS"] == 3 and k3["K_NC"] and not k3["K_MERGE"] and k3["V_UNIFORM"]
     assert k3["V_FUN"] and not k3["V_MERGE"]  # with 3-bit keys, misaligned values are shifted, not joined
@@ -76,15 +76,15 @@ def test_decode_path_rules_and_bad_input():
     assert k5["K_BITS"] == 5 and k5["K_FUN"] and k5["V_BITS"] == 3 and not k5["V_UNIFORM"]
     assert decode_path(_layout("tqkern_k5v3", 128, 8), 4, same_codebooks=False) == "mma"  # both codebooks loaded
     k5v4 = tqkern.KVFormat(head_dim=128, key=tqkern.LloydMax(bits=5), value=tqkern.LloydMax(bits=4))
-    assert _path(tqkern.PagedLayout(format=k5v4, num_kv_heads=8, block_size=16), 4) == "fast"
+    assert _path(tqkern.PagedLayout(format=k5v4, num_kv_heads=8, block_size=16), 4) == "general"
     k4v3 = tqkern.KVFormat(head_dim=128, key=tqkern.LloydMax(bits=4), value=tqkern.LloydMax(bits=3))
-    assert _path(tqkern.PagedLayout(format=k4v3, num_kv_heads=8, block_size=16), 4) == "fast"
+    assert _path(tqkern.PagedLayout(format=k4v3, num_kv_heads=8, block_size=16), 4) == "general"
     k3_64 = tqkern.KVFormat(head_dim=64, key=tqkern.LloydMax(bits=3), value=tqkern.Uniform(bits=4))
     # D=64: 6-byte lane chunks of the 24-byte key field, half of them 2 bytes off a word boundary
     assert _path(tqkern.PagedLayout(format=k3_64, num_kv_heads=8, block_size=16, arrangement="row"), 4) == "mma"
     fp8_lm = tqkern.KVFormat(head_dim=128, key=tqkern.FP8(), value=tqkern.LloydMax(bits=4))
-    assert _path(tqkern.PagedLayout(format=fp8_lm, num_kv_heads=8, block_size=16), 4) == "fast"  # no table
-    assert _path(_layout("tq4", 256, 8, "row"), 4) == "fast"
+    assert _path(tqkern.PagedLayout(format=fp8_lm, num_kv_heads=8, block_size=16), 4) == "general"  # no table
+    assert _path(_layout("tq4", 256, 8, "row"), 4) == "general"
     with pytest.raises(TypeError, match="layout must be a tqkern.PagedLayout, got KVFormat"):
         _path(tqkern.KVFormat.preset("tq4", 128), 4)
 
@@ -95,11 +95,11 @@ def test_decode_path_capability_gate():
     kernel; ``None`` skips the check; a malformed capability is a TypeError naming it."""
     tq4 = _layout("tq4", 128, 8, "row")
     k8v4 = _layout("turboquant_k8v4", 128, 8)
-    assert _path(tq4, 4, capability=(7, 5)) == "fast"
+    assert _path(tq4, 4, capability=(7, 5)) == "general"
     assert _path(tq4, 4, capability=(8, 0)) == "mma"
     assert _path(tq4, 4, capability=(9, 0)) == "mma"
-    assert _path(k8v4, 4, capability=(8, 0)) == "fast"
-    assert _path(k8v4, 4, capability=(8, 6)) == "fast"
+    assert _path(k8v4, 4, capability=(8, 0)) == "general"
+    assert _path(k8v4, 4, capability=(8, 6)) == "general"
     assert _path(k8v4, 4, capability=(8, 9)) == "mma"
     assert _path(k8v4, 4, capability=(10, 0)) == "mma"
     assert _path(k8v4, 4) == "mma"

@@ -102,7 +102,7 @@ class _Captured(Exception):
 
 def general_launch(layout, hq: int, *, num_splits: int = 4, **launch) -> tuple[dict, dict]:
     """(constexprs, compile options) that :func:`~tqkern.ops.paged_decode.triton._launch_paged_decode`
-    passes to the general kernel (``path="fast"``; ``launch``: its optional ``block_n``,
+    passes to the general kernel (``path="general"``; ``launch``: its optional ``block_n``,
     ``num_warps``, ``num_stages``, ``maxnreg``), captured by a stub in place of the kernel."""
     import torch
 
@@ -122,7 +122,7 @@ def general_launch(layout, hq: int, *, num_splits: int = 4, **launch) -> tuple[d
         pdt._launch_paged_decode(None, torch.zeros(1, hq, d), torch.zeros(1, dtype=torch.uint8),
                                  torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), layout,
                                  {"key_centroids_f32": None, "value_centroids_f32": None, "rotation": None},
-                                 sm_scale=1.0, interpret=False, num_splits=num_splits, path="fast",
+                                 sm_scale=1.0, interpret=False, num_splits=num_splits, path="general",
                                  same_codebooks=False, **launch)
     except _Captured:
         pass
@@ -133,7 +133,7 @@ def general_launch(layout, hq: int, *, num_splits: int = 4, **launch) -> tuple[d
 
 
 def compile_general(layout, hq: int, **launch):
-    """The general decode kernel (``path="fast"``) for ``layout``, compiled for sm_90."""
+    """The general decode kernel (``path="general"``) for ``layout``, compiled for sm_90."""
     cx, opts = general_launch(layout, hq, **launch)
     return _compile(pdt._paged_decode_kernel, cx, opts, specialize=True)
 

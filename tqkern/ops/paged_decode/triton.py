@@ -661,7 +661,7 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
     rows by the merge; ``None``: no poisoning. ``workspace``: optional float32 tensor with at least
     ``workspace_numel(...)`` elements. ``path``: ``"auto"`` (the warp-MMA kernel of
     :mod:`.triton_mma` where :func:`decode_path` says so, else the word path), ``"mma"`` (that
-    kernel, or ``ValueError``), ``"fast"`` (this module's kernel: the 4-bit word path where
+    kernel, or ``ValueError``), ``"general"`` (this module's kernel: the 4-bit word path where
     :func:`fast_path_plan` has a read plan, else the general decode). ``same_codebooks``
     (required): whether the key and value codebooks are equal (the warp-MMA kernel's one table
     serves both; ``DeviceParams.same_codebooks``). The block ids in
@@ -689,9 +689,9 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
                                                   workspace, sm_scale)
             _launch_merge(acc, ml, tables["rotation"], out, layout, g, num_splits, interpret, q_poison=q_poison)
             return out
-        path = "fast"
-    if path != "fast":
-        raise ValueError(f"path must be 'auto', 'mma' or 'fast', got {path!r}")
+        path = "general"
+    if path != "general":
+        raise ValueError(f"path must be 'auto', 'mma' or 'general', got {path!r}")
     plan = fast_path_plan(layout)
     if block_n is None:  # measured (H100, B32x16K): 128 best for the word path, 64 for the rest
         block_n = 128 if plan["K_FAST"] or plan["V_FAST"] else 64
@@ -913,19 +913,19 @@ def decode_path(layout, group: int, *, same_codebooks: bool, interpret: bool = F
     ``DeviceParams.same_codebooks``); never under the interpreter, which cannot run its inline
     PTX, nor for a cache not 16-byte aligned, nor on a GPU whose compute ``capability`` (major,
     minor) is below ``MMA_MIN_CAPABILITY`` (``MMA_FP8_MIN_CAPABILITY`` for FP8 keys); ``None``
-    skips that check) or ``"fast"`` (this module's kernel)."""
+    skips that check) or ``"general"`` (this module's kernel)."""
     plan = mma_plan(layout, group)
     if interpret or plan is None or not cache_aligned:
-        return "fast"
+        return "general"
     if capability is not None:
         if not isinstance(capability, (tuple, list)) or len(capability) != 2 \
                 or not all(isinstance(x, int) for x in capability):
             raise TypeError(f"capability must be a (major, minor) pair of ints, got {capability!r}")
         need = MMA_FP8_MIN_CAPABILITY if plan["K_FP8"] else MMA_MIN_CAPABILITY
         if tuple(capability) < need:
-            return "fast"
+            return "general"
     if plan["V_BITS"] == 4 and not plan["V_UNIFORM"] and not same_codebooks:  # one codebook for K and V
-        return "fast"
+        return "general"
     return "mma"
 
 
