@@ -148,7 +148,7 @@ def gate(results, presets):
     return {r["preset"] for r in results["gate"] if r["ok"]} - {r["preset"] for r in results["gate"] if not r["ok"]}
 
 
-def run_decode(shape, passed, results, sweep, probe):
+def run_decode(shape, passed, results, sweep):
     g = torch.Generator(device="cuda").manual_seed(0)
     b, L, hq, hkv, d = shape.batch, shape.seq_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim
     # SDPA fp16 on contiguous K/V (the baseline), GQA through enable_gqa.
@@ -178,31 +178,23 @@ def run_decode(shape, passed, results, sweep, probe):
             # the session-2 kernel (word path) in the same run, for the comparison
             q_rot = q_rotated(q, layout, params)
             t = bench(lambda: _launch_paged_decode(out, q_rot, cache, bt, sl, layout, params.tables(),
-                                                   sm_scale=d**-0.5, interpret=False, path="fast"))
+                                                   sm_scale=d**-0.5, interpret=False, path="general",
+                                                   same_codebooks=params.same_codebooks))
             row = dict(shape=shape.name, variant=preset + "[word path]", us=t, bytes=nbytes, gbps=nbytes / t / 1e3,
                        ratio=sdpa_us / t, slot_bytes=layout.format.slot_bytes)
             results["decode"].append(row)
             print(f"{shape.name:16s} {row['variant']:20s} {t:9.1f} us {row['gbps']:8.0f} GB/s  {row['ratio']:.2f}x SDPA",
                   flush=True)
-        if probe and preset in ("tq4", "turboquant_4bit_nc", "turboquant_k8v4", "fp16") and shape.name == "B32x16K":
-            # Where the time goes: the same launch with parts of the inner loop removed.
-            q_rot = q_rotated(q, layout, params)
-            for pr, lut in (("", "select"), ("no_lut", "select"), ("no_k", "select"), ("no_v", "select")):
-                t = bench(lambda: _launch_paged_decode(out, q_rot, cache, bt, sl, layout, params.tables(),
-                                                        sm_scale=d**-0.5, interpret=False, probe=pr, lut=lut,
-                                                        path="fast"))
-                name = f"{pr or 'full'}/lut={lut}"
-                results["probe"].append(dict(shape=shape.name, variant=preset, probe=name, us=t))
-                print(f"  probe {preset} {name}: {t:.1f} us", flush=True)
         if sweep and preset in ("tq4", "turboquant_4bit_nc") and shape.name == "B32x16K":
             q_rot = q_rotated(q, layout, params)
-            configs = [("old", 64, 4, 2, 0)] + [("fast", *c) for c in SWEEP_CONFIGS]
+            configs = [("general", *c) for c in SWEEP_CONFIGS]
             for path, bn, nw, ns, mr in configs:
                 try:
                     t = bench(lambda: _launch_paged_decode(out, q_rot, cache, bt, sl, layout,
                                                             params.tables(), sm_scale=d**-0.5,
                                                             interpret=False, block_n=bn, num_warps=nw,
-                                                            num_stages=ns, path=path, maxnreg=mr or None))
+                                                            num_stages=ns, path=path, maxnreg=mr or None,
+                                                            same_codebooks=params.same_codebooks))
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is a data point
                     t = float("nan")
                     print("  sweep fail", bn, nw, ns, type(e).__name__, str(e)[:100])
@@ -293,20 +285,19 @@ def main(argv=None):
     ap.add_argument("--presets", nargs="*", default=[p for p, _ in DECODE_PRESETS])
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-store", action="store_true")
-    ap.add_argument("--probe", action="store_true", help="time inner-loop probes at B32x16K")
     ap.add_argument("--eager", nargs="*", default=None, metavar="SHAPE",
                     help=f"also time eager calls (no CUDA graph) at these shapes (default {' '.join(EAGER_SHAPES)})")
     args = ap.parse_args(argv)
     require_cuda(__file__)
     results = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   time=time.strftime("%Y-%m-%d %H:%M:%S"), gate=[], decode=[], sweep=[], probe=[], store=[],
+                   time=time.strftime("%Y-%m-%d %H:%M:%S"), gate=[], decode=[], sweep=[], store=[],
                    eager=[])
     passed = gate(results, args.presets)
     if not args.no_store:
         run_store(results, args.sweep)
     for shape in DECODE_SHAPES:
         if shape.name in args.shapes:
-            run_decode(shape, passed, results, args.sweep, args.probe)
+            run_decode(shape, passed, results, args.sweep)
     if args.eager is not None:
         run_eager(results, args.eager or EAGER_SHAPES, [p for p in ("tq4", "turboquant_4bit_nc") if p in passed])
     os.makedirs(args.out, exist_ok=True)

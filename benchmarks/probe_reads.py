@@ -5,8 +5,9 @@ For each decode shape and preset, against SDPA fp16 in the same run:
 * ``blocks``: every cache block read once by a plain kernel (one program per block, coalesced
   16-byte loads, summed), in the shuffled block table's order and in storage order: what DRAM
   delivers for these bytes when nothing else happens;
-* the warp-MMA kernel's loads alone (``PROBE = 1``) and the public ``paged_decode``, with the
-  shuffled block table and with a sorted one (sequence ``s`` holds blocks ``s·n ..``).
+* the warp-MMA kernel alone and the public ``paged_decode``, with the shuffled block table and
+  with a sorted one (sequence ``s`` holds blocks ``s·n ..``). (The kernel's loads-only timing
+  probe, ``PROBE = 1``, was removed: docs/performance.md.)
 
     python benchmarks/probe_reads.py --out $OUT [--shapes B32x16K] [--presets tq4]
 """
@@ -86,10 +87,9 @@ def main(argv=None):
                 if mma_plan(layout, g_) is None:
                     continue
                 ns = num_splits_mma(b, hkv, L, resident_for(q, cache, table, sl, layout, params, mma_plan(layout, g_)))
-                for probe in (0, 1):
-                    fn = launch(q, cache, table, sl, layout, params, out, prefetch=0, hint=1, warps=4, num_splits=ns,
-                                parts="kernel", probe=probe)
-                    row(f"kernel p{probe}", order, bench(fn))
+                fn = launch(q, cache, table, sl, layout, params, out, prefetch=0, hint=1, warps=4, num_splits=ns,
+                            parts="kernel")
+                row("kernel", order, bench(fn))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "probe_reads.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -42,8 +42,8 @@ def launch(q, cache, bt, sl, layout, params, out, cfg, splits=None):
     def run():
         q_rot = rotate_q(q, params.rotation, rotated, False)
         _launch_paged_decode(out, q_rot, cache, bt, sl, layout, tables, sm_scale=q.shape[-1] ** -0.5,
-                             interpret=False, path="fast", block_n=bn, num_warps=warps, num_stages=stages,
-                             num_splits=splits)
+                             interpret=False, path="general", block_n=bn, num_warps=warps, num_stages=stages,
+                             num_splits=splits, same_codebooks=params.same_codebooks)
     return run
 
 

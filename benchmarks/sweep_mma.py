@@ -27,13 +27,12 @@ from benchmarks.bench_decode import baseline_runs, bench, oracle_case, preset_ca
 from benchmarks.shapes import DECODE_PRESETS  # noqa: E402
 from tqkern.ops.paged_decode.triton import _launch_merge, _workspace, rotate_q  # noqa: E402
 from tqkern.ops.paged_decode.triton_mma import (  # noqa: E402
-    _launch_paged_decode_mma, coop_plan, mma_plan, num_splits_mma, per_warp_plan, resident_warps, shifted_plan)
+    _launch_paged_decode_mma, coop_plan, mma_plan, num_splits_mma, per_warp_plan, resident_warps)
 
 
-def plan_for(layout, g, shifted, sub=0, probe=0, coop=0, t256=-1, late_v=-1):
-    """The launcher's plan, with 4-bit fields read as shifted words (``shifted``), ``sub``
-    16-token steps per softmax update (0: the plan's), a timing probe (``probe``: 1 the loads
-    only, 2 no DRAM traffic; wrong outputs) and CTA-cooperative stages (``coop``: their number,
+def plan_for(layout, g, sub=0, coop=0, t256=-1, late_v=-1):
+    """The launcher's plan, with ``sub`` 16-token steps per softmax update (0: the plan's) and
+    CTA-cooperative stages (``coop``: their number,
     -1 the plan's own choice, 0 none); ``t256 = 0`` keeps the 32 KB pair table where the plan
     would take the PRMT-addressed one (-1: the plan's choice); ``late_v`` 0 / 1 reads the values
     with the keys / after the softmax update under the stages (-1: the plan's choice)."""
@@ -41,12 +40,8 @@ def plan_for(layout, g, shifted, sub=0, probe=0, coop=0, t256=-1, late_v=-1):
     if plan is None:
         return None
     plan = per_warp_plan(plan) if coop >= 0 else plan
-    if shifted:
-        plan = shifted_plan(plan)
     if sub:
         plan = dict(plan, SUB=sub)
-    if probe:
-        plan = dict(plan, PROBE=probe)
     if coop > 0:
         plan = coop_plan(plan, layout, coop)
     if plan is not None and t256 == 0:
@@ -66,12 +61,12 @@ def resident_for(q, cache, bt, sl, layout, params, plan, *, warps=4, prefetch=No
 
 
 def launch(q, cache, bt, sl, layout, params, out, *, prefetch, hint, warps, num_splits, parts="all", maxnreg=None,
-           shifted=0, sub=0, probe=0, coop=-1, t256=-1, late_v=-1):
+           sub=0, coop=-1, t256=-1, late_v=-1):
     s, hq, d = q.shape
     g = hq // layout.num_kv_heads
     q_rot = q_rotated(q, layout, params)
     acc, ml = _workspace(None, s, hq, num_splits, max(16, triton.next_power_of_2(d)), q.device)
-    plan = plan_for(layout, g, shifted, sub, probe, coop, t256, late_v)
+    plan = plan_for(layout, g, sub, coop, t256, late_v)
     if plan is None:
         raise ValueError("this plan does not apply")
 
@@ -94,23 +89,21 @@ class Config(NamedTuple):
     warps: int
     splits: int
     maxnreg: int
-    shifted: int
     sub: int
-    probe: int
     coop: int
     table256: int
     late_v: int
 
     @property
     def tag(self) -> str:
-        return (f"pf{self.prefetch} hint{self.hint} w{self.warps} r{self.maxnreg} s{self.shifted} u{self.sub} "
-                f"p{self.probe} c{self.coop} t{self.table256} v{self.late_v}")
+        return (f"pf{self.prefetch} hint{self.hint} w{self.warps} r{self.maxnreg} u{self.sub} "
+                f"c{self.coop} t{self.table256} v{self.late_v}")
 
     def kwargs(self) -> dict:
         """The keyword arguments of :func:`launch` (the split count apart)."""
         return dict(prefetch=self.prefetch, hint=self.hint, warps=self.warps,
-                    maxnreg=None if self.maxnreg < 0 else self.maxnreg, shifted=self.shifted, sub=self.sub,
-                    probe=self.probe, coop=self.coop, t256=self.table256, late_v=self.late_v)
+                    maxnreg=None if self.maxnreg < 0 else self.maxnreg, sub=self.sub,
+                    coop=self.coop, t256=self.table256, late_v=self.late_v)
 
 
 # (kind, rows, chunks, splits unrolled per loop iteration)
@@ -159,13 +152,8 @@ def main(argv=None):
     ap.add_argument("--warps", nargs="*", type=int, default=[4, 8])
     ap.add_argument("--splits", nargs="*", type=int, default=[0], help="0: the default from the shapes")
     ap.add_argument("--maxnreg", nargs="*", type=int, default=[-1], help="-1: the launcher's default")
-    ap.add_argument("--shifted", nargs="*", type=int, default=[0],
-                    help="1: read 4-bit fields as shifted words (triton_mma.shifted_plan)")
     ap.add_argument("--sub", nargs="*", type=int, default=[0],
                     help="16-token steps per softmax update (0: the plan's)")
-    ap.add_argument("--probe", nargs="*", type=int, default=[0],
-                    help="timing probes (wrong outputs, no gate): 1 the loads only, 2 no DRAM traffic; "
-                         "the split count is the real kernel's")
     ap.add_argument("--coop", nargs="*", type=int, default=[-1],
                     help="CTA-cooperative stages (0: off, -1: the launcher's plan)")
     ap.add_argument("--table256", nargs="*", type=int, default=[-1],
@@ -179,7 +167,7 @@ def main(argv=None):
     require_cuda(__file__)
     arr = dict(DECODE_PRESETS)
     configs = [Config(*c) for c in itertools.product(
-        args.prefetch, args.hint, args.warps, args.splits, args.maxnreg, args.shifted, args.sub, args.probe, args.coop,
+        args.prefetch, args.hint, args.warps, args.splits, args.maxnreg, args.sub, args.coop,
         args.table256, args.late_v)]
     res = dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, time=time.strftime("%F %T"),
                gate=[], rows=[])
@@ -188,8 +176,6 @@ def main(argv=None):
     for preset in args.presets:  # correctness gate per config (the split count aside)
         layout, params, q, cache, bt, lens, exp, tol = oracle_case(preset, arr[preset], 32, 8, 128, g)
         for cfg in configs:
-            if cfg.probe:  # a probe computes nothing right: it runs if its real kernel passed
-                continue
             key = cfg._replace(splits=0)
             out = torch.full_like(q, float("nan"))
             try:
@@ -212,12 +198,11 @@ def main(argv=None):
             out = torch.empty_like(q)
             nbytes = b * L * layout.row_bytes
             for cfg in configs:
-                if not ok_cfg.get((preset, cfg._replace(splits=0, probe=0))):
+                if not ok_cfg.get((preset, cfg._replace(splits=0))):
                     continue
                 kw = cfg.kwargs()
                 resident = resident_for(q, cache, bt, sl, layout, params,
-                                        plan_for(layout, hq // hkv, cfg.shifted, cfg.sub, 0, cfg.coop, cfg.table256,
-                                                 cfg.late_v),
+                                        plan_for(layout, hq // hkv, cfg.sub, cfg.coop, cfg.table256, cfg.late_v),
                                         warps=cfg.warps, prefetch=cfg.prefetch or None, hint=cfg.hint,
                                         maxnreg=kw["maxnreg"])
                 ns = cfg.splits or num_splits_mma(b, hkv, L, resident)

@@ -152,7 +152,8 @@ def mma_path_cases(draw):
     if rows2:
         assume(layout.row_bytes % 4 == 2)
     group = draw(st.integers(1, 8), label="gqa_group")
-    assume(decode_path(layout, group) == "mma")
+    # (4-bit Lloyd-Max values are drawn with the keys' distribution: one codebook; checked below)
+    assume(decode_path(layout, group, same_codebooks=True) == "mma")
     if coop:  # (more stages than one CTA's shared memory holds: the per-warp plan)
         assume("COOP" in mma_plan(layout, group))
     params = draw(T.tq_params(fmt, layout.num_kv_heads), label="params")

@@ -10,12 +10,17 @@ import tqkern
 import tqkern_torch as tqt
 from tqkern.ops.paged_decode.triton import (_launch_merge, decode_path, merge_chunks, num_splits_for, rotate_q,
                                             workspace_numel)
-from tqkern.ops.paged_decode.triton_mma import ctas_per_sm, mma_plan, per_warp_plan, shifted_plan
+from tqkern.ops.paged_decode.triton_mma import ctas_per_sm, mma_plan, per_warp_plan
 from tqkern_torch.testing import device_under_test, kernels_available
 
 DEV = device_under_test()
 needs_kernels = pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1")
 INTERP = DEV.type == "cpu"
+
+
+def _path(layout, group, **kw):
+    """:func:`decode_path` for equal key and value codebooks (one table serves both)."""
+    return decode_path(layout, group, same_codebooks=True, **kw)
 
 
 def _layout(preset, d, heads, arrangement="slot"):
@@ -31,57 +36,57 @@ def test_decode_path_rules_and_bad_input():
     lanes' aligned chunks are read as shifted words; never under the interpreter."""
     tq4 = _layout("tq4", 128, 8, "row")
     nc = _layout("turboquant_4bit_nc", 128, 8)
-    assert decode_path(tq4, 4) == "mma" and decode_path(nc, 4) == "mma"
+    assert _path(tq4, 4) == "mma" and _path(nc, 4) == "mma"
     plan = mma_plan(nc, 4)
     assert plan["K_MERGE"] and plan["V_MERGE"] and plan["K_NC"] and plan["V_UNIFORM"]  # 134-byte slots
     assert not mma_plan(tq4, 4)["K_MERGE"]
     # 32 tokens per softmax update: Lloyd-Max values, and uniform ones under cooperative stages
     assert mma_plan(tq4, 4)["SUB"] == 2 and mma_plan(nc, 4)["SUB"] == 2
     assert per_warp_plan(mma_plan(nc, 4))["SUB"] == 1 and per_warp_plan(mma_plan(tq4, 4))["SUB"] == 2
-    assert decode_path(tq4, 4, interpret=True) == "fast"
-    assert decode_path(tq4, 9) == "fast"  # group > 8
-    assert decode_path(tq4, 4, same_codebooks=False) == "fast"  # one table serves K and V
+    assert _path(tq4, 4, interpret=True) == "general"
+    assert _path(tq4, 9) == "general"  # group > 8
+    assert decode_path(tq4, 4, same_codebooks=False) == "general"  # one table serves K and V
     assert decode_path(nc, 4, same_codebooks=False) == "mma"  # uniform values need no table
-    assert decode_path(tq4, 4, cache_aligned=False) == "fast"
+    assert _path(tq4, 4, cache_aligned=False) == "general"
     nc64 = _layout("turboquant_4bit_nc", 64, 3)  # 210-byte rows: odd tokens' rows 2 bytes off a word
-    assert decode_path(nc64, 3) == "mma"
+    assert _path(nc64, 3) == "mma"
     plan = mma_plan(nc64, 3)
     assert plan["K_FUN"] and plan["V_FUN"] and not (plan["K_MERGE"] or plan["V_MERGE"])
     assert not any(mma_plan(tq4, 4)[k] for k in ("K_FUN", "V_FUN"))  # 1088-byte rows: aligned chunks
     bs1 = tqkern.PagedLayout(format=nc64.format, num_kv_heads=3, block_size=1)
-    assert decode_path(bs1, 3) == "fast"  # a row's offset from a word boundary would follow its block
+    assert _path(bs1, 3) == "general"  # a row's offset from a word boundary would follow its block
     k8v4 = mma_plan(_layout("turboquant_k8v4", 128, 8), 4)  # 196-byte slots: word loads of the keys
     assert k8v4["K_FP8"] and k8v4["K_NW"] == 1 and not k8v4["K_MERGE"] and k8v4["V_MERGE"] and not k8v4["K_NC"]
     assert mma_plan(_layout("turboquant_k8v4", 128, 8, "row"), 4)["K_NW"] == 4  # 16-byte aligned key fields
-    assert decode_path(_layout("turboquant_k8v4", 64, 3), 3) == "mma"  # 300-byte rows: 4-byte value chunks
+    assert _path(_layout("turboquant_k8v4", 64, 3), 3) == "mma"  # 300-byte rows: 4-byte value chunks
     k8v4_3 = mma_plan(_layout("turboquant_k8v4", 128, 3), 3)  # 588-byte rows: 8-byte value chunks shifted
     assert k8v4_3["V_FUN"] and k8v4_3["K_FP8"]
     f32_2mod4 = tqkern.KVFormat(head_dim=64, key=tqkern.LloydMax(bits=4, norm_dtype="float16"),
                                 value=tqkern.LloydMax(bits=4, norm_dtype="float32"), slot_alignment=2)
     assert f32_2mod4.slot_bytes == 70  # odd tokens' float32 value norms would be 2 bytes off
-    assert decode_path(tqkern.PagedLayout(format=f32_2mod4, num_kv_heads=1, block_size=16), 1) == "fast"
+    assert _path(tqkern.PagedLayout(format=f32_2mod4, num_kv_heads=1, block_size=16), 1) == "general"
     k3 = mma_plan(_layout("turboquant_k3v4_nc", 128, 8), 4)  # 118-byte slots: shifted word chunks
     assert k3["K_BITS"] == 3 and k3["K_NC"] and not k3["K_MERGE"] and k3["V_UNIFORM"]
     assert k3["V_FUN"] and not k3["V_MERGE"]  # with 3-bit keys, misaligned values are shifted, not joined
     assert mma_plan(nc, 4)["V_MERGE"] and not mma_plan(nc, 4)["V_FUN"]  # with 4-bit keys, joined
     v3 = mma_plan(_layout("turboquant_3bit_nc", 128, 8), 4)  # 3-bit uniform values: shifted 6-byte chunks
     assert v3["V_BITS"] == 3 and v3["V_FUN"] and v3["K_BITS"] == 3
-    assert decode_path(_layout("turboquant_3bit_nc", 64, 3), 3) == "mma"  # 162-byte rows, 3-byte chunks
+    assert _path(_layout("turboquant_3bit_nc", 64, 3), 3) == "mma"  # 162-byte rows, 3-byte chunks
     k5 = mma_plan(_layout("tqkern_k5v3", 128, 8), 4)  # 5-bit keys (shifted words), 3-bit Lloyd-Max values
     assert k5["K_BITS"] == 5 and k5["K_FUN"] and k5["V_BITS"] == 3 and not k5["V_UNIFORM"]
     assert decode_path(_layout("tqkern_k5v3", 128, 8), 4, same_codebooks=False) == "mma"  # both codebooks loaded
     k5v4 = tqkern.KVFormat(head_dim=128, key=tqkern.LloydMax(bits=5), value=tqkern.LloydMax(bits=4))
-    assert decode_path(tqkern.PagedLayout(format=k5v4, num_kv_heads=8, block_size=16), 4) == "fast"
+    assert _path(tqkern.PagedLayout(format=k5v4, num_kv_heads=8, block_size=16), 4) == "general"
     k4v3 = tqkern.KVFormat(head_dim=128, key=tqkern.LloydMax(bits=4), value=tqkern.LloydMax(bits=3))
-    assert decode_path(tqkern.PagedLayout(format=k4v3, num_kv_heads=8, block_size=16), 4) == "fast"
+    assert _path(tqkern.PagedLayout(format=k4v3, num_kv_heads=8, block_size=16), 4) == "general"
     k3_64 = tqkern.KVFormat(head_dim=64, key=tqkern.LloydMax(bits=3), value=tqkern.Uniform(bits=4))
     # D=64: 6-byte lane chunks of the 24-byte key field, half of them 2 bytes off a word boundary
-    assert decode_path(tqkern.PagedLayout(format=k3_64, num_kv_heads=8, block_size=16, arrangement="row"), 4) == "mma"
+    assert _path(tqkern.PagedLayout(format=k3_64, num_kv_heads=8, block_size=16, arrangement="row"), 4) == "mma"
     fp8_lm = tqkern.KVFormat(head_dim=128, key=tqkern.FP8(), value=tqkern.LloydMax(bits=4))
-    assert decode_path(tqkern.PagedLayout(format=fp8_lm, num_kv_heads=8, block_size=16), 4) == "fast"  # no table
-    assert decode_path(_layout("tq4", 256, 8, "row"), 4) == "fast"
+    assert _path(tqkern.PagedLayout(format=fp8_lm, num_kv_heads=8, block_size=16), 4) == "general"  # no table
+    assert _path(_layout("tq4", 256, 8, "row"), 4) == "general"
     with pytest.raises(TypeError, match="layout must be a tqkern.PagedLayout, got KVFormat"):
-        decode_path(tqkern.KVFormat.preset("tq4", 128), 4)
+        _path(tqkern.KVFormat.preset("tq4", 128), 4)
 
 
 def test_decode_path_capability_gate():
@@ -90,17 +95,17 @@ def test_decode_path_capability_gate():
     kernel; ``None`` skips the check; a malformed capability is a TypeError naming it."""
     tq4 = _layout("tq4", 128, 8, "row")
     k8v4 = _layout("turboquant_k8v4", 128, 8)
-    assert decode_path(tq4, 4, capability=(7, 5)) == "fast"
-    assert decode_path(tq4, 4, capability=(8, 0)) == "mma"
-    assert decode_path(tq4, 4, capability=(9, 0)) == "mma"
-    assert decode_path(k8v4, 4, capability=(8, 0)) == "fast"
-    assert decode_path(k8v4, 4, capability=(8, 6)) == "fast"
-    assert decode_path(k8v4, 4, capability=(8, 9)) == "mma"
-    assert decode_path(k8v4, 4, capability=(10, 0)) == "mma"
-    assert decode_path(k8v4, 4) == "mma"
+    assert _path(tq4, 4, capability=(7, 5)) == "general"
+    assert _path(tq4, 4, capability=(8, 0)) == "mma"
+    assert _path(tq4, 4, capability=(9, 0)) == "mma"
+    assert _path(k8v4, 4, capability=(8, 0)) == "general"
+    assert _path(k8v4, 4, capability=(8, 6)) == "general"
+    assert _path(k8v4, 4, capability=(8, 9)) == "mma"
+    assert _path(k8v4, 4, capability=(10, 0)) == "mma"
+    assert _path(k8v4, 4) == "mma"
     for bad in ((9,), 9, "9.0", (9.0, 0)):
         with pytest.raises(TypeError, match=r"capability must be a \(major, minor\) pair of ints, got"):
-            decode_path(tq4, 4, capability=bad)
+            _path(tq4, 4, capability=bad)
 
 
 def test_launcher_reads_the_capability(monkeypatch):
@@ -115,34 +120,36 @@ def test_launcher_reads_the_capability(monkeypatch):
     with pytest.raises(ValueError, match="does not apply to this layout/group/device"):
         tri._launch_paged_decode(None, torch.zeros(1, 32, 128), torch.zeros(16, tq4.row_bytes, dtype=torch.uint8),
                                  torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), tq4, {},
-                                 sm_scale=1.0, interpret=False, path="mma")
+                                 sm_scale=1.0, interpret=False, path="mma",
+                                 same_codebooks=True)
     assert len(asked) == 1
 
 
-def test_shifted_plan():
-    """The measuring helper turns every 4-bit field's read into shifted words (never 3-bit keys')."""
-    nc = mma_plan(_layout("turboquant_4bit_nc", 128, 8), 4)
-    sp = shifted_plan(nc)
-    assert sp["K_FUN"] and sp["V_FUN"] and not (sp["K_MERGE"] or sp["V_MERGE"]) and nc["K_MERGE"]
-    k3 = shifted_plan(mma_plan(_layout("turboquant_k3v4_nc", 128, 8), 4))
-    assert not k3["K_FUN"] and k3["V_FUN"]
-    with pytest.raises(TypeError, match="plan must be a dict from mma_plan, got NoneType"):
-        shifted_plan(None)
-
-
-def test_timing_probes_stay_off_the_public_plan():
-    """The warp-MMA kernel's timing probe (``PROBE``: wrong outputs, for benchmarks/sweep_mma.py)
-    is off by default and no plan the launcher builds sets it."""
+def test_production_kernels_have_no_timing_probes():
+    """Timing probes and measured-and-lost variants live in benchmarks' history
+    (docs/performance.md), not in the kernels: no probe constexpr, no shifted-read plan helper."""
     import inspect
 
-    from tqkern.ops.paged_decode.triton_mma import _paged_decode_mma_kernel
+    import tqkern.ops.paged_decode.triton as tri
+    import tqkern.ops.paged_decode.triton_mma as tm
 
-    assert inspect.signature(_paged_decode_mma_kernel.fn).parameters["PROBE"].default == 0
-    for preset in ("tq4", "turboquant_4bit_nc", "turboquant_k8v4", "turboquant_k3v4_nc", "turboquant_3bit_nc",
-                   "tqkern_k5v3"):
-        for d, heads, group in ((128, 8, 4), (64, 3, 3)):
-            plan = mma_plan(_layout(preset, d, heads), group)
-            assert plan is not None and "PROBE" not in plan, (preset, d)
+    assert not {"PROBE"} & set(inspect.signature(tm._paged_decode_mma_kernel.fn).parameters)
+    assert not {"SKIP_K", "SKIP_V", "LUT_SELECT"} & set(inspect.signature(tri._paged_decode_kernel.fn).parameters)
+    assert not {"probe", "lut"} & set(inspect.signature(tri._launch_paged_decode).parameters)
+    assert not hasattr(tm, "shifted_plan")
+
+
+def test_same_codebooks_is_required():
+    """A direct caller must say whether the key and value codebooks are equal (the warp-MMA
+    kernel's one pair table serves both): no default that could give wrong outputs."""
+    import inspect
+
+    import tqkern.ops.paged_decode.triton as tri
+
+    for fn in (tri.decode_path, tri._launch_paged_decode):
+        assert inspect.signature(fn).parameters["same_codebooks"].default is inspect.Parameter.empty, fn
+    with pytest.raises(TypeError, match="same_codebooks"):
+        decode_path(_layout("tq4", 128, 8, "row"), 4)
 
 
 def test_same_codebooks_flag():
@@ -458,7 +465,7 @@ def test_launcher_falls_back_to_the_per_warp_kernel_when_sizing_fails(monkeypatc
             torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32), tq4, {"key_centroids_f32": None,
                                                                                            "value_centroids_f32": None,
                                                                                            "rotation": None})
-    tri._launch_paged_decode(*args, sm_scale=1.0, interpret=False)
+    tri._launch_paged_decode(*args, sm_scale=1.0, interpret=False, same_codebooks=True)
     assert len(launched) == 1 and "COOP" not in launched[0][0] and launched[0][0]["SUB"] == 2
     assert "COOP" not in tm.device_plan(tq4, 4, torch.device("cuda", 0))
 
@@ -491,7 +498,8 @@ def test_short_splits_give_way_to_the_per_warp_kernel(monkeypatch, preset, arr, 
     for _ in range(2):
         tri._launch_paged_decode(None, torch.zeros(batch, 32, 128),
                                  torch.zeros(16, layout.row_bytes, dtype=torch.uint8), bt,
-                                 torch.ones(batch, dtype=torch.int32), layout, tables, sm_scale=1.0, interpret=False)
+                                 torch.ones(batch, dtype=torch.int32), layout, tables, sm_scale=1.0, interpret=False,
+                                 same_codebooks=True)
     assert len(launched) == 2 and launched[0] == launched[1]
     assert asked == [True, False][:asks]  # the cooperative plan's residency, then (maybe) the per-warp one
     (plan, splits) = launched[0]

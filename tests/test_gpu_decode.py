@@ -45,7 +45,7 @@ def _dense_reference(q, cache, block_table, seq_lens, layout, params):
 
 
 @pytest.mark.parametrize("preset,arrangement,path,heads", [
-    ("fp16", "slot", "fast", 2), ("tq4", "row", "mma", 2), ("tqkern_k5v3", "slot", "mma", 2),
+    ("fp16", "slot", "general", 2), ("tq4", "row", "mma", 2), ("tqkern_k5v3", "slot", "mma", 2),
     ("turboquant_4bit_nc", "slot", "mma", 2),  # 268-byte rows: shifted word reads
     ("turboquant_3bit_nc", "slot", "mma", 2),  # 3-bit uniform values
     ("tq4", "row", "mma", 8), ("turboquant_4bit_nc", "slot", "mma", 8)])  # cooperative stages

@@ -66,8 +66,8 @@ def _lut16(codes, cen_ptr):
 
 
 @triton.jit
-def _centroids(codes, cen_ptr, BITS: tl.constexpr, LUT_SELECT: tl.constexpr):
-    if LUT_SELECT and BITS == 4:
+def _centroids(codes, cen_ptr, BITS: tl.constexpr):
+    if BITS == 4:
         return _lut16(codes, cen_ptr)
     return tl.load(cen_ptr + codes)
 
@@ -85,8 +85,7 @@ def _small_ints(codes, DOT: tl.constexpr):
 def _tile_codes(row, h, tmask, W: tl.constexpr, HALF: tl.constexpr, NIBBLE: tl.constexpr,
                 KIND: tl.constexpr, BITS: tl.constexpr, PARAM_DTYPE: tl.constexpr,
                 A_OFF: tl.constexpr, A_STRIDE: tl.constexpr, A_BYTES: tl.constexpr, D: tl.constexpr,
-                DP: tl.constexpr, cen_ptr, DOT: tl.constexpr, ALIGNED: tl.constexpr,
-                LUT_SELECT: tl.constexpr):
+                DP: tl.constexpr, cen_ptr, DOT: tl.constexpr, ALIGNED: tl.constexpr):
     """Element values of one tile, before the per-token factor: ``[BN, W]`` in the dot dtype.
 
     ``HALF`` = -1: all DP columns; 0: even columns; 1: odd columns (4-bit fast path)."""
@@ -134,9 +133,9 @@ def _tile_codes(row, h, tmask, W: tl.constexpr, HALF: tl.constexpr, NIBBLE: tl.c
             codes = load_packed(base, tmask, BITS, NIBBLE, A_BYTES, DP)
         codes = tl.where(dm[None, :], codes, 0)
         if KIND == 0:  # padded columns must read 0 (they enter ‖c[idx]‖)
-            return tl.where(dm[None, :], _centroids(codes, cen_ptr, BITS, LUT_SELECT), 0.0).to(DOT)
+            return tl.where(dm[None, :], _centroids(codes, cen_ptr, BITS), 0.0).to(DOT)
     if KIND == 0:
-        return _centroids(codes, cen_ptr, BITS, LUT_SELECT).to(DOT)
+        return _centroids(codes, cen_ptr, BITS).to(DOT)
     return _small_ints(codes, DOT)
 
 
@@ -213,26 +212,25 @@ def _fast_tile(row, h, tmask, U: tl.constexpr, A_OFF: tl.constexpr, A_STRIDE: tl
 def _whole_tile(row, h, tmask, FAST: tl.constexpr, NIBBLE: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
                 PARAM_DTYPE: tl.constexpr, A_OFF: tl.constexpr, A_STRIDE: tl.constexpr, A_BYTES: tl.constexpr,
                 D: tl.constexpr, DP: tl.constexpr, cen_ptr, tabs, DOT: tl.constexpr, ALIGNED: tl.constexpr,
-                LUT_SELECT: tl.constexpr, USE_ASM: tl.constexpr):
+                USE_ASM: tl.constexpr):
     """One side's whole tile ``[BN, DP]`` before its per-token factor: the 4-bit word path when
     ``FAST`` names a read plan, else the general decode."""
     if FAST > 0:
         return _fast_tile(row, h, tmask, FAST, A_OFF, A_STRIDE, D, NIBBLE, KIND, cen_ptr, tabs, USE_ASM)
     return _tile_codes(row, h, tmask, DP, -1, NIBBLE, KIND, BITS, PARAM_DTYPE, A_OFF, A_STRIDE, A_BYTES, D, DP,
-                       cen_ptr, DOT, ALIGNED, LUT_SELECT)
+                       cen_ptr, DOT, ALIGNED)
 
 
 @triton.jit
 def _half_tiles(row, h, tmask, NIBBLE: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
                 PARAM_DTYPE: tl.constexpr, A_OFF: tl.constexpr, A_STRIDE: tl.constexpr, A_BYTES: tl.constexpr,
-                D: tl.constexpr, DP: tl.constexpr, cen_ptr, DOT: tl.constexpr, ALIGNED: tl.constexpr,
-                LUT_SELECT: tl.constexpr):
+                D: tl.constexpr, DP: tl.constexpr, cen_ptr, DOT: tl.constexpr, ALIGNED: tl.constexpr):
     """A 4-bit side as its even and odd columns, two ``[BN, DP/2]`` tiles (one per nibble)."""
     D2: tl.constexpr = DP // 2
     e = _tile_codes(row, h, tmask, D2, 0, NIBBLE, KIND, BITS, PARAM_DTYPE, A_OFF, A_STRIDE, A_BYTES, D, DP,
-                    cen_ptr, DOT, ALIGNED, LUT_SELECT)
+                    cen_ptr, DOT, ALIGNED)
     o = _tile_codes(row, h, tmask, D2, 1, NIBBLE, KIND, BITS, PARAM_DTYPE, A_OFF, A_STRIDE, A_BYTES, D, DP,
-                    cen_ptr, DOT, ALIGNED, LUT_SELECT)
+                    cen_ptr, DOT, ALIGNED)
     return e, o
 
 
@@ -261,8 +259,7 @@ def _paged_decode_kernel(
     max_blocks, sm_scale_log2, zero,
     G: tl.constexpr, GP: tl.constexpr, HQ: tl.constexpr, NUM_SPLITS: tl.constexpr, BN: tl.constexpr,
     BS: tl.constexpr, K_HALVES: tl.constexpr, V_HALVES: tl.constexpr, DOT: tl.constexpr,
-    K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, SKIP_K: tl.constexpr, SKIP_V: tl.constexpr,
-    LUT_SELECT: tl.constexpr, K_FAST: tl.constexpr, V_FAST: tl.constexpr, USE_ASM: tl.constexpr,
+    K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, K_FAST: tl.constexpr, V_FAST: tl.constexpr, USE_ASM: tl.constexpr,
     K_PAR_ALIGNED: tl.constexpr, V_PAR_ALIGNED: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_ROTATED: tl.constexpr, K_NORM_CORRECTION: tl.constexpr,
@@ -321,30 +318,25 @@ def _paged_decode_kernel(
         row = cache_ptr + (blk * BS + (pos + zero) % BS) * ROW_BYTES  # [BN] token rows
 
         # -- scores [GP, BN] ------------------------------------------------------------------
-        if SKIP_K:  # probe: no key traffic or decode (timing only)
-            qk = tl.zeros([GP, BN], tl.float32)
-            kf = tl.full([BN], 1.0, tl.float32)
-            kz = tl.zeros([BN], tl.float32)
+        kf, kz = _token_factors(row, h, tmask, K_KIND, K_PARAM_DTYPE, K_B_OFF, K_B_STRIDE, K_C_OFF, K_C_STRIDE,
+                                K_PAR_ALIGNED)
+        if K_HALVES:
+            k_e, k_o = _half_tiles(row, h, tmask, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
+                                     K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED)
+            qk = tl.dot(q_e, tl.trans(k_e)) + tl.dot(q_o, tl.trans(k_o))
+            if K_NORM_CORRECTION == 1:  # vLLM's _nc: ‖c[idx]‖² of every token by the tensor
+                # cores (a ones-row times the squared tile), already broadcast to [GP, BN]:
+                # a row reduction over the tile measured ~2 ms at B32x16K.
+                ones = tl.full([GP, D2], 1.0, DOT)
+                cn2 = tl.dot(ones, tl.trans(k_e * k_e)) + tl.dot(ones, tl.trans(k_o * k_o))
+                qk = qk * tl.rsqrt(tl.maximum(cn2, 1e-30))
         else:
-            kf, kz = _token_factors(row, h, tmask, K_KIND, K_PARAM_DTYPE, K_B_OFF, K_B_STRIDE, K_C_OFF, K_C_STRIDE,
-                                    K_PAR_ALIGNED)
-            if K_HALVES:
-                k_e, k_o = _half_tiles(row, h, tmask, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
-                                         K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED, LUT_SELECT)
-                qk = tl.dot(q_e, tl.trans(k_e)) + tl.dot(q_o, tl.trans(k_o))
-                if K_NORM_CORRECTION == 1:  # vLLM's _nc: ‖c[idx]‖² of every token by the tensor
-                    # cores (a ones-row times the squared tile), already broadcast to [GP, BN]:
-                    # a row reduction over the tile measured ~2 ms at B32x16K.
-                    ones = tl.full([GP, D2], 1.0, DOT)
-                    cn2 = tl.dot(ones, tl.trans(k_e * k_e)) + tl.dot(ones, tl.trans(k_o * k_o))
-                    qk = qk * tl.rsqrt(tl.maximum(cn2, 1e-30))
-            else:
-                k_f = _whole_tile(row, h, tmask, K_FAST, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
-                                  K_A_BYTES, D, DP, kc_ptr, k_tabs, DOT, K_ALIGNED, LUT_SELECT, USE_ASM)
-                qk = tl.dot(q_f, tl.trans(k_f))
-                if K_NORM_CORRECTION == 1:
-                    cn2 = tl.dot(tl.full([GP, DP], 1.0, DOT), tl.trans(k_f * k_f))
-                    qk = qk * tl.rsqrt(tl.maximum(cn2, 1e-30))
+            k_f = _whole_tile(row, h, tmask, K_FAST, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
+                              K_A_BYTES, D, DP, kc_ptr, k_tabs, DOT, K_ALIGNED, USE_ASM)
+            qk = tl.dot(q_f, tl.trans(k_f))
+            if K_NORM_CORRECTION == 1:
+                cn2 = tl.dot(tl.full([GP, DP], 1.0, DOT), tl.trans(k_f * k_f))
+                qk = qk * tl.rsqrt(tl.maximum(cn2, 1e-30))
         sc = (qk * kf[None, :] + q_sum[:, None] * kz[None, :]) * sm_scale_log2
         sc = tl.where(tmask[None, :], sc, float("-inf"))
 
@@ -356,32 +348,31 @@ def _paged_decode_kernel(
         m_i = m_new
 
         # -- values: p·f into the dot (scaled to the tile's largest f), p·z added per row -----
-        if not SKIP_V:  # (SKIP_V: probe without value traffic, timing only)
-            vf, vz = _token_factors(row, h, tmask, V_KIND, V_PARAM_DTYPE, V_B_OFF, V_B_STRIDE, V_C_OFF, V_C_STRIDE,
-                                    V_PAR_ALIGNED)
-            if V_HALVES:
-                v_e, v_o = _half_tiles(row, h, tmask, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
-                                         V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED, LUT_SELECT)
-                if V_NORM_CORRECTION == 1:
-                    ve32 = v_e.to(tl.float32)
-                    vo32 = v_o.to(tl.float32)
-                    vf = vf / tl.sqrt(tl.maximum(tl.sum(ve32 * ve32, axis=1) + tl.sum(vo32 * vo32, axis=1), 1e-30))
-            else:
-                v_f = _whole_tile(row, h, tmask, V_FAST, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
-                                  V_A_BYTES, D, DP, vc_ptr, v_tabs, DOT, V_ALIGNED, LUT_SELECT, USE_ASM)
-                if V_NORM_CORRECTION == 1:
-                    vf32 = v_f.to(tl.float32)
-                    vf = vf / tl.sqrt(tl.maximum(tl.sum(vf32 * vf32, axis=1), 1e-30))
-            # p·f goes into the dot, scaled to the tile's largest |f| so fp16 keeps its precision.
-            fmax = tl.max(tl.abs(vf), axis=0)
-            fmax = tl.where(fmax > 0, fmax, 1.0)
-            pv = (p * (vf / fmax)[None, :]).to(DOT)
-            pz = tl.sum(p * vz[None, :], axis=1)
-            if V_HALVES:
-                acc_e = acc_e * alpha[:, None] + tl.dot(pv, v_e) * fmax + pz[:, None]
-                acc_o = acc_o * alpha[:, None] + tl.dot(pv, v_o) * fmax + pz[:, None]
-            else:
-                acc = acc * alpha[:, None] + tl.dot(pv, v_f) * fmax + pz[:, None]
+        vf, vz = _token_factors(row, h, tmask, V_KIND, V_PARAM_DTYPE, V_B_OFF, V_B_STRIDE, V_C_OFF, V_C_STRIDE,
+                                V_PAR_ALIGNED)
+        if V_HALVES:
+            v_e, v_o = _half_tiles(row, h, tmask, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
+                                     V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED)
+            if V_NORM_CORRECTION == 1:
+                ve32 = v_e.to(tl.float32)
+                vo32 = v_o.to(tl.float32)
+                vf = vf / tl.sqrt(tl.maximum(tl.sum(ve32 * ve32, axis=1) + tl.sum(vo32 * vo32, axis=1), 1e-30))
+        else:
+            v_f = _whole_tile(row, h, tmask, V_FAST, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
+                              V_A_BYTES, D, DP, vc_ptr, v_tabs, DOT, V_ALIGNED, USE_ASM)
+            if V_NORM_CORRECTION == 1:
+                vf32 = v_f.to(tl.float32)
+                vf = vf / tl.sqrt(tl.maximum(tl.sum(vf32 * vf32, axis=1), 1e-30))
+        # p·f goes into the dot, scaled to the tile's largest |f| so fp16 keeps its precision.
+        fmax = tl.max(tl.abs(vf), axis=0)
+        fmax = tl.where(fmax > 0, fmax, 1.0)
+        pv = (p * (vf / fmax)[None, :]).to(DOT)
+        pz = tl.sum(p * vz[None, :], axis=1)
+        if V_HALVES:
+            acc_e = acc_e * alpha[:, None] + tl.dot(pv, v_e) * fmax + pz[:, None]
+            acc_o = acc_o * alpha[:, None] + tl.dot(pv, v_o) * fmax + pz[:, None]
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pv, v_f) * fmax + pz[:, None]
 
     # -- partial results: acc [S, HQ, NUM_SPLITS, DP], (m, l) [S, HQ, NUM_SPLITS, 2] ---------------
     part = ((s * HQ + qh).to(tl.int64) * NUM_SPLITS + split)
@@ -663,18 +654,17 @@ def fast_path_plan(layout) -> dict:
 def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, tables, *, sm_scale: float,
                          interpret: bool, q_poison=None, workspace=None, num_splits: int | None = None,
                          block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-                         probe: str = "",
-                         lut: str = "select", path: str = "auto", maxnreg: int | None = None,
-                         same_codebooks: bool = True):
+                         path: str = "auto", maxnreg: int | None = None, same_codebooks: bool):
     """Launch decode + merge. ``q_rot`` float32 ``[S, Hq, D]`` contiguous (already rotated when the
     key codec is rotated). ``q_poison``: float32
     ``[S·Hq]`` from :func:`rotate_q` (NaN for a non-finite query row, else 0), added to the output
     rows by the merge; ``None``: no poisoning. ``workspace``: optional float32 tensor with at least
     ``workspace_numel(...)`` elements. ``path``: ``"auto"`` (the warp-MMA kernel of
     :mod:`.triton_mma` where :func:`decode_path` says so, else the word path), ``"mma"`` (that
-    kernel, or ``ValueError``), ``"fast"`` (this module's kernel with the 4-bit word path),
-    ``"old"`` (this module's kernel, general decode only). ``same_codebooks``: whether the key
-    and value codebooks are equal (the warp-MMA kernel's one table serves both). The block ids in
+    kernel, or ``ValueError``), ``"general"`` (this module's kernel: the 4-bit word path where
+    :func:`fast_path_plan` has a read plan, else the general decode). ``same_codebooks``
+    (required): whether the key and value codebooks are equal (the warp-MMA kernel's one table
+    serves both; ``DeviceParams.same_codebooks``). The block ids in
     use must lie in ``[0, cache.shape[0])`` and the lengths in ``[0, max_blocks·block_size]``: the
     frontend passes the clamped table that :func:`rotate_q`'s index scan writes. No other checks."""
     c = layout_consts(layout)
@@ -699,9 +689,10 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
                                                   workspace, sm_scale)
             _launch_merge(acc, ml, tables["rotation"], out, layout, g, num_splits, interpret, q_poison=q_poison)
             return out
-        path = "fast"
-    plan = fast_path_plan(layout) if path == "fast" else {"K_FAST": 0, "V_FAST": 0, "K_PAR_ALIGNED": False,
-                                                            "V_PAR_ALIGNED": False}
+        path = "general"
+    if path != "general":
+        raise ValueError(f"path must be 'auto', 'mma' or 'general', got {path!r}")
+    plan = fast_path_plan(layout)
     if block_n is None:  # measured (H100, B32x16K): 128 best for the word path, 64 for the rest
         block_n = 128 if plan["K_FAST"] or plan["V_FAST"] else 64
     if num_stages is None:  # measured (H100): funnel-shifted words with 2 stages ran 2.5x slower
@@ -717,16 +708,10 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
         return (codec.kind in ("lloyd_max", "uniform") and codec.bits == 4 and dp == d and d >= 32
                 and not fast(side))
     consts = {k: v for k, v in c.items() if not k.startswith("PAD")}
-    if probe == "no_lut":  # timing probe: read Lloyd-Max codes as integers (wrong values)
-        for side in ("K", "V"):
-            if consts[f"{side}_KIND"] == 0:
-                consts[f"{side}_KIND"] = 1
-                consts[f"{side}_C_OFF"] = consts[f"{side}_B_OFF"]
     kwargs = dict(
         G=g, GP=gp, HQ=hq, BN=block_n, BS=layout.block_size,
         K_HALVES=halves("key"), V_HALVES=halves("value"), DOT=tl.bfloat16 if raw_bf16 else tl.float16,
         K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
-        SKIP_K=probe == "no_k", SKIP_V=probe == "no_v", LUT_SELECT=lut == "select",
         USE_ASM=not interpret, **plan,
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}), **consts,
     )
@@ -735,7 +720,7 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
         sms = 1 if interpret else torch.cuda.get_device_properties(q_rot.device).multi_processor_count
         num_splits = num_splits_for(s, hkv, max_len, sms, block_n)
         if not interpret and max_len // num_splits >= 2048:
-            key = (layout, hq, path, block_n, num_warps, num_stages, maxnreg, probe, lut, q_rot.device.index or 0)
+            key = (layout, hq, path, block_n, num_warps, num_stages, maxnreg, q_rot.device.index or 0)
             ctas = _resident_ctas(key, q_rot, cache, block_table, seq_lens, tables, kwargs, num_splits)
             num_splits = num_splits_for(s, hkv, max_len, sms, block_n, resident_ctas=ctas)
     acc, ml = _workspace(workspace, s, hq, num_splits, dp, q_rot.device)
@@ -920,26 +905,27 @@ MMA_MIN_CAPABILITY = (8, 0)
 MMA_FP8_MIN_CAPABILITY = (8, 9)
 
 
-def decode_path(layout, group: int, *, interpret: bool = False, same_codebooks: bool = True,
+def decode_path(layout, group: int, *, same_codebooks: bool, interpret: bool = False,
                 cache_aligned: bool = True, capability: tuple[int, int] | None = None) -> str:
     """Which kernel ``path="auto"`` runs: ``"mma"`` (the warp-MMA kernel where
     :func:`.triton_mma.mma_plan` takes the layout, and for 4-bit Lloyd-Max values only with the
-    keys' codebook (``same_codebooks``); never under the interpreter, which cannot run its inline
+    keys' codebook (``same_codebooks``, required: the frontend passes
+    ``DeviceParams.same_codebooks``); never under the interpreter, which cannot run its inline
     PTX, nor for a cache not 16-byte aligned, nor on a GPU whose compute ``capability`` (major,
     minor) is below ``MMA_MIN_CAPABILITY`` (``MMA_FP8_MIN_CAPABILITY`` for FP8 keys); ``None``
-    skips that check) or ``"fast"`` (this module's kernel)."""
+    skips that check) or ``"general"`` (this module's kernel)."""
     plan = mma_plan(layout, group)
     if interpret or plan is None or not cache_aligned:
-        return "fast"
+        return "general"
     if capability is not None:
         if not isinstance(capability, (tuple, list)) or len(capability) != 2 \
                 or not all(isinstance(x, int) for x in capability):
             raise TypeError(f"capability must be a (major, minor) pair of ints, got {capability!r}")
         need = MMA_FP8_MIN_CAPABILITY if plan["K_FP8"] else MMA_MIN_CAPABILITY
         if tuple(capability) < need:
-            return "fast"
+            return "general"
     if plan["V_BITS"] == 4 and not plan["V_UNIFORM"] and not same_codebooks:  # one codebook for K and V
-        return "fast"
+        return "general"
     return "mma"
 
 

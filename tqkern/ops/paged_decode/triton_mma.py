@@ -54,9 +54,7 @@ stage (``_load_step(..., SMEM=True)``), so the partials are bit-identical to the
 
 Partials (unnormalised acc, base-2 max, sum) go to the workspace of
 :func:`tqkern.ops.paged_decode.triton._merge_kernel`, which merges splits and rotates back.
-GPU only (inline PTX); the CPU interpreter runs the general kernel instead. ``PROBE`` (1: the
-loads only, 2: the loop without DRAM traffic) turns the kernel into a timing probe with wrong
-outputs for ``benchmarks/sweep_mma.py``; no plan of the launcher sets it.
+GPU only (inline PTX); the CPU interpreter runs the general kernel instead.
 """
 
 from __future__ import annotations
@@ -72,7 +70,7 @@ from tqkern.ops.common import layout_consts, load_param
 
 __all__ = ["_paged_decode_mma_kernel", "_launch_paged_decode_mma", "DynamicSmemUnsupported", "coop_plan",
            "coop_row_stride", "coop_smem_bytes", "device_plan", "disable_cooperative_stages", "mma_plan",
-           "num_splits_mma", "per_warp_plan", "resident_warps", "shifted_plan", "table256_plan"]
+           "num_splits_mma", "per_warp_plan", "resident_warps", "table256_plan"]
 
 _DT = {"float16": 0, "float32": 1, "bfloat16": 2}
 LUT_BYTES = tl.constexpr(32768)  # the pair table: 256 entries × 32 lane replicas × 4 bytes
@@ -803,15 +801,6 @@ def _rescale(o, be, bo, NMT: tl.constexpr):
 
 
 @triton.jit
-def _fold(x):
-    """XOR of the words of ``x`` (a tuple)."""
-    res = x[0]
-    for i in tl.static_range(1, len(x)):
-        res = res ^ x[i]
-    return res
-
-
-@triton.jit
 def _dim_of(f, e, NIBBLE: tl.constexpr):
     """Coordinate of nibble ``e`` (0 low, 1 high) of field byte ``f``."""
     if NIBBLE:
@@ -831,7 +820,7 @@ def _paged_decode_mma_kernel(
     V_B_STRIDE: tl.constexpr, V_C_OFF: tl.constexpr, V_C_STRIDE: tl.constexpr, V_DT: tl.constexpr,
     K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, K_FP8: tl.constexpr = False, K_NW: tl.constexpr = 1,
     K_BITS: tl.constexpr = 4, K_FUN: tl.constexpr = False, V_FUN: tl.constexpr = False, V_BITS: tl.constexpr = 4,
-    PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0, SUB: tl.constexpr = 1, PROBE: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0, SUB: tl.constexpr = 1,
     COOP: tl.constexpr = 0, RS: tl.constexpr = 0, SMEM_OFF: tl.constexpr = 0, LUT_AT: tl.constexpr = 0,
     NLOW: tl.constexpr = 0, LATE_V: tl.constexpr = 0,
 ):
@@ -985,8 +974,6 @@ def _paged_decode_mma_kernel(
     o = ()
     for i in tl.static_range(NMT):
         o = o + (zf, zf, zf, zf)
-    pacc = lane * 0  # PROBE = 1: every loaded word folded into these (so that no load is dead code)
-    pfac = zf
     m_e = zf - 1e30  # running max (base-2 scores) of heads 2c and 2c+1
     m_o = zf - 1e30
     l_e = zf
@@ -1016,10 +1003,7 @@ def _paged_decode_mma_kernel(
         if COOP:  # this iteration's stage has landed; refill the one read last iteration
             sb = _coop_wait(_stage(stages, lut, it % COOP, STG, NBELOW), COOP - 2)
             tc = t0 + 16 * SUB * (COOP - 1)
-            copy_end = end
-            if PROBE == 2:  # no refills: the loop runs on the prologue's stages (no DRAM traffic)
-                copy_end = start
-            _coop_issue(cache_ptr, nxt, tc, copy_end,
+            _coop_issue(cache_ptr, nxt, tc, end,
                         _stage(stages, lut, (it + COOP - 1) % COOP, STG, NBELOW), cp_s, t, NT, BS,
                         ROW_BYTES, RS, SUB)
             nxt = _step_blocks(bt_row, tc + 16 * SUB, end, BS, SUB)
@@ -1036,82 +1020,70 @@ def _paged_decode_mma_kernel(
             else:
                 k0, k1, v0, v1, v2, v3, fac = ring[0]
                 tn = t0 + 16 * (PREFETCH + u)
-                if PROBE == 2:  # the first PREFETCH steps' rows again (L1 / L2 hits): no DRAM traffic
-                    tn = start + 16 * ((PREFETCH + u) % PREFETCH)
                 ring = ring[1:] + (_load_step(cache_ptr, bt_row, blk, tn, end, r, c, geo, BS, ROW_BYTES, CK, CV,
                                               K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, K_FP8, K_NW, K_BITS,
                                               K_FUN, V_FUN),)
-                if PROBE == 2:
-                    blk = _step_block(bt_row, start + 16 * ((PREFETCH + u + 1) % PREFETCH), end, BS)
-                else:
-                    blk = _step_block(bt_row, tn + 16, end, BS)
+                blk = _step_block(bt_row, tn + 16, end, BS)
             ok0 = (t0 + 16 * u + r) < end
             ok1 = (t0 + 16 * u + r + 8) < end
-            if PROBE == 1:  # loads only: no lookups, MMAs or softmax
-                pacc = pacc ^ _fold(k0) ^ _fold(k1) ^ _fold(v0) ^ _fold(v1) ^ _fold(v2) ^ _fold(v3)
-                pfac = pfac + fac[0] + fac[1] + fac[2] + fac[3] + fac[4] + fac[5]
+            sv, cn = _scores(k0, k1, qf, lb, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN, LUT_AT > 0)
+            s0, s1, s2, s3 = _scaled_scores(sv, cn, fac, ok0, ok1, sm_scale_log2, K_NC)
+            vf0 = tl.where(ok0, fac[2], 0.0)
+            vf1 = tl.where(ok1, fac[3], 0.0)
+            if u == 0:
+                mx_e = tl.maximum(s0, s2)
+                mx_o = tl.maximum(s1, s3)
+                mx_v = tl.maximum(tl.abs(vf0), tl.abs(vf1))
             else:
-                sv, cn = _scores(k0, k1, qf, lb, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN, LUT_AT > 0)
-                s0, s1, s2, s3 = _scaled_scores(sv, cn, fac, ok0, ok1, sm_scale_log2, K_NC)
-                vf0 = tl.where(ok0, fac[2], 0.0)
-                vf1 = tl.where(ok1, fac[3], 0.0)
+                mx_e = tl.maximum(mx_e, tl.maximum(s0, s2))
+                mx_o = tl.maximum(mx_o, tl.maximum(s1, s3))
+                mx_v = tl.maximum(mx_v, tl.maximum(tl.abs(vf0), tl.abs(vf1)))
+            steps = steps + ((v0, v1, v2, v3, s0, s1, s2, s3, vf0, vf1, fac, ok0, ok1),)
+        mn_e = tl.maximum(m_e, _warp_max_r(mx_e))
+        mn_o = tl.maximum(m_o, _warp_max_r(mx_o))
+        a_e = tl.exp2(m_e - mn_e)
+        a_o = tl.exp2(m_o - mn_o)
+        for u in tl.static_range(SUB):
+            v0, v1, v2, v3, s0, s1, s2, s3, vf0, vf1, fac, ok0, ok1 = steps[u]
+            if LV:  # this step's values from the stage, now
+                _, _, v0, v1, v2, v3, _ = _load_step(cache_ptr, bt_row, sb + 16 * u * RS, t0 + 16 * u, end, r, c,
+                                                     geo, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT, V_DT,
+                                                     V_UNIFORM, HINT, K_FP8, K_NW, K_BITS, K_FUN, V_FUN, True, RS,
+                                                     2)
+            p0 = tl.exp2(s0 - mn_e)
+            p1 = tl.exp2(s1 - mn_o)
+            p2 = tl.exp2(s2 - mn_e)
+            p3 = tl.exp2(s3 - mn_o)
+            if u == 0:  # the running sums carry the correction factors once
+                l_e = l_e * a_e + (p0 + p2)
+                l_o = l_o * a_o + (p1 + p3)
+            else:
+                l_e = l_e + (p0 + p2)
+                l_o = l_o + (p1 + p3)
+            if V_UNIFORM:
+                vz0 = tl.where(ok0, fac[4], 0.0)
+                vz1 = tl.where(ok1, fac[5], 0.0)
                 if u == 0:
-                    mx_e = tl.maximum(s0, s2)
-                    mx_o = tl.maximum(s1, s3)
-                    mx_v = tl.maximum(tl.abs(vf0), tl.abs(vf1))
+                    z_e = z_e * a_e + (p0 * vz0 + p2 * vz1)
+                    z_o = z_o * a_o + (p1 * vz0 + p3 * vz1)
                 else:
-                    mx_e = tl.maximum(mx_e, tl.maximum(s0, s2))
-                    mx_o = tl.maximum(mx_o, tl.maximum(s1, s3))
-                    mx_v = tl.maximum(mx_v, tl.maximum(tl.abs(vf0), tl.abs(vf1)))
-                steps = steps + ((v0, v1, v2, v3, s0, s1, s2, s3, vf0, vf1, fac, ok0, ok1),)
-        if PROBE != 1:
-            mn_e = tl.maximum(m_e, _warp_max_r(mx_e))
-            mn_o = tl.maximum(m_o, _warp_max_r(mx_o))
-            a_e = tl.exp2(m_e - mn_e)
-            a_o = tl.exp2(m_o - mn_o)
-            for u in tl.static_range(SUB):
-                v0, v1, v2, v3, s0, s1, s2, s3, vf0, vf1, fac, ok0, ok1 = steps[u]
-                if LV:  # this step's values from the stage, now
-                    _, _, v0, v1, v2, v3, _ = _load_step(cache_ptr, bt_row, sb + 16 * u * RS, t0 + 16 * u, end, r, c,
-                                                         geo, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT, V_DT,
-                                                         V_UNIFORM, HINT, K_FP8, K_NW, K_BITS, K_FUN, V_FUN, True, RS,
-                                                         2)
-                p0 = tl.exp2(s0 - mn_e)
-                p1 = tl.exp2(s1 - mn_o)
-                p2 = tl.exp2(s2 - mn_e)
-                p3 = tl.exp2(s3 - mn_o)
-                if u == 0:  # the running sums carry the correction factors once
-                    l_e = l_e * a_e + (p0 + p2)
-                    l_o = l_o * a_o + (p1 + p3)
-                else:
-                    l_e = l_e + (p0 + p2)
-                    l_o = l_o + (p1 + p3)
-                if V_UNIFORM:
-                    vz0 = tl.where(ok0, fac[4], 0.0)
-                    vz1 = tl.where(ok1, fac[5], 0.0)
-                    if u == 0:
-                        z_e = z_e * a_e + (p0 * vz0 + p2 * vz1)
-                        z_o = z_o * a_o + (p1 * vz0 + p3 * vz1)
-                    else:
-                        z_e = z_e + (p0 * vz0 + p2 * vz1)
-                        z_o = z_o + (p1 * vz0 + p3 * vz1)
-                if u == 0:  # one rescale of the output per update
-                    vn = tl.maximum(vmax, _warp_max_r(mx_v))
-                    ratio = tl.where(vn > 0, vmax / tl.where(vn > 0, vn, 1.0), 1.0)
-                    inv = tl.where(vn > 0, 1.0 / tl.where(vn > 0, vn, 1.0), 0.0)
-                    vmax = vn
-                    o = _rescale(o, a_e * ratio, a_o * ratio, NMT)
-                w0 = vf0 * inv
-                w1 = vf1 * inv
-                pb = _p_fragments(p0 * w0, p1 * w0, p2 * w1, p3 * w1)
-                o = _values(o, v0, v1, v2, v3, pb[0], pb[1], lb, v_mis_e * 8, v_mis_o * 8, NVW, CV, V_UNIFORM, V_FUN,
-                            V_BITS, NMT, LUT_AT > 0)
-            m_e = mn_e
-            m_o = mn_o
+                    z_e = z_e + (p0 * vz0 + p2 * vz1)
+                    z_o = z_o + (p1 * vz0 + p3 * vz1)
+            if u == 0:  # one rescale of the output per update
+                vn = tl.maximum(vmax, _warp_max_r(mx_v))
+                ratio = tl.where(vn > 0, vmax / tl.where(vn > 0, vn, 1.0), 1.0)
+                inv = tl.where(vn > 0, 1.0 / tl.where(vn > 0, vn, 1.0), 0.0)
+                vmax = vn
+                o = _rescale(o, a_e * ratio, a_o * ratio, NMT)
+            w0 = vf0 * inv
+            w1 = vf1 * inv
+            pb = _p_fragments(p0 * w0, p1 * w0, p2 * w1, p3 * w1)
+            o = _values(o, v0, v1, v2, v3, pb[0], pb[1], lb, v_mis_e * 8, v_mis_o * 8, NVW, CV, V_UNIFORM, V_FUN,
+                        V_BITS, NMT, LUT_AT > 0)
+        m_e = mn_e
+        m_o = mn_o
 
     # -- partial results: acc [S, HQ, NUM_SPLITS, DP], (m, l) [S, HQ, NUM_SPLITS, 2] --------------
-    if PROBE == 1:
-        o = (o[0] + pacc.to(tl.float32) + pfac,) + o[1:]
     l_e = _warp_sum_r(l_e)
     l_o = _warp_sum_r(l_o)
     if V_UNIFORM:
@@ -1296,19 +1268,6 @@ def _smem_optin(index: int) -> int:
     return int(getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 0))
 
 
-def shifted_plan(plan: dict) -> dict:
-    """``plan`` with every 4-bit field read as shifted words (``K_FUN`` / ``V_FUN``) instead of
-    aligned or joined blocks: valid for any plan (the shifted reads need only 2-byte rows); for
-    measuring one read scheme against the other."""
-    if not isinstance(plan, dict):
-        raise TypeError(f"plan must be a dict from mma_plan, got {type(plan).__name__}")
-    plan = dict(plan)
-    if plan["K_BITS"] == 4:
-        plan.update(K_FUN=True, K_MERGE=False)
-    plan.update(V_FUN=True, V_MERGE=False)
-    return plan
-
-
 _COOP_SMEM_OFF = 1024  # the cooperative stages start here in the dynamic region (below: Triton's own scratch)
 _COOP_PAD = 64  # slack past the last stage
 _SMEM_OPTIN = 232448  # dynamic shared memory one CTA may use on sm_90 (227 KB)
@@ -1324,8 +1283,7 @@ def coop_plan(plan: dict, layout: PagedLayout, stages: int = 2) -> dict | None:
     ``stages`` shared-memory stages with ``cp.async`` (coalesced 16-byte chunks), and every head-warp
     reads its fields from there. ``None`` where it does not apply: blocks not a multiple of 16
     tokens, a KV-head count that is not a power of two up to 16 (a CTA's warps), or stages (plus
-    the pair table) beyond one CTA's shared memory. (With ``PROBE = 2`` the loop runs on the
-    prologue's stages: no refills.) The stages live in the kernel's dynamic shared memory, which the
+    the pair table) beyond one CTA's shared memory. The stages live in the kernel's dynamic shared memory, which the
     launcher sizes (see :func:`coop_smem_bytes`). A plan of 4-bit keys whose CTA has the SM to
     itself anyway takes the PRMT-addressed table where it fits (:func:`table256_plan`). The values
     are read from the stage after each softmax update (``LATE_V = 1``, unless ``plan`` sets it):

@@ -1,0 +1,90 @@
+"""CI sees the GPU kernels: every warp-MMA decode plan the launcher can emit for the benchmark
+presets, and the general kernel for fp16, compiled for sm_90 (H100) with Triton's bundled ptxas,
+on a machine without a GPU.
+
+For each compiled kernel: it compiles; its registers stay within the cap the launcher sets
+(``maxnreg``; 255 where it sets none); its stack bytes (spills) and SASS instruction count stay
+within the budgets recorded below, so that a refactor which adds spills or instructions to the
+inner loop fails here before any device time is spent. The kernels compile in a fresh process
+without ``TRITON_INTERPRET`` (the interpreter replaces them), two processes at a time.
+
+Budgets: today's values from Triton 3.9's ptxas (the GPU machines run Triton 3.6, whose numbers
+may differ a little); instruction budgets today's count + 3%. A change that lowers a number
+should lower its budget too. Shapes and presets: ``benchmarks/shapes.py`` (B32x16K's
+Hq32/Hkv8/D128 and SmolLM2's Hq9/Hkv3/D64, GQA 3; the latter has no cooperative plan: 3 KV heads).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from benchmarks.shapes import DECODE_PRESETS, decode_shape
+from tqkern.ops.paged_decode.aot import report_in_subprocess, tool_path
+
+SHAPES = ("B32x16K", "SmolLM2_B32x4K")
+
+# name -> (stack bytes, SASS instructions) today (Triton 3.9). Stack > 0: the kernel spills at the
+# launcher's 128-register cap (cooperative plans: two CTAs of 8 warps per SM); pinned as budgets.
+BUDGETS = {
+    "mma:tq4:row:128:8:32:per_warp": (0, 1368),
+    "mma:tq4:row:128:8:32:coop": (24, 1256),  # PRMT-addressed table (table256_plan)
+    "mma:turboquant_4bit_nc:slot:128:8:32:per_warp": (0, 1248),
+    "mma:turboquant_4bit_nc:slot:128:8:32:coop": (48, 1520),
+    "mma:turboquant_k8v4:slot:128:8:32:per_warp": (0, 864),
+    "mma:turboquant_k8v4:slot:128:8:32:coop": (0, 880),
+    "mma:turboquant_k3v4_nc:slot:128:8:32:per_warp": (16, 1088),
+    "mma:turboquant_k3v4_nc:slot:128:8:32:coop": (24, 1408),
+    "mma:turboquant_3bit_nc:slot:128:8:32:per_warp": (8, 1056),
+    "mma:turboquant_3bit_nc:slot:128:8:32:coop": (24, 1400),
+    "mma:tqkern_k5v3:slot:128:8:32:per_warp": (8, 2040),
+    "mma:tqkern_k5v3:slot:128:8:32:coop": (0, 1992),
+    "mma:tq4:row:64:3:9:per_warp": (0, 1016),
+    "mma:turboquant_4bit_nc:slot:64:3:9:per_warp": (0, 848),
+    "mma:turboquant_k8v4:slot:64:3:9:per_warp": (0, 592),
+    "mma:turboquant_k3v4_nc:slot:64:3:9:per_warp": (0, 840),
+    "mma:turboquant_3bit_nc:slot:64:3:9:per_warp": (0, 840),
+    "mma:tqkern_k5v3:slot:64:3:9:per_warp": (0, 1368),
+    "general:fp16:slot:128:8:32": (0, 952),
+}
+INSTR_SLACK = 1.03
+
+
+def _cases() -> list[str]:
+    cases = []
+    for shape in map(decode_shape, SHAPES):
+        dims = f"{shape.head_dim}:{shape.num_kv_heads}:{shape.num_q_heads}"
+        cases += [f"mma:{preset}:{arr}:{dims}" for preset, arr in DECODE_PRESETS if preset != "fp16"]
+    cases.append("general:fp16:slot:128:8:32")
+    return cases
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict:
+    if not os.path.exists(tool_path("ptxas")):
+        pytest.skip(f"Triton's bundled ptxas is not installed ({tool_path('ptxas')})")
+    cases = _cases()
+    halves = [cases[0::2], cases[1::2]]  # the slow D128 plans spread over both processes
+    with ThreadPoolExecutor(2) as pool:
+        got = [r for part in pool.map(report_in_subprocess, halves) for r in part]
+    return {r["name"]: r for r in got}
+
+
+def test_every_launcher_plan_has_a_budget(reports):
+    """A plan the launcher newly emits (or no longer emits) must be recorded here."""
+    assert sorted(reports) == sorted(BUDGETS)
+
+
+@pytest.mark.parametrize("name", sorted(BUDGETS))
+def test_sm90_registers_spills_and_instructions(reports, name):
+    r = reports.get(name)
+    assert r is not None, f"{name} was not compiled"
+    stack_budget, instrs_today = BUDGETS[name]
+    cap = r["maxnreg"] or 255
+    assert 0 < r["regs"] <= cap, f"{name}: {r['regs']} registers, the launcher's cap is {cap}"
+    assert r["stack"] <= stack_budget, f"{name}: {r['stack']} stack bytes (spills), budget {stack_budget}"
+    limit = math.ceil(instrs_today * INSTR_SLACK)
+    assert r["instrs"] <= limit, f"{name}: {r['instrs']} SASS instructions, budget {limit} (today {instrs_today})"

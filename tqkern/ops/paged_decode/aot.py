@@ -1,0 +1,234 @@
+"""Compile the paged-decode kernels for sm_90 without a GPU, with the launchers' own constexprs.
+
+Triton's bundled ``ptxas`` turns the kernels into a cubin for an H100 (``GPUTarget("cuda", 90,
+32)``) on any machine; its bundled ``cuobjdump`` / ``nvdisasm`` report registers, stack bytes
+(spills) and the SASS. Used by ``tests/test_sm90_compile.py`` (CI sees the GPU kernels) and
+``benchmarks/aot_inspect.py`` (inner-loop changes judged before spending device time).
+
+The constexprs and options come from the launchers themselves
+(:func:`tqkern.ops.paged_decode.triton_mma._kernel_args`, and a capture of
+:func:`tqkern.ops.paged_decode.triton._launch_paged_decode`), so a compiled plan is the one a
+launch would run. Runtime arguments are compiled as a launch on 16-byte aligned tensors with
+unspecialized integers would see them (the cooperative kernel specializes nothing).
+
+Triton's interpreter (``TRITON_INTERPRET=1``) replaces every ``@triton.jit`` function, so these
+helpers need a process without it: ``python -m tqkern.ops.paged_decode.aot CASE ...`` compiles
+cases in a fresh process (that variable removed) and prints one JSON report per compiled kernel.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from types import SimpleNamespace
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from tqkern.ops.paged_decode import triton as pdt
+from tqkern.ops.paged_decode import triton_mma as tm
+
+__all__ = ["SM90", "compile_general", "compile_mma", "general_launch", "histogram", "launcher_plans",
+           "mma_launch", "report", "report_in_subprocess", "resources", "sass_of", "tool_path"]
+
+SM90 = GPUTarget("cuda", 90, 32)
+_PTRS = ("q_ptr", "cache_ptr", "bt_ptr", "sl_ptr", "cen_ptr", "vcen_ptr", "kc_ptr", "vc_ptr", "acc_ptr", "ml_ptr")
+_INTS = ("num_seqs", "max_blocks", "NUM_SPLITS", "zero")
+
+
+def tool_path(tool: str) -> str:
+    """Path of one of Triton's bundled CUDA binary tools (``ptxas``, ``cuobjdump``, ``nvdisasm``)."""
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
+
+
+def _compile(fn, constexprs: dict, options: dict, specialize: bool):
+    """``fn`` compiled for sm_90: pointers fp32/u8/i32 (16-byte aligned when ``specialize``),
+    the runtime integers i32, ``sm_scale_log2`` fp32, every other parameter a constexpr (those
+    not given at their defaults)."""
+    if not hasattr(fn, "params"):
+        raise RuntimeError("the kernels are interpreted (TRITON_INTERPRET=1): compile in a process without it "
+                           "(report_in_subprocess)")
+    cx = dict(constexprs)
+    for prm in fn.params:
+        if prm.is_constexpr and prm.name not in cx and getattr(prm, "has_default", False):
+            cx[prm.name] = prm.default
+    sig = {}
+    for name in fn.arg_names:
+        if name in _PTRS:
+            sig[name] = "*u8" if name == "cache_ptr" else "*i32" if name in ("bt_ptr", "sl_ptr") else "*fp32"
+        elif name in _INTS and name not in cx:
+            sig[name] = "i32"
+        elif name == "sm_scale_log2":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "constexpr"
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names if n in _PTRS} \
+        if specialize else {}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in cx.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=SM90, options=options)
+
+
+def mma_launch(layout, hq: int, plan: dict, **launch) -> tuple[dict, dict]:
+    """(constexprs, compile options) of a warp-MMA launch of ``plan`` (``launch``: the
+    launcher's optional ``warps``, ``prefetch``, ``hint``, ``maxnreg``), from the launcher's
+    :func:`~tqkern.ops.paged_decode.triton_mma._kernel_args`."""
+    d = layout.format.head_dim
+    q = SimpleNamespace(shape=(1, hq, d))
+    bt = SimpleNamespace(shape=(1, 1))
+    _, kw = tm._kernel_args(q, None, bt, None, layout, plan, None, None, None, hq // layout.num_kv_heads, 1, 1.0,
+                            launch.get("warps", 4), launch.get("prefetch"), launch.get("hint", 1),
+                            launch.get("maxnreg"))
+    opts = {k: kw.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kw}
+    return kw, opts
+
+
+def compile_mma(layout, hq: int, plan: dict, **launch):
+    """The warp-MMA decode kernel of ``plan`` (cooperative plans: the unspecialized wrapper the
+    launcher uses for them), compiled for sm_90 as :func:`mma_launch` describes it."""
+    cx, opts = mma_launch(layout, hq, plan, **launch)
+    return _compile(tm._paged_decode_mma_kernel, cx, opts, specialize=not plan.get("COOP"))
+
+
+class _Captured(Exception):
+    pass
+
+
+def general_launch(layout, hq: int, *, num_splits: int = 4, **launch) -> tuple[dict, dict]:
+    """(constexprs, compile options) that :func:`~tqkern.ops.paged_decode.triton._launch_paged_decode`
+    passes to the general kernel (``path="general"``; ``launch``: its optional ``block_n``,
+    ``num_warps``, ``num_stages``, ``maxnreg``), captured by a stub in place of the kernel."""
+    import torch
+
+    got = {}
+
+    class Stub:
+        def __getitem__(self, grid):
+            def call(*args, **kw):
+                got.update(kw)
+                raise _Captured
+            return call
+
+    d = layout.format.head_dim
+    orig = pdt._paged_decode_kernel
+    pdt._paged_decode_kernel = Stub()
+    try:
+        pdt._launch_paged_decode(None, torch.zeros(1, hq, d), torch.zeros(1, dtype=torch.uint8),
+                                 torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), layout,
+                                 {"key_centroids_f32": None, "value_centroids_f32": None, "rotation": None},
+                                 sm_scale=1.0, interpret=False, num_splits=num_splits, path="general",
+                                 same_codebooks=False, **launch)
+    except _Captured:
+        pass
+    finally:
+        pdt._paged_decode_kernel = orig
+    opts = {k: got.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in got}
+    return got, opts
+
+
+def compile_general(layout, hq: int, **launch):
+    """The general decode kernel (``path="general"``) for ``layout``, compiled for sm_90."""
+    cx, opts = general_launch(layout, hq, **launch)
+    return _compile(pdt._paged_decode_kernel, cx, opts, specialize=True)
+
+
+def launcher_plans(layout, group: int) -> dict:
+    """Every warp-MMA plan the launcher can emit for ``layout`` and ``group``: ``"per_warp"``
+    (no cooperative stages: a device with too little shared memory, the short-split rule, or
+    after a sizing failure) and, where :func:`~.triton_mma.mma_plan` takes them, ``"coop"`` (with
+    the PRMT-addressed table where :func:`~.triton_mma.table256_plan` fits). Empty where the
+    warp-MMA kernel does not apply."""
+    plan = tm.mma_plan(layout, group)
+    if plan is None:
+        return {}
+    out = {"per_warp": tm.per_warp_plan(plan)}
+    if plan.get("COOP"):
+        out["coop"] = plan
+    return out
+
+
+def _tool_on_cubin(compiled, tool: str, *flags: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        return subprocess.run([tool_path(tool), *flags, f.name], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
+def sass_of(compiled) -> str:
+    """The kernel's SASS (``nvdisasm -c``)."""
+    return _tool_on_cubin(compiled, "nvdisasm", "-c")
+
+
+def resources(compiled) -> tuple[int, int]:
+    """(registers, stack bytes) from ``cuobjdump -res-usage``; stack bytes > 0 mean spills (or
+    a local array)."""
+    out = _tool_on_cubin(compiled, "cuobjdump", "-res-usage")
+    reg = re.search(r"REG:(\d+)", out)
+    stack = re.search(r"STACK:(\d+)", out)
+    return int(reg.group(1)) if reg else -1, int(stack.group(1)) if stack else -1
+
+
+def histogram(sass: str) -> collections.Counter:
+    """Instruction counts by opcode (without modifiers) of a SASS listing."""
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", line)
+        if m:
+            ops[m.group(1).split(".")[0]] += 1
+    return ops
+
+
+def report(case: str) -> list[dict]:
+    """Compile one case and report each kernel: ``case`` is ``"mma:PRESET:ARRANGEMENT:D:HKV:HQ"``
+    (every plan of :func:`launcher_plans`) or ``"general:PRESET:ARRANGEMENT:D:HKV:HQ"`` (the
+    general kernel). Each report: ``name``, ``regs``, ``stack`` (bytes), ``instrs`` (SASS
+    instructions), ``maxnreg`` (the launcher's register cap, 0 for none)."""
+    import tqkern
+
+    kind, preset, arr, d, hkv, hq = case.split(":")
+    d, hkv, hq = int(d), int(hkv), int(hq)
+    layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset(preset, d), num_kv_heads=hkv, block_size=16,
+                                arrangement=arr)
+    if kind == "mma":
+        todo = [(f"{case}:{name}", plan) for name, plan in launcher_plans(layout, hq // hkv).items()]
+        if not todo:
+            raise ValueError(f"the warp-MMA kernel does not apply to {case}")
+    elif kind == "general":
+        todo = [(case, None)]
+    else:
+        raise ValueError(f"case kind must be 'mma' or 'general', got {kind!r}")
+    out = []
+    for name, plan in todo:
+        if plan is None:
+            compiled, (_, opts) = compile_general(layout, hq), general_launch(layout, hq)
+        else:
+            compiled, (_, opts) = compile_mma(layout, hq, plan), mma_launch(layout, hq, plan)
+        regs, stack = resources(compiled)
+        out.append(dict(name=name, regs=regs, stack=stack, instrs=sum(histogram(sass_of(compiled)).values()),
+                        maxnreg=int(opts.get("maxnreg", 0))))
+    return out
+
+
+def report_in_subprocess(cases: list[str], timeout: float = 600) -> list[dict]:
+    """:func:`report` of every case, run in a fresh Python without ``TRITON_INTERPRET``."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-m", "tqkern.ops.paged_decode.aot", *cases], capture_output=True,
+                         text=True, timeout=timeout, env=env, cwd=root)
+    if res.returncode:
+        raise RuntimeError(f"sm_90 compile failed (exit {res.returncode}):\n{res.stderr[-4000:]}")
+    return json.loads(res.stdout)
+
+
+if __name__ == "__main__":
+    print(json.dumps([r for case in sys.argv[1:] for r in report(case)]))
