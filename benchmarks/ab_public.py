@@ -42,7 +42,7 @@ def variant(merge: str | None = None):
 
 
 # Session 5 run 1 also had programmatic dependent launch and a two-launch merge here (both
-# slower, removed: benchmarks/NOTES.md §19, the code is in commit d537786).
+# slower, removed: docs/performance.md §19, the code is in commit d537786).
 VARIANTS = {
     "default": dict(),
     "merge-rows": dict(merge="rows"),

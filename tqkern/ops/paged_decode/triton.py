@@ -758,7 +758,7 @@ def _mma_launch_plan(q_rot, cache, block_table, seq_lens, layout, tables, g, num
         # it has at least 2 splits of its own (measured, H100: B32x4K turboquant_k8v4 90.1 vs 95.3
         # µs; session 12, with the then one-step plans of 3- and 4-bit keys: turboquant_4bit_nc
         # 75.1 vs 81.5, 3bit_nc 73.3 vs 77.8 -- but turboquant_4bit_nc with 1 split of its own
-        # 92.2 vs 84.1: benchmarks/NOTES.md §45, §47). The two-step stages of 3- and 4-bit keys
+        # 92.2 vs 84.1: docs/performance.md §45, §47). The two-step stages of 3- and 4-bit keys
         # keep their plan: at B32x4K turboquant_4bit_nc 75.4 vs per-warp 75.0 µs, k3v4_nc 73.0 vs
         # 77.2, 3bit_nc 72.2 vs 73.1; at B128x1K 79.0 vs 92.2, 76.1 vs 80.2, 74.6 vs 76.3.
         if plan.get("COOP") and plan["SUB"] == 1 and max_len < _COOP_MIN_TOKENS * num_splits:
@@ -850,11 +850,11 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
     """Merge the splits into ``out`` (rotating back when the value codec is rotated). ``impl``:
     ``"rows"`` (:func:`_merge_rows_kernel`, blocks of ``rows`` query rows) or ``"heads"``
     (:func:`_merge_kernel`, one GQA group per program); by default rows with the rotate-back or
-    more than 16 splits, else heads. Measured (H100, session 4, `benchmarks/results/h100_session4_run1_sweep.log`):
+    more than 16 splits, else heads. Measured (H100, session 4, docs/performance.md, "Merge and q rotation"):
     with the rotate-back rows are 2x faster (tq4 B32x16K 11.7 → 6.0 µs, B8x64K 24.5 → 14.6 µs);
     without it heads are faster at 8 splits (turboquant_4bit_nc B32x16K 3.0 vs 3.3 µs) and rows
     with every split's load in flight at 33 (B8x64K 7.3 vs 9.3 µs; session 12,
-    `benchmarks/results/h100_session12_run4_sweep.log`). ``chunks``: output-column chunks per
+    the same section). ``chunks``: output-column chunks per
     program block (default :func:`merge_chunks`); ``unroll``: splits per loop iteration of the
     row-block kernel (default 8 with the rotate-back, else all of them). ``q_poison``: float32
     ``[S·Hq]`` added to every output row (NaN poisons the row), or ``None``."""

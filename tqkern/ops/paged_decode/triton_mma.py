@@ -341,7 +341,7 @@ def _ld_asm(nw: int, hint: str, space: str = "global.nc", typ: str = "b32") -> s
 
 
 # Loads of 1, 2 or 4 words, plain or with an L2 prefetch hint of 256 bytes. (Adding
-# L1::no_allocate measured 1-29% slower on the H100 for every format: benchmarks/NOTES.md §23.)
+# L1::no_allocate measured 1-29% slower on the H100 for every format: docs/performance.md §23.)
 _LD_ASM = {(nw, h): tl.constexpr(_ld_asm(nw, ".L2::256B" if h else "")) for nw in (1, 2, 4) for h in (0, 1)}
 _LD1, _LD2, _LD4 = _LD_ASM[1, 0], _LD_ASM[2, 0], _LD_ASM[4, 0]
 _LD1H, _LD2H, _LD4H = _LD_ASM[1, 1], _LD_ASM[2, 1], _LD_ASM[4, 1]
@@ -1190,7 +1190,7 @@ def _mma_plan(layout: PagedLayout, group: int) -> tuple | None:
     # 4-bit key chunks not at fixed offsets from aligned blocks, and 5-bit keys: shifted words
     k_fun = k5 or (not (k_fp8 or k3) and rb % ck != 0)
     # 3-bit values: always shifted (3D/64-byte chunks). With 3-bit keys, values that would be
-    # joined are shifted too (measured 4-5% faster on the H100: benchmarks/NOTES.md §25).
+    # joined are shifted too (measured 4-5% faster on the H100: docs/performance.md §25).
     v_fun = value.bits == 3 or rb % cv != 0 or (k3 and bool(c["V_A_OFF"] % cv or c["V_A_STRIDE"] % cv))
     last_key = c["K_A_OFF"] + (layout.num_kv_heads - 1) * c["K_A_STRIDE"]
     if k3 and last_key + 3 * (3 * d // 32) + 4 * ((3 * d + 127) // 128 + 1) > rb:
@@ -1223,7 +1223,7 @@ def _mma_plan(layout: PagedLayout, group: int) -> tuple | None:
         K_FUN=k_fun, V_FUN=v_fun, V_BITS=value.bits,
     )
     # CTA-cooperative stages where they apply and CTAs have at least 4 warps (each CTA fills its
-    # own table), measured on the H100 (benchmarks/NOTES.md §37-39, §47): Lloyd-Max values 4
+    # own table), measured on the H100 (docs/performance.md §37-39, §47): Lloyd-Max values 4
     # stages of two steps (one CTA per SM); uniform values next to table-decoded keys 2 stages of
     # two steps per softmax update (two CTAs per SM; 3-7% faster than 3 stages of one step: the
     # values are read from the stage after the update, so two steps no longer spill); FP8 keys 3
