@@ -84,14 +84,15 @@ def oracle_case(preset, arrangement, hq, hkv, d, g):
     return layout, params, q, cache, bt, lens, exp, 4e-3 * (float(np.abs(exp).max()) * 4 + 1e-6)
 
 
-def shape_inputs(shape, g):
-    """For a decode shape: q (fp16), the SDPA fp16 time (µs) on contiguous K/V of the shape (the
-    baseline, measured now), a shuffled block table and full lengths."""
+def shape_inputs(shape, g, timer=None):
+    """For a decode shape: q (fp16), the SDPA fp16 time (µs, by ``timer``: :func:`bench` by
+    default) on contiguous K/V of the shape (the baseline, measured now), a shuffled block table
+    and full lengths."""
     b, L, hq, hkv, d = shape.batch, shape.seq_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim
     q = torch.randn(b, hq, d, device="cuda", dtype=torch.float16, generator=g)
     k = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16, generator=g)
     v = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16, generator=g)
-    sdpa = bench(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True))
+    sdpa = (timer or bench)(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True))
     del k, v
     bt = torch.randperm(b * L // BLOCK, device="cuda", generator=g).int().reshape(b, L // BLOCK)
     sl = torch.full((b,), L, dtype=torch.int32, device="cuda")
@@ -225,20 +226,13 @@ def run_eager(results, names, presets):
     """Eager (no CUDA graph) paged_decode with default arguments against eager SDPA fp16."""
     g = torch.Generator(device="cuda").manual_seed(3)
     for shape in map(decode_shape, names):
-        b, L, hq, hkv, d = shape.batch, shape.seq_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim
-        q = torch.randn(b, hq, d, device="cuda", dtype=torch.float16, generator=g)
-        k = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16, generator=g)
-        v = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16, generator=g)
-        sdpa = eager_us(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True))
-        del k, v
+        q, sdpa, bt, sl = shape_inputs(shape, g, timer=eager_us)
         results["eager"].append(dict(shape=shape.name, variant="sdpa_fp16", us=sdpa, ratio=1.0))
         print(f"eager {shape.name:10s} sdpa_fp16            {sdpa:8.1f} us", flush=True)
-        bt = torch.randperm(b * L // BLOCK, device="cuda", generator=g).int().reshape(b, L // BLOCK)
-        sl = torch.full((b,), L, dtype=torch.int32, device="cuda")
         arr = dict(DECODE_PRESETS)
         for preset in presets:
-            layout, params = make_layout(preset, arr[preset], hkv, d)
-            cache = fill_cache(layout, params, b * L // BLOCK, g)
+            layout, params = make_layout(preset, arr[preset], shape.num_kv_heads, shape.head_dim)
+            cache = fill_cache(layout, params, shape.batch * shape.seq_len // BLOCK, g)
             us = eager_us(lambda: paged_decode(q, cache, bt, sl, layout, params))
             results["eager"].append(dict(shape=shape.name, variant=preset, us=us, ratio=us / sdpa))
             print(f"eager {shape.name:10s} {preset:20s} {us:8.1f} us = {us / sdpa:.2f}x SDPA's time", flush=True)
