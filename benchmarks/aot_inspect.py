@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tqkern  # noqa: E402
 from tqkern.ops.paged_decode import aot  # noqa: E402
-from tqkern.ops.paged_decode import triton_mma as tm  # noqa: E402
+from tqkern.ops.paged_decode import mma_plans  # noqa: E402
 from tqkern.ops.paged_decode.aot import histogram, resources, sass_of  # noqa: E402,F401 (re-exported)
 
 _COOP_KEYS = ("COOP", "RS", "SMEM_OFF", "LUT_AT", "NLOW", "LATE_V")
@@ -37,13 +37,13 @@ def mma_plan_for(layout, hq, coop=-1, sub=0, table256=1, late_v=-1):
     per-warp plan, N that many cooperative stages; ``sub``: steps per softmax update, 0 the
     plan's; ``table256 = 0``: the 128-byte-entry table under stages; ``late_v``: -1 the plan's)."""
     g = hq // layout.num_kv_heads
-    base = tm.mma_plan(layout, g)
+    base = mma_plans.mma_plan(layout, g)
     if base is None:
         raise SystemExit(f"the warp-MMA kernel does not apply to {layout.format} with group {g}")
     if coop == 0:
-        plan = tm.per_warp_plan(base)
+        plan = mma_plans.per_warp_plan(base)
     elif coop > 0:
-        plan = tm.coop_plan(dict(tm.per_warp_plan(base), SUB=sub or base["SUB"]), layout, coop)
+        plan = mma_plans.coop_plan(dict(mma_plans.per_warp_plan(base), SUB=sub or base["SUB"]), layout, coop)
         if plan is None:
             raise SystemExit(f"{coop} cooperative stages do not apply to {layout.format}")
     else:

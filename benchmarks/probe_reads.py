@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._gpu import require_cuda  # noqa: E402
 from benchmarks.bench_decode import BLOCK, baseline_runs, bench, preset_caches  # noqa: E402
 from benchmarks.sweep_mma import launch, resident_for  # noqa: E402
-from tqkern.ops.paged_decode.triton_mma import mma_plan, num_splits_mma  # noqa: E402
+from tqkern.ops.paged_decode.mma_plans import mma_plan, num_splits_mma  # noqa: E402
 from tqkern_torch.attention import paged_decode  # noqa: E402
 
 

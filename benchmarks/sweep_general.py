@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._gpu import require_cuda  # noqa: E402
 from benchmarks.bench_decode import baseline_runs, bench, oracle_case, preset_caches  # noqa: E402
 from benchmarks.shapes import DECODE_PRESETS, DECODE_SHAPES  # noqa: E402
-from tqkern.ops.paged_decode.triton import _launch_paged_decode, num_splits_for, rotate_q  # noqa: E402
+from tqkern.ops.paged_decode.rotate import rotate_q  # noqa: E402
+from tqkern.ops.paged_decode.triton import _launch_paged_decode, num_splits_for  # noqa: E402
 
 # (BN, warps, stages); the first is the launcher's default for uncompressed caches
 CONFIGS = ((64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3), (64, 8, 2),

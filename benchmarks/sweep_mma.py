@@ -25,9 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._gpu import require_cuda  # noqa: E402
 from benchmarks.bench_decode import baseline_runs, bench, oracle_case, preset_caches, q_rotated  # noqa: E402
 from benchmarks.shapes import DECODE_PRESETS  # noqa: E402
-from tqkern.ops.paged_decode.triton import _launch_merge, _workspace, rotate_q  # noqa: E402
-from tqkern.ops.paged_decode.triton_mma import (  # noqa: E402
-    _launch_paged_decode_mma, coop_plan, mma_plan, num_splits_mma, per_warp_plan, resident_warps)
+from tqkern.ops.paged_decode.merge import _launch_merge  # noqa: E402
+from tqkern.ops.paged_decode.mma_launch import _launch_paged_decode_mma, resident_warps  # noqa: E402
+from tqkern.ops.paged_decode.mma_plans import coop_plan, mma_plan, num_splits_mma, per_warp_plan  # noqa: E402
+from tqkern.ops.paged_decode.rotate import rotate_q  # noqa: E402
+from tqkern.ops.paged_decode.triton import _workspace  # noqa: E402
 
 
 def plan_for(layout, g, sub=0, coop=0, t256=-1, late_v=-1):

@@ -23,7 +23,7 @@ import tqkern.testing as T
 import tqkern_torch as tqt
 from tqkern import reference as ref
 from tqkern.ops.paged_decode.triton import decode_path, fast_path_plan
-from tqkern.ops.paged_decode.triton_mma import mma_plan
+from tqkern.ops.paged_decode.mma_plans import mma_plan
 from tqkern_torch.attention import paged_decode
 from tqkern_torch.testing import device_under_test, kernels_available, poisoned_like, to_torch_kv
 
@@ -100,7 +100,7 @@ def test_word_path_matches_oracle(unit, data):
 
 @st.composite
 def mma_path_cases(draw):
-    """Layouts the warp-MMA kernel takes (tqkern/ops/paged_decode/triton_mma.py): 4-, 3- or 5-bit
+    """Layouts the warp-MMA kernel takes (tqkern/ops/paged_decode/mma_plans.py): 4-, 3- or 5-bit
     Lloyd-Max keys (every norm dtype and correction) or FP8 keys (rotated or not), 4-bit
     Lloyd-Max values with the keys' codebook (4-bit keys), 3-bit Lloyd-Max values with their own
     (5-bit keys), or 4-bit or 3-bit uniform values, head_dim 64/128, GQA groups 1..8, both bit orders (3-bit codes: LSB

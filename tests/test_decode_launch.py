@@ -8,9 +8,10 @@ import torch
 
 import tqkern
 import tqkern_torch as tqt
-from tqkern.ops.paged_decode.triton import (_launch_merge, decode_path, merge_chunks, num_splits_for, rotate_q,
-                                            workspace_numel)
-from tqkern.ops.paged_decode.triton_mma import ctas_per_sm, mma_plan, per_warp_plan
+from tqkern.ops.paged_decode.merge import _launch_merge, merge_chunks
+from tqkern.ops.paged_decode.mma_plans import ctas_per_sm, mma_plan, per_warp_plan
+from tqkern.ops.paged_decode.rotate import rotate_q
+from tqkern.ops.paged_decode.triton import decode_path, num_splits_for, workspace_numel
 from tqkern_torch.testing import device_under_test, kernels_available
 
 DEV = device_under_test()
@@ -130,13 +131,15 @@ def test_production_kernels_have_no_timing_probes():
     (docs/performance.md), not in the kernels: no probe constexpr, no shifted-read plan helper."""
     import inspect
 
+    import tqkern.ops.paged_decode.general as general
+    import tqkern.ops.paged_decode.mma_kernel as mma_kernel
+    import tqkern.ops.paged_decode.mma_plans as plans
     import tqkern.ops.paged_decode.triton as tri
-    import tqkern.ops.paged_decode.triton_mma as tm
 
-    assert not {"PROBE"} & set(inspect.signature(tm._paged_decode_mma_kernel.fn).parameters)
-    assert not {"SKIP_K", "SKIP_V", "LUT_SELECT"} & set(inspect.signature(tri._paged_decode_kernel.fn).parameters)
+    assert not {"PROBE"} & set(inspect.signature(mma_kernel._paged_decode_mma_kernel.fn).parameters)
+    assert not {"SKIP_K", "SKIP_V", "LUT_SELECT"} & set(inspect.signature(general._paged_decode_kernel.fn).parameters)
     assert not {"probe", "lut"} & set(inspect.signature(tri._launch_paged_decode).parameters)
-    assert not hasattr(tm, "shifted_plan")
+    assert not hasattr(plans, "shifted_plan")
 
 
 def test_same_codebooks_is_required():
@@ -303,7 +306,7 @@ def test_cooperative_plan_rules():
     multiple of 16 tokens: 4 stages of two steps with Lloyd-Max values, 2 of two steps with
     uniform values next to table-decoded keys, 3 of one step with FP8 keys; values read after the
     softmax update; rows of a multiple of 16 bytes padded to 16 mod 32 in the stage."""
-    from tqkern.ops.paged_decode.triton_mma import coop_plan, coop_row_stride, coop_smem_bytes
+    from tqkern.ops.paged_decode.mma_plans import coop_plan, coop_row_stride, coop_smem_bytes
 
     tq4 = mma_plan(_layout("tq4", 128, 8, "row"), 4)
     nc = mma_plan(_layout("turboquant_4bit_nc", 128, 8), 4)
@@ -347,7 +350,7 @@ def test_table256_layouts_fit_and_do_not_overlap():
     bits): the stages below it end before it (the dynamic region starting at most 1 KB in), those
     above it start at its end, and the whole launch fits one CTA; where no such layout fits (or
     the keys are not 4-bit codes) there is none."""
-    from tqkern.ops.paged_decode.triton_mma import coop_plan, coop_smem_bytes, table256_plan
+    from tqkern.ops.paged_decode.mma_plans import coop_plan, coop_smem_bytes, table256_plan
 
     for preset, arr in (("tq4", "row"), ("turboquant_4bit_nc", "slot"), ("tqkern_k5v3", "slot")):
         base = per_warp_plan(mma_plan(_layout(preset, 128, 8, arr), 4))
@@ -379,15 +382,15 @@ def test_table256_layouts_fit_and_do_not_overlap():
 def test_device_plan_drops_stages_without_the_shared_memory(monkeypatch):
     """On a GPU whose CTAs cannot have the stages' shared memory the launcher runs the per-warp
     kernel (the same plan without ``COOP``)."""
-    import tqkern.ops.paged_decode.triton_mma as tm
+    import tqkern.ops.paged_decode.mma_plans as plans
 
     layout = _layout("tq4", 128, 8, "row")
-    monkeypatch.setattr(tm, "_smem_optin", lambda index: 232448)  # H100 / H200
-    assert tm.device_plan(layout, 4, torch.device("cuda", 0))["COOP"] == 4
-    monkeypatch.setattr(tm, "_smem_optin", lambda index: 166912)  # A100: 227 KB do not fit
-    plan = tm.device_plan(layout, 4, torch.device("cuda", 0))
-    assert "COOP" not in plan and plan == tm.per_warp_plan(mma_plan(layout, 4))
-    assert tm.device_plan(_layout("fp16", 128, 8), 4, torch.device("cuda", 0)) is None
+    monkeypatch.setattr(plans, "_smem_optin", lambda index: 232448)  # H100 / H200
+    assert plans.device_plan(layout, 4, torch.device("cuda", 0))["COOP"] == 4
+    monkeypatch.setattr(plans, "_smem_optin", lambda index: 166912)  # A100: 227 KB do not fit
+    plan = plans.device_plan(layout, 4, torch.device("cuda", 0))
+    assert "COOP" not in plan and plan == plans.per_warp_plan(mma_plan(layout, 4))
+    assert plans.device_plan(_layout("fp16", 128, 8), 4, torch.device("cuda", 0)) is None
 
 
 class _FakeMeta(tuple):
@@ -415,7 +418,8 @@ def test_dynamic_shared_memory_is_sized_before_the_binary_loads():
     """The stages live past Triton's own scratch in its dynamic region; the launcher raises the
     compiled kernel's shared-memory size (metadata and the launch's packed copy) before the
     binary is loaded, once, and refuses where it cannot do so safely."""
-    from tqkern.ops.paged_decode.triton_mma import _size_dynamic_smem, coop_smem_bytes
+    from tqkern.ops.paged_decode.mma_launch import _size_dynamic_smem
+    from tqkern.ops.paged_decode.mma_plans import coop_smem_bytes
 
     plan = mma_plan(_layout("turboquant_4bit_nc", 128, 8), 4)
     want = coop_smem_bytes(plan)
@@ -435,11 +439,11 @@ def _mock_mma_launches(monkeypatch, resident):
     ``resident(plan)`` and the launches recorded, not run: returns (module, launched), each
     launch as (plan, num_splits)."""
     import tqkern.ops.paged_decode.triton as tri
-    import tqkern.ops.paged_decode.triton_mma as tm
+    import tqkern.ops.paged_decode.mma_plans as plans
 
-    monkeypatch.setattr(tm, "_COOP_DISABLED", set())
+    monkeypatch.setattr(plans, "_COOP_DISABLED", set())
     monkeypatch.setattr(tri, "_MMA_LAUNCHES", {})  # (plans are cached per launch shape)
-    monkeypatch.setattr(tm, "_smem_optin", lambda index: 232448)
+    monkeypatch.setattr(plans, "_smem_optin", lambda index: 232448)
     monkeypatch.setattr(tri, "_capability", lambda device: (9, 0))
     monkeypatch.setattr(tri, "resident_warps", lambda *a, **k: resident(a[5]))
     launched = []
@@ -452,11 +456,11 @@ def test_launcher_falls_back_to_the_per_warp_kernel_when_sizing_fails(monkeypatc
     """Where the cooperative kernel's dynamic shared memory cannot be sized (another Triton's
     metadata layout), nothing has launched yet: the launcher disables the stages for the device
     and launches the per-warp plan, and later launches plan without them."""
-    import tqkern.ops.paged_decode.triton_mma as tm
+    import tqkern.ops.paged_decode.mma_plans as plans
 
     def resident(plan):
         if plan.get("COOP"):
-            raise tm.DynamicSmemUnsupported("metadata layout unknown")
+            raise plans.DynamicSmemUnsupported("metadata layout unknown")
         return 1056
 
     tri, launched = _mock_mma_launches(monkeypatch, resident)
@@ -467,7 +471,7 @@ def test_launcher_falls_back_to_the_per_warp_kernel_when_sizing_fails(monkeypatc
                                                                                            "rotation": None})
     tri._launch_paged_decode(*args, sm_scale=1.0, interpret=False, same_codebooks=True)
     assert len(launched) == 1 and "COOP" not in launched[0][0] and launched[0][0]["SUB"] == 2
-    assert "COOP" not in tm.device_plan(tq4, 4, torch.device("cuda", 0))
+    assert "COOP" not in plans.device_plan(tq4, 4, torch.device("cuda", 0))
 
 
 @pytest.mark.parametrize("preset,arr,batch,max_len,per_warp_resident,want_coop,asks", [
@@ -483,7 +487,7 @@ def test_short_splits_give_way_to_the_per_warp_kernel(monkeypatch, preset, arr, 
     """One-step cooperative plans with fewer than 1024 tokens per split run the per-warp kernel
     instead when it has at least 2 splits of its own (measured at B32x4K / B128x1K); the choice
     depends on shapes only and is made once per launch shape (a second launch asks nothing)."""
-    import tqkern.ops.paged_decode.triton_mma as tm
+    import tqkern.ops.paged_decode.mma_plans as plans
 
     asked = []
 
@@ -505,11 +509,11 @@ def test_short_splits_give_way_to_the_per_warp_kernel(monkeypatch, preset, arr, 
     (plan, splits) = launched[0]
     assert bool(plan.get("COOP")) == want_coop
     resident = 2112 if want_coop else per_warp_resident
-    assert splits == tm.num_splits_mma(batch, 8, max_len, resident)
+    assert splits == plans.num_splits_mma(batch, 8, max_len, resident)
 
 
 def test_cooperative_helpers_reject_bad_input():
-    from tqkern.ops.paged_decode.triton_mma import coop_row_stride, coop_smem_bytes, device_plan
+    from tqkern.ops.paged_decode.mma_plans import coop_row_stride, coop_smem_bytes, device_plan
 
     for bad in (0, -16, 1088.0, True, "1088"):
         with pytest.raises(ValueError, match="row_bytes must be a positive int, got"):

@@ -111,8 +111,8 @@ def test_cooperative_stages_match_the_per_warp_kernel_bit_for_bit(preset, arrang
     import triton
 
     from tqkern.ops.paged_decode.triton import _workspace
-    from tqkern.ops.paged_decode.triton_mma import (_launch_paged_decode_mma, coop_plan, coop_smem_bytes, device_plan,
-                                                    per_warp_plan, table256_plan)
+    from tqkern.ops.paged_decode.mma_launch import _launch_paged_decode_mma
+    from tqkern.ops.paged_decode.mma_plans import coop_plan, coop_smem_bytes, device_plan, per_warp_plan, table256_plan
 
     fmt = tqkern.KVFormat.preset(preset, 128)
     layout = tqkern.PagedLayout(format=fmt, num_kv_heads=8, block_size=block_size, arrangement=arrangement)
@@ -212,7 +212,7 @@ def test_warp_mma_read_schemes_match_oracle(fmt, heads, block_size, expect):
     """Each read scheme of the warp-MMA kernel (shifted words, 3-bit values, 5-bit keys) on a
     layout that is sure to take it, against the NumPy oracle: shuffled blocks, random poison in
     every unused byte, lengths that end mid-block and mid-step, 3 query heads per KV head."""
-    from tqkern.ops.paged_decode.triton_mma import mma_plan
+    from tqkern.ops.paged_decode.mma_plans import mma_plan
 
     layout = tqkern.PagedLayout(format=fmt, num_kv_heads=heads, block_size=block_size)
     group = 3

@@ -129,7 +129,8 @@ def paged_decode_op(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Ten
     else:
         num_blocks = cache.shape[0]
     if use_triton(q.device):
-        from tqkern.ops.paged_decode.triton import _launch_paged_decode, rotate_q
+        from tqkern.ops.paged_decode.rotate import rotate_q
+        from tqkern.ops.paged_decode.triton import _launch_paged_decode
 
         fmt = lay.format
         interp = q.device.type == "cpu"

@@ -6,7 +6,7 @@ Triton's bundled ``ptxas`` turns the kernels into a cubin for an H100 (``GPUTarg
 ``benchmarks/aot_inspect.py`` (inner-loop changes judged before spending device time).
 
 The constexprs and options come from the launchers themselves
-(:func:`tqkern.ops.paged_decode.triton_mma._kernel_args`, and a capture of
+(:func:`tqkern.ops.paged_decode.mma_launch._kernel_args`, and a capture of
 :func:`tqkern.ops.paged_decode.triton._launch_paged_decode`), so a compiled plan is the one a
 launch would run. Runtime arguments are compiled as a launch on 16-byte aligned tensors with
 unspecialized integers would see them (the cooperative kernel specializes nothing).
@@ -32,7 +32,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from tqkern.ops.paged_decode import triton as pdt
-from tqkern.ops.paged_decode import triton_mma as tm
+from tqkern.ops.paged_decode.general import _paged_decode_kernel
+from tqkern.ops.paged_decode.mma_kernel import _paged_decode_mma_kernel
+from tqkern.ops.paged_decode.mma_launch import _kernel_args
+from tqkern.ops.paged_decode.mma_plans import mma_plan, per_warp_plan
 
 __all__ = ["SM90", "compile_general", "compile_mma", "general_launch", "histogram", "launcher_plans",
            "mma_launch", "report", "report_in_subprocess", "resources", "sass_of", "tool_path"]
@@ -78,11 +81,11 @@ def _compile(fn, constexprs: dict, options: dict, specialize: bool):
 def mma_launch(layout, hq: int, plan: dict, **launch) -> tuple[dict, dict]:
     """(constexprs, compile options) of a warp-MMA launch of ``plan`` (``launch``: the
     launcher's optional ``warps``, ``prefetch``, ``hint``, ``maxnreg``), from the launcher's
-    :func:`~tqkern.ops.paged_decode.triton_mma._kernel_args`."""
+    :func:`~tqkern.ops.paged_decode.mma_launch._kernel_args`."""
     d = layout.format.head_dim
     q = SimpleNamespace(shape=(1, hq, d))
     bt = SimpleNamespace(shape=(1, 1))
-    _, kw = tm._kernel_args(q, None, bt, None, layout, plan, None, None, None, hq // layout.num_kv_heads, 1, 1.0,
+    _, kw = _kernel_args(q, None, bt, None, layout, plan, None, None, None, hq // layout.num_kv_heads, 1, 1.0,
                             launch.get("warps", 4), launch.get("prefetch"), launch.get("hint", 1),
                             launch.get("maxnreg"))
     opts = {k: kw.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kw}
@@ -93,7 +96,7 @@ def compile_mma(layout, hq: int, plan: dict, **launch):
     """The warp-MMA decode kernel of ``plan`` (cooperative plans: the unspecialized wrapper the
     launcher uses for them), compiled for sm_90 as :func:`mma_launch` describes it."""
     cx, opts = mma_launch(layout, hq, plan, **launch)
-    return _compile(tm._paged_decode_mma_kernel, cx, opts, specialize=not plan.get("COOP"))
+    return _compile(_paged_decode_mma_kernel, cx, opts, specialize=not plan.get("COOP"))
 
 
 class _Captured(Exception):
@@ -135,19 +138,19 @@ def general_launch(layout, hq: int, *, num_splits: int = 4, **launch) -> tuple[d
 def compile_general(layout, hq: int, **launch):
     """The general decode kernel (``path="general"``) for ``layout``, compiled for sm_90."""
     cx, opts = general_launch(layout, hq, **launch)
-    return _compile(pdt._paged_decode_kernel, cx, opts, specialize=True)
+    return _compile(_paged_decode_kernel, cx, opts, specialize=True)
 
 
 def launcher_plans(layout, group: int) -> dict:
     """Every warp-MMA plan the launcher can emit for ``layout`` and ``group``: ``"per_warp"``
     (no cooperative stages: a device with too little shared memory, the short-split rule, or
-    after a sizing failure) and, where :func:`~.triton_mma.mma_plan` takes them, ``"coop"`` (with
-    the PRMT-addressed table where :func:`~.triton_mma.table256_plan` fits). Empty where the
+    after a sizing failure) and, where :func:`~.mma_plans.mma_plan` takes them, ``"coop"`` (with
+    the PRMT-addressed table where :func:`~.mma_plans.table256_plan` fits). Empty where the
     warp-MMA kernel does not apply."""
-    plan = tm.mma_plan(layout, group)
+    plan = mma_plan(layout, group)
     if plan is None:
         return {}
-    out = {"per_warp": tm.per_warp_plan(plan)}
+    out = {"per_warp": per_warp_plan(plan)}
     if plan.get("COOP"):
         out["coop"] = plan
     return out

@@ -1,0 +1,376 @@
+"""Split-KV, GQA-shared paged decode over a compressed cache (every codec, both arrangements).
+
+Grid ``(num_seqs, num_kv_heads, num_splits)``. A program owns one KV head and stacks the G query
+heads of its GQA group into one ``[GP, D]`` tensor-core tile, so every slot is read and decoded
+once for the whole group. It walks its share of the sequence in tiles of ``BN`` tokens with an
+online softmax and writes an unnormalised partial (acc, max, sum) to a workspace; a second small
+kernel merges the splits by log-sum-exp and rotates the result back (``@ Πᵀ``) when the value
+codec is rotated.
+
+Per-token scalars never touch the per-element loop: with a key decoded as ``f·c + z`` (f the
+norm, gain, uniform scale or FP8's 2^8; z the uniform zero point) the score is
+``f·(q·c) + z·Σq``; the value's f and z are folded into the probabilities the same way. For 4-bit
+codes whose nibbles pair up (``lsb`` or ``nibble_high_even`` with D a power of two) the tile is
+never interleaved: the two nibbles of each byte give two half-width tiles that meet the even and
+odd halves of q (and of the output) in two dots.
+
+This module holds that kernel (``path="general"``; every layout, and the CPU interpreter) and its
+tile decoders; its read plan, split count and launch: :mod:`.triton`; the merge: :mod:`.merge`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tqkern.ops.common import bits_to_f32, load_packed, load_param
+from tqkern.ops.paged_decode._ptx import _LUT_ASM_LSB, _LUT_ASM_NIBBLE, _UNI_ASM_LSB, _UNI_ASM_NIBBLE, _prmt_tables
+
+__all__ = ["_paged_decode_kernel"]
+
+
+@triton.jit
+def _lut16(codes, cen_ptr):
+    """c[codes] for a 16-entry table as a 4-level select tree on the code bits (15 selects per
+    code, no memory traffic); the table is read once per call as 16 scalars."""
+    b0 = (codes & 1) != 0
+    b1 = (codes & 2) != 0
+    b2 = (codes & 4) != 0
+    b3 = (codes & 8) != 0
+    a0 = tl.where(b0, tl.load(cen_ptr + 1), tl.load(cen_ptr + 0))
+    a1 = tl.where(b0, tl.load(cen_ptr + 3), tl.load(cen_ptr + 2))
+    a2 = tl.where(b0, tl.load(cen_ptr + 5), tl.load(cen_ptr + 4))
+    a3 = tl.where(b0, tl.load(cen_ptr + 7), tl.load(cen_ptr + 6))
+    a4 = tl.where(b0, tl.load(cen_ptr + 9), tl.load(cen_ptr + 8))
+    a5 = tl.where(b0, tl.load(cen_ptr + 11), tl.load(cen_ptr + 10))
+    a6 = tl.where(b0, tl.load(cen_ptr + 13), tl.load(cen_ptr + 12))
+    a7 = tl.where(b0, tl.load(cen_ptr + 15), tl.load(cen_ptr + 14))
+    e0 = tl.where(b1, a1, a0)
+    e1 = tl.where(b1, a3, a2)
+    e2 = tl.where(b1, a5, a4)
+    e3 = tl.where(b1, a7, a6)
+    f0 = tl.where(b2, e1, e0)
+    f1 = tl.where(b2, e3, e2)
+    return tl.where(b3, f1, f0)
+
+
+@triton.jit
+def _centroids(codes, cen_ptr, BITS: tl.constexpr):
+    if BITS == 4:
+        return _lut16(codes, cen_ptr)
+    return tl.load(cen_ptr + codes)
+
+
+@triton.jit
+def _small_ints(codes, DOT: tl.constexpr):
+    """Integer codes 0..255 as exact DOT values; for fp16 by the magic number 1024 (the code
+    ORed into the mantissa of 1024.0, minus 1024) instead of an int→float conversion."""
+    if DOT == tl.float16:
+        return (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    return codes.to(DOT)
+
+
+@triton.jit
+def _tile_codes(row, h, tmask, W: tl.constexpr, HALF: tl.constexpr, NIBBLE: tl.constexpr,
+                KIND: tl.constexpr, BITS: tl.constexpr, PARAM_DTYPE: tl.constexpr,
+                A_OFF: tl.constexpr, A_STRIDE: tl.constexpr, A_BYTES: tl.constexpr, D: tl.constexpr,
+                DP: tl.constexpr, cen_ptr, DOT: tl.constexpr, ALIGNED: tl.constexpr):
+    """Element values of one tile, before the per-token factor: ``[BN, W]`` in the dot dtype.
+
+    ``HALF`` = -1: all DP columns; 0: even columns; 1: odd columns (4-bit fast path)."""
+    base = row + A_OFF + h * A_STRIDE
+    if HALF >= 0:
+        j = tl.arange(0, W)
+        byte = tl.load(base[:, None] + j[None, :], mask=tmask[:, None], other=0).to(tl.int32)
+        if NIBBLE:
+            codes = (byte >> (4 - 4 * HALF)) & 15
+        else:
+            codes = (byte >> (4 * HALF)) & 15
+    else:
+        cols = tl.arange(0, DP)
+        dm = cols < D
+        if KIND == 2:  # FP8 E4M3 → fp16 bits of value·2^-8 (the 2^8 joins the per-token factor)
+            code = tl.load(base[:, None] + cols[None, :], mask=tmask[:, None] & dm[None, :], other=0).to(tl.int32)
+            bits = ((code & 0x7F) << 7) | ((code & 0x80) << 8)
+            return bits.to(tl.int16).to(tl.float16, bitcast=True).to(DOT)
+        elif KIND == 3:  # raw fp16 / bf16
+            m2 = tmask[:, None] & dm[None, :]
+            if ALIGNED:
+                p16 = base.to(tl.pointer_type(tl.int16))
+                w = tl.load(p16[:, None] + cols[None, :], mask=m2, other=0)
+                if PARAM_DTYPE == 2:
+                    return w.to(tl.bfloat16, bitcast=True).to(DOT)
+                return w.to(tl.float16, bitcast=True).to(DOT)
+            lo = tl.load(base[:, None] + 2 * cols[None, :], mask=m2, other=0).to(tl.int64)
+            hi = tl.load(base[:, None] + 2 * cols[None, :] + 1, mask=m2, other=0).to(tl.int64)
+            return bits_to_f32(lo | (hi << 8), PARAM_DTYPE).to(DOT)
+        if (not NIBBLE) and DP == D and BITS <= 8:  # (Raw never gets here; its BITS is 16)
+            # LSB bitstream, D a power of two: every 8 codes are BITS whole bytes. Read each byte
+            # once, join a group into one word and split it into its 8 codes (the reshape keeps
+            # the natural column order d = 8·group + r).
+            G8: tl.constexpr = DP // 8
+            gi = tl.arange(0, G8)
+            WT: tl.constexpr = tl.int64 if BITS > 3 else tl.int32
+            w = tl.load(base[:, None] + gi[None, :] * BITS, mask=tmask[:, None], other=0).to(WT)
+            for m in tl.static_range(1, BITS):
+                w |= tl.load(base[:, None] + gi[None, :] * BITS + m, mask=tmask[:, None], other=0).to(WT) << (8 * m)
+            r = tl.arange(0, 8).to(WT)
+            codes = tl.reshape((w[:, :, None] >> (r * BITS)[None, None, :]) & ((1 << BITS) - 1),
+                               (row.shape[0], DP))
+            codes = codes.to(tl.int32)
+        else:
+            codes = load_packed(base, tmask, BITS, NIBBLE, A_BYTES, DP)
+        codes = tl.where(dm[None, :], codes, 0)
+        if KIND == 0:  # padded columns must read 0 (they enter ‖c[idx]‖)
+            return tl.where(dm[None, :], _centroids(codes, cen_ptr, BITS), 0.0).to(DOT)
+    if KIND == 0:
+        return _centroids(codes, cen_ptr, BITS).to(DOT)
+    return _small_ints(codes, DOT)
+
+
+@triton.jit
+def _decode_words(w, cen_ptr, tabs, KIND: tl.constexpr, NIBBLE: tl.constexpr, USE_ASM: tl.constexpr):
+    """int32 words ``[BN, NW]`` of 4-bit codes → fp16 values ``[BN, 8·NW]`` in code order.
+
+    KIND 0: centroid c[code]; KIND 1: the integer code. ``USE_ASM`` False (the interpreter) computes
+    the same values with shifts and the select tree."""
+    BN: tl.constexpr = w.shape[0]
+    NW: tl.constexpr = w.shape[1]
+    if USE_ASM:
+        if KIND == 0:
+            asm: tl.constexpr = _LUT_ASM_NIBBLE if NIBBLE else _LUT_ASM_LSB
+            p = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+                                          [w, tabs[0], tabs[1], tabs[2], tabs[3], tabs[4], tabs[5], tabs[6],
+                                           tabs[7]], dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+        else:
+            asm: tl.constexpr = _UNI_ASM_NIBBLE if NIBBLE else _UNI_ASM_LSB
+            p = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r", [w], dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+        # pairs in code order: [BN, NW, 2, 2] → [BN, 4·NW] (pair 4i + k holds codes 8i + 2k, +1)
+        pairs = tl.reshape(tl.join(tl.join(p[0], p[2]), tl.join(p[1], p[3])), (BN, NW * 4))
+        # reinterpret each int32 pair as two fp16 (a register move: pack=2 hands the asm the two
+        # in-thread copies made by the join, and it returns their 32 bits as two fp16)
+        x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [tl.join(pairs, pairs)], dtype=tl.float16,
+                                      is_pure=True, pack=2)
+        return tl.reshape(x, (BN, NW * 8))
+    r = tl.arange(0, 8)
+    if NIBBLE:
+        sh = 4 * (r ^ 1)
+    else:
+        sh = 4 * r
+    codes = tl.reshape((w[:, :, None] >> sh[None, None, :]) & 15, (BN, NW * 8))
+    if KIND == 0:
+        return _lut16(codes, cen_ptr).to(tl.float16)
+    return _small_ints(codes, tl.float16)
+
+
+@triton.jit
+def _fast_tile(row, h, tmask, U: tl.constexpr, A_OFF: tl.constexpr, A_STRIDE: tl.constexpr, D: tl.constexpr,
+               NIBBLE: tl.constexpr, KIND: tl.constexpr, cen_ptr, tabs, USE_ASM: tl.constexpr):
+    """A 4-bit side's tile ``[BN, D]`` fp16 read as 32-bit words.
+
+    U = 4: the field is 4-byte aligned in every row and head. U = 2: rows are 4-byte aligned and
+    the field 2-byte aligned (vLLM's 134-byte slots put every other head at offset 2 mod 4): two
+    aligned word loads and a funnel shift by this head's misalignment (the second load is masked
+    off when the head is aligned; when it is not, its last word ends 2 bytes past the field,
+    inside the same row because the row length is a multiple of 4 and the field's end is not).
+    U = 1: two 16-bit loads per word."""
+    a = A_OFF + h * A_STRIDE
+    NW: tl.constexpr = D // 8
+    i = tl.arange(0, NW)
+    if U == 4:
+        p32 = (row + a).to(tl.pointer_type(tl.int32))
+        w = tl.load(p32[:, None] + i[None, :], mask=tmask[:, None], other=0)
+    elif U == 2:
+        mis = a % 4
+        p32 = (row + (a - mis)).to(tl.pointer_type(tl.int32))
+        lo = tl.load(p32[:, None] + i[None, :], mask=tmask[:, None], other=0)
+        need_hi = (i * 0 + mis) != 0  # (a tensor: the interpreter cannot AND a mask with a scalar)
+        hi = tl.load(p32[:, None] + i[None, :] + 1, mask=tmask[:, None] & need_hi[None, :], other=0)
+        both = (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)
+        w = (both >> (8 * mis)).to(tl.int32)
+    else:
+        base = row + a
+        p16 = base.to(tl.pointer_type(tl.int16))
+        lo = tl.load(p16[:, None] + 2 * i[None, :], mask=tmask[:, None], other=0).to(tl.int32) & 0xFFFF
+        hi = tl.load(p16[:, None] + 2 * i[None, :] + 1, mask=tmask[:, None], other=0).to(tl.int32)
+        w = lo | (hi << 16)
+    return _decode_words(w, cen_ptr, tabs, KIND, NIBBLE, USE_ASM)
+
+
+@triton.jit
+def _whole_tile(row, h, tmask, FAST: tl.constexpr, NIBBLE: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
+                PARAM_DTYPE: tl.constexpr, A_OFF: tl.constexpr, A_STRIDE: tl.constexpr, A_BYTES: tl.constexpr,
+                D: tl.constexpr, DP: tl.constexpr, cen_ptr, tabs, DOT: tl.constexpr, ALIGNED: tl.constexpr,
+                USE_ASM: tl.constexpr):
+    """One side's whole tile ``[BN, DP]`` before its per-token factor: the 4-bit word path when
+    ``FAST`` names a read plan, else the general decode."""
+    if FAST > 0:
+        return _fast_tile(row, h, tmask, FAST, A_OFF, A_STRIDE, D, NIBBLE, KIND, cen_ptr, tabs, USE_ASM)
+    return _tile_codes(row, h, tmask, DP, -1, NIBBLE, KIND, BITS, PARAM_DTYPE, A_OFF, A_STRIDE, A_BYTES, D, DP,
+                       cen_ptr, DOT, ALIGNED)
+
+
+@triton.jit
+def _half_tiles(row, h, tmask, NIBBLE: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
+                PARAM_DTYPE: tl.constexpr, A_OFF: tl.constexpr, A_STRIDE: tl.constexpr, A_BYTES: tl.constexpr,
+                D: tl.constexpr, DP: tl.constexpr, cen_ptr, DOT: tl.constexpr, ALIGNED: tl.constexpr):
+    """A 4-bit side as its even and odd columns, two ``[BN, DP/2]`` tiles (one per nibble)."""
+    D2: tl.constexpr = DP // 2
+    e = _tile_codes(row, h, tmask, D2, 0, NIBBLE, KIND, BITS, PARAM_DTYPE, A_OFF, A_STRIDE, A_BYTES, D, DP,
+                    cen_ptr, DOT, ALIGNED)
+    o = _tile_codes(row, h, tmask, D2, 1, NIBBLE, KIND, BITS, PARAM_DTYPE, A_OFF, A_STRIDE, A_BYTES, D, DP,
+                    cen_ptr, DOT, ALIGNED)
+    return e, o
+
+
+@triton.jit
+def _token_factors(row, h, tmask, KIND: tl.constexpr, PARAM_DTYPE: tl.constexpr, B_OFF: tl.constexpr,
+                   B_STRIDE: tl.constexpr, C_OFF: tl.constexpr, C_STRIDE: tl.constexpr,
+                   PAR_ALIGNED: tl.constexpr = False):
+    """Per-token (factor f, zero z) with value = f·tile + z, float32 ``[BN]``."""
+    zero = tl.zeros_like(tmask.to(tl.float32))
+    if KIND == 0:  # the norm field (vLLM's ‖c[idx]‖ divisor is applied by the caller)
+        f = load_param(row + B_OFF + h * B_STRIDE, PARAM_DTYPE, tmask, PAR_ALIGNED)
+        return f, zero
+    elif KIND == 1:
+        f = load_param(row + B_OFF + h * B_STRIDE, PARAM_DTYPE, tmask, PAR_ALIGNED)
+        z = load_param(row + C_OFF + h * C_STRIDE, PARAM_DTYPE, tmask, PAR_ALIGNED)
+        return f, z
+    elif KIND == 2:
+        return zero + 256.0, zero
+    else:
+        return zero + 1.0, zero
+
+
+@triton.jit(do_not_specialize=["zero"])
+def _paged_decode_kernel(
+    q_ptr, cache_ptr, bt_ptr, sl_ptr, kc_ptr, vc_ptr, acc_ptr, ml_ptr,
+    max_blocks, sm_scale_log2, zero,
+    G: tl.constexpr, GP: tl.constexpr, HQ: tl.constexpr, NUM_SPLITS: tl.constexpr, BN: tl.constexpr,
+    BS: tl.constexpr, K_HALVES: tl.constexpr, V_HALVES: tl.constexpr, DOT: tl.constexpr,
+    K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, K_FAST: tl.constexpr, V_FAST: tl.constexpr, USE_ASM: tl.constexpr,
+    K_PAR_ALIGNED: tl.constexpr, V_PAR_ALIGNED: tl.constexpr,
+    D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_ROTATED: tl.constexpr, K_NORM_CORRECTION: tl.constexpr,
+    K_PARAM_DTYPE: tl.constexpr, K_A_OFF: tl.constexpr, K_A_STRIDE: tl.constexpr, K_A_BYTES: tl.constexpr,
+    K_B_OFF: tl.constexpr, K_B_STRIDE: tl.constexpr, K_C_OFF: tl.constexpr, K_C_STRIDE: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_ROTATED: tl.constexpr, V_NORM_CORRECTION: tl.constexpr,
+    V_PARAM_DTYPE: tl.constexpr, V_A_OFF: tl.constexpr, V_A_STRIDE: tl.constexpr, V_A_BYTES: tl.constexpr,
+    V_B_OFF: tl.constexpr, V_B_STRIDE: tl.constexpr, V_C_OFF: tl.constexpr, V_C_STRIDE: tl.constexpr,
+):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    D2: tl.constexpr = DP // 2
+    g = tl.arange(0, GP)
+    gm = g < G
+    qh = h * G + g  # query heads of this group
+    q_row = q_ptr + (s * HQ + qh).to(tl.int64)[:, None] * D  # q is float32 [S, HQ, D], rotated
+    cols = tl.arange(0, DP)
+    if K_HALVES:
+        j = tl.arange(0, D2)
+        q_e = tl.load(q_row + 2 * j[None, :], mask=gm[:, None], other=0.0)
+        q_o = tl.load(q_row + 2 * j[None, :] + 1, mask=gm[:, None], other=0.0)
+        q_sum = tl.sum(q_e, axis=1) + tl.sum(q_o, axis=1)
+        q_e = q_e.to(DOT)
+        q_o = q_o.to(DOT)
+    else:
+        q_f = tl.load(q_row + cols[None, :], mask=gm[:, None] & (cols < D)[None, :], other=0.0)
+        q_sum = tl.sum(q_f, axis=1)
+        q_f = q_f.to(DOT)
+
+    k_tabs = _prmt_tables(kc_ptr, K_KIND if K_FAST > 0 else 1)
+    v_tabs = _prmt_tables(vc_ptr, V_KIND if V_FAST > 0 else 1)
+
+    seq_len = tl.minimum(tl.maximum(tl.load(sl_ptr + s), 0), max_blocks * BS)  # (a bad length: clamped)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BN) * BN
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    if V_HALVES:
+        acc_e = tl.zeros([GP, D2], tl.float32)
+        acc_o = tl.zeros([GP, D2], tl.float32)
+    else:
+        acc = tl.zeros([GP, DP], tl.float32)
+    n_off = tl.arange(0, BN)
+    bt_row = bt_ptr + s.to(tl.int64) * max_blocks
+    for t0 in range(start, end, BN):
+        pos = t0 + n_off
+        tmask = pos < end
+        blk = tl.load(bt_row + pos // BS, mask=tmask, other=0).to(tl.int64)
+        # `zero` (a runtime 0 Triton may not specialize) keeps the compiler from deriving a
+        # 16-byte alignment for every row from `pos % BS` (Triton 3.6 carries the divisibility
+        # of contiguous groups through the multiply; compute-sanitizer caught the misaligned
+        # 16-byte loads this produced for ROW_BYTES = 216).
+        row = cache_ptr + (blk * BS + (pos + zero) % BS) * ROW_BYTES  # [BN] token rows
+
+        # -- scores [GP, BN] ------------------------------------------------------------------
+        kf, kz = _token_factors(row, h, tmask, K_KIND, K_PARAM_DTYPE, K_B_OFF, K_B_STRIDE, K_C_OFF, K_C_STRIDE,
+                                K_PAR_ALIGNED)
+        if K_HALVES:
+            k_e, k_o = _half_tiles(row, h, tmask, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
+                                     K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED)
+            qk = tl.dot(q_e, tl.trans(k_e)) + tl.dot(q_o, tl.trans(k_o))
+            if K_NORM_CORRECTION == 1:  # vLLM's _nc: ‖c[idx]‖² of every token by the tensor
+                # cores (a ones-row times the squared tile), already broadcast to [GP, BN]:
+                # a row reduction over the tile measured ~2 ms at B32x16K.
+                ones = tl.full([GP, D2], 1.0, DOT)
+                cn2 = tl.dot(ones, tl.trans(k_e * k_e)) + tl.dot(ones, tl.trans(k_o * k_o))
+                qk = qk * tl.rsqrt(tl.maximum(cn2, 1e-30))
+        else:
+            k_f = _whole_tile(row, h, tmask, K_FAST, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
+                              K_A_BYTES, D, DP, kc_ptr, k_tabs, DOT, K_ALIGNED, USE_ASM)
+            qk = tl.dot(q_f, tl.trans(k_f))
+            if K_NORM_CORRECTION == 1:
+                cn2 = tl.dot(tl.full([GP, DP], 1.0, DOT), tl.trans(k_f * k_f))
+                qk = qk * tl.rsqrt(tl.maximum(cn2, 1e-30))
+        sc = (qk * kf[None, :] + q_sum[:, None] * kz[None, :]) * sm_scale_log2
+        sc = tl.where(tmask[None, :], sc, float("-inf"))
+
+        # -- online softmax (base 2) -------------------------------------------------------------
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+        # -- values: p·f into the dot (scaled to the tile's largest f), p·z added per row -----
+        vf, vz = _token_factors(row, h, tmask, V_KIND, V_PARAM_DTYPE, V_B_OFF, V_B_STRIDE, V_C_OFF, V_C_STRIDE,
+                                V_PAR_ALIGNED)
+        if V_HALVES:
+            v_e, v_o = _half_tiles(row, h, tmask, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
+                                     V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED)
+            if V_NORM_CORRECTION == 1:
+                ve32 = v_e.to(tl.float32)
+                vo32 = v_o.to(tl.float32)
+                vf = vf / tl.sqrt(tl.maximum(tl.sum(ve32 * ve32, axis=1) + tl.sum(vo32 * vo32, axis=1), 1e-30))
+        else:
+            v_f = _whole_tile(row, h, tmask, V_FAST, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
+                              V_A_BYTES, D, DP, vc_ptr, v_tabs, DOT, V_ALIGNED, USE_ASM)
+            if V_NORM_CORRECTION == 1:
+                vf32 = v_f.to(tl.float32)
+                vf = vf / tl.sqrt(tl.maximum(tl.sum(vf32 * vf32, axis=1), 1e-30))
+        # p·f goes into the dot, scaled to the tile's largest |f| so fp16 keeps its precision.
+        fmax = tl.max(tl.abs(vf), axis=0)
+        fmax = tl.where(fmax > 0, fmax, 1.0)
+        pv = (p * (vf / fmax)[None, :]).to(DOT)
+        pz = tl.sum(p * vz[None, :], axis=1)
+        if V_HALVES:
+            acc_e = acc_e * alpha[:, None] + tl.dot(pv, v_e) * fmax + pz[:, None]
+            acc_o = acc_o * alpha[:, None] + tl.dot(pv, v_o) * fmax + pz[:, None]
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pv, v_f) * fmax + pz[:, None]
+
+    # -- partial results: acc [S, HQ, NUM_SPLITS, DP], (m, l) [S, HQ, NUM_SPLITS, 2] ---------------
+    part = ((s * HQ + qh).to(tl.int64) * NUM_SPLITS + split)
+    a_row = acc_ptr + part[:, None] * DP
+    if V_HALVES:
+        j = tl.arange(0, D2)
+        tl.store(a_row + 2 * j[None, :], acc_e, mask=gm[:, None])
+        tl.store(a_row + 2 * j[None, :] + 1, acc_o, mask=gm[:, None])
+    else:
+        tl.store(a_row + cols[None, :], acc, mask=gm[:, None])
+    tl.store(ml_ptr + part * 2, m_i, mask=gm)
+    tl.store(ml_ptr + part * 2 + 1, l_i, mask=gm)

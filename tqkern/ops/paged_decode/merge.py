@@ -1,0 +1,192 @@
+"""The merge of a split-KV decode's partials (unnormalised acc, base-2 max, sum per split) by
+log-sum-exp into the output, rotating back (``@ Πᵀ``) when the value codec is rotated:
+:func:`_merge_rows_kernel` (blocks of query rows) or :func:`_merge_kernel` (one GQA group per
+program), launched by :func:`_launch_merge`. Both decode kernels (:mod:`.general`,
+:mod:`.mma_kernel`) write the workspace these read."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tqkern.ops.common import layout_consts
+
+__all__ = ["_merge_kernel", "_merge_rows_kernel", "_launch_merge", "merge_chunks"]
+
+
+@triton.jit
+def _store_merged(o, o_row, rmask, rot_ptr, c0, cols, D: tl.constexpr, CC: tl.constexpr,
+                  ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Store merged rows ``o`` ([rows, cols]) to output columns ``c0 .. c0 + CC − 1``: with the
+    rotate-back ``cols`` are all DP columns and ``out[:, c] = o @ Πᵀ[:, c]`` (``Πᵀ[:, c] = Π[c, :]``,
+    64 columns per dot), else ``cols`` are the chunk's columns."""
+    if ROTATE_BACK:
+        SUB: tl.constexpr = CC if CC < 64 else 64
+        for c1 in tl.static_range(0, CC, SUB):
+            cs = c0 + c1 + tl.arange(0, SUB)
+            rt = tl.load(rot_ptr + cs[None, :] * D + cols[:, None], mask=(cols < D)[:, None] & (cs < D)[None, :],
+                         other=0.0)  # [DP, SUB]
+            res = tl.dot(o, rt, input_precision=DOT_PRECISION)
+            tl.store(o_row + cs[None, :], res.to(o_row.dtype.element_ty), mask=rmask[:, None] & (cs < D)[None, :])
+    else:
+        tl.store(o_row + cols[None, :], o.to(o_row.dtype.element_ty), mask=rmask[:, None] & (cols < D)[None, :])
+
+
+@triton.jit
+def _merge_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, stride_os, stride_oh,
+                  G: tl.constexpr, GP: tl.constexpr, HQ: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  SP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CC: tl.constexpr,
+                  ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr, POISON: tl.constexpr):
+    """Merge the splits of one (sequence, KV head) by log-sum-exp; out = acc/l (@ Πᵀ). Program
+    ``(s, h, j)`` writes output columns ``j·CC .. j·CC + CC − 1`` (with the rotation it merges all
+    columns and rotates into its chunk: the chunks spread the rotate-back over more programs)."""
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    c0 = tl.program_id(2) * CC
+    g = tl.arange(0, GP)
+    gm = g < G
+    qh = h * G + g
+    if POISON:  # NaN for a query row holding a NaN or inf (docs/layout.md); loaded first, used last
+        poison = tl.load(poison_ptr + (s * HQ + qh), mask=gm, other=0.0)
+    sp = tl.arange(0, SP)
+    spm = sp < NUM_SPLITS
+    part = (s * HQ + qh).to(tl.int64)[:, None] * NUM_SPLITS + sp[None, :]  # [GP, SP]
+    pm = gm[:, None] & spm[None, :]
+    m = tl.load(ml_ptr + part * 2, mask=pm, other=float("-inf"))
+    l = tl.load(ml_ptr + part * 2 + 1, mask=pm, other=0.0)
+    m_all = tl.max(m, axis=1)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.where(pm & (m > float("-inf")), tl.exp2(m - m_safe[:, None]), 0.0)  # [GP, SP]
+    l_all = tl.sum(w * l, axis=1)
+    inv = tl.where(l_all > 0, 1.0 / tl.where(l_all > 0, l_all, 1.0), 0.0)
+    o_row = out_ptr + s.to(tl.int64) * stride_os + qh.to(tl.int64)[:, None] * stride_oh
+    cc = c0 + tl.arange(0, CC)
+    if ROTATE_BACK:  # out[:, cc] = o @ Πᵀ[:, cc], Πᵀ[:, c] = Π[c, :]
+        cols = tl.arange(0, DP)
+    else:
+        cols = cc
+    o = tl.zeros([GP, cols.shape[0]], tl.float32)
+    for i in tl.static_range(NUM_SPLITS):
+        wi = tl.sum(tl.where(sp[None, :] == i, w, 0.0), axis=1)
+        a = tl.load(acc_ptr + ((s * HQ + qh).to(tl.int64) * NUM_SPLITS + i)[:, None] * DP + cols[None, :],
+                    mask=gm[:, None], other=0.0)  # not masked by the weight: no wait for (m, l)
+        o += tl.where((wi > 0)[:, None], a * wi[:, None], 0.0)
+    o = o * inv[:, None]
+    if POISON:
+        o += poison[:, None]
+    _store_merged(o, o_row, gm, rot_ptr, c0, cols, D, CC, ROTATE_BACK, DOT_PRECISION)
+
+
+@triton.jit
+def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, n_rows, num_splits, stride_os, stride_oh,
+                       HQ: tl.constexpr, ROWS: tl.constexpr, SP: tl.constexpr, UNROLL: tl.constexpr, D: tl.constexpr,
+                       DP: tl.constexpr, CC: tl.constexpr, ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       POISON: tl.constexpr):
+    """The merge by blocks of ``ROWS`` query rows (``row = s·HQ + head``, any heads and
+    sequences): the rotate-back is a full ``[ROWS, DP] @ [DP, CC]`` tile and Π is read once per
+    ROWS rows, instead of once per GQA group padded to 16. Program ``(b, j)`` writes columns
+    ``j·CC .. j·CC + CC − 1`` of rows ``b·ROWS ..``; same workspace layout and result as
+    :func:`_merge_kernel`. The maxima of all splits are one ``[ROWS, SP]`` load; then splits are
+    read ``UNROLL`` at a time, the partials by loads that do not wait for the weights (an empty
+    split's weight 0 selects 0, whatever its partial holds)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rm = rows < n_rows
+    c0 = tl.program_id(1) * CC
+    if POISON:  # NaN for a query row holding a NaN or inf (docs/layout.md); loaded first, used last
+        poison = tl.load(poison_ptr + rows, mask=rm, other=0.0)
+    part0 = rows.to(tl.int64) * num_splits
+    sp = tl.arange(0, SP)  # the maxima of all splits: one load, not one round trip per split
+    m_all = tl.max(tl.load(ml_ptr + (part0[:, None] + sp[None, :]) * 2, mask=rm[:, None] & (sp < num_splits)[None, :],
+                           other=float("-inf")), axis=1)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    if ROTATE_BACK:  # out[:, cc] = o @ Πᵀ[:, cc], Πᵀ[:, c] = Π[c, :]
+        cols = tl.arange(0, DP)
+    else:
+        cols = c0 + tl.arange(0, CC)
+    o = tl.zeros([ROWS, cols.shape[0]], tl.float32)
+    l_all = tl.zeros([ROWS], tl.float32)
+    for i0 in range(0, num_splits, UNROLL):
+        for j in tl.static_range(UNROLL):
+            part = part0 + (i0 + j)
+            ok = rm & (tl.full([ROWS], i0 + j, tl.int32) < num_splits)
+            m = tl.load(ml_ptr + part * 2, mask=ok, other=float("-inf"))
+            l = tl.load(ml_ptr + part * 2 + 1, mask=ok, other=0.0)
+            w = tl.where(m > float("-inf"), tl.exp2(m - m_safe), 0.0)
+            l_all += w * l
+            a = tl.load(acc_ptr + part[:, None] * DP + cols[None, :], mask=(rm & ok)[:, None], other=0.0)
+            o += tl.where((w > 0)[:, None], a * w[:, None], 0.0)  # the load does not wait for w
+    inv = tl.where(l_all > 0, 1.0 / tl.where(l_all > 0, l_all, 1.0), 0.0)
+    o = o * inv[:, None]
+    if POISON:
+        o += poison[:, None]
+    o_row = out_ptr + (rows // HQ).to(tl.int64)[:, None] * stride_os + (rows % HQ).to(tl.int64)[:, None] * stride_oh
+    _store_merged(o, o_row, rm, rot_ptr, c0, cols, D, CC, ROTATE_BACK, DOT_PRECISION)
+
+
+def merge_chunks(programs: int, num_sms: int, dp: int) -> int:
+    """Output-column chunks per merge program (a (sequence, KV head) pair, or a block of query
+    rows): 1, doubled (to at most DP/16) while the programs cannot fill the GPU. With the
+    rotate-back every chunk merges all columns again, so chunks pay only when programs are few.
+    Measured (H100, TQ4 rotate-back, per-group merge): B8x64K (64 programs) 22.6 µs unchunked;
+    B32x16K (256 programs) 11.8 µs unchunked, 30.6 µs in 4; row-block merge at B32x16K (64
+    blocks): 1 chunk 6.9 µs, 2 chunks 5.8, 4 chunks 6.1."""
+    nch = 1
+    while nch < dp // 16 and programs * nch < num_sms:
+        nch *= 2
+    return nch
+
+
+def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, interpret: bool,
+                  chunks: int | None = None, impl: str | None = None, rows: int = 16, unroll: int | None = None,
+                  q_poison=None):
+    """Merge the splits into ``out`` (rotating back when the value codec is rotated). ``impl``:
+    ``"rows"`` (:func:`_merge_rows_kernel`, blocks of ``rows`` query rows) or ``"heads"``
+    (:func:`_merge_kernel`, one GQA group per program); by default rows with the rotate-back or
+    more than 16 splits, else heads. Measured (H100, session 4, docs/performance.md, "Merge and q rotation"):
+    with the rotate-back rows are 2x faster (tq4 B32x16K 11.7 → 6.0 µs, B8x64K 24.5 → 14.6 µs);
+    without it heads are faster at 8 splits (turboquant_4bit_nc B32x16K 3.0 vs 3.3 µs) and rows
+    with every split's load in flight at 33 (B8x64K 7.3 vs 9.3 µs; session 12,
+    the same section). ``chunks``: output-column chunks per
+    program block (default :func:`merge_chunks`); ``unroll``: splits per loop iteration of the
+    row-block kernel (default 8 with the rotate-back, else all of them). ``q_poison``: float32
+    ``[S·Hq]`` added to every output row (NaN poisons the row), or ``None``."""
+    s, hq, d = out.shape
+    dp = layout_consts(layout)["DP"]
+    rotate_back = bool(layout.format.value.rotated)
+    if impl is None:
+        impl = "rows" if rotate_back or num_splits > 16 else "heads"
+    if unroll is None:
+        unroll = 8 if rotate_back else 64
+    if impl not in ("rows", "heads"):
+        raise ValueError(f"impl must be 'rows', 'heads' or None, got {impl!r}")
+    if not isinstance(rows, int) or rows < 16 or rows & (rows - 1):
+        raise ValueError(f"rows must be a power of two >= 16, got {rows!r}")
+    precision = "ieee" if interpret else "tf32x3"
+    if impl == "rows":
+        n = s * hq
+        blocks = triton.cdiv(n, rows)
+        if chunks is None:
+            sms = 1 if interpret else torch.cuda.get_device_properties(out.device).multi_processor_count
+            # with the rotate-back each chunk re-merges every column: at most 2 measured best
+            # (H100, tq4, session 5: B32x16K 1/2/4 chunks 6.3/4.8/5.4 µs, B8x64K 1/2/4/8 chunks
+            # 11.4/10.3/10.5/10.7 µs)
+            chunks = min(2, merge_chunks(blocks, sms, dp)) if rotate_back else merge_chunks(blocks, sms, dp)
+        if n:
+            _merge_rows_kernel[(blocks, chunks)](
+                acc, ml, rotation, out, ml if q_poison is None else q_poison, n, num_splits, out.stride(0), out.stride(1),
+                HQ=hq, ROWS=rows, SP=max(2, triton.next_power_of_2(num_splits)),
+                UNROLL=max(1, min(unroll, num_splits)), D=d, DP=dp, CC=dp // chunks,
+                ROTATE_BACK=rotate_back, DOT_PRECISION=precision, POISON=q_poison is not None, num_warps=4)
+        return
+    gp = max(16, triton.next_power_of_2(g))
+    if chunks is None:
+        sms = 1 if interpret else torch.cuda.get_device_properties(out.device).multi_processor_count
+        chunks = merge_chunks(s * layout.num_kv_heads, sms, dp)
+    nch = chunks
+    cc = dp // nch
+    _merge_kernel[(s, layout.num_kv_heads, nch)](
+        acc, ml, rotation, out, ml if q_poison is None else q_poison, out.stride(0), out.stride(1),
+        G=g, GP=gp, HQ=hq, NUM_SPLITS=num_splits, SP=max(2, triton.next_power_of_2(num_splits)), D=d, DP=dp,
+        CC=cc, ROTATE_BACK=rotate_back, DOT_PRECISION=precision, POISON=q_poison is not None, num_warps=4,
+    )

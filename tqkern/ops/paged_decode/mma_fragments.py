@@ -1,0 +1,419 @@
+"""Register-level pieces of the warp-MMA decode kernel (:mod:`.mma_kernel`), one value per
+thread (``[32·WARPS]``), mostly inline PTX: the 256-entry pair table in shared memory (declare,
+fill) and its lookups, the code decoders (4-, 3- and 5-bit Lloyd-Max pairs, uniform codes as
+subnormal fp16, FP8 pairs) that turn a lane's words into fp16 MMA fragments, ``mma.sync`` and the
+warp reductions, and the per-step math (scores, values, their scaling, the rescale)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+LUT_BYTES = tl.constexpr(32768)  # the pair table: 256 entries × 32 lane replicas × 4 bytes
+
+
+# -- inline PTX helpers (each call is one value per thread) -----------------------------------
+# Fill: entry b (an fp16 pair) into its 32 lane replicas, 128 contiguous bytes at b·128 (or, for
+# the PRMT-addressed table, b·256: the other 128 bytes of each entry unused).
+# Thread b writes its 16-byte pieces in the order (k + b) mod 8, so that the 8 threads of a store
+# phase (consecutive b) hit 8 different 16-byte bank groups (in order k they would all hit one).
+def _fill_asm(stride: int) -> str:
+    return ("{\n.reg .b32 a, o, p;\n" + f"mad.lo.u32 a, $2, {stride}, $1;\n"
+            + "".join(f"add.u32 o, $2, {k};\nand.b32 o, o, 7;\nmad.lo.u32 p, o, 16, a;\n"
+                      "st.shared.v4.b32 [p], {$3, $3, $3, $3};\n" for k in range(8))
+            + "mov.b32 $0, $1;\n}")
+
+
+_FILL_ASM = tl.constexpr(_fill_asm(128))
+_FILL256_ASM = tl.constexpr(_fill_asm(256))
+# Uniform codes, byte k of two words a, b: PRMT gathers [a.k, a.k, b.k, b.k]; the masks keep the
+# low nibbles (the fp16 pair's mantissas: subnormals j·2^-24) or the high ones (16j·2^-24).
+_UNI_ASM = tl.constexpr(
+    "{\n.reg .b32 x;\n"
+    + "".join(f"prmt.b32 x, $8, $9, 0x{4 + k}{4 + k}{k}{k};\nand.b32 ${k}, x, 0x000F000F;\n"
+              f"and.b32 ${4 + k}, x, 0x00F000F0;\n" for k in range(4))
+    + "}")
+
+
+@triton.jit
+def _lut_declare(t):
+    """Declare the CTA's 32 KB pair table (exactly once per kernel) and return its address."""
+    return tl.inline_asm_elementwise(
+        ".shared .align 16 .b8 tqk_pair_lut[32768];\nmov.u32 $0, tqk_pair_lut;",  # LUT_BYTES
+        "=r,r", [t], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _cen16(ptr):
+    """The fp16 bits (low half of an int32) of the float32 centroid at ``ptr``."""
+    return tl.load(ptr).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _lut_fill(base, t, cen_ptr, NT: tl.constexpr, BITS: tl.constexpr, E256: tl.constexpr = False):
+    """Entry ``b`` (fp16 pair of c[b & m], c[(b >> BITS) & m], m = 2^BITS − 1: two consecutive
+    codes of an LSB bitstream, or the two nibbles of a byte) into all 32 lane replicas (``b·128 +
+    4·lane``; ``b·256 + 4·lane`` for the PRMT-addressed table, ``E256``); then a CTA barrier.
+    Returns the table address (lookups depend on it). All 256 entries are written (3-bit codes
+    use entries 0..63)."""
+    M: tl.constexpr = (1 << BITS) - 1
+    for i in tl.static_range(256 // NT):
+        b = t + i * NT
+        lo = _cen16(cen_ptr + (b & M))
+        hi = _cen16(cen_ptr + ((b >> BITS) & M))
+        base = tl.inline_asm_elementwise(_FILL256_ASM if E256 else _FILL_ASM, "=r,r,r,r",
+                                         [base, b, lo | (hi << 16)], dtype=tl.int32, is_pure=False, pack=1)
+    return tl.inline_asm_elementwise("bar.sync 0;\nmov.b32 $0, $1;", "=r,r", [base], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _lut_fill_k5(base, t, kcen_ptr, vcen_ptr, NT: tl.constexpr, V_LM: tl.constexpr):
+    """The table for 5-bit keys: entries ``64 + j`` hold ``(ck[j], ck[j])`` (one key code per
+    lookup), entries ``b < 64`` the value pairs ``(cv[b & 7], cv[b >> 3])`` of 3-bit Lloyd-Max
+    values (``V_LM``; zeros otherwise: uniform values need no table), in the layout of
+    :func:`_lut_fill`; then a CTA barrier."""
+    for i in tl.static_range(256 // NT):  # (_cen16 written out: through it ptxas renames the
+        b = t + i * NT                       # prologue's registers, and this is the SASS measured)
+        kc = tl.load(kcen_ptr + ((b - 64) & 31)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        if V_LM:
+            lo = tl.load(vcen_ptr + (b & 7)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            hi = tl.load(vcen_ptr + ((b >> 3) & 7)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            e = tl.where(b < 64, lo | (hi << 16), kc | (kc << 16))
+        else:
+            e = kc | (kc << 16)
+        base = tl.inline_asm_elementwise(_FILL_ASM, "=r,r,r,r", [base, b, e], dtype=tl.int32, is_pure=False, pack=1)
+    return tl.inline_asm_elementwise("bar.sync 0;\nmov.b32 $0, $1;", "=r,r", [base], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+# Lookups of a word's 4 bytes: PRMT (the byte) + IMAD (·128 + this lane's base) + LDS each.
+_LUT4_ASM = tl.constexpr(
+    "{\n.reg .b32 b0, b1, b2, b3;\n"
+    "prmt.b32 b0, $4, 0, 0x4440;\nprmt.b32 b1, $4, 0, 0x4441;\n"
+    "prmt.b32 b2, $4, 0, 0x4442;\nprmt.b32 b3, $4, 0, 0x4443;\n"
+    "mad.lo.u32 b0, b0, 128, $5;\nmad.lo.u32 b1, b1, 128, $5;\n"
+    "mad.lo.u32 b2, b2, 128, $5;\nmad.lo.u32 b3, b3, 128, $5;\n"
+    "ld.shared.b32 $0, [b0];\nld.shared.b32 $1, [b1];\nld.shared.b32 $2, [b2];\nld.shared.b32 $3, [b3];\n}")
+# The PRMT-addressed table (entries 256 bytes apart at a shared address whose low 16 bits are 0):
+# the address of byte k's entry is this lane's base with byte k of the word as its byte 1 — one
+# PRMT (bytes: base.0 = 4·lane, w.k, base.2, base.3) instead of a PRMT and an IMAD.
+_LUT4_256_ASM = tl.constexpr(
+    "{\n.reg .b32 b0, b1, b2, b3;\n"
+    "prmt.b32 b0, $4, $5, 0x7604;\nprmt.b32 b1, $4, $5, 0x7614;\n"
+    "prmt.b32 b2, $4, $5, 0x7624;\nprmt.b32 b3, $4, $5, 0x7634;\n"
+    "ld.shared.b32 $0, [b0];\nld.shared.b32 $1, [b1];\nld.shared.b32 $2, [b2];\nld.shared.b32 $3, [b3];\n}")
+
+
+@triton.jit
+def _lut4(w, lb, E256: tl.constexpr = False):
+    """The table entries of the 4 bytes of word ``w`` (``lb``: this lane's table base; ``E256``:
+    the PRMT-addressed table)."""
+    return tl.inline_asm_elementwise(_LUT4_256_ASM if E256 else _LUT4_ASM, "=r,=r,=r,=r,r,r", [w, lb],
+                                     dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+
+
+@triton.jit
+def _lut1(idx, lb):
+    """The table entry ``idx`` (``lb``: this lane's table base)."""
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b32 a;\nmad.lo.u32 a, $1, 128, $2;\nld.shared.b32 $0, [a];\n}",
+        "=r,r,r", [idx, lb], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _funnel(lo, hi, sh):
+    """Bits ``sh .. sh + 31`` of the 64-bit ``hi:lo`` (``sh`` in 0..31)."""
+    return tl.inline_asm_elementwise("shf.r.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r", [lo, hi, sh], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _bits_at(y, POS: tl.constexpr, NB: tl.constexpr):
+    """Bits ``POS .. POS + NB - 1`` of the chunk words ``y`` (``NB`` ≤ 8), as an integer."""
+    W: tl.constexpr = POS // 32
+    OFF: tl.constexpr = POS % 32
+    if OFF <= 32 - NB:
+        v = y[W] >> OFF
+    else:
+        v = _funnel(y[W], y[W + 1], tl.zeros_like(y[W]) + OFF)
+    return v & ((1 << NB) - 1)
+
+
+@triton.jit
+def _k5_pair(y, p: tl.constexpr, lbk):
+    """fp16 pair of key codes ``2p``, ``2p + 1`` (5 bits each, chunk bits ``10p ..``): one lookup
+    each in the key entries (``lbk``: this lane's base of entry 64) and one LOP3."""
+    e0 = _lut1(_bits_at(y, 10 * p, 5), lbk)
+    e1 = _lut1(_bits_at(y, 10 * p + 5, 5), lbk)
+    return (e0 & 0xFFFF) | (e1 & -65536)
+
+
+@triton.jit
+def _v3_index(xa, xb, k: tl.constexpr):
+    """Pair-table index ``code_a | code_b << 3`` of 3-bit code ``k`` of two tokens (``xa``, ``xb``
+    from :func:`_v3_words`: bytes 0..3 and 2..5 of each chunk)."""
+    S: tl.constexpr = (3 * k + 2) > 31  # the code's bits beyond word 0: take the word of bytes 2..5
+    OFF: tl.constexpr = 3 * k - 16 * S
+    return ((xa[S] >> OFF) & 7) | (((xb[S] >> OFF) & 7) << 3)
+
+
+@triton.jit
+def _uni4(wa, wb):
+    """Uniform codes of byte k of two tokens' words as subnormal fp16 token pairs: the low
+    nibbles (j·2^-24) and the high nibbles (16j·2^-24), 4 each. (The tensor cores multiply fp16
+    subnormals exactly; the GPU property tests cover it.)"""
+    return tl.inline_asm_elementwise(_UNI_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [wa, wb], dtype=(tl.int32,) * 8,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _uni3(xa, xb, k: tl.constexpr):
+    """3-bit uniform code ``k`` (chunk bits ``3k ..``) of two tokens as an fp16 pair of subnormals
+    ``code·2^(P-24)``, ``P = 3k mod 8`` (the output scales that back): one PRMT takes the 16-bit
+    window at the code's byte from each token (``xa``, ``xb``: the chunk's words as bytes 0..3 and
+    2..5) and one AND keeps the code's bits. (PRMT's selector and the mask are constants.)"""
+    W: tl.constexpr = (3 * k) // 8
+    P: tl.constexpr = (3 * k) % 8
+    S: tl.constexpr = (W + (P > 5)) > 3  # the window's last byte beyond byte 3: the word of bytes 2..5
+    O: tl.constexpr = W - 2 * S
+    O2: tl.constexpr = O + (O < 3)
+    SEL: tl.constexpr = O | (O2 << 4) | ((O + 4) << 8) | ((O2 + 4) << 12)
+    MASK: tl.constexpr = (7 << P) | (7 << (16 + P))
+    z = tl.zeros_like(xa[0])
+    return tl.inline_asm_elementwise("{\nprmt.b32 $0, $1, $2, $3;\nand.b32 $0, $0, $4;\n}", "=r,r,r,r,r",
+                                     [xa[S], xb[S], z + SEL, z + MASK], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _v3_words(x, NB: tl.constexpr):
+    """A token's 3-bit value chunk (``NB`` bytes, aligned words ``x``) as the words of bytes 0..3
+    and (NB > 4) 2..5."""
+    if NB > 4:
+        return x[0], _funnel(x[0], x[1], tl.zeros_like(x[0]) + 16)
+    else:
+        return (x[0],)
+
+
+@triton.jit
+def _nibble_merge(wa, wb):
+    """Two tokens' words → (low nibbles of a | low nibbles of b << 4, high nibbles likewise)."""
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b32 x;\nshl.b32 x, $3, 4;\nand.b32 x, x, 0xF0F0F0F0;\nand.b32 $0, $2, 0x0F0F0F0F;\n"
+        "or.b32 $0, $0, x;\nshr.u32 x, $2, 4;\nand.b32 x, x, 0x0F0F0F0F;\nand.b32 $1, $3, 0xF0F0F0F0;\n"
+        "or.b32 $1, $1, x;\n}",
+        "=r,=r,r,r", [wa, wb], dtype=(tl.int32,) * 2, is_pure=True, pack=1)
+
+
+@triton.jit
+def _fp8_pairs(w):
+    """Four FP8 E4M3 bytes → two fp16 pairs (bytes 0, 1 → the low register; the low byte of each
+    pair → the low half). Exact: every E4M3 value is an fp16 value."""
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $2;\ncvt.rn.f16x2.e4m3x2 $0, lo;\ncvt.rn.f16x2.e4m3x2 $1, hi;\n}",
+        "=r,=r,r", [w], dtype=(tl.int32,) * 2, is_pure=True, pack=1)
+
+
+@triton.jit
+def _mma(c, a0, a1, a2, a3, b0, b1):
+    """``c += A·B`` for one m16n8k16 tile (fp16 operands, fp32 accumulators ``c`` (4-tuple))."""
+    return tl.inline_asm_elementwise(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
+        "{$10,$11,$12,$13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, c[0], c[1], c[2], c[3]],
+        dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+
+
+@triton.jit
+def _sq(x):
+    return tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $1;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _pack2(lo, hi):
+    """Two float32 → one fp16x2 register (round to nearest)."""
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _p_fragments(p0, p1, p2, p3):
+    """Score-accumulator layout (tokens r / r+8, heads 2c, 2c+1) → the B operand of O^T = V^T·P^T
+    (tokens 2c, 2c+1 / 2c+8, 2c+9, head r), fp16."""
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b32 x0, x1;\ncvt.rn.f16x2.f32 x0, $3, $2;\ncvt.rn.f16x2.f32 x1, $5, $4;\n"
+        "movmatrix.sync.aligned.m8n8.trans.b16 $0, x0;\nmovmatrix.sync.aligned.m8n8.trans.b16 $1, x1;\n}",
+        "=r,=r,f,f,f,f", [p0, p1, p2, p3], dtype=(tl.int32,) * 2, is_pure=True, pack=1)
+
+
+@triton.jit
+def _warp_max_r(x):
+    """Max over the 8 lanes that share ``l % 4`` (xor 4, 8, 16)."""
+    return tl.inline_asm_elementwise(
+        "{\n.reg .f32 y;\nshfl.sync.bfly.b32 y, $1, 4, 0x1f, -1;\nmax.f32 $0, $1, y;\n"
+        "shfl.sync.bfly.b32 y, $0, 8, 0x1f, -1;\nmax.f32 $0, $0, y;\n"
+        "shfl.sync.bfly.b32 y, $0, 16, 0x1f, -1;\nmax.f32 $0, $0, y;\n}",
+        "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _warp_sum_r(x):
+    """Sum over the 8 lanes that share ``l % 4``."""
+    return tl.inline_asm_elementwise(
+        "{\n.reg .f32 y;\nshfl.sync.bfly.b32 y, $1, 4, 0x1f, -1;\nadd.f32 $0, $1, y;\n"
+        "shfl.sync.bfly.b32 y, $0, 8, 0x1f, -1;\nadd.f32 $0, $0, y;\n"
+        "shfl.sync.bfly.b32 y, $0, 16, 0x1f, -1;\nadd.f32 $0, $0, y;\n}",
+        "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _shifted(w, sh, N: tl.constexpr):
+    """``N`` words of the byte stream ``w`` (from :func:`.mma_loads._ld_span`) starting ``sh`` bits in."""
+    res = ()
+    for i in tl.static_range(N):
+        res = res + (_funnel(w[i], w[i + 1], sh),)
+    return res
+
+
+@triton.jit
+def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K_FP8: tl.constexpr,
+            K_BITS: tl.constexpr, NKT: tl.constexpr, K_FUN: tl.constexpr, E256: tl.constexpr = False):
+    """S^T (tokens r, r+8 × heads 2c, 2c+1) and, for decode-time norm correction, ‖c‖² of the
+    same tokens (all columns equal). FP8 keys: word ``i`` of the chunk is k-tile ``i`` (its
+    bytes 0, 1 the MMA columns 2c, 2c+1; bytes 2, 3 the columns 2c+8, 2c+9). 3-bit keys: the
+    chunk words shifted by ``k_sh`` bits, code pair ``p`` (bits ``6p ..``) one table entry; k-tile
+    ``i`` takes pairs ``2i`` (columns 2c, 2c+1) and ``2i + 1`` (2c+8, 2c+9)."""
+    z = tl.zeros_like(lb.to(tl.float32))
+    s = (z, z, z, z)  # two independent accumulation chains (even / odd k-tiles)
+    t = (z, z, z, z)
+    n = (z, z, z, z)
+    if K_FP8:
+        for i in tl.static_range(NKW):
+            pw = _fp8_pairs(k0[i])
+            px = _fp8_pairs(k1[i])
+            if i % 2 == 0:
+                s = _mma(s, pw[0], px[0], pw[1], px[1], qf[2 * i], qf[2 * i + 1])
+            else:
+                t = _mma(t, pw[0], px[0], pw[1], px[1], qf[2 * i], qf[2 * i + 1])
+    elif K_BITS == 3 or K_BITS == 5:  # code pair p: coordinates c·D/4 + 2p, + 1
+        x = _shifted(k0, k_sh, NKW - (K_BITS == 3))  # 3-bit: one word loaded beyond the chunk
+        y = _shifted(k1, k_sh, NKW - (K_BITS == 3))
+        lbk = lb + 64 * 128  # 5-bit: the single-code entries
+        for i in tl.static_range(NKT):
+            if K_BITS == 5:  # two single-code lookups per pair
+                a0 = _k5_pair(x, 2 * i, lbk)
+                a1 = _k5_pair(y, 2 * i, lbk)
+                a2 = _k5_pair(x, 2 * i + 1, lbk)
+                a3 = _k5_pair(y, 2 * i + 1, lbk)
+            else:  # one pair lookup (6-bit field)
+                a0 = _lut1(_bits_at(x, 12 * i, 6), lb)
+                a1 = _lut1(_bits_at(y, 12 * i, 6), lb)
+                a2 = _lut1(_bits_at(x, 12 * i + 6, 6), lb)
+                a3 = _lut1(_bits_at(y, 12 * i + 6, 6), lb)
+            if i % 2 == 0:
+                s = _mma(s, a0, a1, a2, a3, qf[2 * i], qf[2 * i + 1])
+            else:
+                t = _mma(t, a0, a1, a2, a3, qf[2 * i], qf[2 * i + 1])
+            if K_NC:
+                n = _mma(n, _sq(a0), _sq(a1), _sq(a2), _sq(a3), ones, ones)
+    else:
+        if K_FUN:  # the chunk's words from the words that hold it
+            k0 = _shifted(k0, k_sh, NKW)
+            k1 = _shifted(k1, k_sh, NKW)
+        for i in tl.static_range(NKW):
+            pw = _lut4(k0[i], lb, E256)  # chunk bytes 4i..4i+3 of token r
+            px = _lut4(k1[i], lb, E256)  # ... of token r + 8
+            s = _mma(s, pw[0], px[0], pw[1], px[1], qf[4 * i], qf[4 * i + 1])
+            t = _mma(t, pw[2], px[2], pw[3], px[3], qf[4 * i + 2], qf[4 * i + 3])
+            if K_NC:
+                n = _mma(n, _sq(pw[0]), _sq(px[0]), _sq(pw[1]), _sq(px[1]), ones, ones)
+                n = _mma(n, _sq(pw[2]), _sq(px[2]), _sq(pw[3]), _sq(px[3]), ones, ones)
+    return (s[0] + t[0], s[1] + t[1], s[2] + t[2], s[3] + t[3]), n
+
+
+@triton.jit
+def _values(o, v0, v1, v2, v3, pb0, pb1, lb, v_sh_e, v_sh_o, NVW: tl.constexpr, CV: tl.constexpr,
+            V_UNIFORM: tl.constexpr, V_FUN: tl.constexpr, V_BITS: tl.constexpr, NMT: tl.constexpr,
+            E256: tl.constexpr = False):
+    """O^T += V^T·P^T over the lane's chunk (4-bit: M tile i ← chunk byte i; 3-bit: M tile i ←
+    codes 2i (row r) and 2i + 1 (row r + 8) of the chunk). Shifted chunks (``V_FUN``) are
+    aligned first (even tokens by ``v_sh_e`` bits, odd ones by ``v_sh_o``)."""
+    TPW: tl.constexpr = 4 if CV >= 4 else CV  # M tiles per 32-bit word of the chunk
+    res = ()
+    if V_FUN:  # the chunks' words from the words that hold them (3-bit values: always)
+        v0 = _shifted(v0, v_sh_e, (CV + 3) // 4)
+        v1 = _shifted(v1, v_sh_o, (CV + 3) // 4)
+        v2 = _shifted(v2, v_sh_e, (CV + 3) // 4)
+        v3 = _shifted(v3, v_sh_o, (CV + 3) // 4)
+    if V_BITS == 3:
+        xa = _v3_words(v0, CV)
+        xb = _v3_words(v1, CV)
+        xc = _v3_words(v2, CV)
+        xd = _v3_words(v3, CV)
+        for i in tl.static_range(NMT):
+            if V_UNIFORM:
+                a0 = _uni3(xa, xb, 2 * i)
+                a1 = _uni3(xa, xb, 2 * i + 1)
+                a2 = _uni3(xc, xd, 2 * i)
+                a3 = _uni3(xc, xd, 2 * i + 1)
+            else:  # Lloyd-Max: the pair table's entries 0..63 (token pairs of 3-bit codes)
+                a0 = _lut1(_v3_index(xa, xb, 2 * i), lb)
+                a1 = _lut1(_v3_index(xa, xb, 2 * i + 1), lb)
+                a2 = _lut1(_v3_index(xc, xd, 2 * i), lb)
+                a3 = _lut1(_v3_index(xc, xd, 2 * i + 1), lb)
+            acc = _mma((o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]), a0, a1, a2, a3, pb0, pb1)
+            res = res + (acc[0], acc[1], acc[2], acc[3])
+    else:
+        for w in tl.static_range(NVW):
+            if V_UNIFORM:
+                ab = _uni4(v0[w], v1[w])
+                cd = _uni4(v2[w], v3[w])
+                lo_ab = (ab[0], ab[1], ab[2], ab[3])
+                hi_ab = (ab[4], ab[5], ab[6], ab[7])
+                lo_cd = (cd[0], cd[1], cd[2], cd[3])
+                hi_cd = (cd[4], cd[5], cd[6], cd[7])
+            else:
+                m_ab = _nibble_merge(v0[w], v1[w])
+                m_cd = _nibble_merge(v2[w], v3[w])
+                lo_ab = _lut4(m_ab[0], lb, E256)
+                hi_ab = _lut4(m_ab[1], lb, E256)
+                lo_cd = _lut4(m_cd[0], lb, E256)
+                hi_cd = _lut4(m_cd[1], lb, E256)
+            for k in tl.static_range(TPW):  # M tile 4w + k
+                acc = _mma((o[16 * w + 4 * k], o[16 * w + 4 * k + 1], o[16 * w + 4 * k + 2], o[16 * w + 4 * k + 3]),
+                           lo_ab[k], hi_ab[k], lo_cd[k], hi_cd[k], pb0, pb1)
+                res = res + (acc[0], acc[1], acc[2], acc[3])
+    return res
+
+
+@triton.jit
+def _scaled_scores(sv, cn, fac, ok0, ok1, sm_scale_log2, K_NC: tl.constexpr):
+    """Base-2 scores of tokens r (``ok0``) and r + 8 (``ok1``), heads 2c / 2c+1: the key factors
+    (and the decode-time norm correction) applied, −inf past the range."""
+    f0 = fac[0] * sm_scale_log2
+    f1 = fac[1] * sm_scale_log2
+    if K_NC:
+        f0 = f0 * tl.rsqrt(tl.maximum(cn[0], 1e-30))
+        f1 = f1 * tl.rsqrt(tl.maximum(cn[2], 1e-30))
+    return (tl.where(ok0, sv[0] * f0, float("-inf")), tl.where(ok0, sv[1] * f0, float("-inf")),
+            tl.where(ok1, sv[2] * f1, float("-inf")), tl.where(ok1, sv[3] * f1, float("-inf")))
+
+
+@triton.jit
+def _rescale(o, be, bo, NMT: tl.constexpr):
+    """O^T columns 2c (×be) and 2c+1 (×bo). (Skipping this when every factor is 1, by a
+    warp-uniform branch, measured 2-3% slower on the H100: the branch splits ptxas's scheduling
+    region in the middle of the loop.)"""
+    res = ()
+    for i in tl.static_range(NMT):
+        res = res + (o[4 * i] * be, o[4 * i + 1] * bo, o[4 * i + 2] * be, o[4 * i + 3] * bo)
+    return res
+
+
+@triton.jit
+def _dim_of(f, e, NIBBLE: tl.constexpr):
+    """Coordinate of nibble ``e`` (0 low, 1 high) of field byte ``f``."""
+    if NIBBLE:
+        return 2 * f + 1 - e
+    return 2 * f + e

@@ -1,0 +1,405 @@
+"""Warp-level tensor-core paged decode: 4-, 3- or 5-bit Lloyd-Max or FP8 keys, 4- or 3-bit values.
+
+Every tensor in this kernel holds one value per thread (shape ``[32·WARPS]``), and the inner
+loop is inline PTX, so each value is produced in the register where ``mma.sync.m16n8k16``
+reads it: nothing goes through shared memory on its way to the tensor cores.
+
+One warp owns one (sequence, KV head, split) and walks its tokens 16 at a time:
+
+* With Lloyd-Max values (``SUB = 2``) one loop iteration takes two 16-token steps under one
+  softmax update (one running max over both, one rescale of the output accumulators), the
+  register ring holding both steps' data.
+* ``S^T = K·Q^T``: the 16 tokens are the MMA's M rows, the G ≤ 8 query heads of the GQA group
+  its N columns. Lane ``l`` (``r = l // 4``, ``c = l % 4``) supplies tokens ``r`` and ``r + 8``.
+  A fixed permutation of the (rotated) coordinates, applied to q and K alike, leaves every score
+  unchanged; the kernel picks the one in which lane ``c`` needs one contiguous chunk of ``D/8``
+  bytes of each of its tokens: chunk byte ``j`` gives the fp16 pair of k-tile ``j // 2``.
+* Codes become fp16 through a 256-entry table of pairs (``c[low nibble], c[high nibble]``) in
+  shared memory, replicated per lane so that no two lanes share a bank: per byte one PRMT, one
+  IMAD and one LDS.
+* ``O^T = V^T·P^T``: 16 coordinates per M tile; lane ``(r, c)`` supplies ``D/16`` coordinates
+  (one chunk of ``D/16`` bytes) of tokens ``2c, 2c+1, 2c+8, 2c+9``. The K dimension of this MMA
+  is the tokens, so the nibbles of two tokens' bytes are merged into one byte before the lookup
+  (a token pair per coordinate); ``P^T`` moves from the score accumulator to the B operand by
+  two ``movmatrix.trans``. Uniform codes skip the table: the code lands in an fp16's mantissa
+  as a subnormal ``j·2^-24`` (or ``16j·2^-24`` for the high nibble) and the power of two comes
+  back at the end.
+* Per-token factors (norm, gain, uniform scale) multiply the scores and P^T; zero points add
+  ``Σ p·z`` per head. P^T is scaled by the running maximum of the value factors so that fp16 P
+  keeps its precision (the output is rescaled when that maximum grows, as for the softmax max).
+* vLLM's decode-time norm correction: ``‖c[idx]‖²`` per token by a second MMA against ones.
+* FP8 E4M3 keys: two bytes are one fp16 pair by ``cvt.rn.f16x2.e4m3x2``; lane ``c`` reads words
+  ``NW·(4j + c) ..`` of the field (word ``i`` of its chunk = k-tile ``i``), no key factor, and
+  with uniform values no table at all.
+* 3-bit keys (LSB bitstream): two consecutive codes are a 6-bit field, looked up in a 64-entry
+  pair table; lane ``c`` owns codes ``c·D/4 ..``, loaded as whole words from the word boundary
+  below its chunk and funnel-shifted into place (no joining lanes). 5-bit keys: the same order,
+  one lookup per code in 32 single entries (table entries 64..95), two joined by one LOP3.
+* 3-bit values: lane ``r`` owns codes ``r·D/8 ..``; M tile ``i`` takes codes ``2i``, ``2i + 1``.
+  Uniform: PRMT + AND per token pair into subnormals ``code·2^(3k mod 8 - 24)``; Lloyd-Max (next
+  to 5-bit keys): token-pair entries 0..63 of the value codebook.
+* Shifted words (``K_FUN`` / ``V_FUN``): a chunk not at a fixed offset from aligned blocks is
+  read as the words that hold it and funnel-shifted; in blocks of an even number of rows a
+  row's offset from a word boundary follows the token's parity, so rows of 2 mod 4 bytes work.
+
+A field that is not aligned to the chunk size (vLLM's 134-byte slots) is read as aligned
+blocks: lanes take blocks ``1 .. 3`` (``1 .. 7`` for values) of the field's aligned span, and
+the last lane joins block 0's tail with block 4's (8's) head byte by byte; the coordinate
+permutation accounts for it.
+
+Cooperative stages (``COOP`` stages, :func:`.mma_plans.coop_plan`): one CTA per (sequence, split),
+one warp per KV head; the CTA copies each step's 16 whole rows (one contiguous range of a block) into a
+ring of shared-memory stages with ``cp.async`` and the head-warps issue the same reads against the
+stage (``_load_step(..., SMEM=True)``), so the partials are bit-identical to the per-warp kernel's.
+
+Partials (unnormalised acc, base-2 max, sum) go to the workspace of
+:func:`tqkern.ops.paged_decode.merge._merge_kernel`, which merges splits and rotates back.
+GPU only (inline PTX); the CPU interpreter runs the general kernel instead.
+
+This module holds the kernel only. Its pieces: :mod:`.mma_fragments` (the pair table, the code
+decoders, the MMA and the per-step math) and :mod:`.mma_loads` (a step's reads, the cooperative
+stages); its plans (the constexprs): :mod:`.mma_plans`; its launcher: :mod:`.mma_launch`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tqkern.ops.paged_decode.mma_fragments import (LUT_BYTES, _dim_of, _lut_declare, _lut_fill, _lut_fill_k5,
+                                                   _p_fragments, _pack2, _rescale, _scaled_scores, _scores, _values,
+                                                   _warp_max_r, _warp_sum_r)
+from tqkern.ops.paged_decode.mma_loads import (_byte_masks, _coop_issue, _coop_wait, _load_step, _smem_base, _stage,
+                                               _step_block, _step_blocks)
+
+__all__ = ["_paged_decode_mma_kernel", "_paged_decode_coop_kernel"]
+
+
+@triton.jit
+def _paged_decode_mma_kernel(
+    q_ptr, cache_ptr, bt_ptr, sl_ptr, cen_ptr, vcen_ptr, acc_ptr, ml_ptr,
+    num_seqs, max_blocks, sm_scale_log2, NUM_SPLITS,
+    G: tl.constexpr, HKV: tl.constexpr, HQ: tl.constexpr, WARPS: tl.constexpr,
+    BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr,
+    K_A_OFF: tl.constexpr, K_A_STRIDE: tl.constexpr, K_B_OFF: tl.constexpr, K_B_STRIDE: tl.constexpr,
+    K_DT: tl.constexpr, K_NC: tl.constexpr,
+    V_UNIFORM: tl.constexpr, V_A_OFF: tl.constexpr, V_A_STRIDE: tl.constexpr, V_B_OFF: tl.constexpr,
+    V_B_STRIDE: tl.constexpr, V_C_OFF: tl.constexpr, V_C_STRIDE: tl.constexpr, V_DT: tl.constexpr,
+    K_MERGE: tl.constexpr, V_MERGE: tl.constexpr, K_FP8: tl.constexpr = False, K_NW: tl.constexpr = 1,
+    K_BITS: tl.constexpr = 4, K_FUN: tl.constexpr = False, V_FUN: tl.constexpr = False, V_BITS: tl.constexpr = 4,
+    PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0, SUB: tl.constexpr = 1,
+    COOP: tl.constexpr = 0, RS: tl.constexpr = 0, SMEM_OFF: tl.constexpr = 0, LUT_AT: tl.constexpr = 0,
+    NLOW: tl.constexpr = 0, LATE_V: tl.constexpr = 0,
+):
+    NT: tl.constexpr = 32 * WARPS
+    K3: tl.constexpr = K_BITS == 3
+    K5: tl.constexpr = K_BITS == 5
+    # Key bytes a lane loads per token: 4-bit D/8 (2 per k-tile), FP8 D/4, 3-bit its 3D/32-byte
+    # chunk in whole words from the aligned address below it, plus one word for the shift; 5-bit
+    # its 5D/32-byte chunk (shifted words, K_FUN).
+    CK: tl.constexpr = ((D // 8) * (1 + K_FP8) * (1 - K3 - K5) + 4 * ((3 * D + 127) // 128 + 1) * K3
+                        + (5 * D // 32) * K5)
+    NEED_LUT: tl.constexpr = not (K_FP8 and V_UNIFORM)  # FP8 keys and uniform values need no table
+    # value chunk bytes per lane and token: 4-bit 1 per M tile, 3-bit 2 codes per M tile
+    CV: tl.constexpr = D // 16 if V_BITS == 4 else 3 * D // 64
+    NKW: tl.constexpr = (CK + 3) // 4
+    NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
+    NMT: tl.constexpr = D // 16
+    LV: tl.constexpr = LATE_V * (COOP > 0)  # values read after the update: cooperative stages only
+    t = tl.arange(0, NT)
+    lane = t % 32
+    r = lane // 4
+    c = lane % 4
+
+    # -- this warp's work item: KV head fastest, then split, then sequence --------------------
+    total = num_seqs * (HKV * NUM_SPLITS)
+    item = tl.program_id(0) * WARPS + t // 32
+    live = item < total
+    item = tl.minimum(item, total - 1)
+    h = item % HKV
+    split = (item // HKV) % NUM_SPLITS
+    s = item // (HKV * NUM_SPLITS)
+    seq_len = tl.minimum(tl.load(sl_ptr + s), max_blocks * BS)
+    per = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), 16) * 16
+    start = split * per
+    end = tl.where(live, tl.minimum(start + per, seq_len), start)
+    n_steps = tl.max(tl.maximum(tl.cdiv(end - start, 16), 0), axis=0)  # the CTA's longest range
+    bt_row = bt_ptr + s.to(tl.int64) * max_blocks
+
+    # -- pair table (its address), the cooperative stages' first copies, the table's fill ----------
+    if NEED_LUT:
+        if LUT_AT:  # the PRMT-addressed table at the shared address LUT_AT (low 16 bits 0)
+            lut = (_smem_base(t) & -65536) + LUT_AT
+        elif COOP:  # the start of the dynamic region, past Triton's scratch
+            lut = _smem_base(t) + SMEM_OFF
+        else:
+            lut = _lut_declare(t)
+    else:
+        lut = t * 0  # (unused)
+    if COOP:
+        # CTA-cooperative stages (the CTA's warps are the KV heads of one sequence and split):
+        # a ring of COOP stages of SUB steps' whole rows in dynamic shared memory, filled by
+        # cp.async COOP - 1 iterations ahead; thread t copies 16-byte chunks t, t + NT, ... of
+        # each step's 16 contiguous rows (to row i // (ROW_BYTES / 16) of the stage, RS bytes apart).
+        # The first COOP - 1 stages are issued before the table is filled (their DRAM latency
+        # overlaps the fill).
+        STG: tl.constexpr = 16 * SUB * RS
+        NCP: tl.constexpr = (ROW_BYTES + NT - 1) // NT
+        # (LUT_AT: stages 0 .. NLOW - 1 below the table, the others right above its 64 KB)
+        stages = _smem_base(t) + (SMEM_OFF + LUT_BYTES * NEED_LUT * (LUT_AT == 0))
+        NBELOW: tl.constexpr = NLOW if (LUT_AT > 0 and NLOW < COOP) else -1
+        cp_s = ()
+        for k in tl.static_range(NCP):
+            ci = t + k * NT
+            if RS == ROW_BYTES:
+                cp_s = cp_s + (16 * ci,)
+            else:
+                cp_s = cp_s + ((ci // (ROW_BYTES // 16)) * RS + (ci % (ROW_BYTES // 16)) * 16,)
+        for j in tl.static_range(COOP - 1):
+            _coop_issue(cache_ptr, _step_blocks(bt_row, start + 16 * SUB * j, end, BS, SUB), start + 16 * SUB * j,
+                        end, _stage(stages, lut, j, STG, NBELOW), cp_s, t, NT, BS, ROW_BYTES, RS, SUB)
+    if NEED_LUT:
+        if K5:
+            lut = _lut_fill_k5(lut, t, cen_ptr, vcen_ptr, NT, not V_UNIFORM)
+        else:
+            lut = _lut_fill(lut, t, cen_ptr, NT, K_BITS, LUT_AT > 0)
+        lb = lut + lane * 4
+    else:
+        lb = lane * 4
+
+    # -- field geometry (aligned spans, byte masks for the joining lane) ---------------------------
+    ka = K_A_OFF + h * K_A_STRIDE
+    va = V_A_OFF + h * V_A_STRIDE
+    # Rows of 2 mod 4 bytes (blocks of an even number of them; steps start at multiples of 16):
+    # a token row starts (its index · ROW_BYTES) mod 4 bytes past a word boundary, so the
+    # shifts below are constant per lane (keys: tokens r, r + 8; values: even / odd tokens).
+    k_row = (r * ROW_BYTES) % 4
+    if K_FP8:  # FP8 keys are read word-wise from ka itself
+        k_mis = ka * 0
+        ka0 = ka
+        k_sh = ka * 0
+    elif K3 or K_FUN:  # this lane's chunk (3-bit: 3D/32 bytes, else CK) from the word below it
+        k_lane = ka + (3 * D // 32 if K3 else CK) * c
+        k_mis = (k_lane + k_row) & 3
+        ka0 = k_lane - k_mis
+        k_sh = k_mis * 8
+    else:
+        k_mis = ka % CK
+        ka0 = ka - k_mis
+        k_sh = ka * 0
+    if V_FUN:  # this lane's chunk: field bytes CV·r .., from the word below it
+        v_lane = va + CV * r
+        v_mis_e = v_lane & 3
+        v_mis_o = (v_lane + ROW_BYTES) & 3
+        va0 = v_lane - v_mis_e
+        va1 = v_lane - v_mis_o
+        v_mis = va * 0
+    else:
+        v_mis = va % CV
+        va0 = va - v_mis
+        va1 = va0
+        v_mis_e = v_mis
+        v_mis_o = v_mis
+    k_masks = _byte_masks(tl.where(c == 3, k_mis, 0), NKW)
+    v_masks = _byte_masks(tl.where(r == 7, v_mis, 0), NVW)
+    k_sec_on = (c == 3) & (k_mis > 0)
+    v_sec_on = (r == 7) & (v_mis > 0)
+    kb_off = K_B_OFF + h * K_B_STRIDE
+    vb_off = V_B_OFF + h * V_B_STRIDE
+    vc_off = V_C_OFF + h * V_C_STRIDE
+    geo = (ka0, va0, va1, kb_off, vb_off, vc_off, k_masks, v_masks, k_sec_on, v_sec_on, k_mis, v_mis_e, v_mis_o)
+
+    # -- q as the B operand of S^T = K·Q^T: head r, the coordinates of this lane's key chunk ------
+    q_row = q_ptr + ((s * HQ + h * G + r) * D).to(tl.int64)
+    q_ok = live & (r < G)
+    qf = ()
+    if K3 or K5:  # code pair p of the chunk: coordinates c·D/4 + 2p, + 1
+        for p in tl.static_range(D // 8):
+            x0 = tl.load(q_row + c * (D // 4) + 2 * p, mask=q_ok, other=0.0)
+            x1 = tl.load(q_row + c * (D // 4) + 2 * p + 1, mask=q_ok, other=0.0)
+            qf = qf + (_pack2(x0, x1),)
+    elif K_FP8:  # word i of the chunk (field word fw, coordinates 4fw .. 4fw + 3): two pairs
+        for i in tl.static_range(NKW):
+            fw = K_NW * (4 * (i // K_NW) + c) + i % K_NW
+            for e in tl.static_range(2):
+                x0 = tl.load(q_row + 4 * fw + 2 * e, mask=q_ok, other=0.0)
+                x1 = tl.load(q_row + 4 * fw + 2 * e + 1, mask=q_ok, other=0.0)
+                qf = qf + (_pack2(x0, x1),)
+    else:
+        for j in tl.static_range(CK):
+            if K_FUN:
+                f = CK * c + j
+            else:
+                f = (CK * (c + 1) + j - k_mis) % (4 * CK)
+            x0 = tl.load(q_row + _dim_of(f, 0, NIBBLE), mask=q_ok, other=0.0)
+            x1 = tl.load(q_row + _dim_of(f, 1, NIBBLE), mask=q_ok, other=0.0)
+            qf = qf + (_pack2(x0, x1),)
+    ones = tl.full([NT], 0x3C003C00, tl.int32)
+
+    # -- state -----------------------------------------------------------------------------------
+    zf = tl.zeros([NT], tl.float32)
+    o = ()
+    for i in tl.static_range(NMT):
+        o = o + (zf, zf, zf, zf)
+    m_e = zf - 1e30  # running max (base-2 scores) of heads 2c and 2c+1
+    m_o = zf - 1e30
+    l_e = zf
+    l_o = zf
+    z_e = zf  # Σ p·zero (uniform values)
+    z_o = zf
+    vmax = zf  # running max of the value factors (P^T is scaled by 1/vmax)
+
+    # Software pipeline: the K/V data of the next PREFETCH steps is in flight in registers (a
+    # ring), and the block-table entry of the step after those is looked up one iteration
+    # earlier still, so that the loads never wait on the table. PREFETCH = 1 measured fastest on
+    # the H100: ptxas sinks a deeper ring's loads to the end of the iteration anyway.
+    if COOP:  # (the first COOP - 1 stages were issued before the pair table was filled)
+        nxt = _step_blocks(bt_row, start + 16 * SUB * (COOP - 1), end, BS, SUB)
+    else:
+        blk = _step_block(bt_row, start, end, BS)
+        ring = ()
+        for j in tl.static_range(PREFETCH):
+            ring = ring + (_load_step(cache_ptr, bt_row, blk, start + 16 * j, end, r, c, geo, BS, ROW_BYTES, CK, CV,
+                                      K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, K_FP8, K_NW, K_BITS, K_FUN,
+                                      V_FUN),)
+            blk = _step_block(bt_row, start + 16 * (j + 1), end, BS)
+    for it in range(0, tl.cdiv(n_steps, SUB)):
+        # SUB 16-token steps under one softmax update: their scores first, then one running
+        # max (scores and value factors), one rescale of the output, then their values.
+        t0 = start + it * (16 * SUB)
+        if COOP:  # this iteration's stage has landed; refill the one read last iteration
+            sb = _coop_wait(_stage(stages, lut, it % COOP, STG, NBELOW), COOP - 2)
+            tc = t0 + 16 * SUB * (COOP - 1)
+            _coop_issue(cache_ptr, nxt, tc, end,
+                        _stage(stages, lut, (it + COOP - 1) % COOP, STG, NBELOW), cp_s, t, NT, BS,
+                        ROW_BYTES, RS, SUB)
+            nxt = _step_blocks(bt_row, tc + 16 * SUB, end, BS, SUB)
+        steps = ()
+        mx_e = zf
+        mx_o = zf
+        mx_v = zf
+        for u in tl.static_range(SUB):
+            if COOP:
+                k0, k1, v0, v1, v2, v3, fac = _load_step(cache_ptr, bt_row, sb + 16 * u * RS, t0 + 16 * u, end, r, c,
+                                                         geo, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT, V_DT,
+                                                         V_UNIFORM, HINT, K_FP8, K_NW, K_BITS, K_FUN, V_FUN, True, RS,
+                                                         LV)
+            else:
+                k0, k1, v0, v1, v2, v3, fac = ring[0]
+                tn = t0 + 16 * (PREFETCH + u)
+                ring = ring[1:] + (_load_step(cache_ptr, bt_row, blk, tn, end, r, c, geo, BS, ROW_BYTES, CK, CV,
+                                              K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, K_FP8, K_NW, K_BITS,
+                                              K_FUN, V_FUN),)
+                blk = _step_block(bt_row, tn + 16, end, BS)
+            ok0 = (t0 + 16 * u + r) < end
+            ok1 = (t0 + 16 * u + r + 8) < end
+            sv, cn = _scores(k0, k1, qf, lb, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN, LUT_AT > 0)
+            s0, s1, s2, s3 = _scaled_scores(sv, cn, fac, ok0, ok1, sm_scale_log2, K_NC)
+            vf0 = tl.where(ok0, fac[2], 0.0)
+            vf1 = tl.where(ok1, fac[3], 0.0)
+            if u == 0:
+                mx_e = tl.maximum(s0, s2)
+                mx_o = tl.maximum(s1, s3)
+                mx_v = tl.maximum(tl.abs(vf0), tl.abs(vf1))
+            else:
+                mx_e = tl.maximum(mx_e, tl.maximum(s0, s2))
+                mx_o = tl.maximum(mx_o, tl.maximum(s1, s3))
+                mx_v = tl.maximum(mx_v, tl.maximum(tl.abs(vf0), tl.abs(vf1)))
+            steps = steps + ((v0, v1, v2, v3, s0, s1, s2, s3, vf0, vf1, fac, ok0, ok1),)
+        mn_e = tl.maximum(m_e, _warp_max_r(mx_e))
+        mn_o = tl.maximum(m_o, _warp_max_r(mx_o))
+        a_e = tl.exp2(m_e - mn_e)
+        a_o = tl.exp2(m_o - mn_o)
+        for u in tl.static_range(SUB):
+            v0, v1, v2, v3, s0, s1, s2, s3, vf0, vf1, fac, ok0, ok1 = steps[u]
+            if LV:  # this step's values from the stage, now
+                _, _, v0, v1, v2, v3, _ = _load_step(cache_ptr, bt_row, sb + 16 * u * RS, t0 + 16 * u, end, r, c,
+                                                     geo, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT, V_DT,
+                                                     V_UNIFORM, HINT, K_FP8, K_NW, K_BITS, K_FUN, V_FUN, True, RS,
+                                                     2)
+            p0 = tl.exp2(s0 - mn_e)
+            p1 = tl.exp2(s1 - mn_o)
+            p2 = tl.exp2(s2 - mn_e)
+            p3 = tl.exp2(s3 - mn_o)
+            if u == 0:  # the running sums carry the correction factors once
+                l_e = l_e * a_e + (p0 + p2)
+                l_o = l_o * a_o + (p1 + p3)
+            else:
+                l_e = l_e + (p0 + p2)
+                l_o = l_o + (p1 + p3)
+            if V_UNIFORM:
+                vz0 = tl.where(ok0, fac[4], 0.0)
+                vz1 = tl.where(ok1, fac[5], 0.0)
+                if u == 0:
+                    z_e = z_e * a_e + (p0 * vz0 + p2 * vz1)
+                    z_o = z_o * a_o + (p1 * vz0 + p3 * vz1)
+                else:
+                    z_e = z_e + (p0 * vz0 + p2 * vz1)
+                    z_o = z_o + (p1 * vz0 + p3 * vz1)
+            if u == 0:  # one rescale of the output per update
+                vn = tl.maximum(vmax, _warp_max_r(mx_v))
+                ratio = tl.where(vn > 0, vmax / tl.where(vn > 0, vn, 1.0), 1.0)
+                inv = tl.where(vn > 0, 1.0 / tl.where(vn > 0, vn, 1.0), 0.0)
+                vmax = vn
+                o = _rescale(o, a_e * ratio, a_o * ratio, NMT)
+            w0 = vf0 * inv
+            w1 = vf1 * inv
+            pb = _p_fragments(p0 * w0, p1 * w0, p2 * w1, p3 * w1)
+            o = _values(o, v0, v1, v2, v3, pb[0], pb[1], lb, v_mis_e * 8, v_mis_o * 8, NVW, CV, V_UNIFORM, V_FUN,
+                        V_BITS, NMT, LUT_AT > 0)
+        m_e = mn_e
+        m_o = mn_o
+
+    # -- partial results: acc [S, HQ, NUM_SPLITS, DP], (m, l) [S, HQ, NUM_SPLITS, 2] --------------
+    l_e = _warp_sum_r(l_e)
+    l_o = _warp_sum_r(l_o)
+    if V_UNIFORM:
+        z_e = _warp_sum_r(z_e)
+        z_o = _warp_sum_r(z_o)
+    if V_UNIFORM:
+        sc_lo = vmax * 16777216.0  # 2^24: the low nibbles were subnormals j·2^-24
+        sc_hi = vmax * 1048576.0  # 2^20: the high nibbles 16j·2^-24
+    else:
+        sc_lo = vmax
+        sc_hi = vmax
+    part_e = (s * HQ + h * G + 2 * c).to(tl.int64) * NUM_SPLITS + split
+    part_o = part_e + NUM_SPLITS
+    ok_e = live & (2 * c < G)
+    ok_o = live & (2 * c + 1 < G)
+    for i in tl.static_range(NMT):
+        if V_BITS == 3:  # codes 2i, 2i + 1 of the lane's chunk; uniform code k was code·2^(3k mod 8 - 24)
+            d_lo = r * (D // 8) + 2 * i
+            d_hi = d_lo + 1
+            if V_UNIFORM:
+                s_lo = vmax * (16777216.0 / (1 << ((6 * i) % 8)))
+                s_hi = vmax * (16777216.0 / (1 << ((6 * i + 3) % 8)))
+            else:
+                s_lo = sc_lo
+                s_hi = sc_hi
+        else:
+            if V_FUN:
+                f = CV * r + i
+            else:
+                f = (CV * (r + 1) + i - v_mis) % (8 * CV)
+            d_lo = _dim_of(f, 0, NIBBLE)
+            d_hi = _dim_of(f, 1, NIBBLE)
+            s_lo = sc_lo
+            s_hi = sc_hi
+        tl.store(acc_ptr + part_e * DP + d_lo, o[4 * i] * s_lo + z_e, mask=ok_e)
+        tl.store(acc_ptr + part_o * DP + d_lo, o[4 * i + 1] * s_lo + z_o, mask=ok_o)
+        tl.store(acc_ptr + part_e * DP + d_hi, o[4 * i + 2] * s_hi + z_e, mask=ok_e)
+        tl.store(acc_ptr + part_o * DP + d_hi, o[4 * i + 3] * s_hi + z_o, mask=ok_o)
+    first = r == 0
+    tl.store(ml_ptr + part_e * 2, tl.where(l_e > 0, m_e, float("-inf")), mask=ok_e & first)
+    tl.store(ml_ptr + part_e * 2 + 1, l_e, mask=ok_e & first)
+    tl.store(ml_ptr + part_o * 2, tl.where(l_o > 0, m_o, float("-inf")), mask=ok_o & first)
+    tl.store(ml_ptr + part_o * 2 + 1, l_o, mask=ok_o & first)
+
+
+# The cooperative plans launch through a second wrapper of the same function that specializes no
+# argument (no "== 1" or 16-divisibility variants): exactly one compiled kernel per constexpr set,
+# so that its dynamic shared memory is sized once, before its binary is first loaded.
+_paged_decode_coop_kernel = triton.jit(
+    _paged_decode_mma_kernel.fn,
+    do_not_specialize=["q_ptr", "cache_ptr", "bt_ptr", "sl_ptr", "cen_ptr", "vcen_ptr", "acc_ptr", "ml_ptr", "num_seqs",
+                       "max_blocks", "sm_scale_log2", "NUM_SPLITS"])

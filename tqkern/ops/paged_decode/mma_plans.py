@@ -1,0 +1,279 @@
+"""Host-side plans of the warp-MMA decode kernel: the constexprs (a plan, a plain dict) that a
+layout and GQA group get (:func:`mma_plan`; ``None`` where the kernel does not apply), their
+CTA-cooperative variants and shared-memory sizing (:func:`coop_plan`, :func:`table256_plan`,
+:func:`coop_smem_bytes`, :func:`coop_row_stride`), the plan for one device (:func:`device_plan`,
+:func:`per_warp_plan`, :func:`disable_cooperative_stages`), and the arithmetic of splits and
+residency (:func:`num_splits_mma`, :func:`ctas_per_sm`). Nothing here compiles or launches:
+:mod:`.mma_launch` passes a plan to :mod:`.mma_kernel`."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from tqkern.layouts import FP8, LloydMax, PagedLayout, Uniform
+from tqkern.ops.common import layout_consts
+from tqkern.ops.paged_decode.mma_fragments import LUT_BYTES
+
+__all__ = ["DynamicSmemUnsupported", "coop_plan", "coop_row_stride", "coop_smem_bytes", "ctas_per_sm", "device_plan",
+           "disable_cooperative_stages", "mma_plan", "num_splits_mma", "per_warp_plan", "table256_plan"]
+
+
+_DT = {"float16": 0, "float32": 1, "bfloat16": 2}
+_NBYTES = {0: 2, 1: 4, 2: 2}
+
+
+# -- host side ------------------------------------------------------------------------------------
+def mma_plan(layout: PagedLayout, group: int) -> dict | None:
+    """Constexprs of the warp-MMA kernel for ``layout`` and GQA ``group``, or ``None`` where it
+    does not apply (then the general kernel runs).
+
+    It applies when keys are 4-bit Lloyd-Max codes, 3- or 5-bit Lloyd-Max codes (LSB bit order)
+    or FP8, and values are 4- or 3-bit uniform codes, 4-bit Lloyd-Max codes next to 4-bit keys
+    (no decode-time norm correction; the launcher also requires the keys' codebook, see
+    ``tqkern.ops.paged_decode.triton.decode_path``) or 3-bit Lloyd-Max codes next to 5-bit keys;
+    ``head_dim`` 64 or 128; ``group ≤ 8``; rows of an even number of bytes (2 mod 4 only in
+    blocks of an even number of rows and not with FP8 keys); FP8 key fields at 4-byte offsets;
+    a 3-bit key field's over-read word inside the row; norms, scales and zeros aligned to their
+    size in every row."""
+    if not isinstance(layout, PagedLayout):
+        raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
+    plan = _mma_plan(layout, group)
+    return None if plan is None else dict(plan)
+
+
+_PER_WARP_SUB = {True: 1, False: 2}  # the per-warp kernel's steps per softmax update, by "values uniform"
+
+
+@functools.lru_cache(maxsize=256)
+def _mma_plan(layout: PagedLayout, group: int) -> tuple | None:
+    fmt = layout.format
+    key, value = fmt.key, fmt.value
+    d = fmt.head_dim
+    k_fp8 = isinstance(key, FP8)
+    k3 = isinstance(key, LloydMax) and key.bits == 3 and fmt.bit_order == "lsb"
+    k5 = isinstance(key, LloydMax) and key.bits == 5 and fmt.bit_order == "lsb"
+    if not ((isinstance(key, LloydMax) and key.bits == 4) or k_fp8 or k3 or k5):
+        return None
+    v_uniform = isinstance(value, Uniform)
+    v_lm = isinstance(value, LloydMax) and value.norm_correction != "decode"
+    if not ((v_lm and value.bits in (3, 4)) or (v_uniform and value.bits in (3, 4))):
+        return None
+    # The one table holds 4-bit key pairs (and then 4-bit Lloyd-Max value pairs of the same
+    # codebook), 3-bit key pairs, or 5-bit key codes next to 3-bit Lloyd-Max value pairs.
+    if v_lm and not ((value.bits == 4 and isinstance(key, LloydMax) and key.bits == 4) or (value.bits == 3 and k5)):
+        return None
+    if d not in (64, 128) or not 1 <= group <= 8:
+        return None
+    rb = layout.row_bytes
+    # Rows of 2 mod 4 bytes: a row's offset from a word boundary must follow from the token's
+    # position alone (blocks of an even number of rows), and FP8 keys are read as aligned words.
+    if rb % 2 or (rb % 4 and (layout.block_size % 2 or k_fp8)):
+        return None
+    ck, cv = d // 8, d // 16
+    c = layout_consts(layout)
+    # 4-bit key chunks not at fixed offsets from aligned blocks, and 5-bit keys: shifted words
+    k_fun = k5 or (not (k_fp8 or k3) and rb % ck != 0)
+    # 3-bit values: always shifted (3D/64-byte chunks). With 3-bit keys, values that would be
+    # joined are shifted too (measured 4-5% faster on the H100: docs/performance.md §25).
+    v_fun = value.bits == 3 or rb % cv != 0 or (k3 and bool(c["V_A_OFF"] % cv or c["V_A_STRIDE"] % cv))
+    last_key = c["K_A_OFF"] + (layout.num_kv_heads - 1) * c["K_A_STRIDE"]
+    if k3 and last_key + 3 * (3 * d // 32) + 4 * ((3 * d + 127) // 128 + 1) > rb:
+        return None  # 3-bit keys: a lane's whole words (one beyond its chunk) must stay in the row
+    k_nw = 1
+    if k_fp8:  # word loads of the key field: as wide as its alignment allows
+        if (c["K_A_OFF"] | c["K_A_STRIDE"]) % 4:
+            return None
+        k_nw = next(n for n in (4, 2, 1) if (c["K_A_OFF"] | c["K_A_STRIDE"] | rb) % (4 * n) == 0)
+    k_dt = _DT["float32" if k_fp8 else key.norm_dtype]  # FP8 keys have no factor: K_DT is unused
+    k_bits = 8 if k_fp8 else key.bits
+    v_dt = _DT[value.param_dtype if v_uniform else value.norm_dtype]
+    factors = [(c["V_B_OFF"], v_dt), (c["V_B_STRIDE"], v_dt), (c["V_C_OFF"], v_dt), (c["V_C_STRIDE"], v_dt),
+               (rb, v_dt)]
+    if not k_fp8:
+        factors += [(c["K_B_OFF"], k_dt), (c["K_B_STRIDE"], k_dt), (rb, k_dt)]
+    if any(off % _NBYTES[dt] for off, dt in factors):
+        return None
+    plan = dict(
+        D=d, DP=c["DP"], ROW_BYTES=rb, NIBBLE=fmt.bit_order == "nibble_high_even",
+        K_A_OFF=c["K_A_OFF"], K_A_STRIDE=c["K_A_STRIDE"], K_B_OFF=c["K_B_OFF"], K_B_STRIDE=c["K_B_STRIDE"],
+        K_DT=k_dt, K_NC=not k_fp8 and key.norm_correction == "decode", K_FP8=k_fp8, K_NW=k_nw, K_BITS=k_bits,
+        # Two 16-token steps per softmax update for Lloyd-Max values (measured on the H100, every
+        # benchmark shape: tq4 -1.7 to -4.9%, tqkern_k5v3 -1.6 to -2.6%; uniform values: mixed or slower).
+        SUB=_PER_WARP_SUB[v_uniform],
+        V_UNIFORM=v_uniform, V_A_OFF=c["V_A_OFF"], V_A_STRIDE=c["V_A_STRIDE"], V_B_OFF=c["V_B_OFF"],
+        V_B_STRIDE=c["V_B_STRIDE"], V_C_OFF=c["V_C_OFF"], V_C_STRIDE=c["V_C_STRIDE"], V_DT=v_dt,
+        K_MERGE=key.bits == 4 and not k_fun and bool(c["K_A_OFF"] % ck or c["K_A_STRIDE"] % ck),
+        V_MERGE=not v_fun and bool(c["V_A_OFF"] % cv or c["V_A_STRIDE"] % cv),
+        K_FUN=k_fun, V_FUN=v_fun, V_BITS=value.bits,
+    )
+    # CTA-cooperative stages where they apply and CTAs have at least 4 warps (each CTA fills its
+    # own table), measured on the H100 (docs/performance.md §37-39, §47): Lloyd-Max values 4
+    # stages of two steps (one CTA per SM); uniform values next to table-decoded keys 2 stages of
+    # two steps per softmax update (two CTAs per SM; 3-7% faster than 3 stages of one step: the
+    # values are read from the stage after the update, so two steps no longer spill); FP8 keys 3
+    # stages of one step (two steps gained nothing). :func:`device_plan` drops them where the
+    # device's shared memory is smaller.
+    coop = None
+    if layout.num_kv_heads >= 4:
+        sub, stages = (2, 4) if not v_uniform else (1, 3) if k_fp8 else (2, 2)
+        coop = coop_plan(dict(plan, SUB=sub), layout, stages)
+    return tuple((coop or plan).items())
+
+
+def per_warp_plan(plan: dict) -> dict:
+    """``plan`` without cooperative stages (the per-warp kernel, each warp reading its own fields),
+    with the per-warp kernel's steps per softmax update (uniform values: one; a cooperative plan
+    may take two)."""
+    if not isinstance(plan, dict):
+        raise TypeError(f"plan must be a dict from mma_plan, got {type(plan).__name__}")
+    out = {k: v for k, v in plan.items() if k not in ("COOP", "RS", "SMEM_OFF", "LUT_AT", "NLOW", "LATE_V")}
+    if plan.get("COOP"):
+        out["SUB"] = _PER_WARP_SUB[bool(plan["V_UNIFORM"])]
+    return out
+
+
+def device_plan(layout: PagedLayout, group: int, device) -> dict | None:
+    """:func:`mma_plan` for a launch on ``device``: without cooperative stages where a CTA of that
+    device cannot have the shared memory they need, or after :func:`disable_cooperative_stages`."""
+    if not isinstance(device, torch.device):
+        raise TypeError(f"device must be a torch.device, got {type(device).__name__}")
+    plan = mma_plan(layout, group)
+    if plan is None or not plan.get("COOP"):
+        return plan
+    index = device.index or 0
+    if index in _COOP_DISABLED or coop_smem_bytes(plan) > _smem_optin(index):
+        return per_warp_plan(plan)
+    return plan
+
+
+@functools.lru_cache(maxsize=16)
+def _smem_optin(index: int) -> int:
+    """Shared memory one CTA may use on CUDA device ``index`` (0 where torch does not say)."""
+    return int(getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 0))
+
+
+_COOP_SMEM_OFF = 1024  # the cooperative stages start here in the dynamic region (below: Triton's own scratch)
+_COOP_PAD = 64  # slack past the last stage
+_SMEM_OPTIN = 232448  # dynamic shared memory one CTA may use on sm_90 (227 KB)
+_SMEM_PER_SM = 233472  # shared memory of one sm_90 multiprocessor (228 KB, the per-CTA reservations included)
+# The dynamic region's shared address as sm_90 places it (past the 1 KB reserved per CTA): the
+# PRMT-addressed table's layout below assumes the region starts at most this far in.
+_SMEM_BASE = 0x400
+
+
+def coop_plan(plan: dict, layout: PagedLayout, stages: int = 2) -> dict | None:
+    """``plan`` with CTA-cooperative stages (``COOP = stages``): one CTA per (sequence, split) with
+    one warp per KV head, whose threads copy each step's 16 whole rows (all heads) into a ring of
+    ``stages`` shared-memory stages with ``cp.async`` (coalesced 16-byte chunks), and every head-warp
+    reads its fields from there. ``None`` where it does not apply: blocks not a multiple of 16
+    tokens, a KV-head count that is not a power of two up to 16 (a CTA's warps), or stages (plus
+    the pair table) beyond one CTA's shared memory. The stages live in the kernel's dynamic shared memory, which the
+    launcher sizes (see :func:`coop_smem_bytes`). A plan of 4-bit keys whose CTA has the SM to
+    itself anyway takes the PRMT-addressed table where it fits (:func:`table256_plan`). The values
+    are read from the stage after each softmax update (``LATE_V = 1``, unless ``plan`` sets it):
+    they then hold no registers across the scores."""
+    if not isinstance(plan, dict):
+        raise TypeError(f"plan must be a dict from mma_plan, got {type(plan).__name__}")
+    if not isinstance(stages, int) or not 2 <= stages <= 8:
+        raise ValueError(f"stages must be an int in 2..8, got {stages!r}")
+    hkv = layout.num_kv_heads
+    if layout.block_size % 16 or hkv > 16 or hkv & (hkv - 1):
+        return None
+    out = dict(plan, COOP=stages, RS=coop_row_stride(layout.row_bytes), SMEM_OFF=_COOP_SMEM_OFF,
+               LATE_V=plan.get("LATE_V", 1))
+    if coop_smem_bytes(out) > _SMEM_OPTIN:
+        return None
+    # One CTA per SM anyway (4-bit Lloyd-Max keys, whose table lookups are most of the loop): the
+    # PRMT-addressed table if it fits beside the stages
+    if out["K_BITS"] == 4 and coop_smem_bytes(out) + _SMEM_RESERVED > _SMEM_PER_SM // 2:
+        out = table256_plan(out) or out
+    return out
+
+
+def table256_plan(plan: dict) -> dict | None:
+    """A cooperative ``plan`` with the PRMT-addressed pair table (``LUT_AT``: entries 256 bytes
+    apart from a shared address whose low 16 bits are 0, so that a byte's entry address is one
+    PRMT of the code byte into this lane's base instead of a PRMT and an IMAD). The table takes 64
+    KB at ``LUT_AT``; stages ``0 .. NLOW - 1`` lie below it (from ``SMEM_OFF``), the others right
+    above it. ``None`` if no such layout fits one CTA's shared memory, or the plan's keys are not
+    4-bit codes (3- and 5-bit keys index the table differently)."""
+    if not isinstance(plan, dict) or not plan.get("COOP"):
+        raise TypeError(f"plan must be a cooperative plan (a dict from coop_plan), got {plan!r:.80}")
+    if plan["K_BITS"] != 4:
+        return None
+    stg = 16 * plan["SUB"] * plan["RS"]
+    for at in (0x10000, 0x20000, 0x30000):
+        nlow = min(plan["COOP"], max(0, (at - _SMEM_BASE - plan["SMEM_OFF"]) // stg))
+        out = dict(plan, LUT_AT=at, NLOW=nlow)
+        if coop_smem_bytes(out) <= _SMEM_OPTIN:
+            return out
+    return None
+
+
+def coop_smem_bytes(plan: dict) -> int:
+    """Dynamic shared memory of a cooperative plan's launch: Triton's scratch, the pair table, the
+    stages, slack. (The table moves into the dynamic region with the stages: with a static table
+    beside a dynamic region under 48 KB, no opt-in for more than 48 KB in all would be set.)"""
+    if not isinstance(plan, dict) or not plan.get("COOP"):
+        raise TypeError(f"plan must be a cooperative plan (a dict from coop_plan), got {plan!r:.80}")
+    stg = 16 * plan["SUB"] * plan["RS"]
+    if plan.get("LUT_AT"):  # up to the last stage above the table, counted from shared address 0
+        return plan["LUT_AT"] + 65536 + (plan["COOP"] - plan["NLOW"]) * stg + _COOP_PAD
+    return plan["SMEM_OFF"] + _LUT_BYTES * _needs_lut(plan) + plan["COOP"] * stg + _COOP_PAD
+
+
+class DynamicSmemUnsupported(RuntimeError):
+    """The compiled cooperative kernel's dynamic shared memory cannot be sized safely (an unknown
+    Triton metadata layout, or Triton's scratch reaching into the stages)."""
+
+
+_COOP_DISABLED: set = set()  # device indices on which a sizing failed: per-warp plans from then on
+
+
+def disable_cooperative_stages(device) -> None:
+    """Make :func:`device_plan` return per-warp plans for ``device`` from now on (the launcher calls
+    this when :class:`DynamicSmemUnsupported` is raised, then launches the per-warp plan)."""
+    _COOP_DISABLED.add(device.index or 0)
+
+
+def num_splits_mma(num_seqs: int, num_kv_heads: int, max_len: int, resident_warps: int) -> int:
+    """Splits (one warp each) so that the launch is one full wave of ``resident_warps`` (the
+    warps the GPU holds at once for this kernel), each split at least 256 tokens of the longest
+    possible sequence, at most 64. Depends only on shapes (CUDA-graph safe).
+
+    One wave measured best on the H100 (TQ4, B32×16K: 8 splits = 0.97 waves 245 µs; 16 splits
+    = 1.94 waves 265 µs; 17 splits = 2.06 waves 301 µs)."""
+    pairs = max(1, num_seqs * num_kv_heads)
+    return int(max(1, min(resident_warps // pairs, max_len // 256, 64)))
+
+
+def coop_row_stride(row_bytes: int) -> int:
+    """Bytes between rows in a cooperative stage: rows of a multiple of 16 bytes padded to 16 mod
+    32 (the value reads of a warp, 4 rows 2 apart, then fall in 4 different 32-byte bank groups);
+    other rows unpadded (the stage is then a plain copy of the step's bytes)."""
+    if not isinstance(row_bytes, int) or isinstance(row_bytes, bool) or row_bytes < 1:
+        raise ValueError(f"row_bytes must be a positive int, got {row_bytes!r}")
+    if row_bytes % 16:
+        return row_bytes
+    return row_bytes + (16 - row_bytes % 32) % 32
+
+
+_LUT_BYTES, _SMEM_RESERVED = LUT_BYTES.value, 1024  # the pair table (inline PTX) and the per-CTA reservation
+
+
+def _needs_lut(plan: dict) -> bool:
+    """Whether the kernel declares the pair table (mirrors ``NEED_LUT`` in the kernel)."""
+    return not (plan.get("K_FP8") and plan["V_UNIFORM"])
+
+
+def ctas_per_sm(kernel, warps: int, extra_smem: int, props) -> int:
+    """CTAs of ``warps`` warps of a compiled Triton kernel that one SM holds at once: from its
+    registers, its shared memory (plus ``extra_smem`` bytes declared outside Triton and the
+    per-CTA reservation), the 64 warps and 32 CTAs per SM."""
+    kernel._init_handles()  # loads the binary: n_regs
+    per_warp = -(-int(kernel.n_regs) * 32 // 256) * 256
+    smem = extra_smem + _SMEM_RESERVED + int(getattr(kernel.metadata, "shared", 0))
+    smem_sm = int(getattr(props, "shared_memory_per_multiprocessor", 233472))
+    return max(1, min(65536 // (per_warp * warps), smem_sm // smem, 64 // warps, 32))
