@@ -109,7 +109,7 @@ def softmax_attend(scores: np.ndarray, v: np.ndarray, *, sinks: np.ndarray | Non
         ``return_lse``.
     """
     hq, tq, tk = scores.shape
-    hkv, d = v.shape[1], v.shape[2]
+    hkv = v.shape[1]
     m = np.max(scores, axis=-1, keepdims=True) if tk else np.full((hq, tq, 1), -np.inf)
     sink = None if sinks is None else np.asarray(sinks, np.float64)[:, None, None]  # [Hq, 1, 1]
     if sink is not None:
