@@ -182,6 +182,15 @@ def _summary(cfg: Config, rows: list[dict], n_layers: int, n_kv: int) -> dict:
             "delta_ppl_pct": 100 * (ppl / ppl_ref - 1), "kl": sum(r["kl"] for r in rows) / total}
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        return f"{names[0]} ({len(names)} logical CPUs)"
+    except (OSError, IndexError):
+        return platform.processor() or platform.machine()
+
+
 def _progress(total: int):
     try:
         from tqdm import tqdm
@@ -246,7 +255,7 @@ def evaluate(model, eval_ids: Sequence[int], configs: Sequence[Config], *, windo
             "windows": windows, "window": window, "tokens_per_config": windows * (window - 1),
             "calib_tokens": None if mu is None else len(calib_ids), "bootstrap_resamples": BOOTSTRAP,
             "num_layers": n_layers, "num_kv_heads": n_kv, "head_dim": head_dim, "seconds": seconds,
-            "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "machine": {"cpu": _cpu_name(), "threads": torch.get_num_threads(),
                         "python": platform.python_version(), "torch": str(torch.__version__)},
             "results": [_summary(c, rows[c], n_layers, n_kv) for c in configs],
             "per_window": {f"{c.label}{'+mu' if c.offset else ''}": rows[c] for c in configs}}
