@@ -3,8 +3,8 @@ statistics against hand-computed values, and the CLI subcommand."""
 
 import json
 import math
+import sys
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -102,4 +102,9 @@ def test_evaluate_rejects_short_text(tiny):
     model, ids, _ = tiny
     with pytest.raises(ValueError, match="fewer than"):
         tqe.evaluate(model, ids[:10], [], windows=2, window=8, progress=False)
-    assert np.isfinite(len(ids))
+
+
+def test_cli_eval_without_transformers_says_so(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    assert main(["eval", "--model", "tiny-random"]) == 1
+    assert "needs transformers" in capsys.readouterr().err
