@@ -153,6 +153,8 @@ def test_store_validates(poison):
         store(cache, k, v, np.array([0, 1]), layout, params)
     with pytest.raises(ValueError, match=r"^key must have shape \[num_tokens, 2, 64\]"):
         store(cache, k[:, :1], v[:, :1], np.array([0, 1, 2]), layout, params)
+    with pytest.raises(ValueError, match=r"^value must have the shape of key \(3, 2, 64\), got \(2, 2, 64\)"):
+        store(cache, k, v[:2], np.array([0, 1, 2]), layout, params)
     other = TQParams.default(KVFormat.preset("tqkern_k4v4", head_dim=64))
     with pytest.raises(ValueError, match=r"^params\.format must equal layout\.format"):
         store(cache, k, v, np.array([0, 1, 2]), layout, other)

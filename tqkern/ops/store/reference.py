@@ -60,13 +60,16 @@ def store(cache, key, value, slot_mapping, layout: PagedLayout, params: TQParams
     key = np.asarray(key)
     if key.ndim != 3 or key.shape[1] != layout.num_kv_heads:
         raise ValueError(f"key must have shape [num_tokens, {layout.num_kv_heads}, {layout.head_dim}], got {key.shape}")
+    value = np.asarray(value)
+    if value.shape != key.shape:
+        raise ValueError(f"value must have the shape of key {key.shape}, got {value.shape}")
     sm = np.asarray(slot_mapping)
     if sm.shape != (key.shape[0],):
         raise ValueError(f"slot_mapping must have shape ({key.shape[0]},), got {sm.shape}")
     cache = np.asarray(cache)
     written = (sm >= 0) & (sm < cache_rows(cache, layout).shape[0])
-    slots, cflags = compress(key, value, params, return_flags=True)
-    if not np.all(written):  # the flags count only the tokens that are written
-        _, cflags = compress(np.asarray(key)[written], np.asarray(value)[written], params, return_flags=True)
-    out, flags = write_slots(cache, layout, slots, sm, return_flags=True)
+    # only the tokens that are written are compressed (their flags are the ones that count)
+    slots, cflags = compress(key[written], value[written], params, return_flags=True)
+    out = write_slots(cache, layout, slots, sm[written])
+    flags = ErrorFlag.SLOT_OUT_OF_RANGE if np.any(sm >= cache_rows(cache, layout).shape[0]) else ErrorFlag(0)
     return (out, flags | cflags) if return_flags else out
