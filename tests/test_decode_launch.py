@@ -2,7 +2,10 @@
 split merge (every column-chunk count, with and without the rotate-back) and the q rotation,
 against NumPy. Run in Triton's interpreter on CPU (TRITON_INTERPRET=1) or on a GPU."""
 
+import dataclasses
+
 import numpy as np
+
 import pytest
 import torch
 
@@ -109,21 +112,17 @@ def test_decode_path_capability_gate():
             _path(tq4, 4, capability=bad)
 
 
-def test_launcher_reads_the_capability(monkeypatch):
-    """The launcher asks the device's compute capability: with sm_70 reported (the lookup
-    patched) a forced warp-MMA launch is refused before anything runs, so "auto" takes the
-    general kernel there."""
-    import tqkern.ops.paged_decode.triton as tri
+def test_plan_reads_the_capability():
+    """The plan asks the device's compute capability (``DeviceCaps``): on an sm_70 device a forced
+    warp-MMA plan is refused, and "auto" takes the general kernel there."""
+    from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode
 
-    asked = []
-    monkeypatch.setattr(tri, "_capability", lambda device: asked.append(device) or (7, 0))
     tq4 = _layout("tq4", 128, 8, "row")
+    sm70 = dataclasses.replace(DeviceCaps.sm90(), capability=(7, 0))
     with pytest.raises(ValueError, match="does not apply to this layout/group/device"):
-        tri._launch_paged_decode(None, torch.zeros(1, 32, 128), torch.zeros(16, tq4.row_bytes, dtype=torch.uint8),
-                                 torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), tq4, {},
-                                 sm_scale=1.0, interpret=False, path="mma",
-                                 same_codebooks=True)
-    assert len(asked) == 1
+        plan_decode(tq4, 1, 32, 1, sm70, same_codebooks=True, path="mma")
+    assert plan_decode(tq4, 1, 32, 1, sm70, same_codebooks=True).decode.kernel == "general"
+    assert plan_decode(tq4, 1, 32, 1, DeviceCaps.sm90(), same_codebooks=True).decode.kernel == "coop"
 
 
 def test_production_kernels_have_no_timing_probes():
@@ -379,18 +378,22 @@ def test_table256_layouts_fit_and_do_not_overlap():
         table256_plan(tq4)
 
 
-def test_device_plan_drops_stages_without_the_shared_memory(monkeypatch):
-    """On a GPU whose CTAs cannot have the stages' shared memory the launcher runs the per-warp
-    kernel (the same plan without ``COOP``)."""
-    import tqkern.ops.paged_decode.mma_plans as plans
+def test_plan_drops_stages_without_the_shared_memory():
+    """On a GPU whose CTAs cannot have the stages' shared memory, or whose Triton cannot size
+    dynamic shared memory, the plan runs the per-warp kernel (the same constexprs without ``COOP``)."""
+    from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode
 
     layout = _layout("tq4", 128, 8, "row")
-    monkeypatch.setattr(plans, "_smem_optin", lambda index: 232448)  # H100 / H200
-    assert plans.device_plan(layout, 4, torch.device("cuda", 0))["COOP"] == 4
-    monkeypatch.setattr(plans, "_smem_optin", lambda index: 166912)  # A100: 227 KB do not fit
-    plan = plans.device_plan(layout, 4, torch.device("cuda", 0))
-    assert "COOP" not in plan and plan == plans.per_warp_plan(mma_plan(layout, 4))
-    assert plans.device_plan(_layout("fp16", 128, 8), 4, torch.device("cuda", 0)) is None
+    h100 = DeviceCaps.sm90()
+    assert plan_decode(layout, 1, 32, 4, h100, same_codebooks=True).decode.constexpr("COOP") == 4
+    a100 = DeviceCaps(capability=(8, 0), num_sms=108, smem_per_block_optin=166912, smem_per_sm=167936)
+    for caps in (a100, dataclasses.replace(h100, dynamic_smem=False)):
+        plan = plan_decode(layout, 1, 32, 4, caps, same_codebooks=True)
+        assert plan.decode.kernel == "mma" and dict(plan.decode.constexprs)["SUB"] == 2
+        assert "COOP" not in dict(plan.decode.constexprs)
+        assert {k: v for k, v in plan.decode.constexprs if k in per_warp_plan(mma_plan(layout, 4))} \
+            == per_warp_plan(mma_plan(layout, 4))
+    assert plan_decode(_layout("fp16", 128, 8), 1, 32, 4, h100, same_codebooks=True).decode.kernel == "general"
 
 
 class _FakeMeta(tuple):
@@ -434,86 +437,59 @@ def test_dynamic_shared_memory_is_sized_before_the_binary_loads():
         _size_dynamic_smem(_FakeKernel(plan["SMEM_OFF"] + 16), plan)
 
 
-def _mock_mma_launches(monkeypatch, resident):
-    """The launcher on a (pretend) H100 with the compiled kernels' residency given by
-    ``resident(plan)`` and the launches recorded, not run: returns (module, launched), each
-    launch as (plan, num_splits)."""
-    import tqkern.ops.paged_decode.triton as tri
-    import tqkern.ops.paged_decode.mma_plans as plans
-
-    monkeypatch.setattr(plans, "_COOP_DISABLED", set())
-    monkeypatch.setattr(tri, "_MMA_LAUNCHES", {})  # (plans are cached per launch shape)
-    monkeypatch.setattr(plans, "_smem_optin", lambda index: 232448)
-    monkeypatch.setattr(tri, "_capability", lambda device: (9, 0))
-    monkeypatch.setattr(tri, "resident_warps", lambda *a, **k: resident(a[5]))
-    launched = []
-    monkeypatch.setattr(tri, "_launch_paged_decode_mma", lambda *a, **k: launched.append((a[5], k["num_splits"])))
-    monkeypatch.setattr(tri, "_launch_merge", lambda *a, **k: None)
-    return tri, launched
-
-
-def test_launcher_falls_back_to_the_per_warp_kernel_when_sizing_fails(monkeypatch):
-    """Where the cooperative kernel's dynamic shared memory cannot be sized (another Triton's
-    metadata layout), nothing has launched yet: the launcher disables the stages for the device
-    and launches the per-warp plan, and later launches plan without them."""
-    import tqkern.ops.paged_decode.mma_plans as plans
-
-    def resident(plan):
-        if plan.get("COOP"):
-            raise plans.DynamicSmemUnsupported("metadata layout unknown")
-        return 1056
-
-    tri, launched = _mock_mma_launches(monkeypatch, resident)
-    tq4 = _layout("tq4", 128, 8, "row")
-    args = (None, torch.zeros(2, 32, 128), torch.zeros(16, tq4.row_bytes, dtype=torch.uint8),
-            torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32), tq4, {"key_centroids_f32": None,
-                                                                                           "value_centroids_f32": None,
-                                                                                           "rotation": None})
-    tri._launch_paged_decode(*args, sm_scale=1.0, interpret=False, same_codebooks=True)
-    assert len(launched) == 1 and "COOP" not in launched[0][0] and launched[0][0]["SUB"] == 2
-    assert "COOP" not in plans.device_plan(tq4, 4, torch.device("cuda", 0))
-
-
-@pytest.mark.parametrize("preset,arr,batch,max_len,per_warp_resident,want_coop,asks", [
-    ("turboquant_k8v4", "slot", 32, 4096, 1584, False, 2),  # coop: 8 splits of 512; per-warp: 6 splits
-    ("turboquant_k8v4", "slot", 128, 1024, 1584, True, 2),  # per-warp would have 1 split
-    ("turboquant_k8v4", "slot", 32, 16384, 1584, True, 1),  # splits of 2048 tokens
-    ("tq4", "row", 32, 4096, 1584, True, 1),  # two-step stages: always cooperative
-    ("turboquant_4bit_nc", "slot", 32, 4096, 1584, True, 1),
-
-])
-def test_short_splits_give_way_to_the_per_warp_kernel(monkeypatch, preset, arr, batch, max_len, per_warp_resident,
-                                                      want_coop, asks):
-    """One-step cooperative plans with fewer than 1024 tokens per split run the per-warp kernel
-    instead when it has at least 2 splits of its own (measured at B32x4K / B128x1K); the choice
-    depends on shapes only and is made once per launch shape (a second launch asks nothing)."""
-    import tqkern.ops.paged_decode.mma_plans as plans
+def _plan_with(layout, batch, max_len, ctas_per_sm):
+    """The plan on an H100 (132 SMs) with the compiled kernels' residency given by
+    ``ctas_per_sm(kernel plan)``; returns (plan, asked: the kernels whose residency was asked)."""
+    from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode
 
     asked = []
 
-    def resident(plan):
-        asked.append(bool(plan.get("COOP")))
-        return 2112 if plan.get("COOP") else per_warp_resident
+    def occupancy(kernel):
+        asked.append(kernel.kernel)
+        return ctas_per_sm(kernel)
 
-    tri, launched = _mock_mma_launches(monkeypatch, resident)
+    plan = plan_decode(layout, batch, 32, max_len // 16, DeviceCaps.sm90(), same_codebooks=True, occupancy=occupancy)
+    return plan, asked
+
+
+def test_plan_falls_back_to_the_per_warp_kernel_when_sizing_fails():
+    """Where the cooperative kernel's dynamic shared memory cannot be sized (another Triton's
+    metadata layout), nothing has launched yet: the plan takes the per-warp kernel."""
+    import tqkern.ops.paged_decode.mma_plans as plans
+
+    def ctas(kernel):
+        if kernel.kernel == "coop":
+            raise plans.DynamicSmemUnsupported("metadata layout unknown")
+        return 2
+
+    plan, asked = _plan_with(_layout("tq4", 128, 8, "row"), 2, 16, ctas)
+    assert asked == ["coop", "mma"] and plan.decode.kernel == "mma" and plan.decode.constexpr("SUB") == 2
+
+
+@pytest.mark.parametrize("preset,arr,batch,max_len,per_warp_ctas,want_coop,asks", [
+    ("turboquant_k8v4", "slot", 32, 4096, 3, False, 2),  # coop: 8 splits of 512; per-warp: 6 splits
+    ("turboquant_k8v4", "slot", 128, 1024, 3, True, 2),  # per-warp would have 1 split
+    ("turboquant_k8v4", "slot", 32, 16384, 3, True, 1),  # splits of 2048 tokens
+    ("tq4", "row", 32, 4096, 3, True, 1),  # two-step stages: always cooperative
+    ("turboquant_4bit_nc", "slot", 32, 4096, 3, True, 1),
+])
+def test_short_splits_give_way_to_the_per_warp_kernel(preset, arr, batch, max_len, per_warp_ctas, want_coop, asks):
+    """One-step cooperative plans with fewer than 1024 tokens per split run the per-warp kernel
+    instead when it has at least 2 splits of its own (measured at B32x4K / B128x1K); the choice
+    depends on shapes only."""
+    import tqkern.ops.paged_decode.mma_plans as plans
+
     layout = _layout(preset, 128, 8, arr)
-    bt = torch.zeros(batch, max_len // 16, dtype=torch.int32)
-    tables = {"key_centroids_f32": None, "value_centroids_f32": None, "rotation": None}
-    for _ in range(2):
-        tri._launch_paged_decode(None, torch.zeros(batch, 32, 128),
-                                 torch.zeros(16, layout.row_bytes, dtype=torch.uint8), bt,
-                                 torch.ones(batch, dtype=torch.int32), layout, tables, sm_scale=1.0, interpret=False,
-                                 same_codebooks=True)
-    assert len(launched) == 2 and launched[0] == launched[1]
-    assert asked == [True, False][:asks]  # the cooperative plan's residency, then (maybe) the per-warp one
-    (plan, splits) = launched[0]
-    assert bool(plan.get("COOP")) == want_coop
-    resident = 2112 if want_coop else per_warp_resident
-    assert splits == plans.num_splits_mma(batch, 8, max_len, resident)
+    plan, asked = _plan_with(layout, batch, max_len, lambda k: 2 if k.kernel == "coop" else per_warp_ctas)
+    assert asked == ["coop", "mma"][:asks]  # the cooperative plan's residency, then (maybe) the per-warp one
+    assert (plan.decode.kernel == "coop") == want_coop
+    resident = 2 * 8 * 132 if want_coop else per_warp_ctas * 4 * 132
+    assert plan.num_splits == plans.num_splits_mma(batch, 8, max_len, resident)
+    assert plan.decode.grid == ((batch * plan.num_splits,) if want_coop else (batch * 8 * plan.num_splits // 4,))
 
 
 def test_cooperative_helpers_reject_bad_input():
-    from tqkern.ops.paged_decode.mma_plans import coop_row_stride, coop_smem_bytes, device_plan
+    from tqkern.ops.paged_decode.mma_plans import coop_row_stride, coop_smem_bytes
 
     for bad in (0, -16, 1088.0, True, "1088"):
         with pytest.raises(ValueError, match="row_bytes must be a positive int, got"):
@@ -522,5 +498,7 @@ def test_cooperative_helpers_reject_bad_input():
     for bad in (None, per_warp_plan(tq4), [1]):
         with pytest.raises(TypeError, match="plan must be a cooperative plan"):
             coop_smem_bytes(bad)
-    with pytest.raises(TypeError, match="device must be a torch.device, got str"):
-        device_plan(_layout("tq4", 128, 8, "row"), 4, "cuda")
+    from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode
+
+    with pytest.raises(TypeError, match="caps must be a DeviceCaps, got str"):
+        plan_decode(_layout("tq4", 128, 8, "row"), 1, 32, 1, "cuda", same_codebooks=True)

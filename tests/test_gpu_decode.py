@@ -110,15 +110,14 @@ def test_cooperative_stages_match_the_per_warp_kernel_bit_for_bit(preset, arrang
     ring) at the per-warp kernel's."""
     import triton
 
-    from tqkern.ops.paged_decode.triton import _workspace
-    from tqkern.ops.paged_decode.mma_launch import _launch_paged_decode_mma
-    from tqkern.ops.paged_decode.mma_plans import coop_plan, coop_smem_bytes, device_plan, per_warp_plan, table256_plan
+    from tqkern.ops.paged_decode.mma_plans import coop_plan, coop_smem_bytes, mma_plan, per_warp_plan, table256_plan
+    from tqkern.ops.paged_decode.triton import _workspace, device_caps, launch_mma_plan
 
     fmt = tqkern.KVFormat.preset(preset, 128)
     layout = tqkern.PagedLayout(format=fmt, num_kv_heads=8, block_size=block_size, arrangement=arrangement)
     params = tqt.to_device(tqkern.TQParams.default(fmt), "cuda")
-    plan = device_plan(layout, 4, torch.device("cuda"))
-    assert plan["COOP"] in (2, 3, 4)  # the launcher's plan on this GPU has the stages
+    plan = mma_plan(layout, 4)
+    assert plan["COOP"] in (2, 3, 4) and device_caps(torch.device("cuda")).smem_per_block_optin >= coop_smem_bytes(plan)
     sl = torch.tensor([1, 15, 16, 17, 77, 600, 999, 1000], dtype=torch.int32, device="cuda")
     max_blocks = -(-1000 // block_size)
     num_blocks = len(sl) * max_blocks + 5
@@ -152,9 +151,10 @@ def test_cooperative_stages_match_the_per_warp_kernel_bit_for_bit(preset, arrang
                 acc, ml = _workspace(None, len(sl), 32, splits, max(16, triton.next_power_of_2(128)), q.device)
                 acc.fill_(float("nan"))
                 ml.fill_(float("nan"))
-                _launch_paged_decode_mma(q_rot, cache, bt, sl, layout, p, params.key_centroids_f32, acc, ml, group=4,
-                                         num_splits=splits, sm_scale=128 ** -0.5,
-                                         value_centroids_f32=params.value_centroids_f32)
+                tables = {"key_centroids_f32": params.key_centroids_f32,
+                          "value_centroids_f32": params.value_centroids_f32}
+                launch_mma_plan(q_rot, cache, bt, sl, layout, p, tables, acc, ml, num_splits=splits,
+                                sm_scale=128 ** -0.5)
                 got.append(((p["SUB"], p.get("COOP", 0), p.get("LUT_AT", 0), p.get("NLOW"), p.get("LATE_V")),
                             acc.nan_to_num(7.0), ml.nan_to_num(7.0)))
             assert len(got) >= 2

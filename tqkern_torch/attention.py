@@ -16,7 +16,7 @@ from tqkern_torch.errors import check_errors, error_word
 from tqkern_torch.library import _host_params, layout_key, layout_of
 from tqkern_torch.ops import _check_cache, _check_layout, _device_params
 
-__all__ = ["paged_decode"]
+__all__ = ["paged_decode", "plan_decode"]
 
 
 def _lengths_checked_on_host(block_table, seq_lens, num_blocks: int, block_size: int) -> None:
@@ -100,12 +100,49 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
         out = torch.empty_like(q)
     if q.shape[0] == 0:
         return out
-    torch.ops.tqkern.paged_decode(q, cache, block_table, seq_lens, p.rotation, p.key_centroids,
-                                  p.value_centroids, p.key_centroids_f32, p.value_centroids_f32, out, workspace,
-                                  layout_key(layout), float(scale), num_splits or 0, p.same_codebooks)
+    args = (q, cache, block_table, seq_lens, p.rotation, p.key_centroids, p.value_centroids, p.key_centroids_f32,
+            p.value_centroids_f32, out, workspace, layout_key(layout), float(scale), num_splits or 0, p.same_codebooks)
+    if type(q) is torch.Tensor and not torch.compiler.is_compiling():
+        _paged_decode_impl(*args)  # eager: the op's body without the dispatcher's layers (host time)
+    else:
+        torch.ops.tqkern.paged_decode(*args)
     if debug:
         check_errors(dev)
     return out
+
+
+def plan_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, layout: PagedLayout, params, *,
+                num_splits: Optional[int] = None):
+    """The :class:`tqkern.ops.paged_decode.plan.DecodePlan` that :func:`paged_decode` runs for
+    tensors of these shapes on this device: which kernel, its constexprs and grid, the split
+    count, the rotation and merge launches, the workspace size (``plan.describe()`` prints it).
+    On a GPU this plans, compiles and caches the launches exactly as the first call would (so a
+    later call only looks them up); on a CPU it is the interpreter's plan."""
+    layout = _check_layout(layout)
+    check_tensor(q, "q", dtypes=(torch.float16, torch.bfloat16))
+    if q.dim() != 3 or q.shape[0] < 1 or q.shape[2] != layout.head_dim or q.shape[1] % layout.num_kv_heads:
+        raise ValueError(f"q must have shape [num_seqs >= 1, k * {layout.num_kv_heads}, {layout.head_dim}], "
+                         f"got {list(q.shape)}")
+    _check_cache(cache, layout, q.device)
+    check_tensor(block_table, "block_table", shape=(q.shape[0], None), dtypes=(torch.int32,), device=q.device,
+                 contiguous=True)
+    if block_table.shape[1] < 1:
+        raise ValueError(f"block_table must have at least one column, got {list(block_table.shape)}")
+    p = _device_params(params, layout, q.device)
+    from tqkern.ops.paged_decode.plan import DeviceCaps
+    from tqkern.ops.paged_decode.plan import plan_decode as _plan
+
+    if not use_triton(q.device) or q.device.type != "cuda":
+        return _plan(layout, q.shape[0], q.shape[1], block_table.shape[1], DeviceCaps.interpreter(),
+                     same_codebooks=p.same_codebooks, num_splits=num_splits)
+    from tqkern.ops.paged_decode.triton import prepare
+
+    q_rot = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    seq_lens = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)
+    tables = {"rotation": p.rotation, "key_centroids_f32": p.key_centroids_f32,
+              "value_centroids_f32": p.value_centroids_f32}
+    return prepare(layout, q_rot, cache, block_table, seq_lens, tables, same_codebooks=p.same_codebooks,
+                   num_splits=num_splits).plan
 
 
 def _tracing_or_capturing(dev: torch.device) -> bool:
@@ -115,12 +152,11 @@ def _tracing_or_capturing(dev: torch.device) -> bool:
     return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-@torch.library.custom_op("tqkern::paged_decode", mutates_args=("out", "workspace"))
-def paged_decode_op(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                    rotation: torch.Tensor, key_centroids: torch.Tensor, value_centroids: torch.Tensor,
-                    key_centroids_f32: torch.Tensor, value_centroids_f32: torch.Tensor, out: torch.Tensor,
-                    workspace: Optional[torch.Tensor], layout: str, scale: float, num_splits: int,
-                    same_codebooks: bool = False) -> None:
+def _paged_decode_impl(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                      rotation: torch.Tensor, key_centroids: torch.Tensor, value_centroids: torch.Tensor,
+                      key_centroids_f32: torch.Tensor, value_centroids_f32: torch.Tensor, out: torch.Tensor,
+                      workspace: Optional[torch.Tensor], layout: str, scale: float, num_splits: int,
+                      same_codebooks: bool = False) -> None:
     lay = layout_of(layout)
     errors = error_word(q.device)
     if cache.shape[0] == 0:  # no block to clamp a bad entry to: a zero block stands in (and flags it)
@@ -129,22 +165,15 @@ def paged_decode_op(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Ten
     else:
         num_blocks = cache.shape[0]
     if use_triton(q.device):
-        from tqkern.ops.paged_decode.rotate import rotate_q
-        from tqkern.ops.paged_decode.triton import _launch_paged_decode
+        from tqkern.ops.paged_decode.triton import paged_decode_launch
 
-        fmt = lay.format
-        interp = q.device.type == "cpu"
-        poison = torch.empty(q.shape[0] * q.shape[1], dtype=torch.float32, device=q.device)
-        safe_table = torch.empty_like(block_table)
         # one launch rotates q, marks its non-finite rows, and writes the block table clamped to
         # the cache (flagging bad entries): the decode kernels read only that table
-        q_rot = rotate_q(q if q.stride(2) == 1 else q.contiguous(), rotation, bool(fmt.key.rotated), interp,
-                         poison=poison, scan=(block_table, seq_lens, num_blocks, lay.block_size, errors, safe_table))
         tables = {"rotation": rotation, "key_centroids_f32": key_centroids_f32,
                   "value_centroids_f32": value_centroids_f32}
-        _launch_paged_decode(out, q_rot, cache, safe_table, seq_lens, lay, tables, sm_scale=scale,
-                             interpret=interp, q_poison=poison, workspace=workspace, num_splits=num_splits or None,
-                             same_codebooks=same_codebooks)
+        paged_decode_launch(out, q if q.stride(2) == 1 else q.contiguous(), cache, block_table, seq_lens, lay, tables,
+                            errors, num_blocks, sm_scale=scale, same_codebooks=same_codebooks, workspace=workspace,
+                            num_splits=num_splits or None)
         return
     # The NumPy oracle rejects bad indices; the kernels' policy is applied here first: lengths
     # clamped, bad block entries in use clamped into [0, num_blocks) as unsigned numbers (flagged).
@@ -170,6 +199,10 @@ def _kernel_indices(block_table: np.ndarray, seq_lens: np.ndarray, num_blocks: i
         flags |= ErrorFlag.BLOCK_OUT_OF_RANGE
     clamped = np.minimum(block_table.astype(np.int64) & 0xFFFFFFFF, max(num_blocks - 1, 0))
     return np.where(bad, clamped, block_table).astype(np.int32), sl, flags
+
+
+paged_decode_op = torch.library.custom_op("tqkern::paged_decode", mutates_args=("out", "workspace"))(
+    _paged_decode_impl)
 
 
 @paged_decode_op.register_fake

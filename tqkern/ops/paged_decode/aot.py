@@ -6,9 +6,9 @@ Triton's bundled ``ptxas`` turns the kernels into a cubin for an H100 (``GPUTarg
 ``benchmarks/aot_inspect.py`` (inner-loop changes judged before spending device time).
 
 The constexprs and options come from the launchers themselves
-(:func:`tqkern.ops.paged_decode.mma_launch._kernel_args`, and a capture of
-:func:`tqkern.ops.paged_decode.triton._launch_paged_decode`), so a compiled plan is the one a
-launch would run. Runtime arguments are compiled as a launch on 16-byte aligned tensors with
+(:func:`tqkern.ops.paged_decode.plan.plan_decode` and its
+:func:`~tqkern.ops.paged_decode.plan.mma_kernel_plan`), so a compiled plan is the one a launch
+would run. Runtime arguments are compiled as a launch on 16-byte aligned tensors with
 unspecialized integers would see them (the cooperative kernel specializes nothing).
 
 Triton's interpreter (``TRITON_INTERPRET=1``) replaces every ``@triton.jit`` function, so these
@@ -25,17 +25,15 @@ import re
 import subprocess
 import sys
 import tempfile
-from types import SimpleNamespace
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tqkern.ops.paged_decode import triton as pdt
 from tqkern.ops.paged_decode.general import _paged_decode_kernel
 from tqkern.ops.paged_decode.mma_kernel import _paged_decode_mma_kernel
-from tqkern.ops.paged_decode.mma_launch import _kernel_args
 from tqkern.ops.paged_decode.mma_plans import mma_plan, per_warp_plan
+from tqkern.ops.paged_decode.plan import DeviceCaps, mma_kernel_plan, plan_decode
 
 __all__ = ["SM90", "compile_general", "compile_mma", "general_launch", "histogram", "launcher_plans",
            "mma_launch", "report", "report_in_subprocess", "resources", "sass_of", "tool_path"]
@@ -80,14 +78,11 @@ def _compile(fn, constexprs: dict, options: dict, specialize: bool):
 
 def mma_launch(layout, hq: int, plan: dict, **launch) -> tuple[dict, dict]:
     """(constexprs, compile options) of a warp-MMA launch of ``plan`` (``launch``: the
-    launcher's optional ``warps``, ``prefetch``, ``hint``, ``maxnreg``), from the launcher's
-    :func:`~tqkern.ops.paged_decode.mma_launch._kernel_args`."""
-    d = layout.format.head_dim
-    q = SimpleNamespace(shape=(1, hq, d))
-    bt = SimpleNamespace(shape=(1, 1))
-    _, kw = _kernel_args(q, None, bt, None, layout, plan, None, None, None, hq // layout.num_kv_heads, 1, 1.0,
-                            launch.get("warps", 4), launch.get("prefetch"), launch.get("hint", 1),
-                            launch.get("maxnreg"))
+    launcher's optional ``warps``, ``prefetch``, ``hint``, ``maxnreg``), from the decode plan's
+    :func:`~tqkern.ops.paged_decode.plan.mma_kernel_plan`."""
+    k = mma_kernel_plan(layout, plan, 1, hq, 1, warps=launch.get("warps", 4), prefetch=launch.get("prefetch"),
+                        hint=launch.get("hint", 1), maxnreg=launch.get("maxnreg"))
+    kw = k.kwargs()
     opts = {k: kw.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kw}
     return kw, opts
 
@@ -99,40 +94,16 @@ def compile_mma(layout, hq: int, plan: dict, **launch):
     return _compile(_paged_decode_mma_kernel, cx, opts, specialize=not plan.get("COOP"))
 
 
-class _Captured(Exception):
-    pass
-
-
 def general_launch(layout, hq: int, *, num_splits: int = 4, **launch) -> tuple[dict, dict]:
-    """(constexprs, compile options) that :func:`~tqkern.ops.paged_decode.triton._launch_paged_decode`
-    passes to the general kernel (``path="general"``; ``launch``: its optional ``block_n``,
-    ``num_warps``, ``num_stages``, ``maxnreg``), captured by a stub in place of the kernel."""
-    import torch
-
-    got = {}
-
-    class Stub:
-        def __getitem__(self, grid):
-            def call(*args, **kw):
-                got.update(kw)
-                raise _Captured
-            return call
-
-    d = layout.format.head_dim
-    orig = pdt._paged_decode_kernel
-    pdt._paged_decode_kernel = Stub()
-    try:
-        pdt._launch_paged_decode(None, torch.zeros(1, hq, d), torch.zeros(1, dtype=torch.uint8),
-                                 torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), layout,
-                                 {"key_centroids_f32": None, "value_centroids_f32": None, "rotation": None},
-                                 sm_scale=1.0, interpret=False, num_splits=num_splits, path="general",
-                                 same_codebooks=False, **launch)
-    except _Captured:
-        pass
-    finally:
-        pdt._paged_decode_kernel = orig
-    opts = {k: got.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in got}
-    return got, opts
+    """(constexprs, compile options) of the general kernel in the decode plan for ``path="general"``
+    on an sm_90 device (``launch``: its optional ``block_n``, ``num_warps``, ``num_stages``,
+    ``maxnreg``)."""
+    plan = plan_decode(layout, 1, hq, 4, DeviceCaps.sm90(), same_codebooks=False, num_splits=num_splits,
+                       path="general", **launch)
+    kw = plan.decode.kwargs()
+    kw["DOT"] = triton.language.bfloat16 if kw["DOT"] == "bf16" else triton.language.float16
+    opts = {k: kw.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kw}
+    return kw, opts
 
 
 def compile_general(layout, hq: int, **launch):

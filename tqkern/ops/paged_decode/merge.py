@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from tqkern.ops.common import layout_consts
+from tqkern.ops.paged_decode.plan import merge_chunks
 
 __all__ = ["_merge_kernel", "_merge_rows_kernel", "_launch_merge", "merge_chunks"]
 
@@ -122,19 +123,6 @@ def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, n_rows, nu
         o += poison[:, None]
     o_row = out_ptr + (rows // HQ).to(tl.int64)[:, None] * stride_os + (rows % HQ).to(tl.int64)[:, None] * stride_oh
     _store_merged(o, o_row, rm, rot_ptr, c0, cols, D, CC, ROTATE_BACK, DOT_PRECISION)
-
-
-def merge_chunks(programs: int, num_sms: int, dp: int) -> int:
-    """Output-column chunks per merge program (a (sequence, KV head) pair, or a block of query
-    rows): 1, doubled (to at most DP/16) while the programs cannot fill the GPU. With the
-    rotate-back every chunk merges all columns again, so chunks pay only when programs are few.
-    Measured (H100, TQ4 rotate-back, per-group merge): B8x64K (64 programs) 22.6 µs unchunked;
-    B32x16K (256 programs) 11.8 µs unchunked, 30.6 µs in 4; row-block merge at B32x16K (64
-    blocks): 1 chunk 6.9 µs, 2 chunks 5.8, 4 chunks 6.1."""
-    nch = 1
-    while nch < dp // 16 and programs * nch < num_sms:
-        nch *= 2
-    return nch
 
 
 def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, interpret: bool,

@@ -1,23 +1,21 @@
 """Host-side plans of the warp-MMA decode kernel: the constexprs (a plan, a plain dict) that a
 layout and GQA group get (:func:`mma_plan`; ``None`` where the kernel does not apply), their
 CTA-cooperative variants and shared-memory sizing (:func:`coop_plan`, :func:`table256_plan`,
-:func:`coop_smem_bytes`, :func:`coop_row_stride`), the plan for one device (:func:`device_plan`,
-:func:`per_warp_plan`, :func:`disable_cooperative_stages`), and the arithmetic of splits and
-residency (:func:`num_splits_mma`, :func:`ctas_per_sm`). Nothing here compiles or launches:
-:mod:`.mma_launch` passes a plan to :mod:`.mma_kernel`."""
+:func:`coop_smem_bytes`, :func:`coop_row_stride`), the per-warp variant (:func:`per_warp_plan`), and the arithmetic of splits and residency
+(:func:`num_splits_mma`, :func:`ctas_per_sm`). Nothing here compiles or launches: the decode plan
+(:mod:`.plan`) chooses among these for a device."""
 
 from __future__ import annotations
 
 import functools
 
-import torch
 
 from tqkern.layouts import FP8, LloydMax, PagedLayout, Uniform
 from tqkern.ops.common import layout_consts
 from tqkern.ops.paged_decode.mma_fragments import LUT_BYTES
 
-__all__ = ["DynamicSmemUnsupported", "coop_plan", "coop_row_stride", "coop_smem_bytes", "ctas_per_sm", "device_plan",
-           "disable_cooperative_stages", "mma_plan", "num_splits_mma", "per_warp_plan", "table256_plan"]
+__all__ = ["DynamicSmemUnsupported", "coop_plan", "coop_row_stride", "coop_smem_bytes", "ctas_per_sm", "mma_plan",
+           "num_splits_mma", "per_warp_plan", "table256_plan"]
 
 
 _DT = {"float16": 0, "float32": 1, "bfloat16": 2}
@@ -134,26 +132,6 @@ def per_warp_plan(plan: dict) -> dict:
     return out
 
 
-def device_plan(layout: PagedLayout, group: int, device) -> dict | None:
-    """:func:`mma_plan` for a launch on ``device``: without cooperative stages where a CTA of that
-    device cannot have the shared memory they need, or after :func:`disable_cooperative_stages`."""
-    if not isinstance(device, torch.device):
-        raise TypeError(f"device must be a torch.device, got {type(device).__name__}")
-    plan = mma_plan(layout, group)
-    if plan is None or not plan.get("COOP"):
-        return plan
-    index = device.index or 0
-    if index in _COOP_DISABLED or coop_smem_bytes(plan) > _smem_optin(index):
-        return per_warp_plan(plan)
-    return plan
-
-
-@functools.lru_cache(maxsize=16)
-def _smem_optin(index: int) -> int:
-    """Shared memory one CTA may use on CUDA device ``index`` (0 where torch does not say)."""
-    return int(getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 0))
-
-
 _COOP_SMEM_OFF = 1024  # the cooperative stages start here in the dynamic region (below: Triton's own scratch)
 _COOP_PAD = 64  # slack past the last stage
 _SMEM_OPTIN = 232448  # dynamic shared memory one CTA may use on sm_90 (227 KB)
@@ -227,15 +205,6 @@ def coop_smem_bytes(plan: dict) -> int:
 class DynamicSmemUnsupported(RuntimeError):
     """The compiled cooperative kernel's dynamic shared memory cannot be sized safely (an unknown
     Triton metadata layout, or Triton's scratch reaching into the stages)."""
-
-
-_COOP_DISABLED: set = set()  # device indices on which a sizing failed: per-warp plans from then on
-
-
-def disable_cooperative_stages(device) -> None:
-    """Make :func:`device_plan` return per-warp plans for ``device`` from now on (the launcher calls
-    this when :class:`DynamicSmemUnsupported` is raised, then launches the per-warp plan)."""
-    _COOP_DISABLED.add(device.index or 0)
 
 
 def num_splits_mma(num_seqs: int, num_kv_heads: int, max_len: int, resident_warps: int) -> int:

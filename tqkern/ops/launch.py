@@ -1,0 +1,105 @@
+"""Cheap repeated launches of one Triton kernel with fixed constexprs: :class:`KernelLauncher`.
+
+``kernel[grid](*args, **constexprs)`` binds and specializes every argument on every call
+(~40 constexprs for the decode kernels: tens of µs of host time per launch, measured on the H100
+host, ``docs/performance.md`` "Host overhead"). A launcher does that work once per
+*specialization* of its runtime arguments — what Triton compiles for: each tensor's dtype and
+whether its address is 16-byte aligned, each int's width and whether it is 1 or a multiple of
+16 — and afterwards calls the compiled kernel's launcher directly with the same argument list
+Triton itself would pass. Any argument that could change what Triton compiles changes the key
+(a miss goes through Triton's own path), so a direct launch never runs a kernel compiled for
+other arguments. Under the interpreter every call goes through Triton.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["KernelLauncher"]
+
+_I32 = 1 << 31
+
+
+def _spec(a):
+    """The part of one runtime argument that Triton's specialization looks at (conservative:
+    a finer key only costs a lookup through Triton)."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, bool):
+        return bool, a
+    if isinstance(a, int):
+        return a == 1, a % 16 == 0, -_I32 <= a < _I32, 0 <= a < 2 * _I32
+    if isinstance(a, float):
+        return float
+    return type(a), a  # (None, strings: part of the key as they are)
+
+
+class KernelLauncher:
+    """Launch ``fn`` (a ``@triton.jit`` function) on ``grid`` with fixed ``constexprs`` and
+    launch ``options`` (``num_warps``, ``num_stages``, ``maxnreg``): call it with the runtime
+    arguments only, in the kernel's order. ``prepare``: optional callable run once on each
+    compiled kernel before its first launch (e.g. sizing dynamic shared memory). Compiled kernels
+    are kept per specialization key in the launcher (its owner, a decode plan, holds it)."""
+
+    __slots__ = ("fn", "grid", "kwargs", "prepare", "_slots", "_defaults", "_compiled", "_direct")
+
+    def __init__(self, fn, grid, constexprs: dict, prepare=None, **options):
+        grid = tuple(int(x) for x in grid)
+        if not 1 <= len(grid) <= 3 or min(grid) < 1:
+            raise ValueError(f"grid must be 1 to 3 positive ints, got {grid}")
+        self.fn, self.grid, self.prepare = fn, grid + (1,) * (3 - len(grid)), prepare
+        self.kwargs = dict(constexprs, **options)
+        # The full argument list Triton's own launch passes: runtime arguments where the
+        # signature has them, the constexprs (given or defaulted) elsewhere.
+        slots, defaults = [], []
+        params = getattr(fn, "params", None)
+        names = getattr(fn, "arg_names", None)
+        if params is not None and names is not None:
+            for p in params:
+                if p.name in constexprs:
+                    slots.append(None)
+                    defaults.append(constexprs[p.name])
+                elif p.is_constexpr:
+                    slots.append(None)
+                    defaults.append(p.default)
+                else:
+                    slots.append(len([s for s in slots if s is not None]))
+                    defaults.append(None)
+        self._slots, self._defaults = tuple(slots), tuple(defaults)
+        self._compiled: dict = {}
+        self._direct = params is not None and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+    def __call__(self, *args) -> None:
+        if not self._direct:
+            self.fn[self.grid](*args, **self.kwargs)
+            return
+        key = tuple(_spec(a) for a in args)
+        kernel = self._compiled.get(key)
+        if kernel is None:
+            kernel = self.fn.warmup(*args, grid=self.grid, **self.kwargs)
+            if self.prepare is not None:
+                self.prepare(kernel)
+            kernel._init_handles()
+            self._compiled[key] = kernel
+        full = [d if s is None else args[s] for s, d in zip(self._slots, self._defaults)]
+        from triton import knobs
+        from triton.runtime.driver import driver
+
+        stream = driver.active.get_current_stream(driver.active.get_current_device())
+        g = self.grid
+        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata,
+                   kernel.launch_metadata(g, stream, *full), knobs.runtime.launch_enter_hook,
+                   knobs.runtime.launch_exit_hook, *full)
+
+    def compiled(self, *args):
+        """The compiled kernel this launcher runs for ``args`` (compiling it if needed), e.g. for
+        its registers and shared memory."""
+        key = tuple(_spec(a) for a in args)
+        if key not in self._compiled:
+            kernel = self.fn.warmup(*args, grid=self.grid, **self.kwargs)
+            if self.prepare is not None:
+                self.prepare(kernel)
+            self._compiled[key] = kernel
+        return self._compiled[key]

@@ -1,0 +1,447 @@
+"""The decode plan: every choice a ``paged_decode`` launch makes from the layout, the shapes and
+the device, as one typed value (:class:`DecodePlan`), built by one pure function
+(:func:`plan_decode`) from a :class:`DeviceCaps` value.
+
+A plan has three launches: the q rotation with the block-table scan (:class:`RotatePlan`,
+:mod:`.rotate`), the decode kernel (:class:`KernelPlan`: the warp-MMA kernel of
+:mod:`.mma_kernel`, per warp or CTA-cooperative, or the general kernel of :mod:`.general`) and
+the merge of the splits (:class:`MergePlan`, :mod:`.merge`). Nothing here compiles or launches;
+the split count of a long launch depends on how many programs of the compiled kernel the GPU holds
+at once, which the caller supplies through ``occupancy`` (the torch launcher compiles the kernel
+for it; :mod:`.aot` compiles offline for sm_90). ``tqkern_torch.plan_decode`` returns the plan a
+call would run; ``tqkern plan`` prints one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Optional
+
+from tqkern.layouts import PagedLayout
+from tqkern.ops.common import halfword_aligned, layout_consts
+from tqkern.ops.paged_decode.mma_plans import (DynamicSmemUnsupported, _LUT_BYTES, _needs_lut, coop_smem_bytes,
+                                               mma_plan, num_splits_mma, per_warp_plan)
+
+__all__ = ["DeviceCaps", "KernelPlan", "RotatePlan", "MergePlan", "DecodePlan", "plan_decode", "decode_path",
+           "fast_path_plan", "num_splits_for", "merge_chunks", "workspace_numel", "MMA_MIN_CAPABILITY",
+           "MMA_FP8_MIN_CAPABILITY"]
+
+# The warp-MMA kernel's PTX: mma.sync m16n8k16 with fp16 operands, ld.global.nc.L2::256B
+# (sm_80); cvt.rn.f16x2.e4m3x2 for FP8 keys (sm_89).
+MMA_MIN_CAPABILITY = (8, 0)
+MMA_FP8_MIN_CAPABILITY = (8, 9)
+_COOP_MIN_TOKENS = 1024  # tokens per split below which one-step cooperative plans may give way
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceCaps:
+    """What planning needs to know of a device. ``interpret``: Triton's CPU interpreter (no
+    inline PTX: the general kernel; one SM). ``dynamic_smem``: whether this Triton's compiled
+    kernels can be given dynamic shared memory past their own (the cooperative plans need it;
+    the launcher finds out when it first sizes one)."""
+
+    capability: tuple[int, int]
+    num_sms: int
+    smem_per_block_optin: int
+    smem_per_sm: int
+    interpret: bool = False
+    dynamic_smem: bool = True
+
+    def __post_init__(self):
+        cap = self.capability
+        if not isinstance(cap, tuple) or len(cap) != 2 or not all(isinstance(x, int) for x in cap):
+            raise TypeError(f"capability must be a (major, minor) pair of ints, got {cap!r}")
+        for name in ("num_sms", "smem_per_block_optin", "smem_per_sm"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+
+    @classmethod
+    def sm90(cls, num_sms: int = 132) -> "DeviceCaps":
+        """An H100 SXM (sm_90, 132 SMs, 227 KB of shared memory per CTA, 228 KB per SM)."""
+        return cls(capability=(9, 0), num_sms=num_sms, smem_per_block_optin=232448, smem_per_sm=233472)
+
+    @classmethod
+    def interpreter(cls) -> "DeviceCaps":
+        """Triton's CPU interpreter."""
+        return cls(capability=(0, 0), num_sms=1, smem_per_block_optin=0, smem_per_sm=0, interpret=True,
+                   dynamic_smem=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """One kernel launch: ``kernel`` (``"mma"``, ``"coop"`` or ``"general"``), its grid, its
+    constexprs (name, value pairs in a fixed order) and compile options."""
+
+    kernel: str
+    grid: tuple[int, ...]
+    constexprs: tuple[tuple[str, object], ...]
+    num_warps: int
+    num_stages: int
+    maxnreg: int = 0
+
+    def constexpr(self, name: str):
+        """The value of one constexpr (``KeyError`` naming it if the plan has none)."""
+        for k, v in self.constexprs:
+            if k == name:
+                return v
+        raise KeyError(f"{self.kernel} plan has no constexpr {name!r}")
+
+    def kwargs(self) -> dict:
+        """Constexprs plus options, as Triton's launch takes them."""
+        out = dict(self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
+        if self.maxnreg:
+            out["maxnreg"] = self.maxnreg
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RotatePlan:
+    """The q-rotation launch (:func:`.rotate._rotate_q_kernel`): ``rows`` query rows and ``cols``
+    output columns per program; ``scan_block`` block-table entries per scan round."""
+
+    grid: tuple[int, int]
+    rows: int
+    cols: int
+    scan_block: int
+    rotate: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class MergePlan:
+    """The merge launch: ``impl`` ``"rows"`` (blocks of ``rows`` query rows) or ``"heads"`` (one
+    GQA group per program), ``chunks`` output-column chunks, ``unroll`` splits per iteration."""
+
+    impl: str
+    grid: tuple[int, ...]
+    rows: int
+    chunks: int
+    unroll: int
+    rotate_back: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """Everything one ``paged_decode`` launch of these shapes runs. ``workspace_numel``: float32
+    elements of its split partials (a caller's ``workspace`` must hold that many)."""
+
+    layout: PagedLayout
+    num_seqs: int
+    num_q_heads: int
+    max_blocks: int
+    caps: DeviceCaps
+    path: str
+    num_splits: int
+    decode: KernelPlan
+    rotate: RotatePlan
+    merge: MergePlan
+    workspace_numel: int
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.layout.num_kv_heads
+
+    def describe(self) -> str:
+        """A readable multi-line summary (what ``tqkern plan`` prints)."""
+        d = self.decode
+        k, v = self.layout.format.key, self.layout.format.value
+        lines = [f"layout      K {k.kind}/{k.bits} bits, V {v.kind}/{v.bits} bits, D={self.layout.head_dim} "
+                 f"Hkv={self.layout.num_kv_heads} "
+                 f"block={self.layout.block_size} {self.layout.arrangement} ({self.layout.row_bytes} B rows)",
+                 f"shapes      {self.num_seqs} seqs x {self.num_q_heads} q heads, {self.max_blocks} blocks "
+                 f"({self.max_blocks * self.layout.block_size} tokens)",
+                 f"device      sm_{self.caps.capability[0]}{self.caps.capability[1]}, {self.caps.num_sms} SMs"
+                 + (" (interpreter)" if self.caps.interpret else ""),
+                 f"decode      {d.kernel} kernel, {self.num_splits} splits, grid {d.grid}, {d.num_warps} warps, "
+                 f"{d.num_stages} stages, maxnreg {d.maxnreg or '-'}",
+                 "constexprs  " + " ".join(f"{k}={v}" for k, v in d.constexprs),
+                 f"rotate      grid {self.rotate.grid}, {self.rotate.rows} rows x {self.rotate.cols} cols, "
+                 f"scan {self.rotate.scan_block}",
+                 f"merge       {self.merge.impl}, grid {self.merge.grid}, {self.merge.chunks} chunks"
+                 + (", rotate back" if self.merge.rotate_back else ""),
+                 f"workspace   {self.workspace_numel} float32"]
+        return "\n".join(lines)
+
+
+# -- the rules ------------------------------------------------------------------------------------
+def decode_path(layout, group: int, *, same_codebooks: bool, interpret: bool = False,
+                cache_aligned: bool = True, capability: tuple[int, int] | None = None) -> str:
+    """Which kernel runs: ``"mma"`` (the warp-MMA kernel where :func:`.mma_plans.mma_plan`
+    takes the layout, and for 4-bit Lloyd-Max values only with the keys' codebook
+    (``same_codebooks``, required: the frontend passes ``DeviceParams.same_codebooks``); never
+    under the interpreter, which cannot run its inline PTX, nor for a cache not 16-byte aligned,
+    nor on a GPU whose compute ``capability`` (major, minor) is below ``MMA_MIN_CAPABILITY``
+    (``MMA_FP8_MIN_CAPABILITY`` for FP8 keys); ``None`` skips that check) or ``"general"``."""
+    plan = mma_plan(layout, group)
+    if interpret or plan is None or not cache_aligned:
+        return "general"
+    if capability is not None:
+        if not isinstance(capability, (tuple, list)) or len(capability) != 2 \
+                or not all(isinstance(x, int) for x in capability):
+            raise TypeError(f"capability must be a (major, minor) pair of ints, got {capability!r}")
+        need = MMA_FP8_MIN_CAPABILITY if plan["K_FP8"] else MMA_MIN_CAPABILITY
+        if tuple(capability) < need:
+            return "general"
+    if plan["V_BITS"] == 4 and not plan["V_UNIFORM"] and not same_codebooks:  # one codebook for K and V
+        return "general"
+    return "mma"
+
+
+def num_splits_for(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int, block_n: int,
+                   resident_ctas: int | None = None) -> int:
+    """The general kernel's splits: ~4 programs per SM, never fewer than 4·BN tokens per split.
+
+    With ``resident_ctas`` (programs the GPU holds at once) and long splits (≥ 2048 tokens of
+    ``max_len`` each), the count ``k`` up to that one with the fewest waves per unit of work
+    (``ceil(programs·k / resident_ctas) / k``; the smallest such ``k``), so that the last wave is
+    not a fraction of the GPU. Measured on the H100 (fp16 path, B8×64K: 64 programs per split,
+    396 resident): 9 splits (1.45 waves) 770 µs, 6 splits (0.97 waves) 712 µs; shorter splits
+    gain nothing from it (SmolLM2 B32×4K: 4 splits, one wave, 45.7 µs; 6 splits 43.2 µs).
+
+    Depends only on shapes (never on ``seq_lens`` values), so a CUDA graph captured for a batch
+    shape stays valid whatever lengths it replays with."""
+    if resident_ctas is not None and (not isinstance(resident_ctas, int) or resident_ctas < 1):
+        raise ValueError(f"resident_ctas must be None or a positive int, got {resident_ctas!r}")
+    programs = max(1, num_seqs * num_kv_heads)
+    want = max(1, math.ceil(4 * num_sms / programs))
+    cap = max(1, max_len // (4 * block_n))
+    n = int(min(want, cap, 64))
+    if resident_ctas and max_len // n >= 2048:
+        n = min(range(1, n + 1), key=lambda k: (math.ceil(programs * k / resident_ctas) / k, k))
+    return n
+
+
+def fast_path_plan(layout) -> dict:
+    """The general kernel's read plan: which sides take the 4-bit word path and how their words
+    are read (``K_FAST``/``V_FAST``: 4 aligned words, 2 funnel-shifted words, 1 16-bit halves, 0
+    the general path), and whether their per-token float fields allow one typed load
+    (``*_PAR_ALIGNED``)."""
+    if not isinstance(layout, PagedLayout):
+        raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
+    c = layout_consts(layout)
+    fmt = layout.format
+    d, dp, rb = fmt.head_dim, c["DP"], layout.row_bytes
+    raw_bf16 = any(getattr(cd, "dtype", None) == "bfloat16" for cd in (fmt.key, fmt.value))
+    plan = {}
+    for side, p in (("key", "K"), ("value", "V")):
+        codec = getattr(fmt, side)
+        a_off, a_stride = c[f"{p}_A_OFF"], c[f"{p}_A_STRIDE"]
+        unit = 0
+        if codec.kind in ("lloyd_max", "uniform") and codec.bits == 4 and dp == d and not raw_bf16:
+            if a_off % 4 == 0 and a_stride % 4 == 0 and rb % 4 == 0:
+                unit = 4
+            elif a_off % 2 == 0 and a_stride % 2 == 0 and rb % 4 == 0 and d % 8 == 0:
+                unit = 2
+            elif a_off % 2 == 0 and a_stride % 2 == 0 and rb % 2 == 0:
+                unit = 1
+        nb = 4 if c[f"{p}_PARAM_DTYPE"] == 1 else 2
+        plan[f"{p}_FAST"] = unit
+        plan[f"{p}_PAR_ALIGNED"] = all(v % nb == 0 for v in (c[f"{p}_B_OFF"], c[f"{p}_B_STRIDE"], c[f"{p}_C_OFF"],
+                                                              c[f"{p}_C_STRIDE"], rb))
+    return plan
+
+
+def merge_chunks(programs: int, num_sms: int, dp: int) -> int:
+    """Output-column chunks per merge program (a (sequence, KV head) pair, or a block of query
+    rows): 1, doubled (to at most DP/16) while the programs cannot fill the GPU. With the
+    rotate-back every chunk merges all columns again, so chunks pay only when programs are few.
+    Measured (H100, TQ4 rotate-back, per-group merge): B8x64K (64 programs) 22.6 µs unchunked;
+    B32x16K (256 programs) 11.8 µs unchunked, 30.6 µs in 4; row-block merge at B32x16K (64
+    blocks): 1 chunk 6.9 µs, 2 chunks 5.8, 4 chunks 6.1."""
+    nch = 1
+    while nch < dp // 16 and programs * nch < num_sms:
+        nch *= 2
+    return nch
+
+
+def workspace_numel(num_seqs: int, num_q_heads: int, num_splits: int, dp: int) -> int:
+    """float32 elements of the decode workspace: partial outputs plus (max, sum) per split."""
+    return num_seqs * num_q_heads * num_splits * (dp + 2)
+
+
+# -- the plan -------------------------------------------------------------------------------------
+Occupancy = Callable[[KernelPlan], Optional[int]]
+
+
+def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks: int, caps: DeviceCaps, *,
+                same_codebooks: bool, cache_aligned: bool = True, num_splits: int | None = None,
+                path: str = "auto", occupancy: Occupancy | None = None, block_n: int | None = None,
+                num_warps: int = 4, num_stages: int | None = None, maxnreg: int | None = None) -> DecodePlan:
+    """The plan of one ``paged_decode`` launch (pure: same input, same plan).
+
+    ``path``: ``"auto"`` (:func:`decode_path`), ``"mma"`` (or ``ValueError`` where it does not
+    apply) or ``"general"``. ``num_splits``: fixed split count (default: from the shapes and, for
+    long splits, ``occupancy``: CTAs of a kernel plan's compiled kernel that one SM holds, or
+    ``None`` if unknown — it may raise :class:`.mma_plans.DynamicSmemUnsupported` for a cooperative
+    plan, which then gives way to the per-warp kernel). ``block_n``, ``num_warps``,
+    ``num_stages``, ``maxnreg``: the general kernel's tile options (defaults measured)."""
+    if not isinstance(layout, PagedLayout):
+        raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
+    if not isinstance(caps, DeviceCaps):
+        raise TypeError(f"caps must be a DeviceCaps, got {type(caps).__name__}")
+    for name, v in (("num_seqs", num_seqs), ("num_q_heads", num_q_heads), ("max_blocks", max_blocks)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    hkv = layout.num_kv_heads
+    if num_q_heads % hkv:
+        raise ValueError(f"num_q_heads must be a multiple of num_kv_heads = {hkv}, got {num_q_heads}")
+    if path not in ("auto", "mma", "general"):
+        raise ValueError(f"path must be 'auto', 'mma' or 'general', got {path!r}")
+    g = num_q_heads // hkv
+    occupancy = occupancy or (lambda kernel: None)
+    decode = None
+    if path in ("auto", "mma"):
+        mma = decode_path(layout, g, interpret=caps.interpret, same_codebooks=same_codebooks,
+                          cache_aligned=cache_aligned, capability=None if caps.interpret else caps.capability) == "mma"
+        if path == "mma" and not mma:
+            raise ValueError("the warp-MMA decode kernel does not apply to this layout/group/device")
+        if mma:
+            decode, num_splits = _mma_decode(layout, num_seqs, num_q_heads, max_blocks, caps, num_splits, occupancy)
+    if decode is None:
+        decode, num_splits = _general_decode(layout, num_seqs, num_q_heads, max_blocks, caps, num_splits, occupancy,
+                                             block_n, num_warps, num_stages, maxnreg)
+    dp = layout_consts(layout)["DP"]
+    return DecodePlan(layout=layout, num_seqs=num_seqs, num_q_heads=num_q_heads, max_blocks=max_blocks, caps=caps,
+                      path="general" if decode.kernel == "general" else "mma", num_splits=num_splits, decode=decode,
+                      rotate=_rotate_plan(layout, num_seqs, num_q_heads, max_blocks),
+                      merge=_merge_plan(layout, num_seqs, num_q_heads, num_splits, caps),
+                      workspace_numel=workspace_numel(num_seqs, num_q_heads, num_splits, dp))
+
+
+def mma_kernel_plan(layout, plan: dict, num_seqs: int, num_q_heads: int, num_splits: int, *, warps: int = 4,
+                    prefetch: int | None = None, hint: int = 1, maxnreg: int | None = None) -> KernelPlan:
+    """The launch of the warp-MMA kernel for an :func:`.mma_plans.mma_plan` ``plan``: a
+    cooperative plan runs one CTA per (sequence, split) with a warp per KV head, the per-warp
+    kernel one warp per (sequence, KV head, split)."""
+    hkv = layout.num_kv_heads
+    coop = bool(plan.get("COOP"))
+    if coop:  # one warp per KV head of a (sequence, split)
+        warps = hkv
+    if prefetch is None:  # the ring holds the steps of one iteration (measured: SUB = 2 with 1 step slower)
+        prefetch = plan["SUB"]
+    if maxnreg is None and coop:  # two CTAs of 8 warps per SM
+        maxnreg = 128
+    if maxnreg is None:  # measured (H100): capped at 128 registers ~2% faster for aligned fields (no spill
+        # inside the loop); with joined fields the kernel needs ~168 and a cap spills in the loop;
+        # two steps per iteration (SUB = 2) hold a two-step ring: 168 (12 warps/SM) measured fastest
+        maxnreg = 0 if plan["K_MERGE"] or plan["V_MERGE"] else 168 if plan["SUB"] == 2 else 128
+    cx = dict(G=num_q_heads // hkv, HKV=hkv, HQ=num_q_heads, WARPS=warps, BS=layout.block_size, PREFETCH=prefetch,
+              HINT=hint, **plan)
+    total = num_seqs * hkv * num_splits
+    grid = (num_seqs * num_splits,) if coop else (-(-total // warps),)
+    return KernelPlan(kernel="coop" if coop else "mma", grid=grid, constexprs=tuple(cx.items()), num_warps=warps,
+                      num_stages=1, maxnreg=maxnreg or 0)
+
+
+def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy):
+    g = hq // layout.num_kv_heads
+    plan = mma_plan(layout, g)
+    if plan.get("COOP") and (not caps.dynamic_smem or coop_smem_bytes(plan) > caps.smem_per_block_optin):
+        plan = per_warp_plan(plan)
+    if num_splits is not None:
+        return mma_kernel_plan(layout, plan, s, hq, num_splits), num_splits
+    max_len = max_blocks * layout.block_size
+
+    def splits_for(p):
+        k = mma_kernel_plan(layout, p, s, hq, 1)
+        ctas = occupancy(k)
+        if ctas is None:  # unknown: a conservative 8 warps per SM (speed, never correctness)
+            ctas = max(1, 8 // k.num_warps)
+        return num_splits_mma(s, layout.num_kv_heads, max_len, ctas * k.num_warps * caps.num_sms)
+
+    try:
+        n = splits_for(plan)
+    except DynamicSmemUnsupported:  # nothing launched yet: the per-warp kernel
+        plan = per_warp_plan(plan)
+        n = splits_for(plan)
+    # Short splits with one-step stages (two CTAs per SM; since session 13 only FP8 keys'
+    # plans): the cooperative prologue is not paid back; the per-warp kernel runs instead where
+    # it has at least 2 splits of its own (measured, H100: B32x4K turboquant_k8v4 90.1 vs 95.3
+    # µs; docs/performance.md "Cooperative stages"). The two-step stages of 3- and 4-bit keys
+    # keep their plan (B32x4K turboquant_4bit_nc 75.4 vs per-warp 75.0 µs, k3v4_nc 73.0 vs
+    # 77.2, 3bit_nc 72.2 vs 73.1; at B128x1K 79.0 vs 92.2, 76.1 vs 80.2, 74.6 vs 76.3).
+    if plan.get("COOP") and plan["SUB"] == 1 and max_len < _COOP_MIN_TOKENS * n:
+        per_warp = per_warp_plan(plan)
+        m = splits_for(per_warp)
+        if m >= 2:
+            plan, n = per_warp, m
+    return mma_kernel_plan(layout, plan, s, hq, n), n
+
+
+def _general_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, block_n, num_warps, num_stages, maxnreg):
+    c = layout_consts(layout)
+    fmt = layout.format
+    d, dp = fmt.head_dim, c["DP"]
+    hkv = layout.num_kv_heads
+    g = hq // hkv
+    fast = fast_path_plan(layout)
+    if block_n is None:  # measured (H100, B32x16K): 128 best for the word path, 64 for the rest
+        block_n = 128 if fast["K_FAST"] or fast["V_FAST"] else 64
+    if num_stages is None:  # measured (H100): funnel-shifted words with 2 stages ran 2.5x slower
+        num_stages = 1 if 2 in (fast["K_FAST"], fast["V_FAST"]) else 2
+    raw_bf16 = any(getattr(cd, "dtype", None) == "bfloat16" for cd in (fmt.key, fmt.value))
+
+    def halves(side, p) -> bool:
+        codec = getattr(fmt, side)
+        return (codec.kind in ("lloyd_max", "uniform") and codec.bits == 4 and dp == d and d >= 32
+                and not fast[f"{p}_FAST"])
+
+    consts = {k: v for k, v in c.items() if not k.startswith("PAD")}
+    head = dict(G=g, GP=max(16, 1 << max(0, (g - 1).bit_length())), HQ=hq, BN=block_n, BS=layout.block_size,
+                K_HALVES=halves("key", "K"), V_HALVES=halves("value", "V"), DOT="bf16" if raw_bf16 else "fp16",
+                K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
+                USE_ASM=not caps.interpret, **fast)
+
+    def kernel(n):
+        cx = dict(head, NUM_SPLITS=n, **consts)
+        return KernelPlan(kernel="general", grid=(s, hkv, n), constexprs=tuple(cx.items()), num_warps=num_warps,
+                          num_stages=num_stages, maxnreg=maxnreg or 0)
+
+    max_len = max_blocks * layout.block_size
+    if num_splits is None:
+        num_splits = num_splits_for(s, hkv, max_len, caps.num_sms, block_n)
+        if not caps.interpret and max_len // num_splits >= 2048:
+            ctas = occupancy(kernel(num_splits))
+            if ctas:
+                num_splits = num_splits_for(s, hkv, max_len, caps.num_sms, block_n, resident_ctas=ctas * caps.num_sms)
+    return kernel(num_splits), num_splits
+
+
+def _rotate_plan(layout, s, hq, max_blocks, rows: int = 16, cols: int = 64) -> RotatePlan:
+    """Measured on the H100 at 1024 rows, D = 128: 16 rows × all columns 4.6 µs, 32 rows 9.5 µs,
+    64 rows 9.8 µs (session 4); 16 rows × 64 columns: ``docs/performance.md``."""
+    d = layout.head_dim
+    dp = max(16, 1 << (d - 1).bit_length())
+    rotate = bool(layout.format.key.rotated)
+    cc = min(cols, dp) if rotate else dp
+    n = s * hq
+    programs = -(-n // rows)
+    # entries per scanning program in one tile where it fits (a loop of dependent rounds is latency)
+    per_program = -(-(s * max_blocks) // programs)
+    sb = min(4096, max(128, 1 << max(0, (per_program - 1).bit_length())))
+    return RotatePlan(grid=(programs, dp // cc), rows=rows, cols=cc, scan_block=sb, rotate=rotate)
+
+
+def _merge_plan(layout, s, hq, num_splits, caps) -> MergePlan:
+    """Rows with the rotate-back or more than 16 splits, else heads (``.merge._launch_merge``)."""
+    dp = layout_consts(layout)["DP"]
+    rotate_back = bool(layout.format.value.rotated)
+    sms = 1 if caps.interpret else caps.num_sms
+    if rotate_back or num_splits > 16:
+        rows = 16
+        blocks = -(-(s * hq) // rows)
+        chunks = min(2, merge_chunks(blocks, sms, dp)) if rotate_back else merge_chunks(blocks, sms, dp)
+        return MergePlan(impl="rows", grid=(blocks, chunks), rows=rows, chunks=chunks,
+                         unroll=max(1, min(8 if rotate_back else 64, num_splits)), rotate_back=rotate_back)
+    chunks = merge_chunks(s * layout.num_kv_heads, sms, dp)
+    return MergePlan(impl="heads", grid=(s, layout.num_kv_heads, chunks), rows=0, chunks=chunks, unroll=num_splits,
+                     rotate_back=rotate_back)
+
+
+def needs_lut_bytes(kernel: KernelPlan) -> int:
+    """Shared memory the per-warp kernel declares outside Triton (its pair table), for occupancy."""
+    if kernel.kernel != "mma":
+        return 0
+    cx = dict(kernel.constexprs)
+    return _LUT_BYTES * _needs_lut(cx)
