@@ -23,8 +23,13 @@ Statistics (per configuration, paired with the reference on the same tokens):
   the same resample for both models, :data:`BOOTSTRAP` resamples, seed 0): tokens within a
   window are correlated, windows are treated as independent.
 * ``kl``: mean over scored tokens of KL(p_ref ‖ p), the full next-token distributions.
-* μ: :func:`tqkern_torch.transformers.calibrate` (mean key after RoPE per layer and KV head) on a
-  calibration text disjoint from the evaluation text.
+* μ (``--mu``): ``none``; ``calibrated``: :func:`tqkern_torch.transformers.calibrate` (mean key
+  after RoPE per layer and KV head) on a calibration text disjoint from the evaluation text (the
+  default text of ``install(key_offset="auto")``); ``prefill``: what ``install(key_offset="prefill")``
+  does, μ = the mean key of the cache's first prefill, here the window's first
+  :data:`PREFILL_TOKENS` tokens (the window then runs as two chunks, which changes no logit but
+  float rounding). The report also holds ‖mean k‖ / RMS ‖k‖ per layer and KV head on the
+  calibration text (``key_mean_ratio``).
 
 Texts (no network): docstrings of Python standard-library modules, read at run time from the
 running interpreter (Python Software Foundation License; nothing is copied into tqkern). The
@@ -51,8 +56,9 @@ from tqkern.layouts import PRESETS, KVFormat, layout_from_dict
 import tqkern_torch.transformers as tqt
 from tqkern_torch.calibration import CALIBRATION_MODULES, KeyOffsetWarning, key_mean_ratios, stdlib_text
 
-__all__ = ["BOOTSTRAP", "EVAL_MODULES", "CALIB_MODULES", "MU_MODES", "PREFILL_TOKENS", "Config", "stdlib_text", "load_model", "tiny_model",
-           "bootstrap_delta_ppl", "window_stats", "evaluate", "render_table", "format_from_json", "main_eval", "model_source"]
+__all__ = ["BOOTSTRAP", "EVAL_MODULES", "CALIB_MODULES", "MU_MODES", "PREFILL_TOKENS", "Config", "stdlib_text",
+           "load_model", "model_source", "tiny_model", "bootstrap_delta_ppl", "window_stats", "evaluate",
+           "render_table", "format_from_json", "main_eval"]
 
 BOOTSTRAP = 2000
 EVAL_MODULES = ("argparse", "collections", "functools", "itertools", "pathlib", "subprocess", "json",

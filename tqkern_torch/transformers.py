@@ -329,8 +329,8 @@ class TQCache(Cache):
     With ``estimate_key_offset`` (``install(key_offset="prefill")``, or ``"auto"`` without a
     tokenizer) each layer without μ takes μ = the mean key of its first update (every row and
     position of the first prefill, padding included), fixed for the cache's life. Each layer
-    that quantizes keys without μ is checked at its first update of at least
-    ``KEY_MEAN_MIN_TOKENS`` tokens: if :func:`~tqkern_torch.calibration.key_mean_ratio` exceeds
+    that quantizes keys without μ is checked at its first update, if that holds at least
+    ``KEY_MEAN_MIN_TOKENS`` tokens (rows × positions): if :func:`~tqkern_torch.calibration.key_mean_ratio` exceeds
     ``KEY_MEAN_WARN_RATIO`` for a head, a :class:`KeyOffsetWarning` is raised (once per cache)."""
 
     def __init__(self, model_or_config, *, params: Optional[Sequence[TQParams]] = None,
