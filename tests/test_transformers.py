@@ -162,7 +162,7 @@ def test_compressed_logits(model, fmt):
     ids, steps = _ids(1, 11, seed=2), [3, 77]
     ref_cache = DynamicCache()
     ref = _teacher_forced_logits(model, ids, steps, ref_cache)
-    spec = tqt.install(model, fmt)
+    spec = tqt.install(model, fmt, key_offset=None)  # kernels vs oracles without μ (μ: test_key_offset_through_...)
     cache = tqt.TQCache(model)
     got = _teacher_forced_logits(model, ids, steps, cache)
     transformers.AttentionInterface.register("tqkern_oracle", _oracle_attention(spec.params))

@@ -237,15 +237,18 @@ class TQCacheLayer(CacheLayerMixin):
         dtype: decompressed and rotated back, with μ added back to the keys."""
         k, v = decompress_sequences(self.pool, self.block_table, self.seq_lens, self.layout, self.device_params,
                                     rotate_back=True)  # [b, paged positions, h, d]
+        keep = None
         if self.start_max:  # logical position p of row b is paged p − starts[b]; dropped ones are zeros
             p = torch.arange(self.seq_len, device=self.device)[None, :] - self.starts[:, None]  # [b, seq_len]
             idx = p.clamp(min=0)[:, :, None, None].expand(-1, -1, *k.shape[2:])
-            keep = (p >= 0)[:, :, None, None]
-            k, v = k.gather(1, idx) * keep, v.gather(1, idx) * keep
+            keep = (p >= 0)[:, None, :, None]  # [b, 1, seq_len, 1]
+            k, v = k.gather(1, idx), v.gather(1, idx)
         k = k[:, : self.seq_len].transpose(1, 2)
         v = v[:, : self.seq_len].transpose(1, 2)
         if self.mu is not None:
             k = k + self.mu
+        if keep is not None:  # after μ: a dropped position reads zeros with or without μ
+            k, v = k * keep, v * keep
         return k.to(self.dtype), v.to(self.dtype)
 
     def _drop_prefixes(self, starts: torch.Tensor) -> None:
