@@ -23,10 +23,10 @@ def tiny():
     return model, ids, calib
 
 
-def _run(tiny, names, offset=False, windows=2, window=24):
+def _run(tiny, names, mu="none", windows=2, window=24):
     model, ids, calib = tiny
     d = model.config.head_dim
-    configs = [tqe.Config(n, KVFormat.preset(n, d), offset) for n in names]
+    configs = [tqe.Config(n, KVFormat.preset(n, d), mu) for n in names]
     return tqe.evaluate(model, ids, configs, windows=windows, window=window, calib_ids=calib, progress=False)
 
 
@@ -38,7 +38,7 @@ def test_fp16_is_the_reference_exactly(tiny):
 
 def test_fp16_with_offset_differs_by_rounding_only(tiny):
     # k - mu is rounded to fp16 instead of k: a few fp16 ulps of the keys, far below any codec's error.
-    r = _run(tiny, ["fp16"], offset=True)["results"][0]
+    r = _run(tiny, ["fp16"], mu="calibrated")["results"][0]
     assert r["kl"] < 1e-6 and abs(r["delta_ppl_pct"]) < 1e-3
 
 
@@ -108,3 +108,62 @@ def test_cli_eval_without_transformers_says_so(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
     assert main(["eval", "--model", "tiny-random"]) == 1
     assert "needs transformers" in capsys.readouterr().err
+
+
+def test_prefill_mode_estimates_mu_per_window(tiny):
+    # fp16 with μ from each window's first PREFILL_TOKENS tokens: k − μ rounded to fp16 instead of
+    # k, and the window run as two chunks: float rounding only.
+    report = _run(tiny, ["fp16"], mu="prefill", window=tqe.PREFILL_TOKENS + 16)
+    r = report["results"][0]
+    assert r["mu"] == "prefill" and r["offset"] is True and report["prefill_tokens"] == tqe.PREFILL_TOKENS
+    assert r["kl"] < 1e-6 and abs(r["delta_ppl_pct"]) < 1e-3
+    assert report["key_mean_ratio"]["max"] < 1  # statistic of the calibration text, reported
+
+
+def test_config_rejects_unknown_mu():
+    with pytest.raises(ValueError, match="Config.mu must be one of"):
+        tqe.Config("fp16", KVFormat.preset("fp16", 16), True)
+
+
+def test_cli_eval_mu_modes(tmp_path):
+    rc = main(["eval", "--model", "tiny-random", "--windows", "1", "--window", "80", "--formats", "tq4",
+               "--mu", "none", "prefill", "--out", str(tmp_path)])
+    assert rc == 0
+    report = json.loads((tmp_path / "quality.json").read_text())
+    assert [r["mu"] for r in report["results"]] == ["none", "prefill"]
+    assert sorted(report["per_window"]) == ["tq4", "tq4+mu_prefill"]
+
+
+def _tiny_qwen2_dir(path):
+    """A tiny random Qwen2 (attention biases) and a byte-level tokenizer saved as a local
+    transformers directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+
+
+def test_cli_eval_local_directory(tmp_path):
+    _tiny_qwen2_dir(tmp_path / "qwen")
+    model, encode = tqe.load_model(str(tmp_path / "qwen"))
+    assert type(model).__name__ == "Qwen2ForCausalLM" and model.model.layers[0].self_attn.k_proj.bias is not None
+    assert len(encode("abc")) == 3  # byte-level: one token per byte
+    rc = main(["eval", "--model", str(tmp_path / "qwen"), "--windows", "1", "--window", "16", "--formats", "tq4",
+               "--out", str(tmp_path / "out")])
+    assert rc == 0
+    report = json.loads((tmp_path / "out" / "quality.json").read_text())
+    assert report["model"] == str(tmp_path / "qwen") and [r["mu"] for r in report["results"]] == ["none", "calibrated"]
+
+
+def test_model_source(tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"")
+    assert tqe.model_source(str(tmp_path / "m.gguf")) == (str(tmp_path), {"gguf_file": "m.gguf"})
+    assert tqe.model_source(str(tmp_path)) == (str(tmp_path), {})
+    with pytest.raises(FileNotFoundError, match="local .gguf file"):
+        tqe.model_source(str(tmp_path / "missing.gguf"))

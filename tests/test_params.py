@@ -323,3 +323,45 @@ def test_clearly_non_orthogonal_rejected_at_512(scale):
         TQParams(format=fmt, rotation=bad, key_codebook=lloyd_max(4, d, "beta"))
     with pytest.raises(ValueError, match=r"^TQParams\.rotation must be orthogonal"):
         TQParams(format=fmt, rotation=haar(d, 1) + 1e-3 * np.eye(d), key_codebook=lloyd_max(4, d, "beta"))
+
+
+def _assert_params_equal(a: TQParams, b: TQParams) -> None:
+    assert a.format == b.format
+    for name in ("rotation", "key_offset"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None) and (x is None or (x.dtype == y.dtype and np.array_equal(x, y)))
+    for name in ("key_codebook", "value_codebook"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x == y and (x is None or x.distortion == y.distortion or (np.isnan(x.distortion)
+                                                                          and np.isnan(y.distortion)))
+
+
+def test_save_load_params_round_trip(tmp_path):
+    from tqkern.params import load_params, save_params
+    rng = np.random.default_rng(3)
+    mu = rng.normal(size=(2, 64)) * 3
+    own = Codebook.from_centroids(np.float32([-0.3, -0.1, 0.1, 0.3]), dim=64,
+                                  boundaries=np.float32([-0.2, 0.01, 0.2]))
+    params = [TQParams.default(KVFormat.preset("tqkern_k5v3", 64), key_offset=mu),
+              TQParams.default(KVFormat.preset("fp16", 64)),
+              TQParams.vllm(KVFormat.preset("turboquant_4bit_nc", 64), key_offset=-mu),
+              TQParams(format=KVFormat(head_dim=64, key=LloydMax(bits=2), value=Raw(), rotation="hadamard"),
+                       rotation=hadamard(64), key_codebook=own)]
+    path = tmp_path / "params"  # no suffix: written as given, no ".npz" appended
+    save_params(path, params)
+    assert path.exists()
+    loaded = load_params(path)
+    assert len(loaded) == 4
+    for a, b in zip(params, loaded):
+        _assert_params_equal(a, b)
+    assert loaded[1].key_offset is None
+    np.testing.assert_array_equal(loaded[0].key_offset, mu.astype(np.float32))  # μ is held as float32 values
+
+
+def test_save_load_params_bad_input(tmp_path):
+    from tqkern.params import load_params, save_params
+    with pytest.raises(TypeError, match=r"params\[0\] must be a TQParams"):
+        save_params(tmp_path / "x", ["fp16"])
+    np.savez(tmp_path / "other.npz", a=np.zeros(2))
+    with pytest.raises(ValueError, match="save_params"):
+        load_params(tmp_path / "other.npz")

@@ -162,7 +162,7 @@ def test_compressed_logits(model, fmt):
     ids, steps = _ids(1, 11, seed=2), [3, 77]
     ref_cache = DynamicCache()
     ref = _teacher_forced_logits(model, ids, steps, ref_cache)
-    spec = tqt.install(model, fmt)
+    spec = tqt.install(model, fmt, key_offset=None)  # kernels vs oracles without μ (μ: test_key_offset_through_...)
     cache = tqt.TQCache(model)
     got = _teacher_forced_logits(model, ids, steps, cache)
     transformers.AttentionInterface.register("tqkern_oracle", _oracle_attention(spec.params))
@@ -252,6 +252,14 @@ def test_bad_arguments(model):
         tqt.install(model, "fp16", key_offset=[np.zeros((2, 2))])
     with pytest.raises(ValueError, match="name"):
         tqt.install(model, "no_such_format")
+    with pytest.raises(ValueError, match="key_offset must be 'auto', 'prefill', None"):
+        tqt.install(model, "tq4", key_offset="calibrated")
+    with pytest.raises(ValueError, match="calibration must be None unless key_offset is 'auto'"):
+        tqt.install(model, "tq4", key_offset=None, calibration=_ids(1, 8))
+    with pytest.raises(ValueError, match="tokenizer must be given"):
+        tqt.install(model, "tq4", calibration=["some text"])
+    with pytest.raises(ValueError, match="inputs must be input_ids"):
+        tqt.install(model, "tq4", calibration=torch.zeros(8, dtype=torch.long))
 
 
 def test_gemma2_softcap_scaling_alternating_windows(monkeypatch):
@@ -292,6 +300,7 @@ def test_key_offset_through_paged_decode(model, monkeypatch):
 
 
 def test_public_api_is_pinned():
-    assert tqt.__all__ == ["ATTN_IMPLEMENTATION", "TQCache", "TQCacheLayer", "TQInstall", "attention_forward",
-                           "calibrate", "install", "layer_params", "uninstall"]
+    assert tqt.__all__ == ["ATTN_IMPLEMENTATION", "KeyOffsetWarning", "TQCache", "TQCacheLayer", "TQInstall",
+                           "attention_forward", "calibrate", "install", "layer_params", "load_key_offsets",
+                           "uninstall"]
     assert tqt.ATTN_IMPLEMENTATION == "tqkern"

