@@ -323,3 +323,11 @@ def test_bench_needs_torch(tmp_path):
     assert res.stderr.startswith("tqkern bench: needs torch")
     res = _bench(tmp_path, "--help", env={"PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])})
     assert res.returncode == 0 and "--plot FILE.png" in res.stdout, res.stderr  # help needs no torch
+
+
+@pytest.mark.parametrize("name", ["h100.json", "h200.json"])
+def test_kept_baselines_follow_the_schema(name):
+    """The one baseline per GPU in benchmarks/results/ reads as a report (`tqkern bench --from`)."""
+    report = rep.read_json(os.path.join(ROOT, "benchmarks", "results", name))
+    assert report["environment"]["gpu"].startswith("NVIDIA H")
+    assert {r["op"] for r in report["records"]} <= set(rep.OPS) and report["records"]
