@@ -51,18 +51,19 @@ def slot_mapping(shape: StoreShape, num_blocks: int, g: torch.Generator) -> torc
     return (blocks[:, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE).reshape(-1).long()
 
 
-def gate(presets) -> list[dict]:
-    """Every preset's written slots against the oracle's bytes (uncertain bytes excepted)."""
-    g = torch.Generator(device="cuda").manual_seed(4)
+def gate(presets, *, device: str = "cuda", heads=((8, 128), (3, 64))) -> list[dict]:
+    """Every preset's written slots against the oracle's bytes (uncertain bytes excepted), for
+    64 tokens at each ``(Hkv, D)`` of ``heads``."""
+    g = torch.Generator(device=device).manual_seed(4)
     out = []
     for preset in presets:
-        for hkv, d in ((8, 128), (3, 64)):
-            layout, params = make_layout(preset, hkv, d)
+        for hkv, d in heads:
+            layout, params = make_layout(preset, hkv, d, device)
             n, num_blocks = 64, 16
-            k = torch.randn(n, hkv, d, device="cuda", dtype=torch.float16, generator=g)
-            v = torch.randn(n, hkv, d, device="cuda", dtype=torch.float16, generator=g)
-            slots = torch.randperm(num_blocks * BLOCK_SIZE, device="cuda", generator=g)[:n]
-            cache = torch.zeros(layout.cache_shape(num_blocks), dtype=torch.uint8, device="cuda")
+            k = torch.randn(n, hkv, d, device=device, dtype=torch.float16, generator=g)
+            v = torch.randn(n, hkv, d, device=device, dtype=torch.float16, generator=g)
+            slots = torch.randperm(num_blocks * BLOCK_SIZE, device=device, generator=g)[:n]
+            cache = torch.zeros(layout.cache_shape(num_blocks), dtype=torch.uint8, device=device)
             tqt.store(cache, k, v, slots, layout, params)
             got = ref.gather_slots(cache.cpu().numpy(), layout, slots.cpu().numpy())
             exp, unsure = ref.compress(k.cpu().numpy(), v.cpu().numpy(), params.params, return_uncertain=True)
@@ -72,32 +73,35 @@ def gate(presets) -> list[dict]:
     return out
 
 
-def run_shape(shape: StoreShape, presets, step, *, rep_ms: int = 100) -> list[dict]:
+def run_shape(shape: StoreShape, presets, step, *, rep_ms: int = 100, device: str = "cuda", timer=None,
+              cache_tokens: int = STORE_CACHE_TOKENS) -> list[dict]:
     """Records of the fp16 ``index_copy_`` baseline and every preset's ``store`` at ``shape``;
-    ``step(label)`` is called after each timed variant."""
-    g = torch.Generator(device="cuda").manual_seed(2)
+    ``step(label)`` is called after each timed variant. ``timer(fn) -> µs`` defaults to
+    CUDA-graph replay for ``rep_ms``."""
+    timer = timer or (lambda fn: graph_us(fn, rep_ms))
+    g = torch.Generator(device=device).manual_seed(2)
     n, h, d = shape.num_tokens, shape.num_kv_heads, shape.head_dim
-    num_blocks = STORE_CACHE_TOKENS // BLOCK_SIZE
-    k = torch.randn(n, h, d, device="cuda", dtype=torch.float16, generator=g)
-    v = torch.randn(n, h, d, device="cuda", dtype=torch.float16, generator=g)
+    num_blocks = cache_tokens // BLOCK_SIZE
+    k = torch.randn(n, h, d, device=device, dtype=torch.float16, generator=g)
+    v = torch.randn(n, h, d, device=device, dtype=torch.float16, generator=g)
     slots = slot_mapping(shape, num_blocks, g)
     kv_bytes = 2 * n * h * d * 2  # K and V, fp16
 
-    k_cache = torch.zeros(num_blocks * BLOCK_SIZE, h, d, device="cuda", dtype=torch.float16)
+    k_cache = torch.zeros(num_blocks * BLOCK_SIZE, h, d, device=device, dtype=torch.float16)
     v_cache = torch.zeros_like(k_cache)
 
     def fp16_write():
         k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)
 
-    base_us = graph_us(fp16_write, rep_ms)
+    base_us = timer(fp16_write)
     k_cache = v_cache = None
     rows = [record("store", shape.name, BASELINE, BASELINE, base_us, base_us, nbytes=2 * kv_bytes)]
     step(f"store {shape.name} {BASELINE}")
     for preset in presets:
-        layout, params = make_layout(preset, h, d)
-        cache = torch.zeros(layout.cache_shape(num_blocks), dtype=torch.uint8, device="cuda")
-        us = graph_us(lambda: tqt.store(cache, k, v, slots, layout, params), rep_ms)
+        layout, params = make_layout(preset, h, d, device)
+        cache = torch.zeros(layout.cache_shape(num_blocks), dtype=torch.uint8, device=device)
+        us = timer(lambda: tqt.store(cache, k, v, slots, layout, params))
         rows.append(record("store", shape.name, preset, BASELINE, us, base_us, nbytes=kv_bytes + n * layout.row_bytes))
         step(f"store {shape.name} {preset}")
         cache = None
