@@ -48,7 +48,7 @@ def benchmark_hints(config: pytest.Config, stats: dict) -> list[str]:
     lines = []
     if not bench:
         lines.append("no benchmark collected: the benchmarks are in benchmarks/test_bench.py (not in testpaths); "
-                     "run `pytest benchmarks/test_bench.py --benchmark-only`")
+                     "run `pytest benchmarks --benchmark-only`")
     if not _cuda_device():
         n = sum(r.nodeid in bench for r in skipped)
         lines.append(f"benchmarks need a CUDA GPU: {n} skipped (no CUDA device found)" if bench else

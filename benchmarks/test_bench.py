@@ -1,52 +1,91 @@
-"""pytest-benchmark entries (GPU only): ``pytest benchmarks/test_bench.py --benchmark-only``.
+"""pytest-benchmark entries (GPU only): ``pytest benchmarks --benchmark-only``.
 
-Each case checks the output against the NumPy oracle before it is timed. The full table (every
-preset and shape, SDPA baseline, CUDA-graph timing, JSON) comes from ``bench_decode.py``.
+One run compares each op with its torch baseline: pytest-benchmark's table groups ``decode
+B32x4K`` (``paged_decode`` of four presets and torch SDPA fp16 on contiguous K/V) and ``store
+<shape>`` (``store`` of the same presets and an fp16 paged-cache ``index_copy_``). Each preset
+passes its op's correctness gate against the NumPy oracle before it is timed. These time eager
+calls with a device sync (pytest-benchmark's timer); the full table, CUDA-graph timing, JSON and
+plot come from ``tqkern bench`` (:mod:`tqkern_torch.bench`).
 """
 
-import numpy as np
 import pytest
 import torch
 
-from benchmarks.bench_decode import fill_cache, make_layout
-from tqkern import reference as ref
+import tqkern_torch as tqt
 from tqkern_torch.attention import paged_decode
+from tqkern_torch.bench import decode, store
+from tqkern_torch.bench.shapes import BLOCK_SIZE, STORE_CACHE_TOKENS, decode_shape, store_shape
 
 pytestmark = [pytest.mark.benchmark,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (no CUDA device found)")]
-PRESETS = [("tq4", "row"), ("turboquant_4bit_nc", "slot"), ("turboquant_k8v4", "slot"), ("fp16", "slot")]
+PRESETS = ["tq4", "turboquant_4bit_nc", "turboquant_k8v4", "fp16"]
+DECODE_SHAPE = "B32x4K"
+STORE_SHAPES = ["decode_B32", "prefill_1x4096"]
 
 
-@pytest.mark.parametrize("preset,arrangement", PRESETS)
-def test_paged_decode_b32x4k(benchmark, preset, arrangement):
-    b, L, hq, hkv, d = 32, 4096, 32, 8, 128
+def _timed(benchmark, fn):
+    def run():
+        fn()
+        torch.cuda.synchronize()
+
+    benchmark(run)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_decode(benchmark, preset):
+    gates = decode.gate([preset])
+    assert all(g["ok"] for g in gates), gates
+    s = decode_shape(DECODE_SHAPE)
     g = torch.Generator(device="cuda").manual_seed(0)
-    layout, params = make_layout(preset, arrangement, hkv, d)
-    nb = b * L // 16
-    bt = torch.randperm(nb, device="cuda", generator=g).int().reshape(b, L // 16)
-    sl = torch.full((b,), L, dtype=torch.int32, device="cuda")
-    cache = fill_cache(layout, params, nb, g)
-    q = torch.randn(b, hq, d, device="cuda", dtype=torch.float16, generator=g)
-    out = paged_decode(q, cache, bt, sl, layout, params)
-    exp = ref.paged_decode(q[:2].float().cpu().numpy(), cache.cpu().numpy(), bt[:2].cpu().numpy(),
-                           sl[:2].cpu().numpy(), layout, params.params)
-    assert np.abs(out[:2].float().cpu().numpy() - exp).max() < 4e-3 * 5.0
-
-    def run():
-        paged_decode(q, cache, bt, sl, layout, params, out=out, check_lengths=False)
-        torch.cuda.synchronize()
-
-    benchmark(run)
+    layout, params = decode.make_layout(preset, s.num_kv_heads, s.head_dim)
+    nb = s.batch * s.seq_len // BLOCK_SIZE
+    bt = torch.randperm(nb, device="cuda", generator=g).int().reshape(s.batch, -1)
+    sl = torch.full((s.batch,), s.seq_len, dtype=torch.int32, device="cuda")
+    cache = decode.fill_cache(layout, params, nb, g)
+    q = torch.randn(s.batch, s.num_q_heads, s.head_dim, device="cuda", dtype=torch.float16, generator=g)
+    out = torch.empty_like(q)
+    benchmark.group = f"decode {DECODE_SHAPE}"
+    _timed(benchmark, lambda: paged_decode(q, cache, bt, sl, layout, params, out=out, check_lengths=False))
 
 
-def test_sdpa_fp16_b32x4k(benchmark):
-    b, L, hq, hkv, d = 32, 4096, 32, 8, 128
-    q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.float16)
-    k = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16)
-    v = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16)
+def test_decode_baseline_sdpa_fp16(benchmark):
+    s = decode_shape(DECODE_SHAPE)
+    q = torch.randn(s.batch, s.num_q_heads, 1, s.head_dim, device="cuda", dtype=torch.float16)
+    k = torch.randn(s.batch, s.num_kv_heads, s.seq_len, s.head_dim, device="cuda", dtype=torch.float16)
+    v = torch.randn_like(k)
+    benchmark.group = f"decode {DECODE_SHAPE}"
+    _timed(benchmark, lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))
 
-    def run():
-        torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        torch.cuda.synchronize()
 
-    benchmark(run)
+def _store_inputs(name):
+    s = store_shape(name)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    k = torch.randn(s.num_tokens, s.num_kv_heads, s.head_dim, device="cuda", dtype=torch.float16, generator=g)
+    v = torch.randn_like(k)
+    return s, k, v, store.slot_mapping(s, STORE_CACHE_TOKENS // BLOCK_SIZE, g)
+
+
+@pytest.mark.parametrize("shape", STORE_SHAPES)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_store(benchmark, preset, shape):
+    gates = store.gate([preset])
+    assert all(g["ok"] for g in gates), gates
+    s, k, v, slots = _store_inputs(shape)
+    layout, params = decode.make_layout(preset, s.num_kv_heads, s.head_dim)
+    cache = torch.zeros(layout.cache_shape(STORE_CACHE_TOKENS // BLOCK_SIZE), dtype=torch.uint8, device="cuda")
+    benchmark.group = f"store {shape}"
+    _timed(benchmark, lambda: tqt.store(cache, k, v, slots, layout, params))
+
+
+@pytest.mark.parametrize("shape", STORE_SHAPES)
+def test_store_baseline_fp16_index_copy(benchmark, shape):
+    s, k, v, slots = _store_inputs(shape)
+    k_cache = torch.zeros(STORE_CACHE_TOKENS, s.num_kv_heads, s.head_dim, device="cuda", dtype=torch.float16)
+    v_cache = torch.zeros_like(k_cache)
+
+    def write():
+        k_cache.index_copy_(0, slots, k)
+        v_cache.index_copy_(0, slots, v)
+
+    benchmark.group = f"store {shape}"
+    _timed(benchmark, write)

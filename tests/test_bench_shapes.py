@@ -1,8 +1,8 @@
-"""The benchmark shapes the sweeps accept by name (benchmarks/shapes.py; no GPU needed)."""
+"""The benchmark shapes the sweeps accept by name (tqkern_torch/bench/shapes.py; no GPU needed)."""
 
 import pytest
 
-from benchmarks.shapes import DECODE_SHAPES, decode_shape
+from tqkern_torch.bench.shapes import DECODE_SHAPES, decode_shape
 
 
 def test_named_and_ad_hoc_decode_shapes():

@@ -13,18 +13,15 @@ import sys
 
 import pytest
 
-from benchmarks._gpu import NO_CUDA_EXIT
+from tqkern_torch.bench.timing import NO_CUDA_EXIT
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 
-# Scripts that run kernels on the GPU: each calls benchmarks._gpu.require_cuda before any CUDA call.
-GPU_SCRIPTS = ("ab_public.py", "bench_decode.py", "ncu_decode.py", "ncu_mma.py", "probe_reads.py",
-               "repro_align.py", "sweep_general.py", "sweep_mma.py")
-# Scripts that need no GPU: aot_inspect compiles for sm_90 offline; the others read text files.
-CPU_SCRIPTS = ("aot_inspect.py", "ncu_stalls.py", "sass_loop.py")
-# Imported modules, not scripts.
-MODULES = ("__init__.py", "_gpu.py", "shapes.py", "test_bench.py")
+# One entry per op: each runs `tqkern bench <op>`, which checks for a CUDA device before any CUDA call.
+GPU_SCRIPTS = {"bench_decode.py": "decode", "bench_store.py": "store"}
+# pytest-benchmark entries and the package marker, not scripts.
+MODULES = ("__init__.py", "test_bench.py")
 
 
 def _env() -> dict:
@@ -35,9 +32,11 @@ def _env() -> dict:
 
 
 def test_every_benchmark_file_is_classified():
-    assert sorted(p.name for p in BENCH.glob("*.py")) == sorted(GPU_SCRIPTS + CPU_SCRIPTS + MODULES)
-    for name in GPU_SCRIPTS:
-        assert "require_cuda(__file__)" in (BENCH / name).read_text(), name
+    """benchmarks/ holds one entry per op and the pytest-benchmark file: one-off run scripts stay
+    out of the tree (what they taught goes into docs/performance.md)."""
+    assert sorted(p.name for p in BENCH.glob("*.py")) == sorted([*GPU_SCRIPTS, *MODULES])
+    for name, op in GPU_SCRIPTS.items():
+        assert f'main(["bench", "{op}", *sys.argv[1:]])' in (BENCH / name).read_text(), name
 
 
 @pytest.mark.parametrize("script", GPU_SCRIPTS)
@@ -46,16 +45,17 @@ def test_gpu_script_exits_cleanly_without_cuda(script, tmp_path):
                          env=_env(), cwd=tmp_path)
     assert res.returncode == NO_CUDA_EXIT, res.stderr
     assert "Traceback" not in res.stderr
-    assert res.stderr.startswith(f"{script} needs a CUDA GPU: no CUDA device found")
+    assert res.stderr.startswith("tqkern bench needs a CUDA GPU: no CUDA device found")
     assert res.stdout == ""
     assert not any(tmp_path.iterdir())  # no result files written
 
 
-def test_bench_decode_help_needs_no_gpu(tmp_path):
-    res = subprocess.run([sys.executable, str(BENCH / "bench_decode.py"), "--help"], capture_output=True,
+@pytest.mark.parametrize("script", GPU_SCRIPTS)
+def test_entry_help_needs_no_gpu(script, tmp_path):
+    res = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True,
                          text=True, timeout=120, env=_env(), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
-    assert "--shapes" in res.stdout
+    assert "--shapes" in res.stdout and "--plot" in res.stdout
 
 
 def _pytest(*args) -> subprocess.CompletedProcess:
@@ -65,11 +65,12 @@ def _pytest(*args) -> subprocess.CompletedProcess:
 
 
 def test_benchmark_only_says_the_benchmarks_need_a_gpu():
-    res = _pytest("--benchmark-only", "benchmarks/test_bench.py", "tests/test_bench_shapes.py")
+    # decode: 4 presets + SDPA; store: (4 presets + the fp16 baseline) x 2 shapes
+    res = _pytest("--benchmark-only", "benchmarks", "tests/test_bench_shapes.py")
     assert res.returncode == 0, res.stdout + res.stderr
     out = res.stdout
     assert "why no benchmark ran" in out
-    assert "benchmarks need a CUDA GPU: 5 skipped (no CUDA device found)" in out
+    assert "benchmarks need a CUDA GPU: 15 skipped (no CUDA device found)" in out
     assert "--benchmark-only skipped 7 tests that are not benchmarks" in out
     assert "no benchmark collected" not in out
     assert "needs a CUDA GPU (no CUDA device found)" in out.split("short test summary info")[1]

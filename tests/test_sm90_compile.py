@@ -10,7 +10,7 @@ without ``TRITON_INTERPRET`` (the interpreter replaces them), two processes at a
 
 Budgets: today's values from Triton 3.9's ptxas (the GPU machines run Triton 3.6, whose numbers
 may differ a little); instruction budgets today's count + 3%. A change that lowers a number
-should lower its budget too. Shapes and presets: ``benchmarks/shapes.py`` (B32x16K's
+should lower its budget too. Shapes and presets: ``tqkern_torch/bench/shapes.py`` (B32x16K's
 Hq32/Hkv8/D128 and SmolLM2's Hq9/Hkv3/D64, GQA 3; the latter has no cooperative plan: 3 KV heads).
 """
 
@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from benchmarks.shapes import DECODE_PRESETS, decode_shape
+from tqkern_torch.bench.shapes import DECODE_PRESETS, decode_shape
 from tqkern.ops.paged_decode.aot import report_in_subprocess, tool_path
 
 SHAPES = ("B32x16K", "SmolLM2_B32x4K")

@@ -3,7 +3,9 @@
 ``tqkern info`` (also what a bare ``tqkern`` runs) prints the table of preset formats at a
 head_dim and compresses random K/V with each preset through the NumPy oracles, printing the
 relative reconstruction error. It needs NumPy only: no GPU, no torch, no Triton (it reports
-torch and a CUDA device when torch can be imported).
+torch and a CUDA device when torch can be imported). ``tqkern eval`` and ``tqkern bench`` (the
+GPU benchmarks of :mod:`tqkern_torch.bench`; exit status 2 where no CUDA device is found) import
+torch inside the command.
 
 The module imports NumPy and ``tqkern`` only, so ``tqkern --help`` and ``tqkern info`` work where
 torch is not installed. ``python -m tqkern.cli`` runs it as the ``tqkern`` script does.
@@ -17,7 +19,9 @@ that needs torch gets it from :func:`require_torch`, which raises :class:`Missin
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import sys
 from dataclasses import dataclass
 from importlib import metadata
@@ -251,6 +255,67 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- bench ---------------------------------------------------------------------------------------
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("op", nargs="?", default="all", choices=("decode", "store", "all"),
+                   help="which op to time (default all)")
+    p.add_argument("--presets", nargs="+", default=None, metavar="PRESET",
+                   help="presets to time (default: every benchmark preset)")
+    p.add_argument("--shapes", nargs="+", default=None, metavar="SHAPE",
+                   help="named shapes (decode also B<batch>x<tokens>K; default: every named shape of the op)")
+    p.add_argument("--out", default=None, metavar="FILE.json", help="the JSON report (default bench_<op>.json)")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="draw the speedup over the baseline per shape (needs the plot extra: matplotlib)")
+    p.add_argument("--quick", action="store_true", help="two shapes per op, shorter replays")
+    p.add_argument("--eager", nargs="*", default=None, metavar="SHAPE",
+                   help="decode: also time eager calls (no CUDA graph) at these shapes (default B1x4K B32x4K B32x16K)")
+    p.add_argument("--from", dest="from_json", default=None, metavar="FILE.json",
+                   help="time nothing: print the table (and --plot) of a report written before (no GPU needed)")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    require_torch()
+    from tqkern_torch.bench import report as rep
+    from tqkern_torch.bench import runner
+
+    if args.from_json is not None:
+        try:
+            report = rep.read_json(args.from_json)
+        except (OSError, ValueError, TypeError) as e:
+            raise UsageError(f"--from: {e}") from None
+    else:
+        try:
+            selection = runner.select(args.op, args.presets, args.shapes, args.quick)
+            if args.eager is not None and args.op == "store":
+                raise ValueError("--eager times decode only, got op 'store'")
+            from tqkern_torch.bench.decode import EAGER_SHAPES
+            from tqkern_torch.bench.shapes import decode_shape
+            eager = [] if args.eager is None else (args.eager or list(EAGER_SHAPES))
+            for name in eager:
+                decode_shape(name)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    if args.plot is not None:
+        if importlib.util.find_spec("matplotlib") is None:
+            raise MissingDependency(f"--plot needs matplotlib, which is not installed: {rep.PLOT_EXTRA}")
+    if args.from_json is None:
+        from tqkern_torch.bench.timing import NO_CUDA_EXIT, cuda_missing
+        why = cuda_missing()
+        if why:
+            print(f"tqkern bench needs a CUDA GPU: {why}", file=sys.stderr)
+            return NO_CUDA_EXIT
+        report = runner.run(selection, eager_shapes=eager, quick=args.quick)
+    print(rep.render_table(report))
+    if args.from_json is None:
+        out = args.out or f"bench_{args.op}.json"
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        rep.write_json(report, out)
+        print(f"wrote {out}")
+    if args.plot is not None:
+        print(f"wrote {rep.plot_report(report, args.plot)}")
+    return 0 if all(g["ok"] for g in report["gate"]) else 1
+
+
 # -- plumbing ------------------------------------------------------------------------------------
 class UsageError(Exception):
     """Bad arguments found while running a subcommand; reported like an argparse error."""
@@ -291,6 +356,8 @@ COMMANDS: list[Command] = [
     Command("info", "preset formats and a reconstruction-error demo (the default)", _info_arguments, _info),
     Command("eval", "perplexity and KL of a model with a compressed KV cache (CPU, NumPy oracles)",
             _eval_arguments, _eval),
+    Command("bench", "time the GPU kernels against torch baselines; table, JSON and plot (needs a CUDA GPU)",
+            _bench_arguments, _bench),
 ]
 _DEFAULT = "info"
 
@@ -313,7 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit status: 0, or 1 where the subcommand needs a package that cannot be imported
-        (bad arguments exit with status 2 through argparse).
+        (bad arguments exit with status 2 through argparse; so does ``bench`` where no CUDA
+        device is found).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):

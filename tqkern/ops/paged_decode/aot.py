@@ -3,7 +3,7 @@
 Triton's bundled ``ptxas`` turns the kernels into a cubin for an H100 (``GPUTarget("cuda", 90,
 32)``) on any machine; its bundled ``cuobjdump`` / ``nvdisasm`` report registers, stack bytes
 (spills) and the SASS. Used by ``tests/test_sm90_compile.py`` (CI sees the GPU kernels) and
-``benchmarks/aot_inspect.py`` (inner-loop changes judged before spending device time).
+from the command line below (inner-loop changes judged before spending device time).
 
 The constexprs and options come from the launchers themselves
 (:func:`tqkern.ops.paged_decode.plan.plan_decode` and its

@@ -1,0 +1,108 @@
+"""The benchmark runners' code paths without a GPU: the gates and the per-shape runs of
+:mod:`tqkern_torch.bench.decode` and :mod:`~tqkern_torch.bench.store` on tiny shapes on the CPU
+(Triton's interpreter, a fake timer), and :func:`tqkern_torch.bench.runner.run`'s orchestration
+with fake runners. What stays GPU-only: CUDA-graph timing, the real shapes, ``environment()``."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from tqkern import KVFormat
+from tqkern_torch.bench import decode, runner, store
+from tqkern_torch.bench.report import Progress, validate_report
+from tqkern_torch.bench.shapes import DecodeShape, StoreShape
+from tqkern_torch.testing import kernels_available
+
+interpreter = pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+class FakeTimer:
+    """Calls each timed function once (so it must run) and returns the next of ``times``."""
+
+    def __init__(self, *times):
+        self.times, self.calls = list(times), 0
+
+    def __call__(self, fn):
+        fn()
+        self.calls += 1
+        return self.times.pop(0)
+
+
+@interpreter
+def test_store_gate_passes_on_the_cpu():
+    gates = store.gate(["tq4", "turboquant_k8v4", "fp16"], device="cpu", heads=((2, 64),))
+    assert [(g["preset"], g["case"], g["ok"], g["bad_bytes"]) for g in gates] == [
+        ("tq4", "Hkv2/D64", True, 0), ("turboquant_k8v4", "Hkv2/D64", True, 0), ("fp16", "Hkv2/D64", True, 0)]
+
+
+@interpreter
+def test_store_run_shape_records():
+    shape = StoreShape("tiny", 2, 16, 2, 64)  # 2 sequences x 16 tokens
+    steps, timer = [], FakeTimer(10.0, 40.0)
+    rows = store.run_shape(shape, ["tq4"], steps.append, device="cpu", timer=timer, cache_tokens=256)
+    assert timer.calls == 2 and steps == ["store tiny fp16_index_copy", "store tiny tq4"]
+    kv = 2 * 32 * 2 * 64 * 2  # K and V: 32 tokens x 2 heads x 64 x fp16
+    row_bytes = 2 * KVFormat.preset("tq4", 64).slot_bytes
+    base, tq4 = rows
+    assert (base["variant"], base["baseline"], base["us"], base["speedup"], base["bytes"]) == \
+        ("fp16_index_copy", "fp16_index_copy", 10.0, 1.0, 2 * kv)
+    assert (tq4["variant"], tq4["us"], tq4["speedup"], tq4["bytes"]) == ("tq4", 40.0, 0.25, kv + 32 * row_bytes)
+
+
+@interpreter
+def test_decode_gate_passes_on_the_cpu():
+    gates = decode.gate(["tq4", "fp16"], device="cpu", lengths=(1, 40), heads=((4, 2, 64),))
+    assert [(g["preset"], g["case"], g["ok"]) for g in gates] == [("tq4", "Hq4/Hkv2/D64", True),
+                                                                   ("fp16", "Hq4/Hkv2/D64", True)]
+    assert all(g["max_err"] <= g["tol"] for g in gates)
+
+
+@interpreter
+def test_decode_run_shape_records():
+    shape = DecodeShape("tiny", 2, 32, 4, 2, 64)
+    steps, timer = [], FakeTimer(30.0, 20.0)
+    rows = decode.run_shape(shape, ["tq4"], steps.append, device="cpu", timer=timer)
+    assert timer.calls == 2 and steps == ["decode tiny sdpa_fp16", "decode tiny tq4"]
+    sdpa, tq4 = rows
+    assert (sdpa["variant"], sdpa["speedup"], sdpa["bytes"]) == ("sdpa_fp16", 1.0, 2 * 2 * 2 * 32 * 64 * 2)
+    assert (tq4["variant"], tq4["speedup"], tq4["bytes"]) == ("tq4", 1.5, 2 * 32 * 2 * KVFormat.preset("tq4", 64).slot_bytes)
+
+
+def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
+    """runner.run with fake runners: a preset failing its op's gate is not timed at that op."""
+    import tqkern_torch.bench.timing as timing
+
+    timed = []
+
+    def fake_gate(op, bad):
+        return lambda presets: [{"op": op, "preset": p, "case": "c", "ok": p != bad} for p in presets]
+
+    def fake_run_shape(op):
+        def run_shape(shape, presets, step, *, rep_ms):
+            assert rep_ms == 25  # quick
+            timed.append((op, shape.name, tuple(presets)))
+            base = "sdpa_fp16" if op == "decode" else "fp16_index_copy"
+            rows = [{"op": op, "mode": "graph", "shape": shape.name, "variant": v, "baseline": base, "us": 1.0,
+                     "bytes": None, "gbps": None, "speedup": 1.0} for v in (base, *presets)]
+            for _ in rows:
+                step("x")
+            return rows
+        return run_shape
+
+    monkeypatch.setattr(decode, "gate", fake_gate("decode", "fp16"))
+    monkeypatch.setattr(store, "gate", fake_gate("store", "tq4"))
+    monkeypatch.setattr(decode, "run_shape", fake_run_shape("decode"))
+    monkeypatch.setattr(store, "run_shape", fake_run_shape("store"))
+    monkeypatch.setattr(timing, "environment", lambda: {"gpu": "fake"})
+    sel = runner.select("all", ["tq4", "fp16"], quick=True)
+    out = io.StringIO()
+    bar = Progress(runner.count_steps(sel), out)
+    report = runner.run(sel, quick=True, progress=bar)
+    validate_report(report)
+    assert timed == [("decode", "B32x4K", ("tq4",)), ("decode", "SmolLM2_B32x4K", ("tq4",)),
+                     ("store", "prefill_1x4096", ("fp16",)), ("store", "decode_B32", ("fp16",))]
+    assert [g["ok"] for g in report["gate"]] == [True, False, False, True]
+    assert bar.done == bar.total == 2 + 2 * 2 + 2 + 2 * 2  # gates, then baseline + the passing preset
+    assert out.getvalue().splitlines()[-1].startswith(f"[{'#' * 24}] {bar.total}/{bar.total}")

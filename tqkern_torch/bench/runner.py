@@ -1,0 +1,98 @@
+"""Which presets and shapes a benchmark run covers (:func:`select`, no GPU), and the run (:func:`run`)."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from tqkern_torch.bench.report import SCHEMA, Progress
+from tqkern_torch.bench.shapes import DECODE_PRESETS, DECODE_SHAPES, QUICK_SHAPES, STORE_SHAPES, decode_shape, \
+    store_shape
+
+__all__ = ["OPS", "PRESETS", "select", "count_steps", "run"]
+
+OPS = ("decode", "store", "all")
+PRESETS = tuple(p for p, _ in DECODE_PRESETS)
+_SHAPE_OF = {"decode": decode_shape, "store": store_shape}
+
+
+def select(op: str, presets: Optional[Sequence[str]] = None, shapes: Optional[Sequence[str]] = None,
+           quick: bool = False) -> dict:
+    """``{op: (presets, shapes)}`` for each op the run covers (``"all"``: decode and store).
+
+    ``presets`` default to every benchmark preset; ``shapes`` to every named shape of each op
+    (``quick``: two per op, :data:`~tqkern_torch.bench.shapes.QUICK_SHAPES`). A shape name goes to
+    each op that knows it (decode also takes ad-hoc ``B<batch>x<tokens>K`` names).
+
+    Raises:
+        ValueError: an unknown op, preset or shape name (naming the argument and what it takes).
+    """
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    ops = ("decode", "store") if op == "all" else (op,)
+    presets = PRESETS if presets is None else tuple(presets)
+    unknown = [p for p in presets if p not in PRESETS]
+    if unknown or not presets:
+        raise ValueError(f"presets must be one or more of {', '.join(PRESETS)}, got {list(presets)}")
+    if shapes is None:
+        chosen = {o: [_SHAPE_OF[o](n) for n in QUICK_SHAPES[o]] if quick else
+                  list(DECODE_SHAPES if o == "decode" else STORE_SHAPES) for o in ops}
+    else:
+        chosen = {o: [] for o in ops}
+        for name in shapes:
+            hit = False
+            for o in ops:
+                try:
+                    chosen[o].append(_SHAPE_OF[o](name))
+                    hit = True
+                except ValueError:
+                    pass
+            if not hit:
+                known = [s.name for o in ops for s in (DECODE_SHAPES if o == "decode" else STORE_SHAPES)]
+                extra = " or B<batch>x<tokens>K" if "decode" in ops else ""
+                raise ValueError(f"shapes must be among {', '.join(known)}{extra} (for {op}), got {name!r}")
+    return {o: (presets, chosen[o]) for o in ops}
+
+
+def count_steps(selection: dict, eager_shapes: Sequence = ()) -> int:
+    """Progress steps of :func:`run`: a gate per preset and op, a timing per variant and shape."""
+    n = 0
+    for o, (presets, shapes) in selection.items():
+        n += len(presets) + len(shapes) * (1 + len(presets))
+        if o == "decode":
+            n += len(eager_shapes) * (1 + len(presets))
+    return n
+
+
+def run(selection: dict, *, eager_shapes: Sequence[str] = (), quick: bool = False,
+        progress: Optional[Progress] = None) -> dict:
+    """Gate, then time, every (op, preset, shape) of ``selection`` on the GPU; returns the report.
+
+    A preset that fails its op's gate is not timed there. ``quick`` replays each graph for about
+    25 ms instead of 100.
+    """
+    from tqkern_torch.bench import decode, store
+    from tqkern_torch.bench.timing import TIMING, environment
+
+    eager = [decode_shape(s) for s in eager_shapes]
+    bar = progress or Progress(count_steps(selection, eager))
+    rep_ms = 25 if quick else 100
+    report = {"schema": SCHEMA, "environment": environment(), "timing": TIMING, "gate": [], "records": []}
+    try:
+        for o, (presets, shapes) in selection.items():
+            mod = decode if o == "decode" else store
+            gates = []
+            for p in presets:
+                gates += mod.gate([p])
+                bar.step(f"{o} gate {p}")
+            report["gate"] += gates
+            failed = {g["preset"] for g in gates if not g["ok"]}
+            passed = [p for p in presets if p not in failed]
+            bar.total -= len(failed) * (len(shapes) + (len(eager) if o == "decode" else 0))
+            for shape in shapes:
+                report["records"] += mod.run_shape(shape, passed, bar.step, rep_ms=rep_ms)
+            if o == "decode":
+                for shape in eager:
+                    report["records"] += decode.run_eager(shape, passed, bar.step)
+    finally:
+        bar.close()
+    return report

@@ -1,0 +1,97 @@
+"""Named, model-like shapes shared by the GPU tests and the benchmarks (no torch needed).
+
+Decode: Llama-3-8B-like attention (32 query heads, 8 KV heads, head_dim 128) at four batch ×
+context sizes, and a SmolLM2-like one (9 / 3 / 64, GQA 3). Store: the same two head layouts
+written by a prefill chunk (one sequence of 4,096 tokens) and by a decode step (one new token in
+each of 32 or 256 sequences).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["DecodeShape", "StoreShape", "DECODE_SHAPES", "STORE_SHAPES", "DECODE_PRESETS", "QUICK_SHAPES",
+           "decode_shape", "store_shape", "BLOCK_SIZE", "STORE_CACHE_TOKENS"]
+
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    name: str
+    batch: int
+    seq_len: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class StoreShape:
+    """``num_seqs`` sequences each writing ``tokens_per_seq`` new tokens (``num_tokens`` in all)."""
+
+    name: str
+    num_seqs: int
+    tokens_per_seq: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_seqs * self.tokens_per_seq
+
+
+DECODE_SHAPES = (
+    DecodeShape("B32x4K", 32, 4096, 32, 8, 128),
+    DecodeShape("B32x16K", 32, 16384, 32, 8, 128),
+    DecodeShape("B8x64K", 8, 65536, 32, 8, 128),
+    DecodeShape("B128x1K", 128, 1024, 32, 8, 128),
+    DecodeShape("SmolLM2_B32x4K", 32, 4096, 9, 3, 64),  # head_dim 64, GQA 3
+)
+
+STORE_SHAPES = (
+    StoreShape("prefill_1x4096", 1, 4096, 8, 128),
+    StoreShape("decode_B32", 32, 1, 8, 128),
+    StoreShape("decode_B256", 256, 1, 8, 128),
+    StoreShape("SmolLM2_prefill_1x4096", 1, 4096, 3, 64),
+    StoreShape("SmolLM2_decode_B32", 32, 1, 3, 64),
+)
+
+# Tokens of the cache a store benchmark writes into (4,096 blocks of 16): larger than any
+# shape's batch, so slots are scattered as in a serving cache.
+STORE_CACHE_TOKENS = 65536
+
+# `--quick`: one Llama-like and one SmolLM2-like shape per op.
+QUICK_SHAPES = {"decode": ("B32x4K", "SmolLM2_B32x4K"), "store": ("prefill_1x4096", "decode_B32")}
+
+# (preset, arrangement); "fp16" is tqkern's own uncompressed paged path. Both ops run these.
+DECODE_PRESETS = (
+    ("tq4", "row"),
+    ("turboquant_4bit_nc", "slot"),
+    ("turboquant_k8v4", "slot"),
+    ("turboquant_k3v4_nc", "slot"),
+    ("turboquant_3bit_nc", "slot"),
+    ("tqkern_k5v3", "slot"),
+    ("fp16", "slot"),
+)
+
+
+def decode_shape(name: str) -> DecodeShape:
+    """A named shape of ``DECODE_SHAPES``, or an ad-hoc ``B<batch>x<tokens>K`` one with the
+    benchmark's Hq 32 / Hkv 8 / D 128 (e.g. ``B33x16K`` for a run that fills 132 SMs)."""
+    for shape in DECODE_SHAPES:
+        if shape.name == name:
+            return shape
+    m = re.fullmatch(r"B(\d+)x(\d+)K", name)
+    if not m or int(m[1]) < 1 or int(m[2]) < 1:
+        raise ValueError(f"shape must be one of {[s.name for s in DECODE_SHAPES]} or B<batch>x<tokens>K, got {name!r}")
+    return DecodeShape(name, int(m[1]), 1024 * int(m[2]), 32, 8, 128)
+
+
+def store_shape(name: str) -> StoreShape:
+    """A named shape of ``STORE_SHAPES``."""
+    for shape in STORE_SHAPES:
+        if shape.name == name:
+            return shape
+    raise ValueError(f"shape must be one of {[s.name for s in STORE_SHAPES]}, got {name!r}")

@@ -1,0 +1,109 @@
+"""The store benchmark (GPU): ``store`` of every preset against a plain torch fp16 paged-cache write.
+
+Correctness first: each preset stores 64 random tokens (Hkv8/D128 and Hkv3/D64) and the written
+slots must equal the NumPy oracle's bytes, except bytes the oracle marks uncertain (a code within
+rounding of a decision point); a preset that fails is not timed.
+
+Then, per shape (:data:`~tqkern_torch.bench.shapes.STORE_SHAPES`), into a cache of
+:data:`~tqkern_torch.bench.shapes.STORE_CACHE_TOKENS` tokens: a prefill chunk writes whole
+blocks (each sequence's blocks drawn at random), a decode step one token per sequence at a
+random block and offset. The baseline writes the same fp16 K/V at the same slots into fp16 key
+and value caches ``[num_blocks · block_size, num_kv_heads, head_dim]`` with ``index_copy_`` (what
+a paged fp16 cache does per layer). Both by CUDA-graph replay. ``bytes``: fp16 K and V read plus
+the cache bytes written (for the baseline, the same fp16 bytes again).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import tqkern_torch as tqt
+from tqkern import reference as ref
+from tqkern_torch.bench.decode import make_layout
+from tqkern_torch.bench.report import record
+from tqkern_torch.bench.shapes import BLOCK_SIZE, STORE_CACHE_TOKENS, StoreShape
+from tqkern_torch.bench.timing import graph_us
+
+__all__ = ["BASELINE", "slot_mapping", "gate", "run_shape"]
+
+BASELINE = "fp16_index_copy"
+
+
+def slot_mapping(shape: StoreShape, num_blocks: int, g: torch.Generator) -> torch.Tensor:
+    """int64 ``[shape.num_tokens]`` distinct slots of a ``num_blocks`` cache, sequence by sequence.
+
+    Each sequence gets its own random blocks; a sequence of several tokens fills them from
+    offset 0 (a prefill chunk), a one-token sequence writes at a random offset (a decode step).
+
+    Raises:
+        ValueError: the shape needs more blocks than ``num_blocks``.
+    """
+    per_seq = -(-shape.tokens_per_seq // BLOCK_SIZE)
+    if shape.num_seqs * per_seq > num_blocks:
+        raise ValueError(f"num_blocks must be >= {shape.num_seqs * per_seq} for {shape.name}, got {num_blocks}")
+    dev = g.device
+    blocks = torch.randperm(num_blocks, device=dev, generator=g)[: shape.num_seqs * per_seq].view(shape.num_seqs,
+                                                                                                  per_seq)
+    if shape.tokens_per_seq == 1:
+        offsets = torch.randint(0, BLOCK_SIZE, (shape.num_seqs, 1), device=dev, generator=g)
+        return (blocks * BLOCK_SIZE + offsets).reshape(-1).long()
+    pos = torch.arange(shape.tokens_per_seq, device=dev)
+    return (blocks[:, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE).reshape(-1).long()
+
+
+def gate(presets, *, device: str = "cuda", heads=((8, 128), (3, 64))) -> list[dict]:
+    """Every preset's written slots against the oracle's bytes (uncertain bytes excepted), for
+    64 tokens at each ``(Hkv, D)`` of ``heads``."""
+    g = torch.Generator(device=device).manual_seed(4)
+    out = []
+    for preset in presets:
+        for hkv, d in heads:
+            layout, params = make_layout(preset, hkv, d, device)
+            n, num_blocks = 64, 16
+            k = torch.randn(n, hkv, d, device=device, dtype=torch.float16, generator=g)
+            v = torch.randn(n, hkv, d, device=device, dtype=torch.float16, generator=g)
+            slots = torch.randperm(num_blocks * BLOCK_SIZE, device=device, generator=g)[:n]
+            cache = torch.zeros(layout.cache_shape(num_blocks), dtype=torch.uint8, device=device)
+            tqt.store(cache, k, v, slots, layout, params)
+            got = ref.gather_slots(cache.cpu().numpy(), layout, slots.cpu().numpy())
+            exp, unsure = ref.compress(k.cpu().numpy(), v.cpu().numpy(), params.params, return_uncertain=True)
+            bad = int(((got != exp) & ~unsure).sum())
+            out.append(dict(op="store", preset=preset, case=f"Hkv{hkv}/D{d}", bad_bytes=bad,
+                            uncertain_bytes=int(unsure.sum()), ok=bad == 0))
+    return out
+
+
+def run_shape(shape: StoreShape, presets, step, *, rep_ms: int = 100, device: str = "cuda", timer=None,
+              cache_tokens: int = STORE_CACHE_TOKENS) -> list[dict]:
+    """Records of the fp16 ``index_copy_`` baseline and every preset's ``store`` at ``shape``;
+    ``step(label)`` is called after each timed variant. ``timer(fn) -> µs`` defaults to
+    CUDA-graph replay for ``rep_ms``."""
+    timer = timer or (lambda fn: graph_us(fn, rep_ms))
+    g = torch.Generator(device=device).manual_seed(2)
+    n, h, d = shape.num_tokens, shape.num_kv_heads, shape.head_dim
+    num_blocks = cache_tokens // BLOCK_SIZE
+    k = torch.randn(n, h, d, device=device, dtype=torch.float16, generator=g)
+    v = torch.randn(n, h, d, device=device, dtype=torch.float16, generator=g)
+    slots = slot_mapping(shape, num_blocks, g)
+    kv_bytes = 2 * n * h * d * 2  # K and V, fp16
+
+    k_cache = torch.zeros(num_blocks * BLOCK_SIZE, h, d, device=device, dtype=torch.float16)
+    v_cache = torch.zeros_like(k_cache)
+
+    def fp16_write():
+        k_cache.index_copy_(0, slots, k)
+        v_cache.index_copy_(0, slots, v)
+
+    base_us = timer(fp16_write)
+    k_cache = v_cache = None
+    rows = [record("store", shape.name, BASELINE, BASELINE, base_us, base_us, nbytes=2 * kv_bytes)]
+    step(f"store {shape.name} {BASELINE}")
+    for preset in presets:
+        layout, params = make_layout(preset, h, d, device)
+        cache = torch.zeros(layout.cache_shape(num_blocks), dtype=torch.uint8, device=device)
+        us = timer(lambda: tqt.store(cache, k, v, slots, layout, params))
+        rows.append(record("store", shape.name, preset, BASELINE, us, base_us, nbytes=kv_bytes + n * layout.row_bytes))
+        step(f"store {shape.name} {preset}")
+        cache = None
+        torch.cuda.empty_cache()
+    return rows
