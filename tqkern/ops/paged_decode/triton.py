@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from tqkern.layouts import PagedLayout
-from tqkern.ops.common import halfword_aligned, layout_consts
+from tqkern.ops.codecs import DT_BF16, Kind, layout_args, layout_consts
+from tqkern.ops.common import halfword_aligned
 from tqkern.ops.paged_decode import mma_plans as _plans
 from tqkern.ops.paged_decode.general import _paged_decode_kernel
 from tqkern.ops.paged_decode.merge import _launch_merge
@@ -61,15 +62,13 @@ def fast_path_plan(layout) -> dict:
     if not isinstance(layout, PagedLayout):
         raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
     c = layout_consts(layout)
-    fmt = layout.format
-    d, dp, rb = fmt.head_dim, c["DP"], layout.row_bytes
-    raw_bf16 = any(getattr(cd, "dtype", None) == "bfloat16" for cd in (fmt.key, fmt.value))
+    d, dp, rb = layout.head_dim, c["DP"], layout.row_bytes
+    raw_bf16 = _raw_bf16(c)
     plan = {}
     for side, p in (("key", "K"), ("value", "V")):
-        codec = getattr(fmt, side)
         a_off, a_stride = c[f"{p}_A_OFF"], c[f"{p}_A_STRIDE"]
         unit = 0
-        if codec.kind in ("lloyd_max", "uniform") and codec.bits == 4 and dp == d and not raw_bf16:
+        if _four_bit_codes(c, p) and dp == d and not raw_bf16:
             if a_off % 4 == 0 and a_stride % 4 == 0 and rb % 4 == 0:
                 unit = 4
             elif a_off % 2 == 0 and a_stride % 2 == 0 and rb % 4 == 0 and d % 8 == 0:
@@ -81,6 +80,17 @@ def fast_path_plan(layout) -> dict:
         plan[f"{p}_PAR_ALIGNED"] = all(v % nb == 0 for v in (c[f"{p}_B_OFF"], c[f"{p}_B_STRIDE"], c[f"{p}_C_OFF"],
                                                               c[f"{p}_C_STRIDE"], rb))
     return plan
+
+
+def _four_bit_codes(c: dict, p: str) -> bool:
+    """Whether side ``p`` (``"K"``/``"V"``) of layout constants ``c`` holds 4-bit codes (Lloyd-Max
+    or uniform): the sides the word and half-tile paths read."""
+    return c[f"{p}_KIND"] in (Kind.LLOYD_MAX, Kind.UNIFORM) and c[f"{p}_BITS"] == 4
+
+
+def _raw_bf16(c: dict) -> bool:
+    """Whether a side of layout constants ``c`` is raw bf16 (the dots then run in bf16)."""
+    return any(c[f"{p}_KIND"] == Kind.RAW and c[f"{p}_PARAM_DTYPE"] == DT_BF16.value for p in "KV")
 
 
 def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, tables, *, sm_scale: float,
@@ -129,17 +139,14 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
         block_n = 128 if plan["K_FAST"] or plan["V_FAST"] else 64
     if num_stages is None:  # measured (H100): funnel-shifted words with 2 stages ran 2.5x slower
         num_stages = 1 if 2 in (plan["K_FAST"], plan["V_FAST"]) else 2
-    fmt = layout.format
-    raw_bf16 = any(getattr(cd, "dtype", None) == "bfloat16" for cd in (fmt.key, fmt.value))
+    raw_bf16 = _raw_bf16(c)
 
     def fast(side) -> int:
         return plan[f"{side[0].upper()}_FAST"]
 
     def halves(side) -> bool:
-        codec = getattr(fmt, side)
-        return (codec.kind in ("lloyd_max", "uniform") and codec.bits == 4 and dp == d and d >= 32
-                and not fast(side))
-    consts = {k: v for k, v in c.items() if not k.startswith("PAD")}
+        return _four_bit_codes(c, side[0].upper()) and dp == d and d >= 32 and not fast(side)
+    consts = {k: v for k, v in layout_args(layout).items() if not k.startswith("PAD")}
     kwargs = dict(
         G=g, GP=gp, HQ=hq, BN=block_n, BS=layout.block_size,
         K_HALVES=halves("key"), V_HALVES=halves("value"), DOT=tl.bfloat16 if raw_bf16 else tl.float16,
