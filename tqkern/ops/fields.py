@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from tqkern.errors import ErrorFlag
-from tqkern.ops.codecs import KIND_FP8, KIND_LLOYD_MAX, KIND_RAW, KIND_UNIFORM, NC_STORED
+from tqkern.ops.codecs import DT_BF16, DT_F16, KIND_FP8, KIND_LLOYD_MAX, KIND_RAW, KIND_UNIFORM, NC_STORED
 from tqkern.ops.common import (
     bits_to_f32,
     f32_to_bf16_bits,
@@ -119,7 +119,7 @@ def load_tile(row, h, tmask, W: tl.constexpr, HALF: tl.constexpr, NIBBLE: tl.con
             if ALIGNED:
                 p16 = base.to(tl.pointer_type(tl.int16))
                 w = tl.load(p16[:, None] + cols[None, :], mask=m2, other=0)
-                if PARAM_DTYPE == 2:
+                if PARAM_DTYPE == DT_BF16:
                     return w.to(tl.bfloat16, bitcast=True).to(DOT)
                 return w.to(tl.float16, bitcast=True).to(DOT)
             lo = tl.load(base[:, None] + 2 * cols[None, :], mask=m2, other=0).to(tl.int64)
@@ -173,7 +173,6 @@ def token_factors(row, h, tmask, S: tl.constexpr, DOT: tl.constexpr, PAR_ALIGNED
         return zero + 256.0, zero
     else:
         return zero + 1.0, zero
-
 
 
 # -- encoders (store) ----------------------------------------------------------------------------
@@ -245,7 +244,7 @@ def finite_rows(x_ptr_2d, tok_mask, D: tl.constexpr, DP: tl.constexpr):
 @triton.jit
 def _saturates(v, PARAM_DTYPE: tl.constexpr):
     """|v| beyond the largest finite value of a stored float (DT: 0 f16, 1 f32)."""
-    if PARAM_DTYPE == 0:
+    if PARAM_DTYPE == DT_F16:
         return tl.abs(v) > 65504.0
     return tl.abs(v) > 3.4028234663852886e38
 
@@ -330,14 +329,14 @@ def encode_side(x_ptr_2d, mu_ptr_1d, HAS_MU: tl.constexpr, IN_BF16: tl.constexpr
     else:  # KIND_RAW: fp16 / bf16
         if HAS_MU:
             xr = _load_exact(x_ptr_2d, mu_ptr_1d, HAS_MU, ld_mask, D, DP)
-            bits = f32_to_bf16_bits(xr.to(tl.float32)) if PARAM_DTYPE == 2 else f64_to_f16_bits(xr)
-            big = tl.abs(xr) > (3.3895313892515355e38 if PARAM_DTYPE == 2 else 65504.0)
+            bits = f32_to_bf16_bits(xr.to(tl.float32)) if PARAM_DTYPE == DT_BF16 else f64_to_f16_bits(xr)
+            big = tl.abs(xr) > (3.3895313892515355e38 if PARAM_DTYPE == DT_BF16 else 65504.0)
         else:
             xn = tl.load(x_ptr_2d + cols[None, :], mask=m2, other=0.0)
             big = tl.zeros([BT, DP], tl.int32) != 0
-            if (PARAM_DTYPE == 2) == IN_BF16:  # same dtype: copy the bits
+            if (PARAM_DTYPE == DT_BF16) == IN_BF16:  # same dtype: copy the bits
                 bits = xn.to(tl.int16, bitcast=True).to(tl.int32)
-            elif PARAM_DTYPE == 2:
+            elif PARAM_DTYPE == DT_BF16:
                 bits = f32_to_bf16_bits(xn.to(tl.float32))
             else:
                 bits = f64_to_f16_bits(xn.to(tl.float64))
