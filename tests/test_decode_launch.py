@@ -498,7 +498,7 @@ def test_cooperative_helpers_reject_bad_input():
     for bad in (None, per_warp_plan(tq4), [1]):
         with pytest.raises(TypeError, match="plan must be a cooperative plan"):
             coop_smem_bytes(bad)
-    from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode
+    from tqkern.ops.paged_decode.plan import plan_decode
 
     with pytest.raises(TypeError, match="caps must be a DeviceCaps, got str"):
         plan_decode(_layout("tq4", 128, 8, "row"), 1, 32, 1, "cuda", same_codebooks=True)

@@ -1,4 +1,5 @@
-"""Triton building blocks shared by the kernels, and the map from a layout to kernel constexprs.
+"""Triton building blocks shared by the kernels (the map from a layout to kernel constexprs is
+:mod:`tqkern.ops.codecs`; its names are re-exported here).
 
 Float encodings are done with integer arithmetic on the IEEE bits, so the GPU and the CPU
 interpreter (which cannot run bf16 or fp8 arithmetic) produce the same bytes, and so f64 → f16
@@ -8,92 +9,41 @@ is one correct rounding (no double rounding through f32). The rules are those of
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import triton
 import triton.language as tl
 
-from tqkern.layouts import FP8, LloydMax, PagedLayout, Raw, Uniform
+from tqkern.layouts import PagedLayout
+from tqkern.ops.codecs import (
+    DT_BF16,
+    DT_F16,
+    DT_F32,
+    KIND_FP8,
+    KIND_LLOYD_MAX,
+    KIND_RAW,
+    KIND_UNIFORM,
+    NC_DECODE,
+    NC_NONE,
+    NC_STORED,
+    SideConsts,
+    layout_args,
+    layout_consts,
+    side_consts,
+)
 
-KIND_LLOYD_MAX, KIND_UNIFORM, KIND_FP8, KIND_RAW = 0, 1, 2, 3
-NC_NONE, NC_DECODE, NC_STORED = 0, 1, 2
-DT_F16, DT_F32, DT_BF16 = 0, 1, 2
-_DT = {"float16": DT_F16, "float32": DT_F32, "bfloat16": DT_BF16}
-_NC = {"none": NC_NONE, "decode": NC_DECODE, "stored": NC_STORED}
-
-
-@dataclasses.dataclass(frozen=True)
-class SideConsts:
-    """Constexprs describing one side (key or value) of a layout, for a kernel."""
-
-    kind: int
-    bits: int
-    rotated: bool
-    norm_correction: int
-    param_dtype: int  # norm / scale / zero / raw element dtype
-    a_off: int  # codes or data field
-    a_stride: int
-    a_bytes: int
-    b_off: int  # norm or scale field
-    b_stride: int
-    c_off: int  # zero field
-    c_stride: int
-
-    def kwargs(self, prefix: str) -> dict:
-        return {f"{prefix}_{k.upper()}": v for k, v in dataclasses.asdict(self).items()}
-
-
-def side_consts(layout: PagedLayout, side: str) -> SideConsts:
-    codec = getattr(layout.format, side)
-    addr = layout.fields()
-    a = addr[f"{side}.codes"] if isinstance(codec, LloydMax) else addr[f"{side}.data"]
-    b = addr.get(f"{side}.norm") or addr.get(f"{side}.scale") or a
-    c = addr.get(f"{side}.zero") or a
-    if isinstance(codec, LloydMax):
-        kind, pdt, nc = KIND_LLOYD_MAX, _DT[codec.norm_dtype], _NC[codec.norm_correction]
-    elif isinstance(codec, Uniform):
-        kind, pdt, nc = KIND_UNIFORM, _DT[codec.param_dtype], NC_NONE
-    elif isinstance(codec, FP8):
-        kind, pdt, nc = KIND_FP8, DT_F32, NC_NONE
-    elif isinstance(codec, Raw):
-        kind, pdt, nc = KIND_RAW, _DT[codec.dtype], NC_NONE
-    else:  # pragma: no cover - layouts validate codecs
-        raise TypeError(type(codec).__name__)
-    return SideConsts(kind=kind, bits=codec.bits, rotated=bool(codec.rotated), norm_correction=nc,
-                      param_dtype=pdt, a_off=a.offset, a_stride=a.head_stride, a_bytes=a.nbytes,
-                      b_off=b.offset, b_stride=b.head_stride, c_off=c.offset, c_stride=c.head_stride)
-
-
-def layout_consts(layout: PagedLayout) -> dict:
-    """All constexprs of a layout for the store/decompress kernels (a fresh dict; computed once
-    per layout: deriving them takes ~90 µs of host time, and every launch asks)."""
-    return dict(_layout_consts(layout))
-
-
-@functools.lru_cache(maxsize=256)
-def _layout_consts(layout: PagedLayout) -> tuple:
-    fmt = layout.format
-    pad = layout.pad_address()
-    d = fmt.head_dim
-    return tuple(dict(
-        D=d,
-        DP=max(16, triton.next_power_of_2(d)),  # tl.dot needs K >= 16 on GPUs
-        ROW_BYTES=layout.row_bytes,
-        NIBBLE=fmt.bit_order == "nibble_high_even",
-        PAD_OFF=pad.offset,
-        PAD_STRIDE=pad.head_stride,
-        PAD_BYTES=pad.nbytes,
-        PADP=max(2, triton.next_power_of_2(max(1, pad.nbytes))),
-        **side_consts(layout, "key").kwargs("K"),
-        **side_consts(layout, "value").kwargs("V"),
-    ).items())
+__all__ = [
+    # re-exported from tqkern.ops.codecs
+    "DT_BF16", "DT_F16", "DT_F32", "KIND_FP8", "KIND_LLOYD_MAX", "KIND_RAW", "KIND_UNIFORM",
+    "NC_DECODE", "NC_NONE", "NC_STORED", "SideConsts", "layout_args", "layout_consts", "side_consts",
+    # building blocks
+    "halfword_aligned", "f64_to_f16_bits", "f32_to_bf16_bits", "f32_to_fp8e4m3_bits", "f64_to_bits", "store_bytes",
+    "load_bytes", "bits_to_f32", "fp8e4m3_bits_to_f32", "store_packed", "load_packed", "load_param",
+]
 
 
 def halfword_aligned(layout: PagedLayout, side: str) -> bool:
     """Whether every head's data field of ``side`` starts at an even byte (16-bit access)."""
     c = side_consts(layout, side)
-    return c.a_off % 2 == 0 and c.a_stride % 2 == 0 and layout.row_bytes % 2 == 0
+    return c.A_OFF % 2 == 0 and c.A_STRIDE % 2 == 0 and layout.row_bytes % 2 == 0
 
 
 # -- float → bits -------------------------------------------------------------------------------

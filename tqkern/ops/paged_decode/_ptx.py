@@ -6,6 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tqkern.ops.codecs import KIND_LLOYD_MAX
+
 __all__ = ["_LUT_ASM_LSB", "_LUT_ASM_NIBBLE", "_UNI_ASM_LSB", "_UNI_ASM_NIBBLE", "_prmt_tables"]
 
 
@@ -74,7 +76,7 @@ def _byte_table(cen_ptr, FIRST: tl.constexpr, HIGH: tl.constexpr):
 @triton.jit
 def _prmt_tables(cen_ptr, KIND: tl.constexpr):
     """The eight byte tables of a 16-entry codebook (zeros when KIND is not Lloyd-Max)."""
-    if KIND == 0:
+    if KIND == KIND_LLOYD_MAX:
         return (_byte_table(cen_ptr, 0, False), _byte_table(cen_ptr, 4, False), _byte_table(cen_ptr, 8, False),
                 _byte_table(cen_ptr, 12, False), _byte_table(cen_ptr, 0, True), _byte_table(cen_ptr, 4, True),
                 _byte_table(cen_ptr, 8, True), _byte_table(cen_ptr, 12, True))

@@ -15,7 +15,7 @@ never interleaved: the two nibbles of each byte give two half-width tiles that m
 odd halves of q (and of the output) in two dots.
 
 This module holds that kernel (``path="general"``; every layout, and the CPU interpreter) and its
-tile decoders; its read plan, split count and launch: :mod:`.triton`; the merge: :mod:`.merge`.
+4-bit word decoders (every other field is read by :mod:`tqkern.ops.fields`, shared with decompress); its read plan, split count and launch: :mod:`.triton`; the merge: :mod:`.merge`.
 """
 
 from __future__ import annotations
@@ -23,121 +23,23 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tqkern.ops.common import bits_to_f32, load_packed, load_param
+from tqkern.ops.codecs import KIND_LLOYD_MAX, KIND_UNIFORM, NC_DECODE
+from tqkern.ops.fields import _lut16, _small_ints, load_tile, token_factors
 from tqkern.ops.paged_decode._ptx import _LUT_ASM_LSB, _LUT_ASM_NIBBLE, _UNI_ASM_LSB, _UNI_ASM_NIBBLE, _prmt_tables
 
 __all__ = ["_paged_decode_kernel"]
 
 
 @triton.jit
-def _lut16(codes, cen_ptr):
-    """c[codes] for a 16-entry table as a 4-level select tree on the code bits (15 selects per
-    code, no memory traffic); the table is read once per call as 16 scalars."""
-    b0 = (codes & 1) != 0
-    b1 = (codes & 2) != 0
-    b2 = (codes & 4) != 0
-    b3 = (codes & 8) != 0
-    a0 = tl.where(b0, tl.load(cen_ptr + 1), tl.load(cen_ptr + 0))
-    a1 = tl.where(b0, tl.load(cen_ptr + 3), tl.load(cen_ptr + 2))
-    a2 = tl.where(b0, tl.load(cen_ptr + 5), tl.load(cen_ptr + 4))
-    a3 = tl.where(b0, tl.load(cen_ptr + 7), tl.load(cen_ptr + 6))
-    a4 = tl.where(b0, tl.load(cen_ptr + 9), tl.load(cen_ptr + 8))
-    a5 = tl.where(b0, tl.load(cen_ptr + 11), tl.load(cen_ptr + 10))
-    a6 = tl.where(b0, tl.load(cen_ptr + 13), tl.load(cen_ptr + 12))
-    a7 = tl.where(b0, tl.load(cen_ptr + 15), tl.load(cen_ptr + 14))
-    e0 = tl.where(b1, a1, a0)
-    e1 = tl.where(b1, a3, a2)
-    e2 = tl.where(b1, a5, a4)
-    e3 = tl.where(b1, a7, a6)
-    f0 = tl.where(b2, e1, e0)
-    f1 = tl.where(b2, e3, e2)
-    return tl.where(b3, f1, f0)
-
-
-@triton.jit
-def _centroids(codes, cen_ptr, BITS: tl.constexpr):
-    if BITS == 4:
-        return _lut16(codes, cen_ptr)
-    return tl.load(cen_ptr + codes)
-
-
-@triton.jit
-def _small_ints(codes, DOT: tl.constexpr):
-    """Integer codes 0..255 as exact DOT values; for fp16 by the magic number 1024 (the code
-    ORed into the mantissa of 1024.0, minus 1024) instead of an int→float conversion."""
-    if DOT == tl.float16:
-        return (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
-    return codes.to(DOT)
-
-
-@triton.jit
-def _tile_codes(row, h, tmask, W: tl.constexpr, HALF: tl.constexpr, NIBBLE: tl.constexpr,
-                KIND: tl.constexpr, BITS: tl.constexpr, PARAM_DTYPE: tl.constexpr,
-                A_OFF: tl.constexpr, A_STRIDE: tl.constexpr, A_BYTES: tl.constexpr, D: tl.constexpr,
-                DP: tl.constexpr, cen_ptr, DOT: tl.constexpr, ALIGNED: tl.constexpr):
-    """Element values of one tile, before the per-token factor: ``[BN, W]`` in the dot dtype.
-
-    ``HALF`` = -1: all DP columns; 0: even columns; 1: odd columns (4-bit fast path)."""
-    base = row + A_OFF + h * A_STRIDE
-    if HALF >= 0:
-        j = tl.arange(0, W)
-        byte = tl.load(base[:, None] + j[None, :], mask=tmask[:, None], other=0).to(tl.int32)
-        if NIBBLE:
-            codes = (byte >> (4 - 4 * HALF)) & 15
-        else:
-            codes = (byte >> (4 * HALF)) & 15
-    else:
-        cols = tl.arange(0, DP)
-        dm = cols < D
-        if KIND == 2:  # FP8 E4M3 → fp16 bits of value·2^-8 (the 2^8 joins the per-token factor)
-            code = tl.load(base[:, None] + cols[None, :], mask=tmask[:, None] & dm[None, :], other=0).to(tl.int32)
-            bits = ((code & 0x7F) << 7) | ((code & 0x80) << 8)
-            return bits.to(tl.int16).to(tl.float16, bitcast=True).to(DOT)
-        elif KIND == 3:  # raw fp16 / bf16
-            m2 = tmask[:, None] & dm[None, :]
-            if ALIGNED:
-                p16 = base.to(tl.pointer_type(tl.int16))
-                w = tl.load(p16[:, None] + cols[None, :], mask=m2, other=0)
-                if PARAM_DTYPE == 2:
-                    return w.to(tl.bfloat16, bitcast=True).to(DOT)
-                return w.to(tl.float16, bitcast=True).to(DOT)
-            lo = tl.load(base[:, None] + 2 * cols[None, :], mask=m2, other=0).to(tl.int64)
-            hi = tl.load(base[:, None] + 2 * cols[None, :] + 1, mask=m2, other=0).to(tl.int64)
-            return bits_to_f32(lo | (hi << 8), PARAM_DTYPE).to(DOT)
-        if (not NIBBLE) and DP == D and BITS <= 8:  # (Raw never gets here; its BITS is 16)
-            # LSB bitstream, D a power of two: every 8 codes are BITS whole bytes. Read each byte
-            # once, join a group into one word and split it into its 8 codes (the reshape keeps
-            # the natural column order d = 8·group + r).
-            G8: tl.constexpr = DP // 8
-            gi = tl.arange(0, G8)
-            WT: tl.constexpr = tl.int64 if BITS > 3 else tl.int32
-            w = tl.load(base[:, None] + gi[None, :] * BITS, mask=tmask[:, None], other=0).to(WT)
-            for m in tl.static_range(1, BITS):
-                w |= tl.load(base[:, None] + gi[None, :] * BITS + m, mask=tmask[:, None], other=0).to(WT) << (8 * m)
-            r = tl.arange(0, 8).to(WT)
-            codes = tl.reshape((w[:, :, None] >> (r * BITS)[None, None, :]) & ((1 << BITS) - 1),
-                               (row.shape[0], DP))
-            codes = codes.to(tl.int32)
-        else:
-            codes = load_packed(base, tmask, BITS, NIBBLE, A_BYTES, DP)
-        codes = tl.where(dm[None, :], codes, 0)
-        if KIND == 0:  # padded columns must read 0 (they enter ‖c[idx]‖)
-            return tl.where(dm[None, :], _centroids(codes, cen_ptr, BITS), 0.0).to(DOT)
-    if KIND == 0:
-        return _centroids(codes, cen_ptr, BITS).to(DOT)
-    return _small_ints(codes, DOT)
-
-
-@triton.jit
 def _decode_words(w, cen_ptr, tabs, KIND: tl.constexpr, NIBBLE: tl.constexpr, USE_ASM: tl.constexpr):
     """int32 words ``[BN, NW]`` of 4-bit codes → fp16 values ``[BN, 8·NW]`` in code order.
 
-    KIND 0: centroid c[code]; KIND 1: the integer code. ``USE_ASM`` False (the interpreter) computes
+    Lloyd-Max: centroid c[code]; uniform: the integer code. ``USE_ASM`` False (the interpreter) computes
     the same values with shifts and the select tree."""
     BN: tl.constexpr = w.shape[0]
     NW: tl.constexpr = w.shape[1]
     if USE_ASM:
-        if KIND == 0:
+        if KIND == KIND_LLOYD_MAX:
             asm: tl.constexpr = _LUT_ASM_NIBBLE if NIBBLE else _LUT_ASM_LSB
             p = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
                                           [w, tabs[0], tabs[1], tabs[2], tabs[3], tabs[4], tabs[5], tabs[6],
@@ -158,7 +60,7 @@ def _decode_words(w, cen_ptr, tabs, KIND: tl.constexpr, NIBBLE: tl.constexpr, US
     else:
         sh = 4 * r
     codes = tl.reshape((w[:, :, None] >> sh[None, None, :]) & 15, (BN, NW * 8))
-    if KIND == 0:
+    if KIND == KIND_LLOYD_MAX:
         return _lut16(codes, cen_ptr).to(tl.float16)
     return _small_ints(codes, tl.float16)
 
@@ -198,48 +100,23 @@ def _fast_tile(row, h, tmask, U: tl.constexpr, A_OFF: tl.constexpr, A_STRIDE: tl
 
 
 @triton.jit
-def _whole_tile(row, h, tmask, FAST: tl.constexpr, NIBBLE: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
-                PARAM_DTYPE: tl.constexpr, A_OFF: tl.constexpr, A_STRIDE: tl.constexpr, A_BYTES: tl.constexpr,
-                D: tl.constexpr, DP: tl.constexpr, cen_ptr, tabs, DOT: tl.constexpr, ALIGNED: tl.constexpr,
-                USE_ASM: tl.constexpr):
+def _whole_tile(row, h, tmask, FAST: tl.constexpr, NIBBLE: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
+                DP: tl.constexpr, cen_ptr, tabs, DOT: tl.constexpr, ALIGNED: tl.constexpr, USE_ASM: tl.constexpr):
     """One side's whole tile ``[BN, DP]`` before its per-token factor: the 4-bit word path when
-    ``FAST`` names a read plan, else the general decode."""
+    ``FAST`` names a read plan, else the shared loader (:func:`tqkern.ops.fields.load_tile`)."""
     if FAST > 0:
-        return _fast_tile(row, h, tmask, FAST, A_OFF, A_STRIDE, D, NIBBLE, KIND, cen_ptr, tabs, USE_ASM)
-    return _tile_codes(row, h, tmask, DP, -1, NIBBLE, KIND, BITS, PARAM_DTYPE, A_OFF, A_STRIDE, A_BYTES, D, DP,
-                       cen_ptr, DOT, ALIGNED)
+        return _fast_tile(row, h, tmask, FAST, S.A_OFF, S.A_STRIDE, D, NIBBLE, S.KIND, cen_ptr, tabs, USE_ASM)
+    return load_tile(row, h, tmask, DP, -1, NIBBLE, S, D, DP, cen_ptr, DOT, ALIGNED)
 
 
 @triton.jit
-def _half_tiles(row, h, tmask, NIBBLE: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
-                PARAM_DTYPE: tl.constexpr, A_OFF: tl.constexpr, A_STRIDE: tl.constexpr, A_BYTES: tl.constexpr,
-                D: tl.constexpr, DP: tl.constexpr, cen_ptr, DOT: tl.constexpr, ALIGNED: tl.constexpr):
+def _half_tiles(row, h, tmask, NIBBLE: tl.constexpr, S: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, cen_ptr,
+                DOT: tl.constexpr, ALIGNED: tl.constexpr):
     """A 4-bit side as its even and odd columns, two ``[BN, DP/2]`` tiles (one per nibble)."""
     D2: tl.constexpr = DP // 2
-    e = _tile_codes(row, h, tmask, D2, 0, NIBBLE, KIND, BITS, PARAM_DTYPE, A_OFF, A_STRIDE, A_BYTES, D, DP,
-                    cen_ptr, DOT, ALIGNED)
-    o = _tile_codes(row, h, tmask, D2, 1, NIBBLE, KIND, BITS, PARAM_DTYPE, A_OFF, A_STRIDE, A_BYTES, D, DP,
-                    cen_ptr, DOT, ALIGNED)
+    e = load_tile(row, h, tmask, D2, 0, NIBBLE, S, D, DP, cen_ptr, DOT, ALIGNED)
+    o = load_tile(row, h, tmask, D2, 1, NIBBLE, S, D, DP, cen_ptr, DOT, ALIGNED)
     return e, o
-
-
-@triton.jit
-def _token_factors(row, h, tmask, KIND: tl.constexpr, PARAM_DTYPE: tl.constexpr, B_OFF: tl.constexpr,
-                   B_STRIDE: tl.constexpr, C_OFF: tl.constexpr, C_STRIDE: tl.constexpr,
-                   PAR_ALIGNED: tl.constexpr = False):
-    """Per-token (factor f, zero z) with value = f·tile + z, float32 ``[BN]``."""
-    zero = tl.zeros_like(tmask.to(tl.float32))
-    if KIND == 0:  # the norm field (vLLM's ‖c[idx]‖ divisor is applied by the caller)
-        f = load_param(row + B_OFF + h * B_STRIDE, PARAM_DTYPE, tmask, PAR_ALIGNED)
-        return f, zero
-    elif KIND == 1:
-        f = load_param(row + B_OFF + h * B_STRIDE, PARAM_DTYPE, tmask, PAR_ALIGNED)
-        z = load_param(row + C_OFF + h * C_STRIDE, PARAM_DTYPE, tmask, PAR_ALIGNED)
-        return f, z
-    elif KIND == 2:
-        return zero + 256.0, zero
-    else:
-        return zero + 1.0, zero
 
 
 @triton.jit(do_not_specialize=["zero"])
@@ -250,13 +127,7 @@ def _paged_decode_kernel(
     BS: tl.constexpr, K_HALVES: tl.constexpr, V_HALVES: tl.constexpr, DOT: tl.constexpr,
     K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, K_FAST: tl.constexpr, V_FAST: tl.constexpr, USE_ASM: tl.constexpr,
     K_PAR_ALIGNED: tl.constexpr, V_PAR_ALIGNED: tl.constexpr,
-    D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr,
-    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_ROTATED: tl.constexpr, K_NORM_CORRECTION: tl.constexpr,
-    K_PARAM_DTYPE: tl.constexpr, K_A_OFF: tl.constexpr, K_A_STRIDE: tl.constexpr, K_A_BYTES: tl.constexpr,
-    K_B_OFF: tl.constexpr, K_B_STRIDE: tl.constexpr, K_C_OFF: tl.constexpr, K_C_STRIDE: tl.constexpr,
-    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_ROTATED: tl.constexpr, V_NORM_CORRECTION: tl.constexpr,
-    V_PARAM_DTYPE: tl.constexpr, V_A_OFF: tl.constexpr, V_A_STRIDE: tl.constexpr, V_A_BYTES: tl.constexpr,
-    V_B_OFF: tl.constexpr, V_B_STRIDE: tl.constexpr, V_C_OFF: tl.constexpr, V_C_STRIDE: tl.constexpr,
+    D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
 ):
     s = tl.program_id(0)
     h = tl.program_id(1)
@@ -279,8 +150,8 @@ def _paged_decode_kernel(
         q_sum = tl.sum(q_f, axis=1)
         q_f = q_f.to(DOT)
 
-    k_tabs = _prmt_tables(kc_ptr, K_KIND if K_FAST > 0 else 1)
-    v_tabs = _prmt_tables(vc_ptr, V_KIND if V_FAST > 0 else 1)
+    k_tabs = _prmt_tables(kc_ptr, K.KIND if K_FAST > 0 else KIND_UNIFORM)
+    v_tabs = _prmt_tables(vc_ptr, V.KIND if V_FAST > 0 else KIND_UNIFORM)
 
     seq_len = tl.minimum(tl.maximum(tl.load(sl_ptr + s), 0), max_blocks * BS)  # (a bad length: clamped)
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BN) * BN
@@ -307,23 +178,20 @@ def _paged_decode_kernel(
         row = cache_ptr + (blk * BS + (pos + zero) % BS) * ROW_BYTES  # [BN] token rows
 
         # -- scores [GP, BN] ------------------------------------------------------------------
-        kf, kz = _token_factors(row, h, tmask, K_KIND, K_PARAM_DTYPE, K_B_OFF, K_B_STRIDE, K_C_OFF, K_C_STRIDE,
-                                K_PAR_ALIGNED)
+        kf, kz = token_factors(row, h, tmask, K, DOT, K_PAR_ALIGNED)
         if K_HALVES:
-            k_e, k_o = _half_tiles(row, h, tmask, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
-                                     K_A_BYTES, D, DP, kc_ptr, DOT, K_ALIGNED)
+            k_e, k_o = _half_tiles(row, h, tmask, NIBBLE, K, D, DP, kc_ptr, DOT, K_ALIGNED)
             qk = tl.dot(q_e, tl.trans(k_e)) + tl.dot(q_o, tl.trans(k_o))
-            if K_NORM_CORRECTION == 1:  # vLLM's _nc: ‖c[idx]‖² of every token by the tensor
+            if K.NORM_CORRECTION == NC_DECODE:  # vLLM's _nc: ‖c[idx]‖² of every token by the tensor
                 # cores (a ones-row times the squared tile), already broadcast to [GP, BN]:
                 # a row reduction over the tile measured ~2 ms at B32x16K.
                 ones = tl.full([GP, D2], 1.0, DOT)
                 cn2 = tl.dot(ones, tl.trans(k_e * k_e)) + tl.dot(ones, tl.trans(k_o * k_o))
                 qk = qk * tl.rsqrt(tl.maximum(cn2, 1e-30))
         else:
-            k_f = _whole_tile(row, h, tmask, K_FAST, NIBBLE, K_KIND, K_BITS, K_PARAM_DTYPE, K_A_OFF, K_A_STRIDE,
-                              K_A_BYTES, D, DP, kc_ptr, k_tabs, DOT, K_ALIGNED, USE_ASM)
+            k_f = _whole_tile(row, h, tmask, K_FAST, NIBBLE, K, D, DP, kc_ptr, k_tabs, DOT, K_ALIGNED, USE_ASM)
             qk = tl.dot(q_f, tl.trans(k_f))
-            if K_NORM_CORRECTION == 1:
+            if K.NORM_CORRECTION == NC_DECODE:
                 cn2 = tl.dot(tl.full([GP, DP], 1.0, DOT), tl.trans(k_f * k_f))
                 qk = qk * tl.rsqrt(tl.maximum(cn2, 1e-30))
         sc = (qk * kf[None, :] + q_sum[:, None] * kz[None, :]) * sm_scale_log2
@@ -337,19 +205,16 @@ def _paged_decode_kernel(
         m_i = m_new
 
         # -- values: p·f into the dot (scaled to the tile's largest f), p·z added per row -----
-        vf, vz = _token_factors(row, h, tmask, V_KIND, V_PARAM_DTYPE, V_B_OFF, V_B_STRIDE, V_C_OFF, V_C_STRIDE,
-                                V_PAR_ALIGNED)
+        vf, vz = token_factors(row, h, tmask, V, DOT, V_PAR_ALIGNED)
         if V_HALVES:
-            v_e, v_o = _half_tiles(row, h, tmask, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
-                                     V_A_BYTES, D, DP, vc_ptr, DOT, V_ALIGNED)
-            if V_NORM_CORRECTION == 1:
+            v_e, v_o = _half_tiles(row, h, tmask, NIBBLE, V, D, DP, vc_ptr, DOT, V_ALIGNED)
+            if V.NORM_CORRECTION == NC_DECODE:
                 ve32 = v_e.to(tl.float32)
                 vo32 = v_o.to(tl.float32)
                 vf = vf / tl.sqrt(tl.maximum(tl.sum(ve32 * ve32, axis=1) + tl.sum(vo32 * vo32, axis=1), 1e-30))
         else:
-            v_f = _whole_tile(row, h, tmask, V_FAST, NIBBLE, V_KIND, V_BITS, V_PARAM_DTYPE, V_A_OFF, V_A_STRIDE,
-                              V_A_BYTES, D, DP, vc_ptr, v_tabs, DOT, V_ALIGNED, USE_ASM)
-            if V_NORM_CORRECTION == 1:
+            v_f = _whole_tile(row, h, tmask, V_FAST, NIBBLE, V, D, DP, vc_ptr, v_tabs, DOT, V_ALIGNED, USE_ASM)
+            if V.NORM_CORRECTION == NC_DECODE:
                 vf32 = v_f.to(tl.float32)
                 vf = vf / tl.sqrt(tl.maximum(tl.sum(vf32 * vf32, axis=1), 1e-30))
         # p·f goes into the dot, scaled to the tile's largest |f| so fp16 keeps its precision.

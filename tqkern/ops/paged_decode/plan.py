@@ -19,7 +19,8 @@ import math
 from typing import Callable, Optional
 
 from tqkern.layouts import PagedLayout
-from tqkern.ops.common import halfword_aligned, layout_consts
+from tqkern.ops.codecs import DT_BF16, Kind, layout_args, layout_consts
+from tqkern.ops.common import halfword_aligned
 from tqkern.ops.paged_decode.mma_plans import (DynamicSmemUnsupported, _LUT_BYTES, _needs_lut, coop_smem_bytes,
                                                mma_plan, num_splits_mma, per_warp_plan)
 
@@ -220,15 +221,13 @@ def fast_path_plan(layout) -> dict:
     if not isinstance(layout, PagedLayout):
         raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
     c = layout_consts(layout)
-    fmt = layout.format
-    d, dp, rb = fmt.head_dim, c["DP"], layout.row_bytes
-    raw_bf16 = any(getattr(cd, "dtype", None) == "bfloat16" for cd in (fmt.key, fmt.value))
+    d, dp, rb = layout.head_dim, c["DP"], layout.row_bytes
+    raw_bf16 = _raw_bf16(c)
     plan = {}
-    for side, p in (("key", "K"), ("value", "V")):
-        codec = getattr(fmt, side)
+    for p in ("K", "V"):
         a_off, a_stride = c[f"{p}_A_OFF"], c[f"{p}_A_STRIDE"]
         unit = 0
-        if codec.kind in ("lloyd_max", "uniform") and codec.bits == 4 and dp == d and not raw_bf16:
+        if _four_bit_codes(c, p) and dp == d and not raw_bf16:
             if a_off % 4 == 0 and a_stride % 4 == 0 and rb % 4 == 0:
                 unit = 4
             elif a_off % 2 == 0 and a_stride % 2 == 0 and rb % 4 == 0 and d % 8 == 0:
@@ -240,6 +239,17 @@ def fast_path_plan(layout) -> dict:
         plan[f"{p}_PAR_ALIGNED"] = all(v % nb == 0 for v in (c[f"{p}_B_OFF"], c[f"{p}_B_STRIDE"], c[f"{p}_C_OFF"],
                                                               c[f"{p}_C_STRIDE"], rb))
     return plan
+
+
+def _four_bit_codes(c: dict, p: str) -> bool:
+    """Whether side ``p`` (``"K"``/``"V"``) of layout constants ``c`` holds 4-bit codes (Lloyd-Max
+    or uniform): the sides the word and half-tile paths read."""
+    return c[f"{p}_KIND"] in (Kind.LLOYD_MAX, Kind.UNIFORM) and c[f"{p}_BITS"] == 4
+
+
+def _raw_bf16(c: dict) -> bool:
+    """Whether a side of layout constants ``c`` is raw bf16 (the dots then run in bf16)."""
+    return any(c[f"{p}_KIND"] == Kind.RAW and c[f"{p}_PARAM_DTYPE"] == DT_BF16.value for p in "KV")
 
 
 def merge_chunks(programs: int, num_sms: int, dp: int) -> int:
@@ -371,8 +381,7 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy):
 
 def _general_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, block_n, num_warps, num_stages, maxnreg):
     c = layout_consts(layout)
-    fmt = layout.format
-    d, dp = fmt.head_dim, c["DP"]
+    d, dp = layout.head_dim, c["DP"]
     hkv = layout.num_kv_heads
     g = hq // hkv
     fast = fast_path_plan(layout)
@@ -380,14 +389,12 @@ def _general_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, bloc
         block_n = 128 if fast["K_FAST"] or fast["V_FAST"] else 64
     if num_stages is None:  # measured (H100): funnel-shifted words with 2 stages ran 2.5x slower
         num_stages = 1 if 2 in (fast["K_FAST"], fast["V_FAST"]) else 2
-    raw_bf16 = any(getattr(cd, "dtype", None) == "bfloat16" for cd in (fmt.key, fmt.value))
+    raw_bf16 = _raw_bf16(c)
 
     def halves(side, p) -> bool:
-        codec = getattr(fmt, side)
-        return (codec.kind in ("lloyd_max", "uniform") and codec.bits == 4 and dp == d and d >= 32
-                and not fast[f"{p}_FAST"])
+        return _four_bit_codes(c, p) and dp == d and d >= 32 and not fast[f"{p}_FAST"]
 
-    consts = {k: v for k, v in c.items() if not k.startswith("PAD")}
+    consts = {k: v for k, v in layout_args(layout).items() if not k.startswith("PAD")}
     head = dict(G=g, GP=max(16, 1 << max(0, (g - 1).bit_length())), HQ=hq, BN=block_n, BS=layout.block_size,
                 K_HALVES=halves("key", "K"), V_HALVES=halves("value", "V"), DOT="bf16" if raw_bf16 else "fp16",
                 K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
