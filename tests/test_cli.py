@@ -182,3 +182,21 @@ def test_torch_frontend_reexports_the_cli():
     from tqkern_torch import cli as old
 
     assert old.main is main and old.info_report is cli.info_report
+
+
+def test_plan_prints_the_decode_plan(capsys):
+    """``tqkern plan`` prints the plan paged_decode would run: on an H100 tq4 takes the
+    cooperative warp-MMA kernel (its four stages named), under the interpreter the general kernel."""
+    assert main(["plan", "--preset", "tq4", "--batch", "4", "--tokens", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "decode      coop kernel" in out and "COOP=4" in out and "shapes      4 seqs x 32 q heads, 256 blocks" in out
+    assert main(["plan", "--preset", "fp16", "--device", "interpreter", "--num-splits", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "decode      general kernel, 3 splits, grid (32, 8, 3)" in out and "(interpreter)" in out
+
+
+@pytest.mark.parametrize("argv", [["plan", "--preset", "nope"], ["plan", "--q-heads", "12"]])
+def test_plan_bad_arguments_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and "tqkern: error: plan:" in capsys.readouterr().err

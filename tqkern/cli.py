@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 import tqkern
-from tqkern.layouts import FP8, PRESETS, KVFormat, LloydMax, Raw, Uniform
+from tqkern.layouts import FP8, PRESETS, KVFormat, LloydMax, PagedLayout, Raw, Uniform
 from tqkern.ops.compress.reference import codec_inputs
 from tqkern.params import TQParams
 from tqkern.reference import compress, decompress
@@ -316,6 +316,51 @@ def _bench(args: argparse.Namespace) -> int:
     return 0 if all(g["ok"] for g in report["gate"]) else 1
 
 
+# -- plan ----------------------------------------------------------------------------------------
+def _plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tq4", help="format preset (default tq4)")
+    p.add_argument("--arrangement", default=None, choices=("slot", "row"),
+                   help="cache arrangement (default: row for tq4, else slot)")
+    p.add_argument("--batch", type=_positive_int, default=32, help="sequences (default 32)")
+    p.add_argument("--tokens", type=_positive_int, default=16384, help="longest sequence's tokens (default 16384)")
+    p.add_argument("--q-heads", type=_positive_int, default=32, help="query heads (default 32)")
+    p.add_argument("--kv-heads", type=_positive_int, default=8, help="KV heads (default 8)")
+    p.add_argument("--head-dim", type=_positive_int, default=128, help="head dim (default 128)")
+    p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per cache block (default 16)")
+    p.add_argument("--device", default="sm90", choices=("sm90", "interpreter"),
+                   help="plan for an H100 (default) or for Triton's CPU interpreter")
+    p.add_argument("--num-splits", type=_positive_int, default=None, help="fixed split count")
+    p.add_argument("--compile", action="store_true",
+                   help="size the splits from an offline sm_90 compile of the kernel (slow); without it an "
+                        "unknown occupancy counts as 8 warps per SM, so long-context split counts may differ "
+                        "from a GPU's")
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Print the decode plan ``paged_decode`` would run (kernel, constexprs, splits, launches)."""
+    try:
+        from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode
+    except ImportError as e:
+        raise MissingDependency(f"needs triton, which cannot be imported ({e})") from None
+    try:
+        fmt = KVFormat.preset(args.preset, args.head_dim)
+        arrangement = args.arrangement or ("row" if args.preset == "tq4" else "slot")
+        layout = PagedLayout(format=fmt, num_kv_heads=args.kv_heads, block_size=args.block_size,
+                             arrangement=arrangement)
+        caps = DeviceCaps.sm90() if args.device == "sm90" else DeviceCaps.interpreter()
+        occupancy = None
+        if args.compile and args.device == "sm90":
+            if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+                raise ValueError("--compile needs a process without TRITON_INTERPRET=1")
+            from tqkern.ops.paged_decode.aot import occupancy_sm90 as occupancy
+        plan = plan_decode(layout, args.batch, args.q_heads, -(-args.tokens // args.block_size), caps,
+                           same_codebooks=True, num_splits=args.num_splits, occupancy=occupancy)
+    except (ValueError, TypeError) as e:
+        raise UsageError(str(e)) from None
+    print(plan.describe())
+    return 0
+
+
 # -- plumbing ------------------------------------------------------------------------------------
 class UsageError(Exception):
     """Bad arguments found while running a subcommand; reported like an argparse error."""
@@ -356,6 +401,8 @@ COMMANDS: list[Command] = [
     Command("info", "preset formats and a reconstruction-error demo (the default)", _info_arguments, _info),
     Command("eval", "perplexity and KL of a model with a compressed KV cache (CPU, NumPy oracles)",
             _eval_arguments, _eval),
+    Command("plan", "print the decode plan (kernel, constexprs, splits) for a preset and shape",
+            _plan_arguments, _plan),
     Command("bench", "time the GPU kernels against torch baselines; table, JSON and plot (needs a CUDA GPU)",
             _bench_arguments, _bench),
 ]

@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 
 import torch
+from triton import knobs
+from triton.runtime.driver import driver
 
 __all__ = ["KernelLauncher"]
 
@@ -34,6 +36,11 @@ def _spec(a):
     if isinstance(a, float):
         return float
     return type(a), a  # (None, strings: part of the key as they are)
+
+
+def _current_stream():
+    """The stream Triton's own launch would use (the current torch stream of the current device)."""
+    return driver.active.get_current_stream(driver.active.get_current_device())
 
 
 class KernelLauncher:
@@ -75,19 +82,10 @@ class KernelLauncher:
         if not self._direct:
             self.fn[self.grid](*args, **self.kwargs)
             return
-        key = tuple(_spec(a) for a in args)
-        kernel = self._compiled.get(key)
-        if kernel is None:
-            kernel = self.fn.warmup(*args, grid=self.grid, **self.kwargs)
-            if self.prepare is not None:
-                self.prepare(kernel)
-            kernel._init_handles()
-            self._compiled[key] = kernel
+        kernel = self.compiled(*args)
+        kernel._init_handles()  # (loads the binary once: the launcher and ``function``)
         full = [d if s is None else args[s] for s, d in zip(self._slots, self._defaults)]
-        from triton import knobs
-        from triton.runtime.driver import driver
-
-        stream = driver.active.get_current_stream(driver.active.get_current_device())
+        stream = _current_stream()
         g = self.grid
         kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata,
                    kernel.launch_metadata(g, stream, *full), knobs.runtime.launch_enter_hook,
@@ -97,9 +95,10 @@ class KernelLauncher:
         """The compiled kernel this launcher runs for ``args`` (compiling it if needed), e.g. for
         its registers and shared memory."""
         key = tuple(_spec(a) for a in args)
-        if key not in self._compiled:
+        kernel = self._compiled.get(key)
+        if kernel is None:
             kernel = self.fn.warmup(*args, grid=self.grid, **self.kwargs)
             if self.prepare is not None:
-                self.prepare(kernel)
+                self.prepare(kernel)  # (before the binary loads)
             self._compiled[key] = kernel
-        return self._compiled[key]
+        return kernel

@@ -36,7 +36,7 @@ from tqkern.ops.paged_decode.mma_plans import mma_plan, per_warp_plan
 from tqkern.ops.paged_decode.plan import DeviceCaps, mma_kernel_plan, plan_decode
 
 __all__ = ["SM90", "compile_general", "compile_mma", "general_launch", "histogram", "launcher_plans",
-           "mma_launch", "report", "report_in_subprocess", "resources", "sass_of", "tool_path"]
+           "mma_launch", "occupancy_sm90", "report", "report_in_subprocess", "resources", "sass_of", "tool_path"]
 
 SM90 = GPUTarget("cuda", 90, 32)
 _PTRS = ("q_ptr", "cache_ptr", "bt_ptr", "sl_ptr", "cen_ptr", "vcen_ptr", "kc_ptr", "vc_ptr", "acc_ptr", "ml_ptr")
@@ -110,6 +110,29 @@ def compile_general(layout, hq: int, **launch):
     """The general decode kernel (``path="general"``) for ``layout``, compiled for sm_90."""
     cx, opts = general_launch(layout, hq, **launch)
     return _compile(_paged_decode_kernel, cx, opts, specialize=True)
+
+
+def occupancy_sm90(kernel) -> int:
+    """CTAs of a decode :class:`~tqkern.ops.paged_decode.plan.KernelPlan` that one H100 SM holds,
+    from its offline sm_90 compile (registers from ``cuobjdump``, Triton's shared memory, the
+    per-warp kernel's pair table): the ``occupancy`` that ``tqkern plan --compile`` gives
+    :func:`~tqkern.ops.paged_decode.plan.plan_decode`. The cooperative kernel's shared memory is
+    its plan's (:func:`~.mma_plans.coop_smem_bytes`)."""
+    from tqkern.ops.paged_decode.mma_plans import coop_smem_bytes
+    from tqkern.ops.paged_decode.plan import needs_lut_bytes
+
+    kw = kernel.kwargs()
+    if "DOT" in kw:
+        kw["DOT"] = triton.language.bfloat16 if kw["DOT"] == "bf16" else triton.language.float16
+    opts = {k: kw.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kw}
+    fn = _paged_decode_kernel if kernel.kernel == "general" else _paged_decode_mma_kernel
+    compiled = _compile(fn, kw, opts, specialize=kernel.kernel != "coop")
+    regs, _ = resources(compiled)
+    smem = coop_smem_bytes(dict(kernel.constexprs)) if kernel.kernel == "coop" else \
+        int(compiled.metadata.shared) + needs_lut_bytes(kernel)
+    per_warp = -(-regs * 32 // 256) * 256
+    warps = kernel.num_warps
+    return max(1, min(65536 // (per_warp * warps), 233472 // (smem + 1024), 64 // warps, 32))
 
 
 def launcher_plans(layout, group: int) -> dict:

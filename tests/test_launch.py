@@ -1,0 +1,102 @@
+"""tqkern.ops.launch.KernelLauncher: the argument list and specialization key of a direct launch,
+checked against a stand-in for a Triton kernel (no GPU needed)."""
+
+
+import pytest
+import torch
+
+import tqkern.ops.launch as launch
+
+
+class _Param:
+    def __init__(self, name, constexpr=False, default=None):
+        self.name, self.is_constexpr, self.default = name, constexpr, default
+
+
+class _Compiled:
+    """Records launches like a compiled Triton kernel's launcher would see them."""
+
+    def __init__(self, log):
+        self.log, self.function, self.packed_metadata, self.inits = log, "fn", ("meta",), 0
+
+    def _init_handles(self):
+        self.inits += 1
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, g0, g1, g2, stream, function, packed, meta, enter, exit_, *args):
+        self.log.append(("direct", (g0, g1, g2), stream, args))
+
+
+class _Fn:
+    """A @triton.jit stand-in: ``kern(x_ptr, n, BLOCK: constexpr, FLAG: constexpr = 7, y_ptr)``."""
+
+    def __init__(self):
+        self.params = [_Param("x_ptr"), _Param("n"), _Param("BLOCK", True), _Param("FLAG", True, 7), _Param("y_ptr")]
+        self.arg_names = [p.name for p in self.params]
+        self.log, self.compiles = [], []
+
+    def warmup(self, *args, grid, **kwargs):
+        self.compiles.append((args, kwargs))
+        return _Compiled(self.log)
+
+    def __getitem__(self, grid):
+        return lambda *a, **k: self.log.append(("triton", grid, a, k))
+
+
+@pytest.fixture
+def direct(monkeypatch):
+    monkeypatch.setattr(launch, "_current_stream", lambda: "stream")
+    fn = _Fn()
+    lk = launch.KernelLauncher(fn, (4, 2), {"BLOCK": 64}, num_warps=4)
+    lk._direct = True  # (the interpreter otherwise takes Triton's own path)
+    return fn, lk
+
+
+def test_direct_launch_passes_triton_s_full_argument_list(direct):
+    fn, lk = direct
+    x, y = torch.zeros(8), torch.zeros(8)
+    lk(x, 5, y)
+    lk(x, 5, y)
+    assert len(fn.compiles) == 1 and fn.compiles[0][1] == {"BLOCK": 64, "num_warps": 4}
+    assert [e[:3] for e in fn.log] == [("direct", (4, 2, 1), "stream")] * 2
+    assert fn.log[0][3] == (x, 5, 64, 7, y)  # runtime args in place, constexprs (given and default) between
+
+
+def test_a_different_specialization_compiles_again(direct):
+    """Whatever Triton would specialize on changes the key: an int equal to 1 or a multiple of 16,
+    a tensor's dtype or 16-byte alignment; other values reuse the compiled kernel."""
+    fn, lk = direct
+    x = torch.zeros(64)
+    for args in [(x, 5, x), (x, 7, x), (x, 1, x), (x, 32, x), (x, 48, x), (x.half(), 5, x), (x[1:], 5, x),
+                 (x, 2 ** 40, x)]:
+        lk(*args)
+    assert len(fn.compiles) == 6  # 5/7 share; 32/48 share; 1, fp16, misaligned and int64 each compile
+
+
+def test_interpreter_goes_through_triton(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fn = _Fn()
+    lk = launch.KernelLauncher(fn, (3,), {"BLOCK": 16}, num_warps=2)
+    lk(torch.zeros(2), 3, torch.zeros(2))
+    assert fn.log[0][0] == "triton" and fn.log[0][1] == (3, 1, 1) and fn.log[0][3] == {"BLOCK": 16, "num_warps": 2}
+    assert not fn.compiles
+
+
+def test_bad_grid():
+    for bad in ((), (0,), (1, 2, 3, 4)):
+        with pytest.raises(ValueError, match="grid must be 1 to 3 positive ints"):
+            launch.KernelLauncher(_Fn(), bad, {})
+
+
+def test_prepare_runs_once_per_compiled_kernel(direct):
+    fn, _ = direct
+    seen = []
+    lk = launch.KernelLauncher(fn, (1,), {"BLOCK": 8}, prepare=seen.append)
+    lk._direct = True
+    x = torch.zeros(4)
+    lk(x, 3, x)
+    lk(x, 3, x)
+    assert len(seen) == 1 and isinstance(seen[0], _Compiled) and seen[0].inits == 2
+    assert isinstance(lk.compiled(x, 3, x), _Compiled) and len(fn.compiles) == 1
