@@ -9,6 +9,8 @@ the NumPy oracle (:mod:`tqkern.reference`) and copy the result back. No autograd
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from einops import rearrange
 
@@ -48,7 +50,7 @@ def _device_params(params, layout_or_format, device: torch.device) -> DevicePara
         params = to_device(params, device)
     if not isinstance(params, DeviceParams):
         raise TypeError(f"params must be a TQParams or DeviceParams, got {type(params).__name__}")
-    if params.params.format != fmt:
+    if params.params.format is not fmt and params.params.format != fmt:
         raise ValueError(f"params.format must equal the layout's format {fmt}, got {params.params.format}")
     if params.device != device:
         raise ValueError(f"params must be on {device}, got {params.device}")
@@ -58,9 +60,15 @@ def _device_params(params, layout_or_format, device: torch.device) -> DevicePara
     return params
 
 
+@functools.lru_cache(maxsize=256)
+def _block_shape(layout: PagedLayout) -> tuple:
+    """One block's shape (``cache_shape`` without the block count; derived once per layout)."""
+    return tuple(layout.cache_shape(0)[1:])
+
+
 def _check_cache(cache, layout: PagedLayout, device=None):
     check_tensor(cache, "cache", dtypes=(torch.uint8,), device=device, contiguous=True)
-    want = layout.cache_shape(0)[1:]
+    want = _block_shape(layout)
     if cache.dim() != len(want) + 1 or tuple(cache.shape[1:]) != want:
         raise ValueError(f"cache must have shape [num_blocks, {', '.join(map(str, want))}], got {list(cache.shape)}")
 

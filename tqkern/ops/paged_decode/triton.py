@@ -43,10 +43,13 @@ def _caps_of(index: int) -> DeviceCaps:
                       smem_per_sm=int(getattr(p, "shared_memory_per_multiprocessor", 233472)))
 
 
+_INTERPRETER = DeviceCaps.interpreter()
+
+
 def device_caps(device: torch.device) -> DeviceCaps:
     """The :class:`DeviceCaps` of a torch device (CPU: Triton's interpreter)."""
     if device.type != "cuda":
-        return DeviceCaps.interpreter()
+        return _INTERPRETER
     return _caps_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
@@ -101,6 +104,17 @@ def _launcher(kernel) -> KernelLauncher:
 _PREPARED: dict = {}  # the one cache: the planner's input -> Prepared (plan, launchers, compiled kernels)
 
 
+def _plan_key(layout, s, hq, max_blocks, caps, same_codebooks, cache, num_splits, path, general) -> tuple:
+    """The planner's input, the key of :data:`_PREPARED`."""
+    return (layout, s, hq, max_blocks, caps, same_codebooks, cache.data_ptr() % 16 == 0, num_splits, path,
+            tuple(sorted(general.items())) if general else ())
+
+
+def _up16(n: int) -> int:
+    """``n`` float32 elements rounded up to whole 16-byte units (so every carved view is aligned)."""
+    return -(-n // 4) * 4
+
+
 def prepare(layout: PagedLayout, q_rot, cache, block_table, seq_lens, tables, *, same_codebooks: bool,
             num_splits: int | None = None, path: str = "auto", **general) -> Prepared:
     """The prepared launches for these shapes (planned and compiled once; afterwards a dict
@@ -109,8 +123,7 @@ def prepare(layout: PagedLayout, q_rot, cache, block_table, seq_lens, tables, *,
     dev = q_rot.device
     caps = device_caps(dev)
     s, hq, _ = q_rot.shape
-    key = (layout, s, hq, block_table.shape[1], caps, same_codebooks, cache.data_ptr() % 16 == 0, num_splits, path,
-           tuple(sorted(general.items())))
+    key = _plan_key(layout, s, hq, block_table.shape[1], caps, same_codebooks, cache, num_splits, path, general)
     hit = _PREPARED.get(key)
     if hit is not None:
         return hit
@@ -179,11 +192,22 @@ def paged_decode_launch(out, q, cache, block_table, seq_lens, layout, tables, er
     0 for an empty cache, into which the scan clamps ids); ``errors``: the int32 error word. No
     other checks: the frontend validated everything."""
     s, hq, d = q.shape
-    q_rot = torch.empty((s, hq, d), dtype=torch.float32, device=q.device)
-    prep = prepare(layout, q_rot, cache, block_table, seq_lens, tables, same_codebooks=same_codebooks,
-                   num_splits=num_splits)
-    poison = torch.empty(s * hq, dtype=torch.float32, device=q.device)
-    safe_table = torch.empty_like(block_table)
+    mb = block_table.shape[1]
+    # one allocation: the rotated q, the poison vector, the clamped table (int32 bits) (and the
+    # split partials unless the caller gives a workspace)
+    n_q, n_p, n_t = _up16(s * hq * d), _up16(s * hq), _up16(s * mb)
+    prep = _PREPARED.get(_plan_key(layout, s, hq, mb, device_caps(q.device), same_codebooks, cache, num_splits,
+                                   "auto", None))
+    n_ws = 0 if workspace is not None or prep is None else prep.plan.workspace_numel
+    buf = torch.empty(n_q + n_p + n_t + n_ws, dtype=torch.float32, device=q.device)
+    q_rot = buf[: s * hq * d].view(s, hq, d)
+    if prep is None:
+        prep = prepare(layout, q_rot, cache, block_table, seq_lens, tables, same_codebooks=same_codebooks,
+                       num_splits=num_splits)
+    poison = buf[n_q: n_q + s * hq]
+    safe_table = buf[n_q + n_p: n_q + n_p + s * mb].view(torch.int32).view(s, mb)
+    if n_ws:
+        workspace = buf[n_q + n_p + n_t:]
     prep.rotate(q, tables["rotation"], q_rot, poison, block_table, seq_lens, errors, safe_table, s * hq, q.stride(0),
                 q.stride(1), s, block_table.shape[1], num_blocks)
     _decode_and_merge(prep, out, q_rot, cache, safe_table, seq_lens, tables, sm_scale, workspace, poison)
