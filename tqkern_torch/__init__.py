@@ -12,6 +12,7 @@ Importing this package registers every op: ``torch.ops.tqkern.store`` and ``.dec
 from tqkern_torch import library as _library  # noqa: F401  (registers tqkern::store, tqkern::decompress)
 from tqkern_torch._params import DeviceParams, to_device
 from tqkern_torch.attention import paged_decode, plan_decode  # (registers tqkern::paged_decode)
+from tqkern_torch.dense import dense_attention, dense_decode, dense_layout, dense_store
 from tqkern_torch.errors import TQKernError, check_errors, read_errors
 from tqkern_torch.ops import (
     allocate_cache,
@@ -41,6 +42,10 @@ __all__ = [
     "sequence_slot_ids",
     "paged_decode",
     "plan_decode",
+    "dense_layout",
+    "dense_store",
+    "dense_decode",
+    "dense_attention",
     "check_errors",
     "read_errors",
     "TQKernError",

@@ -1,0 +1,128 @@
+"""tqkern_torch.dense: a dense [batch, tokens, H, slot_bytes] cache through the paged kernels, against
+the NumPy oracles (CPU: the interpreter or the NumPy fallback; GPU when present)."""
+
+import numpy as np
+import pytest
+import torch
+
+import tqkern
+import tqkern_torch as tqt
+from tqkern import reference as ref
+from tqkern_torch.dense import dense_attention, dense_decode, dense_layout, dense_store
+from tqkern_torch.testing import device_under_test
+
+DEV = device_under_test()
+
+
+def _case(preset="turboquant_4bit_nc", b=3, t=48, h=2, d=64, seed=0):
+    fmt = tqkern.KVFormat.preset(preset, d)
+    params = tqkern.TQParams.default(fmt, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.zeros(b, t, h, fmt.slot_bytes, dtype=torch.uint8, device=DEV)
+    key = torch.randn(b, t, h, d, generator=g).half().to(DEV)
+    value = torch.randn(b, t, h, d, generator=g).half().to(DEV)
+    return fmt, params, kv, key, value
+
+
+@pytest.mark.parametrize("t,bs", [(48, 16), (40, 8), (7, 1), (2048, 1024), (96, 32)])
+def test_dense_layout_block_size(t, bs):
+    assert dense_layout(tqkern.KVFormat.preset("tq4", 64), 2, t).block_size == bs
+
+
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq4", "fp16"])
+def test_store_writes_the_oracle_bytes_at_row_positions(preset):
+    """Tokens written at ``start[b] ..`` of row b hold the compress oracle's bytes (up to rounding
+    ties); every other slot stays zero; positions past the row are skipped and flagged."""
+    fmt, params, kv, key, value = _case(preset)
+    start = torch.tensor([0, 10, 44], dtype=torch.int32, device=DEV)  # row 2: 4 of its 8 tokens fit
+    n = 8
+    tqt.read_errors(DEV)  # (clears nothing: read the word before)
+    dense_store(kv, key[:, :n], value[:, :n], start, fmt, params)
+    want = np.zeros(kv.shape, np.uint8)
+    unsure = np.zeros(kv.shape, bool)
+    for r in range(3):
+        k_np, v_np = key[r, :n].cpu().numpy(), value[r, :n].cpu().numpy()
+        slots, unc = ref.compress(k_np, v_np, params, return_uncertain=True)
+        s0 = int(start[r])
+        m = min(n, kv.shape[1] - s0)
+        want[r, s0: s0 + m] = slots[:m]
+        unsure[r, s0: s0 + m] = unc[:m]
+    got = kv.cpu().numpy()
+    assert np.array_equal(got[~unsure], want[~unsure])
+    assert tqt.read_errors(DEV) & tqkern.errors.ErrorFlag.SLOT_OUT_OF_RANGE
+
+
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq4"])
+def test_decode_equals_the_paged_oracle(preset):
+    fmt, params, kv, key, value = _case(preset)
+    dense_store(kv, key, value, torch.zeros(3, dtype=torch.int32, device=DEV), fmt, params)
+    lengths = torch.tensor([48, 17, 0], dtype=torch.int32, device=DEV)
+    q = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(1)).half().to(DEV)
+    got = dense_decode(q, kv, lengths, fmt, params).float().cpu().numpy()
+    layout = dense_layout(fmt, 2, 48)
+    table = np.arange(9, dtype=np.int32).reshape(3, 3)
+    want = ref.paged_decode(q.float().cpu().numpy(), kv.cpu().numpy().reshape(layout.cache_shape(9)), table,
+                            lengths.cpu().numpy(), layout, params)
+    assert np.abs(got - want).max() < 4e-3 * (np.abs(want).max() + 1)
+    assert not got[2].any()  # an empty row: zeros
+
+
+def test_attention_causal_equals_the_prefill_oracle_and_the_mask_path():
+    """Lq queries at the last positions of each row, bottom-right causal: the prefill oracle over
+    the same bytes; the same causal pattern given as a mask gives the same output; a row whose
+    queries see nothing (length 0) gives zeros."""
+    fmt, params, kv, key, value = _case()
+    dense_store(kv, key, value, torch.zeros(3, dtype=torch.int32, device=DEV), fmt, params)
+    lengths = torch.tensor([48, 5, 30], dtype=torch.int32, device=DEV)
+    lq = 4
+    q = torch.randn(3, 4, lq, 64, generator=torch.Generator().manual_seed(2)).half().to(DEV)
+    got = dense_attention(q, kv, lengths, fmt, params).float().cpu().numpy()
+    layout = dense_layout(fmt, 2, 48)
+    table = np.arange(9, dtype=np.int32).reshape(3, 3)
+    qv = q.float().cpu().numpy().transpose(0, 2, 1, 3).reshape(3 * lq, 4, 64)
+    want = ref.prefill(qv, kv.cpu().numpy().reshape(layout.cache_shape(9)), table, lengths.cpu().numpy(),
+                       np.arange(0, 3 * lq + 1, lq, dtype=np.int32), layout, params)
+    want = want.reshape(3, lq, 4, 64).transpose(0, 2, 1, 3)
+    assert np.abs(got - want).max() < 4e-3 * (np.abs(want).max() + 1)
+    pos = torch.arange(48, device=DEV)
+    qpos = lengths.long()[:, None] - lq + torch.arange(lq, device=DEV)[None, :]
+    mask = (pos[None, None, :] <= qpos[:, :, None])[:, None]
+    got_mask = dense_attention(q, kv, lengths, fmt, params, mask=mask).float().cpu().numpy()
+    assert np.array_equal(got_mask, got)
+    none = dense_attention(q, kv, torch.zeros(3, dtype=torch.int32, device=DEV), fmt, params)
+    assert not none.any()
+
+
+def test_attention_one_query_runs_decode_and_nan_rows_stay_nan():
+    fmt, params, kv, key, value = _case()
+    dense_store(kv, key, value, torch.zeros(3, dtype=torch.int32, device=DEV), fmt, params)
+    lengths = torch.tensor([48, 9, 0], dtype=torch.int32, device=DEV)
+    q = torch.randn(3, 4, 1, 64, generator=torch.Generator().manual_seed(3)).half().to(DEV)
+    q[1, 2, 0, 5] = float("nan")
+    got = dense_attention(q, kv, lengths, fmt, params)
+    assert torch.equal(got[:, :, 0].nan_to_num(7), dense_decode(q[:, :, 0], kv, lengths, fmt, params).nan_to_num(7))
+    assert got[1, 2].isnan().all() and not got[1, 1].isnan().any()
+    q2 = q.repeat(1, 1, 2, 1)
+    out2 = dense_attention(q2, kv, lengths, fmt, params)
+    assert out2[1, 2].isnan().all() and not out2[0].isnan().any() and not out2[2].any()  # (row 2: no tokens)
+
+
+def test_bad_input():
+    fmt, params, kv, key, value = _case()
+    lengths = torch.zeros(3, dtype=torch.int32, device=DEV)
+    q = torch.zeros(3, 4, 64, dtype=torch.float16, device=DEV)
+    with pytest.raises(ValueError, match=r"kv must have shape \[batch, tokens >= 1, num_kv_heads, 70\]"):
+        dense_decode(q, kv[..., :10].contiguous(), lengths, fmt, params)
+    with pytest.raises(TypeError, match="kv must be uint8, got float32"):
+        dense_decode(q, kv.float(), lengths, fmt, params)
+    with pytest.raises(ValueError, match=r"lengths must have shape \[3\]"):
+        dense_decode(q, kv, lengths[:2], fmt, params)
+    with pytest.raises(ValueError, match=r"key must have shape \[3, n, 2, 64\]"):
+        dense_store(kv, key[:2], value[:2], lengths, fmt, params)
+    with pytest.raises(ValueError, match=r"q must have shape \[3, Hq, Lq, 64\]"):
+        dense_attention(q, kv, lengths, fmt, params)
+    with pytest.raises(ValueError, match=r"mask must have shape \[3, 1 or 4, 2, 48\]"):
+        dense_attention(q[:, :, None].repeat(1, 1, 2, 1), kv, lengths, fmt, params,
+                        mask=torch.ones(3, 1, 2, 47, dtype=torch.bool, device=DEV))
+    with pytest.raises(TypeError, match="fmt must be a tqkern.KVFormat, got str"):
+        dense_layout("tq4", 2, 16)
