@@ -502,3 +502,25 @@ def test_cooperative_helpers_reject_bad_input():
 
     with pytest.raises(TypeError, match="caps must be a DeviceCaps, got str"):
         plan_decode(_layout("tq4", 128, 8, "row"), 1, 32, 1, "cuda", same_codebooks=True)
+
+
+def test_prepared_plans_are_bounded(monkeypatch):
+    """The one plan cache keeps at most ``_PREPARED_MAX`` entries (shapes change every step as
+    batches and block tables grow), dropping the oldest first; a cached plan is reused as is."""
+    import tqkern.ops.paged_decode.triton as tri
+
+    monkeypatch.setattr(tri, "_PREPARED", {})
+    monkeypatch.setattr(tri, "_PREPARED_MAX", 3)
+    layout = _layout("turboquant_4bit_nc", 64, 2)
+    cache = torch.zeros(layout.cache_shape(4), dtype=torch.uint8)
+    tables = {"rotation": None, "key_centroids_f32": None, "value_centroids_f32": None}
+    preps = []
+    for mb in (1, 2, 3, 4, 1):
+        bt = torch.zeros(1, mb, dtype=torch.int32)
+        preps.append(tri.prepare(layout, torch.zeros(1, 4, 64), cache, bt, torch.ones(1, dtype=torch.int32), tables,
+                                 same_codebooks=True))
+        assert preps[-1].plan.max_blocks == mb
+    assert len(tri._PREPARED) == 3 and preps[4] is not preps[0]  # (mb=1 was dropped, then planned again)
+    again = tri.prepare(layout, torch.zeros(1, 4, 64), cache, torch.zeros(1, 4, dtype=torch.int32),
+                        torch.ones(1, dtype=torch.int32), tables, same_codebooks=True)
+    assert again is preps[3]

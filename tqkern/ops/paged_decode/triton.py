@@ -102,6 +102,7 @@ def _launcher(kernel) -> KernelLauncher:
 
 
 _PREPARED: dict = {}  # the one cache: the planner's input -> Prepared (plan, launchers, compiled kernels)
+_PREPARED_MAX = 1024  # entries kept (oldest dropped first): shapes change as batches and tables grow
 
 
 def _plan_key(layout, s, hq, max_blocks, caps, same_codebooks, cache, num_splits, path, general) -> tuple:
@@ -148,6 +149,8 @@ def prepare(layout: PagedLayout, q_rot, cache, block_table, seq_lens, tables, *,
                        cache_aligned=cache.data_ptr() % 16 == 0, num_splits=num_splits, path=path,
                        occupancy=None if caps.interpret else occupancy, **general)
     prepared = Prepared(plan, launchers.get(plan.decode) or _launcher(plan.decode))
+    if len(_PREPARED) >= _PREPARED_MAX:
+        del _PREPARED[next(iter(_PREPARED))]
     _PREPARED[key] = prepared
     return prepared
 
