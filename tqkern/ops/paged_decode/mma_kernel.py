@@ -69,8 +69,8 @@ import triton.language as tl
 from tqkern.ops.paged_decode.mma_fragments import (LUT_BYTES, _dim_of, _lut_declare, _lut_fill, _lut_fill_k5,
                                                    _p_fragments, _pack2, _rescale, _scaled_scores, _scores, _values,
                                                    _warp_max_r, _warp_sum_r)
-from tqkern.ops.paged_decode.mma_loads import (_byte_masks, _coop_issue, _coop_wait, _load_step, _smem_base, _stage,
-                                               _step_block, _step_blocks)
+from tqkern.ops.paged_decode.mma_loads import (LaneGeometry, _byte_masks, _coop_issue, _coop_wait, _load_step,
+                                               _smem_base, _stage, _step_block, _step_blocks)
 
 __all__ = ["_paged_decode_mma_kernel", "_paged_decode_coop_kernel"]
 
@@ -207,7 +207,8 @@ def _paged_decode_mma_kernel(
     kb_off = K_B_OFF + h * K_B_STRIDE
     vb_off = V_B_OFF + h * V_B_STRIDE
     vc_off = V_C_OFF + h * V_C_STRIDE
-    geo = (ka0, va0, va1, kb_off, vb_off, vc_off, k_masks, v_masks, k_sec_on, v_sec_on, k_mis, v_mis_e, v_mis_o)
+    geo = LaneGeometry(ka0, va0, va1, kb_off, vb_off, vc_off, k_masks, v_masks, k_sec_on, v_sec_on, k_mis, v_mis_e,
+                       v_mis_o)
 
     # -- q as the B operand of S^T = K·Q^T: head r, the coordinates of this lane's key chunk ------
     q_row = q_ptr + ((s * HQ + h * G + r) * D).to(tl.int64)

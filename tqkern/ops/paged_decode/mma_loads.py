@@ -6,6 +6,8 @@ per-token factors (:func:`_load_step`, the one call per step); and the CTA-coope
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
@@ -23,6 +25,28 @@ def _ld_asm(nw: int, hint: str, space: str = "global.nc", typ: str = "b32") -> s
 
 # Loads of 1, 2 or 4 words, plain or with an L2 prefetch hint of 256 bytes. (Adding
 # L1::no_allocate measured 1-29% slower on the H100 for every format: docs/performance.md §23.)
+class LaneGeometry(NamedTuple):
+    """One lane's field geometry, fixed for the warp (built once in the kernel's prologue, read by
+    every :func:`_load_step`): the first key word (``ka0``) and value words of even / odd tokens
+    (``va0`` / ``va1``), the per-token factor offsets (``kb_off``, ``vb_off``, ``vc_off``), the byte
+    masks and second-word switches of misaligned chunks, and the misalignments (``k_mis``,
+    ``v_mis_e``, ``v_mis_o``)."""
+
+    ka0: object
+    va0: object
+    va1: object
+    kb_off: object
+    vb_off: object
+    vc_off: object
+    k_masks: object
+    v_masks: object
+    k_sec_on: object
+    v_sec_on: object
+    k_mis: object
+    v_mis_e: object
+    v_mis_o: object
+
+
 _LD_ASM = {(nw, h): tl.constexpr(_ld_asm(nw, ".L2::256B" if h else "")) for nw in (1, 2, 4) for h in (0, 1)}
 _LD1, _LD2, _LD4 = _LD_ASM[1, 0], _LD_ASM[2, 0], _LD_ASM[4, 0]
 _LD1H, _LD2H, _LD4H = _LD_ASM[1, 1], _LD_ASM[2, 1], _LD_ASM[4, 1]
@@ -243,14 +267,16 @@ def _load_step(cache_ptr, bt_row, blk, t0, end, r, c, geo, BS: tl.constexpr, ROW
     as ``NKW`` words from this lane's aligned offset ``ka0``. Shifted chunks (``K_FUN``,
     ``V_FUN``: ``CK`` / ``CV`` bytes ``k_mis`` / ``v_mis_*`` bytes past the aligned offsets
     ``ka0`` / ``va0`` (even tokens), ``va1`` (odd tokens)) as the words that hold them. ``geo``:
-    this lane's field geometry, fixed for the warp (built once in the kernel's prologue). ``SMEM``:
+    this lane's :class:`LaneGeometry`, fixed for the warp (built once in the kernel's prologue). ``SMEM``:
     the step's 16 rows are in a shared-memory stage at address ``blk``, ``RS`` bytes apart (the
     CTA-cooperative kernel); the same reads from there, without predicates (the kernel's loop runs
     no step past the CTA's range, which all its warps share). ``PART``: 0 everything, 1 the keys and
     factors only (the values come back as ``()``), 2 the values only (the cooperative kernel reads
     them from the stage after the softmax update, so that they do not hold registers across the
     scores)."""
-    ka0, va0, va1, kb_off, vb_off, vc_off, k_masks, v_masks, k_sec_on, v_sec_on, k_mis, v_mis_e, v_mis_o = geo
+    ka0, va0, va1, kb_off, vb_off, vc_off = geo.ka0, geo.va0, geo.va1, geo.kb_off, geo.vb_off, geo.vc_off
+    k_masks, v_masks, k_sec_on, v_sec_on = geo.k_masks, geo.v_masks, geo.k_sec_on, geo.v_sec_on
+    k_mis, v_mis_e, v_mis_o = geo.k_mis, geo.v_mis_e, geo.v_mis_o
     if SMEM:  # a cooperative CTA's warps share one range and its loop runs no step past it: unpredicated reads
         ok = tl.zeros_like(t0) == 0
     else:
