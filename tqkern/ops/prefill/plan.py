@@ -112,7 +112,7 @@ def plan_prefill(layout: PagedLayout, num_q_heads: int, caps: DeviceCaps, *, win
 @functools.lru_cache(maxsize=256)
 def _plan(layout, hq, caps, window, softcap, sinks, lse, block_m, block_n, num_warps, num_stages) -> PrefillPlan:
     c = layout_args(layout)
-    d, dp = layout.head_dim, c["DP"]
+    dp = c["DP"]
     g = hq // layout.num_kv_heads
     gp = 1 << max(0, (g - 1).bit_length())
     big = dp > 128
