@@ -71,7 +71,11 @@ def _draw_q(layout, group, batch, qdtype, data):
     """q ``[num_tokens, Hq, D]`` (torch, and the float64 values it holds) with up to two
     non-finite elements."""
     hq, d = layout.num_kv_heads * group, layout.head_dim
-    q_np = data.draw(T.float_arrays((batch.num_tokens, hq, d), dtype=np.float32), label="q")
+    # (moderate queries, no outlier channels: with the K/V's outlier channels, σ = 8 queries put
+    # the logits where fp16 cannot resolve them and the honest bound says little; see decode's test)
+    sigma = data.draw(st.sampled_from([0.05, 0.3, 1.0]), label="q_sigma")
+    q_np = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="q_seed")).standard_normal(
+        (batch.num_tokens, hq, d)).astype(np.float32) * np.float32(sigma)
     if batch.num_tokens:
         bad = data.draw(st.lists(st.tuples(st.integers(0, batch.num_tokens - 1), st.integers(0, hq - 1),
                                            st.integers(0, d - 1), st.sampled_from([np.nan, np.inf, -np.inf])),
@@ -137,7 +141,7 @@ def _compare(got, expect, layout, params, batch, cache, q64, group, what="oracle
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
-@settings(max_examples=T.scale(4, 40))
+@settings(max_examples=T.scale(5, 40))
 @given(st.data())
 def test_prefill_matches_oracle(preset, data):
     """Every preset, both arrangements, GQA 1..4, mixed batches, shuffled blocks, empty
