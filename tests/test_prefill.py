@@ -210,11 +210,11 @@ def test_plan_is_pure_typed_and_checked():
     layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset("tq4", 128), num_kv_heads=8, block_size=16)
     a = plan_prefill(layout, 32, DeviceCaps.sm90())
     assert a == plan_prefill(layout, 32, DeviceCaps.sm90()) and hash(a) == hash(a)
-    assert (a.group, a.group_pad, a.block_q, a.block_m) == (4, 4, 16, 64)
-    assert a.grid(100, 3) == (100 // 16 + 3, 8)
+    assert (a.group, a.group_pad, a.block_q, a.block_m, a.block_n) == (4, 4, 32, 128, 64)
+    assert a.grid(100, 3) == (100 // 32 + 3, 8)
     g3 = plan_prefill(layout, 24, DeviceCaps.interpreter(), lse=True)
     assert (g3.group, g3.group_pad, g3.block_q, g3.block_m, g3.lse) == (3, 4, 8, 32, True)
-    assert "BQ=16 x GP=4 = BM=64" in a.describe()
+    assert "BQ=32 x GP=4 = BM=128" in a.describe()
     with pytest.raises(ValueError, match="num_q_heads must be a positive multiple of num_kv_heads = 8, got 12"):
         plan_prefill(layout, 12, DeviceCaps.sm90())
     with pytest.raises(ValueError, match="block_n must be None or a power of two >= 16, got 24"):

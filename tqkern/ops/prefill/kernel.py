@@ -13,7 +13,9 @@ Query i of the tile sits at position ``P_i = seq_len − q_len + i`` and sees ke
 (bottom-right causal), with ``WINDOW`` also keys ``≥ P_i − window_left``. The key loop runs in
 two parts: tiles every row sees whole (no mask; without ``WINDOW``), then the tiles that cross
 the diagonal (masked); tiles entirely above the diagonal are never read. Keys and values are
-decoded by the shared field loaders (:mod:`tqkern.ops.fields`) in their codec's space, with
+decoded in their codec's space by the shared field loaders (:mod:`tqkern.ops.fields`), or for
+4-bit codes by the decode's word path (:func:`tqkern.ops.paged_decode.general._whole_tile`:
+byte-permute lookups on a GPU), with
 the per-token scalars folded out of the per-element work as in the decode's general kernel
 (score ``f·(q·c) + z·Σq``, probabilities times f). Online softmax in float32 (base 2);
 ``SOFTCAP`` caps the scaled logits as ``c·tanh(a/c)``; ``SINKS`` adds one logit per query head
@@ -31,8 +33,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tqkern.ops.codecs import NC_DECODE
-from tqkern.ops.fields import load_tile, token_factors
+from tqkern.ops.codecs import KIND_UNIFORM, NC_DECODE
+from tqkern.ops.fields import token_factors
+from tqkern.ops.paged_decode._ptx import _prmt_tables
+from tqkern.ops.paged_decode.general import _whole_tile
 from tqkern.ops.paged_decode.merge import _store_merged
 
 __all__ = ["_prefill_kernel"]
@@ -62,8 +66,9 @@ def _find_tile(qsl_ptr, num_seqs, num_tokens, BQ: tl.constexpr):
 
 @triton.jit
 def _attend(acc, m_i, l_i, q, q_sum, pos_q, t0, kv_end, seq_len, cache_ptr, bt_row, h, kc_ptr, vc_ptr,
-            scale_log2, softcap, window_left, zero, MASK: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-            BN: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, K_ALIGNED: tl.constexpr,
+            scale_log2, softcap, window_left, zero, k_tabs, v_tabs, MASK: tl.constexpr, WINDOW: tl.constexpr,
+            SOFTCAP: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, K_FAST: tl.constexpr,
+            V_FAST: tl.constexpr, USE_ASM: tl.constexpr, K_ALIGNED: tl.constexpr,
             V_ALIGNED: tl.constexpr, K_PAR_ALIGNED: tl.constexpr, V_PAR_ALIGNED: tl.constexpr, D: tl.constexpr,
             DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
     """One step of the online softmax over keys ``t0 .. t0 + BN − 1`` (``MASK``: keys past
@@ -79,7 +84,7 @@ def _attend(acc, m_i, l_i, q, q_sum, pos_q, t0, kv_end, seq_len, cache_ptr, bt_r
 
     # -- scores [BM, BN] --------------------------------------------------------------------------
     kf, kz = token_factors(row, h, tmask, K, DOT, K_PAR_ALIGNED)
-    k_t = load_tile(row, h, tmask, DP, -1, NIBBLE, K, D, DP, kc_ptr, DOT, K_ALIGNED)  # [BN, DP]
+    k_t = _whole_tile(row, h, tmask, K_FAST, NIBBLE, K, D, DP, kc_ptr, k_tabs, DOT, K_ALIGNED, USE_ASM)  # [BN, DP]
     qk = tl.dot(q, tl.trans(k_t))
     if K.NORM_CORRECTION == NC_DECODE:  # vLLM's ‖c[idx]‖ divisor, per token
         k32 = k_t.to(tl.float32)
@@ -105,7 +110,7 @@ def _attend(acc, m_i, l_i, q, q_sum, pos_q, t0, kv_end, seq_len, cache_ptr, bt_r
 
     # -- values: p·f into the dot (scaled to the tile's largest |f|), p·z added per row -----------
     vf, vz = token_factors(row, h, tmask, V, DOT, V_PAR_ALIGNED)
-    v_t = load_tile(row, h, tmask, DP, -1, NIBBLE, V, D, DP, vc_ptr, DOT, V_ALIGNED)  # [BN, DP]
+    v_t = _whole_tile(row, h, tmask, V_FAST, NIBBLE, V, D, DP, vc_ptr, v_tabs, DOT, V_ALIGNED, USE_ASM)  # [BN, DP]
     if V.NORM_CORRECTION == NC_DECODE:
         v32 = v_t.to(tl.float32)
         vf = vf / tl.sqrt(tl.maximum(tl.sum(v32 * v32, axis=1), 1e-30))
@@ -122,8 +127,8 @@ def _prefill_kernel(
     q_ptr, poison_ptr, cache_ptr, bt_ptr, sl_ptr, qsl_ptr, kc_ptr, vc_ptr, rot_ptr, sinks_ptr, out_ptr, lse_ptr,
     num_seqs, num_tokens, max_blocks, stride_os, stride_oh, scale_log2, softcap, window_left, zero,
     G: tl.constexpr, GP: tl.constexpr, HQ: tl.constexpr, BQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BS: tl.constexpr, DOT: tl.constexpr, K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr,
-    K_PAR_ALIGNED: tl.constexpr, V_PAR_ALIGNED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    BS: tl.constexpr, DOT: tl.constexpr, K_FAST: tl.constexpr, V_FAST: tl.constexpr, USE_ASM: tl.constexpr,
+    K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, K_PAR_ALIGNED: tl.constexpr, V_PAR_ALIGNED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr, LSE: tl.constexpr, ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr, K: tl.constexpr,
     V: tl.constexpr,
@@ -163,18 +168,20 @@ def _prefill_kernel(
         full_end = (tl.minimum(tl.maximum(first + 1, 0), kv_end) // BN) * BN  # tiles every row sees whole
     full_end = tl.where(live, full_end, 0)
 
+    k_tabs = _prmt_tables(kc_ptr, K.KIND if K_FAST > 0 else KIND_UNIFORM)  # (the 4-bit word path's tables)
+    v_tabs = _prmt_tables(vc_ptr, V.KIND if V_FAST > 0 else KIND_UNIFORM)
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, DP], tl.float32)
     bt_row = bt_ptr + s.to(tl.int64) * max_blocks
     for t0 in range(kv_lo, full_end, BN):
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_sum, pos_q, t0, kv_end, seq_len, cache_ptr, bt_row, h, kc_ptr,
-                                vc_ptr, scale_log2, softcap, window_left, zero, False, WINDOW, SOFTCAP, BN, BS, DOT,
-                                K_ALIGNED, V_ALIGNED, K_PAR_ALIGNED, V_PAR_ALIGNED, D, DP, ROW_BYTES, NIBBLE, K, V)
+                                vc_ptr, scale_log2, softcap, window_left, zero, k_tabs, v_tabs, False, WINDOW, SOFTCAP,
+                                BN, BS, DOT, K_FAST, V_FAST, USE_ASM, K_ALIGNED, V_ALIGNED, K_PAR_ALIGNED, V_PAR_ALIGNED, D, DP, ROW_BYTES, NIBBLE, K, V)
     for t0 in range(tl.maximum(full_end, kv_lo), kv_end, BN):
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_sum, pos_q, t0, kv_end, seq_len, cache_ptr, bt_row, h, kc_ptr,
-                                vc_ptr, scale_log2, softcap, window_left, zero, True, WINDOW, SOFTCAP, BN, BS, DOT,
-                                K_ALIGNED, V_ALIGNED, K_PAR_ALIGNED, V_PAR_ALIGNED, D, DP, ROW_BYTES, NIBBLE, K, V)
+                                vc_ptr, scale_log2, softcap, window_left, zero, k_tabs, v_tabs, True, WINDOW, SOFTCAP,
+                                BN, BS, DOT, K_FAST, V_FAST, USE_ASM, K_ALIGNED, V_ALIGNED, K_PAR_ALIGNED, V_PAR_ALIGNED, D, DP, ROW_BYTES, NIBBLE, K, V)
 
     if SINKS:  # one more term exp(σ_h) in the normaliser (base 2: σ·log2 e)
         sink = tl.load(sinks_ptr + head, mask=g < G, other=0.0) * _LOG2E

@@ -9,10 +9,11 @@ num_kv_heads)``: enough programs for every query tile of every sequence whatever
 (a sequence of ``q_len`` tokens starting at ``qsl[s]`` needs ``ceil(q_len / BQ)`` tiles, at most
 ``qsl[s+1] // BQ − qsl[s] // BQ + 1``), so the host never reads ``query_start_loc``.
 
-Tile sizes are first choices, **unmeasured** (no GPU run yet): ``BM = 64`` query rows (query
-positions × the GQA group, padded to a power of two) by ``BN = 64`` keys (32 at head_dim > 128),
-4 warps (8 at head_dim > 128), 2 pipeline stages (1 at head_dim > 128). The interpreter takes
-32 × 32 tiles (fewer, larger NumPy steps).
+Tile sizes are first choices, **unmeasured** (no GPU run yet), picked by the offline sm_90
+compile (``tests/test_prefill_sm90_compile.py``: fewest spills among 64/128 rows × 32/64 keys ×
+4/8 warps, Triton 3.9): head_dim ≤ 128: ``BM = 128`` query rows (query positions × the GQA
+group, padded to a power of two) by ``BN = 64`` keys, 8 warps, 2 stages; head_dim 256: 64 × 32,
+8 warps, 1 stage. The interpreter takes 32 × 32 tiles (fewer, larger NumPy steps).
 """
 
 from __future__ import annotations
@@ -117,11 +118,11 @@ def _plan(layout, hq, caps, window, softcap, sinks, lse, block_m, block_n, num_w
     gp = 1 << max(0, (g - 1).bit_length())
     big = dp > 128
     if block_m is None:
-        block_m = 32 if caps.interpret else 64
+        block_m = 32 if caps.interpret else 64 if big else 128
     if block_n is None:
         block_n = 32 if caps.interpret or big else 64
     if num_warps is None:
-        num_warps = 8 if big else 4
+        num_warps = 8
     if num_stages is None:
         num_stages = 1 if big else 2
     bq = max(1, block_m // gp)
@@ -130,6 +131,7 @@ def _plan(layout, hq, caps, window, softcap, sinks, lse, block_m, block_n, num_w
     fast = fast_path_plan(layout)
     consts = {k: v for k, v in c.items() if not k.startswith("PAD")}
     cx = dict(G=g, GP=gp, HQ=hq, BQ=bq, BM=bm, BN=block_n, BS=layout.block_size,
+              K_FAST=fast["K_FAST"], V_FAST=fast["V_FAST"], USE_ASM=not caps.interpret,
               K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
               K_PAR_ALIGNED=fast["K_PAR_ALIGNED"], V_PAR_ALIGNED=fast["V_PAR_ALIGNED"],
               WINDOW=window, SOFTCAP=softcap, SINKS=sinks, LSE=lse,
