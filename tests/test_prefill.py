@@ -116,6 +116,22 @@ def test_bad_block_ids_are_clamped_and_flagged(case):
     assert np.abs(out[keep] - exp[keep]).max() <= 4e-3 * float(np.abs(exp).max())
 
 
+@needs_kernels
+@pytest.mark.parametrize("qsl", [[0, 5, 3, 6, 6], [2, 9, 40, 70, 6], [0, -4, 6, 6, 99], [0, 0, 0, 0, 6]],
+                         ids=["decreasing", "past num_tokens", "negative", "q_len above seq_len"])
+def test_bad_query_start_loc_stays_inside_q_and_out(case, qsl):
+    """``check_inputs=False``: whatever ``query_start_loc`` holds, the kernels write only rows of
+    ``out`` (a view inside a NaN-poisoned buffer whose guard rows must stay NaN)."""
+    layout, params, cache, bt, sl = case
+    q = torch.randn(6, HQ, D, dtype=torch.float16, device=DEV)
+    buf = torch.full((10, HQ, D), float("nan"), dtype=torch.float16, device=DEV)
+    out = buf[2:8]
+    t = [torch.from_numpy(x).to(DEV) for x in (cache, bt, np.minimum(sl, 16))]
+    tqt.prefill(q, *t, torch.tensor(qsl, dtype=torch.int32, device=DEV), layout, params, out=out,
+                check_inputs=False)
+    assert torch.isnan(buf[:2].float()).all() and torch.isnan(buf[8:].float()).all()
+
+
 def test_numpy_fallback_equals_oracle(case, monkeypatch):
     """Without a GPU and without the interpreter, CPU tensors run the NumPy oracle."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
