@@ -117,13 +117,22 @@ def test_tqkern_torch_exports_paged_decode():
     assert tqkern_torch.paged_decode is tqkern_torch.attention.paged_decode
 
 
+def test_tqkern_torch_exports_prefill():
+    import tqkern_torch
+    import tqkern_torch.prefill
+
+    assert "prefill" in tqkern_torch.__all__
+    # the function, not its module of the same name (importing the module must not rebind it)
+    assert callable(tqkern_torch.prefill) and tqkern_torch.prefill.__module__ == "tqkern_torch.prefill"
+
+
 def test_import_tqkern_torch_registers_every_op():
     # A fresh interpreter: nothing but `import tqkern_torch` may be needed before the ops resolve.
     code = (
         "import torch, tqkern_torch\n"
-        "for name in ('store', 'decompress', 'paged_decode'):\n"
+        "for name in ('store', 'decompress', 'paged_decode', 'prefill'):\n"
         "    op = getattr(torch.ops.tqkern, name)\n"
         "    assert isinstance(op, torch._ops.OpOverloadPacket), (name, type(op))\n"
-        "from tqkern_torch import paged_decode\n"
+        "from tqkern_torch import paged_decode, prefill\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -31,6 +31,8 @@ __all__ = [
     "kv_arrays",
     "paged_batches",
     "PagedBatch",
+    "varlen_batches",
+    "VarlenBatch",
     "scale",
     "is_thorough",
 ]
@@ -190,3 +192,53 @@ def paged_batches(draw, block_size: int, *, max_seqs: int = 4, max_len: int = 20
         table[s, :nb] = perm[i: i + nb]
         i += nb
     return PagedBatch(table, np.array(lens, np.int32), num_blocks, block_size)
+
+
+class VarlenBatch(PagedBatch):
+    """A :class:`PagedBatch` with new tokens: sequence s's last ``q_lens[s]`` tokens are its queries
+    (``query_start_loc [num_seqs + 1]`` int32, their offsets in a ``[num_tokens, ...]`` array)."""
+
+    def __init__(self, block_table, seq_lens, num_blocks, block_size, q_lens):
+        super().__init__(block_table, seq_lens, num_blocks, block_size)
+        self.q_lens = np.asarray(q_lens, np.int32)
+        self.query_start_loc = np.concatenate([[0], np.cumsum(self.q_lens)]).astype(np.int32)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+    def __repr__(self) -> str:
+        return f"VarlenBatch(seq_lens={self.seq_lens.tolist()}, q_lens={self.q_lens.tolist()}, " \
+               f"num_blocks={self.num_blocks})"
+
+
+@st.composite
+def varlen_batches(draw, block_size: int, *, max_seqs: int = 4, max_len: int = 100) -> VarlenBatch:
+    """A mixed batch for varlen prefill: per sequence a length in [0, max_len] (often a page
+    boundary) and a ``q_len`` of one of the kinds a serving step mixes: 0 (no new token), 1
+    (decode), 2..8 (speculative), the whole sequence (no cached prefix), or any chunk. Blocks are
+    drawn as in :func:`paged_batches` (shuffled across sequences, spare blocks)."""
+    n = draw(st.integers(1, max_seqs), label="num_seqs")
+    lens = draw(st.lists(
+        st.one_of(st.integers(0, max_len),
+                  st.integers(1, max(1, max_len // block_size)).map(lambda b: b * block_size)),
+        min_size=n, max_size=n), label="seq_lens")
+    lens = [min(x, max_len) for x in lens]
+    q_lens = []
+    for s, L in enumerate(lens):
+        kind = draw(st.sampled_from(["decode", "speculative", "whole", "chunk", "empty"]), label=f"q_kind{s}")
+        q = {"decode": 1, "speculative": draw(st.integers(2, 8), label=f"spec{s}"), "whole": L, "empty": 0,
+             "chunk": draw(st.integers(0, max(0, L)), label=f"chunk{s}")}[kind]
+        q_lens.append(min(q, L))
+    blocks_per = [-(-x // block_size) for x in lens]
+    max_blocks = max(1, max(blocks_per)) + draw(st.integers(0, 2), label="extra_table_columns")
+    spare = draw(st.integers(0, 3), label="spare_blocks")
+    num_blocks = max(1, sum(blocks_per) + spare)
+    perm = np.random.default_rng(draw(st.integers(0, 2**16), label="perm_seed")).permutation(num_blocks)
+    table = np.zeros((n, max_blocks), np.int32)
+    table[:] = perm[-1]  # unused entries: arbitrary valid blocks, never read
+    i = 0
+    for s, nb in enumerate(blocks_per):
+        table[s, :nb] = perm[i: i + nb]
+        i += nb
+    return VarlenBatch(table, np.array(lens, np.int32), num_blocks, block_size, q_lens)

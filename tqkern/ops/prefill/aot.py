@@ -1,0 +1,112 @@
+"""Compile the prefill kernel for sm_90 without a GPU, with its plan's own constexprs (CI sees the
+GPU kernel, bf16 included, which the interpreter cannot run): :func:`compile_prefill`,
+:func:`report`; ``python -m tqkern.ops.prefill.aot CASE ...`` prints one JSON report per case
+(in a process without ``TRITON_INTERPRET``: :func:`report_in_subprocess`).
+
+A case is ``"PRESET:ARRANGEMENT:D:HKV:HQ:OUT[:OPTIONS]"``: a preset of
+:data:`tqkern.layouts.PRESETS` or ``raw_bf16`` (raw bf16 keys and values: the bf16 tensor-core
+path), the output dtype ``fp16`` or ``bf16`` (q's), and optional ``+``-joined options among
+``window``, ``softcap``, ``sinks``, ``lse``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import triton
+import triton.language as tl
+from triton.compiler import ASTSource
+
+from tqkern.ops.paged_decode.aot import SM90, histogram, resources, sass_of
+from tqkern.ops.paged_decode.plan import DeviceCaps
+from tqkern.ops.prefill.kernel import _prefill_kernel
+from tqkern.ops.prefill.plan import plan_prefill
+
+__all__ = ["compile_prefill", "layout_of_case", "report", "report_in_subprocess"]
+
+_FP32_PTRS = ("q_ptr", "poison_ptr", "kc_ptr", "vc_ptr", "rot_ptr", "sinks_ptr", "lse_ptr")
+_I32_PTRS = ("bt_ptr", "sl_ptr", "qsl_ptr")
+_INTS = ("num_seqs", "num_tokens", "max_blocks", "stride_os", "stride_oh", "window_left", "zero")
+
+
+def layout_of_case(preset: str, arrangement: str, d: int, hkv: int):
+    """The layout a case names (``raw_bf16``: raw bf16 keys and values)."""
+    import tqkern
+
+    if preset == "raw_bf16":
+        fmt = tqkern.KVFormat(head_dim=d, key=tqkern.Raw(dtype="bfloat16"), value=tqkern.Raw(dtype="bfloat16"),
+                              rotation="hadamard")
+    else:
+        fmt = tqkern.KVFormat.preset(preset, d)
+    return tqkern.PagedLayout(format=fmt, num_kv_heads=hkv, block_size=16, arrangement=arrangement)
+
+
+def compile_prefill(layout, hq: int, out_dtype: str = "fp16", **options):
+    """The prefill kernel of :func:`~.plan.plan_prefill` (sm_90 caps, ``options``) compiled for
+    sm_90: pointers 16-byte aligned, integers i32 (``zero`` unspecialized, as launched)."""
+    if not hasattr(_prefill_kernel, "params"):
+        raise RuntimeError("the kernel is interpreted (TRITON_INTERPRET=1): compile in a process without it "
+                           "(report_in_subprocess)")
+    plan = plan_prefill(layout, hq, DeviceCaps.sm90(), **options)
+    cx = dict(plan.constexprs)
+    cx["DOT"] = tl.bfloat16 if plan.dot == "bf16" else tl.float16
+    fn = _prefill_kernel
+    sig, ptrs = {}, []
+    for name in fn.arg_names:
+        if name in _FP32_PTRS:
+            sig[name] = "*fp32"
+        elif name in _I32_PTRS:
+            sig[name] = "*i32"
+        elif name == "cache_ptr":
+            sig[name] = "*u8"
+        elif name == "out_ptr":
+            sig[name] = f"*{out_dtype}"
+        elif name in _INTS:
+            sig[name] = "i32"
+        elif name in ("scale_log2", "softcap"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "constexpr"
+        if sig[name].startswith("*"):
+            ptrs.append(name)
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in cx.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=SM90, options=dict(num_warps=plan.num_warps, num_stages=plan.num_stages)), plan
+
+
+def report(case: str) -> dict:
+    """Compile one case: ``name``, ``regs``, ``stack`` (bytes; > 0 means spills), ``instrs``
+    (SASS instructions), ``plan`` (its one-line description)."""
+    parts = case.split(":")
+    preset, arr, d, hkv, hq, out = parts[:6]
+    opts = {o: True for o in (parts[6].split("+") if len(parts) > 6 and parts[6] else [])}
+    unknown = set(opts) - {"window", "softcap", "sinks", "lse"}
+    if unknown:
+        raise ValueError(f"options must be among window, softcap, sinks, lse, got {sorted(unknown)}")
+    if out not in ("fp16", "bf16"):
+        raise ValueError(f"the output dtype must be 'fp16' or 'bf16', got {out!r}")
+    layout = layout_of_case(preset, arr, int(d), int(hkv))
+    compiled, plan = compile_prefill(layout, int(hq), out, **opts)
+    regs, stack = resources(compiled)
+    return dict(name=case, regs=regs, stack=stack, instrs=sum(histogram(sass_of(compiled)).values()),
+                plan=plan.describe())
+
+
+def report_in_subprocess(cases: list[str], timeout: float = 900) -> list[dict]:
+    """:func:`report` of every case, run in a fresh Python without ``TRITON_INTERPRET``."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-m", "tqkern.ops.prefill.aot", *cases], capture_output=True, text=True,
+                         timeout=timeout, env=env, cwd=root)
+    if res.returncode:
+        raise RuntimeError(f"sm_90 compile failed (exit {res.returncode}):\n{res.stderr[-4000:]}")
+    return json.loads(res.stdout)
+
+
+if __name__ == "__main__":
+    print(json.dumps([report(case) for case in sys.argv[1:]]))

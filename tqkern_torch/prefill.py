@@ -1,0 +1,183 @@
+"""Varlen causal prefill over a compressed paged cache: ``prefill`` (registers ``tqkern::prefill``)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from tqkern.ops.attention.reference import check_options, resolve_scale
+from tqkern.ops.prefill import reference as prefill_ref
+from tqkern_torch._validate import check_tensor, use_triton
+from tqkern_torch.attention import _kernel_indices, _tracing_or_capturing
+from tqkern_torch.errors import check_errors, error_word
+from tqkern_torch.library import _host_params, layout_key, layout_of
+from tqkern_torch.ops import _check_cache, _check_layout, _device_params
+
+__all__ = ["prefill"]
+
+
+def _inputs_checked_on_host(q, block_table, seq_lens, query_start_loc, sinks, num_blocks: int,
+                            block_size: int) -> None:
+    """The value checks (a device sync): ``query_start_loc`` against ``num_tokens`` and the
+    lengths, ``seq_lens`` and the used ``block_table`` entries against the cache, finite sinks."""
+    qsl = query_start_loc.cpu().to(torch.int64)
+    sl = seq_lens.cpu().to(torch.int64)
+    t = q.shape[0]
+    if int(qsl[0]) != 0:
+        raise ValueError(f"query_start_loc[0] must be 0, got {int(qsl[0])}")
+    q_lens = qsl[1:] - qsl[:-1]
+    if bool((q_lens < 0).any()):
+        s = int(torch.nonzero(q_lens < 0)[0, 0])
+        raise ValueError(f"query_start_loc must be non-decreasing, got query_start_loc[{s + 1}] = {int(qsl[s + 1])} "
+                         f"< query_start_loc[{s}] = {int(qsl[s])}")
+    if int(qsl[-1]) != t:
+        raise ValueError(f"query_start_loc[-1] must be num_tokens = {t} (q.shape[0]), got {int(qsl[-1])}")
+    cap = block_table.shape[1] * block_size
+    if sl.numel() and (int(sl.min()) < 0 or int(sl.max()) > cap):
+        raise ValueError(f"seq_lens must be in [0, max_blocks * block_size = {cap}], "
+                         f"got range [{int(sl.min())}, {int(sl.max())}]")
+    bad = torch.nonzero(q_lens > sl)
+    if bad.numel():
+        s = int(bad[0, 0])
+        raise ValueError(f"query_start_loc[{s + 1}] - query_start_loc[{s}] (q_len) must be <= seq_lens[{s}] = "
+                         f"{int(sl[s])}, got {int(q_lens[s])}")
+    bt = block_table.cpu()
+    used = torch.arange(bt.shape[1])[None, :] * block_size < sl[:, None]
+    ids = bt[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise ValueError(f"block_table entries in use must be in [0, num_blocks = {num_blocks}), "
+                         f"got range [{int(ids.min())}, {int(ids.max())}]")
+    if sinks is not None and not bool(torch.isfinite(sinks).all()):
+        raise ValueError("sinks must be finite, got a NaN or inf")
+
+
+def prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+            query_start_loc: torch.Tensor, layout, params, *, scale: Optional[float] = None,
+            out: Optional[torch.Tensor] = None, window_left: Optional[int] = None,
+            logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None, return_lse: bool = False,
+            check_inputs: bool = True, debug: bool = False):
+    """New tokens of several sequences attending causally to their compressed paged cache.
+
+    The spec is the oracle's (:func:`tqkern.ops.prefill.reference.prefill`): sequence s owns the
+    queries ``q[query_start_loc[s]:query_start_loc[s+1]]``, the last ``q_len`` tokens of its
+    ``seq_lens[s]``, whose keys and values (the new ones included) are already in the cache
+    (written by :func:`tqkern_torch.store`); query i sits at position ``seq_lens[s] − q_len + i``
+    and sees keys ``0 ..`` that position (bottom-right causal). Decode rows (``q_len = 1``),
+    speculative rows and prefill chunks mix freely in one call.
+
+    Args:
+        q: ``[num_tokens, num_q_heads, head_dim]`` float16 or bfloat16 (original coordinates).
+        cache: uint8 ``layout.cache_shape(num_blocks)``.
+        block_table: ``[num_seqs, max_blocks]`` int32. seq_lens: ``[num_seqs]`` int32, lengths
+            including the new tokens.
+        query_start_loc: ``[num_seqs + 1]`` int32: ``0 = qsl[0] ≤ … ≤ qsl[-1] = num_tokens``.
+        layout, params: the cache's layout and its parameters (TQParams or DeviceParams).
+        scale: softmax scale, default ``1/sqrt(head_dim)``.
+        out: optional output of q's shape and dtype (written, and returned).
+        window_left: keys more than this many positions left of a query are masked (int ≥ 0).
+        logit_softcap: ``c > 0`` caps the scaled logits as ``c·tanh(a/c)``.
+        sinks: float32 ``[num_q_heads]`` per-head sink logits.
+        return_lse: also return the natural-log normaliser, float32 ``[num_tokens, num_q_heads]``.
+        check_inputs: check the values of ``query_start_loc`` (``qsl[0] == 0``, non-decreasing,
+            ``qsl[-1] == num_tokens``, ``q_len ≤ seq_lens[s]``), ``seq_lens``, the used
+            ``block_table`` entries and ``sinks`` on the host and raise ``ValueError`` naming
+            them: a device sync, skipped while ``torch.compile`` traces or a CUDA graph is
+            captured. Without it the kernels still never read or write outside their tensors
+            (indices clamped; bad block ids and lengths flagged in the error word).
+        debug: check the error word right after the call (a device sync).
+
+    Non-finite values: a query row holding a NaN or inf gives a NaN output row (and lse).
+
+    Returns:
+        ``[num_tokens, num_q_heads, head_dim]`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
+    """
+    layout = _check_layout(layout)
+    h, d = layout.num_kv_heads, layout.head_dim
+    check_tensor(q, "q", dtypes=(torch.float16, torch.bfloat16))
+    if q.dim() != 3 or q.shape[2] != d:
+        raise ValueError(f"q must have shape [num_tokens, num_q_heads, {d}], got {list(q.shape)}")
+    if q.shape[1] == 0 or q.shape[1] % h:
+        raise ValueError(f"q.shape[1] (num_q_heads) must be a positive multiple of num_kv_heads = {h}, "
+                         f"got {q.shape[1]}")
+    dev = q.device
+    _check_cache(cache, layout, dev)
+    check_tensor(block_table, "block_table", shape=(None, None), dtypes=(torch.int32,), device=dev, contiguous=True)
+    n = block_table.shape[0]
+    check_tensor(seq_lens, "seq_lens", shape=(n,), dtypes=(torch.int32,), device=dev, contiguous=True)
+    check_tensor(query_start_loc, "query_start_loc", shape=(n + 1,), dtypes=(torch.int32,), device=dev,
+                 contiguous=True)
+    if out is not None:
+        check_tensor(out, "out", shape=tuple(q.shape), dtypes=(q.dtype,), device=dev, last_contiguous=True)
+    if sinks is not None:
+        check_tensor(sinks, "sinks", shape=(q.shape[1],), dtypes=(torch.float32,), device=dev, contiguous=True)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    scale = resolve_scale(scale, d)
+    opts = check_options(window_left, logit_softcap, None, q.shape[1])
+    if check_inputs and not _tracing_or_capturing(dev):
+        _inputs_checked_on_host(q, block_table, seq_lens, query_start_loc, sinks, cache.shape[0], layout.block_size)
+    p = _device_params(params, layout, dev)
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=dev) if return_lse else None
+    if q.shape[0]:
+        args = (q, cache, block_table, seq_lens, query_start_loc, p.rotation, p.key_centroids, p.value_centroids,
+                p.key_centroids_f32, p.value_centroids_f32, sinks, out, lse, layout_key(layout), float(scale),
+                -1 if opts.window_left is None else opts.window_left,
+                0.0 if opts.logit_softcap is None else opts.logit_softcap)
+        if type(q) is torch.Tensor and not torch.compiler.is_compiling():
+            _prefill_impl(*args)  # eager: the op's body without the dispatcher's layers
+        else:
+            torch.ops.tqkern.prefill(*args)
+        if debug:
+            check_errors(dev)
+    return (out, lse) if return_lse else out
+
+
+def _prefill_impl(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                  query_start_loc: torch.Tensor, rotation: torch.Tensor, key_centroids: torch.Tensor,
+                  value_centroids: torch.Tensor, key_centroids_f32: torch.Tensor, value_centroids_f32: torch.Tensor,
+                  sinks: Optional[torch.Tensor], out: torch.Tensor, lse: Optional[torch.Tensor], layout: str,
+                  scale: float, window_left: int, logit_softcap: float) -> None:
+    lay = layout_of(layout)
+    if q.shape[0] == 0:
+        return
+    window = None if window_left < 0 else window_left
+    cap = None if logit_softcap <= 0 else logit_softcap
+    errors = error_word(q.device)
+    if cache.shape[0] == 0:  # no block to clamp a bad entry to: a zero block stands in (and flags it)
+        cache = torch.zeros((1, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+        num_blocks = 0
+    else:
+        num_blocks = cache.shape[0]
+    if use_triton(q.device):
+        from tqkern.ops.prefill.triton import prefill_launch
+
+        tables = {"rotation": rotation, "key_centroids_f32": key_centroids_f32,
+                  "value_centroids_f32": value_centroids_f32}
+        prefill_launch(out, lse, q if q.stride(2) == 1 else q.contiguous(), cache, block_table, seq_lens,
+                       query_start_loc, lay, tables, errors, num_blocks, scale=scale, window_left=window,
+                       logit_softcap=cap, sinks=sinks)
+        return
+    # The NumPy oracle rejects bad indices; the kernels' policy is applied here first (lengths
+    # clamped, bad block entries in use clamped into [0, num_blocks), flagged).
+    bt, sl, flags = _kernel_indices(block_table.numpy(), seq_lens.numpy(), num_blocks, lay.block_size)
+    errors.bitwise_or_(int(flags))
+    params = _host_params(lay, rotation, key_centroids, value_centroids, None)
+    res = prefill_ref.prefill(q.float().numpy(), cache.numpy(), bt, sl, query_start_loc.numpy(), lay, params,
+                              scale=scale, window_left=window, logit_softcap=cap,
+                              sinks=None if sinks is None else sinks.double().numpy(), return_lse=lse is not None)
+    o, l_ = res if lse is not None else (res, None)
+    out.copy_(torch.from_numpy(o).to(out.dtype))
+    if lse is not None:
+        lse.copy_(torch.from_numpy(l_).to(lse.dtype))
+
+
+prefill_op = torch.library.custom_op("tqkern::prefill", mutates_args=("out", "lse"))(_prefill_impl)
+
+
+@prefill_op.register_fake
+def _(q, cache, block_table, seq_lens, query_start_loc, rotation, key_centroids, value_centroids, key_centroids_f32,
+      value_centroids_f32, sinks, out, lse, layout, scale, window_left, logit_softcap) -> None:
+    return None
