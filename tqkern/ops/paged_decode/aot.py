@@ -40,7 +40,8 @@ __all__ = ["SM90", "compile_general", "compile_mma", "general_launch", "histogra
 
 SM90 = GPUTarget("cuda", 90, 32)
 _PTRS = ("q_ptr", "cache_ptr", "bt_ptr", "sl_ptr", "cen_ptr", "vcen_ptr", "kc_ptr", "vc_ptr", "acc_ptr", "ml_ptr")
-_INTS = ("num_seqs", "max_blocks", "NUM_SPLITS", "zero")
+_INTS = ("num_seqs", "max_blocks", "NUM_SPLITS", "zero", "window_left")
+_FLOATS = ("sm_scale_log2", "softcap_scale", "softcap_cap")
 
 
 def tool_path(tool: str) -> str:
@@ -50,7 +51,7 @@ def tool_path(tool: str) -> str:
 
 def _compile(fn, constexprs: dict, options: dict, specialize: bool):
     """``fn`` compiled for sm_90: pointers fp32/u8/i32 (16-byte aligned when ``specialize``),
-    the runtime integers i32, ``sm_scale_log2`` fp32, every other parameter a constexpr (those
+    the runtime integers i32, the runtime floats (``sm_scale_log2``, the soft-cap's) fp32, every other parameter a constexpr (those
     not given at their defaults)."""
     if not hasattr(fn, "params"):
         raise RuntimeError("the kernels are interpreted (TRITON_INTERPRET=1): compile in a process without it "
@@ -65,7 +66,7 @@ def _compile(fn, constexprs: dict, options: dict, specialize: bool):
             sig[name] = "*u8" if name == "cache_ptr" else "*i32" if name in ("bt_ptr", "sl_ptr") else "*fp32"
         elif name in _INTS and name not in cx:
             sig[name] = "i32"
-        elif name == "sm_scale_log2":
+        elif name in _FLOATS:
             sig[name] = "fp32"
         else:
             sig[name] = "constexpr"
