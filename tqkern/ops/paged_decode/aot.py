@@ -187,13 +187,21 @@ def histogram(sass: str) -> collections.Counter:
 
 def report(case: str) -> list[dict]:
     """Compile one case and report each kernel: ``case`` is ``"mma:PRESET:ARRANGEMENT:D:HKV:HQ"``
-    (every plan of :func:`launcher_plans`) or ``"general:PRESET:ARRANGEMENT:D:HKV:HQ"`` (the
-    general kernel). Each report: ``name``, ``regs``, ``stack`` (bytes), ``instrs`` (SASS
+    (every plan of :func:`launcher_plans`) or ``"general:PRESET:ARRANGEMENT:D:HKV:HQ[:OPTIONS]"``
+    (the general kernel; ``OPTIONS``: :class:`~.plan.DecodeOptions` fields joined by ``+``, e.g.
+    ``window+softcap``). Each report: ``name``, ``regs``, ``stack`` (bytes), ``instrs`` (SASS
     instructions), ``maxnreg`` (the launcher's register cap, 0 for none)."""
     import tqkern
 
-    kind, preset, arr, d, hkv, hq = case.split(":")
+    kind, preset, arr, d, hkv, hq, *opts = case.split(":")
     d, hkv, hq = int(d), int(hkv), int(hq)
+    launch = {}
+    if opts:
+        if kind != "general" or len(opts) != 1:
+            raise ValueError(f"only a general case takes options (one field, names joined by '+'), got {case!r}")
+        from tqkern.ops.paged_decode.plan import DecodeOptions
+
+        launch["options"] = DecodeOptions(**{name: True for name in opts[0].split("+")})
     layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset(preset, d), num_kv_heads=hkv, block_size=16,
                                 arrangement=arr)
     if kind == "mma":
@@ -207,7 +215,7 @@ def report(case: str) -> list[dict]:
     out = []
     for name, plan in todo:
         if plan is None:
-            compiled, (_, opts) = compile_general(layout, hq), general_launch(layout, hq)
+            compiled, (_, opts) = compile_general(layout, hq, **launch), general_launch(layout, hq, **launch)
         else:
             compiled, (_, opts) = compile_mma(layout, hq, plan), mma_launch(layout, hq, plan)
         regs, stack = resources(compiled)
