@@ -22,7 +22,10 @@ from hypothesis import strategies as st
 import tqkern
 import tqkern.testing as T
 import tqkern_torch as tqt
+from property_tests.test_paged_decode_triton import mma_path_cases
 from tqkern import reference as ref
+from tqkern.ops.paged_decode.plan import DecodeOptions
+from tqkern.ops.paged_decode.triton import decode_path
 from tqkern_torch.attention import paged_decode
 from tqkern_torch.testing import device_under_test, kernels_available, poisoned_like, to_torch_kv
 
@@ -97,6 +100,21 @@ def test_options_match_oracle(kind, data):
     _check_options_against_oracle(*data.draw(option_cases(kind), label="case"), data)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="the warp-MMA kernel is inline PTX: GPU only")
+@given(mma_path_cases(), st.data())
+def test_sinks_and_lse_after_the_mma_kernel(case, data):
+    """Sinks and the lse are the merge's: the warp-MMA kernel keeps running with them."""
+    layout, params, group, batch, _, num_splits = case
+    assert not DecodeOptions(sinks=True, lse=True).general_only
+    assert decode_path(layout, group, same_codebooks=tqt.to_device(params, DEV).same_codebooks) == "mma"
+    hq = layout.num_kv_heads * group
+    sinks = np.array(data.draw(st.lists(st.floats(-8.0, 8.0, width=32), min_size=hq, max_size=hq), label="sinks"),
+                     np.float32)
+    opts = {"sinks": sinks} if data.draw(st.booleans(), label="with_sinks") else {}
+    _check_options_against_oracle(layout, params, group, batch, num_splits, opts, True, data)
+
+
 def _check_options_against_oracle(layout, params, group, batch, num_splits, opts, return_lse, data):
     h, d = layout.num_kv_heads, layout.head_dim
     qdtype = torch.float16
@@ -139,6 +157,7 @@ def _check_options_against_oracle(layout, params, group, batch, num_splits, opts
     assert np.all(np.isfinite(got[~bad])), "output has NaN/inf (unwritten or overflow)"
 
     fmt = layout.format
+    u = 2.0**-8 if "bfloat16" in (getattr(fmt.key, "dtype", ""), getattr(fmt.value, "dtype", "")) else 2.0**-11
     cap = opts.get("logit_softcap")
     cap_err = 0.0 if cap is None else cap * 2.0**-21
     q_ok = np.where(bad[..., None], 0.0, q64)
@@ -151,7 +170,7 @@ def _check_options_against_oracle(layout, params, group, batch, num_splits, opts
         khat, vhat = khat[lo:], vhat[lo:]
         vmax = float(np.abs(vhat).max()) if vhat.size else 0.0
         kv = np.repeat(np.abs(khat), group, axis=1)
-        delta = float((2 * 2.0**-11 / np.sqrt(d)) * np.max(np.einsum("hd,nhd->nh", np.abs(q_k[s]), kv))) \
+        delta = float((2 * u / np.sqrt(d)) * np.max(np.einsum("hd,nhd->nh", np.abs(q_k[s]), kv))) \
             if kv.size else 0.0
         delta += cap_err
         good = ~bad[s]
