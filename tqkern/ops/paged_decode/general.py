@@ -14,6 +14,10 @@ codes whose nibbles pair up (``lsb`` or ``nibble_high_even`` with D a power of t
 never interleaved: the two nibbles of each byte give two half-width tiles that meet the even and
 odd halves of q (and of the output) in two dots.
 
+Options (constexprs, off by default: the plain kernel): ``WINDOW`` walks only the last
+``window_left + 1`` keys, split across the programs; ``SOFTCAP`` caps the scaled logits. Sinks
+and the lse are the merge's (:mod:`.merge`).
+
 This module holds that kernel (``path="general"``; every layout, and the CPU interpreter) and its
 4-bit word decoders (every other field is read by :mod:`tqkern.ops.fields`, shared with decompress); its read plan, split count and launch: :mod:`.triton`; the merge: :mod:`.merge`.
 """

@@ -5,10 +5,8 @@ the device, as one typed value (:class:`DecodePlan`), built by one pure function
 A plan has three launches: the q rotation with the block-table scan (:class:`RotatePlan`,
 :mod:`.rotate`), the decode kernel (:class:`KernelPlan`: the warp-MMA kernel of
 :mod:`.mma_kernel`, per warp or CTA-cooperative, or the general kernel of :mod:`.general`) and
-the merge of the splits (:class:`MergePlan`, :mod:`.merge`). The attention options a call uses
-(:class:`DecodeOptions`: window, soft-cap, sinks, lse) are part of the plan: a window or a
-soft-cap takes the general kernel (the warp-MMA kernel does not apply them); sinks and the lse
-are the merge's, so they run after either kernel. Nothing here compiles or launches;
+the merge of the splits (:class:`MergePlan`, :mod:`.merge`), with the attention options it
+applies (:class:`DecodeOptions`). Nothing here compiles or launches;
 the split count of a long launch depends on how many programs of the compiled kernel the GPU holds
 at once, which the caller supplies through ``occupancy`` (the torch launcher compiles the kernel
 for it; :mod:`.aot` compiles offline for sm_90). ``tqkern_torch.plan_decode`` returns the plan a
@@ -75,16 +73,11 @@ class DeviceCaps:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeOptions:
-    """Which attention options a launch applies (their values are runtime arguments, so one plan
-    serves every window length, cap and sink vector). ``window``: keys older than ``window_left``
-    positions before the query are skipped (the general kernel splits only the window);
-    ``softcap``: the scaled logits are capped as ``c·tanh(a/c)`` (general kernel); ``sinks``: a
-    per-query-head logit joins the softmax denominator (the merge); ``lse``: the merge also writes
-    the natural-log normaliser. The spec: :mod:`tqkern.ops.paged_decode.reference`.
-
-    A window or a soft-cap takes the general kernel: the warp-MMA kernel does not apply them.
-    Sinks and the lse run after either kernel: both decode kernels write the same partials
-    (unnormalised acc, base-2 max, sum per split), which is all the merge needs for them."""
+    """Which attention options a launch applies (spec: :mod:`tqkern.ops.paged_decode.reference`;
+    the values are runtime arguments, so one plan serves every window, cap and sink vector):
+    ``window`` and ``softcap`` take the general kernel (the warp-MMA kernel does not apply them);
+    ``sinks`` (denominator) and ``lse`` (written normaliser) are the merge's and follow either
+    kernel, as both write the same partials (unnormalised acc, base-2 max, sum per split)."""
 
     window: bool = False
     softcap: bool = False
