@@ -1,6 +1,6 @@
 """CI sees the GPU kernels: every warp-MMA decode plan the launcher can emit for the benchmark
-presets, and the general kernel for fp16, compiled for sm_90 (H100) with Triton's bundled ptxas,
-on a machine without a GPU.
+presets, and the general kernel for fp16 (with and without a window and a soft-cap), compiled
+for sm_90 (H100) with Triton's bundled ptxas, on a machine without a GPU.
 
 For each compiled kernel: it compiles; its registers stay within the cap the launcher sets
 (``maxnreg``; 255 where it sets none); its stack bytes (spills) and SASS instruction count stay
@@ -49,6 +49,8 @@ BUDGETS = {
     "mma:turboquant_3bit_nc:slot:64:3:9:per_warp": (0, 840),
     "mma:tqkern_k5v3:slot:64:3:9:per_warp": (0, 1368),
     "general:fp16:slot:128:8:32": (0, 952),
+    # a window and a soft-cap (paged_decode(window_left=, logit_softcap=)): 132 registers, 105 without
+    "general:fp16:slot:128:8:32:window+softcap": (0, 1096),
 }
 INSTR_SLACK = 1.03
 
@@ -58,7 +60,7 @@ def _cases() -> list[str]:
     for shape in map(decode_shape, SHAPES):
         dims = f"{shape.head_dim}:{shape.num_kv_heads}:{shape.num_q_heads}"
         cases += [f"mma:{preset}:{arr}:{dims}" for preset, arr in DECODE_PRESETS if preset != "fp16"]
-    cases.append("general:fp16:slot:128:8:32")
+    cases += ["general:fp16:slot:128:8:32", "general:fp16:slot:128:8:32:window+softcap"]
     return cases
 
 

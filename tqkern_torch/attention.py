@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 
 from tqkern.errors import ErrorFlag
 from tqkern.layouts import PagedLayout
+from tqkern.ops.attention.reference import check_options
 from tqkern.ops.paged_decode import reference as paged_decode_ref
 from tqkern_torch._validate import check_tensor, use_triton
 from tqkern_torch.errors import check_errors, error_word
@@ -36,8 +38,10 @@ def _lengths_checked_on_host(block_table, seq_lens, num_blocks: int, block_size:
 def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                  layout: PagedLayout, params, *, scale: Optional[float] = None, out: Optional[torch.Tensor] = None,
                  workspace: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
-                 check_lengths: bool = False, debug: bool = False) -> torch.Tensor:
-    """One decode step: each sequence's query attends to its whole compressed cache.
+                 check_lengths: bool = False, debug: bool = False, window_left: Optional[int] = None,
+                 logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+                 return_lse: bool = False):
+    """One decode step: each sequence's query attends to its compressed cache.
 
     Args:
         q: ``[num_seqs, num_q_heads, head_dim]`` float16 or bfloat16 (original coordinates).
@@ -60,12 +64,26 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
             (:func:`tqkern_torch.check_errors`).
         debug: check the error word right after the call (a device sync) and raise
             :class:`tqkern_torch.TQKernError` if any kernel reported something.
+        window_left: sliding window: the query sits at position ``seq_lens[s] − 1`` and sees only
+            its last ``window_left + 1`` keys (an int ≥ 0), or ``None`` (all keys).
+        logit_softcap: ``c > 0`` caps each scaled logit ``a = scale·q·k`` as ``c·tanh(a/c)``
+            (Gemma-2), or ``None``.
+        sinks: float32 ``[num_q_heads]`` on q's device, one logit per query head that joins the
+            softmax denominator (``exp(sinks[h])``) and attends to nothing (GPT-OSS), or
+            ``None``. Must be finite (not checked: that would read the device).
+        return_lse: also return the natural-log softmax normaliser of every row, sinks
+            included (``−inf`` for an empty sequence without sinks).
 
-    Non-finite values: a query row holding a NaN or inf gives a NaN output row
+    The options follow the oracle, :mod:`tqkern.ops.paged_decode.reference`. A window or a
+    soft-cap runs the general decode kernel (the warp-MMA kernel does not apply them); sinks and
+    the lse are applied by the merge after either kernel.
+
+    Non-finite values: a query row holding a NaN or inf gives a NaN output row, and a NaN lse
     (``docs/layout.md``).
 
     Returns:
-        ``[num_seqs, num_q_heads, head_dim]`` in q's dtype.
+        ``[num_seqs, num_q_heads, head_dim]`` in q's dtype; with ``return_lse`` the pair
+        ``(out, lse)``, lse float32 ``[num_seqs, num_q_heads]``.
     """
     layout = _check_layout(layout)
     h, d = layout.num_kv_heads, layout.head_dim
@@ -93,29 +111,49 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
         check_workspace(workspace, q.shape[0], q.shape[1], num_splits, layout_consts(layout)["DP"])
     if scale is None:
         scale = 1.0 / math.sqrt(d)
+    window_left, logit_softcap = _check_options(window_left, logit_softcap, sinks, return_lse, q.shape[1], dev)
     if check_lengths and not _tracing_or_capturing(dev):
         _lengths_checked_on_host(block_table, seq_lens, cache.shape[0], layout.block_size)
     p = _device_params(params, layout, dev)
     if out is None:
         out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=dev) if return_lse else None
     if q.shape[0] == 0:
-        return out
+        return (out, lse) if return_lse else out
     args = (q, cache, block_table, seq_lens, p.rotation, p.key_centroids, p.value_centroids, p.key_centroids_f32,
             p.value_centroids_f32, out, workspace, layout_key(layout), float(scale), num_splits or 0, p.same_codebooks)
+    if window_left is not None or logit_softcap is not None or sinks is not None or return_lse:
+        args += (-1 if window_left is None else window_left, 0.0 if logit_softcap is None else logit_softcap, sinks,
+                 lse)
     if type(q) is torch.Tensor and not torch.compiler.is_compiling():
         _paged_decode_impl(*args)  # eager: the op's body without the dispatcher's layers (host time)
     else:
         torch.ops.tqkern.paged_decode(*args)
     if debug:
         check_errors(dev)
-    return out
+    return (out, lse) if return_lse else out
+
+
+def _check_options(window_left, logit_softcap, sinks, return_lse, num_q_heads: int, dev: torch.device):
+    """Validate the attention options (errors name the argument, expected and actual); returns
+    ``(window_left, logit_softcap)`` as int / float or ``None``."""
+    if window_left is not None and (isinstance(window_left, bool) or not isinstance(window_left, numbers.Integral)):
+        raise TypeError(f"window_left must be None or an int >= 0, got {type(window_left).__name__}")
+    if sinks is not None:
+        check_tensor(sinks, "sinks", shape=(num_q_heads,), dtypes=(torch.float32,), device=dev, contiguous=True)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    opts = check_options(window_left, logit_softcap, None, num_q_heads)  # (ValueError / TypeError naming them)
+    return opts.window_left, opts.logit_softcap
 
 
 def plan_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, layout: PagedLayout, params, *,
-                num_splits: Optional[int] = None):
+                num_splits: Optional[int] = None, window_left: Optional[int] = None,
+                logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None, return_lse: bool = False):
     """The :class:`tqkern.ops.paged_decode.plan.DecodePlan` that :func:`paged_decode` runs for
-    tensors of these shapes on this device: which kernel, its constexprs and grid, the split
-    count, the rotation and merge launches, the workspace size (``plan.describe()`` prints it).
+    tensors of these shapes on this device, with these options: which kernel, its constexprs and
+    grid, the split count, the rotation and merge launches, the workspace size
+    (``plan.describe()`` prints it).
     On a GPU this plans, compiles and caches the launches exactly as the first call would (so a
     later call only looks them up); on a CPU it is the interpreter's plan."""
     layout = _check_layout(layout)
@@ -128,21 +166,23 @@ def plan_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                  contiguous=True)
     if block_table.shape[1] < 1:
         raise ValueError(f"block_table must have at least one column, got {list(block_table.shape)}")
+    window_left, logit_softcap = _check_options(window_left, logit_softcap, sinks, return_lse, q.shape[1], q.device)
     p = _device_params(params, layout, q.device)
     from tqkern.ops.paged_decode.plan import DeviceCaps
     from tqkern.ops.paged_decode.plan import plan_decode as _plan
+    from tqkern.ops.paged_decode.triton import decode_options, prepare
 
+    options = decode_options(window_left, logit_softcap, sinks, True if return_lse else None)
     if not use_triton(q.device) or q.device.type != "cuda":
         return _plan(layout, q.shape[0], q.shape[1], block_table.shape[1], DeviceCaps.interpreter(),
-                     same_codebooks=p.same_codebooks, num_splits=num_splits)
-    from tqkern.ops.paged_decode.triton import prepare
+                     same_codebooks=p.same_codebooks, num_splits=num_splits, options=options)
 
     q_rot = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     seq_lens = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)
     tables = {"rotation": p.rotation, "key_centroids_f32": p.key_centroids_f32,
               "value_centroids_f32": p.value_centroids_f32}
     return prepare(layout, q_rot, cache, block_table, seq_lens, tables, same_codebooks=p.same_codebooks,
-                   num_splits=num_splits).plan
+                   num_splits=num_splits, options=options).plan
 
 
 def _tracing_or_capturing(dev: torch.device) -> bool:
@@ -156,7 +196,10 @@ def _paged_decode_impl(q: torch.Tensor, cache: torch.Tensor, block_table: torch.
                       rotation: torch.Tensor, key_centroids: torch.Tensor, value_centroids: torch.Tensor,
                       key_centroids_f32: torch.Tensor, value_centroids_f32: torch.Tensor, out: torch.Tensor,
                       workspace: Optional[torch.Tensor], layout: str, scale: float, num_splits: int,
-                      same_codebooks: bool = False) -> None:
+                      same_codebooks: bool = False, window_left: int = -1, logit_softcap: float = 0.0,
+                      sinks: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None) -> None:
+    """The op's body (``torch.ops.tqkern.paged_decode``): options off as ``window_left = −1``,
+    ``logit_softcap = 0.0``, ``sinks``/``lse`` ``None`` (``lse`` is written when given)."""
     lay = layout_of(layout)
     errors = error_word(q.device)
     if cache.shape[0] == 0:  # no block to clamp a bad entry to: a zero block stands in (and flags it)
@@ -173,15 +216,21 @@ def _paged_decode_impl(q: torch.Tensor, cache: torch.Tensor, block_table: torch.
                   "value_centroids_f32": value_centroids_f32}
         paged_decode_launch(out, q if q.stride(2) == 1 else q.contiguous(), cache, block_table, seq_lens, lay, tables,
                             errors, num_blocks, sm_scale=scale, same_codebooks=same_codebooks, workspace=workspace,
-                            num_splits=num_splits or None)
+                            num_splits=num_splits or None, window_left=None if window_left < 0 else window_left,
+                            logit_softcap=logit_softcap or None, sinks=sinks, lse=lse)
         return
     # The NumPy oracle rejects bad indices; the kernels' policy is applied here first: lengths
     # clamped, bad block entries in use clamped into [0, num_blocks) as unsigned numbers (flagged).
     bt, sl, flags = _kernel_indices(block_table.numpy(), seq_lens.numpy(), num_blocks, lay.block_size)
     errors.bitwise_or_(int(flags))
     params = _host_params(lay, rotation, key_centroids, value_centroids, None)
-    res = paged_decode_ref.paged_decode(q.float().numpy(), cache.numpy(), bt, sl, lay, params, scale=scale)
+    res, res_lse = paged_decode_ref.paged_decode(
+        q.float().numpy(), cache.numpy(), bt, sl, lay, params, scale=scale,
+        window_left=None if window_left < 0 else window_left, logit_softcap=logit_softcap or None,
+        sinks=None if sinks is None else sinks.numpy(), return_lse=True)
     out.copy_(torch.from_numpy(res).to(out.dtype))
+    if lse is not None:
+        lse.copy_(torch.from_numpy(res_lse).to(lse.dtype))
 
 
 def _kernel_indices(block_table: np.ndarray, seq_lens: np.ndarray, num_blocks: int, block_size: int):
@@ -201,11 +250,12 @@ def _kernel_indices(block_table: np.ndarray, seq_lens: np.ndarray, num_blocks: i
     return np.where(bad, clamped, block_table).astype(np.int32), sl, flags
 
 
-paged_decode_op = torch.library.custom_op("tqkern::paged_decode", mutates_args=("out", "workspace"))(
+paged_decode_op = torch.library.custom_op("tqkern::paged_decode", mutates_args=("out", "workspace", "lse"))(
     _paged_decode_impl)
 
 
 @paged_decode_op.register_fake
 def _(q, cache, block_table, seq_lens, rotation, key_centroids, value_centroids, key_centroids_f32,
-      value_centroids_f32, out, workspace, layout, scale, num_splits, same_codebooks=False) -> None:
+      value_centroids_f32, out, workspace, layout, scale, num_splits, same_codebooks=False, window_left=-1,
+      logit_softcap=0.0, sinks=None, lse=None) -> None:
     return None

@@ -40,7 +40,8 @@ __all__ = ["SM90", "compile_general", "compile_mma", "general_launch", "histogra
 
 SM90 = GPUTarget("cuda", 90, 32)
 _PTRS = ("q_ptr", "cache_ptr", "bt_ptr", "sl_ptr", "cen_ptr", "vcen_ptr", "kc_ptr", "vc_ptr", "acc_ptr", "ml_ptr")
-_INTS = ("num_seqs", "max_blocks", "NUM_SPLITS", "zero")
+_INTS = ("num_seqs", "max_blocks", "NUM_SPLITS", "zero", "window_left")
+_FLOATS = ("sm_scale_log2", "softcap_scale", "softcap_cap")
 
 
 def tool_path(tool: str) -> str:
@@ -50,7 +51,7 @@ def tool_path(tool: str) -> str:
 
 def _compile(fn, constexprs: dict, options: dict, specialize: bool):
     """``fn`` compiled for sm_90: pointers fp32/u8/i32 (16-byte aligned when ``specialize``),
-    the runtime integers i32, ``sm_scale_log2`` fp32, every other parameter a constexpr (those
+    the runtime integers i32, the runtime floats (``sm_scale_log2``, the soft-cap's) fp32, every other parameter a constexpr (those
     not given at their defaults)."""
     if not hasattr(fn, "params"):
         raise RuntimeError("the kernels are interpreted (TRITON_INTERPRET=1): compile in a process without it "
@@ -65,7 +66,7 @@ def _compile(fn, constexprs: dict, options: dict, specialize: bool):
             sig[name] = "*u8" if name == "cache_ptr" else "*i32" if name in ("bt_ptr", "sl_ptr") else "*fp32"
         elif name in _INTS and name not in cx:
             sig[name] = "i32"
-        elif name == "sm_scale_log2":
+        elif name in _FLOATS:
             sig[name] = "fp32"
         else:
             sig[name] = "constexpr"
@@ -186,13 +187,21 @@ def histogram(sass: str) -> collections.Counter:
 
 def report(case: str) -> list[dict]:
     """Compile one case and report each kernel: ``case`` is ``"mma:PRESET:ARRANGEMENT:D:HKV:HQ"``
-    (every plan of :func:`launcher_plans`) or ``"general:PRESET:ARRANGEMENT:D:HKV:HQ"`` (the
-    general kernel). Each report: ``name``, ``regs``, ``stack`` (bytes), ``instrs`` (SASS
+    (every plan of :func:`launcher_plans`) or ``"general:PRESET:ARRANGEMENT:D:HKV:HQ[:OPTIONS]"``
+    (the general kernel; ``OPTIONS``: :class:`~.plan.DecodeOptions` fields joined by ``+``, e.g.
+    ``window+softcap``). Each report: ``name``, ``regs``, ``stack`` (bytes), ``instrs`` (SASS
     instructions), ``maxnreg`` (the launcher's register cap, 0 for none)."""
     import tqkern
 
-    kind, preset, arr, d, hkv, hq = case.split(":")
+    kind, preset, arr, d, hkv, hq, *opts = case.split(":")
     d, hkv, hq = int(d), int(hkv), int(hq)
+    launch = {}
+    if opts:
+        if kind != "general" or len(opts) != 1:
+            raise ValueError(f"only a general case takes options (one field, names joined by '+'), got {case!r}")
+        from tqkern.ops.paged_decode.plan import DecodeOptions
+
+        launch["options"] = DecodeOptions(**{name: True for name in opts[0].split("+")})
     layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset(preset, d), num_kv_heads=hkv, block_size=16,
                                 arrangement=arr)
     if kind == "mma":
@@ -206,7 +215,7 @@ def report(case: str) -> list[dict]:
     out = []
     for name, plan in todo:
         if plan is None:
-            compiled, (_, opts) = compile_general(layout, hq), general_launch(layout, hq)
+            compiled, (_, opts) = compile_general(layout, hq, **launch), general_launch(layout, hq, **launch)
         else:
             compiled, (_, opts) = compile_mma(layout, hq, plan), mma_launch(layout, hq, plan)
         regs, stack = resources(compiled)

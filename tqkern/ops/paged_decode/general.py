@@ -14,6 +14,10 @@ codes whose nibbles pair up (``lsb`` or ``nibble_high_even`` with D a power of t
 never interleaved: the two nibbles of each byte give two half-width tiles that meet the even and
 odd halves of q (and of the output) in two dots.
 
+Options (constexprs, off by default: the plain kernel): ``WINDOW`` walks only the last
+``window_left + 1`` keys, split across the programs; ``SOFTCAP`` caps the scaled logits. Sinks
+and the lse are the merge's (:mod:`.merge`).
+
 This module holds that kernel (``path="general"``; every layout, and the CPU interpreter) and its
 4-bit word decoders (every other field is read by :mod:`tqkern.ops.fields`, shared with decompress); its read plan, split count and launch: :mod:`.triton`; the merge: :mod:`.merge`.
 """
@@ -119,16 +123,21 @@ def _half_tiles(row, h, tmask, NIBBLE: tl.constexpr, S: tl.constexpr, D: tl.cons
     return e, o
 
 
-@triton.jit(do_not_specialize=["zero"])
+@triton.jit(do_not_specialize=["zero", "window_left"])
 def _paged_decode_kernel(
     q_ptr, cache_ptr, bt_ptr, sl_ptr, kc_ptr, vc_ptr, acc_ptr, ml_ptr,
-    max_blocks, sm_scale_log2, zero,
+    max_blocks, sm_scale_log2, zero, window_left, softcap_scale, softcap_cap,
     G: tl.constexpr, GP: tl.constexpr, HQ: tl.constexpr, NUM_SPLITS: tl.constexpr, BN: tl.constexpr,
     BS: tl.constexpr, K_HALVES: tl.constexpr, V_HALVES: tl.constexpr, DOT: tl.constexpr,
     K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, K_FAST: tl.constexpr, V_FAST: tl.constexpr, USE_ASM: tl.constexpr,
     K_PAR_ALIGNED: tl.constexpr, V_PAR_ALIGNED: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
+    """``WINDOW``: only the last ``window_left + 1`` keys, shared by the splits (a split past
+    them writes an empty partial: max −inf, sum 0, which the merge skips). ``SOFTCAP``: the
+    scaled logit a becomes ``c·tanh(a/c)``; ``softcap_scale = 2·scale·log2(e)/c`` and
+    ``softcap_cap = c·log2(e)`` (logits are base 2 here). Off, both compile to the plain kernel."""
     s = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -154,8 +163,13 @@ def _paged_decode_kernel(
     v_tabs = _prmt_tables(vc_ptr, V.KIND if V_FAST > 0 else KIND_UNIFORM)
 
     seq_len = tl.minimum(tl.maximum(tl.load(sl_ptr + s), 0), max_blocks * BS)  # (a bad length: clamped)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BN) * BN
-    start = split * per_split
+    if WINDOW:  # keys first .. seq_len − 1, the query at seq_len − 1 (window_left < 2^30)
+        first = tl.maximum(seq_len - 1 - window_left, 0)
+        per_split = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BN) * BN
+        start = first + split * per_split
+    else:
+        per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BN) * BN
+        start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
     m_i = tl.full([GP], float("-inf"), tl.float32)
@@ -194,7 +208,13 @@ def _paged_decode_kernel(
             if K.NORM_CORRECTION == NC_DECODE:
                 cn2 = tl.dot(tl.full([GP, DP], 1.0, DOT), tl.trans(k_f * k_f))
                 qk = qk * tl.rsqrt(tl.maximum(cn2, 1e-30))
-        sc = (qk * kf[None, :] + q_sum[:, None] * kz[None, :]) * sm_scale_log2
+        if SOFTCAP:  # c·log2(e)·tanh(a/c); y = 2·log2(e)·a/c, tanh(|a/c|) = (1 − 2^−|y|)/(1 + 2^−|y|): no overflow
+            y = (qk * kf[None, :] + q_sum[:, None] * kz[None, :]) * softcap_scale
+            t = tl.exp2(-tl.abs(y))
+            th = (1.0 - t) / (1.0 + t)
+            sc = tl.where(y < 0, -th, th) * softcap_cap
+        else:
+            sc = (qk * kf[None, :] + q_sum[:, None] * kz[None, :]) * sm_scale_log2
         sc = tl.where(tmask[None, :], sc, float("-inf"))
 
         # -- online softmax (base 2) -------------------------------------------------------------

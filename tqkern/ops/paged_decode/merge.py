@@ -2,7 +2,12 @@
 log-sum-exp into the output, rotating back (``@ Πᵀ``) when the value codec is rotated:
 :func:`_merge_rows_kernel` (blocks of query rows) or :func:`_merge_kernel` (one GQA group per
 program), launched by :func:`_launch_merge`. Both decode kernels (:mod:`.general`,
-:mod:`.mma_kernel`) write the workspace these read."""
+:mod:`.mma_kernel`) write the workspace these read.
+
+Two attention options are the merge's alone, so they apply after either kernel (constexprs:
+off, the merge compiles as without them): ``SINKS`` adds each query head's sink logit σ to the
+denominator (``2^(σ·log2 e − m)``, no value), ``LSE`` writes the row's natural-log normaliser
+``(m + log2 l)·ln 2`` (−inf for a row without keys or sink; NaN for a poisoned row)."""
 
 from __future__ import annotations
 
@@ -14,6 +19,27 @@ from tqkern.ops.common import layout_consts
 from tqkern.ops.paged_decode.plan import merge_chunks
 
 __all__ = ["_merge_kernel", "_merge_rows_kernel", "_launch_merge", "merge_chunks"]
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _with_sink(m_all, sink_ptr, heads, hmask, SINKS: tl.constexpr):
+    """The rows' maxima (base 2) with their heads' sink logits, and those logits in base 2."""
+    if SINKS:
+        sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * _LOG2E
+        return tl.maximum(m_all, sink), sink
+    return m_all, m_all
+
+
+@triton.jit
+def _store_lse(lse_ptr, rows, rmask, m_safe, l_all, poison, c0, POISON: tl.constexpr):
+    """lse = (m + log2 l)·ln 2 of each row (−inf where l = 0), from the first column chunk only."""
+    lse = tl.where(l_all > 0, (m_safe + tl.log2(tl.where(l_all > 0, l_all, 1.0))) * _LN2, float("-inf"))
+    if POISON:
+        lse += poison
+    tl.store(lse_ptr + rows, lse, mask=rmask & ((rows * 0 + c0) == 0))
 
 
 @triton.jit
@@ -35,10 +61,11 @@ def _store_merged(o, o_row, rmask, rot_ptr, c0, cols, D: tl.constexpr, CC: tl.co
 
 
 @triton.jit
-def _merge_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, stride_os, stride_oh,
+def _merge_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, sink_ptr, lse_ptr, stride_os, stride_oh,
                   G: tl.constexpr, GP: tl.constexpr, HQ: tl.constexpr, NUM_SPLITS: tl.constexpr,
                   SP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CC: tl.constexpr,
-                  ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr, POISON: tl.constexpr):
+                  ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr, POISON: tl.constexpr,
+                  SINKS: tl.constexpr = False, LSE: tl.constexpr = False):
     """Merge the splits of one (sequence, KV head) by log-sum-exp; out = acc/l (@ Πᵀ). Program
     ``(s, h, j)`` writes output columns ``j·CC .. j·CC + CC − 1`` (with the rotation it merges all
     columns and rotates into its chunk: the chunks spread the rotate-back over more programs)."""
@@ -56,10 +83,12 @@ def _merge_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, stride_os, stri
     pm = gm[:, None] & spm[None, :]
     m = tl.load(ml_ptr + part * 2, mask=pm, other=float("-inf"))
     l = tl.load(ml_ptr + part * 2 + 1, mask=pm, other=0.0)
-    m_all = tl.max(m, axis=1)
+    m_all, sink = _with_sink(tl.max(m, axis=1), sink_ptr, qh, gm, SINKS)
     m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
     w = tl.where(pm & (m > float("-inf")), tl.exp2(m - m_safe[:, None]), 0.0)  # [GP, SP]
     l_all = tl.sum(w * l, axis=1)
+    if SINKS:
+        l_all += tl.exp2(sink - m_safe)
     inv = tl.where(l_all > 0, 1.0 / tl.where(l_all > 0, l_all, 1.0), 0.0)
     o_row = out_ptr + s.to(tl.int64) * stride_os + qh.to(tl.int64)[:, None] * stride_oh
     cc = c0 + tl.arange(0, CC)
@@ -76,14 +105,17 @@ def _merge_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, stride_os, stri
     o = o * inv[:, None]
     if POISON:
         o += poison[:, None]
+    if LSE:
+        _store_lse(lse_ptr, s * HQ + qh, gm, m_safe, l_all, poison if POISON else l_all, c0, POISON)
     _store_merged(o, o_row, gm, rot_ptr, c0, cols, D, CC, ROTATE_BACK, DOT_PRECISION)
 
 
 @triton.jit
-def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, n_rows, num_splits, stride_os, stride_oh,
+def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, sink_ptr, lse_ptr, n_rows, num_splits,
+                       stride_os, stride_oh,
                        HQ: tl.constexpr, ROWS: tl.constexpr, SP: tl.constexpr, UNROLL: tl.constexpr, D: tl.constexpr,
                        DP: tl.constexpr, CC: tl.constexpr, ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       POISON: tl.constexpr):
+                       POISON: tl.constexpr, SINKS: tl.constexpr = False, LSE: tl.constexpr = False):
     """The merge by blocks of ``ROWS`` query rows (``row = s·HQ + head``, any heads and
     sequences): the rotate-back is a full ``[ROWS, DP] @ [DP, CC]`` tile and Π is read once per
     ROWS rows, instead of once per GQA group padded to 16. Program ``(b, j)`` writes columns
@@ -100,6 +132,7 @@ def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, n_rows, nu
     sp = tl.arange(0, SP)  # the maxima of all splits: one load, not one round trip per split
     m_all = tl.max(tl.load(ml_ptr + (part0[:, None] + sp[None, :]) * 2, mask=rm[:, None] & (sp < num_splits)[None, :],
                            other=float("-inf")), axis=1)
+    m_all, sink = _with_sink(m_all, sink_ptr, rows % HQ, rm, SINKS)
     m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
     if ROTATE_BACK:  # out[:, cc] = o @ Πᵀ[:, cc], Πᵀ[:, c] = Π[c, :]
         cols = tl.arange(0, DP)
@@ -117,17 +150,21 @@ def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, n_rows, nu
             l_all += w * l
             a = tl.load(acc_ptr + part[:, None] * DP + cols[None, :], mask=(rm & ok)[:, None], other=0.0)
             o += tl.where((w > 0)[:, None], a * w[:, None], 0.0)  # the load does not wait for w
+    if SINKS:
+        l_all += tl.exp2(sink - m_safe)
     inv = tl.where(l_all > 0, 1.0 / tl.where(l_all > 0, l_all, 1.0), 0.0)
     o = o * inv[:, None]
     if POISON:
         o += poison[:, None]
+    if LSE:
+        _store_lse(lse_ptr, rows, rm, m_safe, l_all, poison if POISON else l_all, c0, POISON)
     o_row = out_ptr + (rows // HQ).to(tl.int64)[:, None] * stride_os + (rows % HQ).to(tl.int64)[:, None] * stride_oh
     _store_merged(o, o_row, rm, rot_ptr, c0, cols, D, CC, ROTATE_BACK, DOT_PRECISION)
 
 
 def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, interpret: bool,
                   chunks: int | None = None, impl: str | None = None, rows: int = 16, unroll: int | None = None,
-                  q_poison=None):
+                  q_poison=None, sinks=None, lse=None):
     """Merge the splits into ``out`` (rotating back when the value codec is rotated). ``impl``:
     ``"rows"`` (:func:`_merge_rows_kernel`, blocks of ``rows`` query rows) or ``"heads"``
     (:func:`_merge_kernel`, one GQA group per program); by default rows with the rotate-back or
@@ -138,7 +175,9 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
     the same section). ``chunks``: output-column chunks per
     program block (default :func:`merge_chunks`); ``unroll``: splits per loop iteration of the
     row-block kernel (default 8 with the rotate-back, else all of them). ``q_poison``: float32
-    ``[S·Hq]`` added to every output row (NaN poisons the row), or ``None``."""
+    ``[S·Hq]`` added to every output row (NaN poisons the row), or ``None``. ``sinks``: float32
+    ``[Hq]`` sink logits (natural log), or ``None``; ``lse``: float32 ``[S, Hq]`` written with
+    each row's normaliser, or ``None``."""
     s, hq, d = out.shape
     dp = layout_consts(layout)["DP"]
     rotate_back = bool(layout.format.value.rotated)
@@ -162,10 +201,12 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
             chunks = min(2, merge_chunks(blocks, sms, dp)) if rotate_back else merge_chunks(blocks, sms, dp)
         if n:
             _merge_rows_kernel[(blocks, chunks)](
-                acc, ml, rotation, out, ml if q_poison is None else q_poison, n, num_splits, out.stride(0), out.stride(1),
+                acc, ml, rotation, out, ml if q_poison is None else q_poison, ml if sinks is None else sinks,
+                ml if lse is None else lse, n, num_splits, out.stride(0), out.stride(1),
                 HQ=hq, ROWS=rows, SP=max(2, triton.next_power_of_2(num_splits)),
                 UNROLL=max(1, min(unroll, num_splits)), D=d, DP=dp, CC=dp // chunks,
-                ROTATE_BACK=rotate_back, DOT_PRECISION=precision, POISON=q_poison is not None, num_warps=4)
+                ROTATE_BACK=rotate_back, DOT_PRECISION=precision, POISON=q_poison is not None,
+                SINKS=sinks is not None, LSE=lse is not None, num_warps=4)
         return
     gp = max(16, triton.next_power_of_2(g))
     if chunks is None:
@@ -174,7 +215,9 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
     nch = chunks
     cc = dp // nch
     _merge_kernel[(s, layout.num_kv_heads, nch)](
-        acc, ml, rotation, out, ml if q_poison is None else q_poison, out.stride(0), out.stride(1),
+        acc, ml, rotation, out, ml if q_poison is None else q_poison, ml if sinks is None else sinks,
+        ml if lse is None else lse, out.stride(0), out.stride(1),
         G=g, GP=gp, HQ=hq, NUM_SPLITS=num_splits, SP=max(2, triton.next_power_of_2(num_splits)), D=d, DP=dp,
-        CC=cc, ROTATE_BACK=rotate_back, DOT_PRECISION=precision, POISON=q_poison is not None, num_warps=4,
+        CC=cc, ROTATE_BACK=rotate_back, DOT_PRECISION=precision, POISON=q_poison is not None,
+        SINKS=sinks is not None, LSE=lse is not None, num_warps=4,
     )

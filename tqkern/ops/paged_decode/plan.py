@@ -5,7 +5,8 @@ the device, as one typed value (:class:`DecodePlan`), built by one pure function
 A plan has three launches: the q rotation with the block-table scan (:class:`RotatePlan`,
 :mod:`.rotate`), the decode kernel (:class:`KernelPlan`: the warp-MMA kernel of
 :mod:`.mma_kernel`, per warp or CTA-cooperative, or the general kernel of :mod:`.general`) and
-the merge of the splits (:class:`MergePlan`, :mod:`.merge`). Nothing here compiles or launches;
+the merge of the splits (:class:`MergePlan`, :mod:`.merge`), with the attention options it
+applies (:class:`DecodeOptions`). Nothing here compiles or launches;
 the split count of a long launch depends on how many programs of the compiled kernel the GPU holds
 at once, which the caller supplies through ``occupancy`` (the torch launcher compiles the kernel
 for it; :mod:`.aot` compiles offline for sm_90). ``tqkern_torch.plan_decode`` returns the plan a
@@ -24,7 +25,7 @@ from tqkern.ops.common import halfword_aligned
 from tqkern.ops.paged_decode.mma_plans import (DynamicSmemUnsupported, _LUT_BYTES, _needs_lut, coop_smem_bytes,
                                                mma_plan, num_splits_mma, per_warp_plan)
 
-__all__ = ["DeviceCaps", "KernelPlan", "RotatePlan", "MergePlan", "DecodePlan", "plan_decode", "decode_path",
+__all__ = ["DeviceCaps", "DecodeOptions", "KernelPlan", "RotatePlan", "MergePlan", "DecodePlan", "plan_decode", "decode_path",
            "fast_path_plan", "num_splits_for", "merge_chunks", "workspace_numel", "MMA_MIN_CAPABILITY",
            "MMA_FP8_MIN_CAPABILITY"]
 
@@ -71,6 +72,31 @@ class DeviceCaps:
 
 
 @dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """Which attention options a launch applies (spec: :mod:`tqkern.ops.paged_decode.reference`;
+    the values are runtime arguments, so one plan serves every window, cap and sink vector):
+    ``window`` and ``softcap`` take the general kernel (the warp-MMA kernel does not apply them);
+    ``sinks`` (denominator) and ``lse`` (written normaliser) are the merge's and follow either
+    kernel, as both write the same partials (unnormalised acc, base-2 max, sum per split)."""
+
+    window: bool = False
+    softcap: bool = False
+    sinks: bool = False
+    lse: bool = False
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, bool):
+                raise TypeError(f"DecodeOptions.{f.name} must be a bool, got {type(v).__name__}")
+
+    @property
+    def general_only(self) -> bool:
+        """Whether only the general kernel applies these options (a window or a soft-cap)."""
+        return self.window or self.softcap
+
+
+@dataclasses.dataclass(frozen=True)
 class KernelPlan:
     """One kernel launch: ``kernel`` (``"mma"``, ``"coop"`` or ``"general"``), its grid, its
     constexprs (name, value pairs in a fixed order) and compile options."""
@@ -112,7 +138,8 @@ class RotatePlan:
 @dataclasses.dataclass(frozen=True)
 class MergePlan:
     """The merge launch: ``impl`` ``"rows"`` (blocks of ``rows`` query rows) or ``"heads"`` (one
-    GQA group per program), ``chunks`` output-column chunks, ``unroll`` splits per iteration."""
+    GQA group per program), ``chunks`` output-column chunks, ``unroll`` splits per iteration;
+    ``sinks``: sink logits join the denominator; ``lse``: the normaliser is written."""
 
     impl: str
     grid: tuple[int, ...]
@@ -120,6 +147,8 @@ class MergePlan:
     chunks: int
     unroll: int
     rotate_back: bool
+    sinks: bool = False
+    lse: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +167,7 @@ class DecodePlan:
     rotate: RotatePlan
     merge: MergePlan
     workspace_numel: int
+    options: DecodeOptions = DecodeOptions()
 
     @property
     def group(self) -> int:
@@ -161,7 +191,9 @@ class DecodePlan:
                  f"scan {self.rotate.scan_block}",
                  f"merge       {self.merge.impl}, grid {self.merge.grid}, {self.merge.chunks} chunks"
                  + (", rotate back" if self.merge.rotate_back else ""),
-                 f"workspace   {self.workspace_numel} float32"]
+                 f"workspace   {self.workspace_numel} float32",
+                 "options     " + (" ".join(f.name for f in dataclasses.fields(self.options)
+                                            if getattr(self.options, f.name)) or "-")]
         return "\n".join(lines)
 
 
@@ -277,7 +309,8 @@ Occupancy = Callable[[KernelPlan], Optional[int]]
 def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks: int, caps: DeviceCaps, *,
                 same_codebooks: bool, cache_aligned: bool = True, num_splits: int | None = None,
                 path: str = "auto", occupancy: Occupancy | None = None, block_n: int | None = None,
-                num_warps: int = 4, num_stages: int | None = None, maxnreg: int | None = None) -> DecodePlan:
+                num_warps: int = 4, num_stages: int | None = None, maxnreg: int | None = None,
+                options: DecodeOptions | None = None) -> DecodePlan:
     """The plan of one ``paged_decode`` launch (pure: same input, same plan).
 
     ``path``: ``"auto"`` (:func:`decode_path`), ``"mma"`` (or ``ValueError`` where it does not
@@ -285,7 +318,9 @@ def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks
     long splits, ``occupancy``: CTAs of a kernel plan's compiled kernel that one SM holds, or
     ``None`` if unknown — it may raise :class:`.mma_plans.DynamicSmemUnsupported` for a cooperative
     plan, which then gives way to the per-warp kernel). ``block_n``, ``num_warps``,
-    ``num_stages``, ``maxnreg``: the general kernel's tile options (defaults measured)."""
+    ``num_stages``, ``maxnreg``: the general kernel's tile options (defaults measured).
+    ``options``: the attention options (:class:`DecodeOptions`, default none); a window or a
+    soft-cap takes the general kernel (``path="mma"`` then raises ``ValueError``)."""
     if not isinstance(layout, PagedLayout):
         raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
     if not isinstance(caps, DeviceCaps):
@@ -298,6 +333,15 @@ def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks
         raise ValueError(f"num_q_heads must be a multiple of num_kv_heads = {hkv}, got {num_q_heads}")
     if path not in ("auto", "mma", "general"):
         raise ValueError(f"path must be 'auto', 'mma' or 'general', got {path!r}")
+    if options is None:
+        options = DecodeOptions()
+    if not isinstance(options, DecodeOptions):
+        raise TypeError(f"options must be a DecodeOptions or None, got {type(options).__name__}")
+    if path == "mma" and options.general_only:
+        raise ValueError("the warp-MMA decode kernel does not apply a window or a soft-cap: path must be "
+                         f"'auto' or 'general' with {options}")
+    if options.general_only:
+        path = "general"
     g = num_q_heads // hkv
     occupancy = occupancy or (lambda kernel: None)
     decode = None
@@ -310,13 +354,13 @@ def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks
             decode, num_splits = _mma_decode(layout, num_seqs, num_q_heads, max_blocks, caps, num_splits, occupancy)
     if decode is None:
         decode, num_splits = _general_decode(layout, num_seqs, num_q_heads, max_blocks, caps, num_splits, occupancy,
-                                             block_n, num_warps, num_stages, maxnreg)
+                                             block_n, num_warps, num_stages, maxnreg, options)
     dp = layout_consts(layout)["DP"]
     return DecodePlan(layout=layout, num_seqs=num_seqs, num_q_heads=num_q_heads, max_blocks=max_blocks, caps=caps,
                       path="general" if decode.kernel == "general" else "mma", num_splits=num_splits, decode=decode,
                       rotate=_rotate_plan(layout, num_seqs, num_q_heads, max_blocks),
-                      merge=_merge_plan(layout, num_seqs, num_q_heads, num_splits, caps),
-                      workspace_numel=workspace_numel(num_seqs, num_q_heads, num_splits, dp))
+                      merge=_merge_plan(layout, num_seqs, num_q_heads, num_splits, caps, options),
+                      workspace_numel=workspace_numel(num_seqs, num_q_heads, num_splits, dp), options=options)
 
 
 def mma_kernel_plan(layout, plan: dict, num_seqs: int, num_q_heads: int, num_splits: int, *, warps: int = 4,
@@ -379,7 +423,8 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy):
     return mma_kernel_plan(layout, plan, s, hq, n), n
 
 
-def _general_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, block_n, num_warps, num_stages, maxnreg):
+def _general_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, block_n, num_warps, num_stages, maxnreg,
+                    options):
     c = layout_consts(layout)
     d, dp = layout.head_dim, c["DP"]
     hkv = layout.num_kv_heads
@@ -398,7 +443,7 @@ def _general_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, bloc
     head = dict(G=g, GP=max(16, 1 << max(0, (g - 1).bit_length())), HQ=hq, BN=block_n, BS=layout.block_size,
                 K_HALVES=halves("key", "K"), V_HALVES=halves("value", "V"), DOT="bf16" if raw_bf16 else "fp16",
                 K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
-                USE_ASM=not caps.interpret, **fast)
+                USE_ASM=not caps.interpret, WINDOW=options.window, SOFTCAP=options.softcap, **fast)
 
     def kernel(n):
         cx = dict(head, NUM_SPLITS=n, **consts)
@@ -430,7 +475,7 @@ def _rotate_plan(layout, s, hq, max_blocks, rows: int = 16, cols: int = 64) -> R
     return RotatePlan(grid=(programs, dp // cc), rows=rows, cols=cc, scan_block=sb, rotate=rotate)
 
 
-def _merge_plan(layout, s, hq, num_splits, caps) -> MergePlan:
+def _merge_plan(layout, s, hq, num_splits, caps, options) -> MergePlan:
     """Rows with the rotate-back or more than 16 splits, else heads (``.merge._launch_merge``)."""
     dp = layout_consts(layout)["DP"]
     rotate_back = bool(layout.format.value.rotated)
@@ -440,10 +485,11 @@ def _merge_plan(layout, s, hq, num_splits, caps) -> MergePlan:
         blocks = -(-(s * hq) // rows)
         chunks = min(2, merge_chunks(blocks, sms, dp)) if rotate_back else merge_chunks(blocks, sms, dp)
         return MergePlan(impl="rows", grid=(blocks, chunks), rows=rows, chunks=chunks,
-                         unroll=max(1, min(8 if rotate_back else 64, num_splits)), rotate_back=rotate_back)
+                         unroll=max(1, min(8 if rotate_back else 64, num_splits)), rotate_back=rotate_back,
+                         sinks=options.sinks, lse=options.lse)
     chunks = merge_chunks(s * layout.num_kv_heads, sms, dp)
     return MergePlan(impl="heads", grid=(s, layout.num_kv_heads, chunks), rows=0, chunks=chunks, unroll=num_splits,
-                     rotate_back=rotate_back)
+                     rotate_back=rotate_back, sinks=options.sinks, lse=options.lse)
 
 
 def needs_lut_bytes(kernel: KernelPlan) -> int:

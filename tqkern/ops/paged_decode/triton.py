@@ -23,12 +23,12 @@ from tqkern.ops.paged_decode.merge import _merge_kernel, _merge_rows_kernel
 from tqkern.ops.paged_decode.mma_kernel import _paged_decode_coop_kernel, _paged_decode_mma_kernel
 from tqkern.ops.paged_decode.mma_launch import _size_dynamic_smem
 from tqkern.ops.paged_decode.mma_plans import DynamicSmemUnsupported, ctas_per_sm
-from tqkern.ops.paged_decode.plan import (MMA_FP8_MIN_CAPABILITY, MMA_MIN_CAPABILITY, DecodePlan, DeviceCaps,
-                                          decode_path, fast_path_plan, needs_lut_bytes, num_splits_for, plan_decode,
+from tqkern.ops.paged_decode.plan import (MMA_FP8_MIN_CAPABILITY, MMA_MIN_CAPABILITY, DecodeOptions, DecodePlan,
+                                          DeviceCaps, decode_path, fast_path_plan, needs_lut_bytes, num_splits_for, plan_decode,
                                           workspace_numel)
 from tqkern.ops.paged_decode.rotate import _rotate_q_kernel
 
-__all__ = ["_launch_paged_decode", "check_workspace", "decode_path", "device_caps", "fast_path_plan",
+__all__ = ["_launch_paged_decode", "check_workspace", "decode_options", "decode_path", "device_caps", "fast_path_plan",
            "launch_mma_plan", "num_splits_for", "paged_decode_launch", "prepare", "workspace_numel", "MMA_MIN_CAPABILITY",
            "MMA_FP8_MIN_CAPABILITY"]
 
@@ -69,7 +69,8 @@ class Prepared:
             _rotate_q_kernel, r.grid, dict(HQ=plan.num_q_heads, D=d, DP=dp, ROWS=r.rows, CC=r.cols, ROTATE=r.rotate,
                                            DOT_PRECISION=precision, POISON=True, SCAN=True, BS=lay.block_size,
                                            SB=r.scan_block), num_warps=4)
-        common = dict(D=d, DP=dp, CC=dp // m.chunks, ROTATE_BACK=m.rotate_back, DOT_PRECISION=precision, POISON=True)
+        common = dict(D=d, DP=dp, CC=dp // m.chunks, ROTATE_BACK=m.rotate_back, DOT_PRECISION=precision, POISON=True,
+                      SINKS=m.sinks, LSE=m.lse)
         sp = max(2, 1 << (plan.num_splits - 1).bit_length())
         if m.impl == "rows":
             self.merge = KernelLauncher(_merge_rows_kernel, m.grid, dict(HQ=plan.num_q_heads, ROWS=m.rows, SP=sp,
@@ -105,10 +106,33 @@ _PREPARED: dict = {}  # the one cache: the planner's input -> Prepared (plan, la
 _PREPARED_MAX = 1024  # entries kept (oldest dropped first): shapes change as batches and tables grow
 
 
-def _plan_key(layout, s, hq, max_blocks, caps, same_codebooks, cache, num_splits, path, general) -> tuple:
+def _plan_key(layout, s, hq, max_blocks, caps, same_codebooks, cache, num_splits, path, general, options) -> tuple:
     """The planner's input, the key of :data:`_PREPARED`."""
     return (layout, s, hq, max_blocks, caps, same_codebooks, cache.data_ptr() % 16 == 0, num_splits, path,
-            tuple(sorted(general.items())) if general else ())
+            tuple(sorted(general.items())) if general else (), options)
+
+
+_NO_OPTIONS = DecodeOptions()
+_LOG2E = 1.4426950408889634
+
+
+def decode_options(window_left=None, logit_softcap=None, sinks=None, lse=None) -> DecodeOptions:
+    """The :class:`~.plan.DecodeOptions` of a call's option values (``None``: not used)."""
+    if window_left is None and logit_softcap is None and sinks is None and lse is None:
+        return _NO_OPTIONS
+    return DecodeOptions(window=window_left is not None, softcap=logit_softcap is not None, sinks=sinks is not None,
+                         lse=lse is not None)
+
+
+def _option_args(window_left, logit_softcap, sm_scale: float) -> tuple:
+    """The general kernel's option arguments ``(window_left, softcap_scale, softcap_cap)``: the
+    window clamped to 2^30 (no sequence is longer), ``2·scale·log2(e)/c`` and ``c·log2(e)``."""
+    if logit_softcap is None:
+        scale_c, cap = 0.0, 0.0
+    else:
+        scale_c, cap = 2.0 * sm_scale * _LOG2E / logit_softcap, logit_softcap * _LOG2E
+    return (0 if window_left is None else min(int(window_left), 1 << 30)), scale_c, cap
+
 
 
 def _up16(n: int) -> int:
@@ -117,14 +141,17 @@ def _up16(n: int) -> int:
 
 
 def prepare(layout: PagedLayout, q_rot, cache, block_table, seq_lens, tables, *, same_codebooks: bool,
-            num_splits: int | None = None, path: str = "auto", **general) -> Prepared:
+            num_splits: int | None = None, path: str = "auto", options: DecodeOptions = _NO_OPTIONS,
+            **general) -> Prepared:
     """The prepared launches for these shapes (planned and compiled once; afterwards a dict
     lookup). The tensors give the shapes, the device and, on a first call, the arguments the
-    occupancy compile specializes for. ``general``: the general kernel's tile options."""
+    occupancy compile specializes for. ``options``: which attention options the calls use;
+    ``general``: the general kernel's tile options."""
     dev = q_rot.device
     caps = device_caps(dev)
     s, hq, _ = q_rot.shape
-    key = _plan_key(layout, s, hq, block_table.shape[1], caps, same_codebooks, cache, num_splits, path, general)
+    key = _plan_key(layout, s, hq, block_table.shape[1], caps, same_codebooks, cache, num_splits, path, general,
+                    options)
     hit = _PREPARED.get(key)
     if hit is not None:
         return hit
@@ -147,7 +174,7 @@ def prepare(layout: PagedLayout, q_rot, cache, block_table, seq_lens, tables, *,
 
     plan = plan_decode(layout, s, hq, block_table.shape[1], caps, same_codebooks=same_codebooks,
                        cache_aligned=cache.data_ptr() % 16 == 0, num_splits=num_splits, path=path,
-                       occupancy=None if caps.interpret else occupancy, **general)
+                       occupancy=None if caps.interpret else occupancy, options=options, **general)
     prepared = Prepared(plan, launchers.get(plan.decode) or _launcher(plan.decode))
     if len(_PREPARED) >= _PREPARED_MAX:
         del _PREPARED[next(iter(_PREPARED))]
@@ -156,18 +183,19 @@ def prepare(layout: PagedLayout, q_rot, cache, block_table, seq_lens, tables, *,
 
 
 def _decode_args(kernel, q_rot, cache, block_table, seq_lens, tables, acc, ml, sm_scale, num_splits):
-    """Runtime arguments of a decode kernel, in its order."""
+    """Runtime arguments of a decode kernel, in its order (the general kernel's options off)."""
     scale = sm_scale * 1.4426950408889634
     if kernel.kernel == "general":
         return (q_rot, cache, block_table, seq_lens, tables["key_centroids_f32"], tables["value_centroids_f32"],
-                acc, ml, block_table.shape[1], scale, 0)
+                acc, ml, block_table.shape[1], scale, 0, 0, 0.0, 0.0)
     two = dict(kernel.constexprs)
     vcen = tables["value_centroids_f32"] if two["K_BITS"] == 5 and not two["V_UNIFORM"] else tables["key_centroids_f32"]
     return (q_rot, cache, block_table, seq_lens, tables["key_centroids_f32"], vcen, acc, ml, q_rot.shape[0],
             block_table.shape[1], scale, num_splits)
 
 
-def _decode_and_merge(prep: Prepared, out, q_rot, cache, safe_table, seq_lens, tables, sm_scale, workspace, poison):
+def _decode_and_merge(prep: Prepared, out, q_rot, cache, safe_table, seq_lens, tables, sm_scale, workspace, poison,
+                      window_left=None, logit_softcap=None, sinks=None, lse=None):
     plan = prep.plan
     s, hq, _ = q_rot.shape
     dp = plan.workspace_numel // (s * hq * plan.num_splits) - 2
@@ -176,61 +204,71 @@ def _decode_and_merge(prep: Prepared, out, q_rot, cache, safe_table, seq_lens, t
     scale = sm_scale * 1.4426950408889634
     if plan.decode.kernel == "general":
         prep.decode(q_rot, cache, safe_table, seq_lens, tables["key_centroids_f32"], vcen, acc, ml,
-                    safe_table.shape[1], scale, 0)
+                    safe_table.shape[1], scale, 0, *_option_args(window_left, logit_softcap, sm_scale))
     else:
         prep.decode(q_rot, cache, safe_table, seq_lens, tables["key_centroids_f32"], vcen, acc, ml, s,
                     safe_table.shape[1], scale, plan.num_splits)
     rot = tables["rotation"]
+    sink_arg, lse_arg = ml if sinks is None else sinks, ml if lse is None else lse  # (unread when off)
     if plan.merge.impl == "rows":
-        prep.merge(acc, ml, rot, out, poison, s * hq, plan.num_splits, out.stride(0), out.stride(1))
+        prep.merge(acc, ml, rot, out, poison, sink_arg, lse_arg, s * hq, plan.num_splits, out.stride(0), out.stride(1))
     else:
-        prep.merge(acc, ml, rot, out, poison, out.stride(0), out.stride(1))
+        prep.merge(acc, ml, rot, out, poison, sink_arg, lse_arg, out.stride(0), out.stride(1))
 
 
 def paged_decode_launch(out, q, cache, block_table, seq_lens, layout, tables, errors, num_blocks: int, *,
-                        sm_scale: float, same_codebooks: bool, workspace=None, num_splits: int | None = None):
+                        sm_scale: float, same_codebooks: bool, workspace=None, num_splits: int | None = None,
+                        window_left: int | None = None, logit_softcap: float | None = None, sinks=None, lse=None):
     """One decode step: rotate q (marking non-finite rows) and scan the block table in one
     launch, decode, merge into ``out``. ``q``: ``[S, Hq, D]`` fp16/bf16/fp32 with a contiguous
     last dimension; ``cache`` at least one block (``num_blocks``: the caller's real block count,
-    0 for an empty cache, into which the scan clamps ids); ``errors``: the int32 error word. No
-    other checks: the frontend validated everything."""
+    0 for an empty cache, into which the scan clamps ids); ``errors``: the int32 error word.
+    Options (``None``: off): ``window_left`` int ≥ 0, ``logit_softcap`` float > 0, ``sinks``
+    float32 ``[Hq]``, ``lse`` float32 ``[S, Hq]`` (written). No other checks: the frontend
+    validated everything."""
     s, hq, d = q.shape
     mb = block_table.shape[1]
+    options = decode_options(window_left, logit_softcap, sinks, lse)
     # one allocation: the rotated q, the poison vector, the clamped table (int32 bits) (and the
     # split partials unless the caller gives a workspace)
     n_q, n_p, n_t = _up16(s * hq * d), _up16(s * hq), _up16(s * mb)
     prep = _PREPARED.get(_plan_key(layout, s, hq, mb, device_caps(q.device), same_codebooks, cache, num_splits,
-                                   "auto", None))
+                                   "auto", None, options))
     n_ws = 0 if workspace is not None or prep is None else prep.plan.workspace_numel
     buf = torch.empty(n_q + n_p + n_t + n_ws, dtype=torch.float32, device=q.device)
     q_rot = buf[: s * hq * d].view(s, hq, d)
     if prep is None:
         prep = prepare(layout, q_rot, cache, block_table, seq_lens, tables, same_codebooks=same_codebooks,
-                       num_splits=num_splits)
+                       num_splits=num_splits, options=options)
     poison = buf[n_q: n_q + s * hq]
     safe_table = buf[n_q + n_p: n_q + n_p + s * mb].view(torch.int32).view(s, mb)
     if n_ws:
         workspace = buf[n_q + n_p + n_t:]
     prep.rotate(q, tables["rotation"], q_rot, poison, block_table, seq_lens, errors, safe_table, s * hq, q.stride(0),
                 q.stride(1), s, block_table.shape[1], num_blocks)
-    _decode_and_merge(prep, out, q_rot, cache, safe_table, seq_lens, tables, sm_scale, workspace, poison)
+    _decode_and_merge(prep, out, q_rot, cache, safe_table, seq_lens, tables, sm_scale, workspace, poison,
+                      window_left, logit_softcap, sinks, lse)
     return out
 
 
 def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, tables, *, sm_scale: float,
                          interpret: bool = False, q_poison=None, workspace=None, num_splits: int | None = None,
-                         path: str = "auto", same_codebooks: bool, **general):
+                         path: str = "auto", same_codebooks: bool, window_left: int | None = None,
+                         logit_softcap: float | None = None, sinks=None, lse=None, **general):
     """Decode + merge on an already rotated ``q_rot`` (float32 ``[S, Hq, D]`` contiguous) and a
     block table whose ids lie in ``[0, cache.shape[0])`` (tests and benchmarks; the frontend goes
     through :func:`paged_decode_launch`). ``q_poison``: float32 ``[S·Hq]`` added to the output
     rows, or ``None`` (zeros). ``path``: ``"auto"``, ``"mma"`` (or ``ValueError`` where it does
     not apply) or ``"general"``; ``general``: ``block_n``, ``num_warps``, ``num_stages``,
-    ``maxnreg`` of the general kernel. ``interpret`` is implied by the device (kept for callers)."""
+    ``maxnreg`` of the general kernel; the options as :func:`paged_decode_launch`'s. ``interpret``
+    is implied by the device (kept for callers)."""
     prep = prepare(layout, q_rot, cache, block_table, seq_lens, tables, same_codebooks=same_codebooks,
-                   num_splits=num_splits, path=path, **general)
+                   num_splits=num_splits, path=path, options=decode_options(window_left, logit_softcap, sinks, lse),
+                   **general)
     if q_poison is None:
         q_poison = torch.zeros(q_rot.shape[0] * q_rot.shape[1], dtype=torch.float32, device=q_rot.device)
-    _decode_and_merge(prep, out, q_rot, cache, block_table, seq_lens, tables, sm_scale, workspace, q_poison)
+    _decode_and_merge(prep, out, q_rot, cache, block_table, seq_lens, tables, sm_scale, workspace, q_poison,
+                      window_left, logit_softcap, sinks, lse)
     return out
 
 

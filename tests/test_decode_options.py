@@ -1,0 +1,251 @@
+"""paged_decode's attention options (window_left, logit_softcap, sinks, return_lse): named edges
+against the oracle, the plan they take, the NumPy fallback, torch.compile, opcheck, bad input.
+
+Tolerances: the cases hold unit-scale q, K, V at head_dim 64, so logits move by at most
+δ ≈ 2·2^-11·scale·Σ|q||k̂| < 0.05 and the outputs by (4e-3 + 2δ)·max|V̂| (the property tests'
+bound, ``property_tests/test_paged_decode_options.py``), here 0.05 with max|V̂| < 0.5 after the
+1/8 value scaling below; lse by δ plus float32 rounding: 0.05. Empty rows are exact.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import tqkern
+import tqkern_torch as tqt
+from tqkern import reference as ref
+from tqkern.ops.paged_decode.plan import DecodeOptions, DeviceCaps, plan_decode
+from tqkern_torch.attention import paged_decode
+from tqkern_torch.library import layout_key
+from tqkern_torch.testing import device_under_test, kernels_available
+
+DEV = device_under_test()
+needs_kernels = pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1")
+BS, HKV, HQ, D = 16, 2, 4, 64
+LENS = [37, 0, 16, 100]  # a partial page, an empty sequence, one exact page, several pages
+MAX_BLOCKS = 8
+OUT_TOL, LSE_TOL = 0.05, 0.05
+# tq4: rotated values (row-block merge); turboquant_4bit_nc: plain values (per-group merge)
+PRESETS = ["tq4", "turboquant_4bit_nc"]
+
+
+class Case:
+    def __init__(self, preset: str):
+        fmt = tqkern.KVFormat.preset(preset, D)
+        self.layout = tqkern.PagedLayout(format=fmt, num_kv_heads=HKV, block_size=BS)
+        self.params = tqkern.TQParams.default(fmt, seed=5)
+        self.dp = tqt.to_device(self.params, DEV)
+        g = torch.Generator().manual_seed(1)
+        n = len(LENS)
+        perm = torch.randperm(n * MAX_BLOCKS, generator=g)  # shuffled physical blocks
+        self.bt = perm.view(n, MAX_BLOCKS).to(torch.int32)
+        self.sl = torch.tensor(LENS, dtype=torch.int32)
+        self.cache = tqt.allocate_cache(self.layout, n * MAX_BLOCKS, DEV, fill=0xA5)
+        slots = tqt.sequence_slot_ids(self.bt, self.sl, BS)
+        slots = slots[slots >= 0]
+        k = torch.randn(slots.shape[0], HKV, D, generator=g).half()
+        v = (torch.randn(slots.shape[0], HKV, D, generator=g) / 8).half()
+        tqt.store(self.cache, k.to(DEV), v.to(DEV), slots.to(DEV), self.layout, self.dp)
+        self.q = torch.randn(n, HQ, D, generator=g).half()
+        self.sinks = torch.tensor([0.5, -2.0, 3.0, 1.0], dtype=torch.float32)
+
+    def run(self, **kw):
+        if isinstance(kw.get("sinks"), torch.Tensor):
+            kw["sinks"] = kw["sinks"].to(DEV)
+        return paged_decode(self.q.to(DEV), self.cache, self.bt.to(DEV), self.sl.to(DEV), self.layout, self.dp, **kw)
+
+    def oracle(self, **kw):
+        if "sinks" in kw:
+            kw["sinks"] = kw["sinks"].numpy()
+        return ref.paged_decode(self.q.double().numpy(), self.cache.cpu().numpy(), self.bt.numpy(), self.sl.numpy(),
+                                self.layout, self.params, return_lse=True, **kw)
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def case(request):
+    return Case(request.param)
+
+
+def _check(case, got, got_lse, **kw):
+    want, want_lse = case.oracle(**kw)
+    got, got_lse = got.float().cpu().numpy(), got_lse.cpu().numpy()
+    assert np.all(np.isfinite(got))
+    assert np.all(got[1] == 0), "the empty sequence gives zeros"
+    assert np.abs(got - want).max() <= OUT_TOL
+    assert np.array_equal(np.isneginf(got_lse), np.isneginf(want_lse))
+    fin = np.isfinite(want_lse)
+    assert np.abs(got_lse[fin] - want_lse[fin]).max() <= LSE_TOL
+
+
+# window_left against the lengths [37, 0, 16, 100]: 0 (only the query's own key), 15 (exactly
+# the 16-token sequence: W + 1 = len), 36 (exactly the first), 99 (exactly the last), 100 and
+# 10**9 (longer than every sequence: no key dropped), 20 (drops keys of two sequences)
+@needs_kernels
+@pytest.mark.parametrize("window", [0, 15, 20, 36, 99, 100, 10**9])
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_window_edges(case, window, num_splits):
+    out, lse = case.run(window_left=window, num_splits=num_splits, return_lse=True)
+    _check(case, out, lse, window_left=window)
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [99, 10**9])
+def test_a_window_covering_every_sequence_equals_no_window(case, window):
+    """W + 1 ≥ every length: the window kernel walks the same tiles in the same splits."""
+    a, la = case.run(window_left=window, return_lse=True)
+    b, lb = case.run(return_lse=True)
+    assert torch.equal(a, b) and torch.equal(la, lb)
+
+
+@needs_kernels
+@pytest.mark.parametrize("num_splits", [None, 4])
+def test_sinks_with_an_empty_sequence(case, num_splits):
+    """The empty sequence's output is zero and its lse is the sink's logit."""
+    out, lse = case.run(sinks=case.sinks, num_splits=num_splits, return_lse=True)
+    _check(case, out, lse, sinks=case.sinks)
+    assert np.allclose(lse[1].cpu().numpy(), case.sinks.numpy(), rtol=0, atol=1e-5)
+
+
+@needs_kernels
+def test_lse_of_an_empty_sequence_is_minus_inf(case):
+    out, lse = case.run(return_lse=True)
+    _check(case, out, lse)
+    assert bool(torch.all(torch.isneginf(lse[1])))
+
+
+@needs_kernels
+@pytest.mark.parametrize("cap", [0.5, 3.0, 50.0])
+def test_softcap(case, cap):
+    out, lse = case.run(logit_softcap=cap, return_lse=True)
+    _check(case, out, lse, logit_softcap=cap)
+
+
+@needs_kernels
+def test_every_option_at_once_and_a_nan_query_row(case):
+    q = case.q.clone()
+    q[2, 1, 5] = float("nan")
+    kw = dict(window_left=20, logit_softcap=2.0, sinks=case.sinks)
+    out, lse = paged_decode(q.to(DEV), case.cache, case.bt.to(DEV), case.sl.to(DEV), case.layout, case.dp,
+                            return_lse=True, num_splits=2, sinks=case.sinks.to(DEV), window_left=20, logit_softcap=2.0)
+    assert bool(torch.all(torch.isnan(out[2, 1]))) and bool(torch.isnan(lse[2, 1]))
+    ok = torch.ones(len(LENS), HQ, dtype=torch.bool)
+    ok[2, 1] = False
+    want, want_lse = ref.paged_decode(q.double().numpy(), case.cache.cpu().numpy(), case.bt.numpy(), case.sl.numpy(),
+                                      case.layout, case.params, return_lse=True,
+                                      **dict(kw, sinks=case.sinks.numpy()))
+    assert np.abs(out.float().cpu().numpy()[ok.numpy()] - want[ok.numpy()]).max() <= OUT_TOL
+    assert np.abs(lse.cpu().numpy()[ok.numpy()] - want_lse[ok.numpy()]).max() <= LSE_TOL
+
+
+@needs_kernels
+def test_return_lse_with_no_sequences(case):
+    out, lse = paged_decode(case.q[:0].to(DEV), case.cache, case.bt[:0].to(DEV), case.sl[:0].to(DEV), case.layout,
+                            case.dp, return_lse=True)
+    assert out.shape == (0, HQ, D) and lse.shape == (0, HQ) and lse.dtype == torch.float32
+
+
+def test_numpy_fallback_passes_the_options(monkeypatch):
+    """Without a GPU and without the interpreter, CPU tensors run the oracle with the options
+    (on the float32 device copy of the parameters, and rounded to fp16: 1e-3 on outputs < 0.5;
+    the options move the outputs by more than 1e-2)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    c = Case("tq4") if DEV.type == "cpu" else pytest.skip("the fallback runs CPU tensors")
+    kw = dict(window_left=20, logit_softcap=2.0, sinks=c.sinks)
+    out, lse = c.run(return_lse=True, **kw)
+    want, want_lse = c.oracle(**kw)
+    plain, _ = c.oracle()
+    assert np.abs(out.numpy() - want).max() <= 1e-3 < np.abs(out.numpy() - plain).max() - 1e-2
+    assert np.array_equal(np.isneginf(lse.numpy()), np.isneginf(want_lse))
+    assert np.abs(lse.numpy() - want_lse)[np.isfinite(want_lse)].max() <= 1e-4
+
+
+# -- the plan ---------------------------------------------------------------------------------------
+MMA_LAYOUT = tqkern.PagedLayout(format=tqkern.KVFormat.preset("tq4", 128), num_kv_heads=8, block_size=16,
+                                arrangement="row")
+
+
+@pytest.mark.parametrize("opts, kernel", [
+    (DecodeOptions(), "mma"), (DecodeOptions(lse=True), "mma"), (DecodeOptions(sinks=True, lse=True), "mma"),
+    (DecodeOptions(window=True), "general"), (DecodeOptions(softcap=True), "general"),
+    (DecodeOptions(window=True, softcap=True, sinks=True, lse=True), "general")])
+def test_plan_takes_the_general_kernel_for_a_window_or_a_softcap(opts, kernel):
+    plan = plan_decode(MMA_LAYOUT, 32, 32, 1024, DeviceCaps.sm90(), same_codebooks=True, options=opts)
+    assert plan.path == kernel and plan.options == opts
+    assert (plan.merge.sinks, plan.merge.lse) == (opts.sinks, opts.lse)
+    if kernel == "general":
+        assert plan.decode.constexpr("WINDOW") == opts.window and plan.decode.constexpr("SOFTCAP") == opts.softcap
+    assert "options" in plan.describe()
+
+
+def test_plan_rejects_mma_with_a_window_and_bad_options():
+    with pytest.raises(ValueError, match="window or a soft-cap"):
+        plan_decode(MMA_LAYOUT, 1, 32, 4, DeviceCaps.sm90(), same_codebooks=True, path="mma",
+                    options=DecodeOptions(window=True))
+    with pytest.raises(TypeError, match="options must be a DecodeOptions"):
+        plan_decode(MMA_LAYOUT, 1, 32, 4, DeviceCaps.sm90(), same_codebooks=True, options={"window": True})
+    with pytest.raises(TypeError, match="DecodeOptions.lse must be a bool, got int"):
+        DecodeOptions(lse=1)
+
+
+@needs_kernels
+def test_frontend_plan_decode_reports_the_options():
+    c = Case("tq4")
+    plan = tqt.plan_decode(c.q.to(DEV), c.cache, c.bt.to(DEV), c.layout, c.dp, window_left=3, return_lse=True)
+    assert plan.options == DecodeOptions(window=True, lse=True) and plan.path == "general"
+
+
+# -- the op -----------------------------------------------------------------------------------------
+@needs_kernels
+def test_opcheck_paged_decode_with_options():
+    c = Case("turboquant_4bit_nc")
+    dp = c.dp
+    out = torch.empty(len(LENS), HQ, D, dtype=torch.float16, device=DEV)
+    lse = torch.empty(len(LENS), HQ, dtype=torch.float32, device=DEV)
+    torch.library.opcheck(torch.ops.tqkern.paged_decode.default,
+                          (c.q.to(DEV), c.cache, c.bt.to(DEV), c.sl.to(DEV), dp.rotation, dp.key_centroids,
+                           dp.value_centroids, dp.key_centroids_f32, dp.value_centroids_f32, out, None,
+                           layout_key(c.layout), 0.125, 2, dp.same_codebooks, 20, 2.0, c.sinks.to(DEV), lse))
+
+
+def test_torch_compile_fullgraph_with_options():
+    if DEV.type != "cpu":
+        pytest.skip("compiled on CPU tensors (tests/test_compile.py)")
+    c = Case("tq4")
+
+    def fn(q, cache, bt, sl, sinks):
+        return tqt.paged_decode(q, cache, bt, sl, c.layout, c.dp, window_left=20, logit_softcap=2.0, sinks=sinks,
+                                return_lse=True)
+
+    eager = fn(c.q, c.cache, c.bt, c.sl, c.sinks)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(c.q, c.cache, c.bt, c.sl, c.sinks)
+    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+
+
+# -- bad input --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, err, msg", [
+    (dict(window_left=-1), ValueError, r"window_left must be None or an int >= 0, got -1"),
+    (dict(window_left=2.0), TypeError, r"window_left must be None or an int >= 0, got float"),
+    (dict(window_left=True), TypeError, r"window_left must be None or an int >= 0, got bool"),
+    (dict(logit_softcap=0.0), ValueError, r"logit_softcap must be finite and > 0, got 0.0"),
+    (dict(logit_softcap=-1.0), ValueError, r"logit_softcap must be finite and > 0, got -1.0"),
+    (dict(logit_softcap=float("inf")), ValueError, r"logit_softcap must be finite and > 0, got inf"),
+    (dict(logit_softcap="2"), TypeError, r"logit_softcap must be a real number or None, got str"),
+    (dict(sinks=[0.0] * HQ), TypeError, r"sinks must be a torch.Tensor, got list"),
+    (dict(sinks=torch.zeros(HQ, dtype=torch.float16)), TypeError, r"sinks must be float32, got float16"),
+    (dict(sinks=torch.zeros(HQ + 1)), ValueError, r"sinks must have shape \[4\], got \[5\]"),
+    (dict(sinks=torch.zeros(2, HQ)[:, 0]), ValueError, r"sinks must have shape \[4\], got \[2\]"),
+    (dict(sinks=torch.zeros(HQ, 2)[:, 0]), ValueError, r"sinks must be contiguous"),
+    (dict(return_lse=1), TypeError, r"return_lse must be a bool, got int"),
+])
+def test_bad_options_are_rejected(kw, err, msg):
+    c = Case("tq4")
+    with pytest.raises(err, match=msg):
+        c.run(**kw)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device")
+def test_sinks_on_another_device_are_rejected():
+    c = Case("tq4")
+    with pytest.raises(ValueError, match="sinks must be on"):
+        paged_decode(c.q.to(DEV), c.cache, c.bt.to(DEV), c.sl.to(DEV), c.layout, c.dp, sinks=c.sinks.cpu())
