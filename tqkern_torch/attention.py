@@ -202,11 +202,7 @@ def _paged_decode_impl(q: torch.Tensor, cache: torch.Tensor, block_table: torch.
     ``logit_softcap = 0.0``, ``sinks``/``lse`` ``None`` (``lse`` is written when given)."""
     lay = layout_of(layout)
     errors = error_word(q.device)
-    if cache.shape[0] == 0:  # no block to clamp a bad entry to: a zero block stands in (and flags it)
-        cache = torch.zeros((1, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
-        num_blocks = 0
-    else:
-        num_blocks = cache.shape[0]
+    cache, num_blocks = _cache_or_stand_in(cache)
     if use_triton(q.device):
         from tqkern.ops.paged_decode.triton import paged_decode_launch
 
@@ -231,6 +227,14 @@ def _paged_decode_impl(q: torch.Tensor, cache: torch.Tensor, block_table: torch.
     out.copy_(torch.from_numpy(res).to(out.dtype))
     if lse is not None:
         lse.copy_(torch.from_numpy(res_lse).to(lse.dtype))
+
+
+def _cache_or_stand_in(cache: torch.Tensor):
+    """``(cache, num_blocks)``: an empty cache has no block to clamp a bad entry to, so a zero
+    block stands in (the scan then flags every entry in use); ``num_blocks`` is the real count."""
+    if cache.shape[0] == 0:
+        return torch.zeros((1, *cache.shape[1:]), dtype=cache.dtype, device=cache.device), 0
+    return cache, cache.shape[0]
 
 
 def _kernel_indices(block_table: np.ndarray, seq_lens: np.ndarray, num_blocks: int, block_size: int):

@@ -9,7 +9,7 @@ import torch
 from tqkern.ops.attention.reference import check_options, resolve_scale
 from tqkern.ops.prefill import reference as prefill_ref
 from tqkern_torch._validate import check_tensor, use_triton
-from tqkern_torch.attention import _kernel_indices, _tracing_or_capturing
+from tqkern_torch.attention import _cache_or_stand_in, _kernel_indices, _tracing_or_capturing
 from tqkern_torch.errors import check_errors, error_word
 from tqkern_torch.library import _host_params, layout_key, layout_of
 from tqkern_torch.ops import _check_cache, _check_layout, _device_params
@@ -146,11 +146,7 @@ def _prefill_impl(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tenso
     window = None if window_left < 0 else window_left
     cap = None if logit_softcap <= 0 else logit_softcap
     errors = error_word(q.device)
-    if cache.shape[0] == 0:  # no block to clamp a bad entry to: a zero block stands in (and flags it)
-        cache = torch.zeros((1, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
-        num_blocks = 0
-    else:
-        num_blocks = cache.shape[0]
+    cache, num_blocks = _cache_or_stand_in(cache)
     if use_triton(q.device):
         from tqkern.ops.prefill.triton import prefill_launch
 
