@@ -86,13 +86,7 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
         ``(out, lse)``, lse float32 ``[num_seqs, num_q_heads]``.
     """
     layout = _check_layout(layout)
-    h, d = layout.num_kv_heads, layout.head_dim
-    check_tensor(q, "q", dtypes=(torch.float16, torch.bfloat16))
-    if q.dim() != 3 or q.shape[2] != d:
-        raise ValueError(f"q must have shape [num_seqs, num_q_heads, {d}], got {list(q.shape)}")
-    if q.shape[1] == 0 or q.shape[1] % h:
-        raise ValueError(f"q.shape[1] (num_q_heads) must be a positive multiple of num_kv_heads = {h}, "
-                         f"got {q.shape[1]}")
+    _check_query(q, layout, "num_seqs")
     dev = q.device
     _check_cache(cache, layout, dev)
     check_tensor(block_table, "block_table", shape=(q.shape[0], None), dtypes=(torch.int32,), device=dev,
@@ -110,7 +104,7 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
 
         check_workspace(workspace, q.shape[0], q.shape[1], num_splits, layout_consts(layout)["DP"])
     if scale is None:
-        scale = 1.0 / math.sqrt(d)
+        scale = 1.0 / math.sqrt(layout.head_dim)
     window_left, logit_softcap = _check_options(window_left, logit_softcap, sinks, return_lse, q.shape[1], dev)
     if check_lengths and not _tracing_or_capturing(dev):
         _lengths_checked_on_host(block_table, seq_lens, cache.shape[0], layout.block_size)
@@ -227,6 +221,18 @@ def _paged_decode_impl(q: torch.Tensor, cache: torch.Tensor, block_table: torch.
     out.copy_(torch.from_numpy(res).to(out.dtype))
     if lse is not None:
         lse.copy_(torch.from_numpy(res_lse).to(lse.dtype))
+
+
+def _check_query(q, layout: PagedLayout, rows: str) -> None:
+    """q: float16/bfloat16 ``[rows, num_q_heads, head_dim]`` with num_q_heads a positive multiple of
+    the layout's KV heads (``rows`` names the first dimension in the message)."""
+    h, d = layout.num_kv_heads, layout.head_dim
+    check_tensor(q, "q", dtypes=(torch.float16, torch.bfloat16))
+    if q.dim() != 3 or q.shape[2] != d:
+        raise ValueError(f"q must have shape [{rows}, num_q_heads, {d}], got {list(q.shape)}")
+    if q.shape[1] == 0 or q.shape[1] % h:
+        raise ValueError(f"q.shape[1] (num_q_heads) must be a positive multiple of num_kv_heads = {h}, "
+                         f"got {q.shape[1]}")
 
 
 def _cache_or_stand_in(cache: torch.Tensor):

@@ -9,7 +9,7 @@ import torch
 from tqkern.ops.attention.reference import check_options, resolve_scale
 from tqkern.ops.prefill import reference as prefill_ref
 from tqkern_torch._validate import check_tensor, use_triton
-from tqkern_torch.attention import _cache_or_stand_in, _kernel_indices, _tracing_or_capturing
+from tqkern_torch.attention import _cache_or_stand_in, _check_query, _kernel_indices, _tracing_or_capturing
 from tqkern_torch.errors import check_errors, error_word
 from tqkern_torch.library import _host_params, layout_key, layout_of
 from tqkern_torch.ops import _check_cache, _check_layout, _device_params
@@ -93,13 +93,8 @@ def prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq
         ``[num_tokens, num_q_heads, head_dim]`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
     """
     layout = _check_layout(layout)
-    h, d = layout.num_kv_heads, layout.head_dim
-    check_tensor(q, "q", dtypes=(torch.float16, torch.bfloat16))
-    if q.dim() != 3 or q.shape[2] != d:
-        raise ValueError(f"q must have shape [num_tokens, num_q_heads, {d}], got {list(q.shape)}")
-    if q.shape[1] == 0 or q.shape[1] % h:
-        raise ValueError(f"q.shape[1] (num_q_heads) must be a positive multiple of num_kv_heads = {h}, "
-                         f"got {q.shape[1]}")
+    _check_query(q, layout, "num_tokens")
+    d = layout.head_dim
     dev = q.device
     _check_cache(cache, layout, dev)
     check_tensor(block_table, "block_table", shape=(None, None), dtypes=(torch.int32,), device=dev, contiguous=True)
