@@ -111,8 +111,8 @@ def _mma_plan(layout: PagedLayout, group: int) -> tuple | None:
     # stages of two steps (one CTA per SM); uniform values next to table-decoded keys 2 stages of
     # two steps per softmax update (two CTAs per SM; 3-7% faster than 3 stages of one step: the
     # values are read from the stage after the update, so two steps no longer spill); FP8 keys 3
-    # stages of one step (two steps gained nothing). the decode plan (:func:`.plan.plan_decode`) drops them where the
-    # device's shared memory is smaller.
+    # stages of one step (two steps gained nothing). The decode plan (:func:`.plan.plan_decode`)
+    # drops them where the device's shared memory is smaller.
     coop = None
     if layout.num_kv_heads >= 4:
         sub, stages = (2, 4) if not v_uniform else (1, 3) if k_fp8 else (2, 2)
