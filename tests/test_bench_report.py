@@ -18,7 +18,7 @@ import torch
 from tqkern.cli import main
 from tqkern_torch.bench import report as rep
 from tqkern_torch.bench import runner
-from tqkern_torch.bench.shapes import (BLOCK_SIZE, DECODE_SHAPES, QUICK_SHAPES, STORE_SHAPES, StoreShape,
+from tqkern_torch.bench.shapes import (BLOCK_SIZE, DECODE_SHAPES, PREFILL_SHAPES, QUICK_SHAPES, STORE_SHAPES, StoreShape,
                                        store_shape)
 from tqkern_torch.bench.store import slot_mapping
 
@@ -71,7 +71,8 @@ def test_fake_report_is_valid_and_round_trips(tmp_path):
     (lambda r: r["records"][1].update(us="80"), TypeError, r"\[1\]\['us'\] must be a number, got str"),
     (lambda r: r["records"][1].update(us=True), TypeError, r"\[1\]\['us'\] must be a number, got bool"),
     (lambda r: r["records"][1].update(bytes=1.5), TypeError, r"\[1\]\['bytes'\] must be int or None, got float"),
-    (lambda r: r["records"][1].update(op="prefill"), ValueError, r"\['op'\] must be one of .*, got 'prefill'"),
+    (lambda r: r["records"][1].update(op="prefil"), ValueError, r"\['op'\] must be one of .*, got 'prefil'"),
+    (lambda r: r["records"][1].update(flops=10), ValueError, "'flops' .* and 'tflops' come together"),
     (lambda r: r["records"][1].update(mode="graphs"), ValueError, r"\['mode'\] must be one of .*, got 'graphs'"),
     (lambda r: r["records"][1].update(us=math.nan), ValueError, r"\['us'\] must be a positive finite time, got nan"),
     (lambda r: r["records"][1].update(us=0.0), ValueError, r"\['us'\] must be a positive finite time, got 0.0"),
@@ -188,9 +189,10 @@ def test_progress_rejects_a_bad_total(total):
 # -- selection -----------------------------------------------------------------------------------
 def test_select_defaults():
     sel = runner.select("all")
-    assert list(sel) == ["decode", "store"]
+    assert list(sel) == ["decode", "store", "prefill"]
     assert sel["decode"] == (runner.PRESETS, list(DECODE_SHAPES))
     assert sel["store"] == (runner.PRESETS, list(STORE_SHAPES))
+    assert sel["prefill"] == (runner.PRESETS, list(PREFILL_SHAPES))
     assert "fp16" in runner.PRESETS and "tq4" in runner.PRESETS
 
 
@@ -204,7 +206,7 @@ def test_select_quick_and_named():
 
 
 @pytest.mark.parametrize("args,match", [
-    (("prefill",), r"op must be one of \('decode', 'store', 'all'\), got 'prefill'"),
+    (("prefil",), r"op must be one of \('decode', 'store', 'prefill', 'all'\), got 'prefil'"),
     (("decode", ["tq5"]), r"presets must be one or more of .*, got \['tq5'\]"),
     (("decode", []), r"presets must be one or more of .*, got \[\]"),
     (("decode", None, ["decode_B32"]), "shapes must be among B32x4K, .* or B<batch>x<tokens>K .for decode., "
@@ -219,9 +221,10 @@ def test_select_rejects_unknown_names(args, match):
 
 def test_count_steps():
     sel = runner.select("all", ["tq4", "fp16"], ["B32x4K", "decode_B32", "prefill_1x4096"])
-    # decode: 2 gates + 1 shape x (SDPA + 2); store: 2 gates + 2 shapes x (baseline + 2); eager: 2 x 3
-    assert runner.count_steps(sel) == (2 + 3) + (2 + 6)
-    assert runner.count_steps(sel, ["B1x4K", "B32x4K"]) == (2 + 3) + (2 + 6) + 6
+    # decode: 2 gates + 1 shape x (SDPA + 2); store: 2 gates + 2 shapes x (baseline + 2); prefill:
+    # 2 gates, no shape named; eager: 2 x 3
+    assert runner.count_steps(sel) == (2 + 3) + (2 + 6) + 2
+    assert runner.count_steps(sel, ["B1x4K", "B32x4K"]) == (2 + 3) + (2 + 6) + 2 + 6
 
 
 # -- store slots ---------------------------------------------------------------------------------
@@ -262,7 +265,7 @@ def test_bench_without_cuda_exits_2_and_writes_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["bench", "prefill"], "invalid choice: 'prefill'"),
+    (["bench", "prefil"], "invalid choice: 'prefil'"),
     (["bench", "--presets", "tq5"], r"bench: presets must be one or more of"),
     (["bench", "decode", "--shapes", "decode_B32"], "bench: shapes must be among"),
     (["bench", "store", "--eager"], "bench: --eager times decode only, got op 'store'"),

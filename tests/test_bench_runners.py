@@ -10,9 +10,9 @@ import io
 import pytest
 
 from tqkern import KVFormat
-from tqkern_torch.bench import decode, runner, store
+from tqkern_torch.bench import decode, prefill, runner, store
 from tqkern_torch.bench.report import Progress, validate_report
-from tqkern_torch.bench.shapes import DecodeShape, StoreShape
+from tqkern_torch.bench.shapes import DecodeShape, PrefillShape, StoreShape
 from tqkern_torch.testing import kernels_available
 
 interpreter = pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1")
@@ -70,6 +70,49 @@ def test_decode_run_shape_records():
     assert (tq4["variant"], tq4["speedup"], tq4["bytes"]) == ("tq4", 1.5, 2 * 32 * 2 * KVFormat.preset("tq4", 64).slot_bytes)
 
 
+def test_prefill_causal_flops():
+    """4·D·Hq per visible (query, key) pair, counted by hand: a full prefill of 3 tokens has
+    1 + 2 + 3 pairs; 2 queries on a 5-token context (prefix 3) have 4 + 5."""
+    assert prefill.causal_flops(PrefillShape("a", 1, 3, 3, 2, 1, 16)) == 4 * 16 * 2 * 6
+    assert prefill.causal_flops(PrefillShape("b", 2, 5, 2, 4, 2, 8)) == 4 * 8 * 4 * 2 * 9
+
+
+@interpreter
+def test_prefill_gate_passes_on_the_cpu():
+    gates = prefill.gate(["turboquant_4bit_nc"], device="cpu")
+    assert [(g["preset"], g["case"], g["ok"]) for g in gates] == [("turboquant_4bit_nc", "Hkv2/D64", True)]
+    assert gates[0]["max_err"] <= gates[0]["tol"]
+
+
+@interpreter
+def test_prefill_run_shape_records():
+    shape = PrefillShape("tiny", 2, 40, 8, 4, 2, 64)  # 8 new tokens on a 32-token prefix, twice
+    steps, timer = [], FakeTimer(20.0, 10.0, 40.0)
+    rows = prefill.run_shape(shape, ["turboquant_4bit_nc"], steps.append, device="cpu", timer=timer)
+    assert timer.calls == 3 and steps == ["prefill tiny sdpa_fp16", "prefill tiny turboquant_4bit_nc",
+                                          "prefill tiny decompress_sdpa"]
+    sdpa, tq, dec = rows
+    flops = 4 * 64 * 4 * 2 * (8 * 32 + 36)
+    assert (sdpa["variant"], sdpa["speedup"], sdpa["flops"]) == ("sdpa_fp16", 1.0, flops)
+    assert (tq["variant"], tq["speedup"], tq["tflops"]) == ("turboquant_4bit_nc", 2.0, flops / 10.0 / 1e6)
+    assert (dec["variant"], dec["speedup"]) == ("decompress_sdpa:turboquant_4bit_nc", 0.5)
+    report = {"schema": "tqkern.bench/1", "environment": {}, "timing": "fake", "gate": [], "records": rows}
+    assert validate_report(report) is report
+    bad = dict(rows[1])
+    del bad["tflops"]
+    with pytest.raises(ValueError, match="'flops' .* and 'tflops' come together"):
+        validate_report(dict(report, records=[bad]))
+
+
+def test_prefill_selection():
+    sel = runner.select("prefill", ["tq4"], quick=True)
+    assert [s.name for s in sel["prefill"][1]] == ["full_1x4K", "spec4_on16K_x32"]
+    assert set(runner.select("all", ["tq4"], quick=True)) == {"decode", "store", "prefill"}
+    assert runner.count_steps({"prefill": (("tq4", "fp16"), sel["prefill"][1])}) == 2 + 2 * 4
+    with pytest.raises(ValueError, match="shapes must be among full_1x4K"):
+        runner.select("prefill", ["tq4"], ["B32x4K"])
+
+
 def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
     """runner.run with fake runners: a preset failing its op's gate is not timed at that op."""
     import tqkern_torch.bench.timing as timing
@@ -83,9 +126,10 @@ def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
         def run_shape(shape, presets, step, *, rep_ms):
             assert rep_ms == 25  # quick
             timed.append((op, shape.name, tuple(presets)))
-            base = "sdpa_fp16" if op == "decode" else "fp16_index_copy"
+            base = "fp16_index_copy" if op == "store" else "sdpa_fp16"
+            extra = (f"decompress_sdpa:{presets[0]}",) if op == "prefill" and presets else ()
             rows = [{"op": op, "mode": "graph", "shape": shape.name, "variant": v, "baseline": base, "us": 1.0,
-                     "bytes": None, "gbps": None, "speedup": 1.0} for v in (base, *presets)]
+                     "bytes": None, "gbps": None, "speedup": 1.0} for v in (base, *presets, *extra)]
             for _ in rows:
                 step("x")
             return rows
@@ -95,6 +139,8 @@ def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
     monkeypatch.setattr(store, "gate", fake_gate("store", "tq4"))
     monkeypatch.setattr(decode, "run_shape", fake_run_shape("decode"))
     monkeypatch.setattr(store, "run_shape", fake_run_shape("store"))
+    monkeypatch.setattr(prefill, "gate", fake_gate("prefill", "tq4"))
+    monkeypatch.setattr(prefill, "run_shape", fake_run_shape("prefill"))
     monkeypatch.setattr(timing, "environment", lambda: {"gpu": "fake"})
     sel = runner.select("all", ["tq4", "fp16"], quick=True)
     out = io.StringIO()
@@ -102,7 +148,9 @@ def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
     report = runner.run(sel, quick=True, progress=bar)
     validate_report(report)
     assert timed == [("decode", "B32x4K", ("tq4",)), ("decode", "SmolLM2_B32x4K", ("tq4",)),
-                     ("store", "prefill_1x4096", ("fp16",)), ("store", "decode_B32", ("fp16",))]
-    assert [g["ok"] for g in report["gate"]] == [True, False, False, True]
-    assert bar.done == bar.total == 2 + 2 * 2 + 2 + 2 * 2  # gates, then baseline + the passing preset
+                     ("store", "prefill_1x4096", ("fp16",)), ("store", "decode_B32", ("fp16",)),
+                     ("prefill", "full_1x4K", ("fp16",)), ("prefill", "spec4_on16K_x32", ("fp16",))]
+    assert [g["ok"] for g in report["gate"]] == [True, False, False, True, False, True]
+    # gates, then baseline + the passing preset (prefill: + decompress-then-SDPA)
+    assert bar.done == bar.total == 2 + 2 * 2 + 2 + 2 * 2 + 2 + 2 * 3
     assert out.getvalue().splitlines()[-1].startswith(f"[{'#' * 24}] {bar.total}/{bar.total}")

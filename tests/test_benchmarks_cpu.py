@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 
 # One entry per op: each runs `tqkern bench <op>`, which checks for a CUDA device before any CUDA call.
-GPU_SCRIPTS = {"bench_decode.py": "decode", "bench_store.py": "store"}
+GPU_SCRIPTS = {"bench_decode.py": "decode", "bench_store.py": "store", "bench_prefill.py": "prefill"}
 # pytest-benchmark entries and the package marker, not scripts.
 MODULES = ("__init__.py", "test_bench.py")
 

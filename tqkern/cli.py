@@ -257,7 +257,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 # -- bench ---------------------------------------------------------------------------------------
 def _bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("op", nargs="?", default="all", choices=("decode", "store", "all"),
+    p.add_argument("op", nargs="?", default="all", choices=("decode", "store", "prefill", "all"),
                    help="which op to time (default all)")
     p.add_argument("--presets", nargs="+", default=None, metavar="PRESET",
                    help="presets to time (default: every benchmark preset)")

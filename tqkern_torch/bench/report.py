@@ -7,16 +7,18 @@ a dict (written as JSON by ``tqkern bench --out``)::
      "environment": {"gpu": str, "torch": str, "triton": str, "tqkern": str, "time": str, ...},
      "timing": str,                      # how a time was measured
      "gate": [{"op": str, "preset": str, "case": str, "ok": bool, ...}],
-     "records": [{"op": "decode" | "store", "mode": "graph" | "eager", "shape": str,
+     "records": [{"op": "decode" | "store" | "prefill", "mode": "graph" | "eager", "shape": str,
                   "variant": str, "baseline": str, "us": float, "bytes": int | None,
-                  "gbps": float | None, "speedup": float}]}
+                  "gbps": float | None, "speedup": float,
+                  "flops": int, "tflops": float}]}   # (flops, tflops: prefill records only)
 
 Each record is one timed variant (a preset, or the baseline itself) at one shape. ``baseline``
 names the variant it is compared with in the same run (``sdpa_fp16`` for decode,
 ``fp16_index_copy`` for store); ``speedup`` is the baseline's time over this one (> 1: faster;
 exactly 1.0 on the baseline's own record). ``bytes`` is what the variant moves through memory
 (decode: the K/V or cache bytes read; store: fp16 K/V read plus cache bytes written) and
-``gbps`` = bytes / µs / 1e3; ``None`` where not counted (eager records).
+``gbps`` = bytes / µs / 1e3; ``None`` where not counted (eager records). Prefill records
+(baseline ``sdpa_fp16``) count the causal FLOPs instead: ``flops`` and ``tflops`` = flops / µs / 1e6.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ __all__ = ["SCHEMA", "OPS", "MODES", "record", "validate_report", "render_table"
            "write_json", "read_json", "plot_report", "Progress", "PLOT_EXTRA"]
 
 SCHEMA = "tqkern.bench/1"
-OPS = ("decode", "store")
+OPS = ("decode", "store", "prefill")
 MODES = ("graph", "eager")
 PLOT_EXTRA = "pip install 'tqkern[plot]'"
 
@@ -42,11 +44,16 @@ _RECORD_TYPES = {"op": (str, "str"), "mode": (str, "str"), "shape": (str, "str")
 
 
 def record(op: str, shape: str, variant: str, baseline: str, us: float, baseline_us: float, *,
-           nbytes: Optional[int] = None, mode: str = "graph") -> dict:
-    """One record of the schema (``speedup = baseline_us / us``; ``gbps`` from ``nbytes``)."""
-    return {"op": op, "mode": mode, "shape": shape, "variant": variant, "baseline": baseline, "us": float(us),
-            "bytes": None if nbytes is None else int(nbytes),
-            "gbps": None if nbytes is None else nbytes / us / 1e3, "speedup": float(baseline_us) / float(us)}
+           nbytes: Optional[int] = None, mode: str = "graph", flops: Optional[int] = None) -> dict:
+    """One record of the schema (``speedup = baseline_us / us``; ``gbps`` from ``nbytes``;
+    ``tflops`` from ``flops``, which only prefill records carry)."""
+    out = {"op": op, "mode": mode, "shape": shape, "variant": variant, "baseline": baseline, "us": float(us),
+           "bytes": None if nbytes is None else int(nbytes),
+           "gbps": None if nbytes is None else nbytes / us / 1e3, "speedup": float(baseline_us) / float(us)}
+    if flops is not None:
+        out["flops"] = int(flops)
+        out["tflops"] = flops / us / 1e6
+    return out
 
 
 def validate_report(report) -> dict:
@@ -81,6 +88,10 @@ def validate_report(report) -> dict:
             raise ValueError(f"{where}['mode'] must be one of {MODES}, got {r['mode']!r}")
         if not (math.isfinite(r["us"]) and r["us"] > 0):
             raise ValueError(f"{where}['us'] must be a positive finite time, got {r['us']!r}")
+        if ("flops" in r) != ("tflops" in r) or ("flops" in r and (not isinstance(r["flops"], int)
+                                                                   or isinstance(r["flops"], bool) or r["flops"] < 0)):
+            raise ValueError(f"{where}: 'flops' (a non-negative int) and 'tflops' come together, got "
+                             f"{r.get('flops')!r}, {r.get('tflops')!r}")
         if r["variant"] == r["baseline"] and r["speedup"] != 1.0:
             raise ValueError(f"{where}: the baseline's own speedup must be 1.0, got {r['speedup']!r}")
     return report

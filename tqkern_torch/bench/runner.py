@@ -5,19 +5,20 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from tqkern_torch.bench.report import SCHEMA, Progress
-from tqkern_torch.bench.shapes import DECODE_PRESETS, DECODE_SHAPES, QUICK_SHAPES, STORE_SHAPES, decode_shape, \
-    store_shape
+from tqkern_torch.bench.shapes import (DECODE_PRESETS, DECODE_SHAPES, PREFILL_SHAPES, QUICK_SHAPES, STORE_SHAPES,
+                                      decode_shape, prefill_shape, store_shape)
 
 __all__ = ["OPS", "PRESETS", "select", "count_steps", "run"]
 
-OPS = ("decode", "store", "all")
+OPS = ("decode", "store", "prefill", "all")
 PRESETS = tuple(p for p, _ in DECODE_PRESETS)
-_SHAPE_OF = {"decode": decode_shape, "store": store_shape}
+_SHAPE_OF = {"decode": decode_shape, "store": store_shape, "prefill": prefill_shape}
+_SHAPES = {"decode": DECODE_SHAPES, "store": STORE_SHAPES, "prefill": PREFILL_SHAPES}
 
 
 def select(op: str, presets: Optional[Sequence[str]] = None, shapes: Optional[Sequence[str]] = None,
            quick: bool = False) -> dict:
-    """``{op: (presets, shapes)}`` for each op the run covers (``"all"``: decode and store).
+    """``{op: (presets, shapes)}`` for each op the run covers (``"all"``: decode, store, prefill).
 
     ``presets`` default to every benchmark preset; ``shapes`` to every named shape of each op
     (``quick``: two per op, :data:`~tqkern_torch.bench.shapes.QUICK_SHAPES`). A shape name goes to
@@ -28,14 +29,13 @@ def select(op: str, presets: Optional[Sequence[str]] = None, shapes: Optional[Se
     """
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    ops = ("decode", "store") if op == "all" else (op,)
+    ops = ("decode", "store", "prefill") if op == "all" else (op,)
     presets = PRESETS if presets is None else tuple(presets)
     unknown = [p for p in presets if p not in PRESETS]
     if unknown or not presets:
         raise ValueError(f"presets must be one or more of {', '.join(PRESETS)}, got {list(presets)}")
     if shapes is None:
-        chosen = {o: [_SHAPE_OF[o](n) for n in QUICK_SHAPES[o]] if quick else
-                  list(DECODE_SHAPES if o == "decode" else STORE_SHAPES) for o in ops}
+        chosen = {o: [_SHAPE_OF[o](n) for n in QUICK_SHAPES[o]] if quick else list(_SHAPES[o]) for o in ops}
     else:
         chosen = {o: [] for o in ops}
         for name in shapes:
@@ -47,7 +47,7 @@ def select(op: str, presets: Optional[Sequence[str]] = None, shapes: Optional[Se
                 except ValueError:
                     pass
             if not hit:
-                known = [s.name for o in ops for s in (DECODE_SHAPES if o == "decode" else STORE_SHAPES)]
+                known = [s.name for o in ops for s in _SHAPES[o]]
                 extra = " or B<batch>x<tokens>K" if "decode" in ops else ""
                 raise ValueError(f"shapes must be among {', '.join(known)}{extra} (for {op}), got {name!r}")
     return {o: (presets, chosen[o]) for o in ops}
@@ -57,7 +57,7 @@ def count_steps(selection: dict, eager_shapes: Sequence = ()) -> int:
     """Progress steps of :func:`run`: a gate per preset and op, a timing per variant and shape."""
     n = 0
     for o, (presets, shapes) in selection.items():
-        n += len(presets) + len(shapes) * (1 + len(presets))
+        n += len(presets) + len(shapes) * (1 + len(presets) + (o == "prefill" and bool(presets)))
         if o == "decode":
             n += len(eager_shapes) * (1 + len(presets))
     return n
@@ -70,7 +70,7 @@ def run(selection: dict, *, eager_shapes: Sequence[str] = (), quick: bool = Fals
     A preset that fails its op's gate is not timed there. ``quick`` replays each graph for about
     25 ms instead of 100.
     """
-    from tqkern_torch.bench import decode, store
+    from tqkern_torch.bench import decode, prefill, store
     from tqkern_torch.bench.timing import TIMING, environment
 
     eager = [decode_shape(s) for s in eager_shapes]
@@ -79,7 +79,7 @@ def run(selection: dict, *, eager_shapes: Sequence[str] = (), quick: bool = Fals
     report = {"schema": SCHEMA, "environment": environment(), "timing": TIMING, "gate": [], "records": []}
     try:
         for o, (presets, shapes) in selection.items():
-            mod = decode if o == "decode" else store
+            mod = {"decode": decode, "store": store, "prefill": prefill}[o]
             gates = []
             for p in presets:
                 gates += mod.gate([p])

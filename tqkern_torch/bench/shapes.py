@@ -11,8 +11,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["DecodeShape", "StoreShape", "DECODE_SHAPES", "STORE_SHAPES", "DECODE_PRESETS", "QUICK_SHAPES",
-           "decode_shape", "store_shape", "BLOCK_SIZE", "STORE_CACHE_TOKENS"]
+__all__ = ["DecodeShape", "StoreShape", "PrefillShape", "DECODE_SHAPES", "STORE_SHAPES", "PREFILL_SHAPES",
+           "DECODE_PRESETS", "QUICK_SHAPES", "decode_shape", "store_shape", "prefill_shape", "BLOCK_SIZE",
+           "STORE_CACHE_TOKENS"]
 
 BLOCK_SIZE = 16
 
@@ -42,6 +43,20 @@ class StoreShape:
         return self.num_seqs * self.tokens_per_seq
 
 
+@dataclass(frozen=True)
+class PrefillShape:
+    """``num_seqs`` sequences of ``context`` tokens whose last ``q_len`` are the new queries
+    (``q_len == context``: a full prefill; fewer: a chunk or speculative tokens on a cached prefix)."""
+
+    name: str
+    num_seqs: int
+    context: int
+    q_len: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
 DECODE_SHAPES = (
     DecodeShape("B32x4K", 32, 4096, 32, 8, 128),
     DecodeShape("B32x16K", 32, 16384, 32, 8, 128),
@@ -58,12 +73,23 @@ STORE_SHAPES = (
     StoreShape("SmolLM2_decode_B32", 32, 1, 3, 64),
 )
 
+# Issue 21's prefill shapes (Hq32/Hkv8/D128): full prefills, a varlen-sized batch, a chunk on a
+# cached prefix, speculative tokens.
+PREFILL_SHAPES = (
+    PrefillShape("full_1x4K", 1, 4096, 4096, 32, 8, 128),
+    PrefillShape("full_1x16K", 1, 16384, 16384, 32, 8, 128),
+    PrefillShape("full_8x2K", 8, 2048, 2048, 32, 8, 128),
+    PrefillShape("chunk1K_on16K_x8", 8, 16384, 1024, 32, 8, 128),
+    PrefillShape("spec4_on16K_x32", 32, 16384, 4, 32, 8, 128),
+)
+
 # Tokens of the cache a store benchmark writes into (4,096 blocks of 16): larger than any
 # shape's batch, so slots are scattered as in a serving cache.
 STORE_CACHE_TOKENS = 65536
 
 # `--quick`: one Llama-like and one SmolLM2-like shape per op.
-QUICK_SHAPES = {"decode": ("B32x4K", "SmolLM2_B32x4K"), "store": ("prefill_1x4096", "decode_B32")}
+QUICK_SHAPES = {"decode": ("B32x4K", "SmolLM2_B32x4K"), "store": ("prefill_1x4096", "decode_B32"),
+                "prefill": ("full_1x4K", "spec4_on16K_x32")}
 
 # (preset, arrangement); "fp16" is tqkern's own uncompressed paged path. Both ops run these.
 DECODE_PRESETS = (
@@ -95,3 +121,11 @@ def store_shape(name: str) -> StoreShape:
         if shape.name == name:
             return shape
     raise ValueError(f"shape must be one of {[s.name for s in STORE_SHAPES]}, got {name!r}")
+
+
+def prefill_shape(name: str) -> PrefillShape:
+    """A named shape of ``PREFILL_SHAPES``."""
+    for shape in PREFILL_SHAPES:
+        if shape.name == name:
+            return shape
+    raise ValueError(f"shape must be one of {[s.name for s in PREFILL_SHAPES]}, got {name!r}")
