@@ -1,8 +1,9 @@
 """pytest-benchmark entries (GPU only): ``pytest benchmarks --benchmark-only``.
 
 One run compares each op with its torch baseline: pytest-benchmark's table groups ``decode
-B32x4K`` (``paged_decode`` of four presets and torch SDPA fp16 on contiguous K/V) and ``store
-<shape>`` (``store`` of the same presets and an fp16 paged-cache ``index_copy_``). Each preset
+B32x4K`` (``paged_decode`` of four presets and torch SDPA fp16 on contiguous K/V), ``store
+<shape>`` (``store`` of the same presets and an fp16 paged-cache ``index_copy_``) and ``prefill
+full_1x4K`` (``prefill`` of the same presets and SDPA fp16 causal). Each preset
 passes its op's correctness gate against the NumPy oracle before it is timed. These time eager
 calls with a device sync (pytest-benchmark's timer); the full table, CUDA-graph timing, JSON and
 plot come from ``tqkern bench`` (:mod:`tqkern_torch.bench`).
@@ -13,14 +14,15 @@ import torch
 
 import tqkern_torch as tqt
 from tqkern_torch.attention import paged_decode
-from tqkern_torch.bench import decode, store
-from tqkern_torch.bench.shapes import BLOCK_SIZE, STORE_CACHE_TOKENS, decode_shape, store_shape
+from tqkern_torch.bench import decode, prefill, store
+from tqkern_torch.bench.shapes import BLOCK_SIZE, STORE_CACHE_TOKENS, decode_shape, prefill_shape, store_shape
 
 pytestmark = [pytest.mark.benchmark,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (no CUDA device found)")]
 PRESETS = ["tq4", "turboquant_4bit_nc", "turboquant_k8v4", "fp16"]
 DECODE_SHAPE = "B32x4K"
 STORE_SHAPES = ["decode_B32", "prefill_1x4096"]
+PREFILL_SHAPE = "full_1x4K"
 
 
 def _timed(benchmark, fn):
@@ -89,3 +91,27 @@ def test_store_baseline_fp16_index_copy(benchmark, shape):
 
     benchmark.group = f"store {shape}"
     _timed(benchmark, write)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_prefill(benchmark, preset):
+    gates = prefill.gate([preset])
+    assert all(g["ok"] for g in gates), gates
+    s = prefill_shape(PREFILL_SHAPE)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    layout, params = decode.make_layout(preset, s.num_kv_heads, s.head_dim)
+    cache, bt, sl, qsl, q = prefill.batch(layout, params, [s.context] * s.num_seqs, [s.q_len] * s.num_seqs,
+                                          s.num_q_heads, g, "cuda")
+    out = torch.empty_like(q)
+    benchmark.group = f"prefill {PREFILL_SHAPE}"
+    _timed(benchmark, lambda: tqt.prefill(q, cache, bt, sl, qsl, layout, params, out=out, check_inputs=False))
+
+
+def test_prefill_baseline_sdpa_fp16(benchmark):
+    s = prefill_shape(PREFILL_SHAPE)
+    q = torch.randn(s.num_seqs, s.num_q_heads, s.q_len, s.head_dim, device="cuda", dtype=torch.float16)
+    k = torch.randn(s.num_seqs, s.num_kv_heads, s.context, s.head_dim, device="cuda", dtype=torch.float16)
+    v = torch.randn_like(k)
+    benchmark.group = f"prefill {PREFILL_SHAPE}"
+    _timed(benchmark, lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                               enable_gqa=True))

@@ -26,7 +26,7 @@ from tqkern_torch.bench.report import record
 from tqkern_torch.bench.shapes import PrefillShape
 from tqkern_torch.bench.timing import graph_us
 
-__all__ = ["BASELINE", "DECOMPRESS_SDPA", "causal_flops", "gate", "run_shape"]
+__all__ = ["BASELINE", "DECOMPRESS_SDPA", "batch", "causal_flops", "gate", "run_shape"]
 
 BASELINE = "sdpa_fp16"
 DECOMPRESS_SDPA = "decompress_sdpa"
@@ -40,7 +40,7 @@ def causal_flops(shape: PrefillShape) -> int:
     return 4 * shape.head_dim * shape.num_q_heads * shape.num_seqs * pairs
 
 
-def _batch(layout, params, lens, q_lens, hq, g, device):
+def batch(layout, params, lens, q_lens, hq, g, device):
     """A filled paged cache (shuffled blocks) and the prefill arguments for sequences of ``lens``
     tokens whose last ``q_lens`` are the queries."""
     bs = layout.block_size
@@ -69,7 +69,7 @@ def gate(presets, *, device: str = "cuda", heads=((2, 64),), hq_per_kv: int = 2)
         for hkv, d in heads:
             layout, params = make_layout(preset, hkv, d, device)
             lens, q_lens = [40, 60, 20], [1, 5, 20]
-            cache, bt, sl, qsl, q = _batch(layout, params, lens, q_lens, hkv * hq_per_kv, g, device)
+            cache, bt, sl, qsl, q = batch(layout, params, lens, q_lens, hkv * hq_per_kv, g, device)
             got = tqt.prefill(q, cache, bt, sl, qsl, layout, params).float().cpu().numpy()
             exp = ref.prefill(q.float().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(), sl.cpu().numpy(),
                               qsl.cpu().numpy(), layout, params.params)
@@ -107,7 +107,7 @@ def run_shape(shape: PrefillShape, presets, step, *, rep_ms: int = 100, device: 
     q = q4.transpose(1, 2).reshape(b * lq, hq, d).contiguous()
     for i, preset in enumerate(presets):
         layout, params = make_layout(preset, hkv, d, device)
-        cache, bt, sl, qsl, _ = _batch(layout, params, [n] * b, [lq] * b, hq, g, device)
+        cache, bt, sl, qsl, _ = batch(layout, params, [n] * b, [lq] * b, hq, g, device)
         out = torch.empty_like(q)
         us = timer(lambda: tqt.prefill(q, cache, bt, sl, qsl, layout, params, out=out))
         rows.append(record("prefill", shape.name, preset, BASELINE, us, base_us, flops=flops))
