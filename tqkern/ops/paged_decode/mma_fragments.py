@@ -247,24 +247,29 @@ def _p_fragments(p0, p1, p2, p3):
         "=r,=r,f,f,f,f", [p0, p1, p2, p3], dtype=(tl.int32,) * 2, is_pure=True, pack=1)
 
 
+def _xor_reduce_asm(op: str) -> str:
+    """PTX reducing ``$1`` with ``op`` (``max.f32`` / ``add.f32``) over the 8 lanes that share
+    ``l % 4`` (butterfly xor 4, 8, 16) into ``$0``."""
+    return ("{\n.reg .f32 y;\n"
+            f"shfl.sync.bfly.b32 y, $1, 4, 0x1f, -1;\n{op} $0, $1, y;\n"
+            f"shfl.sync.bfly.b32 y, $0, 8, 0x1f, -1;\n{op} $0, $0, y;\n"
+            f"shfl.sync.bfly.b32 y, $0, 16, 0x1f, -1;\n{op} $0, $0, y;\n}}")
+
+
+_MAX8_ASM = tl.constexpr(_xor_reduce_asm("max.f32"))
+_SUM8_ASM = tl.constexpr(_xor_reduce_asm("add.f32"))
+
+
 @triton.jit
 def _warp_max_r(x):
     """Max over the 8 lanes that share ``l % 4`` (xor 4, 8, 16)."""
-    return tl.inline_asm_elementwise(
-        "{\n.reg .f32 y;\nshfl.sync.bfly.b32 y, $1, 4, 0x1f, -1;\nmax.f32 $0, $1, y;\n"
-        "shfl.sync.bfly.b32 y, $0, 8, 0x1f, -1;\nmax.f32 $0, $0, y;\n"
-        "shfl.sync.bfly.b32 y, $0, 16, 0x1f, -1;\nmax.f32 $0, $0, y;\n}",
-        "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(_MAX8_ASM, "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
 def _warp_sum_r(x):
     """Sum over the 8 lanes that share ``l % 4``."""
-    return tl.inline_asm_elementwise(
-        "{\n.reg .f32 y;\nshfl.sync.bfly.b32 y, $1, 4, 0x1f, -1;\nadd.f32 $0, $1, y;\n"
-        "shfl.sync.bfly.b32 y, $0, 8, 0x1f, -1;\nadd.f32 $0, $0, y;\n"
-        "shfl.sync.bfly.b32 y, $0, 16, 0x1f, -1;\nadd.f32 $0, $0, y;\n}",
-        "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(_SUM8_ASM, "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
