@@ -25,6 +25,13 @@ STORE_SHAPES = ["decode_B32", "prefill_1x4096"]
 PREFILL_SHAPE = "full_1x4K"
 
 
+def _gated_layout(mod, preset, shape):
+    """``(layout, params)`` of ``preset`` at ``shape``'s heads, after ``mod``'s oracle gate passed."""
+    gates = mod.gate([preset])
+    assert all(g["ok"] for g in gates), gates
+    return decode.make_layout(preset, shape.num_kv_heads, shape.head_dim)
+
+
 def _timed(benchmark, fn):
     def run():
         fn()
@@ -35,11 +42,9 @@ def _timed(benchmark, fn):
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_decode(benchmark, preset):
-    gates = decode.gate([preset])
-    assert all(g["ok"] for g in gates), gates
     s = decode_shape(DECODE_SHAPE)
+    layout, params = _gated_layout(decode, preset, s)
     g = torch.Generator(device="cuda").manual_seed(0)
-    layout, params = decode.make_layout(preset, s.num_kv_heads, s.head_dim)
     nb = s.batch * s.seq_len // BLOCK_SIZE
     bt = torch.randperm(nb, device="cuda", generator=g).int().reshape(s.batch, -1)
     sl = torch.full((s.batch,), s.seq_len, dtype=torch.int32, device="cuda")
@@ -70,10 +75,8 @@ def _store_inputs(name):
 @pytest.mark.parametrize("shape", STORE_SHAPES)
 @pytest.mark.parametrize("preset", PRESETS)
 def test_store(benchmark, preset, shape):
-    gates = store.gate([preset])
-    assert all(g["ok"] for g in gates), gates
     s, k, v, slots = _store_inputs(shape)
-    layout, params = decode.make_layout(preset, s.num_kv_heads, s.head_dim)
+    layout, params = _gated_layout(store, preset, s)
     cache = torch.zeros(layout.cache_shape(STORE_CACHE_TOKENS // BLOCK_SIZE), dtype=torch.uint8, device="cuda")
     benchmark.group = f"store {shape}"
     _timed(benchmark, lambda: tqt.store(cache, k, v, slots, layout, params))
@@ -95,11 +98,9 @@ def test_store_baseline_fp16_index_copy(benchmark, shape):
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_prefill(benchmark, preset):
-    gates = prefill.gate([preset])
-    assert all(g["ok"] for g in gates), gates
     s = prefill_shape(PREFILL_SHAPE)
+    layout, params = _gated_layout(prefill, preset, s)
     g = torch.Generator(device="cuda").manual_seed(3)
-    layout, params = decode.make_layout(preset, s.num_kv_heads, s.head_dim)
     cache, bt, sl, qsl, q = prefill.batch(layout, params, [s.context] * s.num_seqs, [s.q_len] * s.num_seqs,
                                           s.num_q_heads, g, "cuda")
     out = torch.empty_like(q)
