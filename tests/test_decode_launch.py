@@ -524,3 +524,48 @@ def test_prepared_plans_are_bounded(monkeypatch):
     again = tri.prepare(layout, torch.zeros(1, 4, 64), cache, torch.zeros(1, 4, dtype=torch.int32),
                         torch.ones(1, dtype=torch.int32), tables, same_codebooks=True)
     assert again is preps[3]
+
+
+def test_planner_rejects_bad_input():
+    """The pure planner and DeviceCaps name the argument, what it must be and what it got."""
+    from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode
+
+    tq4 = _layout("tq4", 128, 8, "row")
+    h100 = DeviceCaps.sm90()
+    for name, args in (("num_seqs", (0, 32, 4)), ("num_q_heads", (1, -32, 4)), ("max_blocks", (1, 32, 0)),
+                       ("num_seqs", (True, 32, 4))):
+        with pytest.raises(ValueError, match=f"{name} must be a positive int, got"):
+            plan_decode(tq4, *args, h100, same_codebooks=True)
+    with pytest.raises(ValueError, match="num_q_heads must be a multiple of num_kv_heads = 8, got 12"):
+        plan_decode(tq4, 1, 12, 4, h100, same_codebooks=True)
+    with pytest.raises(ValueError, match="path must be 'auto', 'mma' or 'general', got 'fast'"):
+        plan_decode(tq4, 1, 32, 4, h100, same_codebooks=True, path="fast")
+    with pytest.raises(TypeError, match="layout must be a tqkern.PagedLayout, got KVFormat"):
+        plan_decode(tq4.format, 1, 32, 4, h100, same_codebooks=True)
+    with pytest.raises(TypeError, match=r"capability must be a \(major, minor\) pair of ints, got \(9,\)"):
+        DeviceCaps(capability=(9,), num_sms=132, smem_per_block_optin=0, smem_per_sm=0)
+    with pytest.raises(ValueError, match="num_sms must be a non-negative int, got -1"):
+        DeviceCaps(capability=(9, 0), num_sms=-1, smem_per_block_optin=0, smem_per_sm=0)
+
+
+def test_frontend_plan_decode_and_its_bad_input():
+    """tqkern_torch.plan_decode: the plan of these tensors on this device (named fields), and a
+    ValueError/TypeError naming each bad argument."""
+    layout = _layout("turboquant_4bit_nc", 64, 2)
+    params = tqt.to_device(tqkern.TQParams.default(layout.format, seed=0), DEV)
+    q = torch.zeros(3, 4, 64, dtype=torch.float16, device=DEV)
+    cache = torch.zeros(layout.cache_shape(8), dtype=torch.uint8, device=DEV)
+    bt = torch.zeros(3, 5, dtype=torch.int32, device=DEV)
+    plan = tqt.plan_decode(q, cache, bt, layout, params, num_splits=2)
+    assert (plan.num_seqs, plan.num_q_heads, plan.max_blocks, plan.num_splits, plan.group) == (3, 4, 5, 2, 2)
+    assert plan.workspace_numel == workspace_numel(3, 4, 2, 64)
+    with pytest.raises(TypeError, match="q must be float16 or bfloat16, got float32"):
+        tqt.plan_decode(q.float(), cache, bt, layout, params)
+    with pytest.raises(ValueError, match=r"q must have shape \[num_seqs >= 1, k \* 2, 64\], got \[3, 3, 64\]"):
+        tqt.plan_decode(q[:, :3], cache, bt, layout, params)
+    with pytest.raises(ValueError, match=r"cache must have shape \[num_blocks, "):
+        tqt.plan_decode(q, cache[:, :1].contiguous(), bt, layout, params)
+    with pytest.raises(ValueError, match=r"block_table must have shape \[3, \*\], got \[2, 5\]"):
+        tqt.plan_decode(q, cache, bt[:2], layout, params)
+    with pytest.raises(ValueError, match="block_table must have at least one column, got"):
+        tqt.plan_decode(q, cache, bt[:, :0], layout, params)
