@@ -2,8 +2,6 @@
 split merge (every column-chunk count, with and without the rotate-back) and the q rotation,
 against NumPy. Run in Triton's interpreter on CPU (TRITON_INTERPRET=1) or on a GPU."""
 
-import dataclasses
-
 import numpy as np
 
 import pytest
@@ -110,19 +108,6 @@ def test_decode_path_capability_gate():
     for bad in ((9,), 9, "9.0", (9.0, 0)):
         with pytest.raises(TypeError, match=r"capability must be a \(major, minor\) pair of ints, got"):
             _path(tq4, 4, capability=bad)
-
-
-def test_plan_reads_the_capability():
-    """The plan asks the device's compute capability (``DeviceCaps``): on an sm_70 device a forced
-    warp-MMA plan is refused, and "auto" takes the general kernel there."""
-    from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode
-
-    tq4 = _layout("tq4", 128, 8, "row")
-    sm70 = dataclasses.replace(DeviceCaps.sm90(), capability=(7, 0))
-    with pytest.raises(ValueError, match="does not apply to this layout/group/device"):
-        plan_decode(tq4, 1, 32, 1, sm70, same_codebooks=True, path="mma")
-    assert plan_decode(tq4, 1, 32, 1, sm70, same_codebooks=True).decode.kernel == "general"
-    assert plan_decode(tq4, 1, 32, 1, DeviceCaps.sm90(), same_codebooks=True).decode.kernel == "coop"
 
 
 def test_production_kernels_have_no_timing_probes():
@@ -378,24 +363,6 @@ def test_table256_layouts_fit_and_do_not_overlap():
         table256_plan(tq4)
 
 
-def test_plan_drops_stages_without_the_shared_memory():
-    """On a GPU whose CTAs cannot have the stages' shared memory, or whose Triton cannot size
-    dynamic shared memory, the plan runs the per-warp kernel (the same constexprs without ``COOP``)."""
-    from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode
-
-    layout = _layout("tq4", 128, 8, "row")
-    h100 = DeviceCaps.sm90()
-    assert plan_decode(layout, 1, 32, 4, h100, same_codebooks=True).decode.constexpr("COOP") == 4
-    a100 = DeviceCaps(capability=(8, 0), num_sms=108, smem_per_block_optin=166912, smem_per_sm=167936)
-    for caps in (a100, dataclasses.replace(h100, dynamic_smem=False)):
-        plan = plan_decode(layout, 1, 32, 4, caps, same_codebooks=True)
-        assert plan.decode.kernel == "mma" and dict(plan.decode.constexprs)["SUB"] == 2
-        assert "COOP" not in dict(plan.decode.constexprs)
-        assert {k: v for k, v in plan.decode.constexprs if k in per_warp_plan(mma_plan(layout, 4))} \
-            == per_warp_plan(mma_plan(layout, 4))
-    assert plan_decode(_layout("fp16", 128, 8), 1, 32, 4, h100, same_codebooks=True).decode.kernel == "general"
-
-
 class _FakeMeta(tuple):
     """A namedtuple-like stand-in for a compiled kernel's metadata (only ``shared`` matters)."""
 
@@ -437,57 +404,6 @@ def test_dynamic_shared_memory_is_sized_before_the_binary_loads():
         _size_dynamic_smem(_FakeKernel(plan["SMEM_OFF"] + 16), plan)
 
 
-def _plan_with(layout, batch, max_len, ctas_per_sm):
-    """The plan on an H100 (132 SMs) with the compiled kernels' residency given by
-    ``ctas_per_sm(kernel plan)``; returns (plan, asked: the kernels whose residency was asked)."""
-    from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode
-
-    asked = []
-
-    def occupancy(kernel):
-        asked.append(kernel.kernel)
-        return ctas_per_sm(kernel)
-
-    plan = plan_decode(layout, batch, 32, max_len // 16, DeviceCaps.sm90(), same_codebooks=True, occupancy=occupancy)
-    return plan, asked
-
-
-def test_plan_falls_back_to_the_per_warp_kernel_when_sizing_fails():
-    """Where the cooperative kernel's dynamic shared memory cannot be sized (another Triton's
-    metadata layout), nothing has launched yet: the plan takes the per-warp kernel."""
-    import tqkern.ops.paged_decode.mma_plans as plans
-
-    def ctas(kernel):
-        if kernel.kernel == "coop":
-            raise plans.DynamicSmemUnsupported("metadata layout unknown")
-        return 2
-
-    plan, asked = _plan_with(_layout("tq4", 128, 8, "row"), 2, 16, ctas)
-    assert asked == ["coop", "mma"] and plan.decode.kernel == "mma" and plan.decode.constexpr("SUB") == 2
-
-
-@pytest.mark.parametrize("preset,arr,batch,max_len,per_warp_ctas,want_coop,asks", [
-    ("turboquant_k8v4", "slot", 32, 4096, 3, False, 2),  # coop: 8 splits of 512; per-warp: 6 splits
-    ("turboquant_k8v4", "slot", 128, 1024, 3, True, 2),  # per-warp would have 1 split
-    ("turboquant_k8v4", "slot", 32, 16384, 3, True, 1),  # splits of 2048 tokens
-    ("tq4", "row", 32, 4096, 3, True, 1),  # two-step stages: always cooperative
-    ("turboquant_4bit_nc", "slot", 32, 4096, 3, True, 1),
-])
-def test_short_splits_give_way_to_the_per_warp_kernel(preset, arr, batch, max_len, per_warp_ctas, want_coop, asks):
-    """One-step cooperative plans with fewer than 1024 tokens per split run the per-warp kernel
-    instead when it has at least 2 splits of its own (measured at B32x4K / B128x1K); the choice
-    depends on shapes only."""
-    import tqkern.ops.paged_decode.mma_plans as plans
-
-    layout = _layout(preset, 128, 8, arr)
-    plan, asked = _plan_with(layout, batch, max_len, lambda k: 2 if k.kernel == "coop" else per_warp_ctas)
-    assert asked == ["coop", "mma"][:asks]  # the cooperative plan's residency, then (maybe) the per-warp one
-    assert (plan.decode.kernel == "coop") == want_coop
-    resident = 2 * 8 * 132 if want_coop else per_warp_ctas * 4 * 132
-    assert plan.num_splits == plans.num_splits_mma(batch, 8, max_len, resident)
-    assert plan.decode.grid == ((batch * plan.num_splits,) if want_coop else (batch * 8 * plan.num_splits // 4,))
-
-
 def test_cooperative_helpers_reject_bad_input():
     from tqkern.ops.paged_decode.mma_plans import coop_row_stride, coop_smem_bytes
 
@@ -502,70 +418,3 @@ def test_cooperative_helpers_reject_bad_input():
 
     with pytest.raises(TypeError, match="caps must be a DeviceCaps, got str"):
         plan_decode(_layout("tq4", 128, 8, "row"), 1, 32, 1, "cuda", same_codebooks=True)
-
-
-def test_prepared_plans_are_bounded(monkeypatch):
-    """The one plan cache keeps at most ``_PREPARED_MAX`` entries (shapes change every step as
-    batches and block tables grow), dropping the oldest first; a cached plan is reused as is."""
-    import tqkern.ops.paged_decode.triton as tri
-
-    monkeypatch.setattr(tri, "_PREPARED", {})
-    monkeypatch.setattr(tri, "_PREPARED_MAX", 3)
-    layout = _layout("turboquant_4bit_nc", 64, 2)
-    cache = torch.zeros(layout.cache_shape(4), dtype=torch.uint8)
-    tables = {"rotation": None, "key_centroids_f32": None, "value_centroids_f32": None}
-    preps = []
-    for mb in (1, 2, 3, 4, 1):
-        bt = torch.zeros(1, mb, dtype=torch.int32)
-        preps.append(tri.prepare(layout, torch.zeros(1, 4, 64), cache, bt, torch.ones(1, dtype=torch.int32), tables,
-                                 same_codebooks=True))
-        assert preps[-1].plan.max_blocks == mb
-    assert len(tri._PREPARED) == 3 and preps[4] is not preps[0]  # (mb=1 was dropped, then planned again)
-    again = tri.prepare(layout, torch.zeros(1, 4, 64), cache, torch.zeros(1, 4, dtype=torch.int32),
-                        torch.ones(1, dtype=torch.int32), tables, same_codebooks=True)
-    assert again is preps[3]
-
-
-def test_planner_rejects_bad_input():
-    """The pure planner and DeviceCaps name the argument, what it must be and what it got."""
-    from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode
-
-    tq4 = _layout("tq4", 128, 8, "row")
-    h100 = DeviceCaps.sm90()
-    for name, args in (("num_seqs", (0, 32, 4)), ("num_q_heads", (1, -32, 4)), ("max_blocks", (1, 32, 0)),
-                       ("num_seqs", (True, 32, 4))):
-        with pytest.raises(ValueError, match=f"{name} must be a positive int, got"):
-            plan_decode(tq4, *args, h100, same_codebooks=True)
-    with pytest.raises(ValueError, match="num_q_heads must be a multiple of num_kv_heads = 8, got 12"):
-        plan_decode(tq4, 1, 12, 4, h100, same_codebooks=True)
-    with pytest.raises(ValueError, match="path must be 'auto', 'mma' or 'general', got 'fast'"):
-        plan_decode(tq4, 1, 32, 4, h100, same_codebooks=True, path="fast")
-    with pytest.raises(TypeError, match="layout must be a tqkern.PagedLayout, got KVFormat"):
-        plan_decode(tq4.format, 1, 32, 4, h100, same_codebooks=True)
-    with pytest.raises(TypeError, match=r"capability must be a \(major, minor\) pair of ints, got \(9,\)"):
-        DeviceCaps(capability=(9,), num_sms=132, smem_per_block_optin=0, smem_per_sm=0)
-    with pytest.raises(ValueError, match="num_sms must be a non-negative int, got -1"):
-        DeviceCaps(capability=(9, 0), num_sms=-1, smem_per_block_optin=0, smem_per_sm=0)
-
-
-def test_frontend_plan_decode_and_its_bad_input():
-    """tqkern_torch.plan_decode: the plan of these tensors on this device (named fields), and a
-    ValueError/TypeError naming each bad argument."""
-    layout = _layout("turboquant_4bit_nc", 64, 2)
-    params = tqt.to_device(tqkern.TQParams.default(layout.format, seed=0), DEV)
-    q = torch.zeros(3, 4, 64, dtype=torch.float16, device=DEV)
-    cache = torch.zeros(layout.cache_shape(8), dtype=torch.uint8, device=DEV)
-    bt = torch.zeros(3, 5, dtype=torch.int32, device=DEV)
-    plan = tqt.plan_decode(q, cache, bt, layout, params, num_splits=2)
-    assert (plan.num_seqs, plan.num_q_heads, plan.max_blocks, plan.num_splits, plan.group) == (3, 4, 5, 2, 2)
-    assert plan.workspace_numel == workspace_numel(3, 4, 2, 64)
-    with pytest.raises(TypeError, match="q must be float16 or bfloat16, got float32"):
-        tqt.plan_decode(q.float(), cache, bt, layout, params)
-    with pytest.raises(ValueError, match=r"q must have shape \[num_seqs >= 1, k \* 2, 64\], got \[3, 3, 64\]"):
-        tqt.plan_decode(q[:, :3], cache, bt, layout, params)
-    with pytest.raises(ValueError, match=r"cache must have shape \[num_blocks, "):
-        tqt.plan_decode(q, cache[:, :1].contiguous(), bt, layout, params)
-    with pytest.raises(ValueError, match=r"block_table must have shape \[3, \*\], got \[2, 5\]"):
-        tqt.plan_decode(q, cache, bt[:2], layout, params)
-    with pytest.raises(ValueError, match="block_table must have at least one column, got"):
-        tqt.plan_decode(q, cache, bt[:, :0], layout, params)
