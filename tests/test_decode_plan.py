@@ -11,7 +11,7 @@ import tqkern
 import tqkern_torch as tqt
 from tqkern.ops.paged_decode.mma_plans import mma_plan, per_warp_plan
 from tqkern.ops.paged_decode.triton import workspace_numel
-from tqkern_torch.testing import device_under_test
+from tqkern_torch.testing import device_under_test, kernels_available
 
 DEV = device_under_test()
 
@@ -168,3 +168,26 @@ def test_frontend_plan_decode_and_its_bad_input():
         tqt.plan_decode(q, cache, bt[:2], layout, params)
     with pytest.raises(ValueError, match="block_table must have at least one column, got"):
         tqt.plan_decode(q, cache, bt[:, :0], layout, params)
+
+
+@pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1")
+def test_a_repeated_call_finds_its_plan_without_planning(monkeypatch):
+    """paged_decode looks its shapes up before allocating (its key must be the planner's): the
+    second call with the same shapes does not call ``prepare``."""
+    import tqkern.ops.paged_decode.triton as tri
+
+    monkeypatch.setattr(tri, "_PREPARED", {})
+    calls = []
+    real = tri.prepare
+    monkeypatch.setattr(tri, "prepare", lambda *a, **k: calls.append(1) or real(*a, **k))
+    layout = _layout("turboquant_4bit_nc", 64, 2)
+    params = tqt.to_device(tqkern.TQParams.default(layout.format, seed=0), DEV)
+    q = torch.zeros(2, 4, 64, dtype=torch.float16, device=DEV)
+    cache = torch.zeros(layout.cache_shape(4), dtype=torch.uint8, device=DEV)
+    bt = torch.zeros(2, 2, dtype=torch.int32, device=DEV)
+    sl = torch.full((2,), 20, dtype=torch.int32, device=DEV)
+    for _ in range(2):
+        tqt.paged_decode(q, cache, bt, sl, layout, params)
+    assert len(calls) == 1
+    tqt.paged_decode(q, cache, bt, sl, layout, params, logit_softcap=5.0)  # other options: another plan
+    assert len(calls) == 2
