@@ -10,7 +10,7 @@ import tqkern
 import tqkern_torch as tqt
 from tqkern import reference as ref
 from tqkern.errors import ErrorFlag
-from tqkern.ops.paged_decode.plan import DeviceCaps
+from tqkern.ops.paged_decode.plan import DeviceCaps, fast_path_plan
 from tqkern.ops.prefill.plan import plan_prefill
 from tqkern_torch.library import layout_key
 from tqkern_torch.testing import device_under_test, kernels_available
@@ -237,3 +237,15 @@ def test_plan_is_pure_typed_and_checked():
         plan_prefill(layout, 32, DeviceCaps.sm90(), block_n=24)
     with pytest.raises(TypeError, match="caps must be a DeviceCaps, got str"):
         plan_prefill(layout, 32, "sm90")
+
+
+@pytest.mark.parametrize("hkv, word_reads", [(1, (0, 0)), (2, (2, 2)), (8, (2, 2))])
+def test_plan_avoids_the_16_bit_word_read(hkv, word_reads):
+    """turboquant_4bit_nc with one KV head would read its 4-bit words as 16-bit halves (read plan
+    1), which crashes Triton 3.6's compiler beside another 4-bit side: the plan reads both sides
+    through the field loader there and keeps the word path elsewhere."""
+    layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset("turboquant_4bit_nc", 128), num_kv_heads=hkv,
+                                block_size=16, arrangement="slot")
+    assert tuple(fast_path_plan(layout)[k] for k in ("K_FAST", "V_FAST")) == ((1, 1) if hkv == 1 else word_reads)
+    cx = dict(plan_prefill(layout, 4 * hkv, DeviceCaps.sm90()).constexprs)
+    assert (cx["K_FAST"], cx["V_FAST"]) == word_reads

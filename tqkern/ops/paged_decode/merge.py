@@ -49,7 +49,7 @@ def _store_merged(o, o_row, rmask, rot_ptr, c0, cols, D: tl.constexpr, CC: tl.co
     rotate-back ``cols`` are all DP columns and ``out[:, c] = o @ Πᵀ[:, c]`` (``Πᵀ[:, c] = Π[c, :]``,
     64 columns per dot), else ``cols`` are the chunk's columns."""
     if ROTATE_BACK:
-        SUB: tl.constexpr = CC if CC < 64 else 64
+        SUB: tl.constexpr = CC if CC < 64 else 64 if CC <= 128 else 32
         for c1 in tl.static_range(0, CC, SUB):
             cs = c0 + c1 + tl.arange(0, SUB)
             rt = tl.load(rot_ptr + cs[None, :] * D + cols[:, None], mask=(cols < D)[:, None] & (cs < D)[None, :],

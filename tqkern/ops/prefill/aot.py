@@ -79,8 +79,9 @@ def compile_prefill(layout, hq: int, out_dtype: str = "fp16", **options):
 
 
 def report(case: str) -> dict:
-    """Compile one case: ``name``, ``regs``, ``stack`` (bytes; > 0 means spills), ``instrs``
-    (SASS instructions), ``plan`` (its one-line description)."""
+    """Compile one case: ``name``, ``regs``, ``stack`` (bytes; > 0 means spills), ``shared``
+    (bytes of shared memory per program), ``instrs`` (SASS instructions), ``plan`` (its one-line
+    description)."""
     parts = case.split(":")
     preset, arr, d, hkv, hq, out = parts[:6]
     opts = {o: True for o in (parts[6].split("+") if len(parts) > 6 and parts[6] else [])}
@@ -92,7 +93,7 @@ def report(case: str) -> dict:
     layout = layout_of_case(preset, arr, int(d), int(hkv))
     compiled, plan = compile_prefill(layout, int(hq), out, **opts)
     regs, stack = resources(compiled)
-    return dict(name=case, regs=regs, stack=stack, instrs=sum(histogram(sass_of(compiled)).values()),
+    return dict(name=case, regs=regs, stack=stack, shared=int(compiled.metadata.shared), instrs=sum(histogram(sass_of(compiled)).values()),
                 plan=plan.describe())
 
 

@@ -129,6 +129,10 @@ def _plan(layout, hq, caps, window, softcap, sinks, lse, block_m, block_n, num_w
     bm = max(16, bq * gp)  # (tl.dot needs 16 rows)
     raw_bf16 = any(s.KIND == Kind.RAW and s.PARAM_DTYPE == DT_BF16 for s in (c["K"], c["V"]))
     fast = fast_path_plan(layout)
+    if 1 in (fast["K_FAST"], fast["V_FAST"]):
+        # (the 16-bit-halves word read — turboquant_4bit_nc with one KV head — beside another
+        # 4-bit side crashes Triton 3.6's TritonGPUOptimizeDotOperands pass: both take the loader)
+        fast = dict(fast, K_FAST=0, V_FAST=0)
     consts = {k: v for k, v in c.items() if not k.startswith("PAD")}
     cx = dict(G=g, GP=gp, HQ=hq, BQ=bq, BM=bm, BN=block_n, BS=layout.block_size,
               K_FAST=fast["K_FAST"], V_FAST=fast["V_FAST"], USE_ASM=not caps.interpret,
