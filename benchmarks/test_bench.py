@@ -2,8 +2,10 @@
 
 One run compares each op with its torch baseline: pytest-benchmark's table groups ``decode
 B32x4K`` (``paged_decode`` of four presets and torch SDPA fp16 on contiguous K/V), ``store
-<shape>`` (``store`` of the same presets and an fp16 paged-cache ``index_copy_``) and ``prefill
-full_1x4K`` (``prefill`` of the same presets and SDPA fp16 causal). Each preset
+<shape>`` (``store`` of the same presets and an fp16 paged-cache ``index_copy_``), ``prefill
+full_1x4K`` (``prefill`` of the same presets and SDPA fp16 causal) and ``generate B1x1K`` (a whole
+greedy ``model.generate`` of a Llama-3-8B-shaped model, 129 tokens, through a TQCache of
+turboquant_4bit_nc and through transformers' SDPA + DynamicCache). Each preset
 passes its op's correctness gate against the NumPy oracle before it is timed. These time eager
 calls with a device sync (pytest-benchmark's timer); the full table, CUDA-graph timing, JSON and
 plot come from ``tqkern bench`` (:mod:`tqkern_torch.bench`).
@@ -14,8 +16,9 @@ import torch
 
 import tqkern_torch as tqt
 from tqkern_torch.attention import paged_decode
-from tqkern_torch.bench import decode, prefill, store
-from tqkern_torch.bench.shapes import BLOCK_SIZE, STORE_CACHE_TOKENS, decode_shape, prefill_shape, store_shape
+from tqkern_torch.bench import decode, generate, prefill, store
+from tqkern_torch.bench.shapes import (BLOCK_SIZE, STORE_CACHE_TOKENS, decode_shape, generate_shape, prefill_shape,
+                                      store_shape)
 
 pytestmark = [pytest.mark.benchmark,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (no CUDA device found)")]
@@ -23,6 +26,7 @@ PRESETS = ["tq4", "turboquant_4bit_nc", "turboquant_k8v4", "fp16"]
 DECODE_SHAPE = "B32x4K"
 STORE_SHAPES = ["decode_B32", "prefill_1x4096"]
 PREFILL_SHAPE = "full_1x4K"
+GENERATE_SHAPE = "B1x1K"
 
 
 def _gated_layout(mod, preset, shape):
@@ -116,3 +120,31 @@ def test_prefill_baseline_sdpa_fp16(benchmark):
     benchmark.group = f"prefill {PREFILL_SHAPE}"
     _timed(benchmark, lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                                enable_gqa=True))
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    pytest.importorskip("transformers")
+    return generate.build_model(generate.llama3_8b_config(), "cuda")
+
+
+@pytest.mark.parametrize("variant", [generate.BASELINE, "turboquant_4bit_nc"])
+def test_generate(benchmark, llama8b, variant):
+    import tqkern_torch.transformers as tqtf
+
+    s = generate_shape(GENERATE_SHAPE)
+    ids = torch.randint(0, llama8b.config.vocab_size, (s.batch, s.prompt), device="cuda")
+    if variant == generate.BASELINE:
+        llama8b.set_attn_implementation("sdpa")
+        make_cache = lambda: None  # noqa: E731
+    else:
+        _gated_layout(decode, variant, decode_shape(DECODE_SHAPE))
+        tqtf.install(llama8b, variant)
+        make_cache = lambda: tqtf.TQCache(llama8b)  # noqa: E731
+    benchmark.group = f"generate {GENERATE_SHAPE}"
+    try:
+        benchmark.pedantic(lambda: generate.time_generate(llama8b, ids, generate.NEW_TOKENS, make_cache()),
+                           rounds=3, warmup_rounds=1)
+    finally:
+        if variant != generate.BASELINE:
+            tqtf.uninstall(llama8b)

@@ -59,7 +59,7 @@ def test_default_install_calibrates_on_default_text():
     model = _llama()
     tok = _ByteTokenizer()
     spec = tqt.install(model, "tq4", tokenizer=tok)
-    assert spec.key_offset_source == "default text"
+    assert spec.key_offset_sources == ("default text",) * 2
     ids = tok(cal.default_calibration_text(), add_special_tokens=False)["input_ids"]
     assert len(ids) > cal.CALIBRATION_TOKENS
     want = tqt.calibrate(model, torch.tensor([ids[: cal.CALIBRATION_TOKENS]]))
@@ -73,7 +73,7 @@ def test_install_calibrates_on_the_callers_text():
     model, tok = _qwen2(), _ByteTokenizer()
     ids = _ids(2, 24, seed=11)
     spec = tqt.install(model, "tqkern_k5v3", calibration=ids)
-    assert spec.key_offset_source == "calibration"
+    assert spec.key_offset_sources == ("calibration",) * 2
     for p, m in zip(spec.params, tqt.calibrate(model, ids)):
         np.testing.assert_array_equal(p.key_offset, m)
     spec = tqt.install(model, "tqkern_k5v3", calibration=["two short", "calibration texts"], tokenizer=tok)
@@ -84,17 +84,19 @@ def test_install_calibrates_on_the_callers_text():
 def test_explicit_none_and_arrays():
     model = _llama()
     spec = tqt.install(model, "tq4", key_offset=None)
-    assert spec.key_offset_source == "none" and all(p.key_offset is None for p in spec.params)
+    assert spec.key_offset_sources == ("none",) * 2 and all(p.key_offset is None for p in spec.params)
     mu = [np.full((2, 32), 0.25 * i, np.float32) for i in range(2)]
     spec = tqt.install(model, "tq4", key_offset=mu)
-    assert spec.key_offset_source == "given"
+    assert spec.key_offset_sources == ("given",) * 2
     assert all(np.array_equal(p.key_offset, m) for p, m in zip(spec.params, mu))
+    spec = tqt.install(model, "tq4", key_offset=[None, mu[1]])  # a None entry: that layer has no μ
+    assert spec.key_offset_sources == ("none", "given") and spec.params[0].key_offset is None
 
 
 def test_no_tokenizer_falls_back_to_the_first_prefill(monkeypatch):
     model = _qwen2()
     spec = tqt.install(model, "tq4")  # a model built from a config has no name_or_path: no tokenizer to find
-    assert spec.key_offset_source == "prefill" and all(p.key_offset is None for p in spec.params)
+    assert spec.key_offset_sources == ("prefill",) * 2 and all(p.key_offset is None for p in spec.params)
     ids = _ids(2, 20, seed=12)
     keys = _first_prefill_keys(model, ids)
     cache = tqt.TQCache(model)
@@ -113,7 +115,7 @@ def test_no_tokenizer_falls_back_to_the_first_prefill(monkeypatch):
     tqt.install(model, "tq4", key_offset=first)
     assert torch.equal(lp, _logits(model, ids, tqt.TQCache(model)))
     # "prefill" named explicitly; a TQCache built from params asks for it with estimate_key_offset
-    assert tqt.install(model, "tq4", key_offset="prefill").key_offset_source == "prefill"
+    assert tqt.install(model, "tq4", key_offset="prefill").key_offset_sources == ("prefill",) * 2
     c = tqt.TQCache(model, params=tqt.layer_params(model, "tq4"), estimate_key_offset=True)
     assert torch.equal(lp, _logits(model, ids, c))
 
@@ -133,7 +135,7 @@ def test_tokenizer_found_beside_the_weights(monkeypatch):
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
     model.name_or_path = "/some/local/dir"
-    assert tqt.install(model, "tq4").key_offset_source == "default text"
+    assert tqt.install(model, "tq4").key_offset_sources == ("default text",) * 2
     assert found == [("/some/local/dir", True)]
 
 
@@ -178,11 +180,13 @@ def test_save_and_load_key_offsets(tmp_path):
     loaded = tqt.load_key_offsets(tmp_path / "mu.npz")
     assert all(np.array_equal(p.key_offset, m) for p, m in zip(spec.params, loaded))
     again = tqt.install(model, "tqkern_k5v3", key_offset=loaded, formats={-1: "fp16"})
-    assert again.key_offset_source == "given"
-    assert all(np.array_equal(a.key_offset, b.key_offset) for a, b in zip(spec.params, again.params))
+    # the fp16 layer got no μ under "auto": saved and loaded as None, and installed as none again
+    assert spec.key_offset_sources == ("calibration", "off (raw keys)") and loaded[1] is None
+    assert again.key_offset_sources == ("given", "none")
+    assert all(np.array_equal(a.key_offset, b.key_offset) for a, b in zip(spec.params[:1], again.params[:1]))
+    assert again.params[1].key_offset is None
     tqt.install(model, "tq4", key_offset=None).save(tmp_path / "none.npz")
-    with pytest.raises(ValueError, match="key offset for every layer"):
-        tqt.load_key_offsets(tmp_path / "none.npz")
+    assert tqt.load_key_offsets(tmp_path / "none.npz") == [None, None]
 
 
 def test_default_text_is_disjoint_from_eval():
@@ -196,3 +200,76 @@ def test_default_text_needs_docstrings(monkeypatch):
     monkeypatch.setattr(cal, "stdlib_text", lambda modules: "")
     with pytest.raises(RuntimeError, match="docstrings"):
         tqt.install(_llama(), "tq4", tokenizer=_ByteTokenizer())
+
+
+def test_key_offset_by_default_per_key_codec():
+    """The rule of install(key_offset="auto"), pinned for every preset and a uniform-key format."""
+    from tqkern.layouts import PRESETS, KVFormat, Uniform
+    got = {name: cal.key_offset_by_default(KVFormat.preset(name, 64)) for name in PRESETS}
+    assert got == {name: name not in ("turboquant_k8v4", "fp16") for name in PRESETS}
+    uniform_keys = KVFormat(head_dim=64, key=Uniform(bits=4), value=Uniform(bits=4))
+    assert cal.key_offset_by_default(uniform_keys)
+
+
+def test_auto_decides_mu_layer_by_layer():
+    model, tok = _llama(), _ByteTokenizer()
+    spec = tqt.install(model, "tqkern_k5v3", tokenizer=tok, formats={0: "turboquant_k8v4"})
+    assert spec.key_offset_sources == ("off (fp8 keys)", "default text")
+    ids = tok(cal.default_calibration_text(), add_special_tokens=False)["input_ids"][: cal.CALIBRATION_TOKENS]
+    want = tqt.calibrate(model, torch.tensor([ids]))
+    assert spec.params[0].key_offset is None
+    np.testing.assert_array_equal(spec.params[1].key_offset, want[1])
+    spec = tqt.install(model, "fp16", tokenizer=tok, formats={-1: "tq4"})
+    assert spec.key_offset_sources == ("off (raw keys)", "default text") and spec.params[0].key_offset is None
+
+
+def test_auto_without_a_tokenizer_estimates_only_the_layers_it_gives_mu():
+    model = _qwen2()
+    spec = tqt.install(model, "tq4", formats={0: "turboquant_k8v4"})
+    assert spec.key_offset_sources == ("off (fp8 keys)", "prefill")
+    cache = tqt.TQCache(model)
+    assert [layer.estimate_key_offset for layer in cache.layers] == [False, True]
+    with torch.no_grad():
+        model(_ids(1, 12, seed=16), past_key_values=cache, use_cache=True)
+    assert cache.layers[0].params.key_offset is None and cache.layers[1].params.key_offset is not None
+
+
+def test_auto_runs_no_calibration_where_no_layer_gets_mu(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("calibrate ran")
+
+    monkeypatch.setattr(cal, "calibrate", fail)
+    model = _llama()
+    for kwargs in ({"tokenizer": _ByteTokenizer()}, {"calibration": _ids(1, 16, seed=17)}):
+        spec = tqt.install(model, "turboquant_k8v4", formats={-1: "fp16"}, **kwargs)
+        assert spec.key_offset_sources == ("off (fp8 keys)", "off (raw keys)")
+        assert all(p.key_offset is None for p in spec.params)
+    with pytest.raises(AssertionError, match="calibrate ran"):  # the stub is what install calls
+        tqt.install(model, "tq4", calibration=_ids(1, 16, seed=17))
+
+
+def test_explicit_key_offset_wins_over_the_format_rule():
+    model = _qwen2()
+    mu = tqt.calibrate(model, _ids(1, 16, seed=18))
+    spec = tqt.install(model, "turboquant_k8v4", key_offset=mu)
+    assert spec.key_offset_sources == ("given",) * 2
+    assert all(np.array_equal(p.key_offset, m) for p, m in zip(spec.params, mu))
+    spec = tqt.install(model, "turboquant_k8v4", key_offset="prefill")
+    assert spec.key_offset_sources == ("prefill",) * 2
+    cache = tqt.TQCache(model)
+    with torch.no_grad():
+        model(_ids(1, 12, seed=19), past_key_values=cache, use_cache=True)
+    assert all(layer.params.key_offset is not None for layer in cache.layers)
+
+
+def test_fp8_keys_left_without_mu_by_auto_still_warn():
+    """FP8 rounding is relative to each key element, so a large common key component costs FP8
+    keys too: "auto" leaves them without μ, and the warning names the explicit way to add it."""
+    model = _lowfreq_bias_qwen2()
+    assert tqt.install(model, "turboquant_k8v4").key_offset_sources == ("off (fp8 keys)",) * 2
+    with pytest.warns(cal.KeyOffsetWarning, match="key_offset='auto' leaves these keys without mu"):
+        _logits(model, _ids(1, 40, seed=14), tqt.TQCache(model))
+    tqt.install(model, "turboquant_k8v4", key_offset="prefill")  # μ asked for explicitly: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cal.KeyOffsetWarning)
+        _logits(model, _ids(1, 40, seed=14), tqt.TQCache(model))

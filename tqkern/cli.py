@@ -4,8 +4,8 @@
 head_dim and compresses random K/V with each preset through the NumPy oracles, printing the
 relative reconstruction error. It needs NumPy only: no GPU, no torch, no Triton (it reports
 torch and a CUDA device when torch can be imported). ``tqkern eval`` and ``tqkern bench`` (the
-GPU benchmarks of :mod:`tqkern_torch.bench`; exit status 2 where no CUDA device is found) import
-torch inside the command.
+GPU benchmarks of :mod:`tqkern_torch.bench`, ``tqkern bench generate`` the end-to-end one; exit
+status 2 where no CUDA device is found) import torch inside the command.
 
 The module imports NumPy and ``tqkern`` only, so ``tqkern --help`` and ``tqkern info`` work where
 torch is not installed. ``python -m tqkern.cli`` runs it as the ``tqkern`` script does.
@@ -234,13 +234,17 @@ def _eval_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(mus=("none", "calibrated"))
 
 
-def _eval(args: argparse.Namespace) -> int:
-    require_torch()
+def _require_transformers() -> None:
     try:
         import transformers  # noqa: F401
     except Exception as e:  # noqa: BLE001
         raise MissingDependency(f"needs transformers, which cannot be imported ({type(e).__name__}: {e}); "
                                 "install it with `pip install 'transformers>=5.17,<6'`") from None
+
+
+def _eval(args: argparse.Namespace) -> int:
+    require_torch()
+    _require_transformers()
     from tqkern_torch.eval import main_eval
     formats = list(PRESETS) if args.formats is None else args.formats
     unknown = [f for f in formats if f not in PRESETS]
@@ -257,8 +261,9 @@ def _eval(args: argparse.Namespace) -> int:
 
 # -- bench ---------------------------------------------------------------------------------------
 def _bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("op", nargs="?", default="all", choices=("decode", "store", "prefill", "all"),
-                   help="which op to time (default all)")
+    p.add_argument("op", nargs="?", default="all", choices=("decode", "store", "prefill", "all", "generate"),
+                   help="which op to time (default all = decode, store and prefill; generate: end-to-end "
+                        "model.generate of a Llama-3-8B-shaped model, run on its own)")
     p.add_argument("--presets", nargs="+", default=None, metavar="PRESET",
                    help="presets to time (default: every benchmark preset)")
     p.add_argument("--shapes", nargs="+", default=None, metavar="SHAPE",
@@ -266,7 +271,11 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, metavar="FILE.json", help="the JSON report (default bench_<op>.json)")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="draw the speedup over the baseline per shape (needs the plot extra: matplotlib)")
-    p.add_argument("--quick", action="store_true", help="two shapes per op, shorter replays")
+    p.add_argument("--quick", action="store_true",
+                   help="two shapes per op, shorter replays (generate: one preset, B1x1K and B8x16K)")
+    p.add_argument("--layers", type=_positive_int, default=None, metavar="N",
+                   help="generate only: decoder layers of the model (default 32; fewer is a cut model, which the "
+                        "report says)")
     p.add_argument("--eager", nargs="*", default=None, metavar="SHAPE",
                    help="decode: also time eager calls (no CUDA graph) at these shapes (default B1x4K B32x4K B32x16K)")
     p.add_argument("--from", dest="from_json", default=None, metavar="FILE.json",
@@ -285,9 +294,18 @@ def _bench(args: argparse.Namespace) -> int:
             raise UsageError(f"--from: {e}") from None
     else:
         try:
-            selection = runner.select(args.op, args.presets, args.shapes, args.quick)
-            if args.eager is not None and args.op == "store":
-                raise ValueError("--eager times decode only, got op 'store'")
+            if args.layers is not None and args.op != "generate":
+                raise ValueError(f"--layers is for generate only, got op {args.op!r}")
+            if args.op == "generate":
+                _require_transformers()
+                from tqkern_torch.bench import generate
+                selection = generate.select(args.presets, args.shapes, args.quick)
+                if args.layers is not None:
+                    generate.llama3_8b_config(args.layers)  # validates
+            else:
+                selection = runner.select(args.op, args.presets, args.shapes, args.quick)
+            if args.eager is not None and args.op in ("store", "generate"):
+                raise ValueError(f"--eager times decode only, got op {args.op!r}")
             from tqkern_torch.bench.decode import EAGER_SHAPES
             from tqkern_torch.bench.shapes import decode_shape
             eager = [] if args.eager is None else (args.eager or list(EAGER_SHAPES))
@@ -304,7 +322,10 @@ def _bench(args: argparse.Namespace) -> int:
         if why:
             print(f"tqkern bench needs a CUDA GPU: {why}", file=sys.stderr)
             return NO_CUDA_EXIT
-        report = runner.run(selection, eager_shapes=eager, quick=args.quick)
+        if args.op == "generate":
+            report = generate.run(*selection, layers=args.layers or generate.FULL_LAYERS)
+        else:
+            report = runner.run(selection, eager_shapes=eager, quick=args.quick)
     print(rep.render_table(report))
     if args.from_json is None:
         out = args.out or f"bench_{args.op}.json"
@@ -313,7 +334,7 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"wrote {out}")
     if args.plot is not None:
         print(f"wrote {rep.plot_report(report, args.plot)}")
-    return 0 if all(g["ok"] for g in report["gate"]) else 1
+    return 0 if all(g["ok"] for g in report["gate"]) and not report.get("errors") else 1
 
 
 # -- plan ----------------------------------------------------------------------------------------

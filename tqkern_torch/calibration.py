@@ -11,6 +11,8 @@ to find μ by default:
   running interpreter at run time (Python Software Foundation License; nothing is copied into
   tqkern). It is the calibration text of ``tqkern eval`` (``docs/quality.md`` measures it) and
   disjoint from eval's evaluation text.
+* :func:`key_offset_by_default`: which key codecs ``key_offset="auto"`` gives μ (the per-format
+  rule, with the measurements it rests on).
 * :func:`key_mean_ratio` and :class:`KeyOffsetWarning`: the statistic that says whether μ
   matters for a model, and the warning raised when a compressed format runs without μ on a model
   where it does (:data:`KEY_MEAN_WARN_RATIO`).
@@ -29,11 +31,12 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
 
+from tqkern.layouts import KVFormat
 from tqkern.params import TQParams, load_params, save_params
 
 __all__ = ["CALIBRATION_MODULES", "CALIBRATION_TOKENS", "KEY_MEAN_MIN_TOKENS", "KEY_MEAN_WARN_RATIO",
-           "KeyOffsetWarning", "calibrate",
-           "default_calibration_text", "key_mean_ratio", "key_mean_ratios", "load_key_offsets", "resolve_key_offset",
+           "KEY_OFFSET_KINDS", "KeyOffsetWarning", "calibrate", "default_calibration_text", "key_mean_ratio",
+           "key_mean_ratios", "key_offset_by_default", "load_key_offsets", "resolve_key_offset",
            "save_key_offsets", "stdlib_text", "warn_key_mean"]
 
 CALIBRATION_MODULES = ("string", "textwrap", "shutil", "tempfile", "heapq", "bisect", "csv", "glob")
@@ -48,7 +51,13 @@ format installed without μ warns. r = ‖mean k‖ / RMS ‖k‖, so without μ
 error on ‖k‖ while only ‖k − μ‖ = √(1 − r²)·RMS‖k‖ varies between tokens: at r = 0.9 the error
 relative to that part is 2.3× what it is with μ. Measured (``docs/quality.md``): SmolLM2-135M has
 r ≤ 0.85 (median 0.74) over its 90 heads and loses +1–8% perplexity without μ on 4-bit keys (μ
-still helps there, so μ is the default); a tiny random Qwen2 with key biases of std 0.5 has r ≈ 1."""
+still helps there, so μ is the default for those codecs: :func:`key_offset_by_default`); a tiny
+random Qwen2 whose key biases sit in the slowly rotating RoPE pairs has r ≈ 1. The argument holds
+for FP8 keys too (their rounding error is relative to each element of k), so FP8 layers that
+``key_offset="auto"`` leaves without μ are checked like any other."""
+
+KEY_OFFSET_KINDS = ("lloyd_max", "uniform")
+"""Key codec kinds that ``install(key_offset="auto")`` gives μ: :func:`key_offset_by_default`."""
 
 KEY_MEAN_MIN_TOKENS = 32
 """A prefill shorter than this (tokens × batch rows) is not checked for :class:`KeyOffsetWarning`."""
@@ -57,6 +66,35 @@ KEY_MEAN_MIN_TOKENS = 32
 class KeyOffsetWarning(UserWarning):
     """A compressed format runs without the key offset μ on a model whose key means are large
     against its key norms (:func:`key_mean_ratio` above :data:`KEY_MEAN_WARN_RATIO`)."""
+
+
+def key_offset_by_default(fmt: KVFormat) -> bool:
+    """Whether ``install(key_offset="auto")`` gives a layer of format ``fmt`` the key offset μ:
+    yes where its key codec's kind is in :data:`KEY_OFFSET_KINDS` (Lloyd-Max, uniform), no for
+    FP8 and raw keys. An explicit ``key_offset`` (arrays, ``"prefill"``, ``None``) overrides it.
+
+    The rule and what it rests on (SmolLM2-135M, 24 windows × 256 tokens, ``docs/quality.md``;
+    paired: ΔPPL with μ minus without, bootstrapped over the same windows):
+
+    * Lloyd-Max keys (rotated, a norm times a codebook direction; the error scales with ‖k‖):
+      μ lowers the mean KL, ``turboquant_4bit_nc`` 0.0683 → 0.0531 (lower in 23 of 24 windows),
+      ``tqkern_k5v3`` 0.0428 → 0.0380 (21 of 24), and ΔPPL +5.45% → +4.90% and +3.54% → +2.80%
+      (paired differences −0.09 [−0.31, +0.12] and −0.12 [−0.28, +0.05] PPL: not resolved); at 8
+      windows every Lloyd-Max preset's mean KL fell with μ.
+    * Uniform keys (no preset has them; the error scales with the vector's max − min, which a
+      per-dimension offset widens): 4-bit unrotated keys with 4-bit values, 8 windows only: mean
+      KL 0.142 → 0.076 and ΔPPL +15.1% → +7.2% with μ (paired −1.41 [−1.94, −1.05] PPL; lower
+      NLL in all 8 windows).
+    * FP8 keys (``turboquant_k8v4``): μ leaves the mean KL as it was (0.0180 → 0.0178, lower in
+      11 of 24 windows) and raises ΔPPL +0.65% → +1.33% (paired +0.11 [+0.02, +0.22] PPL; at 8
+      windows: +1.10% → +1.09%, KL 0.0180 → 0.0173): no gain, so off.
+    * Raw keys (``fp16``): nothing to gain; with μ the cache stores k − μ rounded to float16
+      (mean KL 1e-6 at 8 windows): off.
+
+    One model with moderate key means (r ≤ 0.85, :data:`KEY_MEAN_WARN_RATIO`); where r is larger
+    an FP8 layer without μ warns (:class:`KeyOffsetWarning`) and μ can be given explicitly.
+    """
+    return fmt.key.kind in KEY_OFFSET_KINDS
 
 
 def stdlib_text(modules: Sequence[str]) -> str:
@@ -175,10 +213,12 @@ def warn_key_mean(params: TQParams, key_states: torch.Tensor, layer_idx: int) ->
     r = float(key_mean_ratio(key_states).max())
     if r <= KEY_MEAN_WARN_RATIO:
         return False
+    fix = ("key_offset='auto' leaves these keys without mu (key_offset_by_default): install with "
+           "key_offset='prefill' or calibrated arrays (calibrate)" if not key_offset_by_default(params.format)
+           else "install with the default key_offset='auto' (and a tokenizer) or key_offset='prefill'")
     warnings.warn(f"layer {layer_idx} stores keys in {params.format.key.kind} without a key offset mu, but its "
                   f"keys' mean is large against their norms (||mean k|| / RMS ||k|| = {r:.2f} > "
-                  f"{KEY_MEAN_WARN_RATIO}): quality suffers; install with the default key_offset='auto' "
-                  f"(and a tokenizer) or key_offset='prefill'", KeyOffsetWarning, stacklevel=4)
+                  f"{KEY_MEAN_WARN_RATIO}): quality suffers; {fix}", KeyOffsetWarning, stacklevel=4)
     return True
 
 
@@ -188,45 +228,51 @@ def save_key_offsets(path: Union[str, os.PathLike], params: Sequence[TQParams]) 
     save_params(path, params)
 
 
-def load_key_offsets(path: Union[str, os.PathLike]) -> list[np.ndarray]:
+def load_key_offsets(path: Union[str, os.PathLike]) -> list[Optional[np.ndarray]]:
     """The per-layer μ of a file written by :func:`save_key_offsets` (or ``TQInstall.save``), for
-    ``install(model, fmt, key_offset=load_key_offsets(path))``.
-
-    Raises:
-        ValueError: the file holds a layer without μ.
-    """
-    params = load_params(path)
-    missing = [i for i, p in enumerate(params) if p.key_offset is None]
-    if missing:
-        raise ValueError(f"path must hold a key offset for every layer, got none for layers {missing}")
-    return [np.asarray(p.key_offset, dtype=np.float32) for p in params]
+    ``install(model, fmt, key_offset=load_key_offsets(path))``: ``None`` for a layer saved
+    without μ (e.g. an FP8 or fp16 layer under ``key_offset="auto"``), which then gets none."""
+    return [None if p.key_offset is None else np.asarray(p.key_offset, dtype=np.float32) for p in load_params(path)]
 
 
-def resolve_key_offset(model, key_offset, calibration, tokenizer) -> tuple[Optional[list], str]:
+def resolve_key_offset(model, key_offset, calibration, tokenizer,
+                       formats: Sequence[KVFormat]) -> tuple[Optional[list], tuple[str, ...]]:
     """What :func:`~tqkern_torch.transformers.install` makes of its ``key_offset``,
-    ``calibration`` and ``tokenizer`` arguments: ``(per-layer μ or None, source)`` with source
-    one of ``"given"``, ``"calibration"`` (the caller's text or ids), ``"default text"``,
-    ``"prefill"`` (estimated by each TQCache from its first prefill) and ``"none"``."""
+    ``calibration`` and ``tokenizer`` arguments for layers of ``formats`` (one per layer):
+    ``(per-layer μ or None, per-layer source)``.
+
+    A source is ``"given"`` (an array passed in), ``"none"`` (``key_offset=None``, or a ``None``
+    entry of the arrays), ``"calibration"`` (the caller's text or ids), ``"default text"``,
+    ``"prefill"`` (estimated by each TQCache from its first prefill), or, with ``"auto"``, ``"off
+    (<kind> keys)"`` for a layer whose key codec gets no μ by default (:func:`key_offset_by_default`).
+    ``"auto"`` runs no calibration pass where no layer gets μ."""
     auto = isinstance(key_offset, str) and key_offset == "auto"
     if calibration is not None and not auto:
         raise ValueError(f"calibration must be None unless key_offset is 'auto', got key_offset="
                          f"{key_offset if isinstance(key_offset, str) or key_offset is None else 'arrays'!r}")
+    n = len(formats)
     if key_offset is None:
-        return None, "none"
-    if isinstance(key_offset, str):
-        if key_offset == "prefill":
-            return None, "prefill"
-        if key_offset != "auto":
-            raise ValueError(f"key_offset must be 'auto', 'prefill', None or one [num_kv_heads, head_dim] array "
-                             f"per layer, got {key_offset!r}")
-        if calibration is not None:
-            return calibrate(model, calibration, tokenizer=tokenizer), "calibration"
+        return None, ("none",) * n
+    if not isinstance(key_offset, str):
+        offsets = list(key_offset)
+        return offsets, tuple("none" if m is None else "given" for m in offsets)
+    if key_offset == "prefill":
+        return None, ("prefill",) * n
+    if not auto:
+        raise ValueError(f"key_offset must be 'auto', 'prefill', None or one [num_kv_heads, head_dim] array "
+                         f"per layer, got {key_offset!r}")
+    wanted = [key_offset_by_default(f) for f in formats]
+    off = [f"off ({f.key.kind} keys)" for f in formats]
+    mu, source = None, "prefill"
+    if any(wanted) and calibration is not None:
+        mu, source = calibrate(model, calibration, tokenizer=tokenizer), "calibration"
+    elif any(wanted):
         tokenizer = tokenizer if tokenizer is not None else _local_tokenizer(model)
-        if tokenizer is None:
-            return None, "prefill"
-        ids = tokenizer(default_calibration_text(), add_special_tokens=False)["input_ids"][:CALIBRATION_TOKENS]
-        return calibrate(model, torch.tensor([ids], dtype=torch.long)), "default text"
-    return list(key_offset), "given"
+        if tokenizer is not None:
+            ids = tokenizer(default_calibration_text(), add_special_tokens=False)["input_ids"][:CALIBRATION_TOKENS]
+            mu, source = calibrate(model, torch.tensor([ids], dtype=torch.long)), "default text"
+    sources = tuple(source if w else o for w, o in zip(wanted, off))
+    return (None if mu is None else [m if w else None for m, w in zip(mu, wanted)]), sources
 
 
 def _local_tokenizer(model):

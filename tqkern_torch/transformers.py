@@ -31,6 +31,8 @@ Pieces:
   per layer), so the padded positions, stored at prefill and masked there, are then gone.
 * :func:`install` / :func:`uninstall` and :func:`calibrate` (μ: the mean key after RoPE, i.e. what
   the cache stores, per layer and KV head; ``TQParams.key_offset``; :mod:`tqkern_torch.calibration`).
+  By default a layer gets μ where its key codec gains from it (Lloyd-Max and uniform keys, not
+  FP8 or raw: :func:`~tqkern_torch.calibration.key_offset_by_default`).
 
 Attention through the stored cache sees the *reconstructed* keys and values everywhere (the
 current chunk included), so prefill and decode attend the same K/V. K/V are stored from float16
@@ -103,15 +105,17 @@ class TQInstall:
         params: one :class:`~tqkern.TQParams` per decoder layer (its format and key offset).
         block_size: tokens per cache block.
         previous: ``config._attn_implementation`` before :func:`install`.
-        key_offset_source: where μ came from: ``"calibration"``, ``"default text"``, ``"given"``,
-            ``"prefill"`` (each :class:`TQCache` estimates it from its first prefill; ``params``
-            then hold none) or ``"none"``.
+        key_offset_sources: per layer, where its μ came from: ``"calibration"``, ``"default
+            text"``, ``"given"``, ``"prefill"`` (each :class:`TQCache` estimates it from its first
+            prefill; ``params`` then hold none), ``"none"`` (the caller asked for none), or
+            ``"off (fp8 keys)"`` / ``"off (raw keys)"`` (``key_offset="auto"`` gives this key codec
+            no μ: :func:`~tqkern_torch.calibration.key_offset_by_default`).
     """
 
     params: tuple[TQParams, ...]
     block_size: int
     previous: Optional[str]
-    key_offset_source: str = "none"
+    key_offset_sources: tuple[str, ...] = ()
 
     def save(self, path: Union[str, os.PathLike]) -> None:
         """Write :attr:`params` (formats, rotations, codebooks, μ) to ``path``; reinstall with
@@ -124,7 +128,8 @@ def layer_params(model_or_config, format: FormatSpec = "tqkern_k5v3", *, key_off
                  formats: Optional[Mapping[int, FormatSpec]] = None) -> tuple[TQParams, ...]:
     """One :class:`~tqkern.TQParams` per decoder layer: ``formats[i]`` (negative indices count
     from the last layer) or ``format``, with ``TQParams.default`` and ``key_offset[i]`` (a
-    ``[num_kv_heads, head_dim]`` array per layer, e.g. from :func:`calibrate`) when given."""
+    ``[num_kv_heads, head_dim]`` array per layer, e.g. from :func:`calibrate`, or ``None`` for a
+    layer without μ) when given."""
     num_layers, kv_heads, head_dim = _geometry(_text_config(model_or_config))
     per_layer: dict[int, FormatSpec] = {}
     for idx, spec in (formats or {}).items():
@@ -138,7 +143,7 @@ def layer_params(model_or_config, format: FormatSpec = "tqkern_k5v3", *, key_off
     for i in range(num_layers):
         fmt = _resolve_format(per_layer.get(i, format), head_dim, f"formats[{i}]" if i in per_layer else "format")
         mu = None
-        if key_offset is not None:
+        if key_offset is not None and key_offset[i] is not None:
             mu = np.asarray(key_offset[i], dtype=np.float64)
             if mu.shape != (kv_heads, head_dim):
                 raise ValueError(f"key_offset[{i}] must have shape ({kv_heads}, {head_dim}), got {mu.shape}")
@@ -329,9 +334,10 @@ class TQCache(Cache):
     ``params=`` (one :class:`~tqkern.TQParams` per layer, e.g. from :func:`layer_params`) to build
     one without installing, and ``block_size`` and ``estimate_key_offset`` then.
 
-    With ``estimate_key_offset`` (``install(key_offset="prefill")``, or ``"auto"`` without a
-    tokenizer) each layer without μ takes μ = the mean key of its first update (every row and
-    position of the first prefill, padding included), fixed for the cache's life. Each layer
+    With ``estimate_key_offset`` (``install(key_offset="prefill")``, or, for the layers it gives μ,
+    ``"auto"`` without a tokenizer) each layer without μ takes μ = the mean key of its first
+    update (every row and position of the first prefill, padding included), fixed for the
+    cache's life. Each layer
     that quantizes keys without μ is checked at its first update, if that holds at least
     ``KEY_MEAN_MIN_TOKENS`` tokens (rows × positions): if :func:`~tqkern_torch.calibration.key_mean_ratio` exceeds
     ``KEY_MEAN_WARN_RATIO`` for a head, a :class:`KeyOffsetWarning` is raised (once per cache)."""
@@ -344,7 +350,9 @@ class TQCache(Cache):
                 raise ValueError("model must have tqkern installed (tqkern_torch.transformers.install), "
                                  "or pass params=")
             params, block_size = installed.params, installed.block_size
-            estimate_key_offset = installed.key_offset_source == "prefill"
+            estimate = [source == "prefill" for source in installed.key_offset_sources]
+        else:
+            estimate = [estimate_key_offset] * len(params)
         config = _text_config(model_or_config)
         num_layers, kv_heads, head_dim = _geometry(config)
         if len(params) != num_layers:
@@ -355,8 +363,7 @@ class TQCache(Cache):
         kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
         if not kinds <= {"full_attention", "sliding_attention"}:
             raise NotImplementedError(f"TQCache supports full and sliding attention layers, got {sorted(kinds)}")
-        layers = [TQCacheLayer(p, kv_heads, block_size or 16, estimate_key_offset=estimate_key_offset)
-                  for p in params]
+        layers = [TQCacheLayer(p, kv_heads, block_size or 16, estimate_key_offset=e) for p, e in zip(params, estimate)]
         super().__init__(layers=layers)
         self._config = config
         self._warned = False
@@ -444,26 +451,36 @@ def install(model, format: FormatSpec = "tqkern_k5v3", *, key_offset="auto", cal
         format: preset name (``KVFormat.preset``) or :class:`~tqkern.KVFormat` for every layer.
         key_offset: the per-layer key offset μ (``docs/quality.md`` measures what it is worth):
 
-            * ``"auto"`` (default): calibrated (:func:`calibrate`) on ``calibration`` if given,
-              else on the first 2,048 tokens of tqkern's default calibration text
+            * ``"auto"`` (default): per layer, by its key codec
+              (:func:`~tqkern_torch.calibration.key_offset_by_default`): Lloyd-Max and uniform
+              keys get μ (on SmolLM2-135M it lowered the mean KL of every such preset, e.g.
+              ``tqkern_k5v3`` ΔPPL +3.54% → +2.80%); FP8 keys get none (``turboquant_k8v4``:
+              +0.65% → +1.33% with μ, mean KL unchanged) and raw keys none (nothing to gain).
+              μ is calibrated (:func:`calibrate`) on ``calibration`` if given, else on the first
+              2,048 tokens of tqkern's default calibration text
               (:func:`tqkern_torch.calibration.default_calibration_text`) with ``tokenizer`` or
               the tokenizer saved beside the model's weights (``model.name_or_path``, local files
               only). With neither, each :class:`TQCache` estimates μ from its first prefill
-              (as ``"prefill"``): no tokenizer needed, no warning.
-            * ``"prefill"``: μ = the mean key of each cache's first prefill, per layer and head.
-            * ``None``: no μ; keys are stored as they are. A compressed key codec then warns
-              (:class:`KeyOffsetWarning`) at the first prefill of a model whose key means are
-              large against its key norms.
-            * one ``[num_kv_heads, head_dim]`` array per layer: used as given (e.g.
-              :func:`calibrate`, :func:`load_key_offsets`).
+              (as ``"prefill"``): no tokenizer needed, no warning. No calibration pass runs
+              where no layer gets μ.
+            * ``"prefill"``: μ = the mean key of each cache's first prefill, per layer and head,
+              for every layer (whatever its codec).
+            * ``None``: no μ; keys are stored as they are.
+            * one ``[num_kv_heads, head_dim]`` array (or ``None``) per layer: used as given
+              (e.g. :func:`calibrate`, :func:`load_key_offsets`).
+
+            A layer that quantizes its keys (any codec but raw) without μ warns
+            (:class:`KeyOffsetWarning`) at the first prefill of a model whose key means are large
+            against its key norms; under ``"auto"`` that can only be an FP8 layer.
         calibration: with ``key_offset="auto"``: ``input_ids [batch, seq]``, a list of token ids,
-            or a string / list of strings (then ``tokenizer`` is required).
+            or a string / list of strings (then ``tokenizer`` is required). It supplies the text
+            only: which layers get μ is still decided by their key codec.
         tokenizer: turns ``calibration`` strings, or the default text, into token ids.
         formats: per-layer overrides, e.g. ``{0: "fp16", -1: "fp16"}`` (boundary layers).
         block_size: tokens per cache block (a power of two).
 
-    Returns the :class:`TQInstall` (``.key_offset_source`` says where μ came from, ``.save(path)``
-    keeps it); generate with ``past_key_values=TQCache(model)``. Installing again replaces the
+    Returns the :class:`TQInstall` (``.key_offset_sources`` says per layer where μ came from,
+    ``.save(path)`` keeps it); generate with ``past_key_values=TQCache(model)``. Installing again replaces the
     parameters and keeps the implementation to restore.
 
     Raises:
@@ -472,13 +489,13 @@ def install(model, format: FormatSpec = "tqkern_k5v3", *, key_offset="auto", cal
             a tokenizer.
     """
     _register()
-    layer_params(model, format, formats=formats)  # validates the formats before any calibration pass
-    offsets, source = resolve_key_offset(model, key_offset, calibration, tokenizer)
+    plain = layer_params(model, format, formats=formats)  # validates the formats before any calibration pass
+    offsets, sources = resolve_key_offset(model, key_offset, calibration, tokenizer, [p.format for p in plain])
     params = layer_params(model, format, key_offset=offsets, formats=formats)
     PagedLayout(format=params[0].format, num_kv_heads=1, block_size=block_size)  # validates block_size
     previous = getattr(model, _ATTR).previous if hasattr(model, _ATTR) else model.config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    spec = TQInstall(params=params, block_size=block_size, previous=previous, key_offset_source=source)
+    spec = TQInstall(params=params, block_size=block_size, previous=previous, key_offset_sources=sources)
     setattr(model, _ATTR, spec)
     return spec
 

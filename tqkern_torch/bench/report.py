@@ -7,7 +7,7 @@ a dict (written as JSON by ``tqkern bench --out``)::
      "environment": {"gpu": str, "torch": str, "triton": str, "tqkern": str, "time": str, ...},
      "timing": str,                      # how a time was measured
      "gate": [{"op": str, "preset": str, "case": str, "ok": bool, ...}],
-     "records": [{"op": "decode" | "store" | "prefill", "mode": "graph" | "eager", "shape": str,
+     "records": [{"op": "decode" | "store" | "prefill" | "generate", "mode": "graph" | "eager", "shape": str,
                   "variant": str, "baseline": str, "us": float, "bytes": int | None,
                   "gbps": float | None, "speedup": float,
                   "flops": int, "tflops": float}]}   # (flops, tflops: prefill records only)
@@ -19,6 +19,9 @@ exactly 1.0 on the baseline's own record). ``bytes`` is what the variant moves t
 (decode: the K/V or cache bytes read; store: fp16 K/V read plus cache bytes written) and
 ``gbps`` = bytes / µs / 1e3; ``None`` where not counted (eager records). Prefill records
 (baseline ``sdpa_fp16``) count the causal FLOPs instead: ``flops`` and ``tflops`` = flops / µs / 1e6.
+Generate records (eager, baseline ``sdpa_dynamic_cache``; :mod:`tqkern_torch.bench.generate`) time a
+decode step of ``model.generate`` (``us``) and carry ``tokens_per_s``, ``prefill_ms``, the memory
+fields and the step-time ``split``; their report adds ``model``, ``no_attention`` and ``errors``.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ __all__ = ["SCHEMA", "OPS", "MODES", "record", "validate_report", "render_table"
            "write_json", "read_json", "plot_report", "Progress", "PLOT_EXTRA"]
 
 SCHEMA = "tqkern.bench/1"
-OPS = ("decode", "store", "prefill")
+OPS = ("decode", "store", "prefill", "generate")
 MODES = ("graph", "eager")
 PLOT_EXTRA = "pip install 'tqkern[plot]'"
 
@@ -142,12 +145,43 @@ def render_table(report: dict) -> str:
         lines += ["", title, fmt(head), "-" * len(fmt(head)), *(fmt(r) for r in rows)]
     if not report["records"]:
         lines += ["", "no timing records"]
+    lines += _generate_lines(report)
     failed = [g for g in report["gate"] if not g["ok"]]
     if failed:
         lines.append("")
     for g in failed:
         lines.append(f"gate FAILED: {g['op']} {g['preset']} {g.get('case', '')} (not timed)")
     return "\n".join(lines)
+
+
+def _mib(n) -> str:
+    return "-" if n is None else f"{n / 2**20:.0f}"
+
+
+def _generate_lines(report: dict) -> list[str]:
+    """The generate records' own table (memory, prefill, split), the model and the errors."""
+    recs = [r for r in report["records"] if r["op"] == "generate"]
+    if not recs and not report.get("errors"):
+        return []
+    model = report.get("model", {})
+    lines = ["", f"generate: {model.get('name', '?')}, {model.get('layers', '?')} of {model.get('full_layers', '?')} "
+                 f"layers{' (CUT: not the full model)' if model.get('cut') else ''}; split = device time of weights / "
+                 f"attention, and host (device idle), ms per decode step"]
+    head = ["shape", "variant", "prefill ms", "step ms", "tok/s", "speedup", "cache MiB (used)", "peak MiB", "split w/a/h"]
+    rows = []
+    for r in recs:
+        sp = r.get("split")
+        split = "-" if sp is None else "/".join(f"{sp[k] / 1e3:.2f}"
+                                                for k in ("weights_us", "attention_us", "host_us"))
+        rows.append([r["shape"], r["variant"], f"{r['prefill_ms']:.0f}", f"{r['us'] / 1e3:.2f}",
+                     f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
+                     f"{_mib(r['cache_bytes'])} ({_mib(r['cache_used_bytes'])})", _mib(r["peak_bytes"]), split])
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in (head, *rows)]
+    paths = {(r["variant"], r["prefill_path"], r["decode_path"]) for r in recs}
+    lines += [f"  {v}: prefill {p}; decode {d}" for v, p, d in sorted(paths)]
+    lines += [f"generate FAILED: {e['shape']} {e['variant']}: {e['error']}" for e in report.get("errors", [])]
+    return lines
 
 
 def speedup_series(report: dict) -> dict:

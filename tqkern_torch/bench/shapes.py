@@ -3,7 +3,8 @@
 Decode: Llama-3-8B-like attention (32 query heads, 8 KV heads, head_dim 128) at four batch ×
 context sizes, and a SmolLM2-like one (9 / 3 / 64, GQA 3). Store: the same two head layouts
 written by a prefill chunk (one sequence of 4,096 tokens) and by a decode step (one new token in
-each of 32 or 256 sequences).
+each of 32 or 256 sequences). Generate: batch × prompt length of an end-to-end ``model.generate``
+of a Llama-3-8B-shaped model (:mod:`~tqkern_torch.bench.generate`).
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["DecodeShape", "StoreShape", "PrefillShape", "DECODE_SHAPES", "STORE_SHAPES", "PREFILL_SHAPES",
-           "DECODE_PRESETS", "QUICK_SHAPES", "decode_shape", "store_shape", "prefill_shape", "BLOCK_SIZE",
-           "STORE_CACHE_TOKENS"]
+__all__ = ["DecodeShape", "StoreShape", "PrefillShape", "GenerateShape", "DECODE_SHAPES", "STORE_SHAPES",
+           "PREFILL_SHAPES", "GENERATE_SHAPES", "DECODE_PRESETS", "QUICK_SHAPES", "decode_shape", "store_shape",
+           "prefill_shape", "generate_shape", "BLOCK_SIZE", "STORE_CACHE_TOKENS"]
 
 BLOCK_SIZE = 16
 
@@ -57,6 +58,15 @@ class PrefillShape:
     head_dim: int
 
 
+@dataclass(frozen=True)
+class GenerateShape:
+    """``batch`` prompts of ``prompt`` tokens each (no padding)."""
+
+    name: str
+    batch: int
+    prompt: int
+
+
 DECODE_SHAPES = (
     DecodeShape("B32x4K", 32, 4096, 32, 8, 128),
     DecodeShape("B32x16K", 32, 16384, 32, 8, 128),
@@ -83,13 +93,15 @@ PREFILL_SHAPES = (
     PrefillShape("spec4_on16K_x32", 32, 16384, 4, 32, 8, 128),
 )
 
+GENERATE_SHAPES = tuple(GenerateShape(f"B{b}x{k}K", b, 1024 * k) for b in (1, 8) for k in (1, 16, 32))
+
 # Tokens of the cache a store benchmark writes into (4,096 blocks of 16): larger than any
 # shape's batch, so slots are scattered as in a serving cache.
 STORE_CACHE_TOKENS = 65536
 
 # `--quick`: one Llama-like and one SmolLM2-like shape per op.
 QUICK_SHAPES = {"decode": ("B32x4K", "SmolLM2_B32x4K"), "store": ("prefill_1x4096", "decode_B32"),
-                "prefill": ("full_1x4K", "spec4_on16K_x32")}
+                "prefill": ("full_1x4K", "spec4_on16K_x32"), "generate": ("B1x1K", "B8x16K")}
 
 # (preset, arrangement); "fp16" is tqkern's own uncompressed paged path. Both ops run these.
 DECODE_PRESETS = (
@@ -129,3 +141,11 @@ def prefill_shape(name: str) -> PrefillShape:
         if shape.name == name:
             return shape
     raise ValueError(f"shape must be one of {[s.name for s in PREFILL_SHAPES]}, got {name!r}")
+
+
+def generate_shape(name: str) -> GenerateShape:
+    """A named shape of ``GENERATE_SHAPES``."""
+    for shape in GENERATE_SHAPES:
+        if shape.name == name:
+            return shape
+    raise ValueError(f"shape must be one of {[s.name for s in GENERATE_SHAPES]}, got {name!r}")
