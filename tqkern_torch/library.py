@@ -67,6 +67,15 @@ def store_op(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_m
              rotation: torch.Tensor, key_boundaries: torch.Tensor, key_centroids: torch.Tensor,
              value_boundaries: torch.Tensor, value_centroids: torch.Tensor, key_offset: Optional[torch.Tensor],
              layout: str) -> None:
+    store_impl(cache, key, value, slot_mapping, rotation, key_boundaries, key_centroids, value_boundaries,
+               value_centroids, key_offset, layout)
+
+
+def store_impl(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+               rotation: torch.Tensor, key_boundaries: torch.Tensor, key_centroids: torch.Tensor,
+               value_boundaries: torch.Tensor, value_centroids: torch.Tensor, key_offset: Optional[torch.Tensor],
+               layout: str) -> None:
+    """The body of ``torch.ops.tqkern.store`` (eager calls run it without the dispatcher's layers)."""
     lay = layout_of(layout)
     if key.shape[0] == 0:
         return

@@ -19,7 +19,7 @@ from tqkern.ops.pack import reference as pack_ref
 from tqkern.params import TQParams
 from tqkern_torch._params import DeviceParams, to_device
 from tqkern_torch._validate import check_tensor
-from tqkern_torch.library import layout_key
+from tqkern_torch.library import layout_key, store_impl
 
 __all__ = [
     "allocate_cache",
@@ -153,8 +153,12 @@ def store(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapp
     check_tensor(slot_mapping, "slot_mapping", shape=(key.shape[0],), dtypes=_INDEX_DTYPES, device=dev,
                  contiguous=True)
     p = _device_params(params, layout, dev)
-    torch.ops.tqkern.store(cache, key, value, slot_mapping, p.rotation, p.key_boundaries, p.key_centroids,
-                           p.value_boundaries, p.value_centroids, p.key_offset, layout_key(layout))
+    args = (cache, key, value, slot_mapping, p.rotation, p.key_boundaries, p.key_centroids, p.value_boundaries,
+            p.value_centroids, p.key_offset, layout_key(layout))
+    if type(key) is torch.Tensor and not torch.compiler.is_compiling():
+        store_impl(*args)  # eager: the op's body without the dispatcher's layers (host time)
+    else:
+        torch.ops.tqkern.store(*args)
     return cache
 
 

@@ -224,13 +224,21 @@ class TQCacheLayer(CacheLayerMixin):
         start = self.seq_len
         self._reserve(start + t - self.start_min)
         bs = self.layout.block_size
-        pos = torch.arange(start, start + t, device=self.device)[None, :] - self.starts[:, None]  # [b, t] paged
-        slots = (self.block_table.gather(1, pos // bs).long() * bs + pos % bs).reshape(-1)  # [b·t], row-major
-        k = key_states.transpose(1, 2).reshape(b * t, h, d).to(self.store_dtype).contiguous()
-        v = value_states.transpose(1, 2).reshape(b * t, h, d).to(self.store_dtype).contiguous()
+        if t == 1 and not self.start_max:  # a decode step, every row at paged position `start`: few launches
+            slots = torch.add(start % bs, self.block_table[:, start // bs], alpha=bs)  # [b] int32
+            k = key_states[:, :, 0].to(self.store_dtype)  # [b, h, d] views (last dimension contiguous)
+            v = value_states[:, :, 0].to(self.store_dtype)
+        else:
+            pos = torch.arange(start, start + t, device=self.device)[None, :] - self.starts[:, None]  # [b, t] paged
+            slots = (self.block_table.gather(1, pos // bs).long() * bs + pos % bs).reshape(-1)  # [b·t], row-major
+            k = key_states.transpose(1, 2).reshape(b * t, h, d).to(self.store_dtype).contiguous()
+            v = value_states.transpose(1, 2).reshape(b * t, h, d).to(self.store_dtype).contiguous()
         store(self.pool, k, v, slots, self.layout, self.device_params)
         self.seq_len = start + t
-        self.seq_lens = (self.seq_len - self.starts).to(torch.int32)
+        if self.start_max:
+            self.seq_lens = (self.seq_len - self.starts).to(torch.int32)
+        else:  # every row holds seq_len paged positions
+            self.seq_lens.fill_(self.seq_len)
         if t > 1:
             return self.dense()
         key, value = key_states.view(key_states.shape), value_states.view(value_states.shape)
