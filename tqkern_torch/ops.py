@@ -154,7 +154,8 @@ def store(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapp
                  contiguous=True)
     p = _device_params(params, layout, dev)
     torch.ops.tqkern.store(cache, key, value, slot_mapping, p.rotation, p.key_boundaries, p.key_centroids,
-                           p.value_boundaries, p.value_centroids, p.key_offset, layout_key(layout))
+                           p.value_boundaries, p.value_centroids, p.key_offset, layout_key(layout),
+                           p.signed_sylvester)
     return cache
 
 
