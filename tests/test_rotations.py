@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tqkern.rotations import haar, hadamard, random_signs, rotation_for, sylvester
+from tqkern.rotations import haar, hadamard, is_signed_sylvester, random_signs, rotation_for, sylvester
 
 POW2 = [2, 4, 8, 16, 32, 64, 128, 256]
 NON_POW2 = [6, 10, 80, 96, 100, 160, 192]
@@ -147,3 +147,29 @@ def test_sylvester_needs_power_of_two():
 def test_rotation_for_unknown_kind():
     with pytest.raises(ValueError, match=r"^kind must be one of .*'givens'"):
         rotation_for("givens", 64, 0)
+
+
+@pytest.mark.parametrize("d", [1, 2, 16, 64, 128, 256])
+@pytest.mark.parametrize("seed", [None, 0, 7])
+def test_signed_sylvester_detected_in_float64_and_float32(d, seed):
+    h = hadamard(d, seed)
+    assert is_signed_sylvester(h)
+    assert is_signed_sylvester(h.astype(np.float32))
+
+
+@pytest.mark.parametrize("d", [4, 64, 128])
+def test_other_rotations_are_not_signed_sylvester(d):
+    h = hadamard(d, 3)
+    assert not is_signed_sylvester(haar(d, 1))
+    assert not is_signed_sylvester(h.T)  # H·diag(s): the signs on the columns
+    assert not is_signed_sylvester(h[::-1])  # rows in another order
+    assert not is_signed_sylvester(h * (1 + 2.0**-18))  # not within 2^-20 of 1/√d
+    off = h.copy()
+    off[d - 1, d - 1] *= 1 + 2.0**-18  # one entry off
+    assert not is_signed_sylvester(off)
+    assert not is_signed_sylvester(h[:, : d // 2])
+
+
+@pytest.mark.parametrize("d", [96, 80])
+def test_block_hadamard_is_not_signed_sylvester(d):
+    assert not is_signed_sylvester(hadamard(d, 0))

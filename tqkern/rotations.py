@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["hadamard", "haar", "sylvester", "random_signs", "rotation_for"]
+__all__ = ["hadamard", "haar", "sylvester", "random_signs", "rotation_for", "is_signed_sylvester"]
 
 
 def _check_dim(d: int) -> None:
@@ -85,3 +85,26 @@ def rotation_for(kind: str, d: int, seed: int) -> np.ndarray:
     if kind == "haar":
         return haar(d, seed)
     raise ValueError(f"kind must be one of ('hadamard', 'hadamard_signed', 'haar'), got {kind!r}")
+
+
+def is_signed_sylvester(rotation, *, rtol: float = 2.0**-20) -> bool:
+    """Whether ``rotation`` is ``diag(s) · H_d / √d`` (s ∈ {±1}^d, H_d Sylvester's, d a power of
+    two): every entry is ``±|Π[0, 0]|``, within ``rtol`` of ``1/√d``, with the sign pattern
+    ``s_i · H_d[i, j]`` (``s_i`` the sign of column 0).
+
+    Such a Π is exactly ``(±1 matrix) · c``, so ``x @ Π`` can be computed as a product of x with
+    an exact ±1 matrix followed by one scaling by ``c = |Π[0, 0]|`` (the store kernel's ``"pm1"``
+    rotation). ``rtol`` admits a float32 copy of the matrix; the scaled product then differs
+    from ``x @ Π`` by ≤ ``rtol · Σ|x_i|``, far below the oracle's uncertainty window
+    (:data:`tqkern.ops.quantize.reference.EPS` = 2^-16 of ‖x‖)."""
+    r = np.asarray(rotation, dtype=np.float64)
+    if r.ndim != 2 or r.shape[0] != r.shape[1] or r.shape[0] < 1:
+        return False
+    d = r.shape[0]
+    if d & (d - 1):
+        return False
+    c = abs(r[0, 0])
+    if not abs(c * np.sqrt(d) - 1.0) <= rtol or not np.all(np.abs(np.abs(r) - c) <= rtol * c):
+        return False
+    signs = np.where(r[:, :1] > 0, 1.0, -1.0)
+    return bool(np.array_equal(np.sign(r), signs * sylvester(d)))

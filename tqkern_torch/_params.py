@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from tqkern.params import TQParams
+from tqkern.rotations import is_signed_sylvester
 from tqkern_torch.errors import error_word
 
 __all__ = ["DeviceParams", "to_device"]
@@ -29,6 +30,9 @@ class DeviceParams:
         key_offset: float32 ``[num_kv_heads, D]`` μ, or ``None``.
         same_codebooks: the key and value codebooks are equal (both Lloyd-Max with the same
             centroids): the warp-MMA decode kernel then serves both from one table.
+        signed_sylvester: the rotation is ``diag(s) · H / √D``
+            (:func:`tqkern.rotations.is_signed_sylvester`): the store kernel then rotates with
+            an exact ±1 matrix on the tensor cores (:mod:`tqkern.ops.store.plan`).
     """
 
     params: TQParams
@@ -41,6 +45,7 @@ class DeviceParams:
     value_centroids_f32: torch.Tensor
     key_offset: torch.Tensor | None
     same_codebooks: bool = False
+    signed_sylvester: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -79,6 +84,7 @@ def to_device(params: TQParams, device) -> DeviceParams:
     kcb, vcb = params.key_codebook, params.value_codebook
     t["same_codebooks"] = bool(kcb is not None and vcb is not None
                                and np.array_equal(kcb.centroids, vcb.centroids))
+    t["signed_sylvester"] = bool(params.rotation is not None and is_signed_sylvester(params.rotation))
     mu = params.key_offset
     t["key_offset"] = None if mu is None else torch.tensor(np.ascontiguousarray(mu, np.float32), device=device).contiguous()
     error_word(device)  # allocated now, so that no op allocates it later, e.g. under CUDA-graph capture

@@ -139,26 +139,28 @@ def fp8e4m3_bits_to_f32(code):
 @triton.jit
 def store_packed(row, codes, mask_t, BITS: tl.constexpr, NIBBLE: tl.constexpr, NBYTES: tl.constexpr,
                  BT: tl.constexpr, DP: tl.constexpr):
-    """Pack ``codes [BT, DP]`` (int64, zero beyond head_dim) and write NBYTES bytes at ``row [BT]``.
+    """Pack ``codes [BT, DP]`` (integers, zero beyond head_dim) and write NBYTES bytes at ``row [BT]``.
 
     LSB-first: every 8 codes form one ``BITS·8``-bit group g = Σ code_k << (BITS·k), written as
-    BITS bytes. Nibble order: byte j = code_2j << 4 | code_2j+1."""
+    BITS bytes. Nibble order: byte j = code_2j << 4 | code_2j+1. Arithmetic in int32 where the
+    group fits (BITS ≤ 4), else int64."""
     if NIBBLE:
-        pairs = tl.reshape(codes, (BT, DP // 2, 2))
-        sh = tl.arange(0, 2).to(tl.int64)
+        pairs = tl.reshape(codes.to(tl.int32), (BT, DP // 2, 2))
+        sh = tl.arange(0, 2)
         byte = tl.sum(pairs << (4 - 4 * sh)[None, None, :], axis=2)
         j = tl.arange(0, DP // 2)
         tl.store(row[:, None] + j[None, :], byte.to(tl.uint8), mask=mask_t[:, None] & (j < NBYTES)[None, :])
     elif 8 % BITS == 0:  # 1, 2, 4, 8 bits: whole codes per byte, one contiguous byte row
         P: tl.constexpr = 8 // BITS
-        per = tl.reshape(codes, (BT, DP // P, P))
-        sh = tl.arange(0, P).to(tl.int64) * BITS
+        per = tl.reshape(codes.to(tl.int32), (BT, DP // P, P))
+        sh = tl.arange(0, P) * BITS
         byte = tl.sum(per << sh[None, None, :], axis=2)
         j = tl.arange(0, DP // P)
         tl.store(row[:, None] + j[None, :], byte.to(tl.uint8), mask=mask_t[:, None] & (j < NBYTES)[None, :])
     else:
-        groups = tl.reshape(codes, (BT, DP // 8, 8))
-        sh = tl.arange(0, 8).to(tl.int64) * BITS
+        WT: tl.constexpr = tl.int32 if BITS <= 4 else tl.int64
+        groups = tl.reshape(codes.to(WT), (BT, DP // 8, 8))
+        sh = tl.arange(0, 8).to(WT) * BITS
         g = tl.sum(groups << sh[None, None, :], axis=2)
         gi = tl.arange(0, DP // 8)
         for m in tl.static_range(BITS):

@@ -1,0 +1,126 @@
+"""The store plan (``tqkern/ops/store/plan.py``): which rotation method each layout and parameter
+set gets, the grid, bad input; and the two store paths the random property tests reach only by
+chance: uniform codes at exact halves (the float64 fix-up) and the ``pm1`` rotation against a
+dense one on the same Hadamard matrix."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import tqkern
+import tqkern_torch as tqt
+from tqkern import reference as ref
+from tqkern.ops.store.plan import ROTATIONS, StorePlan, plan_store, rotation_method
+from tqkern_torch._params import to_device
+from tqkern_torch.testing import device_under_test, kernels_available
+
+DEV = device_under_test()
+needs_kernels = pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+def _layout(preset, d=128, h=8, arrangement="slot"):
+    return tqkern.PagedLayout(format=tqkern.KVFormat.preset(preset, d), num_kv_heads=h, block_size=16,
+                              arrangement=arrangement)
+
+
+@pytest.mark.parametrize("preset, sylvester, want", [
+    ("turboquant_4bit_nc", True, "pm1"), ("tqkern_k5v3", True, "pm1"), ("tq4", False, "split"),
+    ("turboquant_4bit_nc", False, "split"), ("turboquant_k8v4", False, "none"), ("fp16", True, "none"),
+])
+def test_rotation_method_per_preset(preset, sylvester, want):
+    assert rotation_method(_layout(preset), False, sylvester, False) == want
+    assert plan_store(_layout(preset), signed_sylvester=sylvester).rotation == want
+
+
+def test_wide_head_dim_and_key_offset_take_the_chunked_path():
+    assert rotation_method(_layout("turboquant_4bit_nc", d=256), False, True, False) == "chunked"
+    assert rotation_method(_layout("tq4"), True, False, False) == "chunked"
+    # A key offset on an unrotated key leaves the value's rotation alone.
+    fmt = tqkern.KVFormat(head_dim=64, key=tqkern.Uniform(bits=4), value=tqkern.LloydMax(bits=4))
+    lay = tqkern.PagedLayout(format=fmt, num_kv_heads=2, block_size=16)
+    assert rotation_method(lay, True, True, False) == "pm1"
+
+
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tqkern_k5v3", "tq4"])
+def test_device_params_know_a_signed_sylvester_rotation(preset):
+    fmt = tqkern.KVFormat.preset(preset, 128)
+    p = to_device(tqkern.TQParams.default(fmt, seed=3), "cpu")
+    assert p.signed_sylvester == (fmt.rotation != "haar")
+
+
+def test_plan_grid_constexprs_and_description():
+    plan = plan_store(_layout("tqkern_k5v3", h=8), signed_sylvester=True)
+    assert isinstance(plan, StorePlan) and plan.rotation in ROTATIONS
+    per = plan.vectors_per_program
+    assert plan.grid(1) == (1,)
+    assert plan.grid(per // 8) == (1,) and plan.grid(per // 8 + 1) == (2,)
+    kw = plan.kwargs()
+    assert kw["BV"] == plan.block_vectors and kw["TILES"] == plan.tiles and kw["num_warps"] == plan.num_warps
+    assert kw["ROT"] == ROTATIONS.index("pm1") and kw["H"] == 8 and kw["HW_FP8"]
+    assert not plan_store(_layout("tqkern_k5v3"), interpret=True).kwargs()["HW_FP8"]
+    assert "pm1" in plan.describe()
+    assert plan_store(_layout("tqkern_k5v3", h=8), signed_sylvester=True) is plan  # cached
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.tiles = 3
+
+
+def test_plan_rejects_bad_input():
+    with pytest.raises(TypeError, match="layout"):
+        plan_store(tqkern.KVFormat.preset("tq4", 128))
+    with pytest.raises(ValueError, match="in_dtype"):
+        plan_store(_layout("tq4"), "fp32")
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_uniform_codes_at_exact_halves_round_up(bits):
+    # Values on the half-way points of a uniform grid: every code is a tie that float32 cannot
+    # decide, so the tile takes the exact float64 path; the bytes must be the oracle's, all certain.
+    d, h, n = 64, 2, 40
+    levels = (1 << bits) - 1
+    fmt = tqkern.KVFormat(head_dim=d, key=tqkern.Raw(), value=tqkern.Uniform(bits=bits))
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=h, block_size=8)
+    params = tqkern.TQParams.default(fmt)
+    rng = np.random.default_rng(bits)
+    q = rng.integers(0, levels, size=(n, h, d)) + 0.5
+    q[..., 0], q[..., 1] = 0, levels  # lo = 0, hi = levels: t = the value itself
+    scale = 2.0 ** rng.integers(-6, 3, size=(n, h, 1))
+    v = (q * scale).astype(np.float16)
+    assert np.array_equal(v.astype(np.float64), q * scale)  # exact in fp16
+    k = rng.standard_normal((n, h, d)).astype(np.float16)
+    cache = tqt.allocate_cache(layout, n // 8, DEV)
+    tqt.store(cache, torch.from_numpy(k).to(DEV), torch.from_numpy(v).to(DEV), torch.arange(n, device=DEV),
+              layout, params)
+    got = cache.cpu().numpy().reshape(n, h, fmt.slot_bytes)
+    want, unsure = ref.compress(k, v, params, return_uncertain=True)
+    assert not unsure.any()
+    assert np.array_equal(got, want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tqkern_k5v3"])
+def test_pm1_rotation_writes_the_bytes_of_the_dense_rotation(preset):
+    # The same Hadamard Π, once recognised (pm1) and once as a dense matrix (split): both must
+    # give the oracle's bytes, so they agree wherever the oracle is certain.
+    d, h, n = 128, 3, 48
+    fmt = tqkern.KVFormat.preset(preset, d)
+    params = tqkern.TQParams.default(fmt, seed=5)
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=h, block_size=16)
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(n, h, d, generator=g).half() for _ in range(2))
+    dense = to_device(params, DEV)
+    assert dense.signed_sylvester
+    dense = dataclasses.replace(dense, signed_sylvester=False)
+    out = []
+    for p in (params, dense):
+        cache = tqt.allocate_cache(layout, n // 16, DEV)
+        tqt.store(cache, k.to(DEV), v.to(DEV), torch.arange(n, device=DEV), layout, p)
+        out.append(cache.cpu().numpy().reshape(n, h, fmt.slot_bytes))
+    want, unsure = ref.compress(k.numpy(), v.numpy(), params, return_uncertain=True)
+    for got in out:
+        assert not np.any((got != want) & ~unsure)
+    assert unsure.mean() < 0.02

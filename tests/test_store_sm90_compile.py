@@ -1,0 +1,56 @@
+"""CI sees the store kernel as a GPU compiles it: compiled for sm_90 (H100) with Triton's bundled
+ptxas on a machine without a GPU (``tqkern/ops/store/aot.py``), with the plan's own constexprs,
+for every rotation method (``pm1``, ``split``, ``tf32x3`` with a key offset, ``chunked`` at
+head_dim 256, none), both arrangements, bf16 inputs (which the interpreter cannot run) and the
+hardware FP8 conversion. Each kernel must compile within 255 registers, and its stack bytes
+(spills) and SASS instruction count stay within the budgets below (today's values from Triton
+3.9's ptxas, instructions + 3%), so that a change adding spills or instructions fails here before
+any device time is spent. These are compile facts only, not timings.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tqkern.ops.paged_decode.aot import tool_path
+from tqkern.ops.store.aot import report_in_subprocess
+
+# case -> (stack bytes, SASS instructions) today (Triton 3.9). Stack > 0: spills, pinned as budgets.
+BUDGETS = {
+    "tq4:row:128:8": (48, 4904),
+    "tq4:slot:128:8": (80, 5096),
+    "turboquant_4bit_nc:slot:128:8": (0, 6304),
+    "tqkern_k5v3:slot:128:8": (0, 7424),
+    "turboquant_k8v4:slot:128:8": (0, 3568),
+    "fp16:slot:128:8": (0, 736),
+    "turboquant_4bit_nc:row:128:8:bf16": (0, 6504),
+    "tq4:row:128:8:bf16": (264, 5656),
+    "tq4:slot:128:8:mu": (240, 5648),
+    "turboquant_3bit_nc:slot:64:3": (0, 2800),
+}
+INSTR_SLACK = 1.03
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict:
+    if not os.path.exists(tool_path("ptxas")):
+        pytest.skip(f"Triton's bundled ptxas is not installed ({tool_path('ptxas')})")
+    cases = sorted(BUDGETS)
+    with ThreadPoolExecutor(2) as pool:
+        got = [r for part in pool.map(report_in_subprocess, [cases[0::2], cases[1::2]]) for r in part]
+    return {r["name"]: r for r in got}
+
+
+@pytest.mark.parametrize("name", sorted(BUDGETS))
+def test_store_sm90_registers_spills_and_instructions(reports, name):
+    r = reports.get(name)
+    assert r is not None, f"{name} was not compiled"
+    stack_budget, instrs_today = BUDGETS[name]
+    assert 0 < r["regs"] <= 255, f"{name}: {r['regs']} registers"
+    assert r["stack"] <= stack_budget, f"{name}: {r['stack']} stack bytes (spills), budget {stack_budget}"
+    limit = math.ceil(instrs_today * INSTR_SLACK)
+    assert r["instrs"] <= limit, f"{name}: {r['instrs']} SASS instructions, budget {limit} (today {instrs_today})"

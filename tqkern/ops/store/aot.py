@@ -1,0 +1,98 @@
+"""Compile the store kernel for sm_90 without a GPU, with its plan's own constexprs (CI sees the GPU
+kernel, bf16 included, which the interpreter cannot run): :func:`compile_store`, :func:`report`;
+``python -m tqkern.ops.store.aot CASE ...`` prints one JSON report per case (in a process without
+``TRITON_INTERPRET``: :func:`report_in_subprocess`). Needs Triton only (no torch).
+
+A case is ``"PRESET:ARRANGEMENT:D:HKV[:OPTIONS]"``: a preset of :data:`tqkern.layouts.PRESETS`
+(compiled with the rotation its ``TQParams.default`` gets: ``pm1`` for the Hadamard presets,
+``split`` for ``haar``), and optional ``+``-joined options among ``bf16`` (bf16 K/V), ``mu`` (a
+key offset), ``dense`` (a Hadamard preset's rotation taken as a dense matrix: ``split``).
+Runtime arguments are compiled as a launch on contiguous ``[T, HKV, D]`` inputs would see them:
+pointers and strides 16-divisible, the token and slot counts unspecialized.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import triton
+from triton.compiler import ASTSource
+
+from tqkern.ops.paged_decode.aot import SM90, histogram, resources, sass_of
+from tqkern.ops.store.kernel import _store_kernel
+from tqkern.ops.store.plan import plan_store
+
+__all__ = ["compile_store", "layout_of_case", "report", "report_in_subprocess"]
+
+_OPTIONS = ("bf16", "mu", "dense")
+
+
+def _ptr_types(in_dtype: str) -> dict:
+    kv = "*bf16" if in_dtype == "bf16" else "*fp16"
+    return {"key_ptr": kv, "value_ptr": kv, "slot_ptr": "*i64", "cache_ptr": "*u8", "rot_ptr": "*fp32",
+            "kb_ptr": "*fp32", "kc_ptr": "*fp64", "vb_ptr": "*fp32", "vc_ptr": "*fp64", "mu_ptr": "*fp32",
+            "err_ptr": "*i32"}
+
+
+def layout_of_case(preset: str, arrangement: str, d: int, hkv: int):
+    """The layout a case names (block size 16)."""
+    import tqkern
+
+    return tqkern.PagedLayout(format=tqkern.KVFormat.preset(preset, d), num_kv_heads=hkv, block_size=16,
+                              arrangement=arrangement)
+
+
+def compile_store(layout, in_dtype: str = "fp16", *, has_mu: bool = False, signed_sylvester: bool = False):
+    """``(compiled, plan)``: the store kernel of :func:`~.plan.plan_store` compiled for sm_90."""
+    if not hasattr(_store_kernel, "params"):
+        raise RuntimeError("the kernel is interpreted (TRITON_INTERPRET=1): compile in a process without it "
+                           "(report_in_subprocess)")
+    plan = plan_store(layout, in_dtype, has_mu=has_mu, signed_sylvester=signed_sylvester)
+    fn = _store_kernel
+    ptrs = _ptr_types(in_dtype)
+    sig = {n: ptrs.get(n) or ("i32" if n.startswith(("num_", "stride_")) else "constexpr") for n in fn.arg_names}
+    aligned = [n for n in fn.arg_names if n in ptrs or n.startswith("stride_")]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    cx = dict(plan.constexprs)
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in cx.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=SM90, options=dict(num_warps=plan.num_warps)), plan
+
+
+def report(case: str) -> dict:
+    """Compile one case: ``name``, ``regs``, ``stack`` (bytes; > 0 means spills), ``instrs``
+    (SASS instructions), ``shared`` (bytes), ``plan`` (its one-line description)."""
+    parts = case.split(":")
+    if len(parts) not in (4, 5):
+        raise ValueError(f"case must be PRESET:ARRANGEMENT:D:HKV[:OPTIONS], got {case!r}")
+    preset, arr, d, hkv = parts[:4]
+    opts = set(parts[4].split("+")) if len(parts) > 4 and parts[4] else set()
+    if opts - set(_OPTIONS):
+        raise ValueError(f"options must be among {_OPTIONS}, got {sorted(opts - set(_OPTIONS))}")
+    layout = layout_of_case(preset, arr, int(d), int(hkv))
+    sylvester = layout.format.rotation in ("hadamard", "hadamard_signed") and "dense" not in opts
+    compiled, plan = compile_store(layout, "bf16" if "bf16" in opts else "fp16", has_mu="mu" in opts,
+                                   signed_sylvester=sylvester and int(d) & (int(d) - 1) == 0)
+    regs, stack = resources(compiled)
+    return dict(name=case, regs=regs, stack=stack, instrs=sum(histogram(sass_of(compiled)).values()),
+                shared=int(compiled.metadata.shared), plan=plan.describe())
+
+
+def report_in_subprocess(cases: list[str], timeout: float = 900, python: str | None = None) -> list[dict]:
+    """:func:`report` of every case, run in a fresh Python (``python``, default this one) without
+    ``TRITON_INTERPRET``."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    res = subprocess.run([python or sys.executable, "-m", "tqkern.ops.store.aot", *cases], capture_output=True,
+                         text=True, timeout=timeout, env=env, cwd=root)
+    if res.returncode:
+        raise RuntimeError(f"sm_90 compile failed (exit {res.returncode}):\n{res.stderr[-4000:]}")
+    return json.loads(res.stdout)
+
+
+if __name__ == "__main__":
+    print(json.dumps([report(case) for case in sys.argv[1:]]))

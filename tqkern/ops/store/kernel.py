@@ -1,0 +1,157 @@
+"""The store kernel: normalize, rotate, quantize, pack and write slots into a paged cache.
+
+One kernel serves every codec and both arrangements: the layout becomes constexprs
+(:func:`tqkern.ops.codecs.layout_args`), the launch's choices a
+:class:`~tqkern.ops.store.plan.StorePlan`, each side's encoding
+:func:`tqkern.ops.fields.encode_side`. A program takes ``TILES`` tiles of ``BV`` vectors, vector
+``v`` being head ``v % H`` of token ``v // H``; the rotation operand (the plan's method) is built
+once per program, before its tiles. Norms, uniform scales/codes and stored gains equal the
+oracle's bytes (float64 sums; float32 estimates checked exactly); only the rotation runs in float32
+(codes within ``tqkern.ops.quantize.reference.EPS`` of a boundary may differ, as the spec allows).
+
+Safety (``tqkern.errors``): a slot outside ``[0, num_slots)`` writes nothing (negative: skipped
+silently; too large: ``SLOT_OUT_OF_RANGE``); a key or value vector holding a NaN or ±inf is read
+as zeros (``NONFINITE_INPUT``); a stored float beyond its dtype's range saturates
+(``SATURATED``). Each program ORs its bits into ``err_ptr[0]`` with one atomic, only when set.
+
+No torch here: ``tqkern.ops.store.aot`` compiles this module with Triton alone.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tqkern.errors import ErrorFlag
+from tqkern.ops.fields import encode_side, finite_rows, flag
+from tqkern.ops.store.plan import ROT_CHUNKED, ROT_PM1, ROT_SPLIT
+
+__all__ = ["_store_kernel"]
+
+_ERR_NONFINITE = tl.constexpr(int(ErrorFlag.NONFINITE_INPUT))
+_ERR_SLOT = tl.constexpr(int(ErrorFlag.SLOT_OUT_OF_RANGE))
+_SPLIT_SCALE = tl.constexpr(16.0)  # "split": parts of 16·Π (exact power of two; keeps Π_2 normal in fp16)
+
+
+@triton.jit
+def _rotation_operand(rot_ptr, D: tl.constexpr, DP: tl.constexpr, ROT: tl.constexpr, DOT: tl.constexpr):
+    """The B operands of ``y = (x @ B_0 [+ x @ B_1 [+ x @ B_2]]) · c`` for the plan's method, each
+    ``[DP, DP]`` (zero beyond D), and c (float32): ``pm1``: B_0 = sign(Π) in ``DOT`` built from Π's
+    first column s (Π[i, j] = s_i·(−1)^popcount(i & j)/√D), c = |Π[0, 0]|; ``split``: the ``DOT``
+    parts of 16·Π, c = 1/16. Other methods: placeholders."""
+    i = tl.arange(0, DP)
+    m = i < D
+    m2 = m[:, None] & m[None, :]
+    if ROT == ROT_PM1:
+        s = tl.load(rot_ptr + i * D, mask=m, other=0.0)
+        a = i[:, None] & i[None, :]
+        a ^= a >> 4  # fold bits 7..0 to the parity in bit 0 (DP ≤ 128: seven bits)
+        a ^= a >> 2
+        a ^= a >> 1
+        b = tl.where(s[:, None] > 0, 1.0, -1.0) * (1 - 2 * (a & 1)).to(tl.float32)
+        b = tl.where(m2, b, 0.0).to(DOT)
+        return b, b, b, tl.abs(tl.load(rot_ptr))
+    elif ROT == ROT_SPLIT:
+        r = tl.load(rot_ptr + i[:, None] * D + i[None, :], mask=m2, other=0.0) * _SPLIT_SCALE
+        b0 = r.to(DOT)
+        r = r - b0.to(tl.float32)
+        b1 = r.to(DOT)
+        b2 = (r - b1.to(tl.float32)).to(DOT)
+        return b0, b1, b2, 1.0 / _SPLIT_SCALE
+    else:
+        return 0.0, 0.0, 0.0, 1.0
+
+
+@triton.jit
+def _rotate_chunked(x_ptr_2d, ld_mask, rot_ptr, D: tl.constexpr, DP: tl.constexpr, KC: tl.constexpr,
+                    BV: tl.constexpr, DOT_PRECISION: tl.constexpr, mu_ptr_2d, HAS_MU: tl.constexpr):
+    """y = (x − μ) @ Π in float32 [BV, DP]; x (and μ) read from global in KC-wide chunks (Π
+    stays on chip one [KC, DP] chunk at a time, so D = 256 fits); rows outside ``ld_mask`` read 0."""
+    acc = tl.zeros([BV, DP], tl.float32)
+    cols = tl.arange(0, DP)
+    for k0 in tl.static_range(0, DP, KC):
+        kk = k0 + tl.arange(0, KC)
+        km = ld_mask[:, None] & (kk < D)[None, :]
+        xk = tl.load(x_ptr_2d + kk[None, :], mask=km, other=0.0).to(tl.float32)
+        if HAS_MU:
+            xk = xk - tl.load(mu_ptr_2d + kk[None, :], mask=km, other=0.0)
+        r = tl.load(rot_ptr + kk[:, None] * D + cols[None, :], mask=(kk < D)[:, None] & (cols < D)[None, :],
+                    other=0.0)
+        acc += tl.dot(xk, r, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _rotate(x, x_ptr_2d, ld_mask, mu_ptr_2d, rot_ptr, b0, b1, b2, c, HAS_MU: tl.constexpr,
+            IN_BF16: tl.constexpr, ROT: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, KC: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
+    """(x − μ) @ Π in float32 ``[BV, DP]`` by the plan's method, from the tile ``x`` (``chunked``:
+    from memory) and the operands of :func:`_rotation_operand`."""
+    if ROT == ROT_CHUNKED:
+        return _rotate_chunked(x_ptr_2d, ld_mask, rot_ptr, D, DP, KC, x.shape[0], DOT_PRECISION, mu_ptr_2d, HAS_MU)
+    elif ROT == ROT_PM1:
+        return tl.dot(x, b0) * c
+    else:  # ROT_SPLIT
+        acc = tl.dot(x, b0)
+        acc = tl.dot(x, b1, acc)
+        if IN_BF16:
+            acc = tl.dot(x, b2, acc)
+        return acc * c
+
+
+@triton.jit
+def _store_kernel(
+    key_ptr, value_ptr, slot_ptr, cache_ptr, rot_ptr, kb_ptr, kc_ptr, vb_ptr, vc_ptr, mu_ptr, err_ptr,
+    num_tokens, num_slots, stride_kt, stride_kh, stride_vt, stride_vh,
+    HAS_MU: tl.constexpr, IN_BF16: tl.constexpr, H: tl.constexpr, BV: tl.constexpr, TILES: tl.constexpr,
+    ROT: tl.constexpr, KC: tl.constexpr, DOT_PRECISION: tl.constexpr, K_ALIGNED: tl.constexpr,
+    V_ALIGNED: tl.constexpr, HW_FP8: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr,
+    NIBBLE: tl.constexpr,
+    PAD_OFF: tl.constexpr, PAD_STRIDE: tl.constexpr, PAD_BYTES: tl.constexpr, PADP: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr,
+):
+    DOT: tl.constexpr = tl.bfloat16 if IN_BF16 else tl.float16
+    b0, b1, b2, c = _rotation_operand(rot_ptr, D, DP, ROT, DOT)
+    cols = tl.arange(0, DP)
+    dm = cols < D
+    err = tl.program_id(0) * 0
+    for i in range(TILES):
+        v = (tl.program_id(0) * TILES + i) * BV + tl.arange(0, BV)
+        t = v // H
+        h = v % H
+        vmask = t < num_tokens
+        slot = tl.load(slot_ptr + t, mask=vmask, other=-1).to(tl.int64)
+        ok = vmask & (slot >= 0) & (slot < num_slots)  # never a byte outside the cache
+        err |= flag(vmask & (slot >= num_slots), _ERR_SLOT)
+        row = cache_ptr + tl.where(ok, slot, 0) * ROW_BYTES  # [BV] pointers to each vector's token row
+        t64 = t.to(tl.int64)
+        k_ptr_2d = key_ptr + (t64 * stride_kt + h * stride_kh)[:, None]
+        v_ptr_2d = value_ptr + (t64 * stride_vt + h * stride_vh)[:, None]
+        m2 = ok[:, None] & dm[None, :]
+        kx = tl.load(k_ptr_2d + cols[None, :], mask=m2, other=0.0)
+        vx = tl.load(v_ptr_2d + cols[None, :], mask=m2, other=0.0)
+        k_ok = finite_rows(kx)
+        v_ok = finite_rows(vx)
+        err |= flag(ok & ~(k_ok & v_ok), _ERR_NONFINITE)
+        kx = tl.where(k_ok[:, None], kx, 0.0)
+        vx = tl.where(v_ok[:, None], vx, 0.0)
+        mu_ptr_2d = mu_ptr + (h * D)[:, None]
+        mu = 0.0
+        if HAS_MU:
+            mu = tl.load(mu_ptr_2d + cols[None, :], mask=m2 & k_ok[:, None], other=0.0)
+        ky = 0.0
+        if K.ROTATED:
+            ky = _rotate(kx, k_ptr_2d, ok & k_ok, mu_ptr_2d, rot_ptr, b0, b1, b2, c, HAS_MU, IN_BF16, ROT, D, DP,
+                         KC, DOT_PRECISION)
+        err |= encode_side(kx, mu, ky, row, h, ok, kb_ptr, kc_ptr, HAS_MU, IN_BF16, D, DP, NIBBLE, K_ALIGNED, HW_FP8, K)
+        vy = 0.0
+        if V.ROTATED:
+            vy = _rotate(vx, v_ptr_2d, ok & v_ok, mu_ptr_2d, rot_ptr, b0, b1, b2, c, False, IN_BF16, ROT, D, DP,
+                         KC, DOT_PRECISION)
+        err |= encode_side(vx, 0.0, vy, row, h, ok, vb_ptr, vc_ptr, False, IN_BF16, D, DP, NIBBLE, V_ALIGNED, HW_FP8,
+                           V)
+        if PAD_BYTES > 0:
+            p = tl.arange(0, PADP)
+            tl.store((row + PAD_OFF + h * PAD_STRIDE)[:, None] + p[None, :], tl.zeros([BV, PADP], tl.uint8),
+                     mask=ok[:, None] & (p < PAD_BYTES)[None, :])
+    tl.atomic_or(err_ptr, err, mask=err != 0, sem="relaxed")

@@ -1,0 +1,147 @@
+"""The store plan: every choice a ``store`` launch makes, as one typed, frozen value
+(:class:`StorePlan`) built by one pure function (:func:`plan_store`).
+
+A store program takes ``tiles`` consecutive tiles of ``block_vectors`` vectors each, a vector
+being one (token, KV head) pair in the order ``v = token · Hkv + head`` (consecutive heads of a
+token are adjacent in memory for a contiguous ``[T, Hkv, D]`` input). The rotation operand is
+built once per program and serves all its tiles, both sides.
+
+Rotation methods (``y = x @ Π`` in float32, for the rotated sides):
+
+- ``"none"``: no codec is rotated.
+- ``"pm1"``: Π = diag(s)·H/√D (:func:`tqkern.rotations.is_signed_sylvester`, D ≤ 128, no key
+  offset): ``y = (x @ B) · |Π[0,0]|`` with B = sign(Π), an exact ±1 matrix in the input's dtype
+  (fp16/bf16), on the tensor cores with float32 accumulation: every product is exact.
+- ``"split"``: any other Π (D ≤ 128, no key offset): ``16·Π ≈ Π_1 + Π_2 (+ Π_3)``, each part
+  the rounding of what the previous ones leave, in the input's dtype (two fp16 parts: ~22 bits,
+  the factor 16 keeping Π_2 out of fp16's subnormals; three bf16 parts: 24 bits), one
+  tensor-core product per part, then ``y = acc / 16`` (exact). The error of y stays near
+  ``√D · 2^-22 · ‖x‖``, far inside the oracle's EPS = 2^-16 of ‖x‖.
+- ``"chunked"``: D > 128, or a key offset μ on a rotated key (``x − μ`` is inexact in fp16/bf16):
+  fp32 Π and x (minus μ) read in ``KC``-wide chunks inside every tile, three-pass tf32 products
+  (the interpreter computes every product in float32), as before issue 23: 16 vectors per tile,
+  4 warps, no software pipelining (the fp32 operands alone take up to 64 KB of shared memory).
+
+Tile sizes are first choices, **unmeasured on a GPU**, picked by the offline sm_90 compile
+(``tests/test_store_sm90_compile.py``): 64 vectors per tile (the tensor-core M of 4 warps), 8 warps
+(4 warps spill: 255 registers; 8 warps take 160–245 and no stack); tiles per
+program 2 (``pm1``: its operand costs one column read and ~D²/128 integer ops per thread) or 4
+(``split``: a 64 KB fp32 Π read from L2 per program, against 256 KB of fp16 K/V read from HBM),
+1 otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import triton
+import triton.language as tl
+
+from tqkern.layouts import PagedLayout
+from tqkern.ops.codecs import layout_args
+from tqkern.ops.common import halfword_aligned
+
+__all__ = ["StorePlan", "plan_store", "rotation_method", "ROTATIONS", "ROT_NONE", "ROT_PM1", "ROT_SPLIT",
+           "ROT_CHUNKED"]
+
+ROTATIONS = ("none", "pm1", "split", "chunked")
+# The kernel's ROT constexpr (the index in ROTATIONS); kernels compare with these names.
+ROT_NONE, ROT_PM1, ROT_SPLIT, ROT_CHUNKED = (tl.constexpr(i) for i in range(4))
+HOIST_MAX_DP = 128  # widest padded head_dim whose [DP, DP] operand is built once per program
+
+
+@dataclasses.dataclass(frozen=True)
+class StorePlan:
+    """Everything one ``store`` launch runs, but the grid's size (:meth:`grid`).
+
+    Attributes:
+        layout: the cache's layout.
+        in_dtype: ``"fp16"`` or ``"bf16"``: the dtype of key and value.
+        has_mu: a key offset μ is subtracted from the keys.
+        rotation: one of :data:`ROTATIONS` (module docstring).
+        block_vectors: (token, head) vectors per tile (``BV``).
+        tiles: tiles per program (``TILES``).
+        num_warps, num_stages: compile options (``num_stages`` None: Triton's default).
+        dot_precision: ``input_precision`` of the fp32 products (``"tf32x3"``; ``"ieee"`` in the
+            interpreter).
+        constexprs: the store kernel's constexprs (name, value pairs in a fixed order).
+    """
+
+    layout: PagedLayout
+    in_dtype: str
+    has_mu: bool
+    rotation: str
+    block_vectors: int
+    tiles: int
+    num_warps: int
+    num_stages: int | None
+    dot_precision: str
+    constexprs: tuple[tuple[str, object], ...]
+
+    @property
+    def vectors_per_program(self) -> int:
+        return self.block_vectors * self.tiles
+
+    def grid(self, num_tokens: int) -> tuple[int]:
+        """The store kernel's grid for ``num_tokens`` tokens."""
+        return (max(1, triton.cdiv(num_tokens * self.layout.num_kv_heads, self.vectors_per_program)),)
+
+    def kwargs(self) -> dict:
+        """The constexprs and compile options, as launch keywords."""
+        opts = {"num_warps": self.num_warps}
+        if self.num_stages is not None:
+            opts["num_stages"] = self.num_stages
+        return {**dict(self.constexprs), **opts}
+
+    def describe(self) -> str:
+        """One line: rotation, tile, tiles per program, warps."""
+        return (f"store {self.in_dtype}{' mu' if self.has_mu else ''}: rotation {self.rotation}, "
+                f"{self.block_vectors} vectors x {self.tiles} tiles per program, {self.num_warps} warps")
+
+
+def plan_store(layout: PagedLayout, in_dtype: str = "fp16", *, has_mu: bool = False, signed_sylvester: bool = False,
+               interpret: bool = False) -> StorePlan:
+    """The plan of a ``store`` into ``layout`` (pure; cached).
+
+    Args:
+        layout: the cache's layout.
+        in_dtype: ``"fp16"`` or ``"bf16"``.
+        has_mu: the parameters hold a key offset.
+        signed_sylvester: the rotation is ``diag(s)·H/√D``
+            (:func:`tqkern.rotations.is_signed_sylvester`).
+        interpret: the launch runs in Triton's CPU interpreter.
+    """
+    if not isinstance(layout, PagedLayout):
+        raise TypeError(f"layout must be a PagedLayout, got {type(layout).__name__}")
+    if in_dtype not in ("fp16", "bf16"):
+        raise ValueError(f"in_dtype must be 'fp16' or 'bf16', got {in_dtype!r}")
+    return _plan_store(layout, in_dtype, bool(has_mu), bool(signed_sylvester), bool(interpret))
+
+
+def rotation_method(layout: PagedLayout, has_mu: bool, signed_sylvester: bool, interpret: bool) -> str:
+    """The rotation method (module docstring) for these inputs."""
+    fmt = layout.format
+    if not (fmt.key.rotated or fmt.value.rotated):
+        return "none"
+    if layout_args(layout)["DP"] > HOIST_MAX_DP or (has_mu and fmt.key.rotated):
+        return "chunked"
+    return "pm1" if signed_sylvester else "split"
+
+
+@functools.lru_cache(maxsize=512)
+def _plan_store(layout: PagedLayout, in_dtype: str, has_mu: bool, signed_sylvester: bool,
+                interpret: bool) -> StorePlan:
+    c = layout_args(layout)
+    rot = rotation_method(layout, has_mu, signed_sylvester, interpret)
+    bv, warps, stages, kc = (16, 4, 1, min(c["DP"], 64)) if rot == "chunked" else (64, 8, None, c["DP"])
+    tiles = {"pm1": 2, "split": 4}.get(rot, 1)
+    precision = "ieee" if interpret else "tf32x3"
+    cx = dict(
+        HAS_MU=has_mu, IN_BF16=in_dtype == "bf16", H=layout.num_kv_heads, BV=bv, TILES=tiles,
+        ROT=ROTATIONS.index(rot), KC=kc, DOT_PRECISION=precision,
+        K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"), HW_FP8=not interpret,
+        **c,
+    )
+    return StorePlan(layout=layout, in_dtype=in_dtype, has_mu=has_mu, rotation=rot, block_vectors=bv, tiles=tiles,
+                     num_warps=warps, num_stages=stages, dot_precision=precision, constexprs=tuple(cx.items()))
