@@ -9,13 +9,9 @@ any device time is spent. These are compile facts only: the kernel has not run o
 
 from __future__ import annotations
 
-import math
-import os
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
-from tqkern.ops.paged_decode.aot import tool_path
+from tests.sm90_budgets import check_budget, compile_reports
 from tqkern.ops.prefill.aot import report_in_subprocess
 
 # case -> (stack bytes, SASS instructions) today (Triton 3.9). Stack > 0: spills, pinned as budgets.
@@ -34,27 +30,13 @@ BUDGETS = {
     # compiler beside another 4-bit side; the plan reads both sides through the loader
     "turboquant_4bit_nc:slot:128:1:3:fp16": (56, 8272),
 }
-SM90_SHARED = 232448  # bytes of shared memory one program may use on an H100 (opt-in maximum)
-INSTR_SLACK = 1.03
 
 
 @pytest.fixture(scope="module")
 def reports() -> dict:
-    if not os.path.exists(tool_path("ptxas")):
-        pytest.skip(f"Triton's bundled ptxas is not installed ({tool_path('ptxas')})")
-    cases = sorted(BUDGETS)
-    with ThreadPoolExecutor(2) as pool:
-        got = [r for part in pool.map(report_in_subprocess, [cases[0::2], cases[1::2]]) for r in part]
-    return {r["name"]: r for r in got}
+    return compile_reports(report_in_subprocess, BUDGETS)
 
 
 @pytest.mark.parametrize("name", sorted(BUDGETS))
 def test_prefill_sm90_registers_spills_and_instructions(reports, name):
-    r = reports.get(name)
-    assert r is not None, f"{name} was not compiled"
-    stack_budget, instrs_today = BUDGETS[name]
-    assert 0 < r["regs"] <= 255, f"{name}: {r['regs']} registers"
-    assert r["shared"] <= SM90_SHARED, f"{name}: {r['shared']} bytes of shared memory, the H100 has {SM90_SHARED}"
-    assert r["stack"] <= stack_budget, f"{name}: {r['stack']} stack bytes (spills), budget {stack_budget}"
-    limit = math.ceil(instrs_today * INSTR_SLACK)
-    assert r["instrs"] <= limit, f"{name}: {r['instrs']} SASS instructions, budget {limit} (today {instrs_today})"
+    check_budget(reports, name, BUDGETS[name])

@@ -10,13 +10,9 @@ any device time is spent. These are compile facts only, not timings.
 
 from __future__ import annotations
 
-import math
-import os
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
-from tqkern.ops.paged_decode.aot import tool_path
+from tests.sm90_budgets import check_budget, compile_reports
 from tqkern.ops.store.aot import report_in_subprocess
 
 # case -> (stack bytes, SASS instructions) today (Triton 3.9). Stack > 0: spills, pinned as budgets.
@@ -32,25 +28,13 @@ BUDGETS = {
     "tq4:slot:128:8:mu": (240, 5648),
     "turboquant_3bit_nc:slot:64:3": (0, 2800),
 }
-INSTR_SLACK = 1.03
 
 
 @pytest.fixture(scope="module")
 def reports() -> dict:
-    if not os.path.exists(tool_path("ptxas")):
-        pytest.skip(f"Triton's bundled ptxas is not installed ({tool_path('ptxas')})")
-    cases = sorted(BUDGETS)
-    with ThreadPoolExecutor(2) as pool:
-        got = [r for part in pool.map(report_in_subprocess, [cases[0::2], cases[1::2]]) for r in part]
-    return {r["name"]: r for r in got}
+    return compile_reports(report_in_subprocess, BUDGETS)
 
 
 @pytest.mark.parametrize("name", sorted(BUDGETS))
 def test_store_sm90_registers_spills_and_instructions(reports, name):
-    r = reports.get(name)
-    assert r is not None, f"{name} was not compiled"
-    stack_budget, instrs_today = BUDGETS[name]
-    assert 0 < r["regs"] <= 255, f"{name}: {r['regs']} registers"
-    assert r["stack"] <= stack_budget, f"{name}: {r['stack']} stack bytes (spills), budget {stack_budget}"
-    limit = math.ceil(instrs_today * INSTR_SLACK)
-    assert r["instrs"] <= limit, f"{name}: {r['instrs']} SASS instructions, budget {limit} (today {instrs_today})"
+    check_budget(reports, name, BUDGETS[name])
