@@ -124,3 +124,31 @@ def test_pm1_rotation_writes_the_bytes_of_the_dense_rotation(preset):
     for got in out:
         assert not np.any((got != want) & ~unsure)
     assert unsure.mean() < 0.02
+
+
+@needs_kernels
+def test_a_repeated_store_reuses_its_launcher_and_the_cache_is_bounded(monkeypatch):
+    """A store of the same plan and grid (a decode step's) takes the launcher built by the first
+    call; a new grid builds another; the table never grows past its bound."""
+    import tqkern.ops.store.triton as store_triton
+
+    monkeypatch.setattr(store_triton, "_LAUNCHERS", {})
+    monkeypatch.setattr(store_triton, "_LAUNCHERS_MAX", 2)
+    fmt = tqkern.KVFormat.preset("turboquant_k8v4", 32)
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=2, block_size=16)
+    params = to_device(tqkern.TQParams.default(fmt, seed=1), DEV)
+    cache = tqt.allocate_cache(layout, 40, DEV)
+    g = torch.Generator().manual_seed(0)
+    for n in (4, 4, 100, 600):
+        k, v = (torch.randn(n, 2, 32, generator=g).half().to(DEV) for _ in range(2))
+        tqt.store(cache, k, v, torch.arange(n, device=DEV), layout, params)
+        if n == 4:
+            first = dict(store_triton._LAUNCHERS)
+            assert len(first) == 1
+    plan = next(iter(first))[0]
+    assert plan.grid(4) != plan.grid(100) != plan.grid(600)
+    # the first grid went first when the third arrived
+    assert [key[1] for key in store_triton._LAUNCHERS] == [plan.grid(100), plan.grid(600)]
+    want = ref.compress(k.cpu().numpy(), v.cpu().numpy(), params.params)
+    got = cache.cpu().numpy().reshape(-1, 2, fmt.slot_bytes)[:600]
+    assert np.array_equal(got, want)

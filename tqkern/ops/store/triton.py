@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from tqkern.ops.launch import KernelLauncher
 from tqkern.ops.store.kernel import _store_kernel
 from tqkern.ops.store.plan import StorePlan, plan_store
 
@@ -16,6 +17,13 @@ def store_plan(key, layout, tables, *, signed_sylvester: bool, interpret: bool) 
     """The plan a store of ``key`` (torch ``[T, H, D]``) with these tables runs."""
     return plan_store(layout, "bf16" if key.dtype == torch.bfloat16 else "fp16",
                       has_mu=tables["key_offset"] is not None, signed_sylvester=signed_sylvester, interpret=interpret)
+
+
+# Launches of the store kernel by (plan, grid), bounded (the oldest goes first): a repeated store
+# of the same shape calls the compiled kernel directly (:class:`tqkern.ops.launch.KernelLauncher`:
+# no per-call binding of the plan's constexprs; the decode's host-time lesson).
+_LAUNCHERS: dict = {}
+_LAUNCHERS_MAX = 256
 
 
 def _launch_store(cache, key, value, slot_mapping, layout, tables, errors, *, interpret: bool,
@@ -31,9 +39,16 @@ def _launch_store(cache, key, value, slot_mapping, layout, tables, errors, *, in
     plan = store_plan(key, layout, tables, signed_sylvester=signed_sylvester, interpret=interpret)
     num_tokens = key.shape[0]
     mu = tables["key_offset"]
-    _store_kernel[plan.grid(num_tokens)](
-        key, value, slot_mapping, cache, tables["rotation"], tables["key_boundaries"], tables["key_centroids"],
-        tables["value_boundaries"], tables["value_centroids"], mu if mu is not None else tables["rotation"], errors,
-        num_tokens, cache.shape[0] * layout.block_size, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        **plan.kwargs(),
-    )
+    args = (key, value, slot_mapping, cache, tables["rotation"], tables["key_boundaries"], tables["key_centroids"],
+            tables["value_boundaries"], tables["value_centroids"], mu if mu is not None else tables["rotation"],
+            errors, num_tokens, cache.shape[0] * layout.block_size, key.stride(0), key.stride(1), value.stride(0),
+            value.stride(1))
+    grid = plan.grid(num_tokens)
+    launcher = _LAUNCHERS.get((plan, grid))
+    if launcher is None:  # one per (plan, grid): a decode step's store repeats both
+        if len(_LAUNCHERS) >= _LAUNCHERS_MAX:
+            del _LAUNCHERS[next(iter(_LAUNCHERS))]
+        launcher = _LAUNCHERS[(plan, grid)] = KernelLauncher(_store_kernel, grid, dict(plan.constexprs),
+                                                             **{k: v for k, v in plan.kwargs().items()
+                                                                if k in ("num_warps", "num_stages")})
+    launcher(*args)
