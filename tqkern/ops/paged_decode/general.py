@@ -114,6 +114,19 @@ def _whole_tile(row, h, tmask, FAST: tl.constexpr, NIBBLE: tl.constexpr, S: tl.c
 
 
 @triton.jit
+def _value_weights(p, vf, vz, DOT: tl.constexpr):
+    """P·V's operands from probabilities ``p [rows, BN]`` and the value tile's per-token scale
+    ``vf`` and offset ``vz``: ``pv = p·f / max|f|`` in ``DOT`` (scaled to the tile's largest |f|
+    so fp16 keeps its precision), that maximum, and each row's ``Σ p·z``; the tile adds to the
+    accumulator as ``dot(pv, V̂)·fmax + pz``."""
+    fmax = tl.max(tl.abs(vf), axis=0)
+    fmax = tl.where(fmax > 0, fmax, 1.0)
+    pv = (p * (vf / fmax)[None, :]).to(DOT)
+    pz = tl.sum(p * vz[None, :], axis=1)
+    return pv, fmax, pz
+
+
+@triton.jit
 def _half_tiles(row, h, tmask, NIBBLE: tl.constexpr, S: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, cen_ptr,
                 DOT: tl.constexpr, ALIGNED: tl.constexpr):
     """A 4-bit side as its even and odd columns, two ``[BN, DP/2]`` tiles (one per nibble)."""
@@ -237,11 +250,7 @@ def _paged_decode_kernel(
             if V.NORM_CORRECTION == NC_DECODE:
                 vf32 = v_f.to(tl.float32)
                 vf = vf / tl.sqrt(tl.maximum(tl.sum(vf32 * vf32, axis=1), 1e-30))
-        # p·f goes into the dot, scaled to the tile's largest |f| so fp16 keeps its precision.
-        fmax = tl.max(tl.abs(vf), axis=0)
-        fmax = tl.where(fmax > 0, fmax, 1.0)
-        pv = (p * (vf / fmax)[None, :]).to(DOT)
-        pz = tl.sum(p * vz[None, :], axis=1)
+        pv, fmax, pz = _value_weights(p, vf, vz, DOT)
         if V_HALVES:
             acc_e = acc_e * alpha[:, None] + tl.dot(pv, v_e) * fmax + pz[:, None]
             acc_o = acc_o * alpha[:, None] + tl.dot(pv, v_o) * fmax + pz[:, None]

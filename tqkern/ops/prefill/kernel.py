@@ -36,7 +36,7 @@ import triton.language as tl
 from tqkern.ops.codecs import KIND_UNIFORM, NC_DECODE
 from tqkern.ops.fields import token_factors
 from tqkern.ops.paged_decode._ptx import _prmt_tables
-from tqkern.ops.paged_decode.general import _whole_tile
+from tqkern.ops.paged_decode.general import _value_weights, _whole_tile
 from tqkern.ops.paged_decode.merge import _store_merged
 
 __all__ = ["_prefill_kernel"]
@@ -114,10 +114,7 @@ def _attend(acc, m_i, l_i, q, q_sum, pos_q, t0, kv_end, seq_len, cache_ptr, bt_r
     if V.NORM_CORRECTION == NC_DECODE:
         v32 = v_t.to(tl.float32)
         vf = vf / tl.sqrt(tl.maximum(tl.sum(v32 * v32, axis=1), 1e-30))
-    fmax = tl.max(tl.abs(vf), axis=0)
-    fmax = tl.where(fmax > 0, fmax, 1.0)
-    pv = (p * (vf / fmax)[None, :]).to(DOT)
-    pz = tl.sum(p * vz[None, :], axis=1)
+    pv, fmax, pz = _value_weights(p, vf, vz, DOT)
     acc = acc * alpha[:, None] + tl.dot(pv, v_t) * fmax + pz[:, None]
     return acc, m_new, l_i
 
