@@ -9,6 +9,7 @@ import torch
 
 import tqkern
 import tqkern_torch as tqt
+from tqkern.ops.launch import BoundedCache
 from tqkern.ops.paged_decode.mma_plans import mma_plan, per_warp_plan
 from tqkern.ops.paged_decode.triton import workspace_numel
 from tqkern_torch.testing import device_under_test, kernels_available
@@ -104,12 +105,11 @@ def test_short_splits_give_way_to_the_per_warp_kernel(preset, arr, batch, max_le
 
 
 def test_prepared_plans_are_bounded(monkeypatch):
-    """The one plan cache keeps at most ``_PREPARED_MAX`` entries (shapes change every step as
+    """The one plan cache keeps at most its ``maxsize`` entries (shapes change every step as
     batches and block tables grow), dropping the oldest first; a cached plan is reused as is."""
     import tqkern.ops.paged_decode.triton as tri
 
-    monkeypatch.setattr(tri, "_PREPARED", {})
-    monkeypatch.setattr(tri, "_PREPARED_MAX", 3)
+    monkeypatch.setattr(tri, "_PREPARED", BoundedCache(3))
     layout = _layout("turboquant_4bit_nc", 64, 2)
     cache = torch.zeros(layout.cache_shape(4), dtype=torch.uint8)
     tables = {"rotation": None, "key_centroids_f32": None, "value_centroids_f32": None}
@@ -176,7 +176,7 @@ def test_a_repeated_call_finds_its_plan_without_planning(monkeypatch):
     second call with the same shapes does not call ``prepare``."""
     import tqkern.ops.paged_decode.triton as tri
 
-    monkeypatch.setattr(tri, "_PREPARED", {})
+    monkeypatch.setattr(tri, "_PREPARED", BoundedCache(1024))
     calls = []
     real = tri.prepare
     monkeypatch.setattr(tri, "prepare", lambda *a, **k: calls.append(1) or real(*a, **k))

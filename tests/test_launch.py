@@ -100,3 +100,16 @@ def test_prepare_runs_once_per_compiled_kernel(direct):
     lk(x, 3, x)
     assert len(seen) == 1 and isinstance(seen[0], _Compiled) and seen[0].inits == 2
     assert isinstance(lk.compiled(x, 3, x), _Compiled) and len(fn.compiles) == 1
+
+
+def test_bounded_cache_drops_the_oldest_entry():
+    from tqkern.ops.launch import BoundedCache
+
+    c = BoundedCache(2)
+    assert c.put("a", 1) == 1 and c.put("b", 2) == 2
+    c.put("a", 3)  # an existing key: replaced in place, nothing dropped
+    assert dict(c) == {"a": 3, "b": 2}
+    c.put("c", 4)
+    assert dict(c) == {"b": 2, "c": 4}
+    with pytest.raises(ValueError, match="maxsize must be >= 1, got 0"):
+        BoundedCache(0)

@@ -14,6 +14,7 @@ import torch
 import tqkern
 import tqkern_torch as tqt
 from tqkern import reference as ref
+from tqkern.ops.launch import BoundedCache
 from tqkern.ops.store.plan import ROTATIONS, StorePlan, plan_store, rotation_method
 from tqkern_torch._params import to_device
 from tqkern_torch.testing import device_under_test, kernels_available
@@ -132,8 +133,7 @@ def test_a_repeated_store_reuses_its_launcher_and_the_cache_is_bounded(monkeypat
     call; a new grid builds another; the table never grows past its bound."""
     import tqkern.ops.store.triton as store_triton
 
-    monkeypatch.setattr(store_triton, "_LAUNCHERS", {})
-    monkeypatch.setattr(store_triton, "_LAUNCHERS_MAX", 2)
+    monkeypatch.setattr(store_triton, "_LAUNCHERS", BoundedCache(2))
     fmt = tqkern.KVFormat.preset("turboquant_k8v4", 32)
     layout = tqkern.PagedLayout(format=fmt, num_kv_heads=2, block_size=16)
     params = to_device(tqkern.TQParams.default(fmt, seed=1), DEV)

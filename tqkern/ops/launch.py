@@ -19,9 +19,28 @@ import torch
 from triton import knobs
 from triton.runtime.driver import driver
 
-__all__ = ["KernelLauncher"]
+__all__ = ["BoundedCache", "KernelLauncher"]
 
 _I32 = 1 << 31
+
+
+class BoundedCache(dict):
+    """A dict of at most ``maxsize`` entries: :meth:`put` drops the oldest (insertion order) to
+    make room. The launch caches (decode plans, store launchers) are these: shapes change as
+    batches and block tables grow, so an unbounded one would grow for the life of a server."""
+
+    def __init__(self, maxsize: int):
+        super().__init__()
+        if maxsize < 1:
+            raise ValueError(f"maxsize must be >= 1, got {maxsize}")
+        self.maxsize = maxsize
+
+    def put(self, key, value):
+        """Store ``value`` under ``key`` (the oldest entry goes first when full); returns it."""
+        if key not in self and len(self) >= self.maxsize:
+            del self[next(iter(self))]
+        self[key] = value
+        return value
 
 
 def _spec(a):

@@ -17,7 +17,7 @@ import torch
 import triton.language as tl
 
 from tqkern.layouts import PagedLayout
-from tqkern.ops.launch import KernelLauncher
+from tqkern.ops.launch import BoundedCache, KernelLauncher
 from tqkern.ops.paged_decode.general import _paged_decode_kernel
 from tqkern.ops.paged_decode.merge import _merge_kernel, _merge_rows_kernel
 from tqkern.ops.paged_decode.mma_kernel import _paged_decode_coop_kernel, _paged_decode_mma_kernel
@@ -102,8 +102,8 @@ def _launcher(kernel) -> KernelLauncher:
     return KernelLauncher(_KERNELS[kernel.kernel], kernel.grid, cx, prepare=prepare, **options)
 
 
-_PREPARED: dict = {}  # the one cache: the planner's input -> Prepared (plan, launchers, compiled kernels)
-_PREPARED_MAX = 1024  # entries kept (oldest dropped first): shapes change as batches and tables grow
+# the one cache: the planner's input -> Prepared (plan, launchers, compiled kernels)
+_PREPARED = BoundedCache(1024)
 
 
 def _plan_key(layout, s, hq, max_blocks, caps, same_codebooks, cache, num_splits, path, general, options) -> tuple:
@@ -176,10 +176,7 @@ def prepare(layout: PagedLayout, q_rot, cache, block_table, seq_lens, tables, *,
                        cache_aligned=cache.data_ptr() % 16 == 0, num_splits=num_splits, path=path,
                        occupancy=None if caps.interpret else occupancy, options=options, **general)
     prepared = Prepared(plan, launchers.get(plan.decode) or _launcher(plan.decode))
-    if len(_PREPARED) >= _PREPARED_MAX:
-        del _PREPARED[next(iter(_PREPARED))]
-    _PREPARED[key] = prepared
-    return prepared
+    return _PREPARED.put(key, prepared)
 
 
 def _decode_args(kernel, q_rot, cache, block_table, seq_lens, tables, acc, ml, sm_scale, num_splits):

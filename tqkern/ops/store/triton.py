@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tqkern.ops.launch import KernelLauncher
+from tqkern.ops.launch import BoundedCache, KernelLauncher
 from tqkern.ops.store.kernel import _store_kernel
 from tqkern.ops.store.plan import StorePlan, plan_store
 
@@ -19,11 +19,10 @@ def store_plan(key, layout, tables, *, signed_sylvester: bool, interpret: bool) 
                       has_mu=tables["key_offset"] is not None, signed_sylvester=signed_sylvester, interpret=interpret)
 
 
-# Launches of the store kernel by (plan, grid), bounded (the oldest goes first): a repeated store
-# of the same shape calls the compiled kernel directly (:class:`tqkern.ops.launch.KernelLauncher`:
-# no per-call binding of the plan's constexprs; the decode's host-time lesson).
-_LAUNCHERS: dict = {}
-_LAUNCHERS_MAX = 256
+# Launches of the store kernel by (plan, grid): a repeated store of the same shape calls the
+# compiled kernel directly (:class:`tqkern.ops.launch.KernelLauncher`: no per-call binding of the
+# plan's constexprs; the decode's host-time lesson).
+_LAUNCHERS = BoundedCache(256)
 
 
 def _launch_store(cache, key, value, slot_mapping, layout, tables, errors, *, interpret: bool,
@@ -46,9 +45,6 @@ def _launch_store(cache, key, value, slot_mapping, layout, tables, errors, *, in
     grid = plan.grid(num_tokens)
     launcher = _LAUNCHERS.get((plan, grid))
     if launcher is None:  # one per (plan, grid): a decode step's store repeats both
-        if len(_LAUNCHERS) >= _LAUNCHERS_MAX:
-            del _LAUNCHERS[next(iter(_LAUNCHERS))]
-        launcher = _LAUNCHERS[(plan, grid)] = KernelLauncher(_store_kernel, grid, dict(plan.constexprs),
-                                                             **{k: v for k, v in plan.kwargs().items()
-                                                                if k in ("num_warps", "num_stages")})
+        options = {k: v for k, v in plan.kwargs().items() if k in ("num_warps", "num_stages")}
+        launcher = _LAUNCHERS.put((plan, grid), KernelLauncher(_store_kernel, grid, dict(plan.constexprs), **options))
     launcher(*args)
