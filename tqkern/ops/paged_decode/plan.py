@@ -25,7 +25,7 @@ from tqkern.ops.common import halfword_aligned
 from tqkern.ops.paged_decode.mma_plans import (DynamicSmemUnsupported, _LUT_BYTES, _needs_lut, coop_smem_bytes,
                                                mma_plan, num_splits_mma, per_warp_plan)
 
-__all__ = ["DeviceCaps", "DecodeOptions", "KernelPlan", "RotatePlan", "MergePlan", "DecodePlan", "plan_decode", "decode_path",
+__all__ = ["DeviceCaps", "DecodeOptions", "KernelPlan", "RotatePlan", "scan_split", "MergePlan", "DecodePlan", "plan_decode", "decode_path",
            "fast_path_plan", "num_splits_for", "merge_chunks", "workspace_numel", "MMA_MIN_CAPABILITY",
            "MMA_FP8_MIN_CAPABILITY"]
 
@@ -126,9 +126,11 @@ class KernelPlan:
 @dataclasses.dataclass(frozen=True)
 class RotatePlan:
     """The q-rotation launch (:func:`.rotate._rotate_q_kernel`): ``rows`` query rows and ``cols``
-    output columns per program; ``scan_block`` block-table entries per scan round."""
+    output columns per program in the first ``programs`` rows of the grid; the rest scan the block
+    table, ``scan_block`` entries per round (:func:`scan_split`)."""
 
     grid: tuple[int, int]
+    programs: int
     rows: int
     cols: int
     scan_block: int
@@ -188,7 +190,7 @@ class DecodePlan:
                  f"{d.num_stages} stages, maxnreg {d.maxnreg or '-'}",
                  "constexprs  " + " ".join(f"{k}={v}" for k, v in d.constexprs),
                  f"rotate      grid {self.rotate.grid}, {self.rotate.rows} rows x {self.rotate.cols} cols, "
-                 f"scan {self.rotate.scan_block}",
+                 f"scan {self.rotate.grid[0] - self.rotate.programs} rows x {self.rotate.scan_block}",
                  f"merge       {self.merge.impl}, grid {self.merge.grid}, {self.merge.chunks} chunks"
                  + (", rotate back" if self.merge.rotate_back else ""),
                  f"workspace   {self.workspace_numel} float32",
@@ -460,6 +462,18 @@ def _general_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, bloc
     return kernel(num_splits), num_splits
 
 
+def scan_split(entries: int, cols: int) -> tuple[int, int]:
+    """``(scan_block, grid rows)`` of the block-table scan over ``entries`` entries beside a rotation
+    grid ``cols`` programs wide: at most 1024 entries per program and round, as many programs as
+    take each entry once (up to 64), so the scan runs on SMs the rotation leaves idle; none
+    without entries."""
+    if entries <= 0:
+        return 128, 0
+    sb = min(1024, max(128, 1 << (entries - 1).bit_length()))
+    programs = min(64, -(-entries // sb))
+    return sb, -(-programs // cols)
+
+
 def _rotate_plan(layout, s, hq, max_blocks, rows: int = 16, cols: int = 64) -> RotatePlan:
     """Measured on the H100 at 1024 rows, D = 128: 16 rows × all columns 4.6 µs, 32 rows 9.5 µs,
     64 rows 9.8 µs (session 4); 16 rows × 64 columns: ``docs/performance.md``."""
@@ -467,12 +481,10 @@ def _rotate_plan(layout, s, hq, max_blocks, rows: int = 16, cols: int = 64) -> R
     dp = max(16, 1 << (d - 1).bit_length())
     rotate = bool(layout.format.key.rotated)
     cc = min(cols, dp) if rotate else dp
-    n = s * hq
-    programs = -(-n // rows)
-    # entries per scanning program in one tile where it fits (a loop of dependent rounds is latency)
-    per_program = -(-(s * max_blocks) // programs)
-    sb = min(4096, max(128, 1 << max(0, (per_program - 1).bit_length())))
-    return RotatePlan(grid=(programs, dp // cc), rows=rows, cols=cc, scan_block=sb, rotate=rotate)
+    programs = -(-(s * hq) // rows)
+    sb, scan_rows = scan_split(s * max_blocks, dp // cc)
+    return RotatePlan(grid=(programs + scan_rows, dp // cc), programs=programs, rows=rows, cols=cc, scan_block=sb,
+                      rotate=rotate)
 
 
 def _merge_plan(layout, s, hq, num_splits, caps, options) -> MergePlan:

@@ -24,7 +24,7 @@ import functools
 from tqkern.layouts import PagedLayout
 from tqkern.ops.codecs import DT_BF16, Kind, layout_args
 from tqkern.ops.common import halfword_aligned
-from tqkern.ops.paged_decode.plan import DeviceCaps, RotatePlan, fast_path_plan
+from tqkern.ops.paged_decode.plan import DeviceCaps, RotatePlan, fast_path_plan, scan_split
 
 __all__ = ["PrefillPlan", "plan_prefill"]
 
@@ -73,11 +73,11 @@ class PrefillPlan:
         """The q rotation with the block-table scan for a batch of these sizes."""
         n = num_tokens * self.num_q_heads
         programs = -(-n // self.rotate_rows)
-        per_program = -(-(num_seqs * max_blocks) // max(1, programs))
-        sb = min(4096, max(128, 1 << max(0, (per_program - 1).bit_length())))
         dp = layout_args(self.layout)["DP"]
-        return RotatePlan(grid=(programs, dp // self.rotate_cols), rows=self.rotate_rows, cols=self.rotate_cols,
-                          scan_block=sb, rotate=bool(self.layout.format.key.rotated))
+        sb, scan_rows = scan_split(num_seqs * max_blocks, dp // self.rotate_cols)
+        return RotatePlan(grid=(programs + scan_rows, dp // self.rotate_cols), programs=programs,
+                          rows=self.rotate_rows, cols=self.rotate_cols, scan_block=sb,
+                          rotate=bool(self.layout.format.key.rotated))
 
     def describe(self) -> str:
         """A readable one-line summary."""

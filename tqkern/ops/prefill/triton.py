@@ -64,8 +64,8 @@ def prefill_launch(out, lse, q, cache, block_table, seq_lens, query_start_loc, l
     dp = dict(plan.constexprs)["DP"]
     precision = dict(plan.constexprs)["DOT_PRECISION"]
     _rotate_q_kernel[rp.grid](q, tables["rotation"], q_rot, poison, block_table, seq_lens, errors, safe, t * hq,
-                              q.stride(0), q.stride(1), n_seq, mb, num_blocks, HQ=hq, D=d, DP=dp, ROWS=rp.rows,
-                              CC=rp.cols, ROTATE=rp.rotate, DOT_PRECISION=precision, POISON=True, SCAN=True,
+                              q.stride(0), q.stride(1), n_seq, mb, num_blocks, rp.programs, HQ=hq, D=d, DP=dp,
+                              ROWS=rp.rows, CC=rp.cols, ROTATE=rp.rotate, DOT_PRECISION=precision, POISON=True, SCAN=True,
                               BS=layout.block_size, SB=rp.scan_block, num_warps=4)
     _prefill_kernel[plan.grid(t, n_seq)](
         q_rot, poison, cache, safe, seq_lens, query_start_loc, tables["key_centroids_f32"],
