@@ -47,7 +47,7 @@ class _Fn:
 
 @pytest.fixture
 def direct(monkeypatch):
-    monkeypatch.setattr(launch, "_current_stream", lambda: "stream")
+    monkeypatch.setattr(launch, "current_stream", lambda: "stream")
     fn = _Fn()
     lk = launch.KernelLauncher(fn, (4, 2), {"BLOCK": 64}, num_warps=4)
     lk._direct = True  # (the interpreter otherwise takes Triton's own path)
@@ -75,6 +75,38 @@ def test_a_different_specialization_compiles_again(direct):
     assert len(fn.compiles) == 6  # 5/7 share; 32/48 share; 1, fp16, misaligned and int64 each compile
 
 
+def test_a_repeated_call_reuses_the_kernel_only_where_its_key_would_match(direct):
+    """The reuse path (same non-tensor values and types, same dtypes, every tensor aligned)
+    launches the new tensors; any other call goes through the key."""
+    fn, lk = direct
+    x, y, x2, y2 = torch.zeros(64), torch.zeros(64), torch.zeros(64), torch.zeros(64)
+    lk(x, 5, y)
+    lk(x2, 5, y2)
+    assert len(fn.compiles) == 1 and fn.log[-1][3] == (x2, 5, 64, 7, y2)
+    for args in [(x, True, y), (x, 1.0, y), (x, 1, y), (x[4:], 1, y), (x, 1, y.double())]:
+        lk(*args)
+        assert fn.log[-1][3][0] is args[0] and fn.log[-1][3][1] is args[1] and fn.log[-1][3][4] is args[2]
+    # True, 1.0 and 1 are different keys (bool, float, int equal to 1); x[4:] is 16-byte aligned
+    # (reused, same key); a float64 y is another key
+    assert len(fn.compiles) == 5
+    lk(x[1:], 1, y)  # misaligned: the key (compiles), and no reuse recorded for it
+    lk(x[1:], 1, y)
+    assert len(fn.compiles) == 6 and lk._last is None
+
+
+def test_runtime_arguments_first_pass_the_constexprs_as_one_tail(monkeypatch):
+    monkeypatch.setattr(launch, "current_stream", lambda: "stream")
+    fn = _Fn()
+    fn.params = [_Param("x_ptr"), _Param("n"), _Param("y_ptr"), _Param("BLOCK", True), _Param("FLAG", True, 7)]
+    fn.arg_names = [p.name for p in fn.params]
+    lk = launch.KernelLauncher(fn, (2,), {"BLOCK": 32})
+    lk._direct = True
+    x = torch.zeros(8)
+    lk(x, 3, x)
+    lk.launch("other", x, 4, x)
+    assert [e[2:] for e in fn.log] == [("stream", (x, 3, x, 32, 7)), ("other", (x, 4, x, 32, 7))]
+
+
 def test_interpreter_goes_through_triton(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     fn = _Fn()
@@ -98,7 +130,7 @@ def test_prepare_runs_once_per_compiled_kernel(direct):
     x = torch.zeros(4)
     lk(x, 3, x)
     lk(x, 3, x)
-    assert len(seen) == 1 and isinstance(seen[0], _Compiled) and seen[0].inits == 2
+    assert len(seen) == 1 and isinstance(seen[0], _Compiled) and seen[0].inits == 1  # (the second call reused it)
     assert isinstance(lk.compiled(x, 3, x), _Compiled) and len(fn.compiles) == 1
 
 

@@ -19,7 +19,7 @@ import torch
 from triton import knobs
 from triton.runtime.driver import driver
 
-__all__ = ["BoundedCache", "KernelLauncher"]
+__all__ = ["BoundedCache", "KernelLauncher", "current_stream"]
 
 _I32 = 1 << 31
 
@@ -57,7 +57,7 @@ def _spec(a):
     return type(a), a  # (None, strings: part of the key as they are)
 
 
-def _current_stream():
+def current_stream():
     """The stream Triton's own launch would use (the current torch stream of the current device)."""
     return driver.active.get_current_stream(driver.active.get_current_device())
 
@@ -67,9 +67,13 @@ class KernelLauncher:
     launch ``options`` (``num_warps``, ``num_stages``, ``maxnreg``): call it with the runtime
     arguments only, in the kernel's order. ``prepare``: optional callable run once on each
     compiled kernel before its first launch (e.g. sizing dynamic shared memory). Compiled kernels
-    are kept per specialization key in the launcher (its owner, a decode plan, holds it)."""
+    are kept per specialization key in the launcher (its owner, a decode plan, holds it).
 
-    __slots__ = ("fn", "grid", "kwargs", "prepare", "_slots", "_defaults", "_compiled", "_direct")
+    A call whose non-tensor arguments equal the previous call's, whose tensors have the previous
+    call's dtypes and are all 16-byte aligned (as the previous call's were) reuses the previous
+    kernel without building the key (the same key would result); any other call builds it."""
+
+    __slots__ = ("fn", "grid", "kwargs", "prepare", "_slots", "_defaults", "_tail", "_compiled", "_direct", "_last")
 
     def __init__(self, fn, grid, constexprs: dict, prepare=None, **options):
         grid = tuple(int(x) for x in grid)
@@ -94,21 +98,59 @@ class KernelLauncher:
                     slots.append(len([s for s in slots if s is not None]))
                     defaults.append(None)
         self._slots, self._defaults = tuple(slots), tuple(defaults)
+        # runtime parameters first, constexprs after (every kernel here): the full list is the
+        # call's arguments followed by this tail
+        n_rt = sum(s is not None for s in slots)
+        self._tail = tuple(defaults[n_rt:]) if all(s == i for i, s in enumerate(slots[:n_rt])) and \
+            all(s is None for s in slots[n_rt:]) else None
         self._compiled: dict = {}
         self._direct = params is not None and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+        self._last = None  # (tensor positions, their dtypes, other positions, their values, kernel)
 
     def __call__(self, *args) -> None:
+        self.launch(current_stream(), *args) if self._direct else self.fn[self.grid](*args, **self.kwargs)
+
+    def launch(self, stream, *args) -> None:
+        """:meth:`__call__` on ``stream`` (a raw CUDA stream handle, e.g. the current one once for
+        several launches)."""
         if not self._direct:
             self.fn[self.grid](*args, **self.kwargs)
             return
-        kernel = self.compiled(*args)
-        kernel._init_handles()  # (loads the binary once: the launcher and ``function``)
-        full = [d if s is None else args[s] for s, d in zip(self._slots, self._defaults)]
-        stream = _current_stream()
+        kernel = self._reuse(args)
+        if kernel is None:
+            kernel = self.compiled(*args)
+            tpos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+            opos = tuple(i for i in range(len(args)) if i not in tpos)
+            aligned = all(args[i].data_ptr() % 16 == 0 for i in tpos)
+            self._last = (tpos, tuple(args[i].dtype for i in tpos), opos, tuple(args[i] for i in opos),
+                          kernel) if aligned else None
+        if self._tail is not None:
+            full = args + self._tail
+        else:
+            full = [d if s is None else args[s] for s, d in zip(self._slots, self._defaults)]
         g = self.grid
-        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata,
-                   kernel.launch_metadata(g, stream, *full), knobs.runtime.launch_enter_hook,
-                   knobs.runtime.launch_exit_hook, *full)
+        meta = None if knobs.runtime.launch_enter_hook is None else kernel.launch_metadata(g, stream, *full)
+        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, meta,
+                   knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *full)
+
+    def _reuse(self, args):
+        """The previous call's kernel if ``args`` would give its key (see the class), else ``None``."""
+        last = self._last
+        if last is None or len(args) != len(last[1]) + len(last[3]):
+            return None
+        tpos, dtypes, opos, others, kernel = last
+        bits = 0
+        for i in tpos:
+            a = args[i]
+            if type(a) is not torch.Tensor:
+                return None
+            bits |= a.data_ptr()
+        if bits & 15 or tuple([args[i].dtype for i in tpos]) != dtypes:
+            return None
+        vals = tuple([args[i] for i in opos])
+        if vals != others or tuple(map(type, vals)) != tuple(map(type, others)):
+            return None
+        return kernel
 
     def compiled(self, *args):
         """The compiled kernel this launcher runs for ``args`` (compiling it if needed), e.g. for
@@ -120,4 +162,5 @@ class KernelLauncher:
             if self.prepare is not None:
                 self.prepare(kernel)  # (before the binary loads)
             self._compiled[key] = kernel
+        kernel._init_handles()  # (loads the binary once: the launcher and ``function``)
         return kernel

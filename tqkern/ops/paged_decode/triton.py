@@ -17,7 +17,7 @@ import torch
 import triton.language as tl
 
 from tqkern.layouts import PagedLayout
-from tqkern.ops.launch import BoundedCache, KernelLauncher
+from tqkern.ops.launch import BoundedCache, KernelLauncher, current_stream
 from tqkern.ops.paged_decode.general import _paged_decode_kernel
 from tqkern.ops.paged_decode.merge import _merge_kernel, _merge_rows_kernel
 from tqkern.ops.paged_decode.mma_kernel import _paged_decode_coop_kernel, _paged_decode_mma_kernel
@@ -192,25 +192,28 @@ def _decode_args(kernel, q_rot, cache, block_table, seq_lens, tables, acc, ml, s
 
 
 def _decode_and_merge(prep: Prepared, out, q_rot, cache, safe_table, seq_lens, tables, sm_scale, workspace, poison,
-                      window_left=None, logit_softcap=None, sinks=None, lse=None):
+                      window_left=None, logit_softcap=None, sinks=None, lse=None, stream=None):
     plan = prep.plan
+    if stream is None and q_rot.is_cuda:
+        stream = current_stream()
     s, hq, _ = q_rot.shape
     dp = plan.workspace_numel // (s * hq * plan.num_splits) - 2
     acc, ml = _workspace(workspace, s, hq, plan.num_splits, dp, q_rot.device)
     vcen = tables[f"{prep.value_table}_centroids_f32"]
     scale = sm_scale * 1.4426950408889634
     if plan.decode.kernel == "general":
-        prep.decode(q_rot, cache, safe_table, seq_lens, tables["key_centroids_f32"], vcen, acc, ml,
-                    safe_table.shape[1], scale, 0, *_option_args(window_left, logit_softcap, sm_scale))
+        prep.decode.launch(stream, q_rot, cache, safe_table, seq_lens, tables["key_centroids_f32"], vcen, acc, ml,
+                           safe_table.shape[1], scale, 0, *_option_args(window_left, logit_softcap, sm_scale))
     else:
-        prep.decode(q_rot, cache, safe_table, seq_lens, tables["key_centroids_f32"], vcen, acc, ml, s,
-                    safe_table.shape[1], scale, plan.num_splits)
+        prep.decode.launch(stream, q_rot, cache, safe_table, seq_lens, tables["key_centroids_f32"], vcen, acc, ml, s,
+                           safe_table.shape[1], scale, plan.num_splits)
     rot = tables["rotation"]
     sink_arg, lse_arg = ml if sinks is None else sinks, ml if lse is None else lse  # (unread when off)
     if plan.merge.impl == "rows":
-        prep.merge(acc, ml, rot, out, poison, sink_arg, lse_arg, s * hq, plan.num_splits, out.stride(0), out.stride(1))
+        prep.merge.launch(stream, acc, ml, rot, out, poison, sink_arg, lse_arg, s * hq, plan.num_splits, out.stride(0),
+                          out.stride(1))
     else:
-        prep.merge(acc, ml, rot, out, poison, sink_arg, lse_arg, out.stride(0), out.stride(1))
+        prep.merge.launch(stream, acc, ml, rot, out, poison, sink_arg, lse_arg, out.stride(0), out.stride(1))
 
 
 def paged_decode_launch(out, q, cache, block_table, seq_lens, layout, tables, errors, num_blocks: int, *,
@@ -241,10 +244,11 @@ def paged_decode_launch(out, q, cache, block_table, seq_lens, layout, tables, er
     safe_table = buf[n_q + n_p: n_q + n_p + s * mb].view(torch.int32).view(s, mb)
     if n_ws:
         workspace = buf[n_q + n_p + n_t:]
-    prep.rotate(q, tables["rotation"], q_rot, poison, block_table, seq_lens, errors, safe_table, s * hq, q.stride(0),
-                q.stride(1), s, block_table.shape[1], num_blocks)
+    stream = current_stream() if q.is_cuda else None
+    prep.rotate.launch(stream, q, tables["rotation"], q_rot, poison, block_table, seq_lens, errors, safe_table, s * hq,
+                       q.stride(0), q.stride(1), s, mb, num_blocks, prep.plan.rotate.programs)
     _decode_and_merge(prep, out, q_rot, cache, safe_table, seq_lens, tables, sm_scale, workspace, poison,
-                      window_left, logit_softcap, sinks, lse)
+                      window_left, logit_softcap, sinks, lse, stream)
     return out
 
 
