@@ -13,6 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import tqkern_torch.kv_cache as kv_cache  # noqa: E402
 import tqkern_torch.transformers as tqt  # noqa: E402
 from tqkern import KVFormat  # noqa: E402
 from tqkern_torch.bench import generate as gen  # noqa: E402
@@ -30,8 +31,8 @@ def _config(layers=2):
 
 def test_run_on_the_cpu_report_structure_and_units(monkeypatch):
     calls = []
-    inner = tqt.decompress_sequences
-    monkeypatch.setattr(tqt, "decompress_sequences", lambda *a, **k: calls.append(1) or inner(*a, **k))
+    inner = kv_cache.decompress_sequences
+    monkeypatch.setattr(kv_cache, "decompress_sequences", lambda *a, **k: calls.append(1) or inner(*a, **k))
     shape = GenerateShape("tiny", 2, 30)  # 30 + 4 tokens: the pool grows from 2 to 4 blocks per row
     out = io.StringIO()
     bar = Progress(gen.count_steps((PRESET,), [shape]), out)
