@@ -21,7 +21,7 @@ BUDGETS = {
     "tq4:slot:128:8": (80, 5096),
     "turboquant_4bit_nc:slot:128:8": (0, 6304),
     "tqkern_k5v3:slot:128:8": (0, 7424),
-    "turboquant_k8v4:slot:128:8": (0, 3568),
+    "turboquant_k8v4:slot:128:8": (0, 1808),  # 16 vectors x 4 warps since session 17 (was 3568)
     "fp16:slot:128:8": (0, 736),
     "turboquant_4bit_nc:row:128:8:bf16": (0, 6504),
     "tq4:row:128:8:bf16": (264, 5656),

@@ -22,12 +22,17 @@ Rotation methods (``y = x @ Π`` in float32, for the rotated sides):
   (the interpreter computes every product in float32), as before issue 23: 16 vectors per tile,
   4 warps, no software pipelining (the fp32 operands alone take up to 64 KB of shared memory).
 
-Tile sizes are first choices, **unmeasured on a GPU**, picked by the offline sm_90 compile
-(``tests/test_store_sm90_compile.py``): 64 vectors per tile (the tensor-core M of 4 warps), 8 warps
-(4 warps spill: 255 registers; 8 warps take 160–245 and no stack); tiles per
-program 2 (``pm1``: its operand costs one column read and ~D²/128 integer ops per thread) or 4
-(``split``: a 64 KB fp32 Π read from L2 per program, against 256 KB of fp16 K/V read from HBM),
-1 otherwise.
+Tile sizes were picked by the offline sm_90 compile (``tests/test_store_sm90_compile.py``): 64
+vectors per tile (the tensor-core M of 4 warps), 8 warps (4 warps spill: 255 registers; 8 warps
+take 160–245 and no stack); tiles per program 2 (``pm1``: its operand costs one column read and
+~D²/128 integer ops per thread) or 4 (``split``: a 64 KB fp32 Π read from L2 per program, against
+256 KB of fp16 K/V read from HBM), 1 otherwise. Measured on the H100 (16K tokens × 8 heads × 128,
+copy_ of the same bytes 45.9 µs; session 17): turboquant_4bit_nc 216 / 209 µs (slot / row) with
+these, 255–348 µs with 16–128 vectors × 4–8 warps × 1–2 tiles; but the unrotated quantized codes
+(``turboquant_k8v4``: FP8 keys, uniform values) take 134 / 102 µs with them and 73.3 / 52.4 µs
+with 16 vectors × 4 warps × 1 tile (32: 104.5 / 65.7; 64 × 4 warps: 146.3 / 100.0), so every
+``"none"`` plan that quantizes takes the small tile; raw fp16/bf16 (``fp16``: 91.6% of copy_)
+keeps 64 × 8.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import functools
 import triton
 import triton.language as tl
 
-from tqkern.layouts import PagedLayout
+from tqkern.layouts import PagedLayout, Raw
 from tqkern.ops.codecs import layout_args
 from tqkern.ops.common import halfword_aligned
 
@@ -136,6 +141,9 @@ def _plan_store(layout: PagedLayout, in_dtype: str, has_mu: bool, signed_sylvest
     rot = rotation_method(layout, has_mu, signed_sylvester, interpret)
     bv, warps, stages, kc = (16, 4, 1, min(c["DP"], 64)) if rot == "chunked" else (64, 8, None, c["DP"])
     tiles = {"pm1": 2, "split": 4}.get(rot, 1)
+    fmt = layout.format
+    if rot == "none" and not (isinstance(fmt.key, Raw) and isinstance(fmt.value, Raw)):
+        bv, warps = 16, 4  # unrotated codes (FP8 keys, uniform values): module docstring
     precision = "ieee" if interpret else "tf32x3"
     cx = dict(
         HAS_MU=has_mu, IN_BF16=in_dtype == "bf16", H=layout.num_kv_heads, BV=bv, TILES=tiles,
