@@ -104,6 +104,20 @@ def test_short_splits_give_way_to_the_per_warp_kernel(preset, arr, batch, max_le
     assert plan.decode.grid == ((batch * plan.num_splits,) if want_coop else (batch * 8 * plan.num_splits // 4,))
 
 
+@pytest.mark.parametrize("batch, max_len, resident, want", [
+    (1, 131072, 1056, 128), (1, 65536, 1056, 128),  # batch 1, >= 512 tokens per split: up to 128
+    (1, 32768, 1056, 64), (1, 16384, 1056, 64),  # 128 splits would be 256 / 128 tokens each
+    (2, 65536, 2112, 64),  # 128 splits of 16 pairs: 2,048 warps
+    (32, 16384, 1056, 4), (8, 65536, 1056, 16),  # one wave of resident warps binds
+    (1, 512, 1056, 2),  # at least 256 tokens per split
+])
+def test_warp_mma_split_counts(batch, max_len, resident, want):
+    """``num_splits_mma`` at 8 KV heads: the cases its docstring's H100 measurements decided."""
+    import tqkern.ops.paged_decode.mma_plans as plans
+
+    assert plans.num_splits_mma(batch, 8, max_len, resident) == want
+
+
 def test_prepared_plans_are_bounded(monkeypatch):
     """The one plan cache keeps at most its ``maxsize`` entries (shapes change every step as
     batches and block tables grow), dropping the oldest first; a cached plan is reused as is."""

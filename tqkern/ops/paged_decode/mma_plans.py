@@ -210,16 +210,19 @@ class DynamicSmemUnsupported(RuntimeError):
 def num_splits_mma(num_seqs: int, num_kv_heads: int, max_len: int, resident_warps: int) -> int:
     """Splits (one warp each) so that the launch is one full wave of ``resident_warps`` (the
     warps the GPU holds at once for this kernel), each split at least 256 tokens of the longest
-    possible sequence, at most 128. Depends only on shapes (CUDA-graph safe).
+    possible sequence, at most 64; up to 128 where the splits keep ≥ 512 tokens each and all
+    splits of the launch are ≤ 1024 warps (batch 1 at long contexts). Depends only on shapes
+    (CUDA-graph safe).
 
     One wave measured best on the H100 (TQ4, B32×16K: 8 splits = 0.97 waves 245 µs; 16 splits
-    = 1.94 waves 265 µs; 17 splits = 2.06 waves 301 µs). The cap binds at batch 1 (8 KV heads:
-    132 splits would fill the wave); measured there (session 17, µs, tq4 / turboquant_4bit_nc /
-    turboquant_3bit_nc, SDPA fp16 179.9 and 94.2): 1×128K with 64 splits 124.7 / 137.1 / 129.9,
-    96: 108.4 / 117.9 / 111.8, 128: 104.0 / 105.4 / 100.3, 192: 163.6 / 142.3 / 138.0; 1×64K
-    with 64: 79.1 / 85.6 / 81.8, 128: 78.9 / 77.9 / 75.0."""
+    = 1.94 waves 265 µs; 17 splits = 2.06 waves 301 µs). The longer cap, measured in session 17
+    (Hkv 8, µs, tq4 / turboquant_4bit_nc, 64 → 128 splits): 1×128K 124.0 / 136.7 → 103.7 / 105.0
+    (SDPA fp16 180.0), 1×64K 79.1 / 85.6 → 78.9 / 77.9; where the rule keeps 64: 1×32K (256
+    tokens per split at 128) 54.4 / 58.0 → 61.0 / 60.9, 2×64K (2,048 warps) 93.7 → 106.5
+    (turboquant_4bit_nc); 192 or 256 splits lose at 1×128K (138–167)."""
     pairs = max(1, num_seqs * num_kv_heads)
-    return int(max(1, min(resident_warps // pairs, max_len // 256, 128)))
+    cap = max(64, min(128, max_len // 512, 1024 // pairs))
+    return int(max(1, min(resident_warps // pairs, max_len // 256, cap)))
 
 
 def coop_row_stride(row_bytes: int) -> int:
