@@ -113,6 +113,17 @@ def test_table_cells():
     text.encode("ascii")  # ASCII only
 
 
+def test_decode_table_gives_the_bandwidth_fraction_of_sdpa():
+    """Each variant's bytes per µs over the baseline's at the same shape (fake_report: tq4 reads
+    142,606,336 bytes in 80 µs where SDPA reads 536,870,912 in 200: 1782.6 / 2684.4 GB/s = 0.664;
+    SmolLM2: 1069.5 / 2516.6 = 0.425, printed 43%)."""
+    bw = _table_rows(rep.render_table(fake_report()), "decode: achieved bandwidth of the cache read")
+    assert bw == {"tq4": ["66%", "43%"]}
+    report = fake_report()
+    del report["records"][3]
+    assert _table_rows(rep.render_table(report), "decode: achieved bandwidth")["tq4"] == ["66%", "-"]
+
+
 def test_table_header_names_the_shapes_in_run_order():
     text = rep.render_table(fake_report())
     block = text[text.index("decode (CUDA-graph"):].splitlines()
@@ -205,12 +216,31 @@ def test_select_quick_and_named():
     assert list(runner.select("store", shapes=["decode_B32"])) == ["store"]
 
 
+def test_model_shapes_table_spans_what_issue_22_asks():
+    """At least a dozen shapes spanning head_dim 64/96/128/256, KV heads 1-16, GQA 1-16, batch
+    1-256, contexts 1K-128K, with batch 1 at >= 64K; ``--shapes models`` selects them all."""
+    from tqkern_torch.bench.shapes import MODEL_SHAPES, decode_shape
+
+    names = [s.name for s in MODEL_SHAPES]
+    assert len(names) >= 12 and len(set(names)) == len(names)
+    assert {s.head_dim for s in MODEL_SHAPES} == {64, 96, 128, 256}
+    assert min(s.num_kv_heads for s in MODEL_SHAPES) == 1 and max(s.num_kv_heads for s in MODEL_SHAPES) == 16
+    groups = {s.num_q_heads // s.num_kv_heads for s in MODEL_SHAPES}
+    assert min(groups) == 1 and max(groups) == 16
+    assert all(s.num_q_heads % s.num_kv_heads == 0 for s in MODEL_SHAPES)
+    assert min(s.batch for s in MODEL_SHAPES) == 1 and max(s.batch for s in MODEL_SHAPES) == 256
+    assert min(s.seq_len for s in MODEL_SHAPES) == 1024 and max(s.seq_len for s in MODEL_SHAPES) == 131072
+    assert any(s.batch == 1 and s.seq_len >= 65536 for s in MODEL_SHAPES)
+    assert all(decode_shape(n) == s for n, s in zip(names, MODEL_SHAPES))
+    assert runner.select("decode", ["tq4"], ["models"])["decode"][1] == list(MODEL_SHAPES)
+
+
 @pytest.mark.parametrize("args,match", [
     (("prefil",), r"op must be one of \('decode', 'store', 'prefill', 'all'\), got 'prefil'"),
     (("decode", ["tq5"]), r"presets must be one or more of .*, got \['tq5'\]"),
     (("decode", []), r"presets must be one or more of .*, got \[\]"),
-    (("decode", None, ["decode_B32"]), "shapes must be among B32x4K, .* or B<batch>x<tokens>K .for decode., "
-                                        "got 'decode_B32'"),
+    (("decode", None, ["decode_B32"]), "shapes must be among B32x4K, .*Qwen2.5-0.5B_B256x2K or B<batch>x<tokens>K "
+                                        "or models .for decode., got 'decode_B32'"),
     (("store", None, ["B32x4K"]), "shapes must be among prefill_1x4096, .*SmolLM2_decode_B32 .for store., "
                                   "got 'B32x4K'"),
 ])

@@ -143,6 +143,8 @@ def render_table(report: dict) -> str:
             return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells_, widths)))
 
         lines += ["", title, fmt(head), "-" * len(fmt(head)), *(fmt(r) for r in rows)]
+        if op == "decode" and mode == "graph":
+            lines += _bandwidth_lines(cells, op, mode, base, shapes, variants)
     if not report["records"]:
         lines += ["", "no timing records"]
     lines += _generate_lines(report)
@@ -152,6 +154,30 @@ def render_table(report: dict) -> str:
     for g in failed:
         lines.append(f"gate FAILED: {g['op']} {g['preset']} {g.get('case', '')} (not timed)")
     return "\n".join(lines)
+
+
+def _bandwidth_lines(cells: dict, op: str, mode: str, base: str, shapes: list, variants: list) -> list[str]:
+    """Each variant's achieved bandwidth (its bytes read per µs: the compressed cache) as a
+    fraction of the baseline's at the same shape (SDPA fp16 on the uncompressed K/V); ``-`` where
+    either was not timed or counted no bytes."""
+    rows = []
+    for v in variants:
+        if v == base:
+            continue
+        row = [v]
+        for s in shapes:
+            r, b = cells.get((op, mode, v, s)), cells.get((op, mode, base, s))
+            ok = r is not None and b is not None and r["gbps"] and b["gbps"]
+            row.append(f"{r['gbps'] / b['gbps']:.0%}" if ok else "-")
+        rows.append(row)
+    if not rows:
+        return []
+    head = ["variant", *shapes]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    fmt = lambda cells_: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
+                                    for i, (c, w) in enumerate(zip(cells_, widths)))
+    return ["", f"{op}: achieved bandwidth of the cache read, as a fraction of {base}'s on fp16 K/V",
+            fmt(head), "-" * len(fmt(head)), *(fmt(r) for r in rows)]
 
 
 def _mib(n) -> str:

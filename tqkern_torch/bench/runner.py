@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from tqkern_torch.bench.report import SCHEMA, Progress
-from tqkern_torch.bench.shapes import (DECODE_PRESETS, DECODE_SHAPES, PREFILL_SHAPES, QUICK_SHAPES, STORE_SHAPES,
-                                      decode_shape, prefill_shape, store_shape)
+from tqkern_torch.bench.shapes import (DECODE_PRESETS, DECODE_SHAPES, MODEL_SHAPES, PREFILL_SHAPES, QUICK_SHAPES,
+                                      STORE_SHAPES, decode_shape, prefill_shape, store_shape)
 
 __all__ = ["OPS", "PRESETS", "select", "count_steps", "run"]
 
@@ -22,7 +22,8 @@ def select(op: str, presets: Optional[Sequence[str]] = None, shapes: Optional[Se
 
     ``presets`` default to every benchmark preset; ``shapes`` to every named shape of each op
     (``quick``: two per op, :data:`~tqkern_torch.bench.shapes.QUICK_SHAPES`). A shape name goes to
-    each op that knows it (decode also takes ad-hoc ``B<batch>x<tokens>K`` names).
+    each op that knows it (decode also takes ad-hoc ``B<batch>x<tokens>K`` names, and ``models``:
+    the model-shape table :data:`~tqkern_torch.bench.shapes.MODEL_SHAPES`).
 
     Raises:
         ValueError: an unknown op, preset or shape name (naming the argument and what it takes).
@@ -39,6 +40,9 @@ def select(op: str, presets: Optional[Sequence[str]] = None, shapes: Optional[Se
     else:
         chosen = {o: [] for o in ops}
         for name in shapes:
+            if name == "models" and "decode" in ops:
+                chosen["decode"] += list(MODEL_SHAPES)
+                continue
             hit = False
             for o in ops:
                 try:
@@ -47,8 +51,8 @@ def select(op: str, presets: Optional[Sequence[str]] = None, shapes: Optional[Se
                 except ValueError:
                     pass
             if not hit:
-                known = [s.name for o in ops for s in _SHAPES[o]]
-                extra = " or B<batch>x<tokens>K" if "decode" in ops else ""
+                known = [s.name for o in ops for s in (MODEL_SHAPES if o == "decode" else _SHAPES[o])]
+                extra = " or B<batch>x<tokens>K or models" if "decode" in ops else ""
                 raise ValueError(f"shapes must be among {', '.join(known)}{extra} (for {op}), got {name!r}")
     return {o: (presets, chosen[o]) for o in ops}
 

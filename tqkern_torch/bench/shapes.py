@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["DecodeShape", "StoreShape", "PrefillShape", "GenerateShape", "DECODE_SHAPES", "STORE_SHAPES",
-           "PREFILL_SHAPES", "GENERATE_SHAPES", "DECODE_PRESETS", "QUICK_SHAPES", "decode_shape", "store_shape",
+__all__ = ["DecodeShape", "StoreShape", "PrefillShape", "GenerateShape", "DECODE_SHAPES", "MODEL_SHAPES",
+           "STORE_SHAPES", "PREFILL_SHAPES", "GENERATE_SHAPES", "DECODE_PRESETS", "QUICK_SHAPES", "decode_shape", "store_shape",
            "prefill_shape", "generate_shape", "BLOCK_SIZE", "STORE_CACHE_TOKENS"]
 
 BLOCK_SIZE = 16
@@ -75,6 +75,24 @@ DECODE_SHAPES = (
     DecodeShape("SmolLM2_B32x4K", 32, 4096, 9, 3, 64),  # head_dim 64, GQA 3
 )
 
+# The model-shape table (``tqkern bench decode --shapes models``): one attention layer of a real
+# model as one GPU sees it (tensor-parallel slices where a model that size is served that way),
+# at a batch and context that model is served at. Together with DECODE_SHAPES it spans head_dim
+# 64, 96, 128, 256; KV heads 1-16; GQA 1-16; batch 1-256; contexts 1K-128K.
+MODEL_SHAPES = DECODE_SHAPES + (
+    DecodeShape("Llama3-8B_B1x128K", 1, 131072, 32, 8, 128),  # one long document (Llama 3.1: 128K)
+    DecodeShape("Llama3-8B_B256x1K", 256, 1024, 32, 8, 128),  # many short chats
+    DecodeShape("Llama3-70B-TP8_B32x16K", 32, 16384, 8, 1, 128),  # 64 / 8 heads per GPU: 1 KV head, GQA 8
+    DecodeShape("Llama3-405B-TP8_B16x32K", 16, 32768, 16, 1, 128),  # 128 / 8 per GPU: GQA 16
+    DecodeShape("Qwen2.5-7B_B16x32K", 16, 32768, 28, 4, 128),  # GQA 7
+    DecodeShape("Qwen2.5-7B_B1x64K", 1, 65536, 28, 4, 128),  # batch 1, 4 KV heads
+    DecodeShape("Gemma2-9B_B8x8K", 8, 8192, 16, 8, 256),  # head_dim 256, GQA 2
+    DecodeShape("Gemma-7B_B4x8K", 4, 8192, 16, 16, 256),  # head_dim 256, multi-head (GQA 1)
+    DecodeShape("Phi3-mini-TP2_B16x4K", 16, 4096, 16, 16, 96),  # head_dim 96, multi-head (32 heads / 2)
+    DecodeShape("Llama3.2-1B_B64x8K", 64, 8192, 32, 8, 64),  # head_dim 64, GQA 4
+    DecodeShape("Qwen2.5-0.5B_B256x2K", 256, 2048, 14, 2, 64),  # head_dim 64, GQA 7, large batch
+)
+
 STORE_SHAPES = (
     StoreShape("prefill_1x4096", 1, 4096, 8, 128),
     StoreShape("decode_B32", 32, 1, 8, 128),
@@ -116,14 +134,16 @@ DECODE_PRESETS = (
 
 
 def decode_shape(name: str) -> DecodeShape:
-    """A named shape of ``DECODE_SHAPES``, or an ad-hoc ``B<batch>x<tokens>K`` one with the
-    benchmark's Hq 32 / Hkv 8 / D 128 (e.g. ``B33x16K`` for a run that fills 132 SMs)."""
-    for shape in DECODE_SHAPES:
+    """A named shape of ``MODEL_SHAPES`` (``DECODE_SHAPES`` included), or an ad-hoc
+    ``B<batch>x<tokens>K`` one with the benchmark's Hq 32 / Hkv 8 / D 128 (e.g. ``B33x16K`` for a
+    run that fills 132 SMs)."""
+    for shape in MODEL_SHAPES:
         if shape.name == name:
             return shape
     m = re.fullmatch(r"B(\d+)x(\d+)K", name)
     if not m or int(m[1]) < 1 or int(m[2]) < 1:
-        raise ValueError(f"shape must be one of {[s.name for s in DECODE_SHAPES]} or B<batch>x<tokens>K, got {name!r}")
+        raise ValueError(f"shape must be one of {[s.name for s in MODEL_SHAPES]} or B<batch>x<tokens>K, "
+                         f"got {name!r}")
     return DecodeShape(name, int(m[1]), 1024 * int(m[2]), 32, 8, 128)
 
 
