@@ -115,8 +115,10 @@ def _bounds(layout, params, batch, cache, q64, s, group):
     return delta, vmax
 
 
-def _compare(got, expect, layout, params, batch, cache, q64, group, what="oracle", got_lse=None, expect_lse=None):
-    """Every finite query row of every sequence within the budget; non-finite rows NaN."""
+def _compare(got, expect, layout, params, batch, cache, q64, group, what="oracle", got_lse=None, expect_lse=None,
+             bounds=_bounds):
+    """Every finite query row of every sequence within the budget (``bounds`` gives a sequence's
+    logit bound δ and max|V̂|); non-finite rows NaN."""
     bad_rows = ~np.all(np.isfinite(q64), axis=-1)  # [T, Hq]
     assert np.all(np.isnan(got[bad_rows])), "a query row with NaN/inf must give a NaN output row"
     assert np.all(np.isfinite(got[~bad_rows])), "output has NaN/inf (unwritten or overflow)"
@@ -126,7 +128,7 @@ def _compare(got, expect, layout, params, batch, cache, q64, group, what="oracle
         a, b = int(batch.query_start_loc[s]), int(batch.query_start_loc[s + 1])
         if a == b:
             continue
-        delta, vmax = _bounds(layout, params, batch, cache, q64, s, group)
+        delta, vmax = bounds(layout, params, batch, cache, q64, s, group)
         good = ~bad_rows[a:b]
         err = float(np.abs(got[a:b][good] - expect[a:b][good]).max()) if good.any() else 0.0
         tol = (4e-3 + 2 * delta) * vmax + 1e-6

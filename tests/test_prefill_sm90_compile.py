@@ -29,6 +29,10 @@ BUDGETS = {
     # one KV head: turboquant_4bit_nc's 16-bit-halves word read, which crashes Triton 3.6's
     # compiler beside another 4-bit side; the plan reads both sides through the loader
     "turboquant_4bit_nc:slot:128:1:3:fp16": (56, 8272),
+    # int8_prefill (Q·Kᵀ on int8 codes; the keys through the float32 loader): never run on a GPU yet
+    "tq4:row:128:8:32:fp16:int8": (112, 12248),
+    "turboquant_k8v4:slot:128:8:32:fp16:int8": (0, 8968),
+    "turboquant_4bit_nc:slot:64:2:8:bf16:int8": (0, 6432),
 }
 
 

@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from tqkern.ops.attention.reference import check_options, resolve_scale
+from tqkern.ops.int8_prefill import reference as int8_prefill_ref
 from tqkern.ops.prefill import reference as prefill_ref
 from tqkern_torch._validate import check_tensor, use_triton
 from tqkern_torch.attention import _cache_or_stand_in, _check_query, _kernel_indices, _tracing_or_capturing
@@ -14,7 +15,7 @@ from tqkern_torch.errors import check_errors, error_word
 from tqkern_torch.library import _host_params, layout_key, layout_of
 from tqkern_torch.ops import _check_cache, _check_layout, _device_params
 
-__all__ = ["prefill"]
+__all__ = ["int8_prefill", "prefill"]
 
 
 def _inputs_checked_on_host(q, block_table, seq_lens, query_start_loc, sinks, num_blocks: int,
@@ -92,6 +93,13 @@ def prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq
     Returns:
         ``[num_tokens, num_q_heads, head_dim]`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
     """
+    return _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale, out, window_left,
+                logit_softcap, sinks, return_lse, check_inputs, debug, False)
+
+
+def _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale, out, window_left, logit_softcap,
+         sinks, return_lse, check_inputs, debug, int8: bool):
+    """:func:`prefill` and :func:`int8_prefill` after their signatures: checks, allocation, the op."""
     layout = _check_layout(layout)
     _check_query(q, layout, "num_tokens")
     d = layout.head_dim
@@ -122,9 +130,9 @@ def prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq
                 -1 if opts.window_left is None else opts.window_left,
                 0.0 if opts.logit_softcap is None else opts.logit_softcap)
         if type(q) is torch.Tensor and not torch.compiler.is_compiling():
-            _prefill_impl(*args)  # eager: the op's body without the dispatcher's layers
+            (_int8_prefill_impl if int8 else _prefill_impl)(*args)  # eager: the op's body, no dispatcher
         else:
-            torch.ops.tqkern.prefill(*args)
+            (torch.ops.tqkern.int8_prefill if int8 else torch.ops.tqkern.prefill)(*args)
         if debug:
             check_errors(dev)
     return (out, lse) if return_lse else out
@@ -134,7 +142,7 @@ def _prefill_impl(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tenso
                   query_start_loc: torch.Tensor, rotation: torch.Tensor, key_centroids: torch.Tensor,
                   value_centroids: torch.Tensor, key_centroids_f32: torch.Tensor, value_centroids_f32: torch.Tensor,
                   sinks: Optional[torch.Tensor], out: torch.Tensor, lse: Optional[torch.Tensor], layout: str,
-                  scale: float, window_left: int, logit_softcap: float) -> None:
+                  scale: float, window_left: int, logit_softcap: float, int8: bool = False) -> None:
     lay = layout_of(layout)
     if q.shape[0] == 0:
         return
@@ -149,15 +157,15 @@ def _prefill_impl(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tenso
                   "value_centroids_f32": value_centroids_f32}
         prefill_launch(out, lse, q if q.stride(2) == 1 else q.contiguous(), cache, block_table, seq_lens,
                        query_start_loc, lay, tables, errors, num_blocks, scale=scale, window_left=window,
-                       logit_softcap=cap, sinks=sinks)
+                       logit_softcap=cap, sinks=sinks, int8=int8)
         return
     # The NumPy oracle rejects bad indices; the kernels' policy is applied here first (lengths
     # clamped, bad block entries in use clamped into [0, num_blocks), flagged).
     bt, sl, flags = _kernel_indices(block_table.numpy(), seq_lens.numpy(), num_blocks, lay.block_size)
     errors.bitwise_or_(int(flags))
     params = _host_params(lay, rotation, key_centroids, value_centroids, None)
-    res = prefill_ref.prefill(q.float().numpy(), cache.numpy(), bt, sl, query_start_loc.numpy(), lay, params,
-                              scale=scale, window_left=window, logit_softcap=cap,
+    oracle = int8_prefill_ref.int8_prefill if int8 else prefill_ref.prefill
+    res = oracle(q.float().numpy(), cache.numpy(), bt, sl, query_start_loc.numpy(), lay, params, scale=scale, window_left=window, logit_softcap=cap,
                               sinks=None if sinks is None else sinks.double().numpy(), return_lse=lse is not None)
     o, l_ = res if lse is not None else (res, None)
     out.copy_(torch.from_numpy(o).to(out.dtype))
@@ -170,5 +178,40 @@ prefill_op = torch.library.custom_op("tqkern::prefill", mutates_args=("out", "ls
 
 @prefill_op.register_fake
 def _(q, cache, block_table, seq_lens, query_start_loc, rotation, key_centroids, value_centroids, key_centroids_f32,
+      value_centroids_f32, sinks, out, lse, layout, scale, window_left, logit_softcap, int8=False) -> None:
+    return None
+
+
+def _int8_prefill_impl(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                       query_start_loc: torch.Tensor, rotation: torch.Tensor, key_centroids: torch.Tensor,
+                       value_centroids: torch.Tensor, key_centroids_f32: torch.Tensor,
+                       value_centroids_f32: torch.Tensor, sinks: Optional[torch.Tensor], out: torch.Tensor,
+                       lse: Optional[torch.Tensor], layout: str, scale: float, window_left: int,
+                       logit_softcap: float) -> None:
+    """The ``int8_prefill`` op's body: :func:`_prefill_impl` with Q·Kᵀ on int8 codes."""
+    _prefill_impl(q, cache, block_table, seq_lens, query_start_loc, rotation, key_centroids, value_centroids,
+                  key_centroids_f32, value_centroids_f32, sinks, out, lse, layout, scale, window_left, logit_softcap,
+                  int8=True)
+
+
+int8_prefill_op = torch.library.custom_op("tqkern::int8_prefill", mutates_args=("out", "lse"))(_int8_prefill_impl)
+
+
+@int8_prefill_op.register_fake
+def _(q, cache, block_table, seq_lens, query_start_loc, rotation, key_centroids, value_centroids, key_centroids_f32,
       value_centroids_f32, sinks, out, lse, layout, scale, window_left, logit_softcap) -> None:
     return None
+
+
+def int8_prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                 query_start_loc: torch.Tensor, layout, params, *, scale: Optional[float] = None,
+                 out: Optional[torch.Tensor] = None, window_left: Optional[int] = None,
+                 logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+                 return_lse: bool = False, check_inputs: bool = True, debug: bool = False):
+    """:func:`prefill` with Q·Kᵀ on int8 codes: the same arguments, checks and result; the scores
+    are those of :func:`tqkern.ops.int8_prefill.reference.int8_prefill` (symmetric int8 codes of
+    the rotated query per token and head and of each reconstructed key per token and KV head,
+    ``s_q·s_k·(c_q·c_k)``; its docstring bounds the difference to ``prefill``). A kernel may pick
+    the neighbouring code where a value lies within float32 rounding of a half-integer."""
+    return _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale, out, window_left,
+                logit_softcap, sinks, return_lse, check_inputs, debug, True)

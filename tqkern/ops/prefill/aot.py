@@ -6,7 +6,7 @@ GPU kernel, bf16 included, which the interpreter cannot run): :func:`compile_pre
 A case is ``"PRESET:ARRANGEMENT:D:HKV:HQ:OUT[:OPTIONS]"``: a preset of
 :data:`tqkern.layouts.PRESETS` or ``raw_bf16`` (raw bf16 keys and values: the bf16 tensor-core
 path), the output dtype ``fp16`` or ``bf16`` (q's), and optional ``+``-joined options among
-``window``, ``softcap``, ``sinks``, ``lse``.
+``window``, ``softcap``, ``sinks``, ``lse`` and ``int8`` (the ``int8_prefill`` kernel).
 """
 
 from __future__ import annotations
@@ -85,9 +85,9 @@ def report(case: str) -> dict:
     parts = case.split(":")
     preset, arr, d, hkv, hq, out = parts[:6]
     opts = {o: True for o in (parts[6].split("+") if len(parts) > 6 and parts[6] else [])}
-    unknown = set(opts) - {"window", "softcap", "sinks", "lse"}
+    unknown = set(opts) - {"window", "softcap", "sinks", "lse", "int8"}
     if unknown:
-        raise ValueError(f"options must be among window, softcap, sinks, lse, got {sorted(unknown)}")
+        raise ValueError(f"options must be among window, softcap, sinks, lse, int8, got {sorted(unknown)}")
     if out not in ("fp16", "bf16"):
         raise ValueError(f"the output dtype must be 'fp16' or 'bf16', got {out!r}")
     layout = layout_of_case(preset, arr, int(d), int(hkv))

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from tqkern.ops.codecs import KIND_UNIFORM, NC_DECODE
-from tqkern.ops.fields import token_factors
+from tqkern.ops.fields import load_tile, token_factors
 from tqkern.ops.paged_decode._ptx import _prmt_tables
 from tqkern.ops.paged_decode.general import _value_weights, _whole_tile
 from tqkern.ops.paged_decode.merge import _store_merged
@@ -43,6 +43,20 @@ __all__ = ["_prefill_kernel"]
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _int8_codes(x, D: tl.constexpr, DP: tl.constexpr):
+    """Symmetric int8 codes and scales of the rows of ``x [rows, DP]`` (float32; columns ≥ D must
+    be 0), as :func:`tqkern.ops.int8_prefill.reference.quantize_int8`: ``s = max|x| / 127``,
+    ``c = clamp(rint(x / s), −127, 127)`` with ties to even (``floor(t + ½)``, one less where that
+    is odd and t was exactly halfway), ``s = 0`` and ``c = 0`` for a zero row."""
+    s = tl.max(tl.abs(x), axis=1) / 127.0
+    t = x / tl.where(s > 0, s, 1.0)[:, None]
+    r = tl.floor(t + 0.5)
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    r = tl.where((r - t == 0.5) & odd, r - 1.0, r)
+    return tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8), s
 
 
 @triton.jit
@@ -70,9 +84,13 @@ def _attend(acc, m_i, l_i, q, q_sum, pos_q, t0, kv_end, seq_len, cache_ptr, bt_r
             SOFTCAP: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, K_FAST: tl.constexpr,
             V_FAST: tl.constexpr, USE_ASM: tl.constexpr, K_ALIGNED: tl.constexpr,
             V_ALIGNED: tl.constexpr, K_PAR_ALIGNED: tl.constexpr, V_PAR_ALIGNED: tl.constexpr, D: tl.constexpr,
-            DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+            DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+            INT8: tl.constexpr):
     """One step of the online softmax over keys ``t0 .. t0 + BN − 1`` (``MASK``: keys past
-    ``kv_end`` and the causal / window masks applied; without it every row sees every key)."""
+    ``kv_end`` and the causal / window masks applied; without it every row sees every key).
+    ``INT8``: ``q`` holds the queries' int8 codes and ``q_sum`` their scales; the keys are
+    reconstructed in float32 and quantized per token the same way, and the scores are
+    ``s_q·s_k·(c_q·c_k)`` from an int8 product with int32 accumulation."""
     pos = t0 + tl.arange(0, BN)
     if MASK:
         tmask = pos < kv_end
@@ -83,13 +101,23 @@ def _attend(acc, m_i, l_i, q, q_sum, pos_q, t0, kv_end, seq_len, cache_ptr, bt_r
     row = cache_ptr + (blk * BS + (pos + zero) % BS) * ROW_BYTES  # [BN] token rows
 
     # -- scores [BM, BN] --------------------------------------------------------------------------
-    kf, kz = token_factors(row, h, tmask, K, DOT, K_PAR_ALIGNED)
-    k_t = _whole_tile(row, h, tmask, K_FAST, NIBBLE, K, D, DP, kc_ptr, k_tabs, DOT, K_ALIGNED, USE_ASM)  # [BN, DP]
-    qk = tl.dot(q, tl.trans(k_t))
-    if K.NORM_CORRECTION == NC_DECODE:  # vLLM's ‖c[idx]‖ divisor, per token
-        k32 = k_t.to(tl.float32)
-        kf = kf * tl.rsqrt(tl.maximum(tl.sum(k32 * k32, axis=1), 1e-30))
-    sc = qk * kf[None, :] + q_sum[:, None] * kz[None, :]
+    if INT8:  # K̂ = f·tile + z in float32 (exact centroids), its int8 codes per token
+        kf, kz = token_factors(row, h, tmask, K, tl.float32, K_PAR_ALIGNED)
+        k32 = load_tile(row, h, tmask, DP, -1, NIBBLE, K, D, DP, kc_ptr, tl.float32, K_ALIGNED)  # [BN, DP]
+        if K.NORM_CORRECTION == NC_DECODE:
+            kf = kf * tl.rsqrt(tl.maximum(tl.sum(k32 * k32, axis=1), 1e-30))
+        cols = tl.arange(0, DP)
+        khat = tl.where((cols < D)[None, :], k32 * kf[:, None] + kz[:, None], 0.0)
+        ck, sk = _int8_codes(khat, D, DP)
+        sc = (q_sum[:, None] * sk[None, :]) * tl.dot(q, tl.trans(ck), out_dtype=tl.int32).to(tl.float32)
+    else:
+        kf, kz = token_factors(row, h, tmask, K, DOT, K_PAR_ALIGNED)
+        k_t = _whole_tile(row, h, tmask, K_FAST, NIBBLE, K, D, DP, kc_ptr, k_tabs, DOT, K_ALIGNED, USE_ASM)  # [BN, DP]
+        qk = tl.dot(q, tl.trans(k_t))
+        if K.NORM_CORRECTION == NC_DECODE:  # vLLM's ‖c[idx]‖ divisor, per token
+            k32 = k_t.to(tl.float32)
+            kf = kf * tl.rsqrt(tl.maximum(tl.sum(k32 * k32, axis=1), 1e-30))
+        sc = qk * kf[None, :] + q_sum[:, None] * kz[None, :]
     if SOFTCAP:  # c·tanh(a/c) with a = scale·q·k, as 1 − 2/(e^{2x} + 1)
         x = sc * (scale_log2 / _LOG2E) / softcap
         sc = softcap * (1.0 - 2.0 / (tl.exp2(x * (2.0 * _LOG2E)) + 1.0)) * _LOG2E
@@ -128,12 +156,13 @@ def _prefill_kernel(
     K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, K_PAR_ALIGNED: tl.constexpr, V_PAR_ALIGNED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr, LSE: tl.constexpr, ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr, K: tl.constexpr,
-    V: tl.constexpr,
+    V: tl.constexpr, INT8: tl.constexpr = False,
 ):
     """q: float32 ``[num_tokens, HQ, D]`` contiguous, rotated (``q @ Π``) when the key codec is;
     poison: float32 ``[num_tokens·HQ]`` (NaN marks a non-finite query row, else 0); bt: the
     clamped block table; out: ``[num_tokens, HQ, D]`` (last dimension contiguous); lse: float32
-    ``[num_tokens, HQ]`` (``LSE``); sinks: float32 ``[HQ]`` (``SINKS``)."""
+    ``[num_tokens, HQ]`` (``LSE``); sinks: float32 ``[HQ]`` (``SINKS``). ``INT8``: Q·Kᵀ on int8
+    codes (``int8_prefill``; :mod:`tqkern.ops.int8_prefill.reference` is the spec)."""
     h = tl.program_id(1)
     s, q0, q1, tile = _find_tile(qsl_ptr, num_seqs, num_tokens, BQ)
     q_len = q1 - q0
@@ -148,8 +177,11 @@ def _prefill_kernel(
     cols = tl.arange(0, DP)
     q_row = (tok.to(tl.int64) * HQ + head)  # [BM]
     q = tl.load(q_ptr + q_row[:, None] * D + cols[None, :], mask=rmask[:, None] & (cols < D)[None, :], other=0.0)
-    q_sum = tl.sum(q, axis=1)
-    q = q.to(DOT)
+    if INT8:  # q becomes its int8 codes, q_sum their per-row scales
+        q, q_sum = _int8_codes(q, D, DP)
+    else:
+        q_sum = tl.sum(q, axis=1)
+        q = q.to(DOT)
 
     # keys of this tile: up to its last row's position (clamped to the sequence); empty for a
     # program past the sequence's last tile
@@ -174,11 +206,11 @@ def _prefill_kernel(
     for t0 in range(kv_lo, full_end, BN):
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_sum, pos_q, t0, kv_end, seq_len, cache_ptr, bt_row, h, kc_ptr,
                                 vc_ptr, scale_log2, softcap, window_left, zero, k_tabs, v_tabs, False, WINDOW, SOFTCAP,
-                                BN, BS, DOT, K_FAST, V_FAST, USE_ASM, K_ALIGNED, V_ALIGNED, K_PAR_ALIGNED, V_PAR_ALIGNED, D, DP, ROW_BYTES, NIBBLE, K, V)
+                                BN, BS, DOT, K_FAST, V_FAST, USE_ASM, K_ALIGNED, V_ALIGNED, K_PAR_ALIGNED, V_PAR_ALIGNED, D, DP, ROW_BYTES, NIBBLE, K, V, INT8)
     for t0 in range(tl.maximum(full_end, kv_lo), kv_end, BN):
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_sum, pos_q, t0, kv_end, seq_len, cache_ptr, bt_row, h, kc_ptr,
                                 vc_ptr, scale_log2, softcap, window_left, zero, k_tabs, v_tabs, True, WINDOW, SOFTCAP,
-                                BN, BS, DOT, K_FAST, V_FAST, USE_ASM, K_ALIGNED, V_ALIGNED, K_PAR_ALIGNED, V_PAR_ALIGNED, D, DP, ROW_BYTES, NIBBLE, K, V)
+                                BN, BS, DOT, K_FAST, V_FAST, USE_ASM, K_ALIGNED, V_ALIGNED, K_PAR_ALIGNED, V_PAR_ALIGNED, D, DP, ROW_BYTES, NIBBLE, K, V, INT8)
 
     if SINKS:  # one more term exp(σ_h) in the normaliser (base 2: σ·log2 e)
         sink = tl.load(sinks_ptr + head, mask=g < G, other=0.0) * _LOG2E

@@ -41,6 +41,7 @@ class PrefillPlan:
         num_warps, num_stages: compile options of the prefill kernel.
         dot: ``"fp16"`` or ``"bf16"`` (raw bf16 caches): the dtype of the tensor-core products.
         window, softcap, sinks, lse: which options the kernel is compiled with.
+        int8: Q·Kᵀ on int8 codes (``int8_prefill``; the keys through the float32 loader).
         rotate_rows, rotate_cols: the q rotation's rows and output columns per program.
         constexprs: the prefill kernel's constexprs (name, value pairs in a fixed order).
     """
@@ -60,6 +61,7 @@ class PrefillPlan:
     softcap: bool
     sinks: bool
     lse: bool
+    int8: bool
     rotate_rows: int
     rotate_cols: int
     constexprs: tuple[tuple[str, object], ...]
@@ -81,7 +83,7 @@ class PrefillPlan:
 
     def describe(self) -> str:
         """A readable one-line summary."""
-        opts = [n for n in ("window", "softcap", "sinks", "lse") if getattr(self, n)]
+        opts = [n for n in ("window", "softcap", "sinks", "lse", "int8") if getattr(self, n)]
         return (f"prefill D={self.layout.head_dim} Hq={self.num_q_heads} Hkv={self.layout.num_kv_heads} "
                 f"group={self.group}: BQ={self.block_q} x GP={self.group_pad} = BM={self.block_m} rows, "
                 f"BN={self.block_n}, {self.num_warps} warps, {self.num_stages} stages, dot {self.dot}"
@@ -89,11 +91,13 @@ class PrefillPlan:
 
 
 def plan_prefill(layout: PagedLayout, num_q_heads: int, caps: DeviceCaps, *, window: bool = False,
-                 softcap: bool = False, sinks: bool = False, lse: bool = False, block_m: int | None = None,
+                 softcap: bool = False, sinks: bool = False, lse: bool = False, int8: bool = False,
+                 block_m: int | None = None,
                  block_n: int | None = None, num_warps: int | None = None,
                  num_stages: int | None = None) -> PrefillPlan:
     """The plan of a prefill over ``layout`` with ``num_q_heads`` query heads on ``caps`` (pure;
-    cached). ``window``/``softcap``/``sinks``/``lse``: compile the kernel with those options.
+    cached). ``window``/``softcap``/``sinks``/``lse``: compile the kernel with those options;
+    ``int8``: the ``int8_prefill`` kernel (Q·Kᵀ on int8 codes).
     ``block_m`` (rows, a power of two ≥ 16), ``block_n`` (keys, a power of two ≥ 16) and the
     compile options override the defaults (module docstring)."""
     if not isinstance(layout, PagedLayout):
@@ -106,12 +110,13 @@ def plan_prefill(layout: PagedLayout, num_q_heads: int, caps: DeviceCaps, *, win
     for name, v in (("block_m", block_m), ("block_n", block_n)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1)):
             raise ValueError(f"{name} must be None or a power of two >= 16, got {v!r}")
-    return _plan(layout, num_q_heads, caps, bool(window), bool(softcap), bool(sinks), bool(lse), block_m, block_n,
-                 num_warps, num_stages)
+    return _plan(layout, num_q_heads, caps, bool(window), bool(softcap), bool(sinks), bool(lse), bool(int8), block_m,
+                 block_n, num_warps, num_stages)
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(layout, hq, caps, window, softcap, sinks, lse, block_m, block_n, num_warps, num_stages) -> PrefillPlan:
+def _plan(layout, hq, caps, window, softcap, sinks, lse, int8, block_m, block_n, num_warps,
+          num_stages) -> PrefillPlan:
     c = layout_args(layout)
     dp = c["DP"]
     g = hq // layout.num_kv_heads
@@ -133,16 +138,19 @@ def _plan(layout, hq, caps, window, softcap, sinks, lse, block_m, block_n, num_w
         # (the 16-bit-halves word read — turboquant_4bit_nc with one KV head — beside another
         # 4-bit side crashes Triton 3.6's TritonGPUOptimizeDotOperands pass: both take the loader)
         fast = dict(fast, K_FAST=0, V_FAST=0)
+    if int8:
+        fast = dict(fast, K_FAST=0)  # (the keys are reconstructed in float32 by the loader)
     consts = {k: v for k, v in c.items() if not k.startswith("PAD")}
     cx = dict(G=g, GP=gp, HQ=hq, BQ=bq, BM=bm, BN=block_n, BS=layout.block_size,
               K_FAST=fast["K_FAST"], V_FAST=fast["V_FAST"], USE_ASM=not caps.interpret,
               K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
               K_PAR_ALIGNED=fast["K_PAR_ALIGNED"], V_PAR_ALIGNED=fast["V_PAR_ALIGNED"],
-              WINDOW=window, SOFTCAP=softcap, SINKS=sinks, LSE=lse,
+              WINDOW=window, SOFTCAP=softcap, SINKS=sinks, LSE=lse, INT8=int8,
               ROTATE_BACK=bool(layout.format.value.rotated),
               DOT_PRECISION="ieee" if caps.interpret else "tf32x3", **consts)
     rotate_cols = min(64, dp) if layout.format.key.rotated else dp
     return PrefillPlan(layout=layout, num_q_heads=hq, caps=caps, group=g, group_pad=gp, block_q=bq, block_m=bm,
                        block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                        dot="bf16" if raw_bf16 else "fp16", window=window, softcap=softcap, sinks=sinks, lse=lse,
+                       int8=int8,
                        rotate_rows=16, rotate_cols=rotate_cols, constexprs=tuple(cx.items()))

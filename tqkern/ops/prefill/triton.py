@@ -29,10 +29,11 @@ def _up16(n: int) -> int:
     return -(-n // 4) * 4
 
 
-def plan_for(layout: PagedLayout, q, *, window_left, logit_softcap, sinks, return_lse: bool) -> PrefillPlan:
-    """The plan for ``q`` (its head count and device) and these options."""
+def plan_for(layout: PagedLayout, q, *, window_left, logit_softcap, sinks, return_lse: bool,
+             int8: bool = False) -> PrefillPlan:
+    """The plan for ``q`` (its head count and device) and these options (``int8``: ``int8_prefill``)."""
     return plan_prefill(layout, q.shape[1], device_caps(q.device), window=window_left is not None,
-                        softcap=logit_softcap is not None, sinks=sinks is not None, lse=return_lse)
+                        softcap=logit_softcap is not None, sinks=sinks is not None, lse=return_lse, int8=int8)
 
 
 def prefill_args(plan: PrefillPlan) -> dict:
@@ -43,18 +44,20 @@ def prefill_args(plan: PrefillPlan) -> dict:
 
 
 def prefill_launch(out, lse, q, cache, block_table, seq_lens, query_start_loc, layout: PagedLayout, tables, errors,
-                   num_blocks: int, *, scale: float, window_left=None, logit_softcap=None, sinks=None):
+                   num_blocks: int, *, scale: float, window_left=None, logit_softcap=None, sinks=None,
+                   int8: bool = False):
     """One varlen prefill into ``out`` (and ``lse``, float32 ``[num_tokens, Hq]``, when given).
 
     ``q``: ``[num_tokens, Hq, D]`` fp16/bf16/fp32, last dimension contiguous, ``num_tokens ≥ 1``;
     ``cache`` at least one block (``num_blocks``: the caller's real block count, 0 for an empty
     cache, into which the scan clamps ids); ``tables``: ``rotation`` and ``key_centroids_f32`` /
     ``value_centroids_f32``; ``errors``: the int32 error word; ``sinks``: float32 ``[Hq]`` or
-    ``None``. No other checks: the frontend validated everything."""
+    ``None``; ``int8``: Q·Kᵀ on int8 codes (``int8_prefill``). No other checks: the frontend
+    validated everything."""
     t, hq, d = q.shape
     n_seq, mb = block_table.shape
     plan = plan_for(layout, q, window_left=window_left, logit_softcap=logit_softcap, sinks=sinks,
-                    return_lse=lse is not None)
+                    return_lse=lse is not None, int8=int8)
     n_q, n_p = _up16(t * hq * d), _up16(t * hq)
     buf = torch.empty(n_q + n_p + _up16(n_seq * mb), dtype=torch.float32, device=q.device)
     q_rot = buf[: t * hq * d].view(t, hq, d)

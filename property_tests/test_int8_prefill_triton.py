@@ -1,0 +1,111 @@
+"""The Triton ``int8_prefill`` kernel equals its NumPy oracle
+(``tqkern.ops.int8_prefill.reference``) on the same compressed cache.
+
+Both quantize the same vectors (the rotated query per token and head, each reconstructed key per
+token and KV head) to symmetric int8 codes and form ``s_q·s_k·(c_q·c_k)``; the kernel computes
+the scales and ``x / s`` in float32, the oracle in float64, so a code may differ by one where
+``x / s`` lies within float32 rounding of a half-integer (FP8 keys make such near-ties common:
+``k = k_max / 2`` gives 63.5). The logit bound of a sequence is therefore
+
+    δ = scale · max_{i, j} s_q[i] · s_k[j] · (Σ_{d ∈ T_k(j)} (|c_q[i, d]| + 1) + Σ_{d ∈ T_q(i)} (|c_k[j, d]| + 1))
+
+over its query rows i and keys j, with T the coordinates whose ``|x| / s`` lies within 2e-4 of a
+half-integer (float32's error there is below 1e-4 at ``|x| / s ≤ 127``), plus float32's rounding
+of the scores (3·2^-24 of the largest). The rest of the budget is the prefill test's: P·V in fp16
+with float32 accumulation, ``atol = (4e-3 + 2·δ) · max|V̂|``. Batches, poisoning and options are
+those of ``test_prefill_triton.py``.
+"""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tqkern.testing as T
+import tqkern_torch as tqt
+from property_tests.test_prefill_triton import DEV, _compare, _draw_q, _fill_cache, prefill_cases
+from tqkern import reference as ref
+from tqkern.layouts import PRESETS
+from tqkern.ops.int8_prefill.reference import int8_prefill, quantize_int8
+from tqkern_torch.testing import kernels_available, poisoned_like
+
+pytestmark = [pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1"),
+              pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:All-NaN:RuntimeWarning",
+                                         "ignore:overflow:RuntimeWarning")]
+
+_TIE = 2e-4
+
+
+def _near_tie(x, s):
+    """Coordinates of ``x [..., D]`` whose ``|x| / s`` lies within ``_TIE`` of a half-integer."""
+    t = np.abs(x) / np.where(s > 0, s, 1.0)[..., None]
+    return np.abs(t - np.floor(t) - 0.5) <= _TIE
+
+
+def _int8_bounds(layout, params, batch, cache, q64, s, group):
+    """(logit bound δ of the module docstring, max|V̂|) of sequence s for its finite query rows."""
+    a, b = int(batch.query_start_loc[s]), int(batch.query_start_loc[s + 1])
+    slots = ref.gather_sequences(cache, layout, batch.block_table[s:s + 1], batch.seq_lens[s:s + 1])[0]
+    khat, _ = ref.decompress(slots, params)
+    _, vhat = ref.decompress(slots, params, rotate_back=True)
+    vmax = float(np.abs(vhat).max()) if vhat.size else 0.0
+    qs = np.where(np.isfinite(q64[a:b]).all(-1, keepdims=True), q64[a:b], 0.0)
+    q_k = qs @ params.rotation if layout.format.key.rotated else qs  # [t, Hq, D]
+    if not khat.size or not q_k.size:
+        return 0.0, vmax
+    cq, sq = quantize_int8(q_k)
+    ck, sk = quantize_int8(khat)
+    tq, tk = _near_tie(q_k, sq), _near_tie(khat, sk)
+    rep = lambda x: np.repeat(x, group, axis=1)  # noqa: E731  [n, Hkv, ...] -> [n, Hq, ...]
+    flips = (np.einsum("thd,nhd->thn", np.abs(cq.astype(np.float64)) + 1, rep(tk).astype(np.float64))
+             + np.einsum("thd,nhd->thn", tq.astype(np.float64), np.abs(rep(ck).astype(np.float64)) + 1))
+    scale = 1.0 / np.sqrt(layout.head_dim)
+    pair = scale * sq[:, :, None] * rep(sk).T[None, :, :]  # [t, Hq, n]
+    dots = np.abs(np.einsum("thd,nhd->thn", cq.astype(np.float64), rep(ck).astype(np.float64)))
+    return float(np.max(pair * flips) + 3 * 2.0**-24 * np.max(pair * dots)), vmax
+
+
+def _run(layout, params, batch, q, cache, **options):
+    out = poisoned_like(tuple(q.shape), q.dtype, DEV)
+    tensors = [torch.from_numpy(x).to(DEV) for x in (cache, batch.block_table, batch.seq_lens, batch.query_start_loc)]
+    res = tqt.int8_prefill(q, *tensors, layout, params, out=out, **options)
+    if options.get("return_lse"):
+        assert res[0] is out
+        return out.float().cpu().numpy(), res[1].cpu().numpy().astype(np.float64)
+    assert res is out
+    return out.float().cpu().numpy(), None
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@settings(max_examples=T.scale(4, 30))
+@given(st.data())
+def test_int8_prefill_matches_oracle(preset, data):
+    """Every preset, both arrangements, GQA 1..4, mixed batches, shuffled blocks, empty
+    sequences, NaN-poisoned queries."""
+    layout, params, group, batch, qdtype = data.draw(prefill_cases(presets=(preset,)), label="case")
+    cache = _fill_cache(layout, params, batch, data)
+    q, q64 = _draw_q(layout, group, batch, qdtype, data)
+    got, _ = _run(layout, params, batch, q, cache)
+    expect = int8_prefill(q64, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, layout, params)
+    _compare(got, expect, layout, params, batch, cache, q64, group, what="int8 oracle", bounds=_int8_bounds)
+
+
+@given(prefill_cases(presets=("tq4", "turboquant_k8v4", "turboquant_4bit_nc", "fp16")), st.data())
+def test_int8_prefill_options_match_oracle(case, data):
+    """``window_left``, ``logit_softcap``, ``sinks`` and ``return_lse`` (the soft-cap on the int8 scores)."""
+    layout, params, group, batch, qdtype = case
+    hq = layout.num_kv_heads * group
+    window = data.draw(st.one_of(st.none(), st.integers(0, 40)), label="window_left")
+    cap = data.draw(st.one_of(st.none(), st.sampled_from([0.5, 5.0, 30.0])), label="logit_softcap")
+    sinks = data.draw(st.one_of(st.none(), st.lists(st.floats(-3, 3), min_size=hq, max_size=hq)), label="sinks")
+    sinks = None if sinks is None else np.asarray(sinks, np.float32)
+    lse = data.draw(st.booleans(), label="return_lse")
+    cache = _fill_cache(layout, params, batch, data)
+    q, q64 = _draw_q(layout, group, batch, qdtype, data)
+    got, got_lse = _run(layout, params, batch, q, cache, window_left=window, logit_softcap=cap, return_lse=lse,
+                        sinks=None if sinks is None else torch.from_numpy(sinks).to(DEV))
+    res = int8_prefill(q64, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, layout, params,
+                       window_left=window, logit_softcap=cap, sinks=sinks, return_lse=True)
+    _compare(got, res[0], layout, params, batch, cache, q64, group, what="int8 oracle", got_lse=got_lse,
+             expect_lse=res[1], bounds=_int8_bounds)
