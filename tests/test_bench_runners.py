@@ -87,11 +87,12 @@ def test_prefill_gate_passes_on_the_cpu():
 @interpreter
 def test_prefill_run_shape_records():
     shape = PrefillShape("tiny", 2, 40, 8, 4, 2, 64)  # 8 new tokens on a 32-token prefix, twice
-    steps, timer = [], FakeTimer(20.0, 10.0, 40.0)
+    steps, timer = [], FakeTimer(20.0, 10.0, 5.0, 40.0)
     rows = prefill.run_shape(shape, ["turboquant_4bit_nc"], steps.append, device="cpu", timer=timer)
-    assert timer.calls == 3 and steps == ["prefill tiny sdpa_fp16", "prefill tiny turboquant_4bit_nc",
-                                          "prefill tiny decompress_sdpa"]
-    sdpa, tq, dec = rows
+    assert timer.calls == 4 and steps == ["prefill tiny sdpa_fp16", "prefill tiny turboquant_4bit_nc",
+                                          "prefill tiny int8:turboquant_4bit_nc", "prefill tiny decompress_sdpa"]
+    sdpa, tq, i8, dec = rows
+    assert (i8["variant"], i8["speedup"]) == ("int8:turboquant_4bit_nc", 4.0)
     flops = 4 * 64 * 4 * 2 * (8 * 32 + 36)
     assert (sdpa["variant"], sdpa["speedup"], sdpa["flops"]) == ("sdpa_fp16", 1.0, flops)
     assert (tq["variant"], tq["speedup"], tq["tflops"]) == ("turboquant_4bit_nc", 2.0, flops / 10.0 / 1e6)
@@ -108,7 +109,8 @@ def test_prefill_selection():
     sel = runner.select("prefill", ["tq4"], quick=True)
     assert [s.name for s in sel["prefill"][1]] == ["full_1x4K", "spec4_on16K_x32"]
     assert set(runner.select("all", ["tq4"], quick=True)) == {"decode", "store", "prefill"}
-    assert runner.count_steps({"prefill": (("tq4", "fp16"), sel["prefill"][1])}) == 2 + 2 * 4
+    # 2 gates + 2 shapes x (SDPA + 2 presets x (prefill, int8_prefill) + decompress-then-SDPA)
+    assert runner.count_steps({"prefill": (("tq4", "fp16"), sel["prefill"][1])}) == 2 + 2 * 6
     with pytest.raises(ValueError, match="shapes must be among full_1x4K"):
         runner.select("prefill", ["tq4"], ["B32x4K"])
 
@@ -127,7 +129,8 @@ def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
             assert rep_ms == 25  # quick
             timed.append((op, shape.name, tuple(presets)))
             base = "fp16_index_copy" if op == "store" else "sdpa_fp16"
-            extra = (f"decompress_sdpa:{presets[0]}",) if op == "prefill" and presets else ()
+            extra = (*(f"int8:{p}" for p in presets), f"decompress_sdpa:{presets[0]}") if op == "prefill" and presets \
+                else ()
             rows = [{"op": op, "mode": "graph", "shape": shape.name, "variant": v, "baseline": base, "us": 1.0,
                      "bytes": None, "gbps": None, "speedup": 1.0} for v in (base, *presets, *extra)]
             for _ in rows:
@@ -151,6 +154,6 @@ def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
                      ("store", "prefill_1x4096", ("fp16",)), ("store", "decode_B32", ("fp16",)),
                      ("prefill", "full_1x4K", ("fp16",)), ("prefill", "spec4_on16K_x32", ("fp16",))]
     assert [g["ok"] for g in report["gate"]] == [True, False, False, True, False, True]
-    # gates, then baseline + the passing preset (prefill: + decompress-then-SDPA)
-    assert bar.done == bar.total == 2 + 2 * 2 + 2 + 2 * 2 + 2 + 2 * 3
+    # gates, then baseline + the passing preset (prefill: + int8_prefill + decompress-then-SDPA)
+    assert bar.done == bar.total == 2 + 2 * 2 + 2 + 2 * 2 + 2 + 2 * 4
     assert out.getvalue().splitlines()[-1].startswith(f"[{'#' * 24}] {bar.total}/{bar.total}")

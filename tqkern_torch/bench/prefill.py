@@ -30,6 +30,7 @@ __all__ = ["BASELINE", "DECOMPRESS_SDPA", "batch", "causal_flops", "gate", "run_
 
 BASELINE = "sdpa_fp16"
 DECOMPRESS_SDPA = "decompress_sdpa"
+INT8 = "int8"  # variant ``int8:<preset>``: ``int8_prefill`` of that preset
 
 
 def causal_flops(shape: PrefillShape) -> int:
@@ -81,8 +82,9 @@ def gate(presets, *, device: str = "cuda", heads=((2, 64),), hq_per_kv: int = 2)
 
 def run_shape(shape: PrefillShape, presets, step, *, rep_ms: int = 100, device: str = "cuda", timer=None,
               decompress_baseline: bool = True) -> list[dict]:
-    """Records of SDPA fp16 (the baseline), every preset's ``prefill`` and, with
-    ``decompress_baseline``, decompress-then-SDPA of the first preset, at ``shape``;
+    """Records of SDPA fp16 (the baseline), every preset's ``prefill`` and ``int8_prefill``
+    (``int8:<preset>``) and, with ``decompress_baseline``, decompress-then-SDPA of the first
+    preset, at ``shape``;
     ``step(label)`` after each timed variant. ``timer(fn) -> µs`` defaults to CUDA-graph replay."""
     timer = timer or (lambda fn: graph_us(fn, rep_ms))
     g = torch.Generator(device=device).manual_seed(3)
@@ -112,6 +114,9 @@ def run_shape(shape: PrefillShape, presets, step, *, rep_ms: int = 100, device: 
         us = timer(lambda: tqt.prefill(q, cache, bt, sl, qsl, layout, params, out=out))
         rows.append(record("prefill", shape.name, preset, BASELINE, us, base_us, flops=flops))
         step(f"prefill {shape.name} {preset}")
+        us = timer(lambda: tqt.int8_prefill(q, cache, bt, sl, qsl, layout, params, out=out))
+        rows.append(record("prefill", shape.name, f"{INT8}:{preset}", BASELINE, us, base_us, flops=flops))
+        step(f"prefill {shape.name} {INT8}:{preset}")
         if decompress_baseline and i == 0:
             def decompress_sdpa():
                 kk, vv = tqt.decompress_sequences(cache, bt, sl, layout, params, rotate_back=True)

@@ -61,7 +61,8 @@ def count_steps(selection: dict, eager_shapes: Sequence = ()) -> int:
     """Progress steps of :func:`run`: a gate per preset and op, a timing per variant and shape."""
     n = 0
     for o, (presets, shapes) in selection.items():
-        n += len(presets) + len(shapes) * (1 + len(presets) + (o == "prefill" and bool(presets)))
+        per_preset = 2 if o == "prefill" else 1  # (prefill: prefill and int8_prefill)
+        n += len(presets) + len(shapes) * (1 + per_preset * len(presets) + (o == "prefill" and bool(presets)))
         if o == "decode":
             n += len(eager_shapes) * (1 + len(presets))
     return n
@@ -91,7 +92,8 @@ def run(selection: dict, *, eager_shapes: Sequence[str] = (), quick: bool = Fals
             report["gate"] += gates
             failed = {g["preset"] for g in gates if not g["ok"]}
             passed = [p for p in presets if p not in failed]
-            bar.total -= len(failed) * (len(shapes) + (len(eager) if o == "decode" else 0))
+            per_preset = 2 if o == "prefill" else 1  # (prefill: prefill and int8_prefill)
+            bar.total -= len(failed) * (per_preset * len(shapes) + (len(eager) if o == "decode" else 0))
             for shape in shapes:
                 report["records"] += mod.run_shape(shape, passed, bar.step, rep_ms=rep_ms)
             if o == "decode":
