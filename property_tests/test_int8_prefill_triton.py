@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import tqkern.testing as T
 import tqkern_torch as tqt
-from property_tests.test_prefill_triton import DEV, _compare, _draw_q, _fill_cache, prefill_cases
+from property_tests.test_prefill_triton import DEV, _compare, _draw_q, _fill_cache, draw_options, prefill_cases
 from tqkern import reference as ref
 from tqkern.layouts import PRESETS
 from tqkern.ops.int8_prefill.reference import int8_prefill, quantize_int8
@@ -95,12 +95,7 @@ def test_int8_prefill_matches_oracle(preset, data):
 def test_int8_prefill_options_match_oracle(case, data):
     """``window_left``, ``logit_softcap``, ``sinks`` and ``return_lse`` (the soft-cap on the int8 scores)."""
     layout, params, group, batch, qdtype = case
-    hq = layout.num_kv_heads * group
-    window = data.draw(st.one_of(st.none(), st.integers(0, 40)), label="window_left")
-    cap = data.draw(st.one_of(st.none(), st.sampled_from([0.5, 5.0, 30.0])), label="logit_softcap")
-    sinks = data.draw(st.one_of(st.none(), st.lists(st.floats(-3, 3), min_size=hq, max_size=hq)), label="sinks")
-    sinks = None if sinks is None else np.asarray(sinks, np.float32)
-    lse = data.draw(st.booleans(), label="return_lse")
+    window, cap, sinks, lse = draw_options(data, layout.num_kv_heads * group)
     cache = _fill_cache(layout, params, batch, data)
     q, q64 = _draw_q(layout, group, batch, qdtype, data)
     got, got_lse = _run(layout, params, batch, q, cache, window_left=window, logit_softcap=cap, return_lse=lse,

@@ -142,6 +142,15 @@ def _compare(got, expect, layout, params, batch, cache, q64, group, what="oracle
             assert lerr <= 2 * delta + 2e-3, f"seq {s}: lse error {lerr:.3g} > {2 * delta + 2e-3:.3g}"
 
 
+def draw_options(data, hq: int):
+    """``(window_left, logit_softcap, sinks, return_lse)`` drawn independently (sinks: float32 ``[hq]``)."""
+    window = data.draw(st.one_of(st.none(), st.integers(0, 40)), label="window_left")
+    cap = data.draw(st.one_of(st.none(), st.sampled_from([0.5, 5.0, 30.0])), label="logit_softcap")
+    sinks = data.draw(st.one_of(st.none(), st.lists(st.floats(-3, 3), min_size=hq, max_size=hq)), label="sinks")
+    lse = data.draw(st.booleans(), label="return_lse")
+    return window, cap, None if sinks is None else np.asarray(sinks, np.float32), lse
+
+
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 @settings(max_examples=T.scale(5, 40))
 @given(st.data())
@@ -160,12 +169,7 @@ def test_prefill_matches_oracle(preset, data):
 def test_prefill_options_match_oracle(case, data):
     """``window_left``, ``logit_softcap``, ``sinks`` and ``return_lse``, drawn independently."""
     layout, params, group, batch, qdtype = case
-    hq = layout.num_kv_heads * group
-    window = data.draw(st.one_of(st.none(), st.integers(0, 40)), label="window_left")
-    cap = data.draw(st.one_of(st.none(), st.sampled_from([0.5, 5.0, 30.0])), label="logit_softcap")
-    sinks = data.draw(st.one_of(st.none(), st.lists(st.floats(-3, 3), min_size=hq, max_size=hq)), label="sinks")
-    sinks = None if sinks is None else np.asarray(sinks, np.float32)
-    lse = data.draw(st.booleans(), label="return_lse")
+    window, cap, sinks, lse = draw_options(data, layout.num_kv_heads * group)
     cache = _fill_cache(layout, params, batch, data)
     q, q64 = _draw_q(layout, group, batch, qdtype, data)
     got, got_lse = _run(layout, params, batch, q, cache, window_left=window, logit_softcap=cap, return_lse=lse,

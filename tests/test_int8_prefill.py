@@ -1,7 +1,7 @@
 """``tqkern_torch.int8_prefill``: named edge cases against its oracle
-(``tqkern.ops.int8_prefill.reference``), the NumPy fallback, the op registration (opcheck,
-``torch.compile(fullgraph=True)``), a bad argument, and the plan. The property tests are
-``property_tests/test_int8_prefill_triton.py``."""
+(``tqkern.ops.int8_prefill.reference``), the NumPy fallback, a bad argument, and the plan. Its op
+registration (opcheck, ``torch.compile(fullgraph=True)``) is tested beside ``prefill``'s in
+``tests/test_prefill.py``; the property tests are ``property_tests/test_int8_prefill_triton.py``."""
 
 import numpy as np
 import pytest
@@ -12,7 +12,6 @@ from tests.test_prefill import DEV, HQ, D, _qsl, case, needs_kernels  # noqa: F4
 from tqkern.ops.int8_prefill.reference import int8_prefill as oracle
 from tqkern.ops.paged_decode.plan import DeviceCaps
 from tqkern.ops.prefill.plan import plan_prefill
-from tqkern_torch.library import layout_key
 
 
 def _args(case, q_lens, seed=0):
@@ -49,33 +48,6 @@ def test_numpy_fallback_equals_oracle(case, monkeypatch):
     # (the frontend's parameters hold Π in float32: the oracle's float64 result within an fp16 ulp,
     # but for a code that Π's float32 rounding moves across a half)
     assert np.allclose(out.numpy(), exp, rtol=2**-10, atol=4e-3 * float(np.abs(exp).max()))
-
-
-@needs_kernels
-def test_opcheck_int8_prefill(case):
-    layout, params, cache, bt, sl = case
-    dp = tqt.to_device(params, DEV)
-    q = torch.randn(6, HQ, D, device=DEV).half()
-    t = [torch.from_numpy(x).to(DEV) for x in (cache, bt, sl, _qsl([3, 1, 2, 0]))]
-    torch.library.opcheck(torch.ops.tqkern.int8_prefill.default,
-                          (q, *t, dp.rotation, dp.key_centroids, dp.value_centroids, dp.key_centroids_f32,
-                           dp.value_centroids_f32, None, torch.empty_like(q), torch.empty(6, HQ, device=DEV),
-                           layout_key(layout), 0.125, -1, 0.0))
-
-
-def test_int8_prefill_compiles_fullgraph(case):
-    """One graph (aot_eager) through ``torch.ops.tqkern.int8_prefill``, the eager result exactly."""
-    layout, params, cache, bt, sl = case
-    dp = tqt.to_device(params, DEV)
-    t = [torch.from_numpy(x).to(DEV) for x in (cache, bt, sl, _qsl([5, 1, 2, 0]))]
-    q = torch.randn(8, HQ, D, device=DEV).half()
-
-    def fn(q, cache, bt, sl, qsl):
-        return tqt.int8_prefill(q, cache, bt, sl, qsl, layout, dp)
-
-    torch._dynamo.reset()
-    got = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, *t)
-    assert torch.equal(got, fn(q, *t))
 
 
 def test_int8_prefill_checks_its_arguments_like_prefill(case):

@@ -147,7 +147,8 @@ def test_numpy_fallback_equals_oracle(case, monkeypatch):
 
 
 @needs_kernels
-def test_opcheck_prefill(case):
+@pytest.mark.parametrize("op", ["prefill", "int8_prefill"])
+def test_opcheck_prefill(case, op):
     layout, params, cache, bt, sl = case
     dp = tqt.to_device(params, DEV)
     qsl = torch.from_numpy(_qsl([3, 1, 2, 0])).to(DEV)
@@ -155,12 +156,13 @@ def test_opcheck_prefill(case):
     out = torch.empty_like(q)
     lse = torch.empty(6, HQ, device=DEV)
     t = [torch.from_numpy(x).to(DEV) for x in (cache, bt, sl)]
-    torch.library.opcheck(torch.ops.tqkern.prefill.default,
+    torch.library.opcheck(getattr(torch.ops.tqkern, op).default,
                           (q, *t, qsl, dp.rotation, dp.key_centroids, dp.value_centroids, dp.key_centroids_f32,
                            dp.value_centroids_f32, None, out, lse, layout_key(layout), 0.125, -1, 0.0))
 
 
-def test_prefill_compiles_fullgraph(case):
+@pytest.mark.parametrize("op", ["prefill", "int8_prefill"])
+def test_prefill_compiles_fullgraph(case, op):
     """One graph (aot_eager), the eager result exactly (the interpreter or the NumPy fallback)."""
     layout, params, cache, bt, sl = case
     dp = tqt.to_device(params, DEV)
@@ -168,7 +170,7 @@ def test_prefill_compiles_fullgraph(case):
     q = torch.randn(8, HQ, D, device=DEV).half()
 
     def fn(q, cache, bt, sl, qsl):
-        return tqt.prefill(q, cache, bt, sl, qsl, layout, dp, return_lse=True)
+        return getattr(tqt, op)(q, cache, bt, sl, qsl, layout, dp, return_lse=True)
 
     torch._dynamo.reset()
     got = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, *t)
