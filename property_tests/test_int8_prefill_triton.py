@@ -18,17 +18,17 @@ those of ``test_prefill_triton.py``.
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tqkern.testing as T
 import tqkern_torch as tqt
-from property_tests.test_prefill_triton import DEV, _compare, _draw_q, _fill_cache, draw_options, prefill_cases
-from tqkern import reference as ref
+from property_tests.test_prefill_triton import (_compare, _draw_q, _fill_cache, check_options, prefill_cases,
+                                                sequence_operands)
+from property_tests.test_prefill_triton import _run as _run_prefill
 from tqkern.layouts import PRESETS
 from tqkern.ops.int8_prefill.reference import int8_prefill, quantize_int8
-from tqkern_torch.testing import kernels_available, poisoned_like
+from tqkern_torch.testing import kernels_available
 
 pytestmark = [pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1"),
               pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:All-NaN:RuntimeWarning",
@@ -45,13 +45,7 @@ def _near_tie(x, s):
 
 def _int8_bounds(layout, params, batch, cache, q64, s, group):
     """(logit bound δ of the module docstring, max|V̂|) of sequence s for its finite query rows."""
-    a, b = int(batch.query_start_loc[s]), int(batch.query_start_loc[s + 1])
-    slots = ref.gather_sequences(cache, layout, batch.block_table[s:s + 1], batch.seq_lens[s:s + 1])[0]
-    khat, _ = ref.decompress(slots, params)
-    _, vhat = ref.decompress(slots, params, rotate_back=True)
-    vmax = float(np.abs(vhat).max()) if vhat.size else 0.0
-    qs = np.where(np.isfinite(q64[a:b]).all(-1, keepdims=True), q64[a:b], 0.0)
-    q_k = qs @ params.rotation if layout.format.key.rotated else qs  # [t, Hq, D]
+    khat, vmax, q_k = sequence_operands(layout, params, batch, cache, q64, s)
     if not khat.size or not q_k.size:
         return 0.0, vmax
     cq, sq = quantize_int8(q_k)
@@ -67,14 +61,7 @@ def _int8_bounds(layout, params, batch, cache, q64, s, group):
 
 
 def _run(layout, params, batch, q, cache, **options):
-    out = poisoned_like(tuple(q.shape), q.dtype, DEV)
-    tensors = [torch.from_numpy(x).to(DEV) for x in (cache, batch.block_table, batch.seq_lens, batch.query_start_loc)]
-    res = tqt.int8_prefill(q, *tensors, layout, params, out=out, **options)
-    if options.get("return_lse"):
-        assert res[0] is out
-        return out.float().cpu().numpy(), res[1].cpu().numpy().astype(np.float64)
-    assert res is out
-    return out.float().cpu().numpy(), None
+    return _run_prefill(layout, params, batch, q, cache, fn=tqt.int8_prefill, **options)
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -94,13 +81,4 @@ def test_int8_prefill_matches_oracle(preset, data):
 @given(prefill_cases(presets=("tq4", "turboquant_k8v4", "turboquant_4bit_nc", "fp16")), st.data())
 def test_int8_prefill_options_match_oracle(case, data):
     """``window_left``, ``logit_softcap``, ``sinks`` and ``return_lse`` (the soft-cap on the int8 scores)."""
-    layout, params, group, batch, qdtype = case
-    window, cap, sinks, lse = draw_options(data, layout.num_kv_heads * group)
-    cache = _fill_cache(layout, params, batch, data)
-    q, q64 = _draw_q(layout, group, batch, qdtype, data)
-    got, got_lse = _run(layout, params, batch, q, cache, window_left=window, logit_softcap=cap, return_lse=lse,
-                        sinks=None if sinks is None else torch.from_numpy(sinks).to(DEV))
-    res = int8_prefill(q64, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, layout, params,
-                       window_left=window, logit_softcap=cap, sinks=sinks, return_lse=True)
-    _compare(got, res[0], layout, params, batch, cache, q64, group, what="int8 oracle", got_lse=got_lse,
-             expect_lse=res[1], bounds=_int8_bounds)
+    check_options(case, data, fn=tqt.int8_prefill, oracle=int8_prefill, bounds=_int8_bounds, what="int8 oracle")

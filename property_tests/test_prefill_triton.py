@@ -85,11 +85,12 @@ def _draw_q(layout, group, batch, qdtype, data):
     return to_torch_kv(q_np, qdtype, DEV)
 
 
-def _run(layout, params, batch, q, cache, **options):
-    """The frontend on ``DEV`` with a NaN-poisoned output; returns NumPy (out, lse or None)."""
+def _run(layout, params, batch, q, cache, fn=None, **options):
+    """The frontend (``fn``, default ``tqt.prefill``) on ``DEV`` with a NaN-poisoned output;
+    returns NumPy (out, lse or None)."""
     out = poisoned_like(tuple(q.shape), q.dtype, DEV)
     tensors = [torch.from_numpy(x).to(DEV) for x in (cache, batch.block_table, batch.seq_lens, batch.query_start_loc)]
-    res = tqt.prefill(q, *tensors, layout, params, out=out, **options)
+    res = (fn or tqt.prefill)(q, *tensors, layout, params, out=out, **options)
     if options.get("return_lse"):
         assert res[0] is out
         return out.float().cpu().numpy(), res[1].cpu().numpy().astype(np.float64)
@@ -97,17 +98,23 @@ def _run(layout, params, batch, q, cache, **options):
     return out.float().cpu().numpy(), None
 
 
-def _bounds(layout, params, batch, cache, q64, s, group):
-    """(logit bound δ, max|V̂|) of sequence s for its finite query rows."""
-    fmt = layout.format
-    u = 2.0**-8 if "bfloat16" in (getattr(fmt.key, "dtype", ""), getattr(fmt.value, "dtype", "")) else 2.0**-11
+def sequence_operands(layout, params, batch, cache, q64, s):
+    """Sequence s's decompressed keys in codec space ``[n, Hkv, D]``, max|V̂| (rotated back), and
+    its finite query rows in the key codec's space ``[t, Hq, D]`` (non-finite rows zeroed)."""
     a, b = int(batch.query_start_loc[s]), int(batch.query_start_loc[s + 1])
     slots = ref.gather_sequences(cache, layout, batch.block_table[s:s + 1], batch.seq_lens[s:s + 1])[0]
     khat, _ = ref.decompress(slots, params)
     _, vhat = ref.decompress(slots, params, rotate_back=True)
     vmax = float(np.abs(vhat).max()) if vhat.size else 0.0
     qs = np.where(np.isfinite(q64[a:b]).all(-1, keepdims=True), q64[a:b], 0.0)
-    q_k = qs @ params.rotation if fmt.key.rotated else qs
+    return khat, vmax, qs @ params.rotation if layout.format.key.rotated else qs
+
+
+def _bounds(layout, params, batch, cache, q64, s, group):
+    """(logit bound δ, max|V̂|) of sequence s for its finite query rows."""
+    fmt = layout.format
+    u = 2.0**-8 if "bfloat16" in (getattr(fmt.key, "dtype", ""), getattr(fmt.value, "dtype", "")) else 2.0**-11
+    khat, vmax, q_k = sequence_operands(layout, params, batch, cache, q64, s)
     kv = np.repeat(np.abs(khat), group, axis=1)  # [n, Hq, D]
     if not kv.size or not q_k.size:
         return 0.0, vmax
@@ -165,18 +172,25 @@ def test_prefill_matches_oracle(preset, data):
     _compare(got, expect, layout, params, batch, cache, q64, group)
 
 
-@given(prefill_cases(presets=("tq4", "turboquant_k8v4", "turboquant_4bit_nc", "fp16")), st.data())
-def test_prefill_options_match_oracle(case, data):
-    """``window_left``, ``logit_softcap``, ``sinks`` and ``return_lse``, drawn independently."""
+def check_options(case, data, fn=None, oracle=ref.prefill, bounds=_bounds, what="oracle"):
+    """Drawn options (:func:`draw_options`) through ``fn`` (default ``tqt.prefill``) against
+    ``oracle`` on one drawn case."""
     layout, params, group, batch, qdtype = case
     window, cap, sinks, lse = draw_options(data, layout.num_kv_heads * group)
     cache = _fill_cache(layout, params, batch, data)
     q, q64 = _draw_q(layout, group, batch, qdtype, data)
-    got, got_lse = _run(layout, params, batch, q, cache, window_left=window, logit_softcap=cap, return_lse=lse,
-                        sinks=None if sinks is None else torch.from_numpy(sinks).to(DEV))
-    res = ref.prefill(q64, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, layout, params,
-                      window_left=window, logit_softcap=cap, sinks=sinks, return_lse=True)
-    _compare(got, res[0], layout, params, batch, cache, q64, group, got_lse=got_lse, expect_lse=res[1])
+    got, got_lse = _run(layout, params, batch, q, cache, fn=fn, window_left=window, logit_softcap=cap,
+                        return_lse=lse, sinks=None if sinks is None else torch.from_numpy(sinks).to(DEV))
+    res = oracle(q64, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, layout, params,
+                 window_left=window, logit_softcap=cap, sinks=sinks, return_lse=True)
+    _compare(got, res[0], layout, params, batch, cache, q64, group, what=what, got_lse=got_lse, expect_lse=res[1],
+             bounds=bounds)
+
+
+@given(prefill_cases(presets=("tq4", "turboquant_k8v4", "turboquant_4bit_nc", "fp16")), st.data())
+def test_prefill_options_match_oracle(case, data):
+    """``window_left``, ``logit_softcap``, ``sinks`` and ``return_lse``, drawn independently."""
+    check_options(case, data)
 
 
 @given(prefill_cases(presets=("tq4", "turboquant_3bit_nc", "tqkern_k5v3", "turboquant_k8v4")), st.data())
