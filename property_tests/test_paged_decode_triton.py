@@ -158,7 +158,7 @@ def mma_path_cases(draw):
     # (4-bit Lloyd-Max values are drawn with the keys' distribution: one codebook; checked below)
     assume(decode_path(layout, group, same_codebooks=True) == "mma")
     if coop:  # (more stages than one CTA's shared memory holds: the per-warp plan)
-        assume("COOP" in mma_plan(layout, group))
+        assume(mma_plan(layout, group).COOP is not None)
     params = draw(T.tq_params(fmt, layout.num_kv_heads), label="params")
     batch = draw(T.paged_batches(layout.block_size, max_seqs=8, max_len=T.scale(300, 3000)), label="batch")
     num_splits = draw(st.one_of(st.none(), st.integers(1, 9)), label="num_splits")
@@ -177,10 +177,10 @@ def test_mma_path_matches_oracle(case, data):
     p = tqt.to_device(params, DEV)
     assert decode_path(layout, group, same_codebooks=p.same_codebooks) == "mma"
     plan = mma_plan(layout, group)  # which read schemes were drawn (--hypothesis-show-statistics)
-    event(f"keys {plan['K_BITS']}-bit {'shifted' if plan['K_FUN'] else 'joined' if plan['K_MERGE'] else 'aligned'}")
-    event(f"values {plan['V_BITS']}-bit {'shifted' if plan['V_FUN'] else 'joined' if plan['V_MERGE'] else 'aligned'}")
+    event(f"keys {plan.K_BITS}-bit {'shifted' if plan.K_FUN else 'joined' if plan.K_MERGE else 'aligned'}")
+    event(f"values {plan.V_BITS}-bit {'shifted' if plan.V_FUN else 'joined' if plan.V_MERGE else 'aligned'}")
     event(f"rows {layout.row_bytes % 4} mod 4")
-    event(f"cooperative stages {plan.get('COOP', 0)}")
+    event(f"cooperative stages {plan.COOP or 0}")
     _check_against_oracle(*case, data)
 
 

@@ -2,6 +2,8 @@
 split merge (every column-chunk count, with and without the rotate-back) and the q rotation,
 against NumPy. Run in Triton's interpreter on CPU (TRITON_INTERPRET=1) or on a GPU."""
 
+import dataclasses
+
 import numpy as np
 
 import pytest
@@ -40,11 +42,11 @@ def test_decode_path_rules_and_bad_input():
     nc = _layout("turboquant_4bit_nc", 128, 8)
     assert _path(tq4, 4) == "mma" and _path(nc, 4) == "mma"
     plan = mma_plan(nc, 4)
-    assert plan["K_MERGE"] and plan["V_MERGE"] and plan["K_NC"] and plan["V_UNIFORM"]  # 134-byte slots
-    assert not mma_plan(tq4, 4)["K_MERGE"]
+    assert plan.K_MERGE and plan.V_MERGE and plan.K_NC and plan.V_UNIFORM  # 134-byte slots
+    assert not mma_plan(tq4, 4).K_MERGE
     # 32 tokens per softmax update: Lloyd-Max values, and uniform ones under cooperative stages
-    assert mma_plan(tq4, 4)["SUB"] == 2 and mma_plan(nc, 4)["SUB"] == 2
-    assert per_warp_plan(mma_plan(nc, 4))["SUB"] == 1 and per_warp_plan(mma_plan(tq4, 4))["SUB"] == 2
+    assert mma_plan(tq4, 4).SUB == 2 and mma_plan(nc, 4).SUB == 2
+    assert per_warp_plan(mma_plan(nc, 4)).SUB == 1 and per_warp_plan(mma_plan(tq4, 4)).SUB == 2
     assert _path(tq4, 4, interpret=True) == "general"
     assert _path(tq4, 9) == "general"  # group > 8
     assert decode_path(tq4, 4, same_codebooks=False) == "general"  # one table serves K and V
@@ -53,29 +55,29 @@ def test_decode_path_rules_and_bad_input():
     nc64 = _layout("turboquant_4bit_nc", 64, 3)  # 210-byte rows: odd tokens' rows 2 bytes off a word
     assert _path(nc64, 3) == "mma"
     plan = mma_plan(nc64, 3)
-    assert plan["K_FUN"] and plan["V_FUN"] and not (plan["K_MERGE"] or plan["V_MERGE"])
-    assert not any(mma_plan(tq4, 4)[k] for k in ("K_FUN", "V_FUN"))  # 1088-byte rows: aligned chunks
+    assert plan.K_FUN and plan.V_FUN and not (plan.K_MERGE or plan.V_MERGE)
+    assert not any(getattr(mma_plan(tq4, 4), k) for k in ("K_FUN", "V_FUN"))  # 1088-byte rows: aligned chunks
     bs1 = tqkern.PagedLayout(format=nc64.format, num_kv_heads=3, block_size=1)
     assert _path(bs1, 3) == "general"  # a row's offset from a word boundary would follow its block
     k8v4 = mma_plan(_layout("turboquant_k8v4", 128, 8), 4)  # 196-byte slots: word loads of the keys
-    assert k8v4["K_FP8"] and k8v4["K_NW"] == 1 and not k8v4["K_MERGE"] and k8v4["V_MERGE"] and not k8v4["K_NC"]
-    assert mma_plan(_layout("turboquant_k8v4", 128, 8, "row"), 4)["K_NW"] == 4  # 16-byte aligned key fields
+    assert k8v4.K_FP8 and k8v4.K_NW == 1 and not k8v4.K_MERGE and k8v4.V_MERGE and not k8v4.K_NC
+    assert mma_plan(_layout("turboquant_k8v4", 128, 8, "row"), 4).K_NW == 4  # 16-byte aligned key fields
     assert _path(_layout("turboquant_k8v4", 64, 3), 3) == "mma"  # 300-byte rows: 4-byte value chunks
     k8v4_3 = mma_plan(_layout("turboquant_k8v4", 128, 3), 3)  # 588-byte rows: 8-byte value chunks shifted
-    assert k8v4_3["V_FUN"] and k8v4_3["K_FP8"]
+    assert k8v4_3.V_FUN and k8v4_3.K_FP8
     f32_2mod4 = tqkern.KVFormat(head_dim=64, key=tqkern.LloydMax(bits=4, norm_dtype="float16"),
                                 value=tqkern.LloydMax(bits=4, norm_dtype="float32"), slot_alignment=2)
     assert f32_2mod4.slot_bytes == 70  # odd tokens' float32 value norms would be 2 bytes off
     assert _path(tqkern.PagedLayout(format=f32_2mod4, num_kv_heads=1, block_size=16), 1) == "general"
     k3 = mma_plan(_layout("turboquant_k3v4_nc", 128, 8), 4)  # 118-byte slots: shifted word chunks
-    assert k3["K_BITS"] == 3 and k3["K_NC"] and not k3["K_MERGE"] and k3["V_UNIFORM"]
-    assert k3["V_FUN"] and not k3["V_MERGE"]  # with 3-bit keys, misaligned values are shifted, not joined
-    assert mma_plan(nc, 4)["V_MERGE"] and not mma_plan(nc, 4)["V_FUN"]  # with 4-bit keys, joined
+    assert k3.K_BITS == 3 and k3.K_NC and not k3.K_MERGE and k3.V_UNIFORM
+    assert k3.V_FUN and not k3.V_MERGE  # with 3-bit keys, misaligned values are shifted, not joined
+    assert mma_plan(nc, 4).V_MERGE and not mma_plan(nc, 4).V_FUN  # with 4-bit keys, joined
     v3 = mma_plan(_layout("turboquant_3bit_nc", 128, 8), 4)  # 3-bit uniform values: shifted 6-byte chunks
-    assert v3["V_BITS"] == 3 and v3["V_FUN"] and v3["K_BITS"] == 3
+    assert v3.V_BITS == 3 and v3.V_FUN and v3.K_BITS == 3
     assert _path(_layout("turboquant_3bit_nc", 64, 3), 3) == "mma"  # 162-byte rows, 3-byte chunks
     k5 = mma_plan(_layout("tqkern_k5v3", 128, 8), 4)  # 5-bit keys (shifted words), 3-bit Lloyd-Max values
-    assert k5["K_BITS"] == 5 and k5["K_FUN"] and k5["V_BITS"] == 3 and not k5["V_UNIFORM"]
+    assert k5.K_BITS == 5 and k5.K_FUN and k5.V_BITS == 3 and not k5.V_UNIFORM
     assert decode_path(_layout("tqkern_k5v3", 128, 8), 4, same_codebooks=False) == "mma"  # both codebooks loaded
     k5v4 = tqkern.KVFormat(head_dim=128, key=tqkern.LloydMax(bits=5), value=tqkern.LloydMax(bits=4))
     assert _path(tqkern.PagedLayout(format=k5v4, num_kv_heads=8, block_size=16), 4) == "general"
@@ -294,38 +296,39 @@ def test_cooperative_plan_rules():
 
     tq4 = mma_plan(_layout("tq4", 128, 8, "row"), 4)
     nc = mma_plan(_layout("turboquant_4bit_nc", 128, 8), 4)
-    assert (tq4["COOP"], tq4["RS"], tq4["SUB"]) == (4, 1104, 2)  # 1088-byte rows -> 1104
-    assert (nc["COOP"], nc["RS"], nc["SUB"]) == (2, 1072, 2)  # 1072 = 16 mod 32 already
+    assert (tq4.COOP, tq4.RS, tq4.SUB) == (4, 1104, 2)  # 1088-byte rows -> 1104
+    assert (nc.COOP, nc.RS, nc.SUB) == (2, 1072, 2)  # 1072 = 16 mod 32 already
     k8v4 = mma_plan(_layout("turboquant_k8v4", 128, 8), 4)
-    assert (k8v4["COOP"], k8v4["SUB"]) == (3, 1)
+    assert (k8v4.COOP, k8v4.SUB) == (3, 1)
     for name, k3 in (("turboquant_k3v4_nc", 3), ("turboquant_3bit_nc", 3), ("tqkern_k5v3", 5)):
         p = mma_plan(_layout(name, 128, 8), 4)
-        assert p["K_BITS"] == k3 and (p["COOP"], p["SUB"]) == ((4, 2) if k3 == 5 else (2, 2))
-    assert tq4["LATE_V"] == nc["LATE_V"] == k8v4["LATE_V"] == 1
-    assert coop_plan(dict(per_warp_plan(nc), LATE_V=0), _layout("turboquant_4bit_nc", 128, 8), 2)["LATE_V"] == 0
-    assert per_warp_plan(nc)["SUB"] == 1 and "LATE_V" not in per_warp_plan(nc)  # the per-warp kernel's own
+        assert p.K_BITS == k3 and (p.COOP, p.SUB) == ((4, 2) if k3 == 5 else (2, 2))
+    assert tq4.LATE_V == nc.LATE_V == k8v4.LATE_V == 1
+    early = coop_plan(dataclasses.replace(per_warp_plan(nc), LATE_V=0), _layout("turboquant_4bit_nc", 128, 8), 2)
+    assert early.LATE_V == 0
+    assert per_warp_plan(nc).SUB == 1 and per_warp_plan(nc).LATE_V is None  # the per-warp kernel's own
     # Triton's scratch, the 32 KB pair table, the stages (16 rows of RS bytes per step), slack
-    assert coop_smem_bytes(nc) == nc["SMEM_OFF"] + 32768 + 2 * 2 * 16 * 1072 + 64
+    assert coop_smem_bytes(nc) == nc.SMEM_OFF + 32768 + 2 * 2 * 16 * 1072 + 64
     # tq4 (one CTA per SM anyway): the PRMT-addressed 64 KB table at 128 KB, three stages below it,
     # the fourth above it; counted from shared address 0
-    assert (tq4["LUT_AT"], tq4["NLOW"]) == (0x20000, 3) and "LUT_AT" not in nc
+    assert (tq4.LUT_AT, tq4.NLOW) == (0x20000, 3) and nc.LUT_AT is None
     assert coop_smem_bytes(tq4) == 0x20000 + 65536 + 1 * 2 * 16 * 1104 + 64
     assert coop_row_stride(1024) == 1040 and coop_row_stride(1072) == 1072 and coop_row_stride(216) == 216
     for heads in (1, 2, 3):  # CTAs of fewer than 4 warps (or not a power of two): per-warp kernel
-        assert "COOP" not in mma_plan(_layout("tq4", 128, heads, "row"), 4)
+        assert mma_plan(_layout("tq4", 128, heads, "row"), 4).COOP is None
     small = tqkern.PagedLayout(format=tqkern.KVFormat.preset("tq4", 128), num_kv_heads=8, block_size=4,
                                arrangement="row")
-    assert "COOP" not in mma_plan(small, 4)
+    assert mma_plan(small, 4).COOP is None
     assert coop_plan(per_warp_plan(tq4), small, 2) is None  # blocks shorter than a step
-    assert coop_plan(per_warp_plan(tq4), _layout("tq4", 128, 2, "row"), 2)["COOP"] == 2  # opt-in
+    assert coop_plan(per_warp_plan(tq4), _layout("tq4", 128, 2, "row"), 2).COOP == 2  # opt-in
     assert coop_plan(per_warp_plan(tq4), _layout("tq4", 128, 8, "row"), 8) is None  # 8 × 35 KB: too big
-    assert "COOP" not in per_warp_plan(tq4) and per_warp_plan(tq4)["SUB"] == 2
+    assert per_warp_plan(tq4).COOP is None and per_warp_plan(tq4).SUB == 2
     for bad in (1, 9, 2.0):
         with pytest.raises(ValueError, match="stages must be an int in 2..8"):
             coop_plan(per_warp_plan(tq4), _layout("tq4", 128, 8, "row"), bad)
-    with pytest.raises(TypeError, match="plan must be a dict from mma_plan, got NoneType"):
+    with pytest.raises(TypeError, match="plan must be an MmaPlan from mma_plan, got NoneType"):
         coop_plan(None, _layout("tq4", 128, 8, "row"))
-    with pytest.raises(TypeError, match="plan must be a dict from mma_plan, got NoneType"):
+    with pytest.raises(TypeError, match="plan must be an MmaPlan from mma_plan, got NoneType"):
         per_warp_plan(None)
 
 
@@ -343,22 +346,22 @@ def test_table256_layouts_fit_and_do_not_overlap():
             if plan is None:
                 continue
             t = table256_plan(plan)
-            if base["K_BITS"] != 4:
+            if base.K_BITS != 4:
                 assert t is None
                 continue
             if t is None:
                 continue
-            stg = 16 * t["SUB"] * t["RS"]
-            assert t["LUT_AT"] % 65536 == 0 and 0 <= t["NLOW"] <= stages
-            assert 0x400 + t["SMEM_OFF"] + t["NLOW"] * stg <= t["LUT_AT"]
-            assert coop_smem_bytes(t) == t["LUT_AT"] + 65536 + (stages - t["NLOW"]) * stg + 64 <= 232448
+            stg = 16 * t.SUB * t.RS
+            assert t.LUT_AT % 65536 == 0 and 0 <= t.NLOW <= stages
+            assert 0x400 + t.SMEM_OFF + t.NLOW * stg <= t.LUT_AT
+            assert coop_smem_bytes(t) == t.LUT_AT + 65536 + (stages - t.NLOW) * stg + 64 <= 232448
     tq4 = per_warp_plan(mma_plan(_layout("tq4", 128, 8, "row"), 4))
     two = table256_plan(coop_plan(tq4, _layout("tq4", 128, 8, "row"), 2))
-    assert (two["LUT_AT"], two["NLOW"]) == (0x10000, 1)
+    assert (two.LUT_AT, two.NLOW) == (0x10000, 1)
     five = coop_plan(tq4, _layout("tq4", 128, 8, "row"), 5)  # no table layout fits: the 32 KB table
-    assert five["COOP"] == 5 and not five.get("LUT_AT") and table256_plan(five) is None
+    assert five.COOP == 5 and not five.LUT_AT and table256_plan(five) is None
     nc = mma_plan(_layout("turboquant_4bit_nc", 128, 8), 4)
-    assert "LUT_AT" not in nc and table256_plan(nc)["LUT_AT"]  # two CTAs per SM: not in the plan
+    assert nc.LUT_AT is None and table256_plan(nc).LUT_AT  # two CTAs per SM: not in the plan
     with pytest.raises(TypeError, match="plan must be a cooperative plan"):
         table256_plan(tq4)
 
@@ -401,7 +404,7 @@ def test_dynamic_shared_memory_is_sized_before_the_binary_loads():
     with pytest.raises(RuntimeError, match="cannot size"):
         _size_dynamic_smem(_FakeKernel(32, module=object()), plan)  # loaded before sizing
     with pytest.raises(RuntimeError, match="overlaps the stages"):
-        _size_dynamic_smem(_FakeKernel(plan["SMEM_OFF"] + 16), plan)
+        _size_dynamic_smem(_FakeKernel(plan.SMEM_OFF + 16), plan)
 
 
 def test_cooperative_helpers_reject_bad_input():

@@ -1,5 +1,7 @@
 """GPU-only decode checks: CUDA-graph capture and replay, 64K contexts, caches above 2 GiB."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -117,7 +119,7 @@ def test_cooperative_stages_match_the_per_warp_kernel_bit_for_bit(preset, arrang
     layout = tqkern.PagedLayout(format=fmt, num_kv_heads=8, block_size=block_size, arrangement=arrangement)
     params = tqt.to_device(tqkern.TQParams.default(fmt), "cuda")
     plan = mma_plan(layout, 4)
-    assert plan["COOP"] in (2, 3, 4) and device_caps(torch.device("cuda")).smem_per_block_optin >= coop_smem_bytes(plan)
+    assert plan.COOP in (2, 3, 4) and device_caps(torch.device("cuda")).smem_per_block_optin >= coop_smem_bytes(plan)
     sl = torch.tensor([1, 15, 16, 17, 77, 600, 999, 1000], dtype=torch.int32, device="cuda")
     max_blocks = -(-1000 // block_size)
     num_blocks = len(sl) * max_blocks + 5
@@ -126,23 +128,24 @@ def test_cooperative_stages_match_the_per_warp_kernel_bit_for_bit(preset, arrang
     q = torch.randn(len(sl), 32, 128, device="cuda", dtype=torch.float16)
     q_rot = ((q.float() @ params.rotation) if fmt.key.rotated else q.float()).contiguous()
     groups = []  # (per-warp reference, cooperative variants that must equal it bit for bit)
-    for sub in sorted({per_warp_plan(plan)["SUB"], plan["SUB"]}):
-        ref_plan = dict(per_warp_plan(plan), SUB=sub)
+    for sub in sorted({per_warp_plan(plan).SUB, plan.SUB}):
+        ref_plan = dataclasses.replace(per_warp_plan(plan), SUB=sub)
         variants = []
-        for n in (2, 3, 4) if sub == plan["SUB"] else (3,):  # (the other step count: one ring)
+        for n in (2, 3, 4) if sub == plan.SUB else (3,):  # (the other step count: one ring)
             p = coop_plan(ref_plan, layout, n)
             if p is None:  # more stages than one CTA's shared memory holds
                 continue
-            variants.append({k: v for k, v in p.items() if k not in ("LUT_AT", "NLOW")})  # the 32 KB table
-            if n == plan["COOP"] and sub == plan["SUB"]:  # the values read with the keys (LATE_V = 0)
-                variants.append(dict(variants[-1], LATE_V=0))
-            t256 = table256_plan(p) if sub == plan["SUB"] else None
+            variants.append(dataclasses.replace(p, LUT_AT=None, NLOW=None))  # the 32 KB table
+            if n == plan.COOP and sub == plan.SUB:  # the values read with the keys (LATE_V = 0)
+                variants.append(dataclasses.replace(variants[-1], LATE_V=0))
+            t256 = table256_plan(p) if sub == plan.SUB else None
             if t256:
                 variants.append(t256)
-                if t256["NLOW"] and coop_smem_bytes(dict(t256, NLOW=0)) <= 232448:  # every stage above the table
-                    variants.append(dict(t256, NLOW=0))
+                low = dataclasses.replace(t256, NLOW=0)  # every stage above the table
+                if t256.NLOW and coop_smem_bytes(low) <= 232448:
+                    variants.append(low)
         groups.append((ref_plan, variants))
-    assert any(p.get("LUT_AT") for _, vs in groups for p in vs) == (plan["K_BITS"] == 4)
+    assert any(p.LUT_AT for _, vs in groups for p in vs) == (plan.K_BITS == 4)
     assert any(p == plan for _, vs in groups for p in vs)  # the launcher's own plan is among them
     for splits in (1, 3):
         for ref_plan, variants in groups:
@@ -155,7 +158,7 @@ def test_cooperative_stages_match_the_per_warp_kernel_bit_for_bit(preset, arrang
                           "value_centroids_f32": params.value_centroids_f32}
                 launch_mma_plan(q_rot, cache, bt, sl, layout, p, tables, acc, ml, num_splits=splits,
                                 sm_scale=128 ** -0.5)
-                got.append(((p["SUB"], p.get("COOP", 0), p.get("LUT_AT", 0), p.get("NLOW"), p.get("LATE_V")),
+                got.append(((p.SUB, (p.COOP or 0), (p.LUT_AT or 0), p.NLOW, p.LATE_V),
                             acc.nan_to_num(7.0), ml.nan_to_num(7.0)))
             assert len(got) >= 2
             for variant, acc, ml in got[1:]:
@@ -217,7 +220,7 @@ def test_warp_mma_read_schemes_match_oracle(fmt, heads, block_size, expect):
     layout = tqkern.PagedLayout(format=fmt, num_kv_heads=heads, block_size=block_size)
     group = 3
     plan = mma_plan(layout, group)
-    assert plan is not None and {k: plan[k] for k in expect} == expect
+    assert plan is not None and {k: getattr(plan, k) for k in expect} == expect
     params = tqkern.TQParams.default(fmt)
     p = tqt.to_device(params, "cuda")
     assert decode_path(layout, group, same_codebooks=p.same_codebooks) == "mma"

@@ -77,7 +77,7 @@ def _compile(fn, constexprs: dict, options: dict, specialize: bool):
     return triton.compile(src, target=SM90, options=options)
 
 
-def mma_launch(layout, hq: int, plan: dict, **launch) -> tuple[dict, dict]:
+def mma_launch(layout, hq: int, plan, **launch) -> tuple[dict, dict]:
     """(constexprs, compile options) of a warp-MMA launch of ``plan`` (``launch``: the
     launcher's optional ``warps``, ``prefetch``, ``hint``, ``maxnreg``), from the decode plan's
     :func:`~tqkern.ops.paged_decode.plan.mma_kernel_plan`."""
@@ -88,11 +88,11 @@ def mma_launch(layout, hq: int, plan: dict, **launch) -> tuple[dict, dict]:
     return kw, opts
 
 
-def compile_mma(layout, hq: int, plan: dict, **launch):
+def compile_mma(layout, hq: int, plan, **launch):
     """The warp-MMA decode kernel of ``plan`` (cooperative plans: the unspecialized wrapper the
     launcher uses for them), compiled for sm_90 as :func:`mma_launch` describes it."""
     cx, opts = mma_launch(layout, hq, plan, **launch)
-    return _compile(_paged_decode_mma_kernel, cx, opts, specialize=not plan.get("COOP"))
+    return _compile(_paged_decode_mma_kernel, cx, opts, specialize=not plan.COOP)
 
 
 def general_launch(layout, hq: int, *, num_splits: int = 4, **launch) -> tuple[dict, dict]:
@@ -146,7 +146,7 @@ def launcher_plans(layout, group: int) -> dict:
     if plan is None:
         return {}
     out = {"per_warp": per_warp_plan(plan)}
-    if plan.get("COOP"):
+    if plan.COOP:
         out["coop"] = plan
     return out
 

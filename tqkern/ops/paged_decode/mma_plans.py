@@ -1,4 +1,4 @@
-"""Host-side plans of the warp-MMA decode kernel: the constexprs (a plan, a plain dict) that a
+"""Host-side plans of the warp-MMA decode kernel: the constexprs (a :class:`MmaPlan`) that a
 layout and GQA group get (:func:`mma_plan`; ``None`` where the kernel does not apply), their
 CTA-cooperative variants and shared-memory sizing (:func:`coop_plan`, :func:`table256_plan`,
 :func:`coop_smem_bytes`, :func:`coop_row_stride`), the per-warp variant (:func:`per_warp_plan`), and the arithmetic of splits and residency
@@ -7,14 +7,15 @@ CTA-cooperative variants and shared-memory sizing (:func:`coop_plan`, :func:`tab
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-
+from typing import Optional
 
 from tqkern.layouts import FP8, LloydMax, PagedLayout, Uniform
 from tqkern.ops.common import layout_consts
 from tqkern.ops.paged_decode.mma_fragments import LUT_BYTES
 
-__all__ = ["DynamicSmemUnsupported", "coop_plan", "coop_row_stride", "coop_smem_bytes", "ctas_per_sm", "mma_plan",
+__all__ = ["DynamicSmemUnsupported", "MmaPlan", "coop_plan", "coop_row_stride", "coop_smem_bytes", "ctas_per_sm", "mma_plan",
            "num_splits_mma", "per_warp_plan", "table256_plan"]
 
 
@@ -22,8 +23,75 @@ _DT = {"float16": 0, "float32": 1, "bfloat16": 2}
 _NBYTES = {0: 2, 1: 4, 2: 2}
 
 
+_COOP_FIELDS = ("COOP", "RS", "SMEM_OFF", "LATE_V", "LUT_AT", "NLOW")
+
+
+@dataclasses.dataclass(frozen=True)
+class MmaPlan:
+    """The warp-MMA kernel's layout constexprs, named as :func:`.mma_kernel._paged_decode_mma_kernel`
+    takes them (:meth:`constexprs`), for one layout and GQA group.
+
+    Row geometry: ``D``, ``DP``, ``ROW_BYTES``, ``NIBBLE``. Keys: the code field ``K_A_OFF`` /
+    ``K_A_STRIDE``, the norm field ``K_B_OFF`` / ``K_B_STRIDE`` of dtype id ``K_DT``, ``K_NC``
+    (vLLM's decode-time norm correction), ``K_FP8``, ``K_NW`` (FP8 words per load), ``K_BITS``.
+    Values: ``V_UNIFORM``, the fields ``V_A_*`` (codes), ``V_B_*`` / ``V_C_*`` (norm or scale /
+    zero) of dtype id ``V_DT``, ``V_BITS``. Reads: ``K_MERGE`` / ``V_MERGE`` (chunks joined from
+    two aligned words), ``K_FUN`` / ``V_FUN`` (funnel-shifted words). ``SUB``: 16-token steps per
+    softmax update. Cooperative stages (``None``: the per-warp kernel): ``COOP`` stages, ``RS``
+    row stride, ``SMEM_OFF``, ``LATE_V``; the PRMT-addressed table ``LUT_AT`` / ``NLOW``
+    (:func:`table256_plan`)."""
+
+    D: int
+    DP: int
+    ROW_BYTES: int
+    NIBBLE: bool
+    K_A_OFF: int
+    K_A_STRIDE: int
+    K_B_OFF: int
+    K_B_STRIDE: int
+    K_DT: int
+    K_NC: bool
+    K_FP8: bool
+    K_NW: int
+    K_BITS: int
+    SUB: int
+    V_UNIFORM: bool
+    V_A_OFF: int
+    V_A_STRIDE: int
+    V_B_OFF: int
+    V_B_STRIDE: int
+    V_C_OFF: int
+    V_C_STRIDE: int
+    V_DT: int
+    K_MERGE: bool
+    V_MERGE: bool
+    K_FUN: bool
+    V_FUN: bool
+    V_BITS: int
+    COOP: Optional[int] = None
+    RS: Optional[int] = None
+    SMEM_OFF: Optional[int] = None
+    LATE_V: Optional[int] = None
+    LUT_AT: Optional[int] = None
+    NLOW: Optional[int] = None
+
+    def constexprs(self) -> dict:
+        """The kernel's constexprs (fields that are ``None`` left at the kernel's defaults)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def of_constexprs(cls, constexprs) -> "MmaPlan":
+        """The plan inside a launch's constexprs (a mapping holding at least this plan's fields)."""
+        return cls(**{f.name: constexprs[f.name] for f in dataclasses.fields(cls) if f.name in constexprs})
+
+    @property
+    def needs_lut(self) -> bool:
+        """Whether the kernel declares the pair table (mirrors ``NEED_LUT`` in the kernel)."""
+        return _needs_lut(self.K_FP8, self.V_UNIFORM)
+
+
 # -- host side ------------------------------------------------------------------------------------
-def mma_plan(layout: PagedLayout, group: int) -> dict | None:
+def mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
     """Constexprs of the warp-MMA kernel for ``layout`` and GQA ``group``, or ``None`` where it
     does not apply (then the general kernel runs).
 
@@ -37,15 +105,14 @@ def mma_plan(layout: PagedLayout, group: int) -> dict | None:
     size in every row."""
     if not isinstance(layout, PagedLayout):
         raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
-    plan = _mma_plan(layout, group)
-    return None if plan is None else dict(plan)
+    return _mma_plan(layout, group)
 
 
 _PER_WARP_SUB = {True: 1, False: 2}  # the per-warp kernel's steps per softmax update, by "values uniform"
 
 
 @functools.lru_cache(maxsize=256)
-def _mma_plan(layout: PagedLayout, group: int) -> tuple | None:
+def _mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
     fmt = layout.format
     key, value = fmt.key, fmt.value
     d = fmt.head_dim
@@ -93,7 +160,7 @@ def _mma_plan(layout: PagedLayout, group: int) -> tuple | None:
         factors += [(c["K_B_OFF"], k_dt), (c["K_B_STRIDE"], k_dt), (rb, k_dt)]
     if any(off % _NBYTES[dt] for off, dt in factors):
         return None
-    plan = dict(
+    plan = MmaPlan(
         D=d, DP=c["DP"], ROW_BYTES=rb, NIBBLE=fmt.bit_order == "nibble_high_even",
         K_A_OFF=c["K_A_OFF"], K_A_STRIDE=c["K_A_STRIDE"], K_B_OFF=c["K_B_OFF"], K_B_STRIDE=c["K_B_STRIDE"],
         K_DT=k_dt, K_NC=not k_fp8 and key.norm_correction == "decode", K_FP8=k_fp8, K_NW=k_nw, K_BITS=k_bits,
@@ -116,19 +183,19 @@ def _mma_plan(layout: PagedLayout, group: int) -> tuple | None:
     coop = None
     if layout.num_kv_heads >= 4:
         sub, stages = (2, 4) if not v_uniform else (1, 3) if k_fp8 else (2, 2)
-        coop = coop_plan(dict(plan, SUB=sub), layout, stages)
-    return tuple((coop or plan).items())
+        coop = coop_plan(dataclasses.replace(plan, SUB=sub), layout, stages)
+    return coop or plan
 
 
-def per_warp_plan(plan: dict) -> dict:
+def per_warp_plan(plan: MmaPlan) -> MmaPlan:
     """``plan`` without cooperative stages (the per-warp kernel, each warp reading its own fields),
     with the per-warp kernel's steps per softmax update (uniform values: one; a cooperative plan
     may take two)."""
-    if not isinstance(plan, dict):
-        raise TypeError(f"plan must be a dict from mma_plan, got {type(plan).__name__}")
-    out = {k: v for k, v in plan.items() if k not in ("COOP", "RS", "SMEM_OFF", "LUT_AT", "NLOW", "LATE_V")}
-    if plan.get("COOP"):
-        out["SUB"] = _PER_WARP_SUB[bool(plan["V_UNIFORM"])]
+    if not isinstance(plan, MmaPlan):
+        raise TypeError(f"plan must be an MmaPlan from mma_plan, got {type(plan).__name__}")
+    out = dataclasses.replace(plan, **dict.fromkeys(_COOP_FIELDS))
+    if plan.COOP:
+        out = dataclasses.replace(out, SUB=_PER_WARP_SUB[bool(plan.V_UNIFORM)])
     return out
 
 
@@ -141,7 +208,7 @@ _SMEM_PER_SM = 233472  # shared memory of one sm_90 multiprocessor (228 KB, the 
 _SMEM_BASE = 0x400
 
 
-def coop_plan(plan: dict, layout: PagedLayout, stages: int = 2) -> dict | None:
+def coop_plan(plan: MmaPlan, layout: PagedLayout, stages: int = 2) -> MmaPlan | None:
     """``plan`` with CTA-cooperative stages (``COOP = stages``): one CTA per (sequence, split) with
     one warp per KV head, whose threads copy each step's 16 whole rows (all heads) into a ring of
     ``stages`` shared-memory stages with ``cp.async`` (coalesced 16-byte chunks), and every head-warp
@@ -152,54 +219,54 @@ def coop_plan(plan: dict, layout: PagedLayout, stages: int = 2) -> dict | None:
     itself anyway takes the PRMT-addressed table where it fits (:func:`table256_plan`). The values
     are read from the stage after each softmax update (``LATE_V = 1``, unless ``plan`` sets it):
     they then hold no registers across the scores."""
-    if not isinstance(plan, dict):
-        raise TypeError(f"plan must be a dict from mma_plan, got {type(plan).__name__}")
+    if not isinstance(plan, MmaPlan):
+        raise TypeError(f"plan must be an MmaPlan from mma_plan, got {type(plan).__name__}")
     if not isinstance(stages, int) or not 2 <= stages <= 8:
         raise ValueError(f"stages must be an int in 2..8, got {stages!r}")
     hkv = layout.num_kv_heads
     if layout.block_size % 16 or hkv > 16 or hkv & (hkv - 1):
         return None
-    out = dict(plan, COOP=stages, RS=coop_row_stride(layout.row_bytes), SMEM_OFF=_COOP_SMEM_OFF,
-               LATE_V=plan.get("LATE_V", 1))
+    out = dataclasses.replace(plan, COOP=stages, RS=coop_row_stride(layout.row_bytes), SMEM_OFF=_COOP_SMEM_OFF,
+                              LATE_V=1 if plan.LATE_V is None else plan.LATE_V)
     if coop_smem_bytes(out) > _SMEM_OPTIN:
         return None
     # One CTA per SM anyway (4-bit Lloyd-Max keys, whose table lookups are most of the loop): the
     # PRMT-addressed table if it fits beside the stages
-    if out["K_BITS"] == 4 and coop_smem_bytes(out) + _SMEM_RESERVED > _SMEM_PER_SM // 2:
+    if out.K_BITS == 4 and coop_smem_bytes(out) + _SMEM_RESERVED > _SMEM_PER_SM // 2:
         out = table256_plan(out) or out
     return out
 
 
-def table256_plan(plan: dict) -> dict | None:
+def table256_plan(plan: MmaPlan) -> MmaPlan | None:
     """A cooperative ``plan`` with the PRMT-addressed pair table (``LUT_AT``: entries 256 bytes
     apart from a shared address whose low 16 bits are 0, so that a byte's entry address is one
     PRMT of the code byte into this lane's base instead of a PRMT and an IMAD). The table takes 64
     KB at ``LUT_AT``; stages ``0 .. NLOW - 1`` lie below it (from ``SMEM_OFF``), the others right
     above it. ``None`` if no such layout fits one CTA's shared memory, or the plan's keys are not
     4-bit codes (3- and 5-bit keys index the table differently)."""
-    if not isinstance(plan, dict) or not plan.get("COOP"):
-        raise TypeError(f"plan must be a cooperative plan (a dict from coop_plan), got {plan!r:.80}")
-    if plan["K_BITS"] != 4:
+    if not isinstance(plan, MmaPlan) or not plan.COOP:
+        raise TypeError(f"plan must be a cooperative plan (an MmaPlan from coop_plan), got {plan!r:.80}")
+    if plan.K_BITS != 4:
         return None
-    stg = 16 * plan["SUB"] * plan["RS"]
+    stg = 16 * plan.SUB * plan.RS
     for at in (0x10000, 0x20000, 0x30000):
-        nlow = min(plan["COOP"], max(0, (at - _SMEM_BASE - plan["SMEM_OFF"]) // stg))
-        out = dict(plan, LUT_AT=at, NLOW=nlow)
+        nlow = min(plan.COOP, max(0, (at - _SMEM_BASE - plan.SMEM_OFF) // stg))
+        out = dataclasses.replace(plan, LUT_AT=at, NLOW=nlow)
         if coop_smem_bytes(out) <= _SMEM_OPTIN:
             return out
     return None
 
 
-def coop_smem_bytes(plan: dict) -> int:
+def coop_smem_bytes(plan: MmaPlan) -> int:
     """Dynamic shared memory of a cooperative plan's launch: Triton's scratch, the pair table, the
     stages, slack. (The table moves into the dynamic region with the stages: with a static table
     beside a dynamic region under 48 KB, no opt-in for more than 48 KB in all would be set.)"""
-    if not isinstance(plan, dict) or not plan.get("COOP"):
-        raise TypeError(f"plan must be a cooperative plan (a dict from coop_plan), got {plan!r:.80}")
-    stg = 16 * plan["SUB"] * plan["RS"]
-    if plan.get("LUT_AT"):  # up to the last stage above the table, counted from shared address 0
-        return plan["LUT_AT"] + 65536 + (plan["COOP"] - plan["NLOW"]) * stg + _COOP_PAD
-    return plan["SMEM_OFF"] + _LUT_BYTES * _needs_lut(plan) + plan["COOP"] * stg + _COOP_PAD
+    if not isinstance(plan, MmaPlan) or not plan.COOP:
+        raise TypeError(f"plan must be a cooperative plan (an MmaPlan from coop_plan), got {plan!r:.80}")
+    stg = 16 * plan.SUB * plan.RS
+    if plan.LUT_AT:  # up to the last stage above the table, counted from shared address 0
+        return plan.LUT_AT + 65536 + (plan.COOP - plan.NLOW) * stg + _COOP_PAD
+    return plan.SMEM_OFF + _LUT_BYTES * plan.needs_lut + plan.COOP * stg + _COOP_PAD
 
 
 class DynamicSmemUnsupported(RuntimeError):
@@ -239,9 +306,9 @@ def coop_row_stride(row_bytes: int) -> int:
 _LUT_BYTES, _SMEM_RESERVED = LUT_BYTES.value, 1024  # the pair table (inline PTX) and the per-CTA reservation
 
 
-def _needs_lut(plan: dict) -> bool:
+def _needs_lut(k_fp8: bool, v_uniform: bool) -> bool:
     """Whether the kernel declares the pair table (mirrors ``NEED_LUT`` in the kernel)."""
-    return not (plan.get("K_FP8") and plan["V_UNIFORM"])
+    return not (k_fp8 and v_uniform)
 
 
 def ctas_per_sm(kernel, warps: int, extra_smem: int, props) -> int:

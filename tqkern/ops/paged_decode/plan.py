@@ -22,8 +22,10 @@ from typing import Callable, Optional
 from tqkern.layouts import PagedLayout
 from tqkern.ops.codecs import DT_BF16, Kind, layout_args, layout_consts
 from tqkern.ops.common import halfword_aligned
-from tqkern.ops.paged_decode.mma_plans import (DynamicSmemUnsupported, _LUT_BYTES, _needs_lut, coop_smem_bytes,
-                                               mma_plan, num_splits_mma, per_warp_plan)
+from tqkern.ops.paged_decode.mma_plans import (DynamicSmemUnsupported, MmaPlan, _LUT_BYTES, _needs_lut,
+                                               coop_smem_bytes, mma_plan, num_splits_mma, per_warp_plan)
+from tqkern.ops.paged_decode.side_plans import (MergePlan, RotatePlan, _merge_plan, _rotate_plan, merge_chunks,
+                                                scan_split)
 
 __all__ = ["DeviceCaps", "DecodeOptions", "KernelPlan", "RotatePlan", "scan_split", "MergePlan", "DecodePlan", "plan_decode", "decode_path",
            "fast_path_plan", "num_splits_for", "merge_chunks", "workspace_numel", "MMA_MIN_CAPABILITY",
@@ -124,36 +126,6 @@ class KernelPlan:
 
 
 @dataclasses.dataclass(frozen=True)
-class RotatePlan:
-    """The q-rotation launch (:func:`.rotate._rotate_q_kernel`): ``rows`` query rows and ``cols``
-    output columns per program in the first ``programs`` rows of the grid; the rest scan the block
-    table, ``scan_block`` entries per round (:func:`scan_split`)."""
-
-    grid: tuple[int, int]
-    programs: int
-    rows: int
-    cols: int
-    scan_block: int
-    rotate: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class MergePlan:
-    """The merge launch: ``impl`` ``"rows"`` (blocks of ``rows`` query rows) or ``"heads"`` (one
-    GQA group per program), ``chunks`` output-column chunks, ``unroll`` splits per iteration;
-    ``sinks``: sink logits join the denominator; ``lse``: the normaliser is written."""
-
-    impl: str
-    grid: tuple[int, ...]
-    rows: int
-    chunks: int
-    unroll: int
-    rotate_back: bool
-    sinks: bool = False
-    lse: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
 class DecodePlan:
     """Everything one ``paged_decode`` launch of these shapes runs. ``workspace_numel``: float32
     elements of its split partials (a caller's ``workspace`` must hold that many)."""
@@ -215,10 +187,10 @@ def decode_path(layout, group: int, *, same_codebooks: bool, interpret: bool = F
         if not isinstance(capability, (tuple, list)) or len(capability) != 2 \
                 or not all(isinstance(x, int) for x in capability):
             raise TypeError(f"capability must be a (major, minor) pair of ints, got {capability!r}")
-        need = MMA_FP8_MIN_CAPABILITY if plan["K_FP8"] else MMA_MIN_CAPABILITY
+        need = MMA_FP8_MIN_CAPABILITY if plan.K_FP8 else MMA_MIN_CAPABILITY
         if tuple(capability) < need:
             return "general"
-    if plan["V_BITS"] == 4 and not plan["V_UNIFORM"] and not same_codebooks:  # one codebook for K and V
+    if plan.V_BITS == 4 and not plan.V_UNIFORM and not same_codebooks:  # one codebook for K and V
         return "general"
     return "mma"
 
@@ -284,19 +256,6 @@ def _four_bit_codes(c: dict, p: str) -> bool:
 def _raw_bf16(c: dict) -> bool:
     """Whether a side of layout constants ``c`` is raw bf16 (the dots then run in bf16)."""
     return any(c[f"{p}_KIND"] == Kind.RAW and c[f"{p}_PARAM_DTYPE"] == DT_BF16.value for p in "KV")
-
-
-def merge_chunks(programs: int, num_sms: int, dp: int) -> int:
-    """Output-column chunks per merge program (a (sequence, KV head) pair, or a block of query
-    rows): 1, doubled (to at most DP/16) while the programs cannot fill the GPU. With the
-    rotate-back every chunk merges all columns again, so chunks pay only when programs are few.
-    Measured (H100, TQ4 rotate-back, per-group merge): B8x64K (64 programs) 22.6 µs unchunked;
-    B32x16K (256 programs) 11.8 µs unchunked, 30.6 µs in 4; row-block merge at B32x16K (64
-    blocks): 1 chunk 6.9 µs, 2 chunks 5.8, 4 chunks 6.1."""
-    nch = 1
-    while nch < dp // 16 and programs * nch < num_sms:
-        nch *= 2
-    return nch
 
 
 def workspace_numel(num_seqs: int, num_q_heads: int, num_splits: int, dp: int) -> int:
@@ -365,25 +324,25 @@ def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks
                       workspace_numel=workspace_numel(num_seqs, num_q_heads, num_splits, dp), options=options)
 
 
-def mma_kernel_plan(layout, plan: dict, num_seqs: int, num_q_heads: int, num_splits: int, *, warps: int = 4,
+def mma_kernel_plan(layout, plan: MmaPlan, num_seqs: int, num_q_heads: int, num_splits: int, *, warps: int = 4,
                     prefetch: int | None = None, hint: int = 1, maxnreg: int | None = None) -> KernelPlan:
     """The launch of the warp-MMA kernel for an :func:`.mma_plans.mma_plan` ``plan``: a
     cooperative plan runs one CTA per (sequence, split) with a warp per KV head, the per-warp
     kernel one warp per (sequence, KV head, split)."""
     hkv = layout.num_kv_heads
-    coop = bool(plan.get("COOP"))
+    coop = bool(plan.COOP)
     if coop:  # one warp per KV head of a (sequence, split)
         warps = hkv
     if prefetch is None:  # the ring holds the steps of one iteration (measured: SUB = 2 with 1 step slower)
-        prefetch = plan["SUB"]
+        prefetch = plan.SUB
     if maxnreg is None and coop:  # two CTAs of 8 warps per SM
         maxnreg = 128
     if maxnreg is None:  # measured (H100): capped at 128 registers ~2% faster for aligned fields (no spill
         # inside the loop); with joined fields the kernel needs ~168 and a cap spills in the loop;
         # two steps per iteration (SUB = 2) hold a two-step ring: 168 (12 warps/SM) measured fastest
-        maxnreg = 0 if plan["K_MERGE"] or plan["V_MERGE"] else 168 if plan["SUB"] == 2 else 128
+        maxnreg = 0 if plan.K_MERGE or plan.V_MERGE else 168 if plan.SUB == 2 else 128
     cx = dict(G=num_q_heads // hkv, HKV=hkv, HQ=num_q_heads, WARPS=warps, BS=layout.block_size, PREFETCH=prefetch,
-              HINT=hint, **plan)
+              HINT=hint, **plan.constexprs())
     total = num_seqs * hkv * num_splits
     grid = (num_seqs * num_splits,) if coop else (-(-total // warps),)
     return KernelPlan(kernel="coop" if coop else "mma", grid=grid, constexprs=tuple(cx.items()), num_warps=warps,
@@ -393,7 +352,7 @@ def mma_kernel_plan(layout, plan: dict, num_seqs: int, num_q_heads: int, num_spl
 def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy):
     g = hq // layout.num_kv_heads
     plan = mma_plan(layout, g)
-    if plan.get("COOP") and (not caps.dynamic_smem or coop_smem_bytes(plan) > caps.smem_per_block_optin):
+    if plan.COOP and (not caps.dynamic_smem or coop_smem_bytes(plan) > caps.smem_per_block_optin):
         plan = per_warp_plan(plan)
     if num_splits is not None:
         return mma_kernel_plan(layout, plan, s, hq, num_splits), num_splits
@@ -417,7 +376,7 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy):
     # µs; docs/performance.md "Cooperative stages"). The two-step stages of 3- and 4-bit keys
     # keep their plan (B32x4K turboquant_4bit_nc 75.4 vs per-warp 75.0 µs, k3v4_nc 73.0 vs
     # 77.2, 3bit_nc 72.2 vs 73.1; at B128x1K 79.0 vs 92.2, 76.1 vs 80.2, 74.6 vs 76.3).
-    if plan.get("COOP") and plan["SUB"] == 1 and max_len < _COOP_MIN_TOKENS * n:
+    if plan.COOP and plan.SUB == 1 and max_len < _COOP_MIN_TOKENS * n:
         per_warp = per_warp_plan(plan)
         m = splits_for(per_warp)
         if m >= 2:
@@ -462,51 +421,9 @@ def _general_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, bloc
     return kernel(num_splits), num_splits
 
 
-def scan_split(entries: int, cols: int) -> tuple[int, int]:
-    """``(scan_block, grid rows)`` of the block-table scan over ``entries`` entries beside a rotation
-    grid ``cols`` programs wide: at most 1024 entries per program and round, as many programs as
-    take each entry once (up to 64), so the scan runs on SMs the rotation leaves idle; none
-    without entries."""
-    if entries <= 0:
-        return 128, 0
-    sb = min(1024, max(128, 1 << (entries - 1).bit_length()))
-    programs = min(64, -(-entries // sb))
-    return sb, -(-programs // cols)
-
-
-def _rotate_plan(layout, s, hq, max_blocks, rows: int = 16, cols: int = 64) -> RotatePlan:
-    """Measured on the H100 at 1024 rows, D = 128: 16 rows × all columns 4.6 µs, 32 rows 9.5 µs,
-    64 rows 9.8 µs (session 4); 16 rows × 64 columns: ``docs/performance.md``."""
-    d = layout.head_dim
-    dp = max(16, 1 << (d - 1).bit_length())
-    rotate = bool(layout.format.key.rotated)
-    cc = min(cols, dp) if rotate else dp
-    programs = -(-(s * hq) // rows)
-    sb, scan_rows = scan_split(s * max_blocks, dp // cc)
-    return RotatePlan(grid=(programs + scan_rows, dp // cc), programs=programs, rows=rows, cols=cc, scan_block=sb,
-                      rotate=rotate)
-
-
-def _merge_plan(layout, s, hq, num_splits, caps, options) -> MergePlan:
-    """Rows with the rotate-back or more than 16 splits, else heads (``.merge._launch_merge``)."""
-    dp = layout_consts(layout)["DP"]
-    rotate_back = bool(layout.format.value.rotated)
-    sms = 1 if caps.interpret else caps.num_sms
-    if rotate_back or num_splits > 16:
-        rows = 16
-        blocks = -(-(s * hq) // rows)
-        chunks = min(2, merge_chunks(blocks, sms, dp)) if rotate_back else merge_chunks(blocks, sms, dp)
-        return MergePlan(impl="rows", grid=(blocks, chunks), rows=rows, chunks=chunks,
-                         unroll=max(1, min(8 if rotate_back else 64, num_splits)), rotate_back=rotate_back,
-                         sinks=options.sinks, lse=options.lse)
-    chunks = merge_chunks(s * layout.num_kv_heads, sms, dp)
-    return MergePlan(impl="heads", grid=(s, layout.num_kv_heads, chunks), rows=0, chunks=chunks, unroll=num_splits,
-                     rotate_back=rotate_back, sinks=options.sinks, lse=options.lse)
-
-
 def needs_lut_bytes(kernel: KernelPlan) -> int:
     """Shared memory the per-warp kernel declares outside Triton (its pair table), for occupancy."""
     if kernel.kernel != "mma":
         return 0
     cx = dict(kernel.constexprs)
-    return _LUT_BYTES * _needs_lut(cx)
+    return _LUT_BYTES * _needs_lut(cx.get("K_FP8", False), cx["V_UNIFORM"])

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from tqkern.errors import ErrorFlag
-from tqkern.ops.paged_decode.plan import scan_split
+from tqkern.ops.paged_decode.side_plans import scan_split
 
 __all__ = ["_rotate_q_kernel", "rotate_q"]
 

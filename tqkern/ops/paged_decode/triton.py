@@ -22,7 +22,7 @@ from tqkern.ops.paged_decode.general import _paged_decode_kernel
 from tqkern.ops.paged_decode.merge import _merge_kernel, _merge_rows_kernel
 from tqkern.ops.paged_decode.mma_kernel import _paged_decode_coop_kernel, _paged_decode_mma_kernel
 from tqkern.ops.paged_decode.mma_launch import _size_dynamic_smem
-from tqkern.ops.paged_decode.mma_plans import DynamicSmemUnsupported, ctas_per_sm
+from tqkern.ops.paged_decode.mma_plans import DynamicSmemUnsupported, MmaPlan, ctas_per_sm
 from tqkern.ops.paged_decode.plan import (MMA_FP8_MIN_CAPABILITY, MMA_MIN_CAPABILITY, DecodeOptions, DecodePlan,
                                           DeviceCaps, decode_path, fast_path_plan, needs_lut_bytes, num_splits_for, plan_decode,
                                           workspace_numel)
@@ -97,8 +97,7 @@ def _launcher(kernel) -> KernelLauncher:
         options["maxnreg"] = kernel.maxnreg
     prepare = None
     if kernel.kernel == "coop":
-        plan = {k: v for k, v in kernel.constexprs}
-        prepare = functools.partial(_size_dynamic_smem, plan=plan)
+        prepare = functools.partial(_size_dynamic_smem, plan=MmaPlan.of_constexprs(dict(kernel.constexprs)))
     return KernelLauncher(_KERNELS[kernel.kernel], kernel.grid, cx, prepare=prepare, **options)
 
 

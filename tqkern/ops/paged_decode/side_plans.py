@@ -1,0 +1,97 @@
+"""The two launches around the decode kernel, planned: the q rotation with the block-table scan
+(:class:`RotatePlan`, :func:`scan_split`; :mod:`.rotate`) and the merge of the splits
+(:class:`MergePlan`, :func:`merge_chunks`; :mod:`.merge`). Part of the decode plan
+(:mod:`.plan`, which re-exports these)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tqkern.ops.common import layout_consts
+
+__all__ = ["MergePlan", "RotatePlan", "merge_chunks", "scan_split"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RotatePlan:
+    """The q-rotation launch (:func:`.rotate._rotate_q_kernel`): ``rows`` query rows and ``cols``
+    output columns per program in the first ``programs`` rows of the grid; the rest scan the block
+    table, ``scan_block`` entries per round (:func:`scan_split`)."""
+
+    grid: tuple[int, int]
+    programs: int
+    rows: int
+    cols: int
+    scan_block: int
+    rotate: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class MergePlan:
+    """The merge launch: ``impl`` ``"rows"`` (blocks of ``rows`` query rows) or ``"heads"`` (one
+    GQA group per program), ``chunks`` output-column chunks, ``unroll`` splits per iteration;
+    ``sinks``: sink logits join the denominator; ``lse``: the normaliser is written."""
+
+    impl: str
+    grid: tuple[int, ...]
+    rows: int
+    chunks: int
+    unroll: int
+    rotate_back: bool
+    sinks: bool = False
+    lse: bool = False
+
+
+def merge_chunks(programs: int, num_sms: int, dp: int) -> int:
+    """Output-column chunks per merge program (a (sequence, KV head) pair, or a block of query
+    rows): 1, doubled (to at most DP/16) while the programs cannot fill the GPU. With the
+    rotate-back every chunk merges all columns again, so chunks pay only when programs are few.
+    Measured (H100, TQ4 rotate-back, per-group merge): B8x64K (64 programs) 22.6 µs unchunked;
+    B32x16K (256 programs) 11.8 µs unchunked, 30.6 µs in 4; row-block merge at B32x16K (64
+    blocks): 1 chunk 6.9 µs, 2 chunks 5.8, 4 chunks 6.1."""
+    nch = 1
+    while nch < dp // 16 and programs * nch < num_sms:
+        nch *= 2
+    return nch
+
+
+def scan_split(entries: int, cols: int) -> tuple[int, int]:
+    """``(scan_block, grid rows)`` of the block-table scan over ``entries`` entries beside a rotation
+    grid ``cols`` programs wide: at most 1024 entries per program and round, as many programs as
+    take each entry once (up to 64), so the scan runs on SMs the rotation leaves idle; none
+    without entries."""
+    if entries <= 0:
+        return 128, 0
+    sb = min(1024, max(128, 1 << (entries - 1).bit_length()))
+    programs = min(64, -(-entries // sb))
+    return sb, -(-programs // cols)
+
+
+def _rotate_plan(layout, s, hq, max_blocks, rows: int = 16, cols: int = 64) -> RotatePlan:
+    """Measured on the H100 at 1024 rows, D = 128: 16 rows × all columns 4.6 µs, 32 rows 9.5 µs,
+    64 rows 9.8 µs (session 4); 16 rows × 64 columns: ``docs/performance.md``."""
+    d = layout.head_dim
+    dp = max(16, 1 << (d - 1).bit_length())
+    rotate = bool(layout.format.key.rotated)
+    cc = min(cols, dp) if rotate else dp
+    programs = -(-(s * hq) // rows)
+    sb, scan_rows = scan_split(s * max_blocks, dp // cc)
+    return RotatePlan(grid=(programs + scan_rows, dp // cc), programs=programs, rows=rows, cols=cc, scan_block=sb,
+                      rotate=rotate)
+
+
+def _merge_plan(layout, s, hq, num_splits, caps, options) -> MergePlan:
+    """Rows with the rotate-back or more than 16 splits, else heads (``.merge._launch_merge``)."""
+    dp = layout_consts(layout)["DP"]
+    rotate_back = bool(layout.format.value.rotated)
+    sms = 1 if caps.interpret else caps.num_sms
+    if rotate_back or num_splits > 16:
+        rows = 16
+        blocks = -(-(s * hq) // rows)
+        chunks = min(2, merge_chunks(blocks, sms, dp)) if rotate_back else merge_chunks(blocks, sms, dp)
+        return MergePlan(impl="rows", grid=(blocks, chunks), rows=rows, chunks=chunks,
+                         unroll=max(1, min(8 if rotate_back else 64, num_splits)), rotate_back=rotate_back,
+                         sinks=options.sinks, lse=options.lse)
+    chunks = merge_chunks(s * layout.num_kv_heads, sms, dp)
+    return MergePlan(impl="heads", grid=(s, layout.num_kv_heads, chunks), rows=0, chunks=chunks, unroll=num_splits,
+                     rotate_back=rotate_back, sinks=options.sinks, lse=options.lse)
