@@ -35,8 +35,8 @@ def _layout(preset, d, heads, arrangement="slot"):
 def test_decode_path_rules_and_bad_input():
     """The warp-MMA kernel takes 4-bit, 3-bit, 5-bit (LSB) or FP8 keys and 4-bit Lloyd-Max values
     (4-bit keys, shared codebook), 3-bit Lloyd-Max values (5-bit keys) or 4-/3-bit uniform values,
-    head_dim 64/128, groups up to 8, rows of an even number of bytes (2 mod 4 only in blocks of an
-    even number of rows, and not with FP8 keys); fields that are not at fixed offsets from the
+    head_dim 64/128, groups up to 8 (larger ones split into 2-4 groups of at most 8), rows of an
+    even number of bytes (2 mod 4 only in blocks of an even number of rows, and not with FP8 keys); fields that are not at fixed offsets from the
     lanes' aligned chunks are read as shifted words; never under the interpreter."""
     tq4 = _layout("tq4", 128, 8, "row")
     nc = _layout("turboquant_4bit_nc", 128, 8)
@@ -48,7 +48,8 @@ def test_decode_path_rules_and_bad_input():
     assert mma_plan(tq4, 4).SUB == 2 and mma_plan(nc, 4).SUB == 2
     assert per_warp_plan(mma_plan(nc, 4)).SUB == 1 and per_warp_plan(mma_plan(tq4, 4)).SUB == 2
     assert _path(tq4, 4, interpret=True) == "general"
-    assert _path(tq4, 9) == "general"  # group > 8
+    assert _path(tq4, 9) == "mma" and mma_plan(tq4, 9).GS == 3  # group > 8: 3 query-head groups of 3
+    assert _path(tq4, 11) == "general"  # a group > 8 that no 2-4 groups of at most 8 divide
     assert decode_path(tq4, 4, same_codebooks=False) == "general"  # one table serves K and V
     assert decode_path(nc, 4, same_codebooks=False) == "mma"  # uniform values need no table
     assert _path(tq4, 4, cache_aligned=False) == "general"

@@ -118,6 +118,37 @@ def test_warp_mma_split_counts(batch, max_len, resident, want):
     assert plans.num_splits_mma(batch, 8, max_len, resident) == want
 
 
+@pytest.mark.parametrize("group,want", [(1, 1), (8, 1), (9, 3), (10, 2), (12, 2), (16, 2), (24, 3), (32, 4),
+                                        (11, None), (13, None), (40, None), (64, None)])
+def test_head_groups_split_large_gqa_groups(group, want):
+    """The fewest query-head groups (at most 4) of at most 8 heads each that divide the group."""
+    from tqkern.ops.paged_decode.mma_plans import head_groups
+
+    assert head_groups(group) == want
+    with pytest.raises(ValueError, match="group must be a positive int"):
+        head_groups(0)
+
+
+@pytest.mark.parametrize("hq,hkv,gs", [(16, 1, 2), (32, 2, 2), (32, 1, 4), (24, 2, 2)])
+def test_gqa_groups_above_8_take_the_per_warp_mma_kernel(hq, hkv, gs):
+    """A GQA group above 8 (Llama-3-405B on 8 GPUs: 16 query heads per KV head) takes the
+    per-warp MMA kernel with ``GS`` work items per KV head, each ``G = group / GS`` query heads
+    (never the cooperative kernel, whose warps are the KV heads); splits count those items."""
+    from tqkern.ops.paged_decode.mma_plans import num_splits_mma
+    from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode
+
+    layout = _layout("tq4", 128, hkv, "row")
+    plan = plan_decode(layout, 16, hq, 2048, DeviceCaps.sm90(), same_codebooks=True)
+    cx = dict(plan.decode.constexprs)
+    assert plan.decode.kernel == "mma" and cx["GS"] == gs
+    assert (cx["G"], cx["HKV"], cx["HQ"]) == (hq // hkv // gs, hkv * gs, hq)
+    assert plan.num_splits == num_splits_mma(16, hkv * gs, 2048 * 16, 2 * 4 * 132)  # (occupancy unknown: 2 CTAs)
+    assert plan.decode.grid == (-(-16 * hkv * gs * plan.num_splits // 4),)
+    # group 40 has no split into at most 4 groups of at most 8: the general kernel
+    assert plan_decode(_layout("tq4", 128, 1, "row"), 4, 40, 64, DeviceCaps.sm90(),
+                       same_codebooks=True).decode.kernel == "general"
+
+
 def test_prepared_plans_are_bounded(monkeypatch):
     """The one plan cache keeps at most its ``maxsize`` entries (shapes change every step as
     batches and block tables grow), dropping the oldest first; a cached plan is reused as is."""

@@ -215,10 +215,22 @@ def test_warp_mma_read_schemes_match_oracle(fmt, heads, block_size, expect):
     """Each read scheme of the warp-MMA kernel (shifted words, 3-bit values, 5-bit keys) on a
     layout that is sure to take it, against the NumPy oracle: shuffled blocks, random poison in
     every unused byte, lengths that end mid-block and mid-step, 3 query heads per KV head."""
+    _mma_matches_oracle(fmt, heads, block_size, 3, expect)
+
+
+@pytest.mark.parametrize("preset,heads,group,gs", [
+    ("tq4", 1, 16, 2), ("turboquant_4bit_nc", 1, 16, 2), ("turboquant_k8v4", 2, 16, 2),
+    ("turboquant_3bit_nc", 2, 12, 2), ("turboquant_k3v4_nc", 1, 32, 4), ("tqkern_k5v3", 1, 24, 3)])
+def test_warp_mma_gqa_groups_above_8_match_oracle(preset, heads, group, gs):
+    """GQA groups above the MMA's 8 query heads (Llama-3-405B on 8 GPUs: 16 per KV head) run as
+    ``GS`` query-head groups per KV head, each a warp of its own."""
+    _mma_matches_oracle(tqkern.KVFormat.preset(preset, 128), heads, 16, group, dict(GS=gs))
+
+
+def _mma_matches_oracle(fmt, heads, block_size, group, expect):
     from tqkern.ops.paged_decode.mma_plans import mma_plan
 
     layout = tqkern.PagedLayout(format=fmt, num_kv_heads=heads, block_size=block_size)
-    group = 3
     plan = mma_plan(layout, group)
     assert plan is not None and {k: getattr(plan, k) for k in expect} == expect
     params = tqkern.TQParams.default(fmt)

@@ -10,7 +10,8 @@ One warp owns one (sequence, KV head, split) and walks its tokens 16 at a time:
   softmax update (one running max over both, one rescale of the output accumulators), the
   register ring holding both steps' data.
 * ``S^T = K·Q^T``: the 16 tokens are the MMA's M rows, the G ≤ 8 query heads of the GQA group
-  its N columns. Lane ``l`` (``r = l // 4``, ``c = l % 4``) supplies tokens ``r`` and ``r + 8``.
+  its N columns. A larger group runs as ``GS`` groups of G (:func:`.mma_plans.head_groups`):
+  ``HKV`` then counts (KV head, query-head group) pairs and warp item ``h`` reads KV head ``h // GS``. Lane ``l`` (``r = l // 4``, ``c = l % 4``) supplies tokens ``r`` and ``r + 8``.
   A fixed permutation of the (rotated) coordinates, applied to q and K alike, leaves every score
   unchanged; the kernel picks the one in which lane ``c`` needs one contiguous chunk of ``D/8``
   bytes of each of its tokens: chunk byte ``j`` gives the fp16 pair of k-tile ``j // 2``.
@@ -89,7 +90,7 @@ def _paged_decode_mma_kernel(
     K_BITS: tl.constexpr = 4, K_FUN: tl.constexpr = False, V_FUN: tl.constexpr = False, V_BITS: tl.constexpr = 4,
     PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0, SUB: tl.constexpr = 1,
     COOP: tl.constexpr = 0, RS: tl.constexpr = 0, SMEM_OFF: tl.constexpr = 0, LUT_AT: tl.constexpr = 0,
-    NLOW: tl.constexpr = 0, LATE_V: tl.constexpr = 0,
+    NLOW: tl.constexpr = 0, LATE_V: tl.constexpr = 0, GS: tl.constexpr = 1,
 ):
     NT: tl.constexpr = 32 * WARPS
     K3: tl.constexpr = K_BITS == 3
@@ -168,8 +169,9 @@ def _paged_decode_mma_kernel(
         lb = lane * 4
 
     # -- field geometry (aligned spans, byte masks for the joining lane) ---------------------------
-    ka = K_A_OFF + h * K_A_STRIDE
-    va = V_A_OFF + h * V_A_STRIDE
+    kvh = h // GS  # this warp's KV head (h: a (KV head, query-head group) pair)
+    ka = K_A_OFF + kvh * K_A_STRIDE
+    va = V_A_OFF + kvh * V_A_STRIDE
     # Rows of 2 mod 4 bytes (blocks of an even number of them; steps start at multiples of 16):
     # a token row starts (its index · ROW_BYTES) mod 4 bytes past a word boundary, so the
     # shifts below are constant per lane (keys: tokens r, r + 8; values: even / odd tokens).
@@ -204,9 +206,9 @@ def _paged_decode_mma_kernel(
     v_masks = _byte_masks(tl.where(r == 7, v_mis, 0), NVW)
     k_sec_on = (c == 3) & (k_mis > 0)
     v_sec_on = (r == 7) & (v_mis > 0)
-    kb_off = K_B_OFF + h * K_B_STRIDE
-    vb_off = V_B_OFF + h * V_B_STRIDE
-    vc_off = V_C_OFF + h * V_C_STRIDE
+    kb_off = K_B_OFF + kvh * K_B_STRIDE
+    vb_off = V_B_OFF + kvh * V_B_STRIDE
+    vc_off = V_C_OFF + kvh * V_C_STRIDE
     geo = LaneGeometry(ka0, va0, va1, kb_off, vb_off, vc_off, k_masks, v_masks, k_sec_on, v_sec_on, k_mis, v_mis_e,
                        v_mis_o)
 

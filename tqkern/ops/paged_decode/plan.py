@@ -341,9 +341,10 @@ def mma_kernel_plan(layout, plan: MmaPlan, num_seqs: int, num_q_heads: int, num_
         # inside the loop); with joined fields the kernel needs ~168 and a cap spills in the loop;
         # two steps per iteration (SUB = 2) hold a two-step ring: 168 (12 warps/SM) measured fastest
         maxnreg = 0 if plan.K_MERGE or plan.V_MERGE else 168 if plan.SUB == 2 else 128
-    cx = dict(G=num_q_heads // hkv, HKV=hkv, HQ=num_q_heads, WARPS=warps, BS=layout.block_size, PREFETCH=prefetch,
-              HINT=hint, **plan.constexprs())
-    total = num_seqs * hkv * num_splits
+    heads = hkv * plan.GS  # the kernel's work items per (sequence, split): (KV head, query-head group) pairs
+    cx = dict(G=num_q_heads // heads, HKV=heads, HQ=num_q_heads, WARPS=warps, BS=layout.block_size,
+              PREFETCH=prefetch, HINT=hint, **plan.constexprs())
+    total = num_seqs * heads * num_splits
     grid = (num_seqs * num_splits,) if coop else (-(-total // warps),)
     return KernelPlan(kernel="coop" if coop else "mma", grid=grid, constexprs=tuple(cx.items()), num_warps=warps,
                       num_stages=1, maxnreg=maxnreg or 0)
@@ -363,7 +364,7 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy):
         ctas = occupancy(k)
         if ctas is None:  # unknown: a conservative 8 warps per SM (speed, never correctness)
             ctas = max(1, 8 // k.num_warps)
-        return num_splits_mma(s, layout.num_kv_heads, max_len, ctas * k.num_warps * caps.num_sms)
+        return num_splits_mma(s, layout.num_kv_heads * p.GS, max_len, ctas * k.num_warps * caps.num_sms)
 
     try:
         n = splits_for(plan)
