@@ -67,6 +67,24 @@ def test_run_on_the_cpu_report_structure_and_units(monkeypatch):
     assert "2 of 32 layers (CUT: not the full model)" in text and "paged_decode in 8 of 8" in text
 
 
+def test_static_variants_on_the_cpu():
+    """``PRESET:static`` (TQCache(max_cache_len=...)) and transformers' StaticCache: fixed
+    capacity prompt + new tokens + 1, the cache reused for the timed run (on the CPU generate does
+    not compile: the plumbing only)."""
+    shape = GenerateShape("tiny", 2, 30)
+    variants = (PRESET + gen.STATIC, gen.COMPILED_BASELINE)
+    report = gen.run(variants, [shape], config=_config(), device="cpu", new_tokens=4, gate=False,
+                     progress=Progress(gen.count_steps(variants, [shape]), io.StringIO()))
+    validate_report(report)
+    base, tq, static = report["records"]
+    assert (tq["variant"], static["variant"]) == variants and base["variant"] == gen.BASELINE
+    assert "compiled by generate" in tq["decode_path"] and "StaticCache" in static["decode_path"]
+    slot = KVFormat.preset(PRESET, 64).slot_bytes
+    tables = 2 * 3 * 4 + 2 * 4 + 2 * 8  # block_table [2, 3] (35 positions: 3 blocks a row), seq_lens, starts
+    assert tq["cache_bytes"] == tq["cache_used_bytes"] == 2 * (6 * 16 * 2 * slot + tables)
+    assert static["cache_bytes"] == 2 * 2 * (2 * 2 * 35 * 64) * 2  # layers, K+V, [batch, heads, 35, 64] bf16
+
+
 def test_split_is_the_step_time_in_three_parts():
     assert gen._split(1000.0, 700.0, 400.0) == {"weights_us": 400.0, "attention_us": 300.0, "host_us": 300.0}
     assert gen._split(1000.0, None, 400.0) is None and gen._split(1000.0, 700.0, None) is None
@@ -94,9 +112,11 @@ def test_selection_and_config():
     assert presets == gen.QUICK_PRESETS and [s.name for s in shapes] == ["B1x1K", "B8x16K"]
     presets, shapes = gen.select()
     assert [(s.batch, s.prompt) for s in shapes] == [(b, 1024 * k) for b in (1, 8) for k in (1, 16, 32)]
-    assert gen.count_steps(presets, shapes) == 3 + 2 + 6 * 4
-    with pytest.raises(ValueError, match="presets must be among"):
-        gen.select(["tq5"])
+    assert gen.count_steps(presets, shapes) == 6 + 2 + 6 * 7  # 6 variants (2 static, the compiled baseline)
+    assert gen.select(["tq4:static", gen.COMPILED_BASELINE])[0] == ("tq4:static", gen.COMPILED_BASELINE)
+    for bad in ("tq5", "tq5:static", "tq4:graph"):
+        with pytest.raises(ValueError, match="presets must be among"):
+            gen.select([bad])
     with pytest.raises(ValueError, match="shape must be one of"):
         gen.select(shapes=["B32x4K"])
     cfg = gen.llama3_8b_config(layers=4)

@@ -16,11 +16,12 @@ from tqkern_torch._params import to_device
 from tqkern_torch.calibration import warn_key_mean
 from tqkern_torch.ops import allocate_cache, decompress_sequences, store
 
-__all__ = ["ATTN_IMPLEMENTATION", "TQCache", "TQCacheLayer"]
+__all__ = ["ATTN_IMPLEMENTATION", "TQCache", "TQCacheLayer", "TQStaticCacheLayer"]
 
 ATTN_IMPLEMENTATION = "tqkern"
 _ATTR = "_tqkern_install"  # where install() keeps its TQInstall on the model
 _TAG = "_tqkern_layer"  # decode steps: the attribute on the returned key naming its cache layer
+_PREFILL_TAG = "_tqkern_prefill"  # a static layer's prefill: the attribute naming the layer that drops padding
 
 
 def _text_config(model_or_config):
@@ -127,7 +128,7 @@ class TQCacheLayer(CacheLayerMixin):
         store(self.pool, k, v, slots, self.layout, self.device_params)
         self.seq_len = start + t
         if self.start_max:
-            self.seq_lens = (self.seq_len - self.starts).to(torch.int32)
+            self.seq_lens.copy_(self.seq_len - self.starts)
         else:  # every row holds seq_len paged positions
             self.seq_lens.fill_(self.seq_len)
         if t > 1:
@@ -171,6 +172,9 @@ class TQCacheLayer(CacheLayerMixin):
         pool.view(rows * width * bs, -1)[dst[used]] = self.pool.view(self.pool.shape[0] * bs, -1)[src[used]]
         self.pool, self.block_table, self.blocks_used = pool, table, rows * width
         self.starts, self.seq_lens = starts.clone(), lengths.to(torch.int32)
+        self._set_starts(starts)
+
+    def _set_starts(self, starts: torch.Tensor) -> None:
         self.start_min, self.start_max = int(starts.min()), int(starts.max())
 
     def paged_rows(self, attention_mask: torch.Tensor) -> bool:
@@ -227,6 +231,142 @@ class TQCacheLayer(CacheLayerMixin):
         raise NotImplementedError("TQCache cannot select batch rows yet")
 
 
+class TQStaticCacheLayer(TQCacheLayer):
+    """A :class:`TQCacheLayer` of fixed capacity for ``torch.compile`` and CUDA graphs
+    (``TQCache(model, max_cache_len=N)``): transformers' ``generate`` then compiles the decode step
+    (``CompileConfig``, by default ``mode="reduce-overhead"``) and replays it as a CUDA graph.
+
+    Allocated once, at the first update: ``max_cache_len`` paged positions per batch row, row
+    ``b`` in blocks ``b·W .. b·W + W − 1`` (``W = ⌈max_cache_len / block_size⌉``, an identity
+    block table), marked as static addresses. A decode step (one new token) is tensor work only:
+    the token goes to slot ``b·W·block_size + seq_lens[b]`` and ``seq_lens`` and
+    ``cumulative_length`` grow in place; no Python number changes, so the compiled step is
+    replayed unchanged. A token past the capacity is not stored (its slot is −1) and the next
+    ``paged_decode`` records ``SEQ_LEN_OUT_OF_RANGE`` in the error word
+    (:func:`tqkern_torch.check_errors`); a prefill past it raises ``ValueError``.
+
+    Left padding is dropped at the prefill, not at the first decode step: after the prefill's dense
+    attention, :meth:`drop_padding` reads the mask's last query row and re-pages each row from its
+    first attended position (an exact copy of slot bytes inside the row). Decode steps then run
+    ``paged_decode`` on every step, whatever the mask (a sliding window as ``window_left``,
+    soft-capping as ``logit_softcap``), so the mask transformers builds is not read. Prefill (more
+    than one new token) runs eagerly as in :class:`TQCacheLayer`."""
+
+    is_compileable = True
+
+    def __init__(self, params: TQParams, num_kv_heads: int, max_cache_len: int, block_size: int = 16, *,
+                 estimate_key_offset: bool = False):
+        super().__init__(params, num_kv_heads, block_size, estimate_key_offset=estimate_key_offset)
+        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
+        self.max_cache_len = max_cache_len
+        self.width = -(-max_cache_len // block_size)  # blocks per row
+        self.dropped = False
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        rows, width, bs = self.batch_size, self.width, self.layout.block_size
+        self.pool = allocate_cache(self.layout, rows * width, self.device)
+        self.block_table = torch.arange(rows * width, dtype=torch.int32, device=self.device).reshape(rows, width)
+        self.blocks_used = rows * width
+        self.row_base = torch.arange(rows, dtype=torch.int32, device=self.device) * (width * bs)  # slot of position 0
+        self.cumulative_length = torch.zeros((), dtype=torch.int64, device=self.device)
+        if not torch.compiler.is_compiling():  # fixed addresses: the CUDA graph reads them in place
+            p = self.device_params
+            fixed = [self.pool, self.block_table, self.seq_lens, self.row_base, self.cumulative_length, p.rotation,
+                     p.key_boundaries, p.value_boundaries, p.key_centroids, p.value_centroids, p.key_centroids_f32,
+                     p.value_centroids_f32] + [t for t in (p.key_offset, self.mu) if t is not None]
+            for t in fixed:
+                torch._dynamo.mark_static_address(t)
+
+    def _reserve(self, length: int) -> None:
+        cap = self.width * self.layout.block_size
+        if length > cap:
+            raise ValueError(f"TQCache holds max_cache_len = {self.max_cache_len} tokens per row ({cap} with whole "
+                             f"blocks), got {length}")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, h, t, d = key_states.shape
+        if b != self.batch_size:
+            raise ValueError(f"key_states.shape[0] must be the cache's batch size {self.batch_size}, got {b}")
+        if t > 1:  # prefill or a prefill chunk (eager): the Python length catches up with the tensors first
+            self.seq_len = int(self.cumulative_length)
+            key, value = super().update(key_states, value_states, *args, **kwargs)
+            self.cumulative_length.fill_(self.seq_len)
+            setattr(key, _PREFILL_TAG, self)
+            return key, value
+        cap = self.width * self.layout.block_size
+        pos = self.seq_lens  # each row's paged position of the new token
+        slots = torch.where(pos < cap, self.row_base + pos, -1)
+        store(self.pool, key_states[:, :, 0].to(self.store_dtype), value_states[:, :, 0].to(self.store_dtype), slots,
+              self.layout, self.device_params)
+        self.seq_lens.add_(1)
+        self.cumulative_length.add_(1)
+        key = key_states.view(key_states.shape)
+        setattr(key, _TAG, self)
+        return key, value_states
+
+    def drop_padding(self, attention_mask: Optional[torch.Tensor], windowed: bool) -> None:
+        """After a prefill's attention: drop each row's leading positions that the mask's last
+        query row does not attend (left padding; in a sliding-window layer also the positions
+        older than the window, which no later query attends). At the first prefill only; a later
+        chunk of a full-attention layer must mask the same prefix. Raises ``NotImplementedError``
+        for a mask whose last row is not one contiguous run up to the last position."""
+        if attention_mask is None:
+            self.dropped = True
+            return
+        allowed = _allowed(attention_mask)[:, :, -1, : self.seq_len].any(dim=1)  # [b, seq_len]
+        positions = torch.arange(self.seq_len, device=self.device)[None, :]
+        starts = (~allowed).long().cumprod(dim=1).sum(dim=1)
+        if not torch.equal(allowed, positions >= starts[:, None]):
+            raise NotImplementedError("TQCache(max_cache_len=...) needs a mask whose last query row attends one "
+                                      "contiguous run of positions up to the last (left padding, a sliding window)")
+        if self.dropped:
+            if not windowed and not torch.equal(starts, self.starts):
+                raise NotImplementedError("TQCache(max_cache_len=...) drops left padding at the first prefill only; "
+                                          "a later chunk's mask masks a different prefix")
+            return
+        self.dropped = True
+        if int(starts.max()) >= self.seq_len:
+            raise ValueError("attention_mask masks every position of a row (a row of padding only)")
+        if int(starts.max()):
+            self._drop_prefixes(starts)
+
+    def _drop_prefixes(self, starts: torch.Tensor) -> None:
+        """In place (the addresses stay): row ``b``'s positions ``starts[b] ..`` move to ``0 ..``."""
+        cap = self.width * self.layout.block_size
+        lengths = self.seq_len - starts
+        j = torch.arange(cap, device=self.device)[None, :].expand(self.batch_size, -1)
+        base = self.row_base.long()[:, None]
+        used = j < lengths[:, None]
+        src = (base + (j + starts[:, None]).clamp(max=self.seq_len - 1))[used]
+        flat = self.pool.view(self.pool.shape[0] * self.layout.block_size, -1)
+        flat[(base + j)[used]] = flat[src]  # (the gather on the right is a copy)
+        self.starts.copy_(starts)
+        self.seq_lens.copy_(lengths)
+        self._set_starts(starts)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_seq_length(self):
+        return self.cumulative_length if self.is_initialized else 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.seq_lens.zero_()
+            self.starts.zero_()
+            self.cumulative_length.zero_()
+            self.start_min = self.start_max = 0
+        self.seq_len = 0
+        self.dropped = False
+
+
 class TQCache(Cache):
     """A ``transformers.Cache`` keeping every decoder layer's K/V compressed (see the module
     docstring of :mod:`tqkern_torch.transformers`). ``TQCache(model)`` uses what
@@ -240,10 +380,15 @@ class TQCache(Cache):
     cache's life. Each layer
     that quantizes keys without μ is checked at its first update, if that holds at least
     ``KEY_MEAN_MIN_TOKENS`` tokens (rows × positions): if :func:`~tqkern_torch.calibration.key_mean_ratio` exceeds
-    ``KEY_MEAN_WARN_RATIO`` for a head, a :class:`KeyOffsetWarning` is raised (once per cache)."""
+    ``KEY_MEAN_WARN_RATIO`` for a head, a :class:`KeyOffsetWarning` is raised (once per cache).
+
+    With ``max_cache_len`` every layer is a :class:`TQStaticCacheLayer`: fixed capacity (tokens
+    per batch row, the prompt included), compileable, so that ``generate`` compiles the decode
+    step and replays it as a CUDA graph (on CUDA; see that class). Without it the layers grow."""
 
     def __init__(self, model_or_config, *, params: Optional[Sequence[TQParams]] = None,
-                 block_size: Optional[int] = None, estimate_key_offset: bool = False):
+                 block_size: Optional[int] = None, estimate_key_offset: bool = False,
+                 max_cache_len: Optional[int] = None):
         installed = getattr(model_or_config, _ATTR, None)
         if params is None:
             if installed is None:
@@ -263,7 +408,12 @@ class TQCache(Cache):
         kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
         if not kinds <= {"full_attention", "sliding_attention"}:
             raise NotImplementedError(f"TQCache supports full and sliding attention layers, got {sorted(kinds)}")
-        layers = [TQCacheLayer(p, kv_heads, block_size or 16, estimate_key_offset=e) for p, e in zip(params, estimate)]
+        if max_cache_len is None:
+            layers = [TQCacheLayer(p, kv_heads, block_size or 16, estimate_key_offset=e)
+                      for p, e in zip(params, estimate)]
+        else:
+            layers = [TQStaticCacheLayer(p, kv_heads, max_cache_len, block_size or 16, estimate_key_offset=e)
+                      for p, e in zip(params, estimate)]
         super().__init__(layers=layers)
         self._config = config
         self._warned = False

@@ -38,9 +38,15 @@ Attention through the stored cache sees the *reconstructed* keys and values ever
 current chunk included), so prefill and decode attend the same K/V. K/V are stored from float16
 (bfloat16 for a bfloat16 model): a float32 model's K/V are rounded to float16 first. With a
 cache other than :class:`TQCache` (e.g. transformers' default ``DynamicCache``) the ``"tqkern"``
-attention is plain dense attention over the uncompressed K/V. Not supported yet: beam search
-(``reorder_cache``), cache cropping (assisted decoding), ``torch.compile``, and linear-attention
-layer types.
+attention is plain dense attention over the uncompressed K/V.
+
+``TQCache(model, max_cache_len=N)`` is the compileable variant (:class:`TQStaticCacheLayer`):
+fixed capacity, static tensor addresses, decode steps that change no Python state, left padding
+dropped at the prefill, every decode step through ``paged_decode`` (sliding windows as
+``window_left``, soft-capping as ``logit_softcap``). ``generate`` then compiles the decode step
+(``torch.compile``, by default ``mode="reduce-overhead"``: CUDA graphs on a GPU). Not supported
+yet: beam search (``reorder_cache``), cache cropping (assisted decoding), linear-attention layer
+types.
 """
 
 from __future__ import annotations
@@ -60,9 +66,11 @@ from tqkern.params import TQParams
 from tqkern_torch.attention import paged_decode
 from tqkern_torch.calibration import (KeyOffsetWarning, calibrate, load_key_offsets, resolve_key_offset,
                                       save_key_offsets)
-from tqkern_torch.kv_cache import _ATTR, _TAG, ATTN_IMPLEMENTATION, TQCache, TQCacheLayer, _geometry, _text_config
+from tqkern_torch.kv_cache import (_ATTR, _PREFILL_TAG, _TAG, ATTN_IMPLEMENTATION, TQCache, TQCacheLayer,
+                                   TQStaticCacheLayer, _geometry, _text_config)
 
-__all__ = ["ATTN_IMPLEMENTATION", "KeyOffsetWarning", "TQCache", "TQCacheLayer", "TQInstall", "attention_forward",
+__all__ = ["ATTN_IMPLEMENTATION", "KeyOffsetWarning", "TQCache", "TQCacheLayer", "TQInstall", "TQStaticCacheLayer",
+           "attention_forward",
            "calibrate", "install", "layer_params", "load_key_offsets", "uninstall"]
 
 FormatSpec = Union[str, KVFormat]
@@ -169,18 +177,28 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise NotImplementedError("tqkern attention is inference-only: dropout must be 0")
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     layer = getattr(key, _TAG, None)
+    window = kwargs.get("sliding_window")
+    if isinstance(layer, TQStaticCacheLayer):  # a compileable decode step: always the paged kernel, no mask read
+        b, hq, _, d = query.shape
+        q = query[:, :, 0, :].to(layer.store_dtype).contiguous()
+        out = paged_decode(q, layer.pool, layer.block_table, layer.seq_lens, layer.layout, layer.device_params,
+                           scale=scale, window_left=None if window is None else window - 1, logit_softcap=softcap)
+        return out.to(query.dtype).reshape(b, 1, hq, d), None
     if layer is not None:
         if attention_mask is None and layer.start_max:
             raise RuntimeError("attention_mask is None but TQCache dropped left padding: pass the padded mask")
-        windowed = kwargs.get("sliding_window") is not None
-        if softcap is None and (attention_mask is None or (not windowed and layer.paged_rows(attention_mask))):
+        if softcap is None and (attention_mask is None or (window is None and layer.paged_rows(attention_mask))):
             b, hq, _, d = query.shape
             q = query[:, :, 0, :].to(layer.store_dtype).contiguous()
             out = paged_decode(q, layer.pool, layer.block_table, layer.seq_lens, layer.layout,
                                layer.device_params, scale=scale)
             return out.to(query.dtype).reshape(b, 1, hq, d), None
         key, value = layer.dense()
-    return _dense_attention(query, key, value, attention_mask, scale, softcap), None
+    out = _dense_attention(query, key, value, attention_mask, scale, softcap)
+    owner = getattr(key, _PREFILL_TAG, None)
+    if owner is not None:  # a static layer's prefill: drop the left padding now (decode steps read no mask)
+        owner.drop_padding(attention_mask, window is not None)
+    return out, None
 
 
 def _register() -> None:

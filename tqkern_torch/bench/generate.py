@@ -9,10 +9,15 @@ seconds for 8B parameters), seeded. Weights do not change what is timed.
 
 Per shape (``batch`` prompts of ``prompt`` random tokens, no padding,
 :data:`~tqkern_torch.bench.shapes.GENERATE_SHAPES`) and variant (the baseline, then each preset
-through ``install(model, preset)`` and a fresh ``TQCache``): greedy ``generate`` of exactly
-``new_tokens + 1`` tokens (``min_new_tokens`` = ``max_new_tokens``: no early stop). Each variant
-runs twice at identical shapes: a warm-up (compiles and plans; on CUDA its middle
-:data:`PROFILED_STEPS` decode steps are profiled for the split) and the timed run.
+through ``install(model, preset)`` and a fresh ``TQCache``; ``PRESET:static`` through
+``TQCache(model, max_cache_len=prompt + new_tokens + 1)``, whose decode step ``generate`` compiles
+(``CompileConfig()``: inductor, ``mode="reduce-overhead"``, i.e. CUDA graphs); and
+``sdpa_static_cache``, transformers' SDPA over its ``StaticCache``, compiled the same way, to
+show what compiling alone gives): greedy ``generate`` of exactly ``new_tokens + 1`` tokens
+(``min_new_tokens`` = ``max_new_tokens``: no early stop). Each variant runs twice at identical
+shapes: a warm-up (compiles, records the CUDA graphs and plans; on CUDA its middle
+:data:`PROFILED_STEPS` decode steps are profiled for the split) and the timed run (a compileable
+cache is reset and reused, so the recorded graphs replay).
 
 Timing: a logits processor, which ``generate`` calls after every forward, synchronises the
 device and reads ``time.perf_counter()``. ``prefill_ms``: from the ``generate`` call to the first
@@ -32,7 +37,8 @@ Step-time split (``split``, µs per decode step; CUDA only): device time = the s
 activity (kernels, copies, memsets) that ``torch.profiler`` records over the profiled steps.
 
 * ``weights``: device time per step of the same model and batch with attention replaced by a
-  no-op (zeros) over a :data:`NOOP_PROMPT`-token prompt and a DynamicCache: all but attention.
+  no-op (zeros) over a :data:`NOOP_PROMPT`-token prompt and a DynamicCache: all but attention
+  (eager kernels: a compiled variant's fused kernels make its ``attention`` part a lower bound).
 * ``attention``: the variant's device time per step minus ``weights``: attention kernels and cache
   writes (DynamicCache's concatenation; TQCache's ``store`` and its slot arithmetic).
 * ``host``: the timed step minus the variant's device time: the time the device waits for the
@@ -56,13 +62,16 @@ from tqkern.layouts import PRESETS as FORMAT_PRESETS
 from tqkern_torch.bench.report import SCHEMA, Progress, record
 from tqkern_torch.bench.shapes import GENERATE_SHAPES, QUICK_SHAPES, GenerateShape, generate_shape
 
-__all__ = ["BASELINE", "DEFAULT_PRESETS", "FULL_LAYERS", "NEW_TOKENS", "NOOP_PROMPT", "PREFILL_PATHS", "PROFILED_STEPS",
+__all__ = ["BASELINE", "COMPILED_BASELINE", "DEFAULT_PRESETS", "STATIC", "FULL_LAYERS", "NEW_TOKENS", "NOOP_PROMPT", "PREFILL_PATHS", "PROFILED_STEPS",
            "QUICK_PRESETS", "TIMING", "build_model", "cache_bytes", "count_steps", "llama3_8b_config", "run",
            "run_shape", "select", "time_generate"]
 
 BASELINE = "sdpa_dynamic_cache"
-DEFAULT_PRESETS = ("turboquant_4bit_nc", "turboquant_k8v4", "tqkern_k5v3")
-QUICK_PRESETS = ("turboquant_4bit_nc",)
+COMPILED_BASELINE = "sdpa_static_cache"  # transformers' StaticCache: generate compiles its decode step too
+STATIC = ":static"  # a preset's variant through TQCache(max_cache_len=...): the compiled, CUDA-graph decode step
+DEFAULT_PRESETS = ("turboquant_4bit_nc", "turboquant_4bit_nc:static", "turboquant_k8v4", "tqkern_k5v3",
+                   "tqkern_k5v3:static", COMPILED_BASELINE)
+QUICK_PRESETS = ("turboquant_4bit_nc", "turboquant_4bit_nc:static")
 NEW_TOKENS = 128
 PROFILED_STEPS = 16
 NOOP_PROMPT = 16
@@ -71,6 +80,7 @@ TIMING = (f"model.generate, greedy, {NEW_TOKENS} decode steps after the prefill;
           f"reads perf_counter after every forward; one warm-up run, then one timed run")
 PREFILL_PATHS = {
     BASELINE: "transformers sdpa over the prompt's K/V (DynamicCache)",
+    COMPILED_BASELINE: "transformers sdpa over the prompt's K/V (StaticCache)",
     "tqkern": "TQCacheLayer.dense(): decompress_sequences of the stored prompt, then torch SDPA with the causal "
               "mask (no prefill kernel)",
 }
@@ -234,17 +244,32 @@ def _run_variant(model, variant: str, ids: torch.Tensor, new_tokens: int) -> dic
     warm-up's ``device_us`` and the timed decode's ``paged_decode`` calls."""
     import tqkern_torch.transformers as tqt
 
-    if variant == BASELINE:
+    capacity = ids.shape[1] + new_tokens + 1
+    if variant in (BASELINE, COMPILED_BASELINE):
         model.set_attn_implementation("sdpa")
     else:
-        tqt.install(model, variant)
+        tqt.install(model, variant.removesuffix(STATIC))
     try:
-        make_cache = (lambda: None) if variant == BASELINE else (lambda: tqt.TQCache(model))
-        device_us = time_generate(model, ids, new_tokens, make_cache(), profile_steps=PROFILED_STEPS)["device_us"]
+        if variant == BASELINE:
+            make_cache = lambda: None  # noqa: E731  (generate's DynamicCache)
+        elif variant == COMPILED_BASELINE:
+            from transformers import StaticCache
+
+            make_cache = lambda: StaticCache(config=model.config, max_cache_len=capacity)  # noqa: E731
+        elif variant.endswith(STATIC):
+            make_cache = lambda: tqt.TQCache(model, max_cache_len=capacity)  # noqa: E731
+        else:
+            make_cache = lambda: tqt.TQCache(model)  # noqa: E731
+        cache = make_cache()
+        device_us = time_generate(model, ids, new_tokens, cache, profile_steps=PROFILED_STEPS)["device_us"]
+        if cache is not None and cache.is_compileable:  # the same tensors again: the recorded CUDA graphs replay
+            cache.reset()
+        else:
+            cache = make_cache()
         with _count_paged_decode() as paged:
-            run = time_generate(model, ids, new_tokens, make_cache())
+            run = time_generate(model, ids, new_tokens, cache)
     finally:
-        if variant != BASELINE:
+        if variant not in (BASELINE, COMPILED_BASELINE):
             tqt.uninstall(model)
     return dict(run, device_us=device_us, paged_calls=paged[0])
 
@@ -281,13 +306,22 @@ def run_shape(model, shape: GenerateShape, presets: Sequence[str], step: Callabl
         rec.update(batch=shape.batch, prompt=shape.prompt, new_tokens=new_tokens, layers=layers,
                    tokens_per_s=shape.batch / run["step_s"], prefill_ms=run["prefill_s"] * 1e3,
                    peak_bytes=run["peak_bytes"], cache_bytes=alloc, cache_used_bytes=used,
-                   prefill_path=PREFILL_PATHS[BASELINE if variant == BASELINE else "tqkern"],
-                   decode_path="transformers sdpa" if variant == BASELINE else
-                   f"paged_decode in {run['paged_calls']} of {layers * new_tokens} decode attention calls",
+                   prefill_path=PREFILL_PATHS.get(variant, PREFILL_PATHS["tqkern"]),
+                   decode_path=_decode_path(variant, run["paged_calls"], layers * new_tokens),
                    split=_split(us, run["device_us"], weights_us))
         records.append(rec)
         step(f"generate {shape.name} {variant}")
     return records, errors
+
+
+def _decode_path(variant: str, paged_calls: int, calls: int) -> str:
+    if variant == BASELINE:
+        return "transformers sdpa"
+    if variant == COMPILED_BASELINE:
+        return "transformers sdpa over StaticCache, decode step compiled by generate (CUDA graphs)"
+    if variant.endswith(STATIC):  # (a compiled step replays without running the Python that counts)
+        return "paged_decode every step (TQCache(max_cache_len=...)), decode step compiled by generate (CUDA graphs)"
+    return f"paged_decode in {paged_calls} of {calls} decode attention calls"
 
 
 def select(presets: Optional[Sequence[str]] = None, shapes: Optional[Sequence[str]] = None,
@@ -299,9 +333,10 @@ def select(presets: Optional[Sequence[str]] = None, shapes: Optional[Sequence[st
         ValueError: an unknown preset or shape name.
     """
     presets = tuple(presets) if presets is not None else QUICK_PRESETS if quick else DEFAULT_PRESETS
-    unknown = [p for p in presets if p not in FORMAT_PRESETS]
+    unknown = [p for p in presets if p != COMPILED_BASELINE and p.removesuffix(STATIC) not in FORMAT_PRESETS]
     if unknown:
-        raise ValueError(f"presets must be among {', '.join(FORMAT_PRESETS)}, got {unknown}")
+        raise ValueError(f"presets must be among {', '.join(FORMAT_PRESETS)} (each also as PRESET{STATIC}: the "
+                         f"compileable TQCache) or {COMPILED_BASELINE}, got {unknown}")
     names = shapes if shapes is not None else QUICK_SHAPES["generate"] if quick else [s.name for s in GENERATE_SHAPES]
     return presets, [generate_shape(n) for n in names]
 
@@ -328,7 +363,8 @@ def run(presets: Sequence[str], shapes: Sequence[GenerateShape], *, layers: int 
     try:
         passed = []
         for p in presets:
-            gates = (decode.gate([p]) + store.gate([p])) if gate else []
+            fmt = p.removesuffix(STATIC)
+            gates = (decode.gate([fmt]) + store.gate([fmt])) if gate and p != COMPILED_BASELINE else []
             report["gate"] += gates
             if all(g["ok"] for g in gates):
                 passed.append(p)

@@ -1,0 +1,161 @@
+"""The compileable cache (``TQCache(model, max_cache_len=N)``, :class:`TQStaticCacheLayer`) on
+tiny randomly initialised models: the same tokens as transformers' own attention, every decode
+step through ``paged_decode``, the decode step traced whole by ``torch.compile`` (``fullgraph``,
+the ``eager`` backend: the CUDA-graph replay itself needs a GPU), no recompilation from step to
+step, and the capacity's limits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import tqkern_torch.transformers as tqt  # noqa: E402
+from tqkern_torch.errors import TQKernError, check_errors  # noqa: E402
+from tests.test_transformers import MODELS, _Counter, _generate, _ids, _qwen2  # noqa: E402
+
+
+@pytest.fixture(params=sorted(MODELS))
+def model(request):
+    return MODELS[request.param]()
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_static_fp16_generate_matches_sdpa(model, batch, monkeypatch):
+    ids = _ids(batch, 11)
+    ref = _generate(model, ids)
+    tqt.install(model, "fp16", block_size=4)
+    counter = _Counter(monkeypatch)
+    cache = tqt.TQCache(model, max_cache_len=21)  # 11 + 8 tokens: 19, not a whole number of blocks
+    assert cache.is_compileable and all(isinstance(layer, tqt.TQStaticCacheLayer) for layer in cache.layers)
+    out = _generate(model, ids, cache=cache)
+    assert out.tolist() == ref.tolist()
+    assert counter.calls == 7 * 2
+    for layer in cache.layers:
+        assert layer.seq_lens.tolist() == [18] * batch and int(layer.cumulative_length) == 18
+        assert layer.pool.shape[0] == batch * 6 and layer.block_table.tolist() == torch.arange(
+            batch * 6).reshape(batch, 6).tolist()
+
+
+@pytest.mark.parametrize("pads", [(0, 5), (3, 8)])
+def test_static_left_padding_dropped_at_prefill(model, pads, monkeypatch):
+    ids, mask = _ids(2, 11, seed=1), torch.ones(2, 11, dtype=torch.long)
+    for row, pad in enumerate(pads):
+        ids[row, :pad], mask[row, :pad] = 0, 0
+    ref = _generate(model, ids, mask)
+    tqt.install(model, "fp16", block_size=4)
+    counter = _Counter(monkeypatch)
+    cache = tqt.TQCache(model, max_cache_len=20)
+    pools = [layer for layer in cache.layers]
+    out = _generate(model, ids, mask, cache=cache)
+    assert out.tolist() == ref.tolist()
+    assert counter.calls == 7 * 2
+    for layer in pools:
+        assert layer.starts.tolist() == list(pads) and layer.seq_lens.tolist() == [18 - p for p in pads]
+
+
+def test_static_padding_keeps_addresses_and_bytes(model):
+    ids, mask = _ids(2, 7, seed=9), torch.ones(2, 7, dtype=torch.long)
+    mask[1, :3] = 0
+    tqt.install(model, "tq4", block_size=2, key_offset=None)
+    cache = tqt.TQCache(model, max_cache_len=12)
+    with torch.no_grad():
+        layer = cache.layers[0]
+        seen = {}
+
+        def before_drop(attention_mask, windowed, inner=tqt.TQStaticCacheLayer.drop_padding):
+            seen["pool"] = layer.pool.clone()
+            return inner(layer, attention_mask, windowed)
+
+        layer.drop_padding = before_drop
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    addr = layer.pool.data_ptr()
+    rows = layer.pool.view(2, 6 * 2, -1)
+    old = seen["pool"].view(2, 6 * 2, -1)
+    assert torch.equal(rows[0, :7], old[0, :7]) and torch.equal(rows[1, :4], old[1, 3:7])  # slot bytes moved
+    assert layer.seq_lens.tolist() == [7, 4] and layer.starts.tolist() == [0, 3]
+    with torch.no_grad():
+        step_mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
+        model(torch.tensor([[4], [4]]), attention_mask=step_mask, past_key_values=cache, use_cache=True)
+    assert layer.pool.data_ptr() == addr and layer.seq_lens.tolist() == [8, 5]
+
+
+def test_static_sliding_window_and_softcap_decode_paged(monkeypatch):
+    """A sliding-window layer decodes through paged_decode(window_left=W - 1); Gemma-2's
+    soft-capping through paged_decode(logit_softcap=)."""
+    model = _qwen2(use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    ids = _ids(1, 9, seed=5)
+    ref = _generate(model, ids)
+    tqt.install(model, "fp16")
+    counter = _Counter(monkeypatch)
+    assert _generate(model, ids, cache=tqt.TQCache(model, max_cache_len=17)).tolist() == ref.tolist()
+    assert counter.calls == 7 * 2  # both layers, the windowed one included
+    cfg = transformers.Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    query_pre_attn_scalar=24, attn_logit_softcapping=2.0, sliding_window=6,
+                                    max_position_embeddings=256, attn_implementation="eager")
+    torch.manual_seed(2)
+    gemma = transformers.Gemma2ForCausalLM(cfg).eval()
+    ids = _ids(1, 9, seed=6)
+    ref = _generate(gemma, ids)
+    tqt.install(gemma, "fp16")
+    counter.calls = 0
+    assert _generate(gemma, ids, cache=tqt.TQCache(gemma, max_cache_len=17)).tolist() == ref.tolist()
+    assert counter.calls == 7 * 2
+
+
+def test_decode_step_compiles_whole_and_once(model):
+    """The decode step traced by torch.compile(fullgraph=True) (any graph break raises), no
+    recompilation across steps (error_on_recompile), and the same tokens as the eager cache."""
+    ids = _ids(2, 9, seed=3)
+    tqt.install(model, "tq4", key_offset=None)
+    tokens = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        cache = tqt.TQCache(model, max_cache_len=16)
+        step = torch.compile(model, backend="eager", fullgraph=True) if compiled else model
+        with torch.no_grad():
+            logits = model(ids, past_key_values=cache, use_cache=True).logits[:, -1]
+            seq = [logits.argmax(-1)]
+            with torch._dynamo.config.patch(error_on_recompile=True, automatic_dynamic_shapes=False):
+                for i in range(5):
+                    pos = torch.full((2, 1), 9 + i, dtype=torch.long)
+                    logits = step(seq[-1][:, None], position_ids=pos, past_key_values=cache, use_cache=True).logits
+                    seq.append(logits[:, -1].argmax(-1))
+        tokens[compiled] = torch.stack(seq, 1).tolist()
+    assert tokens[True] == tokens[False]
+
+
+def test_generate_compiles_the_decode_step(model):
+    """``generate`` compiles the decode step itself when the cache is compileable (here on the
+    CPU through ``CompileConfig(_compile_all_devices=True)``, the eager backend)."""
+    ids = _ids(1, 10, seed=4)
+    ref = _generate(model, ids)
+    tqt.install(model, "fp16")
+    torch._dynamo.reset()
+    cfg = transformers.CompileConfig(backend="eager", fullgraph=True)
+    cfg._compile_all_devices = True
+    torch._dynamo.utils.counters.clear()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                         past_key_values=tqt.TQCache(model, max_cache_len=18), compile_config=cfg)
+    assert out.tolist() == ref.tolist()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the decode step ran compiled
+
+
+def test_static_capacity(model):
+    tqt.install(model, "fp16", block_size=4)
+    cache = tqt.TQCache(model, max_cache_len=10)  # 12 positions with whole blocks
+    with pytest.raises(ValueError, match="max_cache_len = 10 tokens per row"), torch.no_grad():
+        model(_ids(1, 13), past_key_values=cache, use_cache=True)
+    cache = tqt.TQCache(model, max_cache_len=10)
+    check_errors("cpu")
+    with torch.no_grad():
+        model(_ids(1, 12), past_key_values=cache, use_cache=True)
+        model(torch.tensor([[3]]), position_ids=torch.tensor([[12]]), past_key_values=cache, use_cache=True)
+    with pytest.raises(TQKernError, match="SEQ_LEN_OUT_OF_RANGE"):  # the 13th token was not stored
+        check_errors("cpu")
+    cache.reset()
+    assert all(int(layer.seq_lens.max()) == 0 and int(layer.cumulative_length) == 0 for layer in cache.layers)
+    with pytest.raises(ValueError, match="max_cache_len must be a positive int"):
+        tqt.TQCache(model, max_cache_len=0)
