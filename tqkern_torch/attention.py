@@ -116,9 +116,7 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
         return (out, lse) if return_lse else out
     args = (q, cache, block_table, seq_lens, p.rotation, p.key_centroids, p.value_centroids, p.key_centroids_f32,
             p.value_centroids_f32, out, workspace, layout_key(layout), float(scale), num_splits or 0, p.same_codebooks)
-    if window_left is not None or logit_softcap is not None or sinks is not None or return_lse:
-        args += (-1 if window_left is None else window_left, 0.0 if logit_softcap is None else logit_softcap, sinks,
-                 lse)
+    args += (-1 if window_left is None else window_left, 0.0 if logit_softcap is None else logit_softcap, sinks, lse)
     if type(q) is torch.Tensor and not torch.compiler.is_compiling():
         _paged_decode_impl(*args)  # eager: the op's body without the dispatcher's layers (host time)
     else:
@@ -190,10 +188,12 @@ def _paged_decode_impl(q: torch.Tensor, cache: torch.Tensor, block_table: torch.
                       rotation: torch.Tensor, key_centroids: torch.Tensor, value_centroids: torch.Tensor,
                       key_centroids_f32: torch.Tensor, value_centroids_f32: torch.Tensor, out: torch.Tensor,
                       workspace: Optional[torch.Tensor], layout: str, scale: float, num_splits: int,
-                      same_codebooks: bool = False, window_left: int = -1, logit_softcap: float = 0.0,
-                      sinks: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None) -> None:
+                      same_codebooks: bool, window_left: int, logit_softcap: float, sinks: Optional[torch.Tensor],
+                      lse: Optional[torch.Tensor]) -> None:
     """The op's body (``torch.ops.tqkern.paged_decode``): options off as ``window_left = −1``,
-    ``logit_softcap = 0.0``, ``sinks``/``lse`` ``None`` (``lse`` is written when given)."""
+    ``logit_softcap = 0.0``, ``sinks``/``lse`` ``None`` (``lse`` is written when given). No
+    argument has a default: torch 2.11 drops a mutated argument left at its default from the
+    boxed call and then fails (IndexError) indexing it for its version counter."""
     lay = layout_of(layout)
     errors = error_word(q.device)
     cache, num_blocks = _cache_or_stand_in(cache)
@@ -266,6 +266,6 @@ paged_decode_op = torch.library.custom_op("tqkern::paged_decode", mutates_args=(
 
 @paged_decode_op.register_fake
 def _(q, cache, block_table, seq_lens, rotation, key_centroids, value_centroids, key_centroids_f32,
-      value_centroids_f32, out, workspace, layout, scale, num_splits, same_codebooks=False, window_left=-1,
-      logit_softcap=0.0, sinks=None, lse=None) -> None:
+      value_centroids_f32, out, workspace, layout, scale, num_splits, same_codebooks, window_left, logit_softcap,
+      sinks, lse) -> None:
     return None

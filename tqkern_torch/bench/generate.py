@@ -266,7 +266,9 @@ def _run_variant(model, variant: str, ids: torch.Tensor, new_tokens: int) -> dic
             cache.reset()
         else:
             cache = make_cache()
-        with _count_paged_decode() as paged:
+        # (a compiled step would guard on the counter and recompile at every step: not counted there)
+        counting = contextlib.nullcontext([0]) if cache is not None and cache.is_compileable else _count_paged_decode()
+        with counting as paged:
             run = time_generate(model, ids, new_tokens, cache)
     finally:
         if variant not in (BASELINE, COMPILED_BASELINE):
