@@ -219,6 +219,12 @@ def _eval_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"preset formats to score (default: all of {', '.join(PRESETS)})")
     p.add_argument("--format-spec", default=None, metavar="JSON",
                    help="one more format, as the JSON of layout_to_dict(...)['format'] (head_dim optional)")
+    p.add_argument("--layer-formats", action="append", default=[], metavar="[LABEL=]JSON",
+                   help="one more row with per-layer formats (repeatable): a JSON object mapping layer indices "
+                        "(negative counts from the last layer) to a preset name or a --format-spec object, with "
+                        "\"*\" for every other layer, e.g. '{\"*\": \"turboquant_3bit_nc\", \"0\": "
+                        "\"turboquant_k8v4\", \"-1\": \"turboquant_k8v4\"}'; scored with each --mu mode "
+                        "like a format; its bytes are the average over layers (row label LABEL, default layers<k>)")
     p.add_argument("--windows", type=_positive_int, default=8, help="number of windows N (default 8)")
     p.add_argument("--window", type=_positive_int, default=256, help="tokens per window W (default 256)")
     mu = p.add_mutually_exclusive_group()
@@ -226,10 +232,11 @@ def _eval_arguments(p: argparse.ArgumentParser) -> None:
                     help="only with the calibrated key offset mu (same as --mu calibrated)")
     mu.add_argument("--no-offset", dest="mus", action="store_const", const=("none",),
                     help="only without mu (same as --mu none)")
-    mu.add_argument("--mu", dest="mus", nargs="+", choices=("none", "calibrated", "prefill"),
+    mu.add_argument("--mu", dest="mus", nargs="+", choices=("none", "calibrated", "auto", "prefill"),
                     help="where the key offset mu comes from, one row each: none, calibrated (on the "
-                         "calibration text) or prefill (estimated from each window's first 64 tokens); "
-                         "default: none calibrated")
+                         "calibration text, every layer), auto (the same mu, only for layers whose key codec "
+                         "install(key_offset='auto') gives it: not FP8 or raw keys) or prefill (estimated from "
+                         "each window's first 64 tokens); default: none calibrated")
     p.add_argument("--out", default=None, metavar="DIR", help="write quality.json (and quality.png) here")
     p.set_defaults(mus=("none", "calibrated"))
 
@@ -253,7 +260,8 @@ def _eval(args: argparse.Namespace) -> int:
     if args.window < 2:
         raise UsageError(f"--window must be >= 2, got {args.window}")
     try:
-        main_eval(args.model, formats, args.format_spec, args.windows, args.window, args.mus, args.out)
+        main_eval(args.model, formats, args.format_spec, args.windows, args.window, args.mus, args.out,
+                  layer_formats=args.layer_formats)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e)) from None
     return 0

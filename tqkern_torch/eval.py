@@ -25,11 +25,16 @@ Statistics (per configuration, paired with the reference on the same tokens):
 * ``kl``: mean over scored tokens of KL(p_ref ‖ p), the full next-token distributions.
 * μ (``--mu``): ``none``; ``calibrated``: :func:`tqkern_torch.transformers.calibrate` (mean key
   after RoPE per layer and KV head) on a calibration text disjoint from the evaluation text (the
-  default text of ``install(key_offset="auto")``); ``prefill``: what ``install(key_offset="prefill")``
-  does, μ = the mean key of the cache's first prefill, here the window's first
+  default text of ``install(key_offset="auto")``), for every layer; ``auto``: the same μ, only for
+  the layers whose key codec gets it under ``install(key_offset="auto")``
+  (:func:`~tqkern_torch.calibration.key_offset_by_default`: not FP8 or raw keys); ``prefill``:
+  what ``install(key_offset="prefill")`` does, μ = the mean key of the cache's first prefill, here the window's first
   :data:`PREFILL_TOKENS` tokens (the window then runs as two chunks, which changes no logit but
   float rounding). The report also holds ‖mean k‖ / RMS ‖k‖ per layer and KV head on the
   calibration text (``key_mean_ratio``).
+* Per-layer formats (``--layer-formats``, :func:`parse_layer_formats`): a configuration may give
+  some layers another format; its bytes per token per KV head are the average over layers of
+  each layer's ``slot_bytes`` (``slot_bytes`` of the row; ``layer_slot_bytes`` per layer).
 
 Texts (no network): docstrings of Python standard-library modules, read at run time from the
 running interpreter (Python Software Foundation License; nothing is copied into tqkern). The
@@ -54,17 +59,18 @@ import torch
 
 from tqkern.layouts import PRESETS, KVFormat, layout_from_dict
 import tqkern_torch.transformers as tqt
-from tqkern_torch.calibration import CALIBRATION_MODULES, KeyOffsetWarning, key_mean_ratios, stdlib_text
+from tqkern_torch.calibration import (CALIBRATION_MODULES, KeyOffsetWarning, key_mean_ratios, key_offset_by_default,
+                                      stdlib_text)
 
 __all__ = ["BOOTSTRAP", "EVAL_MODULES", "CALIB_MODULES", "MU_MODES", "PREFILL_TOKENS", "Config", "stdlib_text",
-           "load_model", "model_source", "tiny_model", "bootstrap_delta_ppl", "window_stats", "evaluate",
-           "render_table", "format_from_json", "main_eval"]
+           "parse_layer_formats", "layer_configs", "load_model", "model_source", "tiny_model", "bootstrap_delta_ppl",
+           "window_stats", "evaluate", "render_table", "format_from_json", "main_eval"]
 
 BOOTSTRAP = 2000
 EVAL_MODULES = ("argparse", "collections", "functools", "itertools", "pathlib", "subprocess", "json",
                 "logging", "re", "datetime", "threading", "typing", "dataclasses", "os", "random")
 CALIB_MODULES = CALIBRATION_MODULES  # the default calibration text of install(key_offset="auto")
-MU_MODES = ("none", "calibrated", "prefill")
+MU_MODES = ("none", "calibrated", "auto", "prefill")
 PREFILL_TOKENS = 64
 """Tokens of the first chunk from which the ``prefill`` mode estimates μ (the rest of the window
 is a second chunk)."""
@@ -73,12 +79,18 @@ is a second chunk)."""
 @dataclass(frozen=True)
 class Config:
     """One evaluated configuration: a label, its format and where μ comes from (:data:`MU_MODES`):
-    ``"none"``, ``"calibrated"`` (on the calibration text) or ``"prefill"`` (each window's cache
-    estimates it from its first :data:`PREFILL_TOKENS` tokens, ``install(key_offset="prefill")``)."""
+    ``"none"``, ``"calibrated"`` (on the calibration text, every layer), ``"auto"`` (the same μ,
+    only where ``install(key_offset="auto")`` gives it: by each layer's key codec) or ``"prefill"``
+    (each window's cache estimates it from its first :data:`PREFILL_TOKENS` tokens,
+    ``install(key_offset="prefill")``). ``layer_formats``: per-layer overrides of ``format``,
+    ``(layer index in [0, num_layers), format)``; ``layer_map``: the JSON of the per-layer map as
+    the user gave it, recorded with the results (:func:`layer_configs`)."""
 
     label: str
     format: KVFormat
     mu: str
+    layer_formats: tuple[tuple[int, KVFormat], ...] = ()
+    layer_map: str = ""
 
     def __post_init__(self):
         if self.mu not in MU_MODES:
@@ -86,7 +98,74 @@ class Config:
 
     @property
     def name(self) -> str:
-        return self.label + {"none": "", "calibrated": "+mu", "prefill": "+mu_prefill"}[self.mu]
+        return self.label + {"none": "", "calibrated": "+mu", "auto": "+mu_auto", "prefill": "+mu_prefill"}[self.mu]
+
+
+def parse_layer_formats(text: str) -> tuple[Optional[str], dict]:
+    """Parse one ``--layer-formats [LABEL=]JSON``: a JSON object whose ``"*"`` entry is the format
+    of every layer not named, and whose other keys are layer indices (negative counts from the
+    last layer); a format is a preset name or the JSON object of ``--format-spec``. Returns
+    ``(LABEL or None, {"*": spec, index: spec, ...})``. Raises ``ValueError`` naming the argument.
+    Layer ranges and the format objects are checked against the model by :func:`layer_configs`."""
+    label, body = None, text.strip()
+    if not body.startswith("{") and "=" in body:
+        label, body = (x.strip() for x in body.split("=", 1))
+        if not label:
+            raise ValueError(f"--layer-formats: empty LABEL before '=' in {text!r}")
+    try:
+        raw = json.loads(body)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--layer-formats must be [LABEL=]JSON object, got {text!r} ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"--layer-formats must be a JSON object (layer index -> format), got {type(raw).__name__}")
+    if "*" not in raw:
+        raise ValueError(f"--layer-formats needs a \"*\" entry (the format of the other layers), got keys {list(raw)}")
+    specs: dict = {}
+    for key, spec in raw.items():
+        if key != "*":
+            try:
+                key = int(key)
+            except ValueError:
+                raise ValueError(f"--layer-formats keys must be layer indices or \"*\", got {key!r}") from None
+        if isinstance(spec, str) and spec not in PRESETS:
+            raise ValueError(f"--layer-formats[{key!r}] must be a preset ({', '.join(PRESETS)}) or a format "
+                             f"object, got {spec!r}")
+        if not isinstance(spec, (str, dict)):
+            raise ValueError(f"--layer-formats[{key!r}] must be a preset name or a format object, "
+                             f"got {type(spec).__name__}")
+        specs[key] = spec
+    return label, specs
+
+
+def layer_configs(texts: Sequence[str], mus: Sequence[str], num_layers: int, head_dim: int) -> list[Config]:
+    """The configurations of ``--layer-formats`` (one row per text and μ mode; label ``LABEL`` or
+    ``layers<k>``, k from 1). Raises ``ValueError`` naming the argument for a layer index outside
+    ``[-num_layers, num_layers)``, a layer named twice, or an invalid format object."""
+    out = []
+    for k, text in enumerate(texts, 1):
+        label, specs = parse_layer_formats(text)
+        given = json.dumps({str(key): spec for key, spec in specs.items()})
+
+        def resolve(key, spec):
+            if isinstance(spec, str):
+                return KVFormat.preset(spec, head_dim)
+            try:
+                return format_from_json(json.dumps(spec), head_dim)
+            except (ValueError, TypeError, KeyError) as e:
+                raise ValueError(f"--layer-formats[{key!r}] is not a valid format: {e}") from None
+
+        default = resolve("*", specs.pop("*"))
+        layers: dict[int, KVFormat] = {}
+        for idx, spec in specs.items():
+            if not -num_layers <= idx < num_layers:
+                raise ValueError(f"--layer-formats keys must be layer indices in [{-num_layers}, {num_layers}), "
+                                 f"got {idx}")
+            if idx % num_layers in layers:
+                raise ValueError(f"--layer-formats names layer {idx % num_layers} twice")
+            layers[idx % num_layers] = resolve(idx, spec)
+        overrides = tuple(sorted(layers.items()))
+        out += [Config(label or f"layers{k}", default, m, overrides, given) for m in mus]
+    return out
 
 
 def format_from_json(text: str, head_dim: int) -> KVFormat:
@@ -182,15 +261,21 @@ def bootstrap_delta_ppl(nll_ref: Sequence[float], nll: Sequence[float], tokens: 
     return float(lo), float(hi)
 
 
-def _summary(cfg: Config, rows: list[dict], n_layers: int, n_kv: int) -> dict:
+def _summary(cfg: Config, rows: list[dict], n_layers: int, n_kv: int, params: Sequence) -> dict:
+    layer_bytes = [p.format.slot_bytes for p in params]
+    per_layer = {}
+    slot_bytes = cfg.format.slot_bytes
+    if cfg.layer_map:  # a --layer-formats row: the average over layers (a float), and the map as given
+        slot_bytes = sum(layer_bytes) / n_layers
+        per_layer = {"layer_formats": json.loads(cfg.layer_map), "layer_slot_bytes": layer_bytes}
     tokens = [r["tokens"] for r in rows]
     total = sum(tokens)
     ppl_ref = math.exp(sum(r["nll_ref"] for r in rows) / total)
     ppl = math.exp(sum(r["nll"] for r in rows) / total)
     lo, hi = bootstrap_delta_ppl([r["nll_ref"] for r in rows], [r["nll"] for r in rows], tokens)
-    return {"label": cfg.label, "offset": cfg.mu != "none", "mu": cfg.mu, "slot_bytes": cfg.format.slot_bytes,
-            "bytes_per_token": cfg.format.slot_bytes * n_kv * n_layers,
-            "compression": cfg.format.compression, "tokens": total, "windows": len(rows),
+    return {"label": cfg.label, "offset": cfg.mu != "none", "mu": cfg.mu, "slot_bytes": slot_bytes,
+            "bytes_per_token": sum(layer_bytes) * n_kv, **per_layer,
+            "compression": 4 * cfg.format.head_dim / slot_bytes, "tokens": total, "windows": len(rows),
             "ppl_ref": ppl_ref, "ppl": ppl, "delta_ppl": ppl - ppl_ref, "delta_ppl_ci95": [lo, hi],
             "delta_ppl_pct": 100 * (ppl / ppl_ref - 1), "kl": sum(r["kl"] for r in rows) / total}
 
@@ -221,6 +306,18 @@ def _progress(total: int):
         return Simple()
 
 
+def _params(model, cfg: Config, mu) -> tuple:
+    """The per-layer :class:`~tqkern.TQParams` of ``cfg`` (``mu``: the calibrated offsets, per layer)."""
+    formats = dict(cfg.layer_formats)
+    if cfg.mu == "calibrated":
+        return tqt.layer_params(model, cfg.format, key_offset=mu, formats=formats)
+    plain = tqt.layer_params(model, cfg.format, formats=formats)
+    if cfg.mu != "auto":
+        return plain
+    auto = [m if key_offset_by_default(p.format) else None for m, p in zip(mu, plain)]
+    return tqt.layer_params(model, cfg.format, key_offset=auto, formats=formats)
+
+
 @torch.no_grad()
 def evaluate(model, eval_ids: Sequence[int], configs: Sequence[Config], *, windows: int, window: int,
              calib_ids: Optional[Sequence[int]] = None, calib_tokens: int = 2048,
@@ -235,7 +332,7 @@ def evaluate(model, eval_ids: Sequence[int], configs: Sequence[Config], *, windo
                          f"{windows * window}")
     n_layers, n_kv, head_dim = tqt._geometry(tqt._text_config(model))
     mu = None
-    if any(c.mu == "calibrated" for c in configs):
+    if any(c.mu in ("calibrated", "auto") for c in configs):
         if calib_ids is None:
             raise ValueError("calib_ids must be given when a configuration uses the key offset")
         calib_ids = list(calib_ids)[:calib_tokens]
@@ -244,7 +341,7 @@ def evaluate(model, eval_ids: Sequence[int], configs: Sequence[Config], *, windo
     if hasattr(model, tqt._ATTR):
         raise ValueError("model has a tqkern install: uninstall it before evaluate")
     tqt.install(model, "fp16", key_offset=None)
-    params = {c: tqt.layer_params(model, c.format, key_offset=mu if c.mu == "calibrated" else None) for c in configs}
+    params = {c: _params(model, c, mu) for c in configs}
     ids = torch.tensor(list(eval_ids[: windows * window]), dtype=torch.long).reshape(windows, window)
     rows: dict[Config, list] = {c: [] for c in configs}
     bar = _progress(windows * (len(configs) + 1)) if progress else None
@@ -278,7 +375,7 @@ def evaluate(model, eval_ids: Sequence[int], configs: Sequence[Config], *, windo
             "num_layers": n_layers, "num_kv_heads": n_kv, "head_dim": head_dim, "seconds": seconds,
             "machine": {"cpu": _cpu_name(), "threads": torch.get_num_threads(),
                         "python": platform.python_version(), "torch": str(torch.__version__)},
-            "results": [_summary(c, rows[c], n_layers, n_kv) for c in configs],
+            "results": [_summary(c, rows[c], n_layers, n_kv, params[c]) for c in configs],
             "per_window": {c.name: rows[c] for c in configs}}
 
 
@@ -292,7 +389,9 @@ def render_table(report: dict) -> str:
     for r in report["results"]:
         lo, hi = r["delta_ppl_ci95"]
         mu = r.get("mu", "calibrated" if r["offset"] else "none")
-        lines.append(f"{r['label']:<22}{mu:>11}{r['slot_bytes']:>11}{r['ppl']:>9.4f}"
+        sb = r["slot_bytes"]
+        sb = f"{sb:.2f}" if isinstance(sb, float) else str(sb)  # per-layer rows: the average over layers
+        lines.append(f"{r['label']:<22}{mu:>11}{sb:>11}{r['ppl']:>9.4f}"
                      f"{r['delta_ppl']:>+9.4f}{f'[{lo:+.4f}, {hi:+.4f}]':>20}{r['delta_ppl_pct']:>+8.2f}"
                      f"{r['kl']:>11.5f}")
     return "\n".join(lines)
@@ -308,7 +407,7 @@ def _plot(report: dict, path: str) -> Optional[str]:
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in report["results"]:
         mu = r.get("mu", "calibrated" if r["offset"] else "none")
-        ax.scatter(r["slot_bytes"], r["kl"], marker={"none": "x", "calibrated": "o", "prefill": "^"}[mu])
+        ax.scatter(r["slot_bytes"], r["kl"], marker={"none": "x", "calibrated": "o", "auto": "s", "prefill": "^"}[mu])
         ax.annotate(r["label"] + ("" if mu == "none" else f" mu:{mu}"), (r["slot_bytes"], r["kl"]), fontsize=7)
     ax.set_xlabel("bytes per token per KV head (K+V)")
     ax.set_ylabel("mean KL(p_ref || p)")
@@ -318,14 +417,22 @@ def _plot(report: dict, path: str) -> Optional[str]:
 
 
 def main_eval(model_name: str, formats: Sequence[str], format_spec: Optional[str], windows: int, window: int,
-              mus: Sequence[str], out: Optional[str], echo: Callable[[str], None] = print) -> dict:
-    """What ``tqkern eval`` runs: load, build the configurations, evaluate, print, write."""
+              mus: Sequence[str], out: Optional[str], echo: Callable[[str], None] = print,
+              layer_formats: Sequence[str] = ()) -> dict:
+    """What ``tqkern eval`` runs: load, build the configurations (``formats``, then ``format_spec``
+    as ``custom``, then each of ``layer_formats``, each with every μ mode), evaluate, print, write."""
+    for text in layer_formats:
+        parse_layer_formats(text)  # fail before loading the model
     model, encode = load_model(model_name)
-    head_dim = tqt._geometry(tqt._text_config(model))[2]
+    num_layers, _, head_dim = tqt._geometry(tqt._text_config(model))
     named = [(n, KVFormat.preset(n, head_dim)) for n in formats]
     if format_spec:
         named.append(("custom", format_from_json(format_spec, head_dim)))
     configs = [Config(n, f, m) for n, f in named for m in mus]
+    configs += layer_configs(layer_formats, mus, num_layers, head_dim)
+    names = [c.name for c in configs]
+    if len(set(names)) < len(names):
+        raise ValueError(f"row labels must be unique (give --layer-formats LABEL=JSON), got {names}")
     report = evaluate(model, encode(stdlib_text(EVAL_MODULES)), configs, windows=windows, window=window,
                       calib_ids=encode(stdlib_text(CALIB_MODULES)))
     report["model"] = model_name
