@@ -40,6 +40,16 @@ def _qwen2(**extra):
     return model
 
 
+def _gemma2():
+    """Gemma-2: soft-capped logits, query_pre_attn_scalar scaling, sliding and full layers alternating."""
+    cfg = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    query_pre_attn_scalar=24, attn_logit_softcapping=2.0, sliding_window=6,
+                                    max_position_embeddings=256, attn_implementation="eager")
+    torch.manual_seed(2)
+    return transformers.Gemma2ForCausalLM(cfg).eval()
+
+
 MODELS = {"llama": _llama, "qwen2": _qwen2}
 
 
@@ -51,6 +61,14 @@ def model(request):
 def _ids(batch: int, length: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(1, VOCAB, (batch, length), generator=g)
+
+
+def _left_padded(pads, length: int, seed: int):
+    """``(ids, mask)`` of ``len(pads)`` rows, row ``i`` left-padded by ``pads[i]`` tokens."""
+    ids, mask = _ids(len(pads), length, seed=seed), torch.ones(len(pads), length, dtype=torch.long)
+    for row, pad in enumerate(pads):
+        ids[row, :pad], mask[row, :pad] = 0, 0
+    return ids, mask
 
 
 class _Counter:
@@ -85,9 +103,7 @@ def test_fp16_generate_matches_sdpa(model, batch, monkeypatch):
 
 @pytest.mark.parametrize("pads", [(0, 5), (3, 8)])
 def test_fp16_generate_left_padding_matches_sdpa(model, pads, monkeypatch):
-    ids, mask = _ids(2, 11, seed=1), torch.ones(2, 11, dtype=torch.long)
-    for row, pad in enumerate(pads):
-        ids[row, :pad], mask[row, :pad] = 0, 0
+    ids, mask = _left_padded(pads, 11, seed=1)
     ref = _generate(model, ids, mask)
     tqt.install(model, "fp16", block_size=4)  # pads start rows mid-block and cross blocks
     counter = _Counter(monkeypatch)
@@ -265,12 +281,7 @@ def test_bad_arguments(model):
 def test_gemma2_softcap_scaling_alternating_windows(monkeypatch):
     """Gemma2: soft-capped logits, query_pre_attn_scalar scaling, sliding and full layers
     alternating. Soft-capping has no paged_decode: every step takes the dense path."""
-    cfg = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                    query_pre_attn_scalar=24, attn_logit_softcapping=2.0, sliding_window=6,
-                                    max_position_embeddings=256, attn_implementation="eager")
-    torch.manual_seed(2)
-    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    model = _gemma2()
     ids = _ids(1, 9, seed=6)
     ref = _generate(model, ids)  # transformers' eager attention (soft-capping)
     tqt.install(model, "fp16")

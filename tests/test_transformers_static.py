@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 import tqkern_torch.transformers as tqt  # noqa: E402
 from tqkern_torch.errors import TQKernError, check_errors  # noqa: E402
-from tests.test_transformers import MODELS, _Counter, _generate, _ids, _qwen2  # noqa: E402
+from tests.test_transformers import MODELS, _Counter, _gemma2, _generate, _ids, _left_padded, _qwen2  # noqa: E402
 
 
 @pytest.fixture(params=sorted(MODELS))
@@ -40,18 +40,15 @@ def test_static_fp16_generate_matches_sdpa(model, batch, monkeypatch):
 
 @pytest.mark.parametrize("pads", [(0, 5), (3, 8)])
 def test_static_left_padding_dropped_at_prefill(model, pads, monkeypatch):
-    ids, mask = _ids(2, 11, seed=1), torch.ones(2, 11, dtype=torch.long)
-    for row, pad in enumerate(pads):
-        ids[row, :pad], mask[row, :pad] = 0, 0
+    ids, mask = _left_padded(pads, 11, seed=1)
     ref = _generate(model, ids, mask)
     tqt.install(model, "fp16", block_size=4)
     counter = _Counter(monkeypatch)
     cache = tqt.TQCache(model, max_cache_len=20)
-    pools = [layer for layer in cache.layers]
     out = _generate(model, ids, mask, cache=cache)
     assert out.tolist() == ref.tolist()
     assert counter.calls == 7 * 2
-    for layer in pools:
+    for layer in cache.layers:
         assert layer.starts.tolist() == list(pads) and layer.seq_lens.tolist() == [18 - p for p in pads]
 
 
@@ -91,12 +88,7 @@ def test_static_sliding_window_and_softcap_decode_paged(monkeypatch):
     counter = _Counter(monkeypatch)
     assert _generate(model, ids, cache=tqt.TQCache(model, max_cache_len=17)).tolist() == ref.tolist()
     assert counter.calls == 7 * 2  # both layers, the windowed one included
-    cfg = transformers.Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                    query_pre_attn_scalar=24, attn_logit_softcapping=2.0, sliding_window=6,
-                                    max_position_embeddings=256, attn_implementation="eager")
-    torch.manual_seed(2)
-    gemma = transformers.Gemma2ForCausalLM(cfg).eval()
+    gemma = _gemma2()
     ids = _ids(1, 9, seed=6)
     ref = _generate(gemma, ids)
     tqt.install(gemma, "fp16")

@@ -106,13 +106,18 @@ class TQCacheLayer(CacheLayerMixin):
         self.block_table = torch.cat([self.block_table, new.reshape(rows, need - have)], dim=1).contiguous()
         self.blocks_used += extra
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Store ``key_states, value_states [batch, num_kv_heads, new_tokens, head_dim]``."""
+    def _begin(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[int, int, int, int]:
+        """Initialise at the first update and check the batch; ``key_states.shape``."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, h, t, d = key_states.shape
         if b != self.batch_size:
             raise ValueError(f"key_states.shape[0] must be the cache's batch size {self.batch_size}, got {b}")
+        return b, h, t, d
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store ``key_states, value_states [batch, num_kv_heads, new_tokens, head_dim]``."""
+        b, h, t, d = self._begin(key_states, value_states)
         start = self.seq_len
         self._reserve(start + t - self.start_min)
         bs = self.layout.block_size
@@ -286,11 +291,7 @@ class TQStaticCacheLayer(TQCacheLayer):
                              f"blocks), got {length}")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        b, h, t, d = key_states.shape
-        if b != self.batch_size:
-            raise ValueError(f"key_states.shape[0] must be the cache's batch size {self.batch_size}, got {b}")
+        t = self._begin(key_states, value_states)[2]
         if t > 1:  # prefill or a prefill chunk (eager): the Python length catches up with the tensors first
             self.seq_len = int(self.cumulative_length)
             key, value = super().update(key_states, value_states, *args, **kwargs)
