@@ -151,3 +151,30 @@ def test_static_capacity(model):
     assert all(int(layer.seq_lens.max()) == 0 and int(layer.cumulative_length) == 0 for layer in cache.layers)
     with pytest.raises(ValueError, match="max_cache_len must be a positive int"):
         tqt.TQCache(model, max_cache_len=0)
+
+
+def test_drop_padding_rejects_masks_it_cannot_serve(model):
+    """drop_padding: a last query row that is not one run up to the last position, a later
+    chunk masking another prefix, and a row of padding only are refused (the decode steps read no
+    mask, so serving them would attend the wrong positions)."""
+    params = tqt.layer_params(model, "fp16")[0]
+
+    def layer_after_prefill(tokens=6):
+        layer = tqt.TQStaticCacheLayer(params, 2, max_cache_len=16, block_size=4)
+        k = torch.randn(2, 2, tokens, params.format.head_dim)
+        layer.update(k, torch.randn_like(k))
+        return layer
+
+    def mask(allowed_last_rows):  # [b, 1, q = 1, kv] boolean masks from the last query rows
+        return torch.tensor(allowed_last_rows, dtype=torch.bool)[:, None, None, :]
+
+    with pytest.raises(NotImplementedError, match="one contiguous run"):
+        layer_after_prefill().drop_padding(mask([[1, 1, 1, 1, 1, 1], [0, 1, 0, 1, 1, 1]]), windowed=False)
+    with pytest.raises(ValueError, match="masks every position of a row"):
+        layer_after_prefill().drop_padding(mask([[1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]]), windowed=False)
+    layer = layer_after_prefill()
+    layer.drop_padding(mask([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]]), windowed=False)
+    assert layer.starts.tolist() == [0, 2] and layer.seq_lens.tolist() == [6, 4]
+    with pytest.raises(NotImplementedError, match="masks a different prefix"):
+        layer.drop_padding(mask([[1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1]]), windowed=False)
+    layer.drop_padding(mask([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]]), windowed=False)  # the same prefix: fine

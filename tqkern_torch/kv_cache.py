@@ -5,6 +5,8 @@ attaches the per-layer parameters it reads)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Optional, Sequence
 
 import torch
@@ -277,12 +279,11 @@ class TQStaticCacheLayer(TQCacheLayer):
         self.row_base = torch.arange(rows, dtype=torch.int32, device=self.device) * (width * bs)  # slot of position 0
         self.cumulative_length = torch.zeros((), dtype=torch.int64, device=self.device)
         if not torch.compiler.is_compiling():  # fixed addresses: the CUDA graph reads them in place
-            p = self.device_params
-            fixed = [self.pool, self.block_table, self.seq_lens, self.row_base, self.cumulative_length, p.rotation,
-                     p.key_boundaries, p.value_boundaries, p.key_centroids, p.value_centroids, p.key_centroids_f32,
-                     p.value_centroids_f32] + [t for t in (p.key_offset, self.mu) if t is not None]
-            for t in fixed:
-                torch._dynamo.mark_static_address(t)
+            tables = [getattr(self.device_params, f.name) for f in dataclasses.fields(self.device_params)]
+            for t in [self.pool, self.block_table, self.seq_lens, self.row_base, self.cumulative_length, self.mu,
+                      *tables]:
+                if isinstance(t, torch.Tensor):
+                    torch._dynamo.mark_static_address(t)
 
     def _reserve(self, length: int) -> None:
         cap = self.width * self.layout.block_size
@@ -291,13 +292,13 @@ class TQStaticCacheLayer(TQCacheLayer):
                              f"blocks), got {length}")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        t = self._begin(key_states, value_states)[2]
-        if t > 1:  # prefill or a prefill chunk (eager): the Python length catches up with the tensors first
-            self.seq_len = int(self.cumulative_length)
+        if key_states.shape[2] > 1:  # prefill or a chunk (eager): the Python length catches up with the tensors
+            self.seq_len = int(self.cumulative_length) if self.is_initialized else 0
             key, value = super().update(key_states, value_states, *args, **kwargs)
             self.cumulative_length.fill_(self.seq_len)
             setattr(key, _PREFILL_TAG, self)
             return key, value
+        self._begin(key_states, value_states)
         cap = self.width * self.layout.block_size
         pos = self.seq_lens  # each row's paged position of the new token
         slots = torch.where(pos < cap, self.row_base + pos, -1)
