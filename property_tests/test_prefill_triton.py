@@ -85,9 +85,13 @@ def _draw_q(layout, group, batch, qdtype, data):
     return to_torch_kv(q_np, qdtype, DEV)
 
 
+KERNEL_PATH = 1 << 20  # a ``max_query_len`` above every q_len: the prefill kernel whatever the batch
+
+
 def _run(layout, params, batch, q, cache, fn=None, **options):
-    """The frontend (``fn``, default ``tqt.prefill``) on ``DEV`` with a NaN-poisoned output;
-    returns NumPy (out, lse or None)."""
+    """The frontend (``fn``, default ``tqt.prefill``) on ``DEV`` with a NaN-poisoned output, on
+    the prefill kernel unless ``options`` name a ``max_query_len``; returns NumPy (out, lse or None)."""
+    options.setdefault("max_query_len", KERNEL_PATH)
     out = poisoned_like(tuple(q.shape), q.dtype, DEV)
     tensors = [torch.from_numpy(x).to(DEV) for x in (cache, batch.block_table, batch.seq_lens, batch.query_start_loc)]
     res = (fn or tqt.prefill)(q, *tensors, layout, params, out=out, **options)

@@ -80,20 +80,21 @@ def test_prefill_causal_flops():
 @interpreter
 def test_prefill_gate_passes_on_the_cpu():
     gates = prefill.gate(["turboquant_4bit_nc"], device="cpu")
-    assert [(g["preset"], g["case"], g["ok"]) for g in gates] == [("turboquant_4bit_nc", "Hkv2/D64", True)]
-    assert gates[0]["max_err"] <= gates[0]["tol"]
+    assert [(g["preset"], g["case"], g["ok"]) for g in gates] == [("turboquant_4bit_nc", "Hkv2/D64", True),
+                                                                  ("turboquant_4bit_nc", "Hkv2/D64 short rows", True)]
+    assert all(g["max_err"] <= g["tol"] for g in gates)
 
 
 @interpreter
 def test_prefill_run_shape_records():
-    shape = PrefillShape("tiny", 2, 40, 8, 4, 2, 64)  # 8 new tokens on a 32-token prefix, twice
+    shape = PrefillShape("tiny", 2, 40, 9, 4, 2, 64)  # 9 new tokens on a 31-token prefix, twice
     steps, timer = [], FakeTimer(20.0, 10.0, 5.0, 40.0)
     rows = prefill.run_shape(shape, ["turboquant_4bit_nc"], steps.append, device="cpu", timer=timer)
     assert timer.calls == 4 and steps == ["prefill tiny sdpa_fp16", "prefill tiny turboquant_4bit_nc",
                                           "prefill tiny int8:turboquant_4bit_nc", "prefill tiny decompress_sdpa"]
     sdpa, tq, i8, dec = rows
     assert (i8["variant"], i8["speedup"]) == ("int8:turboquant_4bit_nc", 4.0)
-    flops = 4 * 64 * 4 * 2 * (8 * 32 + 36)
+    flops = 4 * 64 * 4 * 2 * (9 * 31 + 45)
     assert (sdpa["variant"], sdpa["speedup"], sdpa["flops"]) == ("sdpa_fp16", 1.0, flops)
     assert (tq["variant"], tq["speedup"], tq["tflops"]) == ("turboquant_4bit_nc", 2.0, flops / 10.0 / 1e6)
     assert (dec["variant"], dec["speedup"]) == ("decompress_sdpa:turboquant_4bit_nc", 0.5)
@@ -103,6 +104,18 @@ def test_prefill_run_shape_records():
     del bad["tflops"]
     with pytest.raises(ValueError, match="'flops' .* and 'tflops' come together"):
         validate_report(dict(report, records=[bad]))
+
+
+@interpreter
+def test_prefill_run_shape_short_rows():
+    """A shape of ≤ 8 new tokens also times SDPA's one-token decode (no FLOPs credited), and its
+    prefill runs the short-row path (``max_query_len = q_len``)."""
+    shape = PrefillShape("spec", 2, 40, 4, 4, 2, 64)
+    steps, timer = [], FakeTimer(20.0, 8.0, 10.0, 5.0, 40.0)
+    rows = prefill.run_shape(shape, ["turboquant_4bit_nc"], steps.append, device="cpu", timer=timer)
+    assert steps[:2] == ["prefill spec sdpa_fp16", "prefill spec sdpa_fp16_1token"] and timer.calls == 5
+    one = rows[1]
+    assert (one["variant"], one["us"], one["speedup"], "flops" in one) == ("sdpa_fp16_1token", 8.0, 2.5, False)
 
 
 def test_prefill_selection():

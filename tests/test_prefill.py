@@ -50,7 +50,7 @@ def _call(case, q_lens, seed=0, **kw):
     t = [torch.from_numpy(x).to(DEV) for x in (cache, bt, sl, qsl)]
     res = tqt.prefill(q.to(DEV), *t, layout, tqt.to_device(params, DEV), **kw)
     exp = ref.prefill(q.double().numpy(), cache, bt, sl, qsl, layout, params, **{k: v for k, v in kw.items() if
-                                                                                 k != "sinks"},
+                                                                                 k not in ("sinks", "max_query_len")},
                       **({"sinks": kw["sinks"].cpu().numpy()} if "sinks" in kw else {}))
     return res, exp
 
@@ -62,13 +62,56 @@ def _close(got, exp):
         assert np.abs(got - exp).max() <= 4e-3 * max(1.0, float(np.abs(exp).max()))
 
 
+KERNEL = 1 << 20  # a max_query_len above every q_len: the prefill kernel
+
+
 @needs_kernels
-@pytest.mark.parametrize("q_lens", [[33, 32, 17, 0], [1, 1, 1, 0], [5, 0, 17, 0], [0, 0, 0, 0], [16, 8, 2, 0]],
-                         ids=["q_len=seq_len", "q_len=1", "mixed", "no new tokens", "chunks"])
-def test_edges_match_oracle(case, q_lens):
-    got, exp = _call(case, q_lens)
+@pytest.mark.parametrize("max_query_len", [None, KERNEL], ids=["auto", "kernel"])
+@pytest.mark.parametrize("q_lens", [[33, 32, 17, 0], [1, 1, 1, 0], [5, 0, 17, 0], [0, 0, 0, 0], [16, 8, 2, 0],
+                                    [8, 1, 3, 0], [8, 8, 8, 0]],
+                         ids=["q_len=seq_len", "q_len=1", "mixed", "no new tokens", "chunks", "speculative",
+                              "speculative=8"])
+def test_edges_match_oracle(case, q_lens, max_query_len):
+    """Both paths (``max_query_len`` None: the short-row path where every q_len ≤ 8)."""
+    got, exp = _call(case, q_lens, max_query_len=max_query_len)
     assert got.shape == exp.shape
     _close(got, exp)
+
+
+@needs_kernels
+@pytest.mark.parametrize("seq_lens", [[3, 1, 2, 0], [33, 32, 17, 0]], ids=["prefix shorter than T", "prefix"])
+def test_short_rows_options_match_oracle(case, seq_lens):
+    """Short rows with soft-cap, sinks and lse, T = 3: sinks counted once, rows with no prefix key."""
+    layout, params, cache, bt, _ = case
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float32, device=DEV)
+    got, exp = _call((layout, params, cache, bt, np.array(seq_lens, np.int32)), [3, 1, 2, 0], logit_softcap=3.0,
+                     sinks=sinks, return_lse=True, max_query_len=3)
+    _close(got[0], exp[0])
+    assert np.abs(got[1].cpu().numpy() - exp[1]).max() < 2e-2
+
+
+@needs_kernels
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # (the interpreter on masked lanes: 0/0 norms)
+def test_short_rows_flag_bad_blocks_and_lengths(case):
+    """``check_inputs=False`` on the short-row path: a bad block id among a sequence's newest keys
+    reads zeros inside the cache and sets BLOCK_OUT_OF_RANGE; a length past the table is clamped
+    and sets SEQ_LEN_OUT_OF_RANGE; the other sequences are unchanged."""
+    layout, params, cache, bt, sl = case
+    bad = bt.copy()
+    bad[0, 2] = 1000  # the block of sequence 0's newest key (position 32)
+    qsl = _qsl([3, 2, 1, 0])
+    q = torch.randn(6, HQ, D, dtype=torch.float16, device=DEV)
+    tqt.read_errors(DEV)
+    t = [torch.from_numpy(x).to(DEV) for x in (cache, bad, sl, qsl)]
+    out = tqt.prefill(q, *t, layout, params, check_inputs=False, max_query_len=3).float().cpu().numpy()
+    assert tqt.read_errors(DEV) == ErrorFlag.BLOCK_OUT_OF_RANGE
+    exp = ref.prefill(q.double().cpu().numpy(), cache, bt, sl, qsl, layout, params)
+    assert np.abs(out[3:] - exp[3:]).max() <= 4e-3 * float(np.abs(exp).max())
+    long = sl.copy()
+    long[2] = 49
+    t = [torch.from_numpy(x).to(DEV) for x in (cache, bt, long, qsl)]
+    tqt.prefill(q, *t, layout, params, check_inputs=False, max_query_len=3)
+    assert tqt.read_errors(DEV) & ErrorFlag.SEQ_LEN_OUT_OF_RANGE
 
 
 @needs_kernels
@@ -127,9 +170,10 @@ def test_bad_query_start_loc_stays_inside_q_and_out(case, qsl):
     buf = torch.full((10, HQ, D), float("nan"), dtype=torch.float16, device=DEV)
     out = buf[2:8]
     t = [torch.from_numpy(x).to(DEV) for x in (cache, bt, np.minimum(sl, 16))]
-    tqt.prefill(q, *t, torch.tensor(qsl, dtype=torch.int32, device=DEV), layout, params, out=out,
-                check_inputs=False)
-    assert torch.isnan(buf[:2].float()).all() and torch.isnan(buf[8:].float()).all()
+    for bound in (None, 3):  # (the prefill kernel; the short-row path)
+        tqt.prefill(q, *t, torch.tensor(qsl, dtype=torch.int32, device=DEV), layout, params, out=out,
+                    check_inputs=False, max_query_len=bound)
+        assert torch.isnan(buf[:2].float()).all() and torch.isnan(buf[8:].float()).all()
 
 
 def test_numpy_fallback_equals_oracle(case, monkeypatch):
@@ -161,16 +205,37 @@ def test_opcheck_prefill(case, op):
                            dp.value_centroids_f32, None, out, lse, layout_key(layout), 0.125, -1, 0.0))
 
 
-@pytest.mark.parametrize("op", ["prefill", "int8_prefill"])
-def test_prefill_compiles_fullgraph(case, op):
-    """One graph (aot_eager), the eager result exactly (the interpreter or the NumPy fallback)."""
+@needs_kernels
+def test_opcheck_short_rows_ops(case):
+    """The short-row path's two ops (prep; tail + merge) pass torch's op checks."""
     layout, params, cache, bt, sl = case
+    qsl = torch.from_numpy(_qsl([3, 1, 2, 0])).to(DEV)
+    q = torch.randn(6, HQ, D, device=DEV).half()
+    t = [torch.from_numpy(x).to(DEV) for x in (cache, bt, sl)]
+    key = layout_key(layout)
+    torch.library.opcheck(torch.ops.tqkern.short_rows_prep.default, (q, qsl, t[2], t[1], cache.shape[0], key, 3))
+    q1, prefix, slots = torch.ops.tqkern.short_rows_prep(q, qsl, t[2], t[1], cache.shape[0], key, 3)
+    o1, l1 = tqt.paged_decode(q1, t[0], t[1], prefix, layout, params, return_lse=True)
+    k, v = tqt.decompress(t[0], slots.view(-1), layout, params, rotate_back=True)
+    out, lse = torch.empty_like(q), torch.empty(6, HQ, device=DEV)
+    torch.library.opcheck(torch.ops.tqkern.short_rows_merge.default,
+                          (q1, o1, l1, k, v, qsl, t[2], bt.shape[1], out, lse, key, 3, 0.125, 0.0))
+
+
+@pytest.mark.parametrize("op, bound", [("prefill", KERNEL), ("prefill", 5), ("int8_prefill", None)],
+                         ids=["prefill", "prefill-short-rows", "int8_prefill"])
+def test_prefill_compiles_fullgraph(case, op, bound):
+    """One graph (aot_eager), the eager result exactly (the interpreter or the NumPy fallback),
+    on the path ``max_query_len`` selects."""
+    layout, params, cache, bt, sl = case
+    if bound == 5 and not kernels_available():
+        pytest.skip("the short-row path runs paged_decode: needs CUDA or TRITON_INTERPRET=1")
     dp = tqt.to_device(params, DEV)
     t = [torch.from_numpy(x).to(DEV) for x in (cache, bt, sl, _qsl([5, 1, 2, 0]))]
     q = torch.randn(8, HQ, D, device=DEV).half()
 
     def fn(q, cache, bt, sl, qsl):
-        return getattr(tqt, op)(q, cache, bt, sl, qsl, layout, dp, return_lse=True)
+        return getattr(tqt, op)(q, cache, bt, sl, qsl, layout, dp, return_lse=True, max_query_len=bound)
 
     torch._dynamo.reset()
     got = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, *t)
@@ -213,6 +278,9 @@ def test_prefill_rejects_bad_arguments(case):
         (ValueError, "scale must be finite, got inf", dict(scale=float("inf"))),
         (TypeError, "return_lse must be a bool, got int", dict(return_lse=1)),
         (TypeError, "layout must be a PagedLayout, got str", dict(layout="tq4")),
+        (ValueError, "max_query_len must be None or an int >= 0, got -1", dict(max_query_len=-1)),
+        (ValueError, "max_query_len must be None or an int >= 0, got True", dict(max_query_len=True)),
+        (ValueError, "max_query_len must be >= every q_len, got 2 < q_len 3 of sequence 0", dict(max_query_len=2)),
         (ValueError, "cache must have shape", dict(cache=torch.zeros(8, 3, dtype=torch.uint8))),
     ]
     for exc, msg, change in bad:

@@ -213,11 +213,13 @@ class VarlenBatch(PagedBatch):
 
 
 @st.composite
-def varlen_batches(draw, block_size: int, *, max_seqs: int = 4, max_len: int = 100) -> VarlenBatch:
+def varlen_batches(draw, block_size: int, *, max_seqs: int = 4, max_len: int = 100,
+                   max_q_len: int | None = None) -> VarlenBatch:
     """A mixed batch for varlen prefill: per sequence a length in [0, max_len] (often a page
     boundary) and a ``q_len`` of one of the kinds a serving step mixes: 0 (no new token), 1
-    (decode), 2..8 (speculative), the whole sequence (no cached prefix), or any chunk. Blocks are
-    drawn as in :func:`paged_batches` (shuffled across sequences, spare blocks)."""
+    (decode), 2..8 (speculative), the whole sequence (no cached prefix), or any chunk; at most
+    ``max_q_len`` when given. Blocks are drawn as in :func:`paged_batches` (shuffled across
+    sequences, spare blocks)."""
     n = draw(st.integers(1, max_seqs), label="num_seqs")
     lens = draw(st.lists(
         st.one_of(st.integers(0, max_len),
@@ -229,7 +231,7 @@ def varlen_batches(draw, block_size: int, *, max_seqs: int = 4, max_len: int = 1
         kind = draw(st.sampled_from(["decode", "speculative", "whole", "chunk", "empty"]), label=f"q_kind{s}")
         q = {"decode": 1, "speculative": draw(st.integers(2, 8), label=f"spec{s}"), "whole": L, "empty": 0,
              "chunk": draw(st.integers(0, max(0, L)), label=f"chunk{s}")}[kind]
-        q_lens.append(min(q, L))
+        q_lens.append(min(q, L, L if max_q_len is None else max_q_len))
     blocks_per = [-(-x // block_size) for x in lens]
     max_blocks = max(1, max(blocks_per)) + draw(st.integers(0, 2), label="extra_table_columns")
     spare = draw(st.integers(0, 3), label="spare_blocks")

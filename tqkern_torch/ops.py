@@ -68,7 +68,8 @@ def _block_shape(layout: PagedLayout) -> tuple:
 
 def _check_cache(cache, layout: PagedLayout, device=None):
     check_tensor(cache, "cache", dtypes=(torch.uint8,), device=device, contiguous=True)
-    want = _block_shape(layout)
+    # (while dynamo traces, the uncached function: it warns about tracing through lru_cache)
+    want = _block_shape.__wrapped__(layout) if torch.compiler.is_compiling() else _block_shape(layout)
     if cache.dim() != len(want) + 1 or tuple(cache.shape[1:]) != want:
         raise ValueError(f"cache must have shape [num_blocks, {', '.join(map(str, want))}], got {list(cache.shape)}")
 

@@ -14,14 +14,16 @@ from tqkern_torch.attention import _cache_or_stand_in, _check_query, _kernel_ind
 from tqkern_torch.errors import check_errors, error_word
 from tqkern_torch.library import _host_params, layout_key, layout_of
 from tqkern_torch.ops import _check_cache, _check_layout, _device_params
+from tqkern_torch.short_rows import SHORT_QUERY_MAX, short_rows
 
 __all__ = ["int8_prefill", "prefill"]
 
 
 def _inputs_checked_on_host(q, block_table, seq_lens, query_start_loc, sinks, num_blocks: int,
-                            block_size: int) -> None:
+                            block_size: int, max_query_len: Optional[int]) -> int:
     """The value checks (a device sync): ``query_start_loc`` against ``num_tokens`` and the
-    lengths, ``seq_lens`` and the used ``block_table`` entries against the cache, finite sinks."""
+    lengths (and ``max_query_len``), ``seq_lens`` and the used ``block_table`` entries against the
+    cache, finite sinks. Returns the longest ``q_len``."""
     qsl = query_start_loc.cpu().to(torch.int64)
     sl = seq_lens.cpu().to(torch.int64)
     t = q.shape[0]
@@ -51,13 +53,18 @@ def _inputs_checked_on_host(q, block_table, seq_lens, query_start_loc, sinks, nu
                          f"got range [{int(ids.min())}, {int(ids.max())}]")
     if sinks is not None and not bool(torch.isfinite(sinks).all()):
         raise ValueError("sinks must be finite, got a NaN or inf")
+    longest = int(q_lens.max()) if q_lens.numel() else 0
+    if max_query_len is not None and longest > max_query_len:
+        s = int(torch.argmax(q_lens))
+        raise ValueError(f"max_query_len must be >= every q_len, got {max_query_len} < q_len {longest} of sequence {s}")
+    return longest
 
 
 def prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
             query_start_loc: torch.Tensor, layout, params, *, scale: Optional[float] = None,
             out: Optional[torch.Tensor] = None, window_left: Optional[int] = None,
             logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None, return_lse: bool = False,
-            check_inputs: bool = True, debug: bool = False):
+            max_query_len: Optional[int] = None, check_inputs: bool = True, debug: bool = False):
     """New tokens of several sequences attending causally to their compressed paged cache.
 
     The spec is the oracle's (:func:`tqkern.ops.prefill.reference.prefill`): sequence s owns the
@@ -80,8 +87,20 @@ def prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq
         logit_softcap: ``c > 0`` caps the scaled logits as ``c·tanh(a/c)``.
         sinks: float32 ``[num_q_heads]`` per-head sink logits.
         return_lse: also return the natural-log normaliser, float32 ``[num_tokens, num_q_heads]``.
+        max_query_len: an upper bound on every sequence's ``q_len`` (a host int, as serving
+            stacks keep one). When the longest ``q_len`` is at most
+            :data:`~tqkern_torch.short_rows.SHORT_QUERY_MAX` (8: decode and speculative rows)
+            and there is no ``window_left``, the call runs the decode kernel over the cached
+            prefix with the tokens as extra query heads, plus the ≤ 7 newest keys in float32
+            (:mod:`tqkern_torch.short_rows`): the cache is read once per KV head instead of by
+            a mostly empty query tile. The path follows the bound given (a larger one selects
+            the prefill kernel) or, with none, the longest ``q_len`` found by ``check_inputs``;
+            with neither (or while tracing or capturing, with none given) the call takes the
+            prefill kernel. With ``check_inputs`` a given bound is checked; a sequence whose
+            ``q_len`` exceeds a bound passed unchecked gets zero rows before its last
+            ``max_query_len`` ones.
         check_inputs: check the values of ``query_start_loc`` (``qsl[0] == 0``, non-decreasing,
-            ``qsl[-1] == num_tokens``, ``q_len ≤ seq_lens[s]``), ``seq_lens``, the used
+            ``qsl[-1] == num_tokens``, ``q_len ≤ seq_lens[s]``, ``q_len ≤ max_query_len``), ``seq_lens``, the used
             ``block_table`` entries and ``sinks`` on the host and raise ``ValueError`` naming
             them: a device sync, skipped while ``torch.compile`` traces or a CUDA graph is
             captured. Without it the kernels still never read or write outside their tensors
@@ -94,11 +113,11 @@ def prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq
         ``[num_tokens, num_q_heads, head_dim]`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
     """
     return _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale, out, window_left,
-                logit_softcap, sinks, return_lse, check_inputs, debug, False)
+                logit_softcap, sinks, return_lse, check_inputs, debug, False, max_query_len)
 
 
 def _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale, out, window_left, logit_softcap,
-         sinks, return_lse, check_inputs, debug, int8: bool):
+         sinks, return_lse, check_inputs, debug, int8: bool, max_query_len: Optional[int] = None):
     """:func:`prefill` and :func:`int8_prefill` after their signatures: checks, allocation, the op."""
     layout = _check_layout(layout)
     _check_query(q, layout, "num_tokens")
@@ -118,13 +137,26 @@ def _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     scale = resolve_scale(scale, d)
     opts = check_options(window_left, logit_softcap, None, q.shape[1])
-    if check_inputs and not _tracing_or_capturing(dev):
-        _inputs_checked_on_host(q, block_table, seq_lens, query_start_loc, sinks, cache.shape[0], layout.block_size)
+    if max_query_len is not None and (isinstance(max_query_len, bool) or not isinstance(max_query_len, int)
+                                      or max_query_len < 0):
+        raise ValueError(f"max_query_len must be None or an int >= 0, got {max_query_len!r}")
+    longest = max_query_len
+    checked = check_inputs and not _tracing_or_capturing(dev)
+    if checked:
+        found = _inputs_checked_on_host(q, block_table, seq_lens, query_start_loc, sinks, cache.shape[0],
+                                        layout.block_size, max_query_len)
+        longest = found if max_query_len is None else max_query_len
     p = _device_params(params, layout, dev)
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=dev) if return_lse else None
-    if q.shape[0]:
+    if (q.shape[0] and not int8 and opts.window_left is None and longest is not None
+            and 1 <= longest <= SHORT_QUERY_MAX and use_triton(dev)):
+        short_rows(q, cache, block_table, seq_lens, query_start_loc, layout, p, t=longest, scale=float(scale), out=out,
+                   lse=lse, logit_softcap=opts.logit_softcap, sinks=sinks, zero_rows=not checked)
+        if debug:
+            check_errors(dev)
+    elif q.shape[0]:
         args = (q, cache, block_table, seq_lens, query_start_loc, p.rotation, p.key_centroids, p.value_centroids,
                 p.key_centroids_f32, p.value_centroids_f32, sinks, out, lse, layout_key(layout), float(scale),
                 -1 if opts.window_left is None else opts.window_left,
@@ -207,11 +239,14 @@ def int8_prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
                  query_start_loc: torch.Tensor, layout, params, *, scale: Optional[float] = None,
                  out: Optional[torch.Tensor] = None, window_left: Optional[int] = None,
                  logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
-                 return_lse: bool = False, check_inputs: bool = True, debug: bool = False):
+                 return_lse: bool = False, max_query_len: Optional[int] = None, check_inputs: bool = True,
+                 debug: bool = False):
     """:func:`prefill` with Q·Kᵀ on int8 codes: the same arguments, checks and result; the scores
     are those of :func:`tqkern.ops.int8_prefill.reference.int8_prefill` (symmetric int8 codes of
     the rotated query per token and head and of each reconstructed key per token and KV head,
     ``s_q·s_k·(c_q·c_k)``; its docstring bounds the difference to ``prefill``). A kernel may pick
-    the neighbouring code where a value lies within float32 rounding of a half-integer."""
+    the neighbouring code where a value lies within float32 rounding of a half-integer. Every
+    call runs the int8 kernel (``max_query_len`` is only checked: short rows are bound by reading
+    the cache, where int8 products save nothing)."""
     return _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale, out, window_left,
-                logit_softcap, sinks, return_lse, check_inputs, debug, True)
+                logit_softcap, sinks, return_lse, check_inputs, debug, True, max_query_len)

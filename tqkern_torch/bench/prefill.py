@@ -2,15 +2,19 @@
 bottom-right causal mask on contiguous uncompressed K/V, and against what a user can do without a
 prefill kernel (``decompress_sequences`` of the whole context, then SDPA).
 
-Correctness first: each preset's ``prefill`` on a small mixed batch (query lengths 1, 5 and 20 over
-contexts of 40, 60 and 20 tokens, shuffled blocks) against the NumPy oracle, to 4e-3 of 4·max|out|
-(the decode gate's bound); a preset that fails is not timed.
+Correctness first: each preset's ``prefill`` on two small mixed batches over contexts of 40, 60
+and 20 tokens (shuffled blocks), query lengths 1, 5 and 20 (the prefill kernel) and 1, 5 and 3
+(the short-row path), against the NumPy oracle, to 4e-3 of 4·max|out| (the decode gate's bound);
+a preset that fails is not timed.
 
 Then, per shape (:data:`~tqkern_torch.bench.shapes.PREFILL_SHAPES`): ``num_seqs`` sequences, each
 with ``context`` tokens of which the last ``q_len`` are the new ones (all already in the cache, as
 ``prefill`` expects). ``flops`` (reported as ``tflops``): ``4·D·Hq`` per visible (query, key) pair,
 the causal count; every variant of a shape is credited the same FLOPs, so its TFLOP/s ratio is its
-speed-up. All by CUDA-graph replay.
+speed-up. ``prefill`` gets ``max_query_len = q_len`` (as a serving stack passes it): shapes of at
+most :data:`~tqkern_torch.short_rows.SHORT_QUERY_MAX` new tokens take the short-row path. Those
+shapes also time ``sdpa_fp16_1token``: SDPA fp16 of one new token per sequence over the same
+context (what the issue's speculative goal is measured against). All by CUDA-graph replay.
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ from tqkern_torch.bench.decode import make_layout
 from tqkern_torch.bench.report import record
 from tqkern_torch.bench.shapes import PrefillShape
 from tqkern_torch.bench.timing import graph_us
+from tqkern_torch.short_rows import SHORT_QUERY_MAX
 
-__all__ = ["BASELINE", "DECOMPRESS_SDPA", "batch", "causal_flops", "gate", "run_shape"]
+__all__ = ["BASELINE", "DECOMPRESS_SDPA", "SDPA_1TOKEN", "batch", "causal_flops", "gate", "run_shape"]
 
 BASELINE = "sdpa_fp16"
 DECOMPRESS_SDPA = "decompress_sdpa"
 INT8 = "int8"  # variant ``int8:<preset>``: ``int8_prefill`` of that preset
+SDPA_1TOKEN = "sdpa_fp16_1token"  # SDPA fp16 of one new token per sequence (short shapes)
 
 
 def causal_flops(shape: PrefillShape) -> int:
@@ -69,14 +75,15 @@ def gate(presets, *, device: str = "cuda", heads=((2, 64),), hq_per_kv: int = 2)
     for preset in presets:
         for hkv, d in heads:
             layout, params = make_layout(preset, hkv, d, device)
-            lens, q_lens = [40, 60, 20], [1, 5, 20]
-            cache, bt, sl, qsl, q = batch(layout, params, lens, q_lens, hkv * hq_per_kv, g, device)
-            got = tqt.prefill(q, cache, bt, sl, qsl, layout, params).float().cpu().numpy()
-            exp = ref.prefill(q.float().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(), sl.cpu().numpy(),
-                              qsl.cpu().numpy(), layout, params.params)
-            err = float(np.abs(got - exp).max())
-            tol = 4e-3 * (float(np.abs(exp).max()) * 4 + 1e-6)
-            out.append(dict(op="prefill", preset=preset, case=f"Hkv{hkv}/D{d}", max_err=err, tol=tol, ok=err <= tol))
+            for q_lens, path in (([1, 5, 20], ""), ([1, 5, 3], " short rows")):
+                cache, bt, sl, qsl, q = batch(layout, params, [40, 60, 20], q_lens, hkv * hq_per_kv, g, device)
+                got = tqt.prefill(q, cache, bt, sl, qsl, layout, params).float().cpu().numpy()
+                exp = ref.prefill(q.float().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(), sl.cpu().numpy(),
+                                  qsl.cpu().numpy(), layout, params.params)
+                err = float(np.abs(got - exp).max())
+                tol = 4e-3 * (float(np.abs(exp).max()) * 4 + 1e-6)
+                out.append(dict(op="prefill", preset=preset, case=f"Hkv{hkv}/D{d}{path}", max_err=err, tol=tol,
+                                ok=err <= tol))
     return out
 
 
@@ -103,15 +110,20 @@ def run_shape(shape: PrefillShape, presets, step, *, rep_ms: int = 100, device: 
         return F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, enable_gqa=hq != hkv)
 
     base_us = timer(sdpa)
-    k = v = None
     rows = [record("prefill", shape.name, BASELINE, BASELINE, base_us, base_us, flops=flops)]
     step(f"prefill {shape.name} {BASELINE}")
+    if lq <= SHORT_QUERY_MAX:
+        q1 = q4[:, :, -1:].contiguous()
+        us = timer(lambda: F.scaled_dot_product_attention(q1, k, v, enable_gqa=hq != hkv))
+        rows.append(record("prefill", shape.name, SDPA_1TOKEN, BASELINE, us, base_us))
+        step(f"prefill {shape.name} {SDPA_1TOKEN}")
+    k = v = None
     q = q4.transpose(1, 2).reshape(b * lq, hq, d).contiguous()
     for i, preset in enumerate(presets):
         layout, params = make_layout(preset, hkv, d, device)
         cache, bt, sl, qsl, _ = batch(layout, params, [n] * b, [lq] * b, hq, g, device)
         out = torch.empty_like(q)
-        us = timer(lambda: tqt.prefill(q, cache, bt, sl, qsl, layout, params, out=out))
+        us = timer(lambda: tqt.prefill(q, cache, bt, sl, qsl, layout, params, out=out, max_query_len=lq))
         rows.append(record("prefill", shape.name, preset, BASELINE, us, base_us, flops=flops))
         step(f"prefill {shape.name} {preset}")
         us = timer(lambda: tqt.int8_prefill(q, cache, bt, sl, qsl, layout, params, out=out))
