@@ -129,23 +129,40 @@ def test_head_groups_split_large_gqa_groups(group, want):
         head_groups(0)
 
 
-@pytest.mark.parametrize("hq,hkv,gs", [(16, 1, 2), (32, 2, 2), (32, 1, 4), (24, 2, 2)])
-def test_gqa_groups_above_8_take_the_per_warp_mma_kernel(hq, hkv, gs):
+@pytest.mark.parametrize("group,want", [(1, (1, 1)), (8, (1, 1)), (9, (3, 1)), (10, (1, 2)), (12, (1, 2)),
+                                        (16, (1, 2)), (24, (2, 2)), (32, (2, 2)), (40, (4, 2)), (64, (4, 2)),
+                                        (11, None), (72, None)])
+def test_head_tiles_pair_query_column_tiles(group, want):
+    """``(GS, QT)``: two column tiles per warp where an even split into tiles of at most 8 heads
+    exists in at most 4 warps, else :func:`head_groups`'s single tiles."""
+    from tqkern.ops.paged_decode.mma_plans import head_tiles
+
+    assert head_tiles(group) == want
+    with pytest.raises(ValueError, match="group must be a positive int"):
+        head_tiles(True)
+
+
+@pytest.mark.parametrize("hq,hkv,gs,qt", [(16, 1, 1, 2), (32, 2, 1, 2), (32, 1, 2, 2), (24, 2, 1, 2), (27, 3, 3, 1),
+                                          (40, 1, 4, 2)])
+def test_gqa_groups_above_8_take_the_per_warp_mma_kernel(hq, hkv, gs, qt):
     """A GQA group above 8 (Llama-3-405B on 8 GPUs: 16 query heads per KV head) takes the
-    per-warp MMA kernel with ``GS`` work items per KV head, each ``G = group / GS`` query heads
-    (never the cooperative kernel, whose warps are the KV heads); splits count those items."""
+    per-warp MMA kernel with ``GS`` work items per KV head, each ``QT`` column tiles of
+    ``G = group / (GS·QT)`` query heads (never the cooperative kernel, whose warps are the KV
+    heads), uncapped registers with two tiles; splits count the work items."""
     from tqkern.ops.paged_decode.mma_plans import num_splits_mma
     from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode
 
     layout = _layout("tq4", 128, hkv, "row")
     plan = plan_decode(layout, 16, hq, 2048, DeviceCaps.sm90(), same_codebooks=True)
     cx = dict(plan.decode.constexprs)
-    assert plan.decode.kernel == "mma" and cx["GS"] == gs
-    assert (cx["G"], cx["HKV"], cx["HQ"]) == (hq // hkv // gs, hkv * gs, hq)
+    assert plan.decode.kernel == "mma" and (cx["GS"], cx["QT"]) == (gs, qt)
+    assert (cx["G"], cx["HKV"], cx["HQ"]) == (hq // hkv // gs // qt, hkv * gs, hq)
     assert plan.num_splits == num_splits_mma(16, hkv * gs, 2048 * 16, 2 * 4 * 132)  # (occupancy unknown: 2 CTAs)
     assert plan.decode.grid == (-(-16 * hkv * gs * plan.num_splits // 4),)
-    # group 40 has no split into at most 4 groups of at most 8: the general kernel
-    assert plan_decode(_layout("tq4", 128, 1, "row"), 4, 40, 64, DeviceCaps.sm90(),
+    if qt == 2:
+        assert plan.decode.maxnreg == 0
+    # group 44 has no split into at most 4 warps of at most 2 tiles of 8: the general kernel
+    assert plan_decode(_layout("tq4", 128, 1, "row"), 4, 44, 64, DeviceCaps.sm90(),
                        same_codebooks=True).decode.kernel == "general"
 
 

@@ -218,13 +218,15 @@ def test_warp_mma_read_schemes_match_oracle(fmt, heads, block_size, expect):
     _mma_matches_oracle(fmt, heads, block_size, 3, expect)
 
 
-@pytest.mark.parametrize("preset,heads,group,gs", [
-    ("tq4", 1, 16, 2), ("turboquant_4bit_nc", 1, 16, 2), ("turboquant_k8v4", 2, 16, 2),
-    ("turboquant_3bit_nc", 2, 12, 2), ("turboquant_k3v4_nc", 1, 32, 4), ("tqkern_k5v3", 1, 24, 3)])
-def test_warp_mma_gqa_groups_above_8_match_oracle(preset, heads, group, gs):
-    """GQA groups above the MMA's 8 query heads (Llama-3-405B on 8 GPUs: 16 per KV head) run as
-    ``GS`` query-head groups per KV head, each a warp of its own."""
-    _mma_matches_oracle(tqkern.KVFormat.preset(preset, 128), heads, 16, group, dict(GS=gs))
+@pytest.mark.parametrize("preset,heads,group,gs,qt", [
+    ("tq4", 1, 16, 1, 2), ("turboquant_4bit_nc", 1, 16, 1, 2), ("turboquant_k8v4", 2, 16, 1, 2),
+    ("turboquant_3bit_nc", 2, 12, 1, 2), ("turboquant_k3v4_nc", 1, 32, 2, 2), ("tqkern_k5v3", 1, 24, 2, 2),
+    ("tq4", 2, 9, 3, 1), ("turboquant_4bit_nc", 1, 40, 4, 2)])
+def test_warp_mma_gqa_groups_above_8_match_oracle(preset, heads, group, gs, qt):
+    """GQA groups above the MMA's 8 query heads (Llama-3-405B on 8 GPUs: 16 per KV head; the
+    short-row prefill path: G·T) run as ``GS`` warps per KV head with ``QT`` query column tiles
+    each (two MMAs per decoded fragment), or single tiles for odd groups."""
+    _mma_matches_oracle(tqkern.KVFormat.preset(preset, 128), heads, 16, group, dict(GS=gs, QT=qt))
 
 
 def _mma_matches_oracle(fmt, heads, block_size, group, expect):

@@ -12,7 +12,7 @@ Budgets: today's values from Triton 3.9's ptxas (the GPU machines run Triton 3.6
 may differ a little); instruction budgets today's count + 3%. A change that lowers a number
 should lower its budget too. Shapes and presets: ``tqkern_torch/bench/shapes.py`` (B32x16K's
 Hq32/Hkv8/D128, SmolLM2's Hq9/Hkv3/D64, GQA 3, and Llama-3-405B's Hq16/Hkv1/D128, GQA 16 = two
-query-head groups per KV head, ``GS = 2``; the last two have no cooperative plan: 3 and 1 KV heads).
+query column tiles per warp, ``QT = 2``; the last two have no cooperative plan: 3 and 1 KV heads).
 """
 
 from __future__ import annotations
@@ -49,12 +49,12 @@ BUDGETS = {
     "mma:turboquant_k3v4_nc:slot:64:3:9:per_warp": (0, 840),
     "mma:turboquant_3bit_nc:slot:64:3:9:per_warp": (0, 840),
     "mma:tqkern_k5v3:slot:64:3:9:per_warp": (0, 1368),
-    "mma:tq4:row:128:1:16:per_warp": (0, 1456),  # GS = 2 (GQA 16)
-    "mma:turboquant_4bit_nc:slot:128:1:16:per_warp": (0, 1048),
-    "mma:turboquant_k8v4:slot:128:1:16:per_warp": (0, 760),
-    "mma:turboquant_k3v4_nc:slot:128:1:16:per_warp": (0, 1040),
-    "mma:turboquant_3bit_nc:slot:128:1:16:per_warp": (0, 1056),
-    "mma:tqkern_k5v3:slot:128:1:16:per_warp": (0, 2032),
+    "mma:tq4:row:128:1:16:per_warp": (0, 1840),  # QT = 2 (GQA 16: two column tiles), uncapped
+    "mma:turboquant_4bit_nc:slot:128:1:16:per_warp": (0, 1344),
+    "mma:turboquant_k8v4:slot:128:1:16:per_warp": (0, 1072),
+    "mma:turboquant_k3v4_nc:slot:128:1:16:per_warp": (0, 1344),
+    "mma:turboquant_3bit_nc:slot:128:1:16:per_warp": (0, 1360),
+    "mma:tqkern_k5v3:slot:128:1:16:per_warp": (0, 2424),
     "general:fp16:slot:128:8:32": (0, 952),
     # a window and a soft-cap (paged_decode(window_left=, logit_softcap=)): 132 registers, 105 without
     "general:fp16:slot:128:8:32:window+softcap": (0, 1096),

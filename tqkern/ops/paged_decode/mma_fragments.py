@@ -282,25 +282,40 @@ def _shifted(w, sh, N: tl.constexpr):
 
 
 @triton.jit
+def _mma2(s, s2, a0, a1, a2, a3, qf, i: tl.constexpr, j: tl.constexpr, NQ: tl.constexpr, QT: tl.constexpr):
+    """One decoded A fragment against the B fragments ``qf[i], qf[j]`` of each of the ``QT`` query
+    column tiles (tile 1's at ``NQ + i``, ``NQ + j``): the decode work is shared by both tiles."""
+    s = _mma(s, a0, a1, a2, a3, qf[i], qf[j])
+    if QT == 2:
+        s2 = _mma(s2, a0, a1, a2, a3, qf[NQ + i], qf[NQ + j])
+    return s, s2
+
+
+@triton.jit
 def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K_FP8: tl.constexpr,
-            K_BITS: tl.constexpr, NKT: tl.constexpr, K_FUN: tl.constexpr, E256: tl.constexpr = False):
-    """S^T (tokens r, r+8 × heads 2c, 2c+1) and, for decode-time norm correction, ‖c‖² of the
-    same tokens (all columns equal). FP8 keys: word ``i`` of the chunk is k-tile ``i`` (its
-    bytes 0, 1 the MMA columns 2c, 2c+1; bytes 2, 3 the columns 2c+8, 2c+9). 3-bit keys: the
-    chunk words shifted by ``k_sh`` bits, code pair ``p`` (bits ``6p ..``) one table entry; k-tile
-    ``i`` takes pairs ``2i`` (columns 2c, 2c+1) and ``2i + 1`` (2c+8, 2c+9)."""
+            K_BITS: tl.constexpr, NKT: tl.constexpr, K_FUN: tl.constexpr, E256: tl.constexpr = False,
+            NQ: tl.constexpr = 0, QT: tl.constexpr = 1):
+    """S^T (tokens r, r+8 × heads 2c, 2c+1) of each query column tile (``QT`` of them: the second's
+    B fragments are ``qf[NQ ..]``; for ``QT = 1`` the second result repeats the first) and, for
+    decode-time norm correction, ‖c‖² of the same tokens (all columns equal). FP8 keys: word
+    ``i`` of the chunk is k-tile ``i`` (its bytes 0, 1 the MMA columns 2c, 2c+1; bytes 2, 3 the
+    columns 2c+8, 2c+9). 3-bit keys: the chunk words shifted by ``k_sh`` bits, code pair ``p``
+    (bits ``6p ..``) one table entry; k-tile ``i`` takes pairs ``2i`` (columns 2c, 2c+1) and
+    ``2i + 1`` (2c+8, 2c+9)."""
     z = tl.zeros_like(lb.to(tl.float32))
     s = (z, z, z, z)  # two independent accumulation chains (even / odd k-tiles)
     t = (z, z, z, z)
+    s2 = (z, z, z, z)  # (the second column tile's)
+    t2 = (z, z, z, z)
     n = (z, z, z, z)
     if K_FP8:
         for i in tl.static_range(NKW):
             pw = _fp8_pairs(k0[i])
             px = _fp8_pairs(k1[i])
             if i % 2 == 0:
-                s = _mma(s, pw[0], px[0], pw[1], px[1], qf[2 * i], qf[2 * i + 1])
+                s, s2 = _mma2(s, s2, pw[0], px[0], pw[1], px[1], qf, 2 * i, 2 * i + 1, NQ, QT)
             else:
-                t = _mma(t, pw[0], px[0], pw[1], px[1], qf[2 * i], qf[2 * i + 1])
+                t, t2 = _mma2(t, t2, pw[0], px[0], pw[1], px[1], qf, 2 * i, 2 * i + 1, NQ, QT)
     elif K_BITS == 3 or K_BITS == 5:  # code pair p: coordinates c·D/4 + 2p, + 1
         x = _shifted(k0, k_sh, NKW - (K_BITS == 3))  # 3-bit: one word loaded beyond the chunk
         y = _shifted(k1, k_sh, NKW - (K_BITS == 3))
@@ -317,9 +332,9 @@ def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K
                 a2 = _lut1(_bits_at(x, 12 * i + 6, 6), lb)
                 a3 = _lut1(_bits_at(y, 12 * i + 6, 6), lb)
             if i % 2 == 0:
-                s = _mma(s, a0, a1, a2, a3, qf[2 * i], qf[2 * i + 1])
+                s, s2 = _mma2(s, s2, a0, a1, a2, a3, qf, 2 * i, 2 * i + 1, NQ, QT)
             else:
-                t = _mma(t, a0, a1, a2, a3, qf[2 * i], qf[2 * i + 1])
+                t, t2 = _mma2(t, t2, a0, a1, a2, a3, qf, 2 * i, 2 * i + 1, NQ, QT)
             if K_NC:
                 n = _mma(n, _sq(a0), _sq(a1), _sq(a2), _sq(a3), ones, ones)
     else:
@@ -329,23 +344,39 @@ def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K
         for i in tl.static_range(NKW):
             pw = _lut4(k0[i], lb, E256)  # chunk bytes 4i..4i+3 of token r
             px = _lut4(k1[i], lb, E256)  # ... of token r + 8
-            s = _mma(s, pw[0], px[0], pw[1], px[1], qf[4 * i], qf[4 * i + 1])
-            t = _mma(t, pw[2], px[2], pw[3], px[3], qf[4 * i + 2], qf[4 * i + 3])
+            s, s2 = _mma2(s, s2, pw[0], px[0], pw[1], px[1], qf, 4 * i, 4 * i + 1, NQ, QT)
+            t, t2 = _mma2(t, t2, pw[2], px[2], pw[3], px[3], qf, 4 * i + 2, 4 * i + 3, NQ, QT)
             if K_NC:
                 n = _mma(n, _sq(pw[0]), _sq(px[0]), _sq(pw[1]), _sq(px[1]), ones, ones)
                 n = _mma(n, _sq(pw[2]), _sq(px[2]), _sq(pw[3]), _sq(px[3]), ones, ones)
-    return (s[0] + t[0], s[1] + t[1], s[2] + t[2], s[3] + t[3]), n
+    sv = (s[0] + t[0], s[1] + t[1], s[2] + t[2], s[3] + t[3])
+    if QT == 2:
+        return sv, (s2[0] + t2[0], s2[1] + t2[1], s2[2] + t2[2], s2[3] + t2[3]), n
+    return sv, sv, n
 
 
 @triton.jit
-def _values(o, v0, v1, v2, v3, pb0, pb1, lb, v_sh_e, v_sh_o, NVW: tl.constexpr, CV: tl.constexpr,
+def _acc2(o, o2, res, res2, b: tl.constexpr, a0, a1, a2, a3, pb0, pb1, pc0, pc1, QT: tl.constexpr):
+    """M tile at ``o[b .. b + 3]``: one decoded A fragment against each column tile's P^T."""
+    acc = _mma((o[b], o[b + 1], o[b + 2], o[b + 3]), a0, a1, a2, a3, pb0, pb1)
+    res = res + (acc[0], acc[1], acc[2], acc[3])
+    if QT == 2:
+        acc = _mma((o2[b], o2[b + 1], o2[b + 2], o2[b + 3]), a0, a1, a2, a3, pc0, pc1)
+        res2 = res2 + (acc[0], acc[1], acc[2], acc[3])
+    return res, res2
+
+
+@triton.jit
+def _values(o, o2, v0, v1, v2, v3, pb0, pb1, pc0, pc1, lb, v_sh_e, v_sh_o, NVW: tl.constexpr, CV: tl.constexpr,
             V_UNIFORM: tl.constexpr, V_FUN: tl.constexpr, V_BITS: tl.constexpr, NMT: tl.constexpr,
-            E256: tl.constexpr = False):
+            E256: tl.constexpr = False, QT: tl.constexpr = 1):
     """O^T += V^T·P^T over the lane's chunk (4-bit: M tile i ← chunk byte i; 3-bit: M tile i ←
-    codes 2i (row r) and 2i + 1 (row r + 8) of the chunk). Shifted chunks (``V_FUN``) are
-    aligned first (even tokens by ``v_sh_e`` bits, odd ones by ``v_sh_o``)."""
+    codes 2i (row r) and 2i + 1 (row r + 8) of the chunk), for each query column tile (``QT = 2``:
+    ``o2 += V^T·(pc0, pc1)`` with the same decoded fragments; else ``o2``/``pc*`` are not read). Shifted chunks (``V_FUN``) are
+    aligned first (even tokens by ``v_sh_e`` bits, odd ones by ``v_sh_o``). Returns ``(o, o2)``."""
     TPW: tl.constexpr = 4 if CV >= 4 else CV  # M tiles per 32-bit word of the chunk
     res = ()
+    res2 = ()
     if V_FUN:  # the chunks' words from the words that hold them (3-bit values: always)
         v0 = _shifted(v0, v_sh_e, (CV + 3) // 4)
         v1 = _shifted(v1, v_sh_o, (CV + 3) // 4)
@@ -367,8 +398,7 @@ def _values(o, v0, v1, v2, v3, pb0, pb1, lb, v_sh_e, v_sh_o, NVW: tl.constexpr, 
                 a1 = _lut1(_v3_index(xa, xb, 2 * i + 1), lb)
                 a2 = _lut1(_v3_index(xc, xd, 2 * i), lb)
                 a3 = _lut1(_v3_index(xc, xd, 2 * i + 1), lb)
-            acc = _mma((o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]), a0, a1, a2, a3, pb0, pb1)
-            res = res + (acc[0], acc[1], acc[2], acc[3])
+            res, res2 = _acc2(o, o2, res, res2, 4 * i, a0, a1, a2, a3, pb0, pb1, pc0, pc1, QT)
     else:
         for w in tl.static_range(NVW):
             if V_UNIFORM:
@@ -386,10 +416,11 @@ def _values(o, v0, v1, v2, v3, pb0, pb1, lb, v_sh_e, v_sh_o, NVW: tl.constexpr, 
                 lo_cd = _lut4(m_cd[0], lb, E256)
                 hi_cd = _lut4(m_cd[1], lb, E256)
             for k in tl.static_range(TPW):  # M tile 4w + k
-                acc = _mma((o[16 * w + 4 * k], o[16 * w + 4 * k + 1], o[16 * w + 4 * k + 2], o[16 * w + 4 * k + 3]),
-                           lo_ab[k], hi_ab[k], lo_cd[k], hi_cd[k], pb0, pb1)
-                res = res + (acc[0], acc[1], acc[2], acc[3])
-    return res
+                res, res2 = _acc2(o, o2, res, res2, 16 * w + 4 * k, lo_ab[k], hi_ab[k], lo_cd[k], hi_cd[k], pb0, pb1,
+                                  pc0, pc1, QT)
+    if QT == 2:
+        return res, res2
+    return res, o2
 
 
 @triton.jit

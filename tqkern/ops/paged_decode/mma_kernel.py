@@ -90,7 +90,7 @@ def _paged_decode_mma_kernel(
     K_BITS: tl.constexpr = 4, K_FUN: tl.constexpr = False, V_FUN: tl.constexpr = False, V_BITS: tl.constexpr = 4,
     PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0, SUB: tl.constexpr = 1,
     COOP: tl.constexpr = 0, RS: tl.constexpr = 0, SMEM_OFF: tl.constexpr = 0, LUT_AT: tl.constexpr = 0,
-    NLOW: tl.constexpr = 0, LATE_V: tl.constexpr = 0, GS: tl.constexpr = 1,
+    NLOW: tl.constexpr = 0, LATE_V: tl.constexpr = 0, GS: tl.constexpr = 1, QT: tl.constexpr = 1,
 ):
     NT: tl.constexpr = 32 * WARPS
     K3: tl.constexpr = K_BITS == 3
@@ -212,31 +212,34 @@ def _paged_decode_mma_kernel(
     geo = LaneGeometry(ka0, va0, va1, kb_off, vb_off, vc_off, k_masks, v_masks, k_sec_on, v_sec_on, k_mis, v_mis_e,
                        v_mis_o)
 
-    # -- q as the B operand of S^T = K·Q^T: head r, the coordinates of this lane's key chunk ------
-    q_row = q_ptr + ((s * HQ + h * G + r) * D).to(tl.int64)
+    # -- q as the B operand of S^T = K·Q^T: head r of each query column tile (QT of them: heads
+    # (h·QT + j)·G + r), the coordinates of this lane's key chunk; tile j's fragments at qf[NQ·j ..]
+    NQ: tl.constexpr = D // 8 if (K3 or K5) else (2 * NKW if K_FP8 else CK)
     q_ok = live & (r < G)
     qf = ()
-    if K3 or K5:  # code pair p of the chunk: coordinates c·D/4 + 2p, + 1
-        for p in tl.static_range(D // 8):
-            x0 = tl.load(q_row + c * (D // 4) + 2 * p, mask=q_ok, other=0.0)
-            x1 = tl.load(q_row + c * (D // 4) + 2 * p + 1, mask=q_ok, other=0.0)
-            qf = qf + (_pack2(x0, x1),)
-    elif K_FP8:  # word i of the chunk (field word fw, coordinates 4fw .. 4fw + 3): two pairs
-        for i in tl.static_range(NKW):
-            fw = K_NW * (4 * (i // K_NW) + c) + i % K_NW
-            for e in tl.static_range(2):
-                x0 = tl.load(q_row + 4 * fw + 2 * e, mask=q_ok, other=0.0)
-                x1 = tl.load(q_row + 4 * fw + 2 * e + 1, mask=q_ok, other=0.0)
+    for qt in tl.static_range(QT):
+        q_row = q_ptr + ((s * HQ + (h * QT + qt) * G + r) * D).to(tl.int64)
+        if K3 or K5:  # code pair p of the chunk: coordinates c·D/4 + 2p, + 1
+            for p in tl.static_range(D // 8):
+                x0 = tl.load(q_row + c * (D // 4) + 2 * p, mask=q_ok, other=0.0)
+                x1 = tl.load(q_row + c * (D // 4) + 2 * p + 1, mask=q_ok, other=0.0)
                 qf = qf + (_pack2(x0, x1),)
-    else:
-        for j in tl.static_range(CK):
-            if K_FUN:
-                f = CK * c + j
-            else:
-                f = (CK * (c + 1) + j - k_mis) % (4 * CK)
-            x0 = tl.load(q_row + _dim_of(f, 0, NIBBLE), mask=q_ok, other=0.0)
-            x1 = tl.load(q_row + _dim_of(f, 1, NIBBLE), mask=q_ok, other=0.0)
-            qf = qf + (_pack2(x0, x1),)
+        elif K_FP8:  # word i of the chunk (field word fw, coordinates 4fw .. 4fw + 3): two pairs
+            for i in tl.static_range(NKW):
+                fw = K_NW * (4 * (i // K_NW) + c) + i % K_NW
+                for e in tl.static_range(2):
+                    x0 = tl.load(q_row + 4 * fw + 2 * e, mask=q_ok, other=0.0)
+                    x1 = tl.load(q_row + 4 * fw + 2 * e + 1, mask=q_ok, other=0.0)
+                    qf = qf + (_pack2(x0, x1),)
+        else:
+            for j in tl.static_range(CK):
+                if K_FUN:
+                    f = CK * c + j
+                else:
+                    f = (CK * (c + 1) + j - k_mis) % (4 * CK)
+                x0 = tl.load(q_row + _dim_of(f, 0, NIBBLE), mask=q_ok, other=0.0)
+                x1 = tl.load(q_row + _dim_of(f, 1, NIBBLE), mask=q_ok, other=0.0)
+                qf = qf + (_pack2(x0, x1),)
     ones = tl.full([NT], 0x3C003C00, tl.int32)
 
     # -- state -----------------------------------------------------------------------------------
@@ -251,6 +254,13 @@ def _paged_decode_mma_kernel(
     z_e = zf  # Σ p·zero (uniform values)
     z_o = zf
     vmax = zf  # running max of the value factors (P^T is scaled by 1/vmax)
+    o2 = o  # the second query column tile's state (QT = 2; shares vmax)
+    m_e2 = m_e
+    m_o2 = m_o
+    l_e2 = zf
+    l_o2 = zf
+    z_e2 = zf
+    z_o2 = zf
 
     # Software pipeline: the K/V data of the next PREFETCH steps is in flight in registers (a
     # ring), and the block-table entry of the step after those is looked up one iteration
@@ -281,6 +291,8 @@ def _paged_decode_mma_kernel(
         mx_e = zf
         mx_o = zf
         mx_v = zf
+        mx_e2 = zf
+        mx_o2 = zf
         for u in tl.static_range(SUB):
             if COOP:
                 k0, k1, v0, v1, v2, v3, fac = _load_step(cache_ptr, bt_row, sb + 16 * u * RS, t0 + 16 * u, end, r, c,
@@ -296,25 +308,42 @@ def _paged_decode_mma_kernel(
                 blk = _step_block(bt_row, tn + 16, end, BS)
             ok0 = (t0 + 16 * u + r) < end
             ok1 = (t0 + 16 * u + r + 8) < end
-            sv, cn = _scores(k0, k1, qf, lb, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN, LUT_AT > 0)
+            sv, sv2, cn = _scores(k0, k1, qf, lb, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN, LUT_AT > 0,
+                                  NQ, QT)
             s0, s1, s2, s3 = _scaled_scores(sv, cn, fac, ok0, ok1, sm_scale_log2, K_NC)
+            e0, e1, e2, e3 = _scaled_scores(sv2, cn, fac, ok0, ok1, sm_scale_log2, K_NC)  # (QT = 2: tile 1)
             vf0 = tl.where(ok0, fac[2], 0.0)
             vf1 = tl.where(ok1, fac[3], 0.0)
             if u == 0:
                 mx_e = tl.maximum(s0, s2)
                 mx_o = tl.maximum(s1, s3)
                 mx_v = tl.maximum(tl.abs(vf0), tl.abs(vf1))
+                if QT == 2:
+                    mx_e2 = tl.maximum(e0, e2)
+                    mx_o2 = tl.maximum(e1, e3)
             else:
                 mx_e = tl.maximum(mx_e, tl.maximum(s0, s2))
                 mx_o = tl.maximum(mx_o, tl.maximum(s1, s3))
                 mx_v = tl.maximum(mx_v, tl.maximum(tl.abs(vf0), tl.abs(vf1)))
-            steps = steps + ((v0, v1, v2, v3, s0, s1, s2, s3, vf0, vf1, fac, ok0, ok1),)
+                if QT == 2:
+                    mx_e2 = tl.maximum(mx_e2, tl.maximum(e0, e2))
+                    mx_o2 = tl.maximum(mx_o2, tl.maximum(e1, e3))
+            steps = steps + ((v0, v1, v2, v3, s0, s1, s2, s3, vf0, vf1, fac, ok0, ok1, e0, e1, e2, e3),)
         mn_e = tl.maximum(m_e, _warp_max_r(mx_e))
         mn_o = tl.maximum(m_o, _warp_max_r(mx_o))
         a_e = tl.exp2(m_e - mn_e)
         a_o = tl.exp2(m_o - mn_o)
+        mn_e2 = m_e2
+        mn_o2 = m_o2
+        a_e2 = zf
+        a_o2 = zf
+        if QT == 2:
+            mn_e2 = tl.maximum(m_e2, _warp_max_r(mx_e2))
+            mn_o2 = tl.maximum(m_o2, _warp_max_r(mx_o2))
+            a_e2 = tl.exp2(m_e2 - mn_e2)
+            a_o2 = tl.exp2(m_o2 - mn_o2)
         for u in tl.static_range(SUB):
-            v0, v1, v2, v3, s0, s1, s2, s3, vf0, vf1, fac, ok0, ok1 = steps[u]
+            v0, v1, v2, v3, s0, s1, s2, s3, vf0, vf1, fac, ok0, ok1, e0, e1, e2, e3 = steps[u]
             if LV:  # this step's values from the stage, now
                 _, _, v0, v1, v2, v3, _ = _load_step(cache_ptr, bt_row, sb + 16 * u * RS, t0 + 16 * u, end, r, c,
                                                      geo, BS, ROW_BYTES, CK, CV, K_MERGE, V_MERGE, K_DT, V_DT,
@@ -330,6 +359,21 @@ def _paged_decode_mma_kernel(
             else:
                 l_e = l_e + (p0 + p2)
                 l_o = l_o + (p1 + p3)
+            pe0 = p0
+            pe1 = p1
+            pe2 = p2
+            pe3 = p3
+            if QT == 2:
+                pe0 = tl.exp2(e0 - mn_e2)
+                pe1 = tl.exp2(e1 - mn_o2)
+                pe2 = tl.exp2(e2 - mn_e2)
+                pe3 = tl.exp2(e3 - mn_o2)
+                if u == 0:
+                    l_e2 = l_e2 * a_e2 + (pe0 + pe2)
+                    l_o2 = l_o2 * a_o2 + (pe1 + pe3)
+                else:
+                    l_e2 = l_e2 + (pe0 + pe2)
+                    l_o2 = l_o2 + (pe1 + pe3)
             if V_UNIFORM:
                 vz0 = tl.where(ok0, fac[4], 0.0)
                 vz1 = tl.where(ok1, fac[5], 0.0)
@@ -339,21 +383,52 @@ def _paged_decode_mma_kernel(
                 else:
                     z_e = z_e + (p0 * vz0 + p2 * vz1)
                     z_o = z_o + (p1 * vz0 + p3 * vz1)
+                if QT == 2:
+                    if u == 0:
+                        z_e2 = z_e2 * a_e2 + (pe0 * vz0 + pe2 * vz1)
+                        z_o2 = z_o2 * a_o2 + (pe1 * vz0 + pe3 * vz1)
+                    else:
+                        z_e2 = z_e2 + (pe0 * vz0 + pe2 * vz1)
+                        z_o2 = z_o2 + (pe1 * vz0 + pe3 * vz1)
             if u == 0:  # one rescale of the output per update
                 vn = tl.maximum(vmax, _warp_max_r(mx_v))
                 ratio = tl.where(vn > 0, vmax / tl.where(vn > 0, vn, 1.0), 1.0)
                 inv = tl.where(vn > 0, 1.0 / tl.where(vn > 0, vn, 1.0), 0.0)
                 vmax = vn
                 o = _rescale(o, a_e * ratio, a_o * ratio, NMT)
+                if QT == 2:
+                    o2 = _rescale(o2, a_e2 * ratio, a_o2 * ratio, NMT)
             w0 = vf0 * inv
             w1 = vf1 * inv
             pb = _p_fragments(p0 * w0, p1 * w0, p2 * w1, p3 * w1)
-            o = _values(o, v0, v1, v2, v3, pb[0], pb[1], lb, v_mis_e * 8, v_mis_o * 8, NVW, CV, V_UNIFORM, V_FUN,
-                        V_BITS, NMT, LUT_AT > 0)
+            pc = pb
+            if QT == 2:
+                pc = _p_fragments(pe0 * w0, pe1 * w0, pe2 * w1, pe3 * w1)
+            o, o2 = _values(o, o2, v0, v1, v2, v3, pb[0], pb[1], pc[0], pc[1], lb, v_mis_e * 8, v_mis_o * 8, NVW, CV,
+                            V_UNIFORM, V_FUN, V_BITS, NMT, LUT_AT > 0, QT)
         m_e = mn_e
         m_o = mn_o
+        m_e2 = mn_e2
+        m_o2 = mn_o2
 
     # -- partial results: acc [S, HQ, NUM_SPLITS, DP], (m, l) [S, HQ, NUM_SPLITS, 2] --------------
+    for qt in tl.static_range(QT):
+        if qt == 0:
+            _store_partials(acc_ptr, ml_ptr, o, m_e, m_o, l_e, l_o, z_e, z_o, vmax, (s * HQ + h * QT * G + 2 * c), split,
+                            live, r, c, v_mis, NUM_SPLITS, G, D, DP, NIBBLE, V_UNIFORM, V_BITS, V_FUN, CV, NMT)
+        else:
+            _store_partials(acc_ptr, ml_ptr, o2, m_e2, m_o2, l_e2, l_o2, z_e2, z_o2, vmax,
+                            (s * HQ + (h * QT + 1) * G + 2 * c), split, live, r, c, v_mis, NUM_SPLITS, G, D, DP,
+                            NIBBLE, V_UNIFORM, V_BITS, V_FUN, CV, NMT)
+
+
+@triton.jit
+def _store_partials(acc_ptr, ml_ptr, o, m_e, m_o, l_e, l_o, z_e, z_o, vmax, head_e, split, live, r, c, v_mis,
+                    NUM_SPLITS, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, NIBBLE: tl.constexpr,
+                    V_UNIFORM: tl.constexpr, V_BITS: tl.constexpr, V_FUN: tl.constexpr, CV: tl.constexpr,
+                    NMT: tl.constexpr):
+    """One query column tile's partials: O^T (heads ``head_e`` = query head of column 2c, and the
+    next), its running max and sum (reduced over the warp here) for this split."""
     l_e = _warp_sum_r(l_e)
     l_o = _warp_sum_r(l_o)
     if V_UNIFORM:
@@ -365,7 +440,7 @@ def _paged_decode_mma_kernel(
     else:
         sc_lo = vmax
         sc_hi = vmax
-    part_e = (s * HQ + h * G + 2 * c).to(tl.int64) * NUM_SPLITS + split
+    part_e = head_e.to(tl.int64) * NUM_SPLITS + split
     part_o = part_e + NUM_SPLITS
     ok_e = live & (2 * c < G)
     ok_o = live & (2 * c + 1 < G)

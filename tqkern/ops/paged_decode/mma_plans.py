@@ -39,8 +39,9 @@ class MmaPlan:
     two aligned words), ``K_FUN`` / ``V_FUN`` (funnel-shifted words). ``SUB``: 16-token steps per
     softmax update. Cooperative stages (``None``: the per-warp kernel): ``COOP`` stages, ``RS``
     row stride, ``SMEM_OFF``, ``LATE_V``; the PRMT-addressed table ``LUT_AT`` / ``NLOW``
-    (:func:`table256_plan`). ``GS``: query-head groups per KV head (a GQA group of more than 8
-    heads runs as ``GS`` groups of ``group / GS <= 8``, one warp each: :func:`head_groups`)."""
+    (:func:`table256_plan`). A GQA group of more than 8 heads (:func:`head_tiles`): ``GS`` work
+    items (warps) per KV head, each with ``QT`` query column tiles of ``group / (GS·QT) <= 8``
+    heads (``QT = 2``: every decoded K and V fragment feeds two MMAs)."""
 
     D: int
     DP: int
@@ -70,6 +71,7 @@ class MmaPlan:
     V_FUN: bool
     V_BITS: int
     GS: int = 1
+    QT: int = 1
     COOP: Optional[int] = None
     RS: Optional[int] = None
     SMEM_OFF: Optional[int] = None
@@ -101,7 +103,7 @@ def mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
     or FP8, and values are 4- or 3-bit uniform codes, 4-bit Lloyd-Max codes next to 4-bit keys
     (no decode-time norm correction; the launcher also requires the keys' codebook, see
     ``tqkern.ops.paged_decode.triton.decode_path``) or 3-bit Lloyd-Max codes next to 5-bit keys;
-    ``head_dim`` 64 or 128; ``group ≤ 8``, or a larger group that :func:`head_groups` splits; rows of an even number of bytes (2 mod 4 only in
+    ``head_dim`` 64 or 128; ``group ≤ 8``, or a larger group that :func:`head_tiles` splits; rows of an even number of bytes (2 mod 4 only in
     blocks of an even number of rows and not with FP8 keys); FP8 key fields at 4-byte offsets;
     a 3-bit key field's over-read word inside the row; norms, scales and zeros aligned to their
     size in every row."""
@@ -131,9 +133,10 @@ def _mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
     # codebook), 3-bit key pairs, or 5-bit key codes next to 3-bit Lloyd-Max value pairs.
     if v_lm and not ((value.bits == 4 and isinstance(key, LloydMax) and key.bits == 4) or (value.bits == 3 and k5)):
         return None
-    gs = head_groups(group)
-    if d not in (64, 128) or gs is None:
+    tiles = head_tiles(group)
+    if d not in (64, 128) or tiles is None:
         return None
+    gs, qt = tiles
     rb = layout.row_bytes
     # Rows of 2 mod 4 bytes: a row's offset from a word boundary must follow from the token's
     # position alone (blocks of an even number of rows), and FP8 keys are read as aligned words.
@@ -174,7 +177,7 @@ def _mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
         V_B_STRIDE=c["V_B_STRIDE"], V_C_OFF=c["V_C_OFF"], V_C_STRIDE=c["V_C_STRIDE"], V_DT=v_dt,
         K_MERGE=key.bits == 4 and not k_fun and bool(c["K_A_OFF"] % ck or c["K_A_STRIDE"] % ck),
         V_MERGE=not v_fun and bool(c["V_A_OFF"] % cv or c["V_A_STRIDE"] % cv),
-        K_FUN=k_fun, V_FUN=v_fun, V_BITS=value.bits, GS=gs,
+        K_FUN=k_fun, V_FUN=v_fun, V_BITS=value.bits, GS=gs, QT=qt,
     )
     # CTA-cooperative stages where they apply and CTAs have at least 4 warps (each CTA fills its
     # own table), measured on the H100 (docs/performance.md §37-39, §47): Lloyd-Max values 4
@@ -184,7 +187,7 @@ def _mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
     # stages of one step (two steps gained nothing). The decode plan (:func:`.plan.plan_decode`)
     # drops them where the device's shared memory is smaller.
     coop = None
-    if layout.num_kv_heads >= 4 and gs == 1:  # (a cooperative CTA's warps are its KV heads)
+    if layout.num_kv_heads >= 4 and gs == 1 and qt == 1:  # (a cooperative CTA's warps are its KV heads)
         sub, stages = (2, 4) if not v_uniform else (1, 3) if k_fp8 else (2, 2)
         coop = coop_plan(dataclasses.replace(plan, SUB=sub), layout, stages)
     return coop or plan
@@ -202,6 +205,24 @@ def head_groups(group: int) -> int | None:
     if not isinstance(group, int) or isinstance(group, bool) or group < 1:
         raise ValueError(f"group must be a positive int, got {group!r}")
     return next((gs for gs in range(1, _MAX_HEAD_GROUPS + 1) if group % gs == 0 and group // gs <= 8), None)
+
+
+def head_tiles(group: int) -> tuple[int, int] | None:
+    """``(GS, QT)`` for a GQA group on the warp-MMA kernel: ``(1, 1)`` for ``group ≤ 8``; above,
+    two query column tiles per warp (``QT = 2``: the decoded fragments feed two MMAs, measured
+    first on the H100 in session 19) in the fewest ``GS ≤ 4`` warps per KV head whose tiles hold
+    at most 8 heads (16 → 1 × 2 × 8, 12 → 1 × 2 × 6, 24 → 2 × 2 × 6, 40 → 4 × 2 × 5); a group
+    no such split divides (an odd one: 9, 11, 13, …) falls back to :func:`head_groups`'s single
+    tiles (9 → 3 × 3), or ``None``."""
+    if not isinstance(group, int) or isinstance(group, bool) or group < 1:
+        raise ValueError(f"group must be a positive int, got {group!r}")
+    if group <= 8:
+        return 1, 1
+    gs = next((g for g in range(1, _MAX_HEAD_GROUPS + 1) if group % (2 * g) == 0 and group // (2 * g) <= 8), None)
+    if gs is not None:
+        return gs, 2
+    gs = head_groups(group)
+    return None if gs is None else (gs, 1)
 
 
 def per_warp_plan(plan: MmaPlan) -> MmaPlan:

@@ -341,8 +341,10 @@ def mma_kernel_plan(layout, plan: MmaPlan, num_seqs: int, num_q_heads: int, num_
         # inside the loop); with joined fields the kernel needs ~168 and a cap spills in the loop;
         # two steps per iteration (SUB = 2) hold a two-step ring: 168 (12 warps/SM) measured fastest
         maxnreg = 0 if plan.K_MERGE or plan.V_MERGE else 168 if plan.SUB == 2 else 128
+        if plan.QT == 2:  # two query column tiles: the second's accumulators spill under either cap
+            maxnreg = 0
     heads = hkv * plan.GS  # the kernel's work items per (sequence, split): (KV head, query-head group) pairs
-    cx = dict(G=num_q_heads // heads, HKV=heads, HQ=num_q_heads, WARPS=warps, BS=layout.block_size,
+    cx = dict(G=num_q_heads // (heads * plan.QT), HKV=heads, HQ=num_q_heads, WARPS=warps, BS=layout.block_size,
               PREFETCH=prefetch, HINT=hint, **plan.constexprs())
     total = num_seqs * heads * num_splits
     grid = (num_seqs * num_splits,) if coop else (-(-total // warps),)
