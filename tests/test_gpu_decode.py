@@ -221,7 +221,9 @@ def test_warp_mma_read_schemes_match_oracle(fmt, heads, block_size, expect):
 @pytest.mark.parametrize("preset,heads,group,gs,qt", [
     ("tq4", 1, 16, 1, 2), ("turboquant_4bit_nc", 1, 16, 1, 2), ("turboquant_k8v4", 2, 16, 1, 2),
     ("turboquant_3bit_nc", 2, 12, 1, 2), ("turboquant_k3v4_nc", 1, 32, 2, 2), ("tqkern_k5v3", 1, 24, 2, 2),
-    ("tq4", 2, 9, 3, 1), ("turboquant_4bit_nc", 1, 40, 4, 2)])
+    ("tq4", 2, 9, 3, 1), ("turboquant_4bit_nc", 1, 40, 4, 2),
+    # four and eight KV heads: two column tiles under cooperative stages
+    ("tq4", 4, 16, 1, 2), ("turboquant_4bit_nc", 8, 16, 1, 2), ("turboquant_3bit_nc", 8, 16, 1, 2)])
 def test_warp_mma_gqa_groups_above_8_match_oracle(preset, heads, group, gs, qt):
     """GQA groups above the MMA's 8 query heads (Llama-3-405B on 8 GPUs: 16 per KV head; the
     short-row prefill path: G·T) run as ``GS`` warps per KV head with ``QT`` query column tiles

@@ -187,7 +187,7 @@ def _mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
     # stages of one step (two steps gained nothing). The decode plan (:func:`.plan.plan_decode`)
     # drops them where the device's shared memory is smaller.
     coop = None
-    if layout.num_kv_heads >= 4 and gs == 1 and qt == 1:  # (a cooperative CTA's warps are its KV heads)
+    if layout.num_kv_heads >= 4 and gs == 1:  # (a cooperative CTA's warps are its KV heads)
         sub, stages = (2, 4) if not v_uniform else (1, 3) if k_fp8 else (2, 2)
         coop = coop_plan(dataclasses.replace(plan, SUB=sub), layout, stages)
     return coop or plan

@@ -335,8 +335,8 @@ def mma_kernel_plan(layout, plan: MmaPlan, num_seqs: int, num_q_heads: int, num_
         warps = hkv
     if prefetch is None:  # the ring holds the steps of one iteration (measured: SUB = 2 with 1 step slower)
         prefetch = plan.SUB
-    if maxnreg is None and coop:  # two CTAs of 8 warps per SM
-        maxnreg = 128
+    if maxnreg is None and coop:  # two CTAs of 8 warps per SM (two column tiles: one CTA, uncapped)
+        maxnreg = 0 if plan.QT == 2 else 128
     if maxnreg is None:  # measured (H100): capped at 128 registers ~2% faster for aligned fields (no spill
         # inside the loop); with joined fields the kernel needs ~168 and a cap spills in the loop;
         # two steps per iteration (SUB = 2) hold a two-step ring: 168 (12 warps/SM) measured fastest
