@@ -437,6 +437,15 @@ def _scaled_scores(sv, cn, fac, ok0, ok1, sm_scale_log2, K_NC: tl.constexpr):
 
 
 @triton.jit
+def _accumulate(x_e, x_o, a_e, a_o, add_e, add_o, FIRST: tl.constexpr):
+    """Running per-column sums (columns 2c, 2c+1) plus this step's terms, rescaled by the softmax
+    correction factors ``a_e``/``a_o`` on the first step of an update (``FIRST``)."""
+    if FIRST:
+        return x_e * a_e + add_e, x_o * a_o + add_o
+    return x_e + add_e, x_o + add_o
+
+
+@triton.jit
 def _rescale(o, be, bo, NMT: tl.constexpr):
     """O^T columns 2c (×be) and 2c+1 (×bo). (Skipping this when every factor is 1, by a
     warp-uniform branch, measured 2-3% slower on the H100: the branch splits ptxas's scheduling

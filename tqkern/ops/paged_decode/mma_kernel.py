@@ -67,9 +67,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tqkern.ops.paged_decode.mma_fragments import (LUT_BYTES, _dim_of, _lut_declare, _lut_fill, _lut_fill_k5,
-                                                   _p_fragments, _pack2, _rescale, _scaled_scores, _scores, _values,
-                                                   _warp_max_r, _warp_sum_r)
+from tqkern.ops.paged_decode.mma_fragments import (LUT_BYTES, _accumulate, _dim_of, _lut_declare, _lut_fill,
+                                                   _lut_fill_k5, _p_fragments, _pack2, _rescale, _scaled_scores,
+                                                   _scores, _values, _warp_max_r, _warp_sum_r)
 from tqkern.ops.paged_decode.mma_loads import (LaneGeometry, _byte_masks, _coop_issue, _coop_wait, _load_step,
                                                _smem_base, _stage, _step_block, _step_blocks)
 
@@ -353,12 +353,8 @@ def _paged_decode_mma_kernel(
             p1 = tl.exp2(s1 - mn_o)
             p2 = tl.exp2(s2 - mn_e)
             p3 = tl.exp2(s3 - mn_o)
-            if u == 0:  # the running sums carry the correction factors once
-                l_e = l_e * a_e + (p0 + p2)
-                l_o = l_o * a_o + (p1 + p3)
-            else:
-                l_e = l_e + (p0 + p2)
-                l_o = l_o + (p1 + p3)
+            # the running sums carry the correction factors once (the update's first step)
+            l_e, l_o = _accumulate(l_e, l_o, a_e, a_o, p0 + p2, p1 + p3, u == 0)
             pe0 = p0
             pe1 = p1
             pe2 = p2
@@ -368,28 +364,14 @@ def _paged_decode_mma_kernel(
                 pe1 = tl.exp2(e1 - mn_o2)
                 pe2 = tl.exp2(e2 - mn_e2)
                 pe3 = tl.exp2(e3 - mn_o2)
-                if u == 0:
-                    l_e2 = l_e2 * a_e2 + (pe0 + pe2)
-                    l_o2 = l_o2 * a_o2 + (pe1 + pe3)
-                else:
-                    l_e2 = l_e2 + (pe0 + pe2)
-                    l_o2 = l_o2 + (pe1 + pe3)
+                l_e2, l_o2 = _accumulate(l_e2, l_o2, a_e2, a_o2, pe0 + pe2, pe1 + pe3, u == 0)
             if V_UNIFORM:
                 vz0 = tl.where(ok0, fac[4], 0.0)
                 vz1 = tl.where(ok1, fac[5], 0.0)
-                if u == 0:
-                    z_e = z_e * a_e + (p0 * vz0 + p2 * vz1)
-                    z_o = z_o * a_o + (p1 * vz0 + p3 * vz1)
-                else:
-                    z_e = z_e + (p0 * vz0 + p2 * vz1)
-                    z_o = z_o + (p1 * vz0 + p3 * vz1)
+                z_e, z_o = _accumulate(z_e, z_o, a_e, a_o, p0 * vz0 + p2 * vz1, p1 * vz0 + p3 * vz1, u == 0)
                 if QT == 2:
-                    if u == 0:
-                        z_e2 = z_e2 * a_e2 + (pe0 * vz0 + pe2 * vz1)
-                        z_o2 = z_o2 * a_o2 + (pe1 * vz0 + pe3 * vz1)
-                    else:
-                        z_e2 = z_e2 + (pe0 * vz0 + pe2 * vz1)
-                        z_o2 = z_o2 + (pe1 * vz0 + pe3 * vz1)
+                    z_e2, z_o2 = _accumulate(z_e2, z_o2, a_e2, a_o2, pe0 * vz0 + pe2 * vz1, pe1 * vz0 + pe3 * vz1,
+                                             u == 0)
             if u == 0:  # one rescale of the output per update
                 vn = tl.maximum(vmax, _warp_max_r(mx_v))
                 ratio = tl.where(vn > 0, vmax / tl.where(vn > 0, vn, 1.0), 1.0)
