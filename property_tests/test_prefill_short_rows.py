@@ -95,3 +95,39 @@ def test_short_rows_under_a_broken_bound_give_zero_rows():
     np.testing.assert_allclose(got[2:], expect[2:], atol=2e-2)
     with pytest.raises(ValueError, match="max_query_len must be >= every q_len, got 3 < q_len 5 of sequence 0"):
         _run(layout, params, batch, q, cache, max_query_len=3)
+
+
+@given(prefill_cases(presets=("tq4", "turboquant_4bit_nc", "turboquant_3bit_nc", "fp16")), st.data())
+def test_mixed_batches_split_by_length_match_oracle(case, data):
+    """A checked call without a bound on a batch mixing every kind of row: the short sequences run
+    the short-row path and the others the prefill kernel (both spied on when both kinds are
+    present), the rows as the oracle says."""
+    import sys
+
+    layout, params, group, batch, qdtype = case
+    mod = sys.modules["tqkern_torch.prefill"]
+    calls = {"short": 0, "kernel": 0}
+    short_fn, kernel_fn = mod.short_rows, mod._kernel
+
+    def short_spy(*a, **k):
+        calls["short"] += 1
+        return short_fn(*a, **k)
+
+    def kernel_spy(*a, **k):
+        calls["kernel"] += 1
+        return kernel_fn(*a, **k)
+
+    cache = _fill_cache(layout, params, batch, data)
+    q, q64 = _draw_q(layout, group, batch, qdtype, data)
+    mod.short_rows, mod._kernel = short_spy, kernel_spy
+    try:
+        got, _ = _run(layout, params, batch, q, cache, max_query_len=None)
+    finally:
+        mod.short_rows, mod._kernel = short_fn, kernel_fn
+    q_lens = np.asarray(batch.q_lens)
+    has_short = bool(((q_lens > 0) & (q_lens <= SHORT_QUERY_MAX)).any())
+    has_long = bool((q_lens > SHORT_QUERY_MAX).any())
+    assert calls == {"short": int(has_short), "kernel": int(has_long)}
+    expect = ref.prefill(q64, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, layout, params)
+    _compare(got, expect, layout, params, batch, cache, q64, group)
+

@@ -20,10 +20,10 @@ __all__ = ["int8_prefill", "prefill"]
 
 
 def _inputs_checked_on_host(q, block_table, seq_lens, query_start_loc, sinks, num_blocks: int,
-                            block_size: int, max_query_len: Optional[int]) -> int:
+                            block_size: int, max_query_len: Optional[int]) -> torch.Tensor:
     """The value checks (a device sync): ``query_start_loc`` against ``num_tokens`` and the
     lengths (and ``max_query_len``), ``seq_lens`` and the used ``block_table`` entries against the
-    cache, finite sinks. Returns the longest ``q_len``."""
+    cache, finite sinks. Returns the host ``query_start_loc`` (int64)."""
     qsl = query_start_loc.cpu().to(torch.int64)
     sl = seq_lens.cpu().to(torch.int64)
     t = q.shape[0]
@@ -57,7 +57,7 @@ def _inputs_checked_on_host(q, block_table, seq_lens, query_start_loc, sinks, nu
     if max_query_len is not None and longest > max_query_len:
         s = int(torch.argmax(q_lens))
         raise ValueError(f"max_query_len must be >= every q_len, got {max_query_len} < q_len {longest} of sequence {s}")
-    return longest
+    return qsl
 
 
 def prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -94,9 +94,11 @@ def prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq
             prefix with the tokens as extra query heads, plus the ≤ 7 newest keys in float32
             (:mod:`tqkern_torch.short_rows`): the cache is read once per KV head instead of by
             a mostly empty query tile. The path follows the bound given (a larger one selects
-            the prefill kernel) or, with none, the longest ``q_len`` found by ``check_inputs``;
-            with neither (or while tracing or capturing, with none given) the call takes the
-            prefill kernel. With ``check_inputs`` a given bound is checked; a sequence whose
+            the prefill kernel) or, with none, the ``q_len`` values found by ``check_inputs``:
+            a batch mixing short and longer rows then runs each kind on its path (their rows
+            gathered, the results scattered back); with neither (or while tracing or capturing,
+            with none given) the call takes the prefill kernel. With ``check_inputs`` a given
+            bound is checked; a sequence whose
             ``q_len`` exceeds a bound passed unchecked gets zero rows before its last
             ``max_query_len`` ones.
         check_inputs: check the values of ``query_start_loc`` (``qsl[0] == 0``, non-decreasing,
@@ -142,32 +144,75 @@ def _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale
         raise ValueError(f"max_query_len must be None or an int >= 0, got {max_query_len!r}")
     longest = max_query_len
     checked = check_inputs and not _tracing_or_capturing(dev)
+    qsl_host = None
     if checked:
-        found = _inputs_checked_on_host(q, block_table, seq_lens, query_start_loc, sinks, cache.shape[0],
-                                        layout.block_size, max_query_len)
-        longest = found if max_query_len is None else max_query_len
+        qsl_host = _inputs_checked_on_host(q, block_table, seq_lens, query_start_loc, sinks, cache.shape[0],
+                                           layout.block_size, max_query_len)
+        if max_query_len is None:
+            q_lens = qsl_host[1:] - qsl_host[:-1]
+            longest = int(q_lens.max()) if q_lens.numel() else 0
     p = _device_params(params, layout, dev)
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=dev) if return_lse else None
-    if (q.shape[0] and not int8 and opts.window_left is None and longest is not None
-            and 1 <= longest <= SHORT_QUERY_MAX and use_triton(dev)):
+    run = dict(cache=cache, layout=layout, p=p, scale=float(scale), opts=opts, sinks=sinks)
+    short_ok = bool(q.shape[0]) and not int8 and opts.window_left is None and use_triton(dev)
+    if short_ok and longest is not None and 1 <= longest <= SHORT_QUERY_MAX:
         short_rows(q, cache, block_table, seq_lens, query_start_loc, layout, p, t=longest, scale=float(scale), out=out,
                    lse=lse, logit_softcap=opts.logit_softcap, sinks=sinks, zero_rows=not checked)
-        if debug:
-            check_errors(dev)
+    elif short_ok and max_query_len is None and qsl_host is not None:  # a mixed batch: each part its path
+        _split_by_length(q, block_table, seq_lens, query_start_loc, qsl_host, out, lse, run)
     elif q.shape[0]:
-        args = (q, cache, block_table, seq_lens, query_start_loc, p.rotation, p.key_centroids, p.value_centroids,
-                p.key_centroids_f32, p.value_centroids_f32, sinks, out, lse, layout_key(layout), float(scale),
-                -1 if opts.window_left is None else opts.window_left,
-                0.0 if opts.logit_softcap is None else opts.logit_softcap)
-        if type(q) is torch.Tensor and not torch.compiler.is_compiling():
-            (_int8_prefill_impl if int8 else _prefill_impl)(*args)  # eager: the op's body, no dispatcher
-        else:
-            (torch.ops.tqkern.int8_prefill if int8 else torch.ops.tqkern.prefill)(*args)
-        if debug:
-            check_errors(dev)
+        _kernel(q, block_table, seq_lens, query_start_loc, out, lse, int8, **run)
+    if debug and q.shape[0]:
+        check_errors(dev)
     return (out, lse) if return_lse else out
+
+
+def _kernel(q, block_table, seq_lens, query_start_loc, out, lse, int8, *, cache, layout, p, scale, opts, sinks):
+    """The prefill (or int8) kernel's op over these rows."""
+    args = (q, cache, block_table, seq_lens, query_start_loc, p.rotation, p.key_centroids, p.value_centroids,
+            p.key_centroids_f32, p.value_centroids_f32, sinks, out, lse, layout_key(layout), scale,
+            -1 if opts.window_left is None else opts.window_left,
+            0.0 if opts.logit_softcap is None else opts.logit_softcap)
+    if type(q) is torch.Tensor and not torch.compiler.is_compiling():
+        (_int8_prefill_impl if int8 else _prefill_impl)(*args)  # eager: the op's body, no dispatcher
+    else:
+        (torch.ops.tqkern.int8_prefill if int8 else torch.ops.tqkern.prefill)(*args)
+
+
+def _split_by_length(q, block_table, seq_lens, query_start_loc, qsl_host, out, lse, run) -> None:
+    """A checked batch mixing short rows (``q_len ≤ SHORT_QUERY_MAX``) with longer ones: the short
+    sequences through :func:`~tqkern_torch.short_rows.short_rows`, the others through the prefill
+    kernel, each on its gathered rows (host-built indices: the caller has synchronised already),
+    written back into ``out``/``lse``. A batch of one kind runs whole on its path."""
+    q_lens = qsl_host[1:] - qsl_host[:-1]
+    short = (q_lens > 0) & (q_lens <= SHORT_QUERY_MAX)
+    long_ = q_lens > SHORT_QUERY_MAX
+    dev = q.device
+    for part, is_short in ((short, True), (long_, False)):
+        seqs = torch.nonzero(part).flatten()
+        if not seqs.numel():
+            continue
+        if bool(part.all()) or not bool((short | long_)[~part].any()):  # every row is this kind
+            rows, sub = None, (q, block_table, seq_lens, query_start_loc)
+        else:
+            rows = torch.cat([torch.arange(int(qsl_host[s]), int(qsl_host[s + 1])) for s in seqs]).to(dev)
+            sub_qsl = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(q_lens[seqs], 0)])
+            sub = (q.index_select(0, rows), block_table.index_select(0, seqs.to(dev)),
+                   seq_lens.index_select(0, seqs.to(dev)), sub_qsl.to(dev, torch.int32))
+        o = out if rows is None else torch.empty_like(sub[0])
+        lp = lse if rows is None or lse is None else torch.empty(sub[0].shape[:2], dtype=torch.float32, device=dev)
+        if is_short:
+            short_rows(sub[0], run["cache"], *sub[1:], run["layout"], run["p"], t=int(q_lens[seqs].max()),
+                       scale=run["scale"], out=o, lse=lp, logit_softcap=run["opts"].logit_softcap, sinks=run["sinks"],
+                       zero_rows=False)
+        else:
+            _kernel(*sub, o, lp, False, **run)
+        if rows is not None:
+            out.index_copy_(0, rows, o)
+            if lse is not None:
+                lse.index_copy_(0, rows, lp)
 
 
 def _prefill_impl(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
