@@ -98,14 +98,13 @@ def prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq
             a batch mixing short and longer rows then runs each kind on its path (their rows
             gathered, the results scattered back); with neither (or while tracing or capturing,
             with none given) the call takes the prefill kernel. With ``check_inputs`` a given
-            bound is checked; a sequence whose
-            ``q_len`` exceeds a bound passed unchecked gets zero rows before its last
-            ``max_query_len`` ones.
+            bound is checked; a sequence whose ``q_len`` exceeds a bound passed unchecked gets
+            zero rows before its last ``max_query_len`` ones.
         check_inputs: check the values of ``query_start_loc`` (``qsl[0] == 0``, non-decreasing,
-            ``qsl[-1] == num_tokens``, ``q_len ≤ seq_lens[s]``, ``q_len ≤ max_query_len``), ``seq_lens``, the used
-            ``block_table`` entries and ``sinks`` on the host and raise ``ValueError`` naming
-            them: a device sync, skipped while ``torch.compile`` traces or a CUDA graph is
-            captured. Without it the kernels still never read or write outside their tensors
+            ``qsl[-1] == num_tokens``, ``q_len ≤ seq_lens[s]``, ``q_len ≤ max_query_len``),
+            ``seq_lens``, the used ``block_table`` entries and ``sinks`` on the host and raise
+            ``ValueError`` naming them: a device sync, skipped while ``torch.compile`` traces or a
+            CUDA graph is captured. Without it the kernels still never read or write outside their tensors
             (indices clamped; bad block ids and lengths flagged in the error word).
         debug: check the error word right after the call (a device sync).
 

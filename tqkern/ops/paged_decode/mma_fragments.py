@@ -372,8 +372,9 @@ def _values(o, o2, v0, v1, v2, v3, pb0, pb1, pc0, pc1, lb, v_sh_e, v_sh_o, NVW: 
             E256: tl.constexpr = False, QT: tl.constexpr = 1):
     """O^T += V^T·P^T over the lane's chunk (4-bit: M tile i ← chunk byte i; 3-bit: M tile i ←
     codes 2i (row r) and 2i + 1 (row r + 8) of the chunk), for each query column tile (``QT = 2``:
-    ``o2 += V^T·(pc0, pc1)`` with the same decoded fragments; else ``o2``/``pc*`` are not read). Shifted chunks (``V_FUN``) are
-    aligned first (even tokens by ``v_sh_e`` bits, odd ones by ``v_sh_o``). Returns ``(o, o2)``."""
+    ``o2 += V^T·(pc0, pc1)`` with the same decoded fragments; else ``o2``/``pc*`` are not read).
+    Shifted chunks (``V_FUN``) are aligned first (even tokens by ``v_sh_e`` bits, odd ones by
+    ``v_sh_o``). Returns ``(o, o2)``."""
     TPW: tl.constexpr = 4 if CV >= 4 else CV  # M tiles per 32-bit word of the chunk
     res = ()
     res2 = ()

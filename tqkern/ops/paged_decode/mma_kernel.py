@@ -396,8 +396,8 @@ def _paged_decode_mma_kernel(
     # -- partial results: acc [S, HQ, NUM_SPLITS, DP], (m, l) [S, HQ, NUM_SPLITS, 2] --------------
     for qt in tl.static_range(QT):
         if qt == 0:
-            _store_partials(acc_ptr, ml_ptr, o, m_e, m_o, l_e, l_o, z_e, z_o, vmax, (s * HQ + h * QT * G + 2 * c), split,
-                            live, r, c, v_mis, NUM_SPLITS, G, D, DP, NIBBLE, V_UNIFORM, V_BITS, V_FUN, CV, NMT)
+            _store_partials(acc_ptr, ml_ptr, o, m_e, m_o, l_e, l_o, z_e, z_o, vmax, (s * HQ + h * QT * G + 2 * c),
+                            split, live, r, c, v_mis, NUM_SPLITS, G, D, DP, NIBBLE, V_UNIFORM, V_BITS, V_FUN, CV, NMT)
         else:
             _store_partials(acc_ptr, ml_ptr, o2, m_e2, m_o2, l_e2, l_o2, z_e2, z_o2, vmax,
                             (s * HQ + (h * QT + 1) * G + 2 * c), split, live, r, c, v_mis, NUM_SPLITS, G, D, DP,
