@@ -114,16 +114,25 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=dev) if return_lse else None
     if q.shape[0] == 0:
         return (out, lse) if return_lse else out
+    _decode(q, cache, block_table, seq_lens, layout, p, float(scale), out, lse, workspace=workspace,
+            num_splits=num_splits, window_left=window_left, logit_softcap=logit_softcap, sinks=sinks)
+    if debug:
+        check_errors(dev)
+    return (out, lse) if return_lse else out
+
+
+def _decode(q, cache, block_table, seq_lens, layout: PagedLayout, p, scale: float, out, lse, *, workspace=None,
+            num_splits=None, window_left=None, logit_softcap=None, sinks=None) -> None:
+    """:func:`paged_decode` after its checks (``p`` a DeviceParams, ``num_seqs ≥ 1``): the op,
+    through its body in eager mode. Callers that validated the same tensors already (``prefill``'s
+    short-row path) call it directly."""
     args = (q, cache, block_table, seq_lens, p.rotation, p.key_centroids, p.value_centroids, p.key_centroids_f32,
-            p.value_centroids_f32, out, workspace, layout_key(layout), float(scale), num_splits or 0, p.same_codebooks)
+            p.value_centroids_f32, out, workspace, layout_key(layout), scale, num_splits or 0, p.same_codebooks)
     args += (-1 if window_left is None else window_left, 0.0 if logit_softcap is None else logit_softcap, sinks, lse)
     if type(q) is torch.Tensor and not torch.compiler.is_compiling():
         _paged_decode_impl(*args)  # eager: the op's body without the dispatcher's layers (host time)
     else:
         torch.ops.tqkern.paged_decode(*args)
-    if debug:
-        check_errors(dev)
-    return (out, lse) if return_lse else out
 
 
 def _check_options(window_left, logit_softcap, sinks, return_lse, num_q_heads: int, dev: torch.device):

@@ -196,8 +196,11 @@ def _split_by_length(q, block_table, seq_lens, query_start_loc, qsl_host, out, l
         if bool(part.all()) or not bool((short | long_)[~part].any()):  # every row is this kind
             rows, sub = None, (q, block_table, seq_lens, query_start_loc)
         else:
-            rows = torch.cat([torch.arange(int(qsl_host[s]), int(qsl_host[s + 1])) for s in seqs]).to(dev)
-            sub_qsl = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(q_lens[seqs], 0)])
+            lens = q_lens[seqs]
+            sub_qsl = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lens, 0)])
+            # row j of the part: token qsl[s] + (j − sub_qsl[i]) of its i-th sequence s
+            rows = (torch.arange(int(sub_qsl[-1])) + torch.repeat_interleave(qsl_host[:-1][seqs] - sub_qsl[:-1], lens)
+                    ).to(dev)
             sub = (q.index_select(0, rows), block_table.index_select(0, seqs.to(dev)),
                    seq_lens.index_select(0, seqs.to(dev)), sub_qsl.to(dev, torch.int32))
         o = out if rows is None else torch.empty_like(sub[0])

@@ -29,8 +29,9 @@ from typing import Optional
 
 import torch
 
-from tqkern.ops.prefill.short_rows import SHORT_QUERY_MAX, _short_rows_merge_kernel, _short_rows_prep_kernel
-from tqkern_torch.attention import paged_decode
+from tqkern.ops.prefill.short_rows import (SHORT_QUERY_MAX, _short_rows_merge_kernel, _short_rows_prep_kernel,
+                                           short_rows_constexprs)
+from tqkern_torch.attention import _decode
 from tqkern_torch.errors import error_word
 from tqkern_torch.library import layout_key, layout_of
 from tqkern_torch.ops import decompress
@@ -40,16 +41,8 @@ __all__ = ["SHORT_QUERY_MAX", "short_rows"]
 _LOG2E = 1.4426950408889634
 
 
-def _pow2(n: int, least: int) -> int:
-    return max(least, 1 << max(0, (n - 1).bit_length()))
-
-
 def _consts(layout: str, t: int, hq: int) -> dict:
-    lay = layout_of(layout)
-    d = lay.head_dim
-    g = hq // lay.num_kv_heads
-    return dict(T=t, G=g, HKV=lay.num_kv_heads, BS=lay.block_size, D=d, DP=_pow2(d, 16), RP=_pow2(t * g, 16),
-                UP=_pow2(max(t - 1, 1), 16))
+    return short_rows_constexprs(layout_of(layout), t, hq)
 
 
 def _prep_impl(q: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
@@ -106,7 +99,7 @@ def short_rows(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
                zero_rows: bool) -> None:
     """Write ``prefill``'s rows (and ``lse``) for a batch whose every ``q_len ≤ t`` (module
     docstring); arguments as :func:`tqkern_torch.prefill`'s, checked by it (``params`` a
-    DeviceParams); no window. ``zero_rows``: zero ``out`` first (the bound was not checked: the
+    DeviceParams; the decode runs without ``paged_decode``'s own checks); no window. ``zero_rows``: zero ``out`` first (the bound was not checked: the
     rows of a sequence before its last t, which nothing else writes, read zeros)."""
     hq = q.shape[1]
     hkv = layout.num_kv_heads
@@ -123,8 +116,10 @@ def short_rows(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
     s1 = None
     if sinks is not None:  # head h·T·G + t·G + g of q1 is query head h·G + g
         s1 = sinks.view(hkv, 1, g).expand(hkv, t, g).reshape(-1).contiguous()
-    o1, l1 = paged_decode(q1, cache, block_table, prefix, layout, params, scale=scale, logit_softcap=logit_softcap,
-                          sinks=s1, return_lse=True)
+    o1 = torch.empty_like(q1)
+    l1 = torch.empty(q1.shape[:2], dtype=torch.float32, device=q.device)
+    if block_table.shape[0]:  # (the decode after prefill's checks, which cover these tensors)
+        _decode(q1, cache, block_table, prefix, layout, params, scale, o1, l1, logit_softcap=logit_softcap, sinks=s1)
     if t > 1:
         k, v = decompress(cache, slots.view(-1), layout, params, rotate_back=True)
     else:

@@ -26,10 +26,21 @@ import triton
 import triton.language as tl
 
 from tqkern.errors import ErrorFlag
+from tqkern.layouts import PagedLayout
+from tqkern.ops.common import layout_consts
 
-__all__ = ["SHORT_QUERY_MAX", "_short_rows_prep_kernel", "_short_rows_merge_kernel"]
+__all__ = ["SHORT_QUERY_MAX", "short_rows_constexprs", "_short_rows_prep_kernel", "_short_rows_merge_kernel"]
 
 SHORT_QUERY_MAX = 8  # the longest q_len the decode path takes (T·G query heads per KV head)
+
+
+def short_rows_constexprs(layout: PagedLayout, t: int, num_q_heads: int) -> dict:
+    """Both kernels' constexprs for ``t`` padded rows per sequence (pure): ``RP`` = T·G and ``UP`` =
+    T − 1 rounded up to powers of two of at least 16 (``tl.dot``), ``DP`` the layout's."""
+    g = num_q_heads // layout.num_kv_heads
+    return dict(T=t, G=g, HKV=layout.num_kv_heads, BS=layout.block_size, D=layout.head_dim,
+                DP=layout_consts(layout)["DP"], RP=max(16, 1 << (t * g - 1).bit_length()),
+                UP=max(16, 1 << max(t - 2, 0).bit_length()))
 
 _ERR_SEQ = tl.constexpr(int(ErrorFlag.SEQ_LEN_OUT_OF_RANGE))
 _ERR_BLOCK = tl.constexpr(int(ErrorFlag.BLOCK_OUT_OF_RANGE))
