@@ -33,6 +33,12 @@ BUDGETS = {
     "tq4:row:128:8:32:fp16:int8": (112, 12248),
     "turboquant_k8v4:slot:128:8:32:fp16:int8": (0, 8968),
     "turboquant_4bit_nc:slot:64:2:8:bf16:int8": (0, 6432),
+    # the tiled prefill's gather (decode once into the fp16/bf16 workspace; no spills since the
+    # rotate-back product left it, S20)
+    "tq4:slot:128:8:32:fp16:gather": (0, 1888),
+    "turboquant_4bit_nc:slot:128:8:32:fp16:gather": (0, 2048),
+    "tqkern_k5v3:row:256:2:8:fp16:gather": (0, 2168),
+    "turboquant_k3v4_nc:slot:256:2:8:bf16:gather": (0, 2104),
 }
 
 

@@ -17,9 +17,37 @@ from tqkern.errors import ErrorFlag
 from tqkern.ops.codecs import KIND_LLOYD_MAX, KIND_UNIFORM, NC_DECODE, layout_args
 from tqkern.ops.fields import load_tile, token_factors
 
-__all__ = ["_decompress_kernel", "_launch_decompress"]
+__all__ = ["_decompress_kernel", "_launch_decompress", "decoded_values"]
 
 _ERR_SLOT = tl.constexpr(int(ErrorFlag.SLOT_OUT_OF_RANGE))
+
+
+@triton.jit
+def decoded_values(row, h, tok_mask, cen_ptr, D: tl.constexpr, DP: tl.constexpr, NIBBLE: tl.constexpr,
+                   S: tl.constexpr, CT: tl.constexpr, ALIGNED: tl.constexpr = False):
+    """One side of ``BT`` slots (``row [BT]``: each token's cache row; head ``h``) decoded in its
+    codec's space, ``CT`` (float32 or float64) ``[BT, DP]``, zero outside ``tok_mask`` and beyond
+    D. Lloyd-Max: ``f · c[code]`` from a centroid table of ``CT``'s precision (``NC_DECODE``: f
+    divided by ‖c[codes]‖, as the oracle does); uniform: ``scale · code + zero``; FP8 and raw: the
+    stored value. ``ALIGNED``: raw fields start at even bytes (one 16-bit load per element)."""
+    cols = tl.arange(0, DP)
+    dmask = cols < D
+    m2 = tok_mask[:, None] & dmask[None, :]
+    if S.KIND == KIND_LLOYD_MAX:
+        c = load_tile(row, h, tok_mask, DP, -1, NIBBLE, S, D, DP, cen_ptr, CT, False)
+        f, _ = token_factors(row, h, tok_mask, S, CT)
+        f = f.to(CT)
+        if S.NORM_CORRECTION == NC_DECODE:
+            cn = tl.sqrt(tl.sum(c * c, axis=1))
+            f = tl.where(cn > 0, f / tl.where(cn > 0, cn, 1.0), 0.0)
+        y = f[:, None] * c
+    elif S.KIND == KIND_UNIFORM:
+        q = load_tile(row, h, tok_mask, DP, -1, NIBBLE, S, D, DP, cen_ptr, tl.float32, False)
+        scale, zero = token_factors(row, h, tok_mask, S, tl.float32)
+        y = (q * scale[:, None] + zero[:, None]).to(CT)
+    else:  # FP8, raw: in float32 the tile is the value (factor 1, zero 0)
+        y = load_tile(row, h, tok_mask, DP, -1, NIBBLE, S, D, DP, cen_ptr, tl.float32, ALIGNED).to(CT)
+    return tl.where(m2, y, 0.0)
 
 
 @triton.jit
@@ -28,23 +56,8 @@ def _decode_side(out_ptr_2d, row, h, tok_mask, in_range, cen_ptr, D: tl.constexp
     """One side of BT slots → float32 ``[BT, D]`` at ``out_ptr_2d`` (Lloyd-Max in float64 from the
     float64 codebook ``cen_ptr``, rounded once)."""
     cols = tl.arange(0, DP)
-    dmask = cols < D
-    m2 = tok_mask[:, None] & dmask[None, :]
-    if S.KIND == KIND_LLOYD_MAX:
-        c = load_tile(row, h, tok_mask, DP, -1, NIBBLE, S, D, DP, cen_ptr, tl.float64, False)
-        f, _ = token_factors(row, h, tok_mask, S, tl.float64)
-        f = f.to(tl.float64)
-        if S.NORM_CORRECTION == NC_DECODE:
-            cn = tl.sqrt(tl.sum(c * c, axis=1))
-            f = tl.where(cn > 0, f / tl.where(cn > 0, cn, 1.0), 0.0)
-        y = (f[:, None] * c).to(tl.float32)
-    elif S.KIND == KIND_UNIFORM:
-        q = load_tile(row, h, tok_mask, DP, -1, NIBBLE, S, D, DP, cen_ptr, tl.float32, False)
-        scale, zero = token_factors(row, h, tok_mask, S, tl.float32)
-        y = q * scale[:, None] + zero[:, None]
-    else:  # FP8, raw: in float32 the tile is the value (factor 1, zero 0)
-        y = load_tile(row, h, tok_mask, DP, -1, NIBBLE, S, D, DP, cen_ptr, tl.float32, False)
-    tl.store(out_ptr_2d + cols[None, :], tl.where(m2, y, 0.0), mask=in_range[:, None] & dmask[None, :])
+    y = decoded_values(row, h, tok_mask, cen_ptr, D, DP, NIBBLE, S, tl.float64).to(tl.float32)
+    tl.store(out_ptr_2d + cols[None, :], y, mask=in_range[:, None] & (cols < D)[None, :])
 
 
 @triton.jit

@@ -6,7 +6,9 @@ GPU kernel, bf16 included, which the interpreter cannot run): :func:`compile_pre
 A case is ``"PRESET:ARRANGEMENT:D:HKV:HQ:OUT[:OPTIONS]"``: a preset of
 :data:`tqkern.layouts.PRESETS` or ``raw_bf16`` (raw bf16 keys and values: the bf16 tensor-core
 path), the output dtype ``fp16`` or ``bf16`` (q's), and optional ``+``-joined options among
-``window``, ``softcap``, ``sinks``, ``lse`` and ``int8`` (the ``int8_prefill`` kernel).
+``window``, ``softcap``, ``sinks``, ``lse`` and ``int8`` (the ``int8_prefill`` kernel), or
+``gather`` alone: the tiled prefill's gather kernel (:mod:`tqkern.ops.decompress.gather`) for that
+layout and output dtype.
 """
 
 from __future__ import annotations
@@ -78,6 +80,38 @@ def compile_prefill(layout, hq: int, out_dtype: str = "fp16", **options):
     return triton.compile(src, target=SM90, options=dict(num_warps=plan.num_warps, num_stages=plan.num_stages)), plan
 
 
+def compile_gather(layout, out_dtype: str = "fp16"):
+    """The tiled prefill's gather kernel for ``layout`` writing ``out_dtype``, compiled for sm_90."""
+    from tqkern.ops.codecs import layout_args
+    from tqkern.ops.common import halfword_aligned
+    from tqkern.ops.decompress.gather import _gather_kernel, gather_config
+
+    c = {k: v for k, v in layout_args(layout).items() if not k.startswith("PAD")}
+    gc = gather_config(c["DP"])
+    cx = dict(c, BS=layout.block_size, H=layout.num_kv_heads, OUT_BF16=out_dtype == "bf16", BT=gc.BT,
+              TILES=gc.TILES, K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"))
+    fn = _gather_kernel
+    sig = {}
+    for name in fn.arg_names:
+        if name in cx:
+            sig[name] = "constexpr"
+        elif name in ("k_out", "v_out"):
+            sig[name] = f"*{out_dtype}"
+        elif name == "cache_ptr":
+            sig[name] = "*u8"
+        elif name in ("block_table_ptr", "run_ptr", "err_ptr"):
+            sig[name] = "*i32"
+        elif name.endswith("_ptr"):
+            sig[name] = "*fp32"
+        else:
+            sig[name] = "i32"
+    ptrs = [n for n, t in sig.items() if t.startswith("*")]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in cx.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=SM90, options=dict(num_warps=gc.num_warps)), gc
+
+
 def report(case: str) -> dict:
     """Compile one case: ``name``, ``regs``, ``stack`` (bytes; > 0 means spills), ``shared``
     (bytes of shared memory per program), ``instrs`` (SASS instructions), ``plan`` (its one-line
@@ -85,6 +119,11 @@ def report(case: str) -> dict:
     parts = case.split(":")
     preset, arr, d, hkv, hq, out = parts[:6]
     opts = {o: True for o in (parts[6].split("+") if len(parts) > 6 and parts[6] else [])}
+    if "gather" in opts:
+        compiled, gc = compile_gather(layout_of_case(preset, arr, int(d), int(hkv)), out)
+        regs, stack = resources(compiled)
+        return dict(name=case, regs=regs, stack=stack, shared=int(compiled.metadata.shared),
+                    instrs=sum(histogram(sass_of(compiled)).values()), plan=f"gather {gc}")
     unknown = set(opts) - {"window", "softcap", "sinks", "lse", "int8"}
     if unknown:
         raise ValueError(f"options must be among window, softcap, sinks, lse, int8, got {sorted(unknown)}")

@@ -1,0 +1,87 @@
+"""Gather runs of sequence positions from a paged cache into dense half-precision K and V, in the
+original coordinates: the workspace of the tiled prefill (``tqkern_torch.prefill_tiles``).
+
+A run ``e`` is four int32s ``(seq, start, length, row)``: positions ``start .. start+length−1``
+of sequence ``seq`` (through its row of the block table) land in rows ``row ..`` of
+``k_out, v_out [R, H, D]`` (fp16 or bf16, contiguous). A program takes ``TILES`` tiles of ``BT``
+positions of one run and one KV head (grid ``(tiles of the longest run, runs, H)``).
+
+Maths. Each side's reconstruction in its codec's space (float32,
+:func:`~tqkern.ops.decompress.triton.decoded_values`) rounded once to the output dtype; a rotated
+side is rotated back by the caller (one tensor-core product over the whole workspace: in this
+kernel the ``[D, D]`` operand cost 128 registers per thread and the H100's shared memory, and the
+kernel ran at 4–7% of copy bandwidth, S20). A key is the reconstruction of ``key − μ``: attention
+scores shift by ``q·μ`` per query row, which the softmax (and a log-sum-exp merge of partials)
+cancels, so the workspace never adds μ back.
+
+Safety: a block id outside ``[0, num_blocks)`` is clamped into it and sets
+``BLOCK_OUT_OF_RANGE``; positions past a run's length are neither read nor written. The caller
+keeps each run inside its sequence's block-table row (``start + length ≤ max_blocks·block_size``).
+
+No torch here.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import triton
+import triton.language as tl
+
+from tqkern.errors import ErrorFlag
+from tqkern.ops.decompress.triton import decoded_values
+
+__all__ = ["_gather_kernel", "GatherConfig", "gather_config"]
+
+_ERR_BLOCK = tl.constexpr(int(ErrorFlag.BLOCK_OUT_OF_RANGE))
+
+
+class GatherConfig(NamedTuple):
+    """``BT`` positions per tile, ``TILES`` per program, ``num_warps``."""
+
+    BT: int
+    TILES: int
+    num_warps: int
+
+    def grid(self, longest: int, runs: int, heads: int) -> tuple[int, int, int]:
+        return (-(-longest // (self.BT * self.TILES)), runs, heads)
+
+
+def gather_config(dp: int) -> GatherConfig:
+    """The tiles for padded head_dim ``dp``: 64 positions × 2 tiles per program, 4 warps (8 at
+    256 columns, to keep the float32 tile in registers)."""
+    return GatherConfig(64, 2, 4 if dp <= 128 else 8)
+
+
+@triton.jit
+def _gather_kernel(
+    k_out, v_out, cache_ptr, block_table_ptr, run_ptr, kc_ptr, vc_ptr, err_ptr, num_blocks, stride_bt,
+    BT: tl.constexpr, TILES: tl.constexpr, BS: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr, K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr,
+    OUT_BF16: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+):
+    OUT: tl.constexpr = tl.bfloat16 if OUT_BF16 else tl.float16
+    e = tl.program_id(1)
+    h = tl.program_id(2)
+    seq = tl.load(run_ptr + 4 * e).to(tl.int64)
+    start = tl.load(run_ptr + 4 * e + 1)
+    length = tl.load(run_ptr + 4 * e + 2)
+    out_row = tl.load(run_ptr + 4 * e + 3).to(tl.int64)
+    bt_row = block_table_ptr + seq * stride_bt
+    cols = tl.arange(0, DP)
+    bad = tl.program_id(0) * 0
+    for i in range(TILES):
+        j = (tl.program_id(0) * TILES + i) * BT + tl.arange(0, BT)
+        live = j < length
+        pos = start + j
+        blk = tl.load(bt_row + pos // BS, mask=live, other=0)
+        bad |= tl.max((live & ((blk < 0) | (blk >= num_blocks))).to(tl.int32), axis=0)
+        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
+        row = cache_ptr + (blk.to(tl.int64) * BS + pos % BS) * ROW_BYTES
+        out_off = (((out_row + j) * H + h) * D)[:, None] + cols[None, :]
+        m2 = live[:, None] & (cols < D)[None, :]
+        y = decoded_values(row, h, live, kc_ptr, D, DP, NIBBLE, K, tl.float32, K_ALIGNED)
+        tl.store(k_out + out_off, y.to(OUT), mask=m2)
+        y = decoded_values(row, h, live, vc_ptr, D, DP, NIBBLE, V, tl.float32, V_ALIGNED)
+        tl.store(v_out + out_off, y.to(OUT), mask=m2)
+    tl.atomic_or(err_ptr, bad * _ERR_BLOCK, mask=bad != 0, sem="relaxed")
