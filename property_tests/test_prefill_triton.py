@@ -167,11 +167,12 @@ def draw_options(data, hq: int):
 @given(st.data())
 def test_prefill_matches_oracle(preset, data):
     """Every preset, both arrangements, GQA 1..4, mixed batches, shuffled blocks, empty
-    sequences, NaN-poisoned queries: the kernel equals the oracle."""
+    sequences, NaN-poisoned queries: the kernel equals the oracle (on a GPU a checked call runs
+    the tiled path, an unchecked one the fused kernel: ``check_inputs`` is drawn)."""
     layout, params, group, batch, qdtype = data.draw(prefill_cases(presets=(preset,)), label="case")
     cache = _fill_cache(layout, params, batch, data)
     q, q64 = _draw_q(layout, group, batch, qdtype, data)
-    got, _ = _run(layout, params, batch, q, cache)
+    got, _ = _run(layout, params, batch, q, cache, check_inputs=data.draw(st.booleans(), label="check_inputs"))
     expect = ref.prefill(q64, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, layout, params)
     _compare(got, expect, layout, params, batch, cache, q64, group)
 
@@ -184,7 +185,8 @@ def check_options(case, data, fn=None, oracle=ref.prefill, bounds=_bounds, what=
     cache = _fill_cache(layout, params, batch, data)
     q, q64 = _draw_q(layout, group, batch, qdtype, data)
     got, got_lse = _run(layout, params, batch, q, cache, fn=fn, window_left=window, logit_softcap=cap,
-                        return_lse=lse, sinks=None if sinks is None else torch.from_numpy(sinks).to(DEV))
+                        return_lse=lse, sinks=None if sinks is None else torch.from_numpy(sinks).to(DEV),
+                        check_inputs=data.draw(st.booleans(), label="check_inputs"))
     res = oracle(q64, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, layout, params,
                  window_left=window, logit_softcap=cap, sinks=sinks, return_lse=True)
     _compare(got, res[0], layout, params, batch, cache, q64, group, what=what, got_lse=got_lse, expect_lse=res[1],

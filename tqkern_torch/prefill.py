@@ -14,16 +14,17 @@ from tqkern_torch.attention import _cache_or_stand_in, _check_query, _kernel_ind
 from tqkern_torch.errors import check_errors, error_word
 from tqkern_torch.library import _host_params, layout_key, layout_of
 from tqkern_torch.ops import _check_cache, _check_layout, _device_params
+from tqkern_torch.prefill_tiles import tile_prefill, tiles_supported
 from tqkern_torch.short_rows import SHORT_QUERY_MAX, short_rows
 
 __all__ = ["int8_prefill", "prefill"]
 
 
 def _inputs_checked_on_host(q, block_table, seq_lens, query_start_loc, sinks, num_blocks: int,
-                            block_size: int, max_query_len: Optional[int]) -> torch.Tensor:
+                            block_size: int, max_query_len: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The value checks (a device sync): ``query_start_loc`` against ``num_tokens`` and the
     lengths (and ``max_query_len``), ``seq_lens`` and the used ``block_table`` entries against the
-    cache, finite sinks. Returns the host ``query_start_loc`` (int64)."""
+    cache, finite sinks. Returns the host ``query_start_loc`` and ``seq_lens`` (int64)."""
     qsl = query_start_loc.cpu().to(torch.int64)
     sl = seq_lens.cpu().to(torch.int64)
     t = q.shape[0]
@@ -57,14 +58,15 @@ def _inputs_checked_on_host(q, block_table, seq_lens, query_start_loc, sinks, nu
     if max_query_len is not None and longest > max_query_len:
         s = int(torch.argmax(q_lens))
         raise ValueError(f"max_query_len must be >= every q_len, got {max_query_len} < q_len {longest} of sequence {s}")
-    return qsl
+    return qsl, sl
 
 
 def prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
             query_start_loc: torch.Tensor, layout, params, *, scale: Optional[float] = None,
             out: Optional[torch.Tensor] = None, window_left: Optional[int] = None,
             logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None, return_lse: bool = False,
-            max_query_len: Optional[int] = None, check_inputs: bool = True, debug: bool = False):
+            max_query_len: Optional[int] = None, query_start_loc_cpu: Optional[torch.Tensor] = None,
+            seq_lens_cpu: Optional[torch.Tensor] = None, check_inputs: bool = True, debug: bool = False):
     """New tokens of several sequences attending causally to their compressed paged cache.
 
     The spec is the oracle's (:func:`tqkern.ops.prefill.reference.prefill`): sequence s owns the
@@ -100,6 +102,13 @@ def prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq
             with none given) the call takes the prefill kernel. With ``check_inputs`` a given
             bound is checked; a sequence whose ``q_len`` exceeds a bound passed unchecked gets
             zero rows before its last ``max_query_len`` ones.
+        query_start_loc_cpu, seq_lens_cpu: host copies of ``query_start_loc`` and ``seq_lens``
+            (both or neither; a serving stack keeps them). Rows longer than 8 tokens run the
+            tiled path on CUDA (:mod:`tqkern_torch.prefill_tiles`: each key decoded once into a
+            bounded fp16/bf16 workspace, cuDNN or FlashAttention over it, log-sum-exp merges;
+            not with ``logit_softcap``), which plans from the host lengths: these, or the ones
+            ``check_inputs`` reads. With them the call needs no sync and can be captured in a CUDA
+            graph (for those lengths); without either, the fused prefill kernel runs.
         check_inputs: check the values of ``query_start_loc`` (``qsl[0] == 0``, non-decreasing,
             ``qsl[-1] == num_tokens``, ``q_len ≤ seq_lens[s]``, ``q_len ≤ max_query_len``),
             ``seq_lens``, the used ``block_table`` entries and ``sinks`` on the host and raise
@@ -114,11 +123,37 @@ def prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq
         ``[num_tokens, num_q_heads, head_dim]`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
     """
     return _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale, out, window_left,
-                logit_softcap, sinks, return_lse, check_inputs, debug, False, max_query_len)
+                logit_softcap, sinks, return_lse, check_inputs, debug, False, max_query_len,
+                (query_start_loc_cpu, seq_lens_cpu))
+
+
+def _host_lengths(pair, n: int):
+    """``(query_start_loc_cpu, seq_lens_cpu)`` checked for shape and device, as int64, or None."""
+    qc, sc = pair
+    if qc is None and sc is None:
+        return None
+    if qc is None or sc is None:
+        raise ValueError("query_start_loc_cpu and seq_lens_cpu must be given together, got only "
+                         f"{'seq_lens_cpu' if qc is None else 'query_start_loc_cpu'}")
+    check_tensor(qc, "query_start_loc_cpu", shape=(n + 1,), dtypes=(torch.int32, torch.int64), device=torch.device("cpu"))
+    check_tensor(sc, "seq_lens_cpu", shape=(n,), dtypes=(torch.int32, torch.int64), device=torch.device("cpu"))
+    return qc.to(torch.int64), sc.to(torch.int64)
+
+
+def _check_host_lengths(qsl: torch.Tensor, sl: torch.Tensor, t: int, cap: int) -> None:
+    """The host copies are a valid varlen batch for ``t`` tokens and ``cap`` positions per
+    sequence (host work only): the tiled path indexes the block table by them."""
+    q_lens = qsl[1:] - qsl[:-1]
+    if int(qsl[0]) != 0 or int(qsl[-1]) != t or bool((q_lens < 0).any()):
+        raise ValueError(f"query_start_loc_cpu must rise from 0 to num_tokens = {t}, got {qsl.tolist()}")
+    if sl.numel() and (int(sl.min()) < 0 or int(sl.max()) > cap or bool((q_lens > sl).any())):
+        raise ValueError(f"seq_lens_cpu must lie in [q_len, max_blocks * block_size = {cap}] per sequence, "
+                         f"got {sl.tolist()} with q_lens {q_lens.tolist()}")
 
 
 def _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale, out, window_left, logit_softcap,
-         sinks, return_lse, check_inputs, debug, int8: bool, max_query_len: Optional[int] = None):
+         sinks, return_lse, check_inputs, debug, int8: bool, max_query_len: Optional[int] = None,
+         cpu_pair=(None, None)):
     """:func:`prefill` and :func:`int8_prefill` after their signatures: checks, allocation, the op."""
     layout = _check_layout(layout)
     _check_query(q, layout, "num_tokens")
@@ -143,29 +178,47 @@ def _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale
         raise ValueError(f"max_query_len must be None or an int >= 0, got {max_query_len!r}")
     longest = max_query_len
     checked = check_inputs and not _tracing_or_capturing(dev)
-    qsl_host = None
+    given = _host_lengths(cpu_pair, n)
+    qsl_host, sl_host = given if given is not None else (None, None)
     if checked:
-        qsl_host = _inputs_checked_on_host(q, block_table, seq_lens, query_start_loc, sinks, cache.shape[0],
-                                           layout.block_size, max_query_len)
-        if max_query_len is None:
-            q_lens = qsl_host[1:] - qsl_host[:-1]
-            longest = int(q_lens.max()) if q_lens.numel() else 0
+        qsl_host, sl_host = _inputs_checked_on_host(q, block_table, seq_lens, query_start_loc, sinks, cache.shape[0],
+                                                    layout.block_size, max_query_len)
+    elif given is not None:
+        _check_host_lengths(qsl_host, sl_host, q.shape[0], block_table.shape[1] * layout.block_size)
+    if qsl_host is not None and max_query_len is None:
+        q_lens = qsl_host[1:] - qsl_host[:-1]
+        longest = int(q_lens.max()) if q_lens.numel() else 0
     p = _device_params(params, layout, dev)
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=dev) if return_lse else None
-    run = dict(cache=cache, layout=layout, p=p, scale=float(scale), opts=opts, sinks=sinks)
+    run = dict(cache=cache, layout=layout, p=p, scale=float(scale), opts=opts, sinks=sinks, int8=int8)
     short_ok = bool(q.shape[0]) and not int8 and opts.window_left is None and use_triton(dev)
     if short_ok and longest is not None and 1 <= longest <= SHORT_QUERY_MAX:
         short_rows(q, cache, block_table, seq_lens, query_start_loc, layout, p, t=longest, scale=float(scale), out=out,
                    lse=lse, logit_softcap=opts.logit_softcap, sinks=sinks, zero_rows=not checked)
     elif short_ok and max_query_len is None and qsl_host is not None:  # a mixed batch: each part its path
-        _split_by_length(q, block_table, seq_lens, query_start_loc, qsl_host, out, lse, run)
+        _split_by_length(q, block_table, seq_lens, query_start_loc, qsl_host, sl_host, out, lse, run)
     elif q.shape[0]:
-        _kernel(q, block_table, seq_lens, query_start_loc, out, lse, int8, **run)
+        host = None if qsl_host is None else (qsl_host[1:] - qsl_host[:-1], sl_host)
+        _long_rows(q, block_table, seq_lens, query_start_loc, out, lse, host, **run)
     if debug and q.shape[0]:
         check_errors(dev)
     return (out, lse) if return_lse else out
+
+
+def _long_rows(q, block_table, seq_lens, query_start_loc, out, lse, host, *, cache, layout, p, scale, opts, sinks,
+               int8):
+    """Rows through the tiled path (:mod:`tqkern_torch.prefill_tiles`) where it serves them and the
+    host lengths ``host = (q_lens, seq_lens)`` are known (checked), else the fused kernel's op."""
+    if host is not None and tiles_supported(q, layout, logit_softcap=opts.logit_softcap, int8=int8):
+        cache_, num_blocks = _cache_or_stand_in(cache)
+        tile_prefill(q, cache_, block_table, seq_lens, query_start_loc, layout, p, q_lens=host[0].tolist(),
+                     seq_lens=host[1].tolist(), num_blocks=num_blocks, errors=error_word(q.device), scale=scale,
+                     out=out, lse=lse, window_left=opts.window_left, sinks=sinks)
+        return
+    _kernel(q, block_table, seq_lens, query_start_loc, out, lse, int8, cache=cache, layout=layout, p=p, scale=scale,
+            opts=opts, sinks=sinks)
 
 
 def _kernel(q, block_table, seq_lens, query_start_loc, out, lse, int8, *, cache, layout, p, scale, opts, sinks):
@@ -180,7 +233,7 @@ def _kernel(q, block_table, seq_lens, query_start_loc, out, lse, int8, *, cache,
         (torch.ops.tqkern.int8_prefill if int8 else torch.ops.tqkern.prefill)(*args)
 
 
-def _split_by_length(q, block_table, seq_lens, query_start_loc, qsl_host, out, lse, run) -> None:
+def _split_by_length(q, block_table, seq_lens, query_start_loc, qsl_host, sl_host, out, lse, run) -> None:
     """A checked batch mixing short rows (``q_len ≤ SHORT_QUERY_MAX``) with longer ones: the short
     sequences through :func:`~tqkern_torch.short_rows.short_rows`, the others through the prefill
     kernel, each on its gathered rows (host-built indices: the caller has synchronised already),
@@ -195,6 +248,7 @@ def _split_by_length(q, block_table, seq_lens, query_start_loc, qsl_host, out, l
             continue
         if bool(part.all()) or not bool((short | long_)[~part].any()):  # every row is this kind
             rows, sub = None, (q, block_table, seq_lens, query_start_loc)
+            seqs = torch.arange(q_lens.numel())
         else:
             lens = q_lens[seqs]
             sub_qsl = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lens, 0)])
@@ -210,7 +264,7 @@ def _split_by_length(q, block_table, seq_lens, query_start_loc, qsl_host, out, l
                        scale=run["scale"], out=o, lse=lp, logit_softcap=run["opts"].logit_softcap, sinks=run["sinks"],
                        zero_rows=False)
         else:
-            _kernel(*sub, o, lp, False, **run)
+            _long_rows(*sub, o, lp, (q_lens[seqs], sl_host[seqs]), **run)
         if rows is not None:
             out.index_copy_(0, rows, o)
             if lse is not None:

@@ -1,0 +1,76 @@
+"""The tiled prefill (:mod:`tqkern_torch.prefill_tiles`: keys gathered into a half-precision
+workspace, a dense varlen kernel per call, log-sum-exp merges) equals the prefill oracle.
+
+Same cases, error budget and poisoning as ``test_prefill_triton.py`` (its helpers). The workspace
+budget is drawn down to one gather tile so that long prefixes split into many pieces merged by
+log-sum-exp (sequences without queries, no prefix, prefix shorter than a piece); window, sinks and
+lse drawn.
+The dense kernel is cuDNN's or FlashAttention-2 (drawn) on a GPU and
+:func:`~tqkern_torch.prefill_tiles.attend_math` (the same contract in float32 torch ops) in the
+interpreter; the gather and combine kernels are the
+Triton ones on both. The workspace rounds K and V to q's dtype once (the fused kernel's products
+round the same operands), so the fused kernel's budget holds.
+"""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tqkern.testing as T
+from property_tests.test_prefill_triton import DEV, ON_GPU, _compare, _draw_q, _fill_cache, prefill_cases
+from tqkern import reference as ref
+from tqkern.layouts import PRESETS
+from tqkern_torch.errors import error_word
+from tqkern_torch.ops import _device_params
+from tqkern_torch.prefill_tiles import attend_cudnn, attend_flash, attend_math, tile_prefill
+from tqkern_torch.testing import kernels_available, poisoned_like
+
+pytestmark = [pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1"),
+              pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:All-NaN:RuntimeWarning",
+                                         "ignore:overflow:RuntimeWarning")]
+
+
+def _tiles(layout, params, batch, q, cache, *, budget_rows, window_left=None, sinks=None, return_lse=False,
+           attend=None):
+    """``tile_prefill`` on ``DEV`` into a NaN-poisoned output with a workspace of ``budget_rows``
+    prefix rows; NumPy (out, lse or None)."""
+    h, d = layout.num_kv_heads, layout.head_dim
+    out = poisoned_like(tuple(q.shape), q.dtype, DEV)
+    lse = torch.full(tuple(q.shape[:2]), float("nan"), dtype=torch.float32, device=DEV) if return_lse else None
+    cache_t, bt, sl, qsl = (torch.from_numpy(x).to(DEV) for x in (cache, batch.block_table, batch.seq_lens,
+                                                                   batch.query_start_loc))
+    res = tile_prefill(q, cache_t, bt, sl, qsl, layout, _device_params(params, layout, q.device),
+                       q_lens=[int(x) for x in batch.q_lens], seq_lens=[int(x) for x in batch.seq_lens],
+                       num_blocks=batch.num_blocks, errors=error_word(DEV), scale=float(d) ** -0.5, out=out, lse=lse,
+                       window_left=window_left, sinks=None if sinks is None else torch.from_numpy(sinks).to(DEV),
+                       workspace_bytes=budget_rows * 2 * h * d * q.element_size(),
+                       attend=attend)
+    assert res is out
+    return out.float().cpu().numpy(), None if lse is None else lse.cpu().numpy().astype(np.float64)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@settings(max_examples=T.scale(4, 30))
+@given(st.data())
+def test_tiles_match_oracle(preset, data):
+    """Every preset, both arrangements, GQA 1..4, mixed batches, shuffled blocks, poisoned
+    queries, workspaces from one row up: the oracle's rows (and lse)."""
+    layout, params, group, batch, qdtype = data.draw(prefill_cases(presets=(preset,)), label="case")
+    hq = layout.num_kv_heads * group
+    window = data.draw(st.one_of(st.none(), st.integers(0, 40)), label="window_left")
+    sinks = data.draw(st.one_of(st.none(), st.lists(st.floats(-3, 3), min_size=hq, max_size=hq)), label="sinks")
+    sinks = None if sinks is None else np.asarray(sinks, np.float32)
+    lse = data.draw(st.booleans(), label="return_lse")
+    budget = data.draw(st.one_of(st.integers(1, 160), st.just(1 << 20)), label="budget_rows")
+    attend = attend_math
+    if ON_GPU:  # both dense kernels (cuDNN has no window)
+        attend = data.draw(st.sampled_from([attend_flash] + ([attend_cudnn] if window is None else [])), label="attend")
+    cache = _fill_cache(layout, params, batch, data)
+    q, q64 = _draw_q(layout, group, batch, qdtype, data)
+    got, got_lse = _tiles(layout, params, batch, q, cache, budget_rows=budget, window_left=window, sinks=sinks,
+                          return_lse=lse, attend=attend)
+    res = ref.prefill(q64, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, layout, params,
+                      window_left=window, sinks=sinks, return_lse=True)
+    _compare(got, res[0], layout, params, batch, cache, q64, group, got_lse=got_lse, expect_lse=res[1])

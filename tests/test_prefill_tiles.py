@@ -1,0 +1,93 @@
+"""The tiled prefill's plan (:func:`tqkern.ops.prefill.tiles.plan_tiles`): every key a query may see
+is in exactly one piece, masks are right for every query of a piece, rounds pack within the
+budget; and the frontend's routing and host-length checks."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tqkern.ops.prefill.tiles import PIECE_ALIGN, plan_tiles
+
+
+@st.composite
+def lengths(draw):
+    n = draw(st.integers(1, 6))
+    seq = draw(st.lists(st.integers(0, 3000), min_size=n, max_size=n))
+    q = [draw(st.integers(0, s)) for s in seq]
+    return q, seq
+
+
+@given(lengths(), st.integers(1, 5000), st.one_of(st.none(), st.integers(0, 500)))
+def test_pieces_cover_each_visible_key_once(ls, budget, window):
+    q_lens, seq_lens = ls
+    plan = plan_tiles(q_lens, seq_lens, budget_rows=budget, window_left=window)
+    seen = {s: [] for s in range(len(q_lens))}
+    for r, rnd in enumerate(plan.rounds):
+        row = 0
+        assert rnd, "no empty round"
+        for pc in rnd:
+            assert pc.length > 0 and pc.row == row
+            row += pc.length
+            q, n = q_lens[pc.seq], seq_lens[pc.seq]
+            p = n - q
+            assert pc.first == (r == 0)
+            if pc.causal:  # bottom-right over [start, n): ends at the sequence's end
+                assert pc.start + pc.length == n
+                assert window is not None or pc.start == p  # square without a window
+            else:  # unmasked: every key at or before the first query's position
+                assert pc.start + pc.length <= p and window is None
+            seen[pc.seq] += list(range(pc.start, pc.start + pc.length))
+        if r > 0:
+            assert row <= max(budget, PIECE_ALIGN * len(rnd))
+    for s, (q, n) in enumerate(zip(q_lens, seq_lens)):
+        lo = 0 if window is None else max(0, n - q - window)
+        assert sorted(seen[s]) == (list(range(lo, n)) if q else []), f"sequence {s}"
+        mine = [pc for rnd in plan.rounds for pc in rnd if pc.seq == s]
+        if mine:
+            assert [pc.last for pc in mine] == [False] * (len(mine) - 1) + [True]
+    assert plan.workspace_rows == max((sum(pc.length for pc in r) for r in plan.rounds), default=0)
+
+
+def test_whole_prefix_in_one_round_when_it_fits():
+    plan = plan_tiles([1024, 1024], [17408, 9216], budget_rows=1 << 20)
+    assert len(plan.rounds) == 2 and plan.piece_rows == 16384
+    assert [(pc.start, pc.length) for pc in plan.rounds[1]] == [(0, 16384), (0, 8192)]
+    plan = plan_tiles([16384], [16384], budget_rows=64)
+    assert len(plan.rounds) == 1 and plan.workspace_rows == 16384  # no prefix: the new tokens alone
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(q_lens=[3], seq_lens=[2], budget_rows=64), r"q_lens\[0\] must be <= seq_lens\[0\] = 2, got 3"),
+    (dict(q_lens=[1], seq_lens=[1, 2], budget_rows=64), "one entry per sequence, got 1 and 2"),
+    (dict(q_lens=[-1], seq_lens=[2], budget_rows=64), r"q_lens must be >= 0, got \[-1\]"),
+    (dict(q_lens=[1], seq_lens=[2], budget_rows=0), "budget_rows must be an int >= 1, got 0"),
+    (dict(q_lens=[1], seq_lens=[2], budget_rows=64, window_left=-2), "window_left must be None or an int >= 0"),
+])
+def test_plan_rejects_bad_lengths(kw, match):
+    with pytest.raises(ValueError, match=match):
+        plan_tiles(**kw)
+
+
+def test_host_lengths_are_checked():
+    """``query_start_loc_cpu`` / ``seq_lens_cpu``: both or neither, host tensors, a valid batch."""
+    import tqkern
+    import tqkern_torch as tqt
+
+    layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset("tq4", 64), num_kv_heads=1, block_size=16)
+    params = tqkern.TQParams.default(layout.format)
+    cache = torch.zeros(layout.cache_shape(2), dtype=torch.uint8)
+    bt = torch.tensor([[0, 1]], dtype=torch.int32)
+    sl = torch.tensor([20], dtype=torch.int32)
+    qsl = torch.tensor([0, 12], dtype=torch.int32)
+    q = torch.zeros(12, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="must be given together, got only query_start_loc_cpu"):
+        tqt.prefill(q, cache, bt, sl, qsl, layout, params, query_start_loc_cpu=qsl)
+    with pytest.raises(ValueError, match="seq_lens_cpu must lie in"):
+        tqt.prefill(q, cache, bt, sl, qsl, layout, params, query_start_loc_cpu=qsl,
+                    seq_lens_cpu=torch.tensor([40]), check_inputs=False)
+    with pytest.raises(ValueError, match="query_start_loc_cpu must rise from 0 to num_tokens = 12"):
+        tqt.prefill(q, cache, bt, sl, qsl, layout, params, query_start_loc_cpu=torch.tensor([0, 11]),
+                    seq_lens_cpu=sl, check_inputs=False)
+    with pytest.raises(ValueError, match=r"seq_lens_cpu must have shape \[1\], got \[2\]"):
+        tqt.prefill(q, cache, bt, sl, qsl, layout, params, query_start_loc_cpu=qsl, seq_lens_cpu=torch.tensor([1, 2]))

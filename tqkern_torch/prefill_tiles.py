@@ -1,0 +1,168 @@
+"""The tiled prefill: long query rows over a bounded half-precision workspace of gathered keys and
+values, one dense attention call per piece of a sequence's keys, the partials merged by
+log-sum-exp.
+
+The plan and the combine kernel are :mod:`tqkern.ops.prefill.tiles` (its docstring has the maths
+and the memory bound); the gather (decode + rotate back, once per key) is
+:mod:`tqkern.ops.decompress.gather`. The dense kernel (:func:`pick_attend`) on CUDA is cuDNN's
+fused attention through torch (``aten::_scaled_dot_product_cudnn_attention``, what SDPA itself
+runs on Hopper; GQA, fp16/bf16, returns the log-sum-exp) or, with a window, FlashAttention-2 as
+torch builds it (bottom-right window masks); :func:`attend_math` is the same contract in float32
+torch ops, for the CPU tests of the plan and the merges. cuDNN's varlen entry was measured at
+~45 ms a call (H200, S20: it builds a graph per call), so sequences run one by one.
+
+What this path needs from the host: the lengths (``q_len`` and ``seq_len`` of every sequence, as
+Python ints): the ones the checks read (a sync) or the caller's ``query_start_loc_cpu`` /
+``seq_lens_cpu``, with which the whole call can be captured in a CUDA graph (the plan is then fixed
+for the graph's lengths, as a serving stack's captured prefill is).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import triton
+
+from tqkern.layouts import PagedLayout
+from tqkern.ops.codecs import layout_args
+from tqkern.ops.prefill.tiles import _combine_kernel, _runs_kernel, plan_tiles
+
+__all__ = ["tiles_supported", "tile_prefill", "pick_attend", "attend_cudnn", "attend_flash", "attend_math",
+           "WORKSPACE_BYTES"]
+
+WORKSPACE_BYTES = 256 << 20  # K + V bytes a prefix piece may take (the plan's module docstring)
+_COMBINE_ROWS = 16
+
+
+def tiles_supported(q: torch.Tensor, layout: PagedLayout, *, logit_softcap, int8: bool) -> bool:
+    """The tiled path serves this call: a CUDA device with FlashAttention-2 (sm_80+), fp16/bf16
+    queries, head_dim a multiple of 8 up to 256, no logit soft-cap, not ``int8_prefill``."""
+    if int8 or logit_softcap is not None or q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    d = layout.head_dim
+    return d % 8 == 0 and d <= 256 and torch.cuda.get_device_capability(q.device) >= (8, 0)
+
+
+Attend = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def attend_cudnn(q, k, v, *, causal: bool, scale: float, window_left: Optional[int]):
+    """cuDNN's fused attention (what torch's SDPA picks on Hopper) over one sequence: ``q [L, Hq, D]``,
+    ``k, v [n, Hkv, D]`` → ``(out [L, Hq, D], lse float32 [L, Hq])`` (views); causal top-left
+    (the plan gives it square blocks only); no window."""
+    o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2), None, True, 0.0, causal, False,
+        scale=scale)[:2]
+    return o[0].transpose(0, 1), lse.reshape(q.shape[1], q.shape[0]).transpose(0, 1)
+
+
+def attend_flash(q, k, v, *, causal: bool, scale: float, window_left: Optional[int]):
+    """FlashAttention-2 (torch's build) over one sequence, bottom-right causal and window masks;
+    :func:`attend_cudnn`'s contract."""
+    two = torch.arange(2, dtype=torch.int32, device=q.device)  # made on the device: capturable
+    cu_q, cu_k = two * q.shape[0], two * k.shape[0]
+    res = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, q.shape[0], k.shape[0], 0.0, causal, False, scale=scale,
+        window_size_left=window_left, window_size_right=0 if window_left is not None else None)
+    return res[0], res[1].transpose(0, 1)
+
+
+def attend_math(q, k, v, *, causal: bool, scale: float, window_left: Optional[int]):
+    """:func:`attend_cudnn`'s contract in float32 torch ops (CPU tests), bottom-right masks."""
+    nq, hq, d = q.shape
+    nk = k.shape[0]
+    g = hq // k.shape[1]
+    kb = k.float().repeat_interleave(g, dim=1)
+    vb = v.float().repeat_interleave(g, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), kb) * scale
+    i = torch.arange(nq)[:, None] + (nk - nq)  # a query's position in key coordinates
+    j = torch.arange(nk)[None, :]
+    ok = torch.ones(nq, nk, dtype=torch.bool)
+    if causal or window_left is not None:
+        ok &= j <= i
+    if window_left is not None:
+        ok &= j >= i - window_left
+    ok = ok.to(s.device)
+    s = s.masked_fill(~ok, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [hq, nq]
+    p = torch.where(ok, torch.exp(s - lse[..., None]), 0.0)  # a NaN query stays NaN
+    return torch.einsum("hqk,khd->qhd", p, vb).to(q.dtype), lse.transpose(0, 1)
+
+
+def pick_attend(q: torch.Tensor, window_left: Optional[int]) -> Attend:
+    """The dense kernel for this call: cuDNN on CUDA without a window (fastest on Hopper),
+    FlashAttention-2 with one, the torch-ops version elsewhere."""
+    if q.device.type != "cuda":
+        return attend_math
+    if window_left is None and torch.backends.cudnn.is_available() and torch.backends.cudnn.version() >= 90000:
+        return attend_cudnn
+    return attend_flash
+
+
+def _combine(a, a_lse, b, b_lse, dst, lse_out, sinks) -> None:
+    """``dst, lse_out ← merge((a, a_lse), (b, b_lse), sinks)`` over one sequence's rows (``a``
+    None: ``b`` alone); rows with a non-finite lse NaN."""
+    t, hq, d = b.shape
+    n = t * hq
+    aa, al = (b, b_lse) if a is None else (a, a_lse)
+    _combine_kernel[(triton.cdiv(n, _COMBINE_ROWS),)](
+        aa, al, b, b_lse, b_lse if sinks is None else sinks, dst, lse_out, n, aa.stride(0), aa.stride(1),
+        b.stride(0), b.stride(1), dst.stride(0), dst.stride(1), al.stride(0), al.stride(1), b_lse.stride(0),
+        b_lse.stride(1), lse_out.stride(0), lse_out.stride(1),
+        HQ=hq, D=d, DP=max(16, triton.next_power_of_2(d)), BR=_COMBINE_ROWS, HAS_A=a is not None,
+        HAS_SINK=sinks is not None, num_warps=4)
+
+
+def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: PagedLayout, p, *, q_lens: list[int],
+                 seq_lens: list[int],
+                 num_blocks: int, errors: torch.Tensor, scale: float, out: Optional[torch.Tensor],
+                 lse: Optional[torch.Tensor], window_left: Optional[int], sinks: Optional[torch.Tensor],
+                 workspace_bytes: int = WORKSPACE_BYTES, attend: Optional[Attend] = None) -> torch.Tensor:
+    """The tiled prefill of ``q`` (validated by the caller; ``q_lens``/``seq_lens`` the host copies
+    of ``query_start_loc``'s lengths and ``seq_lens_dev``, valid). Writes and returns ``out``
+    (allocated when None) and ``lse`` when given."""
+    from tqkern.ops.common import halfword_aligned
+    from tqkern.ops.decompress.gather import _gather_kernel, gather_config
+
+    h, d = layout.num_kv_heads, layout.head_dim
+    fmt = layout.format
+    plan = plan_tiles(q_lens, seq_lens, budget_rows=max(1, workspace_bytes // (2 * h * d * q.element_size())),
+                      window_left=window_left)
+    attend = attend or pick_attend(q, window_left)
+    out = torch.empty_like(q) if out is None else out
+    lse_acc = lse if lse is not None else torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    rows = max(1, plan.workspace_rows)
+    # codec space, then (rotated sides) the original coordinates: [2, rows, H, D] each
+    ws = torch.empty((2, rows, h, d), dtype=q.dtype, device=q.device)
+    rotated = (fmt.key.rotated, fmt.value.rotated)
+    ws_back = torch.empty_like(ws) if any(rotated) else ws
+    rot_t = p.rotation.t().to(q.dtype) if any(rotated) else None
+    c = {k: v for k, v in layout_args(layout).items() if not k.startswith("PAD")}
+    gc = gather_config(c["DP"])
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    n_seq = len(q_lens)
+    runs = torch.empty((len(plan.rounds), n_seq, 4), dtype=torch.int32, device=q.device)
+    _runs_kernel[(len(plan.rounds),)](seq_lens_dev, query_start_loc, runs, n_seq, max(plan.piece_rows, 1),
+                                      window_left or 0, HAS_WINDOW=window_left is not None)
+    for r, rnd in enumerate(plan.rounds):
+        longest = max(pc.length for pc in rnd)
+        used = sum(pc.length for pc in rnd)
+        _gather_kernel[gc.grid(longest, n_seq, h)](
+            ws[0], ws[1], cache, block_table, runs[r], p.key_centroids_f32, p.value_centroids_f32, errors, num_blocks,
+            block_table.stride(0), BS=layout.block_size, H=h, K_ALIGNED=halfword_aligned(layout, "key"),
+            V_ALIGNED=halfword_aligned(layout, "value"), OUT_BF16=q.dtype == torch.bfloat16, **c, **gc._asdict())
+        for side in (0, 1):
+            if rotated[side]:
+                torch.mm(ws[side, :used].view(-1, d), rot_t, out=ws_back[side, :used].view(-1, d))
+        kk = ws_back[0] if rotated[0] else ws[0]
+        vv = ws_back[1] if rotated[1] else ws[1]
+        for pc in rnd:
+            a, b = starts[pc.seq], starts[pc.seq + 1]
+            o, lp = attend(q[a:b], kk[pc.row:pc.row + pc.length], vv[pc.row:pc.row + pc.length], causal=pc.causal,
+                           scale=scale, window_left=window_left)
+            _combine(None if pc.first else out[a:b], lse_acc[a:b], o, lp, out[a:b], lse_acc[a:b],
+                     sinks if pc.last else None)
+    return out
