@@ -11,8 +11,10 @@ Then, per shape (:data:`~tqkern_torch.bench.shapes.PREFILL_SHAPES`): ``num_seqs`
 with ``context`` tokens of which the last ``q_len`` are the new ones (all already in the cache, as
 ``prefill`` expects). ``flops`` (reported as ``tflops``): ``4·D·Hq`` per visible (query, key) pair,
 the causal count; every variant of a shape is credited the same FLOPs, so its TFLOP/s ratio is its
-speed-up. ``prefill`` gets ``max_query_len = q_len`` (as a serving stack passes it): shapes of at
-most :data:`~tqkern_torch.short_rows.SHORT_QUERY_MAX` new tokens take the short-row path. Those
+speed-up. ``prefill`` gets ``max_query_len = q_len`` and the host lengths (as a serving stack
+passes them): shapes of at most :data:`~tqkern_torch.short_rows.SHORT_QUERY_MAX` new tokens take
+the short-row path, longer ones the tiled path; ``fused:<first preset>`` times the fused prefill
+kernel (no host lengths) beside it. Those
 shapes also time ``sdpa_fp16_1token``: SDPA fp16 of one new token per sequence over the same
 context (what the issue's speculative goal is measured against). All by CUDA-graph replay.
 """
@@ -36,6 +38,7 @@ __all__ = ["BASELINE", "DECOMPRESS_SDPA", "SDPA_1TOKEN", "batch", "causal_flops"
 BASELINE = "sdpa_fp16"
 DECOMPRESS_SDPA = "decompress_sdpa"
 INT8 = "int8"  # variant ``int8:<preset>``: ``int8_prefill`` of that preset
+FUSED = "fused"  # variant ``fused:<preset>``: the fused prefill kernel (no host lengths given)
 SDPA_1TOKEN = "sdpa_fp16_1token"  # SDPA fp16 of one new token per sequence (short shapes)
 
 
@@ -123,9 +126,14 @@ def run_shape(shape: PrefillShape, presets, step, *, rep_ms: int = 100, device: 
         layout, params = make_layout(preset, hkv, d, device)
         cache, bt, sl, qsl, _ = batch(layout, params, [n] * b, [lq] * b, hq, g, device)
         out = torch.empty_like(q)
-        us = timer(lambda: tqt.prefill(q, cache, bt, sl, qsl, layout, params, out=out, max_query_len=lq))
+        host = dict(query_start_loc_cpu=qsl.cpu(), seq_lens_cpu=sl.cpu())
+        us = timer(lambda: tqt.prefill(q, cache, bt, sl, qsl, layout, params, out=out, max_query_len=lq, **host))
         rows.append(record("prefill", shape.name, preset, BASELINE, us, base_us, flops=flops))
         step(f"prefill {shape.name} {preset}")
+        if i == 0 and lq > SHORT_QUERY_MAX:  # the fused kernel: no host lengths under capture
+            us = timer(lambda: tqt.prefill(q, cache, bt, sl, qsl, layout, params, out=out, max_query_len=lq))
+            rows.append(record("prefill", shape.name, f"{FUSED}:{preset}", BASELINE, us, base_us, flops=flops))
+            step(f"prefill {shape.name} {FUSED}:{preset}")
         us = timer(lambda: tqt.int8_prefill(q, cache, bt, sl, qsl, layout, params, out=out))
         rows.append(record("prefill", shape.name, f"{INT8}:{preset}", BASELINE, us, base_us, flops=flops))
         step(f"prefill {shape.name} {INT8}:{preset}")

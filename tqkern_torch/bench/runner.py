@@ -63,6 +63,10 @@ def count_steps(selection: dict, eager_shapes: Sequence = ()) -> int:
     for o, (presets, shapes) in selection.items():
         per_preset = 2 if o == "prefill" else 1  # (prefill: prefill and int8_prefill)
         n += len(presets) + len(shapes) * (1 + per_preset * len(presets) + (o == "prefill" and bool(presets)))
+        if o == "prefill":  # SDPA's one-token decode (short shapes) or the fused kernel (long ones, with presets)
+            from tqkern_torch.short_rows import SHORT_QUERY_MAX
+
+            n += sum(s.q_len <= SHORT_QUERY_MAX or bool(presets) for s in shapes)
         if o == "decode":
             n += len(eager_shapes) * (1 + len(presets))
     return n
