@@ -3,8 +3,8 @@ workspace, a dense varlen kernel per call, log-sum-exp merges) equals the prefil
 
 Same cases, error budget and poisoning as ``test_prefill_triton.py`` (its helpers). The workspace
 budget is drawn down to one gather tile so that long prefixes split into many pieces merged by
-log-sum-exp (sequences without queries, no prefix, prefix shorter than a piece); window, sinks and
-lse drawn.
+log-sum-exp (sequences without queries, no prefix, prefix shorter than a piece); batches of equal
+lengths (whose pieces go to the dense kernel as one batch) drawn; window, sinks and lse drawn.
 The dense kernel is cuDNN's or FlashAttention-2 (drawn) on a GPU and
 :func:`~tqkern_torch.prefill_tiles.attend_math` (the same contract in float32 torch ops) in the
 interpreter; the gather and combine kernels are the
@@ -51,6 +51,17 @@ def _tiles(layout, params, batch, q, cache, *, budget_rows, window_left=None, si
     return out.float().cpu().numpy(), None if lse is None else lse.cpu().numpy().astype(np.float64)
 
 
+@st.composite
+def _equal_batch(draw, n: int, max_len: int):
+    """``n`` sequences of one length and one ``q_len`` over shuffled blocks (and a spare one)."""
+    length = draw(st.integers(1, max_len))
+    q_len = draw(st.integers(0, length))
+    per = -(-length // 16)
+    blocks = np.random.default_rng(draw(st.integers(0, 2**16))).permutation(n * per + 1)[: n * per]
+    return T.VarlenBatch(blocks.reshape(n, per).astype(np.int32), np.full(n, length, np.int32), n * per + 1, 16,
+                         [q_len] * n)
+
+
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 @settings(max_examples=T.scale(4, 30))
 @given(st.data())
@@ -58,6 +69,8 @@ def test_tiles_match_oracle(preset, data):
     """Every preset, both arrangements, GQA 1..4, mixed batches, shuffled blocks, poisoned
     queries, workspaces from one row up: the oracle's rows (and lse)."""
     layout, params, group, batch, qdtype = data.draw(prefill_cases(presets=(preset,)), label="case")
+    if data.draw(st.booleans(), label="equal_lengths"):  # pieces of equal shape share one dense call
+        batch = data.draw(_equal_batch(len(batch.seq_lens), int(max(batch.seq_lens.max(), 1))), label="equal_batch")
     hq = layout.num_kv_heads * group
     window = data.draw(st.one_of(st.none(), st.integers(0, 40)), label="window_left")
     sinks = data.draw(st.one_of(st.none(), st.lists(st.floats(-3, 3), min_size=hq, max_size=hq)), label="sinks")

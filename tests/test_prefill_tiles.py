@@ -91,3 +91,14 @@ def test_host_lengths_are_checked():
                     seq_lens_cpu=sl, check_inputs=False)
     with pytest.raises(ValueError, match=r"seq_lens_cpu must have shape \[1\], got \[2\]"):
         tqt.prefill(q, cache, bt, sl, qsl, layout, params, query_start_loc_cpu=qsl, seq_lens_cpu=torch.tensor([1, 2]))
+
+
+def test_equal_pieces_share_a_dense_call():
+    """Consecutive sequences with equal (q_len, piece length, mask, last) go to one dense call; a
+    sequence without queries between them does not split the run, other lengths do."""
+    from tqkern_torch.prefill_tiles import _groups
+
+    q_lens, seq_lens = [4, 0, 4, 4, 3], [10, 7, 10, 12, 10]
+    plan = plan_tiles(q_lens, seq_lens, budget_rows=1 << 20)
+    assert [[pc.seq for pc in g] for g in _groups(plan.rounds[0], q_lens)] == [[0, 2, 3], [4]]
+    assert [[pc.seq for pc in g] for g in _groups(plan.rounds[1], q_lens)] == [[0, 2], [3], [4]]

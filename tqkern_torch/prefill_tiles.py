@@ -9,7 +9,8 @@ fused attention through torch (``aten::_scaled_dot_product_cudnn_attention``, wh
 runs on Hopper; GQA, fp16/bf16, returns the log-sum-exp) or, with a window, FlashAttention-2 as
 torch builds it (bottom-right window masks); :func:`attend_math` is the same contract in float32
 torch ops, for the CPU tests of the plan and the merges. cuDNN's varlen entry was measured at
-~45 ms a call (H200, S20: it builds a graph per call), so sequences run one by one.
+~45 ms a call (H200, S20), so each dense call takes one sequence, or a run of consecutive
+sequences whose pieces have one shape (a batched call).
 
 What this path needs from the host: the lengths (``q_len`` and ``seq_len`` of every sequence, as
 Python ints): the ones the checks read (a sync) or the caller's ``query_start_loc_cpu`` /
@@ -47,29 +48,44 @@ def tiles_supported(q: torch.Tensor, layout: PagedLayout, *, logit_softcap, int8
 Attend = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def attend_cudnn(q, k, v, *, causal: bool, scale: float, window_left: Optional[int]):
-    """cuDNN's fused attention (what torch's SDPA picks on Hopper) over one sequence: ``q [L, Hq, D]``,
-    ``k, v [n, Hkv, D]`` → ``(out [L, Hq, D], lse float32 [L, Hq])`` (views); causal top-left
-    (the plan gives it square blocks only); no window."""
+def attend_cudnn(q, k, v, batch: int, *, causal: bool, scale: float, window_left: Optional[int]):
+    """cuDNN's fused attention (what torch's SDPA picks on Hopper) over ``batch`` sequences of equal
+    lengths, token-major and packed: ``q [batch·L, Hq, D]``, ``k, v [batch·n, Hkv, D]`` →
+    ``(out [batch·L, Hq, D], lse float32 [batch·L, Hq])``; causal top-left (the plan gives it
+    square blocks only); no window."""
+    t, hq, d = q.shape
+
+    def heads_first(x):
+        return x.view(batch, x.shape[0] // batch, x.shape[1], d).transpose(1, 2)
+
     o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2), None, True, 0.0, causal, False,
-        scale=scale)[:2]
-    return o[0].transpose(0, 1), lse.reshape(q.shape[1], q.shape[0]).transpose(0, 1)
+        heads_first(q), heads_first(k), heads_first(v), None, True, 0.0, causal, False, scale=scale)[:2]
+    o, lse = o.transpose(1, 2), lse.reshape(batch, hq, t // batch).transpose(1, 2)
+    if batch == 1:  # views
+        return o[0], lse[0]
+    return o.reshape(t, hq, d), lse.reshape(t, hq)
 
 
-def attend_flash(q, k, v, *, causal: bool, scale: float, window_left: Optional[int]):
-    """FlashAttention-2 (torch's build) over one sequence, bottom-right causal and window masks;
-    :func:`attend_cudnn`'s contract."""
-    two = torch.arange(2, dtype=torch.int32, device=q.device)  # made on the device: capturable
-    cu_q, cu_k = two * q.shape[0], two * k.shape[0]
+def attend_flash(q, k, v, batch: int, *, causal: bool, scale: float, window_left: Optional[int]):
+    """FlashAttention-2 (torch's build), varlen over the ``batch`` equal sequences, bottom-right
+    causal and window masks; :func:`attend_cudnn`'s contract."""
+    steps = torch.arange(batch + 1, dtype=torch.int32, device=q.device)  # made on the device: capturable
+    lq, lk = q.shape[0] // batch, k.shape[0] // batch
     res = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, q.shape[0], k.shape[0], 0.0, causal, False, scale=scale,
+        q, k, v, steps * lq, steps * lk, lq, lk, 0.0, causal, False, scale=scale,
         window_size_left=window_left, window_size_right=0 if window_left is not None else None)
     return res[0], res[1].transpose(0, 1)
 
 
-def attend_math(q, k, v, *, causal: bool, scale: float, window_left: Optional[int]):
+def attend_math(q, k, v, batch: int, *, causal: bool, scale: float, window_left: Optional[int]):
     """:func:`attend_cudnn`'s contract in float32 torch ops (CPU tests), bottom-right masks."""
+    lq, lk = q.shape[0] // batch, k.shape[0] // batch
+    outs = [_math_one(q[b * lq:(b + 1) * lq], k[b * lk:(b + 1) * lk], v[b * lk:(b + 1) * lk], causal, scale,
+                      window_left) for b in range(batch)]
+    return torch.cat([o for o, _ in outs]), torch.cat([lse for _, lse in outs])
+
+
+def _math_one(q, k, v, causal: bool, scale: float, window_left: Optional[int]):
     nq, hq, d = q.shape
     nk = k.shape[0]
     g = hq // k.shape[1]
@@ -112,6 +128,20 @@ def _combine(a, a_lse, b, b_lse, dst, lse_out, sinks) -> None:
         b_lse.stride(1), lse_out.stride(0), lse_out.stride(1),
         HQ=hq, D=d, DP=max(16, triton.next_power_of_2(d)), BR=_COMBINE_ROWS, HAS_A=a is not None,
         HAS_SINK=sinks is not None, num_warps=4)
+
+
+def _groups(rnd, q_lens: list[int]) -> list[list]:
+    """A round's pieces in runs of consecutive sequences with equal ``(q_len, length, causal,
+    last)``: one dense call each (their queries and workspace rows are adjacent; sequences between
+    them have no queries)."""
+    out: list[list] = []
+    for pc in rnd:
+        key = (q_lens[pc.seq], pc.length, pc.causal, pc.last)
+        if out and (q_lens[out[-1][0].seq], out[-1][0].length, out[-1][0].causal, out[-1][0].last) == key:
+            out[-1].append(pc)
+        else:
+            out.append([pc])
+    return out
 
 
 def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: PagedLayout, p, *, q_lens: list[int],
@@ -159,10 +189,12 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
                 torch.mm(ws[side, :used].view(-1, d), rot_t, out=ws_back[side, :used].view(-1, d))
         kk = ws_back[0] if rotated[0] else ws[0]
         vv = ws_back[1] if rotated[1] else ws[1]
-        for pc in rnd:
-            a, b = starts[pc.seq], starts[pc.seq + 1]
-            o, lp = attend(q[a:b], kk[pc.row:pc.row + pc.length], vv[pc.row:pc.row + pc.length], causal=pc.causal,
-                           scale=scale, window_left=window_left)
+        for grp in _groups(rnd, q_lens):
+            pc, last = grp[0], grp[-1]
+            a, b = starts[pc.seq], starts[last.seq + 1]
+            rows = slice(pc.row, last.row + last.length)
+            o, lp = attend(q[a:b], kk[rows], vv[rows], len(grp), causal=pc.causal, scale=scale,
+                           window_left=window_left)
             _combine(None if pc.first else out[a:b], lse_acc[a:b], o, lp, out[a:b], lse_acc[a:b],
                      sinks if pc.last else None)
     return out
