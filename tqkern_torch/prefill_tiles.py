@@ -3,8 +3,8 @@ values, one dense attention call per piece of a sequence's keys, the partials me
 log-sum-exp.
 
 The plan and the combine kernel are :mod:`tqkern.ops.prefill.tiles` (its docstring has the maths
-and the memory bound); the gather (decode + rotate back, once per key) is
-:mod:`tqkern.ops.decompress.gather`. The dense kernel (:func:`pick_attend`) on CUDA is cuDNN's
+and the memory bound); the gather (each key decoded once into q's dtype) is
+:mod:`tqkern.ops.decompress.gather`, and a rotated side is rotated back by one GEMM per round. The dense kernel (:func:`pick_attend`) on CUDA is cuDNN's
 fused attention through torch (``aten::_scaled_dot_product_cudnn_attention``, what SDPA itself
 runs on Hopper; GQA, fp16/bf16, returns the log-sum-exp) or, with a window, FlashAttention-2 as
 torch builds it (bottom-right window masks); :func:`attend_math` is the same contract in float32
@@ -37,8 +37,10 @@ _COMBINE_ROWS = 16
 
 
 def tiles_supported(q: torch.Tensor, layout: PagedLayout, *, logit_softcap, int8: bool) -> bool:
-    """The tiled path serves this call: a CUDA device with FlashAttention-2 (sm_80+), fp16/bf16
-    queries, head_dim a multiple of 8 up to 256, no logit soft-cap, not ``int8_prefill``."""
+    """The tiled path serves this call: a CUDA device of sm_80 or later (cuDNN's and
+    FlashAttention-2's fused attention), fp16/bf16 queries, head_dim a multiple of 8 up to 256, no
+    logit soft-cap, not ``int8_prefill``. The workspace is in q's dtype: bf16 queries attend bf16
+    keys and values (as a bf16 model's own attention does)."""
     if int8 or logit_softcap is not None or q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
         return False
     d = layout.head_dim
