@@ -108,7 +108,9 @@ def prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq
             bounded fp16/bf16 workspace, cuDNN or FlashAttention over it, log-sum-exp merges;
             not with ``logit_softcap``), which plans from the host lengths: these, or the ones
             ``check_inputs`` reads. With them the call needs no sync and can be captured in a CUDA
-            graph (for those lengths); without either, the fused prefill kernel runs.
+            graph (for those lengths; a batch mixing short and long rows then runs whole on the
+            tiled path); without either, and while ``torch.compile`` traces, the fused prefill
+            kernel runs.
         check_inputs: check the values of ``query_start_loc`` (``qsl[0] == 0``, non-decreasing,
             ``qsl[-1] == num_tokens``, ``q_len ≤ seq_lens[s]``, ``q_len ≤ max_query_len``),
             ``seq_lens``, the used ``block_table`` entries and ``sinks`` on the host and raise
@@ -135,8 +137,9 @@ def _host_lengths(pair, n: int):
     if qc is None or sc is None:
         raise ValueError("query_start_loc_cpu and seq_lens_cpu must be given together, got only "
                          f"{'seq_lens_cpu' if qc is None else 'query_start_loc_cpu'}")
-    check_tensor(qc, "query_start_loc_cpu", shape=(n + 1,), dtypes=(torch.int32, torch.int64), device=torch.device("cpu"))
-    check_tensor(sc, "seq_lens_cpu", shape=(n,), dtypes=(torch.int32, torch.int64), device=torch.device("cpu"))
+    cpu = torch.device("cpu")
+    check_tensor(qc, "query_start_loc_cpu", shape=(n + 1,), dtypes=(torch.int32, torch.int64), device=cpu)
+    check_tensor(sc, "seq_lens_cpu", shape=(n,), dtypes=(torch.int32, torch.int64), device=cpu)
     return qc.to(torch.int64), sc.to(torch.int64)
 
 
@@ -177,8 +180,10 @@ def _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale
                                       or max_query_len < 0):
         raise ValueError(f"max_query_len must be None or an int >= 0, got {max_query_len!r}")
     longest = max_query_len
-    checked = check_inputs and not _tracing_or_capturing(dev)
-    given = _host_lengths(cpu_pair, n)
+    capturing = _tracing_or_capturing(dev)
+    checked = check_inputs and not capturing
+    # while torch.compile traces, the fused kernel's op (host lengths would break the graph)
+    given = None if torch.compiler.is_compiling() else _host_lengths(cpu_pair, n)
     qsl_host, sl_host = given if given is not None else (None, None)
     if checked:
         qsl_host, sl_host = _inputs_checked_on_host(q, block_table, seq_lens, query_start_loc, sinks, cache.shape[0],
@@ -197,7 +202,7 @@ def _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale
     if short_ok and longest is not None and 1 <= longest <= SHORT_QUERY_MAX:
         short_rows(q, cache, block_table, seq_lens, query_start_loc, layout, p, t=longest, scale=float(scale), out=out,
                    lse=lse, logit_softcap=opts.logit_softcap, sinks=sinks, zero_rows=not checked)
-    elif short_ok and max_query_len is None and qsl_host is not None:  # a mixed batch: each part its path
+    elif short_ok and max_query_len is None and qsl_host is not None and not capturing:  # mixed: each part its path
         _split_by_length(q, block_table, seq_lens, query_start_loc, qsl_host, sl_host, out, lse, run)
     elif q.shape[0]:
         host = None if qsl_host is None else (qsl_host[1:] - qsl_host[:-1], sl_host)

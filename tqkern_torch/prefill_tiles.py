@@ -4,10 +4,11 @@ log-sum-exp.
 
 The plan and the combine kernel are :mod:`tqkern.ops.prefill.tiles` (its docstring has the maths
 and the memory bound); the gather (each key decoded once into q's dtype) is
-:mod:`tqkern.ops.decompress.gather`, and a rotated side is rotated back by one GEMM per round. The dense kernel (:func:`pick_attend`) on CUDA is cuDNN's
-fused attention through torch (``aten::_scaled_dot_product_cudnn_attention``, what SDPA itself
-runs on Hopper; GQA, fp16/bf16, returns the log-sum-exp) or, with a window, FlashAttention-2 as
-torch builds it (bottom-right window masks); :func:`attend_math` is the same contract in float32
+:mod:`tqkern.ops.decompress.gather`, and a rotated side is rotated back by one GEMM per round.
+The dense kernel (:func:`pick_attend`) on CUDA is cuDNN's fused attention through torch
+(``aten::_scaled_dot_product_cudnn_attention``, what SDPA itself runs on Hopper; GQA, fp16/bf16,
+returns the log-sum-exp) or, with a window, FlashAttention-2 as torch builds it (bottom-right
+window masks); :func:`attend_math` is the same contract in float32
 torch ops, for the CPU tests of the plan and the merges. cuDNN's varlen entry was measured at
 ~45 ms a call (H200, S20), so each dense call takes one sequence, or a run of consecutive
 sequences whose pieces have one shape (a batched call).
