@@ -2,6 +2,7 @@
 is in exactly one piece, masks are right for every query of a piece, rounds pack within the
 budget; and the frontend's routing and host-length checks."""
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -102,3 +103,25 @@ def test_equal_pieces_share_a_dense_call():
     plan = plan_tiles(q_lens, seq_lens, budget_rows=1 << 20)
     assert [[pc.seq for pc in g] for g in _groups(plan.rounds[0], q_lens)] == [[0, 2, 3], [4]]
     assert [[pc.seq for pc in g] for g in _groups(plan.rounds[1], q_lens)] == [[0, 2], [3], [4]]
+
+
+def test_int8_prefill_takes_the_host_lengths():
+    """``int8_prefill`` has ``prefill``'s arguments: the host lengths are checked, and the call
+    gives what it gives without them."""
+    import tqkern
+    import tqkern_torch as tqt
+    from tqkern import reference as ref
+
+    layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset("tq4", 64), num_kv_heads=1, block_size=16)
+    params = tqkern.TQParams.default(layout.format)
+    rng = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(20, 1, 64, generator=rng).half() for _ in range(2))
+    cache = torch.from_numpy(ref.store(np.zeros(layout.cache_shape(2), np.uint8), k.numpy(), v.numpy(),
+                                       np.arange(20), layout, params))
+    bt, sl, qsl = (torch.tensor(x, dtype=torch.int32) for x in ([[0, 1]], [20], [0, 12]))
+    q = torch.randn(12, 2, 64, generator=rng).half()
+    want = tqt.int8_prefill(q, cache, bt, sl, qsl, layout, params)
+    got = tqt.int8_prefill(q, cache, bt, sl, qsl, layout, params, query_start_loc_cpu=qsl, seq_lens_cpu=sl)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="must be given together, got only seq_lens_cpu"):
+        tqt.int8_prefill(q, cache, bt, sl, qsl, layout, params, seq_lens_cpu=sl)

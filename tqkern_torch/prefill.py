@@ -345,14 +345,17 @@ def int8_prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
                  query_start_loc: torch.Tensor, layout, params, *, scale: Optional[float] = None,
                  out: Optional[torch.Tensor] = None, window_left: Optional[int] = None,
                  logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
-                 return_lse: bool = False, max_query_len: Optional[int] = None, check_inputs: bool = True,
-                 debug: bool = False):
+                 return_lse: bool = False, max_query_len: Optional[int] = None,
+                 query_start_loc_cpu: Optional[torch.Tensor] = None, seq_lens_cpu: Optional[torch.Tensor] = None,
+                 check_inputs: bool = True, debug: bool = False):
     """:func:`prefill` with Q·Kᵀ on int8 codes: the same arguments, checks and result; the scores
     are those of :func:`tqkern.ops.int8_prefill.reference.int8_prefill` (symmetric int8 codes of
     the rotated query per token and head and of each reconstructed key per token and KV head,
     ``s_q·s_k·(c_q·c_k)``; its docstring bounds the difference to ``prefill``). A kernel may pick
     the neighbouring code where a value lies within float32 rounding of a half-integer. Every
-    call runs the int8 kernel (``max_query_len`` is only checked: short rows are bound by reading
-    the cache, where int8 products save nothing)."""
+    call runs the int8 kernel (``max_query_len`` and the host lengths are only checked: short rows
+    are bound by reading the cache, where int8 products save nothing, and no dense int8 attention
+    exists to hand the tiled path's workspace to)."""
     return _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale, out, window_left,
-                logit_softcap, sinks, return_lse, check_inputs, debug, True, max_query_len)
+                logit_softcap, sinks, return_lse, check_inputs, debug, True, max_query_len,
+                (query_start_loc_cpu, seq_lens_cpu))
