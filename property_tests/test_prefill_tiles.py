@@ -87,3 +87,23 @@ def test_tiles_match_oracle(preset, data):
     res = ref.prefill(q64, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, layout, params,
                       window_left=window, sinks=sinks, return_lse=True)
     _compare(got, res[0], layout, params, batch, cache, q64, group, got_lse=got_lse, expect_lse=res[1])
+
+
+def test_device_lengths_that_disagree_stay_in_bounds():
+    """Host lengths valid, device ``seq_lens`` / ``query_start_loc`` wrong (huge, negative): the
+    runs are clamped and the gather masks, so the call finishes inside its tensors (rows are then
+    whatever they are)."""
+    import tqkern
+
+    layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset("tq4", 32), num_kv_heads=1, block_size=16)
+    params = tqkern.TQParams.default(layout.format)
+    cache = torch.zeros(layout.cache_shape(3), dtype=torch.uint8, device=DEV)
+    bt = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32, device=DEV)
+    q = torch.zeros(30, 2, 32, dtype=torch.float16, device=DEV)
+    for sl, qsl in (([1 << 30, 5], [0, 20, 30]), ([-7, 32], [0, 25, 30]), ([20, 10], [0, -5, 30])):
+        out = tile_prefill(q, cache, bt, torch.tensor(sl, dtype=torch.int32, device=DEV),
+                           torch.tensor(qsl, dtype=torch.int32, device=DEV), layout,
+                           _device_params(params, layout, q.device), q_lens=[20, 10], seq_lens=[20, 12],
+                           num_blocks=3, errors=error_word(DEV), scale=0.1, out=None, lse=None, window_left=None,
+                           sinks=None, workspace_bytes=64 * 2 * 32 * 2, attend=attend_math if not ON_GPU else None)
+        assert out.shape == q.shape

@@ -35,10 +35,10 @@ BUDGETS = {
     "turboquant_4bit_nc:slot:64:2:8:bf16:int8": (0, 6432),
     # the tiled prefill's gather (decode once into the fp16/bf16 workspace; no spills since the
     # rotate-back product left it, S20)
-    "tq4:slot:128:8:32:fp16:gather": (0, 1888),
-    "turboquant_4bit_nc:slot:128:8:32:fp16:gather": (0, 2048),
-    "tqkern_k5v3:row:256:2:8:fp16:gather": (0, 2168),
-    "turboquant_k3v4_nc:slot:256:2:8:bf16:gather": (0, 2104),
+    "tq4:slot:128:8:32:fp16:gather": (0, 1920),
+    "turboquant_4bit_nc:slot:128:8:32:fp16:gather": (0, 2088),
+    "tqkern_k5v3:row:256:2:8:fp16:gather": (0, 2200),
+    "turboquant_k3v4_nc:slot:256:2:8:bf16:gather": (0, 2152),
 }
 
 

@@ -178,15 +178,17 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
         starts.append(starts[-1] + n)
     n_seq = len(q_lens)
     runs = torch.empty((len(plan.rounds), n_seq, 4), dtype=torch.int32, device=q.device)
+    cap = block_table.shape[1] * layout.block_size
     _runs_kernel[(len(plan.rounds),)](seq_lens_dev, query_start_loc, runs, n_seq, max(plan.piece_rows, 1),
-                                      window_left or 0, HAS_WINDOW=window_left is not None)
+                                      window_left or 0, cap, HAS_WINDOW=window_left is not None)
     for r, rnd in enumerate(plan.rounds):
         longest = max(pc.length for pc in rnd)
         used = sum(pc.length for pc in rnd)
         _gather_kernel[gc.grid(longest, n_seq, h)](
             ws[0], ws[1], cache, block_table, runs[r], p.key_centroids_f32, p.value_centroids_f32, errors, num_blocks,
-            block_table.stride(0), BS=layout.block_size, H=h, K_ALIGNED=halfword_aligned(layout, "key"),
-            V_ALIGNED=halfword_aligned(layout, "value"), OUT_BF16=q.dtype == torch.bfloat16, **c, **gc._asdict())
+            block_table.stride(0), cap, ws.shape[1], BS=layout.block_size, H=h,
+            K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
+            OUT_BF16=q.dtype == torch.bfloat16, **c, **gc._asdict())
         for side in (0, 1):
             if rotated[side]:
                 torch.mm(ws[side, :used].view(-1, d), rot_t, out=ws_back[side, :used].view(-1, d))

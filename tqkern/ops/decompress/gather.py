@@ -15,8 +15,9 @@ scores shift by ``q·μ`` per query row, which the softmax (and a log-sum-exp me
 cancels, so the workspace never adds μ back.
 
 Safety: a block id outside ``[0, num_blocks)`` is clamped into it and sets
-``BLOCK_OUT_OF_RANGE``; positions past a run's length are neither read nor written. The caller
-keeps each run inside its sequence's block-table row (``start + length ≤ max_blocks·block_size``).
+``BLOCK_OUT_OF_RANGE``; positions past a run's length, outside ``[0, max_pos)`` (the block-table
+row's ``max_blocks·block_size``) or landing past workspace row ``ws_rows`` are neither read nor
+written, whatever the runs hold.
 
 No torch here.
 """
@@ -55,7 +56,8 @@ def gather_config(dp: int) -> GatherConfig:
 
 @triton.jit
 def _gather_kernel(
-    k_out, v_out, cache_ptr, block_table_ptr, run_ptr, kc_ptr, vc_ptr, err_ptr, num_blocks, stride_bt,
+    k_out, v_out, cache_ptr, block_table_ptr, run_ptr, kc_ptr, vc_ptr, err_ptr, num_blocks, stride_bt, max_pos,
+    ws_rows,
     BT: tl.constexpr, TILES: tl.constexpr, BS: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr, K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr,
     OUT_BF16: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -72,8 +74,9 @@ def _gather_kernel(
     bad = tl.program_id(0) * 0
     for i in range(TILES):
         j = (tl.program_id(0) * TILES + i) * BT + tl.arange(0, BT)
-        live = j < length
         pos = start + j
+        # whatever the runs say: positions inside the block-table row, rows inside the workspace
+        live = (j < length) & (pos >= 0) & (pos < max_pos) & (out_row + j < ws_rows)
         blk = tl.load(bt_row + pos // BS, mask=live, other=0)
         bad |= tl.max((live & ((blk < 0) | (blk >= num_blocks))).to(tl.int32), axis=0)
         blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)

@@ -162,17 +162,19 @@ def _largest_piece(pre: list[int], budget: int) -> int:
 
 
 @triton.jit
-def _runs_kernel(sl_ptr, qsl_ptr, runs_ptr, n_seqs, x, window_left, HAS_WINDOW: tl.constexpr):
+def _runs_kernel(sl_ptr, qsl_ptr, runs_ptr, n_seqs, x, window_left, cap, HAS_WINDOW: tl.constexpr):
     """Round ``r = program_id(0)``'s runs ``(seq, start, length, row)`` (int32 ``[rounds, n_seqs,
     4]``) from the device lengths, the plan's rules (module docstring) with prefix pieces of ``x``:
     the host plan's pieces, in sequence order, with ``length = 0`` for a sequence without a piece
-    in this round. Made on the device so that a captured CUDA graph copies nothing from the host."""
+    in this round. Made on the device so that a captured CUDA graph copies nothing from the host.
+    Lengths are clamped (``0 ≤ q ≤ seq_len ≤ cap``): device values that disagree with the host's
+    give wrong rows, never a position outside the block-table row (the gather also masks)."""
     r = tl.program_id(0)
     out = runs_ptr + r * n_seqs * 4
     row = r * 0
     for s in range(n_seqs):
-        n = tl.load(sl_ptr + s)
-        q = tl.load(qsl_ptr + s + 1) - tl.load(qsl_ptr + s)
+        n = tl.minimum(tl.maximum(tl.load(sl_ptr + s), 0), cap)
+        q = tl.minimum(tl.maximum(tl.load(qsl_ptr + s + 1) - tl.load(qsl_ptr + s), 0), n)
         p = n - q
         if HAS_WINDOW:
             a = tl.maximum(p - window_left, 0)
