@@ -33,7 +33,7 @@ from tqkern.ops.prefill.tiles import _combine_kernel, _runs_kernel, plan_tiles
 __all__ = ["tiles_supported", "tile_prefill", "pick_attend", "attend_cudnn", "attend_flash", "attend_math",
            "WORKSPACE_BYTES"]
 
-WORKSPACE_BYTES = 256 << 20  # K + V bytes a prefix piece may take (the plan's module docstring)
+WORKSPACE_BYTES = 256 << 20  # K + V bytes a prefix round may take (rotated-back copies: up to as much again)
 _COMBINE_ROWS = 16
 
 
@@ -148,28 +148,28 @@ def _groups(rnd, q_lens: list[int]) -> list[list]:
 
 
 def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: PagedLayout, p, *, q_lens: list[int],
-                 seq_lens: list[int],
-                 num_blocks: int, errors: torch.Tensor, scale: float, out: Optional[torch.Tensor],
-                 lse: Optional[torch.Tensor], window_left: Optional[int], sinks: Optional[torch.Tensor],
-                 workspace_bytes: int = WORKSPACE_BYTES, attend: Optional[Attend] = None) -> torch.Tensor:
+                 seq_lens: list[int], num_blocks: int, errors: torch.Tensor, scale: float,
+                 out: Optional[torch.Tensor], lse: Optional[torch.Tensor], window_left: Optional[int],
+                 sinks: Optional[torch.Tensor], workspace_bytes: int = WORKSPACE_BYTES,
+                 attend: Optional[Attend] = None) -> torch.Tensor:
     """The tiled prefill of ``q`` (validated by the caller; ``q_lens``/``seq_lens`` the host copies
     of ``query_start_loc``'s lengths and ``seq_lens_dev``, valid). Writes and returns ``out``
-    (allocated when None) and ``lse`` when given."""
+    (allocated when None) and ``lse`` when given. ``workspace_bytes`` bounds a prefix round's K
+    and V in q's dtype; each rotated side's rotated-back copy adds as much again for that side."""
     from tqkern.ops.common import halfword_aligned
     from tqkern.ops.decompress.gather import _gather_kernel, gather_config
 
     h, d = layout.num_kv_heads, layout.head_dim
     fmt = layout.format
+    rotated = (fmt.key.rotated, fmt.value.rotated)
     plan = plan_tiles(q_lens, seq_lens, budget_rows=max(1, workspace_bytes // (2 * h * d * q.element_size())),
                       window_left=window_left)
     attend = attend or pick_attend(q, window_left)
     out = torch.empty_like(q) if out is None else out
     lse_acc = lse if lse is not None else torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    rows = max(1, plan.workspace_rows)
-    # codec space, then (rotated sides) the original coordinates: [2, rows, H, D] each
-    ws = torch.empty((2, rows, h, d), dtype=q.dtype, device=q.device)
-    rotated = (fmt.key.rotated, fmt.value.rotated)
-    ws_back = torch.empty_like(ws) if any(rotated) else ws
+    # each side in its codec's space; a rotated side also rotated back (the copy attention reads)
+    ws = torch.empty((2, max(1, plan.workspace_rows), h, d), dtype=q.dtype, device=q.device)
+    back = [torch.empty_like(ws[i]) if rotated[i] else ws[i] for i in (0, 1)]
     rot_t = p.rotation.t().to(q.dtype) if any(rotated) else None
     c = {k: v for k, v in layout_args(layout).items() if not k.startswith("PAD")}
     gc = gather_config(c["DP"])
@@ -191,14 +191,12 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
             OUT_BF16=q.dtype == torch.bfloat16, **c, **gc._asdict())
         for side in (0, 1):
             if rotated[side]:
-                torch.mm(ws[side, :used].view(-1, d), rot_t, out=ws_back[side, :used].view(-1, d))
-        kk = ws_back[0] if rotated[0] else ws[0]
-        vv = ws_back[1] if rotated[1] else ws[1]
+                torch.mm(ws[side, :used].view(-1, d), rot_t, out=back[side][:used].view(-1, d))
         for grp in _groups(rnd, q_lens):
             pc, last = grp[0], grp[-1]
             a, b = starts[pc.seq], starts[last.seq + 1]
-            rows = slice(pc.row, last.row + last.length)
-            o, lp = attend(q[a:b], kk[rows], vv[rows], len(grp), causal=pc.causal, scale=scale,
+            span = slice(pc.row, last.row + last.length)
+            o, lp = attend(q[a:b], back[0][span], back[1][span], len(grp), causal=pc.causal, scale=scale,
                            window_left=window_left)
             _combine(None if pc.first else out[a:b], lse_acc[a:b], o, lp, out[a:b], lse_acc[a:b],
                      sinks if pc.last else None)
