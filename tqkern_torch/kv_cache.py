@@ -20,10 +20,10 @@ from tqkern_torch.ops import allocate_cache, decompress_sequences, store
 
 __all__ = ["ATTN_IMPLEMENTATION", "TQCache", "TQCacheLayer", "TQStaticCacheLayer"]
 
+PREFILL_MODES = ("auto", "kernel", "dense")  # TQCache(prefill=): kernels on CUDA, always, never
 ATTN_IMPLEMENTATION = "tqkern"
 _ATTR = "_tqkern_install"  # where install() keeps its TQInstall on the model
 _TAG = "_tqkern_layer"  # decode steps: the attribute on the returned key naming its cache layer
-_PREFILL_TAG = "_tqkern_prefill"  # a static layer's prefill: the attribute naming the layer that drops padding
 
 
 def _text_config(model_or_config):
@@ -53,13 +53,13 @@ class TQCacheLayer(CacheLayerMixin):
     :meth:`paged_rows`), every row is re-paged from its first real token by copying slot bytes
     (exact, once): row ``b`` then holds logical positions ``starts[b] ..`` as paged positions
     ``0 ..``, and ``paged_decode`` serves the padded batch. Physical blocks are handed out in
-    order and the pool grows by doubling. ``update`` stores the new tokens and returns
-
-    * more than one new token (prefill, chunked prefill): the whole decompressed sequence
-      ``[batch, num_kv_heads, seq_len, head_dim]`` in the model's dtype (μ added back);
-    * one new token (decode): that token's own key and value, the key tagged with this layer,
-      for :func:`~tqkern_torch.transformers.attention_forward` to attend the cache
-      (``paged_decode``, or the dense path).
+    order and the pool grows by doubling. ``update`` stores the new tokens and returns them, the
+    key tagged with this layer, for :func:`~tqkern_torch.transformers.attention_forward` to attend
+    the cache: ``paged_decode`` for one new token; for more (a prefill or a chunk) ``prefill``
+    where :meth:`prefill_kernels` says so (``prefill="auto"``: on CUDA; ``"kernel"``: always, on
+    CPU through the interpreter or the oracles; ``"dense"``: never) and the mask is causal with
+    left padding only (:mod:`tqkern_torch.hf_prefill`: the padding is then dropped before the
+    attention); otherwise the dense path over :meth:`dense`.
     """
 
     is_compileable = False
@@ -67,9 +67,12 @@ class TQCacheLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, params: TQParams, num_kv_heads: int, block_size: int = 16, *,
-                 estimate_key_offset: bool = False):
+                 estimate_key_offset: bool = False, prefill: str = "auto"):
         super().__init__()
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
         self.params = params
+        self.prefill = prefill
         self.estimate_key_offset = estimate_key_offset and params.key_offset is None
         self.layout = PagedLayout(format=params.format, num_kv_heads=num_kv_heads, block_size=block_size)
         self.seq_len = 0
@@ -138,11 +141,23 @@ class TQCacheLayer(CacheLayerMixin):
             self.seq_lens.copy_(self.seq_len - self.starts)
         else:  # every row holds seq_len paged positions
             self.seq_lens.fill_(self.seq_len)
-        if t > 1:
-            return self.dense()
         key, value = key_states.view(key_states.shape), value_states.view(value_states.shape)
         setattr(key, _TAG, self)
         return key, value
+
+    def prefill_kernels(self) -> bool:
+        """Whether a prefill attends through :func:`tqkern_torch.prefill` (``TQCache(prefill=)``)."""
+        return self.device.type == "cuda" if self.prefill == "auto" else self.prefill == "kernel"
+
+    def page_from(self, starts: torch.Tensor, starts_host: Sequence[int]) -> bool:
+        """Make row ``b`` page from logical position ``starts[b]`` (its left padding dropped, an
+        exact byte copy, once; ``starts_host`` the same as host ints); False when the rows were
+        re-paged from other positions already."""
+        if self.start_max:
+            return torch.equal(starts, self.starts)
+        if max(starts_host):
+            self._drop_prefixes(starts)
+        return True
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole stored sequence ``[batch, num_kv_heads, seq_len, head_dim]`` in the model's
@@ -252,8 +267,9 @@ class TQStaticCacheLayer(TQCacheLayer):
     ``paged_decode`` records ``SEQ_LEN_OUT_OF_RANGE`` in the error word
     (:func:`tqkern_torch.check_errors`); a prefill past it raises ``ValueError``.
 
-    Left padding is dropped at the prefill, not at the first decode step: after the prefill's dense
-    attention, :meth:`drop_padding` reads the mask's last query row and re-pages each row from its
+    Left padding is dropped at the prefill, not at the first decode step: before the prefill's
+    attention through the prefill kernels (:meth:`page_from`), or after its dense attention,
+    where :meth:`drop_padding` reads the mask's last query row and re-pages each row from its
     first attended position (an exact copy of slot bytes inside the row). Decode steps then run
     ``paged_decode`` on every step, whatever the mask (a sliding window as ``window_left``,
     soft-capping as ``logit_softcap``), so the mask transformers builds is not read. Prefill (more
@@ -262,8 +278,8 @@ class TQStaticCacheLayer(TQCacheLayer):
     is_compileable = True
 
     def __init__(self, params: TQParams, num_kv_heads: int, max_cache_len: int, block_size: int = 16, *,
-                 estimate_key_offset: bool = False):
-        super().__init__(params, num_kv_heads, block_size, estimate_key_offset=estimate_key_offset)
+                 estimate_key_offset: bool = False, prefill: str = "auto"):
+        super().__init__(params, num_kv_heads, block_size, estimate_key_offset=estimate_key_offset, prefill=prefill)
         if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
             raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
         self.max_cache_len = max_cache_len
@@ -296,7 +312,6 @@ class TQStaticCacheLayer(TQCacheLayer):
             self.seq_len = int(self.cumulative_length) if self.is_initialized else 0
             key, value = super().update(key_states, value_states, *args, **kwargs)
             self.cumulative_length.fill_(self.seq_len)
-            setattr(key, _PREFILL_TAG, self)
             return key, value
         self._begin(key_states, value_states)
         cap = self.width * self.layout.block_size
@@ -335,6 +350,15 @@ class TQStaticCacheLayer(TQCacheLayer):
             raise ValueError("attention_mask masks every position of a row (a row of padding only)")
         if int(starts.max()):
             self._drop_prefixes(starts)
+
+    def page_from(self, starts: torch.Tensor, starts_host: Sequence[int]) -> bool:
+        """As :meth:`TQCacheLayer.page_from`, at the first prefill only (as :meth:`drop_padding`)."""
+        if self.dropped:
+            return torch.equal(starts, self.starts)
+        self.dropped = True
+        if max(starts_host):
+            self._drop_prefixes(starts)
+        return True
 
     def _drop_prefixes(self, starts: torch.Tensor) -> None:
         """In place (the addresses stay): row ``b``'s positions ``starts[b] ..`` move to ``0 ..``."""
@@ -386,11 +410,13 @@ class TQCache(Cache):
 
     With ``max_cache_len`` every layer is a :class:`TQStaticCacheLayer`: fixed capacity (tokens
     per batch row, the prompt included), compileable, so that ``generate`` compiles the decode
-    step and replays it as a CUDA graph (on CUDA; see that class). Without it the layers grow."""
+    step and replays it as a CUDA graph (on CUDA; see that class). Without it the layers grow.
+    ``prefill`` (``"auto"``, ``"kernel"`` or ``"dense"``) picks how prefills attend
+    (:class:`TQCacheLayer`)."""
 
     def __init__(self, model_or_config, *, params: Optional[Sequence[TQParams]] = None,
                  block_size: Optional[int] = None, estimate_key_offset: bool = False,
-                 max_cache_len: Optional[int] = None):
+                 max_cache_len: Optional[int] = None, prefill: str = "auto"):
         installed = getattr(model_or_config, _ATTR, None)
         if params is None:
             if installed is None:
@@ -411,11 +437,11 @@ class TQCache(Cache):
         if not kinds <= {"full_attention", "sliding_attention"}:
             raise NotImplementedError(f"TQCache supports full and sliding attention layers, got {sorted(kinds)}")
         if max_cache_len is None:
-            layers = [TQCacheLayer(p, kv_heads, block_size or 16, estimate_key_offset=e)
+            layers = [TQCacheLayer(p, kv_heads, block_size or 16, estimate_key_offset=e, prefill=prefill)
                       for p, e in zip(params, estimate)]
         else:
-            layers = [TQStaticCacheLayer(p, kv_heads, max_cache_len, block_size or 16, estimate_key_offset=e)
-                      for p, e in zip(params, estimate)]
+            layers = [TQStaticCacheLayer(p, kv_heads, max_cache_len, block_size or 16, estimate_key_offset=e,
+                                         prefill=prefill) for p, e in zip(params, estimate)]
         super().__init__(layers=layers)
         self._config = config
         self._warned = False

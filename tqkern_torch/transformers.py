@@ -18,17 +18,22 @@ Pieces:
   through :func:`tqkern_torch.store`. transformers 5.17 has no registry through which
   ``generate`` would build a custom cache class (``cache_implementation`` only names built-in
   caches), so the cache is passed as ``past_key_values``.
-* :func:`attention_forward`, registered as ``AttentionInterface["tqkern"]`` (with
-  ``sdpa_mask`` as ``AttentionMaskInterface["tqkern"]``). Prefill (more than one new token):
-  the whole sequence is read back with :func:`tqkern_torch.decompress_sequences`
-  (``rotate_back=True``) and attended with torch SDPA and the model's mask; no prefill kernel
-  over the compressed cache exists yet. Decode (one new token): :func:`tqkern_torch.paged_decode`
-  when there is no logit soft-capping, no ``sliding_window`` argument, and the model's mask is
-  ``None`` (with ``sdpa_mask``: no padding, no active window) or masks exactly a prefix of each
-  row (left padding); otherwise the decompress + dense path with the mask (``paged_decode`` has
-  no mask and no window). ``paged_decode`` has no per-row start either: at the first padded
-  decode step the cache re-pages each row from its first real token (an exact byte copy, once
-  per layer), so the padded positions, stored at prefill and masked there, are then gone.
+* :func:`attention_forward`, registered as ``AttentionInterface["tqkern"]``, with
+  :func:`~tqkern_torch.hf_prefill.causal_mask` as ``AttentionMaskInterface["tqkern"]``: for a
+  prefill under a plain or sliding-window causal mask it builds no dense mask, only a
+  :class:`~tqkern_torch.hf_prefill.CausalMask` (padding and offsets). Prefill (more than one new
+  token): on CUDA (``TQCache(prefill="auto")``) :func:`tqkern_torch.prefill` over the compressed
+  cache when the mask is causal with left padding only (rows re-paged from their first real token
+  first, an exact byte copy); otherwise (CPU, soft-capping with μ, other masks) the whole
+  sequence is read back with :func:`tqkern_torch.decompress_sequences` (``rotate_back=True``) and
+  attended with torch SDPA and the dense mask. Decode (one new token):
+  :func:`tqkern_torch.paged_decode` when there is no logit soft-capping, no ``sliding_window``
+  argument, and the model's mask is ``None`` (no padding, no active window) or masks exactly a
+  prefix of each row (left padding); otherwise the decompress + dense path with the mask
+  (``paged_decode`` has no mask and no window). ``paged_decode`` has no per-row start either: at
+  the first padded decode step (or the prefill, on the kernel path) the cache re-pages each row
+  from its first real token (an exact byte copy, once per layer), so the padded positions are
+  then gone.
 * :func:`install` / :func:`uninstall` and :func:`calibrate` (μ: the mean key after RoPE, i.e. what
   the cache stores, per layer and KV head; ``TQParams.key_offset``; :mod:`tqkern_torch.calibration`).
   By default a layer gets μ where its key codec gains from it (Lloyd-Max and uniform keys, not
@@ -59,14 +64,14 @@ from typing import Mapping, Optional, Union
 import numpy as np
 import torch
 import transformers
-from transformers.masking_utils import sdpa_mask
 
 from tqkern.layouts import KVFormat, PagedLayout
 from tqkern.params import TQParams
 from tqkern_torch.attention import paged_decode
 from tqkern_torch.calibration import (KeyOffsetWarning, calibrate, load_key_offsets, resolve_key_offset,
                                       save_key_offsets)
-from tqkern_torch.kv_cache import (_ATTR, _PREFILL_TAG, _TAG, ATTN_IMPLEMENTATION, TQCache, TQCacheLayer,
+from tqkern_torch.hf_prefill import CausalMask, causal_mask, prefill_attention
+from tqkern_torch.kv_cache import (_ATTR, _TAG, ATTN_IMPLEMENTATION, TQCache, TQCacheLayer,
                                    TQStaticCacheLayer, _geometry, _text_config)
 
 __all__ = ["ATTN_IMPLEMENTATION", "KeyOffsetWarning", "TQCache", "TQCacheLayer", "TQInstall", "TQStaticCacheLayer",
@@ -163,47 +168,59 @@ def _dense_attention(query, key, value, mask, scaling: float, softcap: Optional[
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                      attention_mask, dropout: float = 0.0, scaling: Optional[float] = None,
                       softcap: Optional[float] = None, **kwargs) -> tuple[torch.Tensor, None]:
     """The ``"tqkern"`` attention implementation (transformers' ``AttentionInterface`` signature).
 
     ``query [B, Hq, Tq, D]``; ``key, value`` as :meth:`TQCacheLayer.update` returned them (or
-    plain ``[B, Hkv, Tk, D]`` K/V from another cache). Returns ``([B, Tq, Hq, D], None)``.
-    Decode over a :class:`TQCache` runs ``paged_decode`` when there is no soft-capping and no
-    ``sliding_window`` argument and the mask is ``None`` or left padding only
-    (:meth:`TQCacheLayer.paged_rows`), else the dense path over the decompressed cache with the
-    mask (which carries any window). Inference only (``dropout`` must be 0)."""
+    plain ``[B, Hkv, Tk, D]`` K/V from another cache); ``attention_mask`` a 4D mask, ``None`` or
+    a :class:`~tqkern_torch.hf_prefill.CausalMask` (from the ``"tqkern"`` mask entry). Returns
+    ``([B, Tq, Hq, D], None)``. Over a :class:`TQCache`: a prefill runs ``prefill``
+    (:func:`~tqkern_torch.hf_prefill.prefill_attention`) where the layer's
+    :meth:`~TQCacheLayer.prefill_kernels` allow it and the mask is causal with left padding only;
+    a decode step runs ``paged_decode`` when there is no soft-capping and no ``sliding_window``
+    argument and the mask is ``None`` or left padding only (:meth:`TQCacheLayer.paged_rows`);
+    everything else the dense path over the decompressed cache with the mask (which carries any
+    window). Inference only (``dropout`` must be 0)."""
     if dropout:
         raise NotImplementedError("tqkern attention is inference-only: dropout must be 0")
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     layer = getattr(key, _TAG, None)
     window = kwargs.get("sliding_window")
-    if isinstance(layer, TQStaticCacheLayer):  # a compileable decode step: always the paged kernel, no mask read
-        b, hq, _, d = query.shape
+    b, hq, tq, d = query.shape
+    if isinstance(layer, TQStaticCacheLayer) and tq == 1:  # a compileable decode step: the paged kernel, no mask
         q = query[:, :, 0, :].to(layer.store_dtype).contiguous()
         out = paged_decode(q, layer.pool, layer.block_table, layer.seq_lens, layer.layout, layer.device_params,
                            scale=scale, window_left=None if window is None else window - 1, logit_softcap=softcap)
         return out.to(query.dtype).reshape(b, 1, hq, d), None
+    if layer is not None and tq > 1:  # a prefill or a chunk
+        if isinstance(attention_mask, CausalMask) and layer.prefill_kernels():
+            out = prefill_attention(layer, query, attention_mask, scale, softcap)
+            if out is not None:
+                return out, None
+        mask = attention_mask.dense() if isinstance(attention_mask, CausalMask) else attention_mask
+        k, v = layer.dense()
+        out = _dense_attention(query, k, v, mask, scale, softcap)
+        if isinstance(layer, TQStaticCacheLayer):  # decode steps read no mask: drop the left padding now
+            layer.drop_padding(mask, window is not None)
+        return out, None
+    if isinstance(attention_mask, CausalMask):
+        attention_mask = attention_mask.dense()
     if layer is not None:
         if attention_mask is None and layer.start_max:
             raise RuntimeError("attention_mask is None but TQCache dropped left padding: pass the padded mask")
         if softcap is None and (attention_mask is None or (window is None and layer.paged_rows(attention_mask))):
-            b, hq, _, d = query.shape
             q = query[:, :, 0, :].to(layer.store_dtype).contiguous()
             out = paged_decode(q, layer.pool, layer.block_table, layer.seq_lens, layer.layout,
                                layer.device_params, scale=scale)
             return out.to(query.dtype).reshape(b, 1, hq, d), None
         key, value = layer.dense()
-    out = _dense_attention(query, key, value, attention_mask, scale, softcap)
-    owner = getattr(key, _PREFILL_TAG, None)
-    if owner is not None:  # a static layer's prefill: drop the left padding now (decode steps read no mask)
-        owner.drop_padding(attention_mask, window is not None)
-    return out, None
+    return _dense_attention(query, key, value, attention_mask, scale, softcap), None
 
 
 def _register() -> None:
     transformers.AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
-    transformers.AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    transformers.AttentionMaskInterface.register(ATTN_IMPLEMENTATION, causal_mask)
 
 
 def install(model, format: FormatSpec = "tqkern_k5v3", *, key_offset="auto", calibration=None, tokenizer=None,

@@ -81,8 +81,8 @@ TIMING = (f"model.generate, greedy, {NEW_TOKENS} decode steps after the prefill;
 PREFILL_PATHS = {
     BASELINE: "transformers sdpa over the prompt's K/V (DynamicCache)",
     COMPILED_BASELINE: "transformers sdpa over the prompt's K/V (StaticCache)",
-    "tqkern": "TQCacheLayer.dense(): decompress_sequences of the stored prompt, then torch SDPA with the causal "
-              "mask (no prefill kernel)",
+    "tqkern": "tqkern_torch.prefill over the compressed cache (tiled path: each key decoded once into a bounded "
+              "workspace, cuDNN attention, log-sum-exp merge)",
 }
 _NOOP = "tqkern_bench_noop"
 
