@@ -97,6 +97,23 @@ def test_static_sliding_window_and_softcap_decode_paged(monkeypatch):
     assert counter.calls == 7 * 2
 
 
+def test_softcap_gets_no_key_offset(monkeypatch):
+    """The paged kernels attend k − μ and drop q·μ, which the soft-cap does not ignore: ``"auto"``
+    gives a soft-capped model no μ, and the static cache refuses soft-capping with μ (a Gemma-2
+    with large key and query biases, cap 1.0: with μ its static decode logits were 2.3 std off)."""
+    gemma = _gemma2()
+    spec = tqt.install(gemma, "tq4")
+    assert spec.key_offset_sources == ("off (soft-capping)",) * 2 and all(p.key_offset is None for p in spec.params)
+    tqt.TQCache(gemma, max_cache_len=16)
+    for key_offset in ("prefill", tqt.calibrate(gemma, _ids(1, 12, seed=4))):
+        tqt.install(gemma, "tq4", key_offset=key_offset)
+        with pytest.raises(ValueError, match=r"soft-capped attention logits .* μ on layers \[0, 1\]"):
+            tqt.TQCache(gemma, max_cache_len=16)
+        tqt.TQCache(gemma)  # the growing cache attends soft-capped steps densely, μ added back
+    llama = MODELS["llama"]()
+    assert tqt.install(llama, "tq4", calibration=_ids(1, 12)).key_offset_sources == ("calibration",) * 2
+
+
 def test_decode_step_compiles_whole_and_once(model):
     """The decode step traced by torch.compile(fullgraph=True) (any graph break raises), no
     recompilation across steps (error_on_recompile), and the same tokens as the eager cache."""

@@ -244,7 +244,11 @@ def resolve_key_offset(model, key_offset, calibration, tokenizer,
     A source is ``"given"`` (an array passed in), ``"none"`` (``key_offset=None``, or a ``None``
     entry of the arrays), ``"calibration"`` (the caller's text or ids), ``"default text"``,
     ``"prefill"`` (estimated by each TQCache from its first prefill), or, with ``"auto"``, ``"off
-    (<kind> keys)"`` for a layer whose key codec gets no μ by default (:func:`key_offset_by_default`).
+    (<kind> keys)"`` for a layer whose key codec gets no μ by default (:func:`key_offset_by_default`)
+    and ``"off (soft-capping)"`` for every layer of a model that soft-caps its attention logits
+    (Gemma-2's ``attn_logit_softcapping``): the paged kernels attend the stored ``k − μ`` and
+    drop ``q·μ``, which softmax ignores but the cap does not (the cap of ``q·(k − μ)`` is not that of
+    ``q·k``), so μ there would be exact only on the dense path.
     ``"auto"`` runs no calibration pass where no layer gets μ."""
     auto = isinstance(key_offset, str) and key_offset == "auto"
     if calibration is not None and not auto:
@@ -261,8 +265,9 @@ def resolve_key_offset(model, key_offset, calibration, tokenizer,
     if not auto:
         raise ValueError(f"key_offset must be 'auto', 'prefill', None or one [num_kv_heads, head_dim] array "
                          f"per layer, got {key_offset!r}")
-    wanted = [key_offset_by_default(f) for f in formats]
-    off = [f"off ({f.key.kind} keys)" for f in formats]
+    capped = soft_capped(model)
+    wanted = [key_offset_by_default(f) and not capped for f in formats]
+    off = ["off (soft-capping)" if capped else f"off ({f.key.kind} keys)" for f in formats]
     mu, source = None, "prefill"
     if any(wanted) and calibration is not None:
         mu, source = calibrate(model, calibration, tokenizer=tokenizer), "calibration"
@@ -273,6 +278,13 @@ def resolve_key_offset(model, key_offset, calibration, tokenizer,
             mu, source = calibrate(model, torch.tensor([ids], dtype=torch.long)), "default text"
     sources = tuple(source if w else o for w, o in zip(wanted, off))
     return (None if mu is None else [m if w else None for m, w in zip(mu, wanted)]), sources
+
+
+def soft_capped(model_or_config) -> bool:
+    """Whether the model soft-caps its attention logits (a set ``attn_logit_softcapping``)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return getattr(config, "attn_logit_softcapping", None) is not None
 
 
 def _local_tokenizer(model):

@@ -60,7 +60,7 @@ import torch
 from tqkern.layouts import PRESETS, KVFormat, layout_from_dict
 import tqkern_torch.transformers as tqt
 from tqkern_torch.calibration import (CALIBRATION_MODULES, KeyOffsetWarning, key_mean_ratios, key_offset_by_default,
-                                      stdlib_text)
+                                      soft_capped, stdlib_text)
 
 __all__ = ["BOOTSTRAP", "EVAL_MODULES", "CALIB_MODULES", "MU_MODES", "PREFILL_TOKENS", "Config", "stdlib_text",
            "parse_layer_formats", "layer_configs", "load_model", "model_source", "tiny_model", "bootstrap_delta_ppl",
@@ -80,7 +80,7 @@ is a second chunk)."""
 class Config:
     """One evaluated configuration: a label, its format and where μ comes from (:data:`MU_MODES`):
     ``"none"``, ``"calibrated"`` (on the calibration text, every layer), ``"auto"`` (the same μ,
-    only where ``install(key_offset="auto")`` gives it: by each layer's key codec) or ``"prefill"``
+    only where ``install(key_offset="auto")`` gives it: by each layer's key codec, none for a soft-capped model) or ``"prefill"``
     (each window's cache estimates it from its first :data:`PREFILL_TOKENS` tokens,
     ``install(key_offset="prefill")``). ``layer_formats``: per-layer overrides of ``format``,
     ``(layer index in [0, num_layers), format)``; ``layer_map``: the JSON of the per-layer map as
@@ -314,7 +314,8 @@ def _params(model, cfg: Config, mu) -> tuple:
     plain = tqt.layer_params(model, cfg.format, formats=formats)
     if cfg.mu != "auto":
         return plain
-    auto = [m if key_offset_by_default(p.format) else None for m, p in zip(mu, plain)]
+    capped = soft_capped(model)  # as install(key_offset="auto")
+    auto = [m if key_offset_by_default(p.format) and not capped else None for m, p in zip(mu, plain)]
     return tqt.layer_params(model, cfg.format, key_offset=auto, formats=formats)
 
 

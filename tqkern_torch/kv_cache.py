@@ -15,7 +15,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from tqkern.layouts import PagedLayout
 from tqkern.params import TQParams
 from tqkern_torch._params import to_device
-from tqkern_torch.calibration import warn_key_mean
+from tqkern_torch.calibration import soft_capped, warn_key_mean
 from tqkern_torch.ops import allocate_cache, decompress_sequences, store
 
 __all__ = ["ATTN_IMPLEMENTATION", "TQCache", "TQCacheLayer", "TQStaticCacheLayer"]
@@ -436,6 +436,13 @@ class TQCache(Cache):
         kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
         if not kinds <= {"full_attention", "sliding_attention"}:
             raise NotImplementedError(f"TQCache supports full and sliding attention layers, got {sorted(kinds)}")
+        if max_cache_len is not None and soft_capped(config):
+            with_mu = [i for i, (p, e) in enumerate(zip(params, estimate)) if p.key_offset is not None or e]
+            if with_mu:
+                raise ValueError(f"TQCache(max_cache_len=...) of a model with soft-capped attention logits needs "
+                                 f"layers without a key offset (its decode kernel would cap q·(k − μ), not q·k), "
+                                 f"got μ on layers {with_mu}: install with key_offset=None or 'auto', or use "
+                                 f"TQCache without max_cache_len (its soft-capped steps attend the dense K/V)")
         if max_cache_len is None:
             layers = [TQCacheLayer(p, kv_heads, block_size or 16, estimate_key_offset=e, prefill=prefill)
                       for p, e in zip(params, estimate)]

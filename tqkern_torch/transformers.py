@@ -104,7 +104,8 @@ class TQInstall:
             text"``, ``"given"``, ``"prefill"`` (each :class:`TQCache` estimates it from its first
             prefill; ``params`` then hold none), ``"none"`` (the caller asked for none), or
             ``"off (fp8 keys)"`` / ``"off (raw keys)"`` (``key_offset="auto"`` gives this key codec
-            no μ: :func:`~tqkern_torch.calibration.key_offset_by_default`).
+            no μ: :func:`~tqkern_torch.calibration.key_offset_by_default`), ``"off (soft-capping)"``
+            (``"auto"`` on a model that soft-caps its logits).
     """
 
     params: tuple[TQParams, ...]
@@ -244,7 +245,8 @@ def install(model, format: FormatSpec = "tqkern_k5v3", *, key_offset="auto", cal
               the tokenizer saved beside the model's weights (``model.name_or_path``, local files
               only). With neither, each :class:`TQCache` estimates μ from its first prefill
               (as ``"prefill"``): no tokenizer needed, no warning. No calibration pass runs
-              where no layer gets μ.
+              where no layer gets μ. A model that soft-caps its attention logits (Gemma-2) gets
+              no μ (``"off (soft-capping)"``): its kernels would cap ``q·(k − μ)``.
             * ``"prefill"``: μ = the mean key of each cache's first prefill, per layer and head,
               for every layer (whatever its codec).
             * ``None``: no μ; keys are stored as they are.
