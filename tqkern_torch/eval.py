@@ -80,7 +80,8 @@ is a second chunk)."""
 class Config:
     """One evaluated configuration: a label, its format and where μ comes from (:data:`MU_MODES`):
     ``"none"``, ``"calibrated"`` (on the calibration text, every layer), ``"auto"`` (the same μ,
-    only where ``install(key_offset="auto")`` gives it: by each layer's key codec, none for a soft-capped model) or ``"prefill"``
+    only where ``install(key_offset="auto")`` gives it: by each layer's key codec, none for a
+    soft-capped model) or ``"prefill"``
     (each window's cache estimates it from its first :data:`PREFILL_TOKENS` tokens,
     ``install(key_offset="prefill")``). ``layer_formats``: per-layer overrides of ``format``,
     ``(layer index in [0, num_layers), format)``; ``layer_map``: the JSON of the per-layer map as
