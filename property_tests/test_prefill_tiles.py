@@ -33,8 +33,9 @@ pytestmark = [pytest.mark.skipif(not kernels_available(), reason="needs CUDA or 
 
 
 def _tiles(layout, params, batch, q, cache, *, budget_rows, window_left=None, sinks=None, return_lse=False,
-           attend=None):
-    """``tile_prefill`` on ``DEV`` into a NaN-poisoned output with a workspace of ``budget_rows``
+           attend=None, fresh=False):
+    """``tile_prefill`` on ``DEV`` into a NaN-poisoned output (with ``fresh``: ``out=None``, what
+    it returns; one dense call then returns its own output) with a workspace of ``budget_rows``
     prefix rows; NumPy (out, lse or None)."""
     h, d = layout.num_kv_heads, layout.head_dim
     out = poisoned_like(tuple(q.shape), q.dtype, DEV)
@@ -43,12 +44,13 @@ def _tiles(layout, params, batch, q, cache, *, budget_rows, window_left=None, si
                                                                    batch.query_start_loc))
     res = tile_prefill(q, cache_t, bt, sl, qsl, layout, _device_params(params, layout, q.device),
                        q_lens=[int(x) for x in batch.q_lens], seq_lens=[int(x) for x in batch.seq_lens],
-                       num_blocks=batch.num_blocks, errors=error_word(DEV), scale=float(d) ** -0.5, out=out, lse=lse,
+                       num_blocks=batch.num_blocks, errors=error_word(DEV), scale=float(d) ** -0.5,
+                       out=None if fresh else out, lse=lse,
                        window_left=window_left, sinks=None if sinks is None else torch.from_numpy(sinks).to(DEV),
                        workspace_bytes=budget_rows * 2 * h * d * q.element_size(),
                        attend=attend)
-    assert res is out
-    return out.float().cpu().numpy(), None if lse is None else lse.cpu().numpy().astype(np.float64)
+    assert res is out or fresh and res.shape == q.shape and res.dtype == q.dtype and res.is_contiguous()
+    return res.float().cpu().numpy(), None if lse is None else lse.cpu().numpy().astype(np.float64)
 
 
 @st.composite
@@ -67,7 +69,7 @@ def _equal_batch(draw, n: int, max_len: int):
 @given(st.data())
 def test_tiles_match_oracle(preset, data):
     """Every preset, both arrangements, GQA 1..4, mixed batches, shuffled blocks, poisoned
-    queries, workspaces from one row up: the oracle's rows (and lse)."""
+    queries, workspaces from one row up, a given or a fresh output: the oracle's rows (and lse)."""
     layout, params, group, batch, qdtype = data.draw(prefill_cases(presets=(preset,)), label="case")
     if data.draw(st.booleans(), label="equal_lengths"):  # pieces of equal shape share one dense call
         batch = data.draw(_equal_batch(len(batch.seq_lens), int(max(batch.seq_lens.max(), 1))), label="equal_batch")
@@ -82,8 +84,9 @@ def test_tiles_match_oracle(preset, data):
         attend = data.draw(st.sampled_from([attend_flash] + ([attend_cudnn] if window is None else [])), label="attend")
     cache = _fill_cache(layout, params, batch, data)
     q, q64 = _draw_q(layout, group, batch, qdtype, data)
+    fresh = data.draw(st.booleans(), label="out_none")
     got, got_lse = _tiles(layout, params, batch, q, cache, budget_rows=budget, window_left=window, sinks=sinks,
-                          return_lse=lse, attend=attend)
+                          return_lse=lse, attend=attend, fresh=fresh)
     res = ref.prefill(q64, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, layout, params,
                       window_left=window, sinks=sinks, return_lse=True)
     _compare(got, res[0], layout, params, batch, cache, q64, group, got_lse=got_lse, expect_lse=res[1])

@@ -88,12 +88,14 @@ def test_prefill_gate_passes_on_the_cpu():
 @interpreter
 def test_prefill_run_shape_records():
     shape = PrefillShape("tiny", 2, 40, 9, 4, 2, 64)  # 9 new tokens on a 31-token prefix, twice
-    steps, timer = [], FakeTimer(20.0, 10.0, 30.0, 5.0, 40.0)
+    steps, timer = [], FakeTimer(20.0, 10.0, 12.5, 30.0, 5.0, 40.0)
     rows = prefill.run_shape(shape, ["turboquant_4bit_nc"], steps.append, device="cpu", timer=timer)
-    assert timer.calls == 5 and steps == ["prefill tiny sdpa_fp16", "prefill tiny turboquant_4bit_nc",
+    assert timer.calls == 6 and steps == ["prefill tiny sdpa_fp16", "prefill tiny turboquant_4bit_nc",
+                                          "prefill tiny out:turboquant_4bit_nc",
                                           "prefill tiny fused:turboquant_4bit_nc",
                                           "prefill tiny int8:turboquant_4bit_nc", "prefill tiny decompress_sdpa"]
-    sdpa, tq, fused, i8, dec = rows
+    sdpa, tq, out, fused, i8, dec = rows
+    assert (out["variant"], out["speedup"]) == ("out:turboquant_4bit_nc", 20.0 / 12.5)
     assert (fused["variant"], fused["speedup"]) == ("fused:turboquant_4bit_nc", 20.0 / 30.0)
     assert (i8["variant"], i8["speedup"]) == ("int8:turboquant_4bit_nc", 4.0)
     flops = 4 * 64 * 4 * 2 * (9 * 31 + 45)
@@ -113,9 +115,9 @@ def test_prefill_run_shape_short_rows():
     """A shape of ≤ 8 new tokens also times SDPA's one-token decode (no FLOPs credited), and its
     prefill runs the short-row path (``max_query_len = q_len``)."""
     shape = PrefillShape("spec", 2, 40, 4, 4, 2, 64)
-    steps, timer = [], FakeTimer(20.0, 8.0, 10.0, 5.0, 40.0)
+    steps, timer = [], FakeTimer(20.0, 8.0, 10.0, 11.0, 5.0, 40.0)
     rows = prefill.run_shape(shape, ["turboquant_4bit_nc"], steps.append, device="cpu", timer=timer)
-    assert steps[:2] == ["prefill spec sdpa_fp16", "prefill spec sdpa_fp16_1token"] and timer.calls == 5
+    assert steps[:2] == ["prefill spec sdpa_fp16", "prefill spec sdpa_fp16_1token"] and timer.calls == 6
     one = rows[1]
     assert (one["variant"], one["us"], one["speedup"], "flops" in one) == ("sdpa_fp16_1token", 8.0, 2.5, False)
 
@@ -125,8 +127,8 @@ def test_prefill_selection():
     assert [s.name for s in sel["prefill"][1]] == ["full_1x4K", "spec4_on16K_x32"]
     assert set(runner.select("all", ["tq4"], quick=True)) == {"decode", "store", "prefill"}
     # 2 gates + 2 shapes x (SDPA + 2 presets x (prefill, int8_prefill) + decompress-then-SDPA
-    # + the fused kernel (full_1x4K) or SDPA's one-token decode (spec4_on16K_x32))
-    assert runner.count_steps({"prefill": (("tq4", "fp16"), sel["prefill"][1])}) == 2 + 2 * 7
+    # + out:tq4 + the fused kernel (full_1x4K) or SDPA's one-token decode (spec4_on16K_x32))
+    assert runner.count_steps({"prefill": (("tq4", "fp16"), sel["prefill"][1])}) == 2 + 2 * 8
     with pytest.raises(ValueError, match="shapes must be among full_1x4K"):
         runner.select("prefill", ["tq4"], ["B32x4K"])
 
@@ -145,8 +147,8 @@ def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
             assert rep_ms == 25  # quick
             timed.append((op, shape.name, tuple(presets)))
             base = "fp16_index_copy" if op == "store" else "sdpa_fp16"
-            extra = (*(f"int8:{p}" for p in presets), f"decompress_sdpa:{presets[0]}") if op == "prefill" and presets \
-                else ()
+            extra = (*(f"int8:{p}" for p in presets), f"decompress_sdpa:{presets[0]}", f"out:{presets[0]}") \
+                if op == "prefill" and presets else ()
             if op == "prefill" and (presets or shape.q_len <= 8):  # the fused kernel or SDPA's one-token decode
                 extra += (f"fused:{presets[0]}" if shape.q_len > 8 else "sdpa_fp16_1token",)
             rows = [{"op": op, "mode": "graph", "shape": shape.name, "variant": v, "baseline": base, "us": 1.0,
@@ -172,7 +174,7 @@ def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
                      ("store", "prefill_1x4096", ("fp16",)), ("store", "decode_B32", ("fp16",)),
                      ("prefill", "full_1x4K", ("fp16",)), ("prefill", "spec4_on16K_x32", ("fp16",))]
     assert [g["ok"] for g in report["gate"]] == [True, False, False, True, False, True]
-    # gates, then baseline + the passing preset (prefill: + int8_prefill + decompress-then-SDPA + the
-    # fused kernel or SDPA's one-token decode)
-    assert bar.done == bar.total == 2 + 2 * 2 + 2 + 2 * 2 + 2 + 2 * 5
+    # gates, then baseline + the passing preset (prefill: + int8_prefill + decompress-then-SDPA +
+    # out: + the fused kernel or SDPA's one-token decode)
+    assert bar.done == bar.total == 2 + 2 * 2 + 2 + 2 * 2 + 2 + 2 * 6
     assert out.getvalue().splitlines()[-1].startswith(f"[{'#' * 24}] {bar.total}/{bar.total}")

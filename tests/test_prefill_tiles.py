@@ -125,3 +125,45 @@ def test_int8_prefill_takes_the_host_lengths():
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="must be given together, got only seq_lens_cpu"):
         tqt.int8_prefill(q, cache, bt, sl, qsl, layout, params, seq_lens_cpu=sl)
+
+
+@pytest.mark.parametrize("q_lens, seq_lens, sinks, one_call", [([16, 0, 16], [16, 5, 16], False, True),
+                                                                ([16, 16], [16, 20], False, False),
+                                                                ([16, 16], [16, 16], True, False)])
+def test_one_dense_call_returns_its_output(q_lens, seq_lens, sinks, one_call, monkeypatch):
+    """With ``out=None``, a call that is one dense call (full prefills of equal length, no
+    sinks) returns the dense call's own output (no merge, no copy) and fills ``lse``; a prefix
+    piece or sinks take the merge. Either way the rows equal those written into a given ``out``."""
+    import tqkern
+    import tqkern_torch.prefill_tiles as pt
+    from tqkern import reference as ref
+    from tqkern_torch._validate import use_triton
+    from tqkern_torch.errors import error_word
+    from tqkern_torch.ops import _device_params
+
+    if not use_triton(torch.device("cpu")):
+        pytest.skip("needs TRITON_INTERPRET=1 on a CPU")
+    layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset("tq4", 64), num_kv_heads=1, block_size=16)
+    params = tqkern.TQParams.default(layout.format)
+    rng = torch.Generator().manual_seed(1)
+    n = len(seq_lens)
+    k, v = (torch.randn(n * 32, 1, 64, generator=rng).half() for _ in range(2))
+    cache = torch.from_numpy(ref.store(np.zeros(layout.cache_shape(2 * n), np.uint8), k.numpy(), v.numpy(),
+                                       np.arange(n * 32), layout, params))
+    bt = torch.arange(2 * n, dtype=torch.int32).reshape(n, 2)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
+    q = torch.randn(sum(q_lens), 2, 64, generator=rng).half()
+    merged = []
+    real_combine = pt._combine
+    monkeypatch.setattr(pt, "_combine", lambda *a: merged.append(1) or real_combine(*a))
+    kw = dict(layout=layout, p=_device_params(params, layout, q.device), q_lens=q_lens, seq_lens=seq_lens,
+              num_blocks=2 * n, errors=error_word(q.device), scale=0.125, window_left=None,
+              sinks=torch.zeros(2) if sinks else None, attend=pt.attend_math)
+    given = torch.full_like(q, float("nan"))
+    lse_given, lse_fresh = torch.empty(q.shape[:2]), torch.full(q.shape[:2], float("nan"))
+    assert pt.tile_prefill(q, cache, bt, sl, qsl, out=given, lse=lse_given, **kw) is given
+    merged.clear()
+    fresh = pt.tile_prefill(q, cache, bt, sl, qsl, out=None, lse=lse_fresh, **kw)
+    assert bool(merged) != one_call and fresh.is_contiguous()
+    assert torch.equal(fresh, given) and torch.equal(lse_fresh, lse_given)

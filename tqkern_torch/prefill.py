@@ -194,6 +194,7 @@ def _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale
         q_lens = qsl_host[1:] - qsl_host[:-1]
         longest = int(q_lens.max()) if q_lens.numel() else 0
     p = _device_params(params, layout, dev)
+    given_out = out
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=dev) if return_lse else None
@@ -206,24 +207,28 @@ def _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale
         _split_by_length(q, block_table, seq_lens, query_start_loc, qsl_host, sl_host, out, lse, run)
     elif q.shape[0]:
         host = None if qsl_host is None else (qsl_host[1:] - qsl_host[:-1], sl_host)
-        _long_rows(q, block_table, seq_lens, query_start_loc, out, lse, host, **run)
+        out = _long_rows(q, block_table, seq_lens, query_start_loc, out, lse, host, **run,
+                         fresh=given_out is None)
     if debug and q.shape[0]:
         check_errors(dev)
     return (out, lse) if return_lse else out
 
 
 def _long_rows(q, block_table, seq_lens, query_start_loc, out, lse, host, *, cache, layout, p, scale, opts, sinks,
-               int8):
+               int8, fresh: bool = False) -> torch.Tensor:
     """Rows through the tiled path (:mod:`tqkern_torch.prefill_tiles`) where it serves them and the
-    host lengths ``host = (q_lens, seq_lens)`` are known (checked), else the fused kernel's op."""
+    host lengths ``host = (q_lens, seq_lens)`` are known (checked), else the fused kernel's op.
+    Returns the output: ``out``, or with ``fresh`` (``out`` is the call's own allocation) possibly
+    the dense kernel's own output tensor (a call of one piece: no copy)."""
     if host is not None and tiles_supported(q, layout, logit_softcap=opts.logit_softcap, int8=int8):
         cache_, num_blocks = _cache_or_stand_in(cache)
-        tile_prefill(q, cache_, block_table, seq_lens, query_start_loc, layout, p, q_lens=host[0].tolist(),
-                     seq_lens=host[1].tolist(), num_blocks=num_blocks, errors=error_word(q.device), scale=scale,
-                     out=out, lse=lse, window_left=opts.window_left, sinks=sinks)
-        return
+        return tile_prefill(q, cache_, block_table, seq_lens, query_start_loc, layout, p, q_lens=host[0].tolist(),
+                            seq_lens=host[1].tolist(), num_blocks=num_blocks, errors=error_word(q.device),
+                            scale=scale, out=None if fresh else out, lse=lse, window_left=opts.window_left,
+                            sinks=sinks)
     _kernel(q, block_table, seq_lens, query_start_loc, out, lse, int8, cache=cache, layout=layout, p=p, scale=scale,
             opts=opts, sinks=sinks)
+    return out
 
 
 def _kernel(q, block_table, seq_lens, query_start_loc, out, lse, int8, *, cache, layout, p, scale, opts, sinks):

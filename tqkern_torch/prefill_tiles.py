@@ -153,9 +153,11 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
                  sinks: Optional[torch.Tensor], workspace_bytes: int = WORKSPACE_BYTES,
                  attend: Optional[Attend] = None) -> torch.Tensor:
     """The tiled prefill of ``q`` (validated by the caller; ``q_lens``/``seq_lens`` the host copies
-    of ``query_start_loc``'s lengths and ``seq_lens_dev``, valid). Writes and returns ``out``
-    (allocated when None) and ``lse`` when given. ``workspace_bytes`` bounds a prefix round's K
-    and V in q's dtype; each rotated side's rotated-back copy adds as much again for that side."""
+    of ``query_start_loc``'s lengths and ``seq_lens_dev``, valid). Writes and returns ``out``, and
+    ``lse`` when given. With ``out`` None a call that is one dense call (every row in one piece, no
+    sinks) returns that call's own output when it is contiguous (no copy), else a new tensor.
+    ``workspace_bytes`` bounds a prefix round's K and V in q's dtype; each rotated side's
+    rotated-back copy adds as much again for that side."""
     from tqkern.ops.common import halfword_aligned
     from tqkern.ops.decompress.gather import _gather_kernel, gather_config
 
@@ -165,7 +167,10 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
     plan = plan_tiles(q_lens, seq_lens, budget_rows=max(1, workspace_bytes // (2 * h * d * q.element_size())),
                       window_left=window_left)
     attend = attend or pick_attend(q, window_left)
-    out = torch.empty_like(q) if out is None else out
+    one_call = (out is None and sinks is None and len(plan.rounds) == 1
+                and len(_groups(plan.rounds[0], q_lens)) == 1 and plan.rounds[0][0].first and plan.rounds[0][0].last
+                and sum(q_lens[pc.seq] for pc in plan.rounds[0]) == q.shape[0])
+    out = torch.empty_like(q) if out is None and not one_call else out
     lse_acc = lse if lse is not None else torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     # each side in its codec's space; a rotated side also rotated back (the copy attention reads)
     ws = torch.empty((2, max(1, plan.workspace_rows), h, d), dtype=q.dtype, device=q.device)
@@ -198,6 +203,10 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
             span = slice(pc.row, last.row + last.length)
             o, lp = attend(q[a:b], back[0][span], back[1][span], len(grp), causal=pc.causal, scale=scale,
                            window_left=window_left)
+            if one_call:  # the dense call's output is the result (NaN rows stay NaN: no merge)
+                if lse is not None:
+                    lse.copy_(lp)
+                return o if o.is_contiguous() else o.contiguous()
             _combine(None if pc.first else out[a:b], lse_acc[a:b], o, lp, out[a:b], lse_acc[a:b],
                      sinks if pc.last else None)
     return out

@@ -12,9 +12,11 @@ with ``context`` tokens of which the last ``q_len`` are the new ones (all alread
 ``prefill`` expects). ``flops`` (reported as ``tflops``): ``4·D·Hq`` per visible (query, key) pair,
 the causal count; every variant of a shape is credited the same FLOPs, so its TFLOP/s ratio is its
 speed-up. ``prefill`` gets ``max_query_len = q_len`` and the host lengths (as a serving stack
-passes them): shapes of at most :data:`~tqkern_torch.short_rows.SHORT_QUERY_MAX` new tokens take
-the short-row path, longer ones the tiled path; ``fused:<first preset>`` times the fused prefill
-kernel (no host lengths) beside it. Those
+passes them) and returns its own output, as SDPA does: shapes of at most
+:data:`~tqkern_torch.short_rows.SHORT_QUERY_MAX` new tokens take the short-row path, longer ones
+the tiled path; ``out:<first preset>`` times the same call writing into a given ``out`` (a
+serving stack's output buffer: a one-piece tiled call then copies the dense kernel's output
+into it), ``fused:<first preset>`` the fused prefill kernel (no host lengths). Those
 shapes also time ``sdpa_fp16_1token``: SDPA fp16 of one new token per sequence over the same
 context (what the issue's speculative goal is measured against). All by CUDA-graph replay.
 """
@@ -39,6 +41,7 @@ BASELINE = "sdpa_fp16"
 DECOMPRESS_SDPA = "decompress_sdpa"
 INT8 = "int8"  # variant ``int8:<preset>``: ``int8_prefill`` of that preset
 FUSED = "fused"  # variant ``fused:<preset>``: the fused prefill kernel (no host lengths given)
+OUT = "out"  # variant ``out:<preset>``: prefill writing into a given ``out``
 SDPA_1TOKEN = "sdpa_fp16_1token"  # SDPA fp16 of one new token per sequence (short shapes)
 
 
@@ -127,9 +130,13 @@ def run_shape(shape: PrefillShape, presets, step, *, rep_ms: int = 100, device: 
         cache, bt, sl, qsl, _ = batch(layout, params, [n] * b, [lq] * b, hq, g, device)
         out = torch.empty_like(q)
         host = dict(query_start_loc_cpu=qsl.cpu(), seq_lens_cpu=sl.cpu())
-        us = timer(lambda: tqt.prefill(q, cache, bt, sl, qsl, layout, params, out=out, max_query_len=lq, **host))
+        us = timer(lambda: tqt.prefill(q, cache, bt, sl, qsl, layout, params, max_query_len=lq, **host))
         rows.append(record("prefill", shape.name, preset, BASELINE, us, base_us, flops=flops))
         step(f"prefill {shape.name} {preset}")
+        if i == 0:
+            us = timer(lambda: tqt.prefill(q, cache, bt, sl, qsl, layout, params, out=out, max_query_len=lq, **host))
+            rows.append(record("prefill", shape.name, f"{OUT}:{preset}", BASELINE, us, base_us, flops=flops))
+            step(f"prefill {shape.name} {OUT}:{preset}")
         if i == 0 and lq > SHORT_QUERY_MAX:  # the fused kernel: no host lengths under capture
             us = timer(lambda: tqt.prefill(q, cache, bt, sl, qsl, layout, params, out=out, max_query_len=lq))
             rows.append(record("prefill", shape.name, f"{FUSED}:{preset}", BASELINE, us, base_us, flops=flops))

@@ -62,7 +62,8 @@ def count_steps(selection: dict, eager_shapes: Sequence = ()) -> int:
     n = 0
     for o, (presets, shapes) in selection.items():
         per_preset = 2 if o == "prefill" else 1  # (prefill: prefill and int8_prefill)
-        n += len(presets) + len(shapes) * (1 + per_preset * len(presets) + (o == "prefill" and bool(presets)))
+        # (prefill, with presets: decompress-then-SDPA and out:<first preset>)
+        n += len(presets) + len(shapes) * (1 + per_preset * len(presets) + 2 * (o == "prefill" and bool(presets)))
         if o == "prefill":  # SDPA's one-token decode (short shapes) or the fused kernel (long ones, with presets)
             from tqkern_torch.short_rows import SHORT_QUERY_MAX
 
