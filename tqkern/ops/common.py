@@ -137,19 +137,83 @@ def fp8e4m3_bits_to_f32(code):
 
 # -- packed codes -------------------------------------------------------------------------------
 @triton.jit
+def _word_part(s, J: tl.constexpr, M: tl.constexpr, SB: tl.constexpr, NSUB: tl.constexpr):
+    """The bits of sub-group ``J`` (``s``: its SB-bit value, stream bits ``J·SB ..``) that fall in
+    32-bit word ``M`` of their 32-code group, in place there; 0 where none do."""
+    OFF: tl.constexpr = J * SB - 32 * M
+    if J >= NSUB or OFF >= 32 or OFF + SB <= 0:
+        return 0
+    elif OFF >= 0:
+        return s << OFF  # bits past the word's top fall off (they are the next word's)
+    else:
+        return s >> (-OFF)
+
+
+@triton.jit
+def _store_words(row, codes, mask_t, BITS: tl.constexpr, NBYTES: tl.constexpr, BT: tl.constexpr,
+                 DP: tl.constexpr, HALF: tl.constexpr):
+    """LSB-first packing of ``codes [BT, DP]`` for BITS in 3, 5, 6, 7 (DP a multiple of 32), in
+    int32: each group of 32 codes is BITS 32-bit words. Sub-groups of S codes (S·BITS ≤ 32 bits,
+    Σ code_k << BITS·k) are split apart and each word ORs the ≤ 3 sub-groups it overlaps; a word
+    is written as two 16-bit stores (``HALF``: the field starts at an even byte and NBYTES is even)
+    or four byte stores. Same bytes as 8-code groups in int64."""
+    S: tl.constexpr = 8 if BITS * 8 <= 32 else 4
+    NSUB: tl.constexpr = 32 // S
+    SB: tl.constexpr = S * BITS
+    G: tl.constexpr = DP // 32
+    sh = tl.arange(0, S) * BITS
+    sub = tl.sum(tl.reshape(codes.to(tl.int32), (BT, G, NSUB, S)) << sh[None, None, None, :], axis=3)
+    if NSUB == 4:  # sub-group j = 2·i1 + i0 of the [.., 2, 2] view: split the last axis first
+        a, b = tl.split(tl.reshape(sub, (BT, G, 2, 2)))
+        s0, s2 = tl.split(a)
+        s1, s3 = tl.split(b)
+        s4 = s0  # (s4 .. s7 unused: NSUB = 4)
+        s5 = s0
+        s6 = s0
+        s7 = s0
+    else:  # j = 4·i2 + 2·i1 + i0
+        a, b = tl.split(tl.reshape(sub, (BT, G, 2, 2, 2)))
+        a0, a1 = tl.split(a)
+        b0, b1 = tl.split(b)
+        s0, s4 = tl.split(a0)
+        s2, s6 = tl.split(a1)
+        s1, s5 = tl.split(b0)
+        s3, s7 = tl.split(b1)
+    gi = tl.arange(0, G)
+    for m in tl.static_range(BITS):
+        w = (_word_part(s0, 0, m, SB, NSUB) | _word_part(s1, 1, m, SB, NSUB) | _word_part(s2, 2, m, SB, NSUB)
+             | _word_part(s3, 3, m, SB, NSUB) | _word_part(s4, 4, m, SB, NSUB) | _word_part(s5, 5, m, SB, NSUB)
+             | _word_part(s6, 6, m, SB, NSUB) | _word_part(s7, 7, m, SB, NSUB))
+        off = gi * (4 * BITS) + 4 * m  # the word's first byte in the field
+        if HALF:
+            p16 = row.to(tl.pointer_type(tl.int16))
+            for q in tl.static_range(2):
+                tl.store(p16[:, None] + (off // 2 + q)[None, :], ((w >> (16 * q)) & 0xFFFF).to(tl.int16),
+                         mask=mask_t[:, None] & (off + 2 * q < NBYTES)[None, :])
+        else:
+            for q in tl.static_range(4):
+                tl.store(row[:, None] + (off + q)[None, :], ((w >> (8 * q)) & 255).to(tl.uint8),
+                         mask=mask_t[:, None] & (off + q < NBYTES)[None, :])
+
+
+@triton.jit
 def store_packed(row, codes, mask_t, BITS: tl.constexpr, NIBBLE: tl.constexpr, NBYTES: tl.constexpr,
-                 BT: tl.constexpr, DP: tl.constexpr):
+                 BT: tl.constexpr, DP: tl.constexpr, ALIGNED: tl.constexpr = False):
     """Pack ``codes [BT, DP]`` (integers, zero beyond head_dim) and write NBYTES bytes at ``row [BT]``.
 
     LSB-first: every 8 codes form one ``BITS·8``-bit group g = Σ code_k << (BITS·k), written as
-    BITS bytes. Nibble order: byte j = code_2j << 4 | code_2j+1. Arithmetic in int32 where the
-    group fits (BITS ≤ 4), else int64."""
+    BITS bytes. Nibble order: byte j = code_2j << 4 | code_2j+1. Bit widths that do not divide a
+    byte (3, 5, 6, 7) pack 32 codes into BITS int32 words (:func:`_store_words`; ``ALIGNED``: the
+    field starts at an even byte, so words go out as 16-bit stores) where DP ≥ 32; else int32
+    groups where they fit (BITS ≤ 4), int64 beyond."""
     if NIBBLE:
         pairs = tl.reshape(codes.to(tl.int32), (BT, DP // 2, 2))
         sh = tl.arange(0, 2)
         byte = tl.sum(pairs << (4 - 4 * sh)[None, None, :], axis=2)
         j = tl.arange(0, DP // 2)
         tl.store(row[:, None] + j[None, :], byte.to(tl.uint8), mask=mask_t[:, None] & (j < NBYTES)[None, :])
+    elif 8 % BITS != 0 and DP % 32 == 0:
+        _store_words(row, codes, mask_t, BITS, NBYTES, BT, DP, ALIGNED and NBYTES % 2 == 0)
     elif 8 % BITS == 0:  # 1, 2, 4, 8 bits: whole codes per byte, one contiguous byte row
         P: tl.constexpr = 8 // BITS
         per = tl.reshape(codes.to(tl.int32), (BT, DP // P, P))

@@ -355,7 +355,7 @@ def encode_side(x, mu, y, row, h, tok_mask, bnd_ptr, cen_ptr, HAS_MU: tl.constex
         inv = tl.where(n > 0, 1.0 / tl.where(n > 0, n, 1.0), 0.0).to(tl.float32)
         idx = _lloyd_max_codes(y * inv[:, None], bnd_ptr, BITS)
         idx = tl.where(dmask[None, :], idx, 0)
-        store_packed(row + A_OFF + h * A_STRIDE, idx.to(tl.int64), tok_mask, BITS, NIBBLE, A_BYTES, BV, DP)
+        store_packed(row + A_OFF + h * A_STRIDE, idx, tok_mask, BITS, NIBBLE, A_BYTES, BV, DP, ALIGNED)
         if NORM_CORRECTION == NC_STORED:
             c = tl.where(dmask[None, :], tl.load(cen_ptr + idx), 0.0)
             cn = tl.sqrt(tl.sum(c * c, axis=1))
@@ -377,7 +377,7 @@ def encode_side(x, mu, y, row, h, tok_mask, bnd_ptr, cen_ptr, HAS_MU: tl.constex
             q = _uniform_codes(y64, lo, hi, BITS)
         scale = tl.maximum((hi - lo) / ((1 << BITS) - 1), 1e-8)
         q = tl.where(dmask[None, :], q, 0)
-        store_packed(row + A_OFF + h * A_STRIDE, q, tok_mask, BITS, NIBBLE, A_BYTES, BV, DP)
+        store_packed(row + A_OFF + h * A_STRIDE, q, tok_mask, BITS, NIBBLE, A_BYTES, BV, DP, ALIGNED)
         store_bytes(row + B_OFF + h * B_STRIDE, f64_to_bits(scale, PARAM_DTYPE), PB, tok_mask)
         store_bytes(row + C_OFF + h * C_STRIDE, f64_to_bits(lo, PARAM_DTYPE), PB, tok_mask)
         err = flag(tok_mask & (_saturates(scale, PARAM_DTYPE) | _saturates(lo, PARAM_DTYPE)), _ERR_SATURATED)
