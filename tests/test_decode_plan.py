@@ -253,3 +253,18 @@ def test_a_repeated_call_finds_its_plan_without_planning(monkeypatch):
     assert len(calls) == 1
     tqt.paged_decode(q, cache, bt, sl, layout, params, logit_softcap=5.0)  # other options: another plan
     assert len(calls) == 2
+
+
+def test_head_dim_256_takes_the_warp_mma_kernel_only_where_checked():
+    """D256 (S21, oracle-checked on the H100 at GQA 1 and 2): FP8 and 3-bit keys with 4-bit uniform
+    values take the warp-MMA kernel for groups of 1 and 2 (Gemma's); 4-bit keys whose chunks need shifted
+    words (no compile), 5-bit keys (a fault), 3-bit values (wrong rows), Lloyd-Max values and
+    larger groups stay on the general kernel."""
+    def takes(preset, arr, heads, group):
+        return mma_plan(_layout(preset, 256, heads, arr), group) is not None
+
+    for heads, group in ((8, 2), (16, 1)):
+        assert takes("turboquant_k8v4", "slot", heads, group) and takes("turboquant_k3v4_nc", "slot", heads, group)
+        assert not any(takes(p, a, heads, group) for p, a in (("turboquant_4bit_nc", "slot"), ("tq4", "row"),
+                                                              ("turboquant_3bit_nc", "slot"), ("tqkern_k5v3", "row")))
+    assert not takes("turboquant_k8v4", "slot", 4, 8) and not takes("turboquant_k3v4_nc", "slot", 2, 9)

@@ -218,6 +218,13 @@ def test_warp_mma_read_schemes_match_oracle(fmt, heads, block_size, expect):
     _mma_matches_oracle(fmt, heads, block_size, 3, expect)
 
 
+@pytest.mark.parametrize("group", [1, 2])
+@pytest.mark.parametrize("preset", ["turboquant_k8v4", "turboquant_k3v4_nc"])
+def test_warp_mma_head_dim_256_matches_oracle(preset, group):
+    """head_dim 256 (Gemma: GQA 1 and 2), the combinations the planner sends to the warp-MMA kernel."""
+    _mma_matches_oracle(tqkern.KVFormat.preset(preset, 256), 2, 16, group, dict(D=256))
+
+
 @pytest.mark.parametrize("preset,heads,group,gs,qt", [
     ("tq4", 1, 16, 1, 2), ("turboquant_4bit_nc", 1, 16, 1, 2), ("turboquant_k8v4", 2, 16, 1, 2),
     ("turboquant_3bit_nc", 2, 12, 1, 2), ("turboquant_k3v4_nc", 1, 32, 2, 2), ("tqkern_k5v3", 1, 24, 2, 2),

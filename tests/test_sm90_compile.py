@@ -12,7 +12,8 @@ Budgets: today's values from Triton 3.9's ptxas (the GPU machines run Triton 3.6
 may differ a little); instruction budgets today's count + 3%. A change that lowers a number
 should lower its budget too. Shapes and presets: ``tqkern_torch/bench/shapes.py`` (B32x16K's
 Hq32/Hkv8/D128, SmolLM2's Hq9/Hkv3/D64, GQA 3, and Llama-3-405B's Hq16/Hkv1/D128, GQA 16 = two
-query column tiles per warp, ``QT = 2``; the last two have no cooperative plan: 3 and 1 KV heads).
+query column tiles per warp, ``QT = 2``; the last two have no cooperative plan: 3 and 1 KV heads;
+and Gemma-2-9B's Hq16/Hkv8/D256 for the two D256 plans).
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ BUDGETS = {
     "mma:turboquant_k3v4_nc:slot:128:1:16:per_warp": (0, 1344),
     "mma:turboquant_3bit_nc:slot:128:1:16:per_warp": (0, 1360),
     "mma:tqkern_k5v3:slot:128:1:16:per_warp": (0, 2424),
+    # head_dim 256 (Gemma-2-9B: Hkv 8, GQA 2), FP8 and 3-bit keys with 4-bit uniform values (S21)
+    "mma:turboquant_k8v4:slot:256:8:16:per_warp": (16, 1320),
+    "mma:turboquant_k8v4:slot:256:8:16:coop": (216, 1424),
+    "mma:turboquant_k3v4_nc:slot:256:8:16:per_warp": (312, 1720),
+    "mma:turboquant_k3v4_nc:slot:256:8:16:coop": (200, 2272),
     "general:fp16:slot:128:8:32": (0, 952),
     # a window and a soft-cap (paged_decode(window_left=, logit_softcap=)): 132 registers, 105 without
     "general:fp16:slot:128:8:32:window+softcap": (0, 1096),
@@ -67,6 +73,7 @@ def _cases() -> list[str]:
     for shape in map(decode_shape, SHAPES):
         dims = f"{shape.head_dim}:{shape.num_kv_heads}:{shape.num_q_heads}"
         cases += [f"mma:{preset}:{arr}:{dims}" for preset, arr in DECODE_PRESETS if preset != "fp16"]
+    cases += ["mma:turboquant_k8v4:slot:256:8:16", "mma:turboquant_k3v4_nc:slot:256:8:16"]
     cases += ["general:fp16:slot:128:8:32", "general:fp16:slot:128:8:32:window+softcap"]
     return cases
 

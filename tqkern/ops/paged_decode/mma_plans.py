@@ -103,7 +103,9 @@ def mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
     or FP8, and values are 4- or 3-bit uniform codes, 4-bit Lloyd-Max codes next to 4-bit keys
     (no decode-time norm correction; the launcher also requires the keys' codebook, see
     ``tqkern.ops.paged_decode.triton.decode_path``) or 3-bit Lloyd-Max codes next to 5-bit keys;
-    ``head_dim`` 64 or 128; ``group ≤ 8``, or a larger group that :func:`head_tiles` splits; rows of an even number of bytes (2 mod 4 only in
+    ``head_dim`` 64 or 128 (256: FP8 or 3-bit keys with 4-bit uniform values, ``group ≤ 2`` as
+    Gemma's layers have; other D256 layouts run the general kernel); ``group ≤ 8``, or a larger group that
+    :func:`head_tiles` splits; rows of an even number of bytes (2 mod 4 only in
     blocks of an even number of rows and not with FP8 keys); FP8 key fields at 4-byte offsets;
     a 3-bit key field's over-read word inside the row; norms, scales and zeros aligned to their
     size in every row."""
@@ -134,7 +136,7 @@ def _mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
     if v_lm and not ((value.bits == 4 and isinstance(key, LloydMax) and key.bits == 4) or (value.bits == 3 and k5)):
         return None
     tiles = head_tiles(group)
-    if d not in (64, 128) or tiles is None:
+    if d not in (64, 128, 256) or tiles is None:
         return None
     gs, qt = tiles
     rb = layout.row_bytes
@@ -146,6 +148,8 @@ def _mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
     c = layout_consts(layout)
     # 4-bit key chunks not at fixed offsets from aligned blocks, and 5-bit keys: shifted words
     k_fun = k5 or (not (k_fp8 or k3) and rb % ck != 0)
+    if d == 256 and not ((k_fp8 or k3) and v_uniform and value.bits == 4 and group <= 2):
+        return None  # D256: only what was oracle-checked on the H100 (S21; docs/performance.md "Model shapes")
     # 3-bit values: always shifted (3D/64-byte chunks). With 3-bit keys, values that would be
     # joined are shifted too (measured 4-5% faster on the H100: docs/performance.md §25).
     v_fun = value.bits == 3 or rb % cv != 0 or (k3 and bool(c["V_A_OFF"] % cv or c["V_A_STRIDE"] % cv))
