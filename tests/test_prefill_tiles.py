@@ -84,10 +84,12 @@ def test_host_lengths_are_checked():
     q = torch.zeros(12, 2, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="must be given together, got only query_start_loc_cpu"):
         tqt.prefill(q, cache, bt, sl, qsl, layout, params, query_start_loc_cpu=qsl)
-    with pytest.raises(ValueError, match="seq_lens_cpu must lie in"):
+    with pytest.raises(ValueError, match=r"seq_lens_cpu must be in \[0, max_blocks \* block_size = 32\], "
+                                         r"got range \[40, 40\]"):
         tqt.prefill(q, cache, bt, sl, qsl, layout, params, query_start_loc_cpu=qsl,
                     seq_lens_cpu=torch.tensor([40]), check_inputs=False)
-    with pytest.raises(ValueError, match="query_start_loc_cpu must rise from 0 to num_tokens = 12"):
+    with pytest.raises(ValueError, match=r"query_start_loc_cpu\[-1\] must be num_tokens = 12 \(q.shape\[0\]\), "
+                                         r"got 11"):
         tqt.prefill(q, cache, bt, sl, qsl, layout, params, query_start_loc_cpu=torch.tensor([0, 11]),
                     seq_lens_cpu=sl, check_inputs=False)
     with pytest.raises(ValueError, match=r"seq_lens_cpu must have shape \[1\], got \[2\]"):

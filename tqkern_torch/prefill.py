@@ -20,32 +20,39 @@ from tqkern_torch.short_rows import SHORT_QUERY_MAX, short_rows
 __all__ = ["int8_prefill", "prefill"]
 
 
-def _inputs_checked_on_host(q, block_table, seq_lens, query_start_loc, sinks, num_blocks: int,
-                            block_size: int, max_query_len: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The value checks (a device sync): ``query_start_loc`` against ``num_tokens`` and the
-    lengths (and ``max_query_len``), ``seq_lens`` and the used ``block_table`` entries against the
-    cache, finite sinks. Returns the host ``query_start_loc`` and ``seq_lens`` (int64)."""
-    qsl = query_start_loc.cpu().to(torch.int64)
-    sl = seq_lens.cpu().to(torch.int64)
-    t = q.shape[0]
+def _check_lengths(qsl: torch.Tensor, sl: torch.Tensor, t: int, cap: int, qname: str, sname: str) -> None:
+    """Host int64 copies of a varlen batch's ``query_start_loc`` and ``seq_lens`` (named
+    ``qname``, ``sname`` in the messages) for ``t`` tokens and ``cap`` positions per sequence:
+    ``qsl[0] == 0``, non-decreasing, ``qsl[-1] == t``, ``0 ≤ seq_lens ≤ cap`` and ``q_len ≤
+    seq_len``; ``ValueError`` naming the first entry that breaks a rule."""
     if int(qsl[0]) != 0:
-        raise ValueError(f"query_start_loc[0] must be 0, got {int(qsl[0])}")
+        raise ValueError(f"{qname}[0] must be 0, got {int(qsl[0])}")
     q_lens = qsl[1:] - qsl[:-1]
     if bool((q_lens < 0).any()):
         s = int(torch.nonzero(q_lens < 0)[0, 0])
-        raise ValueError(f"query_start_loc must be non-decreasing, got query_start_loc[{s + 1}] = {int(qsl[s + 1])} "
-                         f"< query_start_loc[{s}] = {int(qsl[s])}")
+        raise ValueError(f"{qname} must be non-decreasing, got {qname}[{s + 1}] = {int(qsl[s + 1])} "
+                         f"< {qname}[{s}] = {int(qsl[s])}")
     if int(qsl[-1]) != t:
-        raise ValueError(f"query_start_loc[-1] must be num_tokens = {t} (q.shape[0]), got {int(qsl[-1])}")
-    cap = block_table.shape[1] * block_size
+        raise ValueError(f"{qname}[-1] must be num_tokens = {t} (q.shape[0]), got {int(qsl[-1])}")
     if sl.numel() and (int(sl.min()) < 0 or int(sl.max()) > cap):
-        raise ValueError(f"seq_lens must be in [0, max_blocks * block_size = {cap}], "
+        raise ValueError(f"{sname} must be in [0, max_blocks * block_size = {cap}], "
                          f"got range [{int(sl.min())}, {int(sl.max())}]")
     bad = torch.nonzero(q_lens > sl)
     if bad.numel():
         s = int(bad[0, 0])
-        raise ValueError(f"query_start_loc[{s + 1}] - query_start_loc[{s}] (q_len) must be <= seq_lens[{s}] = "
+        raise ValueError(f"{qname}[{s + 1}] - {qname}[{s}] (q_len) must be <= {sname}[{s}] = "
                          f"{int(sl[s])}, got {int(q_lens[s])}")
+
+
+def _inputs_checked_on_host(q, block_table, seq_lens, query_start_loc, sinks, num_blocks: int,
+                            block_size: int, max_query_len: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The value checks (a device sync): ``query_start_loc`` against ``num_tokens`` and the
+    lengths (:func:`_check_lengths`, and ``max_query_len``), the used ``block_table`` entries
+    against the cache, finite sinks. Returns the host ``query_start_loc`` and ``seq_lens`` (int64)."""
+    qsl = query_start_loc.cpu().to(torch.int64)
+    sl = seq_lens.cpu().to(torch.int64)
+    _check_lengths(qsl, sl, q.shape[0], block_table.shape[1] * block_size, "query_start_loc", "seq_lens")
+    q_lens = qsl[1:] - qsl[:-1]
     bt = block_table.cpu()
     used = torch.arange(bt.shape[1])[None, :] * block_size < sl[:, None]
     ids = bt[used]
@@ -143,17 +150,6 @@ def _host_lengths(pair, n: int):
     return qc.to(torch.int64), sc.to(torch.int64)
 
 
-def _check_host_lengths(qsl: torch.Tensor, sl: torch.Tensor, t: int, cap: int) -> None:
-    """The host copies are a valid varlen batch for ``t`` tokens and ``cap`` positions per
-    sequence (host work only): the tiled path indexes the block table by them."""
-    q_lens = qsl[1:] - qsl[:-1]
-    if int(qsl[0]) != 0 or int(qsl[-1]) != t or bool((q_lens < 0).any()):
-        raise ValueError(f"query_start_loc_cpu must rise from 0 to num_tokens = {t}, got {qsl.tolist()}")
-    if sl.numel() and (int(sl.min()) < 0 or int(sl.max()) > cap or bool((q_lens > sl).any())):
-        raise ValueError(f"seq_lens_cpu must lie in [q_len, max_blocks * block_size = {cap}] per sequence, "
-                         f"got {sl.tolist()} with q_lens {q_lens.tolist()}")
-
-
 def _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale, out, window_left, logit_softcap,
          sinks, return_lse, check_inputs, debug, int8: bool, max_query_len: Optional[int] = None,
          cpu_pair=(None, None)):
@@ -188,8 +184,9 @@ def _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale
     if checked:
         qsl_host, sl_host = _inputs_checked_on_host(q, block_table, seq_lens, query_start_loc, sinks, cache.shape[0],
                                                     layout.block_size, max_query_len)
-    elif given is not None:
-        _check_host_lengths(qsl_host, sl_host, q.shape[0], block_table.shape[1] * layout.block_size)
+    elif given is not None:  # the tiled path indexes the block table by them: checked on the host
+        _check_lengths(qsl_host, sl_host, q.shape[0], block_table.shape[1] * layout.block_size,
+                       "query_start_loc_cpu", "seq_lens_cpu")
     if qsl_host is not None and max_query_len is None:
         q_lens = qsl_host[1:] - qsl_host[:-1]
         longest = int(q_lens.max()) if q_lens.numel() else 0
@@ -308,8 +305,9 @@ def _prefill_impl(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tenso
     errors.bitwise_or_(int(flags))
     params = _host_params(lay, rotation, key_centroids, value_centroids, None)
     oracle = int8_prefill_ref.int8_prefill if int8 else prefill_ref.prefill
-    res = oracle(q.float().numpy(), cache.numpy(), bt, sl, query_start_loc.numpy(), lay, params, scale=scale, window_left=window, logit_softcap=cap,
-                              sinks=None if sinks is None else sinks.double().numpy(), return_lse=lse is not None)
+    res = oracle(q.float().numpy(), cache.numpy(), bt, sl, query_start_loc.numpy(), lay, params, scale=scale,
+                 window_left=window, logit_softcap=cap, sinks=None if sinks is None else sinks.double().numpy(),
+                 return_lse=lse is not None)
     o, l_ = res if lse is not None else (res, None)
     out.copy_(torch.from_numpy(o).to(out.dtype))
     if lse is not None:
