@@ -168,8 +168,7 @@ def causal_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
     if isinstance(attention_mask, CausalMask):  # built already (generate's masks for a compileable cache)
         return attention_mask
     known, window = _window_of(mask_function, local_size)
-    offsets_traced = any(isinstance(x, torch.Tensor) and torch.compiler.is_compiling() for x in (q_offset, kv_offset))
-    if q_length <= 1 or use_vmap or not known or offsets_traced or torch.compiler.is_compiling():
+    if q_length <= 1 or use_vmap or not known or torch.compiler.is_compiling():  # (traced offsets: compiling)
         return sdpa_mask(**args)
     padding = None
     if attention_mask is not None:
