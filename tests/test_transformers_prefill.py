@@ -224,3 +224,9 @@ def test_cuda_generate_through_the_tiled_prefill(pads, monkeypatch):
     out = _generate(model, ids, mask, cache=tqt.TQCache(model))
     assert out.tolist() == ref.tolist()
     assert prefills.calls == 2 and dense_masks.calls == 0
+
+
+def test_bad_prefill_mode(model):
+    tqt.install(model, "fp16")
+    with pytest.raises(ValueError, match=r"prefill must be one of \('auto', 'kernel', 'dense'\), got 'fast'"):
+        tqt.TQCache(model, prefill="fast")
