@@ -191,38 +191,38 @@ def _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale
         q_lens = qsl_host[1:] - qsl_host[:-1]
         longest = int(q_lens.max()) if q_lens.numel() else 0
     p = _device_params(params, layout, dev)
-    given_out = out
-    if out is None:
-        out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=dev) if return_lse else None
     run = dict(cache=cache, layout=layout, p=p, scale=float(scale), opts=opts, sinks=sinks, int8=int8)
     short_ok = bool(q.shape[0]) and not int8 and opts.window_left is None and use_triton(dev)
-    if short_ok and longest is not None and 1 <= longest <= SHORT_QUERY_MAX:
+    short = short_ok and longest is not None and 1 <= longest <= SHORT_QUERY_MAX
+    split = not short and short_ok and max_query_len is None and qsl_host is not None and not capturing
+    if out is None and (short or split or not q.shape[0]):  # (the long rows allocate their own)
+        out = torch.empty_like(q)
+    if short:
         short_rows(q, cache, block_table, seq_lens, query_start_loc, layout, p, t=longest, scale=float(scale), out=out,
                    lse=lse, logit_softcap=opts.logit_softcap, sinks=sinks, zero_rows=not checked)
-    elif short_ok and max_query_len is None and qsl_host is not None and not capturing:  # mixed: each part its path
+    elif split:  # mixed: each part its path
         _split_by_length(q, block_table, seq_lens, query_start_loc, qsl_host, sl_host, out, lse, run)
     elif q.shape[0]:
         host = None if qsl_host is None else (qsl_host[1:] - qsl_host[:-1], sl_host)
-        out = _long_rows(q, block_table, seq_lens, query_start_loc, out, lse, host, **run,
-                         fresh=given_out is None)
+        out = _long_rows(q, block_table, seq_lens, query_start_loc, out, lse, host, **run)
     if debug and q.shape[0]:
         check_errors(dev)
     return (out, lse) if return_lse else out
 
 
 def _long_rows(q, block_table, seq_lens, query_start_loc, out, lse, host, *, cache, layout, p, scale, opts, sinks,
-               int8, fresh: bool = False) -> torch.Tensor:
+               int8) -> torch.Tensor:
     """Rows through the tiled path (:mod:`tqkern_torch.prefill_tiles`) where it serves them and the
     host lengths ``host = (q_lens, seq_lens)`` are known (checked), else the fused kernel's op.
-    Returns the output: ``out``, or with ``fresh`` (``out`` is the call's own allocation) possibly
-    the dense kernel's own output tensor (a call of one piece: no copy)."""
+    Returns the output: ``out`` when given; with ``out`` None, a new tensor or, for a tiled call of
+    one dense call, the dense kernel's own output (no copy)."""
     if host is not None and tiles_supported(q, layout, logit_softcap=opts.logit_softcap, int8=int8):
         cache_, num_blocks = _cache_or_stand_in(cache)
         return tile_prefill(q, cache_, block_table, seq_lens, query_start_loc, layout, p, q_lens=host[0].tolist(),
                             seq_lens=host[1].tolist(), num_blocks=num_blocks, errors=error_word(q.device),
-                            scale=scale, out=None if fresh else out, lse=lse, window_left=opts.window_left,
-                            sinks=sinks)
+                            scale=scale, out=out, lse=lse, window_left=opts.window_left, sinks=sinks)
+    out = torch.empty_like(q) if out is None else out
     _kernel(q, block_table, seq_lens, query_start_loc, out, lse, int8, cache=cache, layout=layout, p=p, scale=scale,
             opts=opts, sinks=sinks)
     return out
