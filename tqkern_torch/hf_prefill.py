@@ -21,6 +21,7 @@ from typing import NamedTuple, Optional
 import torch
 from transformers.masking_utils import causal_mask_function, sdpa_mask, sliding_window_causal_mask_function
 
+from tqkern_torch.kv_cache import prefix_starts
 from tqkern_torch.prefill import prefill
 
 __all__ = ["CausalMask", "VarlenRows", "causal_mask", "prefill_attention"]
@@ -149,11 +150,8 @@ class CausalMask:
         if self.padding is None:
             b = self._kwargs["batch_size"]
             return torch.zeros(b, dtype=torch.long, device=self._kwargs["device"]), [0] * b
-        real = self.padding[:, :length].bool()
-        starts = (~real).long().cumprod(dim=1).sum(dim=1)
-        if not torch.equal(real, torch.arange(length, device=real.device)[None, :] >= starts[:, None]):
-            return None
-        return starts, starts.tolist()
+        starts = prefix_starts(self.padding[:, :length].bool())
+        return None if starts is None else (starts, starts.tolist())
 
 
 def causal_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,

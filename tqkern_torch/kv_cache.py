@@ -39,6 +39,14 @@ def _geometry(config) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, head_dim
 
 
+def prefix_starts(allowed: torch.Tensor) -> Optional[torch.Tensor]:
+    """For boolean ``allowed [b, n]``: per row the number of leading False entries (int64 ``[b]``)
+    when every entry after them is True (a masked prefix, e.g. left padding), else None."""
+    starts = (~allowed).long().cumprod(dim=1).sum(dim=1)
+    positions = torch.arange(allowed.shape[1], device=allowed.device)[None, :]
+    return starts if torch.equal(allowed, positions >= starts[:, None]) else None
+
+
 def _allowed(mask: torch.Tensor) -> torch.Tensor:
     """A boolean (True = attend) view of a boolean or additive mask."""
     return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
@@ -209,8 +217,8 @@ class TQCacheLayer(CacheLayerMixin):
             raise RuntimeError("attention_mask attends positions that TQCache dropped as left padding")
         if attention_mask.shape[1] != 1 or attention_mask.shape[2] != 1:
             return False
-        starts = (~allowed).long().cumprod(dim=1).sum(dim=1)  # leading masked positions per row
-        if not torch.equal(allowed, positions >= starts[:, None]) or int(starts.max()) >= self.seq_len:
+        starts = prefix_starts(allowed)  # leading masked positions per row
+        if starts is None or int(starts.max()) >= self.seq_len:
             return False  # not a pure prefix (e.g. a sliding window inside a row), or a row all masked
         if not self.start_max and int(starts.max()):
             self._drop_prefixes(starts)
@@ -335,9 +343,8 @@ class TQStaticCacheLayer(TQCacheLayer):
             self.dropped = True
             return
         allowed = _allowed(attention_mask)[:, :, -1, : self.seq_len].any(dim=1)  # [b, seq_len]
-        positions = torch.arange(self.seq_len, device=self.device)[None, :]
-        starts = (~allowed).long().cumprod(dim=1).sum(dim=1)
-        if not torch.equal(allowed, positions >= starts[:, None]):
+        starts = prefix_starts(allowed)
+        if starts is None:
             raise NotImplementedError("TQCache(max_cache_len=...) needs a mask whose last query row attends one "
                                       "contiguous run of positions up to the last (left padding, a sliding window)")
         if self.dropped:

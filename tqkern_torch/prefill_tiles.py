@@ -167,8 +167,9 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
     plan = plan_tiles(q_lens, seq_lens, budget_rows=max(1, workspace_bytes // (2 * h * d * q.element_size())),
                       window_left=window_left)
     attend = attend or pick_attend(q, window_left)
-    one_call = (out is None and sinks is None and len(plan.rounds) == 1
-                and len(_groups(plan.rounds[0], q_lens)) == 1 and plan.rounds[0][0].first and plan.rounds[0][0].last
+    groups = [_groups(rnd, q_lens) for rnd in plan.rounds]
+    one_call = (out is None and sinks is None and len(groups) == 1 and len(groups[0]) == 1
+                and plan.rounds[0][0].first and plan.rounds[0][0].last
                 and sum(q_lens[pc.seq] for pc in plan.rounds[0]) == q.shape[0])
     out = torch.empty_like(q) if out is None and not one_call else out
     lse_acc = lse if lse is not None else torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
@@ -197,7 +198,7 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
         for side in (0, 1):
             if rotated[side]:
                 torch.mm(ws[side, :used].view(-1, d), rot_t, out=back[side][:used].view(-1, d))
-        for grp in _groups(rnd, q_lens):
+        for grp in groups[r]:
             pc, last = grp[0], grp[-1]
             a, b = starts[pc.seq], starts[last.seq + 1]
             span = slice(pc.row, last.row + last.length)
