@@ -218,11 +218,14 @@ def test_warp_mma_read_schemes_match_oracle(fmt, heads, block_size, expect):
     _mma_matches_oracle(fmt, heads, block_size, 3, expect)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("group", [1, 2])
 @pytest.mark.parametrize("preset", ["turboquant_k8v4", "turboquant_k3v4_nc"])
-def test_warp_mma_head_dim_256_matches_oracle(preset, group):
-    """head_dim 256 (Gemma: GQA 1 and 2), the combinations the planner sends to the warp-MMA kernel."""
-    _mma_matches_oracle(tqkern.KVFormat.preset(preset, 256), 2, 16, group, dict(D=256))
+def test_warp_mma_head_dim_256_matches_oracle(preset, group, dtype):
+    """head_dim 256 (Gemma: GQA 1 and 2), the combinations the planner sends to the warp-MMA kernel,
+    with fp16 and bf16 queries."""
+    _mma_matches_oracle(tqkern.KVFormat.preset(preset, 256), 2, 16, group, dict(D=256),
+                        dtype=getattr(torch, dtype))
 
 
 @pytest.mark.parametrize("preset,heads,group,gs,qt", [
@@ -238,7 +241,7 @@ def test_warp_mma_gqa_groups_above_8_match_oracle(preset, heads, group, gs, qt):
     _mma_matches_oracle(tqkern.KVFormat.preset(preset, 128), heads, 16, group, dict(GS=gs, QT=qt))
 
 
-def _mma_matches_oracle(fmt, heads, block_size, group, expect):
+def _mma_matches_oracle(fmt, heads, block_size, group, expect, dtype=torch.float16):
     from tqkern.ops.paged_decode.mma_plans import mma_plan
 
     layout = tqkern.PagedLayout(format=fmt, num_kv_heads=heads, block_size=block_size)
@@ -253,7 +256,7 @@ def _mma_matches_oracle(fmt, heads, block_size, group, expect):
     g = torch.Generator(device="cuda").manual_seed(7)
     bt = torch.randperm(num_blocks, device="cuda", generator=g)[: 4 * max_blocks].reshape(4, max_blocks).int()
     cache = _fill(layout, p, num_blocks, seq_lens, bt, seed=block_size + heads)
-    q = torch.randn(4, heads * group, fmt.head_dim, device="cuda", dtype=torch.float16, generator=g)
+    q = torch.randn(4, heads * group, fmt.head_dim, device="cuda", dtype=dtype, generator=g)
     out = torch.full_like(q, float("nan"))
     paged_decode(q, cache, bt, seq_lens, layout, p, out=out, num_splits=3)
     expect_out = ref.paged_decode(q.double().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(),
