@@ -124,6 +124,18 @@ def test_decode_table_gives_the_bandwidth_fraction_of_sdpa():
     assert _table_rows(rep.render_table(report), "decode: achieved bandwidth")["tq4"] == ["66%", "-"]
 
 
+def test_store_table_gives_the_bandwidth_fraction_of_copy():
+    """With a ``copy_`` record, each store variant's bytes per µs over copy_'s (copy_ moves 262,144
+    bytes in 2 µs: 131.07 GB/s; tq4 165,888 in 40 µs: 4.15 GB/s = 3.2%; turboquant_k8v4 181,248
+    in 8 µs: 22.66 GB/s = 17.3%; the index_copy_ baseline 262,144 in 10 µs: 20%)."""
+    report = fake_report()
+    report["records"].insert(5, rep.record("store", "decode_B32", "copy_", "fp16_index_copy", 2.0, 10.0,
+                                           nbytes=262144))
+    bw = _table_rows(rep.render_table(report), "store: achieved bandwidth")
+    assert bw == {"tq4": ["3%"], "turboquant_k8v4": ["17%"]}
+    assert "store: achieved bandwidth" not in rep.render_table(fake_report())  # no copy_, no fraction
+
+
 def test_table_header_names_the_shapes_in_run_order():
     text = rep.render_table(fake_report())
     block = text[text.index("decode (CUDA-graph"):].splitlines()
@@ -251,10 +263,10 @@ def test_select_rejects_unknown_names(args, match):
 
 def test_count_steps():
     sel = runner.select("all", ["tq4", "fp16"], ["B32x4K", "decode_B32", "prefill_1x4096"])
-    # decode: 2 gates + 1 shape x (SDPA + 2); store: 2 gates + 2 shapes x (baseline + 2); prefill:
-    # 2 gates, no shape named; eager: 2 x 3
-    assert runner.count_steps(sel) == (2 + 3) + (2 + 6) + 2
-    assert runner.count_steps(sel, ["B1x4K", "B32x4K"]) == (2 + 3) + (2 + 6) + 2 + 6
+    # decode: 2 gates + 1 shape x (SDPA + 2); store: 2 gates + 2 shapes x (baseline + copy_ + 2 x
+    # (fp16, bf16)); prefill: 2 gates, no shape named; eager: 2 x 3
+    assert runner.count_steps(sel) == (2 + 3) + (2 + 12) + 2
+    assert runner.count_steps(sel, ["B1x4K", "B32x4K"]) == (2 + 3) + (2 + 12) + 2 + 6
 
 
 # -- store slots ---------------------------------------------------------------------------------

@@ -40,15 +40,19 @@ def test_store_gate_passes_on_the_cpu():
 @interpreter
 def test_store_run_shape_records():
     shape = StoreShape("tiny", 2, 16, 2, 64)  # 2 sequences x 16 tokens
-    steps, timer = [], FakeTimer(10.0, 40.0)
+    steps, timer = [], FakeTimer(10.0, 5.0, 40.0, 50.0)
     rows = store.run_shape(shape, ["tq4"], steps.append, device="cpu", timer=timer, cache_tokens=256)
-    assert timer.calls == 2 and steps == ["store tiny fp16_index_copy", "store tiny tq4"]
-    kv = 2 * 32 * 2 * 64 * 2  # K and V: 32 tokens x 2 heads x 64 x fp16
+    assert timer.calls == 4
+    assert steps == ["store tiny fp16_index_copy", "store tiny copy_", "store tiny tq4", "store tiny bf16:tq4"]
+    kv = 2 * 32 * 2 * 64 * 2  # K and V: 32 tokens x 2 heads x 64 x 16-bit
     row_bytes = 2 * KVFormat.preset("tq4", 64).slot_bytes
-    base, tq4 = rows
+    base, copy, tq4, bf16 = rows
     assert (base["variant"], base["baseline"], base["us"], base["speedup"], base["bytes"]) == \
         ("fp16_index_copy", "fp16_index_copy", 10.0, 1.0, 2 * kv)
+    assert (copy["variant"], copy["us"], copy["speedup"], copy["bytes"]) == ("copy_", 5.0, 2.0, 2 * kv)
     assert (tq4["variant"], tq4["us"], tq4["speedup"], tq4["bytes"]) == ("tq4", 40.0, 0.25, kv + 32 * row_bytes)
+    assert (bf16["variant"], bf16["us"], bf16["speedup"], bf16["bytes"]) == ("bf16:tq4", 50.0, 0.2,
+                                                                             kv + 32 * row_bytes)
 
 
 @interpreter
@@ -151,6 +155,8 @@ def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
                 if op == "prefill" and presets else ()
             if op == "prefill" and (presets or shape.q_len <= 8):  # the fused kernel or SDPA's one-token decode
                 extra += (f"fused:{presets[0]}" if shape.q_len > 8 else "sdpa_fp16_1token",)
+            if op == "store":
+                extra = ("copy_", *(f"bf16:{p}" for p in presets))
             rows = [{"op": op, "mode": "graph", "shape": shape.name, "variant": v, "baseline": base, "us": 1.0,
                      "bytes": None, "gbps": None, "speedup": 1.0} for v in (base, *presets, *extra)]
             for _ in rows:
@@ -174,7 +180,7 @@ def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
                      ("store", "prefill_1x4096", ("fp16",)), ("store", "decode_B32", ("fp16",)),
                      ("prefill", "full_1x4K", ("fp16",)), ("prefill", "spec4_on16K_x32", ("fp16",))]
     assert [g["ok"] for g in report["gate"]] == [True, False, False, True, False, True]
-    # gates, then baseline + the passing preset (prefill: + int8_prefill + decompress-then-SDPA +
-    # out: + the fused kernel or SDPA's one-token decode)
-    assert bar.done == bar.total == 2 + 2 * 2 + 2 + 2 * 2 + 2 + 2 * 6
+    # gates, then baseline + the passing preset (store: + copy_ + its bf16 input; prefill: +
+    # int8_prefill + decompress-then-SDPA + out: + the fused kernel or SDPA's one-token decode)
+    assert bar.done == bar.total == 2 + 2 * 2 + 2 + 2 * 4 + 2 + 2 * 6
     assert out.getvalue().splitlines()[-1].startswith(f"[{'#' * 24}] {bar.total}/{bar.total}")

@@ -144,7 +144,12 @@ def render_table(report: dict) -> str:
 
         lines += ["", title, fmt(head), "-" * len(fmt(head)), *(fmt(r) for r in rows)]
         if op == "decode" and mode == "graph":
-            lines += _bandwidth_lines(cells, op, mode, base, shapes, variants)
+            lines += _bandwidth_lines(cells, op, mode, base, shapes, variants,
+                                      f"decode: achieved bandwidth of the cache read, as a fraction of {base}'s on "
+                                      f"fp16 K/V")
+        if op == "store" and "copy_" in variants:  # issue 23's measure
+            lines += _bandwidth_lines(cells, op, mode, "copy_", shapes, [v for v in variants if v != base],
+                                      "store: achieved bandwidth (K/V read + bytes written), as a fraction of copy_'s")
     if not report["records"]:
         lines += ["", "no timing records"]
     lines += _generate_lines(report)
@@ -156,10 +161,11 @@ def render_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _bandwidth_lines(cells: dict, op: str, mode: str, base: str, shapes: list, variants: list) -> list[str]:
-    """Each variant's achieved bandwidth (its bytes read per µs: the compressed cache) as a
-    fraction of the baseline's at the same shape (SDPA fp16 on the uncompressed K/V); ``-`` where
-    either was not timed or counted no bytes."""
+def _bandwidth_lines(cells: dict, op: str, mode: str, base: str, shapes: list, variants: list,
+                     title: str) -> list[str]:
+    """Each variant's achieved bandwidth (its ``bytes`` per µs) as a fraction of variant
+    ``base``'s at the same shape (decode: SDPA fp16 on the uncompressed K/V; store: ``copy_``);
+    ``-`` where either was not timed or counted no bytes."""
     rows = []
     for v in variants:
         if v == base:
@@ -176,8 +182,7 @@ def _bandwidth_lines(cells: dict, op: str, mode: str, base: str, shapes: list, v
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     fmt = lambda cells_: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
                                     for i, (c, w) in enumerate(zip(cells_, widths)))
-    return ["", f"{op}: achieved bandwidth of the cache read, as a fraction of {base}'s on fp16 K/V",
-            fmt(head), "-" * len(fmt(head)), *(fmt(r) for r in rows)]
+    return ["", title, fmt(head), "-" * len(fmt(head)), *(fmt(r) for r in rows)]
 
 
 def _mib(n) -> str:

@@ -14,6 +14,8 @@ OPS = ("decode", "store", "prefill", "all")
 PRESETS = tuple(p for p, _ in DECODE_PRESETS)
 _SHAPE_OF = {"decode": decode_shape, "store": store_shape, "prefill": prefill_shape}
 _SHAPES = {"decode": DECODE_SHAPES, "store": STORE_SHAPES, "prefill": PREFILL_SHAPES}
+# timed variants per preset and shape (prefill: prefill and int8_prefill; store: fp16 and bf16 input)
+_PER_PRESET = {"prefill": 2, "store": 2}
 
 
 def select(op: str, presets: Optional[Sequence[str]] = None, shapes: Optional[Sequence[str]] = None,
@@ -61,9 +63,10 @@ def count_steps(selection: dict, eager_shapes: Sequence = ()) -> int:
     """Progress steps of :func:`run`: a gate per preset and op, a timing per variant and shape."""
     n = 0
     for o, (presets, shapes) in selection.items():
-        per_preset = 2 if o == "prefill" else 1  # (prefill: prefill and int8_prefill)
-        # (prefill, with presets: decompress-then-SDPA and out:<first preset>)
-        n += len(presets) + len(shapes) * (1 + per_preset * len(presets) + 2 * (o == "prefill" and bool(presets)))
+        per_preset = _PER_PRESET.get(o, 1)
+        # (prefill, with presets: decompress-then-SDPA and out:<first preset>; store: copy_)
+        extra = 2 * (o == "prefill" and bool(presets)) + (o == "store")
+        n += len(presets) + len(shapes) * (1 + per_preset * len(presets) + extra)
         if o == "prefill":  # SDPA's one-token decode (short shapes) or the fused kernel (long ones, with presets)
             from tqkern_torch.short_rows import SHORT_QUERY_MAX
 
@@ -97,7 +100,7 @@ def run(selection: dict, *, eager_shapes: Sequence[str] = (), quick: bool = Fals
             report["gate"] += gates
             failed = {g["preset"] for g in gates if not g["ok"]}
             passed = [p for p in presets if p not in failed]
-            per_preset = 2 if o == "prefill" else 1  # (prefill: prefill and int8_prefill)
+            per_preset = _PER_PRESET.get(o, 1)
             bar.total -= len(failed) * (per_preset * len(shapes) + (len(eager) if o == "decode" else 0))
             for shape in shapes:
                 report["records"] += mod.run_shape(shape, passed, bar.step, rep_ms=rep_ms)

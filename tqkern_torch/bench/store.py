@@ -9,8 +9,10 @@ Then, per shape (:data:`~tqkern_torch.bench.shapes.STORE_SHAPES`), into a cache 
 blocks (each sequence's blocks drawn at random), a decode step one token per sequence at a
 random block and offset. The baseline writes the same fp16 K/V at the same slots into fp16 key
 and value caches ``[num_blocks · block_size, num_kv_heads, head_dim]`` with ``index_copy_`` (what
-a paged fp16 cache does per layer). Both by CUDA-graph replay. ``bytes``: fp16 K and V read plus
-the cache bytes written (for the baseline, the same fp16 bytes again).
+a paged fp16 cache does per layer); beside it ``copy_`` of the same K and V into contiguous
+buffers (the bandwidth issue 23's goal is stated against). Every preset stores fp16 K/V and, as
+``bf16:<preset>``, the same values in bfloat16. All by CUDA-graph replay. ``bytes``: K and V read
+plus the bytes written (for the baseline and ``copy_``, the same 16-bit bytes again).
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from tqkern_torch.bench.report import record
 from tqkern_torch.bench.shapes import BLOCK_SIZE, STORE_CACHE_TOKENS, StoreShape
 from tqkern_torch.bench.timing import graph_us
 
-__all__ = ["BASELINE", "slot_mapping", "gate", "run_shape"]
+__all__ = ["BASELINE", "COPY", "slot_mapping", "gate", "run_shape"]
 
 BASELINE = "fp16_index_copy"
+COPY = "copy_"
 
 
 def slot_mapping(shape: StoreShape, num_blocks: int, g: torch.Generator) -> torch.Tensor:
@@ -75,9 +78,9 @@ def gate(presets, *, device: str = "cuda", heads=((8, 128), (3, 64))) -> list[di
 
 def run_shape(shape: StoreShape, presets, step, *, rep_ms: int = 100, device: str = "cuda", timer=None,
               cache_tokens: int = STORE_CACHE_TOKENS) -> list[dict]:
-    """Records of the fp16 ``index_copy_`` baseline and every preset's ``store`` at ``shape``;
-    ``step(label)`` is called after each timed variant. ``timer(fn) -> µs`` defaults to
-    CUDA-graph replay for ``rep_ms``."""
+    """Records of the fp16 ``index_copy_`` baseline, ``copy_``, and every preset's ``store`` of
+    fp16 and of bf16 (``bf16:<preset>``) K/V at ``shape``; ``step(label)`` is called after each
+    timed variant. ``timer(fn) -> µs`` defaults to CUDA-graph replay for ``rep_ms``."""
     timer = timer or (lambda fn: graph_us(fn, rep_ms))
     g = torch.Generator(device=device).manual_seed(2)
     n, h, d = shape.num_tokens, shape.num_kv_heads, shape.head_dim
@@ -98,12 +101,24 @@ def run_shape(shape: StoreShape, presets, step, *, rep_ms: int = 100, device: st
     k_cache = v_cache = None
     rows = [record("store", shape.name, BASELINE, BASELINE, base_us, base_us, nbytes=2 * kv_bytes)]
     step(f"store {shape.name} {BASELINE}")
+    k_copy, v_copy = torch.empty_like(k), torch.empty_like(v)
+
+    def copy():
+        k_copy.copy_(k)
+        v_copy.copy_(v)
+
+    rows.append(record("store", shape.name, COPY, BASELINE, timer(copy), base_us, nbytes=2 * kv_bytes))
+    step(f"store {shape.name} {COPY}")
+    k_copy = v_copy = None
+    inputs = {"": (k, v), "bf16:": (k.to(torch.bfloat16), v.to(torch.bfloat16))}
     for preset in presets:
         layout, params = make_layout(preset, h, d, device)
         cache = torch.zeros(layout.cache_shape(num_blocks), dtype=torch.uint8, device=device)
-        us = timer(lambda: tqt.store(cache, k, v, slots, layout, params))
-        rows.append(record("store", shape.name, preset, BASELINE, us, base_us, nbytes=kv_bytes + n * layout.row_bytes))
-        step(f"store {shape.name} {preset}")
+        for prefix, (key, value) in inputs.items():
+            us = timer(lambda: tqt.store(cache, key, value, slots, layout, params))
+            rows.append(record("store", shape.name, prefix + preset, BASELINE, us, base_us,
+                               nbytes=kv_bytes + n * layout.row_bytes))
+            step(f"store {shape.name} {prefix}{preset}")
         cache = None
         torch.cuda.empty_cache()
     return rows
