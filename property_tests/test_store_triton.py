@@ -5,8 +5,11 @@ decision point, because the kernel rotates in float32). Bytes outside the writte
 poisoned cache stay as they were, and so do the bytes around the cache (it is a view into a
 larger poisoned buffer) whatever a slot index holds. Non-finite keys and values, slot indices
 past the cache and saturating values are injected; the error word's bits equal the oracle's.
+Each case runs with the short store's tile or the long store's (drawn).
 decompress: to float32 rounding of the oracle's float64.
 """
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ import torch
 from hypothesis import given, note
 from hypothesis import strategies as st
 
+import tqkern.ops.store.plan as store_plan
 import tqkern.testing as T
 import tqkern_torch as tqt
 from tqkern import reference as ref
@@ -75,10 +79,23 @@ def _run_store(layout, params, num_blocks, slots, dtype, k, v):
     return cache.cpu().numpy(), expect, k64, v64
 
 
-@given(store_cases())
-def test_store_bytes_equal_oracle(case):
+@contextlib.contextmanager
+def _tile(small: bool):
+    """Stores under this take the short store's small tile (as every store of these few tokens
+    does) or, with ``small`` False, the long store's tiles (``SMALL_STORE_VECTORS`` below any size)."""
+    saved = store_plan.SMALL_STORE_VECTORS
+    store_plan.SMALL_STORE_VECTORS = saved if small else -1
+    try:
+        yield
+    finally:
+        store_plan.SMALL_STORE_VECTORS = saved
+
+
+@given(store_cases(), st.booleans())
+def test_store_bytes_equal_oracle(case, small_tile):
     layout, params, num_blocks, slots, dtype, k, v = case
-    got, expect, k64, v64 = _run_store(*case)
+    with _tile(small_tile):
+        got, expect, k64, v64 = _run_store(*case)
     keep = (slots >= 0) & (slots < num_blocks * layout.block_size)
     _, unsure = ref.compress(k64, v64, params, return_uncertain=True)
     assert unsure.shape[0] == len(slots)

@@ -1,7 +1,7 @@
 """CI sees the store kernel as a GPU compiles it: compiled for sm_90 (H100) with Triton's bundled
 ptxas on a machine without a GPU (``tqkern/ops/store/aot.py``), with the plan's own constexprs,
 for every rotation method (``pm1``, ``split``, ``tf32x3`` with a key offset, ``chunked`` at
-head_dim 256, none), both arrangements, bf16 inputs (which the interpreter cannot run) and the
+head_dim 256, none), short stores' small tile, both arrangements, bf16 inputs (which the interpreter cannot run) and the
 hardware FP8 conversion. Each kernel must compile within 255 registers, and its stack bytes
 (spills) and SASS instruction count stay within the budgets below (today's values from Triton
 3.9's ptxas, instructions + 3%), so that a change adding spills or instructions fails here before
@@ -27,6 +27,11 @@ BUDGETS = {
     "tq4:row:128:8:bf16": (264, 5656),
     "tq4:slot:128:8:mu": (240, 5648),
     "turboquant_3bit_nc:slot:64:3": (0, 2800),
+    # short stores (16 vectors x 4 warps x 1 tile, session 22)
+    "turboquant_4bit_nc:slot:128:8:small": (0, 4392),
+    "tqkern_k5v3:slot:128:8:small": (0, 4310),
+    "tq4:slot:128:8:small": (80, 3205),
+    "tq4:row:128:8:bf16+small": (360, 3700),
 }
 
 

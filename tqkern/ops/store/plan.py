@@ -33,6 +33,15 @@ these, 255–348 µs with 16–128 vectors × 4–8 warps × 1–2 tiles; but th
 with 16 vectors × 4 warps × 1 tile (32: 104.5 / 65.7; 64 × 4 warps: 146.3 / 100.0), so every
 ``"none"`` plan that quantizes takes the small tile; raw fp16/bf16 (``fp16``: 91.6% of copy_)
 keeps 64 × 8.
+
+A short store (at most :data:`SMALL_STORE_VECTORS` vectors: a decode step's batch, a short chunk)
+takes 16 vectors × 4 warps × 1 tile whatever its rotation: the large tiles leave most SMs idle
+there (512 tokens × 8 heads is 64 tiles of 64, 32 programs of 2 tiles) and the launch lasts as
+long as one program's serial work. Measured on the H100 (session 22, Hkv8/D128, µs, default →
+16 × 4 × 1, same bytes): 32 tokens turboquant_4bit_nc 25.8 → 7.8, tq4 48.4 → 6.7, turboquant_3bit_nc
+26.6 → 6.8, tqkern_k5v3 37.3 → 8.9; 512 tokens 25.6 → 9.5, 48.5 → 9.2, 28.4 → 9.1, 40.7 → 11.8. At
+2,048 tokens (16,384 vectors) neither wins everywhere (turboquant_4bit_nc 26.0 → 32.8, tq4 48.6 →
+32.2), so the threshold stays at the largest measured size where the small tile won for every preset.
 """
 
 from __future__ import annotations
@@ -48,12 +57,13 @@ from tqkern.ops.codecs import layout_args
 from tqkern.ops.common import halfword_aligned
 
 __all__ = ["StorePlan", "plan_store", "rotation_method", "ROTATIONS", "ROT_NONE", "ROT_PM1", "ROT_SPLIT",
-           "ROT_CHUNKED"]
+           "ROT_CHUNKED", "SMALL_STORE_VECTORS"]
 
 ROTATIONS = ("none", "pm1", "split", "chunked")
 # The kernel's ROT constexpr (the index in ROTATIONS); kernels compare with these names.
 ROT_NONE, ROT_PM1, ROT_SPLIT, ROT_CHUNKED = (tl.constexpr(i) for i in range(4))
 HOIST_MAX_DP = 128  # widest padded head_dim whose [DP, DP] operand is built once per program
+SMALL_STORE_VECTORS = 4096  # (token, head) vectors up to which a store takes the small tile (docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +116,7 @@ class StorePlan:
 
 
 def plan_store(layout: PagedLayout, in_dtype: str = "fp16", *, has_mu: bool = False, signed_sylvester: bool = False,
-               interpret: bool = False) -> StorePlan:
+               interpret: bool = False, num_vectors: int | None = None) -> StorePlan:
     """The plan of a ``store`` into ``layout`` (pure; cached).
 
     Args:
@@ -116,12 +126,18 @@ def plan_store(layout: PagedLayout, in_dtype: str = "fp16", *, has_mu: bool = Fa
         signed_sylvester: the rotation is ``diag(s)·H/√D``
             (:func:`tqkern.rotations.is_signed_sylvester`).
         interpret: the launch runs in Triton's CPU interpreter.
+        num_vectors: (token, KV head) vectors the launch stores; up to :data:`SMALL_STORE_VECTORS`
+            it takes the small tile (module docstring). ``None``: a long store's plan.
     """
     if not isinstance(layout, PagedLayout):
         raise TypeError(f"layout must be a PagedLayout, got {type(layout).__name__}")
     if in_dtype not in ("fp16", "bf16"):
         raise ValueError(f"in_dtype must be 'fp16' or 'bf16', got {in_dtype!r}")
-    return _plan_store(layout, in_dtype, bool(has_mu), bool(signed_sylvester), bool(interpret))
+    if num_vectors is not None and (not isinstance(num_vectors, int) or isinstance(num_vectors, bool)
+                                    or num_vectors < 0):
+        raise ValueError(f"num_vectors must be None or an int >= 0, got {num_vectors!r}")
+    small = num_vectors is not None and num_vectors <= SMALL_STORE_VECTORS
+    return _plan_store(layout, in_dtype, bool(has_mu), bool(signed_sylvester), bool(interpret), small)
 
 
 def rotation_method(layout: PagedLayout, has_mu: bool, signed_sylvester: bool, interpret: bool) -> str:
@@ -136,14 +152,15 @@ def rotation_method(layout: PagedLayout, has_mu: bool, signed_sylvester: bool, i
 
 @functools.lru_cache(maxsize=512)
 def _plan_store(layout: PagedLayout, in_dtype: str, has_mu: bool, signed_sylvester: bool,
-                interpret: bool) -> StorePlan:
+                interpret: bool, small: bool) -> StorePlan:
     c = layout_args(layout)
     rot = rotation_method(layout, has_mu, signed_sylvester, interpret)
     bv, warps, stages, kc = (16, 4, 1, min(c["DP"], 64)) if rot == "chunked" else (64, 8, None, c["DP"])
     tiles = {"pm1": 2, "split": 4}.get(rot, 1)
     fmt = layout.format
-    if rot == "none" and not (isinstance(fmt.key, Raw) and isinstance(fmt.value, Raw)):
-        bv, warps = 16, 4  # unrotated codes (FP8 keys, uniform values): module docstring
+    raw = isinstance(fmt.key, Raw) and isinstance(fmt.value, Raw)
+    if (rot == "none" or small) and not raw:
+        bv, warps, tiles = 16, 4, 1  # unrotated codes (FP8 keys, uniform values), short stores: docstring
     precision = "ieee" if interpret else "tf32x3"
     cx = dict(
         HAS_MU=has_mu, IN_BF16=in_dtype == "bf16", H=layout.num_kv_heads, BV=bv, TILES=tiles,

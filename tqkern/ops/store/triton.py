@@ -16,7 +16,8 @@ __all__ = ["_store_kernel", "_launch_store", "store_plan"]
 def store_plan(key, layout, tables, *, signed_sylvester: bool, interpret: bool) -> StorePlan:
     """The plan a store of ``key`` (torch ``[T, H, D]``) with these tables runs."""
     return plan_store(layout, "bf16" if key.dtype == torch.bfloat16 else "fp16",
-                      has_mu=tables["key_offset"] is not None, signed_sylvester=signed_sylvester, interpret=interpret)
+                      has_mu=tables["key_offset"] is not None, signed_sylvester=signed_sylvester, interpret=interpret,
+                      num_vectors=key.shape[0] * key.shape[1])
 
 
 # Launches of the store kernel by (plan, grid): a repeated store of the same shape calls the
