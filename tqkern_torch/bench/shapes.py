@@ -98,6 +98,7 @@ STORE_SHAPES = (
     StoreShape("prefill_1x16384", 1, 16384, 8, 128),  # the shape of docs/performance.md's store table
     StoreShape("decode_B32", 32, 1, 8, 128),
     StoreShape("decode_B256", 256, 1, 8, 128),
+    StoreShape("decode_B512", 512, 1, 8, 128),  # issue 23's 512 tokens: a decode step of a large batch
     StoreShape("SmolLM2_prefill_1x4096", 1, 4096, 3, 64),
     StoreShape("SmolLM2_decode_B32", 32, 1, 3, 64),
 )
