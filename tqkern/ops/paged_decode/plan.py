@@ -35,6 +35,14 @@ __all__ = ["DeviceCaps", "DecodeOptions", "KernelPlan", "RotatePlan", "scan_spli
 # (sm_80); cvt.rn.f16x2.e4m3x2 for FP8 keys (sm_89).
 MMA_MIN_CAPABILITY = (8, 0)
 MMA_FP8_MIN_CAPABILITY = (8, 9)
+# The per-warp kernel's splits fill this fraction of the warps the GPU holds where each warp's
+# MMA has 8 query-head columns (G = 8: GQA 8, or 16 as two warps). Measured on the H100 (session
+# 22, µs, full wave -> half, same run): Llama3-70B-TP8_B32x16K (G 8) turboquant_4bit_nc 92.4 ->
+# 69.9, turboquant_k8v4 93.6 -> 69.7; Llama3-405B-TP8_B16x32K (G 8, two warps per KV head) 106.0 ->
+# 95.2. Not for fewer columns, where the half wave lost: Gemma-7B_B4x8K (G 1) turboquant_k8v4
+# 84.3 -> 99.0, B32x4K (G 4) 89.0 -> 108.7. Why the full-column warps prefer fewer, longer splits
+# was not profiled.
+PER_WARP_WAVE = 0.5
 _COOP_MIN_TOKENS = 1024  # tokens per split below which one-step cooperative plans may give way
 
 
@@ -366,7 +374,10 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy):
         ctas = occupancy(k)
         if ctas is None:  # unknown: a conservative 8 warps per SM (speed, never correctness)
             ctas = max(1, 8 // k.num_warps)
-        return num_splits_mma(s, layout.num_kv_heads * p.GS, max_len, ctas * k.num_warps * caps.num_sms)
+        wave = ctas * k.num_warps * caps.num_sms
+        if not p.COOP and dict(k.constexprs)["G"] >= 8:  # every MMA column a query head: PER_WARP_WAVE
+            wave = int(wave * PER_WARP_WAVE)
+        return num_splits_mma(s, layout.num_kv_heads * p.GS, max_len, wave)
 
     try:
         n = splits_for(plan)
