@@ -16,6 +16,7 @@ from tqkern.layouts import PagedLayout
 from tqkern.params import TQParams
 from tqkern_torch._params import to_device
 from tqkern_torch.calibration import soft_capped, warn_key_mean
+from tqkern_torch.exact_prefix import ExactPrefix
 from tqkern_torch.ops import allocate_cache, decompress_sequences, store
 
 __all__ = ["ATTN_IMPLEMENTATION", "TQCache", "TQCacheLayer", "TQStaticCacheLayer"]
@@ -75,10 +76,11 @@ class TQCacheLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, params: TQParams, num_kv_heads: int, block_size: int = 16, *,
-                 estimate_key_offset: bool = False, prefill: str = "auto"):
+                 estimate_key_offset: bool = False, prefill: str = "auto", exact_prefix: int = 0):
         super().__init__()
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
+        self.exact = ExactPrefix(exact_prefix) if exact_prefix else None
         self.params = params
         self.prefill = prefill
         self.estimate_key_offset = estimate_key_offset and params.key_offset is None
@@ -234,6 +236,8 @@ class TQCacheLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
+        if getattr(self, "exact", None) is not None:
+            self.exact = ExactPrefix(self.exact.n)
         if self.is_initialized:
             self.blocks_used = 0
             self.block_table = self.block_table[:, :0].contiguous()
@@ -419,11 +423,17 @@ class TQCache(Cache):
     per batch row, the prompt included), compileable, so that ``generate`` compiles the decode
     step and replays it as a CUDA graph (on CUDA; see that class). Without it the layers grow.
     ``prefill`` (``"auto"``, ``"kernel"`` or ``"dense"``) picks how prefills attend
-    (:class:`TQCacheLayer`)."""
+    (:class:`TQCacheLayer`). ``exact_prefix=N`` keeps each row's first ``N`` real tokens exact
+    beside the compressed cache (:class:`~tqkern_torch.exact_prefix.ExactPrefix`: attention sinks;
+    ``N · 4 · head_dim`` bytes per KV head and row in the model's dtype): the dense path attends
+    them in place of their reconstruction, ``paged_decode``'s output is corrected through its
+    log-sum-exp (:func:`~tqkern_torch.exact_prefix.replace_prefix`); prefills then take the dense
+    path (no prefill kernel), and the first chunk must hold ``N`` real tokens per row. Not with
+    ``max_cache_len`` yet."""
 
     def __init__(self, model_or_config, *, params: Optional[Sequence[TQParams]] = None,
                  block_size: Optional[int] = None, estimate_key_offset: bool = False,
-                 max_cache_len: Optional[int] = None, prefill: str = "auto"):
+                 max_cache_len: Optional[int] = None, prefill: str = "auto", exact_prefix: int = 0):
         installed = getattr(model_or_config, _ATTR, None)
         if params is None:
             if installed is None:
@@ -450,9 +460,14 @@ class TQCache(Cache):
                                  f"layers without a key offset (its decode kernel would cap q·(k − μ), not q·k), "
                                  f"got μ on layers {with_mu}: install with key_offset=None or 'auto', or use "
                                  f"TQCache without max_cache_len (its soft-capped steps attend the dense K/V)")
+        if not isinstance(exact_prefix, int) or isinstance(exact_prefix, bool) or exact_prefix < 0:
+            raise ValueError(f"exact_prefix must be an int >= 0, got {exact_prefix!r}")
         if max_cache_len is None:
-            layers = [TQCacheLayer(p, kv_heads, block_size or 16, estimate_key_offset=e, prefill=prefill)
-                      for p, e in zip(params, estimate)]
+            layers = [TQCacheLayer(p, kv_heads, block_size or 16, estimate_key_offset=e, prefill=prefill,
+                                   exact_prefix=exact_prefix) for p, e in zip(params, estimate)]
+        elif exact_prefix:
+            raise NotImplementedError("TQCache(max_cache_len=...) does not keep exact prefix tokens yet: "
+                                      "use exact_prefix=0 or TQCache without max_cache_len")
         else:
             layers = [TQStaticCacheLayer(p, kv_heads, max_cache_len, block_size or 16, estimate_key_offset=e,
                                          prefill=prefill) for p, e in zip(params, estimate)]

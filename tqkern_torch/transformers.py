@@ -71,7 +71,7 @@ from tqkern_torch.attention import paged_decode
 from tqkern_torch.calibration import (KeyOffsetWarning, calibrate, load_key_offsets, resolve_key_offset,
                                       save_key_offsets)
 from tqkern_torch.hf_prefill import CausalMask, causal_mask, prefill_attention
-from tqkern_torch.kv_cache import (_ATTR, _TAG, ATTN_IMPLEMENTATION, TQCache, TQCacheLayer,
+from tqkern_torch.kv_cache import (_ATTR, _TAG, ATTN_IMPLEMENTATION, _allowed, TQCache, TQCacheLayer,
                                    TQStaticCacheLayer, _geometry, _text_config)
 
 __all__ = ["ATTN_IMPLEMENTATION", "KeyOffsetWarning", "TQCache", "TQCacheLayer", "TQInstall", "TQStaticCacheLayer",
@@ -194,13 +194,19 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = paged_decode(q, layer.pool, layer.block_table, layer.seq_lens, layer.layout, layer.device_params,
                            scale=scale, window_left=None if window is None else window - 1, logit_softcap=softcap)
         return out.to(query.dtype).reshape(b, 1, hq, d), None
+    if layer is not None and layer.exact is not None and layer.exact.k is None:  # the first chunk: keep N tokens
+        mask = attention_mask.dense() if isinstance(attention_mask, CausalMask) else attention_mask
+        real = None if mask is None else _allowed(mask)[..., : layer.seq_len].any(dim=(1, 2))  # [B, seq_len]
+        layer.exact.capture(key, value, real, layer.store_dtype)
     if layer is not None and tq > 1:  # a prefill or a chunk
-        if isinstance(attention_mask, CausalMask) and layer.prefill_kernels():
+        if isinstance(attention_mask, CausalMask) and layer.prefill_kernels() and layer.exact is None:
             out = prefill_attention(layer, query, attention_mask, scale, softcap)
             if out is not None:
                 return out, None
         mask = attention_mask.dense() if isinstance(attention_mask, CausalMask) else attention_mask
         k, v = layer.dense()
+        if layer.exact is not None:
+            k, v = layer.exact.patch(k, v)
         out = _dense_attention(query, k, v, mask, scale, softcap)
         if isinstance(layer, TQStaticCacheLayer):  # decode steps read no mask: drop the left padding now
             layer.drop_padding(mask, window is not None)
@@ -210,12 +216,18 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if layer is not None:
         if attention_mask is None and layer.start_max:
             raise RuntimeError("attention_mask is None but TQCache dropped left padding: pass the padded mask")
-        if softcap is None and (attention_mask is None or (window is None and layer.paged_rows(attention_mask))):
+        exact = layer.exact
+        if softcap is None and (exact is None or window is None) and (
+                attention_mask is None or (window is None and layer.paged_rows(attention_mask))):
             q = query[:, :, 0, :].to(layer.store_dtype).contiguous()
             out = paged_decode(q, layer.pool, layer.block_table, layer.seq_lens, layer.layout,
-                               layer.device_params, scale=scale)
+                               layer.device_params, scale=scale, return_lse=exact is not None)
+            if exact is not None:
+                out = exact.correct(layer, q, *out, scale)
             return out.to(query.dtype).reshape(b, 1, hq, d), None
         key, value = layer.dense()
+        if exact is not None:
+            key, value = exact.patch(key, value)
     return _dense_attention(query, key, value, attention_mask, scale, softcap), None
 
 

@@ -1,0 +1,83 @@
+"""tqkern_torch.exact_prefix.replace_prefix against attention computed in float64 NumPy over the
+K/V with the exact prefix in place: GQA, causal query positions that see part of the prefix,
+a prefix that takes most of the attention (an attention sink), low-precision outputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tqkern_torch.exact_prefix import replace_prefix
+
+
+def _attend(q, k, v, scale, q_pos):
+    """float64 attention: q [B, Hq, T, D], k/v [B, Hkv, L, D]; key j attended iff j <= q_pos[b, t].
+    Returns (out [B, T, Hq, D], lse [B, T, Hq])."""
+    b, hq, t, d = q.shape
+    rep = hq // k.shape[1]
+    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+    s = scale * np.einsum("bhtd,bhld->bhtl", q, k)
+    s = np.where(np.arange(k.shape[2])[None, None, None, :] <= q_pos[:, None, :, None], s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    p = np.exp(s - m)
+    z = p.sum(axis=-1, keepdims=True)
+    out = np.einsum("bhtl,bhld->bhtd", p / z, v)
+    return out.transpose(0, 2, 1, 3), (np.log(z) + m)[..., 0].transpose(0, 2, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,t,n", [(4, 2, 1, 1), (6, 2, 5, 3), (3, 3, 7, 4), (8, 1, 3, 16)])
+def test_replace_prefix_equals_attention_over_the_exact_prefix(hq, hkv, t, n, dtype):
+    rng = np.random.default_rng(hq * 100 + t * 10 + n)
+    b, d, length = 2, 16, 24
+    scale = d ** -0.5
+    q = rng.standard_normal((b, hq, t, d))
+    k = rng.standard_normal((b, hkv, length, d))
+    v = rng.standard_normal((b, hkv, length, d))
+    k[:, :, 0] *= 3.0  # an attention sink at position 0 of the exact keys
+    q[..., :] += 2.0 * k[:, :1, :1, :].mean(axis=1, keepdims=True) / 3.0
+    k_hat, v_hat = k.copy(), v.copy()
+    k_hat[:, :, :n] += 0.3 * rng.standard_normal((b, hkv, n, d))  # the prefix's reconstruction error
+    v_hat[:, :, :n] += 0.3 * rng.standard_normal((b, hkv, n, d))
+    q_pos = np.stack([np.arange(length - t, length), np.arange(t) + min(1, length - t)])  # row 1 sees part of it
+    out_hat, lse_hat = _attend(q, k_hat, v_hat, scale, q_pos)
+    want, _ = _attend(q, k, v, scale, q_pos)
+    T = lambda x, dt=torch.float32: torch.from_numpy(np.ascontiguousarray(x)).to(dt)  # noqa: E731
+    got = replace_prefix(T(out_hat, dtype), T(lse_hat), T(q), T(k_hat[:, :, :n]), T(v_hat[:, :, :n]),
+                         T(k[:, :, :n]), T(v[:, :, :n]), scale=scale, q_pos=torch.from_numpy(q_pos))
+    assert got.dtype == dtype
+    tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    np.testing.assert_allclose(got.double().numpy(), want, atol=tol * np.abs(v).max(), rtol=0)
+    # the correction is not the identity: the prefix mattered
+    assert np.abs(out_hat - want).max() > 0.05 * np.abs(v).max()
+
+
+def test_replace_prefix_without_positions_and_empty_prefix():
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((1, 2, 1, 8)), rng.standard_normal((1, 1, 5, 8)), rng.standard_normal((1, 1, 5, 8))
+    k_hat = k.copy()
+    k_hat[:, :, :2] += 0.5
+    pos = np.array([[4]])
+    out_hat, lse = _attend(q, k_hat, v, 0.5, pos)
+    want, _ = _attend(q, k, v, 0.5, pos)
+    T = lambda x: torch.from_numpy(np.ascontiguousarray(x))  # noqa: E731
+    got = replace_prefix(T(out_hat), T(lse), T(q), T(k_hat[:, :, :2]), T(v[:, :, :2]), T(k[:, :, :2]),
+                         T(v[:, :, :2]), scale=0.5)
+    np.testing.assert_allclose(got.numpy(), want, atol=1e-6, rtol=0)  # float32 inside
+    empty = T(k[:, :, :0])
+    assert replace_prefix(T(out_hat), T(lse), T(q), empty, empty, empty, empty, scale=0.5) is not None
+
+
+@pytest.mark.parametrize("arg,shape,match", [
+    ("out", (1, 1, 2, 7), "out must have shape"), ("lse", (1, 2, 1), "lse must have shape"),
+    ("k_hat", (1, 1, 3, 8), "k_hat must have shape"), ("v_exact", (1, 1, 2, 4), "v_exact must have shape"),
+    ("q_pos", (1, 2), "q_pos must have shape"),
+])
+def test_replace_prefix_rejects_bad_shapes(arg, shape, match):
+    args = dict(out=torch.zeros(1, 1, 2, 8), lse=torch.zeros(1, 1, 2), q=torch.zeros(1, 2, 1, 8),
+                k_hat=torch.zeros(1, 1, 2, 8), v_hat=torch.zeros(1, 1, 2, 8), k_exact=torch.zeros(1, 1, 2, 8),
+                v_exact=torch.zeros(1, 1, 2, 8), q_pos=torch.zeros(1, 1, dtype=torch.long))
+    args[arg] = torch.zeros(shape, dtype=args[arg].dtype)
+    with pytest.raises(ValueError, match=match):
+        replace_prefix(**args, scale=1.0)
