@@ -167,3 +167,28 @@ def test_model_source(tmp_path):
     assert tqe.model_source(str(tmp_path)) == (str(tmp_path), {})
     with pytest.raises(FileNotFoundError, match="local .gguf file"):
         tqe.model_source(str(tmp_path / "missing.gguf"))
+
+
+def test_exact_prefix_rows(tmp_path):
+    """--exact-prefix N: the first N tokens of each window attended with their float16 K/V. With N
+    the whole window every K/V the attention reads is the reference's, so a compressed format
+    scores ΔPPL = 0 and KL = 0 exactly; N = 1 sits between; the bytes add N·4·D per window."""
+    rc = main(["eval", "--model", "tiny-random", "--windows", "2", "--window", "16", "--formats", "tq4",
+               "--no-offset", "--exact-prefix", "0", "1", "16", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "quality.json").read_text())["results"]
+    assert [r["exact_prefix"] for r in rows] == [0, 1, 16]
+    none, one, every = rows
+    slot = KVFormat.preset("tq4", 16).slot_bytes
+    assert [r["slot_bytes"] for r in rows] == [slot] * 3
+    assert [r["bytes_per_token_head"] for r in rows] == [slot, slot + 4 * 16 / 16, slot + 16 * 4 * 16 / 16]
+    assert every["kl"] == 0.0 and every["delta_ppl"] == 0.0
+    assert none["kl"] > 0 and one["kl"] != none["kl"]
+
+
+def test_exact_prefix_rejects_bad_values(capsys):
+    with pytest.raises(ValueError, match="exact_prefix must be an int >= 0, got -1"):
+        tqe.Config("x", KVFormat.preset("fp16", 64), "none", exact_prefix=-1)
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--model", "tiny-random", "--exact-prefix", "-1"])
+    assert e.value.code == 2 and "must be an int >= 0, got -1" in capsys.readouterr().err

@@ -182,6 +182,16 @@ def render_info(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {n}")
+    return n
+
+
 def _positive_int(text: str) -> int:
     try:
         n = int(text)
@@ -237,6 +247,10 @@ def _eval_arguments(p: argparse.ArgumentParser) -> None:
                          "calibration text, every layer), auto (the same mu, only for layers whose key codec "
                          "install(key_offset='auto') gives it: not FP8 or raw keys) or prefill (estimated from "
                          "each window's first 64 tokens); default: none calibrated")
+    p.add_argument("--exact-prefix", nargs="+", type=_non_negative_int, default=(0,), metavar="N",
+                   help="score every row once per N: the first N tokens of each window attended with their "
+                        "float16 K/V (attention sinks; a measurement, the kernels do not offer it), their bytes "
+                        "added to the row's bytes per token (default 0)")
     p.add_argument("--out", default=None, metavar="DIR", help="write quality.json (and quality.png) here")
     p.set_defaults(mus=("none", "calibrated"))
 
@@ -261,7 +275,7 @@ def _eval(args: argparse.Namespace) -> int:
         raise UsageError(f"--window must be >= 2, got {args.window}")
     try:
         main_eval(args.model, formats, args.format_spec, args.windows, args.window, args.mus, args.out,
-                  layer_formats=args.layer_formats)
+                  layer_formats=args.layer_formats, exact_prefix=args.exact_prefix)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e)) from None
     return 0

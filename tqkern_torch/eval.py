@@ -35,6 +35,13 @@ Statistics (per configuration, paired with the reference on the same tokens):
 * Per-layer formats (``--layer-formats``, :func:`parse_layer_formats`): a configuration may give
   some layers another format; its bytes per token per KV head are the average over layers of
   each layer's ``slot_bytes`` (``slot_bytes`` of the row; ``layer_slot_bytes`` per layer).
+* Exact first tokens (``--exact-prefix N``, ``TQCache(exact_prefix=N)``): the first ``N`` tokens
+  of each window are attended with their float16 K/V instead of their reconstruction (every
+  token is still compressed into the cache as usual). Those
+  tokens are where attention sinks sit (SmolLM2: token 0 takes 25–71% of the attention of later
+  queries in 26 of its 30 layers). Bytes: ``bytes_per_token_head`` adds their float16 K and V,
+  ``N · 4 · head_dim`` bytes per KV head, spread over the window's tokens (``slot_bytes`` stays
+  the format's); at longer contexts the same ``N`` costs proportionally less.
 
 Texts (no network): docstrings of Python standard-library modules, read at run time from the
 running interpreter (Python Software Foundation License; nothing is copied into tqkern). The
@@ -44,6 +51,7 @@ with the results because the texts change with it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -85,21 +93,27 @@ class Config:
     (each window's cache estimates it from its first :data:`PREFILL_TOKENS` tokens,
     ``install(key_offset="prefill")``). ``layer_formats``: per-layer overrides of ``format``,
     ``(layer index in [0, num_layers), format)``; ``layer_map``: the JSON of the per-layer map as
-    the user gave it, recorded with the results (:func:`layer_configs`)."""
+    the user gave it, recorded with the results (:func:`layer_configs`). ``exact_prefix``: the
+    first tokens of each window attended exactly (module docstring)."""
 
     label: str
     format: KVFormat
     mu: str
     layer_formats: tuple[tuple[int, KVFormat], ...] = ()
     layer_map: str = ""
+    exact_prefix: int = 0
 
     def __post_init__(self):
         if self.mu not in MU_MODES:
             raise ValueError(f"Config.mu must be one of {MU_MODES}, got {self.mu!r}")
+        n = self.exact_prefix
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"Config.exact_prefix must be an int >= 0, got {n!r}")
 
     @property
     def name(self) -> str:
-        return self.label + {"none": "", "calibrated": "+mu", "auto": "+mu_auto", "prefill": "+mu_prefill"}[self.mu]
+        mu = {"none": "", "calibrated": "+mu", "auto": "+mu_auto", "prefill": "+mu_prefill"}[self.mu]
+        return self.label + mu + (f"+exact{self.exact_prefix}" if self.exact_prefix else "")
 
 
 def parse_layer_formats(text: str) -> tuple[Optional[str], dict]:
@@ -262,7 +276,7 @@ def bootstrap_delta_ppl(nll_ref: Sequence[float], nll: Sequence[float], tokens: 
     return float(lo), float(hi)
 
 
-def _summary(cfg: Config, rows: list[dict], n_layers: int, n_kv: int, params: Sequence) -> dict:
+def _summary(cfg: Config, rows: list[dict], n_layers: int, n_kv: int, params: Sequence, window: int) -> dict:
     layer_bytes = [p.format.slot_bytes for p in params]
     per_layer = {}
     slot_bytes = cfg.format.slot_bytes
@@ -274,7 +288,9 @@ def _summary(cfg: Config, rows: list[dict], n_layers: int, n_kv: int, params: Se
     ppl_ref = math.exp(sum(r["nll_ref"] for r in rows) / total)
     ppl = math.exp(sum(r["nll"] for r in rows) / total)
     lo, hi = bootstrap_delta_ppl([r["nll_ref"] for r in rows], [r["nll"] for r in rows], tokens)
+    exact = cfg.exact_prefix * 4 * cfg.format.head_dim  # float16 K and V per KV head and sequence
     return {"label": cfg.label, "offset": cfg.mu != "none", "mu": cfg.mu, "slot_bytes": slot_bytes,
+            "exact_prefix": cfg.exact_prefix, "bytes_per_token_head": slot_bytes + exact / window,
             "bytes_per_token": sum(layer_bytes) * n_kv, **per_layer,
             "compression": 4 * cfg.format.head_dim / slot_bytes, "tokens": total, "windows": len(rows),
             "ppl_ref": ppl_ref, "ppl": ppl, "delta_ppl": ppl - ppl_ref, "delta_ppl_ci95": [lo, hi],
@@ -357,7 +373,8 @@ def evaluate(model, eval_ids: Sequence[int], configs: Sequence[Config], *, windo
                     bar.update(1)
                 for c in configs:
                     prefill = c.mu == "prefill"
-                    cache = tqt.TQCache(model, params=params[c], estimate_key_offset=prefill)
+                    cache = tqt.TQCache(model, params=params[c], estimate_key_offset=prefill,
+                                        exact_prefix=c.exact_prefix)
                     lp = _log_probs(model, ids[w], cache, PREFILL_TOKENS if prefill else None)
                     rows[c].append({"tokens": window - 1, **window_stats(lp_ref, lp, ids[w, 1:])})
                     if bar:
@@ -377,7 +394,7 @@ def evaluate(model, eval_ids: Sequence[int], configs: Sequence[Config], *, windo
             "num_layers": n_layers, "num_kv_heads": n_kv, "head_dim": head_dim, "seconds": seconds,
             "machine": {"cpu": _cpu_name(), "threads": torch.get_num_threads(),
                         "python": platform.python_version(), "torch": str(torch.__version__)},
-            "results": [_summary(c, rows[c], n_layers, n_kv, params[c]) for c in configs],
+            "results": [_summary(c, rows[c], n_layers, n_kv, params[c], window) for c in configs],
             "per_window": {c.name: rows[c] for c in configs}}
 
 
@@ -391,9 +408,10 @@ def render_table(report: dict) -> str:
     for r in report["results"]:
         lo, hi = r["delta_ppl_ci95"]
         mu = r.get("mu", "calibrated" if r["offset"] else "none")
-        sb = r["slot_bytes"]
+        sb = r.get("bytes_per_token_head", r["slot_bytes"]) if r.get("exact_prefix") else r["slot_bytes"]
         sb = f"{sb:.2f}" if isinstance(sb, float) else str(sb)  # per-layer rows: the average over layers
-        lines.append(f"{r['label']:<22}{mu:>11}{sb:>11}{r['ppl']:>9.4f}"
+        label = r["label"] + (f"+exact{r['exact_prefix']}" if r.get("exact_prefix") else "")
+        lines.append(f"{label:<22}{mu:>11}{sb:>11}{r['ppl']:>9.4f}"
                      f"{r['delta_ppl']:>+9.4f}{f'[{lo:+.4f}, {hi:+.4f}]':>20}{r['delta_ppl_pct']:>+8.2f}"
                      f"{r['kl']:>11.5f}")
     return "\n".join(lines)
@@ -420,9 +438,12 @@ def _plot(report: dict, path: str) -> Optional[str]:
 
 def main_eval(model_name: str, formats: Sequence[str], format_spec: Optional[str], windows: int, window: int,
               mus: Sequence[str], out: Optional[str], echo: Callable[[str], None] = print,
-              layer_formats: Sequence[str] = ()) -> dict:
+              layer_formats: Sequence[str] = (), exact_prefix: Sequence[int] = (0,)) -> dict:
     """What ``tqkern eval`` runs: load, build the configurations (``formats``, then ``format_spec``
-    as ``custom``, then each of ``layer_formats``, each with every μ mode), evaluate, print, write."""
+    as ``custom``, then each of ``layer_formats``, each with every μ mode and every
+    ``exact_prefix``), evaluate, print, write."""
+    for n in exact_prefix:
+        Config("check", KVFormat.preset("fp16", 64), "none", exact_prefix=n)  # fail before loading the model
     for text in layer_formats:
         parse_layer_formats(text)  # fail before loading the model
     model, encode = load_model(model_name)
@@ -432,6 +453,7 @@ def main_eval(model_name: str, formats: Sequence[str], format_spec: Optional[str
         named.append(("custom", format_from_json(format_spec, head_dim)))
     configs = [Config(n, f, m) for n, f in named for m in mus]
     configs += layer_configs(layer_formats, mus, num_layers, head_dim)
+    configs = [dataclasses.replace(c, exact_prefix=n) for c in configs for n in exact_prefix]
     names = [c.name for c in configs]
     if len(set(names)) < len(names):
         raise ValueError(f"row labels must be unique (give --layer-formats LABEL=JSON), got {names}")
