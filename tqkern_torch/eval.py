@@ -39,7 +39,7 @@ Statistics (per configuration, paired with the reference on the same tokens):
   of each window are attended with their float16 K/V instead of their reconstruction (every
   token is still compressed into the cache as usual). Those
   tokens are where attention sinks sit (SmolLM2: token 0 takes 25–71% of the attention of later
-  queries in 26 of its 30 layers). Bytes: ``bytes_per_token_head`` adds their float16 K and V,
+  queries in 25 of its 30 layers). Bytes: ``bytes_per_token_head`` adds their float16 K and V,
   ``N · 4 · head_dim`` bytes per KV head, spread over the window's tokens (``slot_bytes`` stays
   the format's); at longer contexts the same ``N`` costs proportionally less.
 

@@ -2,7 +2,7 @@
 ``N`` key/value positions count with their exact K/V instead of their reconstruction.
 
 Why: the first tokens of a sequence are where attention sinks sit. On SmolLM2-135M token 0 takes
-25–71% of the attention of later queries in 26 of its 30 layers, with a value norm a quarter of
+25–71% of the attention of later queries in 25 of its 30 layers, with a value norm a quarter of
 the average: its quantization error reaches the output with that weight, and its key error moves
 the weight itself. Keeping those few tokens exact beside the cache costs ``N · 4 · head_dim``
 bytes per KV head and sequence (float16/bfloat16 K and V) and no kernel change: the kernels attend
