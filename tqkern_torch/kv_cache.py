@@ -425,7 +425,7 @@ class TQCache(Cache):
     ``prefill`` (``"auto"``, ``"kernel"`` or ``"dense"``) picks how prefills attend
     (:class:`TQCacheLayer`). ``exact_prefix=N`` keeps each row's first ``N`` real tokens exact
     beside the compressed cache (:class:`~tqkern_torch.exact_prefix.ExactPrefix`: attention sinks;
-    ``N · 4 · head_dim`` bytes per KV head and row in the model's dtype): the dense path attends
+    ``N · 4 · head_dim`` bytes per KV head and row, float16 or bfloat16): the dense path attends
     them in place of their reconstruction, ``paged_decode``'s output is corrected through its
     log-sum-exp (:func:`~tqkern_torch.exact_prefix.replace_prefix`); prefills then take the dense
     path (no prefill kernel), and the first chunk must hold ``N`` real tokens per row. Not with
