@@ -182,24 +182,22 @@ def render_info(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {n}")
-    return n
+def _int_at_least(low: int, what: str):
+    """An argparse ``type``: an int ``>= low``, else an error saying it ``must be {what}``."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {n}")
+        return n
+
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {n}")
-    return n
+_positive_int = _int_at_least(1, "a positive int")
+_non_negative_int = _int_at_least(0, "an int >= 0")
 
 
 def _info_arguments(p: argparse.ArgumentParser) -> None:
