@@ -45,17 +45,35 @@ def _oracle_exact(params, n):
     return fn
 
 
+class _PrefillCounter:
+    """Counts the calls of the prefill kernels' entry in tqkern_torch.hf_prefill."""
+
+    def __init__(self, monkeypatch):
+        import tqkern_torch.hf_prefill as hp
+
+        self.calls, inner = 0, hp.prefill
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(hp, "prefill", counted)
+
+
+@pytest.mark.parametrize("prefill", ["dense", "kernel"])
 @pytest.mark.parametrize("mu", [False, True])
-def test_exact_prefix_logits_equal_the_oracle_with_exact_first_tokens(model, mu, monkeypatch):
-    """Prefill (dense path) and two decode steps (paged_decode + the correction) against the
-    oracle round trip with positions < 3 exact. The bound of test_compressed_logits (the kernels
-    read q in float16), and the exact prefix must change the logits (it is not a no-op)."""
+def test_exact_prefix_logits_equal_the_oracle_with_exact_first_tokens(model, mu, prefill, monkeypatch):
+    """Prefill (the dense path, or ``prefill`` + the correction) and two decode steps
+    (paged_decode + the correction) against the oracle round trip with positions < 3 exact. The
+    bound of test_compressed_logits (the kernels read q in float16), and the exact prefix must
+    change the logits (it is not a no-op)."""
     ids, steps, n = _ids(1, 11, seed=3), [5, 9], 3
     key_offset = tqt.calibrate(model, _ids(2, 16, seed=8)) if mu else None
     spec = tqt.install(model, "tq4", key_offset=key_offset)
-    counter = _Counter(monkeypatch)
-    got = _teacher_forced_logits(model, ids, steps, tqt.TQCache(model, exact_prefix=n))
+    counter, prefills = _Counter(monkeypatch), _PrefillCounter(monkeypatch)
+    got = _teacher_forced_logits(model, ids, steps, tqt.TQCache(model, exact_prefix=n, prefill=prefill))
     assert counter.calls == len(steps) * 2  # the decode steps ran paged_decode
+    assert prefills.calls == (2 if prefill == "kernel" else 0)  # one prefill per layer
     plain = _teacher_forced_logits(model, ids, steps, tqt.TQCache(model))
     transformers.AttentionInterface.register("tqkern_oracle", _oracle_exact(spec.params, n))
     transformers.AttentionMaskInterface.register("tqkern_oracle", transformers.masking_utils.sdpa_mask)
@@ -80,14 +98,15 @@ def test_exact_prefix_all_prompt_tokens_gives_the_16_bit_prefill(model):
     assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("prefill", ["dense", "kernel"])
 @pytest.mark.parametrize("pads", [(0, 5), (3, 1)])
-def test_exact_prefix_left_padded_rows_equal_each_row_alone(model, pads):
+def test_exact_prefix_left_padded_rows_equal_each_row_alone(model, pads, prefill):
     """A left-padded batch keeps each row's first real tokens exact: every row's logits (prefill,
     then decode steps through the re-paged rows) equal the row run alone."""
     ids, mask = _left_padded(pads, 10, seed=6)
     tqt.install(model, "tq4", key_offset=None, block_size=4)
     n, steps = 2, [7, 11]
-    cache = tqt.TQCache(model, exact_prefix=n)
+    cache = tqt.TQCache(model, exact_prefix=n, prefill=prefill)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate: each row's real tokens from position 0
     with torch.no_grad():
         out = [model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
@@ -100,7 +119,8 @@ def test_exact_prefix_left_padded_rows_equal_each_row_alone(model, pads):
                              use_cache=True).logits[:, -1])
     got = torch.stack(out).float()  # [steps + 1, rows, vocab]
     for row, pad in enumerate(pads):
-        alone = _teacher_forced_logits(model, ids[row: row + 1, pad:], steps, tqt.TQCache(model, exact_prefix=n))
+        alone = _teacher_forced_logits(model, ids[row: row + 1, pad:], steps,
+                                       tqt.TQCache(model, exact_prefix=n, prefill=prefill))
         assert float((got[:, row] - alone[:, 0]).abs().max() / alone.std()) < 1e-2, row
     assert cache.layers[0].exact.pos.tolist() == [[p, p + 1] for p in pads]
 

@@ -147,9 +147,11 @@ class ExactPrefix:
         idx = self.pos[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
         return k.scatter(2, idx, self.k.to(k.dtype)), v.scatter(2, idx, self.v.to(v.dtype))
 
-    def correct(self, layer, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float) -> torch.Tensor:
-        """``paged_decode``'s ``out [B, Hq, D]`` (with ``lse [B, Hq]``, query ``q [B, Hq, D]``) over
-        ``layer``'s re-paged rows (paged position j = the prefix's token j), with the prefix exact."""
+    def correct(self, layer, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float,
+                q_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A kernel's ``out [B, T, Hq, D]`` (with ``lse [B, T, Hq]``, queries ``q [B, Hq, T, D]`` at
+        paged positions ``q_pos [B, T]``, None: after every prefix token) over ``layer``'s
+        re-paged rows (paged position j = the prefix's token j), with the prefix exact."""
         from tqkern_torch.ops import decompress_sequences
 
         if self._hat is None:  # the reconstruction the kernel attends (keys as stored: k − μ)
@@ -159,5 +161,4 @@ class ExactPrefix:
             kh, vh = decompress_sequences(layer.pool, table, lens, layer.layout, layer.device_params, rotate_back=True)
             self._hat = (kh[:, : self.n].transpose(1, 2), vh[:, : self.n].transpose(1, 2))  # [B, Hkv, n, D]
         k_exact = self.k.float() if layer.mu is None else self.k.float() - layer.mu
-        fixed = replace_prefix(out[:, None], lse[:, None], q[:, :, None], *self._hat, k_exact, self.v, scale=scale)
-        return fixed[:, 0]
+        return replace_prefix(out, lse, q, *self._hat, k_exact, self.v, scale=scale, q_pos=q_pos)

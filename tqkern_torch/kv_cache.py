@@ -426,10 +426,10 @@ class TQCache(Cache):
     (:class:`TQCacheLayer`). ``exact_prefix=N`` keeps each row's first ``N`` real tokens exact
     beside the compressed cache (:class:`~tqkern_torch.exact_prefix.ExactPrefix`: attention sinks;
     ``N · 4 · head_dim`` bytes per KV head and row, float16 or bfloat16): the dense path attends
-    them in place of their reconstruction, ``paged_decode``'s output is corrected through its
-    log-sum-exp (:func:`~tqkern_torch.exact_prefix.replace_prefix`); prefills then take the dense
-    path (no prefill kernel), and the first chunk must hold ``N`` real tokens per row. Not with
-    ``max_cache_len`` yet."""
+    them in place of their reconstruction, the outputs of ``paged_decode`` and ``prefill`` are
+    corrected through their log-sum-exp (:func:`~tqkern_torch.exact_prefix.replace_prefix`; a
+    prefill under soft-capping or a sliding window takes the dense path), and the first chunk
+    must hold ``N`` real tokens per row. Not with ``max_cache_len`` yet."""
 
     def __init__(self, model_or_config, *, params: Optional[Sequence[TQParams]] = None,
                  block_size: Optional[int] = None, estimate_key_offset: bool = False,

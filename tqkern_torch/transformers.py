@@ -199,7 +199,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         real = None if mask is None else _allowed(mask)[..., : layer.seq_len].any(dim=(1, 2))  # [B, seq_len]
         layer.exact.capture(key, value, real, layer.store_dtype)
     if layer is not None and tq > 1:  # a prefill or a chunk
-        if isinstance(attention_mask, CausalMask) and layer.prefill_kernels() and layer.exact is None:
+        if isinstance(attention_mask, CausalMask) and layer.prefill_kernels():
             out = prefill_attention(layer, query, attention_mask, scale, softcap)
             if out is not None:
                 return out, None
@@ -223,7 +223,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             out = paged_decode(q, layer.pool, layer.block_table, layer.seq_lens, layer.layout,
                                layer.device_params, scale=scale, return_lse=exact is not None)
             if exact is not None:
-                out = exact.correct(layer, q, *out, scale)
+                out = exact.correct(layer, q[:, :, None], out[0][:, None], out[1][:, None], scale)[:, 0]
             return out.to(query.dtype).reshape(b, 1, hq, d), None
         key, value = layer.dense()
         if exact is not None:
