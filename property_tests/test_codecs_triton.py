@@ -44,9 +44,9 @@ def store_cases(draw):
     return layout, params, num_blocks, slots.astype(np.int64), torch.float16, k, v
 
 
-@given(store_cases())
-def test_uniform2_store_bytes_equal_oracle(case):
-    store_tests.test_store_bytes_equal_oracle.hypothesis.inner_test(case)
+@given(store_cases(), st.booleans())
+def test_uniform2_store_bytes_equal_oracle(case, small_tile):
+    store_tests.test_store_bytes_equal_oracle.hypothesis.inner_test(case, small_tile)
 
 
 @given(store_cases(), st.booleans())

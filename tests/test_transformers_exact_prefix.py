@@ -98,8 +98,7 @@ def test_exact_prefix_all_prompt_tokens_gives_the_16_bit_prefill(model):
     assert torch.equal(got, ref)
 
 
-@pytest.mark.parametrize("prefill", ["dense", "kernel"])
-@pytest.mark.parametrize("pads", [(0, 5), (3, 1)])
+@pytest.mark.parametrize("pads,prefill", [((0, 5), "dense"), ((3, 1), "kernel")])
 def test_exact_prefix_left_padded_rows_equal_each_row_alone(model, pads, prefill):
     """A left-padded batch keeps each row's first real tokens exact: every row's logits (prefill,
     then decode steps through the re-paged rows) equal the row run alone."""
