@@ -427,8 +427,10 @@ def _plot(report: dict, path: str) -> Optional[str]:
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in report["results"]:
         mu = r.get("mu", "calibrated" if r["offset"] else "none")
-        ax.scatter(r["slot_bytes"], r["kl"], marker={"none": "x", "calibrated": "o", "auto": "s", "prefill": "^"}[mu])
-        ax.annotate(r["label"] + ("" if mu == "none" else f" mu:{mu}"), (r["slot_bytes"], r["kl"]), fontsize=7)
+        x = r.get("bytes_per_token_head", r["slot_bytes"])  # (an exact prefix's bytes included)
+        ax.scatter(x, r["kl"], marker={"none": "x", "calibrated": "o", "auto": "s", "prefill": "^"}[mu])
+        label = r["label"] + (f"+exact{r['exact_prefix']}" if r.get("exact_prefix") else "")
+        ax.annotate(label + ("" if mu == "none" else f" mu:{mu}"), (x, r["kl"]), fontsize=7)
     ax.set_xlabel("bytes per token per KV head (K+V)")
     ax.set_ylabel("mean KL(p_ref || p)")
     fig.tight_layout()
