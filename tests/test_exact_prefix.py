@@ -81,3 +81,40 @@ def test_replace_prefix_rejects_bad_shapes(arg, shape, match):
     args[arg] = torch.zeros(shape, dtype=args[arg].dtype)
     with pytest.raises(ValueError, match=match):
         replace_prefix(**args, scale=1.0)
+
+
+def test_exact_prefix_state_rejects_bad_input():
+    from tqkern_torch.exact_prefix import ExactPrefix
+
+    for bad in (0, -2, 1.0, True):
+        with pytest.raises(ValueError, match="exact_prefix must be an int >= 1"):
+            ExactPrefix(bad)
+    kv = torch.zeros(2, 1, 6, 8)
+    with pytest.raises(ValueError, match=r"starts must have shape \[2\]"):
+        ExactPrefix(2).capture(kv, kv, torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="needs at least 2 real tokens in every row of the first chunk, got 1"):
+        ExactPrefix(2).capture(kv, kv, torch.tensor([0, 5]))
+    state = ExactPrefix(2)
+    state.capture(kv, kv, torch.tensor([0, 4]))
+    assert state.pos.tolist() == [[0, 1], [4, 5]] and state.k.dtype == torch.float16
+
+
+def test_replace_prefix_rejects_heads_that_do_not_divide():
+    z = torch.zeros
+    with pytest.raises(ValueError, match="q's 3 heads must be a multiple of k_exact's 2 KV heads"):
+        replace_prefix(z(1, 1, 3, 8), z(1, 1, 3), z(1, 3, 1, 8), z(1, 2, 1, 8), z(1, 2, 1, 8), z(1, 2, 1, 8),
+                       z(1, 2, 1, 8), scale=1.0)
+
+
+def test_first_chunk_mask_must_pad_on_the_left():
+    pytest.importorskip("transformers")
+    from tqkern_torch.transformers import _first_chunk_padding
+
+    mask = torch.ones(2, 1, 4, 4, dtype=torch.bool).tril()
+    assert _first_chunk_padding(None, 4) is None
+    assert _first_chunk_padding(mask, 4).tolist() == [0, 0]
+    mask[1, :, :, 0] = False  # row 1: one token of left padding
+    assert _first_chunk_padding(mask, 4).tolist() == [0, 1]
+    mask[0, :, :, 2] = False  # row 0: a hole, not left padding
+    with pytest.raises(ValueError, match="pad rows on the left only"):
+        _first_chunk_padding(mask, 4)

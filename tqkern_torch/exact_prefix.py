@@ -113,26 +113,21 @@ class ExactPrefix:
         self.k = self.v = self.pos = None
         self._hat = None
 
-    def capture(self, key: torch.Tensor, value: torch.Tensor, allowed: Optional[torch.Tensor],
+    def capture(self, key: torch.Tensor, value: torch.Tensor, starts: Optional[torch.Tensor],
                 dtype: torch.dtype = torch.float16) -> None:
         """Keep the first ``n`` real tokens of each row of the layer's first chunk ``key, value
-        [B, Hkv, T, D]``, rounded to ``dtype``; ``allowed [B, T]`` (True = a real token; None: all
-        real) must mark a prefix of padding per row.
+        [B, Hkv, T, D]``, rounded to ``dtype``; ``starts`` int ``[B]``: each row's left padding
+        (None: none).
 
         Raises:
-            ValueError: a row with fewer than ``n`` real tokens, or padding that is not a prefix.
+            ValueError: ``starts`` of another shape; a row with fewer than ``n`` real tokens.
         """
         b, _, t, _ = key.shape
-        if allowed is not None and allowed.shape != (b, t):
-            raise ValueError(f"allowed must have shape {[b, t]} (the first chunk's rows and tokens), "
-                             f"got {list(allowed.shape)}")
-        starts = torch.zeros(b, dtype=torch.long, device=key.device)
-        if allowed is not None:
-            from tqkern_torch.kv_cache import prefix_starts
-
-            starts = prefix_starts(allowed)
-            if starts is None:
-                raise ValueError("TQCache(exact_prefix=...) needs the first chunk's mask to pad rows on the left only")
+        if starts is None:
+            starts = torch.zeros(b, dtype=torch.long, device=key.device)
+        elif starts.shape != (b,):
+            raise ValueError(f"starts must have shape {[b]} (one per row of the first chunk), got {list(starts.shape)}")
+        starts = starts.to(device=key.device, dtype=torch.long)
         if int((t - starts).min()) < self.n:
             raise ValueError(f"TQCache(exact_prefix={self.n}) needs at least {self.n} real tokens in every row of the "
                              f"first chunk, got {int((t - starts).min())}")

@@ -72,7 +72,7 @@ from tqkern_torch.calibration import (KeyOffsetWarning, calibrate, load_key_offs
                                       save_key_offsets)
 from tqkern_torch.hf_prefill import CausalMask, causal_mask, prefill_attention
 from tqkern_torch.kv_cache import (_ATTR, _TAG, ATTN_IMPLEMENTATION, _allowed, TQCache, TQCacheLayer,
-                                   TQStaticCacheLayer, _geometry, _text_config)
+                                   TQStaticCacheLayer, _geometry, _text_config, prefix_starts)
 
 __all__ = ["ATTN_IMPLEMENTATION", "KeyOffsetWarning", "TQCache", "TQCacheLayer", "TQInstall", "TQStaticCacheLayer",
            "attention_forward",
@@ -168,6 +168,21 @@ def _dense_attention(query, key, value, mask, scaling: float, softcap: Optional[
     return out.transpose(1, 2).contiguous()
 
 
+def _first_chunk_padding(mask, length: int) -> Optional[torch.Tensor]:
+    """Each row's left padding among the first ``length`` positions under ``mask`` (a
+    :class:`CausalMask` without building it, a 4D mask, or None: no padding)."""
+    if mask is None:
+        return None
+    if isinstance(mask, CausalMask):
+        padding = mask.left_padding(length)
+        starts = None if padding is None else padding[0]
+    else:
+        starts = prefix_starts(_allowed(mask)[..., :length].any(dim=(1, 2)))
+    if starts is None:
+        raise ValueError("TQCache(exact_prefix=...) needs the first chunk's mask to pad rows on the left only")
+    return starts
+
+
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask, dropout: float = 0.0, scaling: Optional[float] = None,
                       softcap: Optional[float] = None, **kwargs) -> tuple[torch.Tensor, None]:
@@ -195,9 +210,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                            scale=scale, window_left=None if window is None else window - 1, logit_softcap=softcap)
         return out.to(query.dtype).reshape(b, 1, hq, d), None
     if layer is not None and layer.exact is not None and layer.exact.k is None:  # the first chunk: keep N tokens
-        mask = attention_mask.dense() if isinstance(attention_mask, CausalMask) else attention_mask
-        real = None if mask is None else _allowed(mask)[..., : layer.seq_len].any(dim=(1, 2))  # [B, seq_len]
-        layer.exact.capture(key, value, real, layer.store_dtype)
+        layer.exact.capture(key, value, _first_chunk_padding(attention_mask, layer.seq_len), layer.store_dtype)
     if layer is not None and tq > 1:  # a prefill or a chunk
         if isinstance(attention_mask, CausalMask) and layer.prefill_kernels():
             out = prefill_attention(layer, query, attention_mask, scale, softcap)
