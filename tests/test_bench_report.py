@@ -226,6 +226,8 @@ def test_select_quick_and_named():
     assert [s.name for s in sel["decode"][1]] == ["B33x16K"] and [s.name for s in sel["store"][1]] == ["decode_B256"]
     assert sel["decode"][0] == ("tq4",)
     assert list(runner.select("store", shapes=["decode_B32"])) == ["store"]
+    # kXvYh formats (docs/quality.md's per-layer allocations) are timed like presets, slot arrangement
+    assert runner.select("decode", ["k4v3h", "tq4"], ["B32x4K"])["decode"][0] == ("k4v3h", "tq4")
 
 
 def test_model_shapes_table_spans_what_issue_22_asks():

@@ -13,6 +13,7 @@ import re
 import numpy as np
 import pytest
 
+from tqkern import layouts
 from tqkern.layouts import FP8, KVFormat, LloydMax, PagedLayout, Raw, Uniform
 
 # -- golden slot sizes -----------------------------------------------------------------------
@@ -68,6 +69,31 @@ def test_preset_codecs():
     assert f.key == f.value == LloydMax(bits=4, distribution="gaussian", norm_dtype="float32",
                                         norm_correction="none")
     assert (f.bit_order, f.rotation, f.slot_alignment) == ("nibble_high_even", "haar", 1)
+
+
+@pytest.mark.parametrize("name, bytes_64", [("k4v2h", 52), ("k3v2h", 44), ("k4v3h", 60), ("k5v3h", 68),
+                                             ("k5v4h", 76)])
+def test_lloyd_max_family_names(name, bytes_64):
+    """``kXvYh``: docs/quality.md's per-layer formats by name (bytes at head_dim 64 as that page
+    lists them: norms 2 + 2, codes X·64/8 + Y·64/8)."""
+    f = KVFormat.preset(name, head_dim=64)
+    kb, vb = int(name[1]), int(name[3])
+    assert f.key == LloydMax(bits=kb, distribution="beta", norm_dtype="float16", norm_correction="stored")
+    assert f.value == LloydMax(bits=vb, distribution="beta", norm_dtype="float16", norm_correction="stored")
+    assert (f.bit_order, f.rotation, f.slot_alignment) == ("lsb", "hadamard_signed", 2)
+    assert f.slot_bytes == bytes_64
+    assert layouts.is_format_name(name) and layouts.is_format_name("tq4")
+    # tqkern_k5v3 is the same codecs with float32 norms
+    own = KVFormat.preset("tqkern_k5v3", 128)
+    assert KVFormat.preset("k5v3h", 128).key == dataclasses.replace(own.key, norm_dtype="float16")
+    assert KVFormat.preset("k5v3h", 128).value == dataclasses.replace(own.value, norm_dtype="float16")
+
+
+@pytest.mark.parametrize("bad", ["k9v3h", "k0v3h", "k4v3", "K4v3h", "k4v3h ", "k44v3h", 43])
+def test_family_name_outside_it_names_the_argument(bad):
+    assert not layouts.is_format_name(bad)
+    with pytest.raises(ValueError, match=r"name must be one of .*'kXvYh' \(X, Y in 1\.\.8\)"):
+        KVFormat.preset(bad, head_dim=64)
 
 
 # -- field offsets ---------------------------------------------------------------------------

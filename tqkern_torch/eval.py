@@ -65,7 +65,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from tqkern.layouts import PRESETS, KVFormat, layout_from_dict
+from tqkern.layouts import PRESETS, KVFormat, is_format_name, layout_from_dict
 import tqkern_torch.transformers as tqt
 from tqkern_torch.calibration import (CALIBRATION_MODULES, KeyOffsetWarning, key_mean_ratios, key_offset_by_default,
                                       soft_capped, stdlib_text)
@@ -142,9 +142,9 @@ def parse_layer_formats(text: str) -> tuple[Optional[str], dict]:
                 key = int(key)
             except ValueError:
                 raise ValueError(f"--layer-formats keys must be layer indices or \"*\", got {key!r}") from None
-        if isinstance(spec, str) and spec not in PRESETS:
-            raise ValueError(f"--layer-formats[{key!r}] must be a preset ({', '.join(PRESETS)}) or a format "
-                             f"object, got {spec!r}")
+        if isinstance(spec, str) and not is_format_name(spec):
+            raise ValueError(f"--layer-formats[{key!r}] must be a preset ({', '.join(PRESETS)}), a 'kXvYh' name "
+                             f"or a format object, got {spec!r}")
         if not isinstance(spec, (str, dict)):
             raise ValueError(f"--layer-formats[{key!r}] must be a preset name or a format object, "
                              f"got {type(spec).__name__}")

@@ -31,10 +31,11 @@ _ARRANGEMENT = dict(DECODE_PRESETS)
 
 
 def make_layout(preset: str, num_kv_heads: int, head_dim: int, device: str = "cuda"):
-    """``(layout, device params)`` of a benchmark preset (its arrangement from ``DECODE_PRESETS``)."""
+    """``(layout, device params)`` of a benchmark preset (its arrangement from ``DECODE_PRESETS``) or
+    a ``kXvYh`` format (:meth:`tqkern.KVFormat.preset`; the slot arrangement)."""
     fmt = tqkern.KVFormat.preset(preset, head_dim)
     layout = tqkern.PagedLayout(format=fmt, num_kv_heads=num_kv_heads, block_size=BLOCK_SIZE,
-                                arrangement=_ARRANGEMENT[preset])
+                                arrangement=_ARRANGEMENT.get(preset, "slot"))
     return layout, tqt.to_device(tqkern.TQParams.default(fmt, seed=0), device)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from tqkern.layouts import is_format_name
 from tqkern_torch.bench.report import SCHEMA, Progress
 from tqkern_torch.bench.shapes import (DECODE_PRESETS, DECODE_SHAPES, MODEL_SHAPES, PREFILL_SHAPES, QUICK_SHAPES,
                                       STORE_SHAPES, decode_shape, prefill_shape, store_shape)
@@ -22,7 +23,8 @@ def select(op: str, presets: Optional[Sequence[str]] = None, shapes: Optional[Se
            quick: bool = False) -> dict:
     """``{op: (presets, shapes)}`` for each op the run covers (``"all"``: decode, store, prefill).
 
-    ``presets`` default to every benchmark preset; ``shapes`` to every named shape of each op
+    ``presets`` default to every benchmark preset (any :meth:`tqkern.KVFormat.preset` name, the
+    ``kXvYh`` family included, may be given); ``shapes`` to every named shape of each op
     (``quick``: two per op, :data:`~tqkern_torch.bench.shapes.QUICK_SHAPES`). A shape name goes to
     each op that knows it (decode also takes ad-hoc ``B<batch>x<tokens>K`` names, and ``models``:
     the model-shape table :data:`~tqkern_torch.bench.shapes.MODEL_SHAPES`).
@@ -34,9 +36,10 @@ def select(op: str, presets: Optional[Sequence[str]] = None, shapes: Optional[Se
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     ops = ("decode", "store", "prefill") if op == "all" else (op,)
     presets = PRESETS if presets is None else tuple(presets)
-    unknown = [p for p in presets if p not in PRESETS]
+    unknown = [p for p in presets if p not in PRESETS and not is_format_name(p)]
     if unknown or not presets:
-        raise ValueError(f"presets must be one or more of {', '.join(PRESETS)}, got {list(presets)}")
+        raise ValueError(f"presets must be one or more of {', '.join(PRESETS)} or 'kXvYh' formats, "
+                         f"got {list(presets)}")
     if shapes is None:
         chosen = {o: [_SHAPE_OF[o](n) for n in QUICK_SHAPES[o]] if quick else list(_SHAPES[o]) for o in ops}
     else:
