@@ -34,7 +34,8 @@ def _layout(preset, d, heads, arrangement="slot"):
 
 def test_decode_path_rules_and_bad_input():
     """The warp-MMA kernel takes 4-bit, 3-bit, 5-bit (LSB) or FP8 keys and 4-bit Lloyd-Max values
-    (4-bit keys, shared codebook), 3-bit Lloyd-Max values (5-bit keys) or 4-/3-bit uniform values,
+    (4-bit keys, shared codebook; 5-bit keys), 3- and 2-bit Lloyd-Max values (3-, 4-, 5-bit keys;
+    their own table entries below the keys') or 4-/3-bit uniform values,
     head_dim 64/128, groups up to 8 (larger ones split into 2-4 groups of at most 8), rows of an
     even number of bytes (2 mod 4 only in blocks of an even number of rows, and not with FP8 keys); fields that are not at fixed offsets from the
     lanes' aligned chunks are read as shifted words; never under the interpreter."""
@@ -80,10 +81,19 @@ def test_decode_path_rules_and_bad_input():
     k5 = mma_plan(_layout("tqkern_k5v3", 128, 8), 4)  # 5-bit keys (shifted words), 3-bit Lloyd-Max values
     assert k5.K_BITS == 5 and k5.K_FUN and k5.V_BITS == 3 and not k5.V_UNIFORM
     assert decode_path(_layout("tqkern_k5v3", 128, 8), 4, same_codebooks=False) == "mma"  # both codebooks loaded
-    k5v4 = tqkern.KVFormat(head_dim=128, key=tqkern.LloydMax(bits=5), value=tqkern.LloydMax(bits=4))
-    assert _path(tqkern.PagedLayout(format=k5v4, num_kv_heads=8, block_size=16), 4) == "general"
-    k4v3 = tqkern.KVFormat(head_dim=128, key=tqkern.LloydMax(bits=4), value=tqkern.LloydMax(bits=3))
-    assert _path(tqkern.PagedLayout(format=k4v3, num_kv_heads=8, block_size=16), 4) == "general"
+    # Lloyd-Max values with their own codebook: its pairs at table entries 0.., the keys' at K_AT
+    for kb, vb, k_at, lut in ((5, 4, 256, 36864), (4, 3, 64, 40960), (4, 2, 64, 40960), (3, 3, 64, 32768),
+                              (3, 2, 64, 32768), (5, 2, 64, 32768)):
+        fmt = tqkern.KVFormat(head_dim=128, key=tqkern.LloydMax(bits=kb), value=tqkern.LloydMax(bits=vb))
+        lay = tqkern.PagedLayout(format=fmt, num_kv_heads=8, block_size=16)
+        p = per_warp_plan(mma_plan(lay, 4))
+        assert (p.K_BITS, p.V_BITS, p.V_UNIFORM, p.K_AT, p.lut_bytes) == (kb, vb, False, k_at, lut), (kb, vb)
+        assert decode_path(lay, 4, same_codebooks=False) == "mma"  # the value codebook is loaded
+        assert mma_plan(lay, 4).LUT_AT is None  # no PRMT-addressed table: its entries are the keys' alone
+    assert per_warp_plan(mma_plan(tq4, 4)).lut_bytes == 32768 and mma_plan(tq4, 4).lut_bytes == 65536
+    assert mma_plan(_layout("turboquant_k8v4", 128, 8), 4).lut_bytes == 0  # FP8 keys, uniform values
+    v1 = tqkern.KVFormat(head_dim=128, key=tqkern.LloydMax(bits=4), value=tqkern.LloydMax(bits=1))
+    assert _path(tqkern.PagedLayout(format=v1, num_kv_heads=8, block_size=16), 4) == "general"
     k3_64 = tqkern.KVFormat(head_dim=64, key=tqkern.LloydMax(bits=3), value=tqkern.Uniform(bits=4))
     # D=64: 6-byte lane chunks of the 24-byte key field, half of them 2 bytes off a word boundary
     assert _path(tqkern.PagedLayout(format=k3_64, num_kv_heads=8, block_size=16, arrangement="row"), 4) == "mma"

@@ -101,7 +101,8 @@ def test_64k_context(preset, arrangement, heads):
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("preset,arrangement", [
     ("tq4", "row"), ("turboquant_4bit_nc", "slot"), ("turboquant_k8v4", "slot"), ("turboquant_k3v4_nc", "slot"),
-    ("turboquant_3bit_nc", "slot"), ("tqkern_k5v3", "slot")])
+    ("turboquant_3bit_nc", "slot"), ("tqkern_k5v3", "slot"), ("k4v3h", "slot"), ("k4v2h", "slot"),
+    ("k3v2h", "slot"), ("k5v4h", "slot")])
 def test_cooperative_stages_match_the_per_warp_kernel_bit_for_bit(preset, arrangement, block_size):
     """The cooperative stages only change where a head-warp reads its words (shared memory
     instead of global memory): every partial (acc, max, sum) equals the per-warp kernel's bit for
@@ -145,7 +146,7 @@ def test_cooperative_stages_match_the_per_warp_kernel_bit_for_bit(preset, arrang
                 if t256.NLOW and coop_smem_bytes(low) <= 232448:
                     variants.append(low)
         groups.append((ref_plan, variants))
-    assert any(p.LUT_AT for _, vs in groups for p in vs) == (plan.K_BITS == 4)
+    assert any(p.LUT_AT for _, vs in groups for p in vs) == (plan.K_BITS == 4 and plan.K_AT == 0)
     assert any(p == plan for _, vs in groups for p in vs)  # the launcher's own plan is among them
     for splits in (1, 3):
         for ref_plan, variants in groups:
@@ -188,6 +189,7 @@ def test_cache_above_2gib_uses_64bit_offsets():
 
 
 _K5 = tqkern.LloydMax(bits=5, norm_dtype="float16")
+_FAMILY = tqkern.KVFormat.preset
 
 
 @pytest.mark.parametrize("fmt,heads,block_size,expect", [
@@ -210,6 +212,18 @@ _K5 = tqkern.LloydMax(bits=5, norm_dtype="float16")
      dict(K_BITS=5, V_BITS=3, V_UNIFORM=True)),
     (tqkern.KVFormat(head_dim=128, key=_K5, value=tqkern.Uniform(bits=4), slot_alignment=2), 1, 16,
      dict(K_BITS=5, V_BITS=4, V_UNIFORM=True, SUB=1)),
+    # Lloyd-Max values of their own codebook below the keys' table entries (K_AT): docs/quality.md's
+    # per-layer formats (2- and 3-bit values next to 4- and 3-bit keys, 4-bit values next to 5-bit keys)
+    (_FAMILY("k4v3h", 128), 2, 16, dict(K_BITS=4, V_BITS=3, K_AT=64)),
+    (_FAMILY("k4v3h", 64), 3, 16, dict(K_BITS=4, V_BITS=3, K_AT=64)),
+    (_FAMILY("k4v2h", 128), 2, 16, dict(K_BITS=4, V_BITS=2, K_AT=64)),
+    (_FAMILY("k4v2h", 64), 3, 16, dict(K_BITS=4, V_BITS=2, K_AT=64)),
+    (_FAMILY("k3v2h", 128), 2, 16, dict(K_BITS=3, V_BITS=2, K_AT=64)),
+    (_FAMILY("k3v2h", 64), 3, 16, dict(K_BITS=3, V_BITS=2, K_AT=64)),
+    (_FAMILY("k3v3h", 64), 3, 16, dict(K_BITS=3, V_BITS=3, K_AT=64)),
+    (_FAMILY("k5v4h", 128), 2, 16, dict(K_BITS=5, V_BITS=4, K_AT=256)),
+    (_FAMILY("k5v4h", 64), 3, 16, dict(K_BITS=5, V_BITS=4, K_AT=256)),
+    (_FAMILY("k5v2h", 64), 3, 16, dict(K_BITS=5, V_BITS=2, K_AT=64)),
 ], ids=lambda x: x if isinstance(x, int) else None)
 def test_warp_mma_read_schemes_match_oracle(fmt, heads, block_size, expect):
     """Each read scheme of the warp-MMA kernel (shifted words, 3-bit values, 5-bit keys) on a

@@ -13,7 +13,8 @@ may differ a little); instruction budgets today's count + 3%. A change that lowe
 should lower its budget too. Shapes and presets: ``tqkern_torch/bench/shapes.py`` (B32x16K's
 Hq32/Hkv8/D128, SmolLM2's Hq9/Hkv3/D64, GQA 3, and Llama-3-405B's Hq16/Hkv1/D128, GQA 16 = two
 query column tiles per warp, ``QT = 2``; the last two have no cooperative plan: 3 and 1 KV heads;
-and Gemma-2-9B's Hq16/Hkv8/D256 for the two D256 plans).
+and Gemma-2-9B's Hq16/Hkv8/D256 for the two D256 plans; the ``kXvYh`` formats of
+``docs/quality.md`` whose values have their own table entries at B32x16K's shape).
 """
 
 from __future__ import annotations
@@ -61,6 +62,16 @@ BUDGETS = {
     "mma:turboquant_k8v4:slot:256:8:16:coop": (216, 1424),
     "mma:turboquant_k3v4_nc:slot:256:8:16:per_warp": (312, 1720),
     "mma:turboquant_k3v4_nc:slot:256:8:16:coop": (200, 2272),
+    # Lloyd-Max values of their own codebook below the keys' table entries (docs/quality.md's
+    # per-layer formats; session 23)
+    "mma:k4v3h:slot:128:8:32:per_warp": (0, 1808),
+    "mma:k4v3h:slot:128:8:32:coop": (48, 1768),
+    "mma:k4v2h:slot:128:8:32:per_warp": (0, 1672),
+    "mma:k4v2h:slot:128:8:32:coop": (80, 1648),
+    "mma:k3v2h:slot:128:8:32:per_warp": (0, 1488),
+    "mma:k3v2h:slot:128:8:32:coop": (0, 1520),
+    "mma:k5v4h:slot:128:8:32:per_warp": (0, 2040),
+    "mma:k5v4h:slot:128:8:32:coop": (0, 1976),
     "general:fp16:slot:128:8:32": (0, 952),
     # a window and a soft-cap (paged_decode(window_left=, logit_softcap=)): 132 registers, 105 without
     "general:fp16:slot:128:8:32:window+softcap": (0, 1096),
@@ -74,6 +85,7 @@ def _cases() -> list[str]:
         dims = f"{shape.head_dim}:{shape.num_kv_heads}:{shape.num_q_heads}"
         cases += [f"mma:{preset}:{arr}:{dims}" for preset, arr in DECODE_PRESETS if preset != "fp16"]
     cases += ["mma:turboquant_k8v4:slot:256:8:16", "mma:turboquant_k3v4_nc:slot:256:8:16"]
+    cases += [f"mma:{name}:slot:128:8:32" for name in ("k4v3h", "k4v2h", "k3v2h", "k5v4h")]
     cases += ["general:fp16:slot:128:8:32", "general:fp16:slot:128:8:32:window+softcap"]
     return cases
 

@@ -36,12 +36,21 @@ _UNI_ASM = tl.constexpr(
     + "}")
 
 
+_DECLARE_32K = tl.constexpr(".shared .align 16 .b8 tqk_pair_lut[32768];\nmov.u32 $0, tqk_pair_lut;")  # LUT_BYTES
+_DECLARE_36K = tl.constexpr(".shared .align 16 .b8 tqk_pair_lut[36864];\nmov.u32 $0, tqk_pair_lut;")  # 288 entries
+_DECLARE_40K = tl.constexpr(".shared .align 16 .b8 tqk_pair_lut[40960];\nmov.u32 $0, tqk_pair_lut;")  # 320 entries
+
+
 @triton.jit
-def _lut_declare(t):
-    """Declare the CTA's 32 KB pair table (exactly once per kernel) and return its address."""
-    return tl.inline_asm_elementwise(
-        ".shared .align 16 .b8 tqk_pair_lut[32768];\nmov.u32 $0, tqk_pair_lut;",  # LUT_BYTES
-        "=r,r", [t], dtype=tl.int32, is_pure=False, pack=1)
+def _lut_declare(t, NBYTES: tl.constexpr = 32768):
+    """Declare the CTA's pair table of ``NBYTES`` (32 KB: 256 entries; 36 or 40 KB: 288 or 320,
+    see :func:`lut_entries`) exactly once per kernel and return its address."""
+    if NBYTES == 40960:
+        return tl.inline_asm_elementwise(_DECLARE_40K, "=r,r", [t], dtype=tl.int32, is_pure=False, pack=1)
+    elif NBYTES == 36864:
+        return tl.inline_asm_elementwise(_DECLARE_36K, "=r,r", [t], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        return tl.inline_asm_elementwise(_DECLARE_32K, "=r,r", [t], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -84,6 +93,31 @@ def _lut_fill_k5(base, t, kcen_ptr, vcen_ptr, NT: tl.constexpr, V_LM: tl.constex
         else:
             e = kc | (kc << 16)
         base = tl.inline_asm_elementwise(_FILL_ASM, "=r,r,r,r", [base, b, e], dtype=tl.int32, is_pure=False, pack=1)
+    return tl.inline_asm_elementwise("bar.sync 0;\nmov.b32 $0, $1;", "=r,r", [base], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _lut_fill_at(base, t, cen_ptr, NT: tl.constexpr, BITS: tl.constexpr, AT: tl.constexpr, N: tl.constexpr,
+                 SINGLE: tl.constexpr = False):
+    """Entries ``AT .. AT + N − 1`` (``N`` a power of two) of the table in :func:`_lut_fill`'s
+    layout: entry ``AT + j`` the fp16 pair ``(c[j & m], c[(j >> BITS) & m])`` (``m = 2^BITS − 1``),
+    or ``(c[j], c[j])`` (``SINGLE``: one code per lookup). No barrier (:func:`_lut_barrier`): the
+    sections of one table are disjoint, so several fills share one. Where ``NT > N`` threads
+    write an entry more than once, with the same value."""
+    M: tl.constexpr = (1 << BITS) - 1
+    for i in tl.static_range((N + NT - 1) // NT):
+        j = (t + i * NT) % N
+        lo = _cen16(cen_ptr + (j if SINGLE else j & M))
+        hi = lo if SINGLE else _cen16(cen_ptr + ((j >> BITS) & M))
+        base = tl.inline_asm_elementwise(_FILL_ASM, "=r,r,r,r", [base, j + AT, lo | (hi << 16)], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+    return base
+
+
+@triton.jit
+def _lut_barrier(base):
+    """A CTA barrier after the table's fills; returns the table address (lookups depend on it)."""
     return tl.inline_asm_elementwise("bar.sync 0;\nmov.b32 $0, $1;", "=r,r", [base], dtype=tl.int32,
                                      is_pure=False, pack=1)
 
@@ -144,7 +178,7 @@ def _bits_at(y, POS: tl.constexpr, NB: tl.constexpr):
 @triton.jit
 def _k5_pair(y, p: tl.constexpr, lbk):
     """fp16 pair of key codes ``2p``, ``2p + 1`` (5 bits each, chunk bits ``10p ..``): one lookup
-    each in the key entries (``lbk``: this lane's base of entry 64) and one LOP3."""
+    each in the key entries (``lbk``: this lane's base of the first) and one LOP3."""
     e0 = _lut1(_bits_at(y, 10 * p, 5), lbk)
     e1 = _lut1(_bits_at(y, 10 * p + 5, 5), lbk)
     return (e0 & 0xFFFF) | (e1 & -65536)
@@ -194,6 +228,16 @@ def _v3_words(x, NB: tl.constexpr):
         return x[0], _funnel(x[0], x[1], tl.zeros_like(x[0]) + 16)
     else:
         return (x[0],)
+
+
+@triton.jit
+def _v2_merge(wa, wb):
+    """Two tokens' 2-bit value chunks (one word each: code ``k`` at bits ``2k``) → pair-table
+    indices ``code_a | code_b << 2`` of their even codes (nibble ``i``: code ``2i``) and of their
+    odd codes (nibble ``i``: code ``2i + 1``)."""
+    even = (wa & 0x33333333) | ((wb & 0x33333333) << 2)
+    odd = ((wa >> 2) & 0x33333333) | (wb & -858993460)  # 0xCCCCCCCC
+    return even, odd
 
 
 @triton.jit
@@ -301,7 +345,8 @@ def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K
     ``i`` of the chunk is k-tile ``i`` (its bytes 0, 1 the MMA columns 2c, 2c+1; bytes 2, 3 the
     columns 2c+8, 2c+9). 3-bit keys: the chunk words shifted by ``k_sh`` bits, code pair ``p``
     (bits ``6p ..``) one table entry; k-tile ``i`` takes pairs ``2i`` (columns 2c, 2c+1) and
-    ``2i + 1`` (2c+8, 2c+9)."""
+    ``2i + 1`` (2c+8, 2c+9). ``lb``: this lane's base of the table's key entries (entry ``K_AT``
+    of the plan; 5-bit keys: their 32 single-code entries)."""
     z = tl.zeros_like(lb.to(tl.float32))
     s = (z, z, z, z)  # two independent accumulation chains (even / odd k-tiles)
     t = (z, z, z, z)
@@ -319,13 +364,12 @@ def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K
     elif K_BITS == 3 or K_BITS == 5:  # code pair p: coordinates c·D/4 + 2p, + 1
         x = _shifted(k0, k_sh, NKW - (K_BITS == 3))  # 3-bit: one word loaded beyond the chunk
         y = _shifted(k1, k_sh, NKW - (K_BITS == 3))
-        lbk = lb + 64 * 128  # 5-bit: the single-code entries
         for i in tl.static_range(NKT):
             if K_BITS == 5:  # two single-code lookups per pair
-                a0 = _k5_pair(x, 2 * i, lbk)
-                a1 = _k5_pair(y, 2 * i, lbk)
-                a2 = _k5_pair(x, 2 * i + 1, lbk)
-                a3 = _k5_pair(y, 2 * i + 1, lbk)
+                a0 = _k5_pair(x, 2 * i, lb)
+                a1 = _k5_pair(y, 2 * i, lb)
+                a2 = _k5_pair(x, 2 * i + 1, lb)
+                a3 = _k5_pair(y, 2 * i + 1, lb)
             else:  # one pair lookup (6-bit field)
                 a0 = _lut1(_bits_at(x, 12 * i, 6), lb)
                 a1 = _lut1(_bits_at(y, 12 * i, 6), lb)
@@ -370,8 +414,8 @@ def _acc2(o, o2, res, res2, b: tl.constexpr, a0, a1, a2, a3, pb0, pb1, pc0, pc1,
 def _values(o, o2, v0, v1, v2, v3, pb0, pb1, pc0, pc1, lb, v_sh_e, v_sh_o, NVW: tl.constexpr, CV: tl.constexpr,
             V_UNIFORM: tl.constexpr, V_FUN: tl.constexpr, V_BITS: tl.constexpr, NMT: tl.constexpr,
             E256: tl.constexpr = False, QT: tl.constexpr = 1):
-    """O^T += V^T·P^T over the lane's chunk (4-bit: M tile i ← chunk byte i; 3-bit: M tile i ←
-    codes 2i (row r) and 2i + 1 (row r + 8) of the chunk), for each query column tile (``QT = 2``:
+    """O^T += V^T·P^T over the lane's chunk (4-bit: M tile i ← chunk byte i; 3- and 2-bit: M tile
+    i ← codes 2i (row r) and 2i + 1 (row r + 8) of the chunk), for each query column tile (``QT = 2``:
     ``o2 += V^T·(pc0, pc1)`` with the same decoded fragments; else ``o2``/``pc*`` are not read).
     Shifted chunks (``V_FUN``) are aligned first (even tokens by ``v_sh_e`` bits, odd ones by
     ``v_sh_o``). Returns ``(o, o2)``."""
@@ -383,7 +427,16 @@ def _values(o, o2, v0, v1, v2, v3, pb0, pb1, pc0, pc1, lb, v_sh_e, v_sh_o, NVW: 
         v1 = _shifted(v1, v_sh_o, (CV + 3) // 4)
         v2 = _shifted(v2, v_sh_e, (CV + 3) // 4)
         v3 = _shifted(v3, v_sh_o, (CV + 3) // 4)
-    if V_BITS == 3:
+    if V_BITS == 2:  # Lloyd-Max: the pair table's entries 0..15 (token pairs of 2-bit codes)
+        ev_ab, od_ab = _v2_merge(v0[0], v1[0])
+        ev_cd, od_cd = _v2_merge(v2[0], v3[0])
+        for i in tl.static_range(NMT):
+            a0 = _lut1((ev_ab >> (4 * i)) & 15, lb)
+            a1 = _lut1((od_ab >> (4 * i)) & 15, lb)
+            a2 = _lut1((ev_cd >> (4 * i)) & 15, lb)
+            a3 = _lut1((od_cd >> (4 * i)) & 15, lb)
+            res, res2 = _acc2(o, o2, res, res2, 4 * i, a0, a1, a2, a3, pb0, pb1, pc0, pc1, QT)
+    elif V_BITS == 3:
         xa = _v3_words(v0, CV)
         xb = _v3_words(v1, CV)
         xc = _v3_words(v2, CV)

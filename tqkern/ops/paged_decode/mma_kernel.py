@@ -1,4 +1,4 @@
-"""Warp-level tensor-core paged decode: 4-, 3- or 5-bit Lloyd-Max or FP8 keys, 4- or 3-bit values.
+"""Warp-level tensor-core paged decode: 4-, 3- or 5-bit Lloyd-Max or FP8 keys, 4-, 3- or 2-bit values.
 
 Every tensor in this kernel holds one value per thread (shape ``[32·WARPS]``), and the inner
 loop is inline PTX, so each value is produced in the register where ``mma.sync.m16n8k16``
@@ -37,8 +37,12 @@ One warp owns one (sequence, KV head, split) and walks its tokens 16 at a time:
   below its chunk and funnel-shifted into place (no joining lanes). 5-bit keys: the same order,
   one lookup per code in 32 single entries (table entries 64..95), two joined by one LOP3.
 * 3-bit values: lane ``r`` owns codes ``r·D/8 ..``; M tile ``i`` takes codes ``2i``, ``2i + 1``.
-  Uniform: PRMT + AND per token pair into subnormals ``code·2^(3k mod 8 - 24)``; Lloyd-Max (next
-  to 5-bit keys): token-pair entries 0..63 of the value codebook.
+  Uniform: PRMT + AND per token pair into subnormals ``code·2^(3k mod 8 - 24)``; Lloyd-Max:
+  token-pair entries 0..63 of the value codebook. 2-bit Lloyd-Max values the same way, two LOP3s
+  per token pair making every code pair's 4-bit index (entries 0..15).
+* Values with a codebook of their own (Lloyd-Max values next to keys of another codebook or bit
+  width) take the table's first entries; the keys' entries then start at ``K_AT`` (64, or 256
+  after 4-bit value pairs), and the table grows past 256 entries where it must (36 or 40 KB).
 * Shifted words (``K_FUN`` / ``V_FUN``): a chunk not at a fixed offset from aligned blocks is
   read as the words that hold it and funnel-shifted; in blocks of an even number of rows a
   row's offset from a word boundary follows the token's parity, so rows of 2 mod 4 bytes work.
@@ -67,9 +71,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tqkern.ops.paged_decode.mma_fragments import (LUT_BYTES, _accumulate, _dim_of, _lut_declare, _lut_fill,
-                                                   _lut_fill_k5, _p_fragments, _pack2, _rescale, _scaled_scores,
-                                                   _scores, _values, _warp_max_r, _warp_sum_r)
+from tqkern.ops.paged_decode.mma_fragments import (_accumulate, _dim_of, _lut_barrier, _lut_declare, _lut_fill,
+                                                   _lut_fill_at, _lut_fill_k5, _p_fragments, _pack2, _rescale,
+                                                   _scaled_scores, _scores, _values, _warp_max_r, _warp_sum_r)
 from tqkern.ops.paged_decode.mma_loads import (LaneGeometry, _byte_masks, _coop_issue, _coop_wait, _load_step,
                                                _smem_base, _stage, _step_block, _step_blocks)
 
@@ -91,6 +95,7 @@ def _paged_decode_mma_kernel(
     PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0, SUB: tl.constexpr = 1,
     COOP: tl.constexpr = 0, RS: tl.constexpr = 0, SMEM_OFF: tl.constexpr = 0, LUT_AT: tl.constexpr = 0,
     NLOW: tl.constexpr = 0, LATE_V: tl.constexpr = 0, GS: tl.constexpr = 1, QT: tl.constexpr = 1,
+    K_AT: tl.constexpr = 0,
 ):
     NT: tl.constexpr = 32 * WARPS
     K3: tl.constexpr = K_BITS == 3
@@ -101,8 +106,12 @@ def _paged_decode_mma_kernel(
     CK: tl.constexpr = ((D // 8) * (1 + K_FP8) * (1 - K3 - K5) + 4 * ((3 * D + 127) // 128 + 1) * K3
                         + (5 * D // 32) * K5)
     NEED_LUT: tl.constexpr = not (K_FP8 and V_UNIFORM)  # FP8 keys and uniform values need no table
-    # value chunk bytes per lane and token: 4-bit 1 per M tile, 3-bit 2 codes per M tile
-    CV: tl.constexpr = D // 16 if V_BITS == 4 else 3 * D // 64
+    # The table's key entries start at K_AT (MmaPlan.K_AT): 256 4-bit pairs, 64 3-bit pairs or 32
+    # 5-bit codes; below them, Lloyd-Max value pairs of the value codebook (if any).
+    KN: tl.constexpr = 256 if K_BITS == 4 else (64 if K_BITS == 3 else (32 if K5 else 0))
+    LUTB: tl.constexpr = 128 * (K_AT + KN if K_AT + KN > 256 else 256)
+    # value chunk bytes per lane and token: 4-bit 1 per M tile, 3- and 2-bit 2 codes per M tile
+    CV: tl.constexpr = D // 16 if V_BITS == 4 else (3 * D // 64 if V_BITS == 3 else D // 32)
     NKW: tl.constexpr = (CK + 3) // 4
     NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
     NMT: tl.constexpr = D // 16
@@ -134,7 +143,7 @@ def _paged_decode_mma_kernel(
         elif COOP:  # the start of the dynamic region, past Triton's scratch
             lut = _smem_base(t) + SMEM_OFF
         else:
-            lut = _lut_declare(t)
+            lut = _lut_declare(t, LUTB)
     else:
         lut = t * 0  # (unused)
     if COOP:
@@ -147,7 +156,7 @@ def _paged_decode_mma_kernel(
         STG: tl.constexpr = 16 * SUB * RS
         NCP: tl.constexpr = (ROW_BYTES + NT - 1) // NT
         # (LUT_AT: stages 0 .. NLOW - 1 below the table, the others right above its 64 KB)
-        stages = _smem_base(t) + (SMEM_OFF + LUT_BYTES * NEED_LUT * (LUT_AT == 0))
+        stages = _smem_base(t) + (SMEM_OFF + LUTB * NEED_LUT * (LUT_AT == 0))
         NBELOW: tl.constexpr = NLOW if (LUT_AT > 0 and NLOW < COOP) else -1
         cp_s = ()
         for k in tl.static_range(NCP):
@@ -160,13 +169,18 @@ def _paged_decode_mma_kernel(
             _coop_issue(cache_ptr, _step_blocks(bt_row, start + 16 * SUB * j, end, BS, SUB), start + 16 * SUB * j,
                         end, _stage(stages, lut, j, STG, NBELOW), cp_s, t, NT, BS, ROW_BYTES, RS, SUB)
     if NEED_LUT:
-        if K5:
+        if K5 and K_AT == 64 and V_BITS != 2:  # 3-bit value pairs (or none) at 0, key codes at 64
             lut = _lut_fill_k5(lut, t, cen_ptr, vcen_ptr, NT, not V_UNIFORM)
-        else:
+        elif K_AT == 0:  # key pairs (4-bit Lloyd-Max values: the same pairs)
             lut = _lut_fill(lut, t, cen_ptr, NT, K_BITS, LUT_AT > 0)
+        else:  # value pairs of the value codebook at 0, the keys' entries at K_AT
+            lut = _lut_fill_at(lut, t, vcen_ptr, NT, V_BITS, 0, 1 << (2 * V_BITS))
+            lut = _lut_fill_at(lut, t, cen_ptr, NT, K_BITS, K_AT, KN, K5)
+            lut = _lut_barrier(lut)
         lb = lut + lane * 4
     else:
         lb = lane * 4
+    lbk = lb + K_AT * 128  # this lane's base of the key entries
 
     # -- field geometry (aligned spans, byte masks for the joining lane) ---------------------------
     kvh = h // GS  # this warp's KV head (h: a (KV head, query-head group) pair)
@@ -308,7 +322,7 @@ def _paged_decode_mma_kernel(
                 blk = _step_block(bt_row, tn + 16, end, BS)
             ok0 = (t0 + 16 * u + r) < end
             ok1 = (t0 + 16 * u + r + 8) < end
-            sv, sv2, cn = _scores(k0, k1, qf, lb, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN, LUT_AT > 0,
+            sv, sv2, cn = _scores(k0, k1, qf, lbk, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN, LUT_AT > 0,
                                   NQ, QT)
             s0, s1, s2, s3 = _scaled_scores(sv, cn, fac, ok0, ok1, sm_scale_log2, K_NC)
             e0, e1, e2, e3 = _scaled_scores(sv2, cn, fac, ok0, ok1, sm_scale_log2, K_NC)  # (QT = 2: tile 1)
@@ -427,7 +441,7 @@ def _store_partials(acc_ptr, ml_ptr, o, m_e, m_o, l_e, l_o, z_e, z_o, vmax, head
     ok_e = live & (2 * c < G)
     ok_o = live & (2 * c + 1 < G)
     for i in tl.static_range(NMT):
-        if V_BITS == 3:  # codes 2i, 2i + 1 of the lane's chunk; uniform code k was code·2^(3k mod 8 - 24)
+        if V_BITS != 4:  # codes 2i, 2i + 1 of the lane's chunk; uniform code k was code·2^(3k mod 8 - 24)
             d_lo = r * (D // 8) + 2 * i
             d_hi = d_lo + 1
             if V_UNIFORM:

@@ -13,10 +13,9 @@ from typing import Optional
 
 from tqkern.layouts import FP8, LloydMax, PagedLayout, Uniform
 from tqkern.ops.common import layout_consts
-from tqkern.ops.paged_decode.mma_fragments import LUT_BYTES
 
-__all__ = ["DynamicSmemUnsupported", "MmaPlan", "coop_plan", "coop_row_stride", "coop_smem_bytes", "ctas_per_sm", "mma_plan",
-           "num_splits_mma", "per_warp_plan", "table256_plan"]
+__all__ = ["DynamicSmemUnsupported", "MmaPlan", "coop_plan", "coop_row_stride", "coop_smem_bytes", "ctas_per_sm",
+           "lut_bytes", "mma_plan", "num_splits_mma", "per_warp_plan", "table256_plan"]
 
 
 _DT = {"float16": 0, "float32": 1, "bfloat16": 2}
@@ -41,7 +40,11 @@ class MmaPlan:
     row stride, ``SMEM_OFF``, ``LATE_V``; the PRMT-addressed table ``LUT_AT`` / ``NLOW``
     (:func:`table256_plan`). A GQA group of more than 8 heads (:func:`head_tiles`): ``GS`` work
     items (warps) per KV head, each with ``QT`` query column tiles of ``group / (GS·QT) <= 8``
-    heads (``QT = 2``: every decoded K and V fragment feeds two MMAs)."""
+    heads (``QT = 2``: every decoded K and V fragment feeds two MMAs). The pair table
+    (:attr:`lut_bytes`): the keys' entries start at entry ``K_AT`` (0: key pairs, which 4-bit
+    Lloyd-Max values of the same codebook share; 64 for 5-bit keys, with 3-bit Lloyd-Max value
+    pairs below them; past the value codebook's pairs wherever values have their own: 64 after
+    3-bit pairs, 256 after 4-bit ones)."""
 
     D: int
     DP: int
@@ -72,6 +75,7 @@ class MmaPlan:
     V_BITS: int
     GS: int = 1
     QT: int = 1
+    K_AT: int = 0
     COOP: Optional[int] = None
     RS: Optional[int] = None
     SMEM_OFF: Optional[int] = None
@@ -93,6 +97,12 @@ class MmaPlan:
         """Whether the kernel declares the pair table (mirrors ``NEED_LUT`` in the kernel)."""
         return _needs_lut(self.K_FP8, self.V_UNIFORM)
 
+    @property
+    def lut_bytes(self) -> int:
+        """Shared memory of the pair table (mirrors ``LUTB`` in the kernel; 0 without a table):
+        128 bytes per entry (32 lane replicas), at least 256 entries; the PRMT-addressed table 64 KB."""
+        return lut_bytes(self.K_FP8, self.V_UNIFORM, self.K_BITS, self.K_AT, bool(self.LUT_AT))
+
 
 # -- host side ------------------------------------------------------------------------------------
 def mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
@@ -100,9 +110,10 @@ def mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
     does not apply (then the general kernel runs).
 
     It applies when keys are 4-bit Lloyd-Max codes, 3- or 5-bit Lloyd-Max codes (LSB bit order)
-    or FP8, and values are 4- or 3-bit uniform codes, 4-bit Lloyd-Max codes next to 4-bit keys
-    (no decode-time norm correction; the launcher also requires the keys' codebook, see
-    ``tqkern.ops.paged_decode.triton.decode_path``) or 3-bit Lloyd-Max codes next to 5-bit keys;
+    or FP8, and values are 4- or 3-bit uniform codes or Lloyd-Max codes without decode-time norm
+    correction: 4-bit next to 4-bit keys (the launcher also requires the keys' codebook, see
+    ``tqkern.ops.paged_decode.triton.decode_path``) or 5-bit keys, 3- or 2-bit next to 3-, 4- or
+    5-bit keys (``K_AT``: their pairs below the keys' table entries);
     ``head_dim`` 64 or 128 (256: FP8 or 3-bit keys with 4-bit uniform values, ``group ≤ 2`` as
     Gemma's layers have; other D256 layouts run the general kernel); ``group ≤ 8``, or a larger group that
     :func:`head_tiles` splits; rows of an even number of bytes (2 mod 4 only in
@@ -129,12 +140,20 @@ def _mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
         return None
     v_uniform = isinstance(value, Uniform)
     v_lm = isinstance(value, LloydMax) and value.norm_correction != "decode"
-    if not ((v_lm and value.bits in (3, 4)) or (v_uniform and value.bits in (3, 4))):
+    if not ((v_lm and value.bits in (2, 3, 4)) or (v_uniform and value.bits in (3, 4))):
         return None
-    # The one table holds 4-bit key pairs (and then 4-bit Lloyd-Max value pairs of the same
-    # codebook), 3-bit key pairs, or 5-bit key codes next to 3-bit Lloyd-Max value pairs.
-    if v_lm and not ((value.bits == 4 and isinstance(key, LloydMax) and key.bits == 4) or (value.bits == 3 and k5)):
+    # The table: 4-bit key pairs (4-bit Lloyd-Max values of the same codebook read the same
+    # pairs: the launcher checks the codebooks), or the value codebook's pairs (2- and 3-bit
+    # values next to 3-, 4- or 5-bit keys; 4-bit values next to 5-bit keys) below the keys'
+    # entries (K_AT).
+    k4 = isinstance(key, LloydMax) and key.bits == 4
+    if v_lm and not ((value.bits == 4 and (k4 or k5)) or (value.bits in (2, 3) and not k_fp8)):
         return None
+    k_at = 0
+    if k5:
+        k_at = 256 if v_lm and value.bits == 4 else 64
+    elif v_lm and value.bits in (2, 3):
+        k_at = 64
     tiles = head_tiles(group)
     if d not in (64, 128, 256) or tiles is None:
         return None
@@ -150,9 +169,9 @@ def _mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
     k_fun = k5 or (not (k_fp8 or k3) and rb % ck != 0)
     if d == 256 and not ((k_fp8 or k3) and v_uniform and value.bits == 4 and group <= 2):
         return None  # D256: only what was oracle-checked on the H100 (S21; docs/performance.md "Model shapes")
-    # 3-bit values: always shifted (3D/64-byte chunks). With 3-bit keys, values that would be
-    # joined are shifted too (measured 4-5% faster on the H100: docs/performance.md §25).
-    v_fun = value.bits == 3 or rb % cv != 0 or (k3 and bool(c["V_A_OFF"] % cv or c["V_A_STRIDE"] % cv))
+    # 2- and 3-bit values: always shifted (D/32- and 3D/64-byte chunks). With 3-bit keys, values
+    # that would be joined are shifted too (measured 4-5% faster on the H100: docs/performance.md §25).
+    v_fun = value.bits in (2, 3) or rb % cv != 0 or (k3 and bool(c["V_A_OFF"] % cv or c["V_A_STRIDE"] % cv))
     last_key = c["K_A_OFF"] + (layout.num_kv_heads - 1) * c["K_A_STRIDE"]
     if k3 and last_key + 3 * (3 * d // 32) + 4 * ((3 * d + 127) // 128 + 1) > rb:
         return None  # 3-bit keys: a lane's whole words (one beyond its chunk) must stay in the row
@@ -181,7 +200,7 @@ def _mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
         V_B_STRIDE=c["V_B_STRIDE"], V_C_OFF=c["V_C_OFF"], V_C_STRIDE=c["V_C_STRIDE"], V_DT=v_dt,
         K_MERGE=key.bits == 4 and not k_fun and bool(c["K_A_OFF"] % ck or c["K_A_STRIDE"] % ck),
         V_MERGE=not v_fun and bool(c["V_A_OFF"] % cv or c["V_A_STRIDE"] % cv),
-        K_FUN=k_fun, V_FUN=v_fun, V_BITS=value.bits, GS=gs, QT=qt,
+        K_FUN=k_fun, V_FUN=v_fun, V_BITS=value.bits, GS=gs, QT=qt, K_AT=k_at,
     )
     # CTA-cooperative stages where they apply and CTAs have at least 4 warps (each CTA fills its
     # own table), measured on the H100 (docs/performance.md §37-39, §47): Lloyd-Max values 4
@@ -285,10 +304,11 @@ def table256_plan(plan: MmaPlan) -> MmaPlan | None:
     PRMT of the code byte into this lane's base instead of a PRMT and an IMAD). The table takes 64
     KB at ``LUT_AT``; stages ``0 .. NLOW - 1`` lie below it (from ``SMEM_OFF``), the others right
     above it. ``None`` if no such layout fits one CTA's shared memory, or the plan's keys are not
-    4-bit codes (3- and 5-bit keys index the table differently)."""
+    4-bit codes at entry 0 (3- and 5-bit keys index the table differently; ``K_AT > 0``: the
+    value codebook's pairs below them)."""
     if not isinstance(plan, MmaPlan) or not plan.COOP:
         raise TypeError(f"plan must be a cooperative plan (an MmaPlan from coop_plan), got {plan!r:.80}")
-    if plan.K_BITS != 4:
+    if plan.K_BITS != 4 or plan.K_AT:
         return None
     stg = 16 * plan.SUB * plan.RS
     for at in (0x10000, 0x20000, 0x30000):
@@ -308,7 +328,7 @@ def coop_smem_bytes(plan: MmaPlan) -> int:
     stg = 16 * plan.SUB * plan.RS
     if plan.LUT_AT:  # up to the last stage above the table, counted from shared address 0
         return plan.LUT_AT + 65536 + (plan.COOP - plan.NLOW) * stg + _COOP_PAD
-    return plan.SMEM_OFF + _LUT_BYTES * plan.needs_lut + plan.COOP * stg + _COOP_PAD
+    return plan.SMEM_OFF + plan.lut_bytes + plan.COOP * stg + _COOP_PAD
 
 
 class DynamicSmemUnsupported(RuntimeError):
@@ -345,7 +365,16 @@ def coop_row_stride(row_bytes: int) -> int:
     return row_bytes + (16 - row_bytes % 32) % 32
 
 
-_LUT_BYTES, _SMEM_RESERVED = LUT_BYTES.value, 1024  # the pair table (inline PTX) and the per-CTA reservation
+_SMEM_RESERVED = 1024  # the per-CTA reservation
+
+
+def lut_bytes(k_fp8: bool, v_uniform: bool, k_bits: int, k_at: int, prmt: bool = False) -> int:
+    """Bytes of the pair table a plan's kernel declares (:attr:`MmaPlan.lut_bytes`)."""
+    if not _needs_lut(k_fp8, v_uniform):
+        return 0
+    if prmt:
+        return 65536
+    return 128 * max(256, k_at + {4: 256, 3: 64, 5: 32}.get(k_bits, 0))
 
 
 def _needs_lut(k_fp8: bool, v_uniform: bool) -> bool:

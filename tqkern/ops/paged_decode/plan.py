@@ -22,7 +22,7 @@ from typing import Callable, Optional
 from tqkern.layouts import PagedLayout
 from tqkern.ops.codecs import DT_BF16, Kind, layout_args, layout_consts
 from tqkern.ops.common import halfword_aligned
-from tqkern.ops.paged_decode.mma_plans import (DynamicSmemUnsupported, MmaPlan, _LUT_BYTES, _needs_lut,
+from tqkern.ops.paged_decode.mma_plans import (DynamicSmemUnsupported, MmaPlan, lut_bytes,
                                                coop_smem_bytes, mma_plan, num_splits_mma, per_warp_plan)
 from tqkern.ops.paged_decode.side_plans import (MergePlan, RotatePlan, _merge_plan, _rotate_plan, merge_chunks,
                                                 scan_split)
@@ -198,7 +198,7 @@ def decode_path(layout, group: int, *, same_codebooks: bool, interpret: bool = F
         need = MMA_FP8_MIN_CAPABILITY if plan.K_FP8 else MMA_MIN_CAPABILITY
         if tuple(capability) < need:
             return "general"
-    if plan.V_BITS == 4 and not plan.V_UNIFORM and not same_codebooks:  # one codebook for K and V
+    if plan.V_BITS == 4 and not plan.V_UNIFORM and plan.K_AT == 0 and not same_codebooks:  # K and V share pairs
         return "general"
     return "mma"
 
@@ -440,4 +440,4 @@ def needs_lut_bytes(kernel: KernelPlan) -> int:
     if kernel.kernel != "mma":
         return 0
     cx = dict(kernel.constexprs)
-    return _LUT_BYTES * _needs_lut(cx.get("K_FP8", False), cx["V_UNIFORM"])
+    return lut_bytes(cx.get("K_FP8", False), cx["V_UNIFORM"], cx.get("K_BITS", 4), cx.get("K_AT", 0))

@@ -82,8 +82,8 @@ class Prepared:
                                                                     SP=sp, **common), num_warps=4)
         k = plan.decode
         self.value_table = "value"
-        if k.kernel != "general" and not (k.constexpr("K_BITS") == 5 and not k.constexpr("V_UNIFORM")):
-            self.value_table = "key"  # (read only for 3-bit Lloyd-Max values next to 5-bit keys)
+        if k.kernel != "general" and not (k.constexpr("K_AT") and not k.constexpr("V_UNIFORM")):
+            self.value_table = "key"  # (the value codebook is read only for value pairs below the keys' entries)
 
 
 def _launcher(kernel) -> KernelLauncher:
@@ -185,7 +185,7 @@ def _decode_args(kernel, q_rot, cache, block_table, seq_lens, tables, acc, ml, s
         return (q_rot, cache, block_table, seq_lens, tables["key_centroids_f32"], tables["value_centroids_f32"],
                 acc, ml, block_table.shape[1], scale, 0, 0, 0.0, 0.0)
     two = dict(kernel.constexprs)
-    vcen = tables["value_centroids_f32"] if two["K_BITS"] == 5 and not two["V_UNIFORM"] else tables["key_centroids_f32"]
+    vcen = tables["value_centroids_f32"] if two.get("K_AT") and not two["V_UNIFORM"] else tables["key_centroids_f32"]
     return (q_rot, cache, block_table, seq_lens, tables["key_centroids_f32"], vcen, acc, ml, q_rot.shape[0],
             block_table.shape[1], scale, num_splits)
 
