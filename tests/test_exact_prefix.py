@@ -11,14 +11,18 @@ import torch
 from tqkern_torch.exact_prefix import replace_prefix
 
 
-def _attend(q, k, v, scale, q_pos):
-    """float64 attention: q [B, Hq, T, D], k/v [B, Hkv, L, D]; key j attended iff j <= q_pos[b, t].
+def _attend(q, k, v, scale, q_pos, window_left=None, softcap=None):
+    """float64 attention: q [B, Hq, T, D], k/v [B, Hkv, L, D]; key j attended iff j <= q_pos[b, t]
+    (and q_pos[b, t] − j <= window_left); logits capped as softcap·tanh(s/softcap).
     Returns (out [B, T, Hq, D], lse [B, T, Hq])."""
     b, hq, t, d = q.shape
     rep = hq // k.shape[1]
     k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
     s = scale * np.einsum("bhtd,bhld->bhtl", q, k)
-    s = np.where(np.arange(k.shape[2])[None, None, None, :] <= q_pos[:, None, :, None], s, -np.inf)
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
+    j, qp = np.arange(k.shape[2])[None, None, None, :], q_pos[:, None, :, None]
+    s = np.where((j <= qp) & (qp - j <= (np.inf if window_left is None else window_left)), s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     p = np.exp(s - m)
     z = p.sum(axis=-1, keepdims=True)
@@ -69,15 +73,51 @@ def test_replace_prefix_without_positions_and_empty_prefix():
     assert replace_prefix(T(out_hat), T(lse), T(q), empty, empty, empty, empty, scale=0.5) is not None
 
 
+def test_replace_prefix_paged_positions_window_and_softcap():
+    """Prefix token j at cache position k_pos[b, j] (negative: not in the cache, e.g. dropped as
+    older than a sliding window), queries under a window of 5 keys and soft-capped logits (what
+    a TQStaticCacheLayer's decode step passes): against float64 attention over the cache with
+    those positions exact; queries that see all, part or none of the prefix."""
+    rng = np.random.default_rng(5)
+    b, hq, hkv, t, d, length, n, cap, wl = 2, 4, 2, 3, 16, 12, 3, 2.0, 4
+    q = rng.standard_normal((b, hq, t, d))
+    k, v = rng.standard_normal((b, hkv, length, d)), rng.standard_normal((b, hkv, length, d))
+    k_pos = np.array([[0, 1, 2], [-1, 0, 1]])  # row 1: prefix token 0 is not in the cache
+    q_pos = np.array([[3, 6, 11], [0, 4, 5]])
+    k_hat, v_hat = k.copy(), v.copy()
+    k_ex, v_ex = rng.standard_normal((b, hkv, n, d)), rng.standard_normal((b, hkv, n, d))  # at k_pos (if ≥ 0)
+    k_pre, v_pre = k_ex + 0.5 * rng.standard_normal(k_ex.shape), v_ex + 0.5 * rng.standard_normal(v_ex.shape)
+    for row in range(b):
+        for j, p in enumerate(k_pos[row]):
+            if p >= 0:
+                k_hat[row, :, p], v_hat[row, :, p] = k_pre[row, :, j], v_pre[row, :, j]
+                k[row, :, p], v[row, :, p] = k_ex[row, :, j], v_ex[row, :, j]
+    out_hat, lse_hat = _attend(q, k_hat, v_hat, 0.3, q_pos, wl, cap)
+    want, _ = _attend(q, k, v, 0.3, q_pos, wl, cap)
+    T = lambda x: torch.from_numpy(np.ascontiguousarray(x)).float()  # noqa: E731
+    got = replace_prefix(T(out_hat), T(lse_hat), T(q), T(k_pre), T(v_pre), T(k_ex), T(v_ex), scale=0.3,
+                         q_pos=torch.from_numpy(q_pos), k_pos=torch.from_numpy(k_pos), window_left=wl,
+                         logit_softcap=cap)
+    np.testing.assert_allclose(got.double().numpy(), want, atol=1e-5, rtol=0)
+    changed = np.abs(out_hat - want).max(axis=(2, 3))  # [B, T]: the queries that see a prefix token
+    assert (changed[:, [0, 2]] > 1e-2).tolist() == [[True, False], [True, True]] and changed[0, 2] == 0
+    with pytest.raises(ValueError, match="window_left must be an int >= 0, with q_pos"):
+        replace_prefix(T(out_hat), T(lse_hat), T(q), T(k_pre), T(v_pre), T(k_ex), T(v_ex), scale=0.3, window_left=4)
+    with pytest.raises(ValueError, match="logit_softcap must be > 0"):
+        replace_prefix(T(out_hat), T(lse_hat), T(q), T(k_pre), T(v_pre), T(k_ex), T(v_ex), scale=0.3,
+                       logit_softcap=0.0)
+
+
 @pytest.mark.parametrize("arg,shape,match", [
     ("out", (1, 1, 2, 7), "out must have shape"), ("lse", (1, 2, 1), "lse must have shape"),
     ("k_hat", (1, 1, 3, 8), "k_hat must have shape"), ("v_exact", (1, 1, 2, 4), "v_exact must have shape"),
-    ("q_pos", (1, 2), "q_pos must have shape"),
+    ("q_pos", (1, 2), "q_pos must have shape"), ("k_pos", (1, 3), "k_pos must have shape"),
 ])
 def test_replace_prefix_rejects_bad_shapes(arg, shape, match):
     args = dict(out=torch.zeros(1, 1, 2, 8), lse=torch.zeros(1, 1, 2), q=torch.zeros(1, 2, 1, 8),
                 k_hat=torch.zeros(1, 1, 2, 8), v_hat=torch.zeros(1, 1, 2, 8), k_exact=torch.zeros(1, 1, 2, 8),
-                v_exact=torch.zeros(1, 1, 2, 8), q_pos=torch.zeros(1, 1, dtype=torch.long))
+                v_exact=torch.zeros(1, 1, 2, 8), q_pos=torch.zeros(1, 1, dtype=torch.long),
+                k_pos=torch.zeros(1, 2, dtype=torch.long))
     args[arg] = torch.zeros(shape, dtype=args[arg].dtype)
     with pytest.raises(ValueError, match=match):
         replace_prefix(**args, scale=1.0)

@@ -23,7 +23,8 @@ def model(request):
 
 
 def _oracle_exact(params, n):
-    """The oracle round trip of test_transformers, with key/value positions < n exact."""
+    """The oracle round trip of test_transformers, with key/value positions < n exact (rounded to
+    float16, what TQCache keeps of a float32 model's prefix tokens)."""
     inner = _oracle_attention(params)
 
     def fn(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -31,7 +32,7 @@ def _oracle_exact(params, n):
 
         def dense(q, k, v, mask, scale, softcap):
             k, v = k.clone(), v.clone()
-            k[:, :, :n], v[:, :, :n] = key[:, :, :n], value[:, :, :n]
+            k[:, :, :n], v[:, :, :n] = key[:, :, :n].half(), value[:, :, :n].half()  # as the cache keeps them
             captured["out"] = orig(q, k, v, mask, scale, softcap)
             return captured["out"]
 
@@ -129,8 +130,9 @@ def test_exact_prefix_bad_arguments(model):
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="exact_prefix must be an int >= 0"):
             tqt.TQCache(model, exact_prefix=bad)
-    with pytest.raises(NotImplementedError, match="does not keep exact prefix tokens yet"):
-        tqt.TQCache(model, max_cache_len=32, exact_prefix=2)
+    with pytest.raises(ValueError, match=r"exact_prefix must be <= max_cache_len = 32, got 33"):
+        tqt.TQCache(model, max_cache_len=32, exact_prefix=33)
+    assert all(layer.exact.n == 2 for layer in tqt.TQCache(model, max_cache_len=32, exact_prefix=2).layers)
     with pytest.raises(ValueError, match=r"exact_prefix=12\) needs at least 12 real tokens in every row"):
         _teacher_forced_logits(model, _ids(1, 11), [], tqt.TQCache(model, exact_prefix=12))
     np.testing.assert_equal(tqt.TQCache(model, exact_prefix=0).layers[0].exact, None)

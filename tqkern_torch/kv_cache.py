@@ -237,7 +237,7 @@ class TQCacheLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         if getattr(self, "exact", None) is not None:
-            self.exact = ExactPrefix(self.exact.n)
+            self.exact.reset()
         if self.is_initialized:
             self.blocks_used = 0
             self.block_table = self.block_table[:, :0].contiguous()
@@ -285,15 +285,21 @@ class TQStaticCacheLayer(TQCacheLayer):
     first attended position (an exact copy of slot bytes inside the row). Decode steps then run
     ``paged_decode`` on every step, whatever the mask (a sliding window as ``window_left``,
     soft-capping as ``logit_softcap``), so the mask transformers builds is not read. Prefill (more
-    than one new token) runs eagerly as in :class:`TQCacheLayer`."""
+    than one new token) runs eagerly as in :class:`TQCacheLayer`. With ``exact_prefix`` the first
+    prefill ends with :meth:`~tqkern_torch.exact_prefix.ExactPrefix.freeze` (the prefix's paged
+    positions and reconstruction, static addresses); each decode step then corrects
+    ``paged_decode``'s output through its log-sum-exp, window and soft-cap included."""
 
     is_compileable = True
 
     def __init__(self, params: TQParams, num_kv_heads: int, max_cache_len: int, block_size: int = 16, *,
-                 estimate_key_offset: bool = False, prefill: str = "auto"):
-        super().__init__(params, num_kv_heads, block_size, estimate_key_offset=estimate_key_offset, prefill=prefill)
+                 estimate_key_offset: bool = False, prefill: str = "auto", exact_prefix: int = 0):
+        super().__init__(params, num_kv_heads, block_size, estimate_key_offset=estimate_key_offset, prefill=prefill,
+                         exact_prefix=exact_prefix)
         if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
             raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
+        if exact_prefix > max_cache_len:
+            raise ValueError(f"exact_prefix must be <= max_cache_len = {max_cache_len}, got {exact_prefix}")
         self.max_cache_len = max_cache_len
         self.width = -(-max_cache_len // block_size)  # blocks per row
         self.dropped = False
@@ -395,6 +401,8 @@ class TQStaticCacheLayer(TQCacheLayer):
         return self.max_cache_len
 
     def reset(self) -> None:
+        if getattr(self, "exact", None) is not None:
+            self.exact.reset()  # its tensors kept, refilled in place
         if self.is_initialized:
             self.seq_lens.zero_()
             self.starts.zero_()
@@ -429,7 +437,9 @@ class TQCache(Cache):
     them in place of their reconstruction, the outputs of ``paged_decode`` and ``prefill`` are
     corrected through their log-sum-exp (:func:`~tqkern_torch.exact_prefix.replace_prefix`; a
     prefill under soft-capping or a sliding window takes the dense path), and the first chunk
-    must hold ``N`` real tokens per row. Not with ``max_cache_len`` yet."""
+    must hold ``N`` real tokens per row. With ``max_cache_len`` too: each compiled decode step
+    corrects ``paged_decode`` (window and soft-cap included) from tensors computed once at the end
+    of the first prefill."""
 
     def __init__(self, model_or_config, *, params: Optional[Sequence[TQParams]] = None,
                  block_size: Optional[int] = None, estimate_key_offset: bool = False,
@@ -465,12 +475,9 @@ class TQCache(Cache):
         if max_cache_len is None:
             layers = [TQCacheLayer(p, kv_heads, block_size or 16, estimate_key_offset=e, prefill=prefill,
                                    exact_prefix=exact_prefix) for p, e in zip(params, estimate)]
-        elif exact_prefix:
-            raise NotImplementedError("TQCache(max_cache_len=...) does not keep exact prefix tokens yet: "
-                                      "use exact_prefix=0 or TQCache without max_cache_len")
         else:
             layers = [TQStaticCacheLayer(p, kv_heads, max_cache_len, block_size or 16, estimate_key_offset=e,
-                                         prefill=prefill) for p, e in zip(params, estimate)]
+                                         prefill=prefill, exact_prefix=exact_prefix) for p, e in zip(params, estimate)]
         super().__init__(layers=layers)
         self._config = config
         self._warned = False

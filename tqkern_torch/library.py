@@ -1,4 +1,4 @@
-"""``torch.library`` registration: ``tqkern::store`` and ``tqkern::decompress``.
+"""``torch.library`` registration: ``tqkern::store``, ``tqkern::decompress`` and ``tqkern::replace_prefix``.
 
 The layout travels as a JSON string (static for a compiled graph); the parameters as tensors.
 Fake (meta) implementations make the ops traceable by ``torch.compile(fullgraph=True)``.
@@ -141,3 +141,23 @@ def _(cache, slot_ids, rotation, key_centroids, value_centroids, layout, rotate_
     lay = layout_of(layout)
     shape = (slot_ids.shape[0], lay.num_kv_heads, lay.head_dim)
     return cache.new_empty(shape, dtype=torch.float32), cache.new_empty(shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("tqkern::replace_prefix", mutates_args=())
+def replace_prefix_op(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k_hat: torch.Tensor,
+                      v_hat: torch.Tensor, k_exact: torch.Tensor, v_exact: torch.Tensor, scale: float,
+                      q_pos: Optional[torch.Tensor], k_pos: Optional[torch.Tensor], window_left: int,
+                      logit_softcap: float) -> torch.Tensor:
+    """``tqkern_torch.exact_prefix.replace_prefix`` as an op (``window_left < 0``, ``logit_softcap
+    <= 0``: none), so that a compiled decode step traces the kernel's launch; its Triton kernel where
+    kernels run, the float32 torch operations elsewhere."""
+    from tqkern_torch.exact_prefix import _replace_prefix_torch, _replace_prefix_triton
+
+    fn = _replace_prefix_triton if use_triton(out.device) else _replace_prefix_torch
+    return fn(out, lse, q, k_hat, v_hat, k_exact, v_exact, scale, q_pos, k_pos,
+              None if window_left < 0 else window_left, None if logit_softcap <= 0 else logit_softcap)
+
+
+@replace_prefix_op.register_fake
+def _(out, lse, q, k_hat, v_hat, k_exact, v_exact, scale, q_pos, k_pos, window_left, logit_softcap):
+    return torch.empty(out.shape, dtype=out.dtype, device=out.device)

@@ -48,7 +48,8 @@ attention is plain dense attention over the uncompressed K/V.
 ``TQCache(model, max_cache_len=N)`` is the compileable variant (:class:`TQStaticCacheLayer`):
 fixed capacity, static tensor addresses, decode steps that change no Python state, left padding
 dropped at the prefill, every decode step through ``paged_decode`` (sliding windows as
-``window_left``, soft-capping as ``logit_softcap``). ``generate`` then compiles the decode step
+``window_left``, soft-capping as ``logit_softcap``; with ``exact_prefix`` corrected through the
+log-sum-exp from tensors made at the first prefill). ``generate`` then compiles the decode step
 (``torch.compile``, by default ``mode="reduce-overhead"``: CUDA graphs on a GPU). Not supported
 yet: beam search (``reorder_cache``), cache cropping (assisted decoding), linear-attention layer
 types.
@@ -183,6 +184,27 @@ def _first_chunk_padding(mask, length: int) -> Optional[torch.Tensor]:
     return starts
 
 
+def _static_decode(layer: TQStaticCacheLayer, query, key, value, scale: float, window: Optional[int],
+                   softcap: Optional[float]) -> torch.Tensor:
+    """A :class:`TQStaticCacheLayer`'s decode step (tensor work only: torch.compile, CUDA graphs):
+    ``paged_decode`` with the window and soft-cap, the exact prefix's correction after it."""
+    b, hq, _, d = query.shape
+    exact = layer.exact
+    if exact is not None and exact.k is None:  # a one-token first chunk (eager): nothing to drop, keep it
+        exact.capture(key, value, None, layer.store_dtype)
+        layer.dropped = True
+        exact.freeze(layer)
+    q = query[:, :, 0, :].to(layer.store_dtype).contiguous()
+    window_left = None if window is None else window - 1
+    out = paged_decode(q, layer.pool, layer.block_table, layer.seq_lens, layer.layout, layer.device_params,
+                       scale=scale, window_left=window_left, logit_softcap=softcap, return_lse=exact is not None)
+    if exact is not None:  # the query at paged position seq_lens − 1, after every prefix token
+        q_pos = None if window_left is None else (layer.seq_lens - 1).long()[:, None]
+        out = exact.correct(layer, q[:, :, None], out[0][:, None], out[1][:, None], scale, q_pos,
+                            window_left=window_left, logit_softcap=softcap)[:, 0]
+    return out.to(query.dtype).reshape(b, 1, hq, d)
+
+
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask, dropout: float = 0.0, scaling: Optional[float] = None,
                       softcap: Optional[float] = None, **kwargs) -> tuple[torch.Tensor, None]:
@@ -205,24 +227,23 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     window = kwargs.get("sliding_window")
     b, hq, tq, d = query.shape
     if isinstance(layer, TQStaticCacheLayer) and tq == 1:  # a compileable decode step: the paged kernel, no mask
-        q = query[:, :, 0, :].to(layer.store_dtype).contiguous()
-        out = paged_decode(q, layer.pool, layer.block_table, layer.seq_lens, layer.layout, layer.device_params,
-                           scale=scale, window_left=None if window is None else window - 1, logit_softcap=softcap)
-        return out.to(query.dtype).reshape(b, 1, hq, d), None
+        return _static_decode(layer, query, key, value, scale, window, softcap), None
     if layer is not None and layer.exact is not None and layer.exact.k is None:  # the first chunk: keep N tokens
         layer.exact.capture(key, value, _first_chunk_padding(attention_mask, layer.seq_len), layer.store_dtype)
     if layer is not None and tq > 1:  # a prefill or a chunk
+        out = None
         if isinstance(attention_mask, CausalMask) and layer.prefill_kernels():
             out = prefill_attention(layer, query, attention_mask, scale, softcap)
-            if out is not None:
-                return out, None
-        mask = attention_mask.dense() if isinstance(attention_mask, CausalMask) else attention_mask
-        k, v = layer.dense()
-        if layer.exact is not None:
-            k, v = layer.exact.patch(k, v)
-        out = _dense_attention(query, k, v, mask, scale, softcap)
-        if isinstance(layer, TQStaticCacheLayer):  # decode steps read no mask: drop the left padding now
-            layer.drop_padding(mask, window is not None)
+        if out is None:
+            mask = attention_mask.dense() if isinstance(attention_mask, CausalMask) else attention_mask
+            k, v = layer.dense()
+            if layer.exact is not None:
+                k, v = layer.exact.patch(k, v)
+            out = _dense_attention(query, k, v, mask, scale, softcap)
+            if isinstance(layer, TQStaticCacheLayer):  # decode steps read no mask: drop the left padding now
+                layer.drop_padding(mask, window is not None)
+        if isinstance(layer, TQStaticCacheLayer) and layer.exact is not None and layer.exact.k_pos is None:
+            layer.exact.freeze(layer)  # the rows re-paged: what the compiled decode steps read, made now
         return out, None
     if isinstance(attention_mask, CausalMask):
         attention_mask = attention_mask.dense()
