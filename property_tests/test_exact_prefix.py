@@ -32,8 +32,11 @@ def _case(draw):
     rng = np.random.default_rng(draw(st.integers(0, 2**16), label="seed"))
     scale = (1.0 + 2.0 * rng.random()) / np.sqrt(d)  # logits of a few units: the prefix matters
     r = lambda *s: rng.standard_normal(s)  # noqa: E731
-    return dict(q=r(b, t, hq, d), k_hat=r(b, n, hkv, d), v_hat=r(b, n, hkv, d), k_exact=r(b, n, hkv, d),
-                v_exact=r(b, n, hkv, d), k_other=r(b, m, hkv, d), v_other=r(b, m, hkv, d), scale=scale,
+    # the reconstruction: the exact vectors plus an error of a quantizer's size (2-5 bits' worth)
+    err = draw(st.sampled_from([0.05, 0.2, 0.5]), label="reconstruction error")
+    k_exact, v_exact = r(b, n, hkv, d), r(b, n, hkv, d)
+    return dict(q=r(b, t, hq, d), k_hat=k_exact + err * r(b, n, hkv, d), v_hat=v_exact + err * r(b, n, hkv, d),
+                k_exact=k_exact, v_exact=v_exact, k_other=r(b, m, hkv, d), v_other=r(b, m, hkv, d), scale=scale,
                 window=window, cap=cap, t=t)
 
 
@@ -54,13 +57,17 @@ def test_oracle_equals_attention_over_the_exact_prefix(c):
     n, m = c["k_hat"].shape[1], c["k_other"].shape[1]
     for bi in range(b):
         out, lse = _attend(c, c["k_hat"], c["v_hat"], bi)
-        want, _ = _attend(c, c["k_exact"], c["v_exact"], bi)
+        want, lse_want = _attend(c, c["k_exact"], c["v_exact"], bi)
         q_pos = np.arange(n + m - t, n + m)[None]  # bottom-right: the queries are the last t positions
         got = oracle(out[None], lse[None], c["q"][bi: bi + 1].transpose(0, 2, 1, 3),
                      *(c[x][bi: bi + 1].transpose(0, 2, 1, 3) for x in ("k_hat", "v_hat", "k_exact", "v_exact")),
                      scale=c["scale"], q_pos=q_pos, window_left=c["window"], logit_softcap=c["cap"])[0]
-        attended = np.isfinite(lse)  # rows with no key at all (queries before the first: none here)
-        np.testing.assert_allclose(got[attended], want[attended], rtol=1e-9, atol=1e-9)
+        # float64 work, its rounding amplified by Z / Z' (the swap's cancellation where the prefix
+        # holds most of the reconstructed softmax's weight)
+        ratio = np.exp(lse - lse_want)[..., None]
+        vmax = max(np.abs(out).max(), np.abs(c["v_exact"][bi]).max(), np.abs(c["v_hat"][bi]).max())
+        err, tol = np.abs(got - want), 1e-12 * (1 + ratio) * vmax + 1e-13
+        assert np.all(err <= tol), (err.max(), np.broadcast_to(tol, err.shape)[err > tol])
 
 
 def _to(x, dtype):
@@ -105,4 +112,5 @@ def test_kernel_and_torch_path_equal_the_oracle(c, dtype, impl, positions, data)
     scale_v = max(np.abs(out_np).max(), max(np.abs(x[1]).max() for x in kv[1::2]))
     eps = {torch.float32: 0.0, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dt]
     tol = 1e-5 * scale_v * (1 + ratio[..., None]) + eps * np.abs(want)
-    np.testing.assert_array_less(np.abs(got.double().cpu().numpy() - want), tol + 1e-30)
+    err = np.abs(got.double().cpu().numpy() - want)
+    assert np.all(err <= tol), (err.max(), np.broadcast_to(tol, err.shape)[err > tol][:4])
