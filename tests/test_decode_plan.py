@@ -292,3 +292,23 @@ def test_per_warp_splits_fill_half_the_gpu_where_every_mma_column_is_a_query_hea
     assert plan.num_splits == want
     if half:
         assert want < num_splits_mma(32, pairs, 1024 * 16, wave)
+
+
+@pytest.mark.parametrize("preset,arr", [("tq4", "row"), ("k4v3h", "slot"), ("turboquant_4bit_nc", "slot")])
+def test_offline_occupancy_sizes_the_cooperative_kernels(monkeypatch, preset, arr):
+    """``tqkern plan --compile``'s occupancy (``aot.occupancy_sm90``) of a cooperative plan: its
+    shared memory is the plan's (table and stages), here with the compile stubbed (128 registers:
+    two 8-warp CTAs by registers; the shared memory decides). It raised TypeError before session 23."""
+    import types
+
+    from tqkern.ops.paged_decode import aot
+    from tqkern.ops.paged_decode.mma_plans import coop_smem_bytes
+    from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode
+
+    monkeypatch.setattr(aot, "_compile", lambda fn, cx, opts, specialize: types.SimpleNamespace(
+        metadata=types.SimpleNamespace(shared=0)))
+    monkeypatch.setattr(aot, "resources", lambda compiled: (128, 0))
+    plan = plan_decode(_layout(preset, 128, 8, arr), 32, 32, 1024, DeviceCaps.sm90(), same_codebooks=True)
+    assert plan.decode.kernel == "coop"
+    smem = coop_smem_bytes(mma_plan(_layout(preset, 128, 8, arr), 4))
+    assert aot.occupancy_sm90(plan.decode) == min(2, 233472 // (smem + 1024))

@@ -119,7 +119,7 @@ def occupancy_sm90(kernel) -> int:
     per-warp kernel's pair table): the ``occupancy`` that ``tqkern plan --compile`` gives
     :func:`~tqkern.ops.paged_decode.plan.plan_decode`. The cooperative kernel's shared memory is
     its plan's (:func:`~.mma_plans.coop_smem_bytes`)."""
-    from tqkern.ops.paged_decode.mma_plans import coop_smem_bytes
+    from tqkern.ops.paged_decode.mma_plans import MmaPlan, coop_smem_bytes
     from tqkern.ops.paged_decode.plan import needs_lut_bytes
 
     kw = kernel.kwargs()
@@ -129,7 +129,7 @@ def occupancy_sm90(kernel) -> int:
     fn = _paged_decode_kernel if kernel.kernel == "general" else _paged_decode_mma_kernel
     compiled = _compile(fn, kw, opts, specialize=kernel.kernel != "coop")
     regs, _ = resources(compiled)
-    smem = coop_smem_bytes(dict(kernel.constexprs)) if kernel.kernel == "coop" else \
+    smem = coop_smem_bytes(MmaPlan.of_constexprs(dict(kernel.constexprs))) if kernel.kernel == "coop" else \
         int(compiled.metadata.shared) + needs_lut_bytes(kernel)
     per_warp = -(-regs * 32 // 256) * 256
     warps = kernel.num_warps
