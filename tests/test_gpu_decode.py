@@ -224,6 +224,16 @@ _FAMILY = tqkern.KVFormat.preset
     (_FAMILY("k5v4h", 128), 2, 16, dict(K_BITS=5, V_BITS=4, K_AT=256)),
     (_FAMILY("k5v4h", 64), 3, 16, dict(K_BITS=5, V_BITS=4, K_AT=256)),
     (_FAMILY("k5v2h", 64), 3, 16, dict(K_BITS=5, V_BITS=2, K_AT=64)),
+    # head_dim 96 (Phi-3): 12-byte key chunks (shifted where not aligned), 6-byte value chunks
+    # (shifted; the last word two M tiles); 4 KV heads: cooperative stages
+    (_FAMILY("turboquant_4bit_nc", 96), 2, 16, dict(D=96, K_FUN=True, V_FUN=True, V_UNIFORM=True)),
+    (_FAMILY("turboquant_4bit_nc", 96), 4, 16, dict(D=96, K_FUN=True, V_FUN=True, COOP=2)),
+    (_FAMILY("tq4", 96), 2, 16, dict(D=96, V_FUN=True, V_UNIFORM=False)),
+    (_FAMILY("tq4", 96), 4, 16, dict(D=96, V_FUN=True, V_UNIFORM=False, COOP=4)),
+    (_FAMILY("turboquant_k8v4", 96), 2, 16, dict(D=96, K_FP8=True)),
+    (_FAMILY("turboquant_k3v4_nc", 96), 3, 16, dict(D=96, K_BITS=3, V_FUN=True)),
+    (_FAMILY("k4v2h", 96), 2, 16, dict(D=96, K_BITS=4, V_BITS=2)),
+    (_FAMILY("k5v4h", 96), 2, 16, dict(D=96, K_BITS=5, V_BITS=4, V_FUN=True)),
 ], ids=lambda x: x if isinstance(x, int) else None)
 def test_warp_mma_read_schemes_match_oracle(fmt, heads, block_size, expect):
     """Each read scheme of the warp-MMA kernel (shifted words, 3-bit values, 5-bit keys) on a

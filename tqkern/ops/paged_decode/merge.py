@@ -97,10 +97,14 @@ def _merge_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, sink_ptr, lse_p
     else:
         cols = cc
     o = tl.zeros([GP, cols.shape[0]], tl.float32)
+    if D < DP:  # the workspace's pad columns hold whatever the decode kernel left there (none: the warp-MMA one)
+        am = gm[:, None] & (cols < D)[None, :]
+    else:
+        am = gm[:, None]
     for i in tl.static_range(NUM_SPLITS):
         wi = tl.sum(tl.where(sp[None, :] == i, w, 0.0), axis=1)
         a = tl.load(acc_ptr + ((s * HQ + qh).to(tl.int64) * NUM_SPLITS + i)[:, None] * DP + cols[None, :],
-                    mask=gm[:, None], other=0.0)  # not masked by the weight: no wait for (m, l)
+                    mask=am, other=0.0)  # not masked by the weight: no wait for (m, l)
         o += tl.where((wi > 0)[:, None], a * wi[:, None], 0.0)
     o = o * inv[:, None]
     if POISON:
@@ -148,7 +152,11 @@ def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, sink_ptr, 
             l = tl.load(ml_ptr + part * 2 + 1, mask=ok, other=0.0)
             w = tl.where(m > float("-inf"), tl.exp2(m - m_safe), 0.0)
             l_all += w * l
-            a = tl.load(acc_ptr + part[:, None] * DP + cols[None, :], mask=(rm & ok)[:, None], other=0.0)
+            if D < DP:  # (pad columns: never read)
+                a = tl.load(acc_ptr + part[:, None] * DP + cols[None, :], mask=(rm & ok)[:, None] & (cols < D)[None, :],
+                            other=0.0)
+            else:
+                a = tl.load(acc_ptr + part[:, None] * DP + cols[None, :], mask=(rm & ok)[:, None], other=0.0)
             o += tl.where((w > 0)[:, None], a * w[:, None], 0.0)  # the load does not wait for w
     if SINKS:
         l_all += tl.exp2(sink - m_safe)

@@ -469,9 +469,10 @@ def _values(o, o2, v0, v1, v2, v3, pb0, pb1, pc0, pc1, lb, v_sh_e, v_sh_o, NVW: 
                 hi_ab = _lut4(m_ab[1], lb, E256)
                 lo_cd = _lut4(m_cd[0], lb, E256)
                 hi_cd = _lut4(m_cd[1], lb, E256)
-            for k in tl.static_range(TPW):  # M tile 4w + k
-                res, res2 = _acc2(o, o2, res, res2, 16 * w + 4 * k, lo_ab[k], hi_ab[k], lo_cd[k], hi_cd[k], pb0, pb1,
-                                  pc0, pc1, QT)
+            for k in tl.static_range(TPW):  # M tile 4w + k (head_dim 96: the last word holds two)
+                if 4 * w + k < NMT:
+                    res, res2 = _acc2(o, o2, res, res2, 16 * w + 4 * k, lo_ab[k], hi_ab[k], lo_cd[k], hi_cd[k], pb0,
+                                      pb1, pc0, pc1, QT)
     if QT == 2:
         return res, res2
     return res, o2

@@ -113,7 +113,7 @@ def _paged_decode_mma_kernel(
     # value chunk bytes per lane and token: 4-bit 1 per M tile, 3- and 2-bit 2 codes per M tile
     CV: tl.constexpr = D // 16 if V_BITS == 4 else (3 * D // 64 if V_BITS == 3 else D // 32)
     NKW: tl.constexpr = (CK + 3) // 4
-    NVW: tl.constexpr = CV // 4 if CV >= 4 else 1
+    NVW: tl.constexpr = (CV + 3) // 4 if V_BITS == 4 else (CV // 4 if CV >= 4 else 1)  # (D96: 6-byte chunks)
     NMT: tl.constexpr = D // 16
     LV: tl.constexpr = LATE_V * (COOP > 0)  # values read after the update: cooperative stages only
     t = tl.arange(0, NT)

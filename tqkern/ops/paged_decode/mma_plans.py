@@ -155,7 +155,7 @@ def _mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
     elif v_lm and value.bits in (2, 3):
         k_at = 64
     tiles = head_tiles(group)
-    if d not in (64, 128, 256) or tiles is None:
+    if d not in (64, 96, 128, 256) or tiles is None:
         return None
     gs, qt = tiles
     rb = layout.row_bytes
@@ -166,12 +166,18 @@ def _mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
     ck, cv = d // 8, d // 16
     c = layout_consts(layout)
     # 4-bit key chunks not at fixed offsets from aligned blocks, and 5-bit keys: shifted words
-    k_fun = k5 or (not (k_fp8 or k3) and rb % ck != 0)
+    # (D96: 12-byte chunks, which the joining lane's byte masks do not handle: shifted instead)
+    k_joined = bool(c["K_A_OFF"] % ck or c["K_A_STRIDE"] % ck)
+    k_fun = k5 or (not (k_fp8 or k3) and (rb % ck != 0 or (d == 96 and k_joined)))
     if d == 256 and not ((k_fp8 or k3) and v_uniform and value.bits == 4 and group <= 2):
         return None  # D256: only what was oracle-checked on the H100 (S21; docs/performance.md "Model shapes")
+    if d == 96 and value.bits == 3:
+        return None  # D96: a lane's 12 three-bit value codes are not whole bytes
     # 2- and 3-bit values: always shifted (D/32- and 3D/64-byte chunks). With 3-bit keys, values
     # that would be joined are shifted too (measured 4-5% faster on the H100: docs/performance.md §25).
-    v_fun = value.bits in (2, 3) or rb % cv != 0 or (k3 and bool(c["V_A_OFF"] % cv or c["V_A_STRIDE"] % cv))
+    # (D96: 4-bit values' 6-byte chunks are not whole words: shifted)
+    v_fun = (value.bits in (2, 3) or cv % 4 != 0 or rb % cv != 0
+             or (k3 and bool(c["V_A_OFF"] % cv or c["V_A_STRIDE"] % cv)))
     last_key = c["K_A_OFF"] + (layout.num_kv_heads - 1) * c["K_A_STRIDE"]
     if k3 and last_key + 3 * (3 * d // 32) + 4 * ((3 * d + 127) // 128 + 1) > rb:
         return None  # 3-bit keys: a lane's whole words (one beyond its chunk) must stay in the row
@@ -179,7 +185,8 @@ def _mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
     if k_fp8:  # word loads of the key field: as wide as its alignment allows
         if (c["K_A_OFF"] | c["K_A_STRIDE"]) % 4:
             return None
-        k_nw = next(n for n in (4, 2, 1) if (c["K_A_OFF"] | c["K_A_STRIDE"] | rb) % (4 * n) == 0)
+        k_nw = next(n for n in (4, 2, 1)  # (a lane's D/16 words in whole loads)
+                    if (c["K_A_OFF"] | c["K_A_STRIDE"] | rb) % (4 * n) == 0 and (d // 16) % n == 0)
     k_dt = _DT["float32" if k_fp8 else key.norm_dtype]  # FP8 keys have no factor: K_DT is unused
     k_bits = 8 if k_fp8 else key.bits
     v_dt = _DT[value.param_dtype if v_uniform else value.norm_dtype]
@@ -198,7 +205,7 @@ def _mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
         SUB=_PER_WARP_SUB[v_uniform],
         V_UNIFORM=v_uniform, V_A_OFF=c["V_A_OFF"], V_A_STRIDE=c["V_A_STRIDE"], V_B_OFF=c["V_B_OFF"],
         V_B_STRIDE=c["V_B_STRIDE"], V_C_OFF=c["V_C_OFF"], V_C_STRIDE=c["V_C_STRIDE"], V_DT=v_dt,
-        K_MERGE=key.bits == 4 and not k_fun and bool(c["K_A_OFF"] % ck or c["K_A_STRIDE"] % ck),
+        K_MERGE=key.bits == 4 and not k_fun and k_joined,
         V_MERGE=not v_fun and bool(c["V_A_OFF"] % cv or c["V_A_STRIDE"] % cv),
         K_FUN=k_fun, V_FUN=v_fun, V_BITS=value.bits, GS=gs, QT=qt, K_AT=k_at,
     )
