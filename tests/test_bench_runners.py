@@ -143,8 +143,13 @@ def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
 
     timed = []
 
-    def fake_gate(op, bad):
-        return lambda presets: [{"op": op, "preset": p, "case": "c", "ok": p != bad} for p in presets]
+    def fake_gate(op, bad, bad_at=None):
+        """``bad`` fails everywhere; ``(preset, case)`` = ``bad_at`` fails at that decode case only."""
+        def gate(presets, heads=None):
+            cases = ["c"] if heads is None else [f"Hq{hq}/Hkv{hkv}/D{d}" for hq, hkv, d in heads]
+            return [{"op": op, "preset": p, "case": c, "ok": p != bad and (p, c) != bad_at}
+                    for p in presets for c in cases]
+        return gate
 
     def fake_run_shape(op):
         def run_shape(shape, presets, step, *, rep_ms):
@@ -179,8 +184,18 @@ def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
     assert timed == [("decode", "B32x4K", ("tq4",)), ("decode", "SmolLM2_B32x4K", ("tq4",)),
                      ("store", "prefill_1x4096", ("fp16",)), ("store", "decode_B32", ("fp16",)),
                      ("prefill", "full_1x4K", ("fp16",)), ("prefill", "spec4_on16K_x32", ("fp16",))]
-    assert [g["ok"] for g in report["gate"]] == [True, False, False, True, False, True]
+    # decode gates per preset: the two base geometries (the quick shapes' own are the same)
+    assert [g["ok"] for g in report["gate"]] == [True, True, False, False, False, True, False, True]
     # gates, then baseline + the passing preset (store: + copy_ + its bf16 input; prefill: +
     # int8_prefill + decompress-then-SDPA + out: + the fused kernel or SDPA's one-token decode)
     assert bar.done == bar.total == 2 + 2 * 2 + 2 + 2 * 4 + 2 + 2 * 6
     assert out.getvalue().splitlines()[-1].startswith(f"[{'#' * 24}] {bar.total}/{bar.total}")
+    # a preset wrong only at a timed shape's own geometry (head_dim 96): gated there, not timed there
+    timed.clear()
+    monkeypatch.setattr(decode, "gate", fake_gate("decode", None, ("tq4", "Hq16/Hkv16/D96")))
+    sel = runner.select("decode", ["tq4", "fp16"], ["B32x4K", "Phi3-mini-TP2_B16x4K"])
+    bar = Progress(runner.count_steps(sel), io.StringIO())
+    report = runner.run(sel, quick=True, progress=bar)
+    assert {g["case"] for g in report["gate"]} == {"Hq32/Hkv8/D128", "Hq9/Hkv3/D64", "Hq16/Hkv16/D96"}
+    assert timed == [("decode", "B32x4K", ("tq4", "fp16")), ("decode", "Phi3-mini-TP2_B16x4K", ("fp16",))]
+    assert bar.done == bar.total

@@ -1,8 +1,9 @@
 """The decode benchmark (GPU): ``paged_decode`` of every preset against torch SDPA fp16.
 
 Correctness first: every preset is compared once with the NumPy oracle on a small GQA batch
-(lengths 1, 77, 600, 1000, shuffled blocks; Hq32/Hkv8/D128 and Hq9/Hkv3/D64); a preset that
-fails is not timed. Then, per shape: SDPA fp16 on contiguous K/V (the baseline, timed in the same
+(lengths 1, 77, 600, 1000, shuffled blocks; Hq32/Hkv8/D128, Hq9/Hkv3/D64 and, through the runner,
+each timed shape's own head geometry); a preset that fails is not timed (at a shape's own
+geometry: not timed at that shape). Then, per shape: SDPA fp16 on contiguous K/V (the baseline, timed in the same
 run), and the public ``paged_decode`` on a full cache with a shuffled block table, both by
 CUDA-graph replay. ``bytes`` counts what each reads: K and V in fp16 for SDPA, the cache rows of
 every token for a preset.

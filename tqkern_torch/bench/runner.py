@@ -79,6 +79,22 @@ def count_steps(selection: dict, eager_shapes: Sequence = ()) -> int:
     return n
 
 
+def _case_of(hq: int, hkv: int, d: int) -> str:
+    """The decode gate's case name of a head geometry."""
+    return f"Hq{hq}/Hkv{hkv}/D{d}"
+
+
+def decode_gate_heads(shapes, base) -> tuple:
+    """The decode gate's head geometries ``(Hq, Hkv, D)``: ``base`` (``decode.GATE_HEADS``) and each
+    timed shape's own (a kernel right at head_dim 128 may not be at 96), in order, without repeats."""
+    out = list(base)
+    for s in shapes:
+        g = (s.num_q_heads, s.num_kv_heads, s.head_dim)
+        if g not in out:
+            out.append(g)
+    return tuple(out)
+
+
 def run(selection: dict, *, eager_shapes: Sequence[str] = (), quick: bool = False,
         progress: Optional[Progress] = None) -> dict:
     """Gate, then time, every (op, preset, shape) of ``selection`` on the GPU; returns the report.
@@ -97,19 +113,29 @@ def run(selection: dict, *, eager_shapes: Sequence[str] = (), quick: bool = Fals
         for o, (presets, shapes) in selection.items():
             mod = {"decode": decode, "store": store, "prefill": prefill}[o]
             gates = []
+            kw = {"heads": decode_gate_heads(list(shapes) + eager, decode.GATE_HEADS)} if o == "decode" else {}
+            base = {_case_of(*h) for h in decode.GATE_HEADS} if o == "decode" else None
             for p in presets:
-                gates += mod.gate([p])
+                gates += mod.gate([p], **kw)
                 bar.step(f"{o} gate {p}")
             report["gate"] += gates
-            failed = {g["preset"] for g in gates if not g["ok"]}
+            failed = {g["preset"] for g in gates if not g["ok"] and (base is None or g["case"] in base)}
             passed = [p for p in presets if p not in failed]
             per_preset = _PER_PRESET.get(o, 1)
             bar.total -= len(failed) * (per_preset * len(shapes) + (len(eager) if o == "decode" else 0))
             for shape in shapes:
-                report["records"] += mod.run_shape(shape, passed, bar.step, rep_ms=rep_ms)
+                # a decode preset that failed at this shape's head geometry is not timed there either
+                here = _case_of(shape.num_q_heads, shape.num_kv_heads, shape.head_dim) if o == "decode" else None
+                bad = {g["preset"] for g in gates if not g["ok"] and g["case"] == here}
+                bar.total -= per_preset * len([p for p in passed if p in bad])
+                report["records"] += mod.run_shape(shape, [p for p in passed if p not in bad], bar.step,
+                                                   rep_ms=rep_ms)
             if o == "decode":
                 for shape in eager:
-                    report["records"] += decode.run_eager(shape, passed, bar.step)
+                    here = _case_of(shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
+                    bad = {g["preset"] for g in gates if not g["ok"] and g["case"] == here}
+                    bar.total -= len([p for p in passed if p in bad])
+                    report["records"] += decode.run_eager(shape, [p for p in passed if p not in bad], bar.step)
     finally:
         bar.close()
     return report
