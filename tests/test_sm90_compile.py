@@ -14,7 +14,8 @@ should lower its budget too. Shapes and presets: ``tqkern_torch/bench/shapes.py`
 Hq32/Hkv8/D128, SmolLM2's Hq9/Hkv3/D64, GQA 3, and Llama-3-405B's Hq16/Hkv1/D128, GQA 16 = two
 query column tiles per warp, ``QT = 2``; the last two have no cooperative plan: 3 and 1 KV heads;
 and Gemma-2-9B's Hq16/Hkv8/D256 for the two D256 plans; the ``kXvYh`` formats of
-``docs/quality.md`` whose values have their own table entries at B32x16K's shape).
+``docs/quality.md`` whose values have their own table entries at B32x16K's shape; head_dim 96 at
+Phi-3-mini-TP2's Hq16/Hkv16).
 """
 
 from __future__ import annotations
@@ -72,6 +73,14 @@ BUDGETS = {
     "mma:k3v2h:slot:128:8:32:coop": (0, 1520),
     "mma:k5v4h:slot:128:8:32:per_warp": (0, 2040),
     "mma:k5v4h:slot:128:8:32:coop": (0, 1976),
+    # head_dim 96 (Phi-3 on 2 GPUs: Hkv 16, GQA 1; session 23); 3-bit values stay on the general kernel
+    "mma:tq4:row:96:16:16:per_warp": (0, 1192),
+    "mma:turboquant_4bit_nc:slot:96:16:16:per_warp": (0, 880),
+    "mma:turboquant_4bit_nc:slot:96:16:16:coop": (8, 1008),
+    "mma:turboquant_k8v4:slot:96:16:16:per_warp": (0, 640),
+    "mma:turboquant_k8v4:slot:96:16:16:coop": (0, 656),
+    "mma:turboquant_k3v4_nc:slot:96:16:16:per_warp": (0, 872),
+    "mma:turboquant_k3v4_nc:slot:96:16:16:coop": (0, 1056),
     "general:fp16:slot:128:8:32": (0, 952),
     # a window and a soft-cap (paged_decode(window_left=, logit_softcap=)): 132 registers, 105 without
     "general:fp16:slot:128:8:32:window+softcap": (0, 1096),
@@ -86,6 +95,8 @@ def _cases() -> list[str]:
         cases += [f"mma:{preset}:{arr}:{dims}" for preset, arr in DECODE_PRESETS if preset != "fp16"]
     cases += ["mma:turboquant_k8v4:slot:256:8:16", "mma:turboquant_k3v4_nc:slot:256:8:16"]
     cases += [f"mma:{name}:slot:128:8:32" for name in ("k4v3h", "k4v2h", "k3v2h", "k5v4h")]
+    cases += ["mma:tq4:row:96:16:16"] + [f"mma:{p}:slot:96:16:16" for p in ("turboquant_4bit_nc", "turboquant_k8v4",
+                                                                          "turboquant_k3v4_nc")]
     cases += ["general:fp16:slot:128:8:32", "general:fp16:slot:128:8:32:window+softcap"]
     return cases
 
