@@ -106,6 +106,8 @@ def test_replace_prefix_paged_positions_window_and_softcap():
     with pytest.raises(ValueError, match="logit_softcap must be > 0"):
         replace_prefix(T(out_hat), T(lse_hat), T(q), T(k_pre), T(v_pre), T(k_ex), T(v_ex), scale=0.3,
                        logit_softcap=0.0)
+    with pytest.raises(ValueError, match="impl must be 'auto', 'triton' or 'torch', got 'cuda'"):
+        replace_prefix(T(out_hat), T(lse_hat), T(q), T(k_pre), T(v_pre), T(k_ex), T(v_ex), scale=0.3, impl="cuda")
 
 
 @pytest.mark.parametrize("arg,shape,match", [
