@@ -1,32 +1,18 @@
 """Register-level pieces of the warp-MMA decode kernel (:mod:`.mma_kernel`), one value per
-thread (``[32·WARPS]``), mostly inline PTX: the 256-entry pair table in shared memory (declare,
-fill) and its lookups, the code decoders (4-, 3- and 5-bit Lloyd-Max pairs, uniform codes as
-subnormal fp16, FP8 pairs) that turn a lane's words into fp16 MMA fragments, ``mma.sync`` and the
-warp reductions, and the per-step math (scores, values, their scaling, the rescale)."""
+thread (``[32·WARPS]``), mostly inline PTX: the code decoders (4-, 3- and 5-bit Lloyd-Max pairs
+through the pair table of :mod:`.mma_table`, 2- and 3-bit value pairs, uniform codes as subnormal
+fp16, FP8 pairs) that turn a lane's words into fp16 MMA fragments, ``mma.sync`` and the warp
+reductions, and the per-step math (scores, values, their scaling, the rescale)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-
-LUT_BYTES = tl.constexpr(32768)  # the pair table: 256 entries × 32 lane replicas × 4 bytes
+from tqkern.ops.paged_decode.mma_table import _lut1, _lut4
 
 
 # -- inline PTX helpers (each call is one value per thread) -----------------------------------
-# Fill: entry b (an fp16 pair) into its 32 lane replicas, 128 contiguous bytes at b·128 (or, for
-# the PRMT-addressed table, b·256: the other 128 bytes of each entry unused).
-# Thread b writes its 16-byte pieces in the order (k + b) mod 8, so that the 8 threads of a store
-# phase (consecutive b) hit 8 different 16-byte bank groups (in order k they would all hit one).
-def _fill_asm(stride: int) -> str:
-    return ("{\n.reg .b32 a, o, p;\n" + f"mad.lo.u32 a, $2, {stride}, $1;\n"
-            + "".join(f"add.u32 o, $2, {k};\nand.b32 o, o, 7;\nmad.lo.u32 p, o, 16, a;\n"
-                      "st.shared.v4.b32 [p], {$3, $3, $3, $3};\n" for k in range(8))
-            + "mov.b32 $0, $1;\n}")
-
-
-_FILL_ASM = tl.constexpr(_fill_asm(128))
-_FILL256_ASM = tl.constexpr(_fill_asm(256))
 # Uniform codes, byte k of two words a, b: PRMT gathers [a.k, a.k, b.k, b.k]; the masks keep the
 # low nibbles (the fp16 pair's mantissas: subnormals j·2^-24) or the high ones (16j·2^-24).
 _UNI_ASM = tl.constexpr(
@@ -34,126 +20,6 @@ _UNI_ASM = tl.constexpr(
     + "".join(f"prmt.b32 x, $8, $9, 0x{4 + k}{4 + k}{k}{k};\nand.b32 ${k}, x, 0x000F000F;\n"
               f"and.b32 ${4 + k}, x, 0x00F000F0;\n" for k in range(4))
     + "}")
-
-
-_DECLARE_32K = tl.constexpr(".shared .align 16 .b8 tqk_pair_lut[32768];\nmov.u32 $0, tqk_pair_lut;")  # LUT_BYTES
-_DECLARE_36K = tl.constexpr(".shared .align 16 .b8 tqk_pair_lut[36864];\nmov.u32 $0, tqk_pair_lut;")  # 288 entries
-_DECLARE_40K = tl.constexpr(".shared .align 16 .b8 tqk_pair_lut[40960];\nmov.u32 $0, tqk_pair_lut;")  # 320 entries
-
-
-@triton.jit
-def _lut_declare(t, NBYTES: tl.constexpr = 32768):
-    """Declare the CTA's pair table of ``NBYTES`` (32 KB: 256 entries; 36 or 40 KB: 288 or 320,
-    see :func:`lut_entries`) exactly once per kernel and return its address."""
-    if NBYTES == 40960:
-        return tl.inline_asm_elementwise(_DECLARE_40K, "=r,r", [t], dtype=tl.int32, is_pure=False, pack=1)
-    elif NBYTES == 36864:
-        return tl.inline_asm_elementwise(_DECLARE_36K, "=r,r", [t], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        return tl.inline_asm_elementwise(_DECLARE_32K, "=r,r", [t], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _cen16(ptr):
-    """The fp16 bits (low half of an int32) of the float32 centroid at ``ptr``."""
-    return tl.load(ptr).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-
-
-@triton.jit
-def _lut_fill(base, t, cen_ptr, NT: tl.constexpr, BITS: tl.constexpr, E256: tl.constexpr = False):
-    """Entry ``b`` (fp16 pair of c[b & m], c[(b >> BITS) & m], m = 2^BITS − 1: two consecutive
-    codes of an LSB bitstream, or the two nibbles of a byte) into all 32 lane replicas (``b·128 +
-    4·lane``; ``b·256 + 4·lane`` for the PRMT-addressed table, ``E256``); then a CTA barrier.
-    Returns the table address (lookups depend on it). All 256 entries are written (3-bit codes
-    use entries 0..63)."""
-    M: tl.constexpr = (1 << BITS) - 1
-    for i in tl.static_range(256 // NT):
-        b = t + i * NT
-        lo = _cen16(cen_ptr + (b & M))
-        hi = _cen16(cen_ptr + ((b >> BITS) & M))
-        base = tl.inline_asm_elementwise(_FILL256_ASM if E256 else _FILL_ASM, "=r,r,r,r",
-                                         [base, b, lo | (hi << 16)], dtype=tl.int32, is_pure=False, pack=1)
-    return tl.inline_asm_elementwise("bar.sync 0;\nmov.b32 $0, $1;", "=r,r", [base], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _lut_fill_k5(base, t, kcen_ptr, vcen_ptr, NT: tl.constexpr, V_LM: tl.constexpr):
-    """The table for 5-bit keys: entries ``64 + j`` hold ``(ck[j], ck[j])`` (one key code per
-    lookup), entries ``b < 64`` the value pairs ``(cv[b & 7], cv[b >> 3])`` of 3-bit Lloyd-Max
-    values (``V_LM``; zeros otherwise: uniform values need no table), in the layout of
-    :func:`_lut_fill`; then a CTA barrier."""
-    for i in tl.static_range(256 // NT):  # (_cen16 written out: through it ptxas renames the
-        b = t + i * NT                       # prologue's registers, and this is the SASS measured)
-        kc = tl.load(kcen_ptr + ((b - 64) & 31)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        if V_LM:
-            lo = tl.load(vcen_ptr + (b & 7)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            hi = tl.load(vcen_ptr + ((b >> 3) & 7)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            e = tl.where(b < 64, lo | (hi << 16), kc | (kc << 16))
-        else:
-            e = kc | (kc << 16)
-        base = tl.inline_asm_elementwise(_FILL_ASM, "=r,r,r,r", [base, b, e], dtype=tl.int32, is_pure=False, pack=1)
-    return tl.inline_asm_elementwise("bar.sync 0;\nmov.b32 $0, $1;", "=r,r", [base], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _lut_fill_at(base, t, cen_ptr, NT: tl.constexpr, BITS: tl.constexpr, AT: tl.constexpr, N: tl.constexpr,
-                 SINGLE: tl.constexpr = False):
-    """Entries ``AT .. AT + N − 1`` (``N`` a power of two) of the table in :func:`_lut_fill`'s
-    layout: entry ``AT + j`` the fp16 pair ``(c[j & m], c[(j >> BITS) & m])`` (``m = 2^BITS − 1``),
-    or ``(c[j], c[j])`` (``SINGLE``: one code per lookup). No barrier (:func:`_lut_barrier`): the
-    sections of one table are disjoint, so several fills share one. Where ``NT > N`` threads
-    write an entry more than once, with the same value."""
-    M: tl.constexpr = (1 << BITS) - 1
-    for i in tl.static_range((N + NT - 1) // NT):
-        j = (t + i * NT) % N
-        lo = _cen16(cen_ptr + (j if SINGLE else j & M))
-        hi = lo if SINGLE else _cen16(cen_ptr + ((j >> BITS) & M))
-        base = tl.inline_asm_elementwise(_FILL_ASM, "=r,r,r,r", [base, j + AT, lo | (hi << 16)], dtype=tl.int32,
-                                         is_pure=False, pack=1)
-    return base
-
-
-@triton.jit
-def _lut_barrier(base):
-    """A CTA barrier after the table's fills; returns the table address (lookups depend on it)."""
-    return tl.inline_asm_elementwise("bar.sync 0;\nmov.b32 $0, $1;", "=r,r", [base], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-# Lookups of a word's 4 bytes: PRMT (the byte) + IMAD (·128 + this lane's base) + LDS each.
-_LUT4_ASM = tl.constexpr(
-    "{\n.reg .b32 b0, b1, b2, b3;\n"
-    "prmt.b32 b0, $4, 0, 0x4440;\nprmt.b32 b1, $4, 0, 0x4441;\n"
-    "prmt.b32 b2, $4, 0, 0x4442;\nprmt.b32 b3, $4, 0, 0x4443;\n"
-    "mad.lo.u32 b0, b0, 128, $5;\nmad.lo.u32 b1, b1, 128, $5;\n"
-    "mad.lo.u32 b2, b2, 128, $5;\nmad.lo.u32 b3, b3, 128, $5;\n"
-    "ld.shared.b32 $0, [b0];\nld.shared.b32 $1, [b1];\nld.shared.b32 $2, [b2];\nld.shared.b32 $3, [b3];\n}")
-# The PRMT-addressed table (entries 256 bytes apart at a shared address whose low 16 bits are 0):
-# the address of byte k's entry is this lane's base with byte k of the word as its byte 1 — one
-# PRMT (bytes: base.0 = 4·lane, w.k, base.2, base.3) instead of a PRMT and an IMAD.
-_LUT4_256_ASM = tl.constexpr(
-    "{\n.reg .b32 b0, b1, b2, b3;\n"
-    "prmt.b32 b0, $4, $5, 0x7604;\nprmt.b32 b1, $4, $5, 0x7614;\n"
-    "prmt.b32 b2, $4, $5, 0x7624;\nprmt.b32 b3, $4, $5, 0x7634;\n"
-    "ld.shared.b32 $0, [b0];\nld.shared.b32 $1, [b1];\nld.shared.b32 $2, [b2];\nld.shared.b32 $3, [b3];\n}")
-
-
-@triton.jit
-def _lut4(w, lb, E256: tl.constexpr = False):
-    """The table entries of the 4 bytes of word ``w`` (``lb``: this lane's table base; ``E256``:
-    the PRMT-addressed table)."""
-    return tl.inline_asm_elementwise(_LUT4_256_ASM if E256 else _LUT4_ASM, "=r,=r,=r,=r,r,r", [w, lb],
-                                     dtype=(tl.int32,) * 4, is_pure=True, pack=1)
-
-
-@triton.jit
-def _lut1(idx, lb):
-    """The table entry ``idx`` (``lb``: this lane's table base)."""
-    return tl.inline_asm_elementwise(
-        "{\n.reg .b32 a;\nmad.lo.u32 a, $1, 128, $2;\nld.shared.b32 $0, [a];\n}",
-        "=r,r,r", [idx, lb], dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
