@@ -102,9 +102,10 @@ def test_word_path_matches_oracle(unit, data):
 def mma_path_cases(draw):
     """Layouts the warp-MMA kernel takes (tqkern/ops/paged_decode/mma_plans.py): 4-, 3- or 5-bit
     Lloyd-Max keys (every norm dtype and correction) or FP8 keys (rotated or not), 4-bit
-    Lloyd-Max values with the keys' codebook (4-bit keys), 3-bit Lloyd-Max values with their own
-    (5-bit keys), or 4-bit or 3-bit uniform values, head_dim 64/128, GQA groups 1..8, both bit orders (3-bit codes: LSB
-    only) and arrangements, every slot alignment (fields misaligned against the lanes' chunks and
+    Lloyd-Max values with the keys' codebook (4-bit keys), 2-, 3- or 4-bit Lloyd-Max values with
+    their own (below the keys' table entries: 2/3-bit next to 3-, 4- or 5-bit keys, 4-bit next to
+    5-bit keys), or 4-bit or 3-bit uniform values, head_dim 64/96/128 (96: not with 3-bit values),
+    GQA groups 1..8, both bit orders (2-, 3- and 5-bit codes: LSB only) and arrangements, every slot alignment (fields misaligned against the lanes' chunks and
     rows of 2 mod 4 bytes included), block sizes 1..128 (blocks shorter than the kernel's
     16-token step included), with and without cooperative stages (4 or 8 KV heads in blocks of
     16..128 tokens: the launcher's plan then copies whole rows through shared memory)."""
@@ -116,7 +117,7 @@ def mma_path_cases(draw):
     # 2 of 24 examples (session 12).
     focus = draw(st.sampled_from(["cooperative stages", "free", "4-bit keys", "3- or 5-bit keys", "rows 2 mod 4"]),
                  label="focus")
-    d = draw(st.sampled_from([64, 128]), label="head_dim")
+    d = draw(st.sampled_from([64, 128, 96]), label="head_dim")
     if focus == "4-bit keys":
         key_st = T.lloyd_max_codecs(st.just(4))
     elif focus == "3- or 5-bit keys":
@@ -127,18 +128,23 @@ def mma_path_cases(draw):
         key_st = st.one_of(T.lloyd_max_codecs(st.sampled_from([4, 3, 5])), st.builds(tqkern.FP8, rotated=st.booleans()))
     key = draw(key_st, label="key")
     uniform = T.uniform_codecs(st.sampled_from([4, 3]))
-    if isinstance(key, tqkern.FP8) or key.bits == 3:
+
+    def own(bits):  # Lloyd-Max values with a codebook of their own (the table's first entries)
+        return T.lloyd_max_codecs(st.sampled_from(bits)).filter(lambda c: c.norm_correction != "decode")
+
+    if isinstance(key, tqkern.FP8):
         value = draw(uniform, label="value")
-    elif key.bits == 5:  # 3-bit Lloyd-Max values with their own codebook, or uniform
-        value = draw(st.one_of(T.lloyd_max_codecs(st.just(3)).filter(lambda c: c.norm_correction != "decode"),
-                               uniform), label="value")
+    elif key.bits == 3:
+        value = draw(st.one_of(uniform, own([2, 3])), label="value")
+    elif key.bits == 5:
+        value = draw(st.one_of(own([3, 2, 4]), uniform), label="value")
     else:
         value = draw(st.one_of(
             T.lloyd_max_codecs(st.just(4)).map(lambda c: dataclasses.replace(
                 c, distribution=key.distribution, norm_correction="stored" if c.norm_correction == "decode"
                 else c.norm_correction)),
-            uniform), label="value")
-    orders = ["lsb"] if {3, 5} & {key.bits, value.bits} else ["lsb", "nibble_high_even"]
+            uniform, own([3, 2])), label="value")
+    orders = ["lsb"] if {2, 3, 5} & {key.bits, value.bits} else ["lsb", "nibble_high_even"]
     rows2 = focus == "rows 2 mod 4"  # slots of 2 mod 4 bytes, an odd number of them per row
     coop = focus == "cooperative stages"
     fmt = tqkern.KVFormat(head_dim=d, key=key, value=value,
@@ -171,7 +177,7 @@ def mma_path_cases(draw):
                                        "general kernel, tested above)")
 @given(mma_path_cases(), st.data())
 def test_mma_path_matches_oracle(case, data):
-    """The warp-level tensor-core kernel for 4-, 3-, 5-bit or FP8 keys and 4-bit or 3-bit values
+    """The warp-level tensor-core kernel for 4-, 3-, 5-bit or FP8 keys and 4-, 3- or 2-bit values
     against the oracle; the launcher must pick it for every drawn case."""
     layout, params, group = case[:3]
     p = tqt.to_device(params, DEV)
@@ -181,6 +187,7 @@ def test_mma_path_matches_oracle(case, data):
     event(f"values {plan.V_BITS}-bit {'shifted' if plan.V_FUN else 'joined' if plan.V_MERGE else 'aligned'}")
     event(f"rows {layout.row_bytes % 4} mod 4")
     event(f"cooperative stages {plan.COOP or 0}")
+    event(f"head_dim {layout.head_dim}, key entries at {plan.K_AT}")
     _check_against_oracle(*case, data)
 
 
