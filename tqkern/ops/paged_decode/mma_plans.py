@@ -15,7 +15,7 @@ from tqkern.layouts import FP8, LloydMax, PagedLayout, Uniform
 from tqkern.ops.common import layout_consts
 
 __all__ = ["DynamicSmemUnsupported", "MmaPlan", "coop_plan", "coop_row_stride", "coop_smem_bytes", "ctas_per_sm",
-           "lut_bytes", "mma_plan", "num_splits_mma", "per_warp_plan", "table256_plan"]
+           "mma_plan", "num_splits_mma", "per_warp_plan", "table256_plan"]
 
 
 _DT = {"float16": 0, "float32": 1, "bfloat16": 2}
@@ -101,7 +101,7 @@ class MmaPlan:
     def lut_bytes(self) -> int:
         """Shared memory of the pair table (mirrors ``LUTB`` in the kernel; 0 without a table):
         128 bytes per entry (32 lane replicas), at least 256 entries; the PRMT-addressed table 64 KB."""
-        return lut_bytes(self.K_FP8, self.V_UNIFORM, self.K_BITS, self.K_AT, bool(self.LUT_AT))
+        return _lut_bytes(self.K_FP8, self.V_UNIFORM, self.K_BITS, self.K_AT, bool(self.LUT_AT))
 
 
 # -- host side ------------------------------------------------------------------------------------
@@ -166,13 +166,13 @@ def _mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
     ck, cv = d // 8, d // 16
     c = layout_consts(layout)
     # 4-bit key chunks not at fixed offsets from aligned blocks, and 5-bit keys: shifted words
-    # (D96: 12-byte chunks, which the joining lane's byte masks do not handle: shifted instead)
+    # (the joining lane's byte masks take power-of-two chunks: D96's 12 bytes are shifted instead)
     k_joined = bool(c["K_A_OFF"] % ck or c["K_A_STRIDE"] % ck)
-    k_fun = k5 or (not (k_fp8 or k3) and (rb % ck != 0 or (d == 96 and k_joined)))
+    k_fun = k5 or (not (k_fp8 or k3) and (rb % ck != 0 or (k_joined and bool(ck & (ck - 1)))))
     if d == 256 and not ((k_fp8 or k3) and v_uniform and value.bits == 4 and group <= 2):
         return None  # D256: only what was oracle-checked on the H100 (S21; docs/performance.md "Model shapes")
-    if d == 96 and value.bits == 3:
-        return None  # D96: a lane's 12 three-bit value codes are not whole bytes
+    if value.bits == 3 and (3 * d) % 64:
+        return None  # a lane's D/8 three-bit value codes must be whole bytes (D96: 4.5)
     # 2- and 3-bit values: always shifted (D/32- and 3D/64-byte chunks). With 3-bit keys, values
     # that would be joined are shifted too (measured 4-5% faster on the H100: docs/performance.md §25).
     # (D96: 4-bit values' 6-byte chunks are not whole words: shifted)
@@ -375,7 +375,7 @@ def coop_row_stride(row_bytes: int) -> int:
 _SMEM_RESERVED = 1024  # the per-CTA reservation
 
 
-def lut_bytes(k_fp8: bool, v_uniform: bool, k_bits: int, k_at: int, prmt: bool = False) -> int:
+def _lut_bytes(k_fp8: bool, v_uniform: bool, k_bits: int, k_at: int, prmt: bool = False) -> int:
     """Bytes of the pair table a plan's kernel declares (:attr:`MmaPlan.lut_bytes`)."""
     if not _needs_lut(k_fp8, v_uniform):
         return 0

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 from tqkern.layouts import PagedLayout
 from tqkern.ops.codecs import DT_BF16, Kind, layout_args, layout_consts
 from tqkern.ops.common import halfword_aligned
-from tqkern.ops.paged_decode.mma_plans import (DynamicSmemUnsupported, MmaPlan, lut_bytes,
+from tqkern.ops.paged_decode.mma_plans import (DynamicSmemUnsupported, MmaPlan, _lut_bytes,
                                                coop_smem_bytes, mma_plan, num_splits_mma, per_warp_plan)
 from tqkern.ops.paged_decode.side_plans import (MergePlan, RotatePlan, _merge_plan, _rotate_plan, merge_chunks,
                                                 scan_split)
@@ -440,4 +440,4 @@ def needs_lut_bytes(kernel: KernelPlan) -> int:
     if kernel.kernel != "mma":
         return 0
     cx = dict(kernel.constexprs)
-    return lut_bytes(cx.get("K_FP8", False), cx["V_UNIFORM"], cx.get("K_BITS", 4), cx.get("K_AT", 0))
+    return _lut_bytes(cx.get("K_FP8", False), cx["V_UNIFORM"], cx.get("K_BITS", 4), cx.get("K_AT", 0))
