@@ -84,7 +84,14 @@ def _case_of(hq: int, hkv: int, d: int) -> str:
     return f"Hq{hq}/Hkv{hkv}/D{d}"
 
 
-def decode_gate_heads(shapes, base) -> tuple:
+def _passed_at(gates, passed, shape) -> list:
+    """The presets of ``passed`` whose decode gate at ``shape``'s own head geometry did not fail."""
+    here = _case_of(shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
+    bad = {g["preset"] for g in gates if not g["ok"] and g["case"] == here}
+    return [p for p in passed if p not in bad]
+
+
+def _decode_gate_heads(shapes, base) -> tuple:
     """The decode gate's head geometries ``(Hq, Hkv, D)``: ``base`` (``decode.GATE_HEADS``) and each
     timed shape's own (a kernel right at head_dim 128 may not be at 96), in order, without repeats."""
     out = list(base)
@@ -113,7 +120,7 @@ def run(selection: dict, *, eager_shapes: Sequence[str] = (), quick: bool = Fals
         for o, (presets, shapes) in selection.items():
             mod = {"decode": decode, "store": store, "prefill": prefill}[o]
             gates = []
-            kw = {"heads": decode_gate_heads(list(shapes) + eager, decode.GATE_HEADS)} if o == "decode" else {}
+            kw = {"heads": _decode_gate_heads(list(shapes) + eager, decode.GATE_HEADS)} if o == "decode" else {}
             base = {_case_of(*h) for h in decode.GATE_HEADS} if o == "decode" else None
             for p in presets:
                 gates += mod.gate([p], **kw)
@@ -124,18 +131,14 @@ def run(selection: dict, *, eager_shapes: Sequence[str] = (), quick: bool = Fals
             per_preset = _PER_PRESET.get(o, 1)
             bar.total -= len(failed) * (per_preset * len(shapes) + (len(eager) if o == "decode" else 0))
             for shape in shapes:
-                # a decode preset that failed at this shape's head geometry is not timed there either
-                here = _case_of(shape.num_q_heads, shape.num_kv_heads, shape.head_dim) if o == "decode" else None
-                bad = {g["preset"] for g in gates if not g["ok"] and g["case"] == here}
-                bar.total -= per_preset * len([p for p in passed if p in bad])
-                report["records"] += mod.run_shape(shape, [p for p in passed if p not in bad], bar.step,
-                                                   rep_ms=rep_ms)
+                ok = _passed_at(gates, passed, shape) if o == "decode" else passed
+                bar.total -= per_preset * (len(passed) - len(ok))
+                report["records"] += mod.run_shape(shape, ok, bar.step, rep_ms=rep_ms)
             if o == "decode":
                 for shape in eager:
-                    here = _case_of(shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
-                    bad = {g["preset"] for g in gates if not g["ok"] and g["case"] == here}
-                    bar.total -= len([p for p in passed if p in bad])
-                    report["records"] += decode.run_eager(shape, [p for p in passed if p not in bad], bar.step)
+                    ok = _passed_at(gates, passed, shape)
+                    bar.total -= len(passed) - len(ok)
+                    report["records"] += decode.run_eager(shape, ok, bar.step)
     finally:
         bar.close()
     return report
