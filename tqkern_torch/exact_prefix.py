@@ -155,6 +155,12 @@ def _replace_prefix_triton(out, lse, q, k_hat, v_hat, k_exact, v_exact, scale, q
     return res
 
 
+def _as_stored(k: torch.Tensor, mu: Optional[torch.Tensor]) -> torch.Tensor:
+    """Exact keys in the kernels' convention (``k − μ`` with a key offset), float32, contiguous:
+    made once per capture, not at every decode step."""
+    return (k.float() if mu is None else k.float() - mu).contiguous()
+
+
 class ExactPrefix:
     """The exact first ``n`` tokens of each row of one :class:`~tqkern_torch.transformers.TQCacheLayer`
     (``TQCache(exact_prefix=n)``): their K/V in 16 bits (the layer's ``store_dtype``: bfloat16 for a
@@ -230,6 +236,7 @@ class ExactPrefix:
         kh, vh = decompress_sequences(layer.pool, table, lens, layer.layout, layer.device_params, rotate_back=True)
         idx = k_pos.clamp(min=0)[:, :, None, None].expand(-1, -1, *kh.shape[2:])
         new = [self.k, self.v, self.pos, k_pos] + [x.gather(1, idx).transpose(1, 2).contiguous() for x in (kh, vh)]
+        new.append(_as_stored(self.k, layer.mu))
         kept, self._kept = self._kept, None
         if kept is not None and all(a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
                                     for a, b in zip(kept, new)):
@@ -240,7 +247,7 @@ class ExactPrefix:
             for x in new:
                 torch._dynamo.mark_static_address(x)
         self.k, self.v, self.pos, self.k_pos = new[:4]
-        self._hat = (new[4], new[5])
+        self._hat = tuple(new[4:])
 
     def correct(self, layer, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float,
                 q_pos: Optional[torch.Tensor] = None, *, window_left: Optional[int] = None,
@@ -256,7 +263,8 @@ class ExactPrefix:
             table = layer.block_table[:, : -(-self.n // bs)]
             lens = torch.full_like(layer.seq_lens, self.n)
             kh, vh = decompress_sequences(layer.pool, table, lens, layer.layout, layer.device_params, rotate_back=True)
-            self._hat = tuple(x[:, : self.n].transpose(1, 2).contiguous() for x in (kh, vh))  # [B, Hkv, n, D]
-        k_exact = self.k.float() if layer.mu is None else self.k.float() - layer.mu
-        return replace_prefix(out, lse, q, *self._hat, k_exact, self.v, scale=scale, q_pos=q_pos, k_pos=self.k_pos,
+            hat = tuple(x[:, : self.n].transpose(1, 2).contiguous() for x in (kh, vh))  # [B, Hkv, n, D]
+            self._hat = (*hat, _as_stored(self.k, layer.mu))
+        k_hat, v_hat, k_exact = self._hat
+        return replace_prefix(out, lse, q, k_hat, v_hat, k_exact, self.v, scale=scale, q_pos=q_pos, k_pos=self.k_pos,
                               window_left=window_left, logit_softcap=logit_softcap)
