@@ -5,7 +5,9 @@ decision point, because the kernel rotates in float32). Bytes outside the writte
 poisoned cache stay as they were, and so do the bytes around the cache (it is a view into a
 larger poisoned buffer) whatever a slot index holds. Non-finite keys and values, slot indices
 past the cache and saturating values are injected; the error word's bits equal the oracle's.
-Each case runs with the short store's tile or the long store's (drawn).
+Each case runs with the short store's tile or the long store's (drawn); on a GPU the eligible layouts
+take the warp kernel (tqkern/ops/store/warp.py), or the tile kernel where the key tensor is drawn
+misaligned (a view one element into its buffer).
 decompress: to float32 rounding of the oracle's float64.
 """
 
@@ -53,14 +55,19 @@ def store_cases(draw):
                         max_size=3), label="non_finite")  # (key?, token, head, element, value)
     for is_key, t, h, d, x in bad:
         (k if is_key else v)[t, h, d] = x
-    return layout, params, num_blocks, slots, dtype, k, v
+    misaligned = draw(st.booleans(), label="misaligned_key")
+    return layout, params, num_blocks, slots, dtype, k, v, misaligned
 
 
 GUARD = 64  # poisoned bytes on each side of the cache (its tensor is a view into a larger buffer)
 
 
-def _run_store(layout, params, num_blocks, slots, dtype, k, v):
+def _run_store(layout, params, num_blocks, slots, dtype, k, v, misaligned=False):
     kt, k64 = to_torch_kv(k, dtype, DEV)
+    if misaligned:  # a view one element into its buffer: no vector-aligned loads (the tile kernel)
+        buf = torch.empty(kt.numel() + 1, dtype=kt.dtype, device=DEV)
+        buf[1:].view(kt.shape).copy_(kt)
+        kt = buf[1:].view(kt.shape)
     vt, v64 = to_torch_kv(v, dtype, DEV)
     shape = layout.cache_shape(num_blocks)
     size = int(np.prod(shape))
@@ -93,7 +100,7 @@ def _tile(small: bool):
 
 @given(store_cases(), st.booleans())
 def test_store_bytes_equal_oracle(case, small_tile):
-    layout, params, num_blocks, slots, dtype, k, v = case
+    layout, params, num_blocks, slots, dtype, k, v, _ = case
     with _tile(small_tile):
         got, expect, k64, v64 = _run_store(*case)
     keep = (slots >= 0) & (slots < num_blocks * layout.block_size)
@@ -112,7 +119,7 @@ def test_store_bytes_equal_oracle(case, small_tile):
 
 @given(store_cases(), st.booleans())
 def test_decompress_equals_oracle(case, rotate_back):
-    layout, params, num_blocks, slots, dtype, k, v = case
+    layout, params, num_blocks, slots, dtype, k, v, _ = case
     got, _, _, _ = _run_store(*case)
     cache = torch.from_numpy(got).to(DEV)
     ids = torch.from_numpy(slots).to(DEV)

@@ -1,7 +1,7 @@
 """CI sees the store kernel as a GPU compiles it: compiled for sm_90 (H100) with Triton's bundled
 ptxas on a machine without a GPU (``tqkern/ops/store/aot.py``), with the plan's own constexprs,
 for every rotation method (``pm1``, ``split``, ``tf32x3`` with a key offset, ``chunked`` at
-head_dim 256, none), short stores' small tile, both arrangements, bf16 inputs (which the interpreter cannot run) and the
+head_dim 256, none) and the warp kernel of aligned inputs (``warp``: the in-register Hadamard), short stores' small tile, both arrangements, bf16 inputs (which the interpreter cannot run) and the
 hardware FP8 conversion. Each kernel must compile within 255 registers, and its stack bytes
 (spills) and SASS instruction count stay within the budgets below (today's values from Triton
 3.9's ptxas, instructions + 3%), so that a change adding spills or instructions fails here before
@@ -32,6 +32,16 @@ BUDGETS = {
     "tqkern_k5v3:slot:128:8:small": (0, 4310),
     "tq4:slot:128:8:small": (80, 3205),
     "tq4:row:128:8:bf16+small": (360, 3700),
+    # the warp kernel (aligned inputs, session 24): 72-149 registers, no stack
+    "turboquant_4bit_nc:slot:128:8:warp": (0, 2587),
+    "turboquant_3bit_nc:slot:128:8:warp": (0, 2315),
+    "tqkern_k5v3:slot:128:8:warp": (0, 1944),  # 16 lanes per vector (5-bit codes)
+    "k4v3h:row:128:8:warp+mu+bf16": (0, 2422),
+    "turboquant_k8v4:slot:128:8:warp": (0, 1079),
+    "turboquant_3bit_nc:slot:64:3:warp": (0, 1516),
+    "k4v2h:slot:256:8:warp": (0, 2298),
+    "tqkern_k5v3:slot:256:8:warp": (0, 1994),  # 32 lanes per vector
+    "turboquant_4bit_nc:slot:128:8:warp+small": (0, 2612),
 }
 
 

@@ -7,7 +7,8 @@ A case is ``"PRESET:ARRANGEMENT:D:HKV[:OPTIONS]"``: a preset of :data:`tqkern.la
 (compiled with the rotation its ``TQParams.default`` gets: ``pm1`` for the Hadamard presets,
 ``split`` for ``haar``), and optional ``+``-joined options among ``bf16`` (bf16 K/V), ``mu`` (a
 key offset), ``dense`` (a Hadamard preset's rotation taken as a dense matrix: ``split``), ``small`` (a
-short store's plan: :data:`~.plan.SMALL_STORE_VECTORS` vectors).
+short store's plan: :data:`~.plan.SMALL_STORE_VECTORS` vectors), ``warp`` (the plan of aligned inputs,
+which takes the warp kernel of :mod:`~.warp` where the layout is eligible).
 Runtime arguments are compiled as a launch on contiguous ``[T, HKV, D]`` inputs would see them:
 pointers and strides 16-divisible, the token and slot counts unspecialized.
 """
@@ -25,10 +26,11 @@ from triton.compiler import ASTSource
 from tqkern.ops.paged_decode.aot import SM90, histogram, resources, sass_of
 from tqkern.ops.store.kernel import _store_kernel
 from tqkern.ops.store.plan import SMALL_STORE_VECTORS, plan_store
+from tqkern.ops.store.warp import _store_warp_kernel
 
 __all__ = ["compile_store", "layout_of_case", "report", "report_in_subprocess"]
 
-_OPTIONS = ("bf16", "mu", "dense", "small")
+_OPTIONS = ("bf16", "mu", "dense", "small", "warp")
 
 
 def _ptr_types(in_dtype: str) -> dict:
@@ -47,13 +49,14 @@ def layout_of_case(preset: str, arrangement: str, d: int, hkv: int):
 
 
 def compile_store(layout, in_dtype: str = "fp16", *, has_mu: bool = False, signed_sylvester: bool = False,
-                  num_vectors: int | None = None):
+                  num_vectors: int | None = None, vector_aligned: bool = False):
     """``(compiled, plan)``: the store kernel of :func:`~.plan.plan_store` compiled for sm_90."""
     if not hasattr(_store_kernel, "params"):
         raise RuntimeError("the kernel is interpreted (TRITON_INTERPRET=1): compile in a process without it "
                            "(report_in_subprocess)")
-    plan = plan_store(layout, in_dtype, has_mu=has_mu, signed_sylvester=signed_sylvester, num_vectors=num_vectors)
-    fn = _store_kernel
+    plan = plan_store(layout, in_dtype, has_mu=has_mu, signed_sylvester=signed_sylvester, num_vectors=num_vectors,
+                      vector_aligned=vector_aligned)
+    fn = _store_warp_kernel if plan.kernel == "warp" else _store_kernel
     ptrs = _ptr_types(in_dtype)
     sig = {n: ptrs.get(n) or ("i32" if n.startswith(("num_", "stride_")) else "constexpr") for n in fn.arg_names}
     aligned = [n for n in fn.arg_names if n in ptrs or n.startswith("stride_")]
@@ -78,7 +81,8 @@ def report(case: str) -> dict:
     sylvester = layout.format.rotation in ("hadamard", "hadamard_signed") and "dense" not in opts
     compiled, plan = compile_store(layout, "bf16" if "bf16" in opts else "fp16", has_mu="mu" in opts,
                                    signed_sylvester=sylvester and int(d) & (int(d) - 1) == 0,
-                                   num_vectors=SMALL_STORE_VECTORS if "small" in opts else None)
+                                   num_vectors=SMALL_STORE_VECTORS if "small" in opts else None,
+                                   vector_aligned="warp" in opts)
     regs, stack = resources(compiled)
     return dict(name=case, regs=regs, stack=stack, instrs=sum(histogram(sass_of(compiled)).values()),
                 shared=int(compiled.metadata.shared), plan=plan.describe())

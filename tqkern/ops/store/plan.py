@@ -42,6 +42,20 @@ long as one program's serial work. Measured on the H100 (session 22, Hkv8/D128, 
 26.6 → 6.8, tqkern_k5v3 37.3 → 8.9; 512 tokens 25.6 → 9.5, 48.5 → 9.2, 28.4 → 9.1, 40.7 → 11.8. At
 2,048 tokens (16,384 vectors) neither wins everywhere (turboquant_4bit_nc 26.0 → 32.8, tq4 48.6 →
 32.2), so the threshold stays at the largest measured size where the small tile won for every preset.
+
+**The warp kernel** (``kernel="warp"``, :mod:`tqkern.ops.store.warp`, session 24) takes every GPU
+store whose layout :func:`warp_store_eligible` accepts and whose inputs are vector-aligned (contiguous
+K/V are): ``L`` lanes per vector (``WARP_STORE_LANES``: 8 at head_dim 64 and 128, 16 at 256; doubled
+until a lane's codes fit 64 bits), 4 warps, 8 iterations per program (1 for a short store); the
+rotation as an in-register Walsh–Hadamard transform. ``block_vectors`` is then the vectors of one
+iteration (``4·32/L``) and ``tiles`` the iterations. Measured on the H100 (session 24, 16K tokens ×
+8 heads × 128, fp16 in, slot arrangement, µs, tile kernel / warp kernel at L = 8 / 16 / 32, copy_
+47.8): turboquant_4bit_nc 218.3 / 97.7 / 94.6 / 117.2, turboquant_3bit_nc 237.9 / 79.2 / 92.1 / 121.9,
+k4v3h 256.3 / 87.1 / 112.2 / 151.7, tqkern_k5v3 343.5 / 149.1 (5-bit codes take L = 16) / 149.0 /
+187.1, turboquant_k8v4 73.6 / 55.3 / 55.3 / 73.7; at 16K × 3 × 64 L = 8 was fastest for every rotated
+preset (turboquant_4bit_nc 40.8 → 22.9) but turboquant_k8v4 lost (13.5 → 15.1), hence no warp
+kernel for unrotated formats below head_dim 128; at 4K × 8 × 256 the tile kernel's ``chunked``
+path took 998–8383 µs and the warp kernel 51–61 (L = 16).
 """
 
 from __future__ import annotations
@@ -53,17 +67,20 @@ import triton
 import triton.language as tl
 
 from tqkern.layouts import PagedLayout, Raw
-from tqkern.ops.codecs import layout_args
+from tqkern.ops.codecs import KIND_FP8, KIND_LLOYD_MAX, KIND_UNIFORM, layout_args
 from tqkern.ops.common import halfword_aligned
 
-__all__ = ["StorePlan", "plan_store", "rotation_method", "ROTATIONS", "ROT_NONE", "ROT_PM1", "ROT_SPLIT",
-           "ROT_CHUNKED", "SMALL_STORE_VECTORS"]
+__all__ = ["StorePlan", "plan_store", "rotation_method", "warp_store_eligible", "ROTATIONS", "ROT_NONE", "ROT_PM1",
+           "ROT_SPLIT", "ROT_CHUNKED", "SMALL_STORE_VECTORS", "WARP_STORE_WARPS", "WARP_STORE_ITERS"]
 
 ROTATIONS = ("none", "pm1", "split", "chunked")
 # The kernel's ROT constexpr (the index in ROTATIONS); kernels compare with these names.
 ROT_NONE, ROT_PM1, ROT_SPLIT, ROT_CHUNKED = (tl.constexpr(i) for i in range(4))
 HOIST_MAX_DP = 128  # widest padded head_dim whose [DP, DP] operand is built once per program
 SMALL_STORE_VECTORS = 4096  # (token, head) vectors up to which a store takes the small tile (docstring)
+WARP_STORE_WARPS = 4  # the warp kernel: warps per program (one vector pair each per iteration)
+WARP_STORE_ITERS = 8  # the warp kernel: iterations per program of a long store (a short store: 1)
+WARP_STORE_LANES = {64: 8, 128: 8, 256: 16}  # the warp kernel: lanes per vector by head_dim (docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +110,7 @@ class StorePlan:
     num_stages: int | None
     dot_precision: str
     constexprs: tuple[tuple[str, object], ...]
+    kernel: str = "tile"
 
     @property
     def vectors_per_program(self) -> int:
@@ -110,13 +128,17 @@ class StorePlan:
         return {**dict(self.constexprs), **opts}
 
     def describe(self) -> str:
-        """One line: rotation, tile, tiles per program, warps."""
+        """One line: kernel, rotation, tile, tiles per program, warps."""
+        if self.kernel == "warp":
+            lanes = dict(self.constexprs)["L"]
+            return (f"store {self.in_dtype}{' mu' if self.has_mu else ''}: warp kernel, rotation {self.rotation}, "
+                    f"{lanes} lanes per vector, {self.num_warps} warps x {self.tiles} iterations")
         return (f"store {self.in_dtype}{' mu' if self.has_mu else ''}: rotation {self.rotation}, "
                 f"{self.block_vectors} vectors x {self.tiles} tiles per program, {self.num_warps} warps")
 
 
 def plan_store(layout: PagedLayout, in_dtype: str = "fp16", *, has_mu: bool = False, signed_sylvester: bool = False,
-               interpret: bool = False, num_vectors: int | None = None) -> StorePlan:
+               interpret: bool = False, num_vectors: int | None = None, vector_aligned: bool = False) -> StorePlan:
     """The plan of a ``store`` into ``layout`` (pure; cached).
 
     Args:
@@ -128,6 +150,8 @@ def plan_store(layout: PagedLayout, in_dtype: str = "fp16", *, has_mu: bool = Fa
         interpret: the launch runs in Triton's CPU interpreter.
         num_vectors: (token, KV head) vectors the launch stores; up to :data:`SMALL_STORE_VECTORS`
             it takes the small tile (module docstring). ``None``: a long store's plan.
+        vector_aligned: every key and value vector starts at a multiple of ``head_dim/16`` bytes
+            (the warp kernel's per-lane loads; contiguous inputs do).
     """
     if not isinstance(layout, PagedLayout):
         raise TypeError(f"layout must be a PagedLayout, got {type(layout).__name__}")
@@ -137,7 +161,56 @@ def plan_store(layout: PagedLayout, in_dtype: str = "fp16", *, has_mu: bool = Fa
                                     or num_vectors < 0):
         raise ValueError(f"num_vectors must be None or an int >= 0, got {num_vectors!r}")
     small = num_vectors is not None and num_vectors <= SMALL_STORE_VECTORS
+    if vector_aligned and warp_store_eligible(layout, has_mu=has_mu, signed_sylvester=signed_sylvester,
+                                              interpret=interpret):
+        return _plan_warp(layout, in_dtype, bool(has_mu), small)
     return _plan_store(layout, in_dtype, bool(has_mu), bool(signed_sylvester), bool(interpret), small)
+
+
+def warp_store_eligible(layout: PagedLayout, *, has_mu: bool, signed_sylvester: bool, interpret: bool) -> bool:
+    """Whether the warp kernel (:mod:`tqkern.ops.store.warp`) can store into ``layout``: a GPU
+    launch, head_dim 64, 128 or 256, no raw side, rotated sides with the signed Hadamard
+    rotation (formats with no rotated side: head_dim ≥ 128, where the warp kernel was measured
+    faster than the small tile), LSB bit order, at most 64 code bits per lane at 32 lanes
+    (``BITS·D/32``), and no unrotated uniform keys with a key offset (their codes need ``x − μ``
+    in float64)."""
+    if interpret or layout.head_dim not in (64, 128, 256) or layout.format.bit_order != "lsb":
+        return False
+    if not (layout.format.key.rotated or layout.format.value.rotated) and layout.head_dim < 128:
+        return False
+    c = layout_args(layout)
+    per_lane = layout.head_dim // 32  # elements per lane at 32 lanes per vector (the most)
+    for name, side in (("key", c["K"]), ("value", c["V"])):
+        if side.KIND not in (KIND_LLOYD_MAX.value, KIND_UNIFORM.value, KIND_FP8.value):
+            return False
+        if side.ROTATED and not signed_sylvester:
+            return False
+        if side.BITS * per_lane > 64:
+            return False
+        if name == "key" and has_mu and side.KIND == KIND_UNIFORM.value and not side.ROTATED:
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=512)
+def _plan_warp(layout: PagedLayout, in_dtype: str, has_mu: bool, small: bool) -> StorePlan:
+    c = layout_args(layout)
+    rotate = layout.format.key.rotated or layout.format.value.rotated
+    iters = 1 if small else WARP_STORE_ITERS
+    lanes = WARP_STORE_LANES[layout.head_dim]
+    bits = max(c["K"].BITS, c["V"].BITS)
+    while lanes < 32 and bits * (layout.head_dim // lanes) > 64:  # a lane's codes fit 64 bits
+        lanes *= 2
+    cx = dict(
+        HAS_MU=has_mu, IN_BF16=in_dtype == "bf16", H=layout.num_kv_heads, WARPS=WARP_STORE_WARPS, ITERS=iters,
+        L=lanes, ROTATE=rotate, K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
+        HW_FP8=True, D=c["D"], ROW_BYTES=c["ROW_BYTES"], PAD_OFF=c["PAD_OFF"], PAD_STRIDE=c["PAD_STRIDE"],
+        PAD_BYTES=c["PAD_BYTES"], K=c["K"], V=c["V"],
+    )
+    return StorePlan(layout=layout, in_dtype=in_dtype, has_mu=has_mu, rotation="fwht" if rotate else "none",
+                     block_vectors=WARP_STORE_WARPS * 32 // lanes, tiles=iters, num_warps=WARP_STORE_WARPS,
+                     num_stages=None,
+                     dot_precision="none", constexprs=tuple(cx.items()), kernel="warp")
 
 
 def rotation_method(layout: PagedLayout, has_mu: bool, signed_sylvester: bool, interpret: bool) -> str:

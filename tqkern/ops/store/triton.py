@@ -9,15 +9,27 @@ import torch
 from tqkern.ops.launch import BoundedCache, KernelLauncher
 from tqkern.ops.store.kernel import _store_kernel
 from tqkern.ops.store.plan import StorePlan, plan_store
+from tqkern.ops.store.warp import _store_warp_kernel
 
-__all__ = ["_store_kernel", "_launch_store", "store_plan"]
+__all__ = ["_store_kernel", "_store_warp_kernel", "_launch_store", "store_plan", "vectors_aligned"]
 
 
-def store_plan(key, layout, tables, *, signed_sylvester: bool, interpret: bool) -> StorePlan:
-    """The plan a store of ``key`` (torch ``[T, H, D]``) with these tables runs."""
+def vectors_aligned(*tensors) -> bool:
+    """Every ``[T, H, D]`` tensor's vectors start at a multiple of ``D/16`` bytes (D/32 elements),
+    the warp store kernel's per-lane loads (``D`` ≥ 32)."""
+    for x in tensors:
+        e = x.shape[-1] // 32
+        if e < 1 or x.data_ptr() % (2 * e) or x.stride(0) % e or x.stride(1) % e:
+            return False
+    return True
+
+
+def store_plan(key, layout, tables, *, signed_sylvester: bool, interpret: bool, value=None) -> StorePlan:
+    """The plan a store of ``key`` (and ``value``; torch ``[T, H, D]``) with these tables runs."""
     return plan_store(layout, "bf16" if key.dtype == torch.bfloat16 else "fp16",
                       has_mu=tables["key_offset"] is not None, signed_sylvester=signed_sylvester, interpret=interpret,
-                      num_vectors=key.shape[0] * key.shape[1])
+                      num_vectors=key.shape[0] * key.shape[1],
+                      vector_aligned=value is not None and vectors_aligned(key, value))
 
 
 # Launches of the store kernel by (plan, grid): a repeated store of the same shape calls the
@@ -36,7 +48,7 @@ def _launch_store(cache, key, value, slot_mapping, layout, tables, errors, *, in
     1-element tensor stands in for an unused table). ``signed_sylvester``: the rotation is
     ``diag(s)·H/√D`` (:func:`tqkern.rotations.is_signed_sylvester`; the ``pm1`` method).
     """
-    plan = store_plan(key, layout, tables, signed_sylvester=signed_sylvester, interpret=interpret)
+    plan = store_plan(key, layout, tables, signed_sylvester=signed_sylvester, interpret=interpret, value=value)
     num_tokens = key.shape[0]
     mu = tables["key_offset"]
     args = (key, value, slot_mapping, cache, tables["rotation"], tables["key_boundaries"], tables["key_centroids"],
@@ -47,5 +59,6 @@ def _launch_store(cache, key, value, slot_mapping, layout, tables, errors, *, in
     launcher = _LAUNCHERS.get((plan, grid))
     if launcher is None:  # one per (plan, grid): a decode step's store repeats both
         options = {k: v for k, v in plan.kwargs().items() if k in ("num_warps", "num_stages")}
-        launcher = _LAUNCHERS.put((plan, grid), KernelLauncher(_store_kernel, grid, dict(plan.constexprs), **options))
+        kernel = _store_warp_kernel if plan.kernel == "warp" else _store_kernel
+        launcher = _LAUNCHERS.put((plan, grid), KernelLauncher(kernel, grid, dict(plan.constexprs), **options))
     launcher(*args)

@@ -1,0 +1,165 @@
+"""The warp store kernel (``tqkern/ops/store/warp.py``): which layouts and inputs its plan takes, and,
+on a GPU, the paths the random property tests reach only by chance: uniform codes at exact halves
+(the float64 fix-up of a whole program), misaligned inputs (the tile kernel instead), and every
+lane count against the oracle's bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tqkern
+import tqkern.ops.store.plan as store_plan
+import tqkern_torch as tqt
+from tqkern import reference as ref
+from tqkern.ops.codecs import side_consts
+from tqkern.ops.store.plan import WARP_STORE_LANES, plan_store, warp_store_eligible
+from tqkern.ops.store.triton import vectors_aligned
+from tqkern_torch.testing import device_under_test
+
+DEV = device_under_test()
+needs_gpu = pytest.mark.skipif(DEV.type != "cuda", reason="the warp kernel is GPU only (inline PTX)")
+
+
+def _layout(preset, d=128, h=8, arrangement="slot"):
+    return tqkern.PagedLayout(format=tqkern.KVFormat.preset(preset, d), num_kv_heads=h, block_size=16,
+                              arrangement=arrangement)
+
+
+@pytest.mark.parametrize("preset, d, sylvester, mu, want", [
+    ("turboquant_4bit_nc", 128, True, False, True),
+    ("turboquant_4bit_nc", 128, True, True, True),
+    ("turboquant_3bit_nc", 64, True, False, True),
+    ("k4v3h", 256, True, True, True),
+    ("tqkern_k5v3", 256, True, False, True),  # 40 code bits per lane at 32 lanes: fits 64
+    ("turboquant_k8v4", 128, False, False, True),  # no rotated side, head_dim >= 128
+    ("turboquant_k8v4", 64, False, False, False),  # ... measured slower than the small tile below
+    ("turboquant_4bit_nc", 128, False, False, False),  # a dense rotation
+    ("tq4", 128, False, False, False),  # nibble order, dense rotation
+    ("fp16", 128, False, False, False),  # raw sides
+    ("turboquant_4bit_nc", 96, False, False, False),  # head_dim not a power of two
+])
+def test_eligible_layouts(preset, d, sylvester, mu, want):
+    layout = _layout(preset, d)
+    assert warp_store_eligible(layout, has_mu=mu, signed_sylvester=sylvester, interpret=False) is want
+    assert not warp_store_eligible(layout, has_mu=mu, signed_sylvester=sylvester, interpret=True)
+    plan = plan_store(layout, has_mu=mu, signed_sylvester=sylvester, vector_aligned=True)
+    assert (plan.kernel == "warp") is want
+    tile = plan_store(layout, has_mu=mu, signed_sylvester=sylvester)  # inputs not aligned
+    assert tile.kernel == "tile"
+
+
+def test_unrotated_uniform_keys_with_a_key_offset_are_not_eligible():
+    fmt = tqkern.KVFormat(head_dim=128, key=tqkern.Uniform(bits=4), value=tqkern.Uniform(bits=4))
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=2, block_size=16)
+    assert warp_store_eligible(layout, has_mu=False, signed_sylvester=False, interpret=False)
+    assert not warp_store_eligible(layout, has_mu=True, signed_sylvester=False, interpret=False)
+
+
+@pytest.mark.parametrize("preset, d, lanes", [
+    ("turboquant_4bit_nc", 128, WARP_STORE_LANES[128]),  # 4 bits x 16 elements = 64
+    ("tqkern_k5v3", 128, 16),  # 5 bits x 16 = 80 > 64: twice the lanes
+    ("turboquant_k8v4", 128, 16),  # FP8: 8 bits x 16 > 64
+    ("turboquant_4bit_nc", 64, WARP_STORE_LANES[64]),
+    ("tqkern_k5v3", 256, 32),
+])
+def test_warp_plan_lanes_grid_and_description(preset, d, lanes):
+    layout = _layout(preset, d, h=3)
+    long = plan_store(layout, signed_sylvester=True, vector_aligned=True)
+    cx = dict(long.constexprs)
+    assert cx["L"] == lanes and cx["D"] == d and cx["H"] == 3
+    assert max(cx["K"].BITS, cx["V"].BITS) * (d // lanes) <= 64
+    assert long.block_vectors == long.num_warps * 32 // lanes and long.tiles == store_plan.WARP_STORE_ITERS
+    assert long.grid(1) == (1,) and long.grid(long.vectors_per_program // 3 + 1) == (2,)
+    assert f"{lanes} lanes per vector" in long.describe()
+    short = plan_store(layout, signed_sylvester=True, vector_aligned=True, num_vectors=64)
+    assert short.kernel == "warp" and short.tiles == 1
+    assert plan_store(layout, signed_sylvester=True, vector_aligned=True) is long  # cached
+
+
+def test_vectors_aligned():
+    x = torch.zeros(10, 4, 128, dtype=torch.float16)
+    assert vectors_aligned(x, x)
+    assert vectors_aligned(x[2:], x[:, 1:])  # whole vectors away: still aligned
+    flat = torch.zeros(10 * 4 * 128 + 1, dtype=torch.float16)
+    assert not vectors_aligned(x, flat[1:].view(10, 4, 128))  # one element off
+    assert not vectors_aligned(torch.zeros(10, 4, 130, dtype=torch.float16)[..., :128])  # stride 130
+    assert vectors_aligned(torch.zeros(10, 4, 136, dtype=torch.float16)[..., :128])  # stride 136 = 34 x 4
+    assert not vectors_aligned(torch.zeros(3, 2, 16, dtype=torch.float16))  # D < 32
+
+
+def _store(layout, params, k, v, slots, num_blocks):
+    cache = tqt.allocate_cache(layout, num_blocks, DEV)
+    tqt.store(cache, k, v, slots, layout, params)
+    return cache.cpu().numpy()
+
+
+@needs_gpu
+@pytest.mark.parametrize("bits", [3, 4])
+def test_uniform_codes_at_exact_halves_round_up(bits):
+    # Values on the half-way points of a uniform grid: every code is a tie that float32 cannot
+    # decide, so each program takes the exact float64 path; the bytes must be the oracle's.
+    d, h, n = 128, 2, 48
+    levels = (1 << bits) - 1
+    fmt = tqkern.KVFormat(head_dim=d, key=tqkern.LloydMax(bits=4), value=tqkern.Uniform(bits=bits),
+                          rotation="hadamard_signed")
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=h, block_size=16)
+    params = tqkern.TQParams.default(fmt)
+    assert plan_store(layout, signed_sylvester=True, vector_aligned=True).kernel == "warp"
+    rng = np.random.default_rng(bits)
+    q = rng.integers(0, levels, size=(n, h, d)) + 0.5
+    q[..., 0], q[..., 1] = 0, levels
+    v = (q * 2.0 ** rng.integers(-6, 3, size=(n, h, 1))).astype(np.float16)
+    k = rng.standard_normal((n, h, d)).astype(np.float16)
+    got = _store(layout, params, torch.from_numpy(k).to(DEV), torch.from_numpy(v).to(DEV),
+                 torch.arange(n, device=DEV), n // 16).reshape(n, h, fmt.slot_bytes)
+    want, unsure = ref.compress(k, v, params, return_uncertain=True)
+    vc = side_consts(layout, "value")
+    assert not np.any((got != want) & ~unsure)
+    assert not unsure[..., vc.A_OFF: vc.A_OFF + vc.A_BYTES].any()  # the ties are decided, not uncertain
+
+
+@needs_gpu
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc", "tqkern_k5v3", "k4v2h",
+                                    "turboquant_k8v4"])
+@pytest.mark.parametrize("d, lanes", [(64, 4), (64, 8), (64, 16), (128, 8), (128, 16), (128, 32), (256, 16),
+                                      (256, 32)])
+def test_every_lane_count_writes_the_oracle_bytes(monkeypatch, preset, d, lanes):
+    layout = _layout(preset, d, h=3)
+    params = tqkern.TQParams.default(layout.format, seed=2, key_offset=np.full((3, d), 0.25))
+    monkeypatch.setitem(store_plan.WARP_STORE_LANES, d, lanes)
+    store_plan._plan_warp.cache_clear()
+    try:
+        plan = plan_store(layout, has_mu=True, signed_sylvester=True, vector_aligned=True)
+        if plan.kernel != "warp" or dict(plan.constexprs)["L"] != lanes:
+            pytest.skip("not a warp plan with this lane count")
+        n = 70
+        g = torch.Generator().manual_seed(lanes)
+        k, v = (torch.randn(n, 3, d, generator=g).half().to(DEV) for _ in range(2))
+        slots = torch.randperm(96, generator=g)[:n].to(DEV)
+        got = ref.gather_slots(_store(layout, tqt.to_device(params, DEV), k, v, slots, 6), layout, slots.cpu().numpy())
+        want, unsure = ref.compress(k.cpu().numpy(), v.cpu().numpy(), params, return_uncertain=True)
+        assert not np.any((got != want) & ~unsure)
+    finally:
+        store_plan._plan_warp.cache_clear()
+
+
+@needs_gpu
+def test_misaligned_inputs_take_the_tile_kernel_and_write_the_same_bytes():
+    layout = _layout("turboquant_3bit_nc", 128, h=2)
+    params = tqt.to_device(tqkern.TQParams.default(layout.format, seed=4), DEV)
+    n = 40
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(n, 2, 128, generator=g).half().to(DEV) for _ in range(2))
+    buf = torch.empty(n * 2 * 128 + 1, dtype=torch.float16, device=DEV)
+    k_off = buf[1:].view(n, 2, 128)
+    k_off.copy_(k)
+    assert not vectors_aligned(k_off, v) and vectors_aligned(k, v)
+    slots = torch.arange(n, device=DEV)
+    a = _store(layout, params, k, v, slots, 3)
+    b = _store(layout, params, k_off, v, slots, 3)
+    want, unsure = ref.compress(k.cpu().numpy(), v.cpu().numpy(), params.params, return_uncertain=True)
+    for got in (a, b):
+        g_ = ref.gather_slots(got, layout, slots.cpu().numpy())
+        assert not np.any((g_ != want) & ~unsure)

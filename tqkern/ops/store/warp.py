@@ -1,0 +1,416 @@
+"""The warp store kernel (GPU only): ``L`` lanes of a warp per (token, KV head) vector pair, the
+signed Hadamard rotation as an in-register fast Walsh–Hadamard transform.
+
+Every tensor here holds one value per thread (shape ``[32·WARPS]``), as in the warp-MMA decode
+kernel, so that inline PTX shuffles move values between lanes. A program's ``32·WARPS/L`` lane
+groups store one vector each per iteration (group ``g`` of program ``P`` at iteration ``i``:
+vector ``v = (P·ITERS + i)·32·WARPS/L + g``, head ``v % H`` of token ``v // H``), and the data of
+iteration ``i + 1`` is loaded before iteration ``i`` is encoded, so the next loads stay in flight
+while the lanes compute.
+
+Lane ``p`` of a group holds elements ``E·p .. E·p + E − 1`` of each side (``E = D/L``: 4 to 32
+bytes, read as int32/int64 words). Per side, as :func:`tqkern.ops.fields.encode_side` does for a
+tile:
+
+* the norm in float64 (each lane's ``E`` squares, then a butterfly sum over the group: every lane
+  gets the same bits), so the stored norm bytes equal the oracle's as the tile kernel's do;
+* ``y = (x − μ) @ Π`` for ``Π = diag(s)·H/√D`` as ``FWHT(s ⊙ (x − μ)) · |Π[0, 0]|`` in float32:
+  ``log2 E`` butterfly stages inside the lane, then ``log2 L`` across lanes (``shfl.bfly``; the
+  lane whose stage bit is set keeps ``partner − own``). Every output is a sum of D terms ``±x_i``
+  in float32, well inside the oracle's ``EPS = 2^-16·‖x‖`` of uncertainty;
+* Lloyd-Max codes by the tile kernel's binary search (:func:`tqkern.ops.fields._lloyd_max_codes`,
+  boundaries as scalars), uniform codes by its float32 estimate checked exactly (a program where
+  the check fails for some element takes the float64 decision for all), FP8 by the hardware
+  conversion;
+* packing: a lane's ``E`` codes are one ``BITS·E``-bit chunk (at most 64 bits: the planner's
+  condition) of the LSB-first stream. Chunks of whole bytes are written by their own lane; other
+  widths (3- and 5-bit codes) are joined into 16-bit words by ``shfl.idx`` from the lanes whose
+  chunks overlap each word (lane p makes words p, p + L, ...). A field is written as 16-bit
+  stores where every head's field starts at an even byte, else byte by byte. Lane 0 of the group
+  writes the per-vector floats.
+
+Safety and errors as the tile kernel (:mod:`tqkern.ops.store.kernel`): a slot outside
+``[0, num_slots)`` writes nothing (flagged when too large), a non-finite vector is read as zeros
+(flagged), saturating floats are flagged; one atomic OR per program, only when set.
+
+Which layouts and inputs take it, and the measured lane counts: :mod:`tqkern.ops.store.plan`. No
+torch here: :mod:`tqkern.ops.store.aot` compiles it with Triton alone.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tqkern.errors import ErrorFlag
+from tqkern.ops.codecs import KIND_FP8, KIND_LLOYD_MAX, NC_STORED
+from tqkern.ops.common import f32_to_fp8e4m3_bits, f64_to_bits, store_bytes
+from tqkern.ops.fields import _lloyd_max_codes, _saturates
+
+__all__ = ["_store_warp_kernel"]
+
+_ERR_NONFINITE = tl.constexpr(int(ErrorFlag.NONFINITE_INPUT))
+_ERR_SLOT = tl.constexpr(int(ErrorFlag.SLOT_OUT_OF_RANGE))
+_ERR_SATURATED = tl.constexpr(int(ErrorFlag.SATURATED))
+
+
+# -- lane exchange (inline PTX; every lane of the warp executes each) ---------------------------
+@triton.jit
+def _bfly(x, m):
+    """float32 ``x`` of lane ``l ^ m``."""
+    return tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, $2, 0x1f, -1;", "=f,f,r", [x, m],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _bfly64(x, m):
+    """float64 ``x`` of lane ``l ^ m``."""
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b32 lo, hi;\nmov.b64 {lo, hi}, $1;\nshfl.sync.bfly.b32 lo, lo, $2, 0x1f, -1;\n"
+        "shfl.sync.bfly.b32 hi, hi, $2, 0x1f, -1;\nmov.b64 $0, {lo, hi};\n}", "=d,d,r", [x, m],
+        dtype=tl.float64, is_pure=True, pack=1)
+
+
+@triton.jit
+def _lane_of64(x, src):
+    """uint64 ``x`` of lane ``src`` (0..31)."""
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b32 lo, hi;\nmov.b64 {lo, hi}, $1;\nshfl.sync.idx.b32 lo, lo, $2, 0x1f, -1;\n"
+        "shfl.sync.idx.b32 hi, hi, $2, 0x1f, -1;\nmov.b64 $0, {lo, hi};\n}", "=l,l,r", [x, src],
+        dtype=tl.uint64, is_pure=True, pack=1)
+
+
+@triton.jit
+def _lane_of(x, src):
+    """uint32 ``x`` of lane ``src`` (0..31)."""
+    return tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, -1;", "=r,r,r", [x, src],
+                                     dtype=tl.uint32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _group_sum64(x, lane, LB: tl.constexpr):
+    """Sum over the 2^LB lanes of a vector (butterfly: every lane gets the same bits)."""
+    for j in tl.static_range(LB):
+        x = x + _bfly64(x, lane * 0 + (1 << j))
+    return x
+
+
+@triton.jit
+def _group_min_max(lo, hi, lane, LB: tl.constexpr):
+    for j in tl.static_range(LB):
+        m = lane * 0 + (1 << j)
+        lo = tl.minimum(lo, _bfly(lo, m))
+        hi = tl.maximum(hi, _bfly(hi, m))
+    return lo, hi
+
+
+@triton.jit
+def _group_all(ok, lane, LB: tl.constexpr):
+    """Whether ``ok`` holds on every lane of the vector (a butterfly min of 0/1)."""
+    a = ok.to(tl.float32)
+    for j in tl.static_range(LB):
+        a = tl.minimum(a, _bfly(a, lane * 0 + (1 << j)))
+    return a > 0
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+# -- reads ---------------------------------------------------------------------------------------
+@triton.jit
+def _read(ptr, off, p, ok, E: tl.constexpr):
+    """Elements ``E·p ..`` of one vector (element offset ``off``) as integer words (int64; one
+    int32 for E = 2)."""
+    if E == 2:
+        w = tl.load((ptr + off + 2 * p).to(tl.pointer_type(tl.int32)), mask=ok, other=0)
+        return (w.to(tl.int64),)
+    words = ()
+    a = (ptr + off + E * p).to(tl.pointer_type(tl.int64))
+    for i in tl.static_range(E // 4):
+        words = words + (tl.load(a + i, mask=ok, other=0),)
+    return words
+
+
+@triton.jit
+def _unpack(words, E: tl.constexpr, IN_BF16: tl.constexpr):
+    """The E float32 elements of :func:`_read`'s words."""
+    DT: tl.constexpr = tl.bfloat16 if IN_BF16 else tl.float16
+    xs = ()
+    for e in tl.static_range(E):
+        w = words[e // 4]
+        xs = xs + (((w >> (16 * (e % 4))) & 0xFFFF).to(tl.int16).to(DT, bitcast=True).to(tl.float32),)
+    return xs
+
+
+@triton.jit
+def _vector(t, num_tokens, h, slot_ptr, num_slots, stride_t, stride_h):
+    """(element offset of the vector in its tensor, slot, vector written, slot too large)."""
+    live = t < num_tokens
+    slot = tl.load(slot_ptr + t, mask=live, other=-1).to(tl.int64)
+    ok = live & (slot >= 0) & (slot < num_slots)
+    return t.to(tl.int64) * stride_t + h * stride_h, tl.where(ok, slot, 0), ok, live & (slot >= num_slots)
+
+
+# -- encoding ------------------------------------------------------------------------------------
+@triton.jit
+def _fwht(xs, lane, E: tl.constexpr, LB: tl.constexpr):
+    """The unnormalised Walsh–Hadamard transform of a vector (element ``E·p + e`` in ``xs[e]`` of
+    its lane ``p``, ``2^LB`` lanes): ``Σ_i x_i·(−1)^popcount(i & j)`` in float32, in place."""
+    LOG_E: tl.constexpr = (E > 1) + (E > 2) + (E > 4)
+    for b in tl.static_range(LOG_E):
+        ys = ()
+        for e in tl.static_range(E):
+            if (e & (1 << b)) == 0:
+                ys = ys + (xs[e] + xs[e + (1 << b)],)
+            else:
+                ys = ys + (xs[e - (1 << b)] - xs[e],)
+        xs = ys
+    for j in tl.static_range(LB):
+        m = lane * 0 + (1 << j)
+        sgn = tl.where((lane & (1 << j)) != 0, -1.0, 1.0)
+        ys = ()
+        for e in tl.static_range(E):
+            ys = ys + (_bfly(xs[e], m) + sgn * xs[e],)
+        xs = ys
+    return xs
+
+
+@triton.jit
+def _chunk(codes, BITS: tl.constexpr, E: tl.constexpr):
+    """The lane's E codes as one LSB-first chunk of BITS·E ≤ 64 bits (uint32, or uint64 past 32)."""
+    WT: tl.constexpr = tl.uint64 if BITS * E > 32 else tl.uint32
+    w = codes[0].to(WT)
+    for e in tl.static_range(1, E):
+        w = w | (codes[e].to(WT) << (BITS * e))
+    return w
+
+
+@triton.jit
+def _store16(ptr, j, bits, mask, ALIGNED: tl.constexpr):
+    """16-bit value ``bits`` at byte ``ptr + 2·j``."""
+    if ALIGNED:
+        tl.store(ptr.to(tl.pointer_type(tl.int16)) + j, bits.to(tl.int16), mask=mask)
+    else:
+        tl.store(ptr + 2 * j, (bits & 255).to(tl.uint8), mask=mask)
+        tl.store(ptr + 2 * j + 1, ((bits >> 8) & 255).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _write_chunks(field, w, lane, p, ok, CB: tl.constexpr, NBYTES: tl.constexpr, L: tl.constexpr,
+                  ALIGNED: tl.constexpr):
+    """Write a vector's LSB-first stream of CB-bit chunks (its lane p's at bit CB·p; its L lanes
+    are ``lane − p ..``) as NBYTES bytes at ``field``."""
+    if CB % 16 == 0:  # whole 16-bit words per lane
+        for i in tl.static_range(CB // 16):
+            _store16(field, (CB // 16) * p + i, ((w >> (16 * i)) & 0xFFFF).to(tl.uint32), ok, ALIGNED)
+    elif CB == 8:
+        tl.store(field + p, w.to(tl.uint8), mask=ok)
+    else:  # 16-bit word j (lane p = j, then j − L, ...) from the lanes whose chunks overlap its bits
+        MAXL: tl.constexpr = (16 + CB - 2) // CB + 1
+        NH: tl.constexpr = NBYTES // 2
+        SH: tl.constexpr = 63 if CB > 32 else 31
+        for r in tl.static_range((NH + L - 1) // L):
+            j = p + L * r
+            first = (16 * j) // CB
+            hw = w * 0
+            for k in tl.static_range(MAXL):
+                src = first + k
+                if CB > 32:
+                    part = _lane_of64(w, lane - p + tl.minimum(src, L - 1))
+                else:
+                    part = _lane_of(w, lane - p + tl.minimum(src, L - 1))
+                off = src * CB - 16 * j  # where src's chunk starts, relative to bit 16j
+                up = tl.minimum(tl.maximum(off, 0), SH).to(w.dtype)
+                down = tl.minimum(tl.maximum(-off, 0), SH).to(w.dtype)
+                part = tl.where(off >= 0, part << up, part >> down)
+                hw = hw | tl.where(off < 16, part, 0)
+            _store16(field, j, (hw & 0xFFFF).to(tl.uint32), ok & (j < NH), ALIGNED)
+
+
+@triton.jit
+def _uniform_codes(ys, lo, hi, BITS: tl.constexpr, E: tl.constexpr):
+    """⌊(y − lo)·(2^b − 1)/(hi − lo) + 1/2⌋ per element (÷1e-8 where the scale is floored): the
+    tile kernel's float32 estimate and proof (:func:`tqkern.ops.fields._uniform_codes_f32`);
+    if the proof fails for any element of the program, every element takes the exact float64
+    decision of :func:`tqkern.ops.fields._uniform_codes`. int32 codes."""
+    levels: tl.constexpr = (1 << BITS) - 1
+    tol: tl.constexpr = 0.5 - levels * 2.0**-20
+    magic: tl.constexpr = 12582912.0
+    lo64 = lo.to(tl.float64)
+    span = hi.to(tl.float64) - lo64
+    floored = span / levels < 1e-8
+    r = tl.where(floored, 1e8, levels / tl.where(floored, 1.0, span)).to(tl.float32)
+    codes = ()
+    worst = lo * 0.0
+    for e in tl.static_range(E):
+        t = (ys[e] - lo) * r
+        s = t + magic
+        worst = tl.maximum(worst, tl.abs(t - (s - magic)))
+        codes = codes + (s.to(tl.int32, bitcast=True) - 0x4B400000,)
+    if tl.max(worst, axis=0) >= tol:
+        den = tl.where(floored, 1e-8, span)
+        exact = ()
+        for e in tl.static_range(E):
+            d = ys[e].to(tl.float64) - lo64
+            num = tl.where(floored, d, d * levels)
+            q = tl.floor(num.to(tl.float32) / den.to(tl.float32) + 0.5).to(tl.float64)
+            q = q - ((q - 0.5) * den > num).to(tl.float64) + ((q + 0.5) * den <= num).to(tl.float64)
+            exact = exact + (tl.minimum(tl.maximum(q, 0.0), levels).to(tl.int32),)
+        codes = exact
+    return codes
+
+
+@triton.jit
+def _encode(xs, mus, signs, c, row, h, ok, lane, p, bnd_ptr, cen_ptr, HAS_MU: tl.constexpr, E: tl.constexpr,
+            L: tl.constexpr, LB: tl.constexpr, HW_FP8: tl.constexpr, ALIGNED: tl.constexpr, S: tl.constexpr):
+    """Encode one side (``S``) of the warp's vector ``xs`` (E float32 per lane, zeros if not
+    finite) into the row ``row``; returns the SATURATED bit where set (int32 per lane)."""
+    KIND: tl.constexpr = S.KIND
+    BITS: tl.constexpr = S.BITS
+    PB: tl.constexpr = 2 + 2 * S.PARAM_DTYPE
+    field = row + S.A_OFF + h * S.A_STRIDE
+    first = ok & (p == 0)
+    ys = xs
+    if HAS_MU:
+        ys = ()
+        for e in tl.static_range(E):
+            ys = ys + (xs[e] - mus[e],)
+    if S.ROTATED:
+        zs = ()
+        for e in tl.static_range(E):
+            zs = zs + (ys[e] * signs[e],)
+        zs = _fwht(zs, lane, E, LB)
+        ys = ()
+        for e in tl.static_range(E):
+            ys = ys + (zs[e] * c,)
+    if KIND == KIND_LLOYD_MAX:
+        ss = lane.to(tl.float64) * 0.0
+        for e in tl.static_range(E):
+            x64 = xs[e].to(tl.float64)
+            if HAS_MU:
+                x64 = x64 - mus[e].to(tl.float64)
+            ss += x64 * x64
+        n = tl.sqrt(_group_sum64(ss, lane, LB))  # float64: the norm bytes equal the oracle's
+        inv = tl.where(n > 0, 1.0 / tl.where(n > 0, n, 1.0), 0.0).to(tl.float32)
+        codes = ()
+        for e in tl.static_range(E):
+            codes = codes + (_lloyd_max_codes(ys[e] * inv, bnd_ptr, BITS),)
+        _write_chunks(field, _chunk(codes, BITS, E), lane, p, ok, BITS * E, S.A_BYTES, L, ALIGNED)
+        if S.NORM_CORRECTION == NC_STORED:
+            cs = n * 0.0
+            for e in tl.static_range(E):
+                ce = tl.load(cen_ptr + codes[e])
+                cs += ce * ce
+            cn = tl.sqrt(_group_sum64(cs, lane, LB))
+            n = n / tl.where(cn > 0, cn, 1.0)
+        store_bytes(row + S.B_OFF + h * S.B_STRIDE, f64_to_bits(n, S.PARAM_DTYPE), PB, first)
+        err = tl.where(ok & _saturates(n, S.PARAM_DTYPE), _ERR_SATURATED, 0)
+    elif KIND == KIND_FP8:
+        codes = ()
+        big = lane < 0
+        for e in tl.static_range(E):
+            big = big | (tl.abs(ys[e]) > 448.0)
+            if HW_FP8:
+                q = tl.minimum(tl.maximum(ys[e], -448.0), 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+                codes = codes + (q.to(tl.uint8, bitcast=True),)
+            else:
+                codes = codes + (f32_to_fp8e4m3_bits(ys[e]).to(tl.uint8),)
+        _write_chunks(field, _chunk(codes, 8, E), lane, p, ok, 8 * E, S.A_BYTES, L, ALIGNED)
+        err = tl.where(ok & big, _ERR_SATURATED, 0)
+    else:  # KIND_UNIFORM (asymmetric; unrotated with a key offset is not eligible)
+        lo = ys[0]
+        hi = ys[0]
+        for e in tl.static_range(1, E):
+            lo = tl.minimum(lo, ys[e])
+            hi = tl.maximum(hi, ys[e])
+        lo, hi = _group_min_max(lo, hi, lane, LB)
+        codes = _uniform_codes(ys, lo, hi, BITS, E)
+        _write_chunks(field, _chunk(codes, BITS, E), lane, p, ok, BITS * E, S.A_BYTES, L, ALIGNED)
+        lo64 = lo.to(tl.float64)
+        scale = tl.maximum((hi.to(tl.float64) - lo64) / ((1 << BITS) - 1), 1e-8)
+        store_bytes(row + S.B_OFF + h * S.B_STRIDE, f64_to_bits(scale, S.PARAM_DTYPE), PB, first)
+        store_bytes(row + S.C_OFF + h * S.C_STRIDE, f64_to_bits(lo64, S.PARAM_DTYPE), PB, first)
+        err = tl.where(ok & (_saturates(scale, S.PARAM_DTYPE) | _saturates(lo64, S.PARAM_DTYPE)), _ERR_SATURATED, 0)
+    return err
+
+
+@triton.jit
+def _store_warp_kernel(
+    key_ptr, value_ptr, slot_ptr, cache_ptr, rot_ptr, kb_ptr, kc_ptr, vb_ptr, vc_ptr, mu_ptr, err_ptr,
+    num_tokens, num_slots, stride_kt, stride_kh, stride_vt, stride_vh,
+    HAS_MU: tl.constexpr, IN_BF16: tl.constexpr, H: tl.constexpr, WARPS: tl.constexpr, ITERS: tl.constexpr,
+    L: tl.constexpr, ROTATE: tl.constexpr, K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr,
+    HW_FP8: tl.constexpr, D: tl.constexpr, ROW_BYTES: tl.constexpr, PAD_OFF: tl.constexpr,
+    PAD_STRIDE: tl.constexpr, PAD_BYTES: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+):
+    NT: tl.constexpr = 32 * WARPS
+    E: tl.constexpr = D // L  # elements per lane
+    LB: tl.constexpr = (L > 1) + (L > 2) + (L > 4) + (L > 8) + (L > 16)  # log2(L)
+    VPI: tl.constexpr = NT // L  # vectors per program and iteration
+    t_ = tl.arange(0, NT)
+    lane = t_ % 32
+    p = t_ % L  # this lane's place in its vector's L lanes
+    # the rotation's signs s_i = sign(Π[i, 0]) of this lane's elements and c = |Π[0, 0]| = 1/√D
+    signs = ()
+    c = 1.0
+    if ROTATE:
+        for e in tl.static_range(E):
+            signs = signs + (tl.where(tl.load(rot_ptr + (E * p + e) * D) > 0, 1.0, -1.0),)
+        c = tl.abs(tl.load(rot_ptr))
+    err = lane * 0
+    v = tl.program_id(0) * (ITERS * VPI) + t_ // L
+    t = v // H
+    h = v % H
+    koff, slot, ok, past = _vector(t, num_tokens, h, slot_ptr, num_slots, stride_kt, stride_kh)
+    kw = _read(key_ptr, koff, p, ok, E)
+    vw = _read(value_ptr, t.to(tl.int64) * stride_vt + h * stride_vh, p, ok, E)
+    for i in range(ITERS):
+        # the next vector's reads go out before this one is encoded
+        v_n = v + VPI
+        t_n = v_n // H
+        h_n = v_n % H
+        koff_n, slot_n, ok_n, past_n = _vector(t_n, num_tokens, h_n, slot_ptr, num_slots, stride_kt, stride_kh)
+        ok_n = ok_n & (i + 1 < ITERS)
+        past_n = past_n & (i + 1 < ITERS)
+        kw_n = _read(key_ptr, koff_n, p, ok_n, E)
+        vw_n = _read(value_ptr, t_n.to(tl.int64) * stride_vt + h_n * stride_vh, p, ok_n, E)
+
+        err = err | tl.where(past, _ERR_SLOT, 0)
+        row = cache_ptr + slot * ROW_BYTES
+        kx = _unpack(kw, E, IN_BF16)
+        vx = _unpack(vw, E, IN_BF16)
+        kfin = kx[0] - kx[0] == 0
+        vfin = vx[0] - vx[0] == 0
+        for e in tl.static_range(1, E):
+            kfin = kfin & (kx[e] - kx[e] == 0)
+            vfin = vfin & (vx[e] - vx[e] == 0)
+        kfin = _group_all(kfin, lane, LB)
+        vfin = _group_all(vfin, lane, LB)
+        err = err | tl.where(ok & ~(kfin & vfin), _ERR_NONFINITE, 0)
+        ks = ()
+        vs = ()
+        mus = ()
+        for e in tl.static_range(E):
+            ks = ks + (tl.where(kfin, kx[e], 0.0),)
+            vs = vs + (tl.where(vfin, vx[e], 0.0),)
+            if HAS_MU:
+                mus = mus + (tl.where(kfin, tl.load(mu_ptr + h * D + E * p + e), 0.0),)
+        err = err | _encode(ks, mus, signs, c, row, h, ok, lane, p, kb_ptr, kc_ptr, HAS_MU, E, L, LB, HW_FP8,
+                            K_ALIGNED, K)
+        err = err | _encode(vs, mus, signs, c, row, h, ok, lane, p, vb_ptr, vc_ptr, False, E, L, LB, HW_FP8,
+                            V_ALIGNED, V)
+        if PAD_BYTES > 0:
+            for k in tl.static_range(0, PAD_BYTES, L):
+                tl.store(row + PAD_OFF + h * PAD_STRIDE + k + p, tl.zeros_like(lane).to(tl.uint8),
+                         mask=ok & (k + p < PAD_BYTES))
+        v = v_n
+        h = h_n
+        slot = slot_n
+        ok = ok_n
+        past = past_n
+        kw = kw_n
+        vw = vw_n
+    e_all = tl.reduce(err, 0, _or)
+    tl.atomic_or(err_ptr, e_all, mask=e_all != 0, sem="relaxed")
