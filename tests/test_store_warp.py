@@ -75,6 +75,9 @@ def test_warp_plan_lanes_grid_and_description(preset, d, lanes):
     assert f"{lanes} lanes per vector" in long.describe()
     short = plan_store(layout, signed_sylvester=True, vector_aligned=True, num_vectors=64)
     assert short.kernel == "warp" and short.tiles == 1
+    per = long.block_vectors * store_plan.WARP_STORE_PROGRAMS
+    for n, iters in ((per * 8, 8), (per * 8 - 1, 4), (per * 2, 2), (per * 2 - 1, 1), (10**9, 8)):
+        assert plan_store(layout, signed_sylvester=True, vector_aligned=True, num_vectors=n).tiles == iters
     assert plan_store(layout, signed_sylvester=True, vector_aligned=True) is long  # cached
 
 

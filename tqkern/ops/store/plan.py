@@ -46,7 +46,8 @@ long as one program's serial work. Measured on the H100 (session 22, Hkv8/D128, 
 **The warp kernel** (``kernel="warp"``, :mod:`tqkern.ops.store.warp`, session 24) takes every GPU
 store whose layout :func:`warp_store_eligible` accepts and whose inputs are vector-aligned (contiguous
 K/V are): ``L`` lanes per vector (``WARP_STORE_LANES``: 8 at head_dim 64 and 128, 16 at 256; doubled
-until a lane's codes fit 64 bits), 4 warps, 8 iterations per program (1 for a short store); the
+until a lane's codes fit 64 bits), 4 warps, 8 iterations per program (fewer where the grid would
+have fewer than ``WARP_STORE_PROGRAMS`` programs: a short store takes 1); the
 rotation as an in-register Walsh–Hadamard transform. ``block_vectors`` is then the vectors of one
 iteration (``4·32/L``) and ``tiles`` the iterations. Measured on the H100 (session 24, 16K tokens ×
 8 heads × 128, fp16 in, slot arrangement, µs, tile kernel / warp kernel at L = 8 / 16 / 32, copy_
@@ -79,7 +80,8 @@ ROT_NONE, ROT_PM1, ROT_SPLIT, ROT_CHUNKED = (tl.constexpr(i) for i in range(4))
 HOIST_MAX_DP = 128  # widest padded head_dim whose [DP, DP] operand is built once per program
 SMALL_STORE_VECTORS = 4096  # (token, head) vectors up to which a store takes the small tile (docstring)
 WARP_STORE_WARPS = 4  # the warp kernel: warps per program (one vector pair each per iteration)
-WARP_STORE_ITERS = 8  # the warp kernel: iterations per program of a long store (a short store: 1)
+WARP_STORE_ITERS = 8  # the warp kernel: iterations per program at most (a long store)
+WARP_STORE_PROGRAMS = 1024  # ... fewer while the grid would have fewer programs (~2.6 waves on an H100)
 WARP_STORE_LANES = {64: 8, 128: 8, 256: 16}  # the warp kernel: lanes per vector by head_dim (docstring)
 
 
@@ -163,7 +165,7 @@ def plan_store(layout: PagedLayout, in_dtype: str = "fp16", *, has_mu: bool = Fa
     small = num_vectors is not None and num_vectors <= SMALL_STORE_VECTORS
     if vector_aligned and warp_store_eligible(layout, has_mu=has_mu, signed_sylvester=signed_sylvester,
                                               interpret=interpret):
-        return _plan_warp(layout, in_dtype, bool(has_mu), small)
+        return _plan_warp(layout, in_dtype, bool(has_mu), _warp_iters(layout, num_vectors))
     return _plan_store(layout, in_dtype, bool(has_mu), bool(signed_sylvester), bool(interpret), small)
 
 
@@ -192,15 +194,33 @@ def warp_store_eligible(layout: PagedLayout, *, has_mu: bool, signed_sylvester: 
     return True
 
 
-@functools.lru_cache(maxsize=512)
-def _plan_warp(layout: PagedLayout, in_dtype: str, has_mu: bool, small: bool) -> StorePlan:
+def _warp_lanes(layout: PagedLayout) -> int:
+    """Lanes per vector: ``WARP_STORE_LANES``, doubled until a lane's codes fit 64 bits."""
     c = layout_args(layout)
-    rotate = layout.format.key.rotated or layout.format.value.rotated
-    iters = 1 if small else WARP_STORE_ITERS
     lanes = WARP_STORE_LANES[layout.head_dim]
     bits = max(c["K"].BITS, c["V"].BITS)
-    while lanes < 32 and bits * (layout.head_dim // lanes) > 64:  # a lane's codes fit 64 bits
+    while lanes < 32 and bits * (layout.head_dim // lanes) > 64:
         lanes *= 2
+    return lanes
+
+
+def _warp_iters(layout: PagedLayout, num_vectors: int | None) -> int:
+    """Iterations per program: the most (up to ``WARP_STORE_ITERS``, a power of two) that still
+    leaves ``WARP_STORE_PROGRAMS`` programs; a long store's (``None``) the most."""
+    if num_vectors is None:
+        return WARP_STORE_ITERS
+    per_iter = WARP_STORE_WARPS * 32 // _warp_lanes(layout)
+    iters = WARP_STORE_ITERS
+    while iters > 1 and num_vectors < WARP_STORE_PROGRAMS * per_iter * iters:
+        iters //= 2
+    return iters
+
+
+@functools.lru_cache(maxsize=512)
+def _plan_warp(layout: PagedLayout, in_dtype: str, has_mu: bool, iters: int) -> StorePlan:
+    c = layout_args(layout)
+    rotate = layout.format.key.rotated or layout.format.value.rotated
+    lanes = _warp_lanes(layout)
     cx = dict(
         HAS_MU=has_mu, IN_BF16=in_dtype == "bf16", H=layout.num_kv_heads, WARPS=WARP_STORE_WARPS, ITERS=iters,
         L=lanes, ROTATE=rotate, K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),

@@ -158,7 +158,7 @@ def _vector(t, num_tokens, h, slot_ptr, num_slots, stride_t, stride_h):
 def _fwht(xs, lane, E: tl.constexpr, LB: tl.constexpr):
     """The unnormalised Walsh–Hadamard transform of a vector (element ``E·p + e`` in ``xs[e]`` of
     its lane ``p``, ``2^LB`` lanes): ``Σ_i x_i·(−1)^popcount(i & j)`` in float32, in place."""
-    LOG_E: tl.constexpr = (E > 1) + (E > 2) + (E > 4)
+    LOG_E: tl.constexpr = (E > 1) + (E > 2) + (E > 4) + (E > 8) + (E > 16)
     for b in tl.static_range(LOG_E):
         ys = ()
         for e in tl.static_range(E):
