@@ -55,6 +55,18 @@ _ERR_SATURATED = tl.constexpr(int(ErrorFlag.SATURATED))
 
 
 # -- lane exchange (inline PTX; every lane of the warp executes each) ---------------------------
+def _shfl64_asm(mode: str) -> str:
+    """PTX moving the 64-bit ``$1`` from the lane that ``shfl.sync.{mode}`` with ``$2`` names into
+    ``$0`` (two 32-bit shuffles)."""
+    return ("{\n.reg .b32 lo, hi;\nmov.b64 {lo, hi}, $1;\n"
+            f"shfl.sync.{mode}.b32 lo, lo, $2, 0x1f, -1;\nshfl.sync.{mode}.b32 hi, hi, $2, 0x1f, -1;\n"
+            "mov.b64 $0, {lo, hi};\n}")
+
+
+_BFLY64_ASM = tl.constexpr(_shfl64_asm("bfly"))
+_IDX64_ASM = tl.constexpr(_shfl64_asm("idx"))
+
+
 @triton.jit
 def _bfly(x, m):
     """float32 ``x`` of lane ``l ^ m``."""
@@ -65,19 +77,13 @@ def _bfly(x, m):
 @triton.jit
 def _bfly64(x, m):
     """float64 ``x`` of lane ``l ^ m``."""
-    return tl.inline_asm_elementwise(
-        "{\n.reg .b32 lo, hi;\nmov.b64 {lo, hi}, $1;\nshfl.sync.bfly.b32 lo, lo, $2, 0x1f, -1;\n"
-        "shfl.sync.bfly.b32 hi, hi, $2, 0x1f, -1;\nmov.b64 $0, {lo, hi};\n}", "=d,d,r", [x, m],
-        dtype=tl.float64, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(_BFLY64_ASM, "=d,d,r", [x, m], dtype=tl.float64, is_pure=True, pack=1)
 
 
 @triton.jit
 def _lane_of64(x, src):
     """uint64 ``x`` of lane ``src`` (0..31)."""
-    return tl.inline_asm_elementwise(
-        "{\n.reg .b32 lo, hi;\nmov.b64 {lo, hi}, $1;\nshfl.sync.idx.b32 lo, lo, $2, 0x1f, -1;\n"
-        "shfl.sync.idx.b32 hi, hi, $2, 0x1f, -1;\nmov.b64 $0, {lo, hi};\n}", "=l,l,r", [x, src],
-        dtype=tl.uint64, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(_IDX64_ASM, "=l,l,r", [x, src], dtype=tl.uint64, is_pure=True, pack=1)
 
 
 @triton.jit
