@@ -12,8 +12,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import tqkern_torch.transformers as tqt  # noqa: E402
-from tests.test_transformers import (MODELS, _Counter, _ids, _left_padded, _oracle_attention,  # noqa: E402
-                                     _teacher_forced_logits)
+from tests.test_transformers import (MODELS, _Counter, _gemma2, _ids, _left_padded,  # noqa: E402
+                                     _oracle_attention, _teacher_forced_logits)
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
 
@@ -83,6 +83,29 @@ def test_exact_prefix_logits_equal_the_oracle_with_exact_first_tokens(model, mu,
     assert torch.isfinite(got).all()
     assert float((got - emul).abs().max() / emul.std()) < 1e-2
     assert float((plain - emul).abs().max() / emul.std()) > 2e-2
+
+
+def test_exact_prefix_prefill_kernel_with_sliding_window_and_softcap(monkeypatch):
+    """Gemma-2 (soft-capped logits, a sliding-window layer of 6 and a full one), left padding: the
+    prefill kernel's output corrected with the same window and cap gives the dense path's logits
+    (which attend the patched K/V with transformers' mask). The q/k projections × 4, as in the
+    static test: logits large enough for the cap to bend them."""
+    model = _gemma2()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4.0)
+            layer.self_attn.k_proj.weight.mul_(4.0)
+    ids, mask = _left_padded((0, 4), 10, seed=2)
+    tqt.install(model, "tq4", key_offset=None, block_size=4)
+    out = {}
+    for prefill in ("dense", "kernel"):
+        prefills = _PrefillCounter(monkeypatch)
+        with torch.no_grad():
+            out[prefill] = model(ids, attention_mask=mask, past_key_values=tqt.TQCache(
+                model, exact_prefix=2, prefill=prefill)).logits.float()
+        assert prefills.calls == (2 if prefill == "kernel" else 0)  # the kernel path ran in both layers
+    real = mask.bool()
+    assert float((out["kernel"] - out["dense"])[real].abs().max() / out["dense"][real].std()) < 1e-2
 
 
 def test_exact_prefix_all_prompt_tokens_gives_the_16_bit_prefill(model):

@@ -184,16 +184,13 @@ def prefill_attention(layer, query: torch.Tensor, mask: CausalMask, scale: float
     padded query positions zero. None (nothing done) where the mask is not causal over the
     layer's positions with left padding only, or the layer's dropped prefix differs from it:
     the caller then takes the dense path. With the layer's exact prefix (``TQCache(exact_prefix=)``)
-    the output is corrected through ``prefill``'s log-sum-exp (none with soft-capping or a window:
-    None)."""
+    the output is corrected through ``prefill``'s log-sum-exp, with the same window and soft-cap."""
     b, hq, tq, d = query.shape
     length = layer.seq_len
     exact = layer.exact
     if mask.kv_offset != 0 or mask.q_offset + tq != length or mask.q_length != tq:
         return None
     if softcap is not None and layer.mu is not None:  # the cap of q·(k − μ) is not that of q·k
-        return None
-    if exact is not None and (softcap is not None or mask.window is not None):
         return None
     rows = mask.varlen_rows(length, tq)
     if rows is None or not layer.page_from(rows.starts, rows.starts_host):
@@ -202,8 +199,9 @@ def prefill_attention(layer, query: torch.Tensor, mask: CausalMask, scale: float
     if rows.index is not None:
         q = q[rows.index]
     q = q.to(layer.store_dtype).contiguous()
+    window_left = None if mask.window is None else mask.window - 1
     out = prefill(q, layer.pool, layer.block_table, layer.seq_lens, rows.query_start_loc, layer.layout,
-                  layer.device_params, scale=scale, window_left=None if mask.window is None else mask.window - 1,
+                  layer.device_params, scale=scale, window_left=window_left,
                   logit_softcap=softcap, query_start_loc_cpu=rows.query_start_loc_cpu, seq_lens_cpu=rows.seq_lens_cpu,
                   check_inputs=False, return_lse=exact is not None)
     out, lse = out if exact is not None else (out, None)
@@ -218,5 +216,6 @@ def prefill_attention(layer, query: torch.Tensor, mask: CausalMask, scale: float
     out = out.reshape(b, tq, hq, d)
     if exact is not None:  # paged position of query i of row b: length − tq + i − starts[b] (< 0: padding)
         q_pos = torch.arange(length - tq, length, device=out.device)[None, :] - layer.starts[:, None]
-        out = exact.correct(layer, query.to(layer.store_dtype), out, lse.reshape(b, tq, hq), scale, q_pos)
+        out = exact.correct(layer, query.to(layer.store_dtype), out, lse.reshape(b, tq, hq), scale, q_pos,
+                            window_left=window_left, logit_softcap=softcap)
     return out.to(query.dtype)
