@@ -41,7 +41,8 @@ def store_cases(draw):
     n = draw(st.integers(1, min(capacity, T.scale(40, 600))), label="num_tokens")
     slots = np.random.default_rng(draw(st.integers(0, 2**16), label="slot_seed")).permutation(capacity)[:n]
     k, v = draw(T.kv_arrays(n, layout.num_kv_heads, layout.head_dim, dtype=np.float32), label="kv")
-    return layout, params, num_blocks, slots.astype(np.int64), torch.float16, k, v
+    misaligned = draw(st.booleans(), label="misaligned_key")  # GPU: the tile kernel instead of the warp kernel
+    return layout, params, num_blocks, slots.astype(np.int64), torch.float16, k, v, misaligned
 
 
 @given(store_cases(), st.booleans())
