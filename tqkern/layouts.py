@@ -332,7 +332,8 @@ class KVFormat:
     def preset(cls, name: str, head_dim: int) -> KVFormat:
         """A named format. vLLM's ``turboquant_*`` cache dtypes (byte-exact, slot arrangement)
         and turboquant-vllm's ``tq4`` (byte-exact, use with ``arrangement="row"``); ``tqkern_*``
-        are this library's own recommendations. The layout is byte-exact; equal *codes* also
+        are this library's own formats (which to use, by measured quality: ``docs/quality.md``).
+        The layout is byte-exact; equal *codes* also
         need the peer's parameters: ``TQParams.vllm(fmt)`` for vLLM (``TQParams.default`` uses
         the exact codebook, not vLLM's numerical one), turboquant-vllm's Qᵀ and tables for
         ``tq4``. See ``docs/layout.md``.
