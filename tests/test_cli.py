@@ -195,6 +195,21 @@ def test_plan_prints_the_decode_plan(capsys):
     assert "decode      general kernel, 3 splits, grid (32, 8, 3)" in out and "(interpreter)" in out
 
 
+def test_plan_prints_the_store_plans(capsys):
+    """... and the store plans of a decode step and of a prefill: on an H100 a Hadamard preset
+    takes the warp store kernel (one iteration per program for the 32-token step, more for a long
+    prefill), tq4 (a dense rotation) the tile kernel, the interpreter always the tile kernel."""
+    assert main(["plan", "--preset", "turboquant_4bit_nc", "--tokens", "16384"]) == 0
+    out = capsys.readouterr().out
+    assert ("store of a decode step: store fp16: warp kernel, rotation fwht, 8 lanes per vector, "
+            "4 warps x 1 iterations") in out
+    assert "store of a 16384-token prefill: store fp16: warp kernel" in out and "x 8 iterations" in out
+    assert main(["plan", "--preset", "tq4"]) == 0
+    assert "store of a decode step: store fp16: rotation split" in capsys.readouterr().out
+    assert main(["plan", "--preset", "turboquant_4bit_nc", "--device", "interpreter"]) == 0
+    assert "warp kernel" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv", [["plan", "--preset", "nope"], ["plan", "--q-heads", "12"]])
 def test_plan_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:

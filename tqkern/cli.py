@@ -379,7 +379,8 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    """Print the decode plan ``paged_decode`` would run (kernel, constexprs, splits, launches)."""
+    """Print the decode plan ``paged_decode`` would run (kernel, constexprs, splits, launches) and
+    the store plans of a decode step and of a prefill of the shape."""
     try:
         from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode
     except ImportError as e:
@@ -397,10 +398,28 @@ def _plan(args: argparse.Namespace) -> int:
             from tqkern.ops.paged_decode.aot import occupancy_sm90 as occupancy
         plan = plan_decode(layout, args.batch, args.q_heads, -(-args.tokens // args.block_size), caps,
                            same_codebooks=True, num_splits=args.num_splits, occupancy=occupancy)
+        stores = _store_plans(layout, args)
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from None
     print(plan.describe())
+    for line in stores:
+        print(line)
     return 0
+
+
+def _store_plans(layout: PagedLayout, args: argparse.Namespace) -> list[str]:
+    """One line per ``store`` the shape implies (a decode step's tokens, a prefill of ``--tokens``):
+    the plan of contiguous inputs without a key offset, rotation as ``TQParams.default`` makes it."""
+    from tqkern.ops.store.plan import plan_store
+
+    d = layout.head_dim
+    sylvester = layout.format.rotation in ("hadamard", "hadamard_signed") and d & (d - 1) == 0
+    out = []
+    for label, tokens in (("a decode step", args.batch), (f"a {args.tokens}-token prefill", args.tokens)):
+        sp = plan_store(layout, signed_sylvester=sylvester, interpret=args.device == "interpreter",
+                        num_vectors=tokens * layout.num_kv_heads, vector_aligned=True)
+        out.append(f"store of {label}: {sp.describe()}")
+    return out
 
 
 # -- plumbing ------------------------------------------------------------------------------------
@@ -443,7 +462,7 @@ COMMANDS: list[Command] = [
     Command("info", "preset formats and a reconstruction-error demo (the default)", _info_arguments, _info),
     Command("eval", "perplexity and KL of a model with a compressed KV cache (CPU, NumPy oracles)",
             _eval_arguments, _eval),
-    Command("plan", "print the decode plan (kernel, constexprs, splits) for a preset and shape",
+    Command("plan", "print the decode and store plans (kernel, constexprs, splits) for a preset and shape",
             _plan_arguments, _plan),
     Command("bench", "time the GPU kernels against torch baselines; table, JSON and plot (needs a CUDA GPU)",
             _bench_arguments, _bench),
