@@ -50,6 +50,16 @@ def _gemma2():
     return transformers.Gemma2ForCausalLM(cfg).eval()
 
 
+def _gemma2_capped():
+    """:func:`_gemma2` with the q/k projections × 4: logits large enough for the soft-cap to bend them."""
+    model = _gemma2()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4.0)
+            layer.self_attn.k_proj.weight.mul_(4.0)
+    return model
+
+
 MODELS = {"llama": _llama, "qwen2": _qwen2}
 
 

@@ -12,7 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import tqkern_torch.transformers as tqt  # noqa: E402
-from tests.test_transformers import (MODELS, _Counter, _gemma2, _ids, _left_padded,  # noqa: E402
+from tests.test_transformers import (MODELS, _Counter, _gemma2_capped, _ids, _left_padded,  # noqa: E402
                                      _oracle_attention, _teacher_forced_logits)
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
@@ -88,13 +88,8 @@ def test_exact_prefix_logits_equal_the_oracle_with_exact_first_tokens(model, mu,
 def test_exact_prefix_prefill_kernel_with_sliding_window_and_softcap(monkeypatch):
     """Gemma-2 (soft-capped logits, a sliding-window layer of 6 and a full one), left padding: the
     prefill kernel's output corrected with the same window and cap gives the dense path's logits
-    (which attend the patched K/V with transformers' mask). The q/k projections × 4, as in the
-    static test: logits large enough for the cap to bend them."""
-    model = _gemma2()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(4.0)
-            layer.self_attn.k_proj.weight.mul_(4.0)
+    (which attend the patched K/V with transformers' mask)."""
+    model = _gemma2_capped()
     ids, mask = _left_padded((0, 4), 10, seed=2)
     tqt.install(model, "tq4", key_offset=None, block_size=4)
     out = {}

@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import tqkern_torch.transformers as tqt  # noqa: E402
-from tests.test_transformers import (MODELS, _Counter, _gemma2, _generate, _ids, _left_padded,  # noqa: E402
+from tests.test_transformers import (MODELS, _Counter, _gemma2_capped, _generate, _ids, _left_padded,  # noqa: E402
                                      _teacher_forced_logits)
 
 
@@ -73,11 +73,7 @@ def test_static_exact_prefix_sliding_window_and_softcap():
     the logits of the growing cache, whose soft-capped steps attend the patched dense K/V. The
     q/k projections × 4: logits large enough for the cap to bend them (without the cap in the
     correction the logits are 0.03 std off, without the window 0.17; with both 0.002)."""
-    model = _gemma2()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(4.0)
-            layer.self_attn.k_proj.weight.mul_(4.0)
+    model = _gemma2_capped()
     ids, mask = _left_padded((0, 4), 10, seed=2)
     tqt.install(model, "tq4", key_offset=None, block_size=4)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
