@@ -41,7 +41,7 @@ def store_cases(draw):
     n = draw(st.integers(1, min(capacity, T.scale(40, 600))), label="num_tokens")
     slots = np.random.default_rng(draw(st.integers(0, 2**16), label="slot_seed")).permutation(capacity)[:n]
     k, v = draw(T.kv_arrays(n, layout.num_kv_heads, layout.head_dim, dtype=np.float32), label="kv")
-    misaligned = draw(st.booleans(), label="misaligned_key")  # GPU: the tile kernel instead of the warp kernel
+    misaligned = draw(st.sampled_from([0, 1, 2]), label="key_offset_elements")  # GPU: > 0 takes the tile kernel
     return layout, params, num_blocks, slots.astype(np.int64), torch.float16, k, v, misaligned
 
 

@@ -7,7 +7,7 @@ larger poisoned buffer) whatever a slot index holds. Non-finite keys and values,
 past the cache and saturating values are injected; the error word's bits equal the oracle's.
 Each case runs with the short store's tile or the long store's (drawn); on a GPU the eligible layouts
 take the warp kernel (tqkern/ops/store/warp.py), or the tile kernel where the key tensor is drawn
-misaligned (a view one element into its buffer).
+misaligned (a view one or two elements into its buffer).
 decompress: to float32 rounding of the oracle's float64.
 """
 
@@ -55,19 +55,19 @@ def store_cases(draw):
                         max_size=3), label="non_finite")  # (key?, token, head, element, value)
     for is_key, t, h, d, x in bad:
         (k if is_key else v)[t, h, d] = x
-    misaligned = draw(st.booleans(), label="misaligned_key")
+    misaligned = draw(st.sampled_from([0, 0, 1, 2]), label="key_offset_elements")  # 2: 4 bytes, not 8
     return layout, params, num_blocks, slots, dtype, k, v, misaligned
 
 
 GUARD = 64  # poisoned bytes on each side of the cache (its tensor is a view into a larger buffer)
 
 
-def _run_store(layout, params, num_blocks, slots, dtype, k, v, misaligned=False):
+def _run_store(layout, params, num_blocks, slots, dtype, k, v, misaligned=0):
     kt, k64 = to_torch_kv(k, dtype, DEV)
-    if misaligned:  # a view one element into its buffer: no vector-aligned loads (the tile kernel)
-        buf = torch.empty(kt.numel() + 1, dtype=kt.dtype, device=DEV)
-        buf[1:].view(kt.shape).copy_(kt)
-        kt = buf[1:].view(kt.shape)
+    if misaligned:  # a view that many elements into its buffer: not 8-byte aligned (the tile kernel)
+        buf = torch.empty(kt.numel() + misaligned, dtype=kt.dtype, device=DEV)
+        buf[misaligned:].view(kt.shape).copy_(kt)
+        kt = buf[misaligned:].view(kt.shape)
     vt, v64 = to_torch_kv(v, dtype, DEV)
     shape = layout.cache_shape(num_blocks)
     size = int(np.prod(shape))

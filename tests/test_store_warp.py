@@ -89,7 +89,9 @@ def test_vectors_aligned():
     assert not vectors_aligned(x, flat[1:].view(10, 4, 128))  # one element off
     assert not vectors_aligned(torch.zeros(10, 4, 130, dtype=torch.float16)[..., :128])  # stride 130
     assert vectors_aligned(torch.zeros(10, 4, 136, dtype=torch.float16)[..., :128])  # stride 136 = 34 x 4
-    assert not vectors_aligned(torch.zeros(3, 2, 16, dtype=torch.float16))  # D < 32
+    # head_dim 64 at 8 lanes reads 16-byte runs as int64 words: 4-byte alignment is not enough
+    assert not vectors_aligned(torch.zeros(10, 4, 66, dtype=torch.float16)[..., :64])  # stride 132 bytes
+    assert not vectors_aligned(torch.zeros(3, 2, 32, dtype=torch.float16))  # D < 64
 
 
 def _store(layout, params, k, v, slots, num_blocks):

@@ -53,10 +53,12 @@ iteration (``4·32/L``) and ``tiles`` the iterations. Measured on the H100 (sess
 8 heads × 128, fp16 in, slot arrangement, µs, tile kernel / warp kernel at L = 8 / 16 / 32, copy_
 47.8): turboquant_4bit_nc 218.3 / 97.7 / 94.6 / 117.2, turboquant_3bit_nc 237.9 / 79.2 / 92.1 / 121.9,
 k4v3h 256.3 / 87.1 / 112.2 / 151.7, tqkern_k5v3 343.5 / 149.1 (5-bit codes take L = 16) / 149.0 /
-187.1, turboquant_k8v4 73.6 / 55.3 / 55.3 / 73.7; at 16K × 3 × 64 L = 8 was fastest for every rotated
+187.1, turboquant_k8v4 73.6 / 55.3 / 55.3 / 73.7 (at 16 elements per lane those probes ran one in-lane
+Hadamard stage short, fixed after: the bench's 97.6 µs for turboquant_4bit_nc at L = 8 is the fixed
+kernel's); at 16K × 3 × 64 L = 8 was fastest for every rotated
 preset (turboquant_4bit_nc 40.8 → 22.9) but turboquant_k8v4 lost (13.5 → 15.1), hence no warp
 kernel for unrotated formats below head_dim 128; at 4K × 8 × 256 the tile kernel's ``chunked``
-path took 998–8383 µs and the warp kernel 51–61 (L = 16).
+path took 998–8383 µs and the warp kernel 52–64 at L = 32 (51–61 at L = 16, a stage short).
 """
 
 from __future__ import annotations
@@ -152,8 +154,8 @@ def plan_store(layout: PagedLayout, in_dtype: str = "fp16", *, has_mu: bool = Fa
         interpret: the launch runs in Triton's CPU interpreter.
         num_vectors: (token, KV head) vectors the launch stores; up to :data:`SMALL_STORE_VECTORS`
             it takes the small tile (module docstring). ``None``: a long store's plan.
-        vector_aligned: every key and value vector starts at a multiple of ``head_dim/16`` bytes
-            (the warp kernel's per-lane loads; contiguous inputs do).
+        vector_aligned: every key and value vector starts at a multiple of 8 bytes (the warp
+            kernel's per-lane int64 loads; contiguous inputs do).
     """
     if not isinstance(layout, PagedLayout):
         raise TypeError(f"layout must be a PagedLayout, got {type(layout).__name__}")

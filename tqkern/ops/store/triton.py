@@ -15,11 +15,11 @@ __all__ = ["_store_kernel", "_store_warp_kernel", "_launch_store", "store_plan",
 
 
 def vectors_aligned(*tensors) -> bool:
-    """Every ``[T, H, D]`` tensor's vectors start at a multiple of ``D/16`` bytes (D/32 elements),
-    the warp store kernel's per-lane loads (``D`` ≥ 32)."""
+    """Every ``[T, H, D]`` 16-bit tensor's vectors start at a multiple of 8 bytes (the warp store
+    kernel reads a lane's elements as int64 words; as int32 words where a lane holds two) and ``D``
+    is at least 64."""
     for x in tensors:
-        e = x.shape[-1] // 32
-        if e < 1 or x.data_ptr() % (2 * e) or x.stride(0) % e or x.stride(1) % e:
+        if x.shape[-1] < 64 or x.data_ptr() % 8 or x.stride(0) % 4 or x.stride(1) % 4:
             return False
     return True
 
