@@ -12,6 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import tqkern_torch.transformers as tqt  # noqa: E402
+from tqkern_torch.errors import read_errors  # noqa: E402
 from tests.test_transformers import (MODELS, _Counter, _gemma2_capped, _ids, _left_padded,  # noqa: E402
                                      _oracle_attention, _teacher_forced_logits)
 from transformers.cache_utils import DynamicCache  # noqa: E402
@@ -101,6 +102,7 @@ def test_exact_prefix_prefill_kernel_with_sliding_window_and_softcap(monkeypatch
         assert prefills.calls == (2 if prefill == "kernel" else 0)  # the kernel path ran in both layers
     real = mask.bool()
     assert float((out["kernel"] - out["dense"])[real].abs().max() / out["dense"][real].std()) < 1e-2
+    read_errors("cpu")  # (the padded row's positions were flagged NONFINITE_INPUT: leave the word clear)
 
 
 def test_exact_prefix_all_prompt_tokens_gives_the_16_bit_prefill(model):

@@ -12,7 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import tqkern_torch.transformers as tqt  # noqa: E402
-from tqkern_torch.errors import TQKernError, check_errors  # noqa: E402
+from tqkern_torch.errors import TQKernError, check_errors, read_errors  # noqa: E402
 from tests.test_transformers import MODELS, _Counter, _gemma2, _generate, _ids, _left_padded, _qwen2  # noqa: E402
 
 
@@ -153,6 +153,7 @@ def test_generate_compiles_the_decode_step(model):
 
 
 def test_static_capacity(model):
+    read_errors("cpu")  # bits earlier tests left
     tqt.install(model, "fp16", block_size=4)
     cache = tqt.TQCache(model, max_cache_len=10)  # 12 positions with whole blocks
     with pytest.raises(ValueError, match="max_cache_len = 10 tokens per row"), torch.no_grad():
