@@ -81,6 +81,29 @@ def test_warp_plan_lanes_grid_and_description(preset, d, lanes):
     assert plan_store(layout, signed_sylvester=True, vector_aligned=True) is long  # cached
 
 
+def test_bad_input_names_the_argument():
+    with pytest.raises(TypeError, match="layout must be a PagedLayout"):
+        warp_store_eligible(tqkern.KVFormat.preset("tq4", 128), has_mu=False, signed_sylvester=False,
+                            interpret=False)
+    with pytest.raises(TypeError, match="layout must be a PagedLayout"):
+        store_plan.default_signed_sylvester("tq4")
+    with pytest.raises(TypeError, match=r"\[T, H, D\] tensors, got ndarray"):
+        vectors_aligned(np.zeros((2, 2, 64)))
+    with pytest.raises(TypeError, match=r"of shape \(4, 64\)"):
+        vectors_aligned(torch.zeros(4, 64))
+
+
+def test_default_signed_sylvester():
+    assert store_plan.default_signed_sylvester(_layout("turboquant_4bit_nc"))
+    assert store_plan.default_signed_sylvester(_layout("k4v3h", 64))
+    assert not store_plan.default_signed_sylvester(_layout("tq4"))  # haar
+    assert not store_plan.default_signed_sylvester(_layout("turboquant_4bit_nc", 96))
+    for preset, d in (("turboquant_4bit_nc", 128), ("tq4", 128), ("k4v3h", 64), ("turboquant_3bit_nc", 96)):
+        layout = _layout(preset, d)
+        params = tqt.to_device(tqkern.TQParams.default(layout.format), "cpu")
+        assert params.signed_sylvester == store_plan.default_signed_sylvester(layout), (preset, d)
+
+
 def test_vectors_aligned():
     x = torch.zeros(10, 4, 128, dtype=torch.float16)
     assert vectors_aligned(x, x)
@@ -133,7 +156,7 @@ def test_uniform_codes_at_exact_halves_round_up(bits):
 def test_every_lane_count_writes_the_oracle_bytes(monkeypatch, preset, d, lanes):
     layout = _layout(preset, d, h=3)
     params = tqkern.TQParams.default(layout.format, seed=2, key_offset=np.full((3, d), 0.25))
-    monkeypatch.setitem(store_plan.WARP_STORE_LANES, d, lanes)
+    monkeypatch.setattr(store_plan, "WARP_STORE_LANES", {**store_plan.WARP_STORE_LANES, d: lanes})
     store_plan._plan_warp.cache_clear()
     try:
         plan = plan_store(layout, has_mu=True, signed_sylvester=True, vector_aligned=True)

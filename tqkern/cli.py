@@ -410,10 +410,9 @@ def _plan(args: argparse.Namespace) -> int:
 def _store_plans(layout: PagedLayout, args: argparse.Namespace) -> list[str]:
     """One line per ``store`` the shape implies (a decode step's tokens, a prefill of ``--tokens``):
     the plan of contiguous inputs without a key offset, rotation as ``TQParams.default`` makes it."""
-    from tqkern.ops.store.plan import plan_store
+    from tqkern.ops.store.plan import default_signed_sylvester, plan_store
 
-    d = layout.head_dim
-    sylvester = layout.format.rotation in ("hadamard", "hadamard_signed") and d & (d - 1) == 0
+    sylvester = default_signed_sylvester(layout)
     out = []
     for label, tokens in (("a decode step", args.batch), (f"a {args.tokens}-token prefill", args.tokens)):
         sp = plan_store(layout, signed_sylvester=sylvester, interpret=args.device == "interpreter",

@@ -179,14 +179,15 @@ def token_factors(row, h, tmask, S: tl.constexpr, DOT: tl.constexpr, PAR_ALIGNED
 @triton.jit
 def _uniform_codes(y, lo, hi, BITS: tl.constexpr):
     """⌊(y − lo)·(2^b − 1)/(hi − lo) + 1/2⌋ exactly (÷1e-8 instead when the scale is floored),
-    float64 ``y [BV, DP]``, ``lo``, ``hi [BV]``: a float32 estimate, then two exact float64
-    comparisons move it to the right integer. int64, clamped to [0, 2^b − 1]."""
+    float64 ``y`` and ``lo``, ``hi`` broadcastable to it (a tile's ``[BV, 1]``, or per element): a
+    float32 estimate, then two exact float64 comparisons move it to the right integer. int64,
+    clamped to [0, 2^b − 1]."""
     levels: tl.constexpr = (1 << BITS) - 1
     span = hi - lo
     floored = span / levels < 1e-8
-    d = y - lo[:, None]
-    num = tl.where(floored[:, None], d, d * levels)
-    den = tl.where(floored, 1e-8, span)[:, None]
+    d = y - lo
+    num = tl.where(floored, d, d * levels)
+    den = tl.where(floored, 1e-8, span)
     q = tl.floor(num.to(tl.float32) / den.to(tl.float32) + 0.5).to(tl.float64)
     q = q - ((q - 0.5) * den > num).to(tl.float64) + ((q + 0.5) * den <= num).to(tl.float64)
     return tl.minimum(tl.maximum(q, 0.0), levels).to(tl.int64)
@@ -216,7 +217,7 @@ def _uniform_codes_f32(y, lo, hi, D: tl.constexpr, BITS: tl.constexpr):
         g = tl.where((tl.arange(0, y.shape[1]) < D)[None, :], g, 0.0)
     codes = (s.to(tl.int32, bitcast=True) - 0x4B400000)
     if tl.max(tl.max(g, axis=1), axis=0) >= tol:
-        codes = _uniform_codes(y.to(tl.float64), lo64, hi64, BITS).to(tl.int32)
+        codes = _uniform_codes(y.to(tl.float64), lo64[:, None], hi64[:, None], BITS).to(tl.int32)
     return codes
 
 
@@ -374,7 +375,7 @@ def encode_side(x, mu, y, row, h, tok_mask, bnd_ptr, cen_ptr, HAS_MU: tl.constex
             y64 = x.to(tl.float64) - mu.to(tl.float64)
             lo = tl.min(tl.where(dmask[None, :], y64, float("inf")), axis=1)
             hi = tl.max(tl.where(dmask[None, :], y64, float("-inf")), axis=1)
-            q = _uniform_codes(y64, lo, hi, BITS)
+            q = _uniform_codes(y64, lo[:, None], hi[:, None], BITS)
         scale = tl.maximum((hi - lo) / ((1 << BITS) - 1), 1e-8)
         q = tl.where(dmask[None, :], q, 0)
         store_packed(row + A_OFF + h * A_STRIDE, q, tok_mask, BITS, NIBBLE, A_BYTES, BV, DP, ALIGNED)

@@ -25,7 +25,7 @@ from triton.compiler import ASTSource
 
 from tqkern.ops.paged_decode.aot import SM90, histogram, resources, sass_of
 from tqkern.ops.store.kernel import _store_kernel
-from tqkern.ops.store.plan import SMALL_STORE_VECTORS, plan_store
+from tqkern.ops.store.plan import SMALL_STORE_VECTORS, default_signed_sylvester, plan_store
 from tqkern.ops.store.warp import _store_warp_kernel
 
 __all__ = ["compile_store", "layout_of_case", "report", "report_in_subprocess"]
@@ -78,9 +78,8 @@ def report(case: str) -> dict:
     if opts - set(_OPTIONS):
         raise ValueError(f"options must be among {_OPTIONS}, got {sorted(opts - set(_OPTIONS))}")
     layout = layout_of_case(preset, arr, int(d), int(hkv))
-    sylvester = layout.format.rotation in ("hadamard", "hadamard_signed") and "dense" not in opts
     compiled, plan = compile_store(layout, "bf16" if "bf16" in opts else "fp16", has_mu="mu" in opts,
-                                   signed_sylvester=sylvester and int(d) & (int(d) - 1) == 0,
+                                   signed_sylvester=default_signed_sylvester(layout) and "dense" not in opts,
                                    num_vectors=SMALL_STORE_VECTORS if "small" in opts else None,
                                    vector_aligned="warp" in opts)
     regs, stack = resources(compiled)

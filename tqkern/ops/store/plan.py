@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 
 import triton
 import triton.language as tl
@@ -73,8 +74,9 @@ from tqkern.layouts import PagedLayout, Raw
 from tqkern.ops.codecs import KIND_FP8, KIND_LLOYD_MAX, KIND_UNIFORM, layout_args
 from tqkern.ops.common import halfword_aligned
 
-__all__ = ["StorePlan", "plan_store", "rotation_method", "warp_store_eligible", "ROTATIONS", "ROT_NONE", "ROT_PM1",
-           "ROT_SPLIT", "ROT_CHUNKED", "SMALL_STORE_VECTORS", "WARP_STORE_WARPS", "WARP_STORE_ITERS"]
+__all__ = ["StorePlan", "plan_store", "rotation_method", "warp_store_eligible", "default_signed_sylvester",
+           "ROTATIONS", "ROT_NONE", "ROT_PM1", "ROT_SPLIT", "ROT_CHUNKED", "SMALL_STORE_VECTORS", "WARP_STORE_WARPS",
+           "WARP_STORE_ITERS", "WARP_STORE_PROGRAMS", "WARP_STORE_LANES"]
 
 ROTATIONS = ("none", "pm1", "split", "chunked")
 # The kernel's ROT constexpr (the index in ROTATIONS); kernels compare with these names.
@@ -84,7 +86,8 @@ SMALL_STORE_VECTORS = 4096  # (token, head) vectors up to which a store takes th
 WARP_STORE_WARPS = 4  # the warp kernel: warps per program (one vector pair each per iteration)
 WARP_STORE_ITERS = 8  # the warp kernel: iterations per program at most (a long store)
 WARP_STORE_PROGRAMS = 1024  # ... fewer while the grid would have fewer programs (~2.6 waves on an H100)
-WARP_STORE_LANES = {64: 8, 128: 8, 256: 16}  # the warp kernel: lanes per vector by head_dim (docstring)
+# the warp kernel's lanes per vector by head_dim (docstring)
+WARP_STORE_LANES = types.MappingProxyType({64: 8, 128: 8, 256: 16})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +174,16 @@ def plan_store(layout: PagedLayout, in_dtype: str = "fp16", *, has_mu: bool = Fa
     return _plan_store(layout, in_dtype, bool(has_mu), bool(signed_sylvester), bool(interpret), small)
 
 
+def default_signed_sylvester(layout: PagedLayout) -> bool:
+    """Whether ``TQParams.default``'s rotation for ``layout``'s format is ``diag(s)·H/√D`` (the
+    ``signed_sylvester`` argument of :func:`plan_store` for default parameters): a Hadamard
+    rotation at a power-of-two head_dim."""
+    if not isinstance(layout, PagedLayout):
+        raise TypeError(f"layout must be a PagedLayout, got {type(layout).__name__}")
+    d = layout.head_dim
+    return layout.format.rotation in ("hadamard", "hadamard_signed") and d & (d - 1) == 0
+
+
 def warp_store_eligible(layout: PagedLayout, *, has_mu: bool, signed_sylvester: bool, interpret: bool) -> bool:
     """Whether the warp kernel (:mod:`tqkern.ops.store.warp`) can store into ``layout``: a GPU
     launch, head_dim 64, 128 or 256, no raw side, rotated sides with the signed Hadamard
@@ -178,6 +191,8 @@ def warp_store_eligible(layout: PagedLayout, *, has_mu: bool, signed_sylvester: 
     faster than the small tile), LSB bit order, at most 64 code bits per lane at 32 lanes
     (``BITS·D/32``), and no unrotated uniform keys with a key offset (their codes need ``x − μ``
     in float64)."""
+    if not isinstance(layout, PagedLayout):
+        raise TypeError(f"layout must be a PagedLayout, got {type(layout).__name__}")
     if interpret or layout.head_dim not in (64, 128, 256) or layout.format.bit_order != "lsb":
         return False
     if not (layout.format.key.rotated or layout.format.value.rotated) and layout.head_dim < 128:

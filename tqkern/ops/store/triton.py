@@ -19,6 +19,9 @@ def vectors_aligned(*tensors) -> bool:
     kernel reads a lane's elements as int64 words; as int32 words where a lane holds two) and ``D``
     is at least 64."""
     for x in tensors:
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            raise TypeError(f"vectors_aligned takes [T, H, D] tensors, got {type(x).__name__}"
+                            f"{' of shape ' + str(tuple(x.shape)) if isinstance(x, torch.Tensor) else ''}")
         if x.shape[-1] < 64 or x.data_ptr() % 8 or x.stride(0) % 4 or x.stride(1) % 4:
             return False
     return True

@@ -46,6 +46,7 @@ from tqkern.errors import ErrorFlag
 from tqkern.ops.codecs import KIND_FP8, KIND_LLOYD_MAX, NC_STORED
 from tqkern.ops.common import f32_to_fp8e4m3_bits, f64_to_bits, store_bytes
 from tqkern.ops.fields import _lloyd_max_codes, _saturates
+from tqkern.ops.fields import _uniform_codes as _uniform_codes_f64
 
 __all__ = ["_store_warp_kernel"]
 
@@ -240,7 +241,7 @@ def _uniform_codes(ys, lo, hi, BITS: tl.constexpr, E: tl.constexpr):
     """⌊(y − lo)·(2^b − 1)/(hi − lo) + 1/2⌋ per element (÷1e-8 where the scale is floored): the
     tile kernel's float32 estimate and proof (:func:`tqkern.ops.fields._uniform_codes_f32`);
     if the proof fails for any element of the program, every element takes the exact float64
-    decision of :func:`tqkern.ops.fields._uniform_codes`. int32 codes."""
+    decision of :func:`tqkern.ops.fields._uniform_codes` (per element). int32 codes."""
     levels: tl.constexpr = (1 << BITS) - 1
     tol: tl.constexpr = 0.5 - levels * 2.0**-20
     magic: tl.constexpr = 12582912.0
@@ -256,14 +257,10 @@ def _uniform_codes(ys, lo, hi, BITS: tl.constexpr, E: tl.constexpr):
         worst = tl.maximum(worst, tl.abs(t - (s - magic)))
         codes = codes + (s.to(tl.int32, bitcast=True) - 0x4B400000,)
     if tl.max(worst, axis=0) >= tol:
-        den = tl.where(floored, 1e-8, span)
+        hi64 = hi.to(tl.float64)
         exact = ()
         for e in tl.static_range(E):
-            d = ys[e].to(tl.float64) - lo64
-            num = tl.where(floored, d, d * levels)
-            q = tl.floor(num.to(tl.float32) / den.to(tl.float32) + 0.5).to(tl.float64)
-            q = q - ((q - 0.5) * den > num).to(tl.float64) + ((q + 0.5) * den <= num).to(tl.float64)
-            exact = exact + (tl.minimum(tl.maximum(q, 0.0), levels).to(tl.int32),)
+            exact = exact + (_uniform_codes_f64(ys[e].to(tl.float64), lo64, hi64, BITS).to(tl.int32),)
         codes = exact
     return codes
 
