@@ -14,6 +14,12 @@ half-integer (float32's error there is below 1e-4 at ``|x| / s ≤ 127``), plus 
 of the scores (3·2^-24 of the largest). The rest of the budget is the prefill test's: P·V in fp16
 with float32 accumulation, ``atol = (4e-3 + 2·δ) · max|V̂|``. Batches, poisoning and options are
 those of ``test_prefill_triton.py``.
+
+The tiled path (:func:`~tqkern_torch.prefill_tiles.tile_prefill` with ``int8=True``: keys' codes
+made once by the gather, the queries' by their own kernel, the int8 attention kernel per piece,
+log-sum-exp merges) is held to the same budget: its codes are the oracle's away from ties as the
+fused kernel's are, and its values are rounded to q's dtype once as the fused kernel's products
+round them.
 """
 
 import numpy as np
@@ -26,6 +32,7 @@ import tqkern_torch as tqt
 from property_tests.test_prefill_triton import (_compare, _draw_q, _fill_cache, check_options, prefill_cases,
                                                 sequence_operands)
 from property_tests.test_prefill_triton import _run as _run_prefill
+from property_tests.test_prefill_tiles import _equal_batch, _tiles
 from tqkern.layouts import PRESETS
 from tqkern.ops.int8_prefill.reference import int8_prefill, quantize_int8
 from tqkern_torch.testing import kernels_available
@@ -82,3 +89,31 @@ def test_int8_prefill_matches_oracle(preset, data):
 def test_int8_prefill_options_match_oracle(case, data):
     """``window_left``, ``logit_softcap``, ``sinks`` and ``return_lse`` (the soft-cap on the int8 scores)."""
     check_options(case, data, fn=tqt.int8_prefill, oracle=int8_prefill, bounds=_int8_bounds, what="int8 oracle")
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@settings(max_examples=T.scale(3, 25))
+@given(st.data())
+def test_int8_tiles_match_oracle(preset, data):
+    """The tiled path: every preset, both arrangements, GQA 1..4, mixed or equal-length batches,
+    shuffled blocks, poisoned queries, workspaces from one row up (many merged pieces), a given or
+    a fresh output; window, soft-cap, sinks and lse drawn."""
+    layout, params, group, batch, qdtype = data.draw(prefill_cases(presets=(preset,)), label="case")
+    if data.draw(st.booleans(), label="equal_lengths"):
+        batch = data.draw(_equal_batch(len(batch.seq_lens), int(max(batch.seq_lens.max(), 1))), label="equal_batch")
+    hq = layout.num_kv_heads * group
+    window = data.draw(st.one_of(st.none(), st.integers(0, 40)), label="window_left")
+    cap = data.draw(st.one_of(st.none(), st.sampled_from([0.5, 5.0, 30.0])), label="logit_softcap")
+    sinks = data.draw(st.one_of(st.none(), st.lists(st.floats(-3, 3), min_size=hq, max_size=hq)), label="sinks")
+    sinks = None if sinks is None else np.asarray(sinks, np.float32)
+    lse = data.draw(st.booleans(), label="return_lse")
+    budget = data.draw(st.one_of(st.integers(1, 160), st.just(1 << 20)), label="budget_rows")
+    cache = _fill_cache(layout, params, batch, data)
+    q, q64 = _draw_q(layout, group, batch, qdtype, data)
+    got, got_lse = _tiles(layout, params, batch, q, cache, budget_rows=budget, window_left=window, sinks=sinks,
+                          return_lse=lse, fresh=data.draw(st.booleans(), label="out_none"), int8=True,
+                          logit_softcap=cap)
+    res = int8_prefill(q64, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, layout, params,
+                       window_left=window, logit_softcap=cap, sinks=sinks, return_lse=True)
+    _compare(got, res[0], layout, params, batch, cache, q64, group, what="int8 oracle", got_lse=got_lse,
+             expect_lse=res[1], bounds=_int8_bounds)

@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.skipif(not kernels_available(), reason="needs CUDA or 
 
 
 def _tiles(layout, params, batch, q, cache, *, budget_rows, window_left=None, sinks=None, return_lse=False,
-           attend=None, fresh=False):
+           attend=None, fresh=False, int8=False, logit_softcap=None):
     """``tile_prefill`` on ``DEV`` into a NaN-poisoned output (with ``fresh``: ``out=None``, what
     it returns; one dense call then returns its own output) with a workspace of ``budget_rows``
     prefix rows; NumPy (out, lse or None)."""
@@ -48,7 +48,7 @@ def _tiles(layout, params, batch, q, cache, *, budget_rows, window_left=None, si
                        out=None if fresh else out, lse=lse,
                        window_left=window_left, sinks=None if sinks is None else torch.from_numpy(sinks).to(DEV),
                        workspace_bytes=budget_rows * 2 * h * d * q.element_size(),
-                       attend=attend)
+                       attend=attend, int8=int8, logit_softcap=logit_softcap)
     assert res is out or fresh and res.shape == q.shape and res.dtype == q.dtype and res.is_contiguous()
     return res.float().cpu().numpy(), None if lse is None else lse.cpu().numpy().astype(np.float64)
 

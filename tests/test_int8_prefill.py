@@ -71,3 +71,85 @@ def test_int8_plan_reads_keys_through_the_float32_loader():
     cx = dict(i8.constexprs)
     assert i8.int8 and cx["INT8"] and not base["INT8"] and "int8" in i8.describe()
     assert base["K_FAST"] > 0 and cx["K_FAST"] == 0 and cx["V_FAST"] == base["V_FAST"]
+
+
+def _tie_free(x, s, codes, expect):
+    """Codes equal the oracle's wherever ``|x| / s`` is not within 1e-4 of a half-integer."""
+    t = np.abs(x) / np.where(s > 0, s, 1.0)[..., None]
+    near = np.abs(t - np.floor(t) - 0.5) <= 1e-4
+    assert np.array_equal(codes[~near], expect[~near])
+
+
+@needs_kernels
+@pytest.mark.parametrize("d, rotation", [(64, "sylvester"), (128, "sylvester"), (64, "haar"), (256, "haar"),
+                                         (64, None)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_query_codes_match_oracle(d, rotation, dtype):
+    """``quantize_q`` (each rotation method: exact ±1 products, split parts, float32 chunks, none):
+    the oracle's codes of ``q @ Π`` away from ties, its scales to float32 rounding, NaN scales for
+    rows holding a NaN or inf."""
+    from tqkern.ops.int8_prefill.reference import quantize_int8
+    from tqkern.rotations import haar, hadamard
+    from tqkern_torch.prefill_tiles import quantize_q
+
+    if dtype == torch.bfloat16 and DEV.type != "cuda":
+        pytest.skip("the interpreter has no bf16")
+    rng = np.random.default_rng(d)
+    pi = np.eye(d) if rotation is None else hadamard(d, 5) if rotation == "sylvester" else haar(d, 5)
+    q = torch.from_numpy(rng.standard_normal((70, 3, d)) * 3).to(dtype)
+    q[5, 1, 7] = float("nan")
+    q[9, 2, 0] = float("inf")
+    q64 = q.double().numpy()
+    rot = torch.from_numpy(pi).float().to(DEV)
+    codes, scales = quantize_q(q.to(DEV), rot, rotation is not None, rotation == "sylvester")
+    codes, scales = codes.cpu().numpy(), scales.cpu().numpy().astype(np.float64)
+    x = q64 @ pi
+    ec, es = quantize_int8(x)
+    bad = ~np.all(np.isfinite(q64), axis=-1)
+    assert np.all(np.isnan(scales[bad])) and np.all(np.isfinite(scales[~bad]))
+    np.testing.assert_allclose(scales[~bad], es[~bad], rtol=1e-6)
+    _tie_free(x[~bad], es[~bad], codes[~bad], ec[~bad])
+
+
+@needs_kernels
+@pytest.mark.parametrize("preset", ["tq4", "turboquant_k8v4", "tqkern_k5v3", "fp16"])
+def test_gathered_key_codes_match_oracle(preset):
+    """The gather's int8 keys (``K_INT8``): the oracle's codes of each reconstructed key (in its
+    codec's space, ``key − μ``) away from ties, and its scales."""
+    import tqkern
+    from tqkern import reference as ref
+    from tqkern.ops.int8_prefill.reference import quantize_int8
+    from tqkern.ops.paged_decode.reference import _sequences_kv
+    from tqkern_torch.errors import error_word
+    from tqkern_torch.ops import _device_params
+    from tqkern_torch.prefill_tiles import tile_prefill
+
+    layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset(preset, 64), num_kv_heads=2, block_size=16)
+    params = tqkern.TQParams.default(layout.format)
+    rng = np.random.default_rng(1)
+    n = 40
+    k, v = (rng.standard_normal((n, 2, 64)).astype(np.float16) for _ in range(2))
+    bt = np.array([[2, 0, 1]], np.int32)
+    slots = bt[0][np.arange(n) // 16] * 16 + np.arange(n) % 16
+    cache = ref.store(np.zeros(layout.cache_shape(3), np.uint8), k, v, slots, layout, params)
+    khat = _sequences_kv(cache, layout, params, bt, np.array([n], np.int32))[0][0]  # [n, 2, 64]
+    ec, es = quantize_int8(khat)
+    seen = {}
+
+    def attend(q, kk, vv, batch, **kw):  # the int8 keys the attention kernel is given
+        seen["k"] = (kk[0].cpu().numpy(), kk[1].cpu().numpy().astype(np.float64))
+        return torch.zeros_like(vv[:0].new_empty(q[0].shape)), torch.zeros(q[1].shape, device=vv.device)
+
+    import tqkern_torch.prefill_tiles as pt
+    t = [torch.from_numpy(x).to(DEV) for x in (cache, bt, np.array([n], np.int32), np.array([0, n], np.int32))]
+    q = torch.zeros(n, 2, 64, dtype=torch.float16, device=DEV)
+    real = pt.attend_int8
+    pt.attend_int8 = attend
+    try:
+        tile_prefill(q, *t, layout, _device_params(params, layout, q.device), q_lens=[n], seq_lens=[n], num_blocks=3,
+                     errors=error_word(DEV), scale=0.125, out=None, lse=None, window_left=None, sinks=None, int8=True)
+    finally:
+        pt.attend_int8 = real
+    codes, scales = seen["k"]
+    np.testing.assert_allclose(scales, es, rtol=1e-6)
+    _tie_free(khat, es, codes, ec)

@@ -1,7 +1,8 @@
 """CI sees the prefill kernel as a GPU compiles it: compiled for sm_90 (H100) with Triton's bundled
 ptxas on a machine without a GPU (``tqkern/ops/prefill/aot.py``), with the plan's own constexprs,
 for fp16 and bf16 outputs, head_dim 64–256, a raw-bf16 cache (the bf16 tensor-core path, which the interpreter
-cannot run) and every option. Each kernel must compile within 255 registers and the H100's shared memory, and its stack bytes
+cannot run) and every option; and the tiled path's own kernels (the gather, ``int8_prefill``'s query
+quantization and int8 attention). Each kernel must compile within 255 registers and the H100's shared memory, and its stack bytes
 (spills) and SASS instruction count stay within the budgets below (today's values from Triton
 3.9's ptxas, instructions + 3%), so that a change adding spills or instructions fails here before
 any device time is spent. These are compile facts only: the kernel has not run on a GPU yet.
@@ -39,6 +40,18 @@ BUDGETS = {
     "turboquant_4bit_nc:slot:128:8:32:fp16:gather": (0, 2088),
     "tqkern_k5v3:row:256:2:8:fp16:gather": (0, 2200),
     "turboquant_k3v4_nc:slot:256:2:8:bf16:gather": (0, 2152),
+    # the tiled int8_prefill: the gather writing int8 keys, the query quantization (pm1 / split /
+    # chunked / none) and the int8 attention kernel. The attention kernel's 128 x 64 x 4-warp tile
+    # was the fastest on the H100 (Triton 3.6) and spills under Triton 3.9's compile (pinned)
+    "turboquant_4bit_nc:slot:128:8:32:fp16:gather+int8": (0, 3168),
+    "tqkern_k5v3:row:256:2:8:bf16:gather+int8": (0, 3248),
+    "tq4:slot:128:8:32:fp16:attend": (1952, 10872),
+    "turboquant_4bit_nc:slot:64:2:8:bf16:attend+window+softcap": (384, 5320),
+    "turboquant_4bit_nc:slot:256:8:32:bf16:attend": (280, 6024),
+    "tq4:slot:128:8:32:bf16:quantize": (0, 1992),
+    "turboquant_4bit_nc:slot:128:8:32:fp16:quantize": (0, 2360),
+    "turboquant_4bit_nc:slot:256:8:32:bf16:quantize": (504, 6432),
+    "turboquant_k8v4:slot:128:8:32:fp16:quantize": (0, 488),
 }
 
 

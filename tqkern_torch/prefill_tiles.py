@@ -21,6 +21,7 @@ for the graph's lengths, as a serving stack's captured prefill is).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -28,21 +29,27 @@ import triton
 
 from tqkern.layouts import PagedLayout
 from tqkern.ops.codecs import layout_args
+from tqkern.ops.int8_prefill.triton import (AttendConfig, QuantizeConfig, _int8_attend_kernel, _quantize_q_kernel,
+                                            attend_config, quantize_config)
 from tqkern.ops.prefill.tiles import _combine_kernel, _runs_kernel, plan_tiles
+from tqkern_torch._validate import interpreting
 
 __all__ = ["tiles_supported", "tile_prefill", "pick_attend", "attend_cudnn", "attend_flash", "attend_math",
-           "WORKSPACE_BYTES"]
+           "attend_int8", "quantize_q", "WORKSPACE_BYTES"]
 
 WORKSPACE_BYTES = 256 << 20  # K + V bytes a prefix round may take (rotated-back copies: up to as much again)
 _COMBINE_ROWS = 16
+_LOG2E = 1.4426950408889634
 
 
 def tiles_supported(q: torch.Tensor, layout: PagedLayout, *, logit_softcap, int8: bool) -> bool:
     """The tiled path serves this call: a CUDA device of sm_80 or later (cuDNN's and
-    FlashAttention-2's fused attention), fp16/bf16 queries, head_dim a multiple of 8 up to 256, no
-    logit soft-cap, not ``int8_prefill``. The workspace is in q's dtype: bf16 queries attend bf16
-    keys and values (as a bf16 model's own attention does)."""
-    if int8 or logit_softcap is not None or q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+    FlashAttention-2's fused attention; int8 tensor cores), fp16/bf16 queries, head_dim a multiple
+    of 8 up to 256, no logit soft-cap but for ``int8_prefill`` (its own attention kernel caps). The
+    value workspace is in q's dtype: bf16 queries attend bf16 values (as a bf16 model's own
+    attention does)."""
+    if (logit_softcap is not None and not int8) or q.device.type != "cuda" or q.dtype not in (torch.float16,
+                                                                                              torch.bfloat16):
         return False
     d = layout.head_dim
     return d % 8 == 0 and d <= 256 and torch.cuda.get_device_capability(q.device) >= (8, 0)
@@ -109,6 +116,48 @@ def _math_one(q, k, v, causal: bool, scale: float, window_left: Optional[int]):
     return torch.einsum("hqk,khd->qhd", p, vb).to(q.dtype), lse.transpose(0, 1)
 
 
+def quantize_q(q: torch.Tensor, rotation: torch.Tensor, rotate: bool, signed_sylvester: bool = False,
+               config: Optional[QuantizeConfig] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``int8_prefill``'s query codes: int8 ``[T, Hq, D]`` and float32 scales ``[T, Hq]`` of ``q``
+    (fp16/bf16; ``@ Π`` first when ``rotate``, exactly on the tensor cores when ``signed_sylvester``;
+    :func:`tqkern.ops.int8_prefill.triton._quantize_q_kernel`)."""
+    t, hq, d = q.shape
+    q8 = torch.empty((t, hq, d), dtype=torch.int8, device=q.device)
+    qs = torch.empty((t, hq), dtype=torch.float32, device=q.device)
+    n = t * hq
+    cfg = config or quantize_config(rotate, signed_sylvester, d, interpreting())
+    if n:
+        _quantize_q_kernel[(triton.cdiv(n, cfg.ROWS * cfg.TILES),)](
+            q, rotation, q8, qs, n, q.stride(0), q.stride(1), HQ=hq, D=d, DP=max(16, triton.next_power_of_2(d)),
+            ROWS=cfg.ROWS, TILES=cfg.TILES, ROT=cfg.ROT, KC=cfg.KC, IN_BF16=q.dtype == torch.bfloat16,
+            DOT_PRECISION=cfg.DOT_PRECISION, num_warps=cfg.num_warps)
+    return q8, qs
+
+
+def attend_int8(q, k, v, batch: int, *, causal: bool, scale: float, window_left: Optional[int],
+                softcap: Optional[float] = None, config: Optional[AttendConfig] = None):
+    """:func:`attend_cudnn`'s contract with int8 Q·Kᵀ (:mod:`tqkern.ops.int8_prefill.triton`):
+    ``q = (codes int8 [batch·L, Hq, D], scales float32 [batch·L, Hq])``, ``k`` likewise over
+    ``[batch·n, Hkv, ...]``, ``v [batch·n, Hkv, D]`` fp16/bf16 (the output's dtype); bottom-right
+    causal and window masks; ``softcap`` caps the scores."""
+    (q8, qs), (k8, ks) = q, k
+    t, hq, d = q8.shape
+    hkv = k8.shape[1]
+    lq, lk = t // batch, k8.shape[0] // batch
+    cfg = config or attend_config(d, interpreting())
+    o = torch.empty((t, hq, d), dtype=v.dtype, device=v.device)
+    lse = torch.empty((t, hq), dtype=torch.float32, device=v.device)
+    if t:
+        _int8_attend_kernel[(triton.cdiv(lq, cfg.BM), batch * hq)](
+            q8, qs, k8, ks, v, o, lse, lq, lk, scale if softcap is not None else scale * _LOG2E,
+            0.0 if softcap is None else float(softcap), 0 if window_left is None else window_left,
+            q8.stride(0), q8.stride(1), qs.stride(0), k8.stride(0), k8.stride(1), ks.stride(0), v.stride(0),
+            v.stride(1), o.stride(0), o.stride(1), lse.stride(0), HQ=hq, G=hq // hkv, D=d, DP=cfg.DP, BM=cfg.BM,
+            BN=cfg.BN, CAUSAL=causal, WINDOW=window_left is not None, SOFTCAP=softcap is not None,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return o, lse
+
+
 def pick_attend(q: torch.Tensor, window_left: Optional[int]) -> Attend:
     """The dense kernel for this call: cuDNN on CUDA without a window (fastest on Hopper),
     FlashAttention-2 with one, the torch-ops version elsewhere."""
@@ -151,21 +200,31 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
                  seq_lens: list[int], num_blocks: int, errors: torch.Tensor, scale: float,
                  out: Optional[torch.Tensor], lse: Optional[torch.Tensor], window_left: Optional[int],
                  sinks: Optional[torch.Tensor], workspace_bytes: int = WORKSPACE_BYTES,
-                 attend: Optional[Attend] = None) -> torch.Tensor:
+                 attend: Optional[Attend] = None, int8: bool = False,
+                 logit_softcap: Optional[float] = None) -> torch.Tensor:
     """The tiled prefill of ``q`` (validated by the caller; ``q_lens``/``seq_lens`` the host copies
     of ``query_start_loc``'s lengths and ``seq_lens_dev``, valid). Writes and returns ``out``, and
     ``lse`` when given. With ``out`` None a call that is one dense call (every row in one piece, no
     sinks) returns that call's own output when it is contiguous (no copy), else a new tensor.
     ``workspace_bytes`` bounds a prefix round's K and V in q's dtype; each rotated side's
-    rotated-back copy adds as much again for that side."""
+    rotated-back copy adds as much again for that side.
+
+    ``int8`` (``int8_prefill``): the queries' int8 codes are made once (:func:`quantize_q`, in the
+    key codec's space), the keys' by the gather (int8 codes and scales, in the key codec's space:
+    never rotated back), and every piece goes to :func:`attend_int8` (``attend`` is ignored),
+    which also takes ``logit_softcap``."""
     from tqkern.ops.common import halfword_aligned
     from tqkern.ops.decompress.gather import _gather_kernel, gather_config
 
+    if logit_softcap is not None and not int8:
+        raise ValueError("logit_softcap needs int8=True (the half-precision dense kernels have no soft-cap)")
     h, d = layout.num_kv_heads, layout.head_dim
     fmt = layout.format
-    rotated = (fmt.key.rotated, fmt.value.rotated)
+    rotated = (fmt.key.rotated and not int8, fmt.value.rotated)
     plan = plan_tiles(q_lens, seq_lens, budget_rows=max(1, workspace_bytes // (2 * h * d * q.element_size())),
                       window_left=window_left)
+    if int8:
+        attend = functools.partial(attend_int8, softcap=logit_softcap)
     attend = attend or pick_attend(q, window_left)
     groups = [_groups(rnd, q_lens) for rnd in plan.rounds]
     one_call = (out is None and sinks is None and len(groups) == 1 and len(groups[0]) == 1
@@ -174,9 +233,13 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
     out = torch.empty_like(q) if out is None and not one_call else out
     lse_acc = lse if lse is not None else torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     # each side in its codec's space; a rotated side also rotated back (the copy attention reads)
-    ws = torch.empty((2, max(1, plan.workspace_rows), h, d), dtype=q.dtype, device=q.device)
+    rows = max(1, plan.workspace_rows)
+    ws = [torch.empty((rows, h, d), dtype=torch.int8 if int8 and side == 0 else q.dtype, device=q.device)
+          for side in (0, 1)]
+    k_scales = torch.empty((rows, h), dtype=torch.float32, device=q.device) if int8 else ws[1]
     back = [torch.empty_like(ws[i]) if rotated[i] else ws[i] for i in (0, 1)]
     rot_t = p.rotation.t().to(q.dtype) if any(rotated) else None
+    queries = quantize_q(q, p.rotation, fmt.key.rotated, p.signed_sylvester) if int8 else q
     c = {k: v for k, v in layout_args(layout).items() if not k.startswith("PAD")}
     gc = gather_config(c["DP"])
     starts = [0]
@@ -192,18 +255,19 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
         used = sum(pc.length for pc in rnd)
         _gather_kernel[gc.grid(longest, n_seq, h)](
             ws[0], ws[1], cache, block_table, runs[r], p.key_centroids_f32, p.value_centroids_f32, errors, num_blocks,
-            block_table.stride(0), cap, ws.shape[1], BS=layout.block_size, H=h,
+            block_table.stride(0), cap, rows, k_scales, BS=layout.block_size, H=h,
             K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
-            OUT_BF16=q.dtype == torch.bfloat16, **c, **gc._asdict())
+            OUT_BF16=q.dtype == torch.bfloat16, K_INT8=int8, **c, **gc._asdict())
         for side in (0, 1):
             if rotated[side]:
-                torch.mm(ws[side, :used].view(-1, d), rot_t, out=back[side][:used].view(-1, d))
+                torch.mm(ws[side][:used].view(-1, d), rot_t, out=back[side][:used].view(-1, d))
         for grp in groups[r]:
             pc, last = grp[0], grp[-1]
             a, b = starts[pc.seq], starts[last.seq + 1]
             span = slice(pc.row, last.row + last.length)
-            o, lp = attend(q[a:b], back[0][span], back[1][span], len(grp), causal=pc.causal, scale=scale,
-                           window_left=window_left)
+            qa = (queries[0][a:b], queries[1][a:b]) if int8 else q[a:b]
+            ka = (back[0][span], k_scales[span]) if int8 else back[0][span]
+            o, lp = attend(qa, ka, back[1][span], len(grp), causal=pc.causal, scale=scale, window_left=window_left)
             if one_call:  # the dense call's output is the result (NaN rows stay NaN: no merge)
                 if lse is not None:
                     lse.copy_(lp)

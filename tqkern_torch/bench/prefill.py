@@ -141,7 +141,7 @@ def run_shape(shape: PrefillShape, presets, step, *, rep_ms: int = 100, device: 
             us = timer(lambda: tqt.prefill(q, cache, bt, sl, qsl, layout, params, out=out, max_query_len=lq))
             rows.append(record("prefill", shape.name, f"{FUSED}:{preset}", BASELINE, us, base_us, flops=flops))
             step(f"prefill {shape.name} {FUSED}:{preset}")
-        us = timer(lambda: tqt.int8_prefill(q, cache, bt, sl, qsl, layout, params, out=out))
+        us = timer(lambda: tqt.int8_prefill(q, cache, bt, sl, qsl, layout, params, max_query_len=lq, **host))
         rows.append(record("prefill", shape.name, f"{INT8}:{preset}", BASELINE, us, base_us, flops=flops))
         step(f"prefill {shape.name} {INT8}:{preset}")
         if decompress_baseline and i == 0:

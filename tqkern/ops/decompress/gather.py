@@ -3,7 +3,10 @@ original coordinates: the workspace of the tiled prefill (``tqkern_torch.prefill
 
 A run ``e`` is four int32s ``(seq, start, length, row)``: positions ``start .. start+length−1``
 of sequence ``seq`` (through its row of the block table) land in rows ``row ..`` of
-``k_out, v_out [R, H, D]`` (fp16 or bf16, contiguous). A program takes ``TILES`` tiles of ``BT``
+``k_out, v_out [R, H, D]`` (fp16 or bf16, contiguous; with ``K_INT8`` the keys go to ``k_out`` as
+the int8 codes of :mod:`tqkern.ops.int8_prefill.reference` and their float32 scales to ``ks_out
+[R, H]``: ``int8_prefill``'s workspace, the codes made from the float32 reconstruction once per
+key). A program takes ``TILES`` tiles of ``BT``
 positions of one run and one KV head (grid ``(tiles of the longest run, runs, H)``).
 
 Maths. Each side's reconstruction in its codec's space (float32,
@@ -31,6 +34,7 @@ import triton.language as tl
 
 from tqkern.errors import ErrorFlag
 from tqkern.ops.decompress.triton import decoded_values
+from tqkern.ops.int8_prefill.triton import int8_codes
 
 __all__ = ["_gather_kernel", "GatherConfig", "gather_config"]
 
@@ -57,10 +61,10 @@ def gather_config(dp: int) -> GatherConfig:
 @triton.jit
 def _gather_kernel(
     k_out, v_out, cache_ptr, block_table_ptr, run_ptr, kc_ptr, vc_ptr, err_ptr, num_blocks, stride_bt, max_pos,
-    ws_rows,
+    ws_rows, ks_out,
     BT: tl.constexpr, TILES: tl.constexpr, BS: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr, K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr,
-    OUT_BF16: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    OUT_BF16: tl.constexpr, K: tl.constexpr, V: tl.constexpr, K_INT8: tl.constexpr = False,
 ):
     OUT: tl.constexpr = tl.bfloat16 if OUT_BF16 else tl.float16
     e = tl.program_id(1)
@@ -84,7 +88,12 @@ def _gather_kernel(
         out_off = (((out_row + j) * H + h) * D)[:, None] + cols[None, :]
         m2 = live[:, None] & (cols < D)[None, :]
         y = decoded_values(row, h, live, kc_ptr, D, DP, NIBBLE, K, tl.float32, K_ALIGNED)
-        tl.store(k_out + out_off, y.to(OUT), mask=m2)
+        if K_INT8:
+            c, s = int8_codes(y)
+            tl.store(k_out + out_off, c, mask=m2)
+            tl.store(ks_out + (out_row + j) * H + h, s, mask=live)
+        else:
+            tl.store(k_out + out_off, y.to(OUT), mask=m2)
         y = decoded_values(row, h, live, vc_ptr, D, DP, NIBBLE, V, tl.float32, V_ALIGNED)
         tl.store(v_out + out_off, y.to(OUT), mask=m2)
     tl.atomic_or(err_ptr, bad * _ERR_BLOCK, mask=bad != 0, sem="relaxed")

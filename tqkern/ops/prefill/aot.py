@@ -6,9 +6,11 @@ GPU kernel, bf16 included, which the interpreter cannot run): :func:`compile_pre
 A case is ``"PRESET:ARRANGEMENT:D:HKV:HQ:OUT[:OPTIONS]"``: a preset of
 :data:`tqkern.layouts.PRESETS` or ``raw_bf16`` (raw bf16 keys and values: the bf16 tensor-core
 path), the output dtype ``fp16`` or ``bf16`` (q's), and optional ``+``-joined options among
-``window``, ``softcap``, ``sinks``, ``lse`` and ``int8`` (the ``int8_prefill`` kernel), or
-``gather`` alone: the tiled prefill's gather kernel (:mod:`tqkern.ops.decompress.gather`) for that
-layout and output dtype.
+``window``, ``softcap``, ``sinks``, ``lse`` and ``int8`` (the fused ``int8_prefill`` kernel), or
+``gather``: the tiled prefill's gather kernel (:mod:`tqkern.ops.decompress.gather`) for that
+layout and output dtype (``gather+int8``: with int8 keys), or ``attend`` (with ``window``,
+``softcap``): the tiled ``int8_prefill``'s attention kernel (causal), or ``quantize``: its query
+quantization (:mod:`tqkern.ops.int8_prefill.triton`; the layout's default rotation).
 """
 
 from __future__ import annotations
@@ -80,8 +82,46 @@ def compile_prefill(layout, hq: int, out_dtype: str = "fp16", **options):
     return triton.compile(src, target=SM90, options=dict(num_warps=plan.num_warps, num_stages=plan.num_stages)), plan
 
 
-def compile_gather(layout, out_dtype: str = "fp16"):
-    """The tiled prefill's gather kernel for ``layout`` writing ``out_dtype``, compiled for sm_90."""
+def _compile(fn, cx: dict, types: dict, options: dict):
+    """``fn`` compiled for sm_90 with constexprs ``cx``, pointer/float types from ``types`` (the
+    rest i32), every pointer 16-byte aligned."""
+    sig = {n: "constexpr" if n in cx else types.get(n, "i32") for n in fn.arg_names}
+    ptrs = [n for n, t in sig.items() if t.startswith("*")]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in cx.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=SM90, options=options)
+
+
+def compile_int8_attend(layout, hq: int, out_dtype: str = "fp16", window: bool = False, softcap: bool = False):
+    """The tiled ``int8_prefill``'s attention kernel (causal) for this head geometry, sm_90."""
+    from tqkern.ops.int8_prefill.triton import _int8_attend_kernel, attend_config
+
+    cfg = attend_config(layout.head_dim, interpret=False)
+    cx = dict(HQ=hq, G=hq // layout.num_kv_heads, D=layout.head_dim, DP=cfg.DP, BM=cfg.BM, BN=cfg.BN, CAUSAL=True,
+              WINDOW=window, SOFTCAP=softcap)
+    types = dict(q_ptr="*i8", k_ptr="*i8", qs_ptr="*fp32", ks_ptr="*fp32", lse_ptr="*fp32", v_ptr=f"*{out_dtype}",
+                 o_ptr=f"*{out_dtype}", qk_scale="fp32", softcap="fp32")
+    compiled = _compile(_int8_attend_kernel, cx, types, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    return compiled, cfg
+
+
+def compile_quantize_q(layout, in_dtype: str = "fp16"):
+    """The tiled ``int8_prefill``'s query quantization for the layout's default rotation, sm_90."""
+    from tqkern.ops.int8_prefill.triton import _quantize_q_kernel, quantize_config
+    from tqkern.ops.store.plan import default_signed_sylvester
+
+    d = layout.head_dim
+    cfg = quantize_config(layout.format.key.rotated, default_signed_sylvester(layout), d, interpret=False)
+    cx = dict(HQ=8, D=d, DP=max(16, triton.next_power_of_2(d)), ROWS=cfg.ROWS, TILES=cfg.TILES, ROT=cfg.ROT, KC=cfg.KC,
+              IN_BF16=in_dtype == "bf16", DOT_PRECISION=cfg.DOT_PRECISION)
+    types = dict(q_ptr=f"*{in_dtype}", rot_ptr="*fp32", q8_ptr="*i8", qs_ptr="*fp32")
+    return _compile(_quantize_q_kernel, cx, types, dict(num_warps=cfg.num_warps)), cfg
+
+
+def compile_gather(layout, out_dtype: str = "fp16", int8: bool = False):
+    """The tiled prefill's gather kernel for ``layout`` writing ``out_dtype`` (``int8``: int8 keys
+    and their scales), compiled for sm_90."""
     from tqkern.ops.codecs import layout_args
     from tqkern.ops.common import halfword_aligned
     from tqkern.ops.decompress.gather import _gather_kernel, gather_config
@@ -89,14 +129,19 @@ def compile_gather(layout, out_dtype: str = "fp16"):
     c = {k: v for k, v in layout_args(layout).items() if not k.startswith("PAD")}
     gc = gather_config(c["DP"])
     cx = dict(c, BS=layout.block_size, H=layout.num_kv_heads, OUT_BF16=out_dtype == "bf16", BT=gc.BT,
-              TILES=gc.TILES, K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"))
+              TILES=gc.TILES, K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
+              K_INT8=int8)
     fn = _gather_kernel
     sig = {}
     for name in fn.arg_names:
         if name in cx:
             sig[name] = "constexpr"
+        elif name == "k_out" and int8:
+            sig[name] = "*i8"
         elif name in ("k_out", "v_out"):
             sig[name] = f"*{out_dtype}"
+        elif name == "ks_out":
+            sig[name] = "*fp32"
         elif name == "cache_ptr":
             sig[name] = "*u8"
         elif name in ("block_table_ptr", "run_ptr", "err_ptr"):
@@ -119,11 +164,18 @@ def report(case: str) -> dict:
     parts = case.split(":")
     preset, arr, d, hkv, hq, out = parts[:6]
     opts = {o: True for o in (parts[6].split("+") if len(parts) > 6 and parts[6] else [])}
-    if "gather" in opts:
-        compiled, gc = compile_gather(layout_of_case(preset, arr, int(d), int(hkv)), out)
+    side = {"gather", "attend", "quantize"} & set(opts)
+    if side:
+        lay = layout_of_case(preset, arr, int(d), int(hkv))
+        if "gather" in side:
+            compiled, cfg = compile_gather(lay, out, int8="int8" in opts)
+        elif "attend" in side:
+            compiled, cfg = compile_int8_attend(lay, int(hq), out, "window" in opts, "softcap" in opts)
+        else:
+            compiled, cfg = compile_quantize_q(lay, out)
         regs, stack = resources(compiled)
         return dict(name=case, regs=regs, stack=stack, shared=int(compiled.metadata.shared),
-                    instrs=sum(histogram(sass_of(compiled)).values()), plan=f"gather {gc}")
+                    instrs=sum(histogram(sass_of(compiled)).values()), plan=f"{sorted(side)[0]} {cfg}")
     unknown = set(opts) - {"window", "softcap", "sinks", "lse", "int8"}
     if unknown:
         raise ValueError(f"options must be among window, softcap, sinks, lse, int8, got {sorted(unknown)}")

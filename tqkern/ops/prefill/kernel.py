@@ -35,6 +35,7 @@ import triton.language as tl
 
 from tqkern.ops.codecs import KIND_UNIFORM, NC_DECODE
 from tqkern.ops.fields import load_tile, token_factors
+from tqkern.ops.int8_prefill.triton import int8_codes
 from tqkern.ops.paged_decode._ptx import _prmt_tables
 from tqkern.ops.paged_decode.general import _value_weights, _whole_tile
 from tqkern.ops.paged_decode.merge import _store_merged
@@ -43,20 +44,6 @@ __all__ = ["_prefill_kernel"]
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
-
-
-@triton.jit
-def _int8_codes(x, D: tl.constexpr, DP: tl.constexpr):
-    """Symmetric int8 codes and scales of the rows of ``x [rows, DP]`` (float32; columns ≥ D must
-    be 0), as :func:`tqkern.ops.int8_prefill.reference.quantize_int8`: ``s = max|x| / 127``,
-    ``c = clamp(rint(x / s), −127, 127)`` with ties to even (``floor(t + ½)``, one less where that
-    is odd and t was exactly halfway), ``s = 0`` and ``c = 0`` for a zero row."""
-    s = tl.max(tl.abs(x), axis=1) / 127.0
-    t = x / tl.where(s > 0, s, 1.0)[:, None]
-    r = tl.floor(t + 0.5)
-    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
-    r = tl.where((r - t == 0.5) & odd, r - 1.0, r)
-    return tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8), s
 
 
 @triton.jit
@@ -108,7 +95,7 @@ def _attend(acc, m_i, l_i, q, q_sum, pos_q, t0, kv_end, seq_len, cache_ptr, bt_r
             kf = kf * tl.rsqrt(tl.maximum(tl.sum(k32 * k32, axis=1), 1e-30))
         cols = tl.arange(0, DP)
         khat = tl.where((cols < D)[None, :], k32 * kf[:, None] + kz[:, None], 0.0)
-        ck, sk = _int8_codes(khat, D, DP)
+        ck, sk = int8_codes(khat)
         sc = (q_sum[:, None] * sk[None, :]) * tl.dot(q, tl.trans(ck), out_dtype=tl.int32).to(tl.float32)
     else:
         kf, kz = token_factors(row, h, tmask, K, DOT, K_PAR_ALIGNED)
@@ -178,7 +165,7 @@ def _prefill_kernel(
     q_row = (tok.to(tl.int64) * HQ + head)  # [BM]
     q = tl.load(q_ptr + q_row[:, None] * D + cols[None, :], mask=rmask[:, None] & (cols < D)[None, :], other=0.0)
     if INT8:  # q becomes its int8 codes, q_sum their per-row scales
-        q, q_sum = _int8_codes(q, D, DP)
+        q, q_sum = int8_codes(q)
     else:
         q_sum = tl.sum(q, axis=1)
         q = q.to(DOT)
