@@ -11,7 +11,10 @@ returns the log-sum-exp) or, with a window, FlashAttention-2 as torch builds it 
 window masks); :func:`attend_math` is the same contract in float32
 torch ops, for the CPU tests of the plan and the merges. cuDNN's varlen entry was measured at
 ~45 ms a call (H200, S20), so each dense call takes one sequence, or a run of consecutive
-sequences whose pieces have one shape (a batched call).
+sequences whose pieces have one shape (a batched call). ``int8_prefill`` (``int8=True``) takes
+the same plan with int8 keys (codes and scales written by the gather, in the key codec's space)
+and its own dense kernel, :func:`attend_int8` (:mod:`tqkern.ops.int8_prefill.triton`), on a GPU
+and in the interpreter alike.
 
 What this path needs from the host: the lengths (``q_len`` and ``seq_len`` of every sequence, as
 Python ints): the ones the checks read (a sync) or the caller's ``query_start_loc_cpu`` /
