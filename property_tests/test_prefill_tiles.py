@@ -4,10 +4,11 @@ workspace, a dense varlen kernel per call, log-sum-exp merges) equals the prefil
 Same cases, error budget and poisoning as ``test_prefill_triton.py`` (its helpers). The workspace
 budget is drawn down to one gather tile so that long prefixes split into many pieces merged by
 log-sum-exp (sequences without queries, no prefix, prefix shorter than a piece); batches of equal
-lengths (whose pieces go to the dense kernel as one batch) drawn; window, sinks and lse drawn.
-The dense kernel is cuDNN's or FlashAttention-2 (drawn) on a GPU and
+lengths (whose pieces go to the dense kernel as one batch) drawn; window, soft-cap, sinks and lse
+drawn. The dense kernel is cuDNN's or FlashAttention-2 (drawn) on a GPU and
 :func:`~tqkern_torch.prefill_tiles.attend_math` (the same contract in float32 torch ops) in the
-interpreter; the gather and combine kernels are the
+interpreter, or on both the Triton kernel :func:`~tqkern_torch.prefill_tiles.attend_tiles` (drawn;
+always with a soft-cap, which the others lack); the gather and combine kernels are the
 Triton ones on both. The workspace rounds K and V to q's dtype once (the fused kernel's products
 round the same operands), so the fused kernel's budget holds.
 """
@@ -24,7 +25,7 @@ from tqkern import reference as ref
 from tqkern.layouts import PRESETS
 from tqkern_torch.errors import error_word
 from tqkern_torch.ops import _device_params
-from tqkern_torch.prefill_tiles import attend_cudnn, attend_flash, attend_math, tile_prefill
+from tqkern_torch.prefill_tiles import attend_cudnn, attend_flash, attend_math, attend_tiles, tile_prefill
 from tqkern_torch.testing import kernels_available, poisoned_like
 
 pytestmark = [pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1"),
@@ -79,16 +80,18 @@ def test_tiles_match_oracle(preset, data):
     sinks = None if sinks is None else np.asarray(sinks, np.float32)
     lse = data.draw(st.booleans(), label="return_lse")
     budget = data.draw(st.one_of(st.integers(1, 160), st.just(1 << 20)), label="budget_rows")
-    attend = attend_math
-    if ON_GPU:  # both dense kernels (cuDNN has no window)
-        attend = data.draw(st.sampled_from([attend_flash] + ([attend_cudnn] if window is None else [])), label="attend")
+    cap = data.draw(st.one_of(st.none(), st.sampled_from([0.5, 5.0, 30.0])), label="logit_softcap")
+    # the dense kernels: cuDNN has no window; a soft-cap always takes attend_tiles
+    kernels = [attend_flash] + ([attend_cudnn] if window is None else []) if ON_GPU else [attend_math]
+    kernels = kernels + [attend_tiles]
+    attend = data.draw(st.sampled_from(kernels), label="attend")
     cache = _fill_cache(layout, params, batch, data)
     q, q64 = _draw_q(layout, group, batch, qdtype, data)
     fresh = data.draw(st.booleans(), label="out_none")
     got, got_lse = _tiles(layout, params, batch, q, cache, budget_rows=budget, window_left=window, sinks=sinks,
-                          return_lse=lse, attend=attend, fresh=fresh)
+                          return_lse=lse, attend=attend, fresh=fresh, logit_softcap=cap)
     res = ref.prefill(q64, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, layout, params,
-                      window_left=window, sinks=sinks, return_lse=True)
+                      window_left=window, logit_softcap=cap, sinks=sinks, return_lse=True)
     _compare(got, res[0], layout, params, batch, cache, q64, group, got_lse=got_lse, expect_lse=res[1])
 
 

@@ -113,7 +113,7 @@ def test_query_codes_match_oracle(d, rotation, dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("preset", ["tq4", "turboquant_k8v4", "tqkern_k5v3", "fp16"])
-def test_gathered_key_codes_match_oracle(preset):
+def test_gathered_key_codes_match_oracle(preset, monkeypatch):
     """The gather's int8 keys (``K_INT8``): the oracle's codes of each reconstructed key (in its
     codec's space, ``key − μ``) away from ties, and its scales."""
     import tqkern
@@ -143,13 +143,9 @@ def test_gathered_key_codes_match_oracle(preset):
     import tqkern_torch.prefill_tiles as pt
     t = [torch.from_numpy(x).to(DEV) for x in (cache, bt, np.array([n], np.int32), np.array([0, n], np.int32))]
     q = torch.zeros(n, 2, 64, dtype=torch.float16, device=DEV)
-    real = pt.attend_int8
-    pt.attend_int8 = attend
-    try:
-        tile_prefill(q, *t, layout, _device_params(params, layout, q.device), q_lens=[n], seq_lens=[n], num_blocks=3,
-                     errors=error_word(DEV), scale=0.125, out=None, lse=None, window_left=None, sinks=None, int8=True)
-    finally:
-        pt.attend_int8 = real
+    monkeypatch.setattr(pt, "attend_tiles", attend)
+    tile_prefill(q, *t, layout, _device_params(params, layout, q.device), q_lens=[n], seq_lens=[n], num_blocks=3,
+                 errors=error_word(DEV), scale=0.125, out=None, lse=None, window_left=None, sinks=None, int8=True)
     codes, scales = seen["k"]
     np.testing.assert_allclose(scales, es, rtol=1e-6)
     _tie_free(khat, es, codes, ec)

@@ -222,7 +222,7 @@ def _long_rows(q, block_table, seq_lens, query_start_loc, out, lse, host, *, cac
         return tile_prefill(q, cache_, block_table, seq_lens, query_start_loc, layout, p, q_lens=host[0].tolist(),
                             seq_lens=host[1].tolist(), num_blocks=num_blocks, errors=error_word(q.device),
                             scale=scale, out=out, lse=lse, window_left=opts.window_left, sinks=sinks, int8=int8,
-                            logit_softcap=opts.logit_softcap if int8 else None)
+                            logit_softcap=opts.logit_softcap)
     out = torch.empty_like(q) if out is None else out
     _kernel(q, block_table, seq_lens, query_start_loc, out, lse, int8, cache=cache, layout=layout, p=p, scale=scale,
             opts=opts, sinks=sinks)

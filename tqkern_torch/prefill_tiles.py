@@ -13,8 +13,9 @@ torch ops, for the CPU tests of the plan and the merges. cuDNN's varlen entry wa
 ~45 ms a call (H200, S20), so each dense call takes one sequence, or a run of consecutive
 sequences whose pieces have one shape (a batched call). ``int8_prefill`` (``int8=True``) takes
 the same plan with int8 keys (codes and scales written by the gather, in the key codec's space)
-and its own dense kernel, :func:`attend_int8` (:mod:`tqkern.ops.int8_prefill.triton`), on a GPU
-and in the interpreter alike.
+and its own dense kernel, :func:`attend_tiles` with int8 operands (:mod:`tqkern.ops.prefill.attend`),
+on a GPU and in the interpreter alike; ``prefill`` with a logit soft-cap (which cuDNN's and
+FlashAttention-2's kernels lack) takes the same kernel with half-precision operands.
 
 What this path needs from the host: the lengths (``q_len`` and ``seq_len`` of every sequence, as
 Python ints): the ones the checks read (a sync) or the caller's ``query_start_loc_cpu`` /
@@ -32,13 +33,13 @@ import triton
 
 from tqkern.layouts import PagedLayout
 from tqkern.ops.codecs import layout_args
-from tqkern.ops.int8_prefill.triton import (AttendConfig, QuantizeConfig, _int8_attend_kernel, _quantize_q_kernel,
-                                            attend_config, quantize_config)
+from tqkern.ops.int8_prefill.triton import QuantizeConfig, _quantize_q_kernel, quantize_config
+from tqkern.ops.prefill.attend import AttendConfig, _tile_attend_kernel, attend_config
 from tqkern.ops.prefill.tiles import _combine_kernel, _runs_kernel, plan_tiles
 from tqkern_torch._validate import interpreting
 
 __all__ = ["tiles_supported", "tile_prefill", "pick_attend", "attend_cudnn", "attend_flash", "attend_math",
-           "attend_int8", "quantize_q", "WORKSPACE_BYTES"]
+           "attend_tiles", "quantize_q", "WORKSPACE_BYTES"]
 
 WORKSPACE_BYTES = 256 << 20  # K + V bytes a prefix round may take (rotated-back copies: up to as much again)
 _COMBINE_ROWS = 16
@@ -48,11 +49,10 @@ _LOG2E = 1.4426950408889634
 def tiles_supported(q: torch.Tensor, layout: PagedLayout, *, logit_softcap, int8: bool) -> bool:
     """The tiled path serves this call: a CUDA device of sm_80 or later (cuDNN's and
     FlashAttention-2's fused attention; int8 tensor cores), fp16/bf16 queries, head_dim a multiple
-    of 8 up to 256, no logit soft-cap but for ``int8_prefill`` (its own attention kernel caps). The
-    value workspace is in q's dtype: bf16 queries attend bf16 values (as a bf16 model's own
-    attention does)."""
-    if (logit_softcap is not None and not int8) or q.device.type != "cuda" or q.dtype not in (torch.float16,
-                                                                                              torch.bfloat16):
+    of 8 up to 256 (a logit soft-cap and ``int8_prefill`` take :func:`attend_tiles`). The value
+    workspace is in q's dtype: bf16 queries attend bf16 values (as a bf16 model's own attention
+    does)."""
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
         return False
     d = layout.head_dim
     return d % 8 == 0 and d <= 256 and torch.cuda.get_device_capability(q.device) >= (8, 0)
@@ -137,26 +137,28 @@ def quantize_q(q: torch.Tensor, rotation: torch.Tensor, rotate: bool, signed_syl
     return q8, qs
 
 
-def attend_int8(q, k, v, batch: int, *, causal: bool, scale: float, window_left: Optional[int],
-                softcap: Optional[float] = None, config: Optional[AttendConfig] = None):
-    """:func:`attend_cudnn`'s contract with int8 Q·Kᵀ (:mod:`tqkern.ops.int8_prefill.triton`):
-    ``q = (codes int8 [batch·L, Hq, D], scales float32 [batch·L, Hq])``, ``k`` likewise over
-    ``[batch·n, Hkv, ...]``, ``v [batch·n, Hkv, D]`` fp16/bf16 (the output's dtype); bottom-right
-    causal and window masks; ``softcap`` caps the scores."""
-    (q8, qs), (k8, ks) = q, k
+def attend_tiles(q, k, v, batch: int, *, causal: bool, scale: float, window_left: Optional[int],
+                 softcap: Optional[float] = None, config: Optional[AttendConfig] = None):
+    """:func:`attend_cudnn`'s contract on :func:`tqkern.ops.prefill.attend._tile_attend_kernel`:
+    ``q [batch·L, Hq, D]``, ``k [batch·n, Hkv, D]`` in v's dtype, or with int8 Q·Kᵀ ``q = (codes
+    int8 [batch·L, Hq, D], scales float32 [batch·L, Hq])`` and ``k`` likewise; ``v [batch·n, Hkv,
+    D]`` fp16/bf16 (the output's dtype); bottom-right causal and window masks; ``softcap`` caps the
+    scores."""
+    int8 = isinstance(q, tuple)
+    (q8, qs), (k8, ks) = (q, k) if int8 else ((q, q), (k, k))
     t, hq, d = q8.shape
     hkv = k8.shape[1]
     lq, lk = t // batch, k8.shape[0] // batch
-    cfg = config or attend_config(d, interpreting())
+    cfg = config or attend_config(d, int8, interpreting())
     o = torch.empty((t, hq, d), dtype=v.dtype, device=v.device)
     lse = torch.empty((t, hq), dtype=torch.float32, device=v.device)
     if t:
-        _int8_attend_kernel[(triton.cdiv(lq, cfg.BM), batch * hq)](
+        _tile_attend_kernel[(triton.cdiv(lq, cfg.BM), batch * hq)](
             q8, qs, k8, ks, v, o, lse, lq, lk, scale if softcap is not None else scale * _LOG2E,
             0.0 if softcap is None else float(softcap), 0 if window_left is None else window_left,
             q8.stride(0), q8.stride(1), qs.stride(0), k8.stride(0), k8.stride(1), ks.stride(0), v.stride(0),
             v.stride(1), o.stride(0), o.stride(1), lse.stride(0), HQ=hq, G=hq // hkv, D=d, DP=cfg.DP, BM=cfg.BM,
-            BN=cfg.BN, CAUSAL=causal, WINDOW=window_left is not None, SOFTCAP=softcap is not None,
+            BN=cfg.BN, CAUSAL=causal, WINDOW=window_left is not None, SOFTCAP=softcap is not None, INT8=int8,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o, lse
 
@@ -214,20 +216,18 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
 
     ``int8`` (``int8_prefill``): the queries' int8 codes are made once (:func:`quantize_q`, in the
     key codec's space), the keys' by the gather (int8 codes and scales, in the key codec's space:
-    never rotated back), and every piece goes to :func:`attend_int8` (``attend`` is ignored),
-    which also takes ``logit_softcap``."""
+    never rotated back), and every piece goes to :func:`attend_tiles` (``attend`` is ignored). A
+    ``logit_softcap`` sends every piece to :func:`attend_tiles` too."""
     from tqkern.ops.common import halfword_aligned
     from tqkern.ops.decompress.gather import _gather_kernel, gather_config
 
-    if logit_softcap is not None and not int8:
-        raise ValueError("logit_softcap needs int8=True (the half-precision dense kernels have no soft-cap)")
     h, d = layout.num_kv_heads, layout.head_dim
     fmt = layout.format
     rotated = (fmt.key.rotated and not int8, fmt.value.rotated)
     plan = plan_tiles(q_lens, seq_lens, budget_rows=max(1, workspace_bytes // (2 * h * d * q.element_size())),
                       window_left=window_left)
-    if int8:
-        attend = functools.partial(attend_int8, softcap=logit_softcap)
+    if int8 or logit_softcap is not None:
+        attend = functools.partial(attend_tiles, softcap=logit_softcap)
     attend = attend or pick_attend(q, window_left)
     groups = [_groups(rnd, q_lens) for rnd in plan.rounds]
     one_call = (out is None and sinks is None and len(groups) == 1 and len(groups[0]) == 1

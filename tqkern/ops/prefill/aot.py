@@ -9,8 +9,9 @@ path), the output dtype ``fp16`` or ``bf16`` (q's), and optional ``+``-joined op
 ``window``, ``softcap``, ``sinks``, ``lse`` and ``int8`` (the fused ``int8_prefill`` kernel), or
 ``gather``: the tiled prefill's gather kernel (:mod:`tqkern.ops.decompress.gather`) for that
 layout and output dtype (``gather+int8``: with int8 keys), or ``attend`` (with ``window``,
-``softcap``): the tiled ``int8_prefill``'s attention kernel (causal), or ``quantize``: its query
-quantization (:mod:`tqkern.ops.int8_prefill.triton`; the layout's default rotation).
+``softcap``, ``half``): the tiled path's attention kernel (:mod:`tqkern.ops.prefill.attend`,
+causal; int8 Q·Kᵀ, or with ``half`` the output dtype's), or ``quantize``: ``int8_prefill``'s
+query quantization (:mod:`tqkern.ops.int8_prefill.triton`; the layout's default rotation).
 """
 
 from __future__ import annotations
@@ -93,16 +94,19 @@ def _compile(fn, cx: dict, types: dict, options: dict):
     return triton.compile(src, target=SM90, options=options)
 
 
-def compile_int8_attend(layout, hq: int, out_dtype: str = "fp16", window: bool = False, softcap: bool = False):
-    """The tiled ``int8_prefill``'s attention kernel (causal) for this head geometry, sm_90."""
-    from tqkern.ops.int8_prefill.triton import _int8_attend_kernel, attend_config
+def compile_tile_attend(layout, hq: int, out_dtype: str = "fp16", window: bool = False, softcap: bool = False,
+                        int8: bool = True):
+    """The tiled path's attention kernel (causal; ``int8``: ``int8_prefill``'s, else fp16/bf16
+    Q·Kᵀ as ``prefill`` with a soft-cap runs it) for this head geometry, sm_90."""
+    from tqkern.ops.prefill.attend import _tile_attend_kernel, attend_config
 
-    cfg = attend_config(layout.head_dim, interpret=False)
+    cfg = attend_config(layout.head_dim, int8, interpret=False)
     cx = dict(HQ=hq, G=hq // layout.num_kv_heads, D=layout.head_dim, DP=cfg.DP, BM=cfg.BM, BN=cfg.BN, CAUSAL=True,
-              WINDOW=window, SOFTCAP=softcap)
-    types = dict(q_ptr="*i8", k_ptr="*i8", qs_ptr="*fp32", ks_ptr="*fp32", lse_ptr="*fp32", v_ptr=f"*{out_dtype}",
+              WINDOW=window, SOFTCAP=softcap, INT8=int8)
+    qk = "*i8" if int8 else f"*{out_dtype}"
+    types = dict(q_ptr=qk, k_ptr=qk, qs_ptr="*fp32", ks_ptr="*fp32", lse_ptr="*fp32", v_ptr=f"*{out_dtype}",
                  o_ptr=f"*{out_dtype}", qk_scale="fp32", softcap="fp32")
-    compiled = _compile(_int8_attend_kernel, cx, types, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    compiled = _compile(_tile_attend_kernel, cx, types, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     return compiled, cfg
 
 
@@ -170,7 +174,8 @@ def report(case: str) -> dict:
         if "gather" in side:
             compiled, cfg = compile_gather(lay, out, int8="int8" in opts)
         elif "attend" in side:
-            compiled, cfg = compile_int8_attend(lay, int(hq), out, "window" in opts, "softcap" in opts)
+            compiled, cfg = compile_tile_attend(lay, int(hq), out, "window" in opts, "softcap" in opts,
+                                                int8="half" not in opts)
         else:
             compiled, cfg = compile_quantize_q(lay, out)
         regs, stack = resources(compiled)

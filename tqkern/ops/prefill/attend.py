@@ -1,0 +1,165 @@
+"""Dense attention over the tiled prefill's workspace (no torch): :func:`_tile_attend_kernel`, one
+piece of ``Lq`` queries against ``Lk`` gathered keys, for ``int8_prefill`` (``INT8``: int8 Q·Kᵀ
+codes and scales, :mod:`tqkern.ops.int8_prefill.triton`) and for ``prefill`` where the
+half-precision dense kernels cannot serve (a logit soft-cap: fp16/bf16 Q·Kᵀ).
+
+Per query row i and key j (query i sits at key position ``Lk − Lq + i``):
+
+    a_ij = (scale · s_q[i]) · s_k[j] · (c_q[i] · c_k[j])   (``INT8``: int8 tensor cores, int32 sums)
+    a_ij = scale · (q_i · k_j)                             (otherwise: fp16/bf16 products, float32 sums)
+    a_ij = c · tanh(a_ij / c)                              (``SOFTCAP``)
+    masks: ``CAUSAL`` keys ``j ≤ Lk − Lq + i``; ``WINDOW`` also ``j ≥ Lk − Lq + i − window_left``
+    out_i = Σ_j softmax(a_i)_j · v_j    (P rounded to v's dtype, float32 sums), lse_i = log Σ_j e^{a_ij}
+
+The scores are float32; the online softmax runs in base 2 like the other prefill kernels. A query
+row that held a NaN or ±inf gives a NaN row and lse; a row with no visible key gives zeros and lse −inf (the tiled plan never makes
+one). Grid ``(⌈Lq / BM⌉, batch · HQ)``: program ``(m, b·HQ + h)`` takes query rows ``m·BM ..`` of
+sequence b's head h, which reads KV head ``h // G``; the batch's sequences have equal lengths and
+sit one after another in every operand.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import triton
+import triton.language as tl
+
+__all__ = ["_tile_attend_kernel", "AttendConfig", "attend_config"]
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+
+
+class AttendConfig(NamedTuple):
+    """Tiles and compile options of :func:`_tile_attend_kernel`: ``BM`` query rows by ``BN`` keys,
+    ``DP`` padded head_dim (≥ 32: the int8 product's reduction)."""
+
+    BM: int
+    BN: int
+    DP: int
+    num_warps: int
+    num_stages: int
+
+
+def attend_config(head_dim: int, int8: bool, interpret: bool) -> AttendConfig:
+    """The attention tiles for ``head_dim``. Up to 128 columns, measured on the H100 at 1×16K,
+    Hq32/Hkv8/D128 (eight tilings for int8, three for fp16; cuDNN on fp16 3767–3935 µs): int8 128
+    query rows × 64 keys, 4 warps, 3 stages (5341–5534 µs; 8 warps 6081–6212; 2 stages 11586);
+    fp16 the same tile with 8 warps (6570 µs; 4 warps 14151: spills; 128 × 128 7697). At 256
+    columns: 64 × 64, 8 warps, 2 stages, the fewest spills of six sm_90 compiles (int8: 280 stack
+    bytes), not timed. The interpreter takes 32 × 32 (fewer, larger NumPy steps)."""
+    dp = max(32, triton.next_power_of_2(head_dim))
+    if interpret:
+        return AttendConfig(32, 32, dp, 4, 1)
+    if dp <= 128:
+        return AttendConfig(128, 64, dp, 4 if int8 else 8, 3)
+    return AttendConfig(64, 64, dp, 8, 2)
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, qs, pos_q, t0, kv_end, k_base, ks_base, v_base, cols, stride_kt, stride_kst,
+                 stride_vt, softcap, window_left, MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                 SOFTCAP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, INT8: tl.constexpr):
+    """One online-softmax step over keys ``t0 .. t0 + BN − 1`` (``MASK``: keys at or past
+    ``kv_end`` and the causal / window masks applied; without it every row sees every key)."""
+    kk = t0 + tl.arange(0, BN)
+    if MASK:
+        km = kk < kv_end
+    else:
+        km = kk >= 0
+    if D == DP:
+        m2 = km[:, None]
+    else:
+        m2 = km[:, None] & (cols < D)[None, :]
+    k = tl.load(k_base + kk.to(tl.int64)[:, None] * stride_kt + cols[None, :], mask=m2, other=0)
+    if INT8:
+        ks = tl.load(ks_base + kk.to(tl.int64) * stride_kst, mask=km, other=0.0)
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * qs[:, None] * ks[None, :]
+    else:
+        s = tl.dot(q, tl.trans(k)) * qs[:, None]
+    if SOFTCAP:  # c·tanh(a/c) as c·(1 − 2/(e^{2a/c} + 1)), then base 2
+        s = softcap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * _LOG2E / softcap)) + 1.0)) * _LOG2E
+    if MASK:
+        vis = km[None, :]
+        if CAUSAL:
+            vis = vis & (kk[None, :] <= pos_q[:, None])
+        if WINDOW:
+            vis = vis & (kk[None, :] >= pos_q[:, None] - window_left)
+        s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_base + kk.to(tl.int64)[:, None] * stride_vt + cols[None, :], mask=m2, other=0.0)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _tile_attend_kernel(
+    q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, o_ptr, lse_ptr, Lq, Lk, qk_scale, softcap, window_left,
+    stride_qt, stride_qh, stride_qst, stride_kt, stride_kh, stride_kst, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_lt,
+    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, INT8: tl.constexpr,
+):
+    """``INT8``: q int8 ``[batch·Lq, HQ, D]`` codes, qs float32 ``[batch·Lq, HQ]`` their scales;
+    k int8 ``[batch·Lk, HQ/G, D]``, ks float32 ``[batch·Lk, HQ/G]``. Otherwise q and k are in v's
+    dtype and ``qs_ptr``/``ks_ptr`` are not read. v, o: ``[batch·Lk, HQ/G, D]`` / ``[batch·Lq,
+    HQ, D]`` fp16 or bf16 (last dimensions contiguous); lse: float32 ``[batch·Lq, HQ]`` (natural
+    log). ``qk_scale``: the score scale, times log2(e) unless ``SOFTCAP``."""
+    b = tl.program_id(1) // HQ
+    h = tl.program_id(1) % HQ
+    kh = h // G
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    rm = rows < Lq
+    cols = tl.arange(0, DP)
+    tok = (b * Lq + tl.where(rm, rows, 0)).to(tl.int64)
+    qm = rm[:, None] & (cols < D)[None, :]
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + cols[None, :], mask=qm, other=0)
+    if INT8:
+        qs = tl.load(qs_ptr + tok * stride_qst + h, mask=rm, other=0.0)
+        poison = tl.where(qs - qs != 0, float("nan"), 0.0)  # a NaN or ±inf scale: the row held one
+        qs = qs * qk_scale
+    else:
+        qf = q.to(tl.float32)
+        poison = tl.where(tl.sum(((qf - qf) != 0).to(tl.int32), axis=1) > 0, float("nan"), 0.0)
+        qs = tl.full([BM], 1.0, tl.float32) * qk_scale
+    pos_q = Lk - Lq + rows
+    k0 = (b * Lk).to(tl.int64)
+    k_base = k_ptr + k0 * stride_kt + kh * stride_kh
+    ks_base = ks_ptr + k0 * stride_kst + kh
+    v_base = v_ptr + k0 * stride_vt + kh * stride_vh
+
+    first = Lk - Lq + tl.program_id(0) * BM  # the first row's key position
+    if CAUSAL or WINDOW:
+        kv_end = tl.minimum(Lk, tl.maximum(first + BM, 0))
+    else:
+        kv_end = Lk
+    if WINDOW:  # every tile masked
+        lo = (tl.maximum(first - window_left, 0) // BN) * BN
+        full = lo
+    elif CAUSAL:
+        lo = 0
+        full = (tl.minimum(tl.maximum(first + 1, 0), kv_end) // BN) * BN
+    else:
+        lo = 0
+        full = (kv_end // BN) * BN
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, DP], tl.float32)
+    for t0 in range(lo, full, BN):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, qs, pos_q, t0, kv_end, k_base, ks_base, v_base, cols,
+                                     stride_kt, stride_kst, stride_vt, softcap, window_left, False, CAUSAL, WINDOW,
+                                     SOFTCAP, D, DP, BN, INT8)
+    for t0 in range(tl.maximum(full, lo), kv_end, BN):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, qs, pos_q, t0, kv_end, k_base, ks_base, v_base, cols,
+                                     stride_kt, stride_kst, stride_vt, softcap, window_left, True, CAUSAL, WINDOW,
+                                     SOFTCAP, D, DP, BN, INT8)
+    inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
+    o = acc * inv[:, None] + poison[:, None]
+    tl.store(o_ptr + tok[:, None] * stride_ot + h * stride_oh + cols[None, :], o.to(o_ptr.dtype.element_ty), mask=qm)
+    lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * _LN2, float("-inf"))
+    tl.store(lse_ptr + tok * stride_lt + h, lse + poison, mask=rm)
