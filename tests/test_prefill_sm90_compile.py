@@ -41,20 +41,20 @@ BUDGETS = {
     "tqkern_k5v3:row:256:2:8:fp16:gather": (0, 2200),
     "turboquant_k3v4_nc:slot:256:2:8:bf16:gather": (0, 2152),
     # the tiled int8_prefill: the gather writing int8 keys, the query quantization (pm1 / split /
-    # chunked / none) and the int8 attention kernel. The attention kernel's 128 x 64 x 4-warp tile
-    # was the fastest on the H100 (Triton 3.6) and spills under Triton 3.9's compile (pinned)
+    # chunked / none) and the int8 attention kernel. The attention kernel's tiles were the fastest
+    # measured on the H100 (Triton 3.6) and spill under Triton 3.9's compile (pinned)
     "turboquant_4bit_nc:slot:128:8:32:fp16:gather+int8": (0, 3168),
     "tqkern_k5v3:row:256:2:8:bf16:gather+int8": (0, 3248),
     "tq4:slot:128:8:32:fp16:attend": (1952, 10872),
     "turboquant_4bit_nc:slot:64:2:8:bf16:attend+window+softcap": (384, 5320),
-    "turboquant_4bit_nc:slot:256:8:32:bf16:attend": (280, 6024),
+    "turboquant_4bit_nc:slot:256:8:32:bf16:attend": (1000, 9080),
     "tq4:slot:128:8:32:bf16:quantize": (0, 1992),
     "turboquant_4bit_nc:slot:128:8:32:fp16:quantize": (0, 2360),
     "turboquant_4bit_nc:slot:256:8:32:bf16:quantize": (504, 6432),
     "turboquant_k8v4:slot:128:8:32:fp16:quantize": (0, 488),
     # the same attention kernel with half-precision Q·Kᵀ: prefill with a logit soft-cap (Gemma-2)
-    "tq4:slot:128:8:32:fp16:attend+half+softcap": (120, 6160),
-    "turboquant_4bit_nc:slot:256:8:16:bf16:attend+half+softcap+window": (1072, 7120),
+    "tq4:slot:128:8:32:fp16:attend+half+softcap": (608, 7744),
+    "turboquant_4bit_nc:slot:256:8:16:bf16:attend+half+softcap+window": (2424, 11664),
 }
 
 

@@ -43,18 +43,20 @@ class AttendConfig(NamedTuple):
 
 
 def attend_config(head_dim: int, int8: bool, interpret: bool) -> AttendConfig:
-    """The attention tiles for ``head_dim``. Up to 128 columns, measured on the H100 at 1×16K,
-    Hq32/Hkv8/D128 (eight tilings for int8, three for fp16; cuDNN on fp16 3767–3935 µs): int8 128
-    query rows × 64 keys, 4 warps, 3 stages (5341–5534 µs; 8 warps 6081–6212; 2 stages 11586);
-    fp16 the same tile with 8 warps (6570 µs; 4 warps 14151: spills; 128 × 128 7697). At 256
-    columns: 64 × 64, 8 warps, 2 stages, the fewest spills of six sm_90 compiles (int8: 280 stack
-    bytes), not timed. The interpreter takes 32 × 32 (fewer, larger NumPy steps)."""
+    """The attention tiles for ``head_dim``, measured on the H100 (cuDNN on the same K/V in the same
+    run). Up to 128 columns, Hq32/Hkv8/D128 at 1×16K: int8 128 query rows × 64 keys, 4 warps, 3
+    stages (5341–5534 µs, cuDNN 3767–3935; of eight tilings: 8 warps 6081–6212, 2 stages 11586);
+    half precision 64 × 64, 4 warps, 3 stages (bf16 with a soft-cap 6419 µs, cuDNN 3650; of five:
+    128 × 64 × 8 warps 7022, 128 × 32 × 4 warps 7439; fp16 at 128 × 64 with 4 warps 14151: spills).
+    At 256 columns (Hq16/Hkv8 at 1×8K, cuDNN 947 µs; seven tilings): 128 × 64, 8 warps, 2 stages
+    for both (int8 1414 µs, half 1431; the 64 × 64 × 8-warp tile chosen by compile before took 2545 /
+    2715). The interpreter takes 32 × 32 (fewer, larger NumPy steps)."""
     dp = max(32, triton.next_power_of_2(head_dim))
     if interpret:
         return AttendConfig(32, 32, dp, 4, 1)
     if dp <= 128:
-        return AttendConfig(128, 64, dp, 4 if int8 else 8, 3)
-    return AttendConfig(64, 64, dp, 8, 2)
+        return AttendConfig(128, 64, dp, 4, 3) if int8 else AttendConfig(64, 64, dp, 4, 3)
+    return AttendConfig(128, 64, dp, 8, 2)
 
 
 @triton.jit
