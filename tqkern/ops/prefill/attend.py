@@ -25,7 +25,8 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-__all__ = ["_tile_attend_kernel", "AttendConfig", "attend_config"]
+__all__ = ["_tile_attend_kernel", "AttendConfig", "attend_config", "softcap_log2", "mask_scores",
+           "online_softmax_step"]
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -60,6 +61,37 @@ def attend_config(head_dim: int, int8: bool, interpret: bool) -> AttendConfig:
 
 
 @triton.jit
+def softcap_log2(a, c):
+    """``c·tanh(a/c)`` in base-2 units (times log2 e), for natural-log scores ``a``: tanh as
+    ``1 − 2/(e^{2x} + 1)``."""
+    return c * (1.0 - 2.0 / (tl.exp2(a * (2.0 * _LOG2E / c)) + 1.0)) * _LOG2E
+
+
+@triton.jit
+def mask_scores(s, keys, key_ok, pos_q, window_left, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Scores ``s [rows, keys]`` with −inf where a key is not ``key_ok``, or (``CAUSAL``) past the
+    row's position ``pos_q``, or (``WINDOW``) more than ``window_left`` positions before it."""
+    vis = key_ok[None, :]
+    if CAUSAL:
+        vis = vis & (keys[None, :] <= pos_q[:, None])
+    if WINDOW:
+        vis = vis & (keys[None, :] >= pos_q[:, None] - window_left)
+    return tl.where(vis, s, float("-inf"))
+
+
+@triton.jit
+def online_softmax_step(s, m_i, l_i):
+    """One base-2 online-softmax step over scores ``s [rows, keys]``: ``(p, α, m, l)`` with the new
+    row maxima m (a row with no finite score so far keeps −inf), α the rescale of what was summed
+    before, ``p = 2^{s − m}`` and the running sums l."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _attend_tile(acc, m_i, l_i, q, qs, pos_q, t0, kv_end, k_base, ks_base, v_base, cols, stride_kt, stride_kst,
                  stride_vt, softcap, window_left, MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                  SOFTCAP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, INT8: tl.constexpr):
@@ -80,20 +112,11 @@ def _attend_tile(acc, m_i, l_i, q, qs, pos_q, t0, kv_end, k_base, ks_base, v_bas
         s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * qs[:, None] * ks[None, :]
     else:
         s = tl.dot(q, tl.trans(k)) * qs[:, None]
-    if SOFTCAP:  # c·tanh(a/c) as c·(1 − 2/(e^{2a/c} + 1)), then base 2
-        s = softcap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * _LOG2E / softcap)) + 1.0)) * _LOG2E
+    if SOFTCAP:
+        s = softcap_log2(s, softcap)
     if MASK:
-        vis = km[None, :]
-        if CAUSAL:
-            vis = vis & (kk[None, :] <= pos_q[:, None])
-        if WINDOW:
-            vis = vis & (kk[None, :] >= pos_q[:, None] - window_left)
-        s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+        s = mask_scores(s, kk, km, pos_q, window_left, CAUSAL, WINDOW)
+    p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)
     v = tl.load(v_base + kk.to(tl.int64)[:, None] * stride_vt + cols[None, :], mask=m2, other=0.0)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, m_new, l_i

@@ -36,6 +36,7 @@ import triton.language as tl
 from tqkern.ops.codecs import KIND_UNIFORM, NC_DECODE
 from tqkern.ops.fields import load_tile, token_factors
 from tqkern.ops.int8_prefill.triton import int8_codes
+from tqkern.ops.prefill.attend import mask_scores, online_softmax_step, softcap_log2
 from tqkern.ops.paged_decode._ptx import _prmt_tables
 from tqkern.ops.paged_decode.general import _value_weights, _whole_tile
 from tqkern.ops.paged_decode.merge import _store_merged
@@ -105,23 +106,15 @@ def _attend(acc, m_i, l_i, q, q_sum, pos_q, t0, kv_end, seq_len, cache_ptr, bt_r
             k32 = k_t.to(tl.float32)
             kf = kf * tl.rsqrt(tl.maximum(tl.sum(k32 * k32, axis=1), 1e-30))
         sc = qk * kf[None, :] + q_sum[:, None] * kz[None, :]
-    if SOFTCAP:  # c·tanh(a/c) with a = scale·q·k, as 1 − 2/(e^{2x} + 1)
-        x = sc * (scale_log2 / _LOG2E) / softcap
-        sc = softcap * (1.0 - 2.0 / (tl.exp2(x * (2.0 * _LOG2E)) + 1.0)) * _LOG2E
+    if SOFTCAP:  # c·tanh(a/c) with a = scale·q·k
+        sc = softcap_log2(sc * (scale_log2 / _LOG2E), softcap)
     else:
         sc = sc * scale_log2
     if MASK:
-        vis = tmask[None, :] & (pos[None, :] <= pos_q[:, None])
-        if WINDOW:
-            vis = vis & (pos[None, :] >= pos_q[:, None] - window_left)
-        sc = tl.where(vis, sc, float("-inf"))
+        sc = mask_scores(sc, pos, tmask, pos_q, window_left, True, WINDOW)
 
     # -- online softmax (base 2); a row with no visible key so far keeps m = −inf -----------------
-    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(sc - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p, alpha, m_new, l_i = online_softmax_step(sc, m_i, l_i)
 
     # -- values: p·f into the dot (scaled to the tile's largest |f|), p·z added per row -----------
     vf, vz = token_factors(row, h, tmask, V, DOT, V_PAR_ALIGNED)
