@@ -122,7 +122,7 @@ def _attend_tile(acc, m_i, l_i, q, qs, pos_q, t0, kv_end, k_base, ks_base, v_bas
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Lq", "Lk"])
 def _tile_attend_kernel(
     q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, o_ptr, lse_ptr, Lq, Lk, qk_scale, softcap, window_left,
     stride_qt, stride_qh, stride_qst, stride_kt, stride_kh, stride_kst, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -134,7 +134,10 @@ def _tile_attend_kernel(
     k int8 ``[batch·Lk, HQ/G, D]``, ks float32 ``[batch·Lk, HQ/G]``. Otherwise q and k are in v's
     dtype and ``qs_ptr``/``ks_ptr`` are not read. v, o: ``[batch·Lk, HQ/G, D]`` / ``[batch·Lq,
     HQ, D]`` fp16 or bf16 (last dimensions contiguous); lse: float32 ``[batch·Lq, HQ]`` (natural
-    log). ``qk_scale``: the score scale, times log2(e) unless ``SOFTCAP``."""
+    log). ``qk_scale``: the score scale, times log2(e) unless ``SOFTCAP``. ``Lq`` and ``Lk`` are
+    never specialized: a causal piece of one query and one key (``Lq = Lk = 1``, a constexpr 1
+    under Triton's specialization) crashed Triton 3.6's ptxas (CUDA 12.8, signal 11) with this
+    kernel's int8 form at head_dim 64; reproduced offline, gone without the specialization."""
     b = tl.program_id(1) // HQ
     h = tl.program_id(1) % HQ
     kh = h // G
