@@ -92,15 +92,17 @@ def test_prefill_gate_passes_on_the_cpu():
 @interpreter
 def test_prefill_run_shape_records():
     shape = PrefillShape("tiny", 2, 40, 9, 4, 2, 64)  # 9 new tokens on a 31-token prefix, twice
-    steps, timer = [], FakeTimer(20.0, 10.0, 12.5, 30.0, 5.0, 40.0)
+    steps, timer = [], FakeTimer(20.0, 10.0, 12.5, 30.0, 25.0, 5.0, 40.0)
     rows = prefill.run_shape(shape, ["turboquant_4bit_nc"], steps.append, device="cpu", timer=timer)
-    assert timer.calls == 6 and steps == ["prefill tiny sdpa_fp16", "prefill tiny turboquant_4bit_nc",
+    assert timer.calls == 7 and steps == ["prefill tiny sdpa_fp16", "prefill tiny turboquant_4bit_nc",
                                           "prefill tiny out:turboquant_4bit_nc",
                                           "prefill tiny fused:turboquant_4bit_nc",
+                                          "prefill tiny cap:turboquant_4bit_nc",
                                           "prefill tiny int8:turboquant_4bit_nc", "prefill tiny decompress_sdpa"]
-    sdpa, tq, out, fused, i8, dec = rows
+    sdpa, tq, out, fused, cap, i8, dec = rows
     assert (out["variant"], out["speedup"]) == ("out:turboquant_4bit_nc", 20.0 / 12.5)
     assert (fused["variant"], fused["speedup"]) == ("fused:turboquant_4bit_nc", 20.0 / 30.0)
+    assert (cap["variant"], cap["speedup"]) == ("cap:turboquant_4bit_nc", 20.0 / 25.0)
     assert (i8["variant"], i8["speedup"]) == ("int8:turboquant_4bit_nc", 4.0)
     flops = 4 * 64 * 4 * 2 * (9 * 31 + 45)
     assert (sdpa["variant"], sdpa["speedup"], sdpa["flops"]) == ("sdpa_fp16", 1.0, flops)
@@ -132,7 +134,8 @@ def test_prefill_selection():
     assert set(runner.select("all", ["tq4"], quick=True)) == {"decode", "store", "prefill"}
     # 2 gates + 2 shapes x (SDPA + 2 presets x (prefill, int8_prefill) + decompress-then-SDPA
     # + out:tq4 + the fused kernel (full_1x4K) or SDPA's one-token decode (spec4_on16K_x32))
-    assert runner.count_steps({"prefill": (("tq4", "fp16"), sel["prefill"][1])}) == 2 + 2 * 8
+    # + 2 presets x cap:<preset> (full_1x4K)
+    assert runner.count_steps({"prefill": (("tq4", "fp16"), sel["prefill"][1])}) == 2 + 2 * 8 + 2
     with pytest.raises(ValueError, match="shapes must be among full_1x4K"):
         runner.select("prefill", ["tq4"], ["B32x4K"])
 
@@ -160,6 +163,8 @@ def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
                 if op == "prefill" and presets else ()
             if op == "prefill" and (presets or shape.q_len <= 8):  # the fused kernel or SDPA's one-token decode
                 extra += (f"fused:{presets[0]}" if shape.q_len > 8 else "sdpa_fp16_1token",)
+            if op == "prefill" and shape.q_len > 8:  # soft-capped prefill
+                extra += tuple(f"cap:{p}" for p in presets)
             if op == "store":
                 extra = ("copy_", *(f"bf16:{p}" for p in presets))
             rows = [{"op": op, "mode": "graph", "shape": shape.name, "variant": v, "baseline": base, "us": 1.0,
@@ -187,8 +192,9 @@ def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
     # decode gates per preset: the two base geometries (the quick shapes' own are the same)
     assert [g["ok"] for g in report["gate"]] == [True, True, False, False, False, True, False, True]
     # gates, then baseline + the passing preset (store: + copy_ + its bf16 input; prefill: +
-    # int8_prefill + decompress-then-SDPA + out: + the fused kernel or SDPA's one-token decode)
-    assert bar.done == bar.total == 2 + 2 * 2 + 2 + 2 * 4 + 2 + 2 * 6
+    # int8_prefill + decompress-then-SDPA + out: + the fused kernel or SDPA's one-token decode, and
+    # the soft-capped prefill at the long shape)
+    assert bar.done == bar.total == 2 + 2 * 2 + 2 + 2 * 4 + 2 + 2 * 6 + 1
     assert out.getvalue().splitlines()[-1].startswith(f"[{'#' * 24}] {bar.total}/{bar.total}")
     # a preset wrong only at a timed shape's own geometry (head_dim 96): gated there, not timed there
     timed.clear()

@@ -149,3 +149,33 @@ def test_gathered_key_codes_match_oracle(preset, monkeypatch):
     codes, scales = seen["k"]
     np.testing.assert_allclose(scales, es, rtol=1e-6)
     _tie_free(khat, es, codes, ec)
+
+
+def test_tile_kernels_name_bad_arguments():
+    """``quantize_q`` and ``attend_tiles`` name the argument, what they expect and what they got."""
+    from tqkern_torch.prefill_tiles import attend_tiles, quantize_q
+
+    q = torch.zeros(4, 2, 64, dtype=torch.float16)
+    rot = torch.eye(64)
+    with pytest.raises(TypeError, match="q must be float16 or bfloat16, got float32"):
+        quantize_q(q.float(), rot, True)
+    with pytest.raises(ValueError, match=r"rotation must have shape \[64, 64\], got \[32, 32\]"):
+        quantize_q(q, torch.eye(32), True)
+    with pytest.raises(TypeError, match="rotation must be float32, got float64"):
+        quantize_q(q, rot.double(), True)
+    k = torch.zeros(6, 1, 64, dtype=torch.float16)
+    codes, scales = torch.zeros(4, 2, 64, dtype=torch.int8), torch.zeros(4, 2)
+    kw = dict(causal=True, scale=0.1, window_left=None)
+    with pytest.raises(TypeError, match="q and k must both be tensors"):
+        attend_tiles((codes, scales), k, k, 1, **kw)
+    with pytest.raises(TypeError, match="q codes must be int8, got float16"):
+        attend_tiles((q, scales), (torch.zeros(6, 1, 64, dtype=torch.int8), torch.zeros(6, 1)), k, 1, **kw)
+    with pytest.raises(ValueError, match=r"k scales must have shape \[6, 1\], got \[6\]"):
+        attend_tiles((codes, scales), (torch.zeros(6, 1, 64, dtype=torch.int8), torch.zeros(6)), k, 1, **kw)
+    with pytest.raises(ValueError, match=r"k must have shape \[6, 1, 64\], got \[5, 1, 64\]"):
+        attend_tiles(q, k[:5], k, 1, **kw)
+    with pytest.raises(ValueError, match="must split into batch=4 equal sequences, got 4 and 6"):
+        attend_tiles(q, k, k, 4, **kw)
+    with pytest.raises(ValueError, match="q's heads must be a multiple of k's, got 3 and 2"):
+        attend_tiles(torch.zeros(4, 3, 64, dtype=torch.float16), torch.zeros(6, 2, 64, dtype=torch.float16),
+                     torch.zeros(6, 2, 64, dtype=torch.float16), 1, **kw)

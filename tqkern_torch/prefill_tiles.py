@@ -36,7 +36,7 @@ from tqkern.ops.codecs import layout_args
 from tqkern.ops.int8_prefill.triton import QuantizeConfig, _quantize_q_kernel, quantize_config
 from tqkern.ops.prefill.attend import AttendConfig, _tile_attend_kernel, attend_config
 from tqkern.ops.prefill.tiles import _combine_kernel, _runs_kernel, plan_tiles
-from tqkern_torch._validate import interpreting
+from tqkern_torch._validate import check_tensor, interpreting
 
 __all__ = ["tiles_supported", "tile_prefill", "pick_attend", "attend_cudnn", "attend_flash", "attend_math",
            "attend_tiles", "quantize_q", "WORKSPACE_BYTES"]
@@ -124,7 +124,10 @@ def quantize_q(q: torch.Tensor, rotation: torch.Tensor, rotate: bool, signed_syl
     """``int8_prefill``'s query codes: int8 ``[T, Hq, D]`` and float32 scales ``[T, Hq]`` of ``q``
     (fp16/bf16; ``@ Π`` first when ``rotate``, exactly on the tensor cores when ``signed_sylvester``;
     :func:`tqkern.ops.int8_prefill.triton._quantize_q_kernel`)."""
+    check_tensor(q, "q", shape=(None, None, None), dtypes=(torch.float16, torch.bfloat16),
+                 last_contiguous=q.numel() > 0)  # (an empty q may come with zero strides)
     t, hq, d = q.shape
+    check_tensor(rotation, "rotation", shape=(d, d), dtypes=(torch.float32,), device=q.device, contiguous=True)
     q8 = torch.empty((t, hq, d), dtype=torch.int8, device=q.device)
     qs = torch.empty((t, hq), dtype=torch.float32, device=q.device)
     n = t * hq
@@ -137,6 +140,27 @@ def quantize_q(q: torch.Tensor, rotation: torch.Tensor, rotate: bool, signed_syl
     return q8, qs
 
 
+def _check_attend_operands(q8, qs, k8, ks, v, batch, int8: bool) -> None:
+    """:func:`attend_tiles`'s operands: shapes, dtypes, one device, contiguous last dimensions,
+    lengths that split into ``batch`` equal sequences, whole GQA groups."""
+    check_tensor(v, "v", shape=(None, None, None), dtypes=(torch.float16, torch.bfloat16), last_contiguous=True)
+    n, hkv, d = v.shape
+    qk = (torch.int8,) if int8 else (v.dtype,)
+    check_tensor(q8, "q codes" if int8 else "q", shape=(None, None, d), dtypes=qk, device=v.device,
+                 last_contiguous=q8.numel() > 0)
+    check_tensor(k8, "k codes" if int8 else "k", shape=(n, hkv, d), dtypes=qk, device=v.device, last_contiguous=True)
+    if int8:
+        check_tensor(qs, "q scales", shape=tuple(q8.shape[:2]), dtypes=(torch.float32,), device=v.device,
+                     last_contiguous=qs.numel() > 0)
+        check_tensor(ks, "k scales", shape=(n, hkv), dtypes=(torch.float32,), device=v.device, last_contiguous=True)
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+    if q8.shape[0] % batch or n % batch:
+        raise ValueError(f"q and k rows must split into batch={batch} equal sequences, got {q8.shape[0]} and {n}")
+    if q8.shape[1] % hkv:
+        raise ValueError(f"q's heads must be a multiple of k's, got {q8.shape[1]} and {hkv}")
+
+
 def attend_tiles(q, k, v, batch: int, *, causal: bool, scale: float, window_left: Optional[int],
                  softcap: Optional[float] = None, config: Optional[AttendConfig] = None):
     """:func:`attend_cudnn`'s contract on :func:`tqkern.ops.prefill.attend._tile_attend_kernel`:
@@ -145,7 +169,11 @@ def attend_tiles(q, k, v, batch: int, *, causal: bool, scale: float, window_left
     D]`` fp16/bf16 (the output's dtype); bottom-right causal and window masks; ``softcap`` caps the
     scores."""
     int8 = isinstance(q, tuple)
+    if isinstance(k, tuple) != int8 or (int8 and (len(q) != 2 or len(k) != 2)):
+        raise TypeError("q and k must both be tensors, or both (int8 codes, float32 scales) pairs, got "
+                        f"{type(q).__name__} and {type(k).__name__}")
     (q8, qs), (k8, ks) = (q, k) if int8 else ((q, q), (k, k))
+    _check_attend_operands(q8, qs, k8, ks, v, batch, int8)
     t, hq, d = q8.shape
     hkv = k8.shape[1]
     lq, lk = t // batch, k8.shape[0] // batch

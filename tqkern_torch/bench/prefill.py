@@ -16,7 +16,9 @@ passes them) and returns its own output, as SDPA does: shapes of at most
 :data:`~tqkern_torch.short_rows.SHORT_QUERY_MAX` new tokens take the short-row path, longer ones
 the tiled path; ``out:<first preset>`` times the same call writing into a given ``out`` (a
 serving stack's output buffer: a one-piece tiled call then copies the dense kernel's output
-into it), ``fused:<first preset>`` the fused prefill kernel (no host lengths). Those
+into it), ``fused:<first preset>`` the fused prefill kernel (no host lengths), ``cap:<preset>``
+(shapes longer than the short-row limit) ``prefill`` with a logit soft-cap of 50 (Gemma-2's; SDPA
+has no cap: its baseline stays SDPA fp16 without one). Short
 shapes also time ``sdpa_fp16_1token``: SDPA fp16 of one new token per sequence over the same
 context (what the issue's speculative goal is measured against). All by CUDA-graph replay.
 """
@@ -43,6 +45,8 @@ INT8 = "int8"  # variant ``int8:<preset>``: ``int8_prefill`` of that preset
 FUSED = "fused"  # variant ``fused:<preset>``: the fused prefill kernel (no host lengths given)
 OUT = "out"  # variant ``out:<preset>``: prefill writing into a given ``out``
 SDPA_1TOKEN = "sdpa_fp16_1token"  # SDPA fp16 of one new token per sequence (short shapes)
+CAP = "cap"  # variant ``cap:<preset>``: prefill with logit_softcap=SOFTCAP (long shapes; SDPA has no cap)
+SOFTCAP = 50.0  # Gemma-2's attention soft-cap
 
 
 def causal_flops(shape: PrefillShape) -> int:
@@ -141,6 +145,11 @@ def run_shape(shape: PrefillShape, presets, step, *, rep_ms: int = 100, device: 
             us = timer(lambda: tqt.prefill(q, cache, bt, sl, qsl, layout, params, out=out, max_query_len=lq))
             rows.append(record("prefill", shape.name, f"{FUSED}:{preset}", BASELINE, us, base_us, flops=flops))
             step(f"prefill {shape.name} {FUSED}:{preset}")
+        if lq > SHORT_QUERY_MAX:  # soft-capped (Gemma-2): the tiled path's Triton kernel (cuDNN has no cap)
+            us = timer(lambda: tqt.prefill(q, cache, bt, sl, qsl, layout, params, logit_softcap=SOFTCAP,
+                                           max_query_len=lq, **host))
+            rows.append(record("prefill", shape.name, f"{CAP}:{preset}", BASELINE, us, base_us, flops=flops))
+            step(f"prefill {shape.name} {CAP}:{preset}")
         us = timer(lambda: tqt.int8_prefill(q, cache, bt, sl, qsl, layout, params, max_query_len=lq, **host))
         rows.append(record("prefill", shape.name, f"{INT8}:{preset}", BASELINE, us, base_us, flops=flops))
         step(f"prefill {shape.name} {INT8}:{preset}")

@@ -15,8 +15,16 @@ OPS = ("decode", "store", "prefill", "all")
 PRESETS = tuple(p for p, _ in DECODE_PRESETS)
 _SHAPE_OF = {"decode": decode_shape, "store": store_shape, "prefill": prefill_shape}
 _SHAPES = {"decode": DECODE_SHAPES, "store": STORE_SHAPES, "prefill": PREFILL_SHAPES}
-# timed variants per preset and shape (prefill: prefill and int8_prefill; store: fp16 and bf16 input)
-_PER_PRESET = {"prefill": 2, "store": 2}
+
+
+def _per_preset(op: str, shape) -> int:
+    """Timed variants per preset at ``shape``: prefill: prefill and int8_prefill, and past the
+    short-row limit the soft-capped prefill; store: fp16 and bf16 input; decode: one."""
+    if op == "prefill":
+        from tqkern_torch.short_rows import SHORT_QUERY_MAX
+
+        return 2 + (shape.q_len > SHORT_QUERY_MAX)
+    return 2 if op == "store" else 1
 
 
 def select(op: str, presets: Optional[Sequence[str]] = None, shapes: Optional[Sequence[str]] = None,
@@ -66,10 +74,9 @@ def count_steps(selection: dict, eager_shapes: Sequence = ()) -> int:
     """Progress steps of :func:`run`: a gate per preset and op, a timing per variant and shape."""
     n = 0
     for o, (presets, shapes) in selection.items():
-        per_preset = _PER_PRESET.get(o, 1)
         # (prefill, with presets: decompress-then-SDPA and out:<first preset>; store: copy_)
         extra = 2 * (o == "prefill" and bool(presets)) + (o == "store")
-        n += len(presets) + len(shapes) * (1 + per_preset * len(presets) + extra)
+        n += len(presets) + sum(1 + _per_preset(o, s) * len(presets) + extra for s in shapes)
         if o == "prefill":  # SDPA's one-token decode (short shapes) or the fused kernel (long ones, with presets)
             from tqkern_torch.short_rows import SHORT_QUERY_MAX
 
@@ -128,11 +135,10 @@ def run(selection: dict, *, eager_shapes: Sequence[str] = (), quick: bool = Fals
             report["gate"] += gates
             failed = {g["preset"] for g in gates if not g["ok"] and (base is None or g["case"] in base)}
             passed = [p for p in presets if p not in failed]
-            per_preset = _PER_PRESET.get(o, 1)
-            bar.total -= len(failed) * (per_preset * len(shapes) + (len(eager) if o == "decode" else 0))
+            bar.total -= len(failed) * (sum(_per_preset(o, s) for s in shapes) + (len(eager) if o == "decode" else 0))
             for shape in shapes:
                 ok = _passed_at(gates, passed, shape) if o == "decode" else passed
-                bar.total -= per_preset * (len(passed) - len(ok))
+                bar.total -= _per_preset(o, shape) * (len(passed) - len(ok))
                 report["records"] += mod.run_shape(shape, ok, bar.step, rep_ms=rep_ms)
             if o == "decode":
                 for shape in eager:
