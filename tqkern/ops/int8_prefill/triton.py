@@ -18,7 +18,6 @@ from tqkern.ops.store.plan import HOIST_MAX_DP, ROT_NONE, ROTATIONS
 __all__ = ["int8_codes", "int8_codes_with", "_quantize_q_kernel", "QuantizeConfig", "quantize_config"]
 
 
-
 class QuantizeConfig(NamedTuple):
     """:func:`_quantize_q_kernel`'s launch: rotation method (``ROT``, an index of
     :data:`tqkern.ops.store.plan.ROTATIONS`), ``KC`` (chunk of the ``chunked`` method), ``ROWS`` ×

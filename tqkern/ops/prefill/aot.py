@@ -34,7 +34,6 @@ __all__ = ["compile_prefill", "layout_of_case", "report", "report_in_subprocess"
 
 _FP32_PTRS = ("q_ptr", "poison_ptr", "kc_ptr", "vc_ptr", "rot_ptr", "sinks_ptr", "lse_ptr")
 _I32_PTRS = ("bt_ptr", "sl_ptr", "qsl_ptr")
-_INTS = ("num_seqs", "num_tokens", "max_blocks", "stride_os", "stride_oh", "window_left", "zero")
 
 
 def layout_of_case(preset: str, arrangement: str, d: int, hkv: int):
@@ -58,29 +57,9 @@ def compile_prefill(layout, hq: int, out_dtype: str = "fp16", **options):
     plan = plan_prefill(layout, hq, DeviceCaps.sm90(), **options)
     cx = dict(plan.constexprs)
     cx["DOT"] = tl.bfloat16 if plan.dot == "bf16" else tl.float16
-    fn = _prefill_kernel
-    sig, ptrs = {}, []
-    for name in fn.arg_names:
-        if name in _FP32_PTRS:
-            sig[name] = "*fp32"
-        elif name in _I32_PTRS:
-            sig[name] = "*i32"
-        elif name == "cache_ptr":
-            sig[name] = "*u8"
-        elif name == "out_ptr":
-            sig[name] = f"*{out_dtype}"
-        elif name in _INTS:
-            sig[name] = "i32"
-        elif name in ("scale_log2", "softcap"):
-            sig[name] = "fp32"
-        else:
-            sig[name] = "constexpr"
-        if sig[name].startswith("*"):
-            ptrs.append(name)
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in cx.items()},
-                    attrs=attrs)
-    return triton.compile(src, target=SM90, options=dict(num_warps=plan.num_warps, num_stages=plan.num_stages)), plan
+    types = {**{n: "*fp32" for n in _FP32_PTRS}, **{n: "*i32" for n in _I32_PTRS}, "cache_ptr": "*u8",
+             "out_ptr": f"*{out_dtype}", "scale_log2": "fp32", "softcap": "fp32"}
+    return _compile(_prefill_kernel, cx, types, dict(num_warps=plan.num_warps, num_stages=plan.num_stages)), plan
 
 
 def _compile(fn, cx: dict, types: dict, options: dict):
@@ -135,30 +114,10 @@ def compile_gather(layout, out_dtype: str = "fp16", int8: bool = False):
     cx = dict(c, BS=layout.block_size, H=layout.num_kv_heads, OUT_BF16=out_dtype == "bf16", BT=gc.BT,
               TILES=gc.TILES, K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
               K_INT8=int8)
-    fn = _gather_kernel
-    sig = {}
-    for name in fn.arg_names:
-        if name in cx:
-            sig[name] = "constexpr"
-        elif name == "k_out" and int8:
-            sig[name] = "*i8"
-        elif name in ("k_out", "v_out"):
-            sig[name] = f"*{out_dtype}"
-        elif name == "ks_out":
-            sig[name] = "*fp32"
-        elif name == "cache_ptr":
-            sig[name] = "*u8"
-        elif name in ("block_table_ptr", "run_ptr", "err_ptr"):
-            sig[name] = "*i32"
-        elif name.endswith("_ptr"):
-            sig[name] = "*fp32"
-        else:
-            sig[name] = "i32"
-    ptrs = [n for n, t in sig.items() if t.startswith("*")]
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in cx.items()},
-                    attrs=attrs)
-    return triton.compile(src, target=SM90, options=dict(num_warps=gc.num_warps)), gc
+    types = {"k_out": "*i8" if int8 else f"*{out_dtype}", "v_out": f"*{out_dtype}", "ks_out": "*fp32",
+             "cache_ptr": "*u8", "block_table_ptr": "*i32", "run_ptr": "*i32", "err_ptr": "*i32",
+             "kc_ptr": "*fp32", "vc_ptr": "*fp32"}
+    return _compile(_gather_kernel, cx, types, dict(num_warps=gc.num_warps)), gc
 
 
 def report(case: str) -> dict:
