@@ -13,6 +13,7 @@ import tqkern
 import tqkern.ops.store.plan as store_plan
 import tqkern_torch as tqt
 from tqkern import reference as ref
+from tqkern.errors import ErrorFlag
 from tqkern.ops.codecs import side_consts
 from tqkern.ops.store.plan import WARP_STORE_LANES, plan_store, warp_store_eligible
 from tqkern.ops.store.triton import vectors_aligned
@@ -191,3 +192,108 @@ def test_misaligned_inputs_take_the_tile_kernel_and_write_the_same_bytes():
     for got in (a, b):
         g_ = ref.gather_slots(got, layout, slots.cpu().numpy())
         assert not np.any((g_ != want) & ~unsure)
+
+
+def test_symmetric_codebooks_claim():
+    fmt = tqkern.KVFormat.preset("tqkern_k5v3", 128)
+    params = tqkern.TQParams.default(fmt)
+    assert tqt.to_device(params, "cpu").symmetric_codebooks  # every default table is antisymmetric
+    c = np.sort(np.random.default_rng(0).normal(size=16)) / 12
+    lopsided = tqkern.TQParams(format=tqkern.KVFormat.preset("tq4", 128), rotation=params.rotation,
+                               key_codebook=tqkern.Codebook.from_centroids(c, dim=128),
+                               value_codebook=tqkern.TQParams.default(tqkern.KVFormat.preset("tq4", 128)).value_codebook)
+    assert not tqt.to_device(lopsided, "cpu").symmetric_codebooks
+    layout = _layout("turboquant_4bit_nc")
+    sym = plan_store(layout, signed_sylvester=True, vector_aligned=True, symmetric_codebooks=True)
+    asym = plan_store(layout, signed_sylvester=True, vector_aligned=True)
+    assert dict(sym.constexprs)["K_SYM"] and not dict(asym.constexprs)["K_SYM"]
+    assert not dict(sym.constexprs)["V_SYM"]  # uniform values
+
+
+@needs_gpu
+def test_an_asymmetric_codebook_takes_the_whole_table_search():
+    fmt = tqkern.KVFormat(head_dim=128, key=tqkern.LloydMax(bits=4), value=tqkern.LloydMax(bits=3),
+                          rotation="hadamard_signed")
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=2, block_size=16)
+    base = tqkern.TQParams.default(fmt, seed=1)
+    rng = np.random.default_rng(1)
+    kc = np.sort(rng.normal(size=16)) / 11.3
+    vc = base.value_codebook.centroids + 0.004  # shifted: not antisymmetric
+    params = tqkern.TQParams(format=fmt, rotation=base.rotation,
+                             key_codebook=tqkern.Codebook.from_centroids(kc, dim=128),
+                             value_codebook=tqkern.Codebook.from_centroids(vc, dim=128))
+    dp = tqt.to_device(params, DEV)
+    assert not dp.symmetric_codebooks
+    n = 64
+    g = torch.Generator().manual_seed(1)
+    k, v = (torch.randn(n, 2, 128, generator=g).half() for _ in range(2))
+    got = _store(layout, dp, k.to(DEV), v.to(DEV), torch.arange(n, device=DEV), 4).reshape(n, 2, fmt.slot_bytes)
+    want, unsure = ref.compress(k.numpy(), v.numpy(), params, return_uncertain=True)
+    assert not np.any((got != want) & ~unsure)
+
+
+def _norm_edge_vectors(d, dtype):
+    """Key vectors whose float16 norms a float32 sum cannot decide (the warp kernel's float64
+    fall-back must run) beside ordinary ones: norms on a rounding tie between float16 values
+    (1 + 2^-11, with a last square that float32 drops), just above 65504 (saturates: flagged),
+    and for bf16 squares that overflow or underflow float32."""
+    rng = np.random.default_rng(7)
+    rows = []
+    for shift in (0, 5, 9):
+        x = np.zeros(d)
+        pos = rng.permutation(d)[:4]
+        x[pos] = [1.0, 2.0**-5, 2.0**-11, 2.0**-13]  # sum of squares (1 + 2^-11)^2 + 2^-26
+        rows.append(x * 2.0**shift)
+    x = np.zeros(d)
+    x[rng.permutation(d)[:2]] = [65504.0, 1.0]
+    rows.append(x)
+    if dtype == torch.bfloat16:
+        rows.append(rng.standard_normal(d) * 1e30)
+        rows.append(rng.standard_normal(d) * 1e-30)
+    rows += list(rng.standard_normal((24 - len(rows), d)))
+    return np.stack(rows)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
+def test_float32_norms_that_cannot_decide_take_float64(preset, dtype):
+    d, h = 128, 1
+    layout = _layout(preset, d, h=h)
+    params = tqkern.TQParams.default(layout.format, seed=3)
+    assert plan_store(layout, "bf16" if dtype == torch.bfloat16 else "fp16", signed_sylvester=True,
+                      vector_aligned=True, symmetric_codebooks=True).kernel == "warp"
+    k = torch.from_numpy(_norm_edge_vectors(d, dtype)).to(dtype)[:, None, :]
+    v = torch.randn(k.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    n = k.shape[0]
+    tqt.read_errors(DEV)
+    got = _store(layout, tqt.to_device(params, DEV), k.to(DEV), v.to(DEV), torch.arange(n, device=DEV), 2)
+    flags = tqt.read_errors(DEV)
+    want, unsure, want_flags = ref.compress(k.float().numpy(), v.float().numpy(), params, return_uncertain=True,
+                                            return_flags=True)
+    got = got.reshape(-1, h, layout.format.slot_bytes)[:n]
+    assert not np.any((got != want) & ~unsure)
+    assert int(flags) == int(want_flags) and want_flags & ErrorFlag.SATURATED
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tqkern_k5v3", "turboquant_k8v4", "k4v2h"])
+def test_non_finite_vectors_store_the_zero_vector(preset, dtype):
+    d, h, n = 128, 3, 40
+    layout = _layout(preset, d, h=h)
+    params = tqkern.TQParams.default(layout.format, seed=5)
+    g = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(n, h, d, generator=g).to(dtype) for _ in range(2))
+    rng = np.random.default_rng(5)
+    for i in range(0, n, 3):  # a NaN or an inf at a random element of every third key or value
+        t = k if i % 2 else v
+        t[i, rng.integers(h), rng.integers(d)] = [float("nan"), float("inf"), -float("inf")][i % 3]
+    tqt.read_errors(DEV)
+    got = _store(layout, tqt.to_device(params, DEV), k.to(DEV), v.to(DEV), torch.arange(n, device=DEV), 3)
+    flags = tqt.read_errors(DEV)
+    want, unsure, want_flags = ref.compress(k.float().numpy(), v.float().numpy(), params, return_uncertain=True,
+                                            return_flags=True)
+    got = got.reshape(-1, h, layout.format.slot_bytes)[:n]
+    assert not np.any((got != want) & ~unsure)
+    assert int(flags) == int(want_flags) and want_flags & ErrorFlag.NONFINITE_INPUT

@@ -33,6 +33,9 @@ class DeviceParams:
         signed_sylvester: the rotation is ``diag(s) · H / √D``
             (:func:`tqkern.rotations.is_signed_sylvester`): the store kernel then rotates with
             an exact ±1 matrix on the tensor cores (:mod:`tqkern.ops.store.plan`).
+        symmetric_codebooks: every Lloyd-Max side's float32 boundaries are antisymmetric
+            (``b == −b[::-1]``; the default codebooks are): the warp store kernel then searches
+            half the table (:func:`tqkern.ops.store.warp._sym_codes`).
     """
 
     params: TQParams
@@ -46,6 +49,7 @@ class DeviceParams:
     key_offset: torch.Tensor | None
     same_codebooks: bool = False
     signed_sylvester: bool = False
+    symmetric_codebooks: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -62,6 +66,12 @@ class DeviceParams:
             "value_centroids_f32": self.value_centroids_f32,
             "key_offset": self.key_offset,
         }
+
+
+def _antisymmetric(boundaries) -> bool:
+    """``b == −b[::-1]`` in float32 (the precision the kernels compare in)."""
+    b = np.asarray(boundaries, np.float32)
+    return bool(np.array_equal(b, -b[::-1]))
 
 
 def to_device(params: TQParams, device) -> DeviceParams:
@@ -85,6 +95,7 @@ def to_device(params: TQParams, device) -> DeviceParams:
     t["same_codebooks"] = bool(kcb is not None and vcb is not None
                                and np.array_equal(kcb.centroids, vcb.centroids))
     t["signed_sylvester"] = bool(params.rotation is not None and is_signed_sylvester(params.rotation))
+    t["symmetric_codebooks"] = all(cb is None or _antisymmetric(cb.boundaries) for cb in (kcb, vcb))
     mu = params.key_offset
     t["key_offset"] = None if mu is None else torch.tensor(np.ascontiguousarray(mu, np.float32), device=device).contiguous()
     error_word(device)  # allocated now, so that no op allocates it later, e.g. under CUDA-graph capture

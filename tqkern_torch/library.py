@@ -66,19 +66,20 @@ def _tables(rotation, kb, kc, vb, vc, mu) -> dict:
 def store_op(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
              rotation: torch.Tensor, key_boundaries: torch.Tensor, key_centroids: torch.Tensor,
              value_boundaries: torch.Tensor, value_centroids: torch.Tensor, key_offset: Optional[torch.Tensor],
-             layout: str, signed_sylvester: bool = False) -> None:
+             layout: str, signed_sylvester: bool = False, symmetric_codebooks: bool = False) -> None:
     store_impl(cache, key, value, slot_mapping, rotation, key_boundaries, key_centroids, value_boundaries,
-               value_centroids, key_offset, layout, signed_sylvester)
+               value_centroids, key_offset, layout, signed_sylvester, symmetric_codebooks)
 
 
 def store_impl(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
                rotation: torch.Tensor, key_boundaries: torch.Tensor, key_centroids: torch.Tensor,
                value_boundaries: torch.Tensor, value_centroids: torch.Tensor, key_offset: Optional[torch.Tensor],
-               layout: str, signed_sylvester: bool = False) -> None:
+               layout: str, signed_sylvester: bool = False, symmetric_codebooks: bool = False) -> None:
     """The body of ``torch.ops.tqkern.store`` (eager calls run it without the dispatcher's layers).
     ``signed_sylvester``: ``rotation`` is ``diag(s)·H/√D`` (``DeviceParams.signed_sylvester``):
-    the kernel may rotate with an exact ±1 matrix (a claim about the values, checked on the host
-    when the parameters were made, not here)."""
+    the kernel may rotate with an exact ±1 matrix; ``symmetric_codebooks``: the boundary tables
+    are antisymmetric (``DeviceParams.symmetric_codebooks``). Both are claims about the values,
+    checked on the host when the parameters were made, not here."""
     lay = layout_of(layout)
     if key.shape[0] == 0:
         return
@@ -87,7 +88,8 @@ def store_impl(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot
 
         tables = _tables(rotation, key_boundaries, key_centroids, value_boundaries, value_centroids, key_offset)
         _launch_store(cache, key, value, slot_mapping, lay, tables, error_word(key.device),
-                      interpret=key.device.type == "cpu", signed_sylvester=signed_sylvester)
+                      interpret=key.device.type == "cpu", signed_sylvester=signed_sylvester,
+                      symmetric_codebooks=symmetric_codebooks)
         return
     params = _host_params(lay, rotation, key_centroids, value_centroids, key_offset, key_boundaries,
                           value_boundaries)
@@ -99,7 +101,7 @@ def store_impl(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot
 
 @store_op.register_fake
 def _(cache, key, value, slot_mapping, rotation, key_boundaries, key_centroids, value_boundaries,
-      value_centroids, key_offset, layout, signed_sylvester=False) -> None:
+      value_centroids, key_offset, layout, signed_sylvester=False, symmetric_codebooks=False) -> None:
     return None
 
 

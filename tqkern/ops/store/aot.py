@@ -30,7 +30,7 @@ from tqkern.ops.store.warp import _store_warp_kernel
 
 __all__ = ["compile_store", "layout_of_case", "report", "report_in_subprocess"]
 
-_OPTIONS = ("bf16", "mu", "dense", "small", "warp")
+_OPTIONS = ("bf16", "mu", "dense", "small", "warp", "asym")
 
 
 def _ptr_types(in_dtype: str) -> dict:
@@ -49,13 +49,13 @@ def layout_of_case(preset: str, arrangement: str, d: int, hkv: int):
 
 
 def compile_store(layout, in_dtype: str = "fp16", *, has_mu: bool = False, signed_sylvester: bool = False,
-                  num_vectors: int | None = None, vector_aligned: bool = False):
+                  num_vectors: int | None = None, vector_aligned: bool = False, symmetric_codebooks: bool = True):
     """``(compiled, plan)``: the store kernel of :func:`~.plan.plan_store` compiled for sm_90."""
     if not hasattr(_store_kernel, "params"):
         raise RuntimeError("the kernel is interpreted (TRITON_INTERPRET=1): compile in a process without it "
                            "(report_in_subprocess)")
     plan = plan_store(layout, in_dtype, has_mu=has_mu, signed_sylvester=signed_sylvester, num_vectors=num_vectors,
-                      vector_aligned=vector_aligned)
+                      vector_aligned=vector_aligned, symmetric_codebooks=symmetric_codebooks)
     fn = _store_warp_kernel if plan.kernel == "warp" else _store_kernel
     ptrs = _ptr_types(in_dtype)
     sig = {n: ptrs.get(n) or ("i32" if n.startswith(("num_", "stride_")) else "constexpr") for n in fn.arg_names}
@@ -81,7 +81,7 @@ def report(case: str) -> dict:
     compiled, plan = compile_store(layout, "bf16" if "bf16" in opts else "fp16", has_mu="mu" in opts,
                                    signed_sylvester=default_signed_sylvester(layout) and "dense" not in opts,
                                    num_vectors=SMALL_STORE_VECTORS if "small" in opts else None,
-                                   vector_aligned="warp" in opts)
+                                   vector_aligned="warp" in opts, symmetric_codebooks="asym" not in opts)
     regs, stack = resources(compiled)
     return dict(name=case, regs=regs, stack=stack, instrs=sum(histogram(sass_of(compiled)).values()),
                 shared=int(compiled.metadata.shared), plan=plan.describe())

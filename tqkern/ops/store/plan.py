@@ -46,9 +46,9 @@ long as one program's serial work. Measured on the H100 (session 22, Hkv8/D128, 
 **The warp kernel** (``kernel="warp"``, :mod:`tqkern.ops.store.warp`, session 24) takes every GPU
 store whose layout :func:`warp_store_eligible` accepts and whose inputs are vector-aligned (contiguous
 K/V are): ``L`` lanes per vector (``WARP_STORE_LANES``: 8 at head_dim 64 and 128, 16 at 256; doubled
-until a lane's codes fit 64 bits), 4 warps, 8 iterations per program (fewer where the grid would
-have fewer than ``WARP_STORE_PROGRAMS`` programs: a short store takes 1); the
-rotation as an in-register Walsh–Hadamard transform. ``block_vectors`` is then the vectors of one
+until a lane's codes fit 64 bits), one warp per program (``WARP_STORE_WARPS``; four before session
+26), 8 iterations per program (fewer where the grid would have fewer than ``WARP_STORE_PROGRAMS``
+programs: a short store takes 1); the rotation as an in-register Walsh–Hadamard transform. ``block_vectors`` is then the vectors of one
 iteration (``4·32/L``) and ``tiles`` the iterations. Measured on the H100 (session 24, 16K tokens ×
 8 heads × 128, fp16 in, slot arrangement, µs, tile kernel / warp kernel at L = 8 / 16 / 32, copy_
 47.8): turboquant_4bit_nc 218.3 / 97.7 / 94.6 / 117.2, turboquant_3bit_nc 237.9 / 79.2 / 92.1 / 121.9,
@@ -59,6 +59,9 @@ kernel's); at 16K × 3 × 64 L = 8 was fastest for every rotated
 preset (turboquant_4bit_nc 40.8 → 22.9) but turboquant_k8v4 lost (13.5 → 15.1), hence no warp
 kernel for unrotated formats below head_dim 128; at 4K × 8 × 256 the tile kernel's ``chunked``
 path took 998–8383 µs and the warp kernel 52–64 at L = 32 (51–61 at L = 16, a stage short).
+Session 26 (H100, one run, CUDA graphs, µs, session 24's kernel at 4 warps → today's at 1 warp, copy_
+48.2): 16K × 8 × 128 fp16 turboquant_4bit_nc 96.2 → 63.8, turboquant_3bit_nc 80.0 → 56.1,
+tqkern_k5v3 148.0 → 127.0, turboquant_k8v4 55.9 → 45.0, k4v3h 87.1 → 76.6 (``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ ROTATIONS = ("none", "pm1", "split", "chunked")
 ROT_NONE, ROT_PM1, ROT_SPLIT, ROT_CHUNKED = (tl.constexpr(i) for i in range(4))
 HOIST_MAX_DP = 128  # widest padded head_dim whose [DP, DP] operand is built once per program
 SMALL_STORE_VECTORS = 4096  # (token, head) vectors up to which a store takes the small tile (docstring)
-WARP_STORE_WARPS = 4  # the warp kernel: warps per program (one vector pair each per iteration)
+WARP_STORE_WARPS = 1  # the warp kernel: warps per program (docstring)
 WARP_STORE_ITERS = 8  # the warp kernel: iterations per program at most (a long store)
 WARP_STORE_PROGRAMS = 1024  # ... fewer while the grid would have fewer programs (~2.6 waves on an H100)
 # the warp kernel's lanes per vector by head_dim (docstring)
@@ -145,7 +148,8 @@ class StorePlan:
 
 
 def plan_store(layout: PagedLayout, in_dtype: str = "fp16", *, has_mu: bool = False, signed_sylvester: bool = False,
-               interpret: bool = False, num_vectors: int | None = None, vector_aligned: bool = False) -> StorePlan:
+               interpret: bool = False, num_vectors: int | None = None, vector_aligned: bool = False,
+               symmetric_codebooks: bool = False) -> StorePlan:
     """The plan of a ``store`` into ``layout`` (pure; cached).
 
     Args:
@@ -159,6 +163,9 @@ def plan_store(layout: PagedLayout, in_dtype: str = "fp16", *, has_mu: bool = Fa
             it takes the small tile (module docstring). ``None``: a long store's plan.
         vector_aligned: every key and value vector starts at a multiple of 8 bytes (the warp
             kernel's per-lane int64 loads; contiguous inputs do).
+        symmetric_codebooks: every Lloyd-Max boundary table is antisymmetric (``b == −b[::-1]``
+            in float32, as :attr:`tqkern_torch.DeviceParams.symmetric_codebooks` checks): the warp
+            kernel then searches the positive half (codes of up to 5 bits).
     """
     if not isinstance(layout, PagedLayout):
         raise TypeError(f"layout must be a PagedLayout, got {type(layout).__name__}")
@@ -170,7 +177,7 @@ def plan_store(layout: PagedLayout, in_dtype: str = "fp16", *, has_mu: bool = Fa
     small = num_vectors is not None and num_vectors <= SMALL_STORE_VECTORS
     if vector_aligned and warp_store_eligible(layout, has_mu=has_mu, signed_sylvester=signed_sylvester,
                                               interpret=interpret):
-        return _plan_warp(layout, in_dtype, bool(has_mu), _warp_iters(layout, num_vectors))
+        return _plan_warp(layout, in_dtype, bool(has_mu), _warp_iters(layout, num_vectors), bool(symmetric_codebooks))
     return _plan_store(layout, in_dtype, bool(has_mu), bool(signed_sylvester), bool(interpret), small)
 
 
@@ -234,7 +241,7 @@ def _warp_iters(layout: PagedLayout, num_vectors: int | None) -> int:
 
 
 @functools.lru_cache(maxsize=512)
-def _plan_warp(layout: PagedLayout, in_dtype: str, has_mu: bool, iters: int) -> StorePlan:
+def _plan_warp(layout: PagedLayout, in_dtype: str, has_mu: bool, iters: int, symmetric: bool) -> StorePlan:
     c = layout_args(layout)
     rotate = layout.format.key.rotated or layout.format.value.rotated
     lanes = _warp_lanes(layout)
@@ -243,6 +250,8 @@ def _plan_warp(layout: PagedLayout, in_dtype: str, has_mu: bool, iters: int) -> 
         L=lanes, ROTATE=rotate, K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
         HW_FP8=True, D=c["D"], ROW_BYTES=c["ROW_BYTES"], PAD_OFF=c["PAD_OFF"], PAD_STRIDE=c["PAD_STRIDE"],
         PAD_BYTES=c["PAD_BYTES"], K=c["K"], V=c["V"],
+        K_SYM=symmetric and c["K"].KIND == KIND_LLOYD_MAX.value and c["K"].BITS <= 5,
+        V_SYM=symmetric and c["V"].KIND == KIND_LLOYD_MAX.value and c["V"].BITS <= 5,
     )
     return StorePlan(layout=layout, in_dtype=in_dtype, has_mu=has_mu, rotation="fwht" if rotate else "none",
                      block_vectors=WARP_STORE_WARPS * 32 // lanes, tiles=iters, num_warps=WARP_STORE_WARPS,

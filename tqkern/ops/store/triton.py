@@ -27,12 +27,14 @@ def vectors_aligned(*tensors) -> bool:
     return True
 
 
-def store_plan(key, layout, tables, *, signed_sylvester: bool, interpret: bool, value=None) -> StorePlan:
+def store_plan(key, layout, tables, *, signed_sylvester: bool, interpret: bool, value=None,
+               symmetric_codebooks: bool = False) -> StorePlan:
     """The plan a store of ``key`` (and ``value``; torch ``[T, H, D]``) with these tables runs."""
     return plan_store(layout, "bf16" if key.dtype == torch.bfloat16 else "fp16",
                       has_mu=tables["key_offset"] is not None, signed_sylvester=signed_sylvester, interpret=interpret,
                       num_vectors=key.shape[0] * key.shape[1],
-                      vector_aligned=value is not None and vectors_aligned(key, value))
+                      vector_aligned=value is not None and vectors_aligned(key, value),
+                      symmetric_codebooks=symmetric_codebooks)
 
 
 # Launches of the store kernel by (plan, grid): a repeated store of the same shape calls the
@@ -42,7 +44,7 @@ _LAUNCHERS = BoundedCache(256)
 
 
 def _launch_store(cache, key, value, slot_mapping, layout, tables, errors, *, interpret: bool,
-                  signed_sylvester: bool = False):
+                  signed_sylvester: bool = False, symmetric_codebooks: bool = False):
     """Launch :func:`_store_kernel`. ``errors``: int32 ``[1]`` device word the kernel ORs its
     :class:`~tqkern.errors.ErrorFlag` bits into.
 
@@ -50,8 +52,11 @@ def _launch_store(cache, key, value, slot_mapping, layout, tables, errors, *, in
     fp32, ``key_centroids`` / ``value_centroids`` fp64, ``key_offset`` fp32 [H, D] or None (any
     1-element tensor stands in for an unused table). ``signed_sylvester``: the rotation is
     ``diag(s)·H/√D`` (:func:`tqkern.rotations.is_signed_sylvester`; the ``pm1`` method).
+    ``symmetric_codebooks``: every Lloyd-Max boundary table is antisymmetric (the warp kernel's
+    half-table search).
     """
-    plan = store_plan(key, layout, tables, signed_sylvester=signed_sylvester, interpret=interpret, value=value)
+    plan = store_plan(key, layout, tables, signed_sylvester=signed_sylvester, interpret=interpret, value=value,
+                      symmetric_codebooks=symmetric_codebooks)
     num_tokens = key.shape[0]
     mu = tables["key_offset"]
     args = (key, value, slot_mapping, cache, tables["rotation"], tables["key_boundaries"], tables["key_centroids"],

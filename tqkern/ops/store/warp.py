@@ -12,22 +12,38 @@ Lane ``p`` of a group holds elements ``E·p .. E·p + E − 1`` of each side (``
 bytes, read as int32/int64 words). Per side, as :func:`tqkern.ops.fields.encode_side` does for a
 tile:
 
-* the norm in float64 (each lane's ``E`` squares, then a butterfly sum over the group: every lane
-  gets the same bits), so the stored norm bytes equal the oracle's as the tile kernel's do;
+* finiteness from the raw 16-bit words (:func:`_finite`: integer operations, four elements per
+  word), a butterfly over the group; a vector that is not finite is encoded as it comes and its
+  codes, norm or bounds are then replaced by the zero vector's (one select per lane, not per
+  element);
+* the rotation's signs ``s_i`` as an XOR of the words' sign bits (:func:`_sign_words`), exact;
+* the norm: for float16 norms without a stored correction or key offset, a float32 sum of the
+  (exact) squares whose error bound decides the float16 bytes and the saturation flag unless
+  the norm lies within ``2^-18`` of a rounding tie or of 65504 (:func:`_norm_f32`); a warp with
+  such a vector recomputes every norm in float64 (a rare branch). Other
+  Lloyd-Max sides take the float64 sum (each lane's ``E`` squares, then a butterfly over the
+  group: every lane gets the same bits), so the stored norm bytes equal the oracle's as the tile
+  kernel's do;
 * ``y = (x − μ) @ Π`` for ``Π = diag(s)·H/√D`` as ``FWHT(s ⊙ (x − μ)) · |Π[0, 0]|`` in float32:
   ``log2 E`` butterfly stages inside the lane, then ``log2 L`` across lanes (``shfl.bfly``; the
   lane whose stage bit is set keeps ``partner − own``). Every output is a sum of D terms ``±x_i``
-  in float32, well inside the oracle's ``EPS = 2^-16·‖x‖`` of uncertainty;
-* Lloyd-Max codes by the tile kernel's binary search (:func:`tqkern.ops.fields._lloyd_max_codes`,
-  boundaries as scalars), uniform codes by its float32 estimate checked exactly (a program where
-  the check fails for some element takes the float64 decision for all), FP8 by the hardware
-  conversion;
+  in float32, well inside the oracle's ``EPS = 2^-16·‖x‖`` of uncertainty; ``|Π[0, 0]|`` and the
+  Lloyd-Max ``1/‖x‖`` are one product;
+* Lloyd-Max codes: with an antisymmetric boundary table (``symmetric_codebooks``, codes of up to
+  5 bits) a binary search of ``|y|`` over the positive half held in registers (:func:`_sym_codes`:
+  one level and half the selects fewer), else the tile kernel's search of the whole table
+  (:func:`tqkern.ops.fields._lloyd_max_codes`); uniform codes by its float32 estimate checked
+  exactly (a program where the check fails for some element takes the float64 decision for
+  all), FP8 by the hardware conversion;
 * packing: a lane's ``E`` codes are one ``BITS·E``-bit chunk (at most 64 bits: the planner's
   condition) of the LSB-first stream. Chunks of whole bytes are written by their own lane; other
   widths (3- and 5-bit codes) are joined into 16-bit words by ``shfl.idx`` from the lanes whose
   chunks overlap each word (lane p makes words p, p + L, ...). A field is written as 16-bit
   stores where every head's field starts at an even byte, else byte by byte. Lane 0 of the group
   writes the per-vector floats.
+
+A program is one warp (``WARPS = 1`` in the plan): its reductions (the fall-back branches) are
+shuffles, with no barrier between warps.
 
 Safety and errors as the tile kernel (:mod:`tqkern.ops.store.kernel`): a slot outside
 ``[0, num_slots)`` writes nothing (flagged when too large), a non-finite vector is read as zeros
@@ -43,7 +59,7 @@ import triton
 import triton.language as tl
 
 from tqkern.errors import ErrorFlag
-from tqkern.ops.codecs import KIND_FP8, KIND_LLOYD_MAX, NC_STORED
+from tqkern.ops.codecs import DT_F16, KIND_FP8, KIND_LLOYD_MAX, NC_STORED
 from tqkern.ops.common import f32_to_fp8e4m3_bits, f64_to_bits, store_bytes
 from tqkern.ops.fields import _lloyd_max_codes, _saturates
 from tqkern.ops.fields import _uniform_codes as _uniform_codes_f64
@@ -125,6 +141,97 @@ def _or(a, b):
     return a | b
 
 
+@triton.jit
+def _finite(words, lane, E: tl.constexpr, LB: tl.constexpr, IN_BF16: tl.constexpr):
+    """Whether every element of the vector whose lane words (:func:`_read`) these are is finite,
+    on the raw 16-bit values: ``t = ~w & EXP`` (the exponent bits of each element, complemented)
+    is zero in an element's 16 bits exactly when they are all set (inf or NaN), and
+    ``(t − 0x0001…0001) & 0x8000…8000`` marks those (t's elements lie below 0x8000 and are
+    multiples of 0x80 where not zero, so no borrow reaches a nonzero element's top bit)."""
+    EXP: tl.constexpr = 0x7F807F807F807F80 if IN_BF16 else 0x7C007C007C007C00
+    bad = words[0] * 0
+    for i in tl.static_range(len(words)):
+        t = ~words[i] & EXP
+        bad = bad | ((t - 0x0001000100010001) & -0x7FFF7FFF7FFF8000)  # -0x7FFF...8000 = 0x8000800080008000
+    if E == 2:  # one int32 word, sign-extended: its two elements only
+        bad = bad & 0x80008000
+    return _group_all(bad == 0, lane, LB)
+
+
+@triton.jit
+def _sign_words(rot_ptr, p, E: tl.constexpr, D: tl.constexpr):
+    """The lane's words of sign bits: bit ``16·k + 15`` of word ``i`` set where
+    ``Π[E·p + 4·i + k, 0] < 0`` (XOR with a word of :func:`_read` multiplies those elements by
+    ``s_i``, exactly, for fp16 and bf16 alike)."""
+    NW: tl.constexpr = (E + 3) // 4
+    KW: tl.constexpr = 4 if E >= 4 else E
+    words = ()
+    for i in tl.static_range(NW):
+        w = p.to(tl.int64) * 0
+        for k in tl.static_range(KW):
+            neg = tl.load(rot_ptr + (E * p + 4 * i + k) * D) < 0
+            w = w | tl.where(neg, 1 << (16 * k + 15), 0).to(tl.int64)
+        words = words + (w,)
+    return words
+
+
+@triton.jit
+def _half_bounds(bnd_ptr, BITS: tl.constexpr):
+    """The ``2^(BITS−1) − 1`` positive boundaries of an antisymmetric table (``b[2^(BITS−1) − 1]
+    = 0``), as scalars."""
+    H0: tl.constexpr = 1 << (BITS - 1)
+    b = ()
+    for j in tl.static_range(H0 - 1):
+        b = b + (tl.load(bnd_ptr + H0 + j),)
+    return b
+
+
+@triton.jit
+def _tpick2(p, b, base: tl.constexpr, step: tl.constexpr):
+    return tl.where(p, b[base + step], b[base])
+
+
+@triton.jit
+def _tpick4(p0, p1, b, base: tl.constexpr, step: tl.constexpr):
+    return tl.where(p0, _tpick2(p1, b, base + 2 * step, step), _tpick2(p1, b, base, step))
+
+
+@triton.jit
+def _tpick8(p0, p1, p2, b, base: tl.constexpr, step: tl.constexpr):
+    return tl.where(p0, _tpick4(p1, p2, b, base + 4 * step, step), _tpick4(p1, p2, b, base, step))
+
+
+@triton.jit
+def _sym_codes(y, b, BITS: tl.constexpr):
+    """Lloyd-Max codes for an antisymmetric boundary table (positive half ``b``, BITS ≤ 5):
+    ``idx`` = the positive boundaries ≤ |y| by binary search (a select tree on scalars, one
+    level fewer than :func:`tqkern.ops.fields._lloyd_max_codes`), then ``2^(BITS−1) + idx`` for
+    y ≥ 0 and ``2^(BITS−1) − 1 − idx`` below (both as ``idx`` XOR a constant). It equals the
+    search over the whole table but where |y| equals a boundary: a tie, inside the oracle's
+    uncertainty window. int32."""
+    NB: tl.constexpr = BITS - 1
+    H0: tl.constexpr = 1 << NB
+    a = tl.abs(y)
+    idx = (y != y).to(tl.int32) * 0
+    if NB >= 1:
+        h0: tl.constexpr = 1 << (NB - 1)
+        p0 = a >= b[h0 - 1]
+        idx = p0.to(tl.int32) << (NB - 1)
+    if NB >= 2:
+        h1: tl.constexpr = h0 >> 1
+        p1 = a >= _tpick2(p0, b, h1 - 1, 2 * h1)
+        idx += p1.to(tl.int32) << (NB - 2)
+    if NB >= 3:
+        h2: tl.constexpr = h0 >> 2
+        p2 = a >= _tpick4(p0, p1, b, h2 - 1, 2 * h2)
+        idx += p2.to(tl.int32) << (NB - 3)
+    if NB >= 4:
+        h3: tl.constexpr = h0 >> 3
+        p3 = a >= _tpick8(p0, p1, p2, b, h3 - 1, 2 * h3)
+        idx += p3.to(tl.int32)
+    return idx ^ tl.where(y >= 0, H0, H0 - 1)
+
+
 # -- reads ---------------------------------------------------------------------------------------
 @triton.jit
 def _read(ptr, off, p, ok, E: tl.constexpr):
@@ -182,6 +289,14 @@ def _fwht(xs, lane, E: tl.constexpr, LB: tl.constexpr):
             ys = ys + (_bfly(xs[e], m) + sgn * xs[e],)
         xs = ys
     return xs
+
+
+@triton.jit
+def _xor(words, masks):
+    out = ()
+    for i in tl.static_range(len(words)):
+        out = out + (words[i] ^ masks[i],)
+    return out
 
 
 @triton.jit
@@ -266,10 +381,54 @@ def _uniform_codes(ys, lo, hi, BITS: tl.constexpr, E: tl.constexpr):
 
 
 @triton.jit
-def _encode(xs, mus, signs, c, row, h, ok, lane, p, bnd_ptr, cen_ptr, HAS_MU: tl.constexpr, E: tl.constexpr,
-            L: tl.constexpr, LB: tl.constexpr, HW_FP8: tl.constexpr, ALIGNED: tl.constexpr, S: tl.constexpr):
-    """Encode one side (``S``) of the warp's vector ``xs`` (E float32 per lane, zeros if not
-    finite) into the row ``row``; returns the SATURATED bit where set (int32 per lane)."""
+def _norm_f32(xs, lane, E: tl.constexpr, LB: tl.constexpr, IN_BF16: tl.constexpr):
+    """The vector's norm from a float32 sum of squares, and whether that decides the float16 norm
+    bytes and the saturation flag the float64 norm gives (else the caller recomputes it).
+
+    Each x² is exact in float32 (11 or 8 significant bits; for bf16 only where ŝ lies in
+    [2^-100, 2^100], checked). The sum has E − 1 in-lane and LB butterfly additions on any
+    path, so ``|ŝ − s| ≤ γ_h·s`` with ``h = E − 1 + LB ≤ 47`` and ``γ_h = h·u/(1 − h·u) < 2^-18``
+    (u = 2^-24); its correctly rounded square root is within ``2^-19 + 2^-24`` of √s, relative.
+    So √s lies in ``[n·(1 − 2^-18), n·(1 + 2^-18)]`` (each end rounded outward by the products'
+    float32 rounding, far below the slack): where both ends round to the same float16 (after
+    the saturating clamp at 65504) and the interval does not straddle 65504, those are the
+    oracle's bytes and flag. Non-finite vectors give NaN or inf here (the caller replaces them)."""
+    ss = xs[0] * xs[0]
+    for e in tl.static_range(1, E):
+        ss = xs[e] * xs[e] + ss
+    for j in tl.static_range(LB):
+        ss = ss + _bfly(ss, lane * 0 + (1 << j))
+    n = tl.sqrt_rn(ss)
+    lo = n * (1.0 - 2.0**-18)
+    hi = n * (1.0 + 2.0**-18)
+    lo_b = tl.minimum(lo, 65504.0).to(tl.float16).to(tl.int16, bitcast=True)
+    hi_b = tl.minimum(hi, 65504.0).to(tl.float16).to(tl.int16, bitcast=True)
+    unsure = (lo_b != hi_b) | ((lo <= 65504.0) & (hi > 65504.0))
+    if IN_BF16:
+        unsure = unsure | (ss < 2.0**-100) | (ss > 2.0**100)
+    return n, unsure
+
+
+@triton.jit
+def _norm_f64(xs, mus, lane, HAS_MU: tl.constexpr, E: tl.constexpr, LB: tl.constexpr):
+    """The vector's norm in float64 (exact squares and sum: every lane gets the oracle's bits)."""
+    ss = lane.to(tl.float64) * 0.0
+    for e in tl.static_range(E):
+        x64 = xs[e].to(tl.float64)
+        if HAS_MU:
+            x64 = x64 - mus[e].to(tl.float64)
+        ss += x64 * x64
+    return tl.sqrt(_group_sum64(ss, lane, LB))
+
+
+@triton.jit
+def _encode(xs, mus, fin, zchunk, c, row, h, ok, lane, p, bnd, bnd_ptr, cen_ptr, HAS_MU: tl.constexpr,
+            IN_BF16: tl.constexpr, E: tl.constexpr, L: tl.constexpr, LB: tl.constexpr, HW_FP8: tl.constexpr,
+            ALIGNED: tl.constexpr, SYM: tl.constexpr, S: tl.constexpr):
+    """Encode one side (``S``) of the warp's vector ``xs`` (E float32 per lane, already multiplied
+    by the rotation's signs where ``S.ROTATED``; ``mus`` likewise) into the row ``row``; a vector
+    that is not finite (``fin`` false) is written as the zero vector (its codes' chunk ``zchunk``,
+    zero norm or bounds). Returns the SATURATED bit where set (int32 per lane)."""
     KIND: tl.constexpr = S.KIND
     BITS: tl.constexpr = S.BITS
     PB: tl.constexpr = 2 + 2 * S.PARAM_DTYPE
@@ -281,36 +440,50 @@ def _encode(xs, mus, signs, c, row, h, ok, lane, p, bnd_ptr, cen_ptr, HAS_MU: tl
         for e in tl.static_range(E):
             ys = ys + (xs[e] - mus[e],)
     if S.ROTATED:
-        zs = ()
-        for e in tl.static_range(E):
-            zs = zs + (ys[e] * signs[e],)
-        zs = _fwht(zs, lane, E, LB)
-        ys = ()
-        for e in tl.static_range(E):
-            ys = ys + (zs[e] * c,)
+        ys = _fwht(ys, lane, E, LB)  # c = |Π[0, 0]| applied below
     if KIND == KIND_LLOYD_MAX:
-        ss = lane.to(tl.float64) * 0.0
-        for e in tl.static_range(E):
-            x64 = xs[e].to(tl.float64)
-            if HAS_MU:
-                x64 = x64 - mus[e].to(tl.float64)
-            ss += x64 * x64
-        n = tl.sqrt(_group_sum64(ss, lane, LB))  # float64: the norm bytes equal the oracle's
-        inv = tl.where(n > 0, 1.0 / tl.where(n > 0, n, 1.0), 0.0).to(tl.float32)
+        NORM32: tl.constexpr = (S.PARAM_DTYPE == DT_F16) and (S.NORM_CORRECTION != NC_STORED) and not HAS_MU
+        if NORM32:
+            n, unsure = _norm_f32(xs, lane, E, LB, IN_BF16)
+            n = tl.where(fin, n, 0.0)
+            nbits = tl.minimum(n, 65504.0).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
+            sat = n > 65504.0
+            inv = tl.where(n > 0, 1.0 / tl.where(n > 0, n, 1.0), 0.0)
+            if tl.max((unsure & fin).to(tl.int32), axis=0) > 0:  # rare: the float64 norm for the warp
+                n64 = tl.where(fin, _norm_f64(xs, mus, lane, HAS_MU, E, LB), 0.0)
+                nbits = f64_to_bits(n64, S.PARAM_DTYPE)
+                sat = _saturates(n64, S.PARAM_DTYPE)
+                inv = tl.where(n64 > 0, 1.0 / tl.where(n64 > 0, n64, 1.0), 0.0).to(tl.float32)
+        else:
+            n = tl.where(fin, _norm_f64(xs, mus, lane, HAS_MU, E, LB), 0.0)  # the norm bytes equal the oracle's
+            inv = tl.where(n > 0, 1.0 / tl.where(n > 0, n, 1.0), 0.0).to(tl.float32)
+        scale = inv * c if S.ROTATED else inv
         codes = ()
         for e in tl.static_range(E):
-            codes = codes + (_lloyd_max_codes(ys[e] * inv, bnd_ptr, BITS),)
-        _write_chunks(field, _chunk(codes, BITS, E), lane, p, ok, BITS * E, S.A_BYTES, L, ALIGNED)
-        if S.NORM_CORRECTION == NC_STORED:
-            cs = n * 0.0
-            for e in tl.static_range(E):
-                ce = tl.load(cen_ptr + codes[e])
-                cs += ce * ce
-            cn = tl.sqrt(_group_sum64(cs, lane, LB))
-            n = n / tl.where(cn > 0, cn, 1.0)
-        store_bytes(row + S.B_OFF + h * S.B_STRIDE, f64_to_bits(n, S.PARAM_DTYPE), PB, first)
-        err = tl.where(ok & _saturates(n, S.PARAM_DTYPE), _ERR_SATURATED, 0)
+            if SYM:
+                codes = codes + (_sym_codes(ys[e] * scale, bnd, BITS),)
+            else:
+                codes = codes + (_lloyd_max_codes(ys[e] * scale, bnd_ptr, BITS),)
+        chunk = tl.where(fin, _chunk(codes, BITS, E), zchunk)
+        _write_chunks(field, chunk, lane, p, ok, BITS * E, S.A_BYTES, L, ALIGNED)
+        if not NORM32:
+            if S.NORM_CORRECTION == NC_STORED:
+                cs = n * 0.0
+                for e in tl.static_range(E):
+                    ce = tl.load(cen_ptr + codes[e])
+                    cs += ce * ce
+                cn = tl.sqrt(_group_sum64(cs, lane, LB))
+                n = n / tl.where(cn > 0, cn, 1.0)
+            nbits = f64_to_bits(n, S.PARAM_DTYPE)
+            sat = _saturates(n, S.PARAM_DTYPE)
+        store_bytes(row + S.B_OFF + h * S.B_STRIDE, nbits, PB, first)
+        err = tl.where(ok & fin & sat, _ERR_SATURATED, 0)
     elif KIND == KIND_FP8:
+        if S.ROTATED:
+            zs = ()
+            for e in tl.static_range(E):
+                zs = zs + (ys[e] * c,)
+            ys = zs
         codes = ()
         big = lane < 0
         for e in tl.static_range(E):
@@ -320,23 +493,52 @@ def _encode(xs, mus, signs, c, row, h, ok, lane, p, bnd_ptr, cen_ptr, HAS_MU: tl
                 codes = codes + (q.to(tl.uint8, bitcast=True),)
             else:
                 codes = codes + (f32_to_fp8e4m3_bits(ys[e]).to(tl.uint8),)
-        _write_chunks(field, _chunk(codes, 8, E), lane, p, ok, 8 * E, S.A_BYTES, L, ALIGNED)
-        err = tl.where(ok & big, _ERR_SATURATED, 0)
+        _write_chunks(field, tl.where(fin, _chunk(codes, 8, E), zchunk), lane, p, ok, 8 * E, S.A_BYTES, L, ALIGNED)
+        err = tl.where(ok & fin & big, _ERR_SATURATED, 0)
     else:  # KIND_UNIFORM (asymmetric; unrotated with a key offset is not eligible)
+        if S.ROTATED:
+            zs = ()
+            for e in tl.static_range(E):
+                zs = zs + (ys[e] * c,)
+            ys = zs
         lo = ys[0]
         hi = ys[0]
         for e in tl.static_range(1, E):
             lo = tl.minimum(lo, ys[e])
             hi = tl.maximum(hi, ys[e])
         lo, hi = _group_min_max(lo, hi, lane, LB)
+        lo = tl.where(fin, lo, 0.0)  # the zero vector's bounds; its codes are zchunk's
+        hi = tl.where(fin, hi, 0.0)
         codes = _uniform_codes(ys, lo, hi, BITS, E)
-        _write_chunks(field, _chunk(codes, BITS, E), lane, p, ok, BITS * E, S.A_BYTES, L, ALIGNED)
+        _write_chunks(field, tl.where(fin, _chunk(codes, BITS, E), zchunk), lane, p, ok, BITS * E, S.A_BYTES, L,
+                      ALIGNED)
         lo64 = lo.to(tl.float64)
         scale = tl.maximum((hi.to(tl.float64) - lo64) / ((1 << BITS) - 1), 1e-8)
         store_bytes(row + S.B_OFF + h * S.B_STRIDE, f64_to_bits(scale, S.PARAM_DTYPE), PB, first)
         store_bytes(row + S.C_OFF + h * S.C_STRIDE, f64_to_bits(lo64, S.PARAM_DTYPE), PB, first)
         err = tl.where(ok & (_saturates(scale, S.PARAM_DTYPE) | _saturates(lo64, S.PARAM_DTYPE)), _ERR_SATURATED, 0)
     return err
+
+
+@triton.jit
+def _side_tables(bnd_ptr, S: tl.constexpr, SYM: tl.constexpr, lane, E: tl.constexpr):
+    """Per program, for one side: its positive boundaries (a symmetric Lloyd-Max table, else
+    ``()``) and the chunk of the zero vector's codes (Lloyd-Max: the code of 0; else 0)."""
+    bnd = ()
+    if S.KIND == KIND_LLOYD_MAX:
+        zero = lane.to(tl.float32) * 0.0
+        if SYM:
+            bnd = _half_bounds(bnd_ptr, S.BITS)
+            z = _sym_codes(zero, bnd, S.BITS)
+        else:
+            z = _lloyd_max_codes(zero, bnd_ptr, S.BITS)
+        zs = ()
+        for e in tl.static_range(E):
+            zs = zs + (z,)
+        zchunk = _chunk(zs, S.BITS, E)
+    else:
+        zchunk = _chunk((lane * 0,), 8 * E if S.KIND == KIND_FP8 else S.BITS * E, 1)
+    return bnd, zchunk
 
 
 @triton.jit
@@ -347,6 +549,7 @@ def _store_warp_kernel(
     L: tl.constexpr, ROTATE: tl.constexpr, K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr,
     HW_FP8: tl.constexpr, D: tl.constexpr, ROW_BYTES: tl.constexpr, PAD_OFF: tl.constexpr,
     PAD_STRIDE: tl.constexpr, PAD_BYTES: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    K_SYM: tl.constexpr, V_SYM: tl.constexpr,
 ):
     NT: tl.constexpr = 32 * WARPS
     E: tl.constexpr = D // L  # elements per lane
@@ -355,13 +558,19 @@ def _store_warp_kernel(
     t_ = tl.arange(0, NT)
     lane = t_ % 32
     p = t_ % L  # this lane's place in its vector's L lanes
-    # the rotation's signs s_i = sign(Π[i, 0]) of this lane's elements and c = |Π[0, 0]| = 1/√D
+    # the rotation's signs s_i = sign(Π[i, 0]) of this lane's elements (as sign-bit words, and as
+    # floats for μ) and c = |Π[0, 0]| = 1/√D
+    smask = ()
     signs = ()
     c = 1.0
     if ROTATE:
-        for e in tl.static_range(E):
-            signs = signs + (tl.where(tl.load(rot_ptr + (E * p + e) * D) > 0, 1.0, -1.0),)
+        smask = _sign_words(rot_ptr, p, E, D)
+        if HAS_MU and K.ROTATED:
+            for e in tl.static_range(E):
+                signs = signs + (tl.where(tl.load(rot_ptr + (E * p + e) * D) > 0, 1.0, -1.0),)
         c = tl.abs(tl.load(rot_ptr))
+    kbnd, kzero = _side_tables(kb_ptr, K, K_SYM, lane, E)
+    vbnd, vzero = _side_tables(vb_ptr, V, V_SYM, lane, E)
     err = lane * 0
     v = tl.program_id(0) * (ITERS * VPI) + t_ // L
     t = v // H
@@ -382,28 +591,24 @@ def _store_warp_kernel(
 
         err = err | tl.where(past, _ERR_SLOT, 0)
         row = cache_ptr + slot * ROW_BYTES
-        kx = _unpack(kw, E, IN_BF16)
-        vx = _unpack(vw, E, IN_BF16)
-        kfin = kx[0] - kx[0] == 0
-        vfin = vx[0] - vx[0] == 0
-        for e in tl.static_range(1, E):
-            kfin = kfin & (kx[e] - kx[e] == 0)
-            vfin = vfin & (vx[e] - vx[e] == 0)
-        kfin = _group_all(kfin, lane, LB)
-        vfin = _group_all(vfin, lane, LB)
+        kfin = _finite(kw, lane, E, LB, IN_BF16)
+        vfin = _finite(vw, lane, E, LB, IN_BF16)
         err = err | tl.where(ok & ~(kfin & vfin), _ERR_NONFINITE, 0)
-        ks = ()
-        vs = ()
+        if K.ROTATED:
+            kw = _xor(kw, smask)
+        if V.ROTATED:
+            vw = _xor(vw, smask)
+        ks = _unpack(kw, E, IN_BF16)
+        vs = _unpack(vw, E, IN_BF16)
         mus = ()
-        for e in tl.static_range(E):
-            ks = ks + (tl.where(kfin, kx[e], 0.0),)
-            vs = vs + (tl.where(vfin, vx[e], 0.0),)
-            if HAS_MU:
-                mus = mus + (tl.where(kfin, tl.load(mu_ptr + h * D + E * p + e), 0.0),)
-        err = err | _encode(ks, mus, signs, c, row, h, ok, lane, p, kb_ptr, kc_ptr, HAS_MU, E, L, LB, HW_FP8,
-                            K_ALIGNED, K)
-        err = err | _encode(vs, mus, signs, c, row, h, ok, lane, p, vb_ptr, vc_ptr, False, E, L, LB, HW_FP8,
-                            V_ALIGNED, V)
+        if HAS_MU:
+            for e in tl.static_range(E):
+                m = tl.load(mu_ptr + h * D + E * p + e)
+                mus = mus + (m * signs[e] if K.ROTATED else m,)
+        err = err | _encode(ks, mus, kfin, kzero, c, row, h, ok, lane, p, kbnd, kb_ptr, kc_ptr, HAS_MU, IN_BF16, E,
+                            L, LB, HW_FP8, K_ALIGNED, K_SYM, K)
+        err = err | _encode(vs, mus, vfin, vzero, c, row, h, ok, lane, p, vbnd, vb_ptr, vc_ptr, False, IN_BF16, E,
+                            L, LB, HW_FP8, V_ALIGNED, V_SYM, V)
         if PAD_BYTES > 0:
             for k in tl.static_range(0, PAD_BYTES, L):
                 tl.store(row + PAD_OFF + h * PAD_STRIDE + k + p, tl.zeros_like(lane).to(tl.uint8),
