@@ -88,7 +88,7 @@ HOIST_MAX_DP = 128  # widest padded head_dim whose [DP, DP] operand is built onc
 SMALL_STORE_VECTORS = 4096  # (token, head) vectors up to which a store takes the small tile (docstring)
 WARP_STORE_WARPS = 1  # the warp kernel: warps per program (docstring)
 WARP_STORE_ITERS = 8  # the warp kernel: iterations per program at most (a long store)
-WARP_STORE_PROGRAMS = 1024  # ... fewer while the grid would have fewer programs (~2.6 waves on an H100)
+WARP_STORE_PROGRAMS = 4096  # ... fewer while the grid would have fewer programs (one-warp programs: ~2 waves on an H100)
 # the warp kernel's lanes per vector by head_dim (docstring)
 WARP_STORE_LANES = types.MappingProxyType({64: 8, 128: 8, 256: 16})
 

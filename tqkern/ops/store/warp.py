@@ -17,13 +17,13 @@ tile:
   codes, norm or bounds are then replaced by the zero vector's (one select per lane, not per
   element);
 * the rotation's signs ``s_i`` as an XOR of the words' sign bits (:func:`_sign_words`), exact;
-* the norm: for float16 norms without a stored correction or key offset, a float32 sum of the
-  (exact) squares whose error bound decides the float16 bytes and the saturation flag unless
-  the norm lies within ``2^-18`` of a rounding tie or of 65504 (:func:`_norm_f32`); a warp with
-  such a vector recomputes every norm in float64 (a rare branch). Other
-  Lloyd-Max sides take the float64 sum (each lane's ``E`` squares, then a butterfly over the
-  group: every lane gets the same bits), so the stored norm bytes equal the oracle's as the tile
-  kernel's do;
+* the norm: for float16 norms without a key offset, a float32 sum of the (exact) squares
+  (:func:`_sum_sq_f32`) whose error bound decides the float16 bytes (the norm, or the norm over
+  the codes' centroid norm where that correction is stored) and the saturation flag unless the
+  value lies within ``2^-18`` of a rounding tie or of 65504 (:func:`_f16_unsure`); a warp with
+  such a vector recomputes them in float64 (a rare branch). Other Lloyd-Max sides take the
+  float64 sum (each lane's ``E`` squares, then a butterfly over the group: every lane gets the
+  same bits), so the stored norm bytes equal the oracle's as the tile kernel's do;
 * ``y = (x − μ) @ Π`` for ``Π = diag(s)·H/√D`` as ``FWHT(s ⊙ (x − μ)) · |Π[0, 0]|`` in float32:
   ``log2 E`` butterfly stages inside the lane, then ``log2 L`` across lanes (``shfl.bfly``; the
   lane whose stage bit is set keeps ``partner − own``). Every output is a sum of D terms ``±x_i``
@@ -62,7 +62,6 @@ from tqkern.errors import ErrorFlag
 from tqkern.ops.codecs import DT_F16, KIND_FP8, KIND_LLOYD_MAX, NC_STORED
 from tqkern.ops.common import f32_to_fp8e4m3_bits, f64_to_bits, store_bytes
 from tqkern.ops.fields import _lloyd_max_codes, _saturates
-from tqkern.ops.fields import _uniform_codes as _uniform_codes_f64
 
 __all__ = ["_store_warp_kernel"]
 
@@ -301,11 +300,23 @@ def _xor(words, masks):
 
 @triton.jit
 def _chunk(codes, BITS: tl.constexpr, E: tl.constexpr):
-    """The lane's E codes as one LSB-first chunk of BITS·E ≤ 64 bits (uint32, or uint64 past 32)."""
-    WT: tl.constexpr = tl.uint64 if BITS * E > 32 else tl.uint32
-    w = codes[0].to(WT)
+    """The lane's E codes (each below 2^BITS) as one LSB-first chunk of BITS·E ≤ 64 bits (uint32,
+    or uint64 past 32), built as two 32-bit halves by shifted adds (one instruction per code)."""
+    lo = codes[0].to(tl.uint32)
+    hi = lo * 0
     for e in tl.static_range(1, E):
-        w = w | (codes[e].to(WT) << (BITS * e))
+        c = codes[e].to(tl.uint32)
+        if BITS * e + BITS <= 32:
+            lo = lo + (c << (BITS * e))
+        elif BITS * e >= 32:
+            hi = hi + (c << (BITS * e - 32))
+        else:  # straddles bit 32
+            lo = lo + (c << (BITS * e))
+            hi = hi + (c >> (32 - BITS * e))
+    if BITS * E > 32:
+        w = (hi.to(tl.uint64) << 32) | lo.to(tl.uint64)
+    else:
+        w = lo
     return w
 
 
@@ -355,8 +366,11 @@ def _write_chunks(field, w, lane, p, ok, CB: tl.constexpr, NBYTES: tl.constexpr,
 def _uniform_codes(ys, lo, hi, BITS: tl.constexpr, E: tl.constexpr):
     """⌊(y − lo)·(2^b − 1)/(hi − lo) + 1/2⌋ per element (÷1e-8 where the scale is floored): the
     tile kernel's float32 estimate and proof (:func:`tqkern.ops.fields._uniform_codes_f32`);
-    if the proof fails for any element of the program, every element takes the exact float64
-    decision of :func:`tqkern.ops.fields._uniform_codes` (per element). int32 codes."""
+    if the proof fails for any element of the warp, every element's estimate q (within one of the
+    answer) is moved by the oracle's two exact float64 comparisons
+    ``(q − 1/2)·den > num`` and ``(q + 1/2)·den ≤ num`` (:func:`tqkern.ops.quantize.reference._uniform_codes`:
+    it starts from another estimate within one, and both end at the same integer), then clamped.
+    int32 codes."""
     levels: tl.constexpr = (1 << BITS) - 1
     tol: tl.constexpr = 0.5 - levels * 2.0**-20
     magic: tl.constexpr = 12582912.0
@@ -371,42 +385,57 @@ def _uniform_codes(ys, lo, hi, BITS: tl.constexpr, E: tl.constexpr):
         s = t + magic
         worst = tl.maximum(worst, tl.abs(t - (s - magic)))
         codes = codes + (s.to(tl.int32, bitcast=True) - 0x4B400000,)
-    if tl.max(worst, axis=0) >= tol:
-        hi64 = hi.to(tl.float64)
+    if tl.max(worst, axis=0) >= tol:  # exact ties (frequent for bf16 inputs) or near them
+        den = tl.where(floored, 1e-8, span)
         exact = ()
         for e in tl.static_range(E):
-            exact = exact + (_uniform_codes_f64(ys[e].to(tl.float64), lo64, hi64, BITS).to(tl.int32),)
+            d = ys[e].to(tl.float64) - lo64
+            num = tl.where(floored, d, d * levels)
+            q = codes[e].to(tl.float64)
+            q = q - ((q - 0.5) * den > num).to(tl.float64) + ((q + 0.5) * den <= num).to(tl.float64)
+            exact = exact + (tl.minimum(tl.maximum(q, 0.0), levels).to(tl.int32),)
         codes = exact
     return codes
 
 
 @triton.jit
-def _norm_f32(xs, lane, E: tl.constexpr, LB: tl.constexpr, IN_BF16: tl.constexpr):
-    """The vector's norm from a float32 sum of squares, and whether that decides the float16 norm
-    bytes and the saturation flag the float64 norm gives (else the caller recomputes it).
-
-    Each x² is exact in float32 (11 or 8 significant bits; for bf16 only where ŝ lies in
-    [2^-100, 2^100], checked). The sum has E − 1 in-lane and LB butterfly additions on any
-    path, so ``|ŝ − s| ≤ γ_h·s`` with ``h = E − 1 + LB ≤ 47`` and ``γ_h = h·u/(1 − h·u) < 2^-18``
-    (u = 2^-24); its correctly rounded square root is within ``2^-19 + 2^-24`` of √s, relative.
-    So √s lies in ``[n·(1 − 2^-18), n·(1 + 2^-18)]`` (each end rounded outward by the products'
-    float32 rounding, far below the slack): where both ends round to the same float16 (after
-    the saturating clamp at 65504) and the interval does not straddle 65504, those are the
-    oracle's bytes and flag. Non-finite vectors give NaN or inf here (the caller replaces them)."""
-    ss = xs[0] * xs[0]
-    for e in tl.static_range(1, E):
-        ss = xs[e] * xs[e] + ss
+def _sum_sq_f32(xs, lane, E: tl.constexpr, LB: tl.constexpr):
+    """Σ x² over the vector in float32: four in-lane partial sums (short dependency chains), then
+    a butterfly over the group (every lane gets the same bits). Each x² is exact in float32 (11
+    or 8 significant bits; for bf16 only where the sum lies in [2^-100, 2^100]: the caller
+    takes the float64 norm elsewhere, as a float32 within 2^-24), and every term passes through at most ``h = E/4 − 1 + 2 + LB ≤ 14`` additions
+    (E ≤ 32 a power of two, L ≤ 32), so ``|ŝ − s| ≤ γ_h·s < 2^-20·s`` (``γ_h = h·u/(1 − h·u)``,
+    u = 2^-24); its correctly rounded square root is within ``2^-21 + 2^-24`` of √s, relative."""
+    tl.static_assert(E <= 32)
+    if E >= 4:
+        a0 = xs[0] * xs[0]
+        a1 = xs[1] * xs[1]
+        a2 = xs[2] * xs[2]
+        a3 = xs[3] * xs[3]
+        for e in tl.static_range(4, E, 4):
+            a0 = xs[e] * xs[e] + a0
+            a1 = xs[e + 1] * xs[e + 1] + a1
+            a2 = xs[e + 2] * xs[e + 2] + a2
+            a3 = xs[e + 3] * xs[e + 3] + a3
+        ss = (a0 + a1) + (a2 + a3)
+    else:  # E = 2
+        ss = xs[0] * xs[0] + xs[1] * xs[1]
     for j in tl.static_range(LB):
         ss = ss + _bfly(ss, lane * 0 + (1 << j))
-    n = tl.sqrt_rn(ss)
-    lo = n * (1.0 - 2.0**-18)
-    hi = n * (1.0 + 2.0**-18)
+    return ss
+
+
+@triton.jit
+def _f16_unsure(r):
+    """Whether a float32 ``r`` within ``2^-19`` (relative) of a float64 value ``ρ`` may not
+    decide ``ρ``'s float16 bytes (nearest-even, clamped at 65504) or ``ρ > 65504``: the ends of
+    ``[r·(1 − 2^-18), r·(1 + 2^-18)]`` (which holds ρ, the products' own rounding far below the
+    slack) round to different float16 values, or straddle 65504."""
+    lo = r * (1.0 - 2.0**-18)
+    hi = r * (1.0 + 2.0**-18)
     lo_b = tl.minimum(lo, 65504.0).to(tl.float16).to(tl.int16, bitcast=True)
     hi_b = tl.minimum(hi, 65504.0).to(tl.float16).to(tl.int16, bitcast=True)
-    unsure = (lo_b != hi_b) | ((lo <= 65504.0) & (hi > 65504.0))
-    if IN_BF16:
-        unsure = unsure | (ss < 2.0**-100) | (ss > 2.0**100)
-    return n, unsure
+    return (lo_b != hi_b) | ((lo <= 65504.0) & (hi > 65504.0))
 
 
 @triton.jit
@@ -442,18 +471,18 @@ def _encode(xs, mus, fin, zchunk, c, row, h, ok, lane, p, bnd, bnd_ptr, cen_ptr,
     if S.ROTATED:
         ys = _fwht(ys, lane, E, LB)  # c = |Π[0, 0]| applied below
     if KIND == KIND_LLOYD_MAX:
-        NORM32: tl.constexpr = (S.PARAM_DTYPE == DT_F16) and (S.NORM_CORRECTION != NC_STORED) and not HAS_MU
+        # float16 norms (but with a key offset: x − μ is inexact in float32) from a float32 sum
+        # of squares, decided by its error bound or recomputed in float64 for the warp (rare);
+        # float32 norms need the float64 sum (docstring)
+        NORM32: tl.constexpr = (S.PARAM_DTYPE == DT_F16) and not HAS_MU
+        STORED: tl.constexpr = S.NORM_CORRECTION == NC_STORED
         if NORM32:
-            n, unsure = _norm_f32(xs, lane, E, LB, IN_BF16)
-            n = tl.where(fin, n, 0.0)
-            nbits = tl.minimum(n, 65504.0).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
-            sat = n > 65504.0
+            ss = _sum_sq_f32(xs, lane, E, LB)
+            n = tl.where(fin, tl.sqrt_rn(ss), 0.0)
+            if IN_BF16:  # squares beyond float32's range: the warp's norms from float64 (rare)
+                if tl.max((((ss < 2.0**-100) | (ss > 2.0**100)) & fin).to(tl.int32), axis=0) > 0:
+                    n = tl.where(fin, _norm_f64(xs, mus, lane, HAS_MU, E, LB), 0.0).to(tl.float32)
             inv = tl.where(n > 0, 1.0 / tl.where(n > 0, n, 1.0), 0.0)
-            if tl.max((unsure & fin).to(tl.int32), axis=0) > 0:  # rare: the float64 norm for the warp
-                n64 = tl.where(fin, _norm_f64(xs, mus, lane, HAS_MU, E, LB), 0.0)
-                nbits = f64_to_bits(n64, S.PARAM_DTYPE)
-                sat = _saturates(n64, S.PARAM_DTYPE)
-                inv = tl.where(n64 > 0, 1.0 / tl.where(n64 > 0, n64, 1.0), 0.0).to(tl.float32)
         else:
             n = tl.where(fin, _norm_f64(xs, mus, lane, HAS_MU, E, LB), 0.0)  # the norm bytes equal the oracle's
             inv = tl.where(n > 0, 1.0 / tl.where(n > 0, n, 1.0), 0.0).to(tl.float32)
@@ -466,16 +495,26 @@ def _encode(xs, mus, fin, zchunk, c, row, h, ok, lane, p, bnd, bnd_ptr, cen_ptr,
                 codes = codes + (_lloyd_max_codes(ys[e] * scale, bnd_ptr, BITS),)
         chunk = tl.where(fin, _chunk(codes, BITS, E), zchunk)
         _write_chunks(field, chunk, lane, p, ok, BITS * E, S.A_BYTES, L, ALIGNED)
-        if not NORM32:
-            if S.NORM_CORRECTION == NC_STORED:
-                cs = n * 0.0
-                for e in tl.static_range(E):
-                    ce = tl.load(cen_ptr + codes[e])
-                    cs += ce * ce
-                cn = tl.sqrt(_group_sum64(cs, lane, LB))
-                n = n / tl.where(cn > 0, cn, 1.0)
-            nbits = f64_to_bits(n, S.PARAM_DTYPE)
-            sat = _saturates(n, S.PARAM_DTYPE)
+        cn = 1.0
+        if STORED:  # the stored norm is ‖x‖ / ‖centroids of the codes‖ (float64)
+            cs = lane.to(tl.float64) * 0.0
+            for e in tl.static_range(E):
+                ce = tl.load(cen_ptr + codes[e])
+                cs += ce * ce
+            cn = tl.sqrt(_group_sum64(cs, lane, LB))
+            cn = tl.where(cn > 0, cn, 1.0)
+        if NORM32:
+            r = (n.to(tl.float64) / cn).to(tl.float32) if STORED else n  # within 2^-19 of the oracle's
+            nbits = tl.minimum(r, 65504.0).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
+            sat = r > 65504.0
+            if tl.max((_f16_unsure(r) & fin).to(tl.int32), axis=0) > 0:  # rare: float64
+                r64 = tl.where(fin, _norm_f64(xs, mus, lane, HAS_MU, E, LB), 0.0) / cn
+                nbits = f64_to_bits(r64, S.PARAM_DTYPE)
+                sat = _saturates(r64, S.PARAM_DTYPE)
+        else:
+            r64 = n / cn
+            nbits = f64_to_bits(r64, S.PARAM_DTYPE)
+            sat = _saturates(r64, S.PARAM_DTYPE)
         store_bytes(row + S.B_OFF + h * S.B_STRIDE, nbits, PB, first)
         err = tl.where(ok & fin & sat, _ERR_SATURATED, 0)
     elif KIND == KIND_FP8:
