@@ -38,12 +38,12 @@ BUDGETS = {
     "turboquant_4bit_nc:slot:128:8:warp+asym": (0, 2264),  # codebooks not claimed antisymmetric
     "turboquant_4bit_nc:row:128:8:warp+bf16": (0, 2176),
     "turboquant_3bit_nc:slot:128:8:warp": (0, 1968),
-    "tqkern_k5v3:slot:128:8:warp": (0, 1720),  # 16 lanes per vector (5-bit codes)
+    "tqkern_k5v3:slot:128:8:warp": (0, 2072),  # 8 lanes per vector: 80-bit chunks (16 before session 26)
     "k4v3h:row:128:8:warp+mu+bf16": (0, 2200),
     "turboquant_k8v4:slot:128:8:warp": (0, 936),
     "turboquant_3bit_nc:slot:64:3:warp": (0, 1400),
     "k4v2h:slot:256:8:warp": (0, 2064),
-    "tqkern_k5v3:slot:256:8:warp": (0, 1760),  # 32 lanes per vector
+    "tqkern_k5v3:slot:256:8:warp": (0, 2168),  # 16 lanes per vector (32 before session 26)
     "turboquant_4bit_nc:slot:128:8:warp+small": (0, 1960),
 }
 

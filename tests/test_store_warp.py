@@ -60,17 +60,19 @@ def test_unrotated_uniform_keys_with_a_key_offset_are_not_eligible():
 
 @pytest.mark.parametrize("preset, d, lanes", [
     ("turboquant_4bit_nc", 128, WARP_STORE_LANES[128]),  # 4 bits x 16 elements = 64
-    ("tqkern_k5v3", 128, 16),  # 5 bits x 16 = 80 > 64: twice the lanes
-    ("turboquant_k8v4", 128, 16),  # FP8: 8 bits x 16 > 64
+    ("tqkern_k5v3", 128, 8),  # 5 bits x 16 = 80: five whole 16-bit words
+    ("turboquant_k8v4", 128, 16),  # FP8: 8 bits x 16 > 64, and FP8 sides keep chunks of 64 bits
     ("turboquant_4bit_nc", 64, WARP_STORE_LANES[64]),
-    ("tqkern_k5v3", 256, 32),
+    ("tqkern_k5v3", 256, 16),
 ])
 def test_warp_plan_lanes_grid_and_description(preset, d, lanes):
     layout = _layout(preset, d, h=3)
     long = plan_store(layout, signed_sylvester=True, vector_aligned=True)
     cx = dict(long.constexprs)
     assert cx["L"] == lanes and cx["D"] == d and cx["H"] == 3
-    assert max(cx["K"].BITS, cx["V"].BITS) * (d // lanes) <= 64
+    for side in (cx["K"], cx["V"]):
+        bits = side.BITS * (d // lanes)
+        assert bits <= 64 or (bits % 16 == 0 and bits <= store_plan.WARP_STORE_MAX_CHUNK)
     assert long.block_vectors == long.num_warps * 32 // lanes and long.tiles == store_plan.WARP_STORE_ITERS
     assert long.grid(1) == (1,) and long.grid(long.vectors_per_program // 3 + 1) == (2,)
     assert f"{lanes} lanes per vector" in long.describe()
@@ -199,9 +201,10 @@ def test_symmetric_codebooks_claim():
     params = tqkern.TQParams.default(fmt)
     assert tqt.to_device(params, "cpu").symmetric_codebooks  # every default table is antisymmetric
     c = np.sort(np.random.default_rng(0).normal(size=16)) / 12
-    lopsided = tqkern.TQParams(format=tqkern.KVFormat.preset("tq4", 128), rotation=params.rotation,
+    tq4 = tqkern.KVFormat.preset("tq4", 128)
+    lopsided = tqkern.TQParams(format=tq4, rotation=params.rotation,
                                key_codebook=tqkern.Codebook.from_centroids(c, dim=128),
-                               value_codebook=tqkern.TQParams.default(tqkern.KVFormat.preset("tq4", 128)).value_codebook)
+                               value_codebook=tqkern.TQParams.default(tq4).value_codebook)
     assert not tqt.to_device(lopsided, "cpu").symmetric_codebooks
     layout = _layout("turboquant_4bit_nc")
     sym = plan_store(layout, signed_sylvester=True, vector_aligned=True, symmetric_codebooks=True)

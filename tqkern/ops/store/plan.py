@@ -46,10 +46,12 @@ long as one program's serial work. Measured on the H100 (session 22, Hkv8/D128, 
 **The warp kernel** (``kernel="warp"``, :mod:`tqkern.ops.store.warp`, session 24) takes every GPU
 store whose layout :func:`warp_store_eligible` accepts and whose inputs are vector-aligned (contiguous
 K/V are): ``L`` lanes per vector (``WARP_STORE_LANES``: 8 at head_dim 64 and 128, 16 at 256; doubled
-until a lane's codes fit 64 bits), one warp per program (``WARP_STORE_WARPS``; four before session
+until a lane's codes fit 64 bits, or since session 26 up to 128 bits of whole 16-bit words but for
+FP8 sides), one warp per program (``WARP_STORE_WARPS``; four before session
 26), 8 iterations per program (fewer where the grid would have fewer than ``WARP_STORE_PROGRAMS``
-programs: a short store takes 1); the rotation as an in-register Walsh–Hadamard transform. ``block_vectors`` is then the vectors of one
-iteration (``4·32/L``) and ``tiles`` the iterations. Measured on the H100 (session 24, 16K tokens ×
+programs: a short store takes 1); the rotation as an in-register Walsh–Hadamard transform.
+``block_vectors`` is then the vectors of one iteration (``WARP_STORE_WARPS·32/L``) and ``tiles`` the
+iterations. Measured on the H100 (session 24, 16K tokens ×
 8 heads × 128, fp16 in, slot arrangement, µs, tile kernel / warp kernel at L = 8 / 16 / 32, copy_
 47.8): turboquant_4bit_nc 218.3 / 97.7 / 94.6 / 117.2, turboquant_3bit_nc 237.9 / 79.2 / 92.1 / 121.9,
 k4v3h 256.3 / 87.1 / 112.2 / 151.7, tqkern_k5v3 343.5 / 149.1 (5-bit codes take L = 16) / 149.0 /
@@ -62,6 +64,10 @@ path took 998–8383 µs and the warp kernel 52–64 at L = 32 (51–61 at L = 1
 Session 26 (H100, one run, CUDA graphs, µs, session 24's kernel at 4 warps → today's at 1 warp, copy_
 48.2): 16K × 8 × 128 fp16 turboquant_4bit_nc 96.2 → 63.8, turboquant_3bit_nc 80.0 → 56.1,
 tqkern_k5v3 148.0 → 127.0, turboquant_k8v4 55.9 → 45.0, k4v3h 87.1 → 76.6 (``docs/performance.md``).
+Chunks past 64 bits (one H100 run, µs, at most 64 → 128 bits per lane, i.e. 16 → 8 lanes at
+16K × 8 × 128, 32 → 16 at 4K × 8 × 256): tqkern_k5v3 127.7 → 85.8 fp16 / 126.1 → 85.0 bf16 / 62.2 →
+49.2 at head_dim 256, k5v4h 108.2 → 92.5 / 109.4 → 111.2 / 61.5 → 52.1, turboquant_k8v4 44.5 → 55.2 /
+50.6 → 50.7 / 25.5 → 21.5: taken but for FP8 sides.
 """
 
 from __future__ import annotations
@@ -88,7 +94,8 @@ HOIST_MAX_DP = 128  # widest padded head_dim whose [DP, DP] operand is built onc
 SMALL_STORE_VECTORS = 4096  # (token, head) vectors up to which a store takes the small tile (docstring)
 WARP_STORE_WARPS = 1  # the warp kernel: warps per program (docstring)
 WARP_STORE_ITERS = 8  # the warp kernel: iterations per program at most (a long store)
-WARP_STORE_PROGRAMS = 4096  # ... fewer while the grid would have fewer programs (one-warp programs: ~2 waves on an H100)
+WARP_STORE_MAX_CHUNK = 128  # the warp kernel: most code bits per lane and side (docstring)
+WARP_STORE_PROGRAMS = 4096  # ... fewer while the grid would have fewer programs (one-warp programs)
 # the warp kernel's lanes per vector by head_dim (docstring)
 WARP_STORE_LANES = types.MappingProxyType({64: 8, 128: 8, 256: 16})
 
@@ -218,12 +225,20 @@ def warp_store_eligible(layout: PagedLayout, *, has_mu: bool, signed_sylvester: 
     return True
 
 
+def _chunk_fits(side, per_lane: int) -> bool:
+    """Whether a lane's ``per_lane`` codes of ``side`` suit the warp kernel: one 64-bit word, or
+    (but FP8: measured slower, docstring) up to ``WARP_STORE_MAX_CHUNK`` bits of whole 16-bit
+    words."""
+    bits = side.BITS * per_lane
+    return bits <= 64 or (side.KIND != KIND_FP8.value and bits <= WARP_STORE_MAX_CHUNK and bits % 16 == 0)
+
+
 def _warp_lanes(layout: PagedLayout) -> int:
-    """Lanes per vector: ``WARP_STORE_LANES``, doubled until a lane's codes fit 64 bits."""
+    """Lanes per vector: ``WARP_STORE_LANES``, doubled until a lane's codes fit its chunk
+    (:func:`_chunk_fits`, both sides)."""
     c = layout_args(layout)
     lanes = WARP_STORE_LANES[layout.head_dim]
-    bits = max(c["K"].BITS, c["V"].BITS)
-    while lanes < 32 and bits * (layout.head_dim // lanes) > 64:
+    while lanes < 32 and not all(_chunk_fits(side, layout.head_dim // lanes) for side in (c["K"], c["V"])):
         lanes *= 2
     return lanes
 

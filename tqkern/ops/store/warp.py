@@ -2,7 +2,8 @@
 signed Hadamard rotation as an in-register fast Walsh–Hadamard transform.
 
 Every tensor here holds one value per thread (shape ``[32·WARPS]``), as in the warp-MMA decode
-kernel, so that inline PTX shuffles move values between lanes. A program's ``32·WARPS/L`` lane
+kernel, so that inline PTX shuffles move values between lanes (the per-lane building blocks:
+:mod:`tqkern.ops.store.lanes`). A program's ``32·WARPS/L`` lane
 groups store one vector each per iteration (group ``g`` of program ``P`` at iteration ``i``:
 vector ``v = (P·ITERS + i)·32·WARPS/L + g``, head ``v % H`` of token ``v // H``), and the data of
 iteration ``i + 1`` is loaded before iteration ``i`` is encoded, so the next loads stay in flight
@@ -12,11 +13,11 @@ Lane ``p`` of a group holds elements ``E·p .. E·p + E − 1`` of each side (``
 bytes, read as int32/int64 words). Per side, as :func:`tqkern.ops.fields.encode_side` does for a
 tile:
 
-* finiteness from the raw 16-bit words (:func:`_finite`: integer operations, four elements per
+* finiteness from the raw 16-bit words (:func:`~.lanes._finite`: integer operations, four elements per
   word), a butterfly over the group; a vector that is not finite is encoded as it comes and its
   codes, norm or bounds are then replaced by the zero vector's (one select per lane, not per
   element);
-* the rotation's signs ``s_i`` as an XOR of the words' sign bits (:func:`_sign_words`), exact;
+* the rotation's signs ``s_i`` as an XOR of the words' sign bits (:func:`~.lanes._sign_words`), exact;
 * the norm: for float16 norms without a key offset, a float32 sum of the (exact) squares
   (:func:`_sum_sq_f32`) whose error bound decides the float16 bytes (the norm, or the norm over
   the codes' centroid norm where that correction is stored) and the saturation flag unless the
@@ -30,13 +31,14 @@ tile:
   in float32, well inside the oracle's ``EPS = 2^-16·‖x‖`` of uncertainty; ``|Π[0, 0]|`` and the
   Lloyd-Max ``1/‖x‖`` are one product;
 * Lloyd-Max codes: with an antisymmetric boundary table (``symmetric_codebooks``, codes of up to
-  5 bits) a binary search of ``|y|`` over the positive half held in registers (:func:`_sym_codes`:
+  5 bits) a binary search of ``|y|`` over the positive half held in registers (:func:`~.lanes._sym_codes`:
   one level and half the selects fewer), else the tile kernel's search of the whole table
   (:func:`tqkern.ops.fields._lloyd_max_codes`); uniform codes by its float32 estimate checked
   exactly (a program where the check fails for some element takes the float64 decision for
   all), FP8 by the hardware conversion;
-* packing: a lane's ``E`` codes are one ``BITS·E``-bit chunk (at most 64 bits: the planner's
-  condition) of the LSB-first stream. Chunks of whole bytes are written by their own lane; other
+* packing: a lane's ``E`` codes are one ``BITS·E``-bit chunk of the LSB-first stream (at most 64
+  bits, or up to 128 bits of whole 16-bit words held as 32-bit words: the planner's condition).
+  Chunks of whole bytes are written by their own lane; other
   widths (3- and 5-bit codes) are joined into 16-bit words by ``shfl.idx`` from the lanes whose
   chunks overlap each word (lane p makes words p, p + L, ...). A field is written as 16-bit
   stores where every head's field starts at an even byte, else byte by byte. Lane 0 of the group
@@ -46,7 +48,7 @@ A program is one warp (``WARPS = 1`` in the plan): its reductions (the fall-back
 shuffles, with no barrier between warps.
 
 Safety and errors as the tile kernel (:mod:`tqkern.ops.store.kernel`): a slot outside
-``[0, num_slots)`` writes nothing (flagged when too large), a non-finite vector is read as zeros
+``[0, num_slots)`` writes nothing (flagged when too large), a non-finite vector is stored as the zero vector
 (flagged), saturating floats are flagged; one atomic OR per program, only when set.
 
 Which layouts and inputs take it, and the measured lane counts: :mod:`tqkern.ops.store.plan`. No
@@ -62,304 +64,16 @@ from tqkern.errors import ErrorFlag
 from tqkern.ops.codecs import DT_F16, KIND_FP8, KIND_LLOYD_MAX, NC_STORED
 from tqkern.ops.common import f32_to_fp8e4m3_bits, f64_to_bits, store_bytes
 from tqkern.ops.fields import _lloyd_max_codes, _saturates
+from tqkern.ops.store.lanes import (
+    _bfly, _group_sum64, _group_min_max, _or, _finite, _sign_words, _half_bounds, _sym_codes, _read, _unpack,
+    _vector, _fwht, _xor, _chunk, _zero_chunk, _where_chunk, _write_chunks,
+)
 
 __all__ = ["_store_warp_kernel"]
 
 _ERR_NONFINITE = tl.constexpr(int(ErrorFlag.NONFINITE_INPUT))
 _ERR_SLOT = tl.constexpr(int(ErrorFlag.SLOT_OUT_OF_RANGE))
 _ERR_SATURATED = tl.constexpr(int(ErrorFlag.SATURATED))
-
-
-# -- lane exchange (inline PTX; every lane of the warp executes each) ---------------------------
-def _shfl64_asm(mode: str) -> str:
-    """PTX moving the 64-bit ``$1`` from the lane that ``shfl.sync.{mode}`` with ``$2`` names into
-    ``$0`` (two 32-bit shuffles)."""
-    return ("{\n.reg .b32 lo, hi;\nmov.b64 {lo, hi}, $1;\n"
-            f"shfl.sync.{mode}.b32 lo, lo, $2, 0x1f, -1;\nshfl.sync.{mode}.b32 hi, hi, $2, 0x1f, -1;\n"
-            "mov.b64 $0, {lo, hi};\n}")
-
-
-_BFLY64_ASM = tl.constexpr(_shfl64_asm("bfly"))
-_IDX64_ASM = tl.constexpr(_shfl64_asm("idx"))
-
-
-@triton.jit
-def _bfly(x, m):
-    """float32 ``x`` of lane ``l ^ m``."""
-    return tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, $2, 0x1f, -1;", "=f,f,r", [x, m],
-                                     dtype=tl.float32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _bfly64(x, m):
-    """float64 ``x`` of lane ``l ^ m``."""
-    return tl.inline_asm_elementwise(_BFLY64_ASM, "=d,d,r", [x, m], dtype=tl.float64, is_pure=True, pack=1)
-
-
-@triton.jit
-def _lane_of64(x, src):
-    """uint64 ``x`` of lane ``src`` (0..31)."""
-    return tl.inline_asm_elementwise(_IDX64_ASM, "=l,l,r", [x, src], dtype=tl.uint64, is_pure=True, pack=1)
-
-
-@triton.jit
-def _lane_of(x, src):
-    """uint32 ``x`` of lane ``src`` (0..31)."""
-    return tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, -1;", "=r,r,r", [x, src],
-                                     dtype=tl.uint32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _group_sum64(x, lane, LB: tl.constexpr):
-    """Sum over the 2^LB lanes of a vector (butterfly: every lane gets the same bits)."""
-    for j in tl.static_range(LB):
-        x = x + _bfly64(x, lane * 0 + (1 << j))
-    return x
-
-
-@triton.jit
-def _group_min_max(lo, hi, lane, LB: tl.constexpr):
-    for j in tl.static_range(LB):
-        m = lane * 0 + (1 << j)
-        lo = tl.minimum(lo, _bfly(lo, m))
-        hi = tl.maximum(hi, _bfly(hi, m))
-    return lo, hi
-
-
-@triton.jit
-def _group_all(ok, lane, LB: tl.constexpr):
-    """Whether ``ok`` holds on every lane of the vector (a butterfly min of 0/1)."""
-    a = ok.to(tl.float32)
-    for j in tl.static_range(LB):
-        a = tl.minimum(a, _bfly(a, lane * 0 + (1 << j)))
-    return a > 0
-
-
-@triton.jit
-def _or(a, b):
-    return a | b
-
-
-@triton.jit
-def _finite(words, lane, E: tl.constexpr, LB: tl.constexpr, IN_BF16: tl.constexpr):
-    """Whether every element of the vector whose lane words (:func:`_read`) these are is finite,
-    on the raw 16-bit values: ``t = ~w & EXP`` (the exponent bits of each element, complemented)
-    is zero in an element's 16 bits exactly when they are all set (inf or NaN), and
-    ``(t − 0x0001…0001) & 0x8000…8000`` marks those (t's elements lie below 0x8000 and are
-    multiples of 0x80 where not zero, so no borrow reaches a nonzero element's top bit)."""
-    EXP: tl.constexpr = 0x7F807F807F807F80 if IN_BF16 else 0x7C007C007C007C00
-    bad = words[0] * 0
-    for i in tl.static_range(len(words)):
-        t = ~words[i] & EXP
-        bad = bad | ((t - 0x0001000100010001) & -0x7FFF7FFF7FFF8000)  # -0x7FFF...8000 = 0x8000800080008000
-    if E == 2:  # one int32 word, sign-extended: its two elements only
-        bad = bad & 0x80008000
-    return _group_all(bad == 0, lane, LB)
-
-
-@triton.jit
-def _sign_words(rot_ptr, p, E: tl.constexpr, D: tl.constexpr):
-    """The lane's words of sign bits: bit ``16·k + 15`` of word ``i`` set where
-    ``Π[E·p + 4·i + k, 0] < 0`` (XOR with a word of :func:`_read` multiplies those elements by
-    ``s_i``, exactly, for fp16 and bf16 alike)."""
-    NW: tl.constexpr = (E + 3) // 4
-    KW: tl.constexpr = 4 if E >= 4 else E
-    words = ()
-    for i in tl.static_range(NW):
-        w = p.to(tl.int64) * 0
-        for k in tl.static_range(KW):
-            neg = tl.load(rot_ptr + (E * p + 4 * i + k) * D) < 0
-            w = w | tl.where(neg, 1 << (16 * k + 15), 0).to(tl.int64)
-        words = words + (w,)
-    return words
-
-
-@triton.jit
-def _half_bounds(bnd_ptr, BITS: tl.constexpr):
-    """The ``2^(BITS−1) − 1`` positive boundaries of an antisymmetric table (``b[2^(BITS−1) − 1]
-    = 0``), as scalars."""
-    H0: tl.constexpr = 1 << (BITS - 1)
-    b = ()
-    for j in tl.static_range(H0 - 1):
-        b = b + (tl.load(bnd_ptr + H0 + j),)
-    return b
-
-
-@triton.jit
-def _tpick2(p, b, base: tl.constexpr, step: tl.constexpr):
-    return tl.where(p, b[base + step], b[base])
-
-
-@triton.jit
-def _tpick4(p0, p1, b, base: tl.constexpr, step: tl.constexpr):
-    return tl.where(p0, _tpick2(p1, b, base + 2 * step, step), _tpick2(p1, b, base, step))
-
-
-@triton.jit
-def _tpick8(p0, p1, p2, b, base: tl.constexpr, step: tl.constexpr):
-    return tl.where(p0, _tpick4(p1, p2, b, base + 4 * step, step), _tpick4(p1, p2, b, base, step))
-
-
-@triton.jit
-def _sym_codes(y, b, BITS: tl.constexpr):
-    """Lloyd-Max codes for an antisymmetric boundary table (positive half ``b``, BITS ≤ 5):
-    ``idx`` = the positive boundaries ≤ |y| by binary search (a select tree on scalars, one
-    level fewer than :func:`tqkern.ops.fields._lloyd_max_codes`), then ``2^(BITS−1) + idx`` for
-    y ≥ 0 and ``2^(BITS−1) − 1 − idx`` below (both as ``idx`` XOR a constant). It equals the
-    search over the whole table but where |y| equals a boundary: a tie, inside the oracle's
-    uncertainty window. int32."""
-    NB: tl.constexpr = BITS - 1
-    H0: tl.constexpr = 1 << NB
-    a = tl.abs(y)
-    idx = (y != y).to(tl.int32) * 0
-    if NB >= 1:
-        h0: tl.constexpr = 1 << (NB - 1)
-        p0 = a >= b[h0 - 1]
-        idx = p0.to(tl.int32) << (NB - 1)
-    if NB >= 2:
-        h1: tl.constexpr = h0 >> 1
-        p1 = a >= _tpick2(p0, b, h1 - 1, 2 * h1)
-        idx += p1.to(tl.int32) << (NB - 2)
-    if NB >= 3:
-        h2: tl.constexpr = h0 >> 2
-        p2 = a >= _tpick4(p0, p1, b, h2 - 1, 2 * h2)
-        idx += p2.to(tl.int32) << (NB - 3)
-    if NB >= 4:
-        h3: tl.constexpr = h0 >> 3
-        p3 = a >= _tpick8(p0, p1, p2, b, h3 - 1, 2 * h3)
-        idx += p3.to(tl.int32)
-    return idx ^ tl.where(y >= 0, H0, H0 - 1)
-
-
-# -- reads ---------------------------------------------------------------------------------------
-@triton.jit
-def _read(ptr, off, p, ok, E: tl.constexpr):
-    """Elements ``E·p ..`` of one vector (element offset ``off``) as integer words (int64; one
-    int32 for E = 2)."""
-    if E == 2:
-        w = tl.load((ptr + off + 2 * p).to(tl.pointer_type(tl.int32)), mask=ok, other=0)
-        return (w.to(tl.int64),)
-    words = ()
-    a = (ptr + off + E * p).to(tl.pointer_type(tl.int64))
-    for i in tl.static_range(E // 4):
-        words = words + (tl.load(a + i, mask=ok, other=0),)
-    return words
-
-
-@triton.jit
-def _unpack(words, E: tl.constexpr, IN_BF16: tl.constexpr):
-    """The E float32 elements of :func:`_read`'s words."""
-    DT: tl.constexpr = tl.bfloat16 if IN_BF16 else tl.float16
-    xs = ()
-    for e in tl.static_range(E):
-        w = words[e // 4]
-        xs = xs + (((w >> (16 * (e % 4))) & 0xFFFF).to(tl.int16).to(DT, bitcast=True).to(tl.float32),)
-    return xs
-
-
-@triton.jit
-def _vector(t, num_tokens, h, slot_ptr, num_slots, stride_t, stride_h):
-    """(element offset of the vector in its tensor, slot, vector written, slot too large)."""
-    live = t < num_tokens
-    slot = tl.load(slot_ptr + t, mask=live, other=-1).to(tl.int64)
-    ok = live & (slot >= 0) & (slot < num_slots)
-    return t.to(tl.int64) * stride_t + h * stride_h, tl.where(ok, slot, 0), ok, live & (slot >= num_slots)
-
-
-# -- encoding ------------------------------------------------------------------------------------
-@triton.jit
-def _fwht(xs, lane, E: tl.constexpr, LB: tl.constexpr):
-    """The unnormalised Walsh–Hadamard transform of a vector (element ``E·p + e`` in ``xs[e]`` of
-    its lane ``p``, ``2^LB`` lanes): ``Σ_i x_i·(−1)^popcount(i & j)`` in float32, in place."""
-    LOG_E: tl.constexpr = (E > 1) + (E > 2) + (E > 4) + (E > 8) + (E > 16)
-    for b in tl.static_range(LOG_E):
-        ys = ()
-        for e in tl.static_range(E):
-            if (e & (1 << b)) == 0:
-                ys = ys + (xs[e] + xs[e + (1 << b)],)
-            else:
-                ys = ys + (xs[e - (1 << b)] - xs[e],)
-        xs = ys
-    for j in tl.static_range(LB):
-        m = lane * 0 + (1 << j)
-        sgn = tl.where((lane & (1 << j)) != 0, -1.0, 1.0)
-        ys = ()
-        for e in tl.static_range(E):
-            ys = ys + (_bfly(xs[e], m) + sgn * xs[e],)
-        xs = ys
-    return xs
-
-
-@triton.jit
-def _xor(words, masks):
-    out = ()
-    for i in tl.static_range(len(words)):
-        out = out + (words[i] ^ masks[i],)
-    return out
-
-
-@triton.jit
-def _chunk(codes, BITS: tl.constexpr, E: tl.constexpr):
-    """The lane's E codes (each below 2^BITS) as one LSB-first chunk of BITS·E ≤ 64 bits (uint32,
-    or uint64 past 32), built as two 32-bit halves by shifted adds (one instruction per code)."""
-    lo = codes[0].to(tl.uint32)
-    hi = lo * 0
-    for e in tl.static_range(1, E):
-        c = codes[e].to(tl.uint32)
-        if BITS * e + BITS <= 32:
-            lo = lo + (c << (BITS * e))
-        elif BITS * e >= 32:
-            hi = hi + (c << (BITS * e - 32))
-        else:  # straddles bit 32
-            lo = lo + (c << (BITS * e))
-            hi = hi + (c >> (32 - BITS * e))
-    if BITS * E > 32:
-        w = (hi.to(tl.uint64) << 32) | lo.to(tl.uint64)
-    else:
-        w = lo
-    return w
-
-
-@triton.jit
-def _store16(ptr, j, bits, mask, ALIGNED: tl.constexpr):
-    """16-bit value ``bits`` at byte ``ptr + 2·j``."""
-    if ALIGNED:
-        tl.store(ptr.to(tl.pointer_type(tl.int16)) + j, bits.to(tl.int16), mask=mask)
-    else:
-        tl.store(ptr + 2 * j, (bits & 255).to(tl.uint8), mask=mask)
-        tl.store(ptr + 2 * j + 1, ((bits >> 8) & 255).to(tl.uint8), mask=mask)
-
-
-@triton.jit
-def _write_chunks(field, w, lane, p, ok, CB: tl.constexpr, NBYTES: tl.constexpr, L: tl.constexpr,
-                  ALIGNED: tl.constexpr):
-    """Write a vector's LSB-first stream of CB-bit chunks (its lane p's at bit CB·p; its L lanes
-    are ``lane − p ..``) as NBYTES bytes at ``field``."""
-    if CB % 16 == 0:  # whole 16-bit words per lane
-        for i in tl.static_range(CB // 16):
-            _store16(field, (CB // 16) * p + i, ((w >> (16 * i)) & 0xFFFF).to(tl.uint32), ok, ALIGNED)
-    elif CB == 8:
-        tl.store(field + p, w.to(tl.uint8), mask=ok)
-    else:  # 16-bit word j (lane p = j, then j − L, ...) from the lanes whose chunks overlap its bits
-        MAXL: tl.constexpr = (16 + CB - 2) // CB + 1
-        NH: tl.constexpr = NBYTES // 2
-        SH: tl.constexpr = 63 if CB > 32 else 31
-        for r in tl.static_range((NH + L - 1) // L):
-            j = p + L * r
-            first = (16 * j) // CB
-            hw = w * 0
-            for k in tl.static_range(MAXL):
-                src = first + k
-                if CB > 32:
-                    part = _lane_of64(w, lane - p + tl.minimum(src, L - 1))
-                else:
-                    part = _lane_of(w, lane - p + tl.minimum(src, L - 1))
-                off = src * CB - 16 * j  # where src's chunk starts, relative to bit 16j
-                up = tl.minimum(tl.maximum(off, 0), SH).to(w.dtype)
-                down = tl.minimum(tl.maximum(-off, 0), SH).to(w.dtype)
-                part = tl.where(off >= 0, part << up, part >> down)
-                hw = hw | tl.where(off < 16, part, 0)
-            _store16(field, j, (hw & 0xFFFF).to(tl.uint32), ok & (j < NH), ALIGNED)
 
 
 @triton.jit
@@ -403,9 +117,10 @@ def _sum_sq_f32(xs, lane, E: tl.constexpr, LB: tl.constexpr):
     """Σ x² over the vector in float32: four in-lane partial sums (short dependency chains), then
     a butterfly over the group (every lane gets the same bits). Each x² is exact in float32 (11
     or 8 significant bits; for bf16 only where the sum lies in [2^-100, 2^100]: the caller
-    takes the float64 norm elsewhere, as a float32 within 2^-24), and every term passes through at most ``h = E/4 − 1 + 2 + LB ≤ 14`` additions
-    (E ≤ 32 a power of two, L ≤ 32), so ``|ŝ − s| ≤ γ_h·s < 2^-20·s`` (``γ_h = h·u/(1 − h·u)``,
-    u = 2^-24); its correctly rounded square root is within ``2^-21 + 2^-24`` of √s, relative."""
+    takes the float64 norm elsewhere, as a float32 within 2^-24), and every term passes through
+    at most ``h = E/4 − 1 + 2 + LB ≤ 14`` additions (E ≤ 32 a power of two, L ≤ 32), so
+    ``|ŝ − s| ≤ γ_h·s < 2^-20·s`` (``γ_h = h·u/(1 − h·u)``, u = 2^-24); its correctly rounded
+    square root is within ``2^-21 + 2^-24`` of √s, relative."""
     tl.static_assert(E <= 32)
     if E >= 4:
         a0 = xs[0] * xs[0]
@@ -493,7 +208,7 @@ def _encode(xs, mus, fin, zchunk, c, row, h, ok, lane, p, bnd, bnd_ptr, cen_ptr,
                 codes = codes + (_sym_codes(ys[e] * scale, bnd, BITS),)
             else:
                 codes = codes + (_lloyd_max_codes(ys[e] * scale, bnd_ptr, BITS),)
-        chunk = tl.where(fin, _chunk(codes, BITS, E), zchunk)
+        chunk = _where_chunk(fin, _chunk(codes, BITS, E), zchunk, BITS * E)
         _write_chunks(field, chunk, lane, p, ok, BITS * E, S.A_BYTES, L, ALIGNED)
         cn = 1.0
         if STORED:  # the stored norm is ‖x‖ / ‖centroids of the codes‖ (float64)
@@ -532,7 +247,8 @@ def _encode(xs, mus, fin, zchunk, c, row, h, ok, lane, p, bnd, bnd_ptr, cen_ptr,
                 codes = codes + (q.to(tl.uint8, bitcast=True),)
             else:
                 codes = codes + (f32_to_fp8e4m3_bits(ys[e]).to(tl.uint8),)
-        _write_chunks(field, tl.where(fin, _chunk(codes, 8, E), zchunk), lane, p, ok, 8 * E, S.A_BYTES, L, ALIGNED)
+        _write_chunks(field, _where_chunk(fin, _chunk(codes, 8, E), zchunk, 8 * E), lane, p, ok, 8 * E, S.A_BYTES, L,
+                      ALIGNED)
         err = tl.where(ok & fin & big, _ERR_SATURATED, 0)
     else:  # KIND_UNIFORM (asymmetric; unrotated with a key offset is not eligible)
         if S.ROTATED:
@@ -549,8 +265,8 @@ def _encode(xs, mus, fin, zchunk, c, row, h, ok, lane, p, bnd, bnd_ptr, cen_ptr,
         lo = tl.where(fin, lo, 0.0)  # the zero vector's bounds; its codes are zchunk's
         hi = tl.where(fin, hi, 0.0)
         codes = _uniform_codes(ys, lo, hi, BITS, E)
-        _write_chunks(field, tl.where(fin, _chunk(codes, BITS, E), zchunk), lane, p, ok, BITS * E, S.A_BYTES, L,
-                      ALIGNED)
+        _write_chunks(field, _where_chunk(fin, _chunk(codes, BITS, E), zchunk, BITS * E), lane, p, ok, BITS * E,
+                      S.A_BYTES, L, ALIGNED)
         lo64 = lo.to(tl.float64)
         scale = tl.maximum((hi.to(tl.float64) - lo64) / ((1 << BITS) - 1), 1e-8)
         store_bytes(row + S.B_OFF + h * S.B_STRIDE, f64_to_bits(scale, S.PARAM_DTYPE), PB, first)
@@ -576,7 +292,7 @@ def _side_tables(bnd_ptr, S: tl.constexpr, SYM: tl.constexpr, lane, E: tl.conste
             zs = zs + (z,)
         zchunk = _chunk(zs, S.BITS, E)
     else:
-        zchunk = _chunk((lane * 0,), 8 * E if S.KIND == KIND_FP8 else S.BITS * E, 1)
+        zchunk = _zero_chunk(lane, 8 * E if S.KIND == KIND_FP8 else S.BITS * E)
     return bnd, zchunk
 
 

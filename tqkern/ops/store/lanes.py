@@ -1,0 +1,342 @@
+"""Per-lane building blocks of the warp store kernel (:mod:`tqkern.ops.store.warp`; GPU only):
+inline-PTX lane exchange and group reductions, the reads and finiteness of a lane's 16-bit words,
+the rotation's sign words and in-register Walsh–Hadamard transform, the half-table Lloyd-Max
+search, and the packing and writing of a lane's code chunk. Every tensor holds one value per
+thread, ``L`` lanes per vector (the kernel's docstring says how lanes map to vectors)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = [
+    "_bfly", "_bfly64", "_lane_of64", "_lane_of", "_group_sum64", "_group_min_max", "_group_all", "_or",
+    "_finite", "_sign_words", "_half_bounds", "_tpick2", "_tpick4", "_tpick8", "_sym_codes", "_read", "_unpack",
+    "_vector", "_fwht", "_xor", "_chunk", "_zero_chunk", "_where_chunk", "_store16", "_write_chunks",
+]
+
+
+# -- lane exchange (inline PTX; every lane of the warp executes each) ---------------------------
+def _shfl64_asm(mode: str) -> str:
+    """PTX moving the 64-bit ``$1`` from the lane that ``shfl.sync.{mode}`` with ``$2`` names into
+    ``$0`` (two 32-bit shuffles)."""
+    return ("{\n.reg .b32 lo, hi;\nmov.b64 {lo, hi}, $1;\n"
+            f"shfl.sync.{mode}.b32 lo, lo, $2, 0x1f, -1;\nshfl.sync.{mode}.b32 hi, hi, $2, 0x1f, -1;\n"
+            "mov.b64 $0, {lo, hi};\n}")
+
+
+_BFLY64_ASM = tl.constexpr(_shfl64_asm("bfly"))
+_IDX64_ASM = tl.constexpr(_shfl64_asm("idx"))
+
+
+@triton.jit
+def _bfly(x, m):
+    """float32 ``x`` of lane ``l ^ m``."""
+    return tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, $2, 0x1f, -1;", "=f,f,r", [x, m],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _bfly64(x, m):
+    """float64 ``x`` of lane ``l ^ m``."""
+    return tl.inline_asm_elementwise(_BFLY64_ASM, "=d,d,r", [x, m], dtype=tl.float64, is_pure=True, pack=1)
+
+
+@triton.jit
+def _lane_of64(x, src):
+    """uint64 ``x`` of lane ``src`` (0..31)."""
+    return tl.inline_asm_elementwise(_IDX64_ASM, "=l,l,r", [x, src], dtype=tl.uint64, is_pure=True, pack=1)
+
+
+@triton.jit
+def _lane_of(x, src):
+    """uint32 ``x`` of lane ``src`` (0..31)."""
+    return tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, -1;", "=r,r,r", [x, src],
+                                     dtype=tl.uint32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _group_sum64(x, lane, LB: tl.constexpr):
+    """Sum over the 2^LB lanes of a vector (butterfly: every lane gets the same bits)."""
+    for j in tl.static_range(LB):
+        x = x + _bfly64(x, lane * 0 + (1 << j))
+    return x
+
+
+@triton.jit
+def _group_min_max(lo, hi, lane, LB: tl.constexpr):
+    for j in tl.static_range(LB):
+        m = lane * 0 + (1 << j)
+        lo = tl.minimum(lo, _bfly(lo, m))
+        hi = tl.maximum(hi, _bfly(hi, m))
+    return lo, hi
+
+
+@triton.jit
+def _group_all(ok, lane, LB: tl.constexpr):
+    """Whether ``ok`` holds on every lane of the vector (a butterfly min of 0/1)."""
+    a = ok.to(tl.float32)
+    for j in tl.static_range(LB):
+        a = tl.minimum(a, _bfly(a, lane * 0 + (1 << j)))
+    return a > 0
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _finite(words, lane, E: tl.constexpr, LB: tl.constexpr, IN_BF16: tl.constexpr):
+    """Whether every element of the vector whose lane words (:func:`_read`) these are is finite,
+    on the raw 16-bit values: ``t = ~w & EXP`` (the exponent bits of each element, complemented)
+    is zero in an element's 16 bits exactly when they are all set (inf or NaN), and
+    ``(t − 0x0001…0001) & 0x8000…8000`` marks those (t's elements lie below 0x8000 and are
+    multiples of 0x80 where not zero, so no borrow reaches a nonzero element's top bit)."""
+    EXP: tl.constexpr = 0x7F807F807F807F80 if IN_BF16 else 0x7C007C007C007C00
+    bad = words[0] * 0
+    for i in tl.static_range(len(words)):
+        t = ~words[i] & EXP
+        bad = bad | ((t - 0x0001000100010001) & -0x7FFF7FFF7FFF8000)  # -0x7FFF...8000 = 0x8000800080008000
+    if E == 2:  # one int32 word, sign-extended: its two elements only
+        bad = bad & 0x80008000
+    return _group_all(bad == 0, lane, LB)
+
+
+@triton.jit
+def _sign_words(rot_ptr, p, E: tl.constexpr, D: tl.constexpr):
+    """The lane's words of sign bits: bit ``16·k + 15`` of word ``i`` set where
+    ``Π[E·p + 4·i + k, 0] < 0`` (XOR with a word of :func:`_read` multiplies those elements by
+    ``s_i``, exactly, for fp16 and bf16 alike)."""
+    NW: tl.constexpr = (E + 3) // 4
+    KW: tl.constexpr = 4 if E >= 4 else E
+    words = ()
+    for i in tl.static_range(NW):
+        w = p.to(tl.int64) * 0
+        for k in tl.static_range(KW):
+            neg = tl.load(rot_ptr + (E * p + 4 * i + k) * D) < 0
+            w = w | tl.where(neg, 1 << (16 * k + 15), 0).to(tl.int64)
+        words = words + (w,)
+    return words
+
+
+@triton.jit
+def _half_bounds(bnd_ptr, BITS: tl.constexpr):
+    """The ``2^(BITS−1) − 1`` positive boundaries of an antisymmetric table (``b[2^(BITS−1) − 1]
+    = 0``), as scalars."""
+    H0: tl.constexpr = 1 << (BITS - 1)
+    b = ()
+    for j in tl.static_range(H0 - 1):
+        b = b + (tl.load(bnd_ptr + H0 + j),)
+    return b
+
+
+@triton.jit
+def _tpick2(p, b, base: tl.constexpr, step: tl.constexpr):
+    return tl.where(p, b[base + step], b[base])
+
+
+@triton.jit
+def _tpick4(p0, p1, b, base: tl.constexpr, step: tl.constexpr):
+    return tl.where(p0, _tpick2(p1, b, base + 2 * step, step), _tpick2(p1, b, base, step))
+
+
+@triton.jit
+def _tpick8(p0, p1, p2, b, base: tl.constexpr, step: tl.constexpr):
+    return tl.where(p0, _tpick4(p1, p2, b, base + 4 * step, step), _tpick4(p1, p2, b, base, step))
+
+
+@triton.jit
+def _sym_codes(y, b, BITS: tl.constexpr):
+    """Lloyd-Max codes for an antisymmetric boundary table (positive half ``b``, BITS ≤ 5):
+    ``idx`` = the positive boundaries ≤ |y| by binary search (a select tree on scalars, one
+    level fewer than :func:`tqkern.ops.fields._lloyd_max_codes`), then ``2^(BITS−1) + idx`` for
+    y ≥ 0 and ``2^(BITS−1) − 1 − idx`` below (both as ``idx`` XOR a constant). It equals the
+    search over the whole table but where |y| equals a boundary: a tie, inside the oracle's
+    uncertainty window. int32."""
+    NB: tl.constexpr = BITS - 1
+    H0: tl.constexpr = 1 << NB
+    a = tl.abs(y)
+    idx = (y != y).to(tl.int32) * 0
+    if NB >= 1:
+        h0: tl.constexpr = 1 << (NB - 1)
+        p0 = a >= b[h0 - 1]
+        idx = p0.to(tl.int32) << (NB - 1)
+    if NB >= 2:
+        h1: tl.constexpr = h0 >> 1
+        p1 = a >= _tpick2(p0, b, h1 - 1, 2 * h1)
+        idx += p1.to(tl.int32) << (NB - 2)
+    if NB >= 3:
+        h2: tl.constexpr = h0 >> 2
+        p2 = a >= _tpick4(p0, p1, b, h2 - 1, 2 * h2)
+        idx += p2.to(tl.int32) << (NB - 3)
+    if NB >= 4:
+        h3: tl.constexpr = h0 >> 3
+        p3 = a >= _tpick8(p0, p1, p2, b, h3 - 1, 2 * h3)
+        idx += p3.to(tl.int32)
+    return idx ^ tl.where(y >= 0, H0, H0 - 1)
+
+
+# -- reads ---------------------------------------------------------------------------------------
+@triton.jit
+def _read(ptr, off, p, ok, E: tl.constexpr):
+    """Elements ``E·p ..`` of one vector (element offset ``off``) as integer words (int64; one
+    int32 for E = 2)."""
+    if E == 2:
+        w = tl.load((ptr + off + 2 * p).to(tl.pointer_type(tl.int32)), mask=ok, other=0)
+        return (w.to(tl.int64),)
+    words = ()
+    a = (ptr + off + E * p).to(tl.pointer_type(tl.int64))
+    for i in tl.static_range(E // 4):
+        words = words + (tl.load(a + i, mask=ok, other=0),)
+    return words
+
+
+@triton.jit
+def _unpack(words, E: tl.constexpr, IN_BF16: tl.constexpr):
+    """The E float32 elements of :func:`_read`'s words."""
+    DT: tl.constexpr = tl.bfloat16 if IN_BF16 else tl.float16
+    xs = ()
+    for e in tl.static_range(E):
+        w = words[e // 4]
+        xs = xs + (((w >> (16 * (e % 4))) & 0xFFFF).to(tl.int16).to(DT, bitcast=True).to(tl.float32),)
+    return xs
+
+
+@triton.jit
+def _vector(t, num_tokens, h, slot_ptr, num_slots, stride_t, stride_h):
+    """(element offset of the vector in its tensor, slot, vector written, slot too large)."""
+    live = t < num_tokens
+    slot = tl.load(slot_ptr + t, mask=live, other=-1).to(tl.int64)
+    ok = live & (slot >= 0) & (slot < num_slots)
+    return t.to(tl.int64) * stride_t + h * stride_h, tl.where(ok, slot, 0), ok, live & (slot >= num_slots)
+
+
+# -- encoding ------------------------------------------------------------------------------------
+@triton.jit
+def _fwht(xs, lane, E: tl.constexpr, LB: tl.constexpr):
+    """The unnormalised Walsh–Hadamard transform of a vector (element ``E·p + e`` in ``xs[e]`` of
+    its lane ``p``, ``2^LB`` lanes): ``Σ_i x_i·(−1)^popcount(i & j)`` in float32, in place."""
+    LOG_E: tl.constexpr = (E > 1) + (E > 2) + (E > 4) + (E > 8) + (E > 16)
+    for b in tl.static_range(LOG_E):
+        ys = ()
+        for e in tl.static_range(E):
+            if (e & (1 << b)) == 0:
+                ys = ys + (xs[e] + xs[e + (1 << b)],)
+            else:
+                ys = ys + (xs[e - (1 << b)] - xs[e],)
+        xs = ys
+    for j in tl.static_range(LB):
+        m = lane * 0 + (1 << j)
+        sgn = tl.where((lane & (1 << j)) != 0, -1.0, 1.0)
+        ys = ()
+        for e in tl.static_range(E):
+            ys = ys + (_bfly(xs[e], m) + sgn * xs[e],)
+        xs = ys
+    return xs
+
+
+@triton.jit
+def _xor(words, masks):
+    out = ()
+    for i in tl.static_range(len(words)):
+        out = out + (words[i] ^ masks[i],)
+    return out
+
+
+@triton.jit
+def _chunk(codes, BITS: tl.constexpr, E: tl.constexpr):
+    """The lane's E codes (each below 2^BITS) as one LSB-first chunk of BITS·E bits: a uint32, a
+    uint64 past 32 bits, a tuple of uint32 words past 64 (whole 16-bit words: the planner's
+    condition). Built from 32-bit words by shifted adds (one instruction per code and word)."""
+    CB: tl.constexpr = BITS * E
+    NW: tl.constexpr = (CB + 31) // 32
+    words = ()
+    for i in tl.static_range(NW):
+        acc = codes[0].to(tl.uint32) * 0
+        for e in tl.static_range(E):
+            if (BITS * e < 32 * i + 32) and (BITS * e + BITS > 32 * i):  # code e overlaps word i
+                if BITS * e >= 32 * i:
+                    acc = acc + (codes[e].to(tl.uint32) << (BITS * e - 32 * i))
+                else:
+                    acc = acc + (codes[e].to(tl.uint32) >> (32 * i - BITS * e))
+        words = words + (acc,)
+    if CB > 64:
+        w = words
+    elif CB > 32:
+        w = (words[1].to(tl.uint64) << 32) | words[0].to(tl.uint64)
+    else:
+        w = words[0]
+    return w
+
+
+@triton.jit
+def _zero_chunk(lane, CB: tl.constexpr):
+    """A chunk of CB zero bits (:func:`_chunk`'s type)."""
+    z = (lane * 0).to(tl.uint32)
+    if CB > 64:
+        w = ()
+        for i in tl.static_range((CB + 31) // 32):
+            w = w + (z,)
+    elif CB > 32:
+        w = z.to(tl.uint64)
+    else:
+        w = z
+    return w
+
+
+@triton.jit
+def _where_chunk(cond, a, b, CB: tl.constexpr):
+    """``a`` where ``cond``, else ``b``, for chunks of CB bits."""
+    if CB > 64:
+        w = ()
+        for i in tl.static_range((CB + 31) // 32):
+            w = w + (tl.where(cond, a[i], b[i]),)
+    else:
+        w = tl.where(cond, a, b)
+    return w
+
+
+@triton.jit
+def _store16(ptr, j, bits, mask, ALIGNED: tl.constexpr):
+    """16-bit value ``bits`` at byte ``ptr + 2·j``."""
+    if ALIGNED:
+        tl.store(ptr.to(tl.pointer_type(tl.int16)) + j, bits.to(tl.int16), mask=mask)
+    else:
+        tl.store(ptr + 2 * j, (bits & 255).to(tl.uint8), mask=mask)
+        tl.store(ptr + 2 * j + 1, ((bits >> 8) & 255).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _write_chunks(field, w, lane, p, ok, CB: tl.constexpr, NBYTES: tl.constexpr, L: tl.constexpr,
+                  ALIGNED: tl.constexpr):
+    """Write a vector's LSB-first stream of CB-bit chunks (its lane p's at bit CB·p; its L lanes
+    are ``lane − p ..``) as NBYTES bytes at ``field``."""
+    if CB > 64:  # a tuple of 32-bit words, whole 16-bit words per lane
+        for i in tl.static_range(CB // 16):
+            _store16(field, (CB // 16) * p + i, ((w[i // 2] >> (16 * (i % 2))) & 0xFFFF), ok, ALIGNED)
+    elif CB % 16 == 0:  # whole 16-bit words per lane
+        for i in tl.static_range(CB // 16):
+            _store16(field, (CB // 16) * p + i, ((w >> (16 * i)) & 0xFFFF).to(tl.uint32), ok, ALIGNED)
+    elif CB == 8:
+        tl.store(field + p, w.to(tl.uint8), mask=ok)
+    else:  # 16-bit word j (lane p = j, then j − L, ...) from the lanes whose chunks overlap its bits
+        MAXL: tl.constexpr = (16 + CB - 2) // CB + 1
+        NH: tl.constexpr = NBYTES // 2
+        SH: tl.constexpr = 63 if CB > 32 else 31
+        for r in tl.static_range((NH + L - 1) // L):
+            j = p + L * r
+            first = (16 * j) // CB
+            hw = w * 0
+            for k in tl.static_range(MAXL):
+                src = first + k
+                if CB > 32:
+                    part = _lane_of64(w, lane - p + tl.minimum(src, L - 1))
+                else:
+                    part = _lane_of(w, lane - p + tl.minimum(src, L - 1))
+                off = src * CB - 16 * j  # where src's chunk starts, relative to bit 16j
+                up = tl.minimum(tl.maximum(off, 0), SH).to(w.dtype)
+                down = tl.minimum(tl.maximum(-off, 0), SH).to(w.dtype)
+                part = tl.where(off >= 0, part << up, part >> down)
+                hw = hw | tl.where(off < 16, part, 0)
+            _store16(field, j, (hw & 0xFFFF).to(tl.uint32), ok & (j < NH), ALIGNED)
