@@ -192,3 +192,34 @@ def test_exact_prefix_rejects_bad_values(capsys):
     with pytest.raises(SystemExit) as e:
         main(["eval", "--model", "tiny-random", "--exact-prefix", "-1"])
     assert e.value.code == 2 and "must be an int >= 0, got -1" in capsys.readouterr().err
+
+
+def test_first_window_scores_the_held_out_windows(tiny):
+    # windows 1..2 of the text are windows 0..1 of the text without its first window
+    model, ids, calib = tiny
+    d, w = model.config.head_dim, 24
+    configs = [tqe.Config("tq4", KVFormat.preset("tq4", d), "calibrated")]
+    held = tqe.evaluate(model, ids, configs, windows=2, window=w, calib_ids=calib, progress=False, first_window=1)
+    shifted = tqe.evaluate(model, ids[w:], configs, windows=2, window=w, calib_ids=calib, progress=False)
+    assert held["first_window"] == 1 and shifted["first_window"] == 0
+    assert held["per_window"] == shifted["per_window"]
+    head = tqe.evaluate(model, ids, configs, windows=2, window=w, calib_ids=calib, progress=False)
+    assert head["per_window"]["tq4+mu"][1] == held["per_window"]["tq4+mu"][0]  # window 1 in both
+    assert "(windows 1..2 of the text)" in tqe.render_table(held)
+    with pytest.raises(ValueError, match=r"fewer than \(first_window \+ windows\)\*window"):
+        tqe.evaluate(model, ids[: 3 * w], configs, windows=2, window=w, calib_ids=calib, progress=False,
+                     first_window=2)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="first_window must be an int >= 0"):
+            tqe.evaluate(model, ids, configs, windows=1, window=w, calib_ids=calib, progress=False, first_window=bad)
+
+
+def test_cli_first_window(tmp_path, capsys):
+    rc = main(["eval", "--model", "tiny-random", "--windows", "1", "--window", "16", "--first-window", "2",
+               "--formats", "fp16", "--no-offset", "--out", str(tmp_path)])
+    assert rc == 0
+    assert json.loads((tmp_path / "quality.json").read_text())["first_window"] == 2
+    assert "(windows 2..2 of the text)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--model", "tiny-random", "--first-window", "-1"])
+    assert e.value.code == 2 and "--first-window" in capsys.readouterr().err

@@ -236,6 +236,9 @@ def _eval_arguments(p: argparse.ArgumentParser) -> None:
                         "like a format; its bytes are the average over layers (row label LABEL, default layers<k>)")
     p.add_argument("--windows", type=_positive_int, default=8, help="number of windows N (default 8)")
     p.add_argument("--window", type=_positive_int, default=256, help="tokens per window W (default 256)")
+    p.add_argument("--first-window", type=_non_negative_int, default=0, metavar="K",
+                   help="score windows K .. K+N-1 of the evaluation text (held out from a run that chose a "
+                        "format on windows 0 .. K-1; default 0)")
     mu = p.add_mutually_exclusive_group()
     mu.add_argument("--offset", dest="mus", action="store_const", const=("calibrated",),
                     help="only with the calibrated key offset mu (same as --mu calibrated)")
@@ -274,7 +277,7 @@ def _eval(args: argparse.Namespace) -> int:
         raise UsageError(f"--window must be >= 2, got {args.window}")
     try:
         main_eval(args.model, formats, args.format_spec, args.windows, args.window, args.mus, args.out,
-                  layer_formats=args.layer_formats, exact_prefix=args.exact_prefix)
+                  layer_formats=args.layer_formats, exact_prefix=args.exact_prefix, first_window=args.first_window)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e)) from None
     return 0

@@ -339,15 +339,20 @@ def _params(model, cfg: Config, mu) -> tuple:
 @torch.no_grad()
 def evaluate(model, eval_ids: Sequence[int], configs: Sequence[Config], *, windows: int, window: int,
              calib_ids: Optional[Sequence[int]] = None, calib_tokens: int = 2048,
-             progress: bool = True) -> dict:
+             progress: bool = True, first_window: int = 0) -> dict:
     """Score ``configs`` against the float16-cache reference on ``windows`` windows of ``window``
-    tokens (the first ``windows·window`` tokens of ``eval_ids``). μ comes from ``calib_ids``
-    (its first ``calib_tokens``, one sequence; required when a configuration uses it). Returns the JSON-able results."""
+    tokens: windows ``first_window .. first_window + windows − 1`` of ``eval_ids`` cut into
+    consecutive windows (``first_window > 0`` scores windows held out from an earlier run that
+    chose a format on the first ones). μ comes from ``calib_ids`` (its first ``calib_tokens``, one
+    sequence; required when a configuration uses it). Returns the JSON-able results."""
     if window < 2:
         raise ValueError(f"window must be >= 2, got {window}")
-    if len(eval_ids) < windows * window:
-        raise ValueError(f"the evaluation text has {len(eval_ids)} tokens, fewer than windows*window = "
-                         f"{windows * window}")
+    if isinstance(first_window, bool) or not isinstance(first_window, int) or first_window < 0:
+        raise ValueError(f"first_window must be an int >= 0, got {first_window!r}")
+    end = (first_window + windows) * window
+    if len(eval_ids) < end:
+        raise ValueError(f"the evaluation text has {len(eval_ids)} tokens, fewer than (first_window + windows)*window"
+                         f" = {end}")
     n_layers, n_kv, head_dim = tqt._geometry(tqt._text_config(model))
     mu = None
     if any(c.mu in ("calibrated", "auto") for c in configs):
@@ -360,7 +365,7 @@ def evaluate(model, eval_ids: Sequence[int], configs: Sequence[Config], *, windo
         raise ValueError("model has a tqkern install: uninstall it before evaluate")
     tqt.install(model, "fp16", key_offset=None)
     params = {c: _params(model, c, mu) for c in configs}
-    ids = torch.tensor(list(eval_ids[: windows * window]), dtype=torch.long).reshape(windows, window)
+    ids = torch.tensor(list(eval_ids[first_window * window: end]), dtype=torch.long).reshape(windows, window)
     rows: dict[Config, list] = {c: [] for c in configs}
     bar = _progress(windows * (len(configs) + 1)) if progress else None
     t0 = time.perf_counter()
@@ -386,7 +391,8 @@ def evaluate(model, eval_ids: Sequence[int], configs: Sequence[Config], *, windo
     seconds = time.perf_counter() - t0
     return {"method": "teacher-forced windows through TQCache (NumPy oracles on CPU); reference: "
                       "float16 K/V cache; CI: percentile bootstrap over windows",
-            "windows": windows, "window": window, "tokens_per_config": windows * (window - 1),
+            "windows": windows, "window": window, "first_window": first_window,
+            "tokens_per_config": windows * (window - 1),
             "calib_tokens": None if mu is None else len(calib_ids), "prefill_tokens": PREFILL_TOKENS,
             "bootstrap_resamples": BOOTSTRAP,
             "key_mean_ratio": None if ratios is None else {
@@ -402,7 +408,9 @@ def render_table(report: dict) -> str:
     """The text table of :func:`evaluate`'s results (ASCII only)."""
     head = (f"{'format':<22}{'mu':>11}{'B/tok/head':>11}{'PPL':>9}{'dPPL':>9}{'95% CI':>20}"
             f"{'dPPL%':>8}{'mean KL':>11}")
-    lines = [f"{report['windows']} windows x {report['window']} tokens, {report['tokens_per_config']} scored "
+    k = report.get("first_window", 0)
+    held = f" (windows {k}..{k + report['windows'] - 1} of the text)" if k else ""
+    lines = [f"{report['windows']} windows x {report['window']} tokens{held}, {report['tokens_per_config']} scored "
              f"tokens per row; reference PPL {report['results'][0]['ppl_ref']:.4f} (float16 K/V cache)",
              head, "-" * len(head)]
     for r in report["results"]:
@@ -440,7 +448,7 @@ def _plot(report: dict, path: str) -> Optional[str]:
 
 def main_eval(model_name: str, formats: Sequence[str], format_spec: Optional[str], windows: int, window: int,
               mus: Sequence[str], out: Optional[str], echo: Callable[[str], None] = print,
-              layer_formats: Sequence[str] = (), exact_prefix: Sequence[int] = (0,)) -> dict:
+              layer_formats: Sequence[str] = (), exact_prefix: Sequence[int] = (0,), first_window: int = 0) -> dict:
     """What ``tqkern eval`` runs: load, build the configurations (``formats``, then ``format_spec``
     as ``custom``, then each of ``layer_formats``, each with every μ mode and every
     ``exact_prefix``), evaluate, print, write."""
@@ -460,7 +468,7 @@ def main_eval(model_name: str, formats: Sequence[str], format_spec: Optional[str
     if len(set(names)) < len(names):
         raise ValueError(f"row labels must be unique (give --layer-formats LABEL=JSON), got {names}")
     report = evaluate(model, encode(stdlib_text(EVAL_MODULES)), configs, windows=windows, window=window,
-                      calib_ids=encode(stdlib_text(CALIB_MODULES)))
+                      calib_ids=encode(stdlib_text(CALIB_MODULES)), first_window=first_window)
     report["model"] = model_name
     echo(render_table(report))
     if out:
