@@ -257,6 +257,22 @@ def _norm_edge_vectors(d, dtype):
     return np.stack(rows)
 
 
+def _stores_the_oracle_bytes_and_flags(layout, params, k, v):
+    """Store CPU ``k``, ``v`` [n, H, D] into slots 0..n−1 on the GPU; assert the oracle's bytes
+    (outside its uncertain set) and error flags; return the flags."""
+    n = k.shape[0]
+    tqt.read_errors(DEV)
+    got = _store(layout, tqt.to_device(params, DEV), k.to(DEV), v.to(DEV), torch.arange(n, device=DEV),
+                 -(-n // layout.block_size))
+    flags = tqt.read_errors(DEV)
+    want, unsure, want_flags = ref.compress(k.float().numpy(), v.float().numpy(), params, return_uncertain=True,
+                                            return_flags=True)
+    got = got.reshape(-1, layout.num_kv_heads, layout.format.slot_bytes)[:n]
+    assert not np.any((got != want) & ~unsure)
+    assert int(flags) == int(want_flags)
+    return want_flags
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
@@ -268,15 +284,7 @@ def test_float32_norms_that_cannot_decide_take_float64(preset, dtype):
                       vector_aligned=True, symmetric_codebooks=True).kernel == "warp"
     k = torch.from_numpy(_norm_edge_vectors(d, dtype)).to(dtype)[:, None, :]
     v = torch.randn(k.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
-    n = k.shape[0]
-    tqt.read_errors(DEV)
-    got = _store(layout, tqt.to_device(params, DEV), k.to(DEV), v.to(DEV), torch.arange(n, device=DEV), 2)
-    flags = tqt.read_errors(DEV)
-    want, unsure, want_flags = ref.compress(k.float().numpy(), v.float().numpy(), params, return_uncertain=True,
-                                            return_flags=True)
-    got = got.reshape(-1, h, layout.format.slot_bytes)[:n]
-    assert not np.any((got != want) & ~unsure)
-    assert int(flags) == int(want_flags) and want_flags & ErrorFlag.SATURATED
+    assert _stores_the_oracle_bytes_and_flags(layout, params, k, v) & ErrorFlag.SATURATED
 
 
 @needs_gpu
@@ -292,11 +300,4 @@ def test_non_finite_vectors_store_the_zero_vector(preset, dtype):
     for i in range(0, n, 3):  # a NaN or an inf at a random element of every third key or value
         t = k if i % 2 else v
         t[i, rng.integers(h), rng.integers(d)] = [float("nan"), float("inf"), -float("inf")][i % 3]
-    tqt.read_errors(DEV)
-    got = _store(layout, tqt.to_device(params, DEV), k.to(DEV), v.to(DEV), torch.arange(n, device=DEV), 3)
-    flags = tqt.read_errors(DEV)
-    want, unsure, want_flags = ref.compress(k.float().numpy(), v.float().numpy(), params, return_uncertain=True,
-                                            return_flags=True)
-    got = got.reshape(-1, h, layout.format.slot_bytes)[:n]
-    assert not np.any((got != want) & ~unsure)
-    assert int(flags) == int(want_flags) and want_flags & ErrorFlag.NONFINITE_INPUT
+    assert _stores_the_oracle_bytes_and_flags(layout, params, k, v) & ErrorFlag.NONFINITE_INPUT
