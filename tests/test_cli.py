@@ -202,7 +202,7 @@ def test_plan_prints_the_store_plans(capsys):
     assert main(["plan", "--preset", "turboquant_4bit_nc", "--tokens", "16384"]) == 0
     out = capsys.readouterr().out
     assert ("store of a decode step: store fp16: warp kernel, rotation fwht, 8 lanes per vector, "
-            "4 warps x 1 iterations") in out
+            "half-table search, 1 warp x 1 iteration") in out
     assert "store of a 16384-token prefill: store fp16: warp kernel" in out and "x 8 iterations" in out
     assert main(["plan", "--preset", "tq4"]) == 0
     assert "store of a decode step: store fp16: rotation split" in capsys.readouterr().out

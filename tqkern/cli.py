@@ -412,14 +412,15 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _store_plans(layout: PagedLayout, args: argparse.Namespace) -> list[str]:
     """One line per ``store`` the shape implies (a decode step's tokens, a prefill of ``--tokens``):
-    the plan of contiguous inputs without a key offset, rotation as ``TQParams.default`` makes it."""
+    the plan of contiguous inputs without a key offset, rotation and codebooks as
+    ``TQParams.default`` makes them (its codebooks are antisymmetric)."""
     from tqkern.ops.store.plan import default_signed_sylvester, plan_store
 
     sylvester = default_signed_sylvester(layout)
     out = []
     for label, tokens in (("a decode step", args.batch), (f"a {args.tokens}-token prefill", args.tokens)):
         sp = plan_store(layout, signed_sylvester=sylvester, interpret=args.device == "interpreter",
-                        num_vectors=tokens * layout.num_kv_heads, vector_aligned=True)
+                        num_vectors=tokens * layout.num_kv_heads, vector_aligned=True, symmetric_codebooks=True)
         out.append(f"store of {label}: {sp.describe()}")
     return out
 

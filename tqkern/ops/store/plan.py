@@ -147,9 +147,12 @@ class StorePlan:
     def describe(self) -> str:
         """One line: kernel, rotation, tile, tiles per program, warps."""
         if self.kernel == "warp":
-            lanes = dict(self.constexprs)["L"]
+            cx = dict(self.constexprs)
+            half = ", half-table search" if cx["K_SYM"] or cx["V_SYM"] else ""
+            warps = f"{self.num_warps} warp{'s' if self.num_warps > 1 else ''}"
+            iters = f"{self.tiles} iteration{'s' if self.tiles > 1 else ''}"
             return (f"store {self.in_dtype}{' mu' if self.has_mu else ''}: warp kernel, rotation {self.rotation}, "
-                    f"{lanes} lanes per vector, {self.num_warps} warps x {self.tiles} iterations")
+                    f"{cx['L']} lanes per vector{half}, {warps} x {iters}")
         return (f"store {self.in_dtype}{' mu' if self.has_mu else ''}: rotation {self.rotation}, "
                 f"{self.block_vectors} vectors x {self.tiles} tiles per program, {self.num_warps} warps")
 
