@@ -29,7 +29,7 @@ from tqkern.ops.common import (
     store_packed,
 )
 
-__all__ = ["load_tile", "token_factors", "encode_side", "finite_rows", "flag"]
+__all__ = ["load_tile", "token_factors", "encode_side", "finite_rows", "flag", "tree_search"]
 
 _ERR_SATURATED = tl.constexpr(int(ErrorFlag.SATURATED))
 
@@ -222,54 +222,71 @@ def _uniform_codes_f32(y, lo, hi, D: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _pick2(p, ptr, base: tl.constexpr, step: tl.constexpr):
-    """``ptr[base + p·step]`` for a bool tensor p (two scalars, one select)."""
-    return tl.where(p, tl.load(ptr + base + step), tl.load(ptr + base))
+def _pick2(p, b, base: tl.constexpr, step: tl.constexpr):
+    """``b[base + p·step]`` for a bool tensor p and a tuple of scalars b (one select)."""
+    return tl.where(p, b[base + step], b[base])
 
 
 @triton.jit
-def _pick4(p0, p1, ptr, base: tl.constexpr, step: tl.constexpr):
-    """``ptr[base + (2·p0 + p1)·step]`` by a select tree on scalars."""
-    return tl.where(p0, _pick2(p1, ptr, base + 2 * step, step), _pick2(p1, ptr, base, step))
+def _pick4(p0, p1, b, base: tl.constexpr, step: tl.constexpr):
+    """``b[base + (2·p0 + p1)·step]`` by a select tree on scalars."""
+    return tl.where(p0, _pick2(p1, b, base + 2 * step, step), _pick2(p1, b, base, step))
 
 
 @triton.jit
-def _pick8(p0, p1, p2, ptr, base: tl.constexpr, step: tl.constexpr):
-    return tl.where(p0, _pick4(p1, p2, ptr, base + 4 * step, step), _pick4(p1, p2, ptr, base, step))
+def _pick8(p0, p1, p2, b, base: tl.constexpr, step: tl.constexpr):
+    return tl.where(p0, _pick4(p1, p2, b, base + 4 * step, step), _pick4(p1, p2, b, base, step))
 
 
 @triton.jit
-def _pick16(p0, p1, p2, p3, ptr, base: tl.constexpr, step: tl.constexpr):
-    return tl.where(p0, _pick8(p1, p2, p3, ptr, base + 8 * step, step), _pick8(p1, p2, p3, ptr, base, step))
+def _pick16(p0, p1, p2, p3, b, base: tl.constexpr, step: tl.constexpr):
+    return tl.where(p0, _pick8(p1, p2, p3, b, base + 8 * step, step), _pick8(p1, p2, p3, b, base, step))
+
+
+@triton.jit
+def tree_search(y, b, NB: tl.constexpr):
+    """Number of the sorted scalars ``b`` (a tuple of ``2^NB − 1``, NB ≤ 5) ≤ y (a tie goes up),
+    int32 like ``y``'s shape, by binary search: level l compares y with the scalar half way into
+    the range its l decided bits leave, chosen by a select tree on those bits (2^l − 1 selects at
+    level l, no memory access per element, so the search keeps ``y``'s register layout)."""
+    tl.static_assert(NB <= 5)
+    idx = (y != y).to(tl.int32) * 0
+    if NB >= 1:
+        h0: tl.constexpr = 1 << (NB - 1)
+        p0 = y >= b[h0 - 1]
+        idx = p0.to(tl.int32) << (NB - 1)
+    if NB >= 2:
+        h1: tl.constexpr = h0 >> 1
+        p1 = y >= _pick2(p0, b, h1 - 1, 2 * h1)
+        idx += p1.to(tl.int32) << (NB - 2)
+    if NB >= 3:
+        h2: tl.constexpr = h0 >> 2
+        p2 = y >= _pick4(p0, p1, b, h2 - 1, 2 * h2)
+        idx += p2.to(tl.int32) << (NB - 3)
+    if NB >= 4:
+        h3: tl.constexpr = h0 >> 3
+        p3 = y >= _pick8(p0, p1, p2, b, h3 - 1, 2 * h3)
+        idx += p3.to(tl.int32) << (NB - 4)
+    if NB >= 5:
+        h4: tl.constexpr = h0 >> 4
+        p4 = y >= _pick16(p0, p1, p2, p3, b, h4 - 1, 2 * h4)
+        idx += p4.to(tl.int32)
+    return idx
 
 
 @triton.jit
 def _lloyd_max_codes(y, bnd_ptr, BITS: tl.constexpr):
     """Number of the sorted boundaries ``bnd_ptr[0 .. 2^b − 2]`` ≤ y (a tie goes up), int32 like
-    ``y``'s shape, by binary search: level l compares y with the boundary half way into the
-    bucket range its l decided bits leave. Up to 5 bits the boundaries are scalars chosen by a
-    select tree on those bits (2^l − 1 selects at level l, no memory access per element, so
-    the search keeps ``y``'s register layout); deeper levels gather from the table."""
-    h0: tl.constexpr = 1 << (BITS - 1)
-    p0 = y >= tl.load(bnd_ptr + h0 - 1)
-    idx = p0.to(tl.int32) << (BITS - 1)
-    if BITS >= 2:
-        h1: tl.constexpr = h0 >> 1
-        p1 = y >= _pick2(p0, bnd_ptr, h1 - 1, 2 * h1)
-        idx += p1.to(tl.int32) << (BITS - 2)
-    if BITS >= 3:
-        h2: tl.constexpr = h0 >> 2
-        p2 = y >= _pick4(p0, p1, bnd_ptr, h2 - 1, 2 * h2)
-        idx += p2.to(tl.int32) << (BITS - 3)
-    if BITS >= 4:
-        h3: tl.constexpr = h0 >> 3
-        p3 = y >= _pick8(p0, p1, p2, bnd_ptr, h3 - 1, 2 * h3)
-        idx += p3.to(tl.int32) << (BITS - 4)
-    if BITS >= 5:
-        h4: tl.constexpr = h0 >> 4
-        p4 = y >= _pick16(p0, p1, p2, p3, bnd_ptr, h4 - 1, 2 * h4)
-        idx += p4.to(tl.int32) << (BITS - 5)
-    for lvl in tl.static_range(5, BITS):
+    ``y``'s shape: the top (up to 5) levels of the binary search by :func:`tree_search` over the
+    boundaries they can reach (every ``2^(b − 5)``-th, loaded as scalars), deeper levels gather
+    from the table."""
+    NB: tl.constexpr = BITS if BITS < 5 else 5
+    S: tl.constexpr = 1 << (BITS - NB)
+    b = ()
+    for k in tl.static_range(1, 1 << NB):
+        b = b + (tl.load(bnd_ptr + k * S - 1),)
+    idx = tree_search(y, b, NB) << (BITS - NB)
+    for lvl in tl.static_range(NB, BITS):
         cand = idx + (1 << (BITS - 1 - lvl))
         idx = tl.where(y >= tl.load(bnd_ptr + cand - 1), cand, idx)
     return idx

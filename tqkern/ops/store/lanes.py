@@ -9,9 +9,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tqkern.ops.fields import tree_search
+
 __all__ = [
     "_bfly", "_bfly64", "_lane_of64", "_lane_of", "_group_sum64", "_group_min_max", "_group_all", "_or",
-    "_finite", "_sign_words", "_half_bounds", "_tpick2", "_tpick4", "_tpick8", "_sym_codes", "_read", "_unpack",
+    "_finite", "_sign_words", "_half_bounds", "_sym_codes", "_read", "_unpack",
     "_vector", "_fwht", "_xor", "_chunk", "_zero_chunk", "_where_chunk", "_store16", "_write_chunks",
 ]
 
@@ -132,48 +134,15 @@ def _half_bounds(bnd_ptr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _tpick2(p, b, base: tl.constexpr, step: tl.constexpr):
-    return tl.where(p, b[base + step], b[base])
-
-
-@triton.jit
-def _tpick4(p0, p1, b, base: tl.constexpr, step: tl.constexpr):
-    return tl.where(p0, _tpick2(p1, b, base + 2 * step, step), _tpick2(p1, b, base, step))
-
-
-@triton.jit
-def _tpick8(p0, p1, p2, b, base: tl.constexpr, step: tl.constexpr):
-    return tl.where(p0, _tpick4(p1, p2, b, base + 4 * step, step), _tpick4(p1, p2, b, base, step))
-
-
-@triton.jit
 def _sym_codes(y, b, BITS: tl.constexpr):
     """Lloyd-Max codes for an antisymmetric boundary table (positive half ``b``, BITS ≤ 5):
-    ``idx`` = the positive boundaries ≤ |y| by binary search (a select tree on scalars, one
-    level fewer than :func:`tqkern.ops.fields._lloyd_max_codes`), then ``2^(BITS−1) + idx`` for
+    ``idx`` = the positive boundaries ≤ |y| (:func:`tqkern.ops.fields.tree_search`, one level and
+    half the selects fewer than the search of the whole table), then ``2^(BITS−1) + idx`` for
     y ≥ 0 and ``2^(BITS−1) − 1 − idx`` below (both as ``idx`` XOR a constant). It equals the
     search over the whole table but where |y| equals a boundary: a tie, inside the oracle's
     uncertainty window. int32."""
-    NB: tl.constexpr = BITS - 1
-    H0: tl.constexpr = 1 << NB
-    a = tl.abs(y)
-    idx = (y != y).to(tl.int32) * 0
-    if NB >= 1:
-        h0: tl.constexpr = 1 << (NB - 1)
-        p0 = a >= b[h0 - 1]
-        idx = p0.to(tl.int32) << (NB - 1)
-    if NB >= 2:
-        h1: tl.constexpr = h0 >> 1
-        p1 = a >= _tpick2(p0, b, h1 - 1, 2 * h1)
-        idx += p1.to(tl.int32) << (NB - 2)
-    if NB >= 3:
-        h2: tl.constexpr = h0 >> 2
-        p2 = a >= _tpick4(p0, p1, b, h2 - 1, 2 * h2)
-        idx += p2.to(tl.int32) << (NB - 3)
-    if NB >= 4:
-        h3: tl.constexpr = h0 >> 3
-        p3 = a >= _tpick8(p0, p1, p2, b, h3 - 1, 2 * h3)
-        idx += p3.to(tl.int32)
+    H0: tl.constexpr = 1 << (BITS - 1)
+    idx = tree_search(tl.abs(y), b, BITS - 1)
     return idx ^ tl.where(y >= 0, H0, H0 - 1)
 
 
