@@ -104,6 +104,9 @@ def test_plan_rejects_bad_input():
         plan_store(tqkern.KVFormat.preset("tq4", 128))
     with pytest.raises(ValueError, match="in_dtype"):
         plan_store(_layout("tq4"), "fp32")
+    for flag in ("has_mu", "signed_sylvester", "interpret", "vector_aligned", "symmetric_codebooks"):
+        with pytest.raises(TypeError, match=f"{flag} must be a bool, got int"):
+            plan_store(_layout("turboquant_4bit_nc"), **{flag: 1})
 
 
 @needs_kernels

@@ -184,10 +184,14 @@ def plan_store(layout: PagedLayout, in_dtype: str = "fp16", *, has_mu: bool = Fa
     if num_vectors is not None and (not isinstance(num_vectors, int) or isinstance(num_vectors, bool)
                                     or num_vectors < 0):
         raise ValueError(f"num_vectors must be None or an int >= 0, got {num_vectors!r}")
+    for name, flag in (("has_mu", has_mu), ("signed_sylvester", signed_sylvester), ("interpret", interpret),
+                       ("vector_aligned", vector_aligned), ("symmetric_codebooks", symmetric_codebooks)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     small = num_vectors is not None and num_vectors <= SMALL_STORE_VECTORS
     if vector_aligned and warp_store_eligible(layout, has_mu=has_mu, signed_sylvester=signed_sylvester,
                                               interpret=interpret):
-        return _plan_warp(layout, in_dtype, bool(has_mu), _warp_iters(layout, num_vectors), bool(symmetric_codebooks))
+        return _plan_warp(layout, in_dtype, has_mu, _warp_iters(layout, num_vectors), symmetric_codebooks)
     return _plan_store(layout, in_dtype, bool(has_mu), bool(signed_sylvester), bool(interpret), small)
 
 
