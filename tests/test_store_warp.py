@@ -17,7 +17,7 @@ from tqkern.errors import ErrorFlag
 from tqkern.ops.codecs import side_consts
 from tqkern.ops.store.plan import WARP_STORE_LANES, plan_store, warp_store_eligible
 from tqkern.ops.store.triton import vectors_aligned
-from tqkern_torch.testing import device_under_test
+from tqkern_torch.testing import device_under_test, poisoned_like
 
 DEV = device_under_test()
 needs_gpu = pytest.mark.skipif(DEV.type != "cuda", reason="the warp kernel is GPU only (inline PTX)")
@@ -121,7 +121,9 @@ def test_vectors_aligned():
 
 
 def _store(layout, params, k, v, slots, num_blocks):
-    cache = tqt.allocate_cache(layout, num_blocks, DEV)
+    """The cache after storing into a poisoned one (random bytes: a byte of a written slot that
+    the kernel leaves alone cannot match the oracle by chance of a zeroed cache)."""
+    cache = poisoned_like(tuple(layout.cache_shape(num_blocks)), torch.uint8, DEV, seed=num_blocks)
     tqt.store(cache, k, v, slots, layout, params)
     return cache.cpu().numpy()
 
