@@ -99,14 +99,15 @@ def test_decode_path_rules_and_bad_input():
     assert _path(tqkern.PagedLayout(format=k3_64, num_kv_heads=8, block_size=16, arrangement="row"), 4) == "mma"
     fp8_lm = tqkern.KVFormat(head_dim=128, key=tqkern.FP8(), value=tqkern.LloydMax(bits=4))
     assert _path(tqkern.PagedLayout(format=fp8_lm, num_kv_heads=8, block_size=16), 4) == "general"  # no table
-    assert _path(_layout("tq4", 256, 8, "row"), 4) == "general"
+    assert _path(_layout("tq4", 256, 8, "row"), 4) == "mma"  # (32-byte key chunks: two 16-byte loads)
+    assert _path(_layout("tq4", 256, 1, "row"), 16) == "general"  # (D256: one query column tile only)
     # head_dim 96 (Phi-3): 4-bit values in shifted 6-byte chunks, misaligned 4-bit keys shifted (not
-    # joined: 12-byte chunks); 3-bit values (12 codes = 4.5 bytes a lane) on the general kernel
+    # joined: 12-byte chunks); 3-bit values (12 codes = 36 bits a lane) shifted by whole bytes and a nibble
     p96 = per_warp_plan(mma_plan(_layout("turboquant_4bit_nc", 96, 16), 1))
     assert (p96.D, p96.K_FUN, p96.K_MERGE, p96.V_FUN) == (96, True, False, True)
     assert mma_plan(_layout("turboquant_k8v4", 96, 16), 1).K_NW in (1, 2)  # 6 words a lane: whole loads
-    assert _path(_layout("turboquant_3bit_nc", 96, 16), 1) == "general"
-    assert _path(_layout("tqkern_k5v3", 96, 16), 1) == "general"
+    assert _path(_layout("turboquant_3bit_nc", 96, 16), 1) == "mma"
+    assert mma_plan(_layout("tqkern_k5v3", 96, 16), 1).V_FUN
     with pytest.raises(TypeError, match="layout must be a tqkern.PagedLayout, got KVFormat"):
         _path(tqkern.KVFormat.preset("tq4", 128), 4)
 

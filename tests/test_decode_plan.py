@@ -256,19 +256,19 @@ def test_a_repeated_call_finds_its_plan_without_planning(monkeypatch):
     assert len(calls) == 2
 
 
-def test_head_dim_256_takes_the_warp_mma_kernel_only_where_checked():
-    """D256 (S21, oracle-checked on the H100 at GQA 1 and 2): FP8 and 3-bit keys with 4-bit uniform
-    values take the warp-MMA kernel for groups of 1 and 2 (Gemma's); 4-bit keys whose chunks need shifted
-    words (no compile), 5-bit keys (a fault), 3-bit values (wrong rows), Lloyd-Max values and
-    larger groups stay on the general kernel."""
+def test_head_dim_256_takes_the_warp_mma_kernel_up_to_8_query_heads_per_warp():
+    """D256 (S27, oracle-checked on the H100 at GQA 1, 2 and 4 for every key and value scheme):
+    every preset takes the warp-MMA kernel where one query column tile holds the group; a group
+    of more than 8 (two column tiles: twice D256's 64 accumulators per lane) runs the general kernel."""
     def takes(preset, arr, heads, group):
         return mma_plan(_layout(preset, 256, heads, arr), group) is not None
 
-    for heads, group in ((8, 2), (16, 1)):
-        assert takes("turboquant_k8v4", "slot", heads, group) and takes("turboquant_k3v4_nc", "slot", heads, group)
-        assert not any(takes(p, a, heads, group) for p, a in (("turboquant_4bit_nc", "slot"), ("tq4", "row"),
-                                                              ("turboquant_3bit_nc", "slot"), ("tqkern_k5v3", "row")))
-    assert not takes("turboquant_k8v4", "slot", 4, 8) and not takes("turboquant_k3v4_nc", "slot", 2, 9)
+    presets = (("turboquant_k8v4", "slot"), ("turboquant_k3v4_nc", "slot"), ("turboquant_4bit_nc", "slot"),
+               ("tq4", "row"), ("turboquant_3bit_nc", "slot"), ("tqkern_k5v3", "row"))
+    for heads, group in ((8, 2), (16, 1), (1, 4), (4, 8)):
+        assert all(takes(p, a, heads, group) for p, a in presets), (heads, group)
+    assert not any(takes(p, a, 1, 16) for p, a in presets)
+    assert mma_plan(_layout("turboquant_3bit_nc", 128, 1, "slot"), 16) is not None  # (D128: two tiles)
 
 
 @pytest.mark.parametrize("preset,hq,hkv,d,half", [

@@ -13,7 +13,8 @@ may differ a little); instruction budgets today's count + 3%. A change that lowe
 should lower its budget too. Shapes and presets: ``tqkern_torch/bench/shapes.py`` (B32x16K's
 Hq32/Hkv8/D128, SmolLM2's Hq9/Hkv3/D64, GQA 3, and Llama-3-405B's Hq16/Hkv1/D128, GQA 16 = two
 query column tiles per warp, ``QT = 2``; the last two have no cooperative plan: 3 and 1 KV heads;
-and Gemma-2-9B's Hq16/Hkv8/D256 for the two D256 plans; the ``kXvYh`` formats of
+and Gemma-2-9B's Hq16/Hkv8/D256 for D256's key and value chunks (FP8, 3-bit and 4-bit keys, 3- and
+4-bit values); the ``kXvYh`` formats of
 ``docs/quality.md`` whose values have their own table entries at B32x16K's shape; head_dim 96 at
 Phi-3-mini-TP2's Hq16/Hkv16).
 """
@@ -63,6 +64,12 @@ BUDGETS = {
     "mma:turboquant_k8v4:slot:256:8:16:coop": (216, 1424),
     "mma:turboquant_k3v4_nc:slot:256:8:16:per_warp": (312, 1720),
     "mma:turboquant_k3v4_nc:slot:256:8:16:coop": (200, 2272),
+    # (S27) 12-byte 3-bit value chunks, 32-byte 4-bit key chunks (two 16-byte loads); 36-bit chunks at D96
+    "mma:turboquant_3bit_nc:slot:256:8:16:per_warp": (312, 1712),
+    "mma:turboquant_3bit_nc:slot:256:8:16:coop": (200, 2240),
+    "mma:tq4:row:256:8:16:per_warp": (392, 2312),
+    "mma:turboquant_3bit_nc:slot:96:16:16:per_warp": (0, 888),
+    "mma:turboquant_3bit_nc:slot:96:16:16:coop": (0, 1152),
     # Lloyd-Max values of their own codebook below the keys' table entries (docs/quality.md's
     # per-layer formats; session 23)
     "mma:k4v3h:slot:128:8:32:per_warp": (0, 1808),
@@ -76,11 +83,12 @@ BUDGETS = {
     # head_dim 96 (Phi-3 on 2 GPUs: Hkv 16, GQA 1; session 23); 3-bit values stay on the general kernel
     "mma:tq4:row:96:16:16:per_warp": (0, 1192),
     "mma:turboquant_4bit_nc:slot:96:16:16:per_warp": (0, 880),
-    "mma:turboquant_4bit_nc:slot:96:16:16:coop": (8, 1008),
+    # (16-warp CTAs: the pair table's fill, which they skipped before S27, +72 / +80 instructions)
+    "mma:turboquant_4bit_nc:slot:96:16:16:coop": (8, 1080),
     "mma:turboquant_k8v4:slot:96:16:16:per_warp": (0, 640),
     "mma:turboquant_k8v4:slot:96:16:16:coop": (0, 656),
     "mma:turboquant_k3v4_nc:slot:96:16:16:per_warp": (0, 872),
-    "mma:turboquant_k3v4_nc:slot:96:16:16:coop": (0, 1056),
+    "mma:turboquant_k3v4_nc:slot:96:16:16:coop": (0, 1136),
     "general:fp16:slot:128:8:32": (0, 952),
     # a window and a soft-cap (paged_decode(window_left=, logit_softcap=)): 132 registers, 105 without
     "general:fp16:slot:128:8:32:window+softcap": (0, 1096),
@@ -93,7 +101,8 @@ def _cases() -> list[str]:
     for shape in map(decode_shape, SHAPES):
         dims = f"{shape.head_dim}:{shape.num_kv_heads}:{shape.num_q_heads}"
         cases += [f"mma:{preset}:{arr}:{dims}" for preset, arr in DECODE_PRESETS if preset != "fp16"]
-    cases += ["mma:turboquant_k8v4:slot:256:8:16", "mma:turboquant_k3v4_nc:slot:256:8:16"]
+    cases += ["mma:turboquant_k8v4:slot:256:8:16", "mma:turboquant_k3v4_nc:slot:256:8:16",
+              "mma:turboquant_3bit_nc:slot:256:8:16", "mma:tq4:row:256:8:16", "mma:turboquant_3bit_nc:slot:96:16:16"]
     cases += [f"mma:{name}:slot:128:8:32" for name in ("k4v3h", "k4v2h", "k3v2h", "k5v4h")]
     cases += ["mma:tq4:row:96:16:16"] + [f"mma:{p}:slot:96:16:16" for p in ("turboquant_4bit_nc", "turboquant_k8v4",
                                                                           "turboquant_k3v4_nc")]

@@ -53,8 +53,9 @@ def _k5_pair(y, p: tl.constexpr, lbk):
 @triton.jit
 def _v3_index(xa, xb, k: tl.constexpr):
     """Pair-table index ``code_a | code_b << 3`` of 3-bit code ``k`` of two tokens (``xa``, ``xb``
-    from :func:`_v3_words`: bytes 0..3 and 2..5 of each chunk)."""
-    S: tl.constexpr = (3 * k + 2) > 31  # the code's bits beyond word 0: take the word of bytes 2..5
+    from :func:`_v3_words`: the chunk's 32-bit windows at bytes 0, 2, 4, ...): the first window
+    that holds the code's bits ``3k .. 3k + 2``."""
+    S: tl.constexpr = ((3 * k - 14) // 16) * ((3 * k + 2) > 31)
     OFF: tl.constexpr = 3 * k - 16 * S
     return ((xa[S] >> OFF) & 7) | (((xb[S] >> OFF) & 7) << 3)
 
@@ -72,11 +73,13 @@ def _uni4(wa, wb):
 def _uni3(xa, xb, k: tl.constexpr):
     """3-bit uniform code ``k`` (chunk bits ``3k ..``) of two tokens as an fp16 pair of subnormals
     ``code·2^(P-24)``, ``P = 3k mod 8`` (the output scales that back): one PRMT takes the 16-bit
-    window at the code's byte from each token (``xa``, ``xb``: the chunk's words as bytes 0..3 and
-    2..5) and one AND keeps the code's bits. (PRMT's selector and the mask are constants.)"""
+    window at the code's byte from each token (``xa``, ``xb``: the chunk's 32-bit windows at bytes
+    0, 2, 4, ... from :func:`_v3_words`, the first that holds the code's bytes) and one AND keeps
+    the code's bits. (PRMT's selector and the mask are constants.)"""
     W: tl.constexpr = (3 * k) // 8
     P: tl.constexpr = (3 * k) % 8
-    S: tl.constexpr = (W + (P > 5)) > 3  # the window's last byte beyond byte 3: the word of bytes 2..5
+    T: tl.constexpr = W + (P > 5)  # the code's last byte
+    S: tl.constexpr = ((T - 2) // 2) * (T > 3)  # the window of bytes 2S .. 2S + 3 holds bytes W .. T
     O: tl.constexpr = W - 2 * S
     O2: tl.constexpr = O + (O < 3)
     SEL: tl.constexpr = O | (O2 << 4) | ((O + 4) << 8) | ((O2 + 4) << 12)
@@ -87,13 +90,18 @@ def _uni3(xa, xb, k: tl.constexpr):
 
 
 @triton.jit
-def _v3_words(x, NB: tl.constexpr):
-    """A token's 3-bit value chunk (``NB`` bytes, aligned words ``x``) as the words of bytes 0..3
-    and (NB > 4) 2..5."""
-    if NB > 4:
-        return x[0], _funnel(x[0], x[1], tl.zeros_like(x[0]) + 16)
-    else:
-        return (x[0],)
+def _v3_words(x, NC: tl.constexpr):
+    """A token's chunk of ``NC`` 3-bit value codes (aligned words ``x``) as the 32-bit windows at
+    bytes 0, 2, 4, ... that :func:`_v3_index` and :func:`_uni3` read (the words, and between two
+    words a funnel shift by 16 bits): through the window of the last code."""
+    NWIN: tl.constexpr = ((3 * NC - 17) // 16) * ((3 * NC - 1) > 31) + 1
+    res = (x[0],)
+    for j in tl.static_range(1, NWIN):
+        if j % 2 == 0:
+            res = res + (x[j // 2],)
+        else:
+            res = res + (_funnel(x[j // 2], x[j // 2 + 1], tl.zeros_like(x[0]) + 16),)
+    return res
 
 
 @triton.jit
@@ -293,20 +301,22 @@ def _values(o, o2, v0, v1, v2, v3, pb0, pb1, pc0, pc1, lb, v_sh_e, v_sh_o, NVW: 
         v1 = _shifted(v1, v_sh_o, (CV + 3) // 4)
         v2 = _shifted(v2, v_sh_e, (CV + 3) // 4)
         v3 = _shifted(v3, v_sh_o, (CV + 3) // 4)
-    if V_BITS == 2:  # Lloyd-Max: the pair table's entries 0..15 (token pairs of 2-bit codes)
-        ev_ab, od_ab = _v2_merge(v0[0], v1[0])
-        ev_cd, od_cd = _v2_merge(v2[0], v3[0])
-        for i in tl.static_range(NMT):
-            a0 = _lut1((ev_ab >> (4 * i)) & 15, lb)
-            a1 = _lut1((od_ab >> (4 * i)) & 15, lb)
-            a2 = _lut1((ev_cd >> (4 * i)) & 15, lb)
-            a3 = _lut1((od_cd >> (4 * i)) & 15, lb)
-            res, res2 = _acc2(o, o2, res, res2, 4 * i, a0, a1, a2, a3, pb0, pb1, pc0, pc1, QT)
+    if V_BITS == 2:  # Lloyd-Max: the pair table's entries 0..15 (token pairs of 2-bit codes); word w of the
+        for w in tl.static_range((NMT + 7) // 8):  # chunk holds M tiles 8w .. 8w + 7 (head_dim 256: two words)
+            ev_ab, od_ab = _v2_merge(v0[w], v1[w])
+            ev_cd, od_cd = _v2_merge(v2[w], v3[w])
+            for i in tl.static_range(8):
+                if 8 * w + i < NMT:
+                    a0 = _lut1((ev_ab >> (4 * i)) & 15, lb)
+                    a1 = _lut1((od_ab >> (4 * i)) & 15, lb)
+                    a2 = _lut1((ev_cd >> (4 * i)) & 15, lb)
+                    a3 = _lut1((od_cd >> (4 * i)) & 15, lb)
+                    res, res2 = _acc2(o, o2, res, res2, 4 * (8 * w + i), a0, a1, a2, a3, pb0, pb1, pc0, pc1, QT)
     elif V_BITS == 3:
-        xa = _v3_words(v0, CV)
-        xb = _v3_words(v1, CV)
-        xc = _v3_words(v2, CV)
-        xd = _v3_words(v3, CV)
+        xa = _v3_words(v0, 2 * NMT)
+        xb = _v3_words(v1, 2 * NMT)
+        xc = _v3_words(v2, 2 * NMT)
+        xd = _v3_words(v3, 2 * NMT)
         for i in tl.static_range(NMT):
             if V_UNIFORM:
                 a0 = _uni3(xa, xb, 2 * i)

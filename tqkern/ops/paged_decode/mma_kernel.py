@@ -110,8 +110,12 @@ def _paged_decode_mma_kernel(
     # 5-bit codes; below them, Lloyd-Max value pairs of the value codebook (if any).
     KN: tl.constexpr = 256 if K_BITS == 4 else (64 if K_BITS == 3 else (32 if K5 else 0))
     LUTB: tl.constexpr = 128 * (K_AT + KN if K_AT + KN > 256 else 256)
-    # value chunk bytes per lane and token: 4-bit 1 per M tile, 3- and 2-bit 2 codes per M tile
-    CV: tl.constexpr = D // 16 if V_BITS == 4 else (3 * D // 64 if V_BITS == 3 else D // 32)
+    # value chunk per lane and token: D/8 codes (4-bit: 1 byte per M tile, 3- and 2-bit: 2 codes per
+    # M tile), CVB bits; CV bytes hold them (3-bit codes at head_dim 96: 36 bits, half of the lanes'
+    # chunks start at bit 4 of a byte, VNIB: 5 bytes)
+    CVB: tl.constexpr = (D // 8) * V_BITS
+    VNIB: tl.constexpr = CVB % 8 != 0
+    CV: tl.constexpr = (CVB + 4 * VNIB + 7) // 8
     NKW: tl.constexpr = (CK + 3) // 4
     NVW: tl.constexpr = (CV + 3) // 4 if V_BITS == 4 else (CV // 4 if CV >= 4 else 1)  # (D96: 6-byte chunks)
     NMT: tl.constexpr = D // 16
@@ -203,8 +207,8 @@ def _paged_decode_mma_kernel(
         k_mis = ka % CK
         ka0 = ka - k_mis
         k_sh = ka * 0
-    if V_FUN:  # this lane's chunk: field bytes CV·r .., from the word below it
-        v_lane = va + CV * r
+    if V_FUN:  # this lane's chunk: field bits CVB·r .., from the word below it
+        v_lane = va + (CVB * r) // 8
         v_mis_e = v_lane & 3
         v_mis_o = (v_lane + ROW_BYTES) & 3
         va0 = v_lane - v_mis_e
@@ -216,6 +220,12 @@ def _paged_decode_mma_kernel(
         va1 = va0
         v_mis_e = v_mis
         v_mis_o = v_mis
+    if VNIB:  # (the shifts of the value chunks: whole bytes, and the chunk's first bit in its byte)
+        v_sh_e = v_mis_e * 8 + (CVB * r) % 8
+        v_sh_o = v_mis_o * 8 + (CVB * r) % 8
+    else:
+        v_sh_e = v_mis_e * 8
+        v_sh_o = v_mis_o * 8
     k_masks = _byte_masks(tl.where(c == 3, k_mis, 0), NKW)
     v_masks = _byte_masks(tl.where(r == 7, v_mis, 0), NVW)
     k_sec_on = (c == 3) & (k_mis > 0)
@@ -400,7 +410,7 @@ def _paged_decode_mma_kernel(
             pc = pb
             if QT == 2:
                 pc = _p_fragments(pe0 * w0, pe1 * w0, pe2 * w1, pe3 * w1)
-            o, o2 = _values(o, o2, v0, v1, v2, v3, pb[0], pb[1], pc[0], pc[1], lb, v_mis_e * 8, v_mis_o * 8, NVW, CV,
+            o, o2 = _values(o, o2, v0, v1, v2, v3, pb[0], pb[1], pc[0], pc[1], lb, v_sh_e, v_sh_o, NVW, CV,
                             V_UNIFORM, V_FUN, V_BITS, NMT, LUT_AT > 0, QT)
         m_e = mn_e
         m_o = mn_o

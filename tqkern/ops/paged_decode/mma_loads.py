@@ -88,10 +88,18 @@ def _lds_param(addr, PARAM_DTYPE: tl.constexpr, pred):
 
 @triton.jit
 def _ld_words(ptr, pred, NW: tl.constexpr, HINT: tl.constexpr, SMEM: tl.constexpr = False):
-    """NW (1, 2, 4) consecutive 32-bit words at ``ptr`` (aligned to 4·NW) through the read-only
-    path (``SMEM``: at the shared address ``ptr``); zeros where ``pred`` is false."""
-    if SMEM:
+    """NW (1, 2, 4, 8) consecutive 32-bit words at ``ptr`` (aligned to 4·NW, 16 for 8) through the
+    read-only path (``SMEM``: at the shared address ``ptr``); zeros where ``pred`` is false. (8: two
+    loads of 4, head_dim 256's 32-byte 4-bit key chunks.)"""
+    if SMEM and NW == 8:
+        res = _lds_words(ptr, pred, 4) + _lds_words(ptr + 16, pred, 4)
+    elif SMEM:
         res = _lds_words(ptr, pred, NW)
+    elif NW == 8:
+        res = (tl.inline_asm_elementwise(_LD4H if HINT else _LD4, "=r,=r,=r,=r,l,r", [ptr, pred.to(tl.int32)],
+                                         dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+               + tl.inline_asm_elementwise(_LD4H if HINT else _LD4, "=r,=r,=r,=r,l,r", [ptr + 16, pred.to(tl.int32)],
+                                           dtype=(tl.int32,) * 4, is_pure=True, pack=1))
     elif NW == 4:
         res = tl.inline_asm_elementwise(_LD4H if HINT else _LD4, "=r,=r,=r,=r,l,r", [ptr, pred.to(tl.int32)],
                                         dtype=(tl.int32,) * 4, is_pure=True, pack=1)

@@ -169,10 +169,8 @@ def _mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
     # (the joining lane's byte masks take power-of-two chunks: D96's 12 bytes are shifted instead)
     k_joined = bool(c["K_A_OFF"] % ck or c["K_A_STRIDE"] % ck)
     k_fun = k5 or (not (k_fp8 or k3) and (rb % ck != 0 or (k_joined and bool(ck & (ck - 1)))))
-    if d == 256 and not ((k_fp8 or k3) and v_uniform and value.bits == 4 and group <= 2):
-        return None  # D256: only what was oracle-checked on the H100 (S21; docs/performance.md "Model shapes")
-    if value.bits == 3 and (3 * d) % 64:
-        return None  # a lane's D/8 three-bit value codes must be whole bytes (D96: 4.5)
+    if d == 256 and qt > 1:
+        return None  # D256: two column tiles would hold 128 more accumulators (not compiled, not checked)
     # 2- and 3-bit values: always shifted (D/32- and 3D/64-byte chunks). With 3-bit keys, values
     # that would be joined are shifted too (measured 4-5% faster on the H100: docs/performance.md §25).
     # (D96: 4-bit values' 6-byte chunks are not whole words: shifted)

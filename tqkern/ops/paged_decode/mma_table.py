@@ -56,10 +56,13 @@ def _lut_fill(base, t, cen_ptr, NT: tl.constexpr, BITS: tl.constexpr, E256: tl.c
     codes of an LSB bitstream, or the two nibbles of a byte) into all 32 lane replicas (``b·128 +
     4·lane``; ``b·256 + 4·lane`` for the PRMT-addressed table, ``E256``); then a CTA barrier.
     Returns the table address (lookups depend on it). All 256 entries are written (3-bit codes
-    use entries 0..63)."""
+    use entries 0..63), also by a CTA of more than 256 threads."""
     M: tl.constexpr = (1 << BITS) - 1
-    for i in tl.static_range(256 // NT):
-        b = t + i * NT
+    for i in tl.static_range((256 + NT - 1) // NT):
+        if NT > 256:  # (16 warps: two threads per entry, writing the same value)
+            b = t % 256
+        else:
+            b = t + i * NT
         lo = _cen16(cen_ptr + (b & M))
         hi = _cen16(cen_ptr + ((b >> BITS) & M))
         base = tl.inline_asm_elementwise(_FILL256_ASM if E256 else _FILL_ASM, "=r,r,r,r",
@@ -74,8 +77,11 @@ def _lut_fill_k5(base, t, kcen_ptr, vcen_ptr, NT: tl.constexpr, V_LM: tl.constex
     lookup), entries ``b < 64`` the value pairs ``(cv[b & 7], cv[b >> 3])`` of 3-bit Lloyd-Max
     values (``V_LM``; zeros otherwise: uniform values need no table), in the layout of
     :func:`_lut_fill`; then a CTA barrier."""
-    for i in tl.static_range(256 // NT):  # (_cen16 written out: through it ptxas renames the
-        b = t + i * NT                       # prologue's registers, and this is the SASS measured)
+    for i in tl.static_range((256 + NT - 1) // NT):  # (_cen16 written out: through it ptxas renames
+        if NT > 256:  # the prologue's registers, and this is the SASS measured; 16 warps: two threads
+            b = t % 256  # per entry, writing the same value)
+        else:
+            b = t + i * NT
         kc = tl.load(kcen_ptr + ((b - 64) & 31)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         if V_LM:
             lo = tl.load(vcen_ptr + (b & 7)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
