@@ -312,3 +312,20 @@ def test_offline_occupancy_sizes_the_cooperative_kernels(monkeypatch, preset, ar
     assert plan.decode.kernel == "coop"
     smem = coop_smem_bytes(mma_plan(_layout(preset, 128, 8, arr), 4))
     assert aot.occupancy_sm90(plan.decode) == min(2, 233472 // (smem + 1024))
+
+
+@pytest.mark.parametrize("preset,arrangement,heads", [("turboquant_4bit_nc", "slot", 8), ("turboquant_3bit_nc", "slot", 16),
+                                                      ("tq4", "row", 8), ("turboquant_k3v4_nc", "slot", 8)])
+def test_head_dim_256_warp_mma_kernel_is_not_register_capped(preset, arrangement, heads):
+    """head_dim 256's 64 value accumulators a lane spill under the 128/168-register caps of D128's
+    plans (measured slower on an H200, S27): per-warp and cooperative plans run uncapped; FP8 keys
+    keep their caps (not measured); D128 keeps them."""
+    from tqkern.ops.paged_decode.plan import mma_kernel_plan
+
+    plan = mma_plan(_layout(preset, 256, heads, arrangement), 16 // heads)
+    for p in (plan, per_warp_plan(plan)):
+        assert mma_kernel_plan(_layout(preset, 256, heads, arrangement), p, 4, 16, 8).maxnreg == 0
+    d128 = mma_plan(_layout(preset, 128, heads, arrangement), 16 // heads)
+    assert d128.COOP and mma_kernel_plan(_layout(preset, 128, heads, arrangement), d128, 4, 16, 8).maxnreg == 128
+    k8 = mma_plan(_layout("turboquant_k8v4", 256, 8), 2)
+    assert mma_kernel_plan(_layout("turboquant_k8v4", 256, 8), k8, 4, 16, 8).maxnreg == 128
