@@ -62,12 +62,13 @@ BUDGETS = {
     # head_dim 256 (Gemma-2-9B: Hkv 8, GQA 2), FP8 and 3-bit keys with 4-bit uniform values (S21)
     "mma:turboquant_k8v4:slot:256:8:16:per_warp": (16, 1320),
     "mma:turboquant_k8v4:slot:256:8:16:coop": (216, 1424),
-    "mma:turboquant_k3v4_nc:slot:256:8:16:per_warp": (312, 1720),
-    "mma:turboquant_k3v4_nc:slot:256:8:16:coop": (200, 2272),
-    # (S27) 12-byte 3-bit value chunks, 32-byte 4-bit key chunks (two 16-byte loads); 36-bit chunks at D96
-    "mma:turboquant_3bit_nc:slot:256:8:16:per_warp": (312, 1712),
-    "mma:turboquant_3bit_nc:slot:256:8:16:coop": (200, 2240),
-    "mma:tq4:row:256:8:16:per_warp": (392, 2312),
+    "mma:turboquant_k3v4_nc:slot:256:8:16:per_warp": (0, 1568),
+    "mma:turboquant_k3v4_nc:slot:256:8:16:coop": (0, 2144),
+    # (S27) 12-byte 3-bit value chunks, 32-byte 4-bit key chunks (two 16-byte loads); 36-bit chunks at D96;
+    # D256 plans but FP8 keys' run uncapped (175-254 registers, no spill)
+    "mma:turboquant_3bit_nc:slot:256:8:16:per_warp": (0, 1544),
+    "mma:turboquant_3bit_nc:slot:256:8:16:coop": (0, 2128),
+    "mma:tq4:row:256:8:16:per_warp": (0, 2096),
     "mma:turboquant_3bit_nc:slot:96:16:16:per_warp": (0, 888),
     "mma:turboquant_3bit_nc:slot:96:16:16:coop": (0, 1152),
     # Lloyd-Max values of their own codebook below the keys' table entries (docs/quality.md's
