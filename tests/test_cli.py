@@ -159,7 +159,9 @@ def test_help_needs_only_numpy(tmp_path):
 
 def test_environment_reports_torch_absent(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
-    env = cli._environment()
+    from tqkern import info
+
+    env = info._environment()
     assert env["torch"] is None and env["cuda"] is None
     assert env["numpy"] is not None
 
