@@ -3,9 +3,10 @@
 ``tqkern info`` (also what a bare ``tqkern`` runs) prints the table of preset formats at a
 head_dim and compresses random K/V with each preset through the NumPy oracles, printing the
 relative reconstruction error (the report is built by :mod:`tqkern.info`). It needs NumPy only:
-no GPU, no torch, no Triton (it reports torch and a CUDA device when torch can be imported). ``tqkern eval`` and ``tqkern bench`` (the
-GPU benchmarks of :mod:`tqkern_torch.bench`, ``tqkern bench generate`` the end-to-end one; exit
-status 2 where no CUDA device is found) import torch inside the command.
+no GPU, no torch, no Triton (it reports torch and a CUDA device when torch can be imported).
+``tqkern eval`` and ``tqkern bench`` (the GPU benchmarks of :mod:`tqkern_torch.bench`, ``tqkern
+bench generate`` the end-to-end one; exit status 2 where no CUDA device is found) import torch
+inside the command.
 
 The module imports NumPy and ``tqkern`` only, so ``tqkern --help`` and ``tqkern info`` work where
 torch is not installed. ``python -m tqkern.cli`` runs it as the ``tqkern`` script does.
