@@ -104,11 +104,12 @@ def mma_path_cases(draw):
     Lloyd-Max keys (every norm dtype and correction) or FP8 keys (rotated or not), 4-bit
     Lloyd-Max values with the keys' codebook (4-bit keys), 2-, 3- or 4-bit Lloyd-Max values with
     their own (below the keys' table entries: 2/3-bit next to 3-, 4- or 5-bit keys, 4-bit next to
-    5-bit keys), or 4-bit or 3-bit uniform values, head_dim 64/96/128 (96: not with 3-bit values),
-    GQA groups 1..8, both bit orders (2-, 3- and 5-bit codes: LSB only) and arrangements, every slot alignment (fields misaligned against the lanes' chunks and
-    rows of 2 mod 4 bytes included), block sizes 1..128 (blocks shorter than the kernel's
-    16-token step included), with and without cooperative stages (4 or 8 KV heads in blocks of
-    16..128 tokens: the launcher's plan then copies whole rows through shared memory)."""
+    5-bit keys), or 4-bit or 3-bit uniform values, head_dim 64/96/128/256, GQA groups 1..8, both
+    bit orders (2-, 3- and 5-bit codes: LSB only) and arrangements, every slot alignment (fields
+    misaligned against the lanes' chunks and rows of 2 mod 4 bytes included), block sizes 1..128 (blocks shorter than the kernel's
+    16-token step included), with and without cooperative stages (4, 8 or 16 KV heads in blocks of
+    16..128 tokens: the launcher's plan then copies whole rows through shared memory; 16: CTAs of
+    512 threads)."""
     # Four fifths of the examples steer toward the main formats' 4-bit keys (joined, shifted or
     # aligned by the slot geometry), toward read schemes that free draws rarely reach (session
     # 7's statistics: 5-bit keys ~5%, rows of 2 mod 4 bytes 0-6%, FP8 keys half of all examples),
@@ -117,7 +118,7 @@ def mma_path_cases(draw):
     # 2 of 24 examples (session 12).
     focus = draw(st.sampled_from(["cooperative stages", "free", "4-bit keys", "3- or 5-bit keys", "rows 2 mod 4"]),
                  label="focus")
-    d = draw(st.sampled_from([64, 128, 96]), label="head_dim")
+    d = draw(st.sampled_from([64, 128, 96, 256]), label="head_dim")
     if focus == "4-bit keys":
         key_st = T.lloyd_max_codecs(st.just(4))
     elif focus == "3- or 5-bit keys":
@@ -153,7 +154,7 @@ def mma_path_cases(draw):
                           slot_alignment=draw(st.sampled_from([1, 2] if rows2 else [1, 2, 4, 16]),
                                               label="slot_alignment"))
     layout = tqkern.PagedLayout(format=fmt,
-                                num_kv_heads=draw(st.sampled_from([1, 3] if rows2 else [4, 8] if coop
+                                num_kv_heads=draw(st.sampled_from([1, 3] if rows2 else [4, 8, 16] if coop
                                                                   else [1, 2, 3, 4, 8]), label="num_kv_heads"),
                                 block_size=draw(st.sampled_from([4, 16, 32, 128] if rows2 else [16, 32, 128] if coop
                                                                 else [1, 4, 16, 32, 128]), label="block_size"),
