@@ -107,9 +107,9 @@ def mma_path_cases(draw):
     5-bit keys), or 4-bit or 3-bit uniform values, head_dim 64/96/128/256, GQA groups 1..8, both
     bit orders (2-, 3- and 5-bit codes: LSB only) and arrangements, every slot alignment (fields
     misaligned against the lanes' chunks and rows of 2 mod 4 bytes included), block sizes 1..128
-    (blocks shorter than the kernel's 16-token step included), with and without cooperative stages (4, 8 or 16 KV heads in blocks of
-    16..128 tokens: the launcher's plan then copies whole rows through shared memory; 16: CTAs of
-    512 threads)."""
+    (blocks shorter than the kernel's 16-token step included), with and without cooperative
+    stages (4, 8 or 16 KV heads in blocks of 16..128 tokens: the launcher's plan then copies whole
+    rows through shared memory; 16: CTAs of 512 threads)."""
     # Four fifths of the examples steer toward the main formats' 4-bit keys (joined, shifted or
     # aligned by the slot geometry), toward read schemes that free draws rarely reach (session
     # 7's statistics: 5-bit keys ~5%, rows of 2 mod 4 bytes 0-6%, FP8 keys half of all examples),
