@@ -51,6 +51,16 @@ def _cen16(ptr):
 
 
 @triton.jit
+def _fill_entry(t, i: tl.constexpr, NT: tl.constexpr):
+    """The entry (0..255) thread ``t`` of ``NT`` writes in fill round ``i`` of a 256-entry table:
+    ``t + i·NT``; a CTA of more than 256 threads (16 warps) has two threads per entry, which
+    write the same value."""
+    if NT > 256:
+        return t % 256
+    return t + i * NT
+
+
+@triton.jit
 def _lut_fill(base, t, cen_ptr, NT: tl.constexpr, BITS: tl.constexpr, E256: tl.constexpr = False):
     """Entry ``b`` (fp16 pair of c[b & m], c[(b >> BITS) & m], m = 2^BITS − 1: two consecutive
     codes of an LSB bitstream, or the two nibbles of a byte) into all 32 lane replicas (``b·128 +
@@ -59,10 +69,7 @@ def _lut_fill(base, t, cen_ptr, NT: tl.constexpr, BITS: tl.constexpr, E256: tl.c
     use entries 0..63), also by a CTA of more than 256 threads."""
     M: tl.constexpr = (1 << BITS) - 1
     for i in tl.static_range((256 + NT - 1) // NT):
-        if NT > 256:  # (16 warps: two threads per entry, writing the same value)
-            b = t % 256
-        else:
-            b = t + i * NT
+        b = _fill_entry(t, i, NT)
         lo = _cen16(cen_ptr + (b & M))
         hi = _cen16(cen_ptr + ((b >> BITS) & M))
         base = tl.inline_asm_elementwise(_FILL256_ASM if E256 else _FILL_ASM, "=r,r,r,r",
@@ -78,10 +85,7 @@ def _lut_fill_k5(base, t, kcen_ptr, vcen_ptr, NT: tl.constexpr, V_LM: tl.constex
     values (``V_LM``; zeros otherwise: uniform values need no table), in the layout of
     :func:`_lut_fill`; then a CTA barrier."""
     for i in tl.static_range((256 + NT - 1) // NT):  # (_cen16 written out: through it ptxas renames
-        if NT > 256:  # the prologue's registers, and this is the SASS measured; 16 warps: two threads
-            b = t % 256  # per entry, writing the same value)
-        else:
-            b = t + i * NT
+        b = _fill_entry(t, i, NT)                       # the prologue's registers, and this is the SASS measured)
         kc = tl.load(kcen_ptr + ((b - 64) & 31)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         if V_LM:
             lo = tl.load(vcen_ptr + (b & 7)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
