@@ -292,10 +292,21 @@ def test_warp_mma_gqa_groups_above_8_match_oracle(preset, heads, group, gs, qt):
     _mma_matches_oracle(tqkern.KVFormat.preset(preset, 128), heads, 16, group, dict(GS=gs, QT=qt))
 
 
-def _mma_matches_oracle(fmt, heads, block_size, group, expect, dtype=torch.float16):
+@pytest.mark.parametrize("preset,heads,group,expect", [
+    ("tq4", 3, 1, dict(COOP=None)), ("tq4", 3, 3, dict(COOP=None)), ("turboquant_4bit_nc", 4, 2, dict(COOP=2)),
+    ("k4v3h", 3, 2, dict(K_AT=64))])
+def test_warp_mma_head_dim_96_aligned_key_chunks_match_oracle(preset, heads, group, expect):
+    """head_dim 96 rows whose 12-byte 4-bit key chunks sit at aligned offsets (``arrangement="row"``,
+    e.g. tq4 with 3 KV heads: 312-byte rows): three single-word loads per chunk, neither shifted nor
+    joined (session 28: such layouts failed to compile; the GPU fuzz test found it)."""
+    _mma_matches_oracle(tqkern.KVFormat.preset(preset, 96), heads, 16, group,
+                        dict(D=96, K_BITS=4, K_FUN=False, K_MERGE=False, **expect), arrangement="row")
+
+
+def _mma_matches_oracle(fmt, heads, block_size, group, expect, dtype=torch.float16, arrangement="slot"):
     from tqkern.ops.paged_decode.mma_plans import mma_plan
 
-    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=heads, block_size=block_size)
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=heads, block_size=block_size, arrangement=arrangement)
     plan = mma_plan(layout, group)
     assert plan is not None and {k: getattr(plan, k) for k in expect} == expect
     params = tqkern.TQParams.default(fmt)

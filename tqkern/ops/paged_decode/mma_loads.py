@@ -60,7 +60,8 @@ _LDS16 = tl.constexpr(_ld_asm(1, "", "shared", "u16"))
 
 @triton.jit
 def _lds_words(addr, pred, NW: tl.constexpr):
-    """NW (1, 2, 4) consecutive 32-bit words at shared address ``addr`` (aligned to 4·NW); zeros
+    """NW consecutive 32-bit words at shared address ``addr`` (aligned to 4·NW for NW = 2, 4; any
+    other NW, e.g. head_dim 96's 3-word key chunks: NW single-word loads, 4-byte aligned); zeros
     where ``pred`` is false."""
     p = pred.to(tl.int32)
     if NW == 4:
@@ -68,9 +69,11 @@ def _lds_words(addr, pred, NW: tl.constexpr):
                                          pack=1)
     elif NW == 2:
         return tl.inline_asm_elementwise(_LDS2, "=r,=r,r,r", [addr, p], dtype=(tl.int32,) * 2, is_pure=True, pack=1)
-    else:
-        w = tl.inline_asm_elementwise(_LDS1, "=r,r,r", [addr, p], dtype=tl.int32, is_pure=True, pack=1)
-        return (w,)
+    res = ()
+    for i in tl.static_range(NW):
+        res = res + (tl.inline_asm_elementwise(_LDS1, "=r,r,r", [addr + 4 * i, p], dtype=tl.int32, is_pure=True,
+                                               pack=1),)
+    return res
 
 
 @triton.jit
@@ -88,9 +91,10 @@ def _lds_param(addr, PARAM_DTYPE: tl.constexpr, pred):
 
 @triton.jit
 def _ld_words(ptr, pred, NW: tl.constexpr, HINT: tl.constexpr, SMEM: tl.constexpr = False):
-    """NW (1, 2, 4, 8) consecutive 32-bit words at ``ptr`` (aligned to 4·NW, 16 for 8) through the
+    """NW consecutive 32-bit words at ``ptr`` (aligned to 4·NW for NW = 2, 4; 16 for 8) through the
     read-only path (``SMEM``: at the shared address ``ptr``); zeros where ``pred`` is false. (8: two
-    loads of 4, head_dim 256's 32-byte 4-bit key chunks.)"""
+    loads of 4, head_dim 256's 32-byte 4-bit key chunks; any other NW, e.g. head_dim 96's 12-byte
+    4-bit key chunks where they sit at aligned offsets: NW single-word loads, 4-byte aligned.)"""
     if SMEM and NW == 8:
         res = _lds_words(ptr, pred, 4) + _lds_words(ptr + 16, pred, 4)
     elif SMEM:
@@ -107,8 +111,10 @@ def _ld_words(ptr, pred, NW: tl.constexpr, HINT: tl.constexpr, SMEM: tl.constexp
         res = tl.inline_asm_elementwise(_LD2H if HINT else _LD2, "=r,=r,l,r", [ptr, pred.to(tl.int32)],
                                         dtype=(tl.int32,) * 2, is_pure=True, pack=1)
     else:
-        res = (tl.inline_asm_elementwise(_LD1H if HINT else _LD1, "=r,l,r", [ptr, pred.to(tl.int32)], dtype=tl.int32,
-                                         is_pure=True, pack=1),)
+        res = ()
+        for i in tl.static_range(NW):
+            res = res + (tl.inline_asm_elementwise(_LD1H if HINT else _LD1, "=r,l,r", [ptr + 4 * i, pred.to(tl.int32)],
+                                                   dtype=tl.int32, is_pure=True, pack=1),)
     return res
 
 
