@@ -125,7 +125,14 @@ def mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
     return _mma_plan(layout, group)
 
 
-_PER_WARP_SUB = {True: 1, False: 2}  # the per-warp kernel's steps per softmax update, by "values uniform"
+def _per_warp_sub(v_uniform: bool, k_bits: int, d: int) -> int:
+    """The per-warp kernel's 16-token steps per softmax update: two for Lloyd-Max values (measured
+    on the H100, every benchmark shape: tq4 -1.7 to -4.9%, tqkern_k5v3 -1.6 to -2.6%; uniform
+    values: mixed or slower), but one for 5-bit keys at head_dim 256, whose two-step ring needs
+    255 registers and 40 bytes of stack in the loop (sm_90, 3416 instructions against 2056):
+    measured on the H200 (S28 probe, kernel alone, µs) Gemma-2-9B B8x8K 107.9 -> 94.3, Gemma-7B
+    B4x8K 105.8 -> 95.9 (with the 168-register cap of :func:`.plan.mma_kernel_plan`)."""
+    return 1 if v_uniform or (k_bits == 5 and d == 256) else 2
 
 
 @functools.lru_cache(maxsize=256)
@@ -198,9 +205,7 @@ def _mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
         D=d, DP=c["DP"], ROW_BYTES=rb, NIBBLE=fmt.bit_order == "nibble_high_even",
         K_A_OFF=c["K_A_OFF"], K_A_STRIDE=c["K_A_STRIDE"], K_B_OFF=c["K_B_OFF"], K_B_STRIDE=c["K_B_STRIDE"],
         K_DT=k_dt, K_NC=not k_fp8 and key.norm_correction == "decode", K_FP8=k_fp8, K_NW=k_nw, K_BITS=k_bits,
-        # Two 16-token steps per softmax update for Lloyd-Max values (measured on the H100, every
-        # benchmark shape: tq4 -1.7 to -4.9%, tqkern_k5v3 -1.6 to -2.6%; uniform values: mixed or slower).
-        SUB=_PER_WARP_SUB[v_uniform],
+        SUB=_per_warp_sub(v_uniform, k_bits, d),
         V_UNIFORM=v_uniform, V_A_OFF=c["V_A_OFF"], V_A_STRIDE=c["V_A_STRIDE"], V_B_OFF=c["V_B_OFF"],
         V_B_STRIDE=c["V_B_STRIDE"], V_C_OFF=c["V_C_OFF"], V_C_STRIDE=c["V_C_STRIDE"], V_DT=v_dt,
         K_MERGE=key.bits == 4 and not k_fun and k_joined,
@@ -261,7 +266,7 @@ def per_warp_plan(plan: MmaPlan) -> MmaPlan:
         raise TypeError(f"plan must be an MmaPlan from mma_plan, got {type(plan).__name__}")
     out = dataclasses.replace(plan, **dict.fromkeys(_COOP_FIELDS))
     if plan.COOP:
-        out = dataclasses.replace(out, SUB=_PER_WARP_SUB[bool(plan.V_UNIFORM)])
+        out = dataclasses.replace(out, SUB=_per_warp_sub(bool(plan.V_UNIFORM), plan.K_BITS, plan.D))
     return out
 
 
