@@ -176,6 +176,17 @@ def test_merge_chunks_rule():
     assert merge_chunks(1, 132, 16) == 1
 
 
+def test_row_merge_chunks_rule():
+    """The row-block merge's chunks: uncapped without the rotate-back; with it at most 2 for
+    DP <= 128 and 8 for DP = 256 (each chunk re-merges every column)."""
+    from tqkern.ops.paged_decode.side_plans import row_merge_chunks
+    assert row_merge_chunks(64, 132, 128, False) == 4
+    assert row_merge_chunks(64, 132, 128, True) == 2
+    assert row_merge_chunks(8, 132, 256, True) == 8  # Gemma-2-9B B8x8K: 128 rows
+    assert row_merge_chunks(8, 132, 256, False) == 16
+    assert row_merge_chunks(256, 132, 256, True) == 1
+
+
 def test_num_splits_whole_waves():
     """The general kernel's split count: ~4 programs per SM (at least 4·BN tokens per split);
     with the resident program count and splits of >= 2048 tokens, the count (up to that one)

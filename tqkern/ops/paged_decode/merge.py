@@ -17,6 +17,7 @@ import triton.language as tl
 
 from tqkern.ops.common import layout_consts
 from tqkern.ops.paged_decode.plan import merge_chunks
+from tqkern.ops.paged_decode.side_plans import row_merge_chunks
 
 __all__ = ["_merge_kernel", "_merge_rows_kernel", "_launch_merge", "merge_chunks"]
 
@@ -203,10 +204,7 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
         blocks = triton.cdiv(n, rows)
         if chunks is None:
             sms = 1 if interpret else torch.cuda.get_device_properties(out.device).multi_processor_count
-            # with the rotate-back each chunk re-merges every column: at most 2 measured best
-            # (H100, tq4, session 5: B32x16K 1/2/4 chunks 6.3/4.8/5.4 µs, B8x64K 1/2/4/8 chunks
-            # 11.4/10.3/10.5/10.7 µs)
-            chunks = min(2, merge_chunks(blocks, sms, dp)) if rotate_back else merge_chunks(blocks, sms, dp)
+            chunks = row_merge_chunks(blocks, sms, dp, rotate_back)
         if n:
             _merge_rows_kernel[(blocks, chunks)](
                 acc, ml, rotation, out, ml if q_poison is None else q_poison, ml if sinks is None else sinks,

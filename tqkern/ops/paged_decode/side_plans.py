@@ -9,7 +9,7 @@ import dataclasses
 
 from tqkern.ops.common import layout_consts
 
-__all__ = ["MergePlan", "RotatePlan", "merge_chunks", "scan_split"]
+__all__ = ["MergePlan", "RotatePlan", "merge_chunks", "row_merge_chunks", "scan_split"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +55,17 @@ def merge_chunks(programs: int, num_sms: int, dp: int) -> int:
     return nch
 
 
+def row_merge_chunks(blocks: int, num_sms: int, dp: int, rotate_back: bool) -> int:
+    """Column chunks of the row-block merge over ``blocks`` blocks of rows: :func:`merge_chunks`,
+    capped with the rotate-back (each chunk re-merges every column) at 2 for DP ≤ 128 (H100, tq4,
+    session 5: B32x16K 1/2/4 chunks 6.3/4.8/5.4 µs, B8x64K 1/2/4/8 11.4/10.3/10.5/10.7 µs) and at 8
+    for DP = 256, where few blocks leave the rotate-back's dots on few SMs (H200, session 28 probe,
+    merge alone, 16 splits: Gemma-2-9B B8x8K 1/2/4/8/16 chunks 30.0/23.0/9.9/8.4/9.5 µs, Gemma-7B
+    B4x8K 29.5/22.9/9.5/8.3/9.1 µs)."""
+    nch = merge_chunks(blocks, num_sms, dp)
+    return min(8 if dp >= 256 else 2, nch) if rotate_back else nch
+
+
 def scan_split(entries: int, cols: int) -> tuple[int, int]:
     """``(scan_block, grid rows)`` of the block-table scan over ``entries`` entries beside a rotation
     grid ``cols`` programs wide: at most 1024 entries per program and round, as many programs as
@@ -88,7 +99,7 @@ def _merge_plan(layout, s, hq, num_splits, caps, options) -> MergePlan:
     if rotate_back or num_splits > 16:
         rows = 16
         blocks = -(-(s * hq) // rows)
-        chunks = min(2, merge_chunks(blocks, sms, dp)) if rotate_back else merge_chunks(blocks, sms, dp)
+        chunks = row_merge_chunks(blocks, sms, dp, rotate_back)
         return MergePlan(impl="rows", grid=(blocks, chunks), rows=rows, chunks=chunks,
                          unroll=max(1, min(8 if rotate_back else 64, num_splits)), rotate_back=rotate_back,
                          sinks=options.sinks, lse=options.lse)
