@@ -329,3 +329,18 @@ def test_head_dim_256_warp_mma_kernel_is_not_register_capped(preset, arrangement
     assert d128.COOP and mma_kernel_plan(_layout(preset, 128, heads, arrangement), d128, 4, 16, 8).maxnreg == 128
     k8 = mma_plan(_layout("turboquant_k8v4", 256, 8), 2)
     assert mma_kernel_plan(_layout("turboquant_k8v4", 256, 8), k8, 4, 16, 8).maxnreg == 128
+
+
+@pytest.mark.parametrize("heads", [8, 16])
+def test_head_dim_256_five_bit_keys_take_one_step_per_update(heads):
+    """tqkern_k5v3 at head_dim 256: one 16-token step per softmax update and a 168-register cap
+    (two steps needed 255 registers and spilled in the loop; measured faster on an H200, S28);
+    other Lloyd-Max-value plans keep two steps, and 5-bit keys at D128 too."""
+    from tqkern.ops.paged_decode.plan import mma_kernel_plan
+
+    lay = _layout("tqkern_k5v3", 256, heads)
+    plan = mma_plan(lay, 16 // heads)
+    assert plan.COOP is None and plan.SUB == 1 and per_warp_plan(plan).SUB == 1
+    assert mma_kernel_plan(lay, plan, 4, 16, 8).maxnreg == 168
+    assert mma_plan(_layout("tq4", 256, heads, "row"), 16 // heads).SUB == 2
+    assert per_warp_plan(mma_plan(_layout("tqkern_k5v3", 128, 8), 4)).SUB == 2
