@@ -245,9 +245,20 @@ def test_merge_matches_numpy(preset, chunks, impl, rows, unroll):
     into the sum). Both merge kernels: per GQA group, and per block of query rows (24 rows: a
     partial block of 16 or 32; 5 splits: a partial unroll of 2 or 8, or all 5 at once: the
     default without the rotate-back); and the launcher's default choice."""
-    layout = _layout(preset, 128, 2)
+    _merge_matches_numpy(preset, 128, chunks, impl, rows, unroll)
+
+
+@needs_kernels
+def test_merge_head_dim_256_in_8_chunks():
+    """head_dim 256 with the rotate-back in 8 column chunks of 32 (the row merge's D256 rule): each
+    chunk merges all 256 columns and rotates into its 32."""
+    _merge_matches_numpy("tq4", 256, 8, "rows", 16, 8)
+
+
+def _merge_matches_numpy(preset, dp, chunks, impl, rows, unroll):
+    layout = _layout(preset, dp, 2)
     params = tqt.to_device(tqkern.TQParams.default(layout.format, seed=3), DEV)
-    s, hq, ns, dp, g = 3, 8, 5, 128, 4
+    s, hq, ns, g = 3, 8, 5, 4
     rng = np.random.default_rng(0)
     acc = rng.standard_normal((s, hq, ns, dp)).astype(np.float32)
     m = (rng.standard_normal((s, hq, ns)) * 4).astype(np.float32)
@@ -262,7 +273,7 @@ def test_merge_matches_numpy(preset, chunks, impl, rows, unroll):
     ws = np.concatenate([acc.ravel(), np.stack([m, l], -1).ravel()])
     assert ws.size == workspace_numel(s, hq, ns, dp)
     ws_t = torch.from_numpy(ws).to(DEV)
-    out = torch.full((s, hq, 128), float("nan"), dtype=torch.float32, device=DEV)
+    out = torch.full((s, hq, dp), float("nan"), dtype=torch.float32, device=DEV)
     n_acc = acc.size
     _launch_merge(ws_t[:n_acc], ws_t[n_acc:], params.rotation, out, layout, g, ns, INTERP, chunks=chunks,
                   impl=impl, rows=rows, unroll=unroll)
