@@ -16,8 +16,7 @@ import triton
 import triton.language as tl
 
 from tqkern.ops.common import layout_consts
-from tqkern.ops.paged_decode.plan import merge_chunks
-from tqkern.ops.paged_decode.side_plans import row_merge_chunks
+from tqkern.ops.paged_decode.side_plans import merge_chunks, merge_impl, row_merge_chunks, row_merge_unroll
 
 __all__ = ["_merge_kernel", "_merge_rows_kernel", "_launch_merge", "merge_chunks"]
 
@@ -191,9 +190,9 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
     dp = layout_consts(layout)["DP"]
     rotate_back = bool(layout.format.value.rotated)
     if impl is None:
-        impl = "rows" if rotate_back or num_splits > 16 else "heads"
+        impl = merge_impl(rotate_back, num_splits)
     if unroll is None:
-        unroll = 8 if rotate_back else 64
+        unroll = row_merge_unroll(rotate_back)
     if impl not in ("rows", "heads"):
         raise ValueError(f"impl must be 'rows', 'heads' or None, got {impl!r}")
     if not isinstance(rows, int) or rows < 16 or rows & (rows - 1):

@@ -9,7 +9,8 @@ import dataclasses
 
 from tqkern.ops.common import layout_consts
 
-__all__ = ["MergePlan", "RotatePlan", "merge_chunks", "row_merge_chunks", "scan_split"]
+__all__ = ["MergePlan", "RotatePlan", "merge_chunks", "merge_impl", "row_merge_chunks", "row_merge_unroll",
+           "scan_split"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,17 +92,28 @@ def _rotate_plan(layout, s, hq, max_blocks, rows: int = 16, cols: int = 64) -> R
                       rotate=rotate)
 
 
+def merge_impl(rotate_back: bool, num_splits: int) -> str:
+    """The merge kernel: ``"rows"`` (blocks of query rows) with the rotate-back or more than 16
+    splits, else ``"heads"`` (one GQA group per program); measured in ``.merge._launch_merge``."""
+    return "rows" if rotate_back or num_splits > 16 else "heads"
+
+
+def row_merge_unroll(rotate_back: bool) -> int:
+    """Splits per iteration of the row-block merge: 8 with the rotate-back, else all (up to 64)."""
+    return 8 if rotate_back else 64
+
+
 def _merge_plan(layout, s, hq, num_splits, caps, options) -> MergePlan:
-    """Rows with the rotate-back or more than 16 splits, else heads (``.merge._launch_merge``)."""
+    """:func:`merge_impl`'s kernel with :func:`row_merge_chunks` or :func:`merge_chunks` column chunks."""
     dp = layout_consts(layout)["DP"]
     rotate_back = bool(layout.format.value.rotated)
     sms = 1 if caps.interpret else caps.num_sms
-    if rotate_back or num_splits > 16:
+    if merge_impl(rotate_back, num_splits) == "rows":
         rows = 16
         blocks = -(-(s * hq) // rows)
         chunks = row_merge_chunks(blocks, sms, dp, rotate_back)
         return MergePlan(impl="rows", grid=(blocks, chunks), rows=rows, chunks=chunks,
-                         unroll=max(1, min(8 if rotate_back else 64, num_splits)), rotate_back=rotate_back,
+                         unroll=max(1, min(row_merge_unroll(rotate_back), num_splits)), rotate_back=rotate_back,
                          sinks=options.sinks, lse=options.lse)
     chunks = merge_chunks(s * layout.num_kv_heads, sms, dp)
     return MergePlan(impl="heads", grid=(s, layout.num_kv_heads, chunks), rows=0, chunks=chunks, unroll=num_splits,
