@@ -187,6 +187,17 @@ def test_row_merge_chunks_rule():
     assert row_merge_chunks(256, 132, 256, True) == 1
 
 
+def test_rotate_cols_rule():
+    """The q rotation's output columns per program: 32 at DP >= 256, 64 below, all when nothing
+    rotates (the plan's grid follows)."""
+    from tqkern.ops.paged_decode.side_plans import _rotate_plan, rotate_cols
+    assert [rotate_cols(dp) for dp in (64, 128, 256)] == [64, 64, 32]
+    r = _rotate_plan(_layout("tq4", 256, 8, "slot"), 8, 16, 512)
+    assert (r.cols, r.grid[1], r.programs) == (32, 8, 8)
+    assert _rotate_plan(_layout("tq4", 96, 8, "slot"), 8, 16, 512).cols == 64
+    assert _rotate_plan(_layout("fp16", 256, 8, "slot"), 8, 16, 512).cols == 256
+
+
 def test_num_splits_whole_waves():
     """The general kernel's split count: ~4 programs per SM (at least 4·BN tokens per split);
     with the resident program count and splits of >= 2048 tokens, the count (up to that one)

@@ -9,8 +9,8 @@ import dataclasses
 
 from tqkern.ops.common import layout_consts
 
-__all__ = ["MergePlan", "RotatePlan", "merge_chunks", "merge_impl", "row_merge_chunks", "row_merge_unroll",
-           "scan_split"]
+__all__ = ["MergePlan", "RotatePlan", "merge_chunks", "merge_impl", "rotate_cols", "row_merge_chunks",
+           "row_merge_unroll", "scan_split"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,13 +79,23 @@ def scan_split(entries: int, cols: int) -> tuple[int, int]:
     return sb, -(-programs // cols)
 
 
-def _rotate_plan(layout, s, hq, max_blocks, rows: int = 16, cols: int = 64) -> RotatePlan:
+def rotate_cols(dp: int) -> int:
+    """Output columns per program of the q rotation at padded head_dim ``dp``: 64, but 32 at DP ≥ 256,
+    where 64 leaves few programs each loading a 64 KiB slice of Π. Measured (H200, session 29 probe,
+    ``rotate_q`` alone, cols 64 / 32 / 16, µs): Gemma-2-9B B8×8K (128 rows, D256) 10.11 / 3.85 / 7.55,
+    Gemma-7B B4×8K 9.79 / 3.80 / 6.51; at DP 128 32 columns gain ≤ 0.3 µs or lose (B32×16K 3.11 /
+    3.34 / 6.30, Phi-3 B16×4K 2.85 / 2.59 / 2.85, 1 × 32 heads 2.78 / 2.48 / 2.67)."""
+    return 32 if dp >= 256 else 64
+
+
+def _rotate_plan(layout, s, hq, max_blocks, rows: int = 16) -> RotatePlan:
     """Measured on the H100 at 1024 rows, D = 128: 16 rows × all columns 4.6 µs, 32 rows 9.5 µs,
-    64 rows 9.8 µs (session 4); 16 rows × 64 columns: ``docs/performance.md``."""
+    64 rows 9.8 µs (session 4); 16 rows × 64 columns: ``docs/performance.md``; the columns:
+    :func:`rotate_cols`."""
     d = layout.head_dim
     dp = max(16, 1 << (d - 1).bit_length())
     rotate = bool(layout.format.key.rotated)
-    cc = min(cols, dp) if rotate else dp
+    cc = min(rotate_cols(dp), dp) if rotate else dp
     programs = -(-(s * hq) // rows)
     sb, scan_rows = scan_split(s * max_blocks, dp // cc)
     return RotatePlan(grid=(programs + scan_rows, dp // cc), programs=programs, rows=rows, cols=cc, scan_block=sb,
