@@ -114,7 +114,8 @@ def test_selection_and_config():
     assert [(s.batch, s.prompt) for s in shapes] == [(b, 1024 * k) for b in (1, 8) for k in (1, 16, 32)]
     assert gen.count_steps(presets, shapes) == 6 + 2 + 6 * 7  # 6 variants (2 static, the compiled baseline)
     assert gen.select(["tq4:static", gen.COMPILED_BASELINE])[0] == ("tq4:static", gen.COMPILED_BASELINE)
-    for bad in ("tq5", "tq5:static", "tq4:graph"):
+    assert gen.select(["k5v4h:static"])[0] == ("k5v4h:static",)  # the kXvYh family, install's default among it
+    for bad in ("tq5", "tq5:static", "tq4:graph", "k9v4h", "k5v4h:graph"):
         with pytest.raises(ValueError, match="presets must be among"):
             gen.select([bad])
     with pytest.raises(ValueError, match="shape must be one of"):

@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import tqkern_torch.transformers as tqt  # noqa: E402
-from tqkern import reference  # noqa: E402
+from tqkern import KVFormat, reference  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
 VOCAB = 128
@@ -218,7 +218,10 @@ def test_install_uninstall_restores(model):
     before_impl = model.config._attn_implementation
     with torch.no_grad():
         before = model(ids).logits
-    tqt.install(model, "tqkern_k5v3")
+    spec = tqt.install(model)  # the default format: k5v4h (docs/quality.md), for every layer
+    head_dim = tqt._geometry(model.config)[2]
+    assert tqt.DEFAULT_FORMAT == "k5v4h"
+    assert all(p.format == KVFormat.preset("k5v4h", head_dim) for p in spec.params)
     assert model.config._attn_implementation == "tqkern"
     tqt.install(model, "fp16")  # a second install keeps the implementation to restore
     tqt.uninstall(model)

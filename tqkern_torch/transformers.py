@@ -6,7 +6,7 @@ Usage::
     import tqkern_torch.transformers as tqt
 
     # μ (per-layer key offsets) calibrated on tqkern's default text with the model's tokenizer
-    tqt.install(model, "tqkern_k5v3", tokenizer=tok, formats={0: "fp16", -1: "fp16"})
+    tqt.install(model, tokenizer=tok, formats={0: "fp16", -1: "fp16"})  # DEFAULT_FORMAT elsewhere
     out = model.generate(ids, past_key_values=tqt.TQCache(model), max_new_tokens=32)
     tqt.uninstall(model)                                  # the previous attention, exactly
 
@@ -75,11 +75,18 @@ from tqkern_torch.hf_prefill import CausalMask, causal_mask, prefill_attention
 from tqkern_torch.kv_cache import (_ATTR, _TAG, ATTN_IMPLEMENTATION, _allowed, TQCache, TQCacheLayer,
                                    TQStaticCacheLayer, _geometry, _text_config, prefix_starts)
 
-__all__ = ["ATTN_IMPLEMENTATION", "KeyOffsetWarning", "TQCache", "TQCacheLayer", "TQInstall", "TQStaticCacheLayer",
-           "attention_forward",
-           "calibrate", "install", "layer_params", "load_key_offsets", "uninstall"]
+__all__ = ["ATTN_IMPLEMENTATION", "DEFAULT_FORMAT", "KeyOffsetWarning", "TQCache", "TQCacheLayer", "TQInstall",
+           "TQStaticCacheLayer", "attention_forward", "calibrate", "install", "layer_params", "load_key_offsets",
+           "uninstall"]
 
 FormatSpec = Union[str, KVFormat]
+
+#: The format :func:`install` and :func:`layer_params` use when given none: 5-bit keys, 4-bit
+#: values (Lloyd-Max codes, float16 norms; 76 bytes per token and KV head at head_dim 64, 148 at
+#: 128). Measured with ``tqkern eval`` on SmolLM2-135M with μ (``docs/quality.md``): ΔPPL +0.83%
+#: and +1.10% on the two halves of the text (windows 0–23, 24–47), where ``tqkern_k5v3`` (72 / 136
+#: bytes, the default until session 29) read +3.02% and +4.00%: above issue 24's +3% line.
+DEFAULT_FORMAT = "k5v4h"
 
 
 def _resolve_format(spec: FormatSpec, head_dim: int, name: str) -> KVFormat:
@@ -121,7 +128,7 @@ class TQInstall:
         save_key_offsets(path, self.params)
 
 
-def layer_params(model_or_config, format: FormatSpec = "tqkern_k5v3", *, key_offset=None,
+def layer_params(model_or_config, format: FormatSpec = DEFAULT_FORMAT, *, key_offset=None,
                  formats: Optional[Mapping[int, FormatSpec]] = None) -> tuple[TQParams, ...]:
     """One :class:`~tqkern.TQParams` per decoder layer: ``formats[i]`` (negative indices count
     from the last layer) or ``format``, with ``TQParams.default`` and ``key_offset[i]`` (a
@@ -270,7 +277,7 @@ def _register() -> None:
     transformers.AttentionMaskInterface.register(ATTN_IMPLEMENTATION, causal_mask)
 
 
-def install(model, format: FormatSpec = "tqkern_k5v3", *, key_offset="auto", calibration=None, tokenizer=None,
+def install(model, format: FormatSpec = DEFAULT_FORMAT, *, key_offset="auto", calibration=None, tokenizer=None,
             formats: Optional[Mapping[int, FormatSpec]] = None, block_size: int = 16) -> TQInstall:
     """Switch ``model`` to the ``"tqkern"`` attention (``model.set_attn_implementation``) and attach
     the per-layer cache parameters that :class:`TQCache` reads, the key offset μ included.

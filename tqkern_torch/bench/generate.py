@@ -59,18 +59,19 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from tqkern.layouts import PRESETS as FORMAT_PRESETS
+from tqkern.layouts import is_format_name
 from tqkern_torch.bench.report import SCHEMA, Progress, record
 from tqkern_torch.bench.shapes import GENERATE_SHAPES, QUICK_SHAPES, GenerateShape, generate_shape
 
-__all__ = ["BASELINE", "COMPILED_BASELINE", "DEFAULT_PRESETS", "STATIC", "FULL_LAYERS", "NEW_TOKENS", "NOOP_PROMPT", "PREFILL_PATHS", "PROFILED_STEPS",
-           "QUICK_PRESETS", "TIMING", "build_model", "cache_bytes", "count_steps", "llama3_8b_config", "run",
+__all__ = ["BASELINE", "COMPILED_BASELINE", "DEFAULT_PRESETS", "STATIC", "FULL_LAYERS", "NEW_TOKENS", "NOOP_PROMPT",
+           "PREFILL_PATHS", "PROFILED_STEPS", "QUICK_PRESETS", "TIMING", "build_model", "cache_bytes", "count_steps", "llama3_8b_config", "run",
            "run_shape", "select", "time_generate"]
 
 BASELINE = "sdpa_dynamic_cache"
 COMPILED_BASELINE = "sdpa_static_cache"  # transformers' StaticCache: generate compiles its decode step too
 STATIC = ":static"  # a preset's variant through TQCache(max_cache_len=...): the compiled, CUDA-graph decode step
-DEFAULT_PRESETS = ("turboquant_4bit_nc", "turboquant_4bit_nc:static", "turboquant_k8v4", "tqkern_k5v3",
-                   "tqkern_k5v3:static", COMPILED_BASELINE)
+DEFAULT_PRESETS = ("turboquant_4bit_nc", "turboquant_4bit_nc:static", "turboquant_k8v4", "k5v4h", "k5v4h:static",
+                   COMPILED_BASELINE)  # k5v4h: install's DEFAULT_FORMAT
 QUICK_PRESETS = ("turboquant_4bit_nc", "turboquant_4bit_nc:static")
 NEW_TOKENS = 128
 PROFILED_STEPS = 16
@@ -335,10 +336,10 @@ def select(presets: Optional[Sequence[str]] = None, shapes: Optional[Sequence[st
         ValueError: an unknown preset or shape name.
     """
     presets = tuple(presets) if presets is not None else QUICK_PRESETS if quick else DEFAULT_PRESETS
-    unknown = [p for p in presets if p != COMPILED_BASELINE and p.removesuffix(STATIC) not in FORMAT_PRESETS]
+    unknown = [p for p in presets if p != COMPILED_BASELINE and not is_format_name(p.removesuffix(STATIC))]
     if unknown:
-        raise ValueError(f"presets must be among {', '.join(FORMAT_PRESETS)} (each also as PRESET{STATIC}: the "
-                         f"compileable TQCache) or {COMPILED_BASELINE}, got {unknown}")
+        raise ValueError(f"presets must be among {', '.join(FORMAT_PRESETS)} or kXvYh (each also as "
+                         f"PRESET{STATIC}: the compileable TQCache) or {COMPILED_BASELINE}, got {unknown}")
     names = shapes if shapes is not None else QUICK_SHAPES["generate"] if quick else [s.name for s in GENERATE_SHAPES]
     return presets, [generate_shape(n) for n in names]
 
