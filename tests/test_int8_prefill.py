@@ -179,3 +179,47 @@ def test_tile_kernels_name_bad_arguments():
     with pytest.raises(ValueError, match="q's heads must be a multiple of k's, got 3 and 2"):
         attend_tiles(torch.zeros(4, 3, 64, dtype=torch.float16), torch.zeros(6, 2, 64, dtype=torch.float16),
                      torch.zeros(6, 2, 64, dtype=torch.float16), 1, **kw)
+
+
+@needs_kernels
+@pytest.mark.parametrize("int8", [True, False], ids=["int8", "half"])
+@pytest.mark.parametrize("mask", ["causal", "window", "none"])
+def test_attend_tiles_descriptor_loads_equal_pointer_loads(int8, mask):
+    """K/V tiles through tensor descriptors (TMA) give the pointer loads' outputs and lse bit for
+    bit: two sequences in one call (the first's last key tile reads the second's rows), chunks
+    (Lq < Lk), lengths off the tile grid. The second sequence's values hold a NaN, which the
+    first's rows must not see (TMA loads those rows; the kernel zeroes them)."""
+    from tqkern_torch.prefill_tiles import attend_tiles, tma_supported
+
+    g = torch.Generator().manual_seed(7)
+    lq, lk, hq, hkv, d = 37, 45, 4, 2, 64
+    v = torch.randn(2 * lk, hkv, d, generator=g).half()
+    v[lk + 3, 1, 5] = float("nan")
+    if int8:
+        q = (torch.randint(-127, 128, (2 * lq, hq, d), generator=g, dtype=torch.int8),
+             torch.rand(2 * lq, hq, generator=g) / 64)
+        k = (torch.randint(-127, 128, (2 * lk, hkv, d), generator=g, dtype=torch.int8),
+             torch.rand(2 * lk, hkv, generator=g) / 64)
+    else:
+        q, k = torch.randn(2 * lq, hq, d, generator=g).half(), torch.randn(2 * lk, hkv, d, generator=g).half()
+    on = (lambda x: tuple(t.to(DEV) for t in x)) if int8 else (lambda x: x.to(DEV))
+    q, k, v = on(q), on(k), v.to(DEV)
+    assert tma_supported(k[0] if int8 else k, v, d)
+    kw = dict(causal=mask != "none", scale=d ** -0.5, window_left=9 if mask == "window" else None,
+              softcap=None if int8 else 20.0)
+    o1, l1 = attend_tiles(q, k, v, 2, tma=True, **kw)
+    o0, l0 = attend_tiles(q, k, v, 2, tma=False, **kw)
+    assert torch.equal(l1, l0) and torch.equal(o1[:lq], o0[:lq]) and torch.isfinite(o1[:lq]).all()
+    torch.testing.assert_close(o1, o0, rtol=0, atol=0, equal_nan=True)
+
+
+@needs_kernels
+def test_attend_tiles_refuses_descriptors_where_unsupported():
+    from tqkern_torch.prefill_tiles import attend_tiles
+
+    q, k = torch.zeros(4, 2, 48, dtype=torch.float16, device=DEV), torch.zeros(6, 1, 48, dtype=torch.float16,
+                                                                               device=DEV)
+    with pytest.raises(ValueError, match=r"tma=True needs .* power-of-two head_dim .* got k \(6, 1, 48\)"):
+        attend_tiles(q, k, k, 1, causal=True, scale=0.1, window_left=None, softcap=5.0, tma=True)
+    out, _ = attend_tiles(q, k, k, 1, causal=True, scale=0.1, window_left=None, softcap=5.0)  # pointer loads
+    assert torch.equal(out, torch.zeros_like(out))

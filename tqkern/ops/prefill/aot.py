@@ -83,8 +83,12 @@ def compile_tile_attend(layout, hq: int, out_dtype: str = "fp16", window: bool =
     cx = dict(HQ=hq, G=hq // layout.num_kv_heads, D=layout.head_dim, DP=cfg.DP, BM=cfg.BM, BN=cfg.BN, CAUSAL=True,
               WINDOW=window, SOFTCAP=softcap, INT8=int8)
     qk = "*i8" if int8 else f"*{out_dtype}"
+    tma = cfg.DP == layout.head_dim  # as tqkern_torch.prefill_tiles.tma_supported decides for contiguous K/V
+    desc = (f"tensordesc<{qk[1:]}[{cfg.BN},{cfg.DP}]>", f"tensordesc<{out_dtype}[{cfg.BN},{cfg.DP}]>")
     types = dict(q_ptr=qk, k_ptr=qk, qs_ptr="*fp32", ks_ptr="*fp32", lse_ptr="*fp32", v_ptr=f"*{out_dtype}",
-                 o_ptr=f"*{out_dtype}", qk_scale="fp32", softcap="fp32")
+                 o_ptr=f"*{out_dtype}", qk_scale="fp32", softcap="fp32", k_desc=desc[0] if tma else qk,
+                 v_desc=desc[1] if tma else f"*{out_dtype}")
+    cx["TMA"] = tma
     compiled = _compile(_tile_attend_kernel, cx, types, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     return compiled, cfg
 

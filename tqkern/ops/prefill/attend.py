@@ -92,11 +92,15 @@ def online_softmax_step(s, m_i, l_i):
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, qs, pos_q, t0, kv_end, k_base, ks_base, v_base, cols, stride_kt, stride_kst,
-                 stride_vt, softcap, window_left, MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                 SOFTCAP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, INT8: tl.constexpr):
+def _attend_tile(acc, m_i, l_i, q, qs, pos_q, t0, kv_end, k_base, ks_base, v_base, k_desc, v_desc, desc_row, desc_col,
+                 cols, stride_kt, stride_kst, stride_vt, softcap, window_left, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+                 WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr,
+                 INT8: tl.constexpr, TMA: tl.constexpr):
     """One online-softmax step over keys ``t0 .. t0 + BN − 1`` (``MASK``: keys at or past
-    ``kv_end`` and the causal / window masks applied; without it every row sees every key)."""
+    ``kv_end`` and the causal / window masks applied; without it every row sees every key).
+    ``TMA``: K and V tiles through the tensor descriptors at rows ``desc_row + t0``, column
+    ``desc_col`` (rows past ``kv_end`` belong to the next sequence or are zero-filled: their
+    values are zeroed so that a non-finite one cannot reach the output through a zero weight)."""
     kk = t0 + tl.arange(0, BN)
     if MASK:
         km = kk < kv_end
@@ -106,7 +110,10 @@ def _attend_tile(acc, m_i, l_i, q, qs, pos_q, t0, kv_end, k_base, ks_base, v_bas
         m2 = km[:, None]
     else:
         m2 = km[:, None] & (cols < D)[None, :]
-    k = tl.load(k_base + kk.to(tl.int64)[:, None] * stride_kt + cols[None, :], mask=m2, other=0)
+    if TMA:
+        k = k_desc.load([desc_row + t0, desc_col])
+    else:
+        k = tl.load(k_base + kk.to(tl.int64)[:, None] * stride_kt + cols[None, :], mask=m2, other=0)
     if INT8:
         ks = tl.load(ks_base + kk.to(tl.int64) * stride_kst, mask=km, other=0.0)
         s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * qs[:, None] * ks[None, :]
@@ -117,18 +124,23 @@ def _attend_tile(acc, m_i, l_i, q, qs, pos_q, t0, kv_end, k_base, ks_base, v_bas
     if MASK:
         s = mask_scores(s, kk, km, pos_q, window_left, CAUSAL, WINDOW)
     p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)
-    v = tl.load(v_base + kk.to(tl.int64)[:, None] * stride_vt + cols[None, :], mask=m2, other=0.0)
+    if TMA:
+        v = v_desc.load([desc_row + t0, desc_col])
+        if MASK:
+            v = tl.where(km[:, None], v, 0.0)
+    else:
+        v = tl.load(v_base + kk.to(tl.int64)[:, None] * stride_vt + cols[None, :], mask=m2, other=0.0)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, m_new, l_i
 
 
 @triton.jit(do_not_specialize=["Lq", "Lk"])
 def _tile_attend_kernel(
-    q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, o_ptr, lse_ptr, Lq, Lk, qk_scale, softcap, window_left,
+    q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, o_ptr, lse_ptr, k_desc, v_desc, Lq, Lk, qk_scale, softcap, window_left,
     stride_qt, stride_qh, stride_qst, stride_kt, stride_kh, stride_kst, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_lt,
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, INT8: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, INT8: tl.constexpr, TMA: tl.constexpr,
 ):
     """``INT8``: q int8 ``[batch·Lq, HQ, D]`` codes, qs float32 ``[batch·Lq, HQ]`` their scales;
     k int8 ``[batch·Lk, HQ/G, D]``, ks float32 ``[batch·Lk, HQ/G]``. Otherwise q and k are in v's
@@ -137,11 +149,16 @@ def _tile_attend_kernel(
     log). ``qk_scale``: the score scale, times log2(e) unless ``SOFTCAP``. ``Lq`` and ``Lk`` are
     never specialized: a causal piece of one query and one key (``Lq = Lk = 1``, a constexpr 1
     under Triton's specialization) crashed Triton 3.6's ptxas (CUDA 12.8, signal 11) with this
-    kernel's int8 form at head_dim 64; reproduced offline, gone without the specialization."""
+    kernel's int8 form at head_dim 64; reproduced offline, gone without the specialization.
+    ``TMA``: K and V are read through ``k_desc`` / ``v_desc``, tensor descriptors of the
+    contiguous ``[batch·Lk, HQ/G·D]`` views with ``[BN, D]`` boxes (``D == DP``); otherwise through
+    the pointers (the descriptors are not read). The query tiles run last row block first (the
+    longest causal rows start first)."""
     b = tl.program_id(1) // HQ
     h = tl.program_id(1) % HQ
     kh = h // G
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    mt = tl.num_programs(0) - 1 - tl.program_id(0)
+    rows = mt * BM + tl.arange(0, BM)
     rm = rows < Lq
     cols = tl.arange(0, DP)
     tok = (b * Lq + tl.where(rm, rows, 0)).to(tl.int64)
@@ -161,7 +178,7 @@ def _tile_attend_kernel(
     ks_base = ks_ptr + k0 * stride_kst + kh
     v_base = v_ptr + k0 * stride_vt + kh * stride_vh
 
-    first = Lk - Lq + tl.program_id(0) * BM  # the first row's key position
+    first = Lk - Lq + mt * BM  # the first row's key position
     if CAUSAL or WINDOW:
         kv_end = tl.minimum(Lk, tl.maximum(first + BM, 0))
     else:
@@ -179,13 +196,13 @@ def _tile_attend_kernel(
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, DP], tl.float32)
     for t0 in range(lo, full, BN):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, qs, pos_q, t0, kv_end, k_base, ks_base, v_base, cols,
-                                     stride_kt, stride_kst, stride_vt, softcap, window_left, False, CAUSAL, WINDOW,
-                                     SOFTCAP, D, DP, BN, INT8)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, qs, pos_q, t0, kv_end, k_base, ks_base, v_base, k_desc,
+                                     v_desc, b * Lk, kh * D, cols, stride_kt, stride_kst, stride_vt, softcap,
+                                     window_left, False, CAUSAL, WINDOW, SOFTCAP, D, DP, BN, INT8, TMA)
     for t0 in range(tl.maximum(full, lo), kv_end, BN):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, qs, pos_q, t0, kv_end, k_base, ks_base, v_base, cols,
-                                     stride_kt, stride_kst, stride_vt, softcap, window_left, True, CAUSAL, WINDOW,
-                                     SOFTCAP, D, DP, BN, INT8)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, qs, pos_q, t0, kv_end, k_base, ks_base, v_base, k_desc,
+                                     v_desc, b * Lk, kh * D, cols, stride_kt, stride_kst, stride_vt, softcap,
+                                     window_left, True, CAUSAL, WINDOW, SOFTCAP, D, DP, BN, INT8, TMA)
     inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
     o = acc * inv[:, None] + poison[:, None]
     tl.store(o_ptr + tok[:, None] * stride_ot + h * stride_oh + cols[None, :], o.to(o_ptr.dtype.element_ty), mask=qm)
