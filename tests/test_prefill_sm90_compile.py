@@ -47,7 +47,9 @@ BUDGETS = {
     "tqkern_k5v3:row:256:2:8:bf16:gather+int8": (0, 3248),
     "tq4:slot:128:8:32:fp16:attend": (1952, 10872),
     "turboquant_4bit_nc:slot:64:2:8:bf16:attend+window+softcap": (384, 5320),
-    "turboquant_4bit_nc:slot:256:8:32:bf16:attend": (1000, 9080),
+    # D256 int8 reads K/V through tensor descriptors since S29 (Triton 3.9: 1000 -> 1344 stack bytes;
+    # on the H200 under Triton 3.6 1099.9 -> 971.6 us at 1x8K, attend_tma's docstring)
+    "turboquant_4bit_nc:slot:256:8:32:bf16:attend": (1344, 9080),
     "tq4:slot:128:8:32:bf16:quantize": (0, 1992),
     "turboquant_4bit_nc:slot:128:8:32:fp16:quantize": (0, 2360),
     "turboquant_4bit_nc:slot:256:8:32:bf16:quantize": (504, 6432),

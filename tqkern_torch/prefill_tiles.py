@@ -34,7 +34,7 @@ import triton
 from tqkern.layouts import PagedLayout
 from tqkern.ops.codecs import layout_args
 from tqkern.ops.int8_prefill.triton import QuantizeConfig, _quantize_q_kernel, quantize_config
-from tqkern.ops.prefill.attend import AttendConfig, _tile_attend_kernel, attend_config
+from tqkern.ops.prefill.attend import AttendConfig, _tile_attend_kernel, attend_config, attend_tma
 from tqkern.ops.prefill.tiles import _combine_kernel, _runs_kernel, plan_tiles
 from tqkern_torch._validate import check_tensor, interpreting
 
@@ -186,10 +186,9 @@ def attend_tiles(q, k, v, batch: int, *, causal: bool, scale: float, window_left
     ``q [batch·L, Hq, D]``, ``k [batch·n, Hkv, D]`` in v's dtype, or with int8 Q·Kᵀ ``q = (codes
     int8 [batch·L, Hq, D], scales float32 [batch·L, Hq])`` and ``k`` likewise; ``v [batch·n, Hkv,
     D]`` fp16/bf16 (the output's dtype); bottom-right causal and window masks; ``softcap`` caps the
-    scores. ``tma``: K/V tiles through tensor descriptors (default: where :func:`tma_supported`;
-    ``False`` forces pointer loads; ``True`` where unsupported raises ``ValueError``). Measured
-    (H200, session 29 probe, int8, Hq32/Hkv8/D128 causal, cuDNN fp16 3855.5 µs): 1×16K pointer loads
-    5267.7 µs (0.73x), TMA 4355–4372 µs (0.88x) at this tile; 1×4K 427.8 → 337–342 µs (cuDNN 284.3)."""
+    scores. ``tma``: K/V tiles through tensor descriptors (default: where :func:`tma_supported` and
+    :func:`~tqkern.ops.prefill.attend.attend_tma` say so, which has the measurements; ``False``
+    forces pointer loads; ``True`` where unsupported raises ``ValueError``)."""
     int8 = isinstance(q, tuple)
     if isinstance(k, tuple) != int8 or (int8 and (len(q) != 2 or len(k) != 2)):
         raise TypeError("q and k must both be tensors, or both (int8 codes, float32 scales) pairs, got "
@@ -205,17 +204,19 @@ def attend_tiles(q, k, v, batch: int, *, causal: bool, scale: float, window_left
         raise ValueError("tma=True needs contiguous, 16-byte aligned, non-empty k and v with a power-of-two "
                          f"head_dim on an sm_90+ GPU or the interpreter, got k {tuple(k8.shape)} "
                          f"{k8.dtype} and v {tuple(v.shape)} {v.dtype} on {v.device}")
-    use_tma = can if tma is None else bool(tma)
+    use_tma = (can and attend_tma(d, int8)) if tma is None else bool(tma)
     k_desc, v_desc = _descriptors(k8, v, cfg) if use_tma else (k8, v)
     o = torch.empty((t, hq, d), dtype=v.dtype, device=v.device)
     lse = torch.empty((t, hq), dtype=torch.float32, device=v.device)
+    if int8:
+        ks = ks.t().contiguous()  # head-major: each tile's scales one contiguous load
     if t:
         _tile_attend_kernel[(triton.cdiv(lq, cfg.BM), batch * hq)](
             q8, qs, k8, ks, v, o, lse, k_desc, v_desc, lq, lk, scale if softcap is not None else scale * _LOG2E,
             0.0 if softcap is None else float(softcap), 0 if window_left is None else window_left,
-            q8.stride(0), q8.stride(1), qs.stride(0), k8.stride(0), k8.stride(1), ks.stride(0), v.stride(0),
-            v.stride(1), o.stride(0), o.stride(1), lse.stride(0), HQ=hq, G=hq // hkv, D=d, DP=cfg.DP, BM=cfg.BM,
-            BN=cfg.BN, CAUSAL=causal, WINDOW=window_left is not None, SOFTCAP=softcap is not None, INT8=int8,
+            q8.stride(0), q8.stride(1), qs.stride(0), k8.stride(0), k8.stride(1), ks.stride(-1), ks.stride(0),
+            v.stride(0), v.stride(1), o.stride(0), o.stride(1), lse.stride(0), HQ=hq, G=hq // hkv, D=d, DP=cfg.DP,
+            BM=cfg.BM, BN=cfg.BN, CAUSAL=causal, WINDOW=window_left is not None, SOFTCAP=softcap is not None, INT8=int8,
             TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o, lse
 

@@ -77,13 +77,13 @@ def compile_tile_attend(layout, hq: int, out_dtype: str = "fp16", window: bool =
                         int8: bool = True):
     """The tiled path's attention kernel (causal; ``int8``: ``int8_prefill``'s, else fp16/bf16
     Q·Kᵀ as ``prefill`` with a soft-cap runs it) for this head geometry, sm_90."""
-    from tqkern.ops.prefill.attend import _tile_attend_kernel, attend_config
+    from tqkern.ops.prefill.attend import _tile_attend_kernel, attend_config, attend_tma
 
     cfg = attend_config(layout.head_dim, int8, interpret=False)
     cx = dict(HQ=hq, G=hq // layout.num_kv_heads, D=layout.head_dim, DP=cfg.DP, BM=cfg.BM, BN=cfg.BN, CAUSAL=True,
               WINDOW=window, SOFTCAP=softcap, INT8=int8)
     qk = "*i8" if int8 else f"*{out_dtype}"
-    tma = cfg.DP == layout.head_dim  # as tqkern_torch.prefill_tiles.tma_supported decides for contiguous K/V
+    tma = cfg.DP == layout.head_dim and attend_tma(layout.head_dim, int8)  # as attend_tiles decides (contiguous K/V)
     desc = (f"tensordesc<{qk[1:]}[{cfg.BN},{cfg.DP}]>", f"tensordesc<{out_dtype}[{cfg.BN},{cfg.DP}]>")
     types = dict(q_ptr=qk, k_ptr=qk, qs_ptr="*fp32", ks_ptr="*fp32", lse_ptr="*fp32", v_ptr=f"*{out_dtype}",
                  o_ptr=f"*{out_dtype}", qk_scale="fp32", softcap="fp32", k_desc=desc[0] if tma else qk,

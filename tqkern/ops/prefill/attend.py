@@ -25,7 +25,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-__all__ = ["_tile_attend_kernel", "AttendConfig", "attend_config", "softcap_log2", "mask_scores",
+__all__ = ["_tile_attend_kernel", "AttendConfig", "attend_config", "attend_tma", "softcap_log2", "mask_scores",
            "online_softmax_step"]
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -58,6 +58,17 @@ def attend_config(head_dim: int, int8: bool, interpret: bool) -> AttendConfig:
     if dp <= 128:
         return AttendConfig(128, 64, dp, 4, 3) if int8 else AttendConfig(64, 64, dp, 4, 3)
     return AttendConfig(128, 64, dp, 8, 2)
+
+
+def attend_tma(head_dim: int, int8: bool) -> bool:
+    """Whether the kernel should read K/V tiles through tensor descriptors (where they can: the
+    host checks contiguity, alignment and the device): half-precision Q·Kᵀ at every power-of-two
+    head_dim, int8 at 256 only. Measured (H200, session 29, the kernel alone at its tiles, causal,
+    µs, descriptors / pointers, the scales head-major for both): int8 D128 1×16K 4881.9 / 4667.8,
+    1×4K 406.3 / 362.7, D256 1×8K (Hq16) 971.6 / 1099.9; bf16/fp16 with a soft-cap D128 1×16K
+    6571.7 / 7211.8, 1×4K 475.9 / 517.9, D256 1×8K 1411.9 / 1419.6, D64 1×16K 4836.3 / 5008.3
+    (cuDNN without a cap 3897.6, 285.6, 952.1, 2592.1)."""
+    return (not int8) or head_dim >= 256
 
 
 @triton.jit
@@ -115,7 +126,10 @@ def _attend_tile(acc, m_i, l_i, q, qs, pos_q, t0, kv_end, k_base, ks_base, v_bas
     else:
         k = tl.load(k_base + kk.to(tl.int64)[:, None] * stride_kt + cols[None, :], mask=m2, other=0)
     if INT8:
-        ks = tl.load(ks_base + kk.to(tl.int64) * stride_kst, mask=km, other=0.0)
+        if MASK:
+            ks = tl.load(ks_base + kk.to(tl.int64) * stride_kst, mask=km, other=0.0)
+        else:  # no mask: contiguous scales load as vectors
+            ks = tl.load(ks_base + kk.to(tl.int64) * stride_kst)
         s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * qs[:, None] * ks[None, :]
     else:
         s = tl.dot(q, tl.trans(k)) * qs[:, None]
@@ -137,13 +151,14 @@ def _attend_tile(acc, m_i, l_i, q, qs, pos_q, t0, kv_end, k_base, ks_base, v_bas
 @triton.jit(do_not_specialize=["Lq", "Lk"])
 def _tile_attend_kernel(
     q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, o_ptr, lse_ptr, k_desc, v_desc, Lq, Lk, qk_scale, softcap, window_left,
-    stride_qt, stride_qh, stride_qst, stride_kt, stride_kh, stride_kst, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_lt,
+    stride_qt, stride_qh, stride_qst, stride_kt, stride_kh, stride_kst, stride_ksh, stride_vt, stride_vh, stride_ot,
+    stride_oh, stride_lt,
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, INT8: tl.constexpr, TMA: tl.constexpr,
 ):
     """``INT8``: q int8 ``[batch·Lq, HQ, D]`` codes, qs float32 ``[batch·Lq, HQ]`` their scales;
-    k int8 ``[batch·Lk, HQ/G, D]``, ks float32 ``[batch·Lk, HQ/G]``. Otherwise q and k are in v's
+    k int8 ``[batch·Lk, HQ/G, D]``, ks float32 ``[batch·Lk, HQ/G]`` at strides ``(stride_kst,
+    stride_ksh)`` (the host passes a head-major copy: contiguous per head). Otherwise q and k are in v's
     dtype and ``qs_ptr``/``ks_ptr`` are not read. v, o: ``[batch·Lk, HQ/G, D]`` / ``[batch·Lq,
     HQ, D]`` fp16 or bf16 (last dimensions contiguous); lse: float32 ``[batch·Lq, HQ]`` (natural
     log). ``qk_scale``: the score scale, times log2(e) unless ``SOFTCAP``. ``Lq`` and ``Lk`` are
@@ -175,7 +190,7 @@ def _tile_attend_kernel(
     pos_q = Lk - Lq + rows
     k0 = (b * Lk).to(tl.int64)
     k_base = k_ptr + k0 * stride_kt + kh * stride_kh
-    ks_base = ks_ptr + k0 * stride_kst + kh
+    ks_base = ks_ptr + k0 * stride_kst + kh * stride_ksh
     v_base = v_ptr + k0 * stride_vt + kh * stride_vh
 
     first = Lk - Lq + mt * BM  # the first row's key position
