@@ -51,12 +51,13 @@ def _cen16(ptr):
 
 
 @triton.jit
-def _fill_entry(t, i: tl.constexpr, NT: tl.constexpr):
-    """The entry (0..255) thread ``t`` of ``NT`` writes in fill round ``i`` of a 256-entry table:
-    ``t + i·NT``; a CTA of more than 256 threads (16 warps) has two threads per entry, which
-    write the same value."""
-    if NT > 256:
-        return t % 256
+def _fill_entry(t, i: tl.constexpr, NT: tl.constexpr, N: tl.constexpr = 256):
+    """The entry (0 .. N − 1) thread ``t`` of ``NT`` writes in fill round ``i`` of an ``N``-entry
+    table or section (``NT`` and ``N`` powers of two): ``t + i·NT``, or ``t mod N`` where there are
+    more threads than entries (a 16-warp CTA's 512 threads over 256 entries, or a small section),
+    whose threads then write each entry more than once, with the same value."""
+    if NT > N:
+        return t % N
     return t + i * NT
 
 
@@ -105,10 +106,10 @@ def _lut_fill_at(base, t, cen_ptr, NT: tl.constexpr, BITS: tl.constexpr, AT: tl.
     layout: entry ``AT + j`` the fp16 pair ``(c[j & m], c[(j >> BITS) & m])`` (``m = 2^BITS − 1``),
     or ``(c[j], c[j])`` (``SINGLE``: one code per lookup). No barrier (:func:`_lut_barrier`): the
     sections of one table are disjoint, so several fills share one. Where ``NT > N`` threads
-    write an entry more than once, with the same value."""
+    write an entry more than once, with the same value (:func:`_fill_entry`)."""
     M: tl.constexpr = (1 << BITS) - 1
     for i in tl.static_range((N + NT - 1) // NT):
-        j = (t + i * NT) % N
+        j = _fill_entry(t, i, NT, N)
         lo = _cen16(cen_ptr + (j if SINGLE else j & M))
         hi = lo if SINGLE else _cen16(cen_ptr + ((j >> BITS) & M))
         base = tl.inline_asm_elementwise(_FILL_ASM, "=r,r,r,r", [base, j + AT, lo | (hi << 16)], dtype=tl.int32,
