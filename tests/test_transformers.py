@@ -324,7 +324,7 @@ def test_key_offset_through_paged_decode(model, monkeypatch):
 
 
 def test_public_api_is_pinned():
-    assert tqt.__all__ == ["ATTN_IMPLEMENTATION", "KeyOffsetWarning", "TQCache", "TQCacheLayer", "TQInstall",
+    assert tqt.__all__ == ["ATTN_IMPLEMENTATION", "DEFAULT_FORMAT", "KeyOffsetWarning", "TQCache", "TQCacheLayer", "TQInstall",
                            "TQStaticCacheLayer", "attention_forward", "calibrate", "install", "layer_params", "load_key_offsets",
                            "uninstall"]
     assert tqt.ATTN_IMPLEMENTATION == "tqkern"
