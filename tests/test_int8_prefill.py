@@ -221,5 +221,7 @@ def test_attend_tiles_refuses_descriptors_where_unsupported():
                                                                                device=DEV)
     with pytest.raises(ValueError, match=r"tma=True needs .* power-of-two head_dim .* got k \(6, 1, 48\)"):
         attend_tiles(q, k, k, 1, causal=True, scale=0.1, window_left=None, softcap=5.0, tma=True)
+    with pytest.raises(TypeError, match="tma must be None, True or False, got 1"):
+        attend_tiles(q, k, k, 1, causal=True, scale=0.1, window_left=None, softcap=5.0, tma=1)
     out, _ = attend_tiles(q, k, k, 1, causal=True, scale=0.1, window_left=None, softcap=5.0)  # pointer loads
     assert torch.equal(out, torch.zeros_like(out))

@@ -152,7 +152,7 @@ def _check_attend_operands(q8, qs, k8, ks, v, batch, int8: bool) -> None:
     if int8:
         check_tensor(qs, "q scales", shape=tuple(q8.shape[:2]), dtypes=(torch.float32,), device=v.device,
                      last_contiguous=qs.numel() > 0)
-        check_tensor(ks, "k scales", shape=(n, hkv), dtypes=(torch.float32,), device=v.device, last_contiguous=True)
+        check_tensor(ks, "k scales", shape=(n, hkv), dtypes=(torch.float32,), device=v.device)
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be an int >= 1, got {batch!r}")
     if q8.shape[0] % batch or n % batch:
@@ -199,25 +199,27 @@ def attend_tiles(q, k, v, batch: int, *, causal: bool, scale: float, window_left
     hkv = k8.shape[1]
     lq, lk = t // batch, k8.shape[0] // batch
     cfg = config or attend_config(d, int8, interpreting())
+    if tma is not None and not isinstance(tma, bool):
+        raise TypeError(f"tma must be None, True or False, got {tma!r}")
     can = tma_supported(k8, v, cfg.DP)
     if tma and not can:
         raise ValueError("tma=True needs contiguous, 16-byte aligned, non-empty k and v with a power-of-two "
                          f"head_dim on an sm_90+ GPU or the interpreter, got k {tuple(k8.shape)} "
                          f"{k8.dtype} and v {tuple(v.shape)} {v.dtype} on {v.device}")
-    use_tma = (can and attend_tma(d, int8)) if tma is None else bool(tma)
+    use_tma = (can and attend_tma(d, int8)) if tma is None else tma
     k_desc, v_desc = _descriptors(k8, v, cfg) if use_tma else (k8, v)
     o = torch.empty((t, hq, d), dtype=v.dtype, device=v.device)
     lse = torch.empty((t, hq), dtype=torch.float32, device=v.device)
-    if int8:
-        ks = ks.t().contiguous()  # head-major: each tile's scales one contiguous load
+    if int8 and ks.stride(0) != 1:
+        ks = ks.t().contiguous().t()  # head-major (the gather writes it so): each tile's scales one vector load
     if t:
         _tile_attend_kernel[(triton.cdiv(lq, cfg.BM), batch * hq)](
             q8, qs, k8, ks, v, o, lse, k_desc, v_desc, lq, lk, scale if softcap is not None else scale * _LOG2E,
             0.0 if softcap is None else float(softcap), 0 if window_left is None else window_left,
-            q8.stride(0), q8.stride(1), qs.stride(0), k8.stride(0), k8.stride(1), ks.stride(-1), ks.stride(0),
+            q8.stride(0), q8.stride(1), qs.stride(0), k8.stride(0), k8.stride(1), ks.stride(0), ks.stride(1),
             v.stride(0), v.stride(1), o.stride(0), o.stride(1), lse.stride(0), HQ=hq, G=hq // hkv, D=d, DP=cfg.DP,
-            BM=cfg.BM, BN=cfg.BN, CAUSAL=causal, WINDOW=window_left is not None, SOFTCAP=softcap is not None, INT8=int8,
-            TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            BM=cfg.BM, BN=cfg.BN, CAUSAL=causal, WINDOW=window_left is not None, SOFTCAP=softcap is not None,
+            INT8=int8, TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o, lse
 
 
@@ -297,7 +299,7 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
     rows = max(1, plan.workspace_rows)
     ws = [torch.empty((rows, h, d), dtype=torch.int8 if int8 and side == 0 else q.dtype, device=q.device)
           for side in (0, 1)]
-    k_scales = torch.empty((rows, h), dtype=torch.float32, device=q.device) if int8 else ws[1]
+    k_scales = torch.empty((h, rows), dtype=torch.float32, device=q.device) if int8 else ws[1]  # head-major
     back = [torch.empty_like(ws[i]) if rotated[i] else ws[i] for i in (0, 1)]
     rot_t = p.rotation.t().to(q.dtype) if any(rotated) else None
     queries = quantize_q(q, p.rotation, fmt.key.rotated, p.signed_sylvester) if int8 else q
@@ -327,7 +329,7 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
             a, b = starts[pc.seq], starts[last.seq + 1]
             span = slice(pc.row, last.row + last.length)
             qa = (queries[0][a:b], queries[1][a:b]) if int8 else q[a:b]
-            ka = (back[0][span], k_scales[span]) if int8 else back[0][span]
+            ka = (back[0][span], k_scales[:, span].t()) if int8 else back[0][span]
             o, lp = attend(qa, ka, back[1][span], len(grp), causal=pc.causal, scale=scale, window_left=window_left)
             if one_call:  # the dense call's output is the result (NaN rows stay NaN: no merge)
                 if lse is not None:

@@ -64,8 +64,8 @@ from tqkern_torch.bench.report import SCHEMA, Progress, record
 from tqkern_torch.bench.shapes import GENERATE_SHAPES, QUICK_SHAPES, GenerateShape, generate_shape
 
 __all__ = ["BASELINE", "COMPILED_BASELINE", "DEFAULT_PRESETS", "STATIC", "FULL_LAYERS", "NEW_TOKENS", "NOOP_PROMPT",
-           "PREFILL_PATHS", "PROFILED_STEPS", "QUICK_PRESETS", "TIMING", "build_model", "cache_bytes", "count_steps", "llama3_8b_config", "run",
-           "run_shape", "select", "time_generate"]
+           "PREFILL_PATHS", "PROFILED_STEPS", "QUICK_PRESETS", "TIMING", "build_model", "cache_bytes", "count_steps",
+           "llama3_8b_config", "run", "run_shape", "select", "time_generate"]
 
 BASELINE = "sdpa_dynamic_cache"
 COMPILED_BASELINE = "sdpa_static_cache"  # transformers' StaticCache: generate compiles its decode step too

@@ -5,7 +5,8 @@ A run ``e`` is four int32s ``(seq, start, length, row)``: positions ``start .. s
 of sequence ``seq`` (through its row of the block table) land in rows ``row ..`` of
 ``k_out, v_out [R, H, D]`` (fp16 or bf16, contiguous; with ``K_INT8`` the keys go to ``k_out`` as
 the int8 codes of :mod:`tqkern.ops.int8_prefill.reference` and their float32 scales to ``ks_out
-[R, H]``: ``int8_prefill``'s workspace, the codes made from the float32 reconstruction once per
+[H, R]``, head-major (the attention kernel loads each tile's scales as one vector):
+``int8_prefill``'s workspace, the codes made from the float32 reconstruction once per
 key). A program takes ``TILES`` tiles of ``BT``
 positions of one run and one KV head (grid ``(tiles of the longest run, runs, H)``).
 
@@ -91,7 +92,7 @@ def _gather_kernel(
         if K_INT8:
             c, s = int8_codes(y)
             tl.store(k_out + out_off, c, mask=m2)
-            tl.store(ks_out + (out_row + j) * H + h, s, mask=live)
+            tl.store(ks_out + h * ws_rows + out_row + j, s, mask=live)
         else:
             tl.store(k_out + out_off, y.to(OUT), mask=m2)
         y = decoded_values(row, h, live, vc_ptr, D, DP, NIBBLE, V, tl.float32, V_ALIGNED)

@@ -158,7 +158,7 @@ def _tile_attend_kernel(
 ):
     """``INT8``: q int8 ``[batch·Lq, HQ, D]`` codes, qs float32 ``[batch·Lq, HQ]`` their scales;
     k int8 ``[batch·Lk, HQ/G, D]``, ks float32 ``[batch·Lk, HQ/G]`` at strides ``(stride_kst,
-    stride_ksh)`` (the host passes a head-major copy: contiguous per head). Otherwise q and k are in v's
+    stride_ksh)`` (head-major from the host: contiguous per head). Otherwise q and k are in v's
     dtype and ``qs_ptr``/``ks_ptr`` are not read. v, o: ``[batch·Lk, HQ/G, D]`` / ``[batch·Lq,
     HQ, D]`` fp16 or bf16 (last dimensions contiguous); lse: float32 ``[batch·Lq, HQ]`` (natural
     log). ``qk_scale``: the score scale, times log2(e) unless ``SOFTCAP``. ``Lq`` and ``Lk`` are
