@@ -333,14 +333,18 @@ def test_head_dim_256_warp_mma_kernel_is_not_register_capped(preset, arrangement
 
 @pytest.mark.parametrize("heads", [8, 16])
 def test_head_dim_256_five_bit_keys_take_one_step_per_update(heads):
-    """tqkern_k5v3 at head_dim 256: one 16-token step per softmax update and a 168-register cap
-    (two steps needed 255 registers and spilled in the loop; measured faster on an H200, S28);
-    other Lloyd-Max-value plans keep two steps, and 5-bit keys at D128 too."""
+    """tqkern_k5v3 at head_dim 256: one 16-token step per softmax update (two steps needed 255
+    registers and spilled in the loop; measured faster on an H200, S28) under a 232-register cap;
+    k5v4h (4-bit values) uncapped (both measured fastest on an H200, S30); other Lloyd-Max-value
+    plans keep two steps, and 5-bit keys at D128 too."""
     from tqkern.ops.paged_decode.plan import mma_kernel_plan
 
     lay = _layout("tqkern_k5v3", 256, heads)
     plan = mma_plan(lay, 16 // heads)
     assert plan.COOP is None and plan.SUB == 1 and per_warp_plan(plan).SUB == 1
-    assert mma_kernel_plan(lay, plan, 4, 16, 8).maxnreg == 168
+    assert mma_kernel_plan(lay, plan, 4, 16, 8).maxnreg == 232
+    lay = _layout("k5v4h", 256, heads)
+    plan = mma_plan(lay, 16 // heads)
+    assert plan.COOP is None and plan.SUB == 1 and mma_kernel_plan(lay, plan, 4, 16, 8).maxnreg == 0
     assert mma_plan(_layout("tq4", 256, heads, "row"), 16 // heads).SUB == 2
     assert per_warp_plan(mma_plan(_layout("tqkern_k5v3", 128, 8), 4)).SUB == 2

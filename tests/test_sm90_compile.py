@@ -93,8 +93,10 @@ BUDGETS = {
     # (S28) a head_dim 96 row whose 12-byte 4-bit key chunks sit at aligned offsets: three single-word
     # loads (before: a compile error, found by the GPU fuzz test)
     "mma:tq4:row:96:3:3:per_warp": (0, 1240),
-    # (S28) 5-bit keys at head_dim 256: one step per update, 168 registers (two steps: 255 + 40 B stack)
+    # (S28) 5-bit keys at head_dim 256: one step per update (two steps: 255 registers + 40 B stack);
+    # (S30) a 232-register cap for 3-bit values, none for k5v4h's 4-bit values (254 registers)
     "mma:tqkern_k5v3:slot:256:8:16:per_warp": (0, 2072),
+    "mma:k5v4h:slot:256:8:16:per_warp": (0, 2136),
     "general:fp16:slot:128:8:32": (0, 952),
     # a window and a soft-cap (paged_decode(window_left=, logit_softcap=)): 132 registers, 105 without
     "general:fp16:slot:128:8:32:window+softcap": (0, 1096),
@@ -112,7 +114,7 @@ def _cases() -> list[str]:
     cases += [f"mma:{name}:slot:128:8:32" for name in ("k4v3h", "k4v2h", "k3v2h", "k5v4h")]
     cases += ["mma:tq4:row:96:16:16"] + [f"mma:{p}:slot:96:16:16" for p in ("turboquant_4bit_nc", "turboquant_k8v4",
                                                                           "turboquant_k3v4_nc")]
-    cases += ["mma:tq4:row:96:3:3", "mma:tqkern_k5v3:slot:256:8:16"]
+    cases += ["mma:tq4:row:96:3:3", "mma:tqkern_k5v3:slot:256:8:16", "mma:k5v4h:slot:256:8:16"]
     cases += ["general:fp16:slot:128:8:32", "general:fp16:slot:128:8:32:window+softcap"]
     return cases
 

@@ -349,9 +349,15 @@ def mma_kernel_plan(layout, plan: MmaPlan, num_seqs: int, num_q_heads: int, num_
         # cooperative 97.8 → 61.2, turboquant_3bit_nc 79.6 → 61.6, turboquant_k3v4_nc 86.0 → 62.6,
         # tq4 per-warp 89.3 → 83.9; Gemma-7B B4x8K tq4 94.7 → 74.4, turboquant_3bit_nc 83.0 → 58.2,
         # turboquant_k3v4_nc 93.8 → 62.2; tqkern_k5v3 130.6 → 129.6 (FP8 keys not measured: capped).
-        # 5-bit keys (one step per update there, .mma_plans._per_warp_sub) capped at 168: measured
-        # (H200, S28 probe, uncapped → 168, µs) Gemma-2-9B B8x8K 92.9 → 94.3, Gemma-7B B4x8K 103.5 → 95.9
-        maxnreg = 168 if plan.K_BITS == 5 and not plan.COOP else 0
+        # 5-bit keys (one step per update there, .mma_plans._per_warp_sub), per-warp: measured (H200,
+        # S30 probe, Gemma-2-9B B8x8K / Gemma-7B B4x8K, µs, uncapped / 168 / 200 / 232): tqkern_k5v3
+        # 125.1 / 111.1 / 104.2 / 104.6 and 114.4 / 113.1 / 117.9 / 109.7 (cap 232); k5v4h (4-bit
+        # values: 264 bytes spilled at 168) 99.9 / 135.0 / 122.9 / 107.6 and 104.5 / 139.1 / 126.4 /
+        # 109.5 (uncapped, 254 registers)
+        if plan.K_BITS == 5 and not plan.COOP:
+            maxnreg = 0 if plan.V_BITS == 4 else 232
+        else:
+            maxnreg = 0
     if maxnreg is None and coop:  # two CTAs of 8 warps per SM (two column tiles: one CTA, uncapped)
         maxnreg = 0 if plan.QT == 2 else 128
     if maxnreg is None:  # measured (H100): capped at 128 registers ~2% faster for aligned fields (no spill
