@@ -196,6 +196,9 @@ def test_rotate_cols_rule():
     assert (r.cols, r.grid[1], r.programs) == (32, 8, 8)
     assert _rotate_plan(_layout("tq4", 96, 8, "slot"), 8, 16, 512).cols == 64
     assert _rotate_plan(_layout("fp16", 256, 8, "slot"), 8, 16, 512).cols == 256
+    for bad in (96, 8, 0, 128.0, True, "128"):
+        with pytest.raises(ValueError, match=rf"dp must be a power of two >= 16 \(head_dim padded\), got {bad!r}"):
+            rotate_cols(bad)
 
 
 def test_num_splits_whole_waves():

@@ -213,6 +213,30 @@ def test_attend_tiles_descriptor_loads_equal_pointer_loads(int8, mask):
     torch.testing.assert_close(o1, o0, rtol=0, atol=0, equal_nan=True)
 
 
+def test_descriptor_rules_check_their_arguments():
+    """``attend_tma`` (the planner's rule) and ``tma_supported`` (the host's check) name a bad
+    argument, its expectation and what came."""
+    from tqkern.ops.prefill.attend import attend_tma
+    from tqkern_torch.prefill_tiles import tma_supported
+
+    assert [attend_tma(d, i) for d, i in ((128, False), (128, True), (256, True))] == [True, False, True]
+    for bad in (0, 128.0, True):
+        with pytest.raises(ValueError, match=rf"head_dim must be an int >= 1, got {bad!r}"):
+            attend_tma(bad, False)
+    with pytest.raises(TypeError, match="int8 must be a bool, got int"):
+        attend_tma(128, 1)
+    k = torch.zeros(6, 1, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"v must be a 3-d tensor \[tokens, Hkv, D\], got \(6, 64\)"):
+        tma_supported(k, k[:, 0], 64)
+    with pytest.raises(ValueError, match=r"k must be a 3-d tensor \[tokens, Hkv, D\], got list"):
+        tma_supported([], k, 64)
+    with pytest.raises(ValueError, match=r"k and v must have one shape, got \(6, 1, 64\) and \(5, 1, 64\)"):
+        tma_supported(k, k[:5], 64)
+    with pytest.raises(ValueError, match="dp must be an int >= 1, got 64.0"):
+        tma_supported(k, k, 64.0)
+    assert not tma_supported(k, k, 128)  # the box would reach into the next head
+
+
 @needs_kernels
 def test_attend_tiles_refuses_descriptors_where_unsupported():
     from tqkern_torch.prefill_tiles import attend_tiles

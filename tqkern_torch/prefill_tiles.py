@@ -165,6 +165,14 @@ def tma_supported(k: torch.Tensor, v: torch.Tensor, dp: int) -> bool:
     """Whether :func:`attend_tiles` reads K and V through tensor descriptors (TMA): both contiguous
     with 16-byte aligned rows and bases, head_dim a power of two (``dp``, the descriptor's box
     width, must not reach into the next head), on an sm_90+ GPU or in the interpreter."""
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-d tensor [tokens, Hkv, D], got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp must be an int >= 1, got {dp!r}")
     n, hkv, d = v.shape
     if d != dp or n == 0 or not (k.is_contiguous() and v.is_contiguous()):
         return False

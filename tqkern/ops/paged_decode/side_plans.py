@@ -85,6 +85,8 @@ def rotate_cols(dp: int) -> int:
     ``rotate_q`` alone, cols 64 / 32 / 16, µs): Gemma-2-9B B8×8K (128 rows, D256) 10.11 / 3.85 / 7.55,
     Gemma-7B B4×8K 9.79 / 3.80 / 6.51; at DP 128 32 columns gain ≤ 0.3 µs or lose (B32×16K 3.11 /
     3.34 / 6.30, Phi-3 B16×4K 2.85 / 2.59 / 2.85, 1 × 32 heads 2.78 / 2.48 / 2.67)."""
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 16 or dp & (dp - 1):
+        raise ValueError(f"dp must be a power of two >= 16 (head_dim padded), got {dp!r}")
     return 32 if dp >= 256 else 64
 
 

@@ -68,6 +68,10 @@ def attend_tma(head_dim: int, int8: bool) -> bool:
     1×4K 406.3 / 362.7, D256 1×8K (Hq16) 971.6 / 1099.9; bf16/fp16 with a soft-cap D128 1×16K
     6571.7 / 7211.8, 1×4K 475.9 / 517.9, D256 1×8K 1411.9 / 1419.6, D64 1×16K 4836.3 / 5008.3
     (cuDNN without a cap 3897.6, 285.6, 952.1, 2592.1)."""
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+        raise ValueError(f"head_dim must be an int >= 1, got {head_dim!r}")
+    if not isinstance(int8, bool):
+        raise TypeError(f"int8 must be a bool, got {type(int8).__name__}")
     return (not int8) or head_dim >= 256
 
 
