@@ -265,10 +265,10 @@ def test_select_rejects_unknown_names(args, match):
 
 def test_count_steps():
     sel = runner.select("all", ["tq4", "fp16"], ["B32x4K", "decode_B32", "prefill_1x4096"])
-    # decode: 2 gates + 1 shape x (SDPA + 2); store: 2 gates + 2 shapes x (baseline + copy_ + 2 x
-    # (fp16, bf16)); prefill: 2 gates, no shape named; eager: 2 x 3
-    assert runner.count_steps(sel) == (2 + 3) + (2 + 12) + 2
-    assert runner.count_steps(sel, ["B1x4K", "B32x4K"]) == (2 + 3) + (2 + 12) + 2 + 6
+    # decode: 2 gates + 1 shape x (SDPA + 2); store: 2 gates + 2 shapes x (baseline + copy_ + tq4's
+    # fp16, bf16 and key-offset stores + fp16's fp16 and bf16); prefill: 2 gates, no shape named; eager: 2 x 3
+    assert runner.count_steps(sel) == (2 + 3) + (2 + 14) + 2
+    assert runner.count_steps(sel, ["B1x4K", "B32x4K"]) == (2 + 3) + (2 + 14) + 2 + 6
 
 
 # -- store slots ---------------------------------------------------------------------------------

@@ -34,19 +34,23 @@ class FakeTimer:
 def test_store_gate_passes_on_the_cpu():
     gates = store.gate(["tq4", "turboquant_k8v4", "fp16"], device="cpu", heads=((2, 64),))
     assert [(g["preset"], g["case"], g["ok"], g["bad_bytes"]) for g in gates] == [
-        ("tq4", "Hkv2/D64", True, 0), ("turboquant_k8v4", "Hkv2/D64", True, 0), ("fp16", "Hkv2/D64", True, 0)]
+        ("tq4", "Hkv2/D64", True, 0), ("tq4", "Hkv2/D64 mu", True, 0), ("turboquant_k8v4", "Hkv2/D64", True, 0),
+        ("fp16", "Hkv2/D64", True, 0)]
 
 
 @interpreter
 def test_store_run_shape_records():
     shape = StoreShape("tiny", 2, 16, 2, 64)  # 2 sequences x 16 tokens
-    steps, timer = [], FakeTimer(10.0, 5.0, 40.0, 50.0)
+    steps, timer = [], FakeTimer(10.0, 5.0, 40.0, 50.0, 80.0)
     rows = store.run_shape(shape, ["tq4"], steps.append, device="cpu", timer=timer, cache_tokens=256)
-    assert timer.calls == 4
-    assert steps == ["store tiny fp16_index_copy", "store tiny copy_", "store tiny tq4", "store tiny bf16:tq4"]
+    assert timer.calls == 5
+    assert steps == ["store tiny fp16_index_copy", "store tiny copy_", "store tiny tq4", "store tiny bf16:tq4",
+                     "store tiny mu:tq4"]
     kv = 2 * 32 * 2 * 64 * 2  # K and V: 32 tokens x 2 heads x 64 x 16-bit
     row_bytes = 2 * KVFormat.preset("tq4", 64).slot_bytes
-    base, copy, tq4, bf16 = rows
+    base, copy, tq4, bf16, mu = rows
+    assert (mu["variant"], mu["us"], mu["speedup"], mu["bytes"]) == ("mu:tq4", 80.0, 0.125, kv + 32 * row_bytes)
+    assert store.has_mu_variant("k5v4h", 64) and not store.has_mu_variant("turboquant_k8v4", 64)
     assert (base["variant"], base["baseline"], base["us"], base["speedup"], base["bytes"]) == \
         ("fp16_index_copy", "fp16_index_copy", 10.0, 1.0, 2 * kv)
     assert (copy["variant"], copy["us"], copy["speedup"], copy["bytes"]) == ("copy_", 5.0, 2.0, 2 * kv)

@@ -17,14 +17,19 @@ _SHAPE_OF = {"decode": decode_shape, "store": store_shape, "prefill": prefill_sh
 _SHAPES = {"decode": DECODE_SHAPES, "store": STORE_SHAPES, "prefill": PREFILL_SHAPES}
 
 
-def _per_preset(op: str, shape) -> int:
-    """Timed variants per preset at ``shape``: prefill: prefill and int8_prefill, and past the
-    short-row limit the soft-capped prefill; store: fp16 and bf16 input; decode: one."""
+def _per_preset(op: str, shape, preset: str) -> int:
+    """Timed variants of ``preset`` at ``shape``: prefill: prefill and int8_prefill, and past the
+    short-row limit the soft-capped prefill; store: fp16 and bf16 input, and with Lloyd-Max keys
+    a key offset; decode: one."""
     if op == "prefill":
         from tqkern_torch.short_rows import SHORT_QUERY_MAX
 
         return 2 + (shape.q_len > SHORT_QUERY_MAX)
-    return 2 if op == "store" else 1
+    if op == "store":
+        from tqkern_torch.bench.store import has_mu_variant
+
+        return 2 + has_mu_variant(preset, shape.head_dim)
+    return 1
 
 
 def select(op: str, presets: Optional[Sequence[str]] = None, shapes: Optional[Sequence[str]] = None,
@@ -76,7 +81,7 @@ def count_steps(selection: dict, eager_shapes: Sequence = ()) -> int:
     for o, (presets, shapes) in selection.items():
         # (prefill, with presets: decompress-then-SDPA and out:<first preset>; store: copy_)
         extra = 2 * (o == "prefill" and bool(presets)) + (o == "store")
-        n += len(presets) + sum(1 + _per_preset(o, s) * len(presets) + extra for s in shapes)
+        n += len(presets) + sum(1 + sum(_per_preset(o, s, p) for p in presets) + extra for s in shapes)
         if o == "prefill":  # SDPA's one-token decode (short shapes) or the fused kernel (long ones, with presets)
             from tqkern_torch.short_rows import SHORT_QUERY_MAX
 
@@ -135,10 +140,11 @@ def run(selection: dict, *, eager_shapes: Sequence[str] = (), quick: bool = Fals
             report["gate"] += gates
             failed = {g["preset"] for g in gates if not g["ok"] and (base is None or g["case"] in base)}
             passed = [p for p in presets if p not in failed]
-            bar.total -= len(failed) * (sum(_per_preset(o, s) for s in shapes) + (len(eager) if o == "decode" else 0))
+            bar.total -= sum(_per_preset(o, s, p) for s in shapes for p in failed) + \
+                len(failed) * (len(eager) if o == "decode" else 0)
             for shape in shapes:
                 ok = _passed_at(gates, passed, shape) if o == "decode" else passed
-                bar.total -= _per_preset(o, shape) * (len(passed) - len(ok))
+                bar.total -= sum(_per_preset(o, shape, p) for p in passed if p not in ok)
                 report["records"] += mod.run_shape(shape, ok, bar.step, rep_ms=rep_ms)
             if o == "decode":
                 for shape in eager:

@@ -11,25 +11,43 @@ random block and offset. The baseline writes the same fp16 K/V at the same slots
 and value caches ``[num_blocks · block_size, num_kv_heads, head_dim]`` with ``index_copy_`` (what
 a paged fp16 cache does per layer); beside it ``copy_`` of the same K and V into contiguous
 buffers (the bandwidth issue 23's goal is stated against). Every preset stores fp16 K/V and, as
-``bf16:<preset>``, the same values in bfloat16. All by CUDA-graph replay. ``bytes``: K and V read
+``bf16:<preset>``, the same values in bfloat16; a preset with Lloyd-Max keys also stores the fp16
+K/V with a key offset μ, as ``mu:<preset>`` (what ``install``'s calibrated path writes: the key
+side's norms take float64 there). All by CUDA-graph replay. ``bytes``: K and V read
 plus the bytes written (for the baseline and ``copy_``, the same 16-bit bytes again).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 import tqkern_torch as tqt
+from tqkern import KVFormat, LloydMax, TQParams
 from tqkern import reference as ref
 from tqkern_torch.bench.decode import make_layout
 from tqkern_torch.bench.report import record
 from tqkern_torch.bench.shapes import BLOCK_SIZE, STORE_CACHE_TOKENS, StoreShape
 from tqkern_torch.bench.timing import graph_us
 
-__all__ = ["BASELINE", "COPY", "slot_mapping", "gate", "run_shape"]
+__all__ = ["BASELINE", "COPY", "MU", "has_mu_variant", "mu_params", "slot_mapping", "gate", "run_shape"]
 
 BASELINE = "fp16_index_copy"
 COPY = "copy_"
+MU = "mu:"
+
+
+def has_mu_variant(preset: str, head_dim: int) -> bool:
+    """Whether ``preset`` is also timed with a key offset: its keys are Lloyd-Max codes."""
+    return isinstance(KVFormat.preset(preset, head_dim).key, LloydMax)
+
+
+def mu_params(layout, device):
+    """Device params of ``layout``'s format (seed 0) with a fixed key offset μ ~ N(0, 0.5²)
+    ``[Hkv, D]`` (NumPy seed 5)."""
+    fmt = layout.format
+    mu = np.random.default_rng(5).normal(0.0, 0.5, (layout.num_kv_heads, fmt.head_dim))
+    return tqt.to_device(TQParams.default(fmt, seed=0, key_offset=mu), device)
 
 
 def slot_mapping(shape: StoreShape, num_blocks: int, g: torch.Generator) -> torch.Tensor:
@@ -56,12 +74,18 @@ def slot_mapping(shape: StoreShape, num_blocks: int, g: torch.Generator) -> torc
 
 def gate(presets, *, device: str = "cuda", heads=((8, 128), (3, 64))) -> list[dict]:
     """Every preset's written slots against the oracle's bytes (uncertain bytes excepted), for
-    64 tokens at each ``(Hkv, D)`` of ``heads``."""
+    64 tokens at each ``(Hkv, D)`` of ``heads``, and with a key offset (:func:`mu_params`) at the
+    first where the preset has a ``mu:`` variant."""
     g = torch.Generator(device=device).manual_seed(4)
     out = []
     for preset in presets:
-        for hkv, d in heads:
+        cases = [(hkv, d, False) for hkv, d in heads]
+        if has_mu_variant(preset, heads[0][1]):
+            cases.append((heads[0][0], heads[0][1], True))
+        for hkv, d, with_mu in cases:
             layout, params = make_layout(preset, hkv, d, device)
+            if with_mu:
+                params = mu_params(layout, device)
             n, num_blocks = 64, 16
             k = torch.randn(n, hkv, d, device=device, dtype=torch.float16, generator=g)
             v = torch.randn(n, hkv, d, device=device, dtype=torch.float16, generator=g)
@@ -71,7 +95,7 @@ def gate(presets, *, device: str = "cuda", heads=((8, 128), (3, 64))) -> list[di
             got = ref.gather_slots(cache.cpu().numpy(), layout, slots.cpu().numpy())
             exp, unsure = ref.compress(k.cpu().numpy(), v.cpu().numpy(), params.params, return_uncertain=True)
             bad = int(((got != exp) & ~unsure).sum())
-            out.append(dict(op="store", preset=preset, case=f"Hkv{hkv}/D{d}", bad_bytes=bad,
+            out.append(dict(op="store", preset=preset, case=f"Hkv{hkv}/D{d}" + " mu" * with_mu, bad_bytes=bad,
                             uncertain_bytes=int(unsure.sum()), ok=bad == 0))
     return out
 
@@ -79,8 +103,8 @@ def gate(presets, *, device: str = "cuda", heads=((8, 128), (3, 64))) -> list[di
 def run_shape(shape: StoreShape, presets, step, *, rep_ms: int = 100, device: str = "cuda", timer=None,
               cache_tokens: int = STORE_CACHE_TOKENS) -> list[dict]:
     """Records of the fp16 ``index_copy_`` baseline, ``copy_``, and every preset's ``store`` of
-    fp16 and of bf16 (``bf16:<preset>``) K/V at ``shape``; ``step(label)`` is called after each
-    timed variant. ``timer(fn) -> µs`` defaults to CUDA-graph replay for ``rep_ms``."""
+    fp16 and of bf16 (``bf16:<preset>``) K/V at ``shape``, and of fp16 K/V with a key offset
+    (``mu:<preset>``, :func:`has_mu_variant`); ``step(label)`` is called after each timed variant. ``timer(fn) -> µs`` defaults to CUDA-graph replay for ``rep_ms``."""
     timer = timer or (lambda fn: graph_us(fn, rep_ms))
     g = torch.Generator(device=device).manual_seed(2)
     n, h, d = shape.num_tokens, shape.num_kv_heads, shape.head_dim
@@ -114,8 +138,11 @@ def run_shape(shape: StoreShape, presets, step, *, rep_ms: int = 100, device: st
     for preset in presets:
         layout, params = make_layout(preset, h, d, device)
         cache = torch.zeros(layout.cache_shape(num_blocks), dtype=torch.uint8, device=device)
-        for prefix, (key, value) in inputs.items():
-            us = timer(lambda: tqt.store(cache, key, value, slots, layout, params))
+        runs = [(prefix, key, value, params) for prefix, (key, value) in inputs.items()]
+        if has_mu_variant(preset, d):
+            runs.append((MU, k, v, mu_params(layout, device)))
+        for prefix, key, value, p in runs:
+            us = timer(lambda: tqt.store(cache, key, value, slots, layout, p))
             rows.append(record("store", shape.name, prefix + preset, BASELINE, us, base_us,
                                nbytes=kv_bytes + n * layout.row_bytes))
             step(f"store {shape.name} {prefix}{preset}")
