@@ -115,6 +115,32 @@ def test_validation_is_not_bypassed_by_the_cache():
         lloyd_max(4, 128.0, "beta")
 
 
+# -- Codebook's own checks -------------------------------------------------------------------
+
+def test_constructor_checks_the_table_whoever_builds_it():
+    """The kernels index a centroid table by a code of ``bits`` bits without a mask: a direct
+    ``Codebook(...)`` whose table is shorter than 2**bits (or not a table) is refused, as
+    :meth:`Codebook.from_centroids` refuses it."""
+    good = lloyd_max(2, 16)
+    kw = dict(bits=2, dim=16, distribution="x", centroids=good.centroids, boundaries=good.boundaries, distortion=0.0)
+    cb = Codebook(**{**kw, "centroids": list(good.centroids)})  # copied to read-only float64
+    assert cb.centroids.dtype == np.float64 and not cb.centroids.flags.writeable
+    np.testing.assert_array_equal(cb.centroids, good.centroids)
+    cases = [
+        (dict(centroids=np.array([-0.1, 0.1]), boundaries=np.array([0.0])), ValueError,
+         r"Codebook.centroids must have shape \(4,\) \(2\*\*bits for bits = 2\), got \(2,\)"),
+        (dict(bits=9), ValueError, "Codebook.bits must be an int in 1..8, got 9"),
+        (dict(bits=True), ValueError, "Codebook.bits must be an int in 1..8, got True"),
+        (dict(dim=0), ValueError, "Codebook.dim must be an int >= 1, got 0"),
+        (dict(centroids=good.centroids[::-1].copy()), ValueError, "Codebook.centroids must be finite and strictly"),
+        (dict(centroids="abcd"), TypeError, "Codebook.centroids must be an array of real numbers, got str"),
+        (dict(boundaries=good.boundaries[:2]), ValueError, r"boundaries must have shape \(3,\)"),
+    ]
+    for change, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            Codebook(**{**kw, **change})
+
+
 # -- Codebook.from_centroids and index ------------------------------------------------------
 
 def test_from_centroids_wraps_and_copies():

@@ -227,3 +227,30 @@ def test_out_of_range_floats_saturate_and_are_flagged(preset, big):
     assert np.array_equal(got[~unsure], slots[~unsure])
     kd, _ = tqt.decompress(cache, torch.tensor([1], device=DEV), layout, params, rotate_back=True)
     assert torch.isfinite(kd).all()
+
+
+def test_device_params_tables_must_fit_the_format():
+    """The kernels index the centroid tables by codes and read Π and μ by head_dim without masks:
+    a DeviceParams whose tables do not match its params' format (e.g. built by
+    ``dataclasses.replace``) is refused, naming the table."""
+    import dataclasses
+
+    fmt = tqkern.KVFormat.preset("k5v4h", 64)
+    params = tqkern.TQParams.default(fmt, key_offset=np.zeros((3, 64)))
+    dp = tqt.to_device(params, DEV)
+    with pytest.raises(ValueError, match=r"DeviceParams.rotation must be a contiguous torch.float32 tensor of shape "
+                                         r"\(64, 64\) on .*, got torch.float32 \(4, 4\)"):
+        dataclasses.replace(dp, rotation=dp.rotation[:4, :4].contiguous())
+    with pytest.raises(ValueError, match=r"DeviceParams.key_centroids must be .* of shape \(32,\) .*, got torch.float64 "
+                                         r"\(2,\)"):
+        dataclasses.replace(dp, key_centroids=dp.key_centroids[:2].contiguous())
+    with pytest.raises(ValueError, match=r"DeviceParams.value_centroids_f32 must be .*torch.float32.*, got torch.float64"):
+        dataclasses.replace(dp, value_centroids_f32=dp.value_centroids)
+    with pytest.raises(ValueError, match=r"DeviceParams.key_offset must be .* of shape \(3, 64\)"):
+        dataclasses.replace(dp, key_offset=dp.key_offset[:, :8].contiguous())
+    with pytest.raises(TypeError, match="DeviceParams.key_boundaries must be a torch.Tensor, got ndarray"):
+        dataclasses.replace(dp, key_boundaries=dp.key_boundaries.cpu().numpy())
+    plain = tqt.to_device(tqkern.TQParams.default(fmt), DEV)
+    with pytest.raises(ValueError, match="DeviceParams.key_offset must be None when params.key_offset is None"):
+        dataclasses.replace(plain, key_offset=dp.key_offset)
+    assert dataclasses.replace(dp).key_centroids.shape == (32,)

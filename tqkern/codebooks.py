@@ -67,6 +67,31 @@ class Codebook:
     boundaries: np.ndarray
     distortion: float
 
+    def __post_init__(self) -> None:
+        """The table's structure, whoever built it (the kernels index the centroids by a code of
+        ``bits`` bits unmasked, so a short table would be read past its end): ``bits`` in 1..8,
+        ``centroids [2**bits]`` finite and strictly ascending, ``boundaries [2**bits − 1]``
+        between them; both stored as read-only float64."""
+        if isinstance(self.bits, bool) or not isinstance(self.bits, (int, np.integer)) or not 1 <= self.bits <= 8:
+            raise ValueError(f"Codebook.bits must be an int in 1..8, got {self.bits!r}")
+        if isinstance(self.dim, bool) or not isinstance(self.dim, (int, np.integer)) or self.dim < 1:
+            raise ValueError(f"Codebook.dim must be an int >= 1, got {self.dim!r}")
+        try:
+            c = np.array(self.centroids, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise TypeError(f"Codebook.centroids must be an array of real numbers, "
+                            f"got {type(self.centroids).__name__}") from None
+        if c.shape != (2**self.bits,):
+            raise ValueError(f"Codebook.centroids must have shape ({2**self.bits},) (2**bits for bits = {self.bits}), "
+                             f"got {c.shape}")
+        if not np.all(np.isfinite(c)) or not np.all(np.diff(c) > 0):
+            raise ValueError("Codebook.centroids must be finite and strictly ascending")
+        b = _check_boundaries(self.boundaries, c)
+        c.setflags(write=False)
+        b.setflags(write=False)
+        object.__setattr__(self, "centroids", c)
+        object.__setattr__(self, "boundaries", b)
+
     @classmethod
     def from_centroids(cls, centroids, *, dim: int, distribution: str = "custom",
                        boundaries=None) -> Codebook:

@@ -51,6 +51,35 @@ class DeviceParams:
     signed_sylvester: bool = False
     symmetric_codebooks: bool = False
 
+    def __post_init__(self) -> None:
+        """The tables' shapes and dtypes against ``params`` (shapes only: no device sync). The
+        kernels index centroid tables by codes unmasked and read Π and μ by head_dim, so a table
+        that does not match the format would be read past its end."""
+        if not isinstance(self.params, TQParams):
+            raise TypeError(f"DeviceParams.params must be a TQParams, got {type(self.params).__name__}")
+        d = self.params.format.head_dim
+        dev = self.rotation.device if isinstance(self.rotation, torch.Tensor) else None
+        want = {"rotation": ((d, d), torch.float32)}
+        for side in ("key", "value"):
+            cb = getattr(self.params, f"{side}_codebook")
+            n = 2**cb.bits if cb is not None else 1
+            want[f"{side}_boundaries"] = ((max(n - 1, 1),), torch.float32)
+            want[f"{side}_centroids"] = ((n,), torch.float64)
+            want[f"{side}_centroids_f32"] = ((n,), torch.float32)
+        mu = self.params.key_offset
+        if mu is not None:
+            want["key_offset"] = (tuple(mu.shape), torch.float32)
+        elif self.key_offset is not None:
+            raise ValueError("DeviceParams.key_offset must be None when params.key_offset is None, got a tensor")
+        for name, (shape, dtype) in want.items():
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"DeviceParams.{name} must be a torch.Tensor, got {type(t).__name__}")
+            if tuple(t.shape) != shape or t.dtype != dtype or t.device != dev or not t.is_contiguous():
+                raise ValueError(f"DeviceParams.{name} must be a contiguous {dtype} tensor of shape {shape} on "
+                                 f"{dev}, got {t.dtype} {tuple(t.shape)} on {t.device}"
+                                 f"{'' if t.is_contiguous() else ' (not contiguous)'}")
+
     @property
     def device(self) -> torch.device:
         return self.rotation.device
