@@ -126,3 +126,25 @@ def test_bad_input():
                         mask=torch.ones(3, 1, 2, 47, dtype=torch.bool, device=DEV))
     with pytest.raises(TypeError, match="fmt must be a tqkern.KVFormat, got str"):
         dense_layout("tq4", 2, 16)
+    q4 = q[:, :, None].repeat(1, 1, 2, 1)
+    for bad_q in (q[:, :, None], q4):  # the decode path (Lq = 1) and the SDPA path
+        with pytest.raises(ValueError, match="scale must be finite, got nan"):
+            dense_attention(bad_q, kv, lengths, fmt, params, scale=float("nan"))
+        with pytest.raises(TypeError, match="scale must be a real number or None, got str"):
+            dense_attention(bad_q, kv, lengths, fmt, params, scale="0.1")
+
+
+def test_attention_flags_lengths_out_of_range_on_both_paths():
+    """A length outside [0, tokens] is clamped and sets SEQ_LEN_OUT_OF_RANGE in the error word,
+    one query (the decode kernel) or several (decompress + SDPA) alike; in-range lengths set nothing."""
+    from tqkern.errors import ErrorFlag
+
+    fmt, params, kv, _, _ = _case()
+    q = torch.zeros(3, 4, 2, 64, dtype=torch.float16, device=DEV)
+    tqt.read_errors(DEV)
+    dense_attention(q, kv, torch.tensor([5, 48, 0], dtype=torch.int32, device=DEV), fmt, params)
+    assert tqt.read_errors(DEV) == ErrorFlag(0)
+    for lq in (1, 2):
+        for lens in ([5, 49, 0], [5, -1, 0]):
+            dense_attention(q[:, :, :lq], kv, torch.tensor(lens, dtype=torch.int32, device=DEV), fmt, params)
+            assert tqt.read_errors(DEV) & ErrorFlag.SEQ_LEN_OUT_OF_RANGE, (lq, lens)

@@ -229,6 +229,14 @@ def test_paged_decode_rejects_bad_arguments(setup):
         paged_decode(q, cache, bt, sl, layout, params, out=torch.empty_like(q).bfloat16())
     with pytest.raises(ValueError, match=r"num_splits must be an int in \[1, 256\], got 0"):
         paged_decode(q, cache, bt, sl, layout, params, num_splits=0)
+    with pytest.raises(ValueError, match=r"num_splits must be an int in \[1, 256\], got True"):
+        paged_decode(q, cache, bt, sl, layout, params, num_splits=True)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"scale must be finite, got {bad}"):
+            paged_decode(q, cache, bt, sl, layout, params, scale=bad)
+    for bad in ("0.1", True, [0.1]):
+        with pytest.raises(TypeError, match=f"scale must be a real number or None, got {type(bad).__name__}"):
+            paged_decode(q, cache, bt, sl, layout, params, scale=bad)
     with pytest.raises(ValueError, match=r"workspace must have at least .* = 1056 float32 elements, got 1055"):
         paged_decode(q, cache, bt, sl, layout, params, num_splits=2,
                      workspace=torch.empty(1055, dtype=torch.float32, device=DEV))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Optional
 
@@ -11,7 +10,7 @@ import torch
 
 from tqkern.errors import ErrorFlag
 from tqkern.layouts import PagedLayout
-from tqkern.ops.attention.reference import check_options
+from tqkern.ops.attention.reference import check_options, resolve_scale
 from tqkern.ops.paged_decode import reference as paged_decode_ref
 from tqkern_torch._validate import check_tensor, use_triton
 from tqkern_torch.errors import check_errors, error_word
@@ -96,15 +95,15 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
         check_tensor(out, "out", shape=tuple(q.shape), dtypes=(q.dtype,), device=dev, last_contiguous=True)
     if workspace is not None:
         check_tensor(workspace, "workspace", dtypes=(torch.float32,), device=dev, contiguous=True)
-    if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= 256):
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or not 1 <= num_splits <= 256):
         raise ValueError(f"num_splits must be an int in [1, 256], got {num_splits!r}")
     if workspace is not None and num_splits is not None:
         from tqkern.ops.common import layout_consts
         from tqkern.ops.paged_decode.triton import check_workspace
 
         check_workspace(workspace, q.shape[0], q.shape[1], num_splits, layout_consts(layout)["DP"])
-    if scale is None:
-        scale = 1.0 / math.sqrt(layout.head_dim)
+    scale = resolve_scale(scale, layout.head_dim)
     window_left, logit_softcap = _check_options(window_left, logit_softcap, sinks, return_lse, q.shape[1], dev)
     if check_lengths and not _tracing_or_capturing(dev):
         _lengths_checked_on_host(block_table, seq_lens, cache.shape[0], layout.block_size)

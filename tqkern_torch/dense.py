@@ -15,15 +15,17 @@ the paged kernels unchanged, on a view (no copy):
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from tqkern.errors import ErrorFlag
 from tqkern.layouts import KVFormat, PagedLayout
+from tqkern.ops.attention.reference import resolve_scale
 from tqkern_torch._validate import check_tensor
 from tqkern_torch.attention import paged_decode
+from tqkern_torch.errors import error_word
 from tqkern_torch.ops import _device_params, decompress, store
 
 __all__ = ["dense_layout", "dense_store", "dense_decode", "dense_attention"]
@@ -107,10 +109,14 @@ def dense_attention(q: torch.Tensor, kv: torch.Tensor, lengths: torch.Tensor, fm
         raise ValueError(f"q must have shape [{kv.shape[0]}, Hq, Lq, {fmt.head_dim}], got {list(q.shape)}")
     _check_lengths(lengths, kv)
     b, hq, lq, d = q.shape
+    sc = resolve_scale(scale, d)
     if mask is None and lq == 1:
-        return dense_decode(q[:, :, 0], kv, lengths, fmt, params, scale=scale)[:, :, None]
+        return dense_decode(q[:, :, 0], kv, lengths, fmt, params, scale=sc)[:, :, None]
     paged, layout, table = _view(kv, fmt)
     t, h = kv.shape[1], kv.shape[2]
+    # a length outside [0, tokens] is clamped and flagged, as the decode path does (no host sync)
+    bad = ((lengths < 0) | (lengths > t)).any()
+    error_word(kv.device).bitwise_or_(bad.to(torch.int32) * int(ErrorFlag.SEQ_LEN_OUT_OF_RANGE))
     if hq % h:
         raise ValueError(f"q.shape[1] (Hq) must be a multiple of num_kv_heads = {h}, got {hq}")
     p = _device_params(params, layout, kv.device)
@@ -130,7 +136,6 @@ def dense_attention(q: torch.Tensor, kv: torch.Tensor, lengths: torch.Tensor, fm
         if mask.dim() != 4 or mask.shape[0] != b or mask.shape[1] not in (1, hq) or mask.shape[2:] != (lq, t):
             raise ValueError(f"mask must have shape [{b}, 1 or {hq}, {lq}, {t}], got {list(mask.shape)}")
         allowed = mask & visible[:, None, None, :]
-    sc = scale if scale is not None else 1.0 / math.sqrt(d)
     o = F.scaled_dot_product_attention(q.float(), k, v, attn_mask=allowed, scale=sc, enable_gqa=hq != h)
     qf = q.float()
     o = torch.where(allowed.any(dim=-1, keepdim=True), o, 0.0)  # rows with nothing visible: zeros,
