@@ -201,6 +201,32 @@ def test_decompress_sequences_reads_each_sequence_in_order(setup):
     assert [x.shape for x in empty] == [(0, 32, 2, 64)] * 2
 
 
+@needs_kernels
+def test_decompress_sequences_flags_bad_blocks_and_lengths(setup):
+    """As paged_decode: a block in use outside [0, num_blocks) reads zeros and sets
+    BLOCK_OUT_OF_RANGE; a negative length reads nothing and sets SEQ_LEN_OUT_OF_RANGE; a bad
+    block past a sequence's length is not in use and sets nothing."""
+    from tqkern.errors import ErrorFlag
+
+    layout, params, _ = setup
+    k, v = _kv(64, seed=6)
+    cache = tqt.allocate_cache(layout, 4, DEV)
+    tqt.store(cache, k, v, torch.arange(64, device=DEV), layout, params)
+    sl = torch.tensor([20, 5], dtype=torch.int32, device=DEV)
+    tqt.read_errors(DEV)
+    good, _ = tqt.decompress_sequences(cache, torch.tensor([[2, -1], [3, 9]], dtype=torch.int32, device=DEV),
+                                       torch.tensor([16, 5], dtype=torch.int32, device=DEV), layout, params)
+    assert tqt.read_errors(DEV) == ErrorFlag(0) and good[0, :16].any()
+    for bad in (-1, 4, 2**30):
+        bt = torch.tensor([[2, bad], [3, 1]], dtype=torch.int32, device=DEV)
+        ks, vs = tqt.decompress_sequences(cache, bt, sl, layout, params)
+        assert tqt.read_errors(DEV) == ErrorFlag.BLOCK_OUT_OF_RANGE, bad
+        assert not ks[0, 16:].any() and not vs[0, 16:].any() and ks[0, :16].any() and ks[1, :5].any()
+    ks, _ = tqt.decompress_sequences(cache, torch.tensor([[2, 0], [3, 1]], dtype=torch.int32, device=DEV),
+                                     torch.tensor([-3, 5], dtype=torch.int32, device=DEV), layout, params)
+    assert tqt.read_errors(DEV) == ErrorFlag.SEQ_LEN_OUT_OF_RANGE and not ks[0].any()
+
+
 def test_paged_decode_rejects_bad_arguments(setup):
     layout, params, _ = setup
     cache = tqt.allocate_cache(layout, 3, DEV)

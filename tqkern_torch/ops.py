@@ -14,11 +14,13 @@ import functools
 import torch
 from einops import rearrange
 
+from tqkern.errors import ErrorFlag
 from tqkern.layouts import PagedLayout
 from tqkern.ops.pack import reference as pack_ref
 from tqkern.params import TQParams
 from tqkern_torch._params import DeviceParams, to_device
 from tqkern_torch._validate import check_tensor
+from tqkern_torch.errors import error_word
 from tqkern_torch.library import layout_key, store_impl
 
 __all__ = [
@@ -245,7 +247,9 @@ def decompress_sequences(cache: torch.Tensor, block_table: torch.Tensor, seq_len
     """Whole sequences: float32 ``(key, value)`` ``[num_seqs, max_blocks·block_size, H, D]``,
     zero at positions ≥ seq_len. ``block_table [num_seqs, max_blocks]`` and ``seq_lens [num_seqs]``
     int32. Entries of ``seq_lens`` must be ≤ max_blocks·block_size (checked on the host for CPU
-    tensors only, to keep CUDA paths free of syncs)."""
+    tensors only, to keep CUDA paths free of syncs). As ``paged_decode`` does, without a sync: a
+    negative ``seq_lens`` entry reads nothing and sets ``SEQ_LEN_OUT_OF_RANGE``; a ``block_table``
+    entry in use outside ``[0, num_blocks)`` reads zeros and sets ``BLOCK_OUT_OF_RANGE``."""
     layout = _check_layout(layout)
     dev = cache.device
     check_tensor(block_table, "block_table", shape=(None, None), dtypes=(torch.int32,), device=dev)
@@ -254,6 +258,15 @@ def decompress_sequences(cache: torch.Tensor, block_table: torch.Tensor, seq_len
     if dev.type == "cpu" and seq_lens.numel() and int(seq_lens.max()) > cap:
         raise ValueError(f"seq_lens must be <= max_blocks * block_size = {cap}, got {int(seq_lens.max())}")
     ids = sequence_slot_ids(block_table, seq_lens, layout.block_size)
+    if ids.numel():
+        pos = torch.arange(ids.shape[1], device=dev)
+        blocks = block_table.long()[:, pos // layout.block_size]
+        used = pos[None, :] < seq_lens.long()[:, None]
+        bad_block = used & ((blocks < 0) | (blocks >= cache.shape[0]))  # in use, outside the cache
+        ids = torch.where(bad_block, -1, ids)
+        flags = (bad_block.any().to(torch.int32) * int(ErrorFlag.BLOCK_OUT_OF_RANGE)
+                 + (seq_lens < 0).any().to(torch.int32) * int(ErrorFlag.SEQ_LEN_OUT_OF_RANGE))
+        error_word(dev).bitwise_or_(flags)
     k, v = decompress(cache, ids.reshape(-1), layout, params, rotate_back=rotate_back)
     seqs, positions = ids.shape
     return tuple(rearrange(x, "(seq pos) h d -> seq pos h d", seq=seqs, pos=positions) for x in (k, v))
