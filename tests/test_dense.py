@@ -126,6 +126,12 @@ def test_bad_input():
                         mask=torch.ones(3, 1, 2, 47, dtype=torch.bool, device=DEV))
     with pytest.raises(TypeError, match="fmt must be a tqkern.KVFormat, got str"):
         dense_layout("tq4", 2, 16)
+    for fn, args in ((dense_store, (kv, key, value, lengths)), (dense_decode, (q, kv, lengths)),
+                     (dense_attention, (q[:, :, None], kv, lengths))):
+        with pytest.raises(TypeError, match="fmt must be a tqkern.KVFormat, got str"):
+            fn(*args, "tq4", params)
+    with pytest.raises(TypeError, match="kv must be a torch.Tensor, got NoneType"):
+        dense_attention(q[:, :, None], None, lengths, fmt, params)
     q4 = q[:, :, None].repeat(1, 1, 2, 1)
     for bad_q in (q[:, :, None], q4):  # the decode path (Lq = 1) and the SDPA path
         with pytest.raises(ValueError, match="scale must be finite, got nan"):

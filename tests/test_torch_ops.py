@@ -174,6 +174,15 @@ def test_decompress_and_allocate_reject_bad_arguments(setup):
         tqt.decompress(cache, torch.zeros(3, 1, dtype=torch.long, device=DEV), layout, params)
     with pytest.raises(ValueError, match=r"num_blocks must be a non-negative int, got -1"):
         tqt.allocate_cache(layout, -1)
+    for bad in (-1, 256, 1.5, True):
+        with pytest.raises(ValueError, match=rf"fill must be an int in \[0, 255\], got {bad!r}"):
+            tqt.allocate_cache(layout, 2, fill=bad)
+    assert int(tqt.allocate_cache(layout, 1, fill=255).min()) == 255
+    with pytest.raises(TypeError, match="cache must be a torch.Tensor, got NoneType"):
+        tqt.decompress(None, torch.zeros(3, dtype=torch.long), layout, params)
+    with pytest.raises(TypeError, match="cache must be a torch.Tensor, got NoneType"):
+        tqt.decompress_sequences(None, torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                                 layout, params)
     bt = torch.zeros(1, 2, dtype=torch.int32)
     with pytest.raises(TypeError, match=r"seq_lens must be int32, got int64"):
         tqt.decompress_sequences(cache.cpu(), bt, torch.tensor([3]), layout, params)

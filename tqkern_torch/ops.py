@@ -77,10 +77,12 @@ def _check_cache(cache, layout: PagedLayout, device=None):
 
 
 def allocate_cache(layout: PagedLayout, num_blocks: int, device="cpu", *, fill: int = 0) -> torch.Tensor:
-    """A uint8 cache of ``layout.cache_shape(num_blocks)`` filled with ``fill``."""
+    """A uint8 cache of ``layout.cache_shape(num_blocks)`` filled with ``fill`` (a byte value)."""
     _check_layout(layout)
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
         raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
+    if isinstance(fill, bool) or not isinstance(fill, int) or not 0 <= fill <= 255:
+        raise ValueError(f"fill must be an int in [0, 255], got {fill!r}")
     return torch.full(layout.cache_shape(num_blocks), fill, dtype=torch.uint8, device=device)
 
 
@@ -221,8 +223,8 @@ def decompress(cache: torch.Tensor, slot_ids: torch.Tensor, layout: PagedLayout,
 
     The key is the reconstruction of ``key − μ`` (see the decompress oracle)."""
     layout = _check_layout(layout)
-    dev = cache.device
     _check_cache(cache, layout)
+    dev = cache.device
     _check_slot_ids(slot_ids, cache, layout, dev)
     p = _device_params(params, layout, dev)
     return torch.ops.tqkern.decompress(cache, slot_ids, p.rotation, p.key_centroids, p.value_centroids,
@@ -251,6 +253,7 @@ def decompress_sequences(cache: torch.Tensor, block_table: torch.Tensor, seq_len
     negative ``seq_lens`` entry reads nothing and sets ``SEQ_LEN_OUT_OF_RANGE``; a ``block_table``
     entry in use outside ``[0, num_blocks)`` reads zeros and sets ``BLOCK_OUT_OF_RANGE``."""
     layout = _check_layout(layout)
+    _check_cache(cache, layout)
     dev = cache.device
     check_tensor(block_table, "block_table", shape=(None, None), dtypes=(torch.int32,), device=dev)
     check_tensor(seq_lens, "seq_lens", shape=(block_table.shape[0],), dtypes=(torch.int32,), device=dev)
