@@ -365,3 +365,15 @@ def test_save_load_params_bad_input(tmp_path):
     np.savez(tmp_path / "other.npz", a=np.zeros(2))
     with pytest.raises(ValueError, match="save_params"):
         load_params(tmp_path / "other.npz")
+
+
+def test_key_offset_must_fit_float32():
+    """μ is kept in float32: a finite float64 beyond its range would become inf (and every key
+    saturate), so it is refused."""
+    mu = np.zeros((2, D))
+    mu[0, 1] = -1e300
+    with pytest.raises(ValueError, match=r"^TQParams\.key_offset must lie within float32's range .*got max "
+                                         r"\|μ\| = 1e\+300"):
+        _params(key_offset=mu)
+    mu[0, 1] = 3e38
+    assert _params(key_offset=mu).key_offset[0, 1] == np.float32(3e38)

@@ -264,6 +264,8 @@ def test_paged_decode_rejects_bad_arguments(setup):
         paged_decode(q, cache, bt, sl, layout, params, out=torch.empty_like(q).bfloat16())
     with pytest.raises(ValueError, match=r"num_splits must be an int in \[1, 256\], got 0"):
         paged_decode(q, cache, bt, sl, layout, params, num_splits=0)
+    with pytest.raises(ValueError, match=r"block_table must have at least one column, got \[2, 0\]"):
+        paged_decode(q, cache, bt[:, :0], sl, layout, params)
     with pytest.raises(ValueError, match=r"num_splits must be an int in \[1, 256\], got True"):
         paged_decode(q, cache, bt, sl, layout, params, num_splits=True)
     for bad in (float("nan"), float("inf")):

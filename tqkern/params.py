@@ -104,7 +104,12 @@ class TQParams:
                 raise ValueError(f"TQParams.key_offset must have shape [num_kv_heads, {d}], got {mu.shape}")
             if not np.all(np.isfinite(mu)):
                 raise ValueError("TQParams.key_offset must be finite")
-            object.__setattr__(self, "key_offset", _readonly(mu.astype(np.float32)))
+            with np.errstate(over="ignore"):
+                mu32 = mu.astype(np.float32)
+            if not np.all(np.isfinite(mu32)):
+                raise ValueError(f"TQParams.key_offset must lie within float32's range (|μ| ≤ 3.4e38), "
+                                 f"got max |μ| = {float(np.max(np.abs(mu))):.3g}")
+            object.__setattr__(self, "key_offset", _readonly(mu32))
 
     @classmethod
     def default(cls, format: KVFormat, *, seed: int = 0, key_offset=None) -> TQParams:

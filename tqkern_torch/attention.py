@@ -91,6 +91,8 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
     check_tensor(block_table, "block_table", shape=(q.shape[0], None), dtypes=(torch.int32,), device=dev,
                  contiguous=True)
     check_tensor(seq_lens, "seq_lens", shape=(q.shape[0],), dtypes=(torch.int32,), device=dev, contiguous=True)
+    if q.shape[0] and block_table.shape[1] < 1:
+        raise ValueError(f"block_table must have at least one column, got {list(block_table.shape)}")
     if out is not None:
         check_tensor(out, "out", shape=tuple(q.shape), dtypes=(q.dtype,), device=dev, last_contiguous=True)
     if workspace is not None:

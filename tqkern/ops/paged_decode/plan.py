@@ -297,6 +297,9 @@ def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks
     for name, v in (("num_seqs", num_seqs), ("num_q_heads", num_q_heads), ("max_blocks", max_blocks)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or not 1 <= num_splits <= 256):
+        raise ValueError(f"num_splits must be None or an int in [1, 256], got {num_splits!r}")
     hkv = layout.num_kv_heads
     if num_q_heads % hkv:
         raise ValueError(f"num_q_heads must be a multiple of num_kv_heads = {hkv}, got {num_q_heads}")
