@@ -289,6 +289,15 @@ def test_bad_arguments(model):
         tqt.install(model, "tq4", calibration=["some text"])
     with pytest.raises(ValueError, match="inputs must be input_ids"):
         tqt.install(model, "tq4", calibration=torch.zeros(8, dtype=torch.long))
+    ids = _ids(1, 8)
+    with pytest.raises(ValueError, match="attention_mask must mark at least one token .*got only padding"):
+        tqt.calibrate(model, ids, attention_mask=torch.zeros_like(ids))
+    with pytest.raises(ValueError, match=r"attention_mask must be a tensor of the inputs' shape \[1, 8\], got \[1, 7\]"):
+        tqt.calibrate(model, ids, attention_mask=torch.ones(1, 7, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"attention_mask must be a tensor of the inputs' shape \[1, 8\], got list"):
+        tqt.calibrate(model, ids, attention_mask=[[1] * 8])
+    with pytest.raises(TypeError, match="model must be a transformers model .*, got NoneType"):
+        tqt.calibrate(None, ids)
 
 
 def test_gemma2_softcap_scaling_alternating_windows(monkeypatch):

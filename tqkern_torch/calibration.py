@@ -142,9 +142,16 @@ def _batch(model, inputs, attention_mask, tokenizer) -> tuple[torch.Tensor, torc
     if not isinstance(inputs, torch.Tensor) or inputs.dim() != 2:
         raise ValueError(f"inputs must be input_ids [batch, seq], a list of token ids or a list of strings, "
                          f"got {type(inputs).__name__}")
+    if not hasattr(model, "parameters"):
+        raise TypeError(f"model must be a transformers model (a torch.nn.Module), got {type(model).__name__}")
     device = next(model.parameters()).device
     if attention_mask is None:
         attention_mask = torch.ones_like(inputs)
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != inputs.shape:
+        got = list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        raise ValueError(f"attention_mask must be a tensor of the inputs' shape {list(inputs.shape)}, got {got}")
+    if not bool((attention_mask != 0).any()):
+        raise ValueError("attention_mask must mark at least one token (1 = token), got only padding")
     return inputs.to(device), attention_mask.to(device)
 
 
