@@ -377,3 +377,10 @@ def test_key_offset_must_fit_float32():
         _params(key_offset=mu)
     mu[0, 1] = 3e38
     assert _params(key_offset=mu).key_offset[0, 1] == np.float32(3e38)
+
+
+def test_default_and_preset_name_their_bad_arguments():
+    with pytest.raises(TypeError, match=r"format must be a KVFormat \(KVFormat.preset\(name, head_dim\)\), got str"):
+        TQParams.default("tq4")
+    with pytest.raises(ValueError, match="name must be one of .* got \\['tq4'\\]"):
+        KVFormat.preset(["tq4"], 16)

@@ -298,6 +298,12 @@ def test_bad_arguments(model):
         tqt.calibrate(model, ids, attention_mask=[[1] * 8])
     with pytest.raises(TypeError, match="model must be a transformers model .*, got NoneType"):
         tqt.calibrate(None, ids)
+    with pytest.raises(TypeError, match="model must be a transformers model or its config, got NoneType"):
+        tqt.install(None, "tq4", key_offset=None)
+    with pytest.raises(TypeError, match="formats must be a mapping of layer index to format, got list"):
+        tqt.install(model, "tq4", key_offset=None, formats=["fp16"])
+    with pytest.raises(ValueError, match="key_offset must be 'auto', 'prefill', None or one .* got int"):
+        tqt.install(model, "tq4", key_offset=5)
 
 
 def test_gemma2_softcap_scaling_alternating_windows(monkeypatch):

@@ -342,7 +342,7 @@ class KVFormat:
         the Beta codebook with float16 norms and the stored norm correction, signed-Hadamard
         rotation, LSB bit order, 2-byte slot alignment — the family ``docs/quality.md`` builds
         per-layer allocations from (``k5v3h`` is ``tqkern_k5v3`` with float16 norms)."""
-        if name in PRESETS:
+        if isinstance(name, str) and name in PRESETS:
             return cls(head_dim=head_dim, **PRESETS[name])
         bits = _FAMILY.fullmatch(name) if isinstance(name, str) else None
         if bits is None:

@@ -119,6 +119,8 @@ class TQParams:
         For vLLM's presets this is vLLM's rotation but not exactly its codebook: vLLM solves
         numerically, and its centroids differ from the exact ones by up to ~7e-4 relative, so a
         few key codes per thousand differ from vLLM's. Use :meth:`vllm` for vLLM's bytes."""
+        if not isinstance(format, KVFormat):
+            raise TypeError(f"format must be a KVFormat (KVFormat.preset(name, head_dim)), got {type(format).__name__}")
         d = format.head_dim
         rot = rotation_for(format.rotation, d, seed) if format.rotated else None
         cbs = {}

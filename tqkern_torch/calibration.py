@@ -265,6 +265,9 @@ def resolve_key_offset(model, key_offset, calibration, tokenizer,
     if key_offset is None:
         return None, ("none",) * n
     if not isinstance(key_offset, str):
+        if not isinstance(key_offset, (list, tuple, np.ndarray)):
+            raise ValueError(f"key_offset must be 'auto', 'prefill', None or one [num_kv_heads, head_dim] array "
+                             f"per layer, got {type(key_offset).__name__}")
         offsets = list(key_offset)
         return offsets, tuple("none" if m is None else "given" for m in offsets)
     if key_offset == "prefill":

@@ -29,6 +29,8 @@ _TAG = "_tqkern_layer"  # decode steps: the attribute on the returned key naming
 
 def _text_config(model_or_config):
     config = getattr(model_or_config, "config", model_or_config)
+    if not hasattr(config, "get_text_config"):
+        raise TypeError(f"model must be a transformers model or its config, got {type(model_or_config).__name__}")
     return config.get_text_config(decoder=True)
 
 

@@ -136,13 +136,16 @@ def layer_params(model_or_config, format: FormatSpec = DEFAULT_FORMAT, *, key_of
     layer without μ) when given."""
     num_layers, kv_heads, head_dim = _geometry(_text_config(model_or_config))
     per_layer: dict[int, FormatSpec] = {}
+    if formats is not None and not isinstance(formats, Mapping):
+        raise TypeError(f"formats must be a mapping of layer index to format, got {type(formats).__name__}")
     for idx, spec in (formats or {}).items():
         if isinstance(idx, bool) or not isinstance(idx, int) or not -num_layers <= idx < num_layers:
             raise ValueError(f"formats keys must be layer indices in [{-num_layers}, {num_layers}), got {idx!r}")
         per_layer[idx % num_layers] = spec
-    if key_offset is not None and len(key_offset) != num_layers:
+    if key_offset is not None and (not isinstance(key_offset, (list, tuple, np.ndarray)) or len(key_offset) != num_layers):
+        got = len(key_offset) if isinstance(key_offset, (list, tuple, np.ndarray)) else type(key_offset).__name__
         raise ValueError(f"key_offset must hold one [num_kv_heads, head_dim] array per layer ({num_layers}), "
-                         f"got {len(key_offset)}")
+                         f"got {got}")
     out = []
     for i in range(num_layers):
         fmt = _resolve_format(per_layer.get(i, format), head_dim, f"formats[{i}]" if i in per_layer else "format")
