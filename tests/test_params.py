@@ -384,3 +384,15 @@ def test_default_and_preset_name_their_bad_arguments():
         TQParams.default("tq4")
     with pytest.raises(ValueError, match="name must be one of .* got \\['tq4'\\]"):
         KVFormat.preset(["tq4"], 16)
+
+
+def test_rotation_of_a_format_without_rotation_is_checked_too():
+    """rotate() uses a non-rotated format's matrix when one is given: its shape and orthogonality
+    are checked as for a rotated format."""
+    fmt = KVFormat.preset("fp16", D)
+    with pytest.raises(ValueError, match=rf"^TQParams\.rotation must have shape \({D}, {D}\), got \(3, 3\)"):
+        TQParams(format=fmt, rotation=np.eye(3))
+    with pytest.raises(ValueError, match=r"^TQParams\.rotation must be orthogonal"):
+        TQParams(format=fmt, rotation=np.zeros((D, D)))
+    assert TQParams(format=fmt, rotation=np.eye(D)).rotation.shape == (D, D)
+    assert TQParams(format=fmt, rotation=None).rotation is None

@@ -304,6 +304,13 @@ def test_bad_arguments(model):
         tqt.install(model, "tq4", key_offset=None, formats=["fp16"])
     with pytest.raises(ValueError, match="key_offset must be 'auto', 'prefill', None or one .* got int"):
         tqt.install(model, "tq4", key_offset=5)
+    tqt.install(model, "tq4", key_offset=None)
+    with pytest.raises(ValueError, match="block_size is install\\(\\)'s unless params= is given, got block_size 8"):
+        tqt.TQCache(model, block_size=8)
+    params = tqt.layer_params(model, "tq4")
+    for bad in (0, -16, 2.0, True):
+        with pytest.raises(ValueError, match=f"block_size must be None or a positive int, got {bad!r}"):
+            tqt.TQCache(model, params=params, block_size=bad)
 
 
 def test_gemma2_softcap_scaling_alternating_windows(monkeypatch):

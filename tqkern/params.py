@@ -74,9 +74,9 @@ class TQParams:
         if not isinstance(fmt, KVFormat):
             raise TypeError(f"TQParams.format must be a KVFormat, got {type(fmt).__name__}")
         d = fmt.head_dim
-        if fmt.rotated:
-            if self.rotation is None:
-                raise ValueError("TQParams.rotation must be a [D, D] matrix for a rotated format, got None")
+        if fmt.rotated and self.rotation is None:
+            raise ValueError("TQParams.rotation must be a [D, D] matrix for a rotated format, got None")
+        if self.rotation is not None:  # (a format without rotation may carry one: rotate() uses it)
             rot = np.asarray(self.rotation)
             if rot.shape != (d, d):
                 raise ValueError(f"TQParams.rotation must have shape ({d}, {d}), got {rot.shape}")
@@ -86,8 +86,6 @@ class TQParams:
                 raise ValueError(f"TQParams.rotation must be orthogonal (max |ΠΠᵀ − I| ≤ {tol:.3g} at D = {d}), "
                                  f"got {err:.3g}")
             object.__setattr__(self, "rotation", _readonly(rot))
-        elif self.rotation is not None:
-            object.__setattr__(self, "rotation", _readonly(self.rotation))
         for side in ("key", "value"):
             codec = getattr(fmt, side)
             cb = getattr(self, f"{side}_codebook")

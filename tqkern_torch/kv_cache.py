@@ -447,6 +447,12 @@ class TQCache(Cache):
                  block_size: Optional[int] = None, estimate_key_offset: bool = False,
                  max_cache_len: Optional[int] = None, prefill: str = "auto", exact_prefix: int = 0):
         installed = getattr(model_or_config, _ATTR, None)
+        if block_size is not None:
+            if params is None:
+                raise ValueError("block_size is install()'s unless params= is given, got block_size "
+                                 f"{block_size!r} without params")
+            if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+                raise ValueError(f"block_size must be None or a positive int, got {block_size!r}")
         if params is None:
             if installed is None:
                 raise ValueError("model must have tqkern installed (tqkern_torch.transformers.install), "
