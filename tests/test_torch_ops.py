@@ -348,5 +348,17 @@ def test_rotate_pack_unpack_to_device_reject_bad_arguments(setup):
         tqt.pack(torch.zeros(4, dtype=torch.uint8), 3, "nibble_high_even")
     with pytest.raises(ValueError, match=r"packed.shape\[-1\] must be 3 for n=8, bits=3, got 4"):
         tqt.unpack(torch.zeros(4, dtype=torch.uint8), 3, 8)
+    for order in ("lsb", "nibble_high_even"):  # (the nibble form had put 17's high bits into its neighbour)
+        with pytest.raises(ValueError, match=r"codes must be < 2\*\*bits = 16, got max 17"):
+            tqt.pack(torch.tensor([0, 17, 0, 0], dtype=torch.uint8), 4, order)
+    with pytest.raises(ValueError, match=r"codes must have at least one dimension \[..., n\], got shape \[\]"):
+        tqt.pack(torch.tensor(3, dtype=torch.uint8), 4)
+    with pytest.raises(ValueError, match=r"packed must have at least one dimension \[..., bytes\], got shape \[\]"):
+        tqt.unpack(torch.tensor(3, dtype=torch.uint8), 4, 2)
+    for bad in ("8", 7.5, -1, True):
+        with pytest.raises(ValueError, match=f"n must be an int >= 0, got {bad!r}"):
+            tqt.unpack(torch.zeros(4, dtype=torch.uint8), 4, bad)
+    with pytest.raises(ValueError, match="n must be even for bit_order='nibble_high_even', got 7"):
+        tqt.unpack(torch.zeros(4, dtype=torch.uint8), 4, 7, "nibble_high_even")
     with pytest.raises(TypeError, match=r"params must be a TQParams or DeviceParams, got dict"):
         tqt.to_device({}, "cpu")

@@ -100,9 +100,15 @@ def rotate(x: torch.Tensor, params, *, inverse: bool = False) -> torch.Tensor:
 
 
 def pack(codes: torch.Tensor, bits: int, bit_order: str = "lsb") -> torch.Tensor:
-    """Pack uint8 codes ``[..., n]`` into ``[..., ⌈n·bits/8⌉]`` uint8 (see the pack oracle)."""
+    """Pack uint8 codes ``[..., n]`` (each < 2**bits) into ``[..., ⌈n·bits/8⌉]`` uint8 (see the pack
+    oracle). The code range is checked on the host (a device sync; skipped under CUDA-graph capture)."""
     check_tensor(codes, "codes", dtypes=(torch.uint8,))
     pack_ref._check(bits, bit_order)
+    if codes.dim() < 1:
+        raise ValueError(f"codes must have at least one dimension [..., n], got shape {list(codes.shape)}")
+    capturing = codes.is_cuda and torch.cuda.is_current_stream_capturing()
+    if codes.numel() and not capturing and not torch.compiler.is_compiling() and int(codes.max()) >= 1 << bits:
+        raise ValueError(f"codes must be < 2**bits = {1 << bits}, got max {int(codes.max())}")
     n = codes.shape[-1]
     if bit_order == "nibble_high_even":
         if n % 2:
@@ -120,6 +126,12 @@ def unpack(packed: torch.Tensor, bits: int, n: int, bit_order: str = "lsb") -> t
     """Inverse of :func:`pack`."""
     check_tensor(packed, "packed", dtypes=(torch.uint8,))
     pack_ref._check(bits, bit_order)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int >= 0, got {n!r}")
+    if packed.dim() < 1:
+        raise ValueError(f"packed must have at least one dimension [..., bytes], got shape {list(packed.shape)}")
+    if bit_order == "nibble_high_even" and n % 2:
+        raise ValueError(f"n must be even for bit_order='nibble_high_even', got {n}")
     nbytes = pack_ref.packed_bytes(n, bits)
     if packed.shape[-1] != nbytes:
         raise ValueError(f"packed.shape[-1] must be {nbytes} for n={n}, bits={bits}, got {packed.shape[-1]}")
