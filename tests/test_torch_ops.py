@@ -362,3 +362,23 @@ def test_rotate_pack_unpack_to_device_reject_bad_arguments(setup):
         tqt.unpack(torch.zeros(4, dtype=torch.uint8), 4, 7, "nibble_high_even")
     with pytest.raises(TypeError, match=r"params must be a TQParams or DeviceParams, got dict"):
         tqt.to_device({}, "cpu")
+    for bad in ("gpu0", -1, 1.5):
+        with pytest.raises(ValueError, match=rf"device must be a torch device or its name .*got {bad!r}"):
+            tqt.to_device(params, bad)
+        with pytest.raises(ValueError, match=rf"device must be a torch device or its name .*got {bad!r}"):
+            tqt.read_errors(bad)
+        with pytest.raises(ValueError, match=rf"device must be a torch device or its name .*got {bad!r}"):
+            tqt.check_errors(bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device 'cuda' is not available: this torch has no usable CUDA device"):
+            tqt.to_device(params, "cuda")
+    with pytest.raises(TypeError, match="clear must be a bool, got str"):
+        tqt.read_errors("cpu", clear="no")
+    with pytest.raises(TypeError, match="inverse must be a bool, got str"):
+        tqt.rotate(torch.zeros(2, 64), params, inverse="yes")
+    layout = setup[0]
+    cache = tqt.allocate_cache(layout, 1)
+    with pytest.raises(ValueError, match=r"device must be a torch device or its name .*got 'gpu'"):
+        tqt.allocate_cache(layout, 1, "gpu")
+    with pytest.raises(TypeError, match="rotate_back must be a bool, got int"):
+        tqt.decompress(cache, torch.zeros(1, dtype=torch.long), layout, params, rotate_back=1)

@@ -9,6 +9,7 @@ import torch
 
 from tqkern.params import TQParams
 from tqkern.rotations import is_signed_sylvester
+from tqkern_torch._validate import check_device
 from tqkern_torch.errors import error_word
 
 __all__ = ["DeviceParams", "to_device"]
@@ -109,7 +110,7 @@ def to_device(params: TQParams, device) -> DeviceParams:
         params = params.params
     if not isinstance(params, TQParams):
         raise TypeError(f"params must be a TQParams or DeviceParams, got {type(params).__name__}")
-    device = torch.device(device)
+    device = check_device(device)
     d = params.format.head_dim
     rot = params.rotation if params.rotation is not None else np.eye(d)
     t = {"rotation": torch.tensor(np.ascontiguousarray(rot, np.float32), device=device).contiguous()}

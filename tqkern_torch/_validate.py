@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
+import numpy as np
 import torch
 
-__all__ = ["check_tensor", "interpreting", "use_triton"]
+__all__ = ["check_device", "check_flag", "check_tensor", "interpreting", "use_triton"]
 
 
 def _fmt_shape(shape: Sequence) -> str:
@@ -33,6 +34,26 @@ def check_tensor(x, name: str, *, shape: Sequence | None = None, dtypes: Sequenc
         raise ValueError(f"{name} must be contiguous, got strides {tuple(x.stride())}")
     if last_contiguous and x.dim() and x.stride(-1) != 1 and x.shape[-1] > 1:
         raise ValueError(f"{name} must have a contiguous last dimension, got strides {tuple(x.stride())}")
+
+
+def check_device(device, name: str = "device") -> torch.device:
+    """``device`` as a ``torch.device`` (a name such as ``"cpu"``, ``"cuda:0"``, an index, a device),
+    refusing names torch does not parse and CUDA where torch has none."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"{name} must be a torch device or its name ('cpu', 'cuda', 'cuda:0'), got {device!r}") \
+            from None
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{name} {str(d)!r} is not available: this torch has no usable CUDA device")
+    return d
+
+
+def check_flag(value, name: str) -> bool:
+    """A boolean argument (``bool`` or NumPy's), as ``bool``: any other truthy object is refused."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
 
 
 def interpreting() -> bool:

@@ -19,6 +19,7 @@ import threading
 import torch
 
 from tqkern.errors import ErrorFlag, describe
+from tqkern_torch._validate import check_device, check_flag
 
 __all__ = ["TQKernError", "check_errors", "error_word", "read_errors"]
 
@@ -76,10 +77,11 @@ def error_word(device) -> torch.Tensor:
 def read_errors(device=None, *, clear: bool = True) -> ErrorFlag:
     """The bits set on ``device`` (``None``: every device used so far), then, with ``clear``,
     zero them. Synchronises with those devices."""
+    clear = check_flag(clear, "clear")
     if device is None:
         words = _WORDS.items()
     else:
-        d = _canonical(device)
+        d = _canonical(check_device(device))
         words = [(d, _WORDS.get(d))]
     flags = ErrorFlag(0)
     for _, word in words:
@@ -93,7 +95,7 @@ def check_errors(device=None, *, clear: bool = True) -> None:
     """Raise :class:`TQKernError` if any kernel on ``device`` (``None``: on any device used so
     far) set a bit of its error word since the last check; ``clear`` zeroes the words first.
     Synchronises with those devices: call it where the caller synchronises anyway."""
-    devices = [d for d, _ in _WORDS.items()] if device is None else [_canonical(device)]
+    devices = [d for d, _ in _WORDS.items()] if device is None else [_canonical(check_device(device))]
     found = [(d, bits) for d in devices if (bits := read_errors(d, clear=clear))]
     if found:
         total = ErrorFlag(0)

@@ -19,7 +19,7 @@ from tqkern.layouts import PagedLayout
 from tqkern.ops.pack import reference as pack_ref
 from tqkern.params import TQParams
 from tqkern_torch._params import DeviceParams, to_device
-from tqkern_torch._validate import check_tensor
+from tqkern_torch._validate import check_device, check_flag, check_tensor
 from tqkern_torch.errors import error_word
 from tqkern_torch.library import layout_key, store_impl
 
@@ -83,7 +83,7 @@ def allocate_cache(layout: PagedLayout, num_blocks: int, device="cpu", *, fill: 
         raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
     if isinstance(fill, bool) or not isinstance(fill, int) or not 0 <= fill <= 255:
         raise ValueError(f"fill must be an int in [0, 255], got {fill!r}")
-    return torch.full(layout.cache_shape(num_blocks), fill, dtype=torch.uint8, device=device)
+    return torch.full(layout.cache_shape(num_blocks), fill, dtype=torch.uint8, device=check_device(device))
 
 
 def rotate(x: torch.Tensor, params, *, inverse: bool = False) -> torch.Tensor:
@@ -95,7 +95,7 @@ def rotate(x: torch.Tensor, params, *, inverse: bool = False) -> torch.Tensor:
         raise ValueError(f"x.shape[-1] must be head_dim = {d}, got {x.shape[-1]}")
     if p.device != x.device:
         raise ValueError(f"params must be on {x.device}, got {p.device}")
-    r = p.rotation.T if inverse else p.rotation
+    r = p.rotation.T if check_flag(inverse, "inverse") else p.rotation
     return x.float() @ r
 
 
@@ -240,7 +240,7 @@ def decompress(cache: torch.Tensor, slot_ids: torch.Tensor, layout: PagedLayout,
     _check_slot_ids(slot_ids, cache, layout, dev)
     p = _device_params(params, layout, dev)
     return torch.ops.tqkern.decompress(cache, slot_ids, p.rotation, p.key_centroids, p.value_centroids,
-                                       layout_key(layout), bool(rotate_back))
+                                       layout_key(layout), check_flag(rotate_back, "rotate_back"))
 
 
 def sequence_slot_ids(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
