@@ -40,17 +40,20 @@ def _block_size(tokens: int) -> int:
 
 def dense_layout(fmt: KVFormat, num_kv_heads: int, tokens: int) -> PagedLayout:
     """The paged layout a dense cache of ``tokens`` tokens per row is viewed as (slot arrangement)."""
-    if not isinstance(fmt, KVFormat):
-        raise TypeError(f"fmt must be a tqkern.KVFormat, got {type(fmt).__name__}")
+    _check_format(fmt)
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"tokens must be a positive int, got {tokens!r}")
     return PagedLayout(format=fmt, num_kv_heads=num_kv_heads, block_size=_block_size(tokens), arrangement="slot")
 
 
-def _view(kv: torch.Tensor, fmt: KVFormat):
-    """(paged view, layout, identity block table) of a dense cache."""
+def _check_format(fmt) -> None:
     if not isinstance(fmt, KVFormat):
         raise TypeError(f"fmt must be a tqkern.KVFormat, got {type(fmt).__name__}")
+
+
+def _view(kv: torch.Tensor, fmt: KVFormat):
+    """(paged view, layout, identity block table) of a dense cache."""
+    _check_format(fmt)
     check_tensor(kv, "kv", dtypes=(torch.uint8,), contiguous=True)
     if kv.dim() != 4 or kv.shape[3] != fmt.slot_bytes or kv.shape[1] < 1:
         raise ValueError(f"kv must have shape [batch, tokens >= 1, num_kv_heads, {fmt.slot_bytes}], "
@@ -106,8 +109,7 @@ def dense_attention(q: torch.Tensor, kv: torch.Tensor, lengths: torch.Tensor, fm
     ones among the first ``lengths[b]``. ``Lq == 1`` without a mask runs :func:`dense_decode`;
     otherwise the rows are decompressed (float32, rotated back) and attended by torch SDPA. A query
     row with no visible token gives zeros (the oracles' rule). Returns q's shape and dtype."""
-    if not isinstance(fmt, KVFormat):
-        raise TypeError(f"fmt must be a tqkern.KVFormat, got {type(fmt).__name__}")
+    _check_format(fmt)
     check_tensor(kv, "kv", dtypes=(torch.uint8,), contiguous=True)
     check_tensor(q, "q", dtypes=(torch.float16, torch.bfloat16), device=kv.device)
     if q.dim() != 4 or q.shape[0] != kv.shape[0] or q.shape[3] != fmt.head_dim:

@@ -251,9 +251,15 @@ def sequence_slot_ids(block_table: torch.Tensor, seq_lens: torch.Tensor, block_s
                  device=block_table.device)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    blocks, used, slot = _positions(block_table, seq_lens, block_size)
+    return torch.where(used, blocks * block_size + slot, -1)
+
+
+def _positions(block_table, seq_lens, block_size: int):
+    """Per sequence and position ``[num_seqs, max_blocks·block_size]``: the block (int64), whether
+    the position is below seq_len, and the offset in the block (``[max_blocks·block_size]``)."""
     pos = torch.arange(block_table.shape[1] * block_size, device=block_table.device)
-    slots = block_table.long()[:, pos // block_size] * block_size + pos % block_size
-    return torch.where(pos[None, :] < seq_lens.long()[:, None], slots, -1)
+    return block_table.long()[:, pos // block_size], pos[None, :] < seq_lens.long()[:, None], pos % block_size
 
 
 def decompress_sequences(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -272,14 +278,11 @@ def decompress_sequences(cache: torch.Tensor, block_table: torch.Tensor, seq_len
     cap = block_table.shape[1] * layout.block_size
     if dev.type == "cpu" and seq_lens.numel() and int(seq_lens.max()) > cap:
         raise ValueError(f"seq_lens must be <= max_blocks * block_size = {cap}, got {int(seq_lens.max())}")
-    ids = sequence_slot_ids(block_table, seq_lens, layout.block_size)
+    blocks, used, slot = _positions(block_table, seq_lens, layout.block_size)
+    inside = (blocks >= 0) & (blocks < cache.shape[0])
+    ids = torch.where(used & inside, blocks * layout.block_size + slot, -1)
     if ids.numel():
-        pos = torch.arange(ids.shape[1], device=dev)
-        blocks = block_table.long()[:, pos // layout.block_size]
-        used = pos[None, :] < seq_lens.long()[:, None]
-        bad_block = used & ((blocks < 0) | (blocks >= cache.shape[0]))  # in use, outside the cache
-        ids = torch.where(bad_block, -1, ids)
-        flags = (bad_block.any().to(torch.int32) * int(ErrorFlag.BLOCK_OUT_OF_RANGE)
+        flags = ((used & ~inside).any().to(torch.int32) * int(ErrorFlag.BLOCK_OUT_OF_RANGE)
                  + (seq_lens < 0).any().to(torch.int32) * int(ErrorFlag.SEQ_LEN_OUT_OF_RANGE))
         error_word(dev).bitwise_or_(flags)
     k, v = decompress(cache, ids.reshape(-1), layout, params, rotate_back=rotate_back)
