@@ -187,6 +187,24 @@ def test_row_merge_chunks_rule():
     assert row_merge_chunks(256, 132, 256, True) == 1
 
 
+def test_merge_impl_and_one_row_chunks_rule():
+    """The one-row merge from 16 splits (17 with the rotate-back); its chunks fill two programs per
+    SM (at most DP/16) without the rotate-back, one per SM (at most DP/32) with it; the planned
+    split block is a tile of at most 4096 float32."""
+    from tqkern.ops.paged_decode.plan import DeviceCaps, DecodeOptions
+    from tqkern.ops.paged_decode.side_plans import _merge_plan, merge_impl, row_chunks, row_split_block
+    assert [merge_impl(False, n) for n in (8, 15, 16, 128)] == ["heads", "heads", "row", "row"]
+    assert [merge_impl(True, n) for n in (8, 16, 17, 128)] == ["rows", "rows", "row", "row"]
+    assert row_chunks(32, 132, 128, False) == 8 and row_chunks(256, 132, 128, False) == 2
+    assert row_chunks(32, 132, 128, True) == 4 and row_chunks(256, 132, 128, True) == 1
+    assert row_chunks(16, 132, 256, True) == 8 and row_chunks(128, 132, 256, True) == 2
+    assert row_split_block(128, 128) == 32 and row_split_block(8, 16) == 8 and row_split_block(256, 16) == 256
+    m = _merge_plan(_layout("tq4", 128, 8), 1, 32, 128, DeviceCaps.sm90(), DecodeOptions())
+    assert (m.impl, m.grid, m.chunks, m.unroll, m.rotate_back) == ("row", (32, 4), 4, 32, True)
+    m = _merge_plan(_layout("turboquant_4bit_nc", 128, 4), 1, 28, 128, DeviceCaps.sm90(), DecodeOptions())
+    assert (m.impl, m.grid, m.chunks, m.unroll) == ("row", (28, 8), 8, 128)
+
+
 def test_rotate_cols_rule():
     """The q rotation's output columns per program: 32 at DP >= 256, 64 below, all when nothing
     rotates (the plan's grid follows)."""
@@ -251,14 +269,14 @@ def test_ctas_per_sm():
 @pytest.mark.parametrize("preset", ["tq4", "turboquant_4bit_nc"])  # values rotated back / not
 @pytest.mark.parametrize("chunks", [1, 2, 4])
 @pytest.mark.parametrize("impl,rows,unroll", [("heads", 16, None), ("rows", 16, 8), ("rows", 32, 2), ("rows", 16, None),
-                                              (None, 16, None)])
+                                              ("row", 16, None), (None, 16, None)])
 def test_merge_matches_numpy(preset, chunks, impl, rows, unroll):
     """out = Σ_i exp2(m_i − m)·acc_i / Σ_i exp2(m_i − m)·l_i (@ Πᵀ when values are rotated), with
     empty splits (m = −inf, l = 0) ignored, a row without any tokens gives 0; the output is
     poisoned first, and so are the partials of the empty splits (NaN: a merge must not read them
-    into the sum). Both merge kernels: per GQA group, and per block of query rows (24 rows: a
+    into the sum). The three merge kernels: per GQA group, per block of query rows (24 rows: a
     partial block of 16 or 32; 5 splits: a partial unroll of 2 or 8, or all 5 at once: the
-    default without the rotate-back); and the launcher's default choice."""
+    default without the rotate-back) and per query row; and the launcher's default choice."""
     _merge_matches_numpy(preset, 128, chunks, impl, rows, unroll)
 
 
@@ -269,25 +287,37 @@ def test_merge_head_dim_256_in_8_chunks():
     _merge_matches_numpy("tq4", 256, 8, "rows", 16, 8)
 
 
-def _merge_matches_numpy(preset, dp, chunks, impl, rows, unroll):
-    layout = _layout(preset, dp, 2)
+@needs_kernels
+@pytest.mark.parametrize("preset", ["tq4", "turboquant_4bit_nc"])
+@pytest.mark.parametrize("d,chunks", [(128, 1), (128, 4), (96, 2), (256, 2)])
+def test_one_row_merge_many_splits(preset, d, chunks):
+    """The one-row merge at batch 1's split counts: 40 splits read 32 (DP 128, rotate-back), 8
+    (DP 256) or more at a time, so the last load is partial; head_dim 96 pads the workspace to
+    DP 128 (pad columns poisoned: never read); one sequence, so each query row is one program."""
+    _merge_matches_numpy(preset, d, chunks, "row", 16, None, s=1, ns=40)
+
+
+def _merge_matches_numpy(preset, d, chunks, impl, rows, unroll, s=3, ns=5):
+    layout = _layout(preset, d, 2)
+    dp = max(16, 1 << (d - 1).bit_length())
     params = tqt.to_device(tqkern.TQParams.default(layout.format, seed=3), DEV)
-    s, hq, ns, g = 3, 8, 5, 4
+    hq, g = 8, 4
     rng = np.random.default_rng(0)
     acc = rng.standard_normal((s, hq, ns, dp)).astype(np.float32)
     m = (rng.standard_normal((s, hq, ns)) * 4).astype(np.float32)
     l = rng.uniform(0.5, 3.0, (s, hq, ns)).astype(np.float32)
     m[0, :, 1] = -np.inf  # an empty split
     l[0, :, 1] = 0.0
-    m[2, 3, :] = -np.inf  # a row with no tokens (sequence length 0): output 0
-    l[2, 3, :] = 0.0
-    acc_used = acc.copy()
+    m[s - 1, 3, :] = -np.inf  # a row with no tokens (sequence length 0): output 0
+    l[s - 1, 3, :] = 0.0
+    acc_used = acc[..., :d].copy()
     acc[0, :, 1] = np.nan  # what an empty split left in the workspace does not matter
-    acc[2, 3, :] = np.nan
+    acc[s - 1, 3, :] = np.nan
+    acc[..., d:] = np.nan  # nor what the pad columns hold
     ws = np.concatenate([acc.ravel(), np.stack([m, l], -1).ravel()])
     assert ws.size == workspace_numel(s, hq, ns, dp)
     ws_t = torch.from_numpy(ws).to(DEV)
-    out = torch.full((s, hq, dp), float("nan"), dtype=torch.float32, device=DEV)
+    out = torch.full((s, hq, d), float("nan"), dtype=torch.float32, device=DEV)
     n_acc = acc.size
     _launch_merge(ws_t[:n_acc], ws_t[n_acc:], params.rotation, out, layout, g, ns, INTERP, chunks=chunks,
                   impl=impl, rows=rows, unroll=unroll)
@@ -296,7 +326,7 @@ def _merge_matches_numpy(preset, dp, chunks, impl, rows, unroll):
     w[~np.isfinite(m)] = 0.0
     den = (w * l).sum(-1)[..., None]
     o = (w[..., None] * acc_used).sum(2) / np.where(den > 0, den, 1.0)
-    assert np.all(o[2, 3] == 0)
+    assert np.all(o[s - 1, 3] == 0)
     if layout.format.value.rotated:
         o = o @ params.params.rotation.T
     got = out.cpu().numpy()
@@ -312,8 +342,8 @@ def test_merge_and_rotation_options_rejected():
     ws = torch.zeros(workspace_numel(1, 8, 2, 128), device=DEV)
     out = torch.zeros(1, 8, 128, device=DEV)
     acc, ml = ws[: 8 * 2 * 128], ws[8 * 2 * 128:]
-    with pytest.raises(ValueError, match="impl must be 'rows', 'heads' or None, got 'row'"):
-        _launch_merge(acc, ml, params.rotation, out, layout, 4, 2, INTERP, impl="row")
+    with pytest.raises(ValueError, match="impl must be 'rows', 'row', 'heads' or None, got 'cols'"):
+        _launch_merge(acc, ml, params.rotation, out, layout, 4, 2, INTERP, impl="cols")
     with pytest.raises(ValueError, match="rows must be a power of two >= 16, got 24"):
         _launch_merge(acc, ml, params.rotation, out, layout, 4, 2, INTERP, rows=24)
     with pytest.raises(ValueError, match="rows must be a power of two >= 16, got 8"):

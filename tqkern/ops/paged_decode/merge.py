@@ -1,6 +1,7 @@
 """The merge of a split-KV decode's partials (unnormalised acc, base-2 max, sum per split) by
 log-sum-exp into the output, rotating back (``@ Πᵀ``) when the value codec is rotated:
-:func:`_merge_rows_kernel` (blocks of query rows) or :func:`_merge_kernel` (one GQA group per
+:func:`_merge_rows_kernel` (blocks of query rows), :func:`_merge_row_kernel` (one query row, its
+splits as one tile: few rows of many splits) or :func:`_merge_kernel` (one GQA group per
 program), launched by :func:`_launch_merge`. Both decode kernels (:mod:`.general`,
 :mod:`.mma_kernel`) write the workspace these read.
 
@@ -16,9 +17,10 @@ import triton
 import triton.language as tl
 
 from tqkern.ops.common import layout_consts
-from tqkern.ops.paged_decode.side_plans import merge_chunks, merge_impl, row_merge_chunks, row_merge_unroll
+from tqkern.ops.paged_decode.side_plans import (merge_chunks, merge_impl, row_chunks, row_merge_chunks, row_merge_unroll,
+                                                row_split_block)
 
-__all__ = ["_merge_kernel", "_merge_rows_kernel", "_launch_merge", "merge_chunks"]
+__all__ = ["_merge_kernel", "_merge_rows_kernel", "_merge_row_kernel", "_launch_merge", "merge_chunks"]
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -170,39 +172,112 @@ def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, sink_ptr, 
     _store_merged(o, o_row, rm, rot_ptr, c0, cols, D, CC, ROTATE_BACK, DOT_PRECISION)
 
 
+@triton.jit
+def _merge_row_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, sink_ptr, lse_ptr, num_splits,
+                      stride_os, stride_oh,
+                      HQ: tl.constexpr, SP: tl.constexpr, SB: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                      CC: tl.constexpr, ROTATE_BACK: tl.constexpr, POISON: tl.constexpr,
+                      SINKS: tl.constexpr = False, LSE: tl.constexpr = False):
+    """The merge of one query row (``row = s·HQ + head``) per program, for few rows of many splits
+    (batch 1): the splits are read ``SB`` at a time as one ``[SB, columns]`` load, so one row's
+    partials stream through many SMs instead of a 16-row block's through one. Program ``(row, j)``
+    writes columns ``j·CC .. j·CC + CC − 1``; with the rotate-back it merges all DP columns and
+    forms ``out[c] = Σ_j Π[c, j]·o[j]`` for its chunk in float32 FMAs (a 1-row ``tl.dot`` would
+    pad to 16 rows). Same workspace layout and result as :func:`_merge_kernel` (to rounding)."""
+    r = tl.program_id(0)
+    c0 = tl.program_id(1) * CC
+    part0 = r.to(tl.int64) * num_splits
+    sp = tl.arange(0, SP)
+    spm = sp < num_splits
+    m = tl.load(ml_ptr + (part0 + sp) * 2, mask=spm, other=float("-inf"))
+    l = tl.load(ml_ptr + (part0 + sp) * 2 + 1, mask=spm, other=0.0)
+    m_all = tl.max(m, axis=0)
+    if SINKS:
+        sink = tl.load(sink_ptr + r % HQ) * _LOG2E
+        m_all = tl.maximum(m_all, sink)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    l_all = tl.sum(tl.where(m > float("-inf"), tl.exp2(m - m_safe), 0.0) * l, axis=0)
+    if SINKS:
+        l_all += tl.exp2(sink - m_safe)
+    inv = tl.where(l_all > 0, 1.0 / tl.where(l_all > 0, l_all, 1.0), 0.0)
+    if ROTATE_BACK:
+        cols = tl.arange(0, DP)
+    else:
+        cols = c0 + tl.arange(0, CC)
+    o = tl.zeros([cols.shape[0]], tl.float32)
+    for i0 in range(0, num_splits, SB):
+        si = i0 + tl.arange(0, SB)
+        ok = si < num_splits
+        mi = tl.load(ml_ptr + (part0 + si) * 2, mask=ok, other=float("-inf"))
+        wi = tl.where(mi > float("-inf"), tl.exp2(mi - m_safe), 0.0)
+        a = tl.load(acc_ptr + (part0 + si)[:, None] * DP + cols[None, :], mask=ok[:, None] & (cols < D)[None, :],
+                    other=0.0)  # pad columns never read; an empty split's partial selected away below
+        o += tl.sum(tl.where((wi > 0)[:, None], a * wi[:, None], 0.0), axis=0)
+    o = o * inv
+    if POISON:  # NaN for a query row holding a NaN or inf (docs/layout.md)
+        poison = tl.load(poison_ptr + r)
+        o += poison
+    if LSE:
+        lse = tl.where(l_all > 0, (m_safe + tl.log2(tl.where(l_all > 0, l_all, 1.0))) * _LN2, float("-inf"))
+        if POISON:
+            lse += poison
+        if c0 == 0:
+            tl.store(lse_ptr + r, lse)
+    o_row = out_ptr + (r // HQ).to(tl.int64) * stride_os + (r % HQ).to(tl.int64) * stride_oh
+    if ROTATE_BACK:
+        SUB: tl.constexpr = CC if CC * DP <= 4096 else 4096 // DP
+        for c1 in tl.static_range(0, CC, SUB):
+            cs = c0 + c1 + tl.arange(0, SUB)
+            rt = tl.load(rot_ptr + cs[:, None] * D + cols[None, :], mask=(cs < D)[:, None] & (cols < D)[None, :],
+                         other=0.0)  # Π[cs, :]
+            tl.store(o_row + cs, tl.sum(rt * o[None, :], axis=1).to(o_row.dtype.element_ty), mask=cs < D)
+    else:
+        tl.store(o_row + cols, o.to(o_row.dtype.element_ty), mask=cols < D)
+
+
 def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, interpret: bool,
                   chunks: int | None = None, impl: str | None = None, rows: int = 16, unroll: int | None = None,
                   q_poison=None, sinks=None, lse=None):
     """Merge the splits into ``out`` (rotating back when the value codec is rotated). ``impl``:
-    ``"rows"`` (:func:`_merge_rows_kernel`, blocks of ``rows`` query rows) or ``"heads"``
-    (:func:`_merge_kernel`, one GQA group per program); by default rows with the rotate-back or
-    more than 16 splits, else heads. Measured (H100, session 4, docs/performance.md, "Merge and q rotation"):
-    with the rotate-back rows are 2x faster (tq4 B32x16K 11.7 → 6.0 µs, B8x64K 24.5 → 14.6 µs);
-    without it heads are faster at 8 splits (turboquant_4bit_nc B32x16K 3.0 vs 3.3 µs) and rows
-    with every split's load in flight at 33 (B8x64K 7.3 vs 9.3 µs; session 12,
-    the same section). ``chunks``: output-column chunks per
-    program block (default :func:`merge_chunks`); ``unroll``: splits per loop iteration of the
-    row-block kernel (default 8 with the rotate-back, else all of them). ``q_poison``: float32
+    ``"rows"`` (:func:`_merge_rows_kernel`, blocks of ``rows`` query rows), ``"row"``
+    (:func:`_merge_row_kernel`, one query row per program) or ``"heads"`` (:func:`_merge_kernel`,
+    one GQA group per program); by default :func:`.side_plans.merge_impl` (measured there; with the
+    rotate-back and few splits rows are 2x faster than heads, H100, session 4: tq4 B32x16K 11.7 →
+    6.0 µs). ``chunks``: output-column chunks per program (default :func:`.side_plans.row_chunks`,
+    :func:`.side_plans.row_merge_chunks` or :func:`merge_chunks`); ``unroll``: splits per loop
+    iteration of the row-block kernel (default 8 with the rotate-back, else all of them). ``q_poison``: float32
     ``[S·Hq]`` added to every output row (NaN poisons the row), or ``None``. ``sinks``: float32
     ``[Hq]`` sink logits (natural log), or ``None``; ``lse``: float32 ``[S, Hq]`` written with
     each row's normaliser, or ``None``."""
     s, hq, d = out.shape
     dp = layout_consts(layout)["DP"]
     rotate_back = bool(layout.format.value.rotated)
+    sms = 1 if interpret else torch.cuda.get_device_properties(out.device).multi_processor_count
     if impl is None:
         impl = merge_impl(rotate_back, num_splits)
     if unroll is None:
         unroll = row_merge_unroll(rotate_back)
-    if impl not in ("rows", "heads"):
-        raise ValueError(f"impl must be 'rows', 'heads' or None, got {impl!r}")
+    if impl not in ("rows", "row", "heads"):
+        raise ValueError(f"impl must be 'rows', 'row', 'heads' or None, got {impl!r}")
     if not isinstance(rows, int) or rows < 16 or rows & (rows - 1):
         raise ValueError(f"rows must be a power of two >= 16, got {rows!r}")
     precision = "ieee" if interpret else "tf32x3"
+    if impl == "row":
+        if chunks is None:
+            chunks = row_chunks(s * hq, sms, dp, rotate_back)
+        if s * hq:
+            sp = max(2, triton.next_power_of_2(num_splits))
+            _merge_row_kernel[(s * hq, chunks)](
+                acc, ml, rotation, out, ml if q_poison is None else q_poison, ml if sinks is None else sinks,
+                ml if lse is None else lse, num_splits, out.stride(0), out.stride(1),
+                HQ=hq, SP=sp, SB=row_split_block(sp, dp if rotate_back else dp // chunks), D=d, DP=dp,
+                CC=dp // chunks, ROTATE_BACK=rotate_back, POISON=q_poison is not None, SINKS=sinks is not None,
+                LSE=lse is not None, num_warps=4)
+        return
     if impl == "rows":
         n = s * hq
         blocks = triton.cdiv(n, rows)
         if chunks is None:
-            sms = 1 if interpret else torch.cuda.get_device_properties(out.device).multi_processor_count
             chunks = row_merge_chunks(blocks, sms, dp, rotate_back)
         if n:
             _merge_rows_kernel[(blocks, chunks)](
@@ -215,7 +290,6 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
         return
     gp = max(16, triton.next_power_of_2(g))
     if chunks is None:
-        sms = 1 if interpret else torch.cuda.get_device_properties(out.device).multi_processor_count
         chunks = merge_chunks(s * layout.num_kv_heads, sms, dp)
     nch = chunks
     cc = dp // nch

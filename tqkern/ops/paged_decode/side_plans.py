@@ -9,8 +9,8 @@ import dataclasses
 
 from tqkern.ops.common import layout_consts
 
-__all__ = ["MergePlan", "RotatePlan", "merge_chunks", "merge_impl", "rotate_cols", "row_merge_chunks",
-           "row_merge_unroll", "scan_split"]
+__all__ = ["MergePlan", "RotatePlan", "merge_chunks", "merge_impl", "rotate_cols", "row_chunks", "row_merge_chunks",
+           "row_merge_unroll", "row_split_block", "scan_split"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,8 +29,9 @@ class RotatePlan:
 
 @dataclasses.dataclass(frozen=True)
 class MergePlan:
-    """The merge launch: ``impl`` ``"rows"`` (blocks of ``rows`` query rows) or ``"heads"`` (one
-    GQA group per program), ``chunks`` output-column chunks, ``unroll`` splits per iteration;
+    """The merge launch: ``impl`` ``"rows"`` (blocks of ``rows`` query rows), ``"row"`` (one query
+    row per program, ``rows`` 1) or ``"heads"`` (one GQA group per program), ``chunks``
+    output-column chunks, ``unroll`` splits per iteration (per load for ``"row"``);
     ``sinks``: sink logits join the denominator; ``lse``: the normaliser is written."""
 
     impl: str
@@ -105,9 +106,34 @@ def _rotate_plan(layout, s, hq, max_blocks, rows: int = 16) -> RotatePlan:
 
 
 def merge_impl(rotate_back: bool, num_splits: int) -> str:
-    """The merge kernel: ``"rows"`` (blocks of query rows) with the rotate-back or more than 16
-    splits, else ``"heads"`` (one GQA group per program); measured in ``.merge._launch_merge``."""
-    return "rows" if rotate_back or num_splits > 16 else "heads"
+    """The merge kernel: ``"row"`` (one query row per program, its splits as tiles) from 16 splits
+    (17 with the rotate-back), else ``"rows"`` (blocks of 16 query rows) with the rotate-back,
+    else ``"heads"`` (one GQA group per program). Measured (H200, session 31 probe, merge alone,
+    µs, rows / row at its chunk rule): batch 1 × 32 heads, 128 splits: tq4 (rotate-back) 30.3 /
+    5.8, turboquant_4bit_nc 23.3 / 2.4; 256 rows × 33 splits 10.9 / 6.0 and 7.4 / 3.1; 16 splits
+    at head_dim 256 (Gemma-2-9B B8×8K) without the rotate-back heads 5.3, rows 4.3, row 2.3-2.6,
+    with it rows 8.4, row 7.6-9.5; 1024 rows × 8 splits rows 4.9 / heads 3.0, row 4.5-10.1."""
+    if num_splits >= (17 if rotate_back else 16):
+        return "row"
+    return "rows" if rotate_back else "heads"
+
+
+def row_chunks(rows: int, num_sms: int, dp: int, rotate_back: bool) -> int:
+    """Column chunks of the one-row merge: enough programs for two per SM, at most DP/16 chunks;
+    with the rotate-back (each chunk re-reads all its row's partials and takes a slice of Π) one
+    per SM, at most DP/32 chunks. Measured (H200, session 31 probe, µs at 1/2/4/8 chunks): tq4
+    1 × 32 heads × 128 splits 8.0 / 7.1 / 5.8 / 7.0, 256 rows × 33 splits 6.0 / 7.1 / 10.3 / 17.8,
+    1 × 16 heads at head_dim 256 28.8 / 14.6 / 11.0 / 9.5; turboquant_4bit_nc 1 × 32 × 128 5.6 /
+    3.4 / 2.3 / 2.4, 256 × 33 4.2 / 3.1 / 3.1 / 4.2."""
+    if rotate_back:
+        return min(max(1, dp // 32), merge_chunks(rows, num_sms, dp))
+    return merge_chunks(rows, 2 * num_sms, dp)
+
+
+def row_split_block(sp: int, width: int) -> int:
+    """Splits per load of the one-row merge: a ``[splits, width]`` float32 tile of at most 4096
+    elements (16 KiB), at most ``sp`` (the split count rounded up to a power of two)."""
+    return max(1, min(sp, 4096 // width))
 
 
 def row_merge_unroll(rotate_back: bool) -> int:
@@ -116,11 +142,19 @@ def row_merge_unroll(rotate_back: bool) -> int:
 
 
 def _merge_plan(layout, s, hq, num_splits, caps, options) -> MergePlan:
-    """:func:`merge_impl`'s kernel with :func:`row_merge_chunks` or :func:`merge_chunks` column chunks."""
+    """:func:`merge_impl`'s kernel with :func:`row_chunks`, :func:`row_merge_chunks` or
+    :func:`merge_chunks` column chunks."""
     dp = layout_consts(layout)["DP"]
     rotate_back = bool(layout.format.value.rotated)
     sms = 1 if caps.interpret else caps.num_sms
-    if merge_impl(rotate_back, num_splits) == "rows":
+    impl = merge_impl(rotate_back, num_splits)
+    if impl == "row":
+        chunks = row_chunks(s * hq, sms, dp, rotate_back)
+        sp = max(2, 1 << (num_splits - 1).bit_length())
+        return MergePlan(impl="row", grid=(s * hq, chunks), rows=1, chunks=chunks,
+                         unroll=row_split_block(sp, dp if rotate_back else dp // chunks), rotate_back=rotate_back,
+                         sinks=options.sinks, lse=options.lse)
+    if impl == "rows":
         rows = 16
         blocks = -(-(s * hq) // rows)
         chunks = row_merge_chunks(blocks, sms, dp, rotate_back)

@@ -19,7 +19,7 @@ import triton.language as tl
 from tqkern.layouts import PagedLayout
 from tqkern.ops.launch import BoundedCache, KernelLauncher, current_stream
 from tqkern.ops.paged_decode.general import _paged_decode_kernel
-from tqkern.ops.paged_decode.merge import _merge_kernel, _merge_rows_kernel
+from tqkern.ops.paged_decode.merge import _merge_kernel, _merge_row_kernel, _merge_rows_kernel
 from tqkern.ops.paged_decode.mma_kernel import _paged_decode_coop_kernel, _paged_decode_mma_kernel
 from tqkern.ops.paged_decode.mma_launch import _size_dynamic_smem
 from tqkern.ops.paged_decode.mma_plans import DynamicSmemUnsupported, MmaPlan, ctas_per_sm
@@ -72,7 +72,11 @@ class Prepared:
         common = dict(D=d, DP=dp, CC=dp // m.chunks, ROTATE_BACK=m.rotate_back, DOT_PRECISION=precision, POISON=True,
                       SINKS=m.sinks, LSE=m.lse)
         sp = max(2, 1 << (plan.num_splits - 1).bit_length())
-        if m.impl == "rows":
+        if m.impl == "row":
+            common.pop("DOT_PRECISION")
+            self.merge = KernelLauncher(_merge_row_kernel, m.grid, dict(HQ=plan.num_q_heads, SP=sp, SB=m.unroll,
+                                                                        **common), num_warps=4)
+        elif m.impl == "rows":
             self.merge = KernelLauncher(_merge_rows_kernel, m.grid, dict(HQ=plan.num_q_heads, ROWS=m.rows, SP=sp,
                                                                          UNROLL=m.unroll, **common), num_warps=4)
         else:
@@ -208,7 +212,10 @@ def _decode_and_merge(prep: Prepared, out, q_rot, cache, safe_table, seq_lens, t
                            safe_table.shape[1], scale, plan.num_splits)
     rot = tables["rotation"]
     sink_arg, lse_arg = ml if sinks is None else sinks, ml if lse is None else lse  # (unread when off)
-    if plan.merge.impl == "rows":
+    if plan.merge.impl == "row":
+        prep.merge.launch(stream, acc, ml, rot, out, poison, sink_arg, lse_arg, plan.num_splits, out.stride(0),
+                          out.stride(1))
+    elif plan.merge.impl == "rows":
         prep.merge.launch(stream, acc, ml, rot, out, poison, sink_arg, lse_arg, s * hq, plan.num_splits, out.stride(0),
                           out.stride(1))
     else:
