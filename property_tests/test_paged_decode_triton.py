@@ -15,7 +15,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from hypothesis import assume, event, given, note
+from hypothesis import assume, event, given, note, settings
 from hypothesis import strategies as st
 
 import tqkern
@@ -92,6 +92,7 @@ def word_path_cases(draw, unit):
 
 
 @pytest.mark.parametrize("unit", [4, 2, 1])
+@settings(max_examples=T.scale(8, settings.default.max_examples))  # CI: 8 (slowest interpreted)
 @given(st.data())
 def test_word_path_matches_oracle(unit, data):
     """The 4-bit word path (byte-permute centroid lookup and magic-number integers on the GPU,

@@ -66,6 +66,7 @@ def test_short_rows_match_oracle(preset, data):
              expect_lse=res[1])
 
 
+@settings(max_examples=T.scale(8, settings.default.max_examples))  # CI: 8 (slowest interpreted)
 @given(short_cases(presets=("tq4", "turboquant_4bit_nc", "turboquant_k8v4", "fp16")), st.data())
 def test_short_rows_equal_the_prefill_kernel(case, data):
     """The two paths of one call agree on every row (each within the oracle's budget of the other)."""
@@ -97,6 +98,7 @@ def test_short_rows_under_a_broken_bound_give_zero_rows():
         _run(layout, params, batch, q, cache, max_query_len=3)
 
 
+@settings(max_examples=T.scale(8, settings.default.max_examples))  # CI: 8 (slowest interpreted)
 @given(prefill_cases(presets=("tq4", "turboquant_4bit_nc", "turboquant_3bit_nc", "fp16")), st.data())
 def test_mixed_batches_split_by_length_match_oracle(case, data):
     """A checked call without a bound on a batch mixing every kind of row: the short sequences run

@@ -199,6 +199,7 @@ def test_prefill_options_match_oracle(case, data):
     check_options(case, data)
 
 
+@settings(max_examples=T.scale(8, settings.default.max_examples))  # CI: 8 (slowest interpreted)
 @given(prefill_cases(presets=("tq4", "turboquant_3bit_nc", "tqkern_k5v3", "turboquant_k8v4")), st.data())
 def test_chunked_prefill_equals_one_call(case, data):
     """Each sequence's new tokens split at a drawn point into two calls (the first with the
@@ -226,6 +227,7 @@ def test_chunked_prefill_equals_one_call(case, data):
     _compare(chunked, whole, layout, params, batch, cache, q64, group, what="one call")
 
 
+@settings(max_examples=T.scale(8, settings.default.max_examples))  # CI: 8 (slowest interpreted)
 @given(prefill_cases(), st.data())
 def test_no_prefix_equals_causal_attention(case, data):
     """With every new token of a sequence in the call (q_len = seq_len), prefill is causal dense

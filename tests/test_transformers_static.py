@@ -114,9 +114,11 @@ def test_softcap_gets_no_key_offset(monkeypatch):
     assert tqt.install(llama, "tq4", calibration=_ids(1, 12)).key_offset_sources == ("calibration",) * 2
 
 
-def test_decode_step_compiles_whole_and_once(model):
+def test_decode_step_compiles_whole_and_once():
     """The decode step traced by torch.compile(fullgraph=True) (any graph break raises), no
-    recompilation across steps (error_on_recompile), and the same tokens as the eager cache."""
+    recompilation across steps (error_on_recompile), and the same tokens as the eager cache. On
+    Qwen2 (projection biases) only, for CI time: the cache's traced code is the same for Llama."""
+    model = MODELS["qwen2"]()
     ids = _ids(2, 9, seed=3)
     tqt.install(model, "tq4", key_offset=None)
     tokens = {}
