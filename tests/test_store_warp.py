@@ -289,6 +289,37 @@ def test_float32_norms_that_cannot_decide_take_float64(preset, dtype):
     assert _stores_the_oracle_bytes_and_flags(layout, params, k, v) & ErrorFlag.SATURATED
 
 
+def _norm_edge_with_offset(d, dtype):
+    """Keys ``k [24, 4, d]`` and a key offset ``μ [4, d]`` (float32) with ``k[0, j] − μ[j]`` exactly
+    the first four vectors of :func:`_norm_edge_vectors` (three float16 norm ties, one norm above
+    65504): the warp kernel's float32 sum of the rounded ``x − μ`` cannot decide them."""
+    rng = np.random.default_rng(11)
+    ties = _norm_edge_vectors(d, dtype)[:4]
+    x = rng.choice([0.0, 0.125, -0.25, 0.5, -1.0, 2.0, 1.5, -0.375], size=ties.shape)  # exact in fp16 and bf16
+    mu = (x - ties).astype(np.float32)
+    assert np.array_equal(x - mu.astype(np.float64), ties)  # x − μ exact: the ties are the oracle's
+    k = rng.standard_normal((24,) + ties.shape)
+    k[0] = x
+    return torch.from_numpy(k).to(dtype), mu
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc", "k5v4h"])
+def test_float32_norms_with_a_key_offset_that_cannot_decide_take_float64(preset, dtype):
+    """As above with a key offset (install's default path): x − μ on a float16 tie or above 65504."""
+    d = 128
+    k, mu = _norm_edge_with_offset(d, dtype)
+    layout = _layout(preset, d, h=k.shape[1])
+    params = tqkern.TQParams.default(layout.format, seed=3, key_offset=mu)
+    assert plan_store(layout, "bf16" if dtype == torch.bfloat16 else "fp16", has_mu=True, signed_sylvester=True,
+                      vector_aligned=True, symmetric_codebooks=True).kernel == "warp"
+    v = torch.randn(k.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    flags = _stores_the_oracle_bytes_and_flags(layout, params, k, v)  # the oracle's flags, whatever they are
+    if layout.format.key.norm_correction != "stored":  # (stored: ‖x − μ‖ over the centroid norm is stored)
+        assert flags & ErrorFlag.SATURATED
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tqkern_k5v3", "turboquant_k8v4", "k4v2h"])
