@@ -246,6 +246,8 @@ def test_torch_compile_fullgraph_with_options():
     (dict(sinks=torch.zeros(2, HQ)[:, 0]), ValueError, r"sinks must have shape \[4\], got \[2\]"),
     (dict(sinks=torch.zeros(HQ, 2)[:, 0]), ValueError, r"sinks must be contiguous"),
     (dict(return_lse=1), TypeError, r"return_lse must be a bool, got int"),
+    (dict(check_lengths="yes"), TypeError, r"check_lengths must be a bool, got str"),
+    (dict(debug=0), TypeError, r"debug must be a bool, got int"),
 ])
 def test_bad_options_are_rejected(kw, err, msg):
     c = Case("tq4")

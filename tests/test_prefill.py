@@ -278,6 +278,8 @@ def test_prefill_rejects_bad_arguments(case):
         (ValueError, "logit_softcap must be finite and > 0, got 0.0", dict(logit_softcap=0.0)),
         (ValueError, "scale must be finite, got inf", dict(scale=float("inf"))),
         (TypeError, "return_lse must be a bool, got int", dict(return_lse=1)),
+        (TypeError, "check_inputs must be a bool, got str", dict(check_inputs="no")),
+        (TypeError, "debug must be a bool, got int", dict(debug=1)),
         (TypeError, "layout must be a PagedLayout, got str", dict(layout="tq4")),
         (ValueError, "max_query_len must be None or an int >= 0, got -1", dict(max_query_len=-1)),
         (ValueError, "max_query_len must be None or an int >= 0, got True", dict(max_query_len=True)),

@@ -311,6 +311,9 @@ def test_bad_arguments(model):
     for bad in (0, -16, 2.0, True):
         with pytest.raises(ValueError, match=f"block_size must be None or a positive int, got {bad!r}"):
             tqt.TQCache(model, params=params, block_size=bad)
+    for kw in (dict(params=params), {}):  # (installed: the flag is install()'s, still checked)
+        with pytest.raises(TypeError, match="estimate_key_offset must be a bool, got str"):
+            tqt.TQCache(model, estimate_key_offset="yes", **kw)
 
 
 def test_gemma2_softcap_scaling_alternating_windows(monkeypatch):

@@ -12,7 +12,7 @@ from tqkern.errors import ErrorFlag
 from tqkern.layouts import PagedLayout
 from tqkern.ops.attention.reference import check_options, resolve_scale
 from tqkern.ops.paged_decode import reference as paged_decode_ref
-from tqkern_torch._validate import check_tensor, use_triton
+from tqkern_torch._validate import check_flag, check_tensor, use_triton
 from tqkern_torch.errors import check_errors, error_word
 from tqkern_torch.library import _host_params, layout_key, layout_of
 from tqkern_torch.ops import _check_cache, _check_layout, _device_params
@@ -107,6 +107,7 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
         check_workspace(workspace, q.shape[0], q.shape[1], num_splits, layout_consts(layout)["DP"])
     scale = resolve_scale(scale, layout.head_dim)
     window_left, logit_softcap = _check_options(window_left, logit_softcap, sinks, return_lse, q.shape[1], dev)
+    check_lengths, debug = check_flag(check_lengths, "check_lengths"), check_flag(debug, "debug")
     if check_lengths and not _tracing_or_capturing(dev):
         _lengths_checked_on_host(block_table, seq_lens, cache.shape[0], layout.block_size)
     p = _device_params(params, layout, dev)

@@ -15,6 +15,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from tqkern.layouts import PagedLayout
 from tqkern.params import TQParams
 from tqkern_torch._params import to_device
+from tqkern_torch._validate import check_flag
 from tqkern_torch.calibration import soft_capped, warn_key_mean
 from tqkern_torch.exact_prefix import ExactPrefix
 from tqkern_torch.ops import allocate_cache, decompress_sequences, store
@@ -85,7 +86,7 @@ class TQCacheLayer(CacheLayerMixin):
         self.exact = ExactPrefix(exact_prefix) if exact_prefix else None
         self.params = params
         self.prefill = prefill
-        self.estimate_key_offset = estimate_key_offset and params.key_offset is None
+        self.estimate_key_offset = check_flag(estimate_key_offset, "estimate_key_offset") and params.key_offset is None
         self.layout = PagedLayout(format=params.format, num_kv_heads=num_kv_heads, block_size=block_size)
         self.seq_len = 0
 
@@ -447,6 +448,7 @@ class TQCache(Cache):
                  block_size: Optional[int] = None, estimate_key_offset: bool = False,
                  max_cache_len: Optional[int] = None, prefill: str = "auto", exact_prefix: int = 0):
         installed = getattr(model_or_config, _ATTR, None)
+        check_flag(estimate_key_offset, "estimate_key_offset")
         if block_size is not None:
             if params is None:
                 raise ValueError("block_size is install()'s unless params= is given, got block_size "

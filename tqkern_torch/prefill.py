@@ -9,7 +9,7 @@ import torch
 from tqkern.ops.attention.reference import check_options, resolve_scale
 from tqkern.ops.int8_prefill import reference as int8_prefill_ref
 from tqkern.ops.prefill import reference as prefill_ref
-from tqkern_torch._validate import check_tensor, use_triton
+from tqkern_torch._validate import check_flag, check_tensor, use_triton
 from tqkern_torch.attention import _cache_or_stand_in, _check_query, _kernel_indices, _tracing_or_capturing
 from tqkern_torch.errors import check_errors, error_word
 from tqkern_torch.library import _host_params, layout_key, layout_of
@@ -170,6 +170,7 @@ def _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale
         check_tensor(sinks, "sinks", shape=(q.shape[1],), dtypes=(torch.float32,), device=dev, contiguous=True)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    check_inputs, debug = check_flag(check_inputs, "check_inputs"), check_flag(debug, "debug")
     scale = resolve_scale(scale, d)
     opts = check_options(window_left, logit_softcap, None, q.shape[1])
     if max_query_len is not None and (isinstance(max_query_len, bool) or not isinstance(max_query_len, int)
