@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import tqkern
 from tqkern.rotations import haar, hadamard, is_signed_sylvester, random_signs, rotation_for, sylvester
 
 POW2 = [2, 4, 8, 16, 32, 64, 128, 256]
@@ -137,6 +138,25 @@ def test_bad_d(d):
         hadamard(d)
     with pytest.raises(ValueError, match=r"^d must be a positive int"):
         haar(d, 0)
+
+
+@pytest.mark.parametrize("seed, err, msg", [(-1, ValueError, "got -1"), (1.5, TypeError, "got float"),
+                                             ("3", TypeError, "got str"), (True, TypeError, "got bool"),
+                                             (np.int64(-2), ValueError, "got -2")])
+def test_bad_seed(seed, err, msg):
+    """Seeds are ints >= 0 (NumPy's own messages, or silence for a bool, before); hadamard also
+    takes None (no signs), the others do not."""
+    for fn in (lambda: hadamard(64, seed), lambda: haar(8, seed), lambda: random_signs(8, seed),
+               lambda: rotation_for("hadamard", 64, seed),
+               lambda: tqkern.TQParams.default(tqkern.KVFormat.preset("tq4", 64), seed=seed),
+               lambda: tqkern.TQParams.default(tqkern.KVFormat.preset("fp16", 64), seed=seed)):
+        with pytest.raises(err, match=rf"^seed must be an int >= 0.*{msg}"):
+            fn()
+    assert np.array_equal(hadamard(64, np.int64(3)), hadamard(64, 3))
+    with pytest.raises(TypeError, match=r"^seed must be an int >= 0, got NoneType"):
+        haar(8, None)
+    with pytest.raises(TypeError, match=r"^seed must be an int >= 0, got NoneType"):
+        tqkern.TQParams.default(tqkern.KVFormat.preset("tq4", 64), seed=None)
 
 
 def test_sylvester_needs_power_of_two():

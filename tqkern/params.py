@@ -12,7 +12,7 @@ import numpy as np
 
 from tqkern.codebooks import Codebook, lloyd_max, lloyd_max_vllm
 from tqkern.layouts import KVFormat, LloydMax, PagedLayout, layout_from_dict, layout_to_dict
-from tqkern.rotations import rotation_for
+from tqkern.rotations import _check_seed, rotation_for
 
 __all__ = ["TQParams", "load_params", "orthogonality_tolerance", "save_params"]
 
@@ -119,6 +119,7 @@ class TQParams:
         few key codes per thousand differ from vLLM's. Use :meth:`vllm` for vLLM's bytes."""
         if not isinstance(format, KVFormat):
             raise TypeError(f"format must be a KVFormat (KVFormat.preset(name, head_dim)), got {type(format).__name__}")
+        _check_seed(seed)
         d = format.head_dim
         rot = rotation_for(format.rotation, d, seed) if format.rotated else None
         cbs = {}

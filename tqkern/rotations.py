@@ -30,6 +30,16 @@ def _check_dim(d: int) -> None:
         raise ValueError(f"d must be a positive int, got {d!r}")
 
 
+def _check_seed(seed, *, none: bool = False) -> None:
+    """A NumPy seed: an int >= 0 (``None`` too where ``none``)."""
+    if seed is None and none:
+        return
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed must be an int >= 0{' or None' if none else ''}, got {type(seed).__name__}")
+    if seed < 0:
+        raise ValueError(f"seed must be an int >= 0{' or None' if none else ''}, got {seed}")
+
+
 def sylvester(d: int) -> np.ndarray:
     """The unnormalised Sylvester Hadamard matrix H_d (entries ±1), d a power of two."""
     _check_dim(d)
@@ -43,6 +53,8 @@ def sylvester(d: int) -> np.ndarray:
 
 def random_signs(d: int, seed: int) -> np.ndarray:
     """d seeded ±1 values (float64), drawn as ``2·Bernoulli(1/2) − 1`` from ``default_rng(seed)``."""
+    _check_dim(d)
+    _check_seed(seed)
     rng = np.random.default_rng(seed)
     return rng.integers(0, 2, size=d).astype(np.float64) * 2 - 1
 
@@ -50,6 +62,7 @@ def random_signs(d: int, seed: int) -> np.ndarray:
 def haar(d: int, seed: int) -> np.ndarray:
     """A seeded Haar-random orthogonal d×d matrix (float64)."""
     _check_dim(d)
+    _check_seed(seed)
     rng = np.random.default_rng(seed)
     q, r = np.linalg.qr(rng.standard_normal((d, d)))
     return q * np.sign(np.diag(r))[None, :]
@@ -64,6 +77,7 @@ def hadamard(d: int, seed: int | None = None) -> np.ndarray:
             no signs (vLLM) and, for d not a power of two, Q_m from seed 0.
     """
     _check_dim(d)
+    _check_seed(seed, none=True)
     p = d & -d  # largest power of two dividing d
     m = d // p
     if m > 1 and p == 1:
@@ -78,6 +92,7 @@ def hadamard(d: int, seed: int | None = None) -> np.ndarray:
 def rotation_for(kind: str, d: int, seed: int) -> np.ndarray:
     """The rotation a :class:`~tqkern.layouts.KVFormat` names: ``"hadamard"`` (unsigned),
     ``"hadamard_signed"`` (signs from ``seed``) or ``"haar"`` (from ``seed``)."""
+    _check_seed(seed)  # (unread by the unsigned Hadamard, still a seed)
     if kind == "hadamard":
         return hadamard(d, None)
     if kind == "hadamard_signed":
