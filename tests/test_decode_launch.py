@@ -297,6 +297,43 @@ def test_one_row_merge_many_splits(preset, d, chunks):
     _merge_matches_numpy(preset, d, chunks, "row", 16, None, s=1, ns=40)
 
 
+@needs_kernels
+@pytest.mark.parametrize("impl,chunks", [("row", 1), ("row", 4), ("rows", 2), ("heads", 2)])
+def test_merge_sinks_lse_and_poison(impl, chunks):
+    """The merge's own options on each kernel: sink logits σ join each row's denominator
+    (``2^(σ·log2 e − m)``, no value), ``lse`` gets ``(m + log2 l)·ln 2`` of the row (−inf for a row
+    without keys), a poisoned query row comes out NaN in every column and in its lse."""
+    layout = _layout("tq4", 128, 2)
+    params = tqt.to_device(tqkern.TQParams.default(layout.format, seed=3), DEV)
+    s, hq, ns, dp, g = 2, 8, 20, 128, 4
+    rng = np.random.default_rng(1)
+    acc = rng.standard_normal((s, hq, ns, dp)).astype(np.float32)
+    m = (rng.standard_normal((s, hq, ns)) * 4).astype(np.float32)
+    l = rng.uniform(0.5, 3.0, (s, hq, ns)).astype(np.float32)
+    m[1, 2], l[1, 2] = -np.inf, 0.0  # a row without keys: its sink alone
+    sinks = rng.standard_normal(hq).astype(np.float32)
+    poison = np.zeros(s * hq, np.float32)
+    poison[5] = np.nan
+    ws = torch.from_numpy(np.concatenate([acc.ravel(), np.stack([m, l], -1).ravel()])).to(DEV)
+    out = torch.full((s, hq, dp), float("nan"), device=DEV)
+    lse = torch.full((s, hq), float("nan"), device=DEV)
+    _launch_merge(ws[:acc.size], ws[acc.size:], params.rotation, out, layout, g, ns, INTERP, chunks=chunks,
+                  impl=impl, q_poison=torch.from_numpy(poison).to(DEV), sinks=torch.from_numpy(sinks).to(DEV),
+                  lse=lse)
+    sig = sinks[None, :] * np.log2(np.e)  # base 2
+    m_all = np.maximum(m.max(-1), sig)
+    w = np.where(np.isfinite(m), np.exp2(m - m_all[..., None]), 0.0)
+    den = (w * l).sum(-1) + np.exp2(sig - m_all)
+    o = (w[..., None] * acc).sum(2) / den[..., None] @ params.params.rotation.T
+    want_lse = (m_all + np.log2(den)) * np.log(2.0)
+    got, got_lse = out.cpu().numpy().reshape(s * hq, dp), lse.cpu().numpy().ravel()
+    assert np.all(np.isnan(got[5])) and np.isnan(got_lse[5])
+    keep = np.arange(s * hq) != 5
+    np.testing.assert_allclose(got[keep], o.reshape(s * hq, dp)[keep], rtol=1e-4, atol=1e-4 * np.abs(o).max())
+    np.testing.assert_allclose(got_lse[keep], want_lse.ravel()[keep], rtol=1e-5, atol=1e-5)
+    assert np.all(got[hq + 2] == 0)  # no keys: the sink takes all the weight, no value
+
+
 def _merge_matches_numpy(preset, d, chunks, impl, rows, unroll, s=3, ns=5):
     layout = _layout(preset, d, 2)
     dp = max(16, 1 << (d - 1).bit_length())
