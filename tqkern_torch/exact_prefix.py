@@ -167,7 +167,7 @@ class ExactPrefix:
     bfloat16 model, else float16, what a 16-bit cache holds), taken at the layer's first
     attention call (its first chunk; left padding skipped, so they are each row's first real
     tokens), used by the dense path (:meth:`patch`) and after ``paged_decode`` (:meth:`correct`).
-    A :class:`~tqkern_torch.kv_cache.TQStaticCacheLayer` also calls :meth:`freeze` after its first
+    A :class:`~tqkern_torch.static_cache.TQStaticCacheLayer` also calls :meth:`freeze` after its first
     prefill, so that its compiled decode steps read only tensors made before them, at fixed addresses.
 
     Attributes:

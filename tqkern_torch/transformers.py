@@ -72,8 +72,9 @@ from tqkern_torch.attention import paged_decode
 from tqkern_torch.calibration import (KeyOffsetWarning, calibrate, load_key_offsets, resolve_key_offset,
                                       save_key_offsets)
 from tqkern_torch.hf_prefill import CausalMask, causal_mask, prefill_attention
-from tqkern_torch.kv_cache import (_ATTR, _TAG, ATTN_IMPLEMENTATION, _allowed, TQCache, TQCacheLayer,
-                                   TQStaticCacheLayer, _geometry, _text_config, prefix_starts)
+from tqkern_torch.kv_cache import (_ATTR, _TAG, ATTN_IMPLEMENTATION, _allowed, TQCache, TQCacheLayer, _geometry,
+                                   _text_config, prefix_starts)
+from tqkern_torch.static_cache import TQStaticCacheLayer
 
 __all__ = ["ATTN_IMPLEMENTATION", "DEFAULT_FORMAT", "KeyOffsetWarning", "TQCache", "TQCacheLayer", "TQInstall",
            "TQStaticCacheLayer", "attention_forward", "calibrate", "install", "layer_params", "load_key_offsets",
