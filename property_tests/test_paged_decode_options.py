@@ -90,7 +90,8 @@ def option_cases(draw, kind: str):
         hq = layout.num_kv_heads * group
         opts["sinks"] = np.array(draw(st.lists(st.floats(-8.0, 8.0, width=32), min_size=hq, max_size=hq),
                                       label="sinks"), np.float32)
-    num_splits = draw(st.one_of(st.none(), st.integers(1, 5)), label="num_splits")
+    # 16 / 17 / 40: the one-row merge (from 16 splits, 17 with the rotate-back; 40: partial split tiles)
+    num_splits = draw(st.one_of(st.none(), st.integers(1, 5), st.sampled_from([16, 17, 40])), label="num_splits")
     return layout, params, group, batch, num_splits, opts, "lse" in which
 
 

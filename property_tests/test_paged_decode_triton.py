@@ -46,7 +46,8 @@ def decode_cases(draw):
     batch = draw(T.paged_batches(layout.block_size, max_seqs=T.scale(3, 8), max_len=T.scale(80, 3000)),
                  label="batch")
     qdtype = draw(st.sampled_from([torch.float16, torch.bfloat16] if ON_GPU else [torch.float16]), label="q_dtype")
-    num_splits = draw(st.one_of(st.none(), st.integers(1, 5)), label="num_splits")
+    # 16 / 17 / 40: the one-row merge (from 16 splits, 17 with the rotate-back; 40: partial split tiles)
+    num_splits = draw(st.one_of(st.none(), st.integers(1, 5), st.sampled_from([16, 17, 40])), label="num_splits")
     return layout, params, group, batch, qdtype, num_splits
 
 
