@@ -12,6 +12,7 @@ from tqkern.errors import ErrorFlag
 from tqkern.layouts import PagedLayout
 from tqkern.ops.attention.reference import check_options, resolve_scale
 from tqkern.ops.paged_decode import reference as paged_decode_ref
+from tqkern.ops.paged_decode.plan import check_num_splits
 from tqkern_torch._validate import check_flag, check_tensor, use_triton
 from tqkern_torch.errors import check_errors, error_word
 from tqkern_torch.library import _host_params, layout_key, layout_of
@@ -97,9 +98,7 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
         check_tensor(out, "out", shape=tuple(q.shape), dtypes=(q.dtype,), device=dev, last_contiguous=True)
     if workspace is not None:
         check_tensor(workspace, "workspace", dtypes=(torch.float32,), device=dev, contiguous=True)
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                   or not 1 <= num_splits <= 256):
-        raise ValueError(f"num_splits must be an int in [1, 256], got {num_splits!r}")
+    check_num_splits(num_splits)
     if workspace is not None and num_splits is not None:
         from tqkern.ops.common import layout_consts
         from tqkern.ops.paged_decode.triton import check_workspace

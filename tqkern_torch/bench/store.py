@@ -104,7 +104,8 @@ def run_shape(shape: StoreShape, presets, step, *, rep_ms: int = 100, device: st
               cache_tokens: int = STORE_CACHE_TOKENS) -> list[dict]:
     """Records of the fp16 ``index_copy_`` baseline, ``copy_``, and every preset's ``store`` of
     fp16 and of bf16 (``bf16:<preset>``) K/V at ``shape``, and of fp16 K/V with a key offset
-    (``mu:<preset>``, :func:`has_mu_variant`); ``step(label)`` is called after each timed variant. ``timer(fn) -> µs`` defaults to CUDA-graph replay for ``rep_ms``."""
+    (``mu:<preset>``, :func:`has_mu_variant`); ``step(label)`` is called after each timed variant.
+    ``timer(fn) -> µs`` defaults to CUDA-graph replay for ``rep_ms``."""
     timer = timer or (lambda fn: graph_us(fn, rep_ms))
     g = torch.Generator(device=device).manual_seed(2)
     n, h, d = shape.num_tokens, shape.num_kv_heads, shape.head_dim

@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from tqkern.ops.common import layout_consts
-from tqkern.ops.paged_decode.side_plans import (merge_chunks, merge_impl, row_chunks, row_merge_chunks, row_merge_unroll,
-                                                row_split_block)
+from tqkern.ops.paged_decode.side_plans import (merge_chunks, merge_impl, row_chunks, row_merge_chunks,
+                                                row_merge_unroll, row_split_block)
 
 __all__ = ["_merge_kernel", "_merge_rows_kernel", "_merge_row_kernel", "_launch_merge", "merge_chunks"]
 

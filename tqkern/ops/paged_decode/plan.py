@@ -27,9 +27,9 @@ from tqkern.ops.paged_decode.mma_plans import (DynamicSmemUnsupported, MmaPlan, 
 from tqkern.ops.paged_decode.side_plans import (MergePlan, RotatePlan, _merge_plan, _rotate_plan, merge_chunks,
                                                 scan_split)
 
-__all__ = ["DeviceCaps", "DecodeOptions", "KernelPlan", "RotatePlan", "scan_split", "MergePlan", "DecodePlan", "plan_decode", "decode_path",
-           "fast_path_plan", "num_splits_for", "merge_chunks", "workspace_numel", "MMA_MIN_CAPABILITY",
-           "MMA_FP8_MIN_CAPABILITY"]
+__all__ = ["DeviceCaps", "DecodeOptions", "KernelPlan", "RotatePlan", "scan_split", "MergePlan", "DecodePlan",
+           "plan_decode", "decode_path", "check_num_splits", "fast_path_plan", "num_splits_for", "merge_chunks",
+           "workspace_numel", "MMA_MIN_CAPABILITY", "MMA_FP8_MIN_CAPABILITY"]
 
 # The warp-MMA kernel's PTX: mma.sync m16n8k16 with fp16 operands, ld.global.nc.L2::256B
 # (sm_80); cvt.rn.f16x2.e4m3x2 for FP8 keys (sm_89).
@@ -275,6 +275,13 @@ def workspace_numel(num_seqs: int, num_q_heads: int, num_splits: int, dp: int) -
 Occupancy = Callable[[KernelPlan], Optional[int]]
 
 
+def check_num_splits(num_splits) -> None:
+    """A split count a caller fixes: ``None`` (the planner's) or an int in [1, 256]."""
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or not 1 <= num_splits <= 256):
+        raise ValueError(f"num_splits must be None or an int in [1, 256], got {num_splits!r}")
+
+
 def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks: int, caps: DeviceCaps, *,
                 same_codebooks: bool, cache_aligned: bool = True, num_splits: int | None = None,
                 path: str = "auto", occupancy: Occupancy | None = None, block_n: int | None = None,
@@ -297,9 +304,7 @@ def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks
     for name, v in (("num_seqs", num_seqs), ("num_q_heads", num_q_heads), ("max_blocks", max_blocks)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                   or not 1 <= num_splits <= 256):
-        raise ValueError(f"num_splits must be None or an int in [1, 256], got {num_splits!r}")
+    check_num_splits(num_splits)
     hkv = layout.num_kv_heads
     if num_q_heads % hkv:
         raise ValueError(f"num_q_heads must be a multiple of num_kv_heads = {hkv}, got {num_q_heads}")
