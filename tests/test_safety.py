@@ -248,9 +248,13 @@ def test_device_params_tables_must_fit_the_format():
         dataclasses.replace(dp, value_centroids_f32=dp.value_centroids)
     with pytest.raises(ValueError, match=r"DeviceParams.key_offset must be .* of shape \(3, 64\)"):
         dataclasses.replace(dp, key_offset=dp.key_offset[:, :8].contiguous())
+    with pytest.raises(ValueError, match=r"DeviceParams.key_offset_signed must be .* of shape \(3, 64\)"):
+        dataclasses.replace(dp, key_offset_signed=dp.key_offset_signed[:2].contiguous())
     with pytest.raises(TypeError, match="DeviceParams.key_boundaries must be a torch.Tensor, got ndarray"):
         dataclasses.replace(dp, key_boundaries=dp.key_boundaries.cpu().numpy())
     plain = tqt.to_device(tqkern.TQParams.default(fmt), DEV)
     with pytest.raises(ValueError, match="DeviceParams.key_offset must be None when params.key_offset is None"):
         dataclasses.replace(plain, key_offset=dp.key_offset)
+    with pytest.raises(ValueError, match="DeviceParams.key_offset_signed must be None when params.key_offset is None"):
+        dataclasses.replace(plain, key_offset_signed=dp.key_offset_signed)
     assert dataclasses.replace(dp).key_centroids.shape == (32,)

@@ -83,6 +83,27 @@ def test_device_params_know_a_signed_sylvester_rotation(preset):
     assert p.signed_sylvester == (fmt.rotation != "haar")
 
 
+@pytest.mark.parametrize("preset", ["k5v4h", "tqkern_k5v3", "tq4"])  # signed rotations (turboquant_*: unsigned)
+def test_device_params_sign_the_key_offset_for_the_warp_kernel(preset):
+    """The warp store kernel subtracts ``s ⊙ μ`` (``s_i = sign(Π[i, 0])``) from the sign-flipped
+    keys, so ``DeviceParams.key_offset_signed`` must be exactly that product, from the rotation's
+    own first column (the Hadamard presets' ``pm1`` signs), and every other μ table unchanged."""
+    from tqkern_torch._params import signed_key_offset
+
+    fmt = tqkern.KVFormat.preset(preset, 64)
+    mu = np.random.default_rng(1).normal(0.0, 0.5, (3, 64))
+    params = tqkern.TQParams.default(fmt, seed=3, key_offset=mu)
+    p = to_device(params, "cpu")
+    s = np.where(np.asarray(params.rotation)[:, 0] > 0, 1.0, -1.0)  # float64 Π: same signs as float32
+    assert set(np.unique(s)) == {-1.0, 1.0}  # both signs occur: the test can tell μ ⊙ s from μ
+    want = params.key_offset.astype(np.float32) * s.astype(np.float32)
+    assert p.key_offset_signed.dtype == torch.float32 and p.key_offset_signed.is_contiguous()
+    assert np.array_equal(p.key_offset_signed.numpy(), want)
+    assert np.array_equal(p.key_offset.numpy(), params.key_offset.astype(np.float32))
+    assert torch.equal(signed_key_offset(p.key_offset, p.rotation), p.key_offset_signed)
+    assert to_device(tqkern.TQParams.default(fmt, seed=3), "cpu").key_offset_signed is None
+
+
 def test_plan_grid_constexprs_and_description():
     plan = plan_store(_layout("tqkern_k5v3", h=8), signed_sylvester=True)
     assert isinstance(plan, StorePlan) and plan.rotation in ROTATIONS

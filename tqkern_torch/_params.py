@@ -12,7 +12,7 @@ from tqkern.rotations import is_signed_sylvester
 from tqkern_torch._validate import check_device
 from tqkern_torch.errors import error_word
 
-__all__ = ["DeviceParams", "to_device"]
+__all__ = ["DeviceParams", "signed_key_offset", "to_device"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -29,6 +29,9 @@ class DeviceParams:
         key_centroids / value_centroids: float64 ``[2**bits]`` centroids (placeholder likewise).
         key_centroids_f32 / value_centroids_f32: the same in float32, for attention kernels.
         key_offset: float32 ``[num_kv_heads, D]`` μ, or ``None``.
+        key_offset_signed: ``μ ⊙ sign(Π[:, 0])`` (float32, μ's shape), the warp store kernel's
+            table for rotated keys (:func:`signed_key_offset`), or
+            ``None`` (the store then makes it per call).
         same_codebooks: the key and value codebooks are equal (both Lloyd-Max with the same
             centroids): the warp-MMA decode kernel then serves both from one table.
         signed_sylvester: the rotation is ``diag(s) · H / √D``
@@ -51,6 +54,7 @@ class DeviceParams:
     same_codebooks: bool = False
     signed_sylvester: bool = False
     symmetric_codebooks: bool = False
+    key_offset_signed: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         """The tables' shapes and dtypes against ``params`` (shapes only: no device sync). The
@@ -70,8 +74,12 @@ class DeviceParams:
         mu = self.params.key_offset
         if mu is not None:
             want["key_offset"] = (tuple(mu.shape), torch.float32)
-        elif self.key_offset is not None:
-            raise ValueError("DeviceParams.key_offset must be None when params.key_offset is None, got a tensor")
+            if self.key_offset_signed is not None:
+                want["key_offset_signed"] = (tuple(mu.shape), torch.float32)
+        else:
+            for name in ("key_offset", "key_offset_signed"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"DeviceParams.{name} must be None when params.key_offset is None, got a tensor")
         for name, (shape, dtype) in want.items():
             t = getattr(self, name)
             if not isinstance(t, torch.Tensor):
@@ -95,7 +103,16 @@ class DeviceParams:
             "key_centroids_f32": self.key_centroids_f32,
             "value_centroids_f32": self.value_centroids_f32,
             "key_offset": self.key_offset,
+            "key_offset_signed": self.key_offset_signed,
         }
+
+
+def signed_key_offset(mu: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """``μ ⊙ s``, ``s_i = sign(Π[i, 0])`` (+1 where ``Π[i, 0] > 0``, else −1; μ's float32 ``[H, D]``):
+    the warp store kernel's key offset for a rotated key side. That kernel multiplies the keys by
+    ``s`` (a sign-bit XOR) before the Hadamard transform, so it subtracts ``s ⊙ μ``; the product is
+    exact, so the codes are those of ``x − μ`` rotated by Π."""
+    return (mu * torch.where(rotation[:, 0] > 0, 1.0, -1.0).to(mu.dtype)).contiguous()
 
 
 def _antisymmetric(boundaries) -> bool:
@@ -128,5 +145,6 @@ def to_device(params: TQParams, device) -> DeviceParams:
     t["symmetric_codebooks"] = all(cb is None or _antisymmetric(cb.boundaries) for cb in (kcb, vcb))
     mu = params.key_offset
     t["key_offset"] = None if mu is None else torch.tensor(np.ascontiguousarray(mu, np.float32), device=device).contiguous()
+    t["key_offset_signed"] = None if mu is None else signed_key_offset(t["key_offset"], t["rotation"])
     error_word(device)  # allocated now, so that no op allocates it later, e.g. under CUDA-graph capture
     return DeviceParams(params=params, **t)

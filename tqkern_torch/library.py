@@ -20,6 +20,7 @@ from tqkern.layouts import LloydMax, PagedLayout, layout_from_dict
 from tqkern.ops.decompress import reference as decompress_ref
 from tqkern.ops.store import reference as store_ref
 from tqkern.params import TQParams
+from tqkern_torch._params import signed_key_offset
 from tqkern_torch._validate import use_triton
 from tqkern_torch.errors import error_word
 
@@ -57,36 +58,42 @@ def _host_params(layout: PagedLayout, rotation, kc, vc, mu, kb=None, vb=None) ->
     return TQParams(format=fmt, rotation=rot, key_offset=None if mu is None else mu.cpu().numpy(), **cbs)
 
 
-def _tables(rotation, kb, kc, vb, vc, mu) -> dict:
+def _tables(rotation, kb, kc, vb, vc, mu, mu_signed=None) -> dict:
+    if mu is not None and mu_signed is None:
+        mu_signed = signed_key_offset(mu, rotation)
     return {"rotation": rotation, "key_boundaries": kb, "key_centroids": kc, "value_boundaries": vb,
-            "value_centroids": vc, "key_offset": mu}
+            "value_centroids": vc, "key_offset": mu, "key_offset_signed": mu_signed}
 
 
 @torch.library.custom_op("tqkern::store", mutates_args=("cache",))
 def store_op(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
              rotation: torch.Tensor, key_boundaries: torch.Tensor, key_centroids: torch.Tensor,
              value_boundaries: torch.Tensor, value_centroids: torch.Tensor, key_offset: Optional[torch.Tensor],
-             layout: str, signed_sylvester: bool = False, symmetric_codebooks: bool = False) -> None:
+             layout: str, signed_sylvester: bool = False, symmetric_codebooks: bool = False,
+             key_offset_signed: Optional[torch.Tensor] = None) -> None:
     store_impl(cache, key, value, slot_mapping, rotation, key_boundaries, key_centroids, value_boundaries,
-               value_centroids, key_offset, layout, signed_sylvester, symmetric_codebooks)
+               value_centroids, key_offset, layout, signed_sylvester, symmetric_codebooks, key_offset_signed)
 
 
 def store_impl(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
                rotation: torch.Tensor, key_boundaries: torch.Tensor, key_centroids: torch.Tensor,
                value_boundaries: torch.Tensor, value_centroids: torch.Tensor, key_offset: Optional[torch.Tensor],
-               layout: str, signed_sylvester: bool = False, symmetric_codebooks: bool = False) -> None:
+               layout: str, signed_sylvester: bool = False, symmetric_codebooks: bool = False,
+               key_offset_signed: Optional[torch.Tensor] = None) -> None:
     """The body of ``torch.ops.tqkern.store`` (eager calls run it without the dispatcher's layers).
     ``signed_sylvester``: ``rotation`` is ``diag(s)·H/√D`` (``DeviceParams.signed_sylvester``):
     the kernel may rotate with an exact ±1 matrix; ``symmetric_codebooks``: the boundary tables
-    are antisymmetric (``DeviceParams.symmetric_codebooks``). Both are claims about the values,
-    checked on the host when the parameters were made, not here."""
+    are antisymmetric (``DeviceParams.symmetric_codebooks``); ``key_offset_signed``:
+    ``DeviceParams.key_offset_signed`` (made per call from ``key_offset`` when ``None``). These are
+    claims about the values, made on the host with the parameters, not checked here."""
     lay = layout_of(layout)
     if key.shape[0] == 0:
         return
     if use_triton(key.device):
         from tqkern.ops.store.triton import _launch_store
 
-        tables = _tables(rotation, key_boundaries, key_centroids, value_boundaries, value_centroids, key_offset)
+        tables = _tables(rotation, key_boundaries, key_centroids, value_boundaries, value_centroids, key_offset,
+                         key_offset_signed)
         _launch_store(cache, key, value, slot_mapping, lay, tables, error_word(key.device),
                       interpret=key.device.type == "cpu", signed_sylvester=signed_sylvester,
                       symmetric_codebooks=symmetric_codebooks)
@@ -101,7 +108,8 @@ def store_impl(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot
 
 @store_op.register_fake
 def _(cache, key, value, slot_mapping, rotation, key_boundaries, key_centroids, value_boundaries,
-      value_centroids, key_offset, layout, signed_sylvester=False, symmetric_codebooks=False) -> None:
+      value_centroids, key_offset, layout, signed_sylvester=False, symmetric_codebooks=False,
+      key_offset_signed=None) -> None:
     return None
 
 

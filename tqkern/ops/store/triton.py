@@ -50,7 +50,10 @@ def _launch_store(cache, key, value, slot_mapping, layout, tables, errors, *, in
 
     ``tables`` holds device tensors: ``rotation`` fp32 [D, D], ``key_boundaries`` / ``value_boundaries``
     fp32, ``key_centroids`` / ``value_centroids`` fp64, ``key_offset`` fp32 [H, D] or None (any
-    1-element tensor stands in for an unused table). ``signed_sylvester``: the rotation is
+    1-element tensor stands in for an unused table), and ``key_offset_signed``: μ ⊙ s with
+    ``s_i = sign(Π[i, 0])`` (:func:`tqkern_torch._params.signed_key_offset`), the table the warp
+    kernel reads for rotated keys (it XORs the keys' sign bits with ``s`` before the Hadamard
+    transform). ``signed_sylvester``: the rotation is
     ``diag(s)·H/√D`` (:func:`tqkern.rotations.is_signed_sylvester`; the ``pm1`` method).
     ``symmetric_codebooks``: every Lloyd-Max boundary table is antisymmetric (the warp kernel's
     half-table search).
@@ -59,6 +62,8 @@ def _launch_store(cache, key, value, slot_mapping, layout, tables, errors, *, in
                       symmetric_codebooks=symmetric_codebooks)
     num_tokens = key.shape[0]
     mu = tables["key_offset"]
+    if mu is not None and plan.kernel == "warp" and layout.format.key.rotated:
+        mu = tables["key_offset_signed"]
     args = (key, value, slot_mapping, cache, tables["rotation"], tables["key_boundaries"], tables["key_centroids"],
             tables["value_boundaries"], tables["value_centroids"], mu if mu is not None else tables["rotation"],
             errors, num_tokens, cache.shape[0] * layout.block_size, key.stride(0), key.stride(1), value.stride(0),

@@ -25,7 +25,8 @@ tile:
   such a vector recomputes them in float64 (a rare branch). Other Lloyd-Max sides take the
   float64 sum (each lane's ``E`` squares, then a butterfly over the group: every lane gets the
   same bits), so the stored norm bytes equal the oracle's as the tile kernel's do;
-* ``y = (x − μ) @ Π`` for ``Π = diag(s)·H/√D`` as ``FWHT(s ⊙ (x − μ)) · |Π[0, 0]|`` in float32:
+* ``y = (x − μ) @ Π`` for ``Π = diag(s)·H/√D`` as ``FWHT(s ⊙ x − s ⊙ μ) · |Π[0, 0]|`` in float32
+  (``s ⊙ μ`` from the host, read as int64 words: no sign floats held in registers):
   ``log2 E`` butterfly stages inside the lane, then ``log2 L`` across lanes (``shfl.bfly``; the
   lane whose stage bit is set keeps ``partner − own``). Every output is a sum of D terms ``±x_i``
   in float32, well inside the oracle's ``EPS = 2^-16·‖x‖`` of uncertainty; ``|Π[0, 0]|`` and the
@@ -151,6 +152,19 @@ def _f16_unsure(r):
     lo_b = tl.minimum(lo, 65504.0).to(tl.float16).to(tl.int16, bitcast=True)
     hi_b = tl.minimum(hi, 65504.0).to(tl.float16).to(tl.int16, bitcast=True)
     return (lo_b != hi_b) | ((lo <= 65504.0) & (hi > 65504.0))
+
+
+@triton.jit
+def _read_f32(ptr, off, p, E: tl.constexpr):
+    """Elements ``E·p ..`` of a float32 vector at element offset ``off`` (8-byte aligned), read as
+    ``E/2`` int64 words."""
+    xs = ()
+    a = (ptr + off + E * p).to(tl.pointer_type(tl.int64))
+    for i in tl.static_range(E // 2):
+        w = tl.load(a + i)
+        xs = xs + ((w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True),
+                   (w >> 32).to(tl.int32).to(tl.float32, bitcast=True))
+    return xs
 
 
 @triton.jit
@@ -316,13 +330,9 @@ def _store_warp_kernel(
     # the rotation's signs s_i = sign(Π[i, 0]) of this lane's elements (as sign-bit words, and as
     # floats for μ) and c = |Π[0, 0]| = 1/√D
     smask = ()
-    signs = ()
     c = 1.0
     if ROTATE:
         smask = _sign_words(rot_ptr, p, E, D)
-        if HAS_MU and K.ROTATED:
-            for e in tl.static_range(E):
-                signs = signs + (tl.where(tl.load(rot_ptr + (E * p + e) * D) > 0, 1.0, -1.0),)
         c = tl.abs(tl.load(rot_ptr))
     kbnd, kzero = _side_tables(kb_ptr, K, K_SYM, lane, E)
     vbnd, vzero = _side_tables(vb_ptr, V, V_SYM, lane, E)
@@ -357,9 +367,7 @@ def _store_warp_kernel(
         vs = _unpack(vw, E, IN_BF16)
         mus = ()
         if HAS_MU:
-            for e in tl.static_range(E):
-                m = tl.load(mu_ptr + h * D + E * p + e)
-                mus = mus + (m * signs[e] if K.ROTATED else m,)
+            mus = _read_f32(mu_ptr, h * D, p, E)
         err = err | _encode(ks, mus, kfin, kzero, c, row, h, ok, lane, p, kbnd, kb_ptr, kc_ptr, HAS_MU, IN_BF16, E,
                             L, LB, HW_FP8, K_ALIGNED, K_SYM, K)
         err = err | _encode(vs, mus, vfin, vzero, c, row, h, ok, lane, p, vbnd, vb_ptr, vc_ptr, False, IN_BF16, E,
