@@ -132,6 +132,29 @@ def test_field_offset_unknown_name():
         layout.field("value.data")
 
 
+def test_field_descriptors_name_a_bad_value():
+    """Field and FieldAddress are built by the codecs and layouts, but they are public types:
+    a wrong name, size or dtype is refused, naming the attribute."""
+    from tqkern.layouts import Field, FieldAddress
+
+    assert Field("codes", 48, "codes").nbytes == 48
+    with pytest.raises(ValueError, match=r"Field.name must be one of .*'codes'.*, got 'cods'"):
+        Field("cods", 48, "codes")
+    with pytest.raises(ValueError, match=r"Field.nbytes must be in \[1, 1048576\], got 0"):
+        Field("norm", 0, "float16")
+    with pytest.raises(TypeError, match="Field.nbytes must be an int, got float"):
+        Field("norm", 2.0, "float16")
+    with pytest.raises(ValueError, match=r"Field.dtype must be one of .*, got 'float64'"):
+        Field("norm", 8, "float64")
+    assert FieldAddress(0, 0, 0, "uint8").nbytes == 0  # a format without padding
+    with pytest.raises(ValueError, match=r"FieldAddress.offset must be in \[0, 1073741824\], got -1"):
+        FieldAddress(-1, 4, 4, "uint8")
+    with pytest.raises(TypeError, match="FieldAddress.head_stride must be an int, got bool"):
+        FieldAddress(0, True, 4, "uint8")
+    with pytest.raises(ValueError, match="FieldAddress.dtype must be one of"):
+        FieldAddress(0, 4, 4, "int4")
+
+
 def test_row_arrangement_tq4_h8_d128():
     # turboquant-vllm's TQ4 row with H=8, D=128: [K codes h·64 | K norms 512 + 4h |
     # V codes 544 + h·64 | V norms 1056 + 4h], 1088 bytes per token row.
