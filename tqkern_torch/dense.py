@@ -109,8 +109,7 @@ def dense_attention(q: torch.Tensor, kv: torch.Tensor, lengths: torch.Tensor, fm
     ones among the first ``lengths[b]``. ``Lq == 1`` without a mask runs :func:`dense_decode`;
     otherwise the rows are decompressed (float32, rotated back) and attended by torch SDPA. A query
     row with no visible token gives zeros (the oracles' rule). Returns q's shape and dtype."""
-    _check_format(fmt)
-    check_tensor(kv, "kv", dtypes=(torch.uint8,), contiguous=True)
+    paged, layout, table = _view(kv, fmt)  # checked once here: the decode path calls paged_decode itself
     check_tensor(q, "q", dtypes=(torch.float16, torch.bfloat16), device=kv.device)
     if q.dim() != 4 or q.shape[0] != kv.shape[0] or q.shape[3] != fmt.head_dim:
         raise ValueError(f"q must have shape [{kv.shape[0]}, Hq, Lq, {fmt.head_dim}], got {list(q.shape)}")
@@ -118,8 +117,7 @@ def dense_attention(q: torch.Tensor, kv: torch.Tensor, lengths: torch.Tensor, fm
     b, hq, lq, d = q.shape
     sc = resolve_scale(scale, d)
     if mask is None and lq == 1:
-        return dense_decode(q[:, :, 0], kv, lengths, fmt, params, scale=sc)[:, :, None]
-    paged, layout, table = _view(kv, fmt)
+        return paged_decode(q[:, :, 0], paged, table, lengths, layout, params, scale=sc)[:, :, None]
     t, h = kv.shape[1], kv.shape[2]
     # a length outside [0, tokens] is clamped and flagged, as the decode path does (no host sync)
     bad = ((lengths < 0) | (lengths > t)).any()
