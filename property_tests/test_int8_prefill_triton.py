@@ -5,7 +5,9 @@ Both quantize the same vectors (the rotated query per token and head, each recon
 token and KV head) to symmetric int8 codes and form ``s_q·s_k·(c_q·c_k)``; the kernel computes
 the scales and ``x / s`` in float32, the oracle in float64, so a code may differ by one where
 ``x / s`` lies within float32 rounding of a half-integer (FP8 keys make such near-ties common:
-``k = k_max / 2`` gives 63.5). The logit bound of a sequence is therefore
+``k = k_max / 2`` gives 63.5). Lloyd-Max keys take the codebook's int8 image, a table lookup:
+their codes are exact (``T_k`` empty), their scales rounded to float32. The logit bound of a
+sequence is therefore
 
     δ = scale · max_{i, j} s_q[i] · s_k[j] · (Σ_{d ∈ T_k(j)} (|c_q[i, d]| + 1) + Σ_{d ∈ T_q(i)} (|c_k[j, d]| + 1))
 
@@ -33,8 +35,9 @@ from property_tests.test_prefill_triton import (_compare, _draw_q, _fill_cache, 
                                                 sequence_operands)
 from property_tests.test_prefill_triton import _run as _run_prefill
 from property_tests.test_prefill_tiles import _equal_batch, _tiles
-from tqkern.layouts import PRESETS
-from tqkern.ops.int8_prefill.reference import int8_prefill, quantize_int8
+from tqkern import reference as ref
+from tqkern.layouts import PRESETS, LloydMax
+from tqkern.ops.int8_prefill.reference import _key_int8, int8_prefill, quantize_int8
 from tqkern_torch.testing import kernels_available
 
 pytestmark = [pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1"),
@@ -55,9 +58,12 @@ def _int8_bounds(layout, params, batch, cache, q64, s, group):
     khat, vmax, q_k = sequence_operands(layout, params, batch, cache, q64, s)
     if not khat.size or not q_k.size:
         return 0.0, vmax
+    slots = ref.gather_sequences(cache, layout, batch.block_table[s:s + 1], batch.seq_lens[s:s + 1])[0]
     cq, sq = quantize_int8(q_k)
-    ck, sk = quantize_int8(khat)
-    tq, tk = _near_tie(q_k, sq), _near_tie(khat, sk)
+    ck, sk = _key_int8(slots, khat, params)
+    tq = _near_tie(q_k, sq)
+    # Lloyd-Max keys' codes are a table lookup (the codebook's int8 image): no ties
+    tk = np.zeros(khat.shape, bool) if isinstance(layout.format.key, LloydMax) else _near_tie(khat, sk)
     rep = lambda x: np.repeat(x, group, axis=1)  # noqa: E731  [n, Hkv, ...] -> [n, Hq, ...]
     flips = (np.einsum("thd,nhd->thn", np.abs(cq.astype(np.float64)) + 1, rep(tk).astype(np.float64))
              + np.einsum("thd,nhd->thn", tq.astype(np.float64), np.abs(rep(ck).astype(np.float64)) + 1))

@@ -112,14 +112,16 @@ def test_query_codes_match_oracle(d, rotation, dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("preset", ["tq4", "turboquant_k8v4", "tqkern_k5v3", "fp16"])
+@pytest.mark.parametrize("preset", ["tq4", "turboquant_4bit_nc", "turboquant_k8v4", "tqkern_k5v3", "fp16"])
 def test_gathered_key_codes_match_oracle(preset, monkeypatch):
-    """The gather's int8 keys (``K_INT8``): the oracle's codes of each reconstructed key (in its
-    codec's space, ``key − μ``) away from ties, and its scales."""
+    """The gather's int8 keys (``K_INT8``): the oracle's codes of each key (in its codec's space,
+    ``key − μ``) and its scales. Lloyd-Max keys (the codebook's int8 image: a table lookup) equal
+    the oracle's codes everywhere; FP8 and raw keys (the per-token maximum of the reconstruction)
+    away from float ties."""
     import tqkern
     from tqkern import reference as ref
-    from tqkern.ops.int8_prefill.reference import quantize_int8
-    from tqkern.ops.paged_decode.reference import _sequences_kv
+    from tqkern.ops.decompress.reference import decompress, gather_sequences
+    from tqkern.ops.int8_prefill.reference import _key_int8
     from tqkern_torch.errors import error_word
     from tqkern_torch.ops import _device_params
     from tqkern_torch.prefill_tiles import tile_prefill
@@ -132,8 +134,9 @@ def test_gathered_key_codes_match_oracle(preset, monkeypatch):
     bt = np.array([[2, 0, 1]], np.int32)
     slots = bt[0][np.arange(n) // 16] * 16 + np.arange(n) % 16
     cache = ref.store(np.zeros(layout.cache_shape(3), np.uint8), k, v, slots, layout, params)
-    khat = _sequences_kv(cache, layout, params, bt, np.array([n], np.int32))[0][0]  # [n, 2, 64]
-    ec, es = quantize_int8(khat)
+    seq = gather_sequences(cache, layout, bt, np.array([n], np.int32))[0]  # [n, 2, slot_bytes]
+    khat = decompress(seq, params)[0]  # [n, 2, 64]
+    ec, es = _key_int8(seq, khat, params)
     seen = {}
 
     def attend(q, kk, vv, batch, **kw):  # the int8 keys the attention kernel is given
@@ -148,7 +151,11 @@ def test_gathered_key_codes_match_oracle(preset, monkeypatch):
                  errors=error_word(DEV), scale=0.125, out=None, lse=None, window_left=None, sinks=None, int8=True)
     codes, scales = seen["k"]
     np.testing.assert_allclose(scales, es, rtol=1e-6)
-    _tie_free(khat, es, codes, ec)
+    if isinstance(layout.format.key, tqkern.LloydMax):
+        assert np.array_equal(codes, ec)
+        assert len(np.unique(ec)) > 8  # the image's codes, not a constant
+    else:
+        _tie_free(khat, es, codes, ec)
 
 
 def test_tile_kernels_name_bad_arguments():

@@ -30,10 +30,11 @@ BUDGETS = {
     # one KV head: turboquant_4bit_nc's 16-bit-halves word read, which crashes Triton 3.6's
     # compiler beside another 4-bit side; the plan reads both sides through the loader
     "turboquant_4bit_nc:slot:128:1:3:fp16": (56, 8272),
-    # int8_prefill (Q·Kᵀ on int8 codes; the keys through the float32 loader): never run on a GPU yet
-    "tq4:row:128:8:32:fp16:int8": (112, 12248),
+    # int8_prefill's fused kernel (Q·Kᵀ on int8 codes; Lloyd-Max keys by the codebook's int8 image
+    # since S32: tq4 12248 -> 9632 instructions, 112 -> 192 stack bytes; not timed since)
+    "tq4:row:128:8:32:fp16:int8": (192, 9632),
     "turboquant_k8v4:slot:128:8:32:fp16:int8": (0, 8968),
-    "turboquant_4bit_nc:slot:64:2:8:bf16:int8": (0, 6432),
+    "turboquant_4bit_nc:slot:64:2:8:bf16:int8": (0, 5936),
     # the tiled prefill's gather (decode once into the fp16/bf16 workspace; no spills since the
     # rotate-back product left it, S20)
     "tq4:slot:128:8:32:fp16:gather": (0, 1920),
@@ -43,8 +44,9 @@ BUDGETS = {
     # the tiled int8_prefill: the gather writing int8 keys, the query quantization (pm1 / split /
     # chunked / none) and the int8 attention kernel. The attention kernel's tiles were the fastest
     # measured on the H100 (Triton 3.6) and spill under Triton 3.9's compile (pinned)
-    "turboquant_4bit_nc:slot:128:8:32:fp16:gather+int8": (0, 3168),
-    "tqkern_k5v3:row:256:2:8:bf16:gather+int8": (0, 3248),
+    # (S32, the int8 image: 3168 -> 2128 and 3248 -> 2000 instructions)
+    "turboquant_4bit_nc:slot:128:8:32:fp16:gather+int8": (0, 2128),
+    "tqkern_k5v3:row:256:2:8:bf16:gather+int8": (0, 2000),
     "tq4:slot:128:8:32:fp16:attend": (1952, 10872),
     "turboquant_4bit_nc:slot:64:2:8:bf16:attend+window+softcap": (384, 5320),
     # D256 int8 reads K/V through tensor descriptors since S29 (Triton 3.9: 1000 -> 1344 stack bytes;

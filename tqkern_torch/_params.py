@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tqkern.ops.int8_prefill.reference import int8_image
 from tqkern.params import TQParams
 from tqkern.rotations import is_signed_sylvester
 from tqkern_torch._validate import check_device
@@ -32,6 +33,9 @@ class DeviceParams:
         key_offset_signed: ``μ ⊙ sign(Π[:, 0])`` (float32, μ's shape), the warp store kernel's
             table for rotated keys (:func:`signed_key_offset`), or
             ``None`` (the store then makes it per call).
+        key_int8_table: float32 ``[2·2**bits + 1]`` for Lloyd-Max keys: the centroids, their int8
+            image as floats and its scale (:func:`tqkern.ops.int8_prefill.reference.int8_image`),
+            the table ``int8_prefill``'s kernels read; a 1-element placeholder for other key codecs.
         same_codebooks: the key and value codebooks are equal (both Lloyd-Max with the same
             centroids): the warp-MMA decode kernel then serves both from one table.
         signed_sylvester: the rotation is ``diag(s) · H / √D``
@@ -55,6 +59,7 @@ class DeviceParams:
     signed_sylvester: bool = False
     symmetric_codebooks: bool = False
     key_offset_signed: torch.Tensor | None = None
+    key_int8_table: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         """The tables' shapes and dtypes against ``params`` (shapes only: no device sync). The
@@ -71,6 +76,9 @@ class DeviceParams:
             want[f"{side}_boundaries"] = ((max(n - 1, 1),), torch.float32)
             want[f"{side}_centroids"] = ((n,), torch.float64)
             want[f"{side}_centroids_f32"] = ((n,), torch.float32)
+        if self.key_int8_table is not None:
+            kcb = self.params.key_codebook
+            want["key_int8_table"] = ((2 * 2**kcb.bits + 1 if kcb is not None else 1,), torch.float32)
         mu = self.params.key_offset
         if mu is not None:
             want["key_offset"] = (tuple(mu.shape), torch.float32)
@@ -104,6 +112,7 @@ class DeviceParams:
             "value_centroids_f32": self.value_centroids_f32,
             "key_offset": self.key_offset,
             "key_offset_signed": self.key_offset_signed,
+            "key_int8_table": self.key_int8_table,
         }
 
 
@@ -113,6 +122,14 @@ def signed_key_offset(mu: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     ``s`` (a sign-bit XOR) before the Hadamard transform, so it subtracts ``s ⊙ μ``; the product is
     exact, so the codes are those of ``x − μ`` rotated by Π."""
     return (mu * torch.where(rotation[:, 0] > 0, 1.0, -1.0).to(mu.dtype)).contiguous()
+
+
+def _int8_table(codebook) -> np.ndarray:
+    """``DeviceParams.key_int8_table``'s values (float64; [0.0] without a codebook)."""
+    if codebook is None:
+        return np.zeros(1)
+    c8, s_cb = int8_image(codebook.centroids)
+    return np.concatenate([codebook.centroids, c8.astype(np.float64), [s_cb]])
 
 
 def _antisymmetric(boundaries) -> bool:
@@ -139,6 +156,7 @@ def to_device(params: TQParams, device) -> DeviceParams:
         t[f"{side}_centroids"] = torch.tensor(np.asarray(c, np.float64), device=device)
         t[f"{side}_centroids_f32"] = torch.tensor(np.asarray(c, np.float32), device=device)
     kcb, vcb = params.key_codebook, params.value_codebook
+    t["key_int8_table"] = torch.tensor(np.asarray(_int8_table(kcb), np.float32), device=device)
     t["same_codebooks"] = bool(kcb is not None and vcb is not None
                                and np.array_equal(kcb.centroids, vcb.centroids))
     t["signed_sylvester"] = bool(params.rotation is not None and is_signed_sylvester(params.rotation))

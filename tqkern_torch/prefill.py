@@ -14,7 +14,7 @@ from tqkern_torch.attention import _cache_or_stand_in, _check_query, _kernel_ind
 from tqkern_torch.errors import check_errors, error_word
 from tqkern_torch.library import _host_params, layout_key, layout_of
 from tqkern_torch.ops import _check_cache, _check_layout, _device_params
-from tqkern_torch.prefill_tiles import tile_prefill, tiles_supported
+from tqkern_torch.prefill_tiles import _key_table, tile_prefill, tiles_supported
 from tqkern_torch.short_rows import SHORT_QUERY_MAX, short_rows
 
 __all__ = ["int8_prefill", "prefill"]
@@ -233,7 +233,7 @@ def _long_rows(q, block_table, seq_lens, query_start_loc, out, lse, host, *, cac
 def _kernel(q, block_table, seq_lens, query_start_loc, out, lse, int8, *, cache, layout, p, scale, opts, sinks):
     """The prefill (or int8) kernel's op over these rows."""
     args = (q, cache, block_table, seq_lens, query_start_loc, p.rotation, p.key_centroids, p.value_centroids,
-            p.key_centroids_f32, p.value_centroids_f32, sinks, out, lse, layout_key(layout), scale,
+            _key_table(p, int8), p.value_centroids_f32, sinks, out, lse, layout_key(layout), scale,
             -1 if opts.window_left is None else opts.window_left,
             0.0 if opts.logit_softcap is None else opts.logit_softcap)
     if type(q) is torch.Tensor and not torch.compiler.is_compiling():
@@ -295,6 +295,7 @@ def _prefill_impl(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tenso
     if use_triton(q.device):
         from tqkern.ops.prefill.triton import prefill_launch
 
+        # (int8: key_centroids_f32 is DeviceParams.key_int8_table, whose first entries are those centroids)
         tables = {"rotation": rotation, "key_centroids_f32": key_centroids_f32,
                   "value_centroids_f32": value_centroids_f32}
         prefill_launch(out, lse, q if q.stride(2) == 1 else q.contiguous(), cache, block_table, seq_lens,
@@ -327,13 +328,14 @@ def _(q, cache, block_table, seq_lens, query_start_loc, rotation, key_centroids,
 
 def _int8_prefill_impl(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                        query_start_loc: torch.Tensor, rotation: torch.Tensor, key_centroids: torch.Tensor,
-                       value_centroids: torch.Tensor, key_centroids_f32: torch.Tensor,
+                       value_centroids: torch.Tensor, key_int8_table: torch.Tensor,
                        value_centroids_f32: torch.Tensor, sinks: Optional[torch.Tensor], out: torch.Tensor,
                        lse: Optional[torch.Tensor], layout: str, scale: float, window_left: int,
                        logit_softcap: float) -> None:
-    """The ``int8_prefill`` op's body: :func:`_prefill_impl` with Q·Kᵀ on int8 codes."""
+    """The ``int8_prefill`` op's body: :func:`_prefill_impl` with Q·Kᵀ on int8 codes; the keys'
+    table is ``DeviceParams.key_int8_table`` (the float32 centroids, their int8 image, its scale)."""
     _prefill_impl(q, cache, block_table, seq_lens, query_start_loc, rotation, key_centroids, value_centroids,
-                  key_centroids_f32, value_centroids_f32, sinks, out, lse, layout, scale, window_left, logit_softcap,
+                  key_int8_table, value_centroids_f32, sinks, out, lse, layout, scale, window_left, logit_softcap,
                   int8=True)
 
 
@@ -341,7 +343,7 @@ int8_prefill_op = torch.library.custom_op("tqkern::int8_prefill", mutates_args=(
 
 
 @int8_prefill_op.register_fake
-def _(q, cache, block_table, seq_lens, query_start_loc, rotation, key_centroids, value_centroids, key_centroids_f32,
+def _(q, cache, block_table, seq_lens, query_start_loc, rotation, key_centroids, value_centroids, key_int8_table,
       value_centroids_f32, sinks, out, lse, layout, scale, window_left, logit_softcap) -> None:
     return None
 

@@ -46,6 +46,17 @@ _COMBINE_ROWS = 16
 _LOG2E = 1.4426950408889634
 
 
+def _key_table(p, int8: bool) -> torch.Tensor:
+    """The key table the kernels read: the float32 centroids, or for ``int8_prefill`` the
+    ``key_int8_table`` (centroids, their int8 image, its scale)."""
+    if not int8:
+        return p.key_centroids_f32
+    if p.key_int8_table is None:
+        raise ValueError("params.key_int8_table must be a tensor for int8_prefill, got None (make the "
+                         "parameters with tqkern_torch.to_device)")
+    return p.key_int8_table
+
+
 def tiles_supported(q: torch.Tensor, layout: PagedLayout, *, logit_softcap, int8: bool) -> bool:
     """The tiled path serves this call: a CUDA device of sm_80 or later (cuDNN's and
     FlashAttention-2's fused attention; int8 tensor cores), fp16/bf16 queries, head_dim a multiple
@@ -321,11 +332,12 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
     cap = block_table.shape[1] * layout.block_size
     _runs_kernel[(len(plan.rounds),)](seq_lens_dev, query_start_loc, runs, n_seq, max(plan.piece_rows, 1),
                                       window_left or 0, cap, HAS_WINDOW=window_left is not None)
+    k_table = _key_table(p, int8)
     for r, rnd in enumerate(plan.rounds):
         longest = max(pc.length for pc in rnd)
         used = sum(pc.length for pc in rnd)
         _gather_kernel[gc.grid(longest, n_seq, h)](
-            ws[0], ws[1], cache, block_table, runs[r], p.key_centroids_f32, p.value_centroids_f32, errors, num_blocks,
+            ws[0], ws[1], cache, block_table, runs[r], k_table, p.value_centroids_f32, errors, num_blocks,
             block_table.stride(0), cap, rows, k_scales, BS=layout.block_size, H=h,
             K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
             OUT_BF16=q.dtype == torch.bfloat16, K_INT8=int8, **c, **gc._asdict())

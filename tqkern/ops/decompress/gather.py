@@ -6,8 +6,9 @@ of sequence ``seq`` (through its row of the block table) land in rows ``row ..``
 ``k_out, v_out [R, H, D]`` (fp16 or bf16, contiguous; with ``K_INT8`` the keys go to ``k_out`` as
 the int8 codes of :mod:`tqkern.ops.int8_prefill.reference` and their float32 scales to ``ks_out
 [H, R]``, head-major (the attention kernel loads each tile's scales as one vector):
-``int8_prefill``'s workspace, the codes made from the float32 reconstruction once per
-key). A program takes ``TILES`` tiles of ``BT``
+``int8_prefill``'s workspace, the codes made once per key: for Lloyd-Max keys from the codebook's
+int8 image, ``kc_ptr`` then being ``DeviceParams.key_int8_table``; else from the float32
+reconstruction). A program takes ``TILES`` tiles of ``BT``
 positions of one run and one KV head (grid ``(tiles of the longest run, runs, H)``).
 
 Maths. Each side's reconstruction in its codec's space (float32,
@@ -35,7 +36,8 @@ import triton.language as tl
 
 from tqkern.errors import ErrorFlag
 from tqkern.ops.decompress.triton import decoded_values
-from tqkern.ops.int8_prefill.triton import int8_codes
+from tqkern.ops.codecs import KIND_LLOYD_MAX
+from tqkern.ops.int8_prefill.triton import image_codes, int8_codes
 
 __all__ = ["_gather_kernel", "GatherConfig", "gather_config"]
 
@@ -88,12 +90,15 @@ def _gather_kernel(
         row = cache_ptr + (blk.to(tl.int64) * BS + pos % BS) * ROW_BYTES
         out_off = (((out_row + j) * H + h) * D)[:, None] + cols[None, :]
         m2 = live[:, None] & (cols < D)[None, :]
-        y = decoded_values(row, h, live, kc_ptr, D, DP, NIBBLE, K, tl.float32, K_ALIGNED)
         if K_INT8:
-            c, s = int8_codes(y)
+            if K.KIND == KIND_LLOYD_MAX:  # the codebook's int8 image (kc_ptr: key_int8_table)
+                c, s = image_codes(row, h, live, kc_ptr, D, DP, NIBBLE, K)
+            else:
+                c, s = int8_codes(decoded_values(row, h, live, kc_ptr, D, DP, NIBBLE, K, tl.float32, K_ALIGNED))
             tl.store(k_out + out_off, c, mask=m2)
             tl.store(ks_out + h * ws_rows + out_row + j, s, mask=live)
         else:
+            y = decoded_values(row, h, live, kc_ptr, D, DP, NIBBLE, K, tl.float32, K_ALIGNED)
             tl.store(k_out + out_off, y.to(OUT), mask=m2)
         y = decoded_values(row, h, live, vc_ptr, D, DP, NIBBLE, V, tl.float32, V_ALIGNED)
         tl.store(v_out + out_off, y.to(OUT), mask=m2)

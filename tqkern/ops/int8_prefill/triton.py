@@ -1,8 +1,9 @@
 """The int8 kernels of ``int8_prefill``'s tiled path (no torch): the symmetric int8 codes of
-:mod:`.reference` (:func:`int8_codes`) and the queries' codes in the key codec's space
-(:func:`_quantize_q_kernel`). The keys' codes are made once per key by the gather
-(:mod:`tqkern.ops.decompress.gather` with ``K_INT8``), not once per query tile; the pieces are
-attended by :mod:`tqkern.ops.prefill.attend` with ``INT8``.
+:mod:`.reference` (:func:`int8_codes`; Lloyd-Max keys by the codebook's int8 image,
+:func:`image_codes`) and the queries' codes in the key codec's space (:func:`_quantize_q_kernel`).
+The keys' codes are made once per key by the gather (:mod:`tqkern.ops.decompress.gather` with
+``K_INT8``), not once per query tile; the pieces are attended by :mod:`tqkern.ops.prefill.attend`
+with ``INT8``.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
+from tqkern.ops.codecs import NC_DECODE
+from tqkern.ops.fields import load_tile, token_factors
 from tqkern.ops.store.kernel import _rotate, _rotation_operand
 from tqkern.ops.store.plan import HOIST_MAX_DP, ROT_NONE, ROTATIONS
 
-__all__ = ["int8_codes", "int8_codes_with", "_quantize_q_kernel", "QuantizeConfig", "quantize_config"]
+__all__ = ["image_codes", "int8_codes", "int8_codes_with", "_quantize_q_kernel", "QuantizeConfig", "quantize_config"]
 
 
 class QuantizeConfig(NamedTuple):
@@ -65,6 +68,26 @@ def int8_codes(x):
     codes by :func:`int8_codes_with`; ``s = 0`` and codes 0 for a zero row."""
     s = tl.max(tl.abs(x), axis=1) / 127.0
     return int8_codes_with(x, s), s
+
+
+@triton.jit
+def image_codes(row, h, tmask, tab_ptr, D: tl.constexpr, DP: tl.constexpr, NIBBLE: tl.constexpr, S: tl.constexpr,
+                PAR_ALIGNED: tl.constexpr = False):
+    """The int8 codes ``[BT, DP]`` and float32 scales ``[BT]`` of Lloyd-Max keys (side ``S``) of the
+    tokens at ``row [BT]``, head ``h``, by the codebook's int8 image
+    (:func:`tqkern.ops.int8_prefill.reference.int8_image`): ``c8[code]`` and ``α·s_cb``, α the
+    stored norm (over ``‖c[codes]‖`` with ``NC_DECODE``). ``tab_ptr``: ``DeviceParams.key_int8_table``
+    (the float32 centroids, the image as floats, ``s_cb``). Scales are 0 outside ``tmask`` (those
+    tokens' codes are ``c8[0]``: their scores are 0), codes 0 beyond D."""
+    NLEV: tl.constexpr = 1 << S.BITS
+    f, _ = token_factors(row, h, tmask, S, tl.float32, PAR_ALIGNED)
+    if S.NORM_CORRECTION == NC_DECODE:  # ‖c[codes]‖ of the float32 centroids (padded columns read 0)
+        c = load_tile(row, h, tmask, DP, -1, NIBBLE, S, D, DP, tab_ptr, tl.float32, False)
+        cn = tl.sqrt(tl.sum(c * c, axis=1))
+        f = tl.where(cn > 0, f / tl.where(cn > 0, cn, 1.0), 0.0)
+    c8 = load_tile(row, h, tmask, DP, -1, NIBBLE, S, D, DP, tab_ptr + NLEV, tl.float32, False)
+    s = tl.where(tmask, f * tl.load(tab_ptr + 2 * NLEV), 0.0)
+    return c8.to(tl.int8), s
 
 
 @triton.jit

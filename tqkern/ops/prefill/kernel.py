@@ -33,9 +33,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tqkern.ops.codecs import KIND_UNIFORM, NC_DECODE
+from tqkern.ops.codecs import KIND_LLOYD_MAX, KIND_UNIFORM, NC_DECODE
 from tqkern.ops.fields import load_tile, token_factors
-from tqkern.ops.int8_prefill.triton import int8_codes
+from tqkern.ops.int8_prefill.triton import image_codes, int8_codes
 from tqkern.ops.prefill.attend import mask_scores, online_softmax_step, softcap_log2
 from tqkern.ops.paged_decode._ptx import _prmt_tables
 from tqkern.ops.paged_decode.general import _value_weights, _whole_tile
@@ -76,8 +76,9 @@ def _attend(acc, m_i, l_i, q, q_sum, pos_q, t0, kv_end, seq_len, cache_ptr, bt_r
             INT8: tl.constexpr):
     """One step of the online softmax over keys ``t0 .. t0 + BN − 1`` (``MASK``: keys past
     ``kv_end`` and the causal / window masks applied; without it every row sees every key).
-    ``INT8``: ``q`` holds the queries' int8 codes and ``q_sum`` their scales; the keys are
-    reconstructed in float32 and quantized per token the same way, and the scores are
+    ``INT8``: ``q`` holds the queries' int8 codes and ``q_sum`` their scales; the keys' int8 codes
+    come from the codebook's int8 image (Lloyd-Max; ``kc_ptr`` is then ``key_int8_table``) or from
+    their float32 reconstruction quantized per token as the queries are, and the scores are
     ``s_q·s_k·(c_q·c_k)`` from an int8 product with int32 accumulation."""
     pos = t0 + tl.arange(0, BN)
     if MASK:
@@ -89,11 +90,12 @@ def _attend(acc, m_i, l_i, q, q_sum, pos_q, t0, kv_end, seq_len, cache_ptr, bt_r
     row = cache_ptr + (blk * BS + (pos + zero) % BS) * ROW_BYTES  # [BN] token rows
 
     # -- scores [BM, BN] --------------------------------------------------------------------------
-    if INT8:  # K̂ = f·tile + z in float32 (exact centroids), its int8 codes per token
+    if INT8 and K.KIND == KIND_LLOYD_MAX:  # the codebook's int8 image (kc_ptr: key_int8_table)
+        ck, sk = image_codes(row, h, tmask, kc_ptr, D, DP, NIBBLE, K, K_PAR_ALIGNED)
+        sc = (q_sum[:, None] * sk[None, :]) * tl.dot(q, tl.trans(ck), out_dtype=tl.int32).to(tl.float32)
+    elif INT8:  # uniform, FP8, raw keys: K̂ = f·tile + z in float32, its int8 codes per token
         kf, kz = token_factors(row, h, tmask, K, tl.float32, K_PAR_ALIGNED)
         k32 = load_tile(row, h, tmask, DP, -1, NIBBLE, K, D, DP, kc_ptr, tl.float32, K_ALIGNED)  # [BN, DP]
-        if K.NORM_CORRECTION == NC_DECODE:
-            kf = kf * tl.rsqrt(tl.maximum(tl.sum(k32 * k32, axis=1), 1e-30))
         cols = tl.arange(0, DP)
         khat = tl.where((cols < D)[None, :], k32 * kf[:, None] + kz[:, None], 0.0)
         ck, sk = int8_codes(khat)
