@@ -256,3 +256,25 @@ def test_attend_tiles_refuses_descriptors_where_unsupported():
         attend_tiles(q, k, k, 1, causal=True, scale=0.1, window_left=None, softcap=5.0, tma=1)
     out, _ = attend_tiles(q, k, k, 1, causal=True, scale=0.1, window_left=None, softcap=5.0)  # pointer loads
     assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("preset", ["tq4", "turboquant_3bit_nc", "turboquant_k8v4", "fp16"])
+def test_device_params_key_int8_table(preset):
+    """The table the int8 kernels read for Lloyd-Max keys: the float32 centroids, then the int8
+    image (as floats), then its scale; a 1-element placeholder for other key codecs."""
+    import tqkern
+    from tqkern.ops.int8_prefill.reference import int8_image
+
+    params = tqkern.TQParams.default(tqkern.KVFormat.preset(preset, 64))
+    tab = tqt.to_device(params, "cpu").key_int8_table
+    assert tab.dtype == torch.float32 and tab.is_contiguous()
+    if params.key_codebook is None:
+        assert tab.shape == (1,)
+        return
+    c = params.key_codebook.centroids
+    c8, s_cb = int8_image(c)
+    n = len(c)
+    assert tab.shape == (2 * n + 1,)
+    assert np.array_equal(tab[:n].numpy(), c.astype(np.float32))
+    assert np.array_equal(tab[n:2 * n].numpy(), c8.astype(np.float32))
+    assert tab[2 * n].item() == np.float32(s_cb)

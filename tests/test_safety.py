@@ -250,6 +250,10 @@ def test_device_params_tables_must_fit_the_format():
         dataclasses.replace(dp, key_offset=dp.key_offset[:, :8].contiguous())
     with pytest.raises(ValueError, match=r"DeviceParams.key_offset_signed must be .* of shape \(3, 64\)"):
         dataclasses.replace(dp, key_offset_signed=dp.key_offset_signed[:2].contiguous())
+    assert dp.key_int8_table.shape == (65,)  # 32 centroids, their int8 image, its scale
+    with pytest.raises(ValueError, match=r"DeviceParams.key_int8_table must be .* of shape \(65,\) .*, got "
+                                         r"torch.float32 \(32,\)"):
+        dataclasses.replace(dp, key_int8_table=dp.key_int8_table[:32].contiguous())
     with pytest.raises(TypeError, match="DeviceParams.key_boundaries must be a torch.Tensor, got ndarray"):
         dataclasses.replace(dp, key_boundaries=dp.key_boundaries.cpu().numpy())
     plain = tqt.to_device(tqkern.TQParams.default(fmt), DEV)
