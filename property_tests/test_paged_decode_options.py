@@ -16,7 +16,7 @@ NaN lse.
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, note
+from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 import tqkern
@@ -96,6 +96,7 @@ def option_cases(draw, kind: str):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@settings(max_examples=T.scale(8, settings.default.max_examples))  # CI: 8 (slowest interpreted)
 @given(st.data())
 def test_options_match_oracle(kind, data):
     _check_options_against_oracle(*data.draw(option_cases(kind), label="case"), data)

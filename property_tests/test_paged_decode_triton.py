@@ -51,6 +51,7 @@ def decode_cases(draw):
     return layout, params, group, batch, qdtype, num_splits
 
 
+@settings(max_examples=T.scale(8, settings.default.max_examples))  # CI: 8 (slowest interpreted)
 @given(decode_cases(), st.data())
 def test_paged_decode_matches_oracle(case, data):
     _check_against_oracle(*case, data)
