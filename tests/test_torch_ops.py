@@ -351,6 +351,11 @@ def test_rotate_pack_unpack_to_device_reject_bad_arguments(setup):
     for order in ("lsb", "nibble_high_even"):  # (the nibble form had put 17's high bits into its neighbour)
         with pytest.raises(ValueError, match=r"codes must be < 2\*\*bits = 16, got max 17"):
             tqt.pack(torch.tensor([0, 17, 0, 0], dtype=torch.uint8), 4, order)
+        # unchecked (no sync): a bad code keeps to its own bits, its neighbours' bytes are intact
+        got = tqt.pack(torch.tensor([0, 17, 0, 0], dtype=torch.uint8), 4, order, check_range=False)
+        assert np.array_equal(got.numpy(), ref.pack(np.array([0, 1, 0, 0], np.uint8), 4, order))
+    with pytest.raises(TypeError, match="check_range must be a bool, got int"):
+        tqt.pack(torch.zeros(4, dtype=torch.uint8), 4, check_range=1)
     with pytest.raises(ValueError, match=r"codes must have at least one dimension \[..., n\], got shape \[\]"):
         tqt.pack(torch.tensor(3, dtype=torch.uint8), 4)
     with pytest.raises(ValueError, match=r"packed must have at least one dimension \[..., bytes\], got shape \[\]"):

@@ -99,16 +99,21 @@ def rotate(x: torch.Tensor, params, *, inverse: bool = False) -> torch.Tensor:
     return x.float() @ r
 
 
-def pack(codes: torch.Tensor, bits: int, bit_order: str = "lsb") -> torch.Tensor:
+def pack(codes: torch.Tensor, bits: int, bit_order: str = "lsb", *, check_range: bool = True) -> torch.Tensor:
     """Pack uint8 codes ``[..., n]`` (each < 2**bits) into ``[..., ⌈n·bits/8⌉]`` uint8 (see the pack
-    oracle). The code range is checked on the host (a device sync; skipped under CUDA-graph capture)."""
+    oracle). ``check_range`` (default): a code ≥ 2**bits raises, checked on the host (a device sync;
+    skipped under CUDA-graph capture and ``torch.compile``); without it nothing syncs and each code
+    is masked to its low ``bits`` bits, so a bad code never reaches its neighbours' bits."""
     check_tensor(codes, "codes", dtypes=(torch.uint8,))
     pack_ref._check(bits, bit_order)
     if codes.dim() < 1:
         raise ValueError(f"codes must have at least one dimension [..., n], got shape {list(codes.shape)}")
     capturing = codes.is_cuda and torch.cuda.is_current_stream_capturing()
-    if codes.numel() and not capturing and not torch.compiler.is_compiling() and int(codes.max()) >= 1 << bits:
+    checked = check_flag(check_range, "check_range") and not capturing and not torch.compiler.is_compiling()
+    if codes.numel() and checked and int(codes.max()) >= 1 << bits:
         raise ValueError(f"codes must be < 2**bits = {1 << bits}, got max {int(codes.max())}")
+    if not checked and bits < 8:
+        codes = codes & ((1 << bits) - 1)
     n = codes.shape[-1]
     if bit_order == "nibble_high_even":
         if n % 2:
