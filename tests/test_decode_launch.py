@@ -198,7 +198,9 @@ def test_merge_impl_and_one_row_chunks_rule():
     assert row_chunks(32, 132, 128, False) == 8 and row_chunks(256, 132, 128, False) == 2
     assert row_chunks(32, 132, 128, True) == 4 and row_chunks(256, 132, 128, True) == 1
     assert row_chunks(16, 132, 256, True) == 8 and row_chunks(128, 132, 256, True) == 2
-    assert row_split_block(128, 128) == 32 and row_split_block(8, 16) == 8 and row_split_block(256, 16) == 256
+    assert row_split_block(128, 128, 1, True) == 32 and row_split_block(8, 128, 8, False) == 8
+    assert row_split_block(256, 128, 8, False) == 256 and row_split_block(17, 128, 8, False) == 32
+    assert row_split_block(40, 256, 4, True) == 16  # [16, 256]: 4096 floats
     m = _merge_plan(_layout("tq4", 128, 8), 1, 32, 128, DeviceCaps.sm90(), DecodeOptions())
     assert (m.impl, m.grid, m.chunks, m.unroll, m.rotate_back) == ("row", (32, 4), 4, 32, True)
     m = _merge_plan(_layout("turboquant_4bit_nc", 128, 4), 1, 28, 128, DeviceCaps.sm90(), DecodeOptions())

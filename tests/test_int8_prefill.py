@@ -278,3 +278,16 @@ def test_device_params_key_int8_table(preset):
     assert np.array_equal(tab[:n].numpy(), c.astype(np.float32))
     assert np.array_equal(tab[n:2 * n].numpy(), c8.astype(np.float32))
     assert tab[2 * n].item() == np.float32(s_cb)
+
+
+@needs_kernels
+def test_parameters_without_the_int8_table_are_named(case):
+    """A DeviceParams built without ``key_int8_table`` (to_device always fills it) is refused by
+    the kernels' path, naming the table, rather than read as the centroid table."""
+    import dataclasses
+
+    layout, params, cache, bt, sl, qsl, q = _args(case, [4, 1, 2, 0])
+    t = [torch.from_numpy(x).to(DEV) for x in (cache, bt, sl, qsl)]
+    p = dataclasses.replace(tqt.to_device(params, DEV), key_int8_table=None)
+    with pytest.raises(ValueError, match="params.key_int8_table must be a tensor for int8_prefill, got None"):
+        tqt.int8_prefill(q.to(DEV), *t, layout, p)

@@ -88,7 +88,7 @@ def test_device_params_sign_the_key_offset_for_the_warp_kernel(preset):
     """The warp store kernel subtracts ``s ⊙ μ`` (``s_i = sign(Π[i, 0])``) from the sign-flipped
     keys, so ``DeviceParams.key_offset_signed`` must be exactly that product, from the rotation's
     own first column (the Hadamard presets' ``pm1`` signs), and every other μ table unchanged."""
-    from tqkern_torch._params import signed_key_offset
+    from tqkern.ops.store.triton import signed_key_offset
 
     fmt = tqkern.KVFormat.preset(preset, 64)
     mu = np.random.default_rng(1).normal(0.0, 0.5, (3, 64))

@@ -8,12 +8,13 @@ import numpy as np
 import torch
 
 from tqkern.ops.int8_prefill.reference import int8_image
+from tqkern.ops.store.triton import signed_key_offset
 from tqkern.params import TQParams
 from tqkern.rotations import is_signed_sylvester
 from tqkern_torch._validate import check_device
 from tqkern_torch.errors import error_word
 
-__all__ = ["DeviceParams", "signed_key_offset", "to_device"]
+__all__ = ["DeviceParams", "to_device"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -31,7 +32,7 @@ class DeviceParams:
         key_centroids_f32 / value_centroids_f32: the same in float32, for attention kernels.
         key_offset: float32 ``[num_kv_heads, D]`` μ, or ``None``.
         key_offset_signed: ``μ ⊙ sign(Π[:, 0])`` (float32, μ's shape), the warp store kernel's
-            table for rotated keys (:func:`signed_key_offset`), or
+            table for rotated keys (:func:`tqkern.ops.store.triton.signed_key_offset`), or
             ``None`` (the store then makes it per call).
         key_int8_table: float32 ``[2·2**bits + 1]`` for Lloyd-Max keys: the centroids, their int8
             image as floats and its scale (:func:`tqkern.ops.int8_prefill.reference.int8_image`),
@@ -114,14 +115,6 @@ class DeviceParams:
             "key_offset_signed": self.key_offset_signed,
             "key_int8_table": self.key_int8_table,
         }
-
-
-def signed_key_offset(mu: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """``μ ⊙ s``, ``s_i = sign(Π[i, 0])`` (+1 where ``Π[i, 0] > 0``, else −1; μ's float32 ``[H, D]``):
-    the warp store kernel's key offset for a rotated key side. That kernel multiplies the keys by
-    ``s`` (a sign-bit XOR) before the Hadamard transform, so it subtracts ``s ⊙ μ``; the product is
-    exact, so the codes are those of ``x − μ`` rotated by Π."""
-    return (mu * torch.where(rotation[:, 0] > 0, 1.0, -1.0).to(mu.dtype)).contiguous()
 
 
 def _int8_table(codebook) -> np.ndarray:

@@ -20,7 +20,6 @@ from tqkern.layouts import LloydMax, PagedLayout, layout_from_dict
 from tqkern.ops.decompress import reference as decompress_ref
 from tqkern.ops.store import reference as store_ref
 from tqkern.params import TQParams
-from tqkern_torch._params import signed_key_offset
 from tqkern_torch._validate import use_triton
 from tqkern_torch.errors import error_word
 
@@ -59,8 +58,6 @@ def _host_params(layout: PagedLayout, rotation, kc, vc, mu, kb=None, vb=None) ->
 
 
 def _tables(rotation, kb, kc, vb, vc, mu, mu_signed=None) -> dict:
-    if mu is not None and mu_signed is None:
-        mu_signed = signed_key_offset(mu, rotation)
     return {"rotation": rotation, "key_boundaries": kb, "key_centroids": kc, "value_boundaries": vb,
             "value_centroids": vc, "key_offset": mu, "key_offset_signed": mu_signed}
 

@@ -270,7 +270,7 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
             _merge_row_kernel[(s * hq, chunks)](
                 acc, ml, rotation, out, ml if q_poison is None else q_poison, ml if sinks is None else sinks,
                 ml if lse is None else lse, num_splits, out.stride(0), out.stride(1),
-                HQ=hq, SP=sp, SB=row_split_block(sp, dp if rotate_back else dp // chunks), D=d, DP=dp,
+                HQ=hq, SP=sp, SB=row_split_block(num_splits, dp, chunks, rotate_back), D=d, DP=dp,
                 CC=dp // chunks, ROTATE_BACK=rotate_back, POISON=q_poison is not None, SINKS=sinks is not None,
                 LSE=lse is not None, num_warps=4)
         return

@@ -130,10 +130,12 @@ def row_chunks(rows: int, num_sms: int, dp: int, rotate_back: bool) -> int:
     return merge_chunks(rows, 2 * num_sms, dp)
 
 
-def row_split_block(sp: int, width: int) -> int:
+def row_split_block(num_splits: int, dp: int, chunks: int, rotate_back: bool) -> int:
     """Splits per load of the one-row merge: a ``[splits, width]`` float32 tile of at most 4096
-    elements (16 KiB), at most ``sp`` (the split count rounded up to a power of two)."""
-    return max(1, min(sp, 4096 // width))
+    elements (16 KiB), at most the split count rounded up to a power of two; ``width`` the
+    program's columns (all DP with the rotate-back, else DP/chunks)."""
+    sp = max(2, 1 << (num_splits - 1).bit_length())
+    return max(1, min(sp, 4096 // (dp if rotate_back else dp // chunks)))
 
 
 def row_merge_unroll(rotate_back: bool) -> int:
@@ -150,9 +152,8 @@ def _merge_plan(layout, s, hq, num_splits, caps, options) -> MergePlan:
     impl = merge_impl(rotate_back, num_splits)
     if impl == "row":
         chunks = row_chunks(s * hq, sms, dp, rotate_back)
-        sp = max(2, 1 << (num_splits - 1).bit_length())
         return MergePlan(impl="row", grid=(s * hq, chunks), rows=1, chunks=chunks,
-                         unroll=row_split_block(sp, dp if rotate_back else dp // chunks), rotate_back=rotate_back,
+                         unroll=row_split_block(num_splits, dp, chunks, rotate_back), rotate_back=rotate_back,
                          sinks=options.sinks, lse=options.lse)
     if impl == "rows":
         rows = 16

@@ -11,7 +11,8 @@ from tqkern.ops.store.kernel import _store_kernel
 from tqkern.ops.store.plan import StorePlan, plan_store
 from tqkern.ops.store.warp import _store_warp_kernel
 
-__all__ = ["_store_kernel", "_store_warp_kernel", "_launch_store", "store_plan", "vectors_aligned"]
+__all__ = ["_store_kernel", "_store_warp_kernel", "_launch_store", "signed_key_offset", "store_plan",
+           "vectors_aligned"]
 
 
 def vectors_aligned(*tensors) -> bool:
@@ -37,6 +38,14 @@ def store_plan(key, layout, tables, *, signed_sylvester: bool, interpret: bool, 
                       symmetric_codebooks=symmetric_codebooks)
 
 
+def signed_key_offset(mu: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """``μ ⊙ s``, ``s_i = sign(Π[i, 0])`` (+1 where ``Π[i, 0] > 0``, else −1; μ's float32 ``[H, D]``):
+    the warp store kernel's key offset for a rotated key side. That kernel multiplies the keys by
+    ``s`` (a sign-bit XOR) before the Hadamard transform, so it subtracts ``s ⊙ μ``; the product is
+    exact, so the codes are those of ``x − μ`` rotated by Π."""
+    return (mu * torch.where(rotation[:, 0] > 0, 1.0, -1.0).to(mu.dtype)).contiguous()
+
+
 # Launches of the store kernel by (plan, grid): a repeated store of the same shape calls the
 # compiled kernel directly (:class:`tqkern.ops.launch.KernelLauncher`: no per-call binding of the
 # plan's constexprs; the decode's host-time lesson).
@@ -50,10 +59,9 @@ def _launch_store(cache, key, value, slot_mapping, layout, tables, errors, *, in
 
     ``tables`` holds device tensors: ``rotation`` fp32 [D, D], ``key_boundaries`` / ``value_boundaries``
     fp32, ``key_centroids`` / ``value_centroids`` fp64, ``key_offset`` fp32 [H, D] or None (any
-    1-element tensor stands in for an unused table), and ``key_offset_signed``: μ ⊙ s with
-    ``s_i = sign(Π[i, 0])`` (:func:`tqkern_torch._params.signed_key_offset`), the table the warp
-    kernel reads for rotated keys (it XORs the keys' sign bits with ``s`` before the Hadamard
-    transform). ``signed_sylvester``: the rotation is
+    1-element tensor stands in for an unused table), and optionally ``key_offset_signed``
+    (:func:`signed_key_offset`, the table the warp kernel reads for rotated keys; made here, per
+    call, when absent or None). ``signed_sylvester``: the rotation is
     ``diag(s)·H/√D`` (:func:`tqkern.rotations.is_signed_sylvester`; the ``pm1`` method).
     ``symmetric_codebooks``: every Lloyd-Max boundary table is antisymmetric (the warp kernel's
     half-table search).
@@ -63,7 +71,8 @@ def _launch_store(cache, key, value, slot_mapping, layout, tables, errors, *, in
     num_tokens = key.shape[0]
     mu = tables["key_offset"]
     if mu is not None and plan.kernel == "warp" and layout.format.key.rotated:
-        mu = tables["key_offset_signed"]
+        signed = tables.get("key_offset_signed")
+        mu = signed_key_offset(mu, tables["rotation"]) if signed is None else signed
     args = (key, value, slot_mapping, cache, tables["rotation"], tables["key_boundaries"], tables["key_centroids"],
             tables["value_boundaries"], tables["value_centroids"], mu if mu is not None else tables["rotation"],
             errors, num_tokens, cache.shape[0] * layout.block_size, key.stride(0), key.stride(1), value.stride(0),
