@@ -37,13 +37,16 @@ class QuantizeConfig(NamedTuple):
 def quantize_config(rotated: bool, signed_sylvester: bool, head_dim: int, interpret: bool) -> QuantizeConfig:
     """The query quantization for a key codec (``rotated``) with this rotation: the store's methods
     (exact ±1 products for a signed Sylvester Π up to head_dim 128, split half-precision parts for
-    another Π, float32 chunks past 128) and its tiles (64 rows × 8 warps, 2 or 4 tiles a program;
-    ``chunked``: 32 rows × 8 warps, 32-column chunks, the fewest spills of the sm_90 compiles
-    tried, 504 stack bytes; no rotation: 16 rows × 4 warps). Measured on the H100 at 16K tokens ×
-    32 heads × 128 (fp16): no rotation 73 µs, ``pm1`` 194, ``split`` 183 (bf16: 306)."""
+    another Π, float32 chunks past 128) and its tiles (``pm1``: 64 rows × 4 warps, ``split``: 64 ×
+    8 warps — at 4 warps its bf16 form spills —, 4 tiles a program; ``chunked``: 32 rows × 8
+    warps, 32-column chunks, the fewest spills of the sm_90 compiles tried, 504 stack bytes; no
+    rotation: 16 rows × 4 warps). Measured on an H200 at 16K tokens × 32 heads × 128 (fp16, ten
+    launches swept, codes equal): ``pm1`` 137 µs (64 × 8 warps × 2 tiles before: 197), ``split``
+    183 (the best tried, 16 tiles a program, 168; 4 warps 174), no rotation 72 (16 × 4 warps × 1
+    the best)."""
     dp = max(16, triton.next_power_of_2(head_dim))
     method = "none" if not rotated else "chunked" if dp > HOIST_MAX_DP else "pm1" if signed_sylvester else "split"
-    rows, tiles, kc, warps = {"pm1": (64, 2, 64, 8), "split": (64, 4, 64, 8), "chunked": (32, 1, 32, 8)}.get(
+    rows, tiles, kc, warps = {"pm1": (64, 4, 64, 4), "split": (64, 4, 64, 8), "chunked": (32, 1, 32, 8)}.get(
         method, (16, 1, 64, 4))
     return QuantizeConfig(ROTATIONS.index(method), min(dp, kc), rows, tiles, "ieee" if interpret else "tf32x3",
                           warps)
