@@ -39,7 +39,8 @@ BUDGETS = {
     "turboquant_4bit_nc:row:128:8:warp+bf16": (0, 2176),
     "turboquant_3bit_nc:slot:128:8:warp": (0, 1968),
     "tqkern_k5v3:slot:128:8:warp": (0, 2072),  # 8 lanes per vector: 80-bit chunks (16 before session 26)
-    "k4v3h:row:128:8:warp+mu+bf16": (0, 2200),
+    # (S33: float16 norms with a key offset from the float32 sum of fl(x - mu)^2: 2200 -> 2312)
+    "k4v3h:row:128:8:warp+mu+bf16": (0, 2312),
     "turboquant_k8v4:slot:128:8:warp": (0, 936),
     "turboquant_3bit_nc:slot:64:3:warp": (0, 1400),
     "k4v2h:slot:256:8:warp": (0, 2064),

@@ -18,8 +18,9 @@ tile:
   codes, norm or bounds are then replaced by the zero vector's (one select per lane, not per
   element);
 * the rotation's signs ``s_i`` as an XOR of the words' sign bits (:func:`~.lanes._sign_words`), exact;
-* the norm: for float16 norms without a key offset, a float32 sum of the (exact) squares
-  (:func:`_sum_sq_f32`) whose error bound decides the float16 bytes (the norm, or the norm over
+* the norm: for float16 norms, a float32 sum of the squares (:func:`_sum_sq_f32`: exact squares,
+  or with a key offset the squares of ``fl(x − μ)``) whose error bound decides the float16 bytes
+  (the norm, or the norm over
   the codes' centroid norm where that correction is stored) and the saturation flag unless the
   value lies within ``2^-18`` of a rounding tie or of 65504 (:func:`_f16_unsure`); a warp with
   such a vector recomputes them in float64 (a rare branch). Other Lloyd-Max sides take the
@@ -121,7 +122,11 @@ def _sum_sq_f32(xs, lane, E: tl.constexpr, LB: tl.constexpr):
     takes the float64 norm elsewhere, as a float32 within 2^-24), and every term passes through
     at most ``h = E/4 − 1 + 2 + LB ≤ 14`` additions (E ≤ 32 a power of two, L ≤ 32), so
     ``|ŝ − s| ≤ γ_h·s < 2^-20·s`` (``γ_h = h·u/(1 − h·u)``, u = 2^-24); its correctly rounded
-    square root is within ``2^-21 + 2^-24`` of √s, relative."""
+    square root is within ``2^-21 + 2^-24`` of √s, relative. With a key offset the caller passes
+    ``x̂ = fl(x − μ) = (x − μ)(1 + δ)``, ``|δ| ≤ u``, whose rounded square is
+    ``(x − μ)²(1 + δ)²(1 + ε)``: each term within ``3u + u²`` of its exact value, the sum within
+    ``(3 + h)u + O(u²) ≤ 17.1u < 2^-19.9`` relative, the root within ``2^-20.9``: inside the
+    ``2^-19`` that :func:`_f16_unsure` assumes."""
     tl.static_assert(E <= 32)
     if E >= 4:
         a0 = xs[0] * xs[0]
@@ -197,16 +202,17 @@ def _encode(xs, mus, fin, zchunk, c, row, h, ok, lane, p, bnd, bnd_ptr, cen_ptr,
         ys = ()
         for e in tl.static_range(E):
             ys = ys + (xs[e] - mus[e],)
+    d32 = ys  # fl(x − μ) before the rotation: the float32 norm's terms (_sum_sq_f32's 17u bound)
     if S.ROTATED:
         ys = _fwht(ys, lane, E, LB)  # c = |Π[0, 0]| applied below
     if KIND == KIND_LLOYD_MAX:
-        # float16 norms (but with a key offset: x − μ is inexact in float32) from a float32 sum
-        # of squares, decided by its error bound or recomputed in float64 for the warp (rare);
-        # float32 norms need the float64 sum (docstring)
-        NORM32: tl.constexpr = (S.PARAM_DTYPE == DT_F16) and not HAS_MU
+        # float16 norms from a float32 sum of squares (of fl(x − μ) with a key offset: 17u),
+        # decided by its error bound or recomputed in float64 for the warp (rare); float32 norms
+        # need the float64 sum (docstring)
+        NORM32: tl.constexpr = S.PARAM_DTYPE == DT_F16
         STORED: tl.constexpr = S.NORM_CORRECTION == NC_STORED
         if NORM32:
-            ss = _sum_sq_f32(xs, lane, E, LB)
+            ss = _sum_sq_f32(d32, lane, E, LB)
             n = tl.where(fin, tl.sqrt_rn(ss), 0.0)
             if IN_BF16:  # squares beyond float32's range: the warp's norms from float64 (rare)
                 if tl.max((((ss < 2.0**-100) | (ss > 2.0**100)) & fin).to(tl.int32), axis=0) > 0:
