@@ -2,7 +2,9 @@
 
 One run compares each op with its torch baseline: pytest-benchmark's table groups ``decode
 B32x4K`` (``paged_decode`` of four presets and torch SDPA fp16 on contiguous K/V), ``store
-<shape>`` (``store`` of the same presets and an fp16 paged-cache ``index_copy_``), ``prefill
+<shape>`` (``store`` of the same presets and an fp16 paged-cache ``index_copy_``), ``decompress
+prefill_1x4096`` (``decompress`` of the same presets' slots, rotated back, and ``copy_`` of the
+float32 K/V it writes), ``prefill
 full_1x4K`` (``prefill`` of the same presets and SDPA fp16 causal) and ``generate B1x1K`` (a whole
 greedy ``model.generate`` of a Llama-3-8B-shaped model, 129 tokens, through a TQCache of
 turboquant_4bit_nc and through transformers' SDPA + DynamicCache). Each preset
@@ -16,7 +18,7 @@ import torch
 
 import tqkern_torch as tqt
 from tqkern_torch.attention import paged_decode
-from tqkern_torch.bench import decode, generate, prefill, store
+from tqkern_torch.bench import decode, decompress, generate, prefill, store
 from tqkern_torch.bench.shapes import (BLOCK_SIZE, STORE_CACHE_TOKENS, decode_shape, generate_shape, prefill_shape,
                                       store_shape)
 
@@ -25,6 +27,7 @@ pytestmark = [pytest.mark.benchmark,
 PRESETS = ["tq4", "turboquant_4bit_nc", "turboquant_k8v4", "fp16"]
 DECODE_SHAPE = "B32x4K"
 STORE_SHAPES = ["decode_B32", "prefill_1x4096"]
+DECOMPRESS_SHAPE = "prefill_1x4096"
 PREFILL_SHAPE = "full_1x4K"
 GENERATE_SHAPE = "B1x1K"
 
@@ -98,6 +101,24 @@ def test_store_baseline_fp16_index_copy(benchmark, shape):
 
     benchmark.group = f"store {shape}"
     _timed(benchmark, write)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_decompress(benchmark, preset):
+    s, k, v, slots = _store_inputs(DECOMPRESS_SHAPE)
+    layout, params = _gated_layout(decompress, preset, s)
+    cache = torch.zeros(layout.cache_shape(STORE_CACHE_TOKENS // BLOCK_SIZE), dtype=torch.uint8, device="cuda")
+    tqt.store(cache, k, v, slots, layout, params)
+    benchmark.group = f"decompress {DECOMPRESS_SHAPE}"
+    _timed(benchmark, lambda: tqt.decompress(cache, slots, layout, params, rotate_back=True))
+
+
+def test_decompress_baseline_copy(benchmark):
+    s = store_shape(DECOMPRESS_SHAPE)
+    src = torch.randn(2, s.num_tokens, s.num_kv_heads, s.head_dim, device="cuda")
+    dst = torch.empty_like(src)
+    benchmark.group = f"decompress {DECOMPRESS_SHAPE}"
+    _timed(benchmark, lambda: dst.copy_(src))
 
 
 @pytest.mark.parametrize("preset", PRESETS)

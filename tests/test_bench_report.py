@@ -212,9 +212,10 @@ def test_progress_rejects_a_bad_total(total):
 # -- selection -----------------------------------------------------------------------------------
 def test_select_defaults():
     sel = runner.select("all")
-    assert list(sel) == ["decode", "store", "prefill"]
+    assert list(sel) == ["decode", "store", "decompress", "prefill"]
     assert sel["decode"] == (runner.PRESETS, list(DECODE_SHAPES))
     assert sel["store"] == (runner.PRESETS, list(STORE_SHAPES))
+    assert sel["decompress"] == (runner.PRESETS, list(STORE_SHAPES))
     assert sel["prefill"] == (runner.PRESETS, list(PREFILL_SHAPES))
     assert "fp16" in runner.PRESETS and "tq4" in runner.PRESETS
 
@@ -250,7 +251,7 @@ def test_model_shapes_table_spans_what_issue_22_asks():
 
 
 @pytest.mark.parametrize("args,match", [
-    (("prefil",), r"op must be one of \('decode', 'store', 'prefill', 'all'\), got 'prefil'"),
+    (("prefil",), r"op must be one of \('decode', 'store', 'decompress', 'prefill', 'all'\), got 'prefil'"),
     (("decode", ["tq5"]), r"presets must be one or more of .*, got \['tq5'\]"),
     (("decode", []), r"presets must be one or more of .*, got \[\]"),
     (("decode", None, ["decode_B32"]), "shapes must be among B32x4K, .*Qwen2.5-0.5B_B256x2K or B<batch>x<tokens>K "
@@ -266,9 +267,10 @@ def test_select_rejects_unknown_names(args, match):
 def test_count_steps():
     sel = runner.select("all", ["tq4", "fp16"], ["B32x4K", "decode_B32", "prefill_1x4096"])
     # decode: 2 gates + 1 shape x (SDPA + 2); store: 2 gates + 2 shapes x (baseline + copy_ + tq4's
-    # fp16, bf16 and key-offset stores + fp16's fp16 and bf16); prefill: 2 gates, no shape named; eager: 2 x 3
-    assert runner.count_steps(sel) == (2 + 3) + (2 + 14) + 2
-    assert runner.count_steps(sel, ["B1x4K", "B32x4K"]) == (2 + 3) + (2 + 14) + 2 + 6
+    # fp16, bf16 and key-offset stores + fp16's fp16 and bf16); decompress: 2 gates + 2 shapes x (copy_ +
+    # tq4 + tq4 rotated back + fp16); prefill: 2 gates, no shape named; eager: 2 x 3
+    assert runner.count_steps(sel) == (2 + 3) + (2 + 14) + (2 + 8) + 2
+    assert runner.count_steps(sel, ["B1x4K", "B32x4K"]) == (2 + 3) + (2 + 14) + (2 + 8) + 2 + 6
 
 
 # -- store slots ---------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The benchmark runners' code paths without a GPU: the gates and the per-shape runs of
 :mod:`tqkern_torch.bench.decode` and :mod:`~tqkern_torch.bench.store` on tiny shapes on the CPU
-(Triton's interpreter, a fake timer), and :func:`tqkern_torch.bench.runner.run`'s orchestration
+(Triton's interpreter, a fake timer; decompress's too), and :func:`tqkern_torch.bench.runner.run`'s orchestration
 with fake runners. What stays GPU-only: CUDA-graph timing, the real shapes, ``environment()``."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import io
 import pytest
 
 from tqkern import KVFormat
-from tqkern_torch.bench import decode, prefill, runner, store
+from tqkern_torch.bench import decode, decompress, prefill, runner, store
 from tqkern_torch.bench.report import Progress, validate_report
 from tqkern_torch.bench.shapes import DecodeShape, PrefillShape, StoreShape
 from tqkern_torch.testing import kernels_available
@@ -135,13 +135,37 @@ def test_prefill_run_shape_short_rows():
 def test_prefill_selection():
     sel = runner.select("prefill", ["tq4"], quick=True)
     assert [s.name for s in sel["prefill"][1]] == ["full_1x4K", "spec4_on16K_x32"]
-    assert set(runner.select("all", ["tq4"], quick=True)) == {"decode", "store", "prefill"}
+    assert set(runner.select("all", ["tq4"], quick=True)) == {"decode", "store", "decompress", "prefill"}
     # 2 gates + 2 shapes x (SDPA + 2 presets x (prefill, int8_prefill) + decompress-then-SDPA
     # + out:tq4 + the fused kernel (full_1x4K) or SDPA's one-token decode (spec4_on16K_x32))
     # + 2 presets x cap:<preset> (full_1x4K)
     assert runner.count_steps({"prefill": (("tq4", "fp16"), sel["prefill"][1])}) == 2 + 2 * 8 + 2
     with pytest.raises(ValueError, match="shapes must be among full_1x4K"):
         runner.select("prefill", ["tq4"], ["B32x4K"])
+
+
+@interpreter
+def test_decompress_gate_passes_on_the_cpu():
+    gates = decompress.gate(["tq4", "turboquant_k8v4"], device="cpu", heads=((2, 64),))
+    assert [(g["preset"], g["case"], g["ok"]) for g in gates] == [
+        ("tq4", "Hkv2/D64", True), ("tq4", "Hkv2/D64 rotate_back", True), ("turboquant_k8v4", "Hkv2/D64", True),
+        ("turboquant_k8v4", "Hkv2/D64 rotate_back", True)]
+
+
+@interpreter
+def test_decompress_run_shape_records():
+    shape = StoreShape("tiny", 2, 16, 2, 64)  # 2 sequences x 16 tokens
+    steps, timer = [], FakeTimer(10.0, 20.0, 40.0, 50.0)
+    rows = decompress.run_shape(shape, ["tq4", "fp16"], steps.append, device="cpu", timer=timer, cache_tokens=256)
+    assert steps == ["decompress tiny copy_", "decompress tiny tq4", "decompress tiny rot:tq4", "decompress tiny fp16"]
+    out = 2 * 32 * 2 * 64 * 4  # float32 K and V: 32 tokens x 2 heads x 64
+    base, tq4, rot, fp16 = rows
+    assert (base["variant"], base["baseline"], base["speedup"], base["bytes"]) == ("copy_", "copy_", 1.0, 2 * out)
+    row_bytes = 2 * KVFormat.preset("tq4", 64).slot_bytes
+    assert (tq4["us"], tq4["speedup"], tq4["bytes"]) == (20.0, 0.5, 32 * row_bytes + out)
+    assert (rot["variant"], rot["us"], rot["bytes"]) == ("rot:tq4", 40.0, 32 * row_bytes + out)
+    assert (fp16["variant"], fp16["bytes"]) == ("fp16", 32 * 2 * KVFormat.preset("fp16", 64).slot_bytes + out)
+    assert decompress.has_rotated_side("tq4", 64) and not decompress.has_rotated_side("fp16", 64)
 
 
 def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
@@ -162,7 +186,7 @@ def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
         def run_shape(shape, presets, step, *, rep_ms):
             assert rep_ms == 25  # quick
             timed.append((op, shape.name, tuple(presets)))
-            base = "fp16_index_copy" if op == "store" else "sdpa_fp16"
+            base = {"store": "fp16_index_copy", "decompress": "copy_"}.get(op, "sdpa_fp16")
             extra = (*(f"int8:{p}" for p in presets), f"decompress_sdpa:{presets[0]}", f"out:{presets[0]}") \
                 if op == "prefill" and presets else ()
             if op == "prefill" and (presets or shape.q_len <= 8):  # the fused kernel or SDPA's one-token decode
@@ -171,6 +195,8 @@ def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
                 extra += tuple(f"cap:{p}" for p in presets)
             if op == "store":
                 extra = ("copy_", *(f"bf16:{p}" for p in presets))
+            if op == "decompress":  # rotated back: tq4's sides are rotated, fp16's are not
+                extra = tuple(f"rot:{p}" for p in presets if p != "fp16")
             rows = [{"op": op, "mode": "graph", "shape": shape.name, "variant": v, "baseline": base, "us": 1.0,
                      "bytes": None, "gbps": None, "speedup": 1.0} for v in (base, *presets, *extra)]
             for _ in rows:
@@ -182,6 +208,8 @@ def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
     monkeypatch.setattr(store, "gate", fake_gate("store", "tq4"))
     monkeypatch.setattr(decode, "run_shape", fake_run_shape("decode"))
     monkeypatch.setattr(store, "run_shape", fake_run_shape("store"))
+    monkeypatch.setattr(decompress, "gate", fake_gate("decompress", "fp16"))
+    monkeypatch.setattr(decompress, "run_shape", fake_run_shape("decompress"))
     monkeypatch.setattr(prefill, "gate", fake_gate("prefill", "tq4"))
     monkeypatch.setattr(prefill, "run_shape", fake_run_shape("prefill"))
     monkeypatch.setattr(timing, "environment", lambda: {"gpu": "fake"})
@@ -192,13 +220,14 @@ def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
     validate_report(report)
     assert timed == [("decode", "B32x4K", ("tq4",)), ("decode", "SmolLM2_B32x4K", ("tq4",)),
                      ("store", "prefill_1x4096", ("fp16",)), ("store", "decode_B32", ("fp16",)),
+                     ("decompress", "prefill_1x4096", ("tq4",)), ("decompress", "SmolLM2_prefill_1x4096", ("tq4",)),
                      ("prefill", "full_1x4K", ("fp16",)), ("prefill", "spec4_on16K_x32", ("fp16",))]
     # decode gates per preset: the two base geometries (the quick shapes' own are the same)
-    assert [g["ok"] for g in report["gate"]] == [True, True, False, False, False, True, False, True]
+    assert [g["ok"] for g in report["gate"]] == [True, True, False, False, False, True, True, False, False, True]
     # gates, then baseline + the passing preset (store: + copy_ + its bf16 input; prefill: +
     # int8_prefill + decompress-then-SDPA + out: + the fused kernel or SDPA's one-token decode, and
-    # the soft-capped prefill at the long shape)
-    assert bar.done == bar.total == 2 + 2 * 2 + 2 + 2 * 4 + 2 + 2 * 6 + 1
+    # the soft-capped prefill at the long shape; decompress: copy_ + the preset + it rotated back)
+    assert bar.done == bar.total == 2 + 2 * 2 + 2 + 2 * 4 + 2 + 2 * 3 + 2 + 2 * 6 + 1
     assert out.getvalue().splitlines()[-1].startswith(f"[{'#' * 24}] {bar.total}/{bar.total}")
     # a preset wrong only at a timed shape's own geometry (head_dim 96): gated there, not timed there
     timed.clear()

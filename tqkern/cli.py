@@ -139,9 +139,11 @@ def _eval(args: argparse.Namespace) -> int:
 
 # -- bench ---------------------------------------------------------------------------------------
 def _bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("op", nargs="?", default="all", choices=("decode", "store", "prefill", "all", "generate"),
-                   help="which op to time (default all = decode, store and prefill; generate: end-to-end "
-                        "model.generate of a Llama-3-8B-shaped model, run on its own)")
+    p.add_argument("op", nargs="?", default="all",
+                   choices=("decode", "store", "decompress", "prefill", "all", "generate"),
+                   help="which op to time (default all = decode, store, decompress and prefill; decompress runs "
+                        "at the store's shapes; generate: end-to-end model.generate of a Llama-3-8B-shaped model, "
+                        "run on its own)")
     p.add_argument("--presets", nargs="+", default=None, metavar="PRESET",
                    help="presets to time, or kXvYh formats (default: every benchmark preset)")
     p.add_argument("--shapes", nargs="+", default=None, metavar="SHAPE",
@@ -182,7 +184,7 @@ def _bench(args: argparse.Namespace) -> int:
                     generate.llama3_8b_config(args.layers)  # validates
             else:
                 selection = runner.select(args.op, args.presets, args.shapes, args.quick)
-            if args.eager is not None and args.op in ("store", "generate"):
+            if args.eager is not None and args.op in ("store", "decompress", "generate"):
                 raise ValueError(f"--eager times decode only, got op {args.op!r}")
             from tqkern_torch.bench.decode import EAGER_SHAPES
             from tqkern_torch.bench.shapes import decode_shape

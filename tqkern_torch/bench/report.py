@@ -7,16 +7,17 @@ a dict (written as JSON by ``tqkern bench --out``)::
      "environment": {"gpu": str, "torch": str, "triton": str, "tqkern": str, "time": str, ...},
      "timing": str,                      # how a time was measured
      "gate": [{"op": str, "preset": str, "case": str, "ok": bool, ...}],
-     "records": [{"op": "decode" | "store" | "prefill" | "generate", "mode": "graph" | "eager", "shape": str,
+     "records": [{"op": "decode" | "store" | "decompress" | "prefill" | "generate", "mode": "graph" | "eager", "shape": str,
                   "variant": str, "baseline": str, "us": float, "bytes": int | None,
                   "gbps": float | None, "speedup": float,
                   "flops": int, "tflops": float}]}   # (flops, tflops: prefill records only)
 
 Each record is one timed variant (a preset, or the baseline itself) at one shape. ``baseline``
 names the variant it is compared with in the same run (``sdpa_fp16`` for decode,
-``fp16_index_copy`` for store); ``speedup`` is the baseline's time over this one (> 1: faster;
+``fp16_index_copy`` for store, ``copy_`` for decompress); ``speedup`` is the baseline's time over this one (> 1: faster;
 exactly 1.0 on the baseline's own record). ``bytes`` is what the variant moves through memory
-(decode: the K/V or cache bytes read; store: fp16 K/V read plus cache bytes written) and
+(decode: the K/V or cache bytes read; store: fp16 K/V read plus cache bytes written;
+decompress: slot bytes read plus float32 K/V written) and
 ``gbps`` = bytes / µs / 1e3; ``None`` where not counted (eager records). Prefill records
 (baseline ``sdpa_fp16``) count the causal FLOPs instead: ``flops`` and ``tflops`` = flops / µs / 1e6.
 Generate records (eager, baseline ``sdpa_dynamic_cache``; :mod:`tqkern_torch.bench.generate`) time a
@@ -35,7 +36,7 @@ __all__ = ["SCHEMA", "OPS", "MODES", "record", "validate_report", "render_table"
            "write_json", "read_json", "plot_report", "Progress", "PLOT_EXTRA"]
 
 SCHEMA = "tqkern.bench/1"
-OPS = ("decode", "store", "prefill", "generate")
+OPS = ("decode", "store", "decompress", "prefill", "generate")
 MODES = ("graph", "eager")
 PLOT_EXTRA = "pip install 'tqkern[plot]'"
 
@@ -150,6 +151,10 @@ def render_table(report: dict) -> str:
         if op == "store" and "copy_" in variants:  # issue 23's measure
             lines += _bandwidth_lines(cells, op, mode, "copy_", shapes, [v for v in variants if v != base],
                                       "store: achieved bandwidth (K/V read + bytes written), as a fraction of copy_'s")
+        if op == "decompress" and "copy_" in variants:  # issue 23's measure for the read path
+            lines += _bandwidth_lines(cells, op, mode, "copy_", shapes, variants,
+                                      "decompress: achieved bandwidth (slots read + float32 K/V written), as a "
+                                      "fraction of copy_'s")
     if not report["records"]:
         lines += ["", "no timing records"]
     lines += _generate_lines(report)

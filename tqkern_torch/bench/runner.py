@@ -11,16 +11,17 @@ from tqkern_torch.bench.shapes import (DECODE_PRESETS, DECODE_SHAPES, MODEL_SHAP
 
 __all__ = ["OPS", "PRESETS", "select", "count_steps", "run"]
 
-OPS = ("decode", "store", "prefill", "all")
+OPS = ("decode", "store", "decompress", "prefill", "all")
 PRESETS = tuple(p for p, _ in DECODE_PRESETS)
-_SHAPE_OF = {"decode": decode_shape, "store": store_shape, "prefill": prefill_shape}
-_SHAPES = {"decode": DECODE_SHAPES, "store": STORE_SHAPES, "prefill": PREFILL_SHAPES}
+_SHAPE_OF = {"decode": decode_shape, "store": store_shape, "decompress": store_shape, "prefill": prefill_shape}
+_SHAPES = {"decode": DECODE_SHAPES, "store": STORE_SHAPES, "decompress": STORE_SHAPES, "prefill": PREFILL_SHAPES}
 
 
 def _per_preset(op: str, shape, preset: str) -> int:
     """Timed variants of ``preset`` at ``shape``: prefill: prefill and int8_prefill, and past the
     short-row limit the soft-capped prefill; store: fp16 and bf16 input, and with Lloyd-Max keys
-    a key offset; decode: one."""
+    a key offset; decompress: in the codec's space, and rotated back where a side is rotated;
+    decode: one."""
     if op == "prefill":
         from tqkern_torch.short_rows import SHORT_QUERY_MAX
 
@@ -29,12 +30,17 @@ def _per_preset(op: str, shape, preset: str) -> int:
         from tqkern_torch.bench.store import has_mu_variant
 
         return 2 + has_mu_variant(preset, shape.head_dim)
+    if op == "decompress":
+        from tqkern_torch.bench.decompress import has_rotated_side
+
+        return 1 + has_rotated_side(preset, shape.head_dim)
     return 1
 
 
 def select(op: str, presets: Optional[Sequence[str]] = None, shapes: Optional[Sequence[str]] = None,
            quick: bool = False) -> dict:
-    """``{op: (presets, shapes)}`` for each op the run covers (``"all"``: decode, store, prefill).
+    """``{op: (presets, shapes)}`` for each op the run covers (``"all"``: decode, store, decompress,
+    prefill; decompress runs at the store's shapes: the slots a store of that shape writes).
 
     ``presets`` default to every benchmark preset (any :meth:`tqkern.KVFormat.preset` name, the
     ``kXvYh`` family included, may be given); ``shapes`` to every named shape of each op
@@ -47,7 +53,7 @@ def select(op: str, presets: Optional[Sequence[str]] = None, shapes: Optional[Se
     """
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    ops = ("decode", "store", "prefill") if op == "all" else (op,)
+    ops = ("decode", "store", "decompress", "prefill") if op == "all" else (op,)
     presets = PRESETS if presets is None else tuple(presets)
     unknown = [p for p in presets if p not in PRESETS and not is_format_name(p)]
     if unknown or not presets:
@@ -79,7 +85,8 @@ def count_steps(selection: dict, eager_shapes: Sequence = ()) -> int:
     """Progress steps of :func:`run`: a gate per preset and op, a timing per variant and shape."""
     n = 0
     for o, (presets, shapes) in selection.items():
-        # (prefill, with presets: decompress-then-SDPA and out:<first preset>; store: copy_)
+        # (prefill, with presets: decompress-then-SDPA and out:<first preset>; store: copy_ beside
+        # its baseline; decompress's baseline is copy_ itself)
         extra = 2 * (o == "prefill" and bool(presets)) + (o == "store")
         n += len(presets) + sum(1 + sum(_per_preset(o, s, p) for p in presets) + extra for s in shapes)
         if o == "prefill":  # SDPA's one-token decode (short shapes) or the fused kernel (long ones, with presets)
@@ -121,7 +128,7 @@ def run(selection: dict, *, eager_shapes: Sequence[str] = (), quick: bool = Fals
     A preset that fails its op's gate is not timed there. ``quick`` replays each graph for about
     25 ms instead of 100.
     """
-    from tqkern_torch.bench import decode, prefill, store
+    from tqkern_torch.bench import decode, decompress, prefill, store
     from tqkern_torch.bench.timing import TIMING, environment
 
     eager = [decode_shape(s) for s in eager_shapes]
@@ -130,7 +137,7 @@ def run(selection: dict, *, eager_shapes: Sequence[str] = (), quick: bool = Fals
     report = {"schema": SCHEMA, "environment": environment(), "timing": TIMING, "gate": [], "records": []}
     try:
         for o, (presets, shapes) in selection.items():
-            mod = {"decode": decode, "store": store, "prefill": prefill}[o]
+            mod = {"decode": decode, "store": store, "decompress": decompress, "prefill": prefill}[o]
             gates = []
             kw = {"heads": _decode_gate_heads(list(shapes) + eager, decode.GATE_HEADS)} if o == "decode" else {}
             base = {_case_of(*h) for h in decode.GATE_HEADS} if o == "decode" else None

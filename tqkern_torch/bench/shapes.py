@@ -121,6 +121,7 @@ STORE_CACHE_TOKENS = 65536
 
 # `--quick`: one Llama-like and one SmolLM2-like shape per op.
 QUICK_SHAPES = {"decode": ("B32x4K", "SmolLM2_B32x4K"), "store": ("prefill_1x4096", "decode_B32"),
+                "decompress": ("prefill_1x4096", "SmolLM2_prefill_1x4096"),
                 "prefill": ("full_1x4K", "spec4_on16K_x32"), "generate": ("B1x1K", "B8x16K")}
 
 # (preset, arrangement); "fp16" is tqkern's own uncompressed paged path. Both ops run these.
