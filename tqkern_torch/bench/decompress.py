@@ -25,7 +25,7 @@ from tqkern import reference as ref
 from tqkern_torch.bench.decode import make_layout
 from tqkern_torch.bench.report import record
 from tqkern_torch.bench.shapes import BLOCK_SIZE, STORE_CACHE_TOKENS, StoreShape
-from tqkern_torch.bench.store import slot_mapping
+from tqkern_torch.bench.store import shape_inputs, stored_sample
 from tqkern_torch.bench.timing import graph_us
 
 __all__ = ["BASELINE", "ROT", "has_rotated_side", "gate", "run_shape"]
@@ -57,12 +57,7 @@ def gate(presets, *, device: str = "cuda", heads=((8, 128), (3, 64))) -> list[di
     for preset in presets:
         for hkv, d in heads:
             layout, params = make_layout(preset, hkv, d, device)
-            n, num_blocks = 64, 16
-            k = torch.randn(n, hkv, d, device=device, dtype=torch.float16, generator=g)
-            v = torch.randn(n, hkv, d, device=device, dtype=torch.float16, generator=g)
-            slots = torch.randperm(num_blocks * BLOCK_SIZE, device=device, generator=g)[:n]
-            cache = torch.zeros(layout.cache_shape(num_blocks), dtype=torch.uint8, device=device)
-            tqt.store(cache, k, v, slots, layout, params)
+            _, _, slots, cache = stored_sample(layout, params, g)
             rows = ref.gather_slots(cache.cpu().numpy(), layout, slots.cpu().numpy())
             for rotate_back in (False, True):
                 got = tqt.decompress(cache, slots, layout, params, rotate_back=rotate_back)
@@ -79,12 +74,9 @@ def run_shape(shape: StoreShape, presets, step, *, rep_ms: int = 100, device: st
     ``shape`` wrote, in its codec's space and (``rot:<preset>``) rotated back; ``step(label)`` after
     each timed variant. ``timer(fn) -> µs`` defaults to CUDA-graph replay for ``rep_ms``."""
     timer = timer or (lambda fn: graph_us(fn, rep_ms))
-    g = torch.Generator(device=device).manual_seed(2)
+    g, k, v, slots = shape_inputs(shape, cache_tokens, device)
     n, h, d = shape.num_tokens, shape.num_kv_heads, shape.head_dim
     num_blocks = cache_tokens // BLOCK_SIZE
-    k = torch.randn(n, h, d, device=device, dtype=torch.float16, generator=g)
-    v = torch.randn(n, h, d, device=device, dtype=torch.float16, generator=g)
-    slots = slot_mapping(shape, num_blocks, g)
     out_bytes = 2 * n * h * d * 4  # float32 K and V
     src = (torch.randn(n, h, d, device=device, generator=g), torch.randn(n, h, d, device=device, generator=g))
     dst = (torch.empty_like(src[0]), torch.empty_like(src[1]))

@@ -30,7 +30,8 @@ from tqkern_torch.bench.report import record
 from tqkern_torch.bench.shapes import BLOCK_SIZE, STORE_CACHE_TOKENS, StoreShape
 from tqkern_torch.bench.timing import graph_us
 
-__all__ = ["BASELINE", "COPY", "MU", "has_mu_variant", "mu_params", "slot_mapping", "gate", "run_shape"]
+__all__ = ["BASELINE", "COPY", "MU", "has_mu_variant", "mu_params", "slot_mapping", "stored_sample", "shape_inputs",
+           "gate", "run_shape"]
 
 BASELINE = "fp16_index_copy"
 COPY = "copy_"
@@ -72,6 +73,19 @@ def slot_mapping(shape: StoreShape, num_blocks: int, g: torch.Generator) -> torc
     return (blocks[:, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE).reshape(-1).long()
 
 
+def stored_sample(layout, params, g: torch.Generator, n: int = 64, num_blocks: int = 16):
+    """``(k, v, slots, cache)``: ``n`` random fp16 tokens stored at shuffled slots of a
+    ``num_blocks`` cache on ``g``'s device (the gates' sample)."""
+    dev = g.device
+    h, d = layout.num_kv_heads, layout.head_dim
+    k = torch.randn(n, h, d, device=dev, dtype=torch.float16, generator=g)
+    v = torch.randn(n, h, d, device=dev, dtype=torch.float16, generator=g)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, device=dev, generator=g)[:n]
+    cache = torch.zeros(layout.cache_shape(num_blocks), dtype=torch.uint8, device=dev)
+    tqt.store(cache, k, v, slots, layout, params)
+    return k, v, slots, cache
+
+
 def gate(presets, *, device: str = "cuda", heads=((8, 128), (3, 64))) -> list[dict]:
     """Every preset's written slots against the oracle's bytes (uncertain bytes excepted), for
     64 tokens at each ``(Hkv, D)`` of ``heads``, and with a key offset (:func:`mu_params`) at the
@@ -86,18 +100,23 @@ def gate(presets, *, device: str = "cuda", heads=((8, 128), (3, 64))) -> list[di
             layout, params = make_layout(preset, hkv, d, device)
             if with_mu:
                 params = mu_params(layout, device)
-            n, num_blocks = 64, 16
-            k = torch.randn(n, hkv, d, device=device, dtype=torch.float16, generator=g)
-            v = torch.randn(n, hkv, d, device=device, dtype=torch.float16, generator=g)
-            slots = torch.randperm(num_blocks * BLOCK_SIZE, device=device, generator=g)[:n]
-            cache = torch.zeros(layout.cache_shape(num_blocks), dtype=torch.uint8, device=device)
-            tqt.store(cache, k, v, slots, layout, params)
+            k, v, slots, cache = stored_sample(layout, params, g)
             got = ref.gather_slots(cache.cpu().numpy(), layout, slots.cpu().numpy())
             exp, unsure = ref.compress(k.cpu().numpy(), v.cpu().numpy(), params.params, return_uncertain=True)
             bad = int(((got != exp) & ~unsure).sum())
             out.append(dict(op="store", preset=preset, case=f"Hkv{hkv}/D{d}" + " mu" * with_mu, bad_bytes=bad,
                             uncertain_bytes=int(unsure.sum()), ok=bad == 0))
     return out
+
+
+def shape_inputs(shape: StoreShape, cache_tokens: int, device: str):
+    """``(generator, k, v, slots)`` of a timed shape: random fp16 K/V ``[num_tokens, Hkv, D]`` and
+    their slots (:func:`slot_mapping`) in a ``cache_tokens`` cache; the generator, seeded 2, goes on."""
+    g = torch.Generator(device=device).manual_seed(2)
+    n, h, d = shape.num_tokens, shape.num_kv_heads, shape.head_dim
+    k = torch.randn(n, h, d, device=device, dtype=torch.float16, generator=g)
+    v = torch.randn(n, h, d, device=device, dtype=torch.float16, generator=g)
+    return g, k, v, slot_mapping(shape, cache_tokens // BLOCK_SIZE, g)
 
 
 def run_shape(shape: StoreShape, presets, step, *, rep_ms: int = 100, device: str = "cuda", timer=None,
@@ -107,12 +126,9 @@ def run_shape(shape: StoreShape, presets, step, *, rep_ms: int = 100, device: st
     (``mu:<preset>``, :func:`has_mu_variant`); ``step(label)`` is called after each timed variant.
     ``timer(fn) -> µs`` defaults to CUDA-graph replay for ``rep_ms``."""
     timer = timer or (lambda fn: graph_us(fn, rep_ms))
-    g = torch.Generator(device=device).manual_seed(2)
+    g, k, v, slots = shape_inputs(shape, cache_tokens, device)
     n, h, d = shape.num_tokens, shape.num_kv_heads, shape.head_dim
     num_blocks = cache_tokens // BLOCK_SIZE
-    k = torch.randn(n, h, d, device=device, dtype=torch.float16, generator=g)
-    v = torch.randn(n, h, d, device=device, dtype=torch.float16, generator=g)
-    slots = slot_mapping(shape, num_blocks, g)
     kv_bytes = 2 * n * h * d * 2  # K and V, fp16
 
     k_cache = torch.zeros(num_blocks * BLOCK_SIZE, h, d, device=device, dtype=torch.float16)
