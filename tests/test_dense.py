@@ -67,30 +67,69 @@ def test_decode_equals_the_paged_oracle(preset):
     assert not got[2].any()  # an empty row: zeros
 
 
-def test_attention_causal_equals_the_prefill_oracle_and_the_mask_path():
+def _prefill_oracle(q, kv, lengths, fmt, params):
+    """The prefill oracle of ``q [b, Hq, Lq, D]`` over the dense cache's rows (identity table)."""
+    b, hq, lq, d = q.shape
+    t = kv.shape[1]
+    layout = dense_layout(fmt, kv.shape[2], t)
+    per = t // layout.block_size
+    table = np.arange(b * per, dtype=np.int32).reshape(b, per)
+    qv = q.float().cpu().numpy().transpose(0, 2, 1, 3).reshape(b * lq, hq, d)
+    want = ref.prefill(qv, kv.cpu().numpy().reshape(layout.cache_shape(b * per)), table, lengths.cpu().numpy(),
+                       np.arange(0, b * lq + 1, lq, dtype=np.int32), layout, params)
+    return want.reshape(b, lq, hq, d).transpose(0, 2, 1, 3)
+
+
+@pytest.mark.parametrize("lq", [4, 12])
+def test_attention_causal_equals_the_prefill_oracle_and_the_mask_path(lq, monkeypatch):
     """Lq queries at the last positions of each row, bottom-right causal: the prefill oracle over
-    the same bytes; the same causal pattern given as a mask gives the same output; a row whose
-    queries see nothing (length 0) gives zeros."""
+    the same bytes, through ``prefill`` (every length ≥ Lq; short rows at Lq = 4, the prefill
+    kernel at 12), with the host lengths given or read; the same causal pattern given as a mask
+    (decompress + SDPA) agrees; a row whose queries see nothing (length 0) gives zeros."""
+    import tqkern_torch.dense as dense
+
+    calls = []
+    monkeypatch.setattr(dense, "prefill", lambda *a, **k: calls.append(k["max_query_len"]) or tqt.prefill(*a, **k))
     fmt, params, kv, key, value = _case()
     dense_store(kv, key, value, torch.zeros(3, dtype=torch.int32, device=DEV), fmt, params)
-    lengths = torch.tensor([48, 5, 30], dtype=torch.int32, device=DEV)
-    lq = 4
+    lengths = torch.tensor([48, 13, 30], dtype=torch.int32, device=DEV)
     q = torch.randn(3, 4, lq, 64, generator=torch.Generator().manual_seed(2)).half().to(DEV)
-    got = dense_attention(q, kv, lengths, fmt, params).float().cpu().numpy()
-    layout = dense_layout(fmt, 2, 48)
-    table = np.arange(9, dtype=np.int32).reshape(3, 3)
-    qv = q.float().cpu().numpy().transpose(0, 2, 1, 3).reshape(3 * lq, 4, 64)
-    want = ref.prefill(qv, kv.cpu().numpy().reshape(layout.cache_shape(9)), table, lengths.cpu().numpy(),
-                       np.arange(0, 3 * lq + 1, lq, dtype=np.int32), layout, params)
-    want = want.reshape(3, lq, 4, 64).transpose(0, 2, 1, 3)
-    assert np.abs(got - want).max() < 4e-3 * (np.abs(want).max() + 1)
+    want = _prefill_oracle(q, kv, lengths, fmt, params)
+    tol = 4e-3 * (np.abs(want).max() + 1)
+    got = dense_attention(q, kv, lengths, fmt, params)
+    assert got.shape == q.shape and got.is_contiguous() and calls == [lq]
+    assert np.abs(got.float().cpu().numpy() - want).max() < tol
+    got_host = dense_attention(q, kv, lengths, fmt, params, lengths_cpu=lengths.cpu().long())
+    assert calls == [lq, lq] and torch.equal(got_host, got)
     pos = torch.arange(48, device=DEV)
     qpos = lengths.long()[:, None] - lq + torch.arange(lq, device=DEV)[None, :]
     mask = (pos[None, None, :] <= qpos[:, :, None])[:, None]
     got_mask = dense_attention(q, kv, lengths, fmt, params, mask=mask).float().cpu().numpy()
-    assert np.array_equal(got_mask, got)
+    assert calls == [lq, lq] and np.abs(got_mask - want).max() < tol
     none = dense_attention(q, kv, torch.zeros(3, dtype=torch.int32, device=DEV), fmt, params)
-    assert not none.any()
+    assert not none.any() and calls == [lq, lq]
+
+
+def test_attention_rows_shorter_than_the_queries_and_capture_take_the_decompress_path(monkeypatch):
+    """A row of fewer tokens than Lq (its first queries see nothing: zeros), and any causal call
+    while a graph is captured or traced (no host read of the lengths), run decompress + SDPA; a
+    call whose rows are long enough agrees with it."""
+    import tqkern_torch.dense as dense
+
+    calls = []
+    monkeypatch.setattr(dense, "prefill", lambda *a, **k: calls.append(1) or tqt.prefill(*a, **k))
+    fmt, params, kv, key, value = _case()
+    dense_store(kv, key, value, torch.zeros(3, dtype=torch.int32, device=DEV), fmt, params)
+    q = torch.randn(3, 4, 4, 64, generator=torch.Generator().manual_seed(4)).half().to(DEV)
+    short = torch.tensor([48, 2, 30], dtype=torch.int32, device=DEV)
+    got = dense_attention(q, kv, short, fmt, params)
+    assert not calls and not got[1, :, :2].any() and got[1, :, 2:].abs().sum() > 0
+    lengths = torch.tensor([48, 13, 30], dtype=torch.int32, device=DEV)
+    by_prefill = dense_attention(q, kv, lengths, fmt, params)
+    monkeypatch.setattr(dense, "_tracing_or_capturing", lambda dev: True)
+    captured = dense_attention(q, kv, lengths, fmt, params)
+    assert calls == [1] and (captured.float() - by_prefill.float()).abs().max() < 4e-3 * (
+        by_prefill.float().abs().max() + 1)
 
 
 def test_attention_one_query_runs_decode_and_nan_rows_stay_nan():
@@ -130,6 +169,10 @@ def test_bad_input():
                      (dense_attention, (q[:, :, None], kv, lengths))):
         with pytest.raises(TypeError, match="fmt must be a tqkern.KVFormat, got str"):
             fn(*args, "tq4", params)
+    with pytest.raises(ValueError, match=r"lengths_cpu must have shape \[3\]"):
+        dense_attention(q[:, :, None].repeat(1, 1, 2, 1), kv, lengths, fmt, params, lengths_cpu=torch.zeros(2).int())
+    with pytest.raises(TypeError, match="lengths_cpu must be int32 or int64, got float32"):
+        dense_attention(q[:, :, None].repeat(1, 1, 2, 1), kv, lengths, fmt, params, lengths_cpu=torch.zeros(3))
     with pytest.raises(TypeError, match="kv must be a torch.Tensor, got NoneType"):
         dense_attention(q[:, :, None], None, lengths, fmt, params)
     q4 = q[:, :, None].repeat(1, 1, 2, 1)

@@ -9,8 +9,8 @@ the paged kernels unchanged, on a view (no copy):
 - :func:`dense_store`: write new tokens' K/V at given positions of each row;
 - :func:`dense_decode`: one query per row over its first ``lengths[b]`` tokens (``paged_decode``);
 - :func:`dense_attention`: ``Lq`` queries per row, the last ``Lq`` positions of each row's
-  ``lengths[b]`` tokens, bottom-right causal or with a boolean mask — through ``decompress`` + torch
-  SDPA until the prefill kernels exist (it materialises the rows' K/V in float32).
+  ``lengths[b]`` tokens, bottom-right causal (``prefill``, or ``paged_decode`` for one query) or
+  with a boolean mask (``decompress`` + torch SDPA: it materialises the rows' K/V in float32).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from tqkern.errors import ErrorFlag
 from tqkern.layouts import KVFormat, PagedLayout
 from tqkern.ops.attention.reference import resolve_scale
 from tqkern_torch._validate import check_tensor
-from tqkern_torch.attention import paged_decode
+from tqkern_torch.attention import _tracing_or_capturing, paged_decode
 from tqkern_torch.errors import error_word
 from tqkern_torch.ops import _device_params, decompress, store
+from tqkern_torch.prefill import prefill
 
 __all__ = ["dense_layout", "dense_store", "dense_decode", "dense_attention"]
 
@@ -102,28 +103,45 @@ def dense_decode(q: torch.Tensor, kv: torch.Tensor, lengths: torch.Tensor, fmt: 
 
 
 def dense_attention(q: torch.Tensor, kv: torch.Tensor, lengths: torch.Tensor, fmt: KVFormat, params, *,
-                    scale: Optional[float] = None, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    scale: Optional[float] = None, mask: Optional[torch.Tensor] = None,
+                    lengths_cpu: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of ``q [batch, Hq, Lq, D]`` over each row's first ``lengths[b]`` tokens: query
     ``i`` sits at position ``lengths[b] − Lq + i`` and sees the tokens up to it (bottom-right causal),
     or, with ``mask`` (bool ``[batch, 1 or Hq, Lq, tokens]``, True = attend), exactly the masked
-    ones among the first ``lengths[b]``. ``Lq == 1`` without a mask runs :func:`dense_decode`;
-    otherwise the rows are decompressed (float32, rotated back) and attended by torch SDPA. A query
-    row with no visible token gives zeros (the oracles' rule). Returns q's shape and dtype."""
+    ones among the first ``lengths[b]``. A query row with no visible token gives zeros (the
+    oracles' rule). Returns q's shape and dtype.
+
+    Paths: ``Lq == 1`` without a mask runs :func:`dense_decode`; causal calls whose every length
+    lies in ``[Lq, tokens]`` run :func:`~tqkern_torch.prefill` over the identity block table (the
+    decode kernel for ``Lq ≤ 8``, else the tiled path: K/V decoded a tile at a time, never whole
+    rows); the rest (a mask, a row shorter than ``Lq``, a length out of range) decompress the rows
+    (float32, rotated back) for torch SDPA. The lengths are read on the host for that choice:
+    ``lengths_cpu`` (int32/int64 ``[batch]``, a host copy of ``lengths``, as serving stacks keep
+    one) or, without it, a copy of ``lengths`` (a device sync) — except while ``torch.compile``
+    traces or a CUDA graph is captured, when causal calls of several queries take the decompress
+    path."""
     paged, layout, table = _view(kv, fmt)  # checked once here: the decode path calls paged_decode itself
     check_tensor(q, "q", dtypes=(torch.float16, torch.bfloat16), device=kv.device)
     if q.dim() != 4 or q.shape[0] != kv.shape[0] or q.shape[3] != fmt.head_dim:
         raise ValueError(f"q must have shape [{kv.shape[0]}, Hq, Lq, {fmt.head_dim}], got {list(q.shape)}")
     _check_lengths(lengths, kv)
+    if lengths_cpu is not None:
+        check_tensor(lengths_cpu, "lengths_cpu", shape=(kv.shape[0],), dtypes=(torch.int32, torch.int64),
+                     device=torch.device("cpu"))
     b, hq, lq, d = q.shape
     sc = resolve_scale(scale, d)
     if mask is None and lq == 1:
         return paged_decode(q[:, :, 0], paged, table, lengths, layout, params, scale=sc)[:, :, None]
+    if hq % kv.shape[2]:
+        raise ValueError(f"q.shape[1] (Hq) must be a multiple of num_kv_heads = {kv.shape[2]}, got {hq}")
+    if mask is None and lq:
+        host = lengths_cpu if lengths_cpu is not None else None if _tracing_or_capturing(kv.device) else lengths.cpu()
+        if host is not None and bool(((host >= lq) & (host <= kv.shape[1])).all()):
+            return _causal_by_prefill(q, paged, table, lengths, host, layout, params, sc)
     t, h = kv.shape[1], kv.shape[2]
     # a length outside [0, tokens] is clamped and flagged, as the decode path does (no host sync)
     bad = ((lengths < 0) | (lengths > t)).any()
     error_word(kv.device).bitwise_or_(bad.to(torch.int32) * int(ErrorFlag.SEQ_LEN_OUT_OF_RANGE))
-    if hq % h:
-        raise ValueError(f"q.shape[1] (Hq) must be a multiple of num_kv_heads = {h}, got {hq}")
     p = _device_params(params, layout, kv.device)
     pos = torch.arange(t, device=kv.device)
     ids = torch.where(pos[None, :] < lengths.long()[:, None], torch.arange(b, device=kv.device)[:, None] * t + pos, -1)
@@ -145,3 +163,14 @@ def dense_attention(q: torch.Tensor, kv: torch.Tensor, lengths: torch.Tensor, fm
     qf = q.float()
     o = torch.where(allowed.any(dim=-1, keepdim=True), o, 0.0)  # rows with nothing visible: zeros,
     return (o + (qf - qf).sum(dim=-1, keepdim=True)).to(q.dtype)  # but NaN for a non-finite query row
+
+
+def _causal_by_prefill(q, paged, table, lengths, host, layout, params, scale) -> torch.Tensor:
+    """:func:`dense_attention`'s causal rows through ``prefill`` (every host length in ``[Lq,
+    tokens]``, checked by the caller): row b's ``Lq`` queries are the last of its ``lengths[b]``."""
+    b, hq, lq, d = q.shape
+    qsl_cpu = torch.arange(b + 1, dtype=torch.int32) * lq
+    rows = q.transpose(1, 2).reshape(b * lq, hq, d)  # (a copy: token-major)
+    out = prefill(rows, paged, table, lengths, qsl_cpu.to(q.device), layout, params, scale=scale, max_query_len=lq,
+                  query_start_loc_cpu=qsl_cpu, seq_lens_cpu=host.to(torch.int32), check_inputs=False)
+    return out.view(b, lq, hq, d).transpose(1, 2).contiguous()
