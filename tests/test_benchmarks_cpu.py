@@ -19,8 +19,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 
 # One entry per op: each runs `tqkern bench <op>`, which checks for a CUDA device before any CUDA call.
-GPU_SCRIPTS = {"bench_decode.py": "decode", "bench_store.py": "store", "bench_prefill.py": "prefill",
-               "bench_generate.py": "generate"}
+GPU_SCRIPTS = {"bench_decode.py": "decode", "bench_store.py": "store", "bench_decompress.py": "decompress",
+               "bench_prefill.py": "prefill", "bench_generate.py": "generate"}
 # pytest-benchmark entries and the package marker, not scripts.
 MODULES = ("__init__.py", "test_bench.py")
 
@@ -66,12 +66,13 @@ def _pytest(*args) -> subprocess.CompletedProcess:
 
 
 def test_benchmark_only_says_the_benchmarks_need_a_gpu():
-    # decode: 4 presets + SDPA; store: (4 presets + the fp16 baseline) x 2 shapes; prefill; generate: 2
+    # decode: 4 presets + SDPA; store: (4 presets + the fp16 baseline) x 2 shapes; decompress: 4 presets
+    # + copy_; prefill: 4 presets + SDPA; generate: 2
     res = _pytest("--benchmark-only", "benchmarks", "tests/test_bench_shapes.py")
     assert res.returncode == 0, res.stdout + res.stderr
     out = res.stdout
     assert "why no benchmark ran" in out
-    assert "benchmarks need a CUDA GPU: 22 skipped (no CUDA device found)" in out
+    assert "benchmarks need a CUDA GPU: 27 skipped (no CUDA device found)" in out
     assert "--benchmark-only skipped 7 tests that are not benchmarks" in out
     assert "no benchmark collected" not in out
     assert "needs a CUDA GPU (no CUDA device found)" in out.split("short test summary info")[1]
