@@ -1,4 +1,5 @@
-"""decompress rotated back at every padded width, against the oracle."""
+"""decompress rotated back at every padded width, against the oracle; the program tiles the GPU
+takes run in the interpreter too."""
 
 import numpy as np
 import pytest
@@ -56,3 +57,31 @@ def test_rotate_back_matches_oracle(preset, d):
         tol = 4 * np.sqrt(d) * 2.0**-24 * np.linalg.norm(x, axis=-1, keepdims=True)
         assert np.all(np.abs(g - x) <= tol), f"{name}: max error {np.abs(g - x).max():.3g}"
         assert np.all(g[[3, 10, 11]] == 0), f"{name}: slots outside the cache must read zeros"
+
+
+@pytest.mark.parametrize("preset,d", [("tq4", 128), ("turboquant_4bit_nc", 96), ("tqkern_k5v3", 256)])
+def test_gpu_tiles_match_oracle(preset, d):
+    """The program tiles the GPU takes (:func:`decompress_config` off the interpreter: 64 or 32 slots
+    a program with a rotate-back, the last one partial) give the oracle's values, rotated back and
+    in the codec's space (the property tests' bounds), and write zeros for slots outside the cache
+    over an output that held NaN."""
+    from tqkern.ops.decompress.triton import _launch_decompress, decompress_config
+    from tqkern_torch._params import to_device
+
+    layout, params, cache, ids = _filled(preset, d)
+    p = to_device(params, DEV)
+    tables = {"rotation": p.rotation, "key_centroids": p.key_centroids, "value_centroids": p.value_centroids}
+    for rotate_back in (True, False):
+        cfg = decompress_config(d, rotate_back, interpret=False)
+        assert (cfg.BT > 16) == rotate_back
+        got = [torch.full((len(ids), layout.num_kv_heads, d), float("nan"), device=DEV) for _ in range(2)]
+        _launch_decompress(got[0], got[1], cache, ids, layout, tables, torch.zeros(1, dtype=torch.int32, device=DEV),
+                           rotate_back=rotate_back, interpret=DEV.type == "cpu", config=cfg)
+        for name, g, x in zip(("key", "value"), got, _expect(layout, params, cache, ids, rotate_back)):
+            g = g.cpu().numpy().astype(np.float64)
+            if rotate_back:
+                tol = 4 * np.sqrt(d) * 2.0**-24 * np.linalg.norm(x, axis=-1, keepdims=True)
+            else:
+                tol = 8 * 2.0**-24 * np.max(np.abs(x), axis=-1, keepdims=True)
+            assert np.all(np.abs(g - x) <= tol), f"{name} rotate_back={rotate_back}: max error {np.abs(g - x).max():.3g}"
+            assert np.all(g[[3, 10, 11]] == 0), f"{name}: slots outside the cache must read zeros"

@@ -1,7 +1,8 @@
 """CI sees the store kernel as a GPU compiles it: compiled for sm_90 (H100) with Triton's bundled
 ptxas on a machine without a GPU (``tqkern/ops/store/aot.py``), with the plan's own constexprs,
 for every rotation method (``pm1``, ``split``, ``tf32x3`` with a key offset, ``chunked`` at
-head_dim 256, none) and the warp kernel of aligned inputs (``warp``: the in-register Hadamard), short stores' small tile, both arrangements, bf16 inputs (which the interpreter cannot run) and the
+head_dim 256, none) and the warp kernel of aligned inputs (``warp``: the in-register Hadamard), short stores' small tile,
+the ``decompress`` kernel (with the rotate-back in the program: ``decompress+rotate``), both arrangements, bf16 inputs (which the interpreter cannot run) and the
 hardware FP8 conversion. Each kernel must compile within 255 registers, and its stack bytes
 (spills) and SASS instruction count stay within the budgets below (today's values from Triton
 3.9's ptxas, instructions + 3%), so that a change adding spills or instructions fails here before
@@ -46,6 +47,14 @@ BUDGETS = {
     "k4v2h:slot:256:8:warp": (0, 2064),
     "tqkern_k5v3:slot:256:8:warp": (0, 2168),  # 16 lanes per vector (32 before session 26)
     "turboquant_4bit_nc:slot:128:8:warp+small": (0, 1960),
+    # decompress (session 34): rotated sides rotated back in the program (32 slots x 8 warps, 16
+    # columns a tf32x3 product, a dynamic loop: the unrolled one spilled 104-2936 bytes); 64-202 registers
+    "tq4:slot:128:8:decompress": (0, 616),
+    "tq4:slot:128:8:decompress+rotate": (0, 1216),
+    "turboquant_4bit_nc:row:128:8:decompress+rotate": (0, 1064),
+    "tqkern_k5v3:slot:256:8:decompress+rotate": (0, 2320),
+    "tq4:slot:96:8:decompress+rotate": (8, 1336),
+    "turboquant_k8v4:slot:128:8:decompress+rotate": (0, 848),
 }
 
 

@@ -1,14 +1,21 @@
 """Decompress slots of a paged cache back to dense float32 K and V (each in its codec's space).
 
-A program reads ``BT`` slots of one KV head. Rotating back (``@ Πᵀ``) is left to the launcher's
-caller (one matmul over the dense output): this kernel exists for tests, debugging and
-prefix reuse, not for the decode hot path.
+A program reads ``BT`` slots of one KV head. A side in its codec's space (or not rotated) is
+decoded in float64 (Lloyd-Max from the float64 codebook) and rounded once to float32. A rotated
+side read back in original coordinates (``rotate_back``) is decoded in float32 and multiplied by
+Πᵀ in the program (``tf32x3`` on the GPU), ``KC`` of its rows at a time: no second launch and no
+matmul over the whole output. The error stays inside the oracle comparison's bound for a rotated-back vector
+(``4·√D·2⁻²⁴·‖x‖``): each decoded element is within 2⁻²⁴ of its float64 value (relative), and
+each product term within a few 2⁻²² (tf32x3 drops the low×low term), summed over D terms of
+random sign.
 
 A slot id outside ``[0, cache_slots)`` reads nothing: its rows are zeros (negative ids by
 definition; too large ones also set ``SLOT_OUT_OF_RANGE`` in ``err_ptr[0]``).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
@@ -17,7 +24,7 @@ from tqkern.errors import ErrorFlag
 from tqkern.ops.codecs import KIND_LLOYD_MAX, KIND_UNIFORM, NC_DECODE, layout_args
 from tqkern.ops.fields import load_tile, token_factors
 
-__all__ = ["_decompress_kernel", "_launch_decompress", "decoded_values"]
+__all__ = ["_decompress_kernel", "_launch_decompress", "decoded_values", "DecompressConfig", "decompress_config"]
 
 _ERR_SLOT = tl.constexpr(int(ErrorFlag.SLOT_OUT_OF_RANGE))
 
@@ -61,10 +68,36 @@ def _decode_side(out_ptr_2d, row, h, tok_mask, in_range, cen_ptr, D: tl.constexp
 
 
 @triton.jit
+def _rotate_back_side(out_ptr_2d, row, h, tok_mask, in_range, cen_ptr, rot_ptr, BT: tl.constexpr, D: tl.constexpr,
+                      DP: tl.constexpr, NIBBLE: tl.constexpr, S: tl.constexpr, KC: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
+    """One rotated side of BT slots → float32 ``[BT, D]`` at ``out_ptr_2d`` in original coordinates.
+    The float32 decode ``y`` is stored there first and read back ``KC`` columns at a time (the
+    program's own rows: a barrier orders the store before the reads and the reads before the
+    result's store), ``x = Σ_k y[:, k]·Πᵀ[k, :]`` (``rot_ptr``: float32 ``Π [D, D]``): only a
+    ``[BT, KC]`` slice of y and a ``[KC, DP]`` slice of Πᵀ sit beside the accumulator."""
+    cols = tl.arange(0, DP)
+    omask = in_range[:, None] & (cols < D)[None, :]
+    y = decoded_values(row, h, tok_mask, cen_ptr, D, DP, NIBBLE, S, tl.float32)
+    tl.store(out_ptr_2d + cols[None, :], y, mask=omask)
+    tl.debug_barrier()
+    acc = tl.zeros([BT, DP], dtype=tl.float32)
+    for k0 in tl.range(0, DP, KC, num_stages=1):
+        ks = k0 + tl.arange(0, KC)
+        yk = tl.load(out_ptr_2d + ks[None, :], mask=in_range[:, None] & (ks < D)[None, :], other=0.0)
+        rt = tl.load(rot_ptr + cols[None, :] * D + ks[:, None], mask=(ks < D)[:, None] & (cols < D)[None, :],
+                     other=0.0)  # [KC, DP]: Πᵀ[ks, :]
+        acc = tl.dot(yk, rt, acc, input_precision=DOT_PRECISION)
+    tl.debug_barrier()
+    tl.store(out_ptr_2d + cols[None, :], acc, mask=omask)
+
+
+@triton.jit
 def _decompress_kernel(
-    k_out, v_out, cache_ptr, slot_ptr, kc_ptr, vc_ptr, err_ptr, n, cache_slots,
+    k_out, v_out, cache_ptr, slot_ptr, kc_ptr, vc_ptr, rot_ptr, err_ptr, n, cache_slots,
     BT: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, H: tl.constexpr, ROW_BYTES: tl.constexpr,
-    NIBBLE: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    NIBBLE: tl.constexpr, K: tl.constexpr, V: tl.constexpr, ROT_K: tl.constexpr, ROT_V: tl.constexpr,
+    KC: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -78,25 +111,50 @@ def _decompress_kernel(
     out_off = (t.to(tl.int64) * H + h)[:, None] * D
     k_ptr = k_out + out_off
     v_ptr = v_out + out_off
-    _decode_side(k_ptr, row, h, tok_mask, in_range, kc_ptr, D, DP, NIBBLE, K)
-    _decode_side(v_ptr, row, h, tok_mask, in_range, vc_ptr, D, DP, NIBBLE, V)
+    if ROT_K:
+        _rotate_back_side(k_ptr, row, h, tok_mask, in_range, kc_ptr, rot_ptr, BT, D, DP, NIBBLE, K, KC, DOT_PRECISION)
+    else:
+        _decode_side(k_ptr, row, h, tok_mask, in_range, kc_ptr, D, DP, NIBBLE, K)
+    if ROT_V:
+        _rotate_back_side(v_ptr, row, h, tok_mask, in_range, vc_ptr, rot_ptr, BT, D, DP, NIBBLE, V, KC, DOT_PRECISION)
+    else:
+        _decode_side(v_ptr, row, h, tok_mask, in_range, vc_ptr, D, DP, NIBBLE, V)
+
+
+class DecompressConfig(NamedTuple):
+    """Tiles and compile options of :func:`_decompress_kernel`: ``BT`` slots a program, ``KC``
+    columns of the decoded tile a rotate-back product."""
+
+    BT: int
+    KC: int
+    num_warps: int
+
+
+def decompress_config(head_dim: int, rotate_back: bool, interpret: bool) -> DecompressConfig:
+    """The program's tiles. Without a rotate-back: 16 slots, 4 warps (the kernel as it was before
+    the in-program rotation). With one on the GPU: 32 slots, 8 warps, 16 columns a product at
+    every head_dim: of seven tilings compiled offline for sm_90 (Triton 3.6's ptxas, tq4 and
+    turboquant_4bit_nc at D128, tqkern_k5v3 at D256), the only one without spills at 256 and
+    with the fewest registers below it (122–208; 64 slots × 32 columns: 232–254 at D128, 360
+    stack bytes at D256). Not yet timed on a GPU (docs/performance.md). The interpreter: 16 slots."""
+    if interpret or not rotate_back:
+        return DecompressConfig(16, 16, 4)
+    return DecompressConfig(32, 16, 8)
 
 
 def _launch_decompress(k_out, v_out, cache, slot_ids, layout, tables, errors, *, rotate_back: bool,
-                       interpret: bool, block_tokens: int = 16):
+                       interpret: bool, config: DecompressConfig | None = None):
     """Fill ``k_out, v_out [N, H, D]`` float32 from ``slot_ids [N]``; no checks. ``errors``: the
-    int32 ``[1]`` error word."""
+    int32 ``[1]`` error word. ``tables["rotation"]``: float32 ``Π [D, D]`` (read where a rotated
+    side is rotated back)."""
     c = layout_args(layout)
+    fmt = layout.format
+    cfg = config or decompress_config(layout.head_dim, rotate_back, interpret)
     n = slot_ids.shape[0]
-    grid = (triton.cdiv(n, block_tokens), layout.num_kv_heads)
+    grid = (triton.cdiv(n, cfg.BT), layout.num_kv_heads)
     consts = {k: v for k, v in c.items() if not k.startswith("PAD")}
-    _decompress_kernel[grid](k_out, v_out, cache, slot_ids, tables["key_centroids"], tables["value_centroids"], errors, n,
-                             cache.shape[0] * layout.block_size,
-                             BT=block_tokens, H=layout.num_kv_heads, **consts)
-    if rotate_back:
-        fmt = layout.format
-        r = tables["rotation"].T
-        if fmt.key.rotated:
-            k_out.copy_(k_out @ r)
-        if fmt.value.rotated:
-            v_out.copy_(v_out @ r)
+    _decompress_kernel[grid](k_out, v_out, cache, slot_ids, tables["key_centroids"], tables["value_centroids"],
+                             tables["rotation"], errors, n, cache.shape[0] * layout.block_size,
+                             BT=cfg.BT, H=layout.num_kv_heads, ROT_K=rotate_back and fmt.key.rotated,
+                             ROT_V=rotate_back and fmt.value.rotated, KC=cfg.KC,
+                             DOT_PRECISION="ieee" if interpret else "tf32x3", num_warps=cfg.num_warps, **consts)

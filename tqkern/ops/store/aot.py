@@ -8,7 +8,10 @@ A case is ``"PRESET:ARRANGEMENT:D:HKV[:OPTIONS]"``: a preset of :data:`tqkern.la
 ``split`` for ``haar``), and optional ``+``-joined options among ``bf16`` (bf16 K/V), ``mu`` (a
 key offset), ``dense`` (a Hadamard preset's rotation taken as a dense matrix: ``split``), ``small`` (a
 short store's plan: :data:`~.plan.SMALL_STORE_VECTORS` vectors), ``warp`` (the plan of aligned inputs,
-which takes the warp kernel of :mod:`~.warp` where the layout is eligible).
+which takes the warp kernel of :mod:`~.warp` where the layout is eligible), ``decompress`` (not the
+store: the ``decompress`` kernel of the layout, :mod:`tqkern.ops.decompress.triton`, at its
+:func:`~tqkern.ops.decompress.triton.decompress_config`), ``rotate`` (with ``decompress``: rotated
+sides read back in original coordinates).
 Runtime arguments are compiled as a launch on contiguous ``[T, HKV, D]`` inputs would see them:
 pointers and strides 16-divisible, the token and slot counts unspecialized.
 """
@@ -28,9 +31,9 @@ from tqkern.ops.store.kernel import _store_kernel
 from tqkern.ops.store.plan import SMALL_STORE_VECTORS, default_signed_sylvester, plan_store
 from tqkern.ops.store.warp import _store_warp_kernel
 
-__all__ = ["compile_store", "layout_of_case", "report", "report_in_subprocess"]
+__all__ = ["compile_decompress", "compile_store", "layout_of_case", "report", "report_in_subprocess"]
 
-_OPTIONS = ("bf16", "mu", "dense", "small", "warp", "asym")
+_OPTIONS = ("bf16", "mu", "dense", "small", "warp", "asym", "decompress", "rotate")
 
 
 def _ptr_types(in_dtype: str) -> dict:
@@ -67,6 +70,29 @@ def compile_store(layout, in_dtype: str = "fp16", *, has_mu: bool = False, signe
     return triton.compile(src, target=SM90, options=dict(num_warps=plan.num_warps)), plan
 
 
+def compile_decompress(layout, rotate_back: bool):
+    """``(compiled, config)``: the ``decompress`` kernel of ``layout`` compiled for sm_90 at its
+    GPU config (slot ids int64, the slot count unspecialized)."""
+    from tqkern.ops.codecs import layout_args
+    from tqkern.ops.decompress.triton import _decompress_kernel, decompress_config
+
+    if not hasattr(_decompress_kernel, "params"):
+        raise RuntimeError("the kernel is interpreted (TRITON_INTERPRET=1): compile in a process without it")
+    fn = _decompress_kernel
+    cfg = decompress_config(layout.head_dim, rotate_back, interpret=False)
+    fmt = layout.format
+    ptrs = {"k_out": "*fp32", "v_out": "*fp32", "cache_ptr": "*u8", "slot_ptr": "*i64", "kc_ptr": "*fp64",
+            "vc_ptr": "*fp64", "rot_ptr": "*fp32", "err_ptr": "*i32"}
+    cx = {k: v for k, v in layout_args(layout).items() if not k.startswith("PAD")}
+    cx.update(BT=cfg.BT, H=layout.num_kv_heads, ROT_K=rotate_back and fmt.key.rotated,
+              ROT_V=rotate_back and fmt.value.rotated, KC=cfg.KC, DOT_PRECISION="tf32x3")
+    sig = {n: ptrs.get(n) or ("i32" if n in ("n", "cache_slots") else "constexpr") for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in cx.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=SM90, options=dict(num_warps=cfg.num_warps)), cfg
+
+
 def report(case: str) -> dict:
     """Compile one case: ``name``, ``regs``, ``stack`` (bytes; > 0 means spills), ``instrs``
     (SASS instructions), ``shared`` (bytes), ``plan`` (its one-line description)."""
@@ -78,6 +104,15 @@ def report(case: str) -> dict:
     if opts - set(_OPTIONS):
         raise ValueError(f"options must be among {_OPTIONS}, got {sorted(opts - set(_OPTIONS))}")
     layout = layout_of_case(preset, arr, int(d), int(hkv))
+    if "decompress" in opts:
+        if opts - {"decompress", "rotate"}:
+            raise ValueError(f"decompress takes only the rotate option, got {sorted(opts)}")
+        compiled, cfg = compile_decompress(layout, "rotate" in opts)
+        regs, stack = resources(compiled)
+        return dict(name=case, regs=regs, stack=stack, instrs=sum(histogram(sass_of(compiled)).values()),
+                    shared=int(compiled.metadata.shared), plan=f"decompress {cfg}")
+    if "rotate" in opts:
+        raise ValueError("the rotate option is for decompress cases")
     compiled, plan = compile_store(layout, "bf16" if "bf16" in opts else "fp16", has_mu="mu" in opts,
                                    signed_sylvester=default_signed_sylvester(layout) and "dense" not in opts,
                                    num_vectors=SMALL_STORE_VECTORS if "small" in opts else None,
