@@ -44,10 +44,11 @@ def _expect(layout, params, cache, ids, rotate_back):
 
 
 @pytest.mark.parametrize("preset,d", [("turboquant_4bit_nc", 64), ("tq4", 96), ("k5v4h", 128), ("tqkern_k5v3", 256),
-                                      ("turboquant_k8v4", 128)])
+                                      ("turboquant_k8v4", 128), ("fp16", 64)])
 def test_rotate_back_matches_oracle(preset, d):
     """Both sides rotated back equal the oracle within one float32 product's error over D terms
-    (the property test's bound), at every padded width."""
+    (the property test's bound), at every padded width; raw fp16 fields (16-bit loads) exactly
+    as stored."""
     layout, params, cache, ids = _filled(preset, d)
     tqt.read_errors(DEV)
     got = tqt.decompress(cache, ids, layout, params, rotate_back=True)

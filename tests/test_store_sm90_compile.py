@@ -50,6 +50,7 @@ BUDGETS = {
     # decompress (session 34): rotated sides rotated back in the program (32 slots x 8 warps, 16
     # columns a tf32x3 product, a dynamic loop: the unrolled one spilled 104-2936 bytes); 64-202 registers
     "tq4:slot:128:8:decompress": (0, 616),
+    "fp16:slot:128:8:decompress": (0, 280),  # raw fields read 16 bits at a time (byte pairs before: 448)
     "tq4:slot:128:8:decompress+rotate": (0, 1216),
     "turboquant_4bit_nc:row:128:8:decompress+rotate": (0, 1064),
     "tqkern_k5v3:slot:256:8:decompress+rotate": (0, 2320),

@@ -387,3 +387,29 @@ def test_rotate_pack_unpack_to_device_reject_bad_arguments(setup):
         tqt.allocate_cache(layout, 1, "gpu")
     with pytest.raises(TypeError, match="rotate_back must be a bool, got int"):
         tqt.decompress(cache, torch.zeros(1, dtype=torch.long), layout, params, rotate_back=1)
+
+
+def test_a_cache_at_an_odd_address_is_refused_by_every_entry_point(setup):
+    """The kernels read and write raw 16-bit fields at even offsets from the cache's first byte, so
+    a contiguous cache view starting at an odd address (a misaligned 16-bit access on a GPU) is a
+    ValueError naming it, before any launch."""
+    layout, params, _ = setup
+    n_bytes = int(np.prod(layout.cache_shape(2)))
+    odd = torch.zeros(n_bytes + 1, dtype=torch.uint8, device=DEV)[1:].view(layout.cache_shape(2))
+    assert odd.data_ptr() % 2 == 1 and odd.is_contiguous()
+    k, v = _kv(4)
+    slots = torch.arange(4, device=DEV)
+    q = torch.randn(1, 4, 64, device=DEV).half()
+    bt = torch.tensor([[0, 1]], dtype=torch.int32, device=DEV)
+    sl = torch.tensor([4], dtype=torch.int32, device=DEV)
+    qsl = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
+    calls = {
+        "store": lambda: tqt.store(odd, k, v, slots, layout, params),
+        "decompress": lambda: tqt.decompress(odd, slots, layout, params),
+        "decompress_sequences": lambda: tqt.decompress_sequences(odd, bt, sl, layout, params),
+        "paged_decode": lambda: tqt.paged_decode(q, odd, bt, sl, layout, params),
+        "prefill": lambda: tqt.prefill(q, odd, bt, sl, qsl, layout, params),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=r"cache must start at an even byte address .*storage offset 1"):
+            call()

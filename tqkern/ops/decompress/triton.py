@@ -22,6 +22,7 @@ import triton.language as tl
 
 from tqkern.errors import ErrorFlag
 from tqkern.ops.codecs import KIND_LLOYD_MAX, KIND_UNIFORM, NC_DECODE, layout_args
+from tqkern.ops.common import halfword_aligned
 from tqkern.ops.fields import load_tile, token_factors
 
 __all__ = ["_decompress_kernel", "_launch_decompress", "decoded_values", "DecompressConfig", "decompress_config"]
@@ -59,11 +60,11 @@ def decoded_values(row, h, tok_mask, cen_ptr, D: tl.constexpr, DP: tl.constexpr,
 
 @triton.jit
 def _decode_side(out_ptr_2d, row, h, tok_mask, in_range, cen_ptr, D: tl.constexpr, DP: tl.constexpr,
-                 NIBBLE: tl.constexpr, S: tl.constexpr):
+                 NIBBLE: tl.constexpr, S: tl.constexpr, ALIGNED: tl.constexpr):
     """One side of BT slots → float32 ``[BT, D]`` at ``out_ptr_2d`` (Lloyd-Max in float64 from the
-    float64 codebook ``cen_ptr``, rounded once)."""
+    float64 codebook ``cen_ptr``, rounded once; ``ALIGNED``: raw fields read 16 bits at a time)."""
     cols = tl.arange(0, DP)
-    y = decoded_values(row, h, tok_mask, cen_ptr, D, DP, NIBBLE, S, tl.float64).to(tl.float32)
+    y = decoded_values(row, h, tok_mask, cen_ptr, D, DP, NIBBLE, S, tl.float64, ALIGNED).to(tl.float32)
     tl.store(out_ptr_2d + cols[None, :], y, mask=in_range[:, None] & (cols < D)[None, :])
 
 
@@ -97,7 +98,7 @@ def _decompress_kernel(
     k_out, v_out, cache_ptr, slot_ptr, kc_ptr, vc_ptr, rot_ptr, err_ptr, n, cache_slots,
     BT: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, H: tl.constexpr, ROW_BYTES: tl.constexpr,
     NIBBLE: tl.constexpr, K: tl.constexpr, V: tl.constexpr, ROT_K: tl.constexpr, ROT_V: tl.constexpr,
-    KC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KC: tl.constexpr, DOT_PRECISION: tl.constexpr, K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -114,11 +115,11 @@ def _decompress_kernel(
     if ROT_K:
         _rotate_back_side(k_ptr, row, h, tok_mask, in_range, kc_ptr, rot_ptr, BT, D, DP, NIBBLE, K, KC, DOT_PRECISION)
     else:
-        _decode_side(k_ptr, row, h, tok_mask, in_range, kc_ptr, D, DP, NIBBLE, K)
+        _decode_side(k_ptr, row, h, tok_mask, in_range, kc_ptr, D, DP, NIBBLE, K, K_ALIGNED)
     if ROT_V:
         _rotate_back_side(v_ptr, row, h, tok_mask, in_range, vc_ptr, rot_ptr, BT, D, DP, NIBBLE, V, KC, DOT_PRECISION)
     else:
-        _decode_side(v_ptr, row, h, tok_mask, in_range, vc_ptr, D, DP, NIBBLE, V)
+        _decode_side(v_ptr, row, h, tok_mask, in_range, vc_ptr, D, DP, NIBBLE, V, V_ALIGNED)
 
 
 class DecompressConfig(NamedTuple):
@@ -157,4 +158,5 @@ def _launch_decompress(k_out, v_out, cache, slot_ids, layout, tables, errors, *,
                              tables["rotation"], errors, n, cache.shape[0] * layout.block_size,
                              BT=cfg.BT, H=layout.num_kv_heads, ROT_K=rotate_back and fmt.key.rotated,
                              ROT_V=rotate_back and fmt.value.rotated, KC=cfg.KC,
-                             DOT_PRECISION="ieee" if interpret else "tf32x3", num_warps=cfg.num_warps, **consts)
+                             DOT_PRECISION="ieee" if interpret else "tf32x3", K_ALIGNED=halfword_aligned(layout, "key"),
+                             V_ALIGNED=halfword_aligned(layout, "value"), num_warps=cfg.num_warps, **consts)

@@ -74,6 +74,7 @@ def compile_decompress(layout, rotate_back: bool):
     """``(compiled, config)``: the ``decompress`` kernel of ``layout`` compiled for sm_90 at its
     GPU config (slot ids int64, the slot count unspecialized)."""
     from tqkern.ops.codecs import layout_args
+    from tqkern.ops.common import halfword_aligned
     from tqkern.ops.decompress.triton import _decompress_kernel, decompress_config
 
     if not hasattr(_decompress_kernel, "params"):
@@ -85,7 +86,8 @@ def compile_decompress(layout, rotate_back: bool):
             "vc_ptr": "*fp64", "rot_ptr": "*fp32", "err_ptr": "*i32"}
     cx = {k: v for k, v in layout_args(layout).items() if not k.startswith("PAD")}
     cx.update(BT=cfg.BT, H=layout.num_kv_heads, ROT_K=rotate_back and fmt.key.rotated,
-              ROT_V=rotate_back and fmt.value.rotated, KC=cfg.KC, DOT_PRECISION="tf32x3")
+              ROT_V=rotate_back and fmt.value.rotated, KC=cfg.KC, DOT_PRECISION="tf32x3",
+              K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"))
     sig = {n: ptrs.get(n) or ("i32" if n in ("n", "cache_slots") else "constexpr") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in cx.items()},
