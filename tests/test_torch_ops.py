@@ -409,7 +409,21 @@ def test_a_cache_at_an_odd_address_is_refused_by_every_entry_point(setup):
         "decompress_sequences": lambda: tqt.decompress_sequences(odd, bt, sl, layout, params),
         "paged_decode": lambda: tqt.paged_decode(q, odd, bt, sl, layout, params),
         "prefill": lambda: tqt.prefill(q, odd, bt, sl, qsl, layout, params),
+        "int8_prefill": lambda: tqt.int8_prefill(q, odd, bt, sl, qsl, layout, params),
     }
     for name, call in calls.items():
         with pytest.raises(ValueError, match=r"cache must start at an even byte address .*storage offset 1"):
+            call()
+    fmt = layout.format
+    kv_odd = torch.zeros(2 * 16 * 2 * fmt.slot_bytes + 1, dtype=torch.uint8, device=DEV)[1:].view(2, 16, 2,
+                                                                                               fmt.slot_bytes)
+    lengths = torch.tensor([4, 4], dtype=torch.int32, device=DEV)
+    dense = {
+        "dense_store": lambda: tqt.dense_store(kv_odd, k.view(2, 2, 2, 64), v.view(2, 2, 2, 64),
+                                               torch.zeros(2, dtype=torch.int32, device=DEV), fmt, params),
+        "dense_attention": lambda: tqt.dense_attention(torch.randn(2, 4, 1, 64, device=DEV).half(), kv_odd, lengths,
+                                                       fmt, params),
+    }
+    for name, call in dense.items():
+        with pytest.raises(ValueError, match=r"kv must start at an even byte address .*storage offset 1"):
             call()

@@ -36,6 +36,15 @@ def check_tensor(x, name: str, *, shape: Sequence | None = None, dtypes: Sequenc
         raise ValueError(f"{name} must have a contiguous last dimension, got strides {tuple(x.stride())}")
 
 
+def check_even_address(x: torch.Tensor, name: str) -> None:
+    """A cache's first byte must sit at an even address: the kernels read and write raw 16-bit
+    fields at even offsets from it. Eager calls only (dynamo traces neither ``data_ptr`` nor
+    ``storage_offset``)."""
+    if not torch.compiler.is_compiling() and x.data_ptr() % 2:
+        raise ValueError(f"{name} must start at an even byte address (16-bit fields), got one at an odd address "
+                         f"(storage offset {x.storage_offset()})")
+
+
 def check_device(device, name: str = "device") -> torch.device:
     """``device`` as a ``torch.device`` (a name such as ``"cpu"``, ``"cuda:0"``, an index, a device),
     refusing names torch does not parse and CUDA where torch has none."""

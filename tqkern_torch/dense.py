@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqkern.errors import ErrorFlag
 from tqkern.layouts import KVFormat, PagedLayout
 from tqkern.ops.attention.reference import resolve_scale
-from tqkern_torch._validate import check_tensor
+from tqkern_torch._validate import check_even_address, check_tensor
 from tqkern_torch.attention import _tracing_or_capturing, paged_decode
 from tqkern_torch.errors import error_word
 from tqkern_torch.ops import _device_params, decompress, store
@@ -56,6 +56,7 @@ def _view(kv: torch.Tensor, fmt: KVFormat):
     """(paged view, layout, identity block table) of a dense cache."""
     _check_format(fmt)
     check_tensor(kv, "kv", dtypes=(torch.uint8,), contiguous=True)
+    check_even_address(kv, "kv")
     if kv.dim() != 4 or kv.shape[3] != fmt.slot_bytes or kv.shape[1] < 1:
         raise ValueError(f"kv must have shape [batch, tokens >= 1, num_kv_heads, {fmt.slot_bytes}], "
                          f"got {list(kv.shape)}")

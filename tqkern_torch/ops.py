@@ -19,7 +19,7 @@ from tqkern.layouts import PagedLayout
 from tqkern.ops.pack import reference as pack_ref
 from tqkern.params import TQParams
 from tqkern_torch._params import DeviceParams, to_device
-from tqkern_torch._validate import check_device, check_flag, check_tensor
+from tqkern_torch._validate import check_device, check_even_address, check_flag, check_tensor
 from tqkern_torch.errors import error_word
 from tqkern_torch.library import layout_key, store_impl
 
@@ -74,11 +74,7 @@ def _check_cache(cache, layout: PagedLayout, device=None):
     want = _block_shape.__wrapped__(layout) if torch.compiler.is_compiling() else _block_shape(layout)
     if cache.dim() != len(want) + 1 or tuple(cache.shape[1:]) != want:
         raise ValueError(f"cache must have shape [num_blocks, {', '.join(map(str, want))}], got {list(cache.shape)}")
-    # the kernels read and write raw 16-bit fields at even offsets from the first byte (eager calls
-    # only: dynamo traces neither data_ptr nor storage_offset)
-    if not torch.compiler.is_compiling() and cache.data_ptr() % 2:
-        raise ValueError(f"cache must start at an even byte address (16-bit fields), got one at an odd address "
-                         f"(storage offset {cache.storage_offset()})")
+    check_even_address(cache, "cache")
 
 
 def allocate_cache(layout: PagedLayout, num_blocks: int, device="cpu", *, fill: int = 0) -> torch.Tensor:
