@@ -13,7 +13,6 @@ elements (their rows must come out NaN). Tolerance: the prefill property test's 
 """
 
 import numpy as np
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -23,16 +22,13 @@ import tqkern.testing as T
 from tqkern import reference as ref
 from tqkern.layouts import PRESETS
 from tqkern_torch.dense import dense_attention, dense_layout
-from tqkern_torch.testing import device_under_test, kernels_available, to_torch_kv
+from tqkern_torch.testing import to_torch_kv
 
-from property_tests.test_prefill_triton import _compare
+# the prefill property tests' comparison, device and marks (kernels needed; NaN queries on purpose)
+from property_tests import test_prefill_triton as _prefill
 
-pytestmark = [pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1"),
-              pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:All-NaN:RuntimeWarning",
-                                         "ignore:overflow:RuntimeWarning")]
-
-DEV = device_under_test()
-ON_GPU = DEV.type == "cuda"
+pytestmark = _prefill.pytestmark
+DEV, ON_GPU, _compare = _prefill.DEV, _prefill.ON_GPU, _prefill._compare
 
 
 @st.composite
