@@ -49,8 +49,9 @@ def halfword_aligned(layout: PagedLayout, side: str) -> bool:
 # -- float → bits -------------------------------------------------------------------------------
 @triton.jit
 def f64_to_f16_bits(v):
-    """float64 → IEEE half bits (int32, low 16 bits): nearest-even, saturating at ±65504."""
-    neg = v < 0
+    """float64 → IEEE half bits (int32, low 16 bits): nearest-even, saturating at ±65504; the sign
+    bit is the input's (−0.0 → 0x8000, as NumPy's conversion in the oracle gives)."""
+    neg = v.to(tl.int64, bitcast=True) < 0
     a = tl.minimum(tl.abs(v), 65504.0)
     bits = a.to(tl.int64, bitcast=True)
     r = bits + ((1 << 41) - 1) + ((bits >> 42) & 1)
@@ -75,8 +76,9 @@ def f32_to_bf16_bits(v):
 
 @triton.jit
 def f32_to_fp8e4m3_bits(v):
-    """float32 → float8_e4m3fn bits (int32, low 8 bits): nearest-even, saturating at ±448."""
-    neg = v < 0
+    """float32 → float8_e4m3fn bits (int32, low 8 bits): nearest-even, saturating at ±448; the sign
+    bit is the input's (−0.0 → 0x80, as the hardware conversion and the oracle give)."""
+    neg = v.to(tl.int32, bitcast=True) < 0
     a = tl.minimum(tl.abs(v), 448.0)
     u = a.to(tl.int32, bitcast=True)
     r = u + 0x7FFFF + ((u >> 20) & 1)
