@@ -130,8 +130,10 @@ def tq_params(draw, fmt: KVFormat, num_kv_heads: int, *, key_offset=st.booleans(
 
 @st.composite
 def float_arrays(draw, shape, *, dtype=np.float16, outliers: bool = True) -> np.ndarray:
-    """Gaussian data of a drawn scale, with occasional outlier channels and exact zero vectors:
-    the inputs real K/V caches present."""
+    """Gaussian data of a drawn scale, with occasional outlier channels, exact zero vectors and
+    special elements: the inputs real K/V caches present. Special elements (drawn): about 5% of
+    the elements −0.0 or +0.0 (ReLU-like sparsity, padding), 2% float16 subnormals of either sign,
+    and a vector of −0.0 only."""
     seed = draw(st.integers(0, 2**32 - 1), label="data_seed")
     rng = np.random.default_rng(seed)
     sigma = draw(st.sampled_from([0.05, 1.0, 8.0]), label="sigma")
@@ -141,6 +143,13 @@ def float_arrays(draw, shape, *, dtype=np.float16, outliers: bool = True) -> np.
         x[..., ch] *= 20.0
     if len(shape) > 1 and shape[0] > 0 and draw(st.booleans(), label="zero_vector"):
         x[0] = 0.0
+    if x.size and draw(st.booleans(), label="special_elements"):
+        u = rng.random(shape)
+        x = np.where(u < 0.025, -0.0, np.where(u < 0.05, 0.0, x))
+        sub = rng.integers(1, 1024, size=shape) * 2.0**-24 * rng.choice([-1.0, 1.0], size=shape)
+        x = np.where((u >= 0.05) & (u < 0.07), sub, x)
+        if len(shape) > 1 and shape[0] > 1:
+            x[-1] = -0.0
     return x.astype(dtype)
 
 
