@@ -73,7 +73,7 @@ def test_gpu_tiles_match_oracle(preset, d):
     p = to_device(params, DEV)
     tables = {"rotation": p.rotation, "key_centroids": p.key_centroids, "value_centroids": p.value_centroids}
     for rotate_back in (True, False):
-        cfg = decompress_config(d, rotate_back, interpret=False)
+        cfg = decompress_config(rotate_back, interpret=False)
         assert (cfg.BT > 16) == rotate_back
         got = [torch.full((len(ids), layout.num_kv_heads, d), float("nan"), device=DEV) for _ in range(2)]
         _launch_decompress(got[0], got[1], cache, ids, layout, tables, torch.zeros(1, dtype=torch.int32, device=DEV),
@@ -86,3 +86,12 @@ def test_gpu_tiles_match_oracle(preset, d):
                 tol = 8 * 2.0**-24 * np.max(np.abs(x), axis=-1, keepdims=True)
             assert np.all(np.abs(g - x) <= tol), f"{name} rotate_back={rotate_back}: max error {np.abs(g - x).max():.3g}"
             assert np.all(g[[3, 10, 11]] == 0), f"{name}: slots outside the cache must read zeros"
+
+
+def test_decompress_config_takes_bools():
+    from tqkern.ops.decompress.triton import decompress_config
+
+    with pytest.raises(TypeError, match="rotate_back must be a bool, got int"):
+        decompress_config(1, False)
+    with pytest.raises(TypeError, match="interpret must be a bool, got str"):
+        decompress_config(True, "no")

@@ -131,13 +131,16 @@ class DecompressConfig(NamedTuple):
     num_warps: int
 
 
-def decompress_config(head_dim: int, rotate_back: bool, interpret: bool) -> DecompressConfig:
+def decompress_config(rotate_back: bool, interpret: bool) -> DecompressConfig:
     """The program's tiles. Without a rotate-back: 16 slots, 4 warps (the kernel as it was before
     the in-program rotation). With one on the GPU: 32 slots, 8 warps, 16 columns a product at
-    every head_dim: of seven tilings compiled offline for sm_90 (Triton 3.6's ptxas, tq4 and
+    every head_dim (one config: no head_dim argument): of seven tilings compiled offline for sm_90 (Triton 3.6's ptxas, tq4 and
     turboquant_4bit_nc at D128, tqkern_k5v3 at D256), the only one without spills at 256 and
     with the fewest registers below it (122–208; 64 slots × 32 columns: 232–254 at D128, 360
     stack bytes at D256). Not yet timed on a GPU (docs/performance.md). The interpreter: 16 slots."""
+    for name, flag in (("rotate_back", rotate_back), ("interpret", interpret)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if interpret or not rotate_back:
         return DecompressConfig(16, 16, 4)
     return DecompressConfig(32, 16, 8)
@@ -150,7 +153,7 @@ def _launch_decompress(k_out, v_out, cache, slot_ids, layout, tables, errors, *,
     side is rotated back)."""
     c = layout_args(layout)
     fmt = layout.format
-    cfg = config or decompress_config(layout.head_dim, rotate_back, interpret)
+    cfg = config or decompress_config(rotate_back, interpret)
     n = slot_ids.shape[0]
     grid = (triton.cdiv(n, cfg.BT), layout.num_kv_heads)
     consts = {k: v for k, v in c.items() if not k.startswith("PAD")}

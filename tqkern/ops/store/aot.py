@@ -60,14 +60,19 @@ def compile_store(layout, in_dtype: str = "fp16", *, has_mu: bool = False, signe
     plan = plan_store(layout, in_dtype, has_mu=has_mu, signed_sylvester=signed_sylvester, num_vectors=num_vectors,
                       vector_aligned=vector_aligned, symmetric_codebooks=symmetric_codebooks)
     fn = _store_warp_kernel if plan.kernel == "warp" else _store_kernel
-    ptrs = _ptr_types(in_dtype)
-    sig = {n: ptrs.get(n) or ("i32" if n.startswith(("num_", "stride_")) else "constexpr") for n in fn.arg_names}
+    ints = [n for n in fn.arg_names if n.startswith(("num_", "stride_"))]
+    return _compile(fn, _ptr_types(in_dtype), ints, dict(plan.constexprs), plan.num_warps), plan
+
+
+def _compile(fn, ptrs: dict, ints: list, constexprs: dict, num_warps: int):
+    """``fn`` compiled for sm_90: ``ptrs`` its pointer arguments' types, ``ints`` its int32
+    arguments (the rest constexprs); pointers and strides taken 16-divisible."""
+    sig = {n: ptrs.get(n) or ("i32" if n in ints else "constexpr") for n in fn.arg_names}
     aligned = [n for n in fn.arg_names if n in ptrs or n.startswith("stride_")]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    cx = dict(plan.constexprs)
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in cx.items()},
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
                     attrs=attrs)
-    return triton.compile(src, target=SM90, options=dict(num_warps=plan.num_warps)), plan
+    return triton.compile(src, target=SM90, options=dict(num_warps=num_warps))
 
 
 def compile_decompress(layout, rotate_back: bool):
@@ -79,8 +84,7 @@ def compile_decompress(layout, rotate_back: bool):
 
     if not hasattr(_decompress_kernel, "params"):
         raise RuntimeError("the kernel is interpreted (TRITON_INTERPRET=1): compile in a process without it")
-    fn = _decompress_kernel
-    cfg = decompress_config(layout.head_dim, rotate_back, interpret=False)
+    cfg = decompress_config(rotate_back, interpret=False)
     fmt = layout.format
     ptrs = {"k_out": "*fp32", "v_out": "*fp32", "cache_ptr": "*u8", "slot_ptr": "*i64", "kc_ptr": "*fp64",
             "vc_ptr": "*fp64", "rot_ptr": "*fp32", "err_ptr": "*i32"}
@@ -88,11 +92,7 @@ def compile_decompress(layout, rotate_back: bool):
     cx.update(BT=cfg.BT, H=layout.num_kv_heads, ROT_K=rotate_back and fmt.key.rotated,
               ROT_V=rotate_back and fmt.value.rotated, KC=cfg.KC, DOT_PRECISION="tf32x3",
               K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"))
-    sig = {n: ptrs.get(n) or ("i32" if n in ("n", "cache_slots") else "constexpr") for n in fn.arg_names}
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in cx.items()},
-                    attrs=attrs)
-    return triton.compile(src, target=SM90, options=dict(num_warps=cfg.num_warps)), cfg
+    return _compile(_decompress_kernel, ptrs, ["n", "cache_slots"], cx, cfg.num_warps), cfg
 
 
 def report(case: str) -> dict:
@@ -110,18 +110,18 @@ def report(case: str) -> dict:
         if opts - {"decompress", "rotate"}:
             raise ValueError(f"decompress takes only the rotate option, got {sorted(opts)}")
         compiled, cfg = compile_decompress(layout, "rotate" in opts)
-        regs, stack = resources(compiled)
-        return dict(name=case, regs=regs, stack=stack, instrs=sum(histogram(sass_of(compiled)).values()),
-                    shared=int(compiled.metadata.shared), plan=f"decompress {cfg}")
-    if "rotate" in opts:
+        desc = f"decompress {cfg}"
+    elif "rotate" in opts:
         raise ValueError("the rotate option is for decompress cases")
-    compiled, plan = compile_store(layout, "bf16" if "bf16" in opts else "fp16", has_mu="mu" in opts,
-                                   signed_sylvester=default_signed_sylvester(layout) and "dense" not in opts,
-                                   num_vectors=SMALL_STORE_VECTORS if "small" in opts else None,
-                                   vector_aligned="warp" in opts, symmetric_codebooks="asym" not in opts)
+    else:
+        compiled, plan = compile_store(layout, "bf16" if "bf16" in opts else "fp16", has_mu="mu" in opts,
+                                       signed_sylvester=default_signed_sylvester(layout) and "dense" not in opts,
+                                       num_vectors=SMALL_STORE_VECTORS if "small" in opts else None,
+                                       vector_aligned="warp" in opts, symmetric_codebooks="asym" not in opts)
+        desc = plan.describe()
     regs, stack = resources(compiled)
     return dict(name=case, regs=regs, stack=stack, instrs=sum(histogram(sass_of(compiled)).values()),
-                shared=int(compiled.metadata.shared), plan=plan.describe())
+                shared=int(compiled.metadata.shared), plan=desc)
 
 
 def report_in_subprocess(cases: list[str], timeout: float = 900, python: str | None = None) -> list[dict]:
