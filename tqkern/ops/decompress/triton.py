@@ -3,8 +3,9 @@
 A program reads ``BT`` slots of one KV head. A side in its codec's space (or not rotated) is
 decoded in float64 (Lloyd-Max from the float64 codebook) and rounded once to float32. A rotated
 side read back in original coordinates (``rotate_back``) is decoded in float32 and multiplied by
-Πᵀ in the program (``tf32x3`` on the GPU), ``KC`` of its rows at a time: no second launch and no
-matmul over the whole output. The error stays inside the oracle comparison's bound for a rotated-back vector
+Πᵀ in the program (``tf32x3`` on the GPU), ``KC`` of its rows at a time (the loop pipelined
+``STAGES`` deep): no second launch and no matmul over the whole output. The error stays inside
+the oracle comparison's bound for a rotated-back vector
 (``4·√D·2⁻²⁴·‖x‖``): each decoded element is within 2⁻²⁴ of its float64 value (relative), and
 each product term within a few 2⁻²² (tf32x3 drops the low×low term), summed over D terms of
 random sign.
@@ -71,23 +72,25 @@ def _decode_side(out_ptr_2d, row, h, tok_mask, in_range, cen_ptr, D: tl.constexp
 @triton.jit
 def _rotate_back_side(out_ptr_2d, row, h, tok_mask, in_range, cen_ptr, rot_ptr, BT: tl.constexpr, D: tl.constexpr,
                       DP: tl.constexpr, NIBBLE: tl.constexpr, S: tl.constexpr, KC: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr):
     """One rotated side of BT slots → float32 ``[BT, D]`` at ``out_ptr_2d`` in original coordinates.
     The float32 decode ``y`` is stored there first and read back ``KC`` columns at a time (the
     program's own rows: a barrier orders the store before the reads and the reads before the
     result's store), ``x = Σ_k y[:, k]·Πᵀ[k, :]`` (``rot_ptr``: float32 ``Π [D, D]``): only a
-    ``[BT, KC]`` slice of y and a ``[KC, DP]`` slice of Πᵀ sit beside the accumulator."""
+    ``[BT, KC]`` slice of y and a ``[KC, DP]`` slice of Πᵀ sit beside the accumulator. The slice
+    of Πᵀ is read as ``Π[:, ks]`` (KC consecutive floats of each row) and transposed in the
+    program."""
     cols = tl.arange(0, DP)
     omask = in_range[:, None] & (cols < D)[None, :]
     y = decoded_values(row, h, tok_mask, cen_ptr, D, DP, NIBBLE, S, tl.float32)
     tl.store(out_ptr_2d + cols[None, :], y, mask=omask)
     tl.debug_barrier()
     acc = tl.zeros([BT, DP], dtype=tl.float32)
-    for k0 in tl.range(0, DP, KC, num_stages=1):
+    for k0 in tl.range(0, DP, KC, num_stages=STAGES):
         ks = k0 + tl.arange(0, KC)
         yk = tl.load(out_ptr_2d + ks[None, :], mask=in_range[:, None] & (ks < D)[None, :], other=0.0)
-        rt = tl.load(rot_ptr + cols[None, :] * D + ks[:, None], mask=(ks < D)[:, None] & (cols < D)[None, :],
-                     other=0.0)  # [KC, DP]: Πᵀ[ks, :]
+        rt = tl.trans(tl.load(rot_ptr + cols[:, None] * D + ks[None, :], mask=(cols < D)[:, None] & (ks < D)[None, :],
+                              other=0.0))  # [KC, DP]: Πᵀ[ks, :]
         acc = tl.dot(yk, rt, acc, input_precision=DOT_PRECISION)
     tl.debug_barrier()
     tl.store(out_ptr_2d + cols[None, :], acc, mask=omask)
@@ -99,6 +102,7 @@ def _decompress_kernel(
     BT: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, H: tl.constexpr, ROW_BYTES: tl.constexpr,
     NIBBLE: tl.constexpr, K: tl.constexpr, V: tl.constexpr, ROT_K: tl.constexpr, ROT_V: tl.constexpr,
     KC: tl.constexpr, DOT_PRECISION: tl.constexpr, K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -113,37 +117,45 @@ def _decompress_kernel(
     k_ptr = k_out + out_off
     v_ptr = v_out + out_off
     if ROT_K:
-        _rotate_back_side(k_ptr, row, h, tok_mask, in_range, kc_ptr, rot_ptr, BT, D, DP, NIBBLE, K, KC, DOT_PRECISION)
+        _rotate_back_side(k_ptr, row, h, tok_mask, in_range, kc_ptr, rot_ptr, BT, D, DP, NIBBLE, K, KC,
+                          DOT_PRECISION, STAGES)
     else:
         _decode_side(k_ptr, row, h, tok_mask, in_range, kc_ptr, D, DP, NIBBLE, K, K_ALIGNED)
     if ROT_V:
-        _rotate_back_side(v_ptr, row, h, tok_mask, in_range, vc_ptr, rot_ptr, BT, D, DP, NIBBLE, V, KC, DOT_PRECISION)
+        _rotate_back_side(v_ptr, row, h, tok_mask, in_range, vc_ptr, rot_ptr, BT, D, DP, NIBBLE, V, KC,
+                          DOT_PRECISION, STAGES)
     else:
         _decode_side(v_ptr, row, h, tok_mask, in_range, vc_ptr, D, DP, NIBBLE, V, V_ALIGNED)
 
 
 class DecompressConfig(NamedTuple):
     """Tiles and compile options of :func:`_decompress_kernel`: ``BT`` slots a program, ``KC``
-    columns of the decoded tile a rotate-back product."""
+    columns of the decoded tile a rotate-back product, ``num_stages`` the rotate-back loop's
+    pipeline depth."""
 
     BT: int
     KC: int
     num_warps: int
+    num_stages: int
 
 
 def decompress_config(rotate_back: bool, interpret: bool) -> DecompressConfig:
     """The program's tiles. Without a rotate-back: 16 slots, 4 warps (the kernel as it was before
-    the in-program rotation). With one on the GPU: 32 slots, 8 warps, 16 columns a product at
-    every head_dim (one config: no head_dim argument): of seven tilings compiled offline for sm_90 (Triton 3.6's ptxas, tq4 and
-    turboquant_4bit_nc at D128, tqkern_k5v3 at D256), the only one without spills at 256 and
-    with the fewest registers below it (122–208; 64 slots × 32 columns: 232–254 at D128, 360
-    stack bytes at D256). Not yet timed on a GPU (docs/performance.md). The interpreter: 16 slots."""
+    the in-program rotation). With one on the GPU: 32 slots, 4 warps, 16 columns a product, the
+    loop 2 stages deep, at every head_dim (one config: no head_dim argument). Measured (H200,
+    session 35, 16,384 tokens rotated back, µs, tq4 / turboquant_4bit_nc / tqkern_k5v3 at D128
+    (Hkv8) / tqkern_k5v3 at D256 (Hkv4)): 369 / 177 / 294 / 466, against 470 / 268 / 422 / 752
+    at the 32 × 16 × 8-warp, 1-stage tile chosen offline before (Π's slice read strided). Of
+    fourteen others, 64 × 32 × 4 warps 323 / 167 / 260 / 562 and 16 × 16 × 2 warps 318 / 176 /
+    297 / 506 were as fast within the runs' spread (~10%); 8 warps took 372–989, the whole
+    product in registers 360–604 at D128 and 8810+ at D256. This tile spills nothing below
+    D256 (120 stack bytes there; sm_90, Triton 3.6's ptxas). The interpreter: 16 slots."""
     for name, flag in (("rotate_back", rotate_back), ("interpret", interpret)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if interpret or not rotate_back:
-        return DecompressConfig(16, 16, 4)
-    return DecompressConfig(32, 16, 8)
+        return DecompressConfig(16, 16, 4, 1)
+    return DecompressConfig(32, 16, 4, 2)
 
 
 def _launch_decompress(k_out, v_out, cache, slot_ids, layout, tables, errors, *, rotate_back: bool,
@@ -162,4 +174,5 @@ def _launch_decompress(k_out, v_out, cache, slot_ids, layout, tables, errors, *,
                              BT=cfg.BT, H=layout.num_kv_heads, ROT_K=rotate_back and fmt.key.rotated,
                              ROT_V=rotate_back and fmt.value.rotated, KC=cfg.KC,
                              DOT_PRECISION="ieee" if interpret else "tf32x3", K_ALIGNED=halfword_aligned(layout, "key"),
-                             V_ALIGNED=halfword_aligned(layout, "value"), num_warps=cfg.num_warps, **consts)
+                             V_ALIGNED=halfword_aligned(layout, "value"), STAGES=cfg.num_stages,
+                             num_warps=cfg.num_warps, **consts)

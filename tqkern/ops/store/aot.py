@@ -91,7 +91,8 @@ def compile_decompress(layout, rotate_back: bool):
     cx = {k: v for k, v in layout_args(layout).items() if not k.startswith("PAD")}
     cx.update(BT=cfg.BT, H=layout.num_kv_heads, ROT_K=rotate_back and fmt.key.rotated,
               ROT_V=rotate_back and fmt.value.rotated, KC=cfg.KC, DOT_PRECISION="tf32x3",
-              K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"))
+              K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
+              STAGES=cfg.num_stages)
     return _compile(_decompress_kernel, ptrs, ["n", "cache_slots"], cx, cfg.num_warps), cfg
 
 
