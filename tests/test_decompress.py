@@ -62,10 +62,10 @@ def test_rotate_back_matches_oracle(preset, d):
 
 @pytest.mark.parametrize("preset,d", [("tq4", 128), ("turboquant_4bit_nc", 96), ("tqkern_k5v3", 256)])
 def test_gpu_tiles_match_oracle(preset, d):
-    """The program tiles the GPU takes (:func:`decompress_config` off the interpreter: 64 or 32 slots
-    a program with a rotate-back, the last one partial) give the oracle's values, rotated back and
-    in the codec's space (the property tests' bounds), and write zeros for slots outside the cache
-    over an output that held NaN."""
+    """The program tiles the GPU takes (:func:`decompress_config` off the interpreter: 32 slots a
+    program with a rotate-back, the last one partial) give the oracle's values, rotated back and in
+    the codec's space (the property tests' bounds), and write zeros for slots outside the cache over
+    an output that held NaN."""
     from tqkern.ops.decompress.triton import _launch_decompress, decompress_config
     from tqkern_torch._params import to_device
 
