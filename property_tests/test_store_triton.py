@@ -16,6 +16,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
+import triton
 from hypothesis import given, note
 from hypothesis import strategies as st
 
@@ -117,14 +118,37 @@ def test_store_bytes_equal_oracle(case, small_tile):
                           ref.write_slots(expect, layout, blank, slots[keep]))
 
 
-@given(store_cases(), st.booleans())
-def test_decompress_equals_oracle(case, rotate_back):
+def _decompress_at(cache, ids, layout, params, rotate_back, tiles):
+    """``decompress`` through its launcher at ``tiles = (slots a program, columns a rotate-back
+    product)``, into outputs that held NaN."""
+    from tqkern.ops.decompress.triton import DecompressConfig, _launch_decompress
+    from tqkern_torch._params import to_device
+    from tqkern_torch.errors import error_word
+
+    bt, kc = tiles
+    dp = triton.next_power_of_2(layout.head_dim)
+    out = [torch.full((ids.shape[0], layout.num_kv_heads, layout.head_dim), float("nan"), device=DEV)
+           for _ in range(2)]
+    _launch_decompress(out[0], out[1], cache, ids, layout, to_device(params, DEV).tables(), error_word(DEV),
+                       rotate_back=rotate_back, interpret=not ON_GPU,
+                       config=DecompressConfig(bt, min(kc, dp), 4, 2 if ON_GPU else 1))
+    return out
+
+
+@given(store_cases(), st.booleans(),
+       st.one_of(st.none(), st.tuples(st.sampled_from([16, 32, 64]), st.sampled_from([16, 32, 64]))))
+def test_decompress_equals_oracle(case, rotate_back, tiles):
+    """Through ``tqt.decompress`` (``tiles`` None), or its launcher at drawn program tiles: every
+    tiling the config may choose reads the oracle's values."""
     layout, params, num_blocks, slots, dtype, k, v, _ = case
     got, _, _, _ = _run_store(*case)
     cache = torch.from_numpy(got).to(DEV)
     ids = torch.from_numpy(slots).to(DEV)
     tqt.read_errors(DEV)
-    kd, vd = tqt.decompress(cache, ids, layout, params, rotate_back=rotate_back)
+    if tiles is None:
+        kd, vd = tqt.decompress(cache, ids, layout, params, rotate_back=rotate_back)
+    else:
+        kd, vd = _decompress_at(cache, ids, layout, params, rotate_back, tiles)
     keep = (slots >= 0) & (slots < num_blocks * layout.block_size)
     assert bool(tqt.read_errors(DEV) & ErrorFlag.SLOT_OUT_OF_RANGE) == bool(np.any(slots >= num_blocks * layout.block_size))
     ek, ev = ref.decompress(ref.gather_slots(got, layout, slots[keep]), params, rotate_back=rotate_back)
