@@ -50,9 +50,9 @@ def test_uniform2_store_bytes_equal_oracle(case, small_tile):
     store_tests.test_store_bytes_equal_oracle.hypothesis.inner_test(case, small_tile)
 
 
-@given(store_cases(), st.booleans())
-def test_uniform2_decompress_equals_oracle(case, rotate_back):
-    store_tests.test_decompress_equals_oracle.hypothesis.inner_test(case, rotate_back)
+@given(store_cases(), st.booleans(), store_tests.DECOMPRESS_TILES)
+def test_uniform2_decompress_equals_oracle(case, rotate_back, tiles):
+    store_tests.test_decompress_equals_oracle.hypothesis.inner_test(case, rotate_back, tiles)
 
 
 @st.composite

@@ -135,8 +135,11 @@ def _decompress_at(cache, ids, layout, params, rotate_back, tiles):
     return out
 
 
-@given(store_cases(), st.booleans(),
-       st.one_of(st.none(), st.tuples(st.sampled_from([16, 32, 64]), st.sampled_from([16, 32, 64]))))
+# None (the public call) or (slots a program, columns a rotate-back product) for the launcher
+DECOMPRESS_TILES = st.one_of(st.none(), st.tuples(st.sampled_from([16, 32, 64]), st.sampled_from([16, 32, 64])))
+
+
+@given(store_cases(), st.booleans(), DECOMPRESS_TILES)
 def test_decompress_equals_oracle(case, rotate_back, tiles):
     """Through ``tqt.decompress`` (``tiles`` None), or its launcher at drawn program tiles: every
     tiling the config may choose reads the oracle's values."""
