@@ -146,9 +146,10 @@ def decompress_config(rotate_back: bool, interpret: bool) -> DecompressConfig:
     session 35, 16,384 tokens rotated back, µs, tq4 / turboquant_4bit_nc / tqkern_k5v3 at D128
     (Hkv8) / tqkern_k5v3 at D256 (Hkv4)): 369 / 177 / 294 / 466, against 470 / 268 / 422 / 752
     at the 32 × 16 × 8-warp, 1-stage tile chosen offline before (Π's slice read strided). Of
-    fourteen others, 64 × 32 × 4 warps 323 / 167 / 260 / 562 and 16 × 16 × 2 warps 318 / 176 /
-    297 / 506 were as fast within the runs' spread (~10%); 8 warps took 372–989, the whole
-    product in registers 360–604 at D128 and 8810+ at D256. This tile spills nothing below
+    seventeen others (two runs), 64 × 32 × 4 warps 323 / 167 / 260 / 562 and 16 × 16 × 2 warps
+    318 / 176 / 297 / 506 were as fast within the runs' spread (~10%); the best 8-warp tile was
+    11–22% slower than the best 4-warp one at every preset; the whole product in registers (tq4)
+    360–604 at D128 and 8810+ at D256. This tile spills nothing below
     D256 (120 stack bytes there; sm_90, Triton 3.6's ptxas). The interpreter: 16 slots."""
     for name, flag in (("rotate_back", rotate_back), ("interpret", interpret)):
         if not isinstance(flag, bool):
