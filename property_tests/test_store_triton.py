@@ -131,12 +131,12 @@ def _decompress_at(cache, ids, layout, params, rotate_back, tiles):
            for _ in range(2)]
     _launch_decompress(out[0], out[1], cache, ids, layout, to_device(params, DEV).tables(), error_word(DEV),
                        rotate_back=rotate_back, interpret=not ON_GPU,
-                       config=DecompressConfig(bt, min(kc, dp), 4, 2 if ON_GPU else 1))
+                       config=DecompressConfig(bt, min(kc, dp), 1 if bt < 16 else 4, 2 if ON_GPU else 1))
     return out
 
 
 # None (the public call) or (slots a program, columns a rotate-back product) for the launcher
-DECOMPRESS_TILES = st.one_of(st.none(), st.tuples(st.sampled_from([16, 32, 64]), st.sampled_from([16, 32, 64])))
+DECOMPRESS_TILES = st.one_of(st.none(), st.tuples(st.sampled_from([4, 16, 32, 64]), st.sampled_from([16, 32, 64])))
 
 
 @given(store_cases(), st.booleans(), DECOMPRESS_TILES)

@@ -62,8 +62,8 @@ def test_rotate_back_matches_oracle(preset, d):
 
 @pytest.mark.parametrize("preset,d", [("tq4", 128), ("turboquant_4bit_nc", 96), ("tqkern_k5v3", 256)])
 def test_gpu_tiles_match_oracle(preset, d):
-    """The program tiles the GPU takes (:func:`decompress_config` off the interpreter: 32 slots a
-    program with a rotate-back, the last one partial) give the oracle's values, rotated back and in
+    """The program tiles the GPU takes (:func:`decompress_config` off the interpreter: 4 slots a
+    program in the codec's space, 64 or 32 with a rotate-back (by head_dim), the last one partial) give the oracle's values, rotated back and in
     the codec's space (the property tests' bounds), and write zeros for slots outside the cache over
     an output that held NaN."""
     from tqkern.ops.decompress.triton import _launch_decompress, decompress_config
@@ -73,8 +73,8 @@ def test_gpu_tiles_match_oracle(preset, d):
     p = to_device(params, DEV)
     tables = {"rotation": p.rotation, "key_centroids": p.key_centroids, "value_centroids": p.value_centroids}
     for rotate_back in (True, False):
-        cfg = decompress_config(rotate_back, interpret=False)
-        assert (cfg.BT > 16) == rotate_back
+        cfg = decompress_config(rotate_back, interpret=False, head_dim=d)
+        assert (cfg.BT >= 32) == rotate_back
         got = [torch.full((len(ids), layout.num_kv_heads, d), float("nan"), device=DEV) for _ in range(2)]
         _launch_decompress(got[0], got[1], cache, ids, layout, tables, torch.zeros(1, dtype=torch.int32, device=DEV),
                            rotate_back=rotate_back, interpret=DEV.type == "cpu", config=cfg)
@@ -95,3 +95,8 @@ def test_decompress_config_takes_bools():
         decompress_config(1, False)
     with pytest.raises(TypeError, match="interpret must be a bool, got str"):
         decompress_config(True, "no")
+    for bad, kind in ((64.0, "float"), (True, "bool")):
+        with pytest.raises(TypeError, match=f"head_dim must be an int, got {kind}"):
+            decompress_config(True, False, bad)
+    with pytest.raises(ValueError, match="head_dim must be positive, got 0"):
+        decompress_config(True, False, 0)

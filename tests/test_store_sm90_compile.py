@@ -48,16 +48,18 @@ BUDGETS = {
     "tqkern_k5v3:slot:256:8:warp": (0, 2168),  # 16 lanes per vector (32 before session 26)
     "turboquant_4bit_nc:slot:128:8:warp+small": (0, 1960),
     # decompress (session 34): rotated sides rotated back in the program, a dynamic loop (the unrolled
-    # one spilled 104-2936 bytes). Session 35: 32 slots x 4 warps, 16 columns a tf32x3 product, the
-    # loop 2 stages deep, Pi's slice read row-contiguous (timed faster on the H200 than 32 x 16 x 8
-    # warps x 1 stage: 1216 / 1064 / 2320 / (8, 1336) / 848 instructions then); spills at D256 only
-    "tq4:slot:128:8:decompress": (0, 616),
-    "fp16:slot:128:8:decompress": (0, 280),  # raw fields read 16 bits at a time (byte pairs before: 448)
-    "tq4:slot:128:8:decompress+rotate": (0, 2200),
-    "turboquant_4bit_nc:row:128:8:decompress+rotate": (0, 1904),
-    "tqkern_k5v3:slot:256:8:decompress+rotate": (280, 4560),
-    "tq4:slot:96:8:decompress+rotate": (0, 2360),
-    "turboquant_k8v4:slot:128:8:decompress+rotate": (0, 1784),
+    # one spilled 104-2936 bytes). Session 36: the grid heads fastest; 4 slots x 1 warp in the
+    # codec's space; rotated back 64 slots x 4 warps, 32 columns a tf32x3 product, 2 stages where D
+    # pads to 128, 32 x 16 elsewhere. The 64 x 32 tile spills here (Triton 3.9) and 96-152 bytes
+    # under Triton 3.6's ptxas, and was timed faster on the GPU all the same (session 35's 32 x 16
+    # tile: 2200 / 1904 / 2360 / 1784 instructions, no stack)
+    "tq4:slot:128:8:decompress": (0, 696),
+    "fp16:slot:128:8:decompress": (0, 336),  # raw fields read 16 bits at a time (byte pairs before: 448)
+    "tq4:slot:128:8:decompress+rotate": (464, 4312),
+    "turboquant_4bit_nc:row:128:8:decompress+rotate": (200, 3792),
+    "tqkern_k5v3:slot:256:8:decompress+rotate": (280, 4568),
+    "tq4:slot:96:8:decompress+rotate": (496, 4696),
+    "turboquant_k8v4:slot:128:8:decompress+rotate": (0, 3888),
 }
 
 

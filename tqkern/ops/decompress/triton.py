@@ -1,6 +1,6 @@
 """Decompress slots of a paged cache back to dense float32 K and V (each in its codec's space).
 
-A program reads ``BT`` slots of one KV head. A side in its codec's space (or not rotated) is
+A program reads ``BT`` slots of one KV head; the grid runs heads fastest. A side in its codec's space (or not rotated) is
 decoded in float64 (Lloyd-Max from the float64 codebook) and rounded once to float32. A rotated
 side read back in original coordinates (``rotate_back``) is decoded in float32 and multiplied by
 Πᵀ in the program (``tf32x3`` on the GPU), ``KC`` of its rows at a time (the loop pipelined
@@ -104,8 +104,8 @@ def _decompress_kernel(
     KC: tl.constexpr, DOT_PRECISION: tl.constexpr, K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    h = tl.program_id(1)
+    pid = tl.program_id(0) // H  # heads fastest: neighbouring programs write neighbouring rows
+    h = tl.program_id(0) % H
     t = pid * BT + tl.arange(0, BT)
     in_range = t < n
     slot = tl.load(slot_ptr + t, mask=in_range, other=-1).to(tl.int64)
@@ -139,23 +139,38 @@ class DecompressConfig(NamedTuple):
     num_stages: int
 
 
-def decompress_config(rotate_back: bool, interpret: bool) -> DecompressConfig:
-    """The program's tiles. Without a rotate-back: 16 slots, 4 warps (the kernel as it was before
-    the in-program rotation). With one on the GPU: 32 slots, 4 warps, 16 columns a product, the
-    loop 2 stages deep, at every head_dim (one config: no head_dim argument). Measured (H200,
-    session 35, 16,384 tokens rotated back, µs, tq4 / turboquant_4bit_nc / tqkern_k5v3 at D128
-    (Hkv8) / tqkern_k5v3 at D256 (Hkv4)): 369 / 177 / 294 / 466, against 470 / 268 / 422 / 752
-    at the 32 × 16 × 8-warp, 1-stage tile chosen offline before (Π's slice read strided). Of
-    seventeen others (two runs), 64 × 32 × 4 warps 323 / 167 / 260 / 562 and 16 × 16 × 2 warps
-    318 / 176 / 297 / 506 were as fast within the runs' spread (~10%); the best 8-warp tile was
-    11–22% slower than the best 4-warp one at every preset; the whole product in registers (tq4)
-    360–604 at D128 and 8810+ at D256. This tile spills nothing below
-    D256 (120 stack bytes there; sm_90, Triton 3.6's ptxas). The interpreter: 16 slots."""
+def decompress_config(rotate_back: bool, interpret: bool, head_dim: int = 128) -> DecompressConfig:
+    """The program's tiles. The grid runs heads fastest (neighbouring programs write neighbouring
+    rows of the output). Without a rotate-back on the GPU: 4 slots, 1 warp. With one: 64 slots,
+    32 columns a product, 4 warps, 2 stages where ``head_dim`` pads to 128; 32 slots, 16 columns
+    elsewhere (64 and 256). The interpreter: 16 slots, 16 columns, 1 stage.
+
+    Measured (session 36, 16,384 tokens, µs, one graph-replayed launch; tq4 / turboquant_4bit_nc
+    / tqkern_k5v3 at D128 Hkv8, tqkern_k5v3 at D256 Hkv4). The heads-fastest grid against token
+    blocks fastest, same run (H200): in the codec's space 87 / 64 / 77 against 119 / 102 / 110
+    (fp16 preset 53 against 86), rotated back 372 / 176 / 291 against 402 / 211 / 326. Then two
+    sweeps under it (one H200, one H100 run). In the codec's space 4 slots × 1 warp was the
+    fastest or within 4% of it at every preset (H200: 50 / 46 / 52 / 51 against 87 / 66 / 77 / 73
+    at 16 × 4 warps; 2 slots ×
+    1 warp as fast on the H100, 1 slot and ≥ 32 slots slower). Rotated back at D128, 64 × 32 × 4
+    warps × 2 stages (H200: 313 / 167 / 258, k5v4h 253, against 365 / 175 / 295 / 342 at the
+    32 × 16 tile kept before; 3 stages within 3% on the H100, 128 slots or 8 warps 1.5–2x
+    slower); at D256 it lost (H100: 588 against 454 for 32 × 16; 128 slots 2432, 2 warps 17,354:
+    spills), and at D64 it was 10% slower (75 against 68). Session 35's sweep under the old grid:
+    docs/performance.md."""
     for name, flag in (("rotate_back", rotate_back), ("interpret", interpret)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    if interpret or not rotate_back:
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int):
+        raise TypeError(f"head_dim must be an int, got {type(head_dim).__name__}")
+    if head_dim < 1:
+        raise ValueError(f"head_dim must be positive, got {head_dim}")
+    if interpret:
         return DecompressConfig(16, 16, 4, 1)
+    if not rotate_back:
+        return DecompressConfig(4, 16, 1, 1)
+    if triton.next_power_of_2(head_dim) == 128:
+        return DecompressConfig(64, 32, 4, 2)
     return DecompressConfig(32, 16, 4, 2)
 
 
@@ -166,9 +181,9 @@ def _launch_decompress(k_out, v_out, cache, slot_ids, layout, tables, errors, *,
     side is rotated back)."""
     c = layout_args(layout)
     fmt = layout.format
-    cfg = config or decompress_config(rotate_back, interpret)
+    cfg = config or decompress_config(rotate_back, interpret, layout.head_dim)
     n = slot_ids.shape[0]
-    grid = (triton.cdiv(n, cfg.BT), layout.num_kv_heads)
+    grid = (triton.cdiv(n, cfg.BT) * layout.num_kv_heads,)
     consts = {k: v for k, v in c.items() if not k.startswith("PAD")}
     _decompress_kernel[grid](k_out, v_out, cache, slot_ids, tables["key_centroids"], tables["value_centroids"],
                              tables["rotation"], errors, n, cache.shape[0] * layout.block_size,

@@ -84,7 +84,7 @@ def compile_decompress(layout, rotate_back: bool):
 
     if not hasattr(_decompress_kernel, "params"):
         raise RuntimeError("the kernel is interpreted (TRITON_INTERPRET=1): compile in a process without it")
-    cfg = decompress_config(rotate_back, interpret=False)
+    cfg = decompress_config(rotate_back, interpret=False, head_dim=layout.head_dim)
     fmt = layout.format
     ptrs = {"k_out": "*fp32", "v_out": "*fp32", "cache_ptr": "*u8", "slot_ptr": "*i64", "kc_ptr": "*fp64",
             "vc_ptr": "*fp64", "rot_ptr": "*fp32", "err_ptr": "*i32"}
