@@ -117,16 +117,20 @@ def decompress_op(cache: torch.Tensor, slot_ids: torch.Tensor, rotation: torch.T
     lay = layout_of(layout)
     n, h, d = slot_ids.shape[0], lay.num_kv_heads, lay.head_dim
     dev = cache.device
-    k = torch.zeros((n, h, d), dtype=torch.float32, device=dev)
-    v = torch.zeros((n, h, d), dtype=torch.float32, device=dev)
-    if n == 0:
-        return k, v
-    if use_triton(dev):
+    if use_triton(dev):  # the kernel writes every row (zeros for ids outside the cache): no memset
         from tqkern.ops.decompress.triton import _launch_decompress
 
+        k = torch.empty((n, h, d), dtype=torch.float32, device=dev)
+        v = torch.empty((n, h, d), dtype=torch.float32, device=dev)
+        if n == 0:
+            return k, v
         tables = {"rotation": rotation, "key_centroids": key_centroids, "value_centroids": value_centroids}
         _launch_decompress(k, v, cache, slot_ids, lay, tables, error_word(dev), rotate_back=rotate_back,
                            interpret=dev.type == "cpu")
+        return k, v
+    k = torch.zeros((n, h, d), dtype=torch.float32, device=dev)
+    v = torch.zeros((n, h, d), dtype=torch.float32, device=dev)
+    if n == 0:
         return k, v
     params = _host_params(lay, rotation, key_centroids, value_centroids, None)
     ids = slot_ids.cpu().numpy().astype(np.int64)
