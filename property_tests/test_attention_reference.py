@@ -20,7 +20,7 @@ import tqkern.testing  # noqa: F401  (registers the ci / thorough profiles)
 from tqkern.layouts import KVFormat, LloydMax, PagedLayout, Raw
 from tqkern.ops.attention.reference import attention
 from tqkern.ops.decompress.reference import decompress, gather_slots
-from tqkern.ops.int8_prefill.reference import _key_int8, int8_image, int8_prefill, quantize_int8
+from tqkern.ops.int8_prefill.reference import EXACT_QUERY_MAX, _key_int8, int8_image, int8_prefill, quantize_int8
 from tqkern.ops.paged_decode.reference import paged_decode
 from tqkern.ops.prefill.reference import prefill
 from tqkern.ops.store.reference import store
@@ -465,9 +465,33 @@ def test_int8_prefill_equals_attention_over_int8_dequantized_q_and_k(setup, data
         k, v = decompress(slots, p)  # codec spaces
         qs = q[qsl[s]: qsl[s + 1]].astype(np.float64)
         qk = qs @ p.rotation if p.format.key.rotated else qs
-        o = attention(_int8_dequant(qk), _key_dequant(slots, k, p), v, causal=True)
+        if len(qs) <= EXACT_QUERY_MAX:  # short sequences: prefill's exact scores
+            o = attention(qk, k, v, causal=True)
+        else:
+            o = attention(_int8_dequant(qk), _key_dequant(slots, k, p), v, causal=True)
         ref[qsl[s]: qsl[s + 1]] = o @ p.rotation.T if p.format.value.rotated else o
     _assert_close(out, ref, setup.v_scale())
+
+
+@given(setup=paged_setups(), data=st.data())
+def test_int8_prefill_short_sequences_equal_prefill_and_rows_are_per_sequence(setup, data):
+    """A sequence of 1..EXACT_QUERY_MAX queries gets exactly ``prefill``'s rows (and lse); every
+    sequence's rows equal those of a call holding it alone (the rule is per sequence)."""
+    b, p = setup.batch, setup.params
+    q_lens = _draw_q_lens(data.draw, b.seq_lens)
+    qsl = _qsl(q_lens)
+    q = _queries(data.draw, setup, int(qsl[-1]))
+    args = (q, setup.cache, b.block_table, b.seq_lens, qsl, setup.layout, p)
+    o8, l8 = int8_prefill(*args, return_lse=True)
+    o, lse = prefill(*args, return_lse=True)
+    for s in range(setup.num_seqs):
+        a, e = int(qsl[s]), int(qsl[s + 1])
+        if e - a <= EXACT_QUERY_MAX:
+            assert np.array_equal(o8[a:e], o[a:e], equal_nan=True)
+            assert np.array_equal(l8[a:e], lse[a:e], equal_nan=True)
+        alone = int8_prefill(q[a:e], setup.cache, b.block_table[s:s + 1], b.seq_lens[s:s + 1],
+                             np.array([0, e - a], np.int32), setup.layout, p)
+        assert np.array_equal(alone, o8[a:e], equal_nan=True)
 
 
 @given(setup=paged_setups(), data=st.data())
@@ -482,6 +506,9 @@ def test_int8_prefill_within_its_rigorous_error_bound_of_prefill(setup, data):
     err = np.linalg.norm(int8_prefill(*args) - prefill(*args), axis=-1)  # [num_tokens, Hq]
     group = setup.num_q_heads // setup.layout.num_kv_heads
     for s in range(setup.num_seqs):
+        if q_lens[s] <= EXACT_QUERY_MAX:  # prefill's scores: no int8 error (NaN rows compare NaN)
+            assert not np.any(err[qsl[s]: qsl[s + 1]] > 0)
+            continue
         slots = gather_slots(setup.cache, setup.layout, b.slot_ids(s))
         k, v = decompress(slots, p)
         qs = q[qsl[s]: qsl[s + 1]].astype(np.float64)

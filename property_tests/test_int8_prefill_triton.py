@@ -14,14 +14,18 @@ sequence is therefore
 over its query rows i and keys j, with T the coordinates whose ``|x| / s`` lies within 2e-4 of a
 half-integer (float32's error there is below 1e-4 at ``|x| / s ≤ 127``), plus float32's rounding
 of the scores (3·2^-24 of the largest). The rest of the budget is the prefill test's: P·V in fp16
-with float32 accumulation, ``atol = (4e-3 + 2·δ) · max|V̂|``. Batches, poisoning and options are
-those of ``test_prefill_triton.py``.
+with float32 accumulation, ``atol = (4e-3 + 2·δ) · max|V̂|``. A sequence of at most
+``EXACT_QUERY_MAX`` queries takes ``prefill``'s scores (the oracle's rule, session 36) and the
+prefill test's δ. Batches, poisoning and options are those of ``test_prefill_triton.py``; the
+unchecked calls run the fused kernel (twice: int8 for the long sequences, without for the short
+ones), the checked ones of the options test split the batch.
 
 The tiled path (:func:`~tqkern_torch.prefill_tiles.tile_prefill` with ``int8=True``: keys' codes
 made once by the gather, the queries' by their own kernel, the int8 attention kernel per piece,
 log-sum-exp merges) is held to the same budget: its codes are the oracle's away from ties as the
 fused kernel's are, and its values are rounded to q's dtype once as the fused kernel's products
-round them.
+round them. Its batches have no sequence of 1..EXACT_QUERY_MAX queries (raised past it, or to 0):
+those never reach it.
 """
 
 import numpy as np
@@ -31,13 +35,14 @@ from hypothesis import strategies as st
 
 import tqkern.testing as T
 import tqkern_torch as tqt
+from property_tests.test_prefill_triton import _bounds as _prefill_bounds
 from property_tests.test_prefill_triton import (_compare, _draw_q, _fill_cache, check_options, prefill_cases,
                                                 sequence_operands)
 from property_tests.test_prefill_triton import _run as _run_prefill
 from property_tests.test_prefill_tiles import _equal_batch, _tiles
 from tqkern import reference as ref
 from tqkern.layouts import PRESETS, LloydMax
-from tqkern.ops.int8_prefill.reference import _key_int8, int8_prefill, quantize_int8
+from tqkern.ops.int8_prefill.reference import EXACT_QUERY_MAX, _key_int8, int8_prefill, quantize_int8
 from tqkern_torch.testing import kernels_available
 
 pytestmark = [pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1"),
@@ -54,7 +59,10 @@ def _near_tie(x, s):
 
 
 def _int8_bounds(layout, params, batch, cache, q64, s, group):
-    """(logit bound δ of the module docstring, max|V̂|) of sequence s for its finite query rows."""
+    """(logit bound δ of the module docstring, max|V̂|) of sequence s for its finite query rows; a
+    sequence of at most EXACT_QUERY_MAX queries takes ``prefill``'s scores, and its bound."""
+    if int(batch.q_lens[s]) <= EXACT_QUERY_MAX:
+        return _prefill_bounds(layout, params, batch, cache, q64, s, group)
     khat, vmax, q_k = sequence_operands(layout, params, batch, cache, q64, s)
     if not khat.size or not q_k.size:
         return 0.0, vmax
@@ -73,7 +81,19 @@ def _int8_bounds(layout, params, batch, cache, q64, s, group):
     return float(np.max(pair * flips) + 3 * 2.0**-24 * np.max(pair * dots)), vmax
 
 
+def _long_only(batch):
+    """``batch`` with each ``q_len`` of 1..EXACT_QUERY_MAX raised to EXACT_QUERY_MAX + 1 where the
+    sequence is that long, else 0: the int8 tiles serve long sequences only (the short ones take
+    ``prefill``'s scores, on other paths)."""
+    q_lens = [n if n == 0 or n > EXACT_QUERY_MAX else (EXACT_QUERY_MAX + 1 if L > EXACT_QUERY_MAX else 0)
+              for n, L in zip(batch.q_lens.tolist(), batch.seq_lens.tolist())]
+    return T.VarlenBatch(batch.block_table, batch.seq_lens, batch.num_blocks, batch.block_size, q_lens)
+
+
 def _run(layout, params, batch, q, cache, **options):
+    """The fused kernel (unchecked, no host lengths: known lengths would split the batch), which
+    launches twice: int8 codes for the long sequences, prefill's scores for the short ones."""
+    options.setdefault("check_inputs", False)
     return _run_prefill(layout, params, batch, q, cache, fn=tqt.int8_prefill, **options)
 
 
@@ -107,6 +127,7 @@ def test_int8_tiles_match_oracle(preset, data):
     layout, params, group, batch, qdtype = data.draw(prefill_cases(presets=(preset,)), label="case")
     if data.draw(st.booleans(), label="equal_lengths"):
         batch = data.draw(_equal_batch(len(batch.seq_lens), int(max(batch.seq_lens.max(), 1))), label="equal_batch")
+    batch = _long_only(batch)
     hq = layout.num_kv_heads * group
     window = data.draw(st.one_of(st.none(), st.integers(0, 40)), label="window_left")
     cap = data.draw(st.one_of(st.none(), st.sampled_from([0.5, 5.0, 30.0])), label="logit_softcap")

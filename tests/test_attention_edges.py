@@ -321,7 +321,8 @@ def test_public_api():
                                      "check_options", "Options", "resolve_scale"]
     assert decode_mod.__all__ == ["paged_decode"]
     assert prefill_mod.__all__ == ["prefill"]
-    assert int8_mod.__all__ == ["int8_prefill", "int8_image", "quantize_int8", "INT8_MAX", "IMAGE_STEPS"]
+    assert int8_mod.__all__ == ["int8_prefill", "int8_image", "quantize_int8", "INT8_MAX", "IMAGE_STEPS",
+                                "EXACT_QUERY_MAX"]
 
 
 def test_fast_path_plan_read_plans_and_bad_input():

@@ -38,6 +38,63 @@ def test_edges_match_oracle(case, q_lens):
         assert np.abs(lse.cpu().numpy() - el).max() <= 2e-3
 
 
+@needs_kernels
+@pytest.mark.parametrize("route", ["checked", "max_query_len", "fused"])
+def test_short_sequences_take_prefills_rows_on_every_route(case, route):
+    """Sequences of <= EXACT_QUERY_MAX tokens get ``prefill``'s rows, bit for bit, from the same
+    call of ``prefill`` on the same route: the checked split (short rows on the decode-kernel
+    path, long ones int8), a ``max_query_len`` (all short: that path whole) and the unchecked
+    fused kernel (its int8 launch must not touch the short sequences' rows); the long sequence's
+    rows are int8's, not prefill's."""
+    from tqkern.ops.int8_prefill.reference import EXACT_QUERY_MAX
+
+    q_lens = [1, 8, 1, 0] if route == "max_query_len" else [1, 8, 17, 0]
+    layout, params, cache, bt, sl, qsl, q = _args(case, q_lens, seed=5)
+    t = [torch.from_numpy(x).to(DEV) for x in (cache, bt, sl, qsl)]
+    opts = {"checked": {}, "max_query_len": {"max_query_len": EXACT_QUERY_MAX},
+            "fused": {"check_inputs": False}}[route]
+    p = tqt.to_device(params, DEV)
+    o8, l8 = tqt.int8_prefill(q.to(DEV), *t, layout, p, return_lse=True, **opts)
+    o, lse = tqt.prefill(q.to(DEV), *t, layout, p, return_lse=True, **opts)
+    short = slice(0, 9)
+    assert torch.equal(o8[short], o[short]) and torch.equal(l8[short], lse[short])
+    if route != "max_query_len":
+        assert not torch.equal(o8[9:], o[9:])  # (int8 scores move the long rows)
+        eo = oracle(q.double().numpy(), cache, bt, sl, qsl, layout, params)
+        assert np.abs(o8.float().cpu().numpy() - eo).max() <= 4e-3 * max(1.0, float(np.abs(eo).max()))
+
+
+@needs_kernels
+def test_captured_mixed_batch_takes_the_fused_kernel(case, monkeypatch):
+    """Under capture with host lengths that include short sequences, the rows go to the fused
+    kernel (two launches), not to the tiled path, whose int8 pieces would score the short
+    sequences in int8; ``tile_prefill`` itself refuses them, naming the first."""
+    import importlib
+
+    from tqkern_torch.prefill_tiles import tile_prefill
+
+    frontend = importlib.import_module("tqkern_torch.prefill")  # (the package's `prefill` is the function)
+
+    layout, params, cache, bt, sl, qsl, q = _args(case, [1, 8, 17, 0], seed=7)
+    t = [torch.from_numpy(x).to(DEV) for x in (cache, bt, sl, qsl)]
+    p = tqt.to_device(params, DEV)
+    with pytest.raises(ValueError, match=r"q_lens must be 0 or > 8 for int8 tiles .*got q_lens\[0\] = 1"):
+        tile_prefill(q.to(DEV), *t, layout, p, q_lens=[1, 8, 17, 0], seq_lens=sl.tolist(), num_blocks=cache.shape[0],
+                     errors=torch.zeros(1, dtype=torch.int32, device=DEV), scale=D ** -0.5, out=None, lse=None,
+                     window_left=None, sinks=None, int8=True)
+
+    def no_tiles(*args, **kwargs):
+        raise AssertionError("the tiled path was taken")
+
+    monkeypatch.setattr(frontend, "tiles_supported", lambda *a, **k: True)
+    monkeypatch.setattr(frontend, "tile_prefill", no_tiles)
+    monkeypatch.setattr(frontend, "_tracing_or_capturing", lambda dev: True)
+    got = tqt.int8_prefill(q.to(DEV), *t, layout, p, query_start_loc_cpu=torch.from_numpy(qsl),
+                           seq_lens_cpu=torch.from_numpy(sl))
+    want = tqt.int8_prefill(q.to(DEV), *t, layout, p, check_inputs=False)  # the fused kernel
+    assert torch.equal(got, want)
+
+
 def test_numpy_fallback_equals_oracle(case, monkeypatch):
     """Without a GPU and without the interpreter, CPU tensors run the int8 oracle."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")

@@ -26,7 +26,8 @@ BUDGETS = {
     "raw_bf16:slot:128:2:8:bf16:window+softcap+sinks+lse": (0, 3168),
     # head_dim 256 with the rotate-back epilogue (its tf32x3 dot took 256 KiB of shared memory
     # with 64-column chunks: the H100 failed to launch it); spills measured, not yet addressed
-    "tqkern_k5v3:slot:256:1:3:bf16": (2888, 21368),
+    # (2888 before session 36's q_len band, int8_prefill's two launches: +32)
+    "tqkern_k5v3:slot:256:1:3:bf16": (2920, 21368),
     # one KV head: turboquant_4bit_nc's 16-bit-halves word read, which crashes Triton 3.6's
     # compiler beside another 4-bit side; the plan reads both sides through the loader
     "turboquant_4bit_nc:slot:128:1:3:fp16": (56, 8272),

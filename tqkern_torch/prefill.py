@@ -8,6 +8,7 @@ import torch
 
 from tqkern.ops.attention.reference import check_options, resolve_scale
 from tqkern.ops.int8_prefill import reference as int8_prefill_ref
+from tqkern.ops.int8_prefill.reference import EXACT_QUERY_MAX
 from tqkern.ops.prefill import reference as prefill_ref
 from tqkern_torch._validate import check_flag, check_tensor, use_triton
 from tqkern_torch.attention import _cache_or_stand_in, _check_query, _kernel_indices, _tracing_or_capturing
@@ -192,11 +193,16 @@ def _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale
         q_lens = qsl_host[1:] - qsl_host[:-1]
         longest = int(q_lens.max()) if q_lens.numel() else 0
     p = _device_params(params, layout, dev)
+    if int8:
+        _key_table(p, int8)  # refused whichever path the rows take
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=dev) if return_lse else None
     run = dict(cache=cache, layout=layout, p=p, scale=float(scale), opts=opts, sinks=sinks, int8=int8)
-    short_ok = bool(q.shape[0]) and not int8 and opts.window_left is None and use_triton(dev)
+    short_ok = bool(q.shape[0]) and opts.window_left is None and use_triton(dev)
     short = short_ok and longest is not None and 1 <= longest <= SHORT_QUERY_MAX
-    split = not short and short_ok and max_query_len is None and qsl_host is not None and not capturing
+    # int8: a sequence of <= EXACT_QUERY_MAX tokens takes prefill's scores wherever it runs, so
+    # known lengths always split (with a window, such rows take prefill's long-row path)
+    split = (not short and bool(q.shape[0]) and use_triton(dev) and qsl_host is not None and not capturing
+             and ((short_ok and max_query_len is None) or int8))
     if out is None and (short or split or not q.shape[0]):  # (the long rows allocate their own)
         out = torch.empty_like(q)
     if short:
@@ -218,6 +224,8 @@ def _long_rows(q, block_table, seq_lens, query_start_loc, out, lse, host, *, cac
     host lengths ``host = (q_lens, seq_lens)`` are known (checked), else the fused kernel's op.
     Returns the output: ``out`` when given; with ``out`` None, a new tensor or, for a tiled call of
     one dense call, the dense kernel's own output (no copy)."""
+    if int8 and host is not None and bool(((host[0] >= 1) & (host[0] <= EXACT_QUERY_MAX)).any()):
+        host = None  # (captured with host lengths: the tiled path's int8 pieces would score short rows in int8)
     if host is not None and tiles_supported(q, layout, logit_softcap=opts.logit_softcap, int8=int8):
         cache_, num_blocks = _cache_or_stand_in(cache)
         return tile_prefill(q, cache_, block_table, seq_lens, query_start_loc, layout, p, q_lens=host[0].tolist(),
@@ -244,9 +252,11 @@ def _kernel(q, block_table, seq_lens, query_start_loc, out, lse, int8, *, cache,
 
 def _split_by_length(q, block_table, seq_lens, query_start_loc, qsl_host, sl_host, out, lse, run) -> None:
     """A checked batch mixing short rows (``q_len ≤ SHORT_QUERY_MAX``) with longer ones: the short
-    sequences through :func:`~tqkern_torch.short_rows.short_rows`, the others through the prefill
-    kernel, each on its gathered rows (host-built indices: the caller has synchronised already),
-    written back into ``out``/``lse``. A batch of one kind runs whole on its path."""
+    sequences through :func:`~tqkern_torch.short_rows.short_rows` (with a window, which it lacks,
+    through ``prefill``'s long-row path: ``int8_prefill``'s short rows), the others through the
+    prefill (or int8) path, each on its gathered rows (host-built indices: the caller has
+    synchronised already), written back into ``out``/``lse``. A batch of one kind runs whole on its
+    path."""
     q_lens = qsl_host[1:] - qsl_host[:-1]
     short = (q_lens > 0) & (q_lens <= SHORT_QUERY_MAX)
     long_ = q_lens > SHORT_QUERY_MAX
@@ -268,12 +278,12 @@ def _split_by_length(q, block_table, seq_lens, query_start_loc, qsl_host, sl_hos
                    seq_lens.index_select(0, seqs.to(dev)), sub_qsl.to(dev, torch.int32))
         o = out if rows is None else torch.empty_like(sub[0])
         lp = lse if rows is None or lse is None else torch.empty(sub[0].shape[:2], dtype=torch.float32, device=dev)
-        if is_short:
+        if is_short and run["opts"].window_left is None:
             short_rows(sub[0], run["cache"], *sub[1:], run["layout"], run["p"], t=int(q_lens[seqs].max()),
                        scale=run["scale"], out=o, lse=lp, logit_softcap=run["opts"].logit_softcap, sinks=run["sinks"],
                        zero_rows=False)
-        else:
-            _long_rows(*sub, o, lp, (q_lens[seqs], sl_host[seqs]), **run)
+        else:  # (short rows with a window: int8_prefill's, on prefill's long-row path)
+            _long_rows(*sub, o, lp, (q_lens[seqs], sl_host[seqs]), **dict(run, int8=run["int8"] and not is_short))
         if rows is not None:
             out.index_copy_(0, rows, o)
             if lse is not None:
@@ -358,11 +368,19 @@ def int8_prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
     """:func:`prefill` with Q·Kᵀ on int8 codes: the same arguments, checks and result; the scores
     are those of :func:`tqkern.ops.int8_prefill.reference.int8_prefill` (symmetric int8 codes of
     the rotated query per token and head and of each reconstructed key per token and KV head,
-    ``s_q·s_k·(c_q·c_k)``; its docstring bounds the difference to ``prefill``). A kernel may pick
-    the neighbouring code where a value lies within float32 rounding of a half-integer. Every
-    call runs the int8 kernel (``max_query_len`` and the host lengths are only checked: short rows
-    are bound by reading the cache, where int8 products save nothing, and no dense int8 attention
-    exists to hand the tiled path's workspace to)."""
+    ``s_q·s_k·(c_q·c_k)``; its docstring bounds the difference to ``prefill``), except that a
+    sequence of at most :data:`~tqkern.ops.int8_prefill.reference.EXACT_QUERY_MAX` (8) new tokens
+    takes ``prefill``'s exact scores: such rows are bound by reading the cache, where int8
+    products save nothing. A kernel may pick the neighbouring code where a value lies within
+    float32 rounding of a half-integer.
+
+    Routing follows :func:`prefill`'s: rows all short (``max_query_len`` or the host lengths say
+    so, no window) run ``prefill``'s short-row path; with host lengths outside capture the short
+    and long sequences split (short ones with a window on ``prefill``'s long-row path), the long
+    ones on the tiled path with int8 operands on CUDA; otherwise the fused kernel, launched once
+    with int8 codes for the long sequences and once without for the short ones. Under capture
+    with host lengths that include short sequences the fused kernel runs too (the tiled path's
+    pieces score in int8)."""
     return _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale, out, window_left,
                 logit_softcap, sinks, return_lse, check_inputs, debug, True, max_query_len,
                 (query_start_loc_cpu, seq_lens_cpu))

@@ -33,6 +33,7 @@ import triton
 
 from tqkern.layouts import PagedLayout
 from tqkern.ops.codecs import layout_args
+from tqkern.ops.int8_prefill.reference import EXACT_QUERY_MAX
 from tqkern.ops.int8_prefill.triton import QuantizeConfig, _quantize_q_kernel, quantize_config
 from tqkern.ops.prefill.attend import AttendConfig, _tile_attend_kernel, attend_config, attend_tma
 from tqkern.ops.prefill.tiles import _combine_kernel, _runs_kernel, plan_tiles
@@ -295,11 +296,17 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
 
     ``int8`` (``int8_prefill``): the queries' int8 codes are made once (:func:`quantize_q`, in the
     key codec's space), the keys' by the gather (int8 codes and scales, in the key codec's space:
-    never rotated back), and every piece goes to :func:`attend_tiles` (``attend`` is ignored). A
+    never rotated back), and every piece goes to :func:`attend_tiles` (``attend`` is ignored). Its
+    sequences have 0 or more than ``EXACT_QUERY_MAX`` new tokens (shorter ones take ``prefill``'s
+    scores in ``int8_prefill``'s spec; the frontend routes them elsewhere): ``ValueError`` else. A
     ``logit_softcap`` sends every piece to :func:`attend_tiles` too."""
     from tqkern.ops.common import halfword_aligned
     from tqkern.ops.decompress.gather import _gather_kernel, gather_config
 
+    if int8 and any(1 <= n <= EXACT_QUERY_MAX for n in q_lens):
+        s = next(i for i, n in enumerate(q_lens) if 1 <= n <= EXACT_QUERY_MAX)
+        raise ValueError(f"q_lens must be 0 or > {EXACT_QUERY_MAX} for int8 tiles (shorter sequences take "
+                         f"prefill's scores), got q_lens[{s}] = {q_lens[s]}")
     h, d = layout.num_kv_heads, layout.head_dim
     fmt = layout.format
     rotated = (fmt.key.rotated and not int8, fmt.value.rotated)

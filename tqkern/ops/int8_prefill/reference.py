@@ -41,6 +41,14 @@ Uniform, FP8 and raw keys keep the per-token maximum above. With ``g(h) = h // (
     out      = softmax_attend(s, V̂)                  (P·V in float64 with the decompressed V̂)
     out      = out @ Πᵀ if format.value.rotated
 
+**Short rows take exact scores.** A sequence with ``1 ≤ q_len ≤ EXACT_QUERY_MAX`` (8: decode and
+speculative rows) is scored as ``prefill`` scores it, ``s_ij = scale · (q_k[i] · K̂_j)`` in
+float64, with no int8 quantization of its queries or keys (session 36). Such rows are bound by
+reading the cache, where int8 products save nothing, and ``prefill``'s decode-kernel path serves
+them with one pass over the cache per KV head; the rule is per sequence, so a sequence's rows do
+not depend on which other sequences share the call, and the error bound below applies to the
+longer sequences only (the short ones equal ``prefill``).
+
 Rows follow ``attention``'s conventions (stable softmax; a row with no visible key is zeros).
 A kernel computing s and x/s in float32 may pick the neighbouring code where x_d / s lies within
 float32 rounding (~1e-7 relative) of a half-integer; compare kernels on outputs with a tolerance,
@@ -67,17 +75,18 @@ import numpy as np
 from einops import repeat
 
 from tqkern.layouts import LloydMax, PagedLayout
-from tqkern.ops.attention.reference import (causal_visible, check_options, resolve_scale, softcap, softmax_attend,
-                                           window_visible)
+from tqkern.ops.attention.reference import (attention, causal_visible, check_options, resolve_scale, softcap,
+                                           softmax_attend, window_visible)
 from tqkern.ops.decompress.reference import _parse_side, decompress, gather_sequences
 from tqkern.ops.paged_decode.reference import _from_value_space, _to_key_space, poison_nonfinite_rows
 from tqkern.ops.quantize.reference import _codebook_for
 from tqkern.ops.prefill.reference import _check_varlen
 from tqkern.params import TQParams
 
-__all__ = ["int8_prefill", "int8_image", "quantize_int8", "INT8_MAX", "IMAGE_STEPS"]
+__all__ = ["int8_prefill", "int8_image", "quantize_int8", "INT8_MAX", "IMAGE_STEPS", "EXACT_QUERY_MAX"]
 
 INT8_MAX = 127
+EXACT_QUERY_MAX = 8  # sequences of 1 .. 8 new tokens take prefill's exact scores
 IMAGE_STEPS = (512, 1024)  # int8_image's candidate scales: s_0·(1 + k/1024), k = 0 .. 512
 
 
@@ -174,12 +183,18 @@ def int8_prefill(q, cache, block_table, seq_lens, query_start_loc, layout: Paged
     for s, slots in enumerate(gather_sequences(cache, layout, bt, sl)):
         k, v = decompress(slots, params)
         a, b = int(qsl[s]), int(qsl[s + 1])
-        ck, sk = _key_int8(slots, k, params)
-        scores = softcap(_int8_scores(_to_key_space(q[a:b], params), ck, sk, sc), opts.logit_softcap)
-        visible = causal_visible(b - a, k.shape[0])
-        if opts.window_left is not None:
-            visible &= window_visible(b - a, k.shape[0], opts.window_left)
-        o, lse[a:b] = softmax_attend(np.where(visible[None], scores, -np.inf), v, sinks=opts.sinks, return_lse=True)
+        q_k = _to_key_space(q[a:b], params)
+        if b - a <= EXACT_QUERY_MAX:  # prefill's scores and rows (module docstring)
+            o, lse[a:b] = attention(q_k, k, v, scale=sc, causal=True, window_left=opts.window_left,
+                                    logit_softcap=opts.logit_softcap, sinks=opts.sinks, return_lse=True)
+        else:
+            ck, sk = _key_int8(slots, k, params)
+            scores = softcap(_int8_scores(q_k, ck, sk, sc), opts.logit_softcap)
+            visible = causal_visible(b - a, k.shape[0])
+            if opts.window_left is not None:
+                visible &= window_visible(b - a, k.shape[0], opts.window_left)
+            o, lse[a:b] = softmax_attend(np.where(visible[None], scores, -np.inf), v, sinks=opts.sinks,
+                                         return_lse=True)
         out[a:b] = _from_value_space(o, params)
     out = poison_nonfinite_rows(out, q)
     if return_lse:

@@ -129,10 +129,10 @@ def _attend(acc, m_i, l_i, q, q_sum, pos_q, t0, kv_end, seq_len, cache_ptr, bt_r
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["zero"])
+@triton.jit(do_not_specialize=["zero", "qlen_lo", "qlen_hi"])
 def _prefill_kernel(
     q_ptr, poison_ptr, cache_ptr, bt_ptr, sl_ptr, qsl_ptr, kc_ptr, vc_ptr, rot_ptr, sinks_ptr, out_ptr, lse_ptr,
-    num_seqs, num_tokens, max_blocks, stride_os, stride_oh, scale_log2, softcap, window_left, zero,
+    num_seqs, num_tokens, max_blocks, stride_os, stride_oh, scale_log2, softcap, window_left, zero, qlen_lo, qlen_hi,
     G: tl.constexpr, GP: tl.constexpr, HQ: tl.constexpr, BQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BS: tl.constexpr, DOT: tl.constexpr, K_FAST: tl.constexpr, V_FAST: tl.constexpr, USE_ASM: tl.constexpr,
     K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, K_PAR_ALIGNED: tl.constexpr, V_PAR_ALIGNED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -144,10 +144,14 @@ def _prefill_kernel(
     poison: float32 ``[num_tokens·HQ]`` (NaN marks a non-finite query row, else 0); bt: the
     clamped block table; out: ``[num_tokens, HQ, D]`` (last dimension contiguous); lse: float32
     ``[num_tokens, HQ]`` (``LSE``); sinks: float32 ``[HQ]`` (``SINKS``). ``INT8``: Q·Kᵀ on int8
-    codes (``int8_prefill``; :mod:`tqkern.ops.int8_prefill.reference` is the spec)."""
+    codes (``int8_prefill``; :mod:`tqkern.ops.int8_prefill.reference` is the spec). A launch serves
+    the sequences with ``qlen_lo ≤ q_len ≤ qlen_hi`` only: the others' rows are neither read nor
+    written (``int8_prefill`` launches the kernel twice, the short sequences without ``INT8``)."""
     h = tl.program_id(1)
     s, q0, q1, tile = _find_tile(qsl_ptr, num_seqs, num_tokens, BQ)
     q_len = q1 - q0
+    # a sequence outside [qlen_lo, qlen_hi] is not this launch's: no tile (no row read or written)
+    tile = tl.where((q_len >= qlen_lo) & (q_len <= qlen_hi), tile, -1)
     seq_len = tl.minimum(tl.maximum(tl.load(sl_ptr + s), 0), max_blocks * BS)  # (a bad length: clamped)
     r = tl.arange(0, BM)
     qi = tile * BQ + r // GP  # query index in the sequence

@@ -14,6 +14,7 @@ import torch
 import triton.language as tl
 
 from tqkern.layouts import PagedLayout
+from tqkern.ops.int8_prefill.reference import EXACT_QUERY_MAX
 from tqkern.ops.paged_decode.rotate import _rotate_q_kernel
 from tqkern.ops.paged_decode.triton import device_caps
 from tqkern.ops.prefill.kernel import _prefill_kernel
@@ -22,6 +23,7 @@ from tqkern.ops.prefill.plan import PrefillPlan, plan_prefill
 __all__ = ["prefill_launch", "prefill_args", "plan_for"]
 
 _LOG2E = 1.4426950408889634
+_ANY = 2**31 - 1  # no upper bound on a launch's q_len
 
 
 def _up16(n: int) -> int:
@@ -52,8 +54,10 @@ def prefill_launch(out, lse, q, cache, block_table, seq_lens, query_start_loc, l
     ``cache`` at least one block (``num_blocks``: the caller's real block count, 0 for an empty
     cache, into which the scan clamps ids); ``tables``: ``rotation`` and ``key_centroids_f32`` /
     ``value_centroids_f32``; ``errors``: the int32 error word; ``sinks``: float32 ``[Hq]`` or
-    ``None``; ``int8``: Q·Kᵀ on int8 codes (``int8_prefill``). No other checks: the frontend
-    validated everything."""
+    ``None``; ``int8``: ``int8_prefill``'s spec: Q·Kᵀ on int8 codes for sequences of more than
+    ``EXACT_QUERY_MAX`` new tokens, and a second launch of the kernel without int8 codes for the
+    shorter ones (the ``key_int8_table`` passed as ``key_centroids_f32`` begins with the float32
+    centroids). No other checks: the frontend validated everything."""
     t, hq, d = q.shape
     n_seq, mb = block_table.shape
     plan = plan_for(layout, q, window_left=window_left, logit_softcap=logit_softcap, sinks=sinks,
@@ -70,12 +74,17 @@ def prefill_launch(out, lse, q, cache, block_table, seq_lens, query_start_loc, l
                               q.stride(0), q.stride(1), n_seq, mb, num_blocks, rp.programs, HQ=hq, D=d, DP=dp,
                               ROWS=rp.rows, CC=rp.cols, ROTATE=rp.rotate, DOT_PRECISION=precision, POISON=True, SCAN=True,
                               BS=layout.block_size, SB=rp.scan_block, num_warps=4)
-    _prefill_kernel[plan.grid(t, n_seq)](
-        q_rot, poison, cache, safe, seq_lens, query_start_loc, tables["key_centroids_f32"],
-        tables["value_centroids_f32"], tables["rotation"], poison if sinks is None else sinks,
-        out, poison if lse is None else lse, n_seq, t, mb, out.stride(0), out.stride(1), scale * _LOG2E,
-        1.0 if logit_softcap is None else float(logit_softcap),
-        0 if window_left is None else min(int(window_left), 2**31 - 1), 0,
-        **prefill_args(plan))
+    bands = [(plan, 0, _ANY)]
+    if int8:  # the short sequences take prefill's exact scores (int8_prefill's spec)
+        exact = plan_for(layout, q, window_left=window_left, logit_softcap=logit_softcap, sinks=sinks,
+                         return_lse=lse is not None)
+        bands = [(exact, 0, EXACT_QUERY_MAX), (plan, EXACT_QUERY_MAX + 1, _ANY)]
+    for p, lo, hi in bands:
+        _prefill_kernel[p.grid(t, n_seq)](
+            q_rot, poison, cache, safe, seq_lens, query_start_loc, tables["key_centroids_f32"],
+            tables["value_centroids_f32"], tables["rotation"], poison if sinks is None else sinks,
+            out, poison if lse is None else lse, n_seq, t, mb, out.stride(0), out.stride(1), scale * _LOG2E,
+            1.0 if logit_softcap is None else float(logit_softcap),
+            0 if window_left is None else min(int(window_left), 2**31 - 1), 0, lo, hi,
+            **prefill_args(p))
     return out
-
