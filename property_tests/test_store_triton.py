@@ -120,23 +120,28 @@ def test_store_bytes_equal_oracle(case, small_tile):
 
 def _decompress_at(cache, ids, layout, params, rotate_back, tiles):
     """``decompress`` through its launcher at ``tiles = (slots a program, columns a rotate-back
-    product)``, into outputs that held NaN."""
+    product, the Walsh–Hadamard rotate-back where the rotation allows it)``, into outputs that held
+    NaN."""
     from tqkern.ops.decompress.triton import DecompressConfig, _launch_decompress
     from tqkern_torch._params import to_device
     from tqkern_torch.errors import error_word
 
-    bt, kc = tiles
-    dp = triton.next_power_of_2(layout.head_dim)
-    out = [torch.full((ids.shape[0], layout.num_kv_heads, layout.head_dim), float("nan"), device=DEV)
-           for _ in range(2)]
-    _launch_decompress(out[0], out[1], cache, ids, layout, to_device(params, DEV).tables(), error_word(DEV),
+    bt, kc, fwht = tiles
+    d = layout.head_dim
+    dp = triton.next_power_of_2(d)
+    p = to_device(params, DEV)
+    fwht = fwht and p.signed_sylvester and d == dp  # (the transform serves signed Sylvester rotations only)
+    out = [torch.full((ids.shape[0], layout.num_kv_heads, d), float("nan"), device=DEV) for _ in range(2)]
+    _launch_decompress(out[0], out[1], cache, ids, layout, p.tables(), error_word(DEV),
                        rotate_back=rotate_back, interpret=not ON_GPU,
-                       config=DecompressConfig(bt, min(kc, dp), 1 if bt < 16 else 4, 2 if ON_GPU else 1))
+                       config=DecompressConfig(bt, min(kc, dp), 1 if bt < 16 else 4, 2 if ON_GPU else 1, fwht))
     return out
 
 
-# None (the public call) or (slots a program, columns a rotate-back product) for the launcher
-DECOMPRESS_TILES = st.one_of(st.none(), st.tuples(st.sampled_from([4, 16, 32, 64]), st.sampled_from([16, 32, 64])))
+# None (the public call) or (slots a program, columns a rotate-back product, the Walsh–Hadamard
+# rotate-back where allowed) for the launcher
+DECOMPRESS_TILES = st.one_of(st.none(), st.tuples(st.sampled_from([4, 16, 32, 64]), st.sampled_from([16, 32, 64]),
+                                                  st.booleans()))
 
 
 @given(store_cases(), st.booleans(), DECOMPRESS_TILES)

@@ -63,7 +63,8 @@ def test_rotate_back_matches_oracle(preset, d):
 @pytest.mark.parametrize("preset,d", [("tq4", 128), ("turboquant_4bit_nc", 96), ("tqkern_k5v3", 256)])
 def test_gpu_tiles_match_oracle(preset, d):
     """The program tiles the GPU takes (:func:`decompress_config` off the interpreter: 4 slots a
-    program in the codec's space, 64 or 32 with a rotate-back (by head_dim), the last one partial) give the oracle's values, rotated back and in
+    program in the codec's space and with the Walsh–Hadamard rotate-back (k5v3 at D256), 64 or 32
+    with the product (tq4's dense rotation; D96), the last one partial) give the oracle's values, rotated back and in
     the codec's space (the property tests' bounds), and write zeros for slots outside the cache over
     an output that held NaN."""
     from tqkern.ops.decompress.triton import _launch_decompress, decompress_config
@@ -73,11 +74,13 @@ def test_gpu_tiles_match_oracle(preset, d):
     p = to_device(params, DEV)
     tables = {"rotation": p.rotation, "key_centroids": p.key_centroids, "value_centroids": p.value_centroids}
     for rotate_back in (True, False):
-        cfg = decompress_config(rotate_back, interpret=False, head_dim=d)
-        assert (cfg.BT >= 32) == rotate_back
+        cfg = decompress_config(rotate_back, interpret=False, head_dim=d, signed_sylvester=p.signed_sylvester)
+        assert (cfg.BT >= 32 or cfg.fwht) == rotate_back
+        assert cfg.fwht == (rotate_back and preset != "tq4" and d & (d - 1) == 0)  # (tq4: a dense rotation)
         got = [torch.full((len(ids), layout.num_kv_heads, d), float("nan"), device=DEV) for _ in range(2)]
         _launch_decompress(got[0], got[1], cache, ids, layout, tables, torch.zeros(1, dtype=torch.int32, device=DEV),
-                           rotate_back=rotate_back, interpret=DEV.type == "cpu", config=cfg)
+                           rotate_back=rotate_back, interpret=DEV.type == "cpu", config=cfg,
+                           signed_sylvester=p.signed_sylvester)
         for name, g, x in zip(("key", "value"), got, _expect(layout, params, cache, ids, rotate_back)):
             g = g.cpu().numpy().astype(np.float64)
             if rotate_back:
@@ -86,6 +89,18 @@ def test_gpu_tiles_match_oracle(preset, d):
                 tol = 8 * 2.0**-24 * np.max(np.abs(x), axis=-1, keepdims=True)
             assert np.all(np.abs(g - x) <= tol), f"{name} rotate_back={rotate_back}: max error {np.abs(g - x).max():.3g}"
             assert np.all(g[[3, 10, 11]] == 0), f"{name}: slots outside the cache must read zeros"
+
+
+def test_launcher_refuses_the_transform_at_a_non_power_of_two_head_dim():
+    from tqkern.ops.decompress.triton import DecompressConfig, _launch_decompress
+    from tqkern_torch._params import to_device
+
+    layout, params, cache, ids = _filled("turboquant_4bit_nc", 96)
+    p = to_device(params, DEV)
+    out = [torch.empty((len(ids), layout.num_kv_heads, 96), device=DEV) for _ in range(2)]
+    with pytest.raises(ValueError, match="config.fwht needs a power-of-two head_dim, got 96"):
+        _launch_decompress(out[0], out[1], cache, ids, layout, p.tables(), torch.zeros(1, dtype=torch.int32, device=DEV),
+                           rotate_back=True, interpret=DEV.type == "cpu", config=DecompressConfig(4, 16, 1, 1, True))
 
 
 def test_decompress_config_takes_bools():
@@ -100,3 +115,7 @@ def test_decompress_config_takes_bools():
             decompress_config(True, False, bad)
     with pytest.raises(ValueError, match="head_dim must be positive, got 0"):
         decompress_config(True, False, 0)
+    with pytest.raises(TypeError, match="signed_sylvester must be a bool, got NoneType"):
+        decompress_config(True, False, 128, None)
+    assert decompress_config(True, False, 96, True).fwht is False  # (no transform at D96)
+    assert decompress_config(False, False, 128, True).fwht is False

@@ -52,14 +52,19 @@ BUDGETS = {
     # codec's space; rotated back 64 slots x 4 warps, 32 columns a tf32x3 product, 2 stages where D
     # pads to 128, 32 x 16 elsewhere. The 64 x 32 tile spills here (Triton 3.9) and 96-152 bytes
     # under Triton 3.6's ptxas, and was timed faster on the GPU all the same (session 35's 32 x 16
-    # tile: 2200 / 1904 / 2360 / 1784 instructions, no stack)
+    # tile: 2200 / 1904 / 2360 / 1784 instructions, no stack). Later in session 36 a signed
+    # Sylvester rotation (every default Hadamard layout at a power-of-two D) rotates back by the
+    # in-register Walsh-Hadamard transform, 4 slots x 1 warp: no spills (the product tile before:
+    # 4bit_nc row 200 stack bytes / 3792 instructions, k5v3 D256 280 / 4568, k8v4 0 / 3888); tq4
+    # (a dense rotation) and D96 keep the product
     "tq4:slot:128:8:decompress": (0, 696),
     "fp16:slot:128:8:decompress": (0, 336),  # raw fields read 16 bits at a time (byte pairs before: 448)
     "tq4:slot:128:8:decompress+rotate": (464, 4312),
-    "turboquant_4bit_nc:row:128:8:decompress+rotate": (200, 3792),
-    "tqkern_k5v3:slot:256:8:decompress+rotate": (280, 4568),
+    "turboquant_4bit_nc:row:128:8:decompress+rotate": (0, 1224),
+    "turboquant_4bit_nc:slot:64:8:decompress+rotate": (0, 544),
+    "tqkern_k5v3:slot:256:8:decompress+rotate": (0, 2248),
     "tq4:slot:96:8:decompress+rotate": (496, 4696),
-    "turboquant_k8v4:slot:128:8:decompress+rotate": (0, 3888),
+    "turboquant_k8v4:slot:128:8:decompress+rotate": (0, 920),
 }
 
 

@@ -113,7 +113,9 @@ def _(cache, key, value, slot_mapping, rotation, key_boundaries, key_centroids, 
 @torch.library.custom_op("tqkern::decompress", mutates_args=())
 def decompress_op(cache: torch.Tensor, slot_ids: torch.Tensor, rotation: torch.Tensor,
                   key_centroids: torch.Tensor, value_centroids: torch.Tensor, layout: str,
-                  rotate_back: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  rotate_back: bool, signed_sylvester: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``signed_sylvester``: ``rotation`` is ``diag(s)·H/√D`` (``DeviceParams.signed_sylvester``):
+    the kernel then rotates back by the Walsh–Hadamard transform."""
     lay = layout_of(layout)
     n, h, d = slot_ids.shape[0], lay.num_kv_heads, lay.head_dim
     dev = cache.device
@@ -126,7 +128,7 @@ def decompress_op(cache: torch.Tensor, slot_ids: torch.Tensor, rotation: torch.T
             return k, v
         tables = {"rotation": rotation, "key_centroids": key_centroids, "value_centroids": value_centroids}
         _launch_decompress(k, v, cache, slot_ids, lay, tables, error_word(dev), rotate_back=rotate_back,
-                           interpret=dev.type == "cpu")
+                           interpret=dev.type == "cpu", signed_sylvester=signed_sylvester)
         return k, v
     k = torch.zeros((n, h, d), dtype=torch.float32, device=dev)
     v = torch.zeros((n, h, d), dtype=torch.float32, device=dev)
@@ -148,7 +150,7 @@ def decompress_op(cache: torch.Tensor, slot_ids: torch.Tensor, rotation: torch.T
 
 
 @decompress_op.register_fake
-def _(cache, slot_ids, rotation, key_centroids, value_centroids, layout, rotate_back):
+def _(cache, slot_ids, rotation, key_centroids, value_centroids, layout, rotate_back, signed_sylvester=False):
     lay = layout_of(layout)
     shape = (slot_ids.shape[0], lay.num_kv_heads, lay.head_dim)
     return cache.new_empty(shape, dtype=torch.float32), cache.new_empty(shape, dtype=torch.float32)

@@ -247,7 +247,8 @@ def decompress(cache: torch.Tensor, slot_ids: torch.Tensor, layout: PagedLayout,
     _check_slot_ids(slot_ids, cache, layout, dev)
     p = _device_params(params, layout, dev)
     return torch.ops.tqkern.decompress(cache, slot_ids, p.rotation, p.key_centroids, p.value_centroids,
-                                       layout_key(layout), check_flag(rotate_back, "rotate_back"))
+                                       layout_key(layout), check_flag(rotate_back, "rotate_back"),
+                                       p.signed_sylvester)
 
 
 def sequence_slot_ids(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -10,6 +10,12 @@ the oracle comparison's bound for a rotated-back vector
 each product term within a few 2⁻²² (tf32x3 drops the low×low term), summed over D terms of
 random sign.
 
+A signed Sylvester rotation (``Π = diag(s)·H/√D``, D a power of two; ``FWHT``) is rotated back
+without Π's slices or the store → barrier → reload: ``x_j = Σ_i y_i·Π[j, i] = Π[j, 0]·(H·y)_j``
+(``H[j, 0] = 1``), a fast Walsh–Hadamard transform of the float32 tile in registers (``log2 D``
+butterfly stages), each output a float32 sum of D terms ``±y_i`` (inside the same bound), then
+one product by Π's first column.
+
 A slot id outside ``[0, cache_slots)`` reads nothing: its rows are zeros (negative ids by
 definition; too large ones also set ``SLOT_OUT_OF_RANGE`` in ``err_ptr[0]``).
 """
@@ -97,12 +103,37 @@ def _rotate_back_side(out_ptr_2d, row, h, tok_mask, in_range, cen_ptr, rot_ptr, 
 
 
 @triton.jit
+def _fwht_tile(y, BT: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr):
+    """``H·y`` along the last axis of ``y [BT, D]`` (Sylvester order, unnormalised): stage ``st``
+    pairs columns ``2^st`` apart, ``(a, b) → (a + b, a − b)``."""
+    for st in tl.static_range(LOG2D):
+        y = tl.reshape(y, [BT, D // (2 << st), 2, 1 << st])
+        y = tl.permute(y, [0, 1, 3, 2])
+        a, b = tl.split(y)
+        y = tl.join(a + b, a - b)
+        y = tl.permute(y, [0, 1, 3, 2])
+        y = tl.reshape(y, [BT, D])
+    return y
+
+
+@triton.jit
+def _fwht_side(out_ptr_2d, row, h, tok_mask, in_range, cen_ptr, rot_ptr, BT: tl.constexpr, D: tl.constexpr,
+               NIBBLE: tl.constexpr, S: tl.constexpr, LOG2D: tl.constexpr):
+    """One rotated side of BT slots rotated back by :func:`_fwht_tile` (``Π = diag(s)·H/√D``:
+    ``x = Π[:, 0] ⊙ H·y``) → float32 ``[BT, D]`` at ``out_ptr_2d``."""
+    cols = tl.arange(0, D)
+    y = decoded_values(row, h, tok_mask, cen_ptr, D, D, NIBBLE, S, tl.float32)
+    x = _fwht_tile(y, BT, D, LOG2D) * tl.load(rot_ptr + cols * D)[None, :]
+    tl.store(out_ptr_2d + cols[None, :], x, mask=in_range[:, None])
+
+
+@triton.jit
 def _decompress_kernel(
     k_out, v_out, cache_ptr, slot_ptr, kc_ptr, vc_ptr, rot_ptr, err_ptr, n, cache_slots,
     BT: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, H: tl.constexpr, ROW_BYTES: tl.constexpr,
     NIBBLE: tl.constexpr, K: tl.constexpr, V: tl.constexpr, ROT_K: tl.constexpr, ROT_V: tl.constexpr,
     KC: tl.constexpr, DOT_PRECISION: tl.constexpr, K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, FWHT: tl.constexpr = False, LOG2D: tl.constexpr = 0,
 ):
     pid = tl.program_id(0) // H  # heads fastest: neighbouring programs write neighbouring rows
     h = tl.program_id(0) % H
@@ -116,12 +147,16 @@ def _decompress_kernel(
     out_off = (t.to(tl.int64) * H + h)[:, None] * D
     k_ptr = k_out + out_off
     v_ptr = v_out + out_off
-    if ROT_K:
+    if ROT_K and FWHT:
+        _fwht_side(k_ptr, row, h, tok_mask, in_range, kc_ptr, rot_ptr, BT, D, NIBBLE, K, LOG2D)
+    elif ROT_K:
         _rotate_back_side(k_ptr, row, h, tok_mask, in_range, kc_ptr, rot_ptr, BT, D, DP, NIBBLE, K, KC,
                           DOT_PRECISION, STAGES)
     else:
         _decode_side(k_ptr, row, h, tok_mask, in_range, kc_ptr, D, DP, NIBBLE, K, K_ALIGNED)
-    if ROT_V:
+    if ROT_V and FWHT:
+        _fwht_side(v_ptr, row, h, tok_mask, in_range, vc_ptr, rot_ptr, BT, D, NIBBLE, V, LOG2D)
+    elif ROT_V:
         _rotate_back_side(v_ptr, row, h, tok_mask, in_range, vc_ptr, rot_ptr, BT, D, DP, NIBBLE, V, KC,
                           DOT_PRECISION, STAGES)
     else:
@@ -131,15 +166,18 @@ def _decompress_kernel(
 class DecompressConfig(NamedTuple):
     """Tiles and compile options of :func:`_decompress_kernel`: ``BT`` slots a program, ``KC``
     columns of the decoded tile a rotate-back product, ``num_stages`` the rotate-back loop's
-    pipeline depth."""
+    pipeline depth; ``fwht``: rotated sides rotated back by the in-register Walsh–Hadamard
+    transform (only for a signed Sylvester rotation at a power-of-two head_dim)."""
 
     BT: int
     KC: int
     num_warps: int
     num_stages: int
+    fwht: bool = False
 
 
-def decompress_config(rotate_back: bool, interpret: bool, head_dim: int = 128) -> DecompressConfig:
+def decompress_config(rotate_back: bool, interpret: bool, head_dim: int = 128,
+                      signed_sylvester: bool = False) -> DecompressConfig:
     """The program's tiles. The grid runs heads fastest (neighbouring programs write neighbouring
     rows of the output). Without a rotate-back on the GPU: 4 slots, 1 warp. With one: 64 slots,
     32 columns a product, 4 warps, 2 stages where ``head_dim`` pads to 128; 32 slots, 16 columns
@@ -157,16 +195,26 @@ def decompress_config(rotate_back: bool, interpret: bool, head_dim: int = 128) -
     32 × 16 tile kept before; 3 stages within 3% on the H100, 128 slots or 8 warps 1.5–2x
     slower); at D256 it lost (H100: 588 against 454 for 32 × 16; 128 slots 2432, 2 warps 17,354:
     spills), and at D64 it was 10% slower (75 against 68). Session 35's sweep under the old grid:
-    docs/performance.md."""
-    for name, flag in (("rotate_back", rotate_back), ("interpret", interpret)):
+    docs/performance.md.
+
+    ``signed_sylvester`` (the rotation is ``diag(s)·H/√D``) at a power-of-two ``head_dim`` with a
+    rotate-back: the in-register transform (``fwht``) at the codec-space tile, 4 slots × 1 warp
+    (16 in the interpreter). Chosen offline (session 36, sm_90 compile: 1040 instructions and no
+    spills for turboquant_4bit_nc at D128, against 3792 and 200 stack bytes for the 64 × 32
+    product; no GPU time left): not yet timed."""
+    for name, flag in (("rotate_back", rotate_back), ("interpret", interpret),
+                       ("signed_sylvester", signed_sylvester)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if isinstance(head_dim, bool) or not isinstance(head_dim, int):
         raise TypeError(f"head_dim must be an int, got {type(head_dim).__name__}")
     if head_dim < 1:
         raise ValueError(f"head_dim must be positive, got {head_dim}")
+    fwht = rotate_back and signed_sylvester and head_dim & (head_dim - 1) == 0
     if interpret:
-        return DecompressConfig(16, 16, 4, 1)
+        return DecompressConfig(16, 16, 4, 1, fwht)
+    if fwht:
+        return DecompressConfig(4, 16, 1, 1, True)
     if not rotate_back:
         return DecompressConfig(4, 16, 1, 1)
     if triton.next_power_of_2(head_dim) == 128:
@@ -175,13 +223,17 @@ def decompress_config(rotate_back: bool, interpret: bool, head_dim: int = 128) -
 
 
 def _launch_decompress(k_out, v_out, cache, slot_ids, layout, tables, errors, *, rotate_back: bool,
-                       interpret: bool, config: DecompressConfig | None = None):
+                       interpret: bool, config: DecompressConfig | None = None, signed_sylvester: bool = False):
     """Fill ``k_out, v_out [N, H, D]`` float32 from ``slot_ids [N]``; no checks. ``errors``: the
     int32 ``[1]`` error word. ``tables["rotation"]``: float32 ``Π [D, D]`` (read where a rotated
-    side is rotated back)."""
+    side is rotated back), ``diag(s)·H/√D`` where ``signed_sylvester`` (the default config's
+    ``fwht`` then; a given ``config`` with ``fwht`` asserts it)."""
     c = layout_args(layout)
     fmt = layout.format
-    cfg = config or decompress_config(rotate_back, interpret, layout.head_dim)
+    d = layout.head_dim
+    cfg = config or decompress_config(rotate_back, interpret, d, signed_sylvester)
+    if cfg.fwht and d & (d - 1):
+        raise ValueError(f"config.fwht needs a power-of-two head_dim, got {d}")
     n = slot_ids.shape[0]
     grid = (triton.cdiv(n, cfg.BT) * layout.num_kv_heads,)
     consts = {k: v for k, v in c.items() if not k.startswith("PAD")}
@@ -191,4 +243,5 @@ def _launch_decompress(k_out, v_out, cache, slot_ids, layout, tables, errors, *,
                              ROT_V=rotate_back and fmt.value.rotated, KC=cfg.KC,
                              DOT_PRECISION="ieee" if interpret else "tf32x3", K_ALIGNED=halfword_aligned(layout, "key"),
                              V_ALIGNED=halfword_aligned(layout, "value"), STAGES=cfg.num_stages,
+                             FWHT=cfg.fwht, LOG2D=d.bit_length() - 1 if cfg.fwht else 0,
                              num_warps=cfg.num_warps, **consts)

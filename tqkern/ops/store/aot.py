@@ -77,14 +77,16 @@ def _compile(fn, ptrs: dict, ints: list, constexprs: dict, num_warps: int):
 
 def compile_decompress(layout, rotate_back: bool):
     """``(compiled, config)``: the ``decompress`` kernel of ``layout`` compiled for sm_90 at its
-    GPU config (slot ids int64, the slot count unspecialized)."""
+    GPU config for the layout's default parameters (the Walsh–Hadamard rotate-back where their
+    rotation is signed Sylvester; slot ids int64, the slot count unspecialized)."""
     from tqkern.ops.codecs import layout_args
     from tqkern.ops.common import halfword_aligned
     from tqkern.ops.decompress.triton import _decompress_kernel, decompress_config
 
     if not hasattr(_decompress_kernel, "params"):
         raise RuntimeError("the kernel is interpreted (TRITON_INTERPRET=1): compile in a process without it")
-    cfg = decompress_config(rotate_back, interpret=False, head_dim=layout.head_dim)
+    cfg = decompress_config(rotate_back, interpret=False, head_dim=layout.head_dim,
+                            signed_sylvester=default_signed_sylvester(layout))
     fmt = layout.format
     ptrs = {"k_out": "*fp32", "v_out": "*fp32", "cache_ptr": "*u8", "slot_ptr": "*i64", "kc_ptr": "*fp64",
             "vc_ptr": "*fp64", "rot_ptr": "*fp32", "err_ptr": "*i32"}
@@ -92,7 +94,7 @@ def compile_decompress(layout, rotate_back: bool):
     cx.update(BT=cfg.BT, H=layout.num_kv_heads, ROT_K=rotate_back and fmt.key.rotated,
               ROT_V=rotate_back and fmt.value.rotated, KC=cfg.KC, DOT_PRECISION="tf32x3",
               K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
-              STAGES=cfg.num_stages)
+              STAGES=cfg.num_stages, FWHT=cfg.fwht, LOG2D=layout.head_dim.bit_length() - 1 if cfg.fwht else 0)
     return _compile(_decompress_kernel, ptrs, ["n", "cache_slots"], cx, cfg.num_warps), cfg
 
 
