@@ -139,7 +139,7 @@ def test_int8_tiles_match_oracle(preset, data):
     q, q64 = _draw_q(layout, group, batch, qdtype, data)
     got, got_lse = _tiles(layout, params, batch, q, cache, budget_rows=budget, window_left=window, sinks=sinks,
                           return_lse=lse, fresh=data.draw(st.booleans(), label="out_none"), int8=True,
-                          logit_softcap=cap)
+                          logit_softcap=cap, gather_fwht=data.draw(st.booleans(), label="gather_fwht"))
     res = int8_prefill(q64, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, layout, params,
                        window_left=window, logit_softcap=cap, sinks=sinks, return_lse=True)
     _compare(got, res[0], layout, params, batch, cache, q64, group, what="int8 oracle", got_lse=got_lse,

@@ -16,6 +16,7 @@ round the same operands), so the fused kernel's budget holds.
 import numpy as np
 import pytest
 import torch
+import triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +24,7 @@ import tqkern.testing as T
 from property_tests.test_prefill_triton import DEV, ON_GPU, _compare, _draw_q, _fill_cache, prefill_cases
 from tqkern import reference as ref
 from tqkern.layouts import PRESETS
+from tqkern.ops.decompress.gather import gather_config
 from tqkern_torch.errors import error_word
 from tqkern_torch.ops import _device_params
 from tqkern_torch.prefill_tiles import attend_cudnn, attend_flash, attend_math, attend_tiles, tile_prefill
@@ -34,7 +36,7 @@ pytestmark = [pytest.mark.skipif(not kernels_available(), reason="needs CUDA or 
 
 
 def _tiles(layout, params, batch, q, cache, *, budget_rows, window_left=None, sinks=None, return_lse=False,
-           attend=None, fresh=False, int8=False, logit_softcap=None):
+           attend=None, fresh=False, int8=False, logit_softcap=None, gather_fwht=False):
     """``tile_prefill`` on ``DEV`` into a NaN-poisoned output (with ``fresh``: ``out=None``, what
     it returns; one dense call then returns its own output) with a workspace of ``budget_rows``
     prefix rows; NumPy (out, lse or None)."""
@@ -49,7 +51,8 @@ def _tiles(layout, params, batch, q, cache, *, budget_rows, window_left=None, si
                        out=None if fresh else out, lse=lse,
                        window_left=window_left, sinks=None if sinks is None else torch.from_numpy(sinks).to(DEV),
                        workspace_bytes=budget_rows * 2 * h * d * q.element_size(),
-                       attend=attend, int8=int8, logit_softcap=logit_softcap)
+                       attend=attend, int8=int8, logit_softcap=logit_softcap,
+                       gather=gather_config(triton.next_power_of_2(d))._replace(fwht=gather_fwht))
     assert res is out or fresh and res.shape == q.shape and res.dtype == q.dtype and res.is_contiguous()
     return res.float().cpu().numpy(), None if lse is None else lse.cpu().numpy().astype(np.float64)
 
@@ -88,11 +91,76 @@ def test_tiles_match_oracle(preset, data):
     cache = _fill_cache(layout, params, batch, data)
     q, q64 = _draw_q(layout, group, batch, qdtype, data)
     fresh = data.draw(st.booleans(), label="out_none")
+    fwht = data.draw(st.booleans(), label="gather_fwht")  # (takes effect for signed Sylvester rotations)
     got, got_lse = _tiles(layout, params, batch, q, cache, budget_rows=budget, window_left=window, sinks=sinks,
-                          return_lse=lse, attend=attend, fresh=fresh, logit_softcap=cap)
+                          return_lse=lse, attend=attend, fresh=fresh, logit_softcap=cap, gather_fwht=fwht)
     res = ref.prefill(q64, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, layout, params,
                       window_left=window, logit_softcap=cap, sinks=sinks, return_lse=True)
     _compare(got, res[0], layout, params, batch, cache, q64, group, got_lse=got_lse, expect_lse=res[1])
+
+
+@pytest.mark.parametrize("preset,int8", [("tqkern_k5v3", False), ("turboquant_4bit_nc", False), ("tqkern_k4v4", True)])
+def test_gather_transform_matches_oracle(preset, int8):
+    """``GatherConfig.fwht`` with the default (signed Sylvester) rotation: the rotated sides leave
+    the gather rotated back by the Walsh–Hadamard transform (keys too, but for ``int8_prefill``,
+    whose keys stay in the codec's space), and the rows are the oracle's (the drawn test above
+    meets this path only where it draws a signed Sylvester rotation)."""
+    import tqkern
+
+    layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset(preset, 64), num_kv_heads=2, block_size=16)
+    params = tqkern.TQParams.default(layout.format)
+    assert _device_params(params, layout, DEV).signed_sylvester
+    batch = T.VarlenBatch(np.array([[3, 0, 4], [1, 2, 5]], np.int32), np.array([40, 33], np.int32), 6, 16, [17, 33])
+    rng = np.random.default_rng(11)
+    cache = np.zeros(layout.cache_shape(batch.num_blocks), np.uint8)
+    for s in range(2):
+        n = int(batch.seq_lens[s])
+        k, v = (rng.standard_normal((n, 2, 64)).astype(np.float16) for _ in range(2))
+        cache = ref.store(cache, k, v, batch.slot_ids(s), layout, params)
+    q64 = rng.standard_normal((batch.num_tokens, 4, 64)) * 0.3
+    q = torch.from_numpy(q64).half().to(DEV)
+    q64 = q.double().cpu().numpy()
+    got, _ = _tiles(layout, params, batch, q, cache, budget_rows=24, int8=int8, gather_fwht=True)
+    oracle = ref.int8_prefill if int8 else ref.prefill
+    expect = oracle(q64, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, layout, params)
+    if int8:
+        from property_tests.test_int8_prefill_triton import _int8_bounds as bounds
+    else:
+        from property_tests.test_prefill_triton import _bounds as bounds
+    for s in range(2):  # _compare's budget (it notes through Hypothesis)
+        a, b = int(batch.query_start_loc[s]), int(batch.query_start_loc[s + 1])
+        delta, vmax = bounds(layout, params, batch, cache, q64, s, 2)
+        err = float(np.abs(got[a:b] - expect[a:b]).max())
+        assert err <= (4e-3 + 2 * delta) * vmax + 1e-6, f"seq {s}: error {err:.3g}"
+
+
+@pytest.mark.parametrize("preset", ["tqkern_k5v3", "turboquant_4bit_nc", "tqkern_k4v4"])
+def test_gather_transform_rows_are_the_rotated_back_reconstruction(preset):
+    """What the dense kernel is handed with ``GatherConfig.fwht``: each key and value row equals the
+    oracle's reconstruction rotated back (float64), up to one rounding to fp16 and float32 sums
+    of D terms."""
+    import tqkern
+
+    layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset(preset, 64), num_kv_heads=2, block_size=16)
+    params = tqkern.TQParams.default(layout.format)
+    rng = np.random.default_rng(3)
+    n = 40
+    k, v = (rng.standard_normal((n, 2, 64)).astype(np.float16) for _ in range(2))
+    batch = T.VarlenBatch(np.array([[2, 0, 1]], np.int32), np.array([n], np.int32), 3, 16, [n])
+    cache = ref.store(np.zeros(layout.cache_shape(3), np.uint8), k, v, batch.slot_ids(0), layout, params)
+    seq = ref.gather_sequences(cache, layout, batch.block_table, batch.seq_lens)[0]
+    expect = ref.decompress(seq, params, rotate_back=True)  # float64 [n, 2, 64] each
+    seen = {}
+
+    def attend(q, kk, vv, b, **kw):
+        seen["kv"] = (kk.float().cpu().numpy(), vv.float().cpu().numpy())
+        return torch.zeros_like(q), torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)
+
+    q = torch.zeros((n, 2, 64), dtype=torch.float16, device=DEV)
+    _tiles(layout, params, batch, q, cache, budget_rows=1 << 20, attend=attend, gather_fwht=True)
+    for name, got, x in zip(("key", "value"), seen["kv"], expect):
+        tol = 2.0**-11 * np.abs(x) + 16 * 2.0**-24 * np.linalg.norm(x, axis=-1, keepdims=True)
+        assert np.all(np.abs(got - x) <= tol), f"{name}: max error {np.abs(got - x).max():.3g}"
 
 
 def test_device_lengths_that_disagree_stay_in_bounds():

@@ -286,7 +286,7 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
                  out: Optional[torch.Tensor], lse: Optional[torch.Tensor], window_left: Optional[int],
                  sinks: Optional[torch.Tensor], workspace_bytes: int = WORKSPACE_BYTES,
                  attend: Optional[Attend] = None, int8: bool = False,
-                 logit_softcap: Optional[float] = None) -> torch.Tensor:
+                 logit_softcap: Optional[float] = None, gather=None) -> torch.Tensor:
     """The tiled prefill of ``q`` (validated by the caller; ``q_lens``/``seq_lens`` the host copies
     of ``query_start_loc``'s lengths and ``seq_lens_dev``, valid). Writes and returns ``out``, and
     ``lse`` when given. With ``out`` None a call that is one dense call (every row in one piece, no
@@ -299,7 +299,9 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
     never rotated back), and every piece goes to :func:`attend_tiles` (``attend`` is ignored). Its
     sequences have 0 or more than ``EXACT_QUERY_MAX`` new tokens (shorter ones take ``prefill``'s
     scores in ``int8_prefill``'s spec; the frontend routes them elsewhere): ``ValueError`` else. A
-    ``logit_softcap`` sends every piece to :func:`attend_tiles` too."""
+    ``logit_softcap`` sends every piece to :func:`attend_tiles` too. ``gather``: the gather
+    kernel's :class:`~tqkern.ops.decompress.gather.GatherConfig` (default its ``gather_config``;
+    with ``fwht`` a signed Sylvester rotation is undone in the gather, not by a product here)."""
     from tqkern.ops.common import halfword_aligned
     from tqkern.ops.decompress.gather import _gather_kernel, gather_config
 
@@ -309,7 +311,12 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
                          f"prefill's scores), got q_lens[{s}] = {q_lens[s]}")
     h, d = layout.num_kv_heads, layout.head_dim
     fmt = layout.format
-    rotated = (fmt.key.rotated and not int8, fmt.value.rotated)
+    c = {k: v for k, v in layout_args(layout).items() if not k.startswith("PAD")}
+    gc = gather_config(c["DP"]) if gather is None else gather
+    # a side in its codec's space, or rotated back by the gather's transform (signed Sylvester)
+    fwht = gc.fwht and p.signed_sylvester and d & (d - 1) == 0
+    in_gather = (fwht and fmt.key.rotated and not int8, fwht and fmt.value.rotated)
+    rotated = (fmt.key.rotated and not int8 and not in_gather[0], fmt.value.rotated and not in_gather[1])
     plan = plan_tiles(q_lens, seq_lens, budget_rows=max(1, workspace_bytes // (2 * h * d * q.element_size())),
                       window_left=window_left)
     if int8 or logit_softcap is not None:
@@ -329,8 +336,6 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
     back = [torch.empty_like(ws[i]) if rotated[i] else ws[i] for i in (0, 1)]
     rot_t = p.rotation.t().to(q.dtype) if any(rotated) else None
     queries = quantize_q(q, p.rotation, fmt.key.rotated, p.signed_sylvester) if int8 else q
-    c = {k: v for k, v in layout_args(layout).items() if not k.startswith("PAD")}
-    gc = gather_config(c["DP"])
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
@@ -345,9 +350,10 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
         used = sum(pc.length for pc in rnd)
         _gather_kernel[gc.grid(longest, n_seq, h)](
             ws[0], ws[1], cache, block_table, runs[r], k_table, p.value_centroids_f32, errors, num_blocks,
-            block_table.stride(0), cap, rows, k_scales, BS=layout.block_size, H=h,
+            block_table.stride(0), cap, rows, k_scales, p.rotation, BS=layout.block_size, H=h,
             K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
-            OUT_BF16=q.dtype == torch.bfloat16, K_INT8=int8, **c, **gc._asdict())
+            OUT_BF16=q.dtype == torch.bfloat16, K_INT8=int8, K_FWHT=in_gather[0], V_FWHT=in_gather[1],
+            LOG2D=d.bit_length() - 1, BT=gc.BT, TILES=gc.TILES, num_warps=gc.num_warps, **c)
         for side in (0, 1):
             if rotated[side]:
                 torch.mm(ws[side][:used].view(-1, d), rot_t, out=back[side][:used].view(-1, d))

@@ -9,13 +9,15 @@ the int8 codes of :mod:`tqkern.ops.int8_prefill.reference` and their float32 sca
 ``int8_prefill``'s workspace, the codes made once per key: for Lloyd-Max keys from the codebook's
 int8 image, ``kc_ptr`` then being ``DeviceParams.key_int8_table``; else from the float32
 reconstruction). A program takes ``TILES`` tiles of ``BT``
-positions of one run and one KV head (grid ``(tiles of the longest run, runs, H)``).
+positions of one run and one KV head (grid ``(H, tiles of the longest run, runs)``: heads fastest).
 
 Maths. Each side's reconstruction in its codec's space (float32,
 :func:`~tqkern.ops.decompress.triton.decoded_values`) rounded once to the output dtype; a rotated
 side is rotated back by the caller (one tensor-core product over the whole workspace: in this
 kernel the ``[D, D]`` operand cost 128 registers per thread and the H100's shared memory, and the
-kernel ran at 4–7% of copy bandwidth, S20). A key is the reconstruction of ``key − μ``: attention
+kernel ran at 4–7% of copy bandwidth, S20), or, with ``K_FWHT`` / ``V_FWHT`` (a signed Sylvester
+rotation, ``rot_ptr`` its float32 ``Π``), here by the Walsh–Hadamard transform in float32 before
+the one rounding. A key is the reconstruction of ``key − μ``: attention
 scores shift by ``q·μ`` per query row, which the softmax (and a log-sum-exp merge of partials)
 cancels, so the workspace never adds μ back.
 
@@ -35,7 +37,7 @@ import triton
 import triton.language as tl
 
 from tqkern.errors import ErrorFlag
-from tqkern.ops.decompress.triton import decoded_values
+from tqkern.ops.decompress.triton import _fwht_tile, decoded_values
 from tqkern.ops.codecs import KIND_LLOYD_MAX
 from tqkern.ops.int8_prefill.triton import image_codes, int8_codes
 
@@ -45,42 +47,52 @@ _ERR_BLOCK = tl.constexpr(int(ErrorFlag.BLOCK_OUT_OF_RANGE))
 
 
 class GatherConfig(NamedTuple):
-    """``BT`` positions per tile, ``TILES`` per program, ``num_warps``."""
+    """``BT`` positions per tile, ``TILES`` per program, ``num_warps``; ``fwht``: a rotated side
+    with a signed Sylvester rotation is written rotated back (the in-register Walsh–Hadamard
+    transform of ``decompress``) instead of in its codec's space."""
 
     BT: int
     TILES: int
     num_warps: int
+    fwht: bool = False
 
     def grid(self, longest: int, runs: int, heads: int) -> tuple[int, int, int]:
-        return (-(-longest // (self.BT * self.TILES)), runs, heads)
+        """Heads fastest (axis 0), then position tiles, then runs: the KV heads of one token row
+        are read and written by neighbouring programs (as in ``decompress``, S36)."""
+        return (heads, -(-longest // (self.BT * self.TILES)), runs)
 
 
 def gather_config(dp: int) -> GatherConfig:
     """The tiles for padded head_dim ``dp``: 64 positions × 2 tiles per program, 4 warps (8 at
-    256 columns, to keep the float32 tile in registers)."""
+    256 columns, to keep the float32 tile in registers). ``fwht`` off: the transform in the gather
+    is built (session 36) but not yet timed against the caller's tensor-core product."""
     return GatherConfig(64, 2, 4 if dp <= 128 else 8)
 
 
 @triton.jit
 def _gather_kernel(
     k_out, v_out, cache_ptr, block_table_ptr, run_ptr, kc_ptr, vc_ptr, err_ptr, num_blocks, stride_bt, max_pos,
-    ws_rows, ks_out,
+    ws_rows, ks_out, rot_ptr,
     BT: tl.constexpr, TILES: tl.constexpr, BS: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr, K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr,
     OUT_BF16: tl.constexpr, K: tl.constexpr, V: tl.constexpr, K_INT8: tl.constexpr = False,
+    K_FWHT: tl.constexpr = False, V_FWHT: tl.constexpr = False, LOG2D: tl.constexpr = 0,
 ):
     OUT: tl.constexpr = tl.bfloat16 if OUT_BF16 else tl.float16
-    e = tl.program_id(1)
-    h = tl.program_id(2)
+    h = tl.program_id(0)
+    tile0 = tl.program_id(1) * TILES
+    e = tl.program_id(2)
     seq = tl.load(run_ptr + 4 * e).to(tl.int64)
     start = tl.load(run_ptr + 4 * e + 1)
     length = tl.load(run_ptr + 4 * e + 2)
     out_row = tl.load(run_ptr + 4 * e + 3).to(tl.int64)
     bt_row = block_table_ptr + seq * stride_bt
     cols = tl.arange(0, DP)
-    bad = tl.program_id(0) * 0
+    if K_FWHT or V_FWHT:  # Π = diag(s)·H/√D: x = Π[:, 0] ⊙ H·y (DP == D)
+        sgn = tl.load(rot_ptr + cols * D)[None, :]
+    bad = h * 0
     for i in range(TILES):
-        j = (tl.program_id(0) * TILES + i) * BT + tl.arange(0, BT)
+        j = (tile0 + i) * BT + tl.arange(0, BT)
         pos = start + j
         # whatever the runs say: positions inside the block-table row, rows inside the workspace
         live = (j < length) & (pos >= 0) & (pos < max_pos) & (out_row + j < ws_rows)
@@ -99,7 +111,11 @@ def _gather_kernel(
             tl.store(ks_out + h * ws_rows + out_row + j, s, mask=live)
         else:
             y = decoded_values(row, h, live, kc_ptr, D, DP, NIBBLE, K, tl.float32, K_ALIGNED)
+            if K_FWHT:
+                y = _fwht_tile(y, BT, D, LOG2D) * sgn
             tl.store(k_out + out_off, y.to(OUT), mask=m2)
         y = decoded_values(row, h, live, vc_ptr, D, DP, NIBBLE, V, tl.float32, V_ALIGNED)
+        if V_FWHT:
+            y = _fwht_tile(y, BT, D, LOG2D) * sgn
         tl.store(v_out + out_off, y.to(OUT), mask=m2)
     tl.atomic_or(err_ptr, bad * _ERR_BLOCK, mask=bad != 0, sem="relaxed")

@@ -106,9 +106,10 @@ def compile_quantize_q(layout, in_dtype: str = "fp16"):
     return _compile(_quantize_q_kernel, cx, types, dict(num_warps=cfg.num_warps)), cfg
 
 
-def compile_gather(layout, out_dtype: str = "fp16", int8: bool = False):
+def compile_gather(layout, out_dtype: str = "fp16", int8: bool = False, fwht: bool = False):
     """The tiled prefill's gather kernel for ``layout`` writing ``out_dtype`` (``int8``: int8 keys
-    and their scales), compiled for sm_90."""
+    and their scales; ``fwht``: rotated sides rotated back by the Walsh–Hadamard transform, as
+    ``GatherConfig.fwht`` does for a signed Sylvester rotation), compiled for sm_90."""
     from tqkern.ops.codecs import layout_args
     from tqkern.ops.common import halfword_aligned
     from tqkern.ops.decompress.gather import _gather_kernel, gather_config
@@ -117,10 +118,11 @@ def compile_gather(layout, out_dtype: str = "fp16", int8: bool = False):
     gc = gather_config(c["DP"])
     cx = dict(c, BS=layout.block_size, H=layout.num_kv_heads, OUT_BF16=out_dtype == "bf16", BT=gc.BT,
               TILES=gc.TILES, K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
-              K_INT8=int8)
+              K_INT8=int8, K_FWHT=fwht and layout.format.key.rotated and not int8,
+              V_FWHT=fwht and layout.format.value.rotated, LOG2D=layout.head_dim.bit_length() - 1)
     types = {"k_out": "*i8" if int8 else f"*{out_dtype}", "v_out": f"*{out_dtype}", "ks_out": "*fp32",
              "cache_ptr": "*u8", "block_table_ptr": "*i32", "run_ptr": "*i32", "err_ptr": "*i32",
-             "kc_ptr": "*fp32", "vc_ptr": "*fp32"}
+             "kc_ptr": "*fp32", "vc_ptr": "*fp32", "rot_ptr": "*fp32"}
     return _compile(_gather_kernel, cx, types, dict(num_warps=gc.num_warps)), gc
 
 
@@ -135,7 +137,7 @@ def report(case: str) -> dict:
     if side:
         lay = layout_of_case(preset, arr, int(d), int(hkv))
         if "gather" in side:
-            compiled, cfg = compile_gather(lay, out, int8="int8" in opts)
+            compiled, cfg = compile_gather(lay, out, int8="int8" in opts, fwht="fwht" in opts)
         elif "attend" in side:
             compiled, cfg = compile_tile_attend(lay, int(hq), out, "window" in opts, "softcap" in opts,
                                                 int8="half" not in opts)
