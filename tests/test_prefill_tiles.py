@@ -169,3 +169,18 @@ def test_one_dense_call_returns_its_output(q_lens, seq_lens, sinks, one_call, mo
     fresh = pt.tile_prefill(q, cache, bt, sl, qsl, out=None, lse=lse_fresh, **kw)
     assert bool(merged) != one_call and fresh.is_contiguous()
     assert torch.equal(fresh, given) and torch.equal(lse_fresh, lse_given)
+
+
+def test_gather_grid_runs_heads_fastest_and_names_its_limits():
+    """The gather's grid: KV heads on the first axis (neighbouring programs share a token row),
+    then position tiles, then runs; CUDA's 65,535 limit on the other two axes is named."""
+    from tqkern.ops.decompress.gather import gather_config
+
+    gc = gather_config(128)
+    per = gc.BT * gc.TILES
+    assert gc.grid(per + 1, 3, 8) == (8, 2, 3)
+    assert gc.grid(65535 * per, 65535, 8) == (8, 65535, 65535)
+    with pytest.raises(ValueError, match="at most 65535 position tiles and runs, got 65536 tiles"):
+        gc.grid(65535 * per + 1, 1, 8)
+    with pytest.raises(ValueError, match="got 1 tiles .* and 65536 runs"):
+        gc.grid(1, 65536, 8)

@@ -58,8 +58,13 @@ class GatherConfig(NamedTuple):
 
     def grid(self, longest: int, runs: int, heads: int) -> tuple[int, int, int]:
         """Heads fastest (axis 0), then position tiles, then runs: the KV heads of one token row
-        are read and written by neighbouring programs (as in ``decompress``, S36)."""
-        return (heads, -(-longest // (self.BT * self.TILES)), runs)
+        are read and written by neighbouring programs (as in ``decompress``, S36). CUDA's second
+        and third grid axes hold at most 65,535 programs: ``ValueError`` beyond."""
+        tiles = -(-longest // (self.BT * self.TILES))
+        if tiles > 65535 or runs > 65535:
+            raise ValueError(f"a gather round takes at most 65535 position tiles and runs, got {tiles} tiles "
+                             f"(longest run {longest}) and {runs} runs")
+        return (heads, tiles, runs)
 
 
 def gather_config(dp: int) -> GatherConfig:
