@@ -83,6 +83,11 @@ def test_captured_mixed_batch_takes_the_fused_kernel(case, monkeypatch):
                      errors=torch.zeros(1, dtype=torch.int32, device=DEV), scale=D ** -0.5, out=None, lse=None,
                      window_left=None, sinks=None, int8=True)
 
+    with pytest.raises(TypeError, match="gather must be None or a GatherConfig, got tuple"):
+        tile_prefill(q.to(DEV), *t, layout, p, q_lens=[1, 8, 17, 0], seq_lens=sl.tolist(), num_blocks=cache.shape[0],
+                     errors=torch.zeros(1, dtype=torch.int32, device=DEV), scale=D ** -0.5, out=None, lse=None,
+                     window_left=None, sinks=None, gather=(64, 2, 4))
+
     def no_tiles(*args, **kwargs):
         raise AssertionError("the tiled path was taken")
 

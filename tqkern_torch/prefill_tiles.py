@@ -303,7 +303,7 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
     kernel's :class:`~tqkern.ops.decompress.gather.GatherConfig` (default its ``gather_config``;
     with ``fwht`` a signed Sylvester rotation is undone in the gather, not by a product here)."""
     from tqkern.ops.common import halfword_aligned
-    from tqkern.ops.decompress.gather import _gather_kernel, gather_config
+    from tqkern.ops.decompress.gather import GatherConfig, _gather_kernel, gather_config
 
     if int8 and any(1 <= n <= EXACT_QUERY_MAX for n in q_lens):
         s = next(i for i, n in enumerate(q_lens) if 1 <= n <= EXACT_QUERY_MAX)
@@ -311,6 +311,8 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
                          f"prefill's scores), got q_lens[{s}] = {q_lens[s]}")
     h, d = layout.num_kv_heads, layout.head_dim
     fmt = layout.format
+    if gather is not None and not isinstance(gather, GatherConfig):
+        raise TypeError(f"gather must be None or a GatherConfig, got {type(gather).__name__}")
     c = {k: v for k, v in layout_args(layout).items() if not k.startswith("PAD")}
     gc = gather_config(c["DP"]) if gather is None else gather
     # a side in its codec's space, or rotated back by the gather's transform (signed Sylvester)

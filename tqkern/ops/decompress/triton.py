@@ -1,7 +1,7 @@
 """Decompress slots of a paged cache back to dense float32 K and V (each in its codec's space).
 
-A program reads ``BT`` slots of one KV head; the grid runs heads fastest. A side in its codec's space (or not rotated) is
-decoded in float64 (Lloyd-Max from the float64 codebook) and rounded once to float32. A rotated
+A program reads ``BT`` slots of one KV head; the grid runs heads fastest. A side in its codec's
+space (or not rotated) is decoded in float64 (Lloyd-Max from the float64 codebook) and rounded once to float32. A rotated
 side read back in original coordinates (``rotate_back``) is decoded in float32 and multiplied by
 Πᵀ in the program (``tf32x3`` on the GPU), ``KC`` of its rows at a time (the loop pipelined
 ``STAGES`` deep): no second launch and no matmul over the whole output. The error stays inside
@@ -189,8 +189,8 @@ def decompress_config(rotate_back: bool, interpret: bool, head_dim: int = 128,
     (fp16 preset 53 against 86), rotated back 372 / 176 / 291 against 402 / 211 / 326. Then two
     sweeps under it (one H200, one H100 run). In the codec's space 4 slots × 1 warp was the
     fastest or within 4% of it at every preset (H200: 50 / 46 / 52 / 51 against 87 / 66 / 77 / 73
-    at 16 × 4 warps; 2 slots ×
-    1 warp as fast on the H100, 1 slot and ≥ 32 slots slower). Rotated back at D128, 64 × 32 × 4
+    at 16 × 4 warps; 2 slots × 1 warp as fast on the H100, 1 slot and ≥ 32 slots slower). Rotated
+    back at D128, 64 × 32 × 4
     warps × 2 stages (H200: 313 / 167 / 258, k5v4h 253, against 365 / 175 / 295 / 342 at the
     32 × 16 tile kept before; 3 stages within 3% on the H100, 128 slots or 8 warps 1.5–2x
     slower); at D256 it lost (H100: 588 against 454 for 32 × 16; 128 slots 2432, 2 warps 17,354:
@@ -213,10 +213,8 @@ def decompress_config(rotate_back: bool, interpret: bool, head_dim: int = 128,
     fwht = rotate_back and signed_sylvester and head_dim & (head_dim - 1) == 0
     if interpret:
         return DecompressConfig(16, 16, 4, 1, fwht)
-    if fwht:
-        return DecompressConfig(4, 16, 1, 1, True)
-    if not rotate_back:
-        return DecompressConfig(4, 16, 1, 1)
+    if fwht or not rotate_back:  # (the transform keeps the codec-space tile)
+        return DecompressConfig(4, 16, 1, 1, fwht)
     if triton.next_power_of_2(head_dim) == 128:
         return DecompressConfig(64, 32, 4, 2)
     return DecompressConfig(32, 16, 4, 2)

@@ -28,10 +28,13 @@ import triton.language as tl
 from tqkern.errors import ErrorFlag
 from tqkern.layouts import PagedLayout
 from tqkern.ops.common import layout_consts
+from tqkern.ops.int8_prefill.reference import EXACT_QUERY_MAX
 
 __all__ = ["SHORT_QUERY_MAX", "short_rows_constexprs", "_short_rows_prep_kernel", "_short_rows_merge_kernel"]
 
-SHORT_QUERY_MAX = 8  # the longest q_len the decode path takes (T·G query heads per KV head)
+# the longest q_len the decode path takes (T·G query heads per KV head): int8_prefill's spec gives
+# exactly these sequences prefill's scores, so that both functions route them here
+SHORT_QUERY_MAX = EXACT_QUERY_MAX
 
 
 def short_rows_constexprs(layout: PagedLayout, t: int, num_q_heads: int) -> dict:
