@@ -199,9 +199,9 @@ def decompress_config(rotate_back: bool, interpret: bool, head_dim: int = 128,
 
     ``signed_sylvester`` (the rotation is ``diag(s)·H/√D``) at a power-of-two ``head_dim`` with a
     rotate-back: the in-register transform (``fwht``) at the codec-space tile, 4 slots × 1 warp
-    (16 in the interpreter). Chosen offline (session 36, sm_90 compile: 1040 instructions and no
-    spills for turboquant_4bit_nc at D128, against 3792 and 200 stack bytes for the 64 × 32
-    product; no GPU time left): not yet timed."""
+    (16 in the interpreter). Chosen offline (session 36, sm_90 compile with Triton 3.6's ptxas,
+    turboquant_4bit_nc row arrangement at D128: 952 instructions and no spills, against 3312 and
+    104 stack bytes for the 64 × 32 product; no GPU time left): not yet timed."""
     for name, flag in (("rotate_back", rotate_back), ("interpret", interpret),
                        ("signed_sylvester", signed_sylvester)):
         if not isinstance(flag, bool):
