@@ -119,3 +119,20 @@ def test_decompress_config_takes_bools():
         decompress_config(True, False, 128, None)
     assert decompress_config(True, False, 96, True).fwht is False  # (no transform at D96)
     assert decompress_config(False, False, 128, True).fwht is False
+    with pytest.raises(TypeError, match="rows must be None or an int, got float"):
+        decompress_config(True, False, 128, False, 8.0)
+    with pytest.raises(ValueError, match="rows must be non-negative, got -1"):
+        decompress_config(True, False, 128, False, -1)
+
+
+def test_decompress_config_small_calls_take_small_product_tiles():
+    """The D128 product path: 16-slot tiles below ``SMALL_ROWS`` slot-head rows (a short-row
+    prefill's tail keys), 64 from there on; other paths do not depend on the row count."""
+    from tqkern.ops.decompress.triton import SMALL_ROWS, decompress_config
+
+    assert decompress_config(True, False, 128, False, SMALL_ROWS - 1).BT == 16
+    assert decompress_config(True, False, 128, False, SMALL_ROWS).BT == 64
+    assert decompress_config(True, False, 128, False).BT == 64
+    assert decompress_config(True, False, 96, False, 8).BT == 16  # (pads to 128)
+    for args in ((True, False, 256, False), (True, False, 128, True), (False, False, 128, False)):
+        assert decompress_config(*args, 8) == decompress_config(*args, SMALL_ROWS)

@@ -56,15 +56,17 @@ BUDGETS = {
     # Sylvester rotation (every default Hadamard layout at a power-of-two D) rotates back by the
     # in-register Walsh-Hadamard transform, 4 slots x 1 warp: no spills (the product tile before:
     # 4bit_nc row 200 stack bytes / 3792 instructions, k5v3 D256 280 / 4568, k8v4 0 / 3888); tq4
-    # (a dense rotation) and D96 keep the product
+    # (a dense rotation) and D96 keep the product. Session 37: the transform at 8 slots (timed
+    # faster: docs/performance.md), no spills; instructions 4 slots -> 8: 4bit_nc row 1224 -> 2168,
+    # D64 544 -> 1016, k5v3 D256 2248 -> 4400, k8v4 920 -> 1856 (Triton 3.6: 1840 / 952 / 4408 / 1688)
     "tq4:slot:128:8:decompress": (0, 696),
     "fp16:slot:128:8:decompress": (0, 336),  # raw fields read 16 bits at a time (byte pairs before: 448)
     "tq4:slot:128:8:decompress+rotate": (464, 4312),
-    "turboquant_4bit_nc:row:128:8:decompress+rotate": (0, 1224),
-    "turboquant_4bit_nc:slot:64:8:decompress+rotate": (0, 544),
-    "tqkern_k5v3:slot:256:8:decompress+rotate": (0, 2248),
+    "turboquant_4bit_nc:row:128:8:decompress+rotate": (0, 2168),
+    "turboquant_4bit_nc:slot:64:8:decompress+rotate": (0, 1016),
+    "tqkern_k5v3:slot:256:8:decompress+rotate": (0, 4400),
     "tq4:slot:96:8:decompress+rotate": (496, 4696),
-    "turboquant_k8v4:slot:128:8:decompress+rotate": (0, 920),
+    "turboquant_k8v4:slot:128:8:decompress+rotate": (0, 1856),
 }
 
 

@@ -32,7 +32,7 @@ from tqkern.ops.codecs import KIND_LLOYD_MAX, KIND_UNIFORM, NC_DECODE, layout_ar
 from tqkern.ops.common import halfword_aligned
 from tqkern.ops.fields import load_tile, token_factors
 
-__all__ = ["_decompress_kernel", "_launch_decompress", "decoded_values", "DecompressConfig", "decompress_config"]
+__all__ = ["_decompress_kernel", "_launch_decompress", "decoded_values", "DecompressConfig", "decompress_config", "SMALL_ROWS"]
 
 _ERR_SLOT = tl.constexpr(int(ErrorFlag.SLOT_OUT_OF_RANGE))
 
@@ -176,12 +176,17 @@ class DecompressConfig(NamedTuple):
     fwht: bool = False
 
 
+# below this many slot-head rows (N·H) the D128 product path takes 16-slot tiles (more programs)
+SMALL_ROWS = 16384
+
+
 def decompress_config(rotate_back: bool, interpret: bool, head_dim: int = 128,
-                      signed_sylvester: bool = False) -> DecompressConfig:
+                      signed_sylvester: bool = False, rows: int | None = None) -> DecompressConfig:
     """The program's tiles. The grid runs heads fastest (neighbouring programs write neighbouring
     rows of the output). Without a rotate-back on the GPU: 4 slots, 1 warp. With one: 64 slots,
-    32 columns a product, 4 warps, 2 stages where ``head_dim`` pads to 128; 32 slots, 16 columns
-    elsewhere (64 and 256). The interpreter: 16 slots, 16 columns, 1 stage.
+    32 columns a product, 4 warps, 2 stages where ``head_dim`` pads to 128 (16 slots where the call
+    has fewer than ``SMALL_ROWS`` slot-head ``rows``, N·H); 32 slots, 16 columns elsewhere (64 and
+    256). The interpreter: 16 slots, 16 columns, 1 stage.
 
     Measured (session 36, 16,384 tokens, µs, one graph-replayed launch; tq4 / turboquant_4bit_nc
     / tqkern_k5v3 at D128 Hkv8, tqkern_k5v3 at D256 Hkv4). The heads-fastest grid against token
@@ -198,10 +203,17 @@ def decompress_config(rotate_back: bool, interpret: bool, head_dim: int = 128,
     docs/performance.md.
 
     ``signed_sylvester`` (the rotation is ``diag(s)·H/√D``) at a power-of-two ``head_dim`` with a
-    rotate-back: the in-register transform (``fwht``) at the codec-space tile, 4 slots × 1 warp
-    (16 in the interpreter). Chosen offline (session 36, sm_90 compile with Triton 3.6's ptxas,
-    turboquant_4bit_nc row arrangement at D128: 952 instructions and no spills, against 3312 and
-    104 stack bytes for the 64 × 32 product; no GPU time left): not yet timed."""
+    rotate-back: the in-register transform (``fwht``), 8 slots × 1 warp (16 in the interpreter).
+    Measured (session 37, H100, 16,384 tokens, µs, same run) against the product path's best
+    tile: turboquant_4bit_nc 65 against 170, turboquant_k3v4_nc 66 / 165, tqkern_k5v3 87 / 251,
+    k5v4h 87 / 247 at D128; tqkern_k5v3 91 / 450 at D256 (Hkv4); turboquant_4bit_nc 35 / 68 at
+    D64. 4 slots: within 3% at 4-bit, 8-19% slower at k5v3, k5v4h, D64 and D256; 8 slots × 2
+    warps within 5% at 4-bit, 12-22% slower at 5-bit keys; 2, 16 or 32 slots slower everywhere.
+
+    Few rows (``prefill``'s short rows decompress their ≤ 7 tail keys a sequence): measured
+    (session 37, H100, tq4's dense rotation at D128 Hkv8, µs) 96 slots 9.8 at 16 × 32 × 4 warps × 2
+    stages against 23.7 at 64 slots (32 slots 14.7); 512 slots 13.1 against 24.9; 2048 slots (the
+    threshold) 47.3 against 41.6."""
     for name, flag in (("rotate_back", rotate_back), ("interpret", interpret),
                        ("signed_sylvester", signed_sylvester)):
         if not isinstance(flag, bool):
@@ -210,13 +222,19 @@ def decompress_config(rotate_back: bool, interpret: bool, head_dim: int = 128,
         raise TypeError(f"head_dim must be an int, got {type(head_dim).__name__}")
     if head_dim < 1:
         raise ValueError(f"head_dim must be positive, got {head_dim}")
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int)):
+        raise TypeError(f"rows must be None or an int, got {type(rows).__name__}")
+    if rows is not None and rows < 0:
+        raise ValueError(f"rows must be non-negative, got {rows}")
     fwht = rotate_back and signed_sylvester and head_dim & (head_dim - 1) == 0
     if interpret:
         return DecompressConfig(16, 16, 4, 1, fwht)
-    if fwht or not rotate_back:  # (the transform keeps the codec-space tile)
-        return DecompressConfig(4, 16, 1, 1, fwht)
+    if fwht:
+        return DecompressConfig(8, 16, 1, 1, True)
+    if not rotate_back:
+        return DecompressConfig(4, 16, 1, 1)
     if triton.next_power_of_2(head_dim) == 128:
-        return DecompressConfig(64, 32, 4, 2)
+        return DecompressConfig(16 if rows is not None and rows < SMALL_ROWS else 64, 32, 4, 2)
     return DecompressConfig(32, 16, 4, 2)
 
 
@@ -229,10 +247,10 @@ def _launch_decompress(k_out, v_out, cache, slot_ids, layout, tables, errors, *,
     c = layout_args(layout)
     fmt = layout.format
     d = layout.head_dim
-    cfg = config or decompress_config(rotate_back, interpret, d, signed_sylvester)
+    n = slot_ids.shape[0]
+    cfg = config or decompress_config(rotate_back, interpret, d, signed_sylvester, n * layout.num_kv_heads)
     if cfg.fwht and d & (d - 1):
         raise ValueError(f"config.fwht needs a power-of-two head_dim, got {d}")
-    n = slot_ids.shape[0]
     grid = (triton.cdiv(n, cfg.BT) * layout.num_kv_heads,)
     consts = {k: v for k, v in c.items() if not k.startswith("PAD")}
     _decompress_kernel[grid](k_out, v_out, cache, slot_ids, tables["key_centroids"], tables["value_centroids"],
