@@ -109,7 +109,7 @@ def test_gather_transform_matches_oracle(preset, int8):
 
     layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset(preset, 64), num_kv_heads=2, block_size=16)
     params = tqkern.TQParams.default(layout.format)
-    assert _device_params(params, layout, DEV).signed_sylvester
+    assert _device_params(params, layout, torch.empty(0, device=DEV).device).signed_sylvester
     batch = T.VarlenBatch(np.array([[3, 0, 4], [1, 2, 5]], np.int32), np.array([40, 33], np.int32), 6, 16, [17, 33])
     rng = np.random.default_rng(11)
     cache = np.zeros(layout.cache_shape(batch.num_blocks), np.uint8)

@@ -68,10 +68,18 @@ class GatherConfig(NamedTuple):
 
 
 def gather_config(dp: int) -> GatherConfig:
-    """The tiles for padded head_dim ``dp``: 64 positions × 2 tiles per program, 4 warps (8 at
-    256 columns, to keep the float32 tile in registers). ``fwht`` off: the transform in the gather
-    is built (session 36) but not yet timed against the caller's tensor-core product."""
-    return GatherConfig(64, 2, 4 if dp <= 128 else 8)
+    """The tiles for padded head_dim ``dp``: 16 positions, one tile per program, 1 warp (2 at 256
+    columns); ``fwht`` off (the caller's GEMM rotates back).
+
+    Measured end to end (session 37, H100, ``prefill`` µs, Hq32/Hkv8/D128; turboquant_4bit_nc /
+    tq4 / tqkern_k5v3): 8 × 1K chunks on 16K prefixes 4292 / 4632 / 4518 at 16 × 1 × 1 warp
+    against 4417 / 4941 / 4687 at the 64 × 2 × 4 warps before (32 × 1 × 2 and 64 × 1 × 4 within
+    1.2% of the old tiles); 1 × 16K 3862 / 3983 / 3988 against 3831 / 4010 / 3990. The heads-fastest
+    grid against token tiles fastest: within 1.2% end to end. ``fwht`` at 16 × 1 × 1 (tq4's dense
+    rotation keeps the product either way): chunks 4287 / – / 4373, 1 × 16K 3926 / – / 3955, i.e.
+    turboquant_4bit_nc +1.7% at 1 × 16K, where issue 21's ≥ 1.0x of SDPA sits within 1–2%; off
+    until a tile makes it faster everywhere (it saves the second workspace per rotated side)."""
+    return GatherConfig(16, 1, 1 if dp <= 128 else 2)
 
 
 @triton.jit
