@@ -184,3 +184,54 @@ def test_gather_grid_runs_heads_fastest_and_names_its_limits():
         gc.grid(65535 * per + 1, 1, 8)
     with pytest.raises(ValueError, match="got 1 tiles .* and 65536 runs"):
         gc.grid(1, 65536, 8)
+
+
+def test_gather_config_fits_long_runs_by_more_tiles_per_program():
+    """A run longer than 65,535 programs' positions (one KV head at head_dim 64 fills the default
+    workspace with 2^20 rows) takes more tiles per program instead of a failed grid."""
+    from tqkern.ops.decompress.gather import gather_config
+    from tqkern_torch.prefill_tiles import WORKSPACE_BYTES
+
+    gc = gather_config(64)
+    per = gc.BT * gc.TILES
+    assert gc.fitting(65535 * per) is gc
+    rows = WORKSPACE_BYTES // (2 * 1 * 64 * 2)  # K + V rows of one fp16 KV head at head_dim 64
+    wide = gc.fitting(rows)
+    assert wide.TILES == 2 * gc.TILES and wide._replace(TILES=gc.TILES) == gc
+    assert wide.grid(rows, 1, 1) == (1, -(-rows // (2 * per)), 1)
+    assert gc.fitting(65535 * 4 * per).TILES == 4 * gc.TILES
+
+
+def test_tile_prefill_runs_long_runs_with_more_tiles_per_program(monkeypatch):
+    """The wiring of ``GatherConfig.fitting``: with the grid's axis limit lowered to 2 programs,
+    the 60-position prefix run and the 40-position causal run (16-position tiles) take 2 tiles a
+    program, and the rows equal the default call's."""
+    import tqkern
+    import tqkern.ops.decompress.gather as gather
+    import tqkern_torch.prefill_tiles as pt
+    from tqkern import reference as ref
+    from tqkern_torch._validate import use_triton
+    from tqkern_torch.errors import error_word
+    from tqkern_torch.ops import _device_params
+
+    if not use_triton(torch.device("cpu")):
+        pytest.skip("needs TRITON_INTERPRET=1 on a CPU")
+    layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset("turboquant_4bit_nc", 64), num_kv_heads=1,
+                                block_size=16)
+    params = tqkern.TQParams.default(layout.format)
+    rng = torch.Generator().manual_seed(2)
+    k, v = (torch.randn(112, 1, 64, generator=rng).half() for _ in range(2))
+    cache = torch.from_numpy(ref.store(np.zeros(layout.cache_shape(7), np.uint8), k.numpy(), v.numpy(),
+                                       np.arange(112), layout, params))
+    bt, sl, qsl = (torch.tensor(x, dtype=torch.int32) for x in ([[3, 0, 6, 1, 5, 2, 4]], [100], [0, 40]))
+    q = torch.randn(40, 2, 64, generator=rng).half()
+    kw = dict(layout=layout, p=_device_params(params, layout, q.device), q_lens=[40], seq_lens=[100],
+              num_blocks=7, errors=error_word(q.device), scale=0.125, window_left=None, sinks=None,
+              attend=pt.attend_math, out=None, lse=None)
+    want = pt.tile_prefill(q, cache, bt, sl, qsl, **kw)
+    tiles = []
+    real = gather.GatherConfig.grid
+    monkeypatch.setattr(gather, "GRID_AXIS_MAX", 2)
+    monkeypatch.setattr(gather.GatherConfig, "grid", lambda self, *a: tiles.append(self.TILES) or real(self, *a))
+    got = pt.tile_prefill(q, cache, bt, sl, qsl, **kw)
+    assert tiles == [2, 2] and torch.equal(got, want)

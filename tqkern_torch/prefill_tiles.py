@@ -350,12 +350,13 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
     for r, rnd in enumerate(plan.rounds):
         longest = max(pc.length for pc in rnd)
         used = sum(pc.length for pc in rnd)
-        _gather_kernel[gc.grid(longest, n_seq, h)](
+        gr = gc.fitting(longest)
+        _gather_kernel[gr.grid(longest, n_seq, h)](
             ws[0], ws[1], cache, block_table, runs[r], k_table, p.value_centroids_f32, errors, num_blocks,
             block_table.stride(0), cap, rows, k_scales, p.rotation, BS=layout.block_size, H=h,
             K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
             OUT_BF16=q.dtype == torch.bfloat16, K_INT8=int8, K_FWHT=in_gather[0], V_FWHT=in_gather[1],
-            LOG2D=d.bit_length() - 1, BT=gc.BT, TILES=gc.TILES, num_warps=gc.num_warps, **c)
+            LOG2D=d.bit_length() - 1, BT=gr.BT, TILES=gr.TILES, num_warps=gr.num_warps, **c)
         for side in (0, 1):
             if rotated[side]:
                 torch.mm(ws[side][:used].view(-1, d), rot_t, out=back[side][:used].view(-1, d))

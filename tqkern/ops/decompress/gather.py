@@ -44,6 +44,7 @@ from tqkern.ops.int8_prefill.triton import image_codes, int8_codes
 __all__ = ["_gather_kernel", "GatherConfig", "gather_config"]
 
 _ERR_BLOCK = tl.constexpr(int(ErrorFlag.BLOCK_OUT_OF_RANGE))
+GRID_AXIS_MAX = 65535  # CUDA's limit on a grid's second and third axes
 
 
 class GatherConfig(NamedTuple):
@@ -61,10 +62,20 @@ class GatherConfig(NamedTuple):
         are read and written by neighbouring programs (as in ``decompress``, S36). CUDA's second
         and third grid axes hold at most 65,535 programs: ``ValueError`` beyond."""
         tiles = -(-longest // (self.BT * self.TILES))
-        if tiles > 65535 or runs > 65535:
-            raise ValueError(f"a gather round takes at most 65535 position tiles and runs, got {tiles} tiles "
+        if tiles > GRID_AXIS_MAX or runs > GRID_AXIS_MAX:
+            raise ValueError(f"a gather round takes at most {GRID_AXIS_MAX} position tiles and runs, got {tiles} tiles "
                              f"(longest run {longest}) and {runs} runs")
         return (heads, tiles, runs)
+
+    def fitting(self, longest: int) -> "GatherConfig":
+        """This config, or where a run of ``longest`` positions needs more than 65,535 programs
+        on the position axis, the same with ``TILES`` doubled until it fits (a run of a million
+        positions or more: one KV head at head_dim 64 fills the default workspace with 2^20
+        rows)."""
+        cfg = self
+        while -(-longest // (cfg.BT * cfg.TILES)) > GRID_AXIS_MAX:
+            cfg = cfg._replace(TILES=cfg.TILES * 2)
+        return cfg
 
 
 def gather_config(dp: int) -> GatherConfig:
