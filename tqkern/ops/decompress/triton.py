@@ -32,7 +32,8 @@ from tqkern.ops.codecs import KIND_LLOYD_MAX, KIND_UNIFORM, NC_DECODE, layout_ar
 from tqkern.ops.common import halfword_aligned
 from tqkern.ops.fields import load_tile, token_factors
 
-__all__ = ["_decompress_kernel", "_launch_decompress", "decoded_values", "DecompressConfig", "decompress_config", "SMALL_ROWS"]
+__all__ = ["_decompress_kernel", "_launch_decompress", "decoded_values", "DecompressConfig", "decompress_config",
+           "SMALL_ROWS"]
 
 _ERR_SLOT = tl.constexpr(int(ErrorFlag.SLOT_OUT_OF_RANGE))
 
