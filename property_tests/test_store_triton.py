@@ -140,7 +140,7 @@ def _decompress_at(cache, ids, layout, params, rotate_back, tiles):
 
 # None (the public call) or (slots a program, columns a rotate-back product, the Walsh–Hadamard
 # rotate-back where allowed) for the launcher
-DECOMPRESS_TILES = st.one_of(st.none(), st.tuples(st.sampled_from([4, 16, 32, 64]), st.sampled_from([16, 32, 64]),
+DECOMPRESS_TILES = st.one_of(st.none(), st.tuples(st.sampled_from([4, 8, 16, 32, 64]), st.sampled_from([16, 32, 64]),
                                                   st.booleans()))
 
 
