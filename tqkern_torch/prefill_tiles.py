@@ -304,6 +304,7 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
     with ``fwht`` a signed Sylvester rotation is undone in the gather, not by a product here)."""
     from tqkern.ops.common import halfword_aligned
     from tqkern.ops.decompress.gather import GatherConfig, _gather_kernel, gather_config
+    from tqkern.ops.decompress.triton import transform_applies
 
     if int8 and any(1 <= n <= EXACT_QUERY_MAX for n in q_lens):
         s = next(i for i, n in enumerate(q_lens) if 1 <= n <= EXACT_QUERY_MAX)
@@ -316,7 +317,7 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
     c = {k: v for k, v in layout_args(layout).items() if not k.startswith("PAD")}
     gc = gather_config(c["DP"]) if gather is None else gather
     # a side in its codec's space, or rotated back by the gather's transform (signed Sylvester)
-    fwht = gc.fwht and p.signed_sylvester and d & (d - 1) == 0
+    fwht = gc.fwht and transform_applies(p.signed_sylvester, d)
     in_gather = (fwht and fmt.key.rotated and not int8, fwht and fmt.value.rotated)
     rotated = (fmt.key.rotated and not int8 and not in_gather[0], fmt.value.rotated and not in_gather[1])
     plan = plan_tiles(q_lens, seq_lens, budget_rows=max(1, workspace_bytes // (2 * h * d * q.element_size())),

@@ -33,7 +33,7 @@ from tqkern.ops.common import halfword_aligned
 from tqkern.ops.fields import load_tile, token_factors
 
 __all__ = ["_decompress_kernel", "_launch_decompress", "decoded_values", "DecompressConfig", "decompress_config",
-           "SMALL_ROWS"]
+           "SMALL_ROWS", "transform_applies"]
 
 _ERR_SLOT = tl.constexpr(int(ErrorFlag.SLOT_OUT_OF_RANGE))
 
@@ -181,6 +181,13 @@ class DecompressConfig(NamedTuple):
 SMALL_ROWS = 16384
 
 
+def transform_applies(signed_sylvester: bool, head_dim: int) -> bool:
+    """Whether a rotation can be undone by the in-register Walsh–Hadamard transform (``decompress``
+    and the tiled prefill's gather): a signed Sylvester ``Π`` (``DeviceParams.signed_sylvester``)
+    at a power-of-two ``head_dim``."""
+    return signed_sylvester and head_dim & (head_dim - 1) == 0
+
+
 def decompress_config(rotate_back: bool, interpret: bool, head_dim: int = 128,
                       signed_sylvester: bool = False, rows: int | None = None) -> DecompressConfig:
     """The program's tiles. The grid runs heads fastest (neighbouring programs write neighbouring
@@ -196,12 +203,11 @@ def decompress_config(rotate_back: bool, interpret: bool, head_dim: int = 128,
     sweeps under it (one H200, one H100 run). In the codec's space 4 slots × 1 warp was the
     fastest or within 4% of it at every preset (H200: 50 / 46 / 52 / 51 against 87 / 66 / 77 / 73
     at 16 × 4 warps; 2 slots × 1 warp as fast on the H100, 1 slot and ≥ 32 slots slower). Rotated
-    back at D128, 64 × 32 × 4
-    warps × 2 stages (H200: 313 / 167 / 258, k5v4h 253, against 365 / 175 / 295 / 342 at the
-    32 × 16 tile kept before; 3 stages within 3% on the H100, 128 slots or 8 warps 1.5–2x
-    slower); at D256 it lost (H100: 588 against 454 for 32 × 16; 128 slots 2432, 2 warps 17,354:
-    spills), and at D64 it was 10% slower (75 against 68). Session 35's sweep under the old grid:
-    docs/performance.md.
+    back at D128, 64 × 32 × 4 warps × 2 stages (H200: 313 / 167 / 258, k5v4h 253, against 365 /
+    175 / 295 / 342 at the 32 × 16 tile kept before; 3 stages within 3% on the H100, 128 slots or
+    8 warps 1.5–2x slower); at D256 it lost (H100: 588 against 454 for 32 × 16; 128 slots 2432, 2
+    warps 17,354: spills), and at D64 it was 10% slower (75 against 68). Session 35's sweep under
+    the old grid: docs/performance.md.
 
     ``signed_sylvester`` (the rotation is ``diag(s)·H/√D``) at a power-of-two ``head_dim`` with a
     rotate-back: the in-register transform (``fwht``), 8 slots × 1 warp (16 in the interpreter).
@@ -227,7 +233,7 @@ def decompress_config(rotate_back: bool, interpret: bool, head_dim: int = 128,
         raise TypeError(f"rows must be None or an int, got {type(rows).__name__}")
     if rows is not None and rows < 0:
         raise ValueError(f"rows must be non-negative, got {rows}")
-    fwht = rotate_back and signed_sylvester and head_dim & (head_dim - 1) == 0
+    fwht = rotate_back and transform_applies(signed_sylvester, head_dim)
     if interpret:
         return DecompressConfig(16, 16, 4, 1, fwht)
     if fwht:
