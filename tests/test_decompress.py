@@ -126,13 +126,18 @@ def test_decompress_config_takes_bools():
 
 
 def test_decompress_config_small_calls_take_small_product_tiles():
-    """The D128 product path: 16-slot tiles below ``SMALL_ROWS`` slot-head rows (a short-row
-    prefill's tail keys), 64 from there on; other paths do not depend on the row count."""
+    """Below ``SMALL_ROWS`` slot-head rows (a short-row prefill's tail keys): the D128 product path
+    takes 16-slot tiles (64 from there on), the Walsh–Hadamard path 4 (8 from there on, at every
+    power-of-two head_dim); other paths do not depend on the row count."""
     from tqkern.ops.decompress.triton import SMALL_ROWS, decompress_config
 
     assert decompress_config(True, False, 128, False, SMALL_ROWS - 1).BT == 16
     assert decompress_config(True, False, 128, False, SMALL_ROWS).BT == 64
     assert decompress_config(True, False, 128, False).BT == 64
     assert decompress_config(True, False, 96, False, 8).BT == 16  # (pads to 128)
-    for args in ((True, False, 256, False), (True, False, 128, True), (False, False, 128, False)):
+    for d in (64, 128, 256):
+        assert decompress_config(True, False, d, True, SMALL_ROWS - 1) == (4, 16, 1, 1, True)
+        assert decompress_config(True, False, d, True, SMALL_ROWS) == (8, 16, 1, 1, True)
+        assert decompress_config(True, False, d, True) == (8, 16, 1, 1, True)
+    for args in ((True, False, 256, False), (False, False, 128, True), (False, False, 128, False)):
         assert decompress_config(*args, 8) == decompress_config(*args, SMALL_ROWS)

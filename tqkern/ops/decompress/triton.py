@@ -177,7 +177,8 @@ class DecompressConfig(NamedTuple):
     fwht: bool = False
 
 
-# below this many slot-head rows (N·H) the D128 product path takes 16-slot tiles (more programs)
+# below this many slot-head rows (N·H) the D128 product path takes 16-slot tiles and the
+# Walsh–Hadamard path 4-slot tiles (more programs)
 SMALL_ROWS = 16384
 
 
@@ -220,7 +221,11 @@ def decompress_config(rotate_back: bool, interpret: bool, head_dim: int = 128,
     Few rows (``prefill``'s short rows decompress their ≤ 7 tail keys a sequence): measured
     (session 37, H100, tq4's dense rotation at D128 Hkv8, µs) 96 slots 9.8 at 16 × 32 × 4 warps × 2
     stages against 23.7 at 64 slots (32 slots 14.7); 512 slots 13.1 against 24.9; 2048 slots (the
-    threshold) 47.3 against 41.6."""
+    threshold) 47.3 against 41.6. The transform (session 38, H100, D128 Hkv8, µs, 8 / 4 / 2 slots
+    × 1 warp): 512 slots turboquant_4bit_nc 4.9 / 4.1 / 4.6, tqkern_k5v3 5.5 / 5.2 / 6.4; 2048
+    slots 9.8 / 9.8 / 12.2 and 12.5 / 14.3 / 19.3. Another run, 8 / 4 slots at 96 / 512 / 2048
+    slots: turboquant_4bit_nc D64 Hkv8 2.8 / 2.4, 3.2 / 3.0, 5.8 / 6.2; tqkern_k5v3 D256 Hkv4 8.3 /
+    5.0, 8.7 / 6.1, 14.0 / 14.3 (8192 rows: below the threshold)."""
     for name, flag in (("rotate_back", rotate_back), ("interpret", interpret),
                        ("signed_sylvester", signed_sylvester)):
         if not isinstance(flag, bool):
@@ -237,7 +242,7 @@ def decompress_config(rotate_back: bool, interpret: bool, head_dim: int = 128,
     if interpret:
         return DecompressConfig(16, 16, 4, 1, fwht)
     if fwht:
-        return DecompressConfig(8, 16, 1, 1, True)
+        return DecompressConfig(4 if rows is not None and rows < SMALL_ROWS else 8, 16, 1, 1, True)
     if not rotate_back:
         return DecompressConfig(4, 16, 1, 1)
     if triton.next_power_of_2(head_dim) == 128:
