@@ -42,11 +42,13 @@ BUDGETS = {
     "turboquant_4bit_nc:slot:128:8:32:fp16:gather": (0, 2088),
     "tqkern_k5v3:row:256:2:8:fp16:gather": (0, 2200),
     "turboquant_k3v4_nc:slot:256:2:8:bf16:gather": (0, 2152),
-    # the gather rotating back by the Walsh-Hadamard transform (GatherConfig.fwht, S36: built, not
-    # yet timed against the caller's tensor-core product; the 7 or 8 butterfly stages of a 64-row
-    # tile through 4-8 KiB of shared memory, no spills)
+    # the gather rotating back by the Walsh-Hadamard transform (GatherConfig.fwht, S36; the default
+    # since S38: no slower than the caller's tensor-core product at 4 bits, 1-3% faster at 5-bit
+    # keys; the 7 or 8 butterfly stages through shared memory, no spills)
     "turboquant_4bit_nc:slot:128:8:32:fp16:gather+fwht": (0, 3008),
     "tqkern_k5v3:row:256:2:8:fp16:gather+fwht": (0, 4256),
+    # int8_prefill's gather: int8 keys, values rotated back by the transform (the default since S38)
+    "tqkern_k5v3:row:256:2:8:bf16:gather+int8+fwht": (0, 2840),
     # the tiled int8_prefill: the gather writing int8 keys, the query quantization (pm1 / split /
     # chunked / none) and the int8 attention kernel. The attention kernel's tiles were the fastest
     # measured on the H100 (Triton 3.6) and spill under Triton 3.9's compile (pinned)

@@ -235,3 +235,45 @@ def test_tile_prefill_runs_long_runs_with_more_tiles_per_program(monkeypatch):
     monkeypatch.setattr(gather.GatherConfig, "grid", lambda self, *a: tiles.append(self.TILES) or real(self, *a))
     got = pt.tile_prefill(q, cache, bt, sl, qsl, **kw)
     assert tiles == [2, 2] and torch.equal(got, want)
+
+
+def test_gather_config_rotates_back_in_the_gather():
+    """``gather_config``'s default: the Walsh–Hadamard rotate-back on, 16 positions a program."""
+    from tqkern.ops.decompress.gather import GatherConfig, gather_config
+
+    assert gather_config(128) == GatherConfig(16, 1, 1, True)
+    assert gather_config(256) == GatherConfig(16, 1, 2, True)
+
+
+@pytest.mark.parametrize("preset,int8,products", [("turboquant_4bit_nc", False, 0), ("tqkern_k5v3", False, 0),
+                                                   ("tq4", False, 4), ("tqkern_k5v3", True, 0), ("tq4", True, 2)])
+def test_tile_prefill_default_gather_rotates_signed_sylvester_sides_back(monkeypatch, preset, int8, products):
+    """The wiring of the default gather config: a signed Sylvester preset's rotated sides leave the
+    gather rotated back (no product by ``Πᵀ`` after it), tq4's dense rotation takes one product a
+    rotated side and round (a prefix round and a causal round here), ``int8_prefill``'s keys none
+    (they stay in the codec's space)."""
+    import tqkern
+    import tqkern_torch.prefill_tiles as pt
+    from tqkern import reference as ref
+    from tqkern_torch._validate import use_triton
+    from tqkern_torch.errors import error_word
+    from tqkern_torch.ops import _device_params
+
+    if not use_triton(torch.device("cpu")):
+        pytest.skip("needs TRITON_INTERPRET=1 on a CPU")
+    layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset(preset, 64), num_kv_heads=1, block_size=16)
+    params = tqkern.TQParams.default(layout.format)
+    rng = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(32, 1, 64, generator=rng).half() for _ in range(2))
+    cache = torch.from_numpy(ref.store(np.zeros(layout.cache_shape(2), np.uint8), k.numpy(), v.numpy(),
+                                       np.arange(32), layout, params))
+    bt, sl, qsl = (torch.tensor(x, dtype=torch.int32) for x in ([[1, 0]], [32], [0, 16]))
+    q = torch.randn(16, 1, 64, generator=rng).half()
+    kw = dict(layout=layout, p=_device_params(params, layout, q.device), q_lens=[16], seq_lens=[32],
+              num_blocks=2, errors=error_word(q.device), scale=0.125, window_left=None, sinks=None,
+              attend=pt.attend_math, out=None, lse=None, int8=int8)
+    calls = []
+    real = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda *a, **k_: calls.append(1) or real(*a, **k_))
+    out = pt.tile_prefill(q, cache, bt, sl, qsl, **kw)
+    assert len(calls) == products and torch.isfinite(out).all()

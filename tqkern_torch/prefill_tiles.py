@@ -291,8 +291,9 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
     of ``query_start_loc``'s lengths and ``seq_lens_dev``, valid). Writes and returns ``out``, and
     ``lse`` when given. With ``out`` None a call that is one dense call (every row in one piece, no
     sinks) returns that call's own output when it is contiguous (no copy), else a new tensor.
-    ``workspace_bytes`` bounds a prefix round's K and V in q's dtype; each rotated side's
-    rotated-back copy adds as much again for that side.
+    ``workspace_bytes`` bounds a prefix round's K and V in q's dtype; a rotated side the gather
+    does not rotate back (tq4's dense rotation, a head_dim not a power of two) adds as much again
+    for its rotated-back copy.
 
     ``int8`` (``int8_prefill``): the queries' int8 codes are made once (:func:`quantize_q`, in the
     key codec's space), the keys' by the gather (int8 codes and scales, in the key codec's space:
@@ -300,8 +301,9 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
     sequences have 0 or more than ``EXACT_QUERY_MAX`` new tokens (shorter ones take ``prefill``'s
     scores in ``int8_prefill``'s spec; the frontend routes them elsewhere): ``ValueError`` else. A
     ``logit_softcap`` sends every piece to :func:`attend_tiles` too. ``gather``: the gather
-    kernel's :class:`~tqkern.ops.decompress.gather.GatherConfig` (default its ``gather_config``;
-    with ``fwht`` a signed Sylvester rotation is undone in the gather, not by a product here)."""
+    kernel's :class:`~tqkern.ops.decompress.gather.GatherConfig` (default its ``gather_config``:
+    with ``fwht``, on by default, a signed Sylvester rotation is undone in the gather, not by a
+    product here, and that side's rotated-back copy is not allocated)."""
     from tqkern.ops.common import halfword_aligned
     from tqkern.ops.decompress.gather import GatherConfig, _gather_kernel, gather_config
     from tqkern.ops.decompress.triton import transform_applies

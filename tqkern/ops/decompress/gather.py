@@ -80,17 +80,24 @@ class GatherConfig(NamedTuple):
 
 def gather_config(dp: int) -> GatherConfig:
     """The tiles for padded head_dim ``dp``: 16 positions, one tile per program, 1 warp (2 at 256
-    columns); ``fwht`` off (the caller's GEMM rotates back).
+    columns); ``fwht`` on (a signed Sylvester rotation is undone here, and the caller allocates no
+    rotated-back copy for that side; ``int8_prefill``'s keys stay in the codec's space anyway).
 
     Measured end to end (session 37, H100, ``prefill`` µs, Hq32/Hkv8/D128; turboquant_4bit_nc /
     tq4 / tqkern_k5v3): 8 × 1K chunks on 16K prefixes 4292 / 4632 / 4518 at 16 × 1 × 1 warp
     against 4417 / 4941 / 4687 at the 64 × 2 × 4 warps before (32 × 1 × 2 and 64 × 1 × 4 within
     1.2% of the old tiles); 1 × 16K 3862 / 3983 / 3988 against 3831 / 4010 / 3990. The heads-fastest
-    grid against token tiles fastest: within 1.2% end to end. ``fwht`` at 16 × 1 × 1 (tq4's dense
-    rotation keeps the product either way): chunks 4287 / – / 4373, 1 × 16K 3926 / – / 3955, i.e.
-    turboquant_4bit_nc +1.7% at 1 × 16K, where issue 21's ≥ 1.0x of SDPA sits within 1–2%; off
-    until a tile makes it faster everywhere (it saves the second workspace per rotated side)."""
-    return GatherConfig(16, 1, 1 if dp <= 128 else 2)
+    grid against token tiles fastest: within 1.2% end to end.
+
+    ``fwht`` against the caller's product, same run (tq4's dense rotation keeps the product either
+    way): three H100 runs at 16 × 1 × 1 (sessions 37, 38, 38), turboquant_4bit_nc (keys rotated)
+    1 × 16K +1.7%, +0.3%, −0.5%, chunks −0.1%, +0.2%, −0.2% (the third run timed the unchanged
+    production config three times: 1.5% apart); tqkern_k5v3 (both sides) chunks −3.2%, −3.2%,
+    −3.1%, 1 × 16K −1.2%, −0.5% (runs 2 and 3); turboquant_k3v4_nc (run 3) −1.1% / −0.1%. The
+    value side alone (tqkern_k5v3, run 3, what ``int8_prefill`` takes): −2.0% / +0.2%; the keys
+    alone −2.7% / −0.5%. Other tiles (run 2): 8 positions −2.2% / +1.6% for turboquant_4bit_nc, 2
+    or 4 warps 1–3% slower."""
+    return GatherConfig(16, 1, 1 if dp <= 128 else 2, True)
 
 
 @triton.jit
