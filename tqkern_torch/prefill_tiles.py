@@ -306,7 +306,7 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
     product here, and that side's rotated-back copy is not allocated)."""
     from tqkern.ops.common import halfword_aligned
     from tqkern.ops.decompress.gather import GatherConfig, _gather_kernel, gather_config
-    from tqkern.ops.decompress.triton import transform_applies
+    from tqkern.ops.common import transform_applies
 
     if int8 and any(1 <= n <= EXACT_QUERY_MAX for n in q_lens):
         s = next(i for i, n in enumerate(q_lens) if 1 <= n <= EXACT_QUERY_MAX)

@@ -35,7 +35,7 @@ __all__ = [
     "DT_BF16", "DT_F16", "DT_F32", "KIND_FP8", "KIND_LLOYD_MAX", "KIND_RAW", "KIND_UNIFORM",
     "NC_DECODE", "NC_NONE", "NC_STORED", "SideConsts", "layout_args", "layout_consts", "side_consts",
     # building blocks
-    "halfword_aligned", "f64_to_f16_bits", "f32_to_bf16_bits", "f32_to_fp8e4m3_bits", "f64_to_bits", "store_bytes",
+    "halfword_aligned", "transform_applies", "_fwht_tile", "f64_to_f16_bits", "f32_to_bf16_bits", "f32_to_fp8e4m3_bits", "f64_to_bits", "store_bytes",
     "load_bytes", "bits_to_f32", "fp8e4m3_bits_to_f32", "store_packed", "load_packed", "load_param",
 ]
 
@@ -44,6 +44,28 @@ def halfword_aligned(layout: PagedLayout, side: str) -> bool:
     """Whether every head's data field of ``side`` starts at an even byte (16-bit access)."""
     c = side_consts(layout, side)
     return c.A_OFF % 2 == 0 and c.A_STRIDE % 2 == 0 and layout.row_bytes % 2 == 0
+
+
+# -- the Walsh–Hadamard transform (a signed Sylvester rotation Π = diag(s)·H/√D) ------------------
+def transform_applies(signed_sylvester: bool, head_dim: int) -> bool:
+    """Whether a rotation can be applied or undone by the in-register Walsh–Hadamard transform
+    (``decompress``, the tiled prefill's gather, the decode's q rotation): a signed Sylvester ``Π``
+    (``DeviceParams.signed_sylvester``) at a power-of-two ``head_dim``."""
+    return signed_sylvester and head_dim & (head_dim - 1) == 0
+
+
+@triton.jit
+def _fwht_tile(y, BT: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr):
+    """``H·y`` along the last axis of ``y [BT, D]`` (Sylvester order, unnormalised): stage ``st``
+    pairs columns ``2^st`` apart, ``(a, b) → (a + b, a − b)``."""
+    for st in tl.static_range(LOG2D):
+        y = tl.reshape(y, [BT, D // (2 << st), 2, 1 << st])
+        y = tl.permute(y, [0, 1, 3, 2])
+        a, b = tl.split(y)
+        y = tl.join(a + b, a - b)
+        y = tl.permute(y, [0, 1, 3, 2])
+        y = tl.reshape(y, [BT, D])
+    return y
 
 
 # -- float → bits -------------------------------------------------------------------------------

@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 
 from tqkern.errors import ErrorFlag
-from tqkern.ops.decompress.triton import _fwht_tile, decoded_values
+from tqkern.ops.common import _fwht_tile
+from tqkern.ops.decompress.triton import decoded_values
 from tqkern.ops.codecs import KIND_LLOYD_MAX
 from tqkern.ops.int8_prefill.triton import image_codes, int8_codes
 

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from tqkern.errors import ErrorFlag
 from tqkern.ops.codecs import KIND_LLOYD_MAX, KIND_UNIFORM, NC_DECODE, layout_args
-from tqkern.ops.common import halfword_aligned
+from tqkern.ops.common import _fwht_tile, halfword_aligned, transform_applies
 from tqkern.ops.fields import load_tile, token_factors
 
 __all__ = ["_decompress_kernel", "_launch_decompress", "decoded_values", "DecompressConfig", "decompress_config",
@@ -104,20 +104,6 @@ def _rotate_back_side(out_ptr_2d, row, h, tok_mask, in_range, cen_ptr, rot_ptr, 
 
 
 @triton.jit
-def _fwht_tile(y, BT: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr):
-    """``H·y`` along the last axis of ``y [BT, D]`` (Sylvester order, unnormalised): stage ``st``
-    pairs columns ``2^st`` apart, ``(a, b) → (a + b, a − b)``."""
-    for st in tl.static_range(LOG2D):
-        y = tl.reshape(y, [BT, D // (2 << st), 2, 1 << st])
-        y = tl.permute(y, [0, 1, 3, 2])
-        a, b = tl.split(y)
-        y = tl.join(a + b, a - b)
-        y = tl.permute(y, [0, 1, 3, 2])
-        y = tl.reshape(y, [BT, D])
-    return y
-
-
-@triton.jit
 def _fwht_side(out_ptr_2d, row, h, tok_mask, in_range, cen_ptr, rot_ptr, BT: tl.constexpr, D: tl.constexpr,
                NIBBLE: tl.constexpr, S: tl.constexpr, LOG2D: tl.constexpr):
     """One rotated side of BT slots rotated back by :func:`_fwht_tile` (``Π = diag(s)·H/√D``:
@@ -180,13 +166,6 @@ class DecompressConfig(NamedTuple):
 # below this many slot-head rows (N·H) the D128 product path takes 16-slot tiles and the
 # Walsh–Hadamard path 4-slot tiles (more programs)
 SMALL_ROWS = 16384
-
-
-def transform_applies(signed_sylvester: bool, head_dim: int) -> bool:
-    """Whether a rotation can be undone by the in-register Walsh–Hadamard transform (``decompress``
-    and the tiled prefill's gather): a signed Sylvester ``Π`` (``DeviceParams.signed_sylvester``)
-    at a power-of-two ``head_dim``."""
-    return signed_sylvester and head_dim & (head_dim - 1) == 0
 
 
 def decompress_config(rotate_back: bool, interpret: bool, head_dim: int = 128,
