@@ -410,6 +410,48 @@ def test_rotate_q_matches_numpy(d, rotate, cols):
     np.testing.assert_allclose(got, expect, rtol=0, atol=1e-5 * np.abs(expect).max())
 
 
+@needs_kernels
+@pytest.mark.parametrize("d", [16, 64, 128, 256])
+def test_rotate_q_by_the_transform_matches_numpy(d):
+    """A signed Sylvester Π (the default rotation of the Hadamard presets): ``q @ Π`` as the
+    Walsh–Hadamard transform of ``q ⊙ Π[:, 0]``, every column a program, to float32 rounding of
+    the float64 product (the transform adds exactly what the product sums, in another order)."""
+    fmt = tqkern.KVFormat.preset("turboquant_4bit_nc", d)
+    params = tqt.to_device(tqkern.TQParams.default(fmt, seed=3), DEV)
+    assert params.signed_sylvester
+    q = torch.randn(3, 10, d, device=DEV).half()[:, ::2]
+    got = rotate_q(q, params.rotation, True, INTERP, signed_sylvester=True).cpu().numpy()
+    expect = q.double().cpu().numpy() @ params.params.rotation
+    assert got.shape == (3, 5, d) and got.dtype == np.float32
+    bound = 4 * np.log2(d) * 2.0**-24 * np.abs(q.double().cpu().numpy()).sum(-1).max()
+    np.testing.assert_allclose(got, expect, rtol=0, atol=bound)
+    # a dense rotation named signed Sylvester by mistake would be rotated wrongly: the flag is the
+    # caller's promise (DeviceParams.signed_sylvester); without it the product runs
+    assert np.allclose(rotate_q(q, params.rotation, True, INTERP).cpu().numpy(), expect, atol=1e-4)
+
+
+def test_q_transform_rule():
+    """The decode's q rotation takes the transform for a rotated key codec with a signed Sylvester
+    Π at a power-of-two head_dim ≥ 16 (every column a program), else the 64- or 32-column product
+    (or the cast); the plan says which."""
+    from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode
+    from tqkern.ops.paged_decode.side_plans import _rotate_plan, q_transform
+
+    assert q_transform(True, True, 128) and q_transform(True, True, 16)
+    assert not q_transform(True, True, 96) and not q_transform(True, True, 8)
+    assert not q_transform(False, True, 128) and not q_transform(True, False, 128)
+    r = _rotate_plan(_layout("turboquant_4bit_nc", 256, 8), 8, 16, 512, signed_sylvester=True)
+    assert (r.fwht, r.cols, r.grid[1]) == (True, 256, 1)
+    r = _rotate_plan(_layout("turboquant_4bit_nc", 256, 8), 8, 16, 512)
+    assert (r.fwht, r.cols, r.grid[1]) == (False, 32, 8)
+    assert not _rotate_plan(_layout("turboquant_k8v4", 128, 8), 8, 16, 512, signed_sylvester=True).fwht
+    plan = plan_decode(_layout("turboquant_4bit_nc", 128, 8), 8, 32, 64, DeviceCaps.sm90(), same_codebooks=True,
+                       signed_sylvester=True)
+    assert plan.rotate.fwht and "rotate      Walsh-Hadamard, grid" in plan.describe()
+    with pytest.raises(TypeError, match="signed_sylvester must be a bool, got int"):
+        plan_decode(_layout("tq4", 128, 8), 8, 32, 64, DeviceCaps.sm90(), same_codebooks=True, signed_sylvester=1)
+
+
 def test_cooperative_plan_rules():
     """Cooperative stages (one CTA per sequence and split, a warp per KV head, whole rows through
     shared memory) are in the launcher's plan for 4-16 KV heads (a power of two) in blocks of a

@@ -213,7 +213,8 @@ def test_opcheck_paged_decode_with_options():
     torch.library.opcheck(torch.ops.tqkern.paged_decode.default,
                           (c.q.to(DEV), c.cache, c.bt.to(DEV), c.sl.to(DEV), dp.rotation, dp.key_centroids,
                            dp.value_centroids, dp.key_centroids_f32, dp.value_centroids_f32, out, None,
-                           layout_key(c.layout), 0.125, 2, dp.same_codebooks, 20, 2.0, c.sinks.to(DEV), lse))
+                           layout_key(c.layout), 0.125, 2, dp.same_codebooks, 20, 2.0, c.sinks.to(DEV), lse,
+                           dp.signed_sylvester))
 
 
 def test_torch_compile_fullgraph_with_options():

@@ -2,7 +2,8 @@
 ptxas on a machine without a GPU (``tqkern/ops/prefill/aot.py``), with the plan's own constexprs,
 for fp16 and bf16 outputs, head_dim 64–256, a raw-bf16 cache (the bf16 tensor-core path, which the interpreter
 cannot run) and every option; and the tiled path's own kernels (the gather, ``int8_prefill``'s query
-quantization, the attention kernel with int8 or half-precision Q·Kᵀ). Each kernel must compile within 255 registers and the H100's shared memory, and its stack bytes
+quantization, the attention kernel with int8 or half-precision Q·Kᵀ) and the q rotation the
+decode and the prefill launch first. Each kernel must compile within 255 registers and the H100's shared memory, and its stack bytes
 (spills) and SASS instruction count stay within the budgets below (today's values from Triton
 3.9's ptxas, instructions + 3%), so that a change adding spills or instructions fails here before
 any device time is spent. These are compile facts only: the kernel has not run on a GPU yet.
@@ -65,6 +66,12 @@ BUDGETS = {
     "turboquant_4bit_nc:slot:128:8:32:fp16:quantize": (0, 3384),
     "turboquant_4bit_nc:slot:256:8:32:bf16:quantize": (504, 6432),
     "turboquant_k8v4:slot:128:8:32:fp16:quantize": (0, 488),
+    # the q rotation with the block-table scan (the decode's and the prefill's first launch): tq4's
+    # tf32x3 product by Π in 64-column programs; a signed Sylvester Π by the Walsh-Hadamard
+    # transform, every column a program (S38, not yet timed)
+    "tq4:slot:128:8:32:fp16:rotate": (0, 1800),
+    "turboquant_4bit_nc:slot:128:8:32:fp16:rotate+fwht": (0, 864),
+    "tqkern_k5v3:slot:256:8:16:bf16:rotate+fwht": (8, 1416),
     # the same attention kernel with half-precision Q·Kᵀ: prefill with a logit soft-cap (Gemma-2)
     "tq4:slot:128:8:32:fp16:attend+half+softcap": (608, 7744),
     "turboquant_4bit_nc:slot:256:8:16:bf16:attend+half+softcap+window": (2424, 11664),

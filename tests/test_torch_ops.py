@@ -55,7 +55,7 @@ def test_opcheck_paged_decode(setup):
     torch.library.opcheck(torch.ops.tqkern.paged_decode.default,
                           (q, cache, bt, sl, dp.rotation, dp.key_centroids, dp.value_centroids, dp.key_centroids_f32,
                            dp.value_centroids_f32, out, None, layout_key(layout), 0.125, 2, False, -1, 0.0, None,
-                           None))
+                           None, dp.signed_sylvester))
 
 
 @needs_kernels

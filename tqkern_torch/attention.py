@@ -129,7 +129,8 @@ def _decode(q, cache, block_table, seq_lens, layout: PagedLayout, p, scale: floa
     short-row path) call it directly."""
     args = (q, cache, block_table, seq_lens, p.rotation, p.key_centroids, p.value_centroids, p.key_centroids_f32,
             p.value_centroids_f32, out, workspace, layout_key(layout), scale, num_splits or 0, p.same_codebooks)
-    args += (-1 if window_left is None else window_left, 0.0 if logit_softcap is None else logit_softcap, sinks, lse)
+    args += (-1 if window_left is None else window_left, 0.0 if logit_softcap is None else logit_softcap, sinks, lse,
+             p.signed_sylvester)
     if type(q) is torch.Tensor and not torch.compiler.is_compiling():
         _paged_decode_impl(*args)  # eager: the op's body without the dispatcher's layers (host time)
     else:
@@ -177,14 +178,15 @@ def plan_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
     options = decode_options(window_left, logit_softcap, sinks, True if return_lse else None)
     if not use_triton(q.device) or q.device.type != "cuda":
         return _plan(layout, q.shape[0], q.shape[1], block_table.shape[1], DeviceCaps.interpreter(),
-                     same_codebooks=p.same_codebooks, num_splits=num_splits, options=options)
+                     same_codebooks=p.same_codebooks, num_splits=num_splits, options=options,
+                     signed_sylvester=p.signed_sylvester)
 
     q_rot = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     seq_lens = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)
     tables = {"rotation": p.rotation, "key_centroids_f32": p.key_centroids_f32,
               "value_centroids_f32": p.value_centroids_f32}
     return prepare(layout, q_rot, cache, block_table, seq_lens, tables, same_codebooks=p.same_codebooks,
-                   num_splits=num_splits, options=options).plan
+                   num_splits=num_splits, options=options, signed_sylvester=p.signed_sylvester).plan
 
 
 def _tracing_or_capturing(dev: torch.device) -> bool:
@@ -199,11 +201,13 @@ def _paged_decode_impl(q: torch.Tensor, cache: torch.Tensor, block_table: torch.
                       key_centroids_f32: torch.Tensor, value_centroids_f32: torch.Tensor, out: torch.Tensor,
                       workspace: Optional[torch.Tensor], layout: str, scale: float, num_splits: int,
                       same_codebooks: bool, window_left: int, logit_softcap: float, sinks: Optional[torch.Tensor],
-                      lse: Optional[torch.Tensor]) -> None:
+                      lse: Optional[torch.Tensor], signed_sylvester: bool) -> None:
     """The op's body (``torch.ops.tqkern.paged_decode``): options off as ``window_left = −1``,
-    ``logit_softcap = 0.0``, ``sinks``/``lse`` ``None`` (``lse`` is written when given). No
-    argument has a default: torch 2.11 drops a mutated argument left at its default from the
-    boxed call and then fails (IndexError) indexing it for its version counter."""
+    ``logit_softcap = 0.0``, ``sinks``/``lse`` ``None`` (``lse`` is written when given);
+    ``signed_sylvester``: ``rotation`` is ``diag(s)·H/√D`` (``DeviceParams.signed_sylvester``:
+    the kernels may rotate q by the Walsh–Hadamard transform). No argument has a default: torch
+    2.11 drops a mutated argument left at its default from the boxed call and then fails
+    (IndexError) indexing it for its version counter."""
     lay = layout_of(layout)
     errors = error_word(q.device)
     cache, num_blocks = _cache_or_stand_in(cache)
@@ -217,7 +221,8 @@ def _paged_decode_impl(q: torch.Tensor, cache: torch.Tensor, block_table: torch.
         paged_decode_launch(out, q if q.stride(2) == 1 else q.contiguous(), cache, block_table, seq_lens, lay, tables,
                             errors, num_blocks, sm_scale=scale, same_codebooks=same_codebooks, workspace=workspace,
                             num_splits=num_splits or None, window_left=None if window_left < 0 else window_left,
-                            logit_softcap=logit_softcap or None, sinks=sinks, lse=lse)
+                            logit_softcap=logit_softcap or None, sinks=sinks, lse=lse,
+                            signed_sylvester=signed_sylvester)
         return
     # The NumPy oracle rejects bad indices; the kernels' policy is applied here first: lengths
     # clamped, bad block entries in use clamped into [0, num_blocks) as unsigned numbers (flagged).
@@ -277,5 +282,5 @@ paged_decode_op = torch.library.custom_op("tqkern::paged_decode", mutates_args=(
 @paged_decode_op.register_fake
 def _(q, cache, block_table, seq_lens, rotation, key_centroids, value_centroids, key_centroids_f32,
       value_centroids_f32, out, workspace, layout, scale, num_splits, same_codebooks, window_left, logit_softcap,
-      sinks, lse) -> None:
+      sinks, lse, signed_sylvester) -> None:
     return None

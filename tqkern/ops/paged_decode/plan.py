@@ -169,7 +169,8 @@ class DecodePlan:
                  f"decode      {d.kernel} kernel, {self.num_splits} splits, grid {d.grid}, {d.num_warps} warps, "
                  f"{d.num_stages} stages, maxnreg {d.maxnreg or '-'}",
                  "constexprs  " + " ".join(f"{k}={v}" for k, v in d.constexprs),
-                 f"rotate      grid {self.rotate.grid}, {self.rotate.rows} rows x {self.rotate.cols} cols, "
+                 f"rotate      {'Walsh-Hadamard' if self.rotate.fwht else 'product' if self.rotate.rotate else 'cast'}, "
+                 f"grid {self.rotate.grid}, {self.rotate.rows} rows x {self.rotate.cols} cols, "
                  f"scan {self.rotate.grid[0] - self.rotate.programs} rows x {self.rotate.scan_block}",
                  f"merge       {self.merge.impl}, grid {self.merge.grid}, {self.merge.chunks} chunks"
                  + (", rotate back" if self.merge.rotate_back else ""),
@@ -286,7 +287,7 @@ def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks
                 same_codebooks: bool, cache_aligned: bool = True, num_splits: int | None = None,
                 path: str = "auto", occupancy: Occupancy | None = None, block_n: int | None = None,
                 num_warps: int = 4, num_stages: int | None = None, maxnreg: int | None = None,
-                options: DecodeOptions | None = None) -> DecodePlan:
+                options: DecodeOptions | None = None, signed_sylvester: bool = False) -> DecodePlan:
     """The plan of one ``paged_decode`` launch (pure: same input, same plan).
 
     ``path``: ``"auto"`` (:func:`decode_path`), ``"mma"`` (or ``ValueError`` where it does not
@@ -296,11 +297,15 @@ def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks
     plan, which then gives way to the per-warp kernel). ``block_n``, ``num_warps``,
     ``num_stages``, ``maxnreg``: the general kernel's tile options (defaults measured).
     ``options``: the attention options (:class:`DecodeOptions`, default none); a window or a
-    soft-cap takes the general kernel (``path="mma"`` then raises ``ValueError``)."""
+    soft-cap takes the general kernel (``path="mma"`` then raises ``ValueError``).
+    ``signed_sylvester``: the rotation is ``diag(s)·H/√D`` (``DeviceParams.signed_sylvester``):
+    the q rotation may run as the Walsh–Hadamard transform (:func:`.side_plans.q_transform`)."""
     if not isinstance(layout, PagedLayout):
         raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
     if not isinstance(caps, DeviceCaps):
         raise TypeError(f"caps must be a DeviceCaps, got {type(caps).__name__}")
+    if not isinstance(signed_sylvester, bool):
+        raise TypeError(f"signed_sylvester must be a bool, got {type(signed_sylvester).__name__}")
     for name, v in (("num_seqs", num_seqs), ("num_q_heads", num_q_heads), ("max_blocks", max_blocks)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -335,7 +340,7 @@ def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks
     dp = layout_consts(layout)["DP"]
     return DecodePlan(layout=layout, num_seqs=num_seqs, num_q_heads=num_q_heads, max_blocks=max_blocks, caps=caps,
                       path="general" if decode.kernel == "general" else "mma", num_splits=num_splits, decode=decode,
-                      rotate=_rotate_plan(layout, num_seqs, num_q_heads, max_blocks),
+                      rotate=_rotate_plan(layout, num_seqs, num_q_heads, max_blocks, signed_sylvester=signed_sylvester),
                       merge=_merge_plan(layout, num_seqs, num_q_heads, num_splits, caps, options),
                       workspace_numel=workspace_numel(num_seqs, num_q_heads, num_splits, dp), options=options)
 

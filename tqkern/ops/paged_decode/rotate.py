@@ -9,7 +9,8 @@ import triton
 import triton.language as tl
 
 from tqkern.errors import ErrorFlag
-from tqkern.ops.paged_decode.side_plans import scan_split
+from tqkern.ops.common import _fwht_tile
+from tqkern.ops.paged_decode.side_plans import q_transform, scan_split
 
 __all__ = ["_rotate_q_kernel", "rotate_q"]
 
@@ -54,11 +55,15 @@ def _scan_indices(bt_ptr, sl_ptr, err_ptr, safe_ptr, num_seqs, max_blocks, num_b
 def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, poison_ptr, bt_ptr, sl_ptr, err_ptr, safe_ptr, n_rows, stride_qs, stride_qh,
                      num_seqs, max_blocks, num_blocks, rot_programs, HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                      ROWS: tl.constexpr, CC: tl.constexpr, ROTATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     POISON: tl.constexpr, SCAN: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr):
+                     POISON: tl.constexpr, SCAN: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr,
+                     FWHT: tl.constexpr = False, LOG2D: tl.constexpr = 0):
     """``out[r] = float32(q[r]) @ Π`` (or the plain cast) for ROWS query rows ``r = s·HQ + h``: one
     launch instead of a cast and a GEMM. Program ``(b, j)`` writes output columns ``j·CC ..
     j·CC + CC − 1`` of rows ``b·ROWS ..`` (64 columns at a time: a whole ``[DP, DP]`` tile of Π
-    overflows shared memory). out: float32 ``[n_rows, D]`` contiguous. With ``SCAN``, the programs
+    overflows shared memory). With ``FWHT`` (a signed Sylvester ``Π = diag(s)·H/√D`` at ``D = DP =
+    2^LOG2D``; ``CC = DP``) by the in-register Walsh–Hadamard transform instead of a product:
+    ``q @ Π = H·(q ⊙ Π[:, 0])`` in float32 (``Π[i, 0] = s_i/√D``). out: float32 ``[n_rows, D]``
+    contiguous. With ``SCAN``, the programs
     from ``rot_programs`` on in the grid's first dimension scan the block table instead
     (:func:`_scan_indices`), beside the rotation rather than before it in the same program (which
     cost tq4 up to 1.3% at B32×4K, measured)."""
@@ -69,13 +74,13 @@ def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, poison_ptr, bt_ptr, sl_ptr, err_pt
                           (tl.num_programs(0) - rot_programs) * tl.num_programs(1), BS, SB)
     else:
         _rotate_rows(q_ptr, rot_ptr, out_ptr, poison_ptr, n_rows, stride_qs, stride_qh, HQ, D, DP, ROWS, CC, ROTATE,
-                     DOT_PRECISION, POISON)
+                     DOT_PRECISION, POISON, FWHT, LOG2D)
 
 
 @triton.jit
 def _rotate_rows(q_ptr, rot_ptr, out_ptr, poison_ptr, n_rows, stride_qs, stride_qh, HQ: tl.constexpr,
                  D: tl.constexpr, DP: tl.constexpr, ROWS: tl.constexpr, CC: tl.constexpr, ROTATE: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, POISON: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, POISON: tl.constexpr, FWHT: tl.constexpr, LOG2D: tl.constexpr):
     """The rotation part of :func:`_rotate_q_kernel` for program ``(b, j)``."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rm = rows < n_rows
@@ -88,7 +93,10 @@ def _rotate_rows(q_ptr, rot_ptr, out_ptr, poison_ptr, n_rows, stride_qs, stride_
         if tl.program_id(1) == 0:
             tl.store(poison_ptr + rows, tl.where(bad, float("nan"), 0.0), mask=rm)
     dst = out_ptr + rows.to(tl.int64)[:, None] * D
-    if ROTATE:
+    if ROTATE and FWHT:  # (D = DP, one program per row block)
+        y = _fwht_tile(x * tl.load(rot_ptr + cols * D)[None, :], ROWS, DP, LOG2D)
+        tl.store(dst + cols[None, :], y, mask=rm[:, None])
+    elif ROTATE:
         SUB: tl.constexpr = CC if CC < 64 else 64
         for c1 in tl.static_range(0, CC, SUB):
             cc = tl.program_id(1) * CC + c1 + tl.arange(0, SUB)
@@ -99,7 +107,8 @@ def _rotate_rows(q_ptr, rot_ptr, out_ptr, poison_ptr, n_rows, stride_qs, stride_
         tl.store(dst + cols[None, :], x, mask=rm[:, None] & cm[None, :])
 
 
-def rotate_q(q, rotation, rotate: bool, interpret: bool, rows: int = 16, cols: int = 64, poison=None, scan=None):
+def rotate_q(q, rotation, rotate: bool, interpret: bool, rows: int = 16, cols: int = 64, poison=None, scan=None,
+             signed_sylvester: bool = False):
     """float32 ``[S, Hq, D]`` contiguous: ``q @ Π`` when ``rotate`` (the key codec is rotated),
     else q cast. ``q``: fp16/bf16/fp32 with a contiguous last dimension; ``rows`` query rows and
     ``cols`` output columns (at most the padded head_dim) per program. Measured on the H100 at
@@ -109,7 +118,9 @@ def rotate_q(q, rotation, rotate: bool, interpret: bool, rows: int = 16, cols: i
     adds it to the output: :func:`.merge._launch_merge`). ``scan``: optional ``(block_table, seq_lens,
     num_blocks, block_size, errors, safe_table)``: the same launch writes the block table clamped
     to the cache into ``safe_table`` (int32, the table's shape; what the decode kernels read) and
-    ORs ``tqkern.errors`` bits into ``errors`` (see :func:`_scan_indices`)."""
+    ORs ``tqkern.errors`` bits into ``errors`` (see :func:`_scan_indices`). ``signed_sylvester``:
+    ``rotation`` is ``diag(s)·H/√D`` (``DeviceParams.signed_sylvester``); at a power-of-two head_dim
+    the rotation is then the Walsh–Hadamard transform, all columns a program (``cols`` ignored)."""
     if not isinstance(rows, int) or rows < 16 or rows & (rows - 1):
         raise ValueError(f"rows must be a power of two >= 16, got {rows!r}")
     if not isinstance(cols, int) or cols < 16 or cols & (cols - 1):
@@ -118,7 +129,8 @@ def rotate_q(q, rotation, rotate: bool, interpret: bool, rows: int = 16, cols: i
     out = torch.empty((s, hq, d), dtype=torch.float32, device=q.device)
     n = s * hq
     dp = max(16, triton.next_power_of_2(d))
-    cc = min(cols, dp) if rotate else dp
+    fwht = q_transform(rotate, signed_sylvester, d)
+    cc = min(cols, dp) if rotate and not fwht else dp
     if scan is None:
         scan_args, scan_ints, bs = (out, out, out, out), (0, 0, 0), 1
     else:
@@ -130,5 +142,6 @@ def rotate_q(q, rotation, rotate: bool, interpret: bool, rows: int = 16, cols: i
         _rotate_q_kernel[(rot_programs + scan_programs, dp // cc)](
             q, rotation, out, out if poison is None else poison, *scan_args, n, q.stride(0), q.stride(1), *scan_ints,
             rot_programs, HQ=hq, D=d, DP=dp, ROWS=rows, CC=cc, ROTATE=rotate, DOT_PRECISION="ieee" if interpret else "tf32x3",
-            POISON=poison is not None, SCAN=scan is not None, BS=bs, SB=sb, num_warps=4)
+            POISON=poison is not None, SCAN=scan is not None, BS=bs, SB=sb, FWHT=fwht, LOG2D=d.bit_length() - 1,
+            num_warps=4)
     return out

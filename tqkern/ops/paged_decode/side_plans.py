@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from tqkern.ops.common import layout_consts
+from tqkern.ops.common import layout_consts, transform_applies
 
-__all__ = ["MergePlan", "RotatePlan", "merge_chunks", "merge_impl", "rotate_cols", "row_chunks", "row_merge_chunks",
+__all__ = ["MergePlan", "RotatePlan", "merge_chunks", "merge_impl", "q_transform", "rotate_cols", "row_chunks", "row_merge_chunks",
            "row_merge_unroll", "row_split_block", "scan_split"]
 
 
@@ -17,7 +17,8 @@ __all__ = ["MergePlan", "RotatePlan", "merge_chunks", "merge_impl", "rotate_cols
 class RotatePlan:
     """The q-rotation launch (:func:`.rotate._rotate_q_kernel`): ``rows`` query rows and ``cols``
     output columns per program in the first ``programs`` rows of the grid; the rest scan the block
-    table, ``scan_block`` entries per round (:func:`scan_split`)."""
+    table, ``scan_block`` entries per round (:func:`scan_split`). ``fwht``: the rotation by the
+    Walsh–Hadamard transform (:func:`q_transform`), every column a program."""
 
     grid: tuple[int, int]
     programs: int
@@ -25,6 +26,7 @@ class RotatePlan:
     cols: int
     scan_block: int
     rotate: bool
+    fwht: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,18 +93,27 @@ def rotate_cols(dp: int) -> int:
     return 32 if dp >= 256 else 64
 
 
-def _rotate_plan(layout, s, hq, max_blocks, rows: int = 16) -> RotatePlan:
+def q_transform(rotate: bool, signed_sylvester: bool, head_dim: int) -> bool:
+    """Whether the q rotation runs as the in-register Walsh–Hadamard transform: a rotated key codec
+    whose ``Π`` is signed Sylvester at a power-of-two head_dim of at least 16 (no padding)."""
+    return rotate and head_dim >= 16 and transform_applies(signed_sylvester, head_dim)
+
+
+def _rotate_plan(layout, s, hq, max_blocks, rows: int = 16, signed_sylvester: bool = False) -> RotatePlan:
     """Measured on the H100 at 1024 rows, D = 128: 16 rows × all columns 4.6 µs, 32 rows 9.5 µs,
     64 rows 9.8 µs (session 4); 16 rows × 64 columns: ``docs/performance.md``; the columns:
-    :func:`rotate_cols`."""
+    :func:`rotate_cols` (every column with the transform, :func:`q_transform`; built in session
+    38, not yet timed: the product's cost over the plain cast, which bounds its gain, was 2.2 µs at
+    B32×16K and 4.9 at B128×1K on the H100, ``docs/performance.md``)."""
     d = layout.head_dim
     dp = max(16, 1 << (d - 1).bit_length())
     rotate = bool(layout.format.key.rotated)
-    cc = min(rotate_cols(dp), dp) if rotate else dp
+    fwht = q_transform(rotate, signed_sylvester, d)
+    cc = min(rotate_cols(dp), dp) if rotate and not fwht else dp
     programs = -(-(s * hq) // rows)
     sb, scan_rows = scan_split(s * max_blocks, dp // cc)
     return RotatePlan(grid=(programs + scan_rows, dp // cc), programs=programs, rows=rows, cols=cc, scan_block=sb,
-                      rotate=rotate)
+                      rotate=rotate, fwht=fwht)
 
 
 def merge_impl(rotate_back: bool, num_splits: int) -> str:

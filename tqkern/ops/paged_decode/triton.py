@@ -68,7 +68,8 @@ class Prepared:
         self.rotate = KernelLauncher(
             _rotate_q_kernel, r.grid, dict(HQ=plan.num_q_heads, D=d, DP=dp, ROWS=r.rows, CC=r.cols, ROTATE=r.rotate,
                                            DOT_PRECISION=precision, POISON=True, SCAN=True, BS=lay.block_size,
-                                           SB=r.scan_block), num_warps=4)
+                                           SB=r.scan_block, FWHT=r.fwht, LOG2D=d.bit_length() - 1 if r.fwht else 0),
+            num_warps=4)
         common = dict(D=d, DP=dp, CC=dp // m.chunks, ROTATE_BACK=m.rotate_back, DOT_PRECISION=precision, POISON=True,
                       SINKS=m.sinks, LSE=m.lse)
         sp = max(2, 1 << (plan.num_splits - 1).bit_length())
@@ -109,10 +110,11 @@ def _launcher(kernel) -> KernelLauncher:
 _PREPARED = BoundedCache(1024)
 
 
-def _plan_key(layout, s, hq, max_blocks, caps, same_codebooks, cache, num_splits, path, general, options) -> tuple:
+def _plan_key(layout, s, hq, max_blocks, caps, same_codebooks, cache, num_splits, path, general, options,
+              signed_sylvester) -> tuple:
     """The planner's input, the key of :data:`_PREPARED`."""
     return (layout, s, hq, max_blocks, caps, same_codebooks, cache.data_ptr() % 16 == 0, num_splits, path,
-            tuple(sorted(general.items())) if general else (), options)
+            tuple(sorted(general.items())) if general else (), options, signed_sylvester)
 
 
 _NO_OPTIONS = DecodeOptions()
@@ -145,16 +147,17 @@ def _up16(n: int) -> int:
 
 def prepare(layout: PagedLayout, q_rot, cache, block_table, seq_lens, tables, *, same_codebooks: bool,
             num_splits: int | None = None, path: str = "auto", options: DecodeOptions = _NO_OPTIONS,
-            **general) -> Prepared:
+            signed_sylvester: bool = False, **general) -> Prepared:
     """The prepared launches for these shapes (planned and compiled once; afterwards a dict
     lookup). The tensors give the shapes, the device and, on a first call, the arguments the
     occupancy compile specializes for. ``options``: which attention options the calls use;
-    ``general``: the general kernel's tile options."""
+    ``signed_sylvester``: ``tables["rotation"]`` is ``diag(s)·H/√D`` (the q rotation may take
+    the Walsh–Hadamard transform); ``general``: the general kernel's tile options."""
     dev = q_rot.device
     caps = device_caps(dev)
     s, hq, _ = q_rot.shape
     key = _plan_key(layout, s, hq, block_table.shape[1], caps, same_codebooks, cache, num_splits, path, general,
-                    options)
+                    options, signed_sylvester)
     hit = _PREPARED.get(key)
     if hit is not None:
         return hit
@@ -177,7 +180,8 @@ def prepare(layout: PagedLayout, q_rot, cache, block_table, seq_lens, tables, *,
 
     plan = plan_decode(layout, s, hq, block_table.shape[1], caps, same_codebooks=same_codebooks,
                        cache_aligned=cache.data_ptr() % 16 == 0, num_splits=num_splits, path=path,
-                       occupancy=None if caps.interpret else occupancy, options=options, **general)
+                       occupancy=None if caps.interpret else occupancy, options=options,
+                       signed_sylvester=signed_sylvester, **general)
     prepared = Prepared(plan, launchers.get(plan.decode) or _launcher(plan.decode))
     return _PREPARED.put(key, prepared)
 
@@ -224,14 +228,15 @@ def _decode_and_merge(prep: Prepared, out, q_rot, cache, safe_table, seq_lens, t
 
 def paged_decode_launch(out, q, cache, block_table, seq_lens, layout, tables, errors, num_blocks: int, *,
                         sm_scale: float, same_codebooks: bool, workspace=None, num_splits: int | None = None,
-                        window_left: int | None = None, logit_softcap: float | None = None, sinks=None, lse=None):
+                        window_left: int | None = None, logit_softcap: float | None = None, sinks=None, lse=None,
+                        signed_sylvester: bool = False):
     """One decode step: rotate q (marking non-finite rows) and scan the block table in one
     launch, decode, merge into ``out``. ``q``: ``[S, Hq, D]`` fp16/bf16/fp32 with a contiguous
     last dimension; ``cache`` at least one block (``num_blocks``: the caller's real block count,
     0 for an empty cache, into which the scan clamps ids); ``errors``: the int32 error word.
     Options (``None``: off): ``window_left`` int ≥ 0, ``logit_softcap`` float > 0, ``sinks``
-    float32 ``[Hq]``, ``lse`` float32 ``[S, Hq]`` (written). No other checks: the frontend
-    validated everything."""
+    float32 ``[Hq]``, ``lse`` float32 ``[S, Hq]`` (written). ``signed_sylvester``: as
+    :func:`prepare`'s. No other checks: the frontend validated everything."""
     s, hq, d = q.shape
     mb = block_table.shape[1]
     options = decode_options(window_left, logit_softcap, sinks, lse)
@@ -239,13 +244,13 @@ def paged_decode_launch(out, q, cache, block_table, seq_lens, layout, tables, er
     # split partials unless the caller gives a workspace)
     n_q, n_p, n_t = _up16(s * hq * d), _up16(s * hq), _up16(s * mb)
     prep = _PREPARED.get(_plan_key(layout, s, hq, mb, device_caps(q.device), same_codebooks, cache, num_splits,
-                                   "auto", None, options))
+                                   "auto", None, options, signed_sylvester))
     n_ws = 0 if workspace is not None or prep is None else prep.plan.workspace_numel
     buf = torch.empty(n_q + n_p + n_t + n_ws, dtype=torch.float32, device=q.device)
     q_rot = buf[: s * hq * d].view(s, hq, d)
     if prep is None:
         prep = prepare(layout, q_rot, cache, block_table, seq_lens, tables, same_codebooks=same_codebooks,
-                       num_splits=num_splits, options=options)
+                       num_splits=num_splits, options=options, signed_sylvester=signed_sylvester)
     poison = buf[n_q: n_q + s * hq]
     safe_table = buf[n_q + n_p: n_q + n_p + s * mb].view(torch.int32).view(s, mb)
     if n_ws:

@@ -126,6 +126,23 @@ def compile_gather(layout, out_dtype: str = "fp16", int8: bool = False, fwht: bo
     return _compile(_gather_kernel, cx, types, dict(num_warps=gc.num_warps)), gc
 
 
+def compile_rotate(layout, hq: int, in_dtype: str = "fp16", fwht: bool = False):
+    """The q rotation with the block-table scan (:func:`~tqkern.ops.paged_decode.rotate._rotate_q_kernel`)
+    as the decode plan launches it (``fwht``: for a signed Sylvester rotation, the Walsh–Hadamard
+    transform where :func:`~tqkern.ops.paged_decode.side_plans.q_transform` takes it), sm_90."""
+    from tqkern.ops.paged_decode.rotate import _rotate_q_kernel
+    from tqkern.ops.paged_decode.side_plans import _rotate_plan
+
+    r = _rotate_plan(layout, 8, hq, 64, signed_sylvester=fwht)
+    d = layout.head_dim
+    cx = dict(HQ=hq, D=d, DP=max(16, 1 << (d - 1).bit_length()), ROWS=r.rows, CC=r.cols, ROTATE=r.rotate,
+              DOT_PRECISION="tf32x3", POISON=True, SCAN=True, BS=layout.block_size, SB=r.scan_block, FWHT=r.fwht,
+              LOG2D=d.bit_length() - 1 if r.fwht else 0)
+    types = dict(q_ptr=f"*{in_dtype}", rot_ptr="*fp32", out_ptr="*fp32", poison_ptr="*fp32", bt_ptr="*i32",
+                 sl_ptr="*i32", err_ptr="*i32", safe_ptr="*i32")
+    return _compile(_rotate_q_kernel, cx, types, dict(num_warps=4)), r
+
+
 def report(case: str) -> dict:
     """Compile one case: ``name``, ``regs``, ``stack`` (bytes; > 0 means spills), ``shared``
     (bytes of shared memory per program), ``instrs`` (SASS instructions), ``plan`` (its one-line
@@ -133,11 +150,13 @@ def report(case: str) -> dict:
     parts = case.split(":")
     preset, arr, d, hkv, hq, out = parts[:6]
     opts = {o: True for o in (parts[6].split("+") if len(parts) > 6 and parts[6] else [])}
-    side = {"gather", "attend", "quantize"} & set(opts)
+    side = {"gather", "attend", "quantize", "rotate"} & set(opts)
     if side:
         lay = layout_of_case(preset, arr, int(d), int(hkv))
         if "gather" in side:
             compiled, cfg = compile_gather(lay, out, int8="int8" in opts, fwht="fwht" in opts)
+        elif "rotate" in side:
+            compiled, cfg = compile_rotate(lay, int(hq), out, fwht="fwht" in opts)
         elif "attend" in side:
             compiled, cfg = compile_tile_attend(lay, int(hq), out, "window" in opts, "softcap" in opts,
                                                 int8="half" not in opts)
