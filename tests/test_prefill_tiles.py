@@ -202,12 +202,12 @@ def test_gather_config_fits_long_runs_by_more_tiles_per_program():
     assert gc.fitting(65535 * 4 * per).TILES == 4 * gc.TILES
 
 
-def test_tile_prefill_runs_long_runs_with_more_tiles_per_program(monkeypatch):
-    """The wiring of ``GatherConfig.fitting``: with the grid's axis limit lowered to 2 programs,
-    the 60-position prefix run and the 40-position causal run (16-position tiles) take 2 tiles a
-    program, and the rows equal the default call's."""
+def _one_sequence(preset: str, tokens: int, order: list[int], seq_len: int, q_len: int, hq: int, seed: int):
+    """A one-KV-head D64 cache of ``tokens`` stored tokens in the blocks of ``order`` (the block
+    table row), ``q_len`` new queries of ``hq`` heads ending sequence 0 at ``seq_len``, and
+    :func:`tile_prefill`'s keyword arguments (dense attention by ``attend_math``); skips off the
+    interpreter."""
     import tqkern
-    import tqkern.ops.decompress.gather as gather
     import tqkern_torch.prefill_tiles as pt
     from tqkern import reference as ref
     from tqkern_torch._validate import use_triton
@@ -216,24 +216,34 @@ def test_tile_prefill_runs_long_runs_with_more_tiles_per_program(monkeypatch):
 
     if not use_triton(torch.device("cpu")):
         pytest.skip("needs TRITON_INTERPRET=1 on a CPU")
-    layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset("turboquant_4bit_nc", 64), num_kv_heads=1,
-                                block_size=16)
+    layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset(preset, 64), num_kv_heads=1, block_size=16)
     params = tqkern.TQParams.default(layout.format)
-    rng = torch.Generator().manual_seed(2)
-    k, v = (torch.randn(112, 1, 64, generator=rng).half() for _ in range(2))
-    cache = torch.from_numpy(ref.store(np.zeros(layout.cache_shape(7), np.uint8), k.numpy(), v.numpy(),
-                                       np.arange(112), layout, params))
-    bt, sl, qsl = (torch.tensor(x, dtype=torch.int32) for x in ([[3, 0, 6, 1, 5, 2, 4]], [100], [0, 40]))
-    q = torch.randn(40, 2, 64, generator=rng).half()
-    kw = dict(layout=layout, p=_device_params(params, layout, q.device), q_lens=[40], seq_lens=[100],
-              num_blocks=7, errors=error_word(q.device), scale=0.125, window_left=None, sinks=None,
+    rng = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(tokens, 1, 64, generator=rng).half() for _ in range(2))
+    cache = torch.from_numpy(ref.store(np.zeros(layout.cache_shape(len(order)), np.uint8), k.numpy(), v.numpy(),
+                                       np.arange(tokens), layout, params))
+    bt, sl, qsl = (torch.tensor(x, dtype=torch.int32) for x in ([order], [seq_len], [0, q_len]))
+    q = torch.randn(q_len, hq, 64, generator=rng).half()
+    kw = dict(layout=layout, p=_device_params(params, layout, q.device), q_lens=[q_len], seq_lens=[seq_len],
+              num_blocks=len(order), errors=error_word(q.device), scale=0.125, window_left=None, sinks=None,
               attend=pt.attend_math, out=None, lse=None)
-    want = pt.tile_prefill(q, cache, bt, sl, qsl, **kw)
+    return (q, cache, bt, sl, qsl), kw
+
+
+def test_tile_prefill_runs_long_runs_with_more_tiles_per_program(monkeypatch):
+    """The wiring of ``GatherConfig.fitting``: with the grid's axis limit lowered to 2 programs,
+    the 60-position prefix run and the 40-position causal run (16-position tiles) take 2 tiles a
+    program, and the rows equal the default call's."""
+    import tqkern.ops.decompress.gather as gather
+    import tqkern_torch.prefill_tiles as pt
+
+    args, kw = _one_sequence("turboquant_4bit_nc", 112, [3, 0, 6, 1, 5, 2, 4], 100, 40, 2, seed=2)
+    want = pt.tile_prefill(*args, **kw)
     tiles = []
     real = gather.GatherConfig.grid
     monkeypatch.setattr(gather, "GRID_AXIS_MAX", 2)
     monkeypatch.setattr(gather.GatherConfig, "grid", lambda self, *a: tiles.append(self.TILES) or real(self, *a))
-    got = pt.tile_prefill(q, cache, bt, sl, qsl, **kw)
+    got = pt.tile_prefill(*args, **kw)
     assert tiles == [2, 2] and torch.equal(got, want)
 
 
@@ -252,28 +262,11 @@ def test_tile_prefill_default_gather_rotates_signed_sylvester_sides_back(monkeyp
     gather rotated back (no product by ``Πᵀ`` after it), tq4's dense rotation takes one product a
     rotated side and round (a prefix round and a causal round here), ``int8_prefill``'s keys none
     (they stay in the codec's space)."""
-    import tqkern
     import tqkern_torch.prefill_tiles as pt
-    from tqkern import reference as ref
-    from tqkern_torch._validate import use_triton
-    from tqkern_torch.errors import error_word
-    from tqkern_torch.ops import _device_params
 
-    if not use_triton(torch.device("cpu")):
-        pytest.skip("needs TRITON_INTERPRET=1 on a CPU")
-    layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset(preset, 64), num_kv_heads=1, block_size=16)
-    params = tqkern.TQParams.default(layout.format)
-    rng = torch.Generator().manual_seed(5)
-    k, v = (torch.randn(32, 1, 64, generator=rng).half() for _ in range(2))
-    cache = torch.from_numpy(ref.store(np.zeros(layout.cache_shape(2), np.uint8), k.numpy(), v.numpy(),
-                                       np.arange(32), layout, params))
-    bt, sl, qsl = (torch.tensor(x, dtype=torch.int32) for x in ([[1, 0]], [32], [0, 16]))
-    q = torch.randn(16, 1, 64, generator=rng).half()
-    kw = dict(layout=layout, p=_device_params(params, layout, q.device), q_lens=[16], seq_lens=[32],
-              num_blocks=2, errors=error_word(q.device), scale=0.125, window_left=None, sinks=None,
-              attend=pt.attend_math, out=None, lse=None, int8=int8)
+    args, kw = _one_sequence(preset, 32, [1, 0], 32, 16, 1, seed=5)
     calls = []
     real = torch.mm
     monkeypatch.setattr(torch, "mm", lambda *a, **k_: calls.append(1) or real(*a, **k_))
-    out = pt.tile_prefill(q, cache, bt, sl, qsl, **kw)
+    out = pt.tile_prefill(*args, int8=int8, **kw)
     assert len(calls) == products and torch.isfinite(out).all()
