@@ -1,12 +1,13 @@
 """CI sees the prefill kernel as a GPU compiles it: compiled for sm_90 (H100) with Triton's bundled
 ptxas on a machine without a GPU (``tqkern/ops/prefill/aot.py``), with the plan's own constexprs,
-for fp16 and bf16 outputs, head_dim 64–256, a raw-bf16 cache (the bf16 tensor-core path, which the interpreter
-cannot run) and every option; and the tiled path's own kernels (the gather, ``int8_prefill``'s query
-quantization, the attention kernel with int8 or half-precision Q·Kᵀ) and the q rotation the
-decode and the prefill launch first. Each kernel must compile within 255 registers and the H100's shared memory, and its stack bytes
-(spills) and SASS instruction count stay within the budgets below (today's values from Triton
-3.9's ptxas, instructions + 3%), so that a change adding spills or instructions fails here before
-any device time is spent. These are compile facts only: the kernel has not run on a GPU yet.
+for fp16 and bf16 outputs, head_dim 64–256, a raw-bf16 cache (the bf16 tensor-core path, which
+the interpreter cannot run) and every option; and the tiled path's own kernels (the gather,
+``int8_prefill``'s query quantization, the attention kernel with int8 or half-precision Q·Kᵀ) and
+the q rotation the decode and the prefill launch first. Each kernel must compile within 255
+registers and the H100's shared memory, and its stack bytes (spills) and SASS instruction count
+stay within the budgets below (today's values from Triton 3.9's ptxas, instructions + 3%), so
+that a change adding spills or instructions fails here before any device time is spent. These
+are compile facts only: the kernel has not run on a GPU yet.
 """
 
 from __future__ import annotations

@@ -35,8 +35,9 @@ __all__ = [
     "DT_BF16", "DT_F16", "DT_F32", "KIND_FP8", "KIND_LLOYD_MAX", "KIND_RAW", "KIND_UNIFORM",
     "NC_DECODE", "NC_NONE", "NC_STORED", "SideConsts", "layout_args", "layout_consts", "side_consts",
     # building blocks
-    "halfword_aligned", "transform_applies", "_fwht_tile", "f64_to_f16_bits", "f32_to_bf16_bits", "f32_to_fp8e4m3_bits", "f64_to_bits", "store_bytes",
-    "load_bytes", "bits_to_f32", "fp8e4m3_bits_to_f32", "store_packed", "load_packed", "load_param",
+    "halfword_aligned", "transform_applies", "_fwht_tile", "f64_to_f16_bits", "f32_to_bf16_bits",
+    "f32_to_fp8e4m3_bits", "f64_to_bits", "store_bytes", "load_bytes", "bits_to_f32", "fp8e4m3_bits_to_f32",
+    "store_packed", "load_packed", "load_param",
 ]
 
 

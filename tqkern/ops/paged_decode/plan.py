@@ -157,7 +157,7 @@ class DecodePlan:
 
     def describe(self) -> str:
         """A readable multi-line summary (what ``tqkern plan`` prints)."""
-        d = self.decode
+        d, r = self.decode, self.rotate
         k, v = self.layout.format.key, self.layout.format.value
         lines = [f"layout      K {k.kind}/{k.bits} bits, V {v.kind}/{v.bits} bits, D={self.layout.head_dim} "
                  f"Hkv={self.layout.num_kv_heads} "
@@ -169,7 +169,7 @@ class DecodePlan:
                  f"decode      {d.kernel} kernel, {self.num_splits} splits, grid {d.grid}, {d.num_warps} warps, "
                  f"{d.num_stages} stages, maxnreg {d.maxnreg or '-'}",
                  "constexprs  " + " ".join(f"{k}={v}" for k, v in d.constexprs),
-                 f"rotate      {'Walsh-Hadamard' if self.rotate.fwht else 'product' if self.rotate.rotate else 'cast'}, "
+                 f"rotate      {'Walsh-Hadamard' if r.fwht else 'product' if r.rotate else 'cast'}, "
                  f"grid {self.rotate.grid}, {self.rotate.rows} rows x {self.rotate.cols} cols, "
                  f"scan {self.rotate.grid[0] - self.rotate.programs} rows x {self.rotate.scan_block}",
                  f"merge       {self.merge.impl}, grid {self.merge.grid}, {self.merge.chunks} chunks"

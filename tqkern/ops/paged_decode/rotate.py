@@ -63,10 +63,9 @@ def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, poison_ptr, bt_ptr, sl_ptr, err_pt
     overflows shared memory). With ``FWHT`` (a signed Sylvester ``Π = diag(s)·H/√D`` at ``D = DP =
     2^LOG2D``; ``CC = DP``) by the in-register Walsh–Hadamard transform instead of a product:
     ``q @ Π = H·(q ⊙ Π[:, 0])`` in float32 (``Π[i, 0] = s_i/√D``). out: float32 ``[n_rows, D]``
-    contiguous. With ``SCAN``, the programs
-    from ``rot_programs`` on in the grid's first dimension scan the block table instead
-    (:func:`_scan_indices`), beside the rotation rather than before it in the same program (which
-    cost tq4 up to 1.3% at B32×4K, measured)."""
+    contiguous. With ``SCAN``, the programs from ``rot_programs`` on in the grid's first dimension
+    scan the block table instead (:func:`_scan_indices`), beside the rotation rather than before it
+    in the same program (which cost tq4 up to 1.3% at B32×4K, measured)."""
     if tl.program_id(0) >= rot_programs:
         if SCAN:
             _scan_indices(bt_ptr, sl_ptr, err_ptr, safe_ptr, num_seqs, max_blocks, num_blocks,
@@ -142,6 +141,6 @@ def rotate_q(q, rotation, rotate: bool, interpret: bool, rows: int = 16, cols: i
         _rotate_q_kernel[(rot_programs + scan_programs, dp // cc)](
             q, rotation, out, out if poison is None else poison, *scan_args, n, q.stride(0), q.stride(1), *scan_ints,
             rot_programs, HQ=hq, D=d, DP=dp, ROWS=rows, CC=cc, ROTATE=rotate, DOT_PRECISION="ieee" if interpret else "tf32x3",
-            POISON=poison is not None, SCAN=scan is not None, BS=bs, SB=sb, FWHT=fwht, LOG2D=d.bit_length() - 1,
-            num_warps=4)
+            POISON=poison is not None, SCAN=scan is not None, BS=bs, SB=sb, FWHT=fwht,
+            LOG2D=d.bit_length() - 1 if fwht else 0, num_warps=4)
     return out

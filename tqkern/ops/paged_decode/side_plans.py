@@ -9,8 +9,8 @@ import dataclasses
 
 from tqkern.ops.common import layout_consts, transform_applies
 
-__all__ = ["MergePlan", "RotatePlan", "merge_chunks", "merge_impl", "q_transform", "rotate_cols", "row_chunks", "row_merge_chunks",
-           "row_merge_unroll", "row_split_block", "scan_split"]
+__all__ = ["MergePlan", "RotatePlan", "merge_chunks", "merge_impl", "q_transform", "rotate_cols", "row_chunks",
+           "row_merge_chunks", "row_merge_unroll", "row_split_block", "scan_split"]
 
 
 @dataclasses.dataclass(frozen=True)
