@@ -63,19 +63,21 @@ def test_rotate_back_matches_oracle(preset, d):
 @pytest.mark.parametrize("preset,d", [("tq4", 128), ("turboquant_4bit_nc", 96), ("tqkern_k5v3", 256)])
 def test_gpu_tiles_match_oracle(preset, d):
     """The program tiles the GPU takes (:func:`decompress_config` off the interpreter: 4 slots a
-    program in the codec's space and with the Walsh–Hadamard rotate-back (k5v3 at D256), 64 or 32
-    with the product (tq4's dense rotation; D96), the last one partial) give the oracle's values, rotated back and in
-    the codec's space (the property tests' bounds), and write zeros for slots outside the cache over
-    an output that held NaN."""
+    program in the codec's space, 8 with the Walsh–Hadamard rotate-back (k5v3 at D256) and 4 below
+    ``SMALL_ROWS`` rows, 64, 16 or 32 with the product (tq4's dense rotation at D128 for large and
+    small calls; D96), the last one partial) give the oracle's values, rotated back and in the
+    codec's space (the property tests' bounds), and write zeros for slots outside the cache over an
+    output that held NaN."""
     from tqkern.ops.decompress.triton import _launch_decompress, decompress_config
     from tqkern_torch._params import to_device
 
     layout, params, cache, ids = _filled(preset, d)
     p = to_device(params, DEV)
     tables = {"rotation": p.rotation, "key_centroids": p.key_centroids, "value_centroids": p.value_centroids}
-    for rotate_back in (True, False):
-        cfg = decompress_config(rotate_back, interpret=False, head_dim=d, signed_sylvester=p.signed_sylvester)
-        assert (cfg.BT >= 32 or cfg.fwht) == rotate_back
+    for rotate_back, rows in ((True, None), (True, 8), (False, None)):
+        cfg = decompress_config(rotate_back, interpret=False, head_dim=d, signed_sylvester=p.signed_sylvester,
+                                rows=rows)
+        assert (cfg.BT >= (32 if rows is None else 4) or cfg.fwht) == rotate_back
         assert cfg.fwht == (rotate_back and preset != "tq4" and d & (d - 1) == 0)  # (tq4: a dense rotation)
         got = [torch.full((len(ids), layout.num_kv_heads, d), float("nan"), device=DEV) for _ in range(2)]
         _launch_decompress(got[0], got[1], cache, ids, layout, tables, torch.zeros(1, dtype=torch.int32, device=DEV),

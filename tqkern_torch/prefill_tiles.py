@@ -304,9 +304,8 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
     kernel's :class:`~tqkern.ops.decompress.gather.GatherConfig` (default its ``gather_config``:
     with ``fwht``, on by default, a signed Sylvester rotation is undone in the gather, not by a
     product here, and that side's rotated-back copy is not allocated)."""
-    from tqkern.ops.common import halfword_aligned
+    from tqkern.ops.common import halfword_aligned, transform_applies
     from tqkern.ops.decompress.gather import GatherConfig, _gather_kernel, gather_config
-    from tqkern.ops.common import transform_applies
 
     if int8 and any(1 <= n <= EXACT_QUERY_MAX for n in q_lens):
         s = next(i for i, n in enumerate(q_lens) if 1 <= n <= EXACT_QUERY_MAX)

@@ -28,6 +28,13 @@ class RotatePlan:
     rotate: bool
     fwht: bool = False
 
+    def constexprs(self, num_q_heads: int, head_dim: int, block_size: int, interpret: bool) -> dict:
+        """The launch's constexprs (the decode's and the prefill's first launch, the sm_90 compile)."""
+        return dict(HQ=num_q_heads, D=head_dim, DP=max(16, 1 << (head_dim - 1).bit_length()), ROWS=self.rows,
+                    CC=self.cols, ROTATE=self.rotate, DOT_PRECISION="ieee" if interpret else "tf32x3", POISON=True,
+                    SCAN=True, BS=block_size, SB=self.scan_block, FWHT=self.fwht,
+                    LOG2D=head_dim.bit_length() - 1 if self.fwht else 0)
+
 
 @dataclasses.dataclass(frozen=True)
 class MergePlan:

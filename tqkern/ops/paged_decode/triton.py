@@ -65,11 +65,8 @@ class Prepared:
         d = lay.head_dim
         dp = max(16, 1 << (d - 1).bit_length())
         precision = "ieee" if plan.caps.interpret else "tf32x3"
-        self.rotate = KernelLauncher(
-            _rotate_q_kernel, r.grid, dict(HQ=plan.num_q_heads, D=d, DP=dp, ROWS=r.rows, CC=r.cols, ROTATE=r.rotate,
-                                           DOT_PRECISION=precision, POISON=True, SCAN=True, BS=lay.block_size,
-                                           SB=r.scan_block, FWHT=r.fwht, LOG2D=d.bit_length() - 1 if r.fwht else 0),
-            num_warps=4)
+        self.rotate = KernelLauncher(_rotate_q_kernel, r.grid,
+                                     r.constexprs(plan.num_q_heads, d, lay.block_size, plan.caps.interpret), num_warps=4)
         common = dict(D=d, DP=dp, CC=dp // m.chunks, ROTATE_BACK=m.rotate_back, DOT_PRECISION=precision, POISON=True,
                       SINKS=m.sinks, LSE=m.lse)
         sp = max(2, 1 << (plan.num_splits - 1).bit_length())

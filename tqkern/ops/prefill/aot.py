@@ -134,10 +134,7 @@ def compile_rotate(layout, hq: int, in_dtype: str = "fp16", fwht: bool = False):
     from tqkern.ops.paged_decode.side_plans import _rotate_plan
 
     r = _rotate_plan(layout, 8, hq, 64, signed_sylvester=fwht)
-    d = layout.head_dim
-    cx = dict(HQ=hq, D=d, DP=max(16, 1 << (d - 1).bit_length()), ROWS=r.rows, CC=r.cols, ROTATE=r.rotate,
-              DOT_PRECISION="tf32x3", POISON=True, SCAN=True, BS=layout.block_size, SB=r.scan_block, FWHT=r.fwht,
-              LOG2D=d.bit_length() - 1 if r.fwht else 0)
+    cx = r.constexprs(hq, layout.head_dim, layout.block_size, interpret=False)
     types = dict(q_ptr=f"*{in_dtype}", rot_ptr="*fp32", out_ptr="*fp32", poison_ptr="*fp32", bt_ptr="*i32",
                  sl_ptr="*i32", err_ptr="*i32", safe_ptr="*i32")
     return _compile(_rotate_q_kernel, cx, types, dict(num_warps=4)), r

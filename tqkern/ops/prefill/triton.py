@@ -68,12 +68,9 @@ def prefill_launch(out, lse, q, cache, block_table, seq_lens, query_start_loc, l
     poison = buf[n_q: n_q + t * hq]
     safe = buf[n_q + n_p: n_q + n_p + n_seq * mb].view(torch.int32).view(n_seq, mb)
     rp = plan.rotate_plan(t, n_seq, mb)
-    dp = dict(plan.constexprs)["DP"]
-    precision = dict(plan.constexprs)["DOT_PRECISION"]
     _rotate_q_kernel[rp.grid](q, tables["rotation"], q_rot, poison, block_table, seq_lens, errors, safe, t * hq,
-                              q.stride(0), q.stride(1), n_seq, mb, num_blocks, rp.programs, HQ=hq, D=d, DP=dp,
-                              ROWS=rp.rows, CC=rp.cols, ROTATE=rp.rotate, DOT_PRECISION=precision, POISON=True, SCAN=True,
-                              BS=layout.block_size, SB=rp.scan_block, num_warps=4)
+                              q.stride(0), q.stride(1), n_seq, mb, num_blocks, rp.programs,
+                              **rp.constexprs(hq, d, layout.block_size, plan.caps.interpret), num_warps=4)
     bands = [(plan, 0, _ANY)]
     if int8:  # the short sequences take prefill's exact scores (int8_prefill's spec)
         exact = plan_for(layout, q, window_left=window_left, logit_softcap=logit_softcap, sinks=sinks,
