@@ -207,6 +207,46 @@ def test_merge_impl_and_one_row_chunks_rule():
     assert (m.impl, m.grid, m.chunks, m.unroll) == ("row", (28, 8), 8, 128)
 
 
+def test_merge_transform_rule_and_plan():
+    """The planned merge rotates back by the Walsh–Hadamard transform only where it was measured to
+    win: a rotated value codec with a signed Sylvester Π, the row-block merge, head_dim 128 (not the
+    one-row merge of many splits, not head_dim 64 or 256); the plan keeps the product's chunk rules,
+    ``describe`` names it and the launch's constexprs follow; the launcher refuses the transform
+    where it cannot apply."""
+    from tqkern.ops.paged_decode.plan import DeviceCaps, DecodeOptions, plan_decode
+    from tqkern.ops.paged_decode.side_plans import _merge_plan, merge_transform
+    assert merge_transform(True, True, 128, "rows")
+    assert not any(merge_transform(True, True, d, "rows") for d in (16, 64, 96, 256))
+    assert not merge_transform(True, True, 128, "row") and not merge_transform(True, True, 128, "heads")
+    assert not merge_transform(False, True, 128, "rows") and not merge_transform(True, False, 128, "rows")
+    caps, opts = DeviceCaps.sm90(), DecodeOptions()
+    for preset, d, ss, s, ns, want in (("tqkern_k5v3", 128, True, 32, 8, True), ("tqkern_k5v3", 128, True, 1, 128, False),
+                                       ("tqkern_k5v3", 64, True, 32, 8, False), ("tqkern_k5v3", 256, True, 32, 8, False),
+                                       ("tqkern_k5v3", 96, True, 32, 8, False), ("tqkern_k5v3", 128, False, 32, 8, False),
+                                       ("tq4", 128, False, 32, 8, False), ("turboquant_4bit_nc", 128, True, 32, 8, False)):
+        m = _merge_plan(_layout(preset, d, 8), s, 32, ns, caps, opts, signed_sylvester=ss)
+        p = _merge_plan(_layout(preset, d, 8), s, 32, ns, caps, opts)
+        assert m.fwht == want and (m.impl, m.grid, m.chunks, m.unroll) == (p.impl, p.grid, p.chunks, p.unroll)
+        assert m.constexprs(d) == dict(FWHT=want, LOG2D=7 if want else 0)
+    plan = plan_decode(_layout("tqkern_k5v3", 128, 8), 32, 32, 64, caps, same_codebooks=False, signed_sylvester=True)
+    assert plan.merge.fwht and "rotate back by Walsh-Hadamard" in plan.describe()
+    plan = plan_decode(_layout("tq4", 128, 8), 32, 32, 64, caps, same_codebooks=True)
+    assert not plan.merge.fwht and "rotate back by" not in plan.describe() and "rotate back" in plan.describe()
+    ws = torch.zeros(workspace_numel(1, 8, 2, 128), device=DEV)
+    for preset, d in (("tqkern_k5v3", 96), ("turboquant_4bit_nc", 128)):
+        layout = _layout(preset, d, 2)
+        params = tqt.to_device(tqkern.TQParams.default(layout.format), DEV)
+        with pytest.raises(ValueError, match=f"fwht needs a rotated value codec at a power-of-two head_dim >= 16, "
+                                             f"got head_dim {d}"):
+            _launch_merge(ws[:2048], ws[2048:], params.rotation, torch.zeros(1, 8, d, device=DEV), layout, 4, 2,
+                          INTERP, fwht=True)
+    layout = _layout("tqkern_k5v3", 128, 2)
+    params = tqt.to_device(tqkern.TQParams.default(layout.format), DEV)
+    with pytest.raises(ValueError, match="fwht applies to the 'rows' and 'heads' merges, not 'row'"):
+        _launch_merge(ws[:2048], ws[2048:], params.rotation, torch.zeros(1, 8, 128, device=DEV), layout, 4, 2, INTERP,
+                      impl="row", fwht=True)
+
+
 def test_rotate_cols_rule():
     """The q rotation's output columns per program: 32 at DP >= 256, 64 below, all when nothing
     rotates (the plan's grid follows)."""
@@ -300,12 +340,25 @@ def test_one_row_merge_many_splits(preset, d, chunks):
 
 
 @needs_kernels
+@pytest.mark.parametrize("impl,chunks", [("rows", 1), ("rows", 2), ("heads", 1), ("heads", 2)])
+@pytest.mark.parametrize("d", [16, 64, 128, 256])
+def test_merge_rotate_back_by_the_transform(impl, chunks, d):
+    """A signed Sylvester rotation's rotate-back by the Walsh–Hadamard transform
+    (``out = Π[:, 0] ⊙ H·o``) on the row-block and group merges equals ``o @ Πᵀ``: every chunk
+    transforms all columns and stores its own (an empty split, a row without tokens)."""
+    _merge_matches_numpy("tqkern_k5v3", d, chunks, impl, 16, None, s=3, ns=5, fwht=True)
+
+
+@needs_kernels
 @pytest.mark.parametrize("impl,chunks", [("row", 1), ("row", 4), ("rows", 2), ("heads", 2)])
-def test_merge_sinks_lse_and_poison(impl, chunks):
+@pytest.mark.parametrize("preset", ["tq4", "tqkern_k5v3"])
+def test_merge_sinks_lse_and_poison(impl, chunks, preset):
     """The merge's own options on each kernel: sink logits σ join each row's denominator
     (``2^(σ·log2 e − m)``, no value), ``lse`` gets ``(m + log2 l)·ln 2`` of the row (−inf for a row
-    without keys), a poisoned query row comes out NaN in every column and in its lse."""
-    layout = _layout("tq4", 128, 2)
+    without keys), a poisoned query row comes out NaN in every column and in its lse; the
+    rotate-back by the product (tq4; tqkern_k5v3 on the one-row merge) and by the transform
+    (tqkern_k5v3's signed Sylvester Π on the others)."""
+    layout = _layout(preset, 128, 2)
     params = tqt.to_device(tqkern.TQParams.default(layout.format, seed=3), DEV)
     s, hq, ns, dp, g = 2, 8, 20, 128, 4
     rng = np.random.default_rng(1)
@@ -321,7 +374,7 @@ def test_merge_sinks_lse_and_poison(impl, chunks):
     lse = torch.full((s, hq), float("nan"), device=DEV)
     _launch_merge(ws[:acc.size], ws[acc.size:], params.rotation, out, layout, g, ns, INTERP, chunks=chunks,
                   impl=impl, q_poison=torch.from_numpy(poison).to(DEV), sinks=torch.from_numpy(sinks).to(DEV),
-                  lse=lse)
+                  lse=lse, fwht=params.signed_sylvester and impl != "row")
     sig = sinks[None, :] * np.log2(np.e)  # base 2
     m_all = np.maximum(m.max(-1), sig)
     w = np.where(np.isfinite(m), np.exp2(m - m_all[..., None]), 0.0)
@@ -336,10 +389,11 @@ def test_merge_sinks_lse_and_poison(impl, chunks):
     assert np.all(got[hq + 2] == 0)  # no keys: the sink takes all the weight, no value
 
 
-def _merge_matches_numpy(preset, d, chunks, impl, rows, unroll, s=3, ns=5):
+def _merge_matches_numpy(preset, d, chunks, impl, rows, unroll, s=3, ns=5, fwht=False):
     layout = _layout(preset, d, 2)
     dp = max(16, 1 << (d - 1).bit_length())
     params = tqt.to_device(tqkern.TQParams.default(layout.format, seed=3), DEV)
+    assert params.signed_sylvester or not fwht
     hq, g = 8, 4
     rng = np.random.default_rng(0)
     acc = rng.standard_normal((s, hq, ns, dp)).astype(np.float32)
@@ -359,7 +413,7 @@ def _merge_matches_numpy(preset, d, chunks, impl, rows, unroll, s=3, ns=5):
     out = torch.full((s, hq, d), float("nan"), dtype=torch.float32, device=DEV)
     n_acc = acc.size
     _launch_merge(ws_t[:n_acc], ws_t[n_acc:], params.rotation, out, layout, g, ns, INTERP, chunks=chunks,
-                  impl=impl, rows=rows, unroll=unroll)
+                  impl=impl, rows=rows, unroll=unroll, fwht=fwht)
     m_max = m.max(-1, keepdims=True)
     w = np.exp2(m - np.where(np.isfinite(m_max), m_max, 0.0))
     w[~np.isfinite(m)] = 0.0

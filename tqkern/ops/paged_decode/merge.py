@@ -8,7 +8,12 @@ program), launched by :func:`_launch_merge`. Both decode kernels (:mod:`.general
 Two attention options are the merge's alone, so they apply after either kernel (constexprs:
 off, the merge compiles as without them): ``SINKS`` adds each query head's sink logit σ to the
 denominator (``2^(σ·log2 e − m)``, no value), ``LSE`` writes the row's natural-log normaliser
-``(m + log2 l)·ln 2`` (−inf for a row without keys or sink; NaN for a poisoned row)."""
+``(m + log2 l)·ln 2`` (−inf for a row without keys or sink; NaN for a poisoned row).
+
+The rotate-back of a signed Sylvester ``Π = diag(s)·H/√D`` at a power-of-two head_dim (``FWHT``,
+the row-block and group merges) is the in-register Walsh–Hadamard transform:
+``(o @ Πᵀ)[c] = Π[c, 0]·(H·o)[c]``; every program then transforms all columns of its rows and
+stores its chunk's."""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tqkern.ops.common import layout_consts
+from tqkern.ops.common import _fwht_tile, layout_consts, transform_applies
 from tqkern.ops.paged_decode.side_plans import (merge_chunks, merge_impl, row_chunks, row_merge_chunks,
                                                 row_merge_unroll, row_split_block)
 
@@ -46,11 +51,17 @@ def _store_lse(lse_ptr, rows, rmask, m_safe, l_all, poison, c0, POISON: tl.const
 
 @triton.jit
 def _store_merged(o, o_row, rmask, rot_ptr, c0, cols, D: tl.constexpr, CC: tl.constexpr,
-                  ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Store merged rows ``o`` ([rows, cols]) to output columns ``c0 .. c0 + CC − 1``: with the
+                  ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr, R: tl.constexpr = 16,
+                  FWHT: tl.constexpr = False, LOG2D: tl.constexpr = 0):
+    """Store merged rows ``o`` ([R, cols]) to output columns ``c0 .. c0 + CC − 1``: with the
     rotate-back ``cols`` are all DP columns and ``out[:, c] = o @ Πᵀ[:, c]`` (``Πᵀ[:, c] = Π[c, :]``,
-    64 columns per dot), else ``cols`` are the chunk's columns."""
-    if ROTATE_BACK:
+    64 columns per dot; with ``FWHT`` (D = DP) ``Π[c, 0]·(H·o)[c]``), else ``cols`` are the chunk's
+    columns."""
+    if ROTATE_BACK and FWHT:
+        y = _fwht_tile(o, R, D, LOG2D) * tl.load(rot_ptr + cols * D)[None, :]
+        tl.store(o_row + cols[None, :], y.to(o_row.dtype.element_ty),
+                 mask=rmask[:, None] & ((cols >= c0) & (cols < c0 + CC))[None, :])
+    elif ROTATE_BACK:
         SUB: tl.constexpr = CC if CC < 64 else 64 if CC <= 128 else 32
         for c1 in tl.static_range(0, CC, SUB):
             cs = c0 + c1 + tl.arange(0, SUB)
@@ -67,7 +78,8 @@ def _merge_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, sink_ptr, lse_p
                   G: tl.constexpr, GP: tl.constexpr, HQ: tl.constexpr, NUM_SPLITS: tl.constexpr,
                   SP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CC: tl.constexpr,
                   ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr, POISON: tl.constexpr,
-                  SINKS: tl.constexpr = False, LSE: tl.constexpr = False):
+                  SINKS: tl.constexpr = False, LSE: tl.constexpr = False, FWHT: tl.constexpr = False,
+                  LOG2D: tl.constexpr = 0):
     """Merge the splits of one (sequence, KV head) by log-sum-exp; out = acc/l (@ Πᵀ). Program
     ``(s, h, j)`` writes output columns ``j·CC .. j·CC + CC − 1`` (with the rotation it merges all
     columns and rotates into its chunk: the chunks spread the rotate-back over more programs)."""
@@ -113,7 +125,7 @@ def _merge_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, sink_ptr, lse_p
         o += poison[:, None]
     if LSE:
         _store_lse(lse_ptr, s * HQ + qh, gm, m_safe, l_all, poison if POISON else l_all, c0, POISON)
-    _store_merged(o, o_row, gm, rot_ptr, c0, cols, D, CC, ROTATE_BACK, DOT_PRECISION)
+    _store_merged(o, o_row, gm, rot_ptr, c0, cols, D, CC, ROTATE_BACK, DOT_PRECISION, GP, FWHT, LOG2D)
 
 
 @triton.jit
@@ -121,7 +133,8 @@ def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, sink_ptr, 
                        stride_os, stride_oh,
                        HQ: tl.constexpr, ROWS: tl.constexpr, SP: tl.constexpr, UNROLL: tl.constexpr, D: tl.constexpr,
                        DP: tl.constexpr, CC: tl.constexpr, ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       POISON: tl.constexpr, SINKS: tl.constexpr = False, LSE: tl.constexpr = False):
+                       POISON: tl.constexpr, SINKS: tl.constexpr = False, LSE: tl.constexpr = False,
+                       FWHT: tl.constexpr = False, LOG2D: tl.constexpr = 0):
     """The merge by blocks of ``ROWS`` query rows (``row = s·HQ + head``, any heads and
     sequences): the rotate-back is a full ``[ROWS, DP] @ [DP, CC]`` tile and Π is read once per
     ROWS rows, instead of once per GQA group padded to 16. Program ``(b, j)`` writes columns
@@ -169,7 +182,7 @@ def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, sink_ptr, 
     if LSE:
         _store_lse(lse_ptr, rows, rm, m_safe, l_all, poison if POISON else l_all, c0, POISON)
     o_row = out_ptr + (rows // HQ).to(tl.int64)[:, None] * stride_os + (rows % HQ).to(tl.int64)[:, None] * stride_oh
-    _store_merged(o, o_row, rm, rot_ptr, c0, cols, D, CC, ROTATE_BACK, DOT_PRECISION)
+    _store_merged(o, o_row, rm, rot_ptr, c0, cols, D, CC, ROTATE_BACK, DOT_PRECISION, ROWS, FWHT, LOG2D)
 
 
 @triton.jit
@@ -183,7 +196,8 @@ def _merge_row_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, sink_ptr, l
     partials stream through many SMs instead of a 16-row block's through one. Program ``(row, j)``
     writes columns ``j·CC .. j·CC + CC − 1``; with the rotate-back it merges all DP columns and
     forms ``out[c] = Σ_j Π[c, j]·o[j]`` for its chunk in float32 FMAs (a 1-row ``tl.dot`` would
-    pad to 16 rows). Same workspace layout and result as :func:`_merge_kernel` (to rounding)."""
+    pad to 16 rows; the Walsh–Hadamard transform of a ``[1, DP]`` row lost to it, session 39:
+    :func:`.side_plans.merge_transform`). Same workspace layout and result as :func:`_merge_kernel` (to rounding)."""
     r = tl.program_id(0)
     c0 = tl.program_id(1) * CC
     part0 = r.to(tl.int64) * num_splits
@@ -237,8 +251,10 @@ def _merge_row_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, sink_ptr, l
 
 def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, interpret: bool,
                   chunks: int | None = None, impl: str | None = None, rows: int = 16, unroll: int | None = None,
-                  q_poison=None, sinks=None, lse=None):
-    """Merge the splits into ``out`` (rotating back when the value codec is rotated). ``impl``:
+                  q_poison=None, sinks=None, lse=None, fwht: bool = False):
+    """Merge the splits into ``out`` (rotating back when the value codec is rotated; with ``fwht`` by
+    the Walsh–Hadamard transform: ``rotation`` signed Sylvester, a power-of-two head_dim ≥ 16; the
+    decode's plan takes it where :func:`.side_plans.merge_transform` says). ``impl``:
     ``"rows"`` (:func:`_merge_rows_kernel`, blocks of ``rows`` query rows), ``"row"``
     (:func:`_merge_row_kernel`, one query row per program) or ``"heads"`` (:func:`_merge_kernel`,
     one GQA group per program); by default :func:`.side_plans.merge_impl` (measured there; with the
@@ -262,6 +278,12 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
     if not isinstance(rows, int) or rows < 16 or rows & (rows - 1):
         raise ValueError(f"rows must be a power of two >= 16, got {rows!r}")
     precision = "ieee" if interpret else "tf32x3"
+    if fwht and not (rotate_back and d >= 16 and transform_applies(True, d)):
+        raise ValueError(f"fwht needs a rotated value codec at a power-of-two head_dim >= 16, got head_dim {d}"
+                         f" (value codec rotated: {rotate_back})")
+    if fwht and impl == "row":
+        raise ValueError("fwht applies to the 'rows' and 'heads' merges, not 'row'")
+    tx = dict(FWHT=fwht, LOG2D=d.bit_length() - 1 if fwht else 0)
     if impl == "row":
         if chunks is None:
             chunks = row_chunks(s * hq, sms, dp, rotate_back)
@@ -286,7 +308,7 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
                 HQ=hq, ROWS=rows, SP=max(2, triton.next_power_of_2(num_splits)),
                 UNROLL=max(1, min(unroll, num_splits)), D=d, DP=dp, CC=dp // chunks,
                 ROTATE_BACK=rotate_back, DOT_PRECISION=precision, POISON=q_poison is not None,
-                SINKS=sinks is not None, LSE=lse is not None, num_warps=4)
+                SINKS=sinks is not None, LSE=lse is not None, num_warps=4, **tx)
         return
     gp = max(16, triton.next_power_of_2(g))
     if chunks is None:
@@ -298,5 +320,5 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
         ml if lse is None else lse, out.stride(0), out.stride(1),
         G=g, GP=gp, HQ=hq, NUM_SPLITS=num_splits, SP=max(2, triton.next_power_of_2(num_splits)), D=d, DP=dp,
         CC=cc, ROTATE_BACK=rotate_back, DOT_PRECISION=precision, POISON=q_poison is not None,
-        SINKS=sinks is not None, LSE=lse is not None, num_warps=4,
+        SINKS=sinks is not None, LSE=lse is not None, num_warps=4, **tx,
     )

@@ -173,7 +173,8 @@ class DecodePlan:
                  f"grid {self.rotate.grid}, {self.rotate.rows} rows x {self.rotate.cols} cols, "
                  f"scan {self.rotate.grid[0] - self.rotate.programs} rows x {self.rotate.scan_block}",
                  f"merge       {self.merge.impl}, grid {self.merge.grid}, {self.merge.chunks} chunks"
-                 + (", rotate back" if self.merge.rotate_back else ""),
+                 + (", rotate back by Walsh-Hadamard" if self.merge.fwht else ", rotate back" if self.merge.rotate_back
+                    else ""),
                  f"workspace   {self.workspace_numel} float32",
                  "options     " + (" ".join(f.name for f in dataclasses.fields(self.options)
                                             if getattr(self.options, f.name)) or "-")]
@@ -299,7 +300,8 @@ def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks
     ``options``: the attention options (:class:`DecodeOptions`, default none); a window or a
     soft-cap takes the general kernel (``path="mma"`` then raises ``ValueError``).
     ``signed_sylvester``: the rotation is ``diag(s)·H/√D`` (``DeviceParams.signed_sylvester``):
-    the q rotation may run as the Walsh–Hadamard transform (:func:`.side_plans.q_transform`)."""
+    the q rotation and the merge's rotate-back may run as the Walsh–Hadamard transform
+    (:func:`.side_plans.q_transform`, :func:`.side_plans.merge_transform`)."""
     if not isinstance(layout, PagedLayout):
         raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
     if not isinstance(caps, DeviceCaps):
@@ -341,7 +343,8 @@ def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks
     return DecodePlan(layout=layout, num_seqs=num_seqs, num_q_heads=num_q_heads, max_blocks=max_blocks, caps=caps,
                       path="general" if decode.kernel == "general" else "mma", num_splits=num_splits, decode=decode,
                       rotate=_rotate_plan(layout, num_seqs, num_q_heads, max_blocks, signed_sylvester=signed_sylvester),
-                      merge=_merge_plan(layout, num_seqs, num_q_heads, num_splits, caps, options),
+                      merge=_merge_plan(layout, num_seqs, num_q_heads, num_splits, caps, options,
+                                        signed_sylvester=signed_sylvester),
                       workspace_numel=workspace_numel(num_seqs, num_q_heads, num_splits, dp), options=options)
 
 

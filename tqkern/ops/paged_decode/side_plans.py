@@ -9,7 +9,8 @@ import dataclasses
 
 from tqkern.ops.common import layout_consts, transform_applies
 
-__all__ = ["MergePlan", "RotatePlan", "merge_chunks", "merge_impl", "q_transform", "rotate_cols", "row_chunks",
+__all__ = ["MergePlan", "RotatePlan", "merge_chunks", "merge_impl", "merge_transform", "q_transform", "rotate_cols",
+           "row_chunks",
            "row_merge_chunks", "row_merge_unroll", "row_split_block", "scan_split"]
 
 
@@ -41,7 +42,8 @@ class MergePlan:
     """The merge launch: ``impl`` ``"rows"`` (blocks of ``rows`` query rows), ``"row"`` (one query
     row per program, ``rows`` 1) or ``"heads"`` (one GQA group per program), ``chunks``
     output-column chunks, ``unroll`` splits per iteration (per load for ``"row"``);
-    ``sinks``: sink logits join the denominator; ``lse``: the normaliser is written."""
+    ``sinks``: sink logits join the denominator; ``lse``: the normaliser is written; ``fwht``: the
+    rotate-back by the Walsh–Hadamard transform (:func:`merge_transform`)."""
 
     impl: str
     grid: tuple[int, ...]
@@ -51,6 +53,11 @@ class MergePlan:
     rotate_back: bool
     sinks: bool = False
     lse: bool = False
+    fwht: bool = False
+
+    def constexprs(self, head_dim: int) -> dict:
+        """The rotate-back's transform constexprs of every merge kernel."""
+        return dict(FWHT=self.fwht, LOG2D=head_dim.bit_length() - 1 if self.fwht else 0)
 
 
 def merge_chunks(programs: int, num_sms: int, dp: int) -> int:
@@ -106,12 +113,27 @@ def q_transform(rotate: bool, signed_sylvester: bool, head_dim: int) -> bool:
     return rotate and head_dim >= 16 and transform_applies(signed_sylvester, head_dim)
 
 
+def merge_transform(rotate_back: bool, signed_sylvester: bool, head_dim: int, impl: str) -> bool:
+    """Whether the planned merge rotates back by the in-register Walsh–Hadamard transform: a rotated
+    value codec whose ``Π`` is signed Sylvester, the row-block merge (``impl`` ``"rows"``) at
+    head_dim 128, where it was measured to win. H100, session 39, tqkern_k5v3, merge alone, product
+    at its planned chunks / transform at 1, 2, 4 chunks (µs): B128×1K (1 split) 6.17 / 2.69, 3.35,
+    5.06; B32×16K (4 splits) 4.22 / 3.34, 3.16, 3.66; B32×4K 4.21 / 3.29, 3.13, 3.57; but head_dim
+    64 (SmolLM2 B32×4K, 16 splits) 5.14 / 5.46, 5.81, 5.83, head_dim 256 (Gemma-2-9B B8×8K, 16
+    splits, 8 chunks planned) 8.43 / 8.37, 8.39, 8.62, and the one-row merge at batch 1 (128
+    splits) 5.74 / 6.45, 6.48, 6.62. End to end (``paged_decode``, product / transform): B128×1K
+    tqkern_k5v3 101.78 / 98.86, k5v4h 97.48 / 94.11; SmolLM2 28.61 / 29.80; Llama-3-8B 1×128K
+    102.67 / 104.42; Gemma-2-9B 102.26 / 103.50 (``docs/performance.md``)."""
+    return (rotate_back and impl == "rows" and head_dim == 128
+            and transform_applies(signed_sylvester, head_dim))
+
+
 def _rotate_plan(layout, s, hq, max_blocks, rows: int = 16, signed_sylvester: bool = False) -> RotatePlan:
     """Measured on the H100 at 1024 rows, D = 128: 16 rows × all columns 4.6 µs, 32 rows 9.5 µs,
     64 rows 9.8 µs (session 4); 16 rows × 64 columns: ``docs/performance.md``; the columns:
-    :func:`rotate_cols` (every column with the transform, :func:`q_transform`; built in session
-    38, not yet timed: the product's cost over the plain cast, which bounds its gain, was 2.2 µs at
-    B32×16K and 4.9 at B128×1K on the H100, ``docs/performance.md``)."""
+    :func:`rotate_cols` (every column with the transform, :func:`q_transform`; H100, session 39,
+    ``rotate_q`` with the scan, product / transform / cast: B128×1K 7.46 / 2.92 / 2.43 µs, B32×16K
+    4.22 / 2.30 / 2.06; ``docs/performance.md``)."""
     d = layout.head_dim
     dp = max(16, 1 << (d - 1).bit_length())
     rotate = bool(layout.format.key.rotated)
@@ -161,25 +183,27 @@ def row_merge_unroll(rotate_back: bool) -> int:
     return 8 if rotate_back else 64
 
 
-def _merge_plan(layout, s, hq, num_splits, caps, options) -> MergePlan:
+def _merge_plan(layout, s, hq, num_splits, caps, options, signed_sylvester: bool = False) -> MergePlan:
     """:func:`merge_impl`'s kernel with :func:`row_chunks`, :func:`row_merge_chunks` or
-    :func:`merge_chunks` column chunks."""
+    :func:`merge_chunks` column chunks; the rotate-back by :func:`merge_transform` where it applies
+    (the same chunk rules: every chunk reads all columns either way)."""
     dp = layout_consts(layout)["DP"]
     rotate_back = bool(layout.format.value.rotated)
     sms = 1 if caps.interpret else caps.num_sms
     impl = merge_impl(rotate_back, num_splits)
+    fwht = merge_transform(rotate_back, signed_sylvester, layout.head_dim, impl)
     if impl == "row":
         chunks = row_chunks(s * hq, sms, dp, rotate_back)
         return MergePlan(impl="row", grid=(s * hq, chunks), rows=1, chunks=chunks,
                          unroll=row_split_block(num_splits, dp, chunks, rotate_back), rotate_back=rotate_back,
-                         sinks=options.sinks, lse=options.lse)
+                         sinks=options.sinks, lse=options.lse, fwht=fwht)
     if impl == "rows":
         rows = 16
         blocks = -(-(s * hq) // rows)
         chunks = row_merge_chunks(blocks, sms, dp, rotate_back)
         return MergePlan(impl="rows", grid=(blocks, chunks), rows=rows, chunks=chunks,
                          unroll=max(1, min(row_merge_unroll(rotate_back), num_splits)), rotate_back=rotate_back,
-                         sinks=options.sinks, lse=options.lse)
+                         sinks=options.sinks, lse=options.lse, fwht=fwht)
     chunks = merge_chunks(s * layout.num_kv_heads, sms, dp)
     return MergePlan(impl="heads", grid=(s, layout.num_kv_heads, chunks), rows=0, chunks=chunks, unroll=num_splits,
-                     rotate_back=rotate_back, sinks=options.sinks, lse=options.lse)
+                     rotate_back=rotate_back, sinks=options.sinks, lse=options.lse, fwht=fwht)

@@ -68,10 +68,11 @@ class Prepared:
         self.rotate = KernelLauncher(_rotate_q_kernel, r.grid,
                                      r.constexprs(plan.num_q_heads, d, lay.block_size, plan.caps.interpret), num_warps=4)
         common = dict(D=d, DP=dp, CC=dp // m.chunks, ROTATE_BACK=m.rotate_back, DOT_PRECISION=precision, POISON=True,
-                      SINKS=m.sinks, LSE=m.lse)
+                      SINKS=m.sinks, LSE=m.lse, **m.constexprs(d))
         sp = max(2, 1 << (plan.num_splits - 1).bit_length())
         if m.impl == "row":
-            common.pop("DOT_PRECISION")
+            for k in ("DOT_PRECISION", "FWHT", "LOG2D"):
+                common.pop(k)
             self.merge = KernelLauncher(_merge_row_kernel, m.grid, dict(HQ=plan.num_q_heads, SP=sp, SB=m.unroll,
                                                                         **common), num_warps=4)
         elif m.impl == "rows":
