@@ -220,10 +220,12 @@ def test_merge_transform_rule_and_plan():
     assert not merge_transform(True, True, 128, "row") and not merge_transform(True, True, 128, "heads")
     assert not merge_transform(False, True, 128, "rows") and not merge_transform(True, False, 128, "rows")
     caps, opts = DeviceCaps.sm90(), DecodeOptions()
-    for preset, d, ss, s, ns, want in (("tqkern_k5v3", 128, True, 32, 8, True), ("tqkern_k5v3", 128, True, 1, 128, False),
-                                       ("tqkern_k5v3", 64, True, 32, 8, False), ("tqkern_k5v3", 256, True, 32, 8, False),
-                                       ("tqkern_k5v3", 96, True, 32, 8, False), ("tqkern_k5v3", 128, False, 32, 8, False),
-                                       ("tq4", 128, False, 32, 8, False), ("turboquant_4bit_nc", 128, True, 32, 8, False)):
+    k5v3 = "tqkern_k5v3"
+    for preset, d, ss, s, ns, want in ((k5v3, 128, True, 32, 8, True), (k5v3, 128, True, 1, 128, False),
+                                       (k5v3, 64, True, 32, 8, False), (k5v3, 256, True, 32, 8, False),
+                                       (k5v3, 96, True, 32, 8, False), (k5v3, 128, False, 32, 8, False),
+                                       ("tq4", 128, False, 32, 8, False),
+                                       ("turboquant_4bit_nc", 128, True, 32, 8, False)):
         m = _merge_plan(_layout(preset, d, 8), s, 32, ns, caps, opts, signed_sylvester=ss)
         p = _merge_plan(_layout(preset, d, 8), s, 32, ns, caps, opts)
         assert m.fwht == want and (m.impl, m.grid, m.chunks, m.unroll) == (p.impl, p.grid, p.chunks, p.unroll)

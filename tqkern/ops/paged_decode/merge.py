@@ -197,7 +197,8 @@ def _merge_row_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, sink_ptr, l
     writes columns ``j·CC .. j·CC + CC − 1``; with the rotate-back it merges all DP columns and
     forms ``out[c] = Σ_j Π[c, j]·o[j]`` for its chunk in float32 FMAs (a 1-row ``tl.dot`` would
     pad to 16 rows; the Walsh–Hadamard transform of a ``[1, DP]`` row lost to it, session 39:
-    :func:`.side_plans.merge_transform`). Same workspace layout and result as :func:`_merge_kernel` (to rounding)."""
+    :func:`.side_plans.merge_transform`). Same workspace layout and result as :func:`_merge_kernel`
+    (to rounding)."""
     r = tl.program_id(0)
     c0 = tl.program_id(1) * CC
     part0 = r.to(tl.int64) * num_splits

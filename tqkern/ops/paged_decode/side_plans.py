@@ -10,8 +10,7 @@ import dataclasses
 from tqkern.ops.common import layout_consts, transform_applies
 
 __all__ = ["MergePlan", "RotatePlan", "merge_chunks", "merge_impl", "merge_transform", "q_transform", "rotate_cols",
-           "row_chunks",
-           "row_merge_chunks", "row_merge_unroll", "row_split_block", "scan_split"]
+           "row_chunks", "row_merge_chunks", "row_merge_unroll", "row_split_block", "scan_split"]
 
 
 @dataclasses.dataclass(frozen=True)
