@@ -205,7 +205,10 @@ def test_first_window_scores_the_held_out_windows(tiny):
     assert held["per_window"] == shifted["per_window"]
     head = tqe.evaluate(model, ids, configs, windows=2, window=w, calib_ids=calib, progress=False)
     assert head["per_window"]["tq4+mu"][1] == held["per_window"]["tq4+mu"][0]  # window 1 in both
-    assert "(windows 1..2 of the text)" in tqe.render_table(held)
+    text = tqe.render_table(held)
+    assert "(windows 1..2 of the text)" in text
+    assert text.splitlines()[-1] == (f"machine: {held['machine']['cpu']}, torch {torch.__version__}; "
+                                     "compare rows only from one machine")
     with pytest.raises(ValueError, match=r"fewer than \(first_window \+ windows\)\*window"):
         tqe.evaluate(model, ids[: 3 * w], configs, windows=2, window=w, calib_ids=calib, progress=False,
                      first_window=2)

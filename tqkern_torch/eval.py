@@ -422,6 +422,9 @@ def render_table(report: dict) -> str:
         lines.append(f"{label:<22}{mu:>11}{sb:>11}{r['ppl']:>9.4f}"
                      f"{r['delta_ppl']:>+9.4f}{f'[{lo:+.4f}, {hi:+.4f}]':>20}{r['delta_ppl_pct']:>+8.2f}"
                      f"{r['kl']:>11.5f}")
+    m = report.get("machine")
+    if m:  # the CPU moves the deltas (a float32 forward rounds differently): docs/quality.md
+        lines.append(f"machine: {m['cpu']}, torch {m['torch']}; compare rows only from one machine")
     return "\n".join(lines)
 
 
