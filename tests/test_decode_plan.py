@@ -104,6 +104,63 @@ def test_short_splits_give_way_to_the_per_warp_kernel(preset, arr, batch, max_le
     assert plan.decode.grid == ((batch * plan.num_splits,) if want_coop else (batch * 8 * plan.num_splits // 4,))
 
 
+def _coop_ctas(kernel):
+    """Residency of the compiled kernels as on an H200 (S40 Nsight): the 4-stage cooperative ring of
+    5-bit keys one CTA per SM, a 2-stage ring two, the per-warp kernel three of 4 warps."""
+    if kernel.kernel != "coop":
+        return 3
+    return 2 if kernel.constexpr("COOP") == 2 else 1
+
+
+@pytest.mark.parametrize("preset", ["k5v4h", "tqkern_k5v3"])
+@pytest.mark.parametrize("batch,max_len,two", [
+    (256, 1024, True),  # 256 CTAs of one split: two per SM
+    (32, 16384, True),  # 8 splits of 2048 tokens
+    (128, 1024, False),  # two CTAs per SM would need 2 splits of 512 tokens
+    (32, 4096, False),  # 8 splits of 512
+    (1, 131072, False),  # 128 splits either way: one CTA per SM
+])
+def test_two_ctas_per_sm_for_5_bit_keys_where_splits_stay_long(preset, batch, max_len, two):
+    """5-bit keys with Lloyd-Max values take the 2-stage ring (two CTAs per SM) where the launch
+    then holds more CTAs than SMs and its splits keep >= 1024 tokens; elsewhere the 4-stage ring."""
+    import tqkern.ops.paged_decode.mma_plans as plans
+
+    layout = _layout(preset, 128, 8)
+    plan, _ = _plan_with(layout, batch, max_len, _coop_ctas)
+    assert plan.decode.kernel == "coop"
+    assert plan.decode.constexpr("COOP") == (2 if two else 4) and plan.decode.constexpr("SUB") == 2
+    resident = (2 if two else 1) * 8 * 132
+    assert plan.num_splits == plans.num_splits_mma(batch, 8, max_len, resident)
+    if two:
+        assert plan.decode.constexprs == mma_kernel_plan_of(layout, plans.two_cta_plan(mma_plan(layout, 4), layout),
+                                                            batch, plan.num_splits).constexprs
+
+
+def mma_kernel_plan_of(layout, plan, batch, splits):
+    from tqkern.ops.paged_decode.plan import mma_kernel_plan
+
+    return mma_kernel_plan(layout, plan, batch, 32, splits)
+
+
+def test_two_cta_plan_only_for_5_bit_keys_on_8_kv_heads_and_known_residency():
+    """Unknown residency keeps the 4-stage ring; 4-bit keys, uniform values and 4 KV heads have
+    no two-CTA plan; the plan is the same kernel with a 2-stage ring that fits two CTAs an SM."""
+    from tqkern.ops.paged_decode.mma_plans import coop_smem_bytes, two_cta_plan
+
+    layout = _layout("k5v4h", 128, 8)
+    plan, _ = _plan_with(layout, 256, 1024, lambda k: None)
+    assert plan.decode.constexpr("COOP") == 4
+    two = two_cta_plan(mma_plan(layout, 4), layout)
+    assert (two.COOP, two.SUB) == (2, 2) and 2 * (coop_smem_bytes(two) + 1024) <= 233472
+    assert dataclasses.replace(two, COOP=4) == mma_plan(layout, 4)
+    for preset, arr, heads in (("tq4", "row", 8), ("turboquant_4bit_nc", "slot", 8), ("k5v4h", "slot", 4),
+                               ("tqkern_k5v3", "slot", 4)):
+        other = _layout(preset, 128, heads, arr)
+        assert two_cta_plan(mma_plan(other, 32 // heads), other) is None, (preset, heads)
+    with pytest.raises(TypeError, match="cooperative plan"):
+        two_cta_plan(per_warp_plan(mma_plan(layout, 4)), layout)
+
+
 @pytest.mark.parametrize("batch, max_len, resident, want", [
     (1, 131072, 1056, 128), (1, 65536, 1056, 128),  # batch 1, >= 512 tokens per split: up to 128
     (1, 32768, 1056, 64), (1, 16384, 1056, 64),  # 128 splits would be 256 / 128 tokens each

@@ -122,7 +122,8 @@ def test_cooperative_stages_match_the_per_warp_kernel_bit_for_bit(preset, arrang
     ring) at the per-warp kernel's."""
     import triton
 
-    from tqkern.ops.paged_decode.mma_plans import coop_plan, coop_smem_bytes, mma_plan, per_warp_plan, table256_plan
+    from tqkern.ops.paged_decode.mma_plans import (coop_plan, coop_smem_bytes, mma_plan, per_warp_plan, table256_plan,
+                                                   two_cta_plan)
     from tqkern.ops.paged_decode.triton import _workspace, device_caps, launch_mma_plan
 
     fmt = tqkern.KVFormat.preset(preset, head_dim)
@@ -160,6 +161,8 @@ def test_cooperative_stages_match_the_per_warp_kernel_bit_for_bit(preset, arrang
     if heads == 8:
         assert any(p.LUT_AT for _, vs in groups for p in vs) == (plan.K_BITS == 4 and plan.K_AT == 0 and head_dim < 256)
     assert any(p == plan for _, vs in groups for p in vs)  # the launcher's own plan is among them
+    two = two_cta_plan(plan, layout)  # 5-bit keys at 8 KV heads: the launcher's two-CTA plan too
+    assert two is None or any(p == two for _, vs in groups for p in vs)
     for splits in (1, 3):
         for ref_plan, variants in groups:
             got = []

@@ -47,6 +47,7 @@ BUDGETS = {
     "mma:turboquant_3bit_nc:slot:128:8:32:coop": (24, 1400),
     "mma:tqkern_k5v3:slot:128:8:32:per_warp": (8, 2040),
     "mma:tqkern_k5v3:slot:128:8:32:coop": (0, 1992),
+    "mma:tqkern_k5v3:slot:128:8:32:coop2": (0, 1904),  # two CTAs per SM (S40: a 2-stage ring)
     "mma:tq4:row:64:3:9:per_warp": (0, 1016),
     "mma:turboquant_4bit_nc:slot:64:3:9:per_warp": (0, 848),
     "mma:turboquant_k8v4:slot:64:3:9:per_warp": (0, 592),
@@ -81,6 +82,7 @@ BUDGETS = {
     "mma:k3v2h:slot:128:8:32:coop": (0, 1520),
     "mma:k5v4h:slot:128:8:32:per_warp": (0, 2040),
     "mma:k5v4h:slot:128:8:32:coop": (0, 1976),
+    "mma:k5v4h:slot:128:8:32:coop2": (0, 1880),  # two CTAs per SM (S40: a 2-stage ring)
     # head_dim 96 (Phi-3 on 2 GPUs: Hkv 16, GQA 1; session 23); 3-bit values stay on the general kernel
     "mma:tq4:row:96:16:16:per_warp": (0, 1192),
     "mma:turboquant_4bit_nc:slot:96:16:16:per_warp": (0, 880),

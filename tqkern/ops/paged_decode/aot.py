@@ -32,7 +32,7 @@ from triton.compiler import ASTSource
 
 from tqkern.ops.paged_decode.general import _paged_decode_kernel
 from tqkern.ops.paged_decode.mma_kernel import _paged_decode_mma_kernel
-from tqkern.ops.paged_decode.mma_plans import mma_plan, per_warp_plan
+from tqkern.ops.paged_decode.mma_plans import mma_plan, per_warp_plan, two_cta_plan
 from tqkern.ops.paged_decode.plan import DeviceCaps, mma_kernel_plan, plan_decode
 
 __all__ = ["SM90", "compile_general", "compile_mma", "general_launch", "histogram", "launcher_plans",
@@ -140,14 +140,17 @@ def launcher_plans(layout, group: int) -> dict:
     """Every warp-MMA plan the launcher can emit for ``layout`` and ``group``: ``"per_warp"``
     (no cooperative stages: a device with too little shared memory, the short-split rule, or
     after a sizing failure) and, where :func:`~.mma_plans.mma_plan` takes them, ``"coop"`` (with
-    the PRMT-addressed table where :func:`~.mma_plans.table256_plan` fits). Empty where the
-    warp-MMA kernel does not apply."""
+    the PRMT-addressed table where :func:`~.mma_plans.table256_plan` fits) and ``"coop2"`` (two
+    CTAs per SM: :func:`~.mma_plans.two_cta_plan`). Empty where the warp-MMA kernel does not apply."""
     plan = mma_plan(layout, group)
     if plan is None:
         return {}
     out = {"per_warp": per_warp_plan(plan)}
     if plan.COOP:
         out["coop"] = plan
+        two = two_cta_plan(plan, layout)
+        if two is not None:
+            out["coop2"] = two
     return out
 
 

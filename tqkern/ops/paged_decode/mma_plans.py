@@ -14,7 +14,7 @@ from typing import Optional
 from tqkern.layouts import FP8, LloydMax, PagedLayout, Uniform
 from tqkern.ops.common import layout_consts
 
-__all__ = ["DynamicSmemUnsupported", "MmaPlan", "coop_plan", "coop_row_stride", "coop_smem_bytes", "ctas_per_sm",
+__all__ = ["DynamicSmemUnsupported", "MmaPlan", "coop_plan", "two_cta_plan", "coop_row_stride", "coop_smem_bytes", "ctas_per_sm",
            "mma_plan", "num_splits_mma", "per_warp_plan", "table256_plan"]
 
 
@@ -305,6 +305,24 @@ def coop_plan(plan: MmaPlan, layout: PagedLayout, stages: int = 2) -> MmaPlan | 
     # PRMT-addressed table if it fits beside the stages
     if out.K_BITS == 4 and coop_smem_bytes(out) + _SMEM_RESERVED > _SMEM_PER_SM // 2:
         out = table256_plan(out) or out
+    return out
+
+
+def two_cta_plan(plan: MmaPlan, layout: PagedLayout) -> MmaPlan | None:
+    """The cooperative ``plan`` of 5-bit keys and Lloyd-Max values (4 stages of two steps beside
+    a 36–40 KB pair table: one 8-warp CTA per SM) with a ring of 2 such stages, small enough for
+    two CTAs per SM (their 128 registers allow two). ``None`` where ``plan`` is not such a plan, its
+    CTA is not 8 warps (the only geometry measured), or two CTAs do not fit one SM's shared memory.
+    The decode planner takes it where the launch then fills more than one CTA per SM with splits
+    of ≥ 1024 tokens (:func:`.plan.plan_decode`; measured in ``docs/performance.md``, "S40: two
+    CTAs per SM for 5-bit keys")."""
+    if not isinstance(plan, MmaPlan) or not plan.COOP:
+        raise TypeError(f"plan must be a cooperative plan (an MmaPlan from coop_plan), got {plan!r:.80}")
+    if plan.K_BITS != 5 or plan.V_UNIFORM or plan.COOP <= 2 or layout.num_kv_heads != 8:
+        return None
+    out = coop_plan(dataclasses.replace(per_warp_plan(plan), SUB=2), layout, 2)
+    if out is None or 2 * (coop_smem_bytes(out) + _SMEM_RESERVED) > _SMEM_PER_SM:
+        return None
     return out
 
 

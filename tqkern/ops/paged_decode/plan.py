@@ -23,7 +23,8 @@ from tqkern.layouts import PagedLayout
 from tqkern.ops.codecs import DT_BF16, Kind, layout_args, layout_consts
 from tqkern.ops.common import halfword_aligned
 from tqkern.ops.paged_decode.mma_plans import (DynamicSmemUnsupported, MmaPlan, _lut_bytes,
-                                               coop_smem_bytes, mma_plan, num_splits_mma, per_warp_plan)
+                                               coop_smem_bytes, mma_plan, num_splits_mma, per_warp_plan,
+                                               two_cta_plan)
 from tqkern.ops.paged_decode.side_plans import (MergePlan, RotatePlan, _merge_plan, _rotate_plan, merge_chunks,
                                                 scan_split)
 
@@ -426,6 +427,20 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy):
         m = splits_for(per_warp)
         if m >= 2:
             plan, n = per_warp, m
+    # 5-bit keys with Lloyd-Max values: two CTAs per SM (a 2-stage ring) where the launch then holds
+    # more CTAs than SMs and its splits keep >= 1024 tokens. Measured (H200, S40 probe, µs, one CTA →
+    # two): k5v4h Llama-3-8B B256x1K 174.1 → 159.2 (1 split), B32x16K 301.1 → 291.0 (4 → 8 splits);
+    # tqkern_k5v3 191.5 → 176.1 and 336.1 → 323.7; where the splits would fall to 512 tokens it lost
+    # (B128x1K 1 → 2 splits: k5v4h 92.0 → 92.5; B32x4K 4 → 8: 92.3 → 94.7), so those keep one CTA.
+    two = two_cta_plan(plan, layout) if plan.COOP else None
+    if two is not None:
+        try:
+            fits = (occupancy(mma_kernel_plan(layout, two, s, hq, 1)) or 1) >= 2
+            m = splits_for(two) if fits else 0
+        except DynamicSmemUnsupported:
+            m = 0
+        if m and s * m > caps.num_sms and max_len >= _COOP_MIN_TOKENS * m:
+            plan, n = two, m
     return mma_kernel_plan(layout, plan, s, hq, n), n
 
 
