@@ -132,14 +132,10 @@ def test_two_ctas_per_sm_for_5_bit_keys_where_splits_stay_long(preset, batch, ma
     resident = (2 if two else 1) * 8 * 132
     assert plan.num_splits == plans.num_splits_mma(batch, 8, max_len, resident)
     if two:
-        assert plan.decode.constexprs == mma_kernel_plan_of(layout, plans.two_cta_plan(mma_plan(layout, 4), layout),
-                                                            batch, plan.num_splits).constexprs
+        from tqkern.ops.paged_decode.plan import mma_kernel_plan
 
-
-def mma_kernel_plan_of(layout, plan, batch, splits):
-    from tqkern.ops.paged_decode.plan import mma_kernel_plan
-
-    return mma_kernel_plan(layout, plan, batch, 32, splits)
+        want = mma_kernel_plan(layout, plans.two_cta_plan(mma_plan(layout, 4), layout), batch, 32, plan.num_splits)
+        assert plan.decode.constexprs == want.constexprs
 
 
 def test_two_cta_plan_only_for_5_bit_keys_on_8_kv_heads_and_known_residency():

@@ -14,8 +14,8 @@ from typing import Optional
 from tqkern.layouts import FP8, LloydMax, PagedLayout, Uniform
 from tqkern.ops.common import layout_consts
 
-__all__ = ["DynamicSmemUnsupported", "MmaPlan", "coop_plan", "two_cta_plan", "coop_row_stride", "coop_smem_bytes", "ctas_per_sm",
-           "mma_plan", "num_splits_mma", "per_warp_plan", "table256_plan"]
+__all__ = ["DynamicSmemUnsupported", "MmaPlan", "coop_plan", "coop_row_stride", "coop_smem_bytes", "ctas_per_sm",
+           "mma_plan", "num_splits_mma", "per_warp_plan", "table256_plan", "two_cta_plan"]
 
 
 _DT = {"float16": 0, "float32": 1, "bfloat16": 2}
