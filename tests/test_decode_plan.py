@@ -371,6 +371,26 @@ def test_offline_occupancy_sizes_the_cooperative_kernels(monkeypatch, preset, ar
     assert aot.occupancy_sm90(plan.decode) == min(2, 233472 // (smem + 1024))
 
 
+def test_offline_occupancy_of_the_two_cta_plan(monkeypatch):
+    """``tqkern plan --compile``'s residency of 5-bit keys' plans: the 4-stage ring one CTA per SM,
+    the 2-stage ring two; with it the offline plan of Llama-3-8B B256x1K takes the two-CTA plan."""
+    import types
+
+    from tqkern.ops.paged_decode import aot
+    from tqkern.ops.paged_decode.mma_plans import two_cta_plan
+    from tqkern.ops.paged_decode.plan import DeviceCaps, mma_kernel_plan, plan_decode
+
+    monkeypatch.setattr(aot, "_compile", lambda fn, cx, opts, specialize: types.SimpleNamespace(
+        metadata=types.SimpleNamespace(shared=0)))
+    monkeypatch.setattr(aot, "resources", lambda compiled: (128, 0))
+    layout = _layout("k5v4h", 128, 8)
+    four = mma_plan(layout, 4)
+    assert aot.occupancy_sm90(mma_kernel_plan(layout, four, 256, 32, 1)) == 1
+    assert aot.occupancy_sm90(mma_kernel_plan(layout, two_cta_plan(four, layout), 256, 32, 1)) == 2
+    plan = plan_decode(layout, 256, 32, 64, DeviceCaps.sm90(), same_codebooks=True, occupancy=aot.occupancy_sm90)
+    assert plan.decode.constexpr("COOP") == 2 and plan.num_splits == 1
+
+
 @pytest.mark.parametrize("preset,arrangement,heads", [("turboquant_4bit_nc", "slot", 8), ("turboquant_3bit_nc", "slot", 16),
                                                       ("tq4", "row", 8), ("turboquant_k3v4_nc", "slot", 8)])
 def test_head_dim_256_warp_mma_kernel_is_not_register_capped(preset, arrangement, heads):
