@@ -155,6 +155,8 @@ def test_two_cta_plan_only_for_5_bit_keys_on_8_kv_heads_and_known_residency():
         assert two_cta_plan(mma_plan(other, 32 // heads), other) is None, (preset, heads)
     with pytest.raises(TypeError, match="cooperative plan"):
         two_cta_plan(per_warp_plan(mma_plan(layout, 4)), layout)
+    with pytest.raises(TypeError, match="layout must be a tqkern.PagedLayout, got str"):
+        two_cta_plan(mma_plan(layout, 4), "k5v4h")
 
 
 @pytest.mark.parametrize("batch, max_len, resident, want", [

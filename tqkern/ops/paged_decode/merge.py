@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tqkern.ops.common import _fwht_tile, layout_consts, transform_applies
-from tqkern.ops.paged_decode.side_plans import (merge_chunks, merge_impl, row_chunks, row_merge_chunks,
-                                                row_merge_unroll, row_split_block)
+from tqkern.ops.common import _fwht_tile, layout_consts
+from tqkern.ops.paged_decode.side_plans import (fwht_constexprs, merge_chunks, merge_impl, row_chunks,
+                                                row_merge_chunks, row_merge_unroll, row_split_block, transform_fits)
 
 __all__ = ["_merge_kernel", "_merge_rows_kernel", "_merge_row_kernel", "_launch_merge", "merge_chunks"]
 
@@ -279,12 +279,12 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
     if not isinstance(rows, int) or rows < 16 or rows & (rows - 1):
         raise ValueError(f"rows must be a power of two >= 16, got {rows!r}")
     precision = "ieee" if interpret else "tf32x3"
-    if fwht and not (rotate_back and d >= 16 and transform_applies(True, d)):
+    if fwht and not transform_fits(rotate_back, True, d):
         raise ValueError(f"fwht needs a rotated value codec at a power-of-two head_dim >= 16, got head_dim {d}"
                          f" (value codec rotated: {rotate_back})")
     if fwht and impl == "row":
         raise ValueError("fwht applies to the 'rows' and 'heads' merges, not 'row'")
-    tx = dict(FWHT=fwht, LOG2D=d.bit_length() - 1 if fwht else 0)
+    tx = fwht_constexprs(fwht, d)
     if impl == "row":
         if chunks is None:
             chunks = row_chunks(s * hq, sms, dp, rotate_back)

@@ -318,6 +318,8 @@ def two_cta_plan(plan: MmaPlan, layout: PagedLayout) -> MmaPlan | None:
     CTAs per SM for 5-bit keys")."""
     if not isinstance(plan, MmaPlan) or not plan.COOP:
         raise TypeError(f"plan must be a cooperative plan (an MmaPlan from coop_plan), got {plan!r:.80}")
+    if not isinstance(layout, PagedLayout):
+        raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
     if plan.K_BITS != 5 or plan.V_UNIFORM or plan.COOP <= 2 or layout.num_kv_heads != 8:
         return None
     out = coop_plan(dataclasses.replace(per_warp_plan(plan), SUB=2), layout, 2)

@@ -9,8 +9,9 @@ import dataclasses
 
 from tqkern.ops.common import layout_consts, transform_applies
 
-__all__ = ["MergePlan", "RotatePlan", "merge_chunks", "merge_impl", "merge_transform", "q_transform", "rotate_cols",
-           "row_chunks", "row_merge_chunks", "row_merge_unroll", "row_split_block", "scan_split"]
+__all__ = ["MergePlan", "RotatePlan", "fwht_constexprs", "merge_chunks", "merge_impl", "merge_transform", "q_transform",
+           "rotate_cols", "row_chunks", "row_merge_chunks", "row_merge_unroll", "row_split_block", "scan_split",
+           "transform_fits"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +57,12 @@ class MergePlan:
 
     def constexprs(self, head_dim: int) -> dict:
         """The rotate-back's transform constexprs of every merge kernel."""
-        return dict(FWHT=self.fwht, LOG2D=head_dim.bit_length() - 1 if self.fwht else 0)
+        return fwht_constexprs(self.fwht, head_dim)
+
+
+def fwht_constexprs(fwht: bool, head_dim: int) -> dict:
+    """The merge kernels' ``FWHT`` and ``LOG2D`` (log2 of the power-of-two head_dim; 0 without)."""
+    return dict(FWHT=fwht, LOG2D=head_dim.bit_length() - 1 if fwht else 0)
 
 
 def merge_chunks(programs: int, num_sms: int, dp: int) -> int:
@@ -106,10 +112,16 @@ def rotate_cols(dp: int) -> int:
     return 32 if dp >= 256 else 64
 
 
+def transform_fits(rotated: bool, signed_sylvester: bool, head_dim: int) -> bool:
+    """Whether a side's rotation can run as the in-register Walsh–Hadamard transform: the side is
+    rotated and its ``Π`` signed Sylvester at a power-of-two head_dim of at least 16 (no padding)."""
+    return rotated and head_dim >= 16 and transform_applies(signed_sylvester, head_dim)
+
+
 def q_transform(rotate: bool, signed_sylvester: bool, head_dim: int) -> bool:
-    """Whether the q rotation runs as the in-register Walsh–Hadamard transform: a rotated key codec
-    whose ``Π`` is signed Sylvester at a power-of-two head_dim of at least 16 (no padding)."""
-    return rotate and head_dim >= 16 and transform_applies(signed_sylvester, head_dim)
+    """Whether the q rotation runs as the in-register Walsh–Hadamard transform: wherever it fits
+    (:func:`transform_fits`, for the key codec)."""
+    return transform_fits(rotate, signed_sylvester, head_dim)
 
 
 def merge_transform(rotate_back: bool, signed_sylvester: bool, head_dim: int, impl: str) -> bool:
@@ -123,8 +135,7 @@ def merge_transform(rotate_back: bool, signed_sylvester: bool, head_dim: int, im
     splits) 5.74 / 6.45, 6.48, 6.62. End to end (``paged_decode``, product / transform): B128×1K
     tqkern_k5v3 101.78 / 98.86, k5v4h 97.48 / 94.11; SmolLM2 28.61 / 29.80; Llama-3-8B 1×128K
     102.67 / 104.42; Gemma-2-9B 102.26 / 103.50 (``docs/performance.md``)."""
-    return (rotate_back and impl == "rows" and head_dim == 128
-            and transform_applies(signed_sylvester, head_dim))
+    return impl == "rows" and head_dim == 128 and transform_fits(rotate_back, signed_sylvester, head_dim)
 
 
 def _rotate_plan(layout, s, hq, max_blocks, rows: int = 16, signed_sylvester: bool = False) -> RotatePlan:
