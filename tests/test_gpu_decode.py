@@ -181,6 +181,34 @@ def test_cooperative_stages_match_the_per_warp_kernel_bit_for_bit(preset, arrang
                 assert torch.equal(acc, got[0][1]) and torch.equal(ml, got[0][2]), (splits, variant)
 
 
+@pytest.mark.parametrize("preset", ["k5v4h", "tqkern_k5v3"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_two_cta_plan_and_transform_merge_match_dense_attention(preset, dtype):
+    """The launcher's own plan at a shape that takes two CTAs per SM (160 sequences of up to 1024
+    tokens, 8 KV heads, one split) and rotates back by the Walsh–Hadamard transform in the merge,
+    with fp16 and bf16 queries (the merge then writes bf16): against float32 attention over the
+    decompressed K/V; lengths from 1 to 1024, shuffled blocks, the output poisoned first."""
+    fmt = tqkern.KVFormat.preset(preset, 128)
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=8, block_size=16, arrangement="slot")
+    params = tqt.to_device(tqkern.TQParams.default(fmt), "cuda")
+    s, n = 160, 1024
+    g = torch.Generator(device="cuda").manual_seed(11)
+    sl = torch.randint(1, n + 1, (s,), device="cuda", generator=g, dtype=torch.int32)
+    sl[0], sl[1] = n, 1
+    nb = s * (n // 16)
+    bt = torch.randperm(nb + 7, device="cuda", generator=g)[:nb].reshape(s, n // 16).int()
+    cache = _fill(layout, params, nb + 7, sl, bt, seed=3)
+    q = torch.randn(s, 32, 128, device="cuda", dtype=getattr(torch, dtype), generator=g)
+    plan = tqt.plan_decode(q, cache, bt, layout, params)
+    assert plan.decode.kernel == "coop" and plan.decode.constexpr("COOP") == 2 and plan.num_splits == 1
+    assert plan.merge.fwht
+    out = torch.full_like(q, float("nan"))
+    paged_decode(q, cache, bt, sl, layout, params, out=out)
+    expect = _dense_reference(q, cache, bt, sl, layout, params)
+    assert torch.isfinite(out).all()
+    assert (out.float() - expect).abs().max() <= 4e-3 * _vmax(cache, bt, sl, layout, params)
+
+
 def test_cache_above_2gib_uses_64bit_offsets():
     fmt = tqkern.KVFormat.preset("tq4", 128)
     layout = tqkern.PagedLayout(format=fmt, num_kv_heads=8, block_size=16, arrangement="row")
