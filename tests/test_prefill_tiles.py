@@ -171,6 +171,50 @@ def test_one_dense_call_returns_its_output(q_lens, seq_lens, sinks, one_call, mo
     assert torch.equal(fresh, given) and torch.equal(lse_fresh, lse_given)
 
 
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("q_lens, seq_lens, one_call", [([16], [16], True), ([16, 0], [16, 5], True),
+                                                        ([16, 4], [16, 20], False)])
+def test_frontend_batch_of_long_rows_runs_whole(int8, q_lens, seq_lens, one_call, monkeypatch):
+    """``prefill`` / ``int8_prefill`` with host lengths and no ``out``: a batch without short rows
+    (q_len 1..8) runs whole on the tiled path, so a full prefill is one dense call whose output is
+    returned without a merge or copy (``int8_prefill`` used to split every batch and copy it); a
+    batch holding a short row still splits. Rows equal those written into a given ``out``."""
+    import tqkern
+    import importlib
+
+    import tqkern_torch as tqt
+    import tqkern_torch.prefill_tiles as pt
+    from tqkern import reference as ref
+    from tqkern_torch._validate import use_triton
+
+    if not use_triton(torch.device("cpu")):
+        pytest.skip("needs TRITON_INTERPRET=1 on a CPU")
+    layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset("tq4", 64), num_kv_heads=1, block_size=16)
+    params = tqkern.TQParams.default(layout.format)
+    rng = torch.Generator().manual_seed(2)
+    n = len(seq_lens)
+    k, v = (torch.randn(n * 32, 1, 64, generator=rng).half() for _ in range(2))
+    cache = torch.from_numpy(ref.store(np.zeros(layout.cache_shape(2 * n), np.uint8), k.numpy(), v.numpy(),
+                                       np.arange(n * 32), layout, params))
+    bt = torch.arange(2 * n, dtype=torch.int32).reshape(n, 2)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
+    q = torch.randn(sum(q_lens), 2, 64, generator=rng).half()
+    merged = []
+    real_combine = pt._combine
+    monkeypatch.setattr(pt, "_combine", lambda *a: merged.append(1) or real_combine(*a))
+    frontend = importlib.import_module("tqkern_torch.prefill")  # (the package's `prefill` is the function)
+    monkeypatch.setattr(frontend, "tiles_supported", lambda *a, **k: True)  # the tiled path in the interpreter
+    f = tqt.int8_prefill if int8 else tqt.prefill
+    host = dict(query_start_loc_cpu=qsl, seq_lens_cpu=sl)
+    given = torch.full_like(q, float("nan"))
+    assert f(q, cache, bt, sl, qsl, layout, params, out=given, **host) is given
+    merged.clear()
+    fresh = f(q, cache, bt, sl, qsl, layout, params, **host)
+    assert (not merged) == one_call
+    assert torch.equal(fresh, given)
+
+
 def test_gather_grid_runs_heads_fastest_and_names_its_limits():
     """The gather's grid: KV heads on the first axis (neighbouring programs share a token row),
     then position tiles, then runs; CUDA's 65,535 limit on the other two axes is named."""

@@ -200,8 +200,12 @@ def _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale
     short_ok = bool(q.shape[0]) and opts.window_left is None and use_triton(dev)
     short = short_ok and longest is not None and 1 <= longest <= SHORT_QUERY_MAX
     # int8: a sequence of <= EXACT_QUERY_MAX tokens takes prefill's scores wherever it runs, so
-    # known lengths always split (with a window, such rows take prefill's long-row path)
-    split = (not short and bool(q.shape[0]) and use_triton(dev) and qsl_host is not None and not capturing
+    # known lengths split where the batch holds one (with a window, such rows take prefill's long-row
+    # path); a batch without short rows runs whole (a tiled call of one dense call then returns the
+    # dense kernel's output, not a copy of it)
+    q_lens_host = None if qsl_host is None else qsl_host[1:] - qsl_host[:-1]
+    has_short = q_lens_host is not None and bool(((q_lens_host >= 1) & (q_lens_host <= SHORT_QUERY_MAX)).any())
+    split = (not short and has_short and bool(q.shape[0]) and use_triton(dev) and not capturing
              and ((short_ok and max_query_len is None) or int8))
     if out is None and (short or split or not q.shape[0]):  # (the long rows allocate their own)
         out = torch.empty_like(q)
