@@ -120,6 +120,24 @@ def test_plan_grid_constexprs_and_description():
         plan.tiles = 3
 
 
+@pytest.mark.parametrize("preset, d", [("k5v4h", 128), ("turboquant_4bit_nc", 128), ("tqkern_k5v3", 256),
+                                      ("turboquant_3bit_nc", 64)])
+def test_warp_kernel_caps_registers_for_bf16_inputs_without_a_key_offset(preset, d):
+    """The warp kernel compiles bf16 inputs under ``WARP_STORE_MAXNREG_BF16`` registers (measured
+    faster on the H200); fp16 inputs, a key offset and the tile kernel keep Triton's choice. The
+    cap is a launch option (``kwargs``) and ``describe`` names it."""
+    from tqkern.ops.store.plan import WARP_STORE_MAXNREG_BF16
+
+    layout = _layout(preset, d)
+    bf16 = plan_store(layout, "bf16", signed_sylvester=True, vector_aligned=True)
+    assert bf16.kernel == "warp" and bf16.maxnreg == WARP_STORE_MAXNREG_BF16 == 128
+    assert bf16.kwargs()["maxnreg"] == 128 and "<= 128 registers" in bf16.describe()
+    for plan in (plan_store(layout, "fp16", signed_sylvester=True, vector_aligned=True),
+                 plan_store(layout, "bf16", has_mu=True, signed_sylvester=True, vector_aligned=True),
+                 plan_store(layout, "bf16", signed_sylvester=True)):  # (inputs not aligned: the tile kernel)
+        assert plan.maxnreg is None and "maxnreg" not in plan.kwargs() and "registers" not in plan.describe()
+
+
 def test_plan_rejects_bad_input():
     with pytest.raises(TypeError, match="layout"):
         plan_store(tqkern.KVFormat.preset("tq4", 128))

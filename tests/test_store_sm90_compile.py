@@ -37,7 +37,10 @@ BUDGETS = {
     # norms with a float64 fall-back, session 26): 76-184 registers, no stack
     "turboquant_4bit_nc:slot:128:8:warp": (0, 2080),
     "turboquant_4bit_nc:slot:128:8:warp+asym": (0, 2264),  # codebooks not claimed antisymmetric
-    "turboquant_4bit_nc:row:128:8:warp+bf16": (0, 2176),
+    # bf16 inputs without a key offset under a 128-register cap (session 41; uncapped 134 registers,
+    # 2176 instructions here, 147 under Triton 3.6's ptxas; k5v4h 138 here, 188 there: timed faster capped)
+    "turboquant_4bit_nc:row:128:8:warp+bf16": (0, 2240),
+    "k5v4h:slot:128:8:warp+bf16": (8, 2632),
     "turboquant_3bit_nc:slot:128:8:warp": (0, 1968),
     "tqkern_k5v3:slot:128:8:warp": (0, 2072),  # 8 lanes per vector: 80-bit chunks (16 before session 26)
     # (S33: float16 norms with a key offset from the float32 sum of fl(x - mu)^2: 2200 -> 2312)

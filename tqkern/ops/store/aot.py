@@ -61,18 +61,20 @@ def compile_store(layout, in_dtype: str = "fp16", *, has_mu: bool = False, signe
                       vector_aligned=vector_aligned, symmetric_codebooks=symmetric_codebooks)
     fn = _store_warp_kernel if plan.kernel == "warp" else _store_kernel
     ints = [n for n in fn.arg_names if n.startswith(("num_", "stride_"))]
-    return _compile(fn, _ptr_types(in_dtype), ints, dict(plan.constexprs), plan.num_warps), plan
+    return _compile(fn, _ptr_types(in_dtype), ints, dict(plan.constexprs), plan.num_warps, plan.maxnreg), plan
 
 
-def _compile(fn, ptrs: dict, ints: list, constexprs: dict, num_warps: int):
+def _compile(fn, ptrs: dict, ints: list, constexprs: dict, num_warps: int, maxnreg: int | None = None):
     """``fn`` compiled for sm_90: ``ptrs`` its pointer arguments' types, ``ints`` its int32
-    arguments (the rest constexprs); pointers and strides taken 16-divisible."""
+    arguments (the rest constexprs); pointers and strides taken 16-divisible; ``maxnreg`` the
+    register cap (None: none)."""
     sig = {n: ptrs.get(n) or ("i32" if n in ints else "constexpr") for n in fn.arg_names}
     aligned = [n for n in fn.arg_names if n in ptrs or n.startswith("stride_")]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
                     attrs=attrs)
-    return triton.compile(src, target=SM90, options=dict(num_warps=num_warps))
+    opts = dict(num_warps=num_warps) if maxnreg is None else dict(num_warps=num_warps, maxnreg=maxnreg)
+    return triton.compile(src, target=SM90, options=opts)
 
 
 def compile_decompress(layout, rotate_back: bool):

@@ -49,7 +49,13 @@ K/V are): ``L`` lanes per vector (``WARP_STORE_LANES``: 8 at head_dim 64 and 128
 until a lane's codes fit 64 bits, or since session 26 up to 128 bits of whole 16-bit words but for
 FP8 sides), one warp per program (``WARP_STORE_WARPS``; four before session
 26), 8 iterations per program (fewer where the grid would have fewer than ``WARP_STORE_PROGRAMS``
-programs: a short store takes 1); the rotation as an in-register Walsh–Hadamard transform.
+programs: a short store takes 1); the rotation as an in-register Walsh–Hadamard transform; bf16
+inputs without a key offset compile under a cap of ``WARP_STORE_MAXNREG_BF16`` registers (session 41:
+Triton 3.6's ptxas gives k5v4h's bf16 form 188 registers against its fp16 form's 148, ten one-warp
+programs per SM; capped at 128, sixteen. H200, 16K × 8 × 128, bf16 in, µs, bytes equal: k5v4h
+111.67 → 97.19, turboquant_4bit_nc 72.40 → 69.39, k4v3h 77.63 → 73.75; 96 registers: k5v4h 111.97.
+fp16 inputs lose or stay (k5v4h 92.41 → 96.03, turboquant_4bit_nc 56.84 → 56.91), so they keep
+Triton's choice; a key offset's bf16 form spills 168 bytes under the cap (untimed), so it does too).
 ``block_vectors`` is then the vectors of one iteration (``WARP_STORE_WARPS·32/L``) and ``tiles`` the
 iterations. Measured on the H100 (session 24, 16K tokens ×
 8 heads × 128, fp16 in, slot arrangement, µs, tile kernel / warp kernel at L = 8 / 16 / 32, copy_
@@ -85,7 +91,7 @@ from tqkern.ops.common import halfword_aligned
 
 __all__ = ["StorePlan", "plan_store", "rotation_method", "warp_store_eligible", "default_signed_sylvester",
            "ROTATIONS", "ROT_NONE", "ROT_PM1", "ROT_SPLIT", "ROT_CHUNKED", "SMALL_STORE_VECTORS", "WARP_STORE_WARPS",
-           "WARP_STORE_ITERS", "WARP_STORE_PROGRAMS", "WARP_STORE_LANES"]
+           "WARP_STORE_ITERS", "WARP_STORE_PROGRAMS", "WARP_STORE_LANES", "WARP_STORE_MAXNREG_BF16"]
 
 ROTATIONS = ("none", "pm1", "split", "chunked")
 # The kernel's ROT constexpr (the index in ROTATIONS); kernels compare with these names.
@@ -96,6 +102,7 @@ WARP_STORE_WARPS = 1  # the warp kernel: warps per program (docstring)
 WARP_STORE_ITERS = 8  # the warp kernel: iterations per program at most (a long store)
 WARP_STORE_MAX_CHUNK = 128  # the warp kernel: most code bits per lane and side (docstring)
 WARP_STORE_PROGRAMS = 4096  # ... fewer while the grid would have fewer programs (one-warp programs)
+WARP_STORE_MAXNREG_BF16 = 128  # the warp kernel's register cap for bf16 inputs (docstring)
 # the warp kernel's lanes per vector by head_dim (docstring)
 WARP_STORE_LANES = types.MappingProxyType({64: 8, 128: 8, 256: 16})
 
@@ -115,6 +122,8 @@ class StorePlan:
         dot_precision: ``input_precision`` of the fp32 products (``"tf32x3"``; ``"ieee"`` in the
             interpreter).
         constexprs: the store kernel's constexprs (name, value pairs in a fixed order).
+        kernel: ``"tile"`` or ``"warp"``.
+        maxnreg: the compile's register cap per thread (None: Triton's choice).
     """
 
     layout: PagedLayout
@@ -128,6 +137,7 @@ class StorePlan:
     dot_precision: str
     constexprs: tuple[tuple[str, object], ...]
     kernel: str = "tile"
+    maxnreg: int | None = None
 
     @property
     def vectors_per_program(self) -> int:
@@ -142,6 +152,8 @@ class StorePlan:
         opts = {"num_warps": self.num_warps}
         if self.num_stages is not None:
             opts["num_stages"] = self.num_stages
+        if self.maxnreg is not None:
+            opts["maxnreg"] = self.maxnreg
         return {**dict(self.constexprs), **opts}
 
     def describe(self) -> str:
@@ -151,8 +163,9 @@ class StorePlan:
             half = ", half-table search" if cx["K_SYM"] or cx["V_SYM"] else ""
             warps = f"{self.num_warps} warp{'s' if self.num_warps > 1 else ''}"
             iters = f"{self.tiles} iteration{'s' if self.tiles > 1 else ''}"
+            cap = f", <= {self.maxnreg} registers" if self.maxnreg is not None else ""
             return (f"store {self.in_dtype}{' mu' if self.has_mu else ''}: warp kernel, rotation {self.rotation}, "
-                    f"{cx['L']} lanes per vector{half}, {warps} x {iters}")
+                    f"{cx['L']} lanes per vector{half}, {warps} x {iters}{cap}")
         return (f"store {self.in_dtype}{' mu' if self.has_mu else ''}: rotation {self.rotation}, "
                 f"{self.block_vectors} vectors x {self.tiles} tiles per program, {self.num_warps} warps")
 
@@ -277,8 +290,8 @@ def _plan_warp(layout: PagedLayout, in_dtype: str, has_mu: bool, iters: int, sym
     )
     return StorePlan(layout=layout, in_dtype=in_dtype, has_mu=has_mu, rotation="fwht" if rotate else "none",
                      block_vectors=WARP_STORE_WARPS * 32 // lanes, tiles=iters, num_warps=WARP_STORE_WARPS,
-                     num_stages=None,
-                     dot_precision="none", constexprs=tuple(cx.items()), kernel="warp")
+                     num_stages=None, dot_precision="none", constexprs=tuple(cx.items()), kernel="warp",
+                     maxnreg=WARP_STORE_MAXNREG_BF16 if in_dtype == "bf16" and not has_mu else None)
 
 
 def rotation_method(layout: PagedLayout, has_mu: bool, signed_sylvester: bool, interpret: bool) -> str:

@@ -80,7 +80,7 @@ def _launch_store(cache, key, value, slot_mapping, layout, tables, errors, *, in
     grid = plan.grid(num_tokens)
     launcher = _LAUNCHERS.get((plan, grid))
     if launcher is None:  # one per (plan, grid): a decode step's store repeats both
-        options = {k: v for k, v in plan.kwargs().items() if k in ("num_warps", "num_stages")}
+        options = {k: v for k, v in plan.kwargs().items() if k in ("num_warps", "num_stages", "maxnreg")}
         kernel = _store_warp_kernel if plan.kernel == "warp" else _store_kernel
         launcher = _LAUNCHERS.put((plan, grid), KernelLauncher(kernel, grid, dict(plan.constexprs), **options))
     launcher(*args)
