@@ -18,7 +18,7 @@ with float32 accumulation, ``atol = (4e-3 + 2·δ) · max|V̂|``. A sequence of 
 ``EXACT_QUERY_MAX`` queries takes ``prefill``'s scores (the oracle's rule, session 36) and the
 prefill test's δ. Batches, poisoning and options are those of ``test_prefill_triton.py``; the
 unchecked calls run the fused kernel (twice: int8 for the long sequences, without for the short
-ones), the checked ones of the options test split the batch.
+ones), the checked ones of the options test split a batch that holds short sequences.
 
 The tiled path (:func:`~tqkern_torch.prefill_tiles.tile_prefill` with ``int8=True``: keys' codes
 made once by the gather, the queries' by their own kernel, the int8 attention kernel per piece,
@@ -91,7 +91,7 @@ def _long_only(batch):
 
 
 def _run(layout, params, batch, q, cache, **options):
-    """The fused kernel (unchecked, no host lengths: known lengths would split the batch), which
+    """The fused kernel (unchecked, no host lengths: known lengths would split a batch with short rows), which
     launches twice: int8 codes for the long sequences, prefill's scores for the short ones."""
     options.setdefault("check_inputs", False)
     return _run_prefill(layout, params, batch, q, cache, fn=tqt.int8_prefill, **options)
