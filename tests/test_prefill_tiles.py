@@ -129,25 +129,20 @@ def test_int8_prefill_takes_the_host_lengths():
         tqt.int8_prefill(q, cache, bt, sl, qsl, layout, params, seq_lens_cpu=sl)
 
 
-@pytest.mark.parametrize("q_lens, seq_lens, sinks, one_call", [([16, 0, 16], [16, 5, 16], False, True),
-                                                                ([16, 16], [16, 20], False, False),
-                                                                ([16, 16], [16, 16], True, False)])
-def test_one_dense_call_returns_its_output(q_lens, seq_lens, sinks, one_call, monkeypatch):
-    """With ``out=None``, a call that is one dense call (full prefills of equal length, no
-    sinks) returns the dense call's own output (no merge, no copy) and fills ``lse``; a prefix
-    piece or sinks take the merge. Either way the rows equal those written into a given ``out``."""
+def _tq4_batch(q_lens, seq_lens, seed, monkeypatch):
+    """A tq4 head_dim-64 cache of ``len(seq_lens)`` sequences (two 16-slot blocks each, keys from
+    the oracle's store), its table, lengths and queries, and a list that counts the tiled path's
+    merges (``_combine`` wrapped); skips without the interpreter."""
     import tqkern
     import tqkern_torch.prefill_tiles as pt
     from tqkern import reference as ref
     from tqkern_torch._validate import use_triton
-    from tqkern_torch.errors import error_word
-    from tqkern_torch.ops import _device_params
 
     if not use_triton(torch.device("cpu")):
         pytest.skip("needs TRITON_INTERPRET=1 on a CPU")
     layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset("tq4", 64), num_kv_heads=1, block_size=16)
     params = tqkern.TQParams.default(layout.format)
-    rng = torch.Generator().manual_seed(1)
+    rng = torch.Generator().manual_seed(seed)
     n = len(seq_lens)
     k, v = (torch.randn(n * 32, 1, 64, generator=rng).half() for _ in range(2))
     cache = torch.from_numpy(ref.store(np.zeros(layout.cache_shape(2 * n), np.uint8), k.numpy(), v.numpy(),
@@ -159,8 +154,23 @@ def test_one_dense_call_returns_its_output(q_lens, seq_lens, sinks, one_call, mo
     merged = []
     real_combine = pt._combine
     monkeypatch.setattr(pt, "_combine", lambda *a: merged.append(1) or real_combine(*a))
+    return layout, params, cache, bt, sl, qsl, q, merged
+
+
+@pytest.mark.parametrize("q_lens, seq_lens, sinks, one_call", [([16, 0, 16], [16, 5, 16], False, True),
+                                                                ([16, 16], [16, 20], False, False),
+                                                                ([16, 16], [16, 16], True, False)])
+def test_one_dense_call_returns_its_output(q_lens, seq_lens, sinks, one_call, monkeypatch):
+    """With ``out=None``, a call that is one dense call (full prefills of equal length, no
+    sinks) returns the dense call's own output (no merge, no copy) and fills ``lse``; a prefix
+    piece or sinks take the merge. Either way the rows equal those written into a given ``out``."""
+    import tqkern_torch.prefill_tiles as pt
+    from tqkern_torch.errors import error_word
+    from tqkern_torch.ops import _device_params
+
+    layout, params, cache, bt, sl, qsl, q, merged = _tq4_batch(q_lens, seq_lens, 1, monkeypatch)
     kw = dict(layout=layout, p=_device_params(params, layout, q.device), q_lens=q_lens, seq_lens=seq_lens,
-              num_blocks=2 * n, errors=error_word(q.device), scale=0.125, window_left=None,
+              num_blocks=bt.numel(), errors=error_word(q.device), scale=0.125, window_left=None,
               sinks=torch.zeros(2) if sinks else None, attend=pt.attend_math)
     given = torch.full_like(q, float("nan"))
     lse_given, lse_fresh = torch.empty(q.shape[:2]), torch.full(q.shape[:2], float("nan"))
@@ -179,30 +189,11 @@ def test_frontend_batch_of_long_rows_runs_whole(int8, q_lens, seq_lens, one_call
     (q_len 1..8) runs whole on the tiled path, so a full prefill is one dense call whose output is
     returned without a merge or copy (``int8_prefill`` used to split every batch and copy it); a
     batch holding a short row still splits. Rows equal those written into a given ``out``."""
-    import tqkern
     import importlib
 
     import tqkern_torch as tqt
-    import tqkern_torch.prefill_tiles as pt
-    from tqkern import reference as ref
-    from tqkern_torch._validate import use_triton
 
-    if not use_triton(torch.device("cpu")):
-        pytest.skip("needs TRITON_INTERPRET=1 on a CPU")
-    layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset("tq4", 64), num_kv_heads=1, block_size=16)
-    params = tqkern.TQParams.default(layout.format)
-    rng = torch.Generator().manual_seed(2)
-    n = len(seq_lens)
-    k, v = (torch.randn(n * 32, 1, 64, generator=rng).half() for _ in range(2))
-    cache = torch.from_numpy(ref.store(np.zeros(layout.cache_shape(2 * n), np.uint8), k.numpy(), v.numpy(),
-                                       np.arange(n * 32), layout, params))
-    bt = torch.arange(2 * n, dtype=torch.int32).reshape(n, 2)
-    sl = torch.tensor(seq_lens, dtype=torch.int32)
-    qsl = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
-    q = torch.randn(sum(q_lens), 2, 64, generator=rng).half()
-    merged = []
-    real_combine = pt._combine
-    monkeypatch.setattr(pt, "_combine", lambda *a: merged.append(1) or real_combine(*a))
+    layout, params, cache, bt, sl, qsl, q, merged = _tq4_batch(q_lens, seq_lens, 2, monkeypatch)
     frontend = importlib.import_module("tqkern_torch.prefill")  # (the package's `prefill` is the function)
     monkeypatch.setattr(frontend, "tiles_supported", lambda *a, **k: True)  # the tiled path in the interpreter
     f = tqt.int8_prefill if int8 else tqt.prefill
