@@ -189,8 +189,8 @@ def _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale
     elif given is not None:  # the tiled path indexes the block table by them: checked on the host
         _check_lengths(qsl_host, sl_host, q.shape[0], block_table.shape[1] * layout.block_size,
                        "query_start_loc_cpu", "seq_lens_cpu")
-    if qsl_host is not None and max_query_len is None:
-        q_lens = qsl_host[1:] - qsl_host[:-1]
+    q_lens = None if qsl_host is None else qsl_host[1:] - qsl_host[:-1]
+    if q_lens is not None and max_query_len is None:
         longest = int(q_lens.max()) if q_lens.numel() else 0
     p = _device_params(params, layout, dev)
     if int8:
@@ -203,10 +203,9 @@ def _run(q, cache, block_table, seq_lens, query_start_loc, layout, params, scale
     # known lengths split where the batch holds one (with a window, such rows take prefill's long-row
     # path); a batch without short rows runs whole (a tiled call of one dense call then returns the
     # dense kernel's output, not a copy of it)
-    q_lens_host = None if qsl_host is None else qsl_host[1:] - qsl_host[:-1]
-    has_short = q_lens_host is not None and bool(((q_lens_host >= 1) & (q_lens_host <= SHORT_QUERY_MAX)).any())
-    split = (not short and has_short and bool(q.shape[0]) and use_triton(dev) and not capturing
-             and ((short_ok and max_query_len is None) or int8))
+    split = (not short and q_lens is not None and bool(q.shape[0]) and use_triton(dev) and not capturing
+             and ((short_ok and max_query_len is None) or int8)
+             and bool(((q_lens >= 1) & (q_lens <= SHORT_QUERY_MAX)).any()))
     if out is None and (short or split or not q.shape[0]):  # (the long rows allocate their own)
         out = torch.empty_like(q)
     if short:
