@@ -353,3 +353,98 @@ def test_parameters_without_the_int8_table_are_named(case):
     p = dataclasses.replace(tqt.to_device(params, DEV), key_int8_table=None)
     with pytest.raises(ValueError, match="params.key_int8_table must be a tensor for int8_prefill, got None"):
         tqt.int8_prefill(q.to(DEV), *t, layout, p)
+
+
+def _int8_attention_f64(q, k, v, batch, causal, scale):
+    """Float64 attention of int8 codes: per sequence, ``a_ij = scale·s_q[i]·s_k[j]·(c_q[i]·c_k[j])``,
+    bottom-right causal, softmax, P·V; ``(out, lse)`` (a row with a non-finite scale: NaN)."""
+    (q8, qs), (k8, ks) = q, k
+    t, hq, d = q8.shape
+    g = hq // k8.shape[1]
+    lq, lk = t // batch, k8.shape[0] // batch
+    out = torch.empty(t, hq, d, dtype=torch.float64)
+    lse = torch.empty(t, hq, dtype=torch.float64)
+    for b in range(batch):
+        qb, kb = slice(b * lq, (b + 1) * lq), slice(b * lk, (b + 1) * lk)
+        cq = q8[qb].double().transpose(0, 1)  # [hq, lq, d]
+        ck = k8[kb].double().repeat_interleave(g, 1).transpose(0, 1)
+        s = scale * qs[qb].double().t()[:, :, None] * ks[kb].double().repeat_interleave(g, 1).t()[:, None, :]
+        s = s * (cq @ ck.transpose(1, 2))
+        if causal:
+            keep = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
+            s = s.masked_fill(~keep, float("-inf"))
+        lse[qb] = torch.logsumexp(s, -1).t()
+        out[qb] = (torch.softmax(s, -1) @ v[kb].double().repeat_interleave(g, 1).transpose(0, 1)).transpose(0, 1)
+    return out, lse
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon kernel runs on sm_90 GPUs only (no interpreter)")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape", [(2, 150, 333, True), (3, 64, 64, True), (1, 700, 700, True), (2, 40, 300, False),
+                                   (3, 1, 1, True)], ids=["chunks", "square", "long", "unmasked", "one"])
+def test_gluon_attention_matches_float64_attention_of_the_codes(d, dtype, shape):
+    """The Gluon kernel (``gluon=True``) and the Triton kernel against float64 attention of the same
+    codes: batches whose keys end off the 128-key tile (the last tile reads the next sequence's
+    rows, whose values hold a NaN the kernel must zero), chunks on a longer prefix, a query row
+    with a NaN scale (its row NaN, the others finite). Both agree with the reference to the P·V
+    rounding in v's dtype."""
+    from tqkern_torch.prefill_tiles import attend_tiles, gluon_supported
+
+    batch, lq, lk, causal = shape
+    hq, hkv = 8, 2
+    g = torch.Generator().manual_seed(d + lq)
+    q = (torch.randint(-127, 128, (batch * lq, hq, d), generator=g, dtype=torch.int8),
+         torch.rand(batch * lq, hq, generator=g) / 32)
+    k = (torch.randint(-127, 128, (batch * lk, hkv, d), generator=g, dtype=torch.int8),
+         torch.rand(batch * lk, hkv, generator=g) / 32)
+    v = torch.randn(batch * lk, hkv, d, generator=g).to(dtype)
+    v[-1, 1, 3] = float("nan")  # the last sequence's last key: read only past another sequence's end
+    if batch > 1:
+        v[lk + 1, 0, 5] = float("inf")  # the second sequence's: the first's last tile reads it
+    q[1][lq // 2, 3] = float("nan")
+    ref, ref_lse = _int8_attention_f64(q, k, v, batch, causal, d ** -0.5)
+    cuda = [tuple(x.cuda() for x in q), tuple(x.cuda() for x in k), v.cuda()]
+    assert gluon_supported(cuda[0][0], cuda[1][0], cuda[2], batch, window_left=None, softcap=None)
+    vmax = v.float().nan_to_num(0, 0, 0).abs().max().item()
+    for gluon in (True, False):
+        o, lse = attend_tiles(*cuda, batch, causal=causal, scale=d ** -0.5, window_left=None, gluon=gluon)
+        o, lse = o.cpu().double(), lse.cpu().double()
+        bad = torch.zeros(batch * lq, hq, dtype=torch.bool)
+        bad[lq // 2, 3] = True
+        assert torch.isnan(o[bad]).all() and torch.isnan(lse[bad]).all(), gluon
+        fin = ~bad & torch.isfinite(ref).all(-1)
+        assert fin.sum() > 0
+        tol = (2e-3 if dtype == torch.float16 else 1.6e-2) * vmax
+        torch.testing.assert_close(o[fin], ref[fin], rtol=0, atol=tol, msg=f"gluon={gluon}")
+        torch.testing.assert_close(lse[fin], ref_lse[fin], rtol=0, atol=1e-4, msg=f"gluon={gluon}")
+
+
+def test_gluon_dispatch_names_bad_arguments():
+    """``gluon_config`` / ``gluon_eligible`` (the shape rule) and ``attend_tiles(gluon=...)``:
+    a bad head_dim and a bad flag are named; ``gluon=True`` where the kernel cannot run (the CPU,
+    half-precision operands, a window) raises; the interpreter and the CPU never take it."""
+    from tqkern.ops.int8_prefill.gluon import GLUON, gluon_config, gluon_eligible
+    from tqkern_torch.prefill_tiles import attend_tiles, gluon_supported
+
+    assert [gluon_config(d) is not None for d in (32, 64, 128, 256)] == [False, True, True, False]
+    for bad in (0, 64.0, True):
+        with pytest.raises(ValueError, match=rf"head_dim must be an int >= 1, got {bad!r}"):
+            gluon_config(bad)
+    ok = dict(window=False, softcap=False, lq=5, lk=9)
+    assert gluon_eligible(128, **ok) == GLUON
+    assert not any(gluon_eligible(128, **{**ok, **bad}) for bad in (dict(window=True), dict(softcap=True),
+                                                                   dict(lq=10), dict(lk=0, lq=0)))
+    q = (torch.zeros(4, 2, 64, dtype=torch.int8), torch.ones(4, 2))
+    k = (torch.zeros(6, 1, 64, dtype=torch.int8), torch.ones(6, 1))
+    v = torch.zeros(6, 1, 64, dtype=torch.float16)
+    assert not gluon_supported(q[0], k[0], v, 1, window_left=None, softcap=None)
+    kw = dict(causal=True, scale=0.1, window_left=None)
+    with pytest.raises(TypeError, match="gluon must be None, True or False, got 1"):
+        attend_tiles(q, k, v, 1, gluon=1, **kw)
+    with pytest.raises(ValueError, match=r"gluon=True needs int8 operands, .* on an sm_90 GPU, got q \(4, 2, 64\) "
+                                         r"torch.int8, v \(6, 1, 64\) torch.float16 on cpu, batch 1"):
+        attend_tiles(q, k, v, 1, gluon=True, **kw)
+    with pytest.raises(ValueError, match="gluon=True needs int8 operands"):
+        attend_tiles(torch.zeros(4, 2, 64, dtype=torch.float16), v, v, 1, gluon=True, softcap=5.0, **kw)

@@ -2,8 +2,8 @@
 ptxas on a machine without a GPU (``tqkern/ops/prefill/aot.py``), with the plan's own constexprs,
 for fp16 and bf16 outputs, head_dim 64–256, a raw-bf16 cache (the bf16 tensor-core path, which
 the interpreter cannot run) and every option; and the tiled path's own kernels (the gather,
-``int8_prefill``'s query quantization, the attention kernel with int8 or half-precision Q·Kᵀ) and
-the q rotation the decode and the prefill launch first. Each kernel must compile within 255
+``int8_prefill``'s query quantization, the attention kernel with int8 or half-precision Q·Kᵀ,
+the Gluon int8 attention kernel) and the q rotation the decode and the prefill launch first. Each kernel must compile within 255
 registers and the H100's shared memory, and its stack bytes (spills) and SASS instruction count
 stay within the budgets below (today's values from Triton 3.9's ptxas, instructions + 3%), so
 that a change adding spills or instructions fails here before any device time is spent. These
@@ -62,6 +62,10 @@ BUDGETS = {
     # D256 int8 reads K/V through tensor descriptors since S29 (Triton 3.9: 1000 -> 1344 stack bytes;
     # on the H200 under Triton 3.6 1099.9 -> 971.6 us at 1x8K, attend_tma's docstring)
     "turboquant_4bit_nc:slot:256:8:32:bf16:attend": (1344, 9080),
+    # int8_prefill's Gluon attention kernel (S42: the default on sm_90 at head_dim 64 and 128; Q·K_jᵀ
+    # issued while P_{j-1}·V_{j-1} is in flight, one `WARPGROUP.DEPBAR.LE gsb0, 0x1` in the loop)
+    "turboquant_4bit_nc:slot:128:8:32:fp16:attend+gluon": (0, 3032),
+    "turboquant_4bit_nc:slot:64:2:8:bf16:attend+gluon": (0, 2672),
     "tq4:slot:128:8:32:bf16:quantize": (0, 1992),
     # (S33: 4 warps × 4 tiles a program, 2360 -> 3384 instructions; H200 197 -> 137 us at 16K x 32 heads)
     "turboquant_4bit_nc:slot:128:8:32:fp16:quantize": (0, 3384),

@@ -33,6 +33,7 @@ import triton
 
 from tqkern.layouts import PagedLayout
 from tqkern.ops.codecs import layout_args
+from tqkern.ops.int8_prefill.gluon import _gluon_attend_kernel, gluon_config, gluon_eligible
 from tqkern.ops.int8_prefill.reference import EXACT_QUERY_MAX
 from tqkern.ops.int8_prefill.triton import QuantizeConfig, _quantize_q_kernel, quantize_config
 from tqkern.ops.prefill.attend import AttendConfig, _tile_attend_kernel, attend_config, attend_tma
@@ -40,7 +41,7 @@ from tqkern.ops.prefill.tiles import _combine_kernel, _runs_kernel, plan_tiles
 from tqkern_torch._validate import check_tensor, interpreting
 
 __all__ = ["tiles_supported", "tile_prefill", "pick_attend", "attend_cudnn", "attend_flash", "attend_math",
-           "attend_tiles", "quantize_q", "tma_supported", "WORKSPACE_BYTES"]
+           "attend_tiles", "gluon_supported", "quantize_q", "tma_supported", "WORKSPACE_BYTES"]
 
 WORKSPACE_BYTES = 256 << 20  # K + V bytes a prefix round may take (rotated-back copies: up to as much again)
 _COMBINE_ROWS = 16
@@ -200,15 +201,52 @@ def _descriptors(k: torch.Tensor, v: torch.Tensor, cfg: AttendConfig):
     return tuple(TensorDescriptor.from_tensor(t.view(n, hkv * d), [cfg.BN, d]) for t in (k, v))
 
 
+def gluon_supported(q8: torch.Tensor, k8: torch.Tensor, v: torch.Tensor, batch: int, *, window_left: Optional[int],
+                    softcap: Optional[float]) -> bool:
+    """Whether :func:`attend_tiles` can run int8 operands on the Gluon kernel
+    (:mod:`tqkern.ops.int8_prefill.gluon`): its shape rule (:func:`~tqkern.ops.int8_prefill.gluon.gluon_eligible`),
+    an sm_90 GPU (warpgroup MMAs; not the interpreter), and contiguous, 16-byte aligned query
+    codes, key codes and values (its TMA descriptors' views)."""
+    if interpreting() or v.device.type != "cuda" or torch.cuda.get_device_capability(v.device)[0] != 9:
+        return False
+    if not gluon_eligible(v.shape[2], window=window_left is not None, softcap=softcap is not None,
+                          lq=q8.shape[0] // batch, lk=v.shape[0] // batch):
+        return False
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q8, k8, v))
+
+
+def _gluon_attend(q8, qs, k8, ks, v, o, lse, batch: int, causal: bool, qk_scale: float) -> None:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    t, hq, d = q8.shape
+    cfg = gluon_config(d)
+
+    def desc(x, rows):
+        x2 = x.view(x.shape[0], x.shape[1] * d)
+        dt = {torch.int8: gl.int8, torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[x.dtype]
+        return GluonDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, d],
+                               gl.NVMMASharedLayout.get_default_for([rows, d], dt))
+
+    lq, lk = t // batch, v.shape[0] // batch
+    _gluon_attend_kernel[(triton.cdiv(lq, cfg.BM), batch * hq)](
+        desc(q8, cfg.BM), desc(k8, cfg.BN), desc(v, cfg.BN), qs, ks, o, lse, lq, lk, qs.stride(0), ks.stride(1),
+        qk_scale, HQ=hq, G=hq // k8.shape[1], D=d, BM=cfg.BM, BN=cfg.BN, CAUSAL=causal, num_warps=cfg.num_warps)
+
+
 def attend_tiles(q, k, v, batch: int, *, causal: bool, scale: float, window_left: Optional[int],
-                 softcap: Optional[float] = None, config: Optional[AttendConfig] = None, tma: Optional[bool] = None):
+                 softcap: Optional[float] = None, config: Optional[AttendConfig] = None, tma: Optional[bool] = None,
+                 gluon: Optional[bool] = None):
     """:func:`attend_cudnn`'s contract on :func:`tqkern.ops.prefill.attend._tile_attend_kernel`:
     ``q [batch·L, Hq, D]``, ``k [batch·n, Hkv, D]`` in v's dtype, or with int8 Q·Kᵀ ``q = (codes
     int8 [batch·L, Hq, D], scales float32 [batch·L, Hq])`` and ``k`` likewise; ``v [batch·n, Hkv,
     D]`` fp16/bf16 (the output's dtype); bottom-right causal and window masks; ``softcap`` caps the
     scores. ``tma``: K/V tiles through tensor descriptors (default: where :func:`tma_supported` and
     :func:`~tqkern.ops.prefill.attend.attend_tma` say so, which has the measurements; ``False``
-    forces pointer loads; ``True`` where unsupported raises ``ValueError``)."""
+    forces pointer loads; ``True`` where unsupported raises ``ValueError``). ``gluon``: int8
+    operands on the Gluon kernel (:mod:`tqkern.ops.int8_prefill.gluon`; default: where
+    :func:`gluon_supported` says so and neither ``config`` nor ``tma`` asks for the Triton
+    kernel; ``True`` where unsupported raises ``ValueError``)."""
     int8 = isinstance(q, tuple)
     if isinstance(k, tuple) != int8 or (int8 and (len(q) != 2 or len(k) != 2)):
         raise TypeError("q and k must both be tensors, or both (int8 codes, float32 scales) pairs, got "
@@ -227,12 +265,22 @@ def attend_tiles(q, k, v, batch: int, *, causal: bool, scale: float, window_left
                          f"head_dim on an sm_90+ GPU or the interpreter, got k {tuple(k8.shape)} "
                          f"{k8.dtype} and v {tuple(v.shape)} {v.dtype} on {v.device}")
     use_tma = (can and attend_tma(d, int8)) if tma is None else tma
+    if gluon is not None and not isinstance(gluon, bool):
+        raise TypeError(f"gluon must be None, True or False, got {gluon!r}")
+    on_gluon = int8 and gluon_supported(q8, k8, v, batch, window_left=window_left, softcap=softcap)
+    if gluon and not on_gluon:
+        raise ValueError("gluon=True needs int8 operands, head_dim 64 or 128, no window or soft-cap, 1 <= Lq <= Lk, "
+                         "contiguous 16-byte aligned q codes, k codes and v, on an sm_90 GPU, got q "
+                         f"{tuple(q8.shape)} {q8.dtype}, v {tuple(v.shape)} {v.dtype} on {v.device}, batch {batch}")
+    on_gluon = on_gluon and gluon is not False and (gluon or (config is None and tma is None))
     k_desc, v_desc = _descriptors(k8, v, cfg) if use_tma else (k8, v)
     o = torch.empty((t, hq, d), dtype=v.dtype, device=v.device)
     lse = torch.empty((t, hq), dtype=torch.float32, device=v.device)
     if int8 and ks.stride(0) != 1:
         ks = ks.t().contiguous().t()  # head-major (the gather writes it so): each tile's scales one vector load
-    if t:
+    if t and on_gluon:
+        _gluon_attend(q8, qs, k8, ks, v, o, lse, batch, causal, scale * _LOG2E)
+    elif t:
         _tile_attend_kernel[(triton.cdiv(lq, cfg.BM), batch * hq)](
             q8, qs, k8, ks, v, o, lse, k_desc, v_desc, lq, lk, scale if softcap is not None else scale * _LOG2E,
             0.0 if softcap is None else float(softcap), 0 if window_left is None else window_left,

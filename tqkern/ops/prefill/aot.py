@@ -10,7 +10,8 @@ path), the output dtype ``fp16`` or ``bf16`` (q's), and optional ``+``-joined op
 ``gather``: the tiled prefill's gather kernel (:mod:`tqkern.ops.decompress.gather`) for that
 layout and output dtype (``gather+int8``: with int8 keys), or ``attend`` (with ``window``,
 ``softcap``, ``half``): the tiled path's attention kernel (:mod:`tqkern.ops.prefill.attend`,
-causal; int8 Q·Kᵀ, or with ``half`` the output dtype's), or ``quantize``: ``int8_prefill``'s
+causal; int8 Q·Kᵀ, or with ``half`` the output dtype's; ``attend+gluon``: ``int8_prefill``'s
+Gluon kernel, :mod:`tqkern.ops.int8_prefill.gluon`), or ``quantize``: ``int8_prefill``'s
 query quantization (:mod:`tqkern.ops.int8_prefill.triton`; the layout's default rotation).
 """
 
@@ -93,6 +94,37 @@ def compile_tile_attend(layout, hq: int, out_dtype: str = "fp16", window: bool =
     return compiled, cfg
 
 
+def compile_gluon_attend(layout, hq: int, out_dtype: str = "fp16"):
+    """``int8_prefill``'s Gluon attention kernel (:mod:`tqkern.ops.int8_prefill.gluon`, causal)
+    for this head geometry and value dtype, sm_90a, its descriptors typed as the host makes them
+    (contiguous ``[tokens, H·D]`` views, 128-byte swizzled boxes)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from tqkern.ops.int8_prefill.gluon import _gluon_attend_kernel, gluon_config
+
+    d = layout.head_dim
+    cfg = gluon_config(d)
+    if cfg is None:
+        raise ValueError(f"the Gluon attention kernel takes head_dim 64 or 128, got {d}")
+
+    def desc(tag, dtype, rows):
+        return f"tensordesc<{tag}[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], dtype)}>"
+
+    vdt = gl.bfloat16 if out_dtype == "bf16" else gl.float16
+    fn = _gluon_attend_kernel
+    cx = dict(HQ=hq, G=hq // layout.num_kv_heads, D=d, BM=cfg.BM, BN=cfg.BN, CAUSAL=True, num_warps=cfg.num_warps)
+    types = dict(q_desc=desc("i8", gl.int8, cfg.BM), k_desc=desc("i8", gl.int8, cfg.BN),
+                 v_desc=desc(out_dtype, vdt, cfg.BN), qs_ptr="*fp32", ks_ptr="*fp32", o_ptr=f"*{out_dtype}",
+                 lse_ptr="*fp32", qk_scale="fp32")
+    sig = {n: "constexpr" if n in cx else types.get(n, "i32") for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+             if t.startswith("*") or n in ("Lq", "Lk", "stride_qst", "stride_ksh")}  # lengths as a multiple of 16 launch
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in cx.items()},
+                         attrs=attrs)
+    return triton.compile(src, target=SM90, options=dict(num_warps=cfg.num_warps)), cfg
+
+
 def compile_quantize_q(layout, in_dtype: str = "fp16"):
     """The tiled ``int8_prefill``'s query quantization for the layout's default rotation, sm_90."""
     from tqkern.ops.int8_prefill.triton import _quantize_q_kernel, quantize_config
@@ -154,6 +186,8 @@ def report(case: str) -> dict:
             compiled, cfg = compile_gather(lay, out, int8="int8" in opts, fwht="fwht" in opts)
         elif "rotate" in side:
             compiled, cfg = compile_rotate(lay, int(hq), out, fwht="fwht" in opts)
+        elif "attend" in side and "gluon" in opts:
+            compiled, cfg = compile_gluon_attend(lay, int(hq), out)
         elif "attend" in side:
             compiled, cfg = compile_tile_attend(lay, int(hq), out, "window" in opts, "softcap" in opts,
                                                 int8="half" not in opts)
