@@ -13,8 +13,9 @@ torch ops, for the CPU tests of the plan and the merges. cuDNN's varlen entry wa
 ~45 ms a call (H200, S20), so each dense call takes one sequence, or a run of consecutive
 sequences whose pieces have one shape (a batched call). ``int8_prefill`` (``int8=True``) takes
 the same plan with int8 keys (codes and scales written by the gather, in the key codec's space)
-and its own dense kernel, :func:`attend_tiles` with int8 operands (:mod:`tqkern.ops.prefill.attend`),
-on a GPU and in the interpreter alike; ``prefill`` with a logit soft-cap (which cuDNN's and
+and its own dense kernel, :func:`attend_tiles` with int8 operands (:mod:`tqkern.ops.prefill.attend`,
+on a GPU and in the interpreter alike; on sm_90 at head_dim 64 and 128 the Gluon kernel of
+:mod:`tqkern.ops.int8_prefill.gluon`); ``prefill`` with a logit soft-cap (which cuDNN's and
 FlashAttention-2's kernels lack) takes the same kernel with half-precision operands.
 
 What this path needs from the host: the lengths (``q_len`` and ``seq_len`` of every sequence, as
@@ -216,6 +217,7 @@ def gluon_supported(q8: torch.Tensor, k8: torch.Tensor, v: torch.Tensor, batch: 
 
 
 def _gluon_attend(q8, qs, k8, ks, v, o, lse, batch: int, causal: bool, qk_scale: float) -> None:
+    """Launch the Gluon kernel on :func:`gluon_supported` operands (``ks`` head-major), writing ``o`` and ``lse``."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
@@ -273,7 +275,7 @@ def attend_tiles(q, k, v, batch: int, *, causal: bool, scale: float, window_left
                          "contiguous 16-byte aligned q codes, k codes and v, on an sm_90 GPU, got q "
                          f"{tuple(q8.shape)} {q8.dtype}, v {tuple(v.shape)} {v.dtype} on {v.device}, batch {batch}")
     on_gluon = on_gluon and gluon is not False and (gluon or (config is None and tma is None))
-    k_desc, v_desc = _descriptors(k8, v, cfg) if use_tma else (k8, v)
+    k_desc, v_desc = _descriptors(k8, v, cfg) if use_tma and not on_gluon else (k8, v)
     o = torch.empty((t, hq, d), dtype=v.dtype, device=v.device)
     lse = torch.empty((t, hq), dtype=torch.float32, device=v.device)
     if int8 and ks.stride(0) != 1:
