@@ -63,8 +63,9 @@ class GluonConfig(NamedTuple):
 def gluon_config(head_dim: int) -> Optional[GluonConfig]:
     """The tiles for ``head_dim`` (None: the kernel does not serve it). 64 x 128 with one warpgroup
     at head_dim 64 and 128 (the fastest of four tilings measured at D128, module docstring; D64
-    takes it untimed). Head_dim 256 is left to the Triton kernel: its float32 accumulator alone
-    would take 128 of a thread's registers."""
+    takes it untimed). Head_dim 256 stays on the Triton kernel until timed: its float32
+    accumulator takes 128 of a thread's registers; offline (Triton 3.6, sm_90) 64 x 64 compiles
+    to 243 registers without spills, 64 x 128 spills."""
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
         raise ValueError(f"head_dim must be an int >= 1, got {head_dim!r}")
     return GluonConfig(64, 128, 4) if head_dim in (64, 128) else None
