@@ -436,10 +436,24 @@ def test_gluon_dispatch_names_bad_arguments():
     assert gluon_eligible(128, **ok) == GLUON
     assert not any(gluon_eligible(128, **{**ok, **bad}) for bad in (dict(window=True), dict(softcap=True),
                                                                    dict(lq=10), dict(lk=0, lq=0)))
+    with pytest.raises(TypeError, match="window must be a bool, got int"):
+        gluon_eligible(128, **{**ok, "window": 0})
+    with pytest.raises(TypeError, match="softcap must be a bool, got NoneType"):
+        gluon_eligible(128, **{**ok, "softcap": None})
+    for name, bad in (("lq", -1), ("lk", 2.0), ("lq", True)):
+        with pytest.raises(ValueError, match=rf"{name} must be an int >= 0, got {bad!r}"):
+            gluon_eligible(128, **{**ok, name: bad})
     q = (torch.zeros(4, 2, 64, dtype=torch.int8), torch.ones(4, 2))
     k = (torch.zeros(6, 1, 64, dtype=torch.int8), torch.ones(6, 1))
     v = torch.zeros(6, 1, 64, dtype=torch.float16)
     assert not gluon_supported(q[0], k[0], v, 1, window_left=None, softcap=None)
+    with pytest.raises(ValueError, match=r"v must be a 3-d tensor \[tokens, heads, D\], got \(6, 64\)"):
+        gluon_supported(q[0], k[0], v[:, 0], 1, window_left=None, softcap=None)
+    with pytest.raises(ValueError, match=r"q codes must be a 3-d tensor \[tokens, heads, D\], got list"):
+        gluon_supported([], k[0], v, 1, window_left=None, softcap=None)
+    for bad in (0, 1.0, True):
+        with pytest.raises(ValueError, match=rf"batch must be an int >= 1, got {bad!r}"):
+            gluon_supported(q[0], k[0], v, bad, window_left=None, softcap=None)
     kw = dict(causal=True, scale=0.1, window_left=None)
     with pytest.raises(TypeError, match="gluon must be None, True or False, got 1"):
         attend_tiles(q, k, v, 1, gluon=1, **kw)

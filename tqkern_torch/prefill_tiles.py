@@ -208,6 +208,12 @@ def gluon_supported(q8: torch.Tensor, k8: torch.Tensor, v: torch.Tensor, batch: 
     (:mod:`tqkern.ops.int8_prefill.gluon`): its shape rule (:func:`~tqkern.ops.int8_prefill.gluon.gluon_eligible`),
     an sm_90 GPU (warpgroup MMAs; not the interpreter), and contiguous, 16-byte aligned query
     codes, key codes and values (its TMA descriptors' views)."""
+    for name, t in (("q codes", q8), ("k codes", k8), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-d tensor [tokens, heads, D], got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
     if interpreting() or v.device.type != "cuda" or torch.cuda.get_device_capability(v.device)[0] != 9:
         return False
     if not gluon_eligible(v.shape[2], window=window_left is not None, softcap=softcap is not None,
@@ -269,12 +275,12 @@ def attend_tiles(q, k, v, batch: int, *, causal: bool, scale: float, window_left
     use_tma = (can and attend_tma(d, int8)) if tma is None else tma
     if gluon is not None and not isinstance(gluon, bool):
         raise TypeError(f"gluon must be None, True or False, got {gluon!r}")
-    on_gluon = int8 and gluon_supported(q8, k8, v, batch, window_left=window_left, softcap=softcap)
+    asked = gluon or (gluon is None and config is None and tma is None)  # the default takes it where it can
+    on_gluon = int8 and bool(asked) and gluon_supported(q8, k8, v, batch, window_left=window_left, softcap=softcap)
     if gluon and not on_gluon:
         raise ValueError("gluon=True needs int8 operands, head_dim 64 or 128, no window or soft-cap, 1 <= Lq <= Lk, "
                          "contiguous 16-byte aligned q codes, k codes and v, on an sm_90 GPU, got q "
                          f"{tuple(q8.shape)} {q8.dtype}, v {tuple(v.shape)} {v.dtype} on {v.device}, batch {batch}")
-    on_gluon = on_gluon and gluon is not False and (gluon or (config is None and tma is None))
     k_desc, v_desc = _descriptors(k8, v, cfg) if use_tma and not on_gluon else (k8, v)
     o = torch.empty((t, hq, d), dtype=v.dtype, device=v.device)
     lse = torch.empty((t, hq), dtype=torch.float32, device=v.device)

@@ -75,6 +75,12 @@ def gluon_eligible(head_dim: int, *, window: bool, softcap: bool, lq: int, lk: i
     """Whether the kernel serves this call's shape and options (the host checks the device, the
     tensors' layout and alignment): Gluon importable, head_dim 64 or 128, no window, no soft-cap,
     at least one key and no more queries than keys (every causal row then sees a key)."""
+    for name, flag in (("window", window), ("softcap", softcap)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    for name, n in (("lq", lq), ("lk", lk)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {n!r}")
     return GLUON and gluon_config(head_dim) is not None and not window and not softcap and 0 < lq <= lk
 
 
