@@ -380,16 +380,16 @@ def _int8_attention_f64(q, k, v, batch, causal, scale):
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="the Gluon kernel runs on sm_90 GPUs only (no interpreter)")
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("shape", [(2, 150, 333, True), (3, 64, 64, True), (1, 700, 700, True), (2, 40, 300, False),
                                    (3, 1, 1, True)], ids=["chunks", "square", "long", "unmasked", "one"])
 def test_gluon_attention_matches_float64_attention_of_the_codes(d, dtype, shape):
-    """The Gluon kernel (``gluon=True``) and the Triton kernel against float64 attention of the same
-    codes: batches whose keys end off the 128-key tile (the last tile reads the next sequence's
-    rows, whose values hold a NaN the kernel must zero), chunks on a longer prefix, a query row
-    with a NaN scale (its row NaN, the others finite). Both agree with the reference to the P·V
-    rounding in v's dtype."""
+    """The Gluon kernel (``gluon=True``: 64 x 128 tiles at head_dim 64/128, 64 x 64 at 256) and
+    the Triton kernel against float64 attention of the same codes: batches whose keys end off the
+    key tile (the last tile reads the next sequence's rows, whose values hold a NaN or an inf the
+    kernel must zero), chunks on a longer prefix, a query row with a NaN scale (its row NaN, the
+    others finite). Both agree with the reference to the P·V rounding in v's dtype."""
     from tqkern_torch.prefill_tiles import attend_tiles, gluon_supported
 
     batch, lq, lk, causal = shape
@@ -428,7 +428,7 @@ def test_gluon_dispatch_names_bad_arguments():
     from tqkern.ops.int8_prefill.gluon import GLUON, gluon_config, gluon_eligible
     from tqkern_torch.prefill_tiles import attend_tiles, gluon_supported
 
-    assert [gluon_config(d) is not None for d in (32, 64, 128, 256)] == [False, True, True, False]
+    assert [gluon_config(d) is not None for d in (32, 64, 128, 256, 512)] == [False, True, True, True, False]
     for bad in (0, 64.0, True):
         with pytest.raises(ValueError, match=rf"head_dim must be an int >= 1, got {bad!r}"):
             gluon_config(bad)

@@ -62,10 +62,12 @@ BUDGETS = {
     # D256 int8 reads K/V through tensor descriptors since S29 (Triton 3.9: 1000 -> 1344 stack bytes;
     # on the H200 under Triton 3.6 1099.9 -> 971.6 us at 1x8K, attend_tma's docstring)
     "turboquant_4bit_nc:slot:256:8:32:bf16:attend": (1344, 9080),
-    # int8_prefill's Gluon attention kernel (S42: the default on sm_90 at head_dim 64 and 128; Q·K_jᵀ
-    # issued while P_{j-1}·V_{j-1} is in flight, one `WARPGROUP.DEPBAR.LE gsb0, 0x1` in the loop)
-    "turboquant_4bit_nc:slot:128:8:32:fp16:attend+gluon": (0, 3032),
-    "turboquant_4bit_nc:slot:64:2:8:bf16:attend+gluon": (0, 2672),
+    # int8_prefill's Gluon attention kernel (the default on sm_90 at head_dim 64 and 128 since S42, 256
+    # since S43; Q·K_jᵀ issued while P_{j-1}·V_{j-1} is in flight, one `WARPGROUP.DEPBAR.LE gsb0, 0x1`
+    # in the loop; S43 the query scale folded into exp2's argument: 3032 -> 2920, 2672 -> 2544)
+    "turboquant_4bit_nc:slot:128:8:32:fp16:attend+gluon": (0, 2920),
+    "turboquant_4bit_nc:slot:64:2:8:bf16:attend+gluon": (0, 2544),
+    "turboquant_4bit_nc:slot:256:8:16:bf16:attend+gluon": (0, 2456),
     "tq4:slot:128:8:32:bf16:quantize": (0, 1992),
     # (S33: 4 warps × 4 tiles a program, 2360 -> 3384 instructions; H200 197 -> 137 us at 16K x 32 heads)
     "turboquant_4bit_nc:slot:128:8:32:fp16:quantize": (0, 3384),

@@ -278,8 +278,8 @@ def attend_tiles(q, k, v, batch: int, *, causal: bool, scale: float, window_left
     asked = gluon or (gluon is None and config is None and tma is None)  # the default takes it where it can
     on_gluon = int8 and bool(asked) and gluon_supported(q8, k8, v, batch, window_left=window_left, softcap=softcap)
     if gluon and not on_gluon:
-        raise ValueError("gluon=True needs int8 operands, head_dim 64 or 128, no window or soft-cap, 1 <= Lq <= Lk, "
-                         "contiguous 16-byte aligned q codes, k codes and v, on an sm_90 GPU, got q "
+        raise ValueError("gluon=True needs int8 operands, head_dim 64, 128 or 256, no window or soft-cap, "
+                         "1 <= Lq <= Lk, contiguous 16-byte aligned q codes, k codes and v, on an sm_90 GPU, got q "
                          f"{tuple(q8.shape)} {q8.dtype}, v {tuple(v.shape)} {v.dtype} on {v.device}, batch {batch}")
     k_desc, v_desc = _descriptors(k8, v, cfg) if use_tma and not on_gluon else (k8, v)
     o = torch.empty((t, hq, d), dtype=v.dtype, device=v.device)

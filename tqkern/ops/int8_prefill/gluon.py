@@ -36,7 +36,10 @@ Of the tiles tried, 64 x 64 x 4 warps 312.6 / 4402.6 / 4223.1; 128 x 64 x 8 warp
 4857.1 µs at 1x16K against 4220.5 and 353.5 against 312.2 at 1x4K (H200, session 42, same run).
 The query scale is folded into exp2's argument (one FFMA a score where the scores took two FMULs
 and an FADD; ``m`` runs in units of the row's scale): 1x4K 312.9 -> 308.7 µs, 1x16K 4317.0 ->
-4260.9, 1K chunks 4217.4 -> 4132.7 (H200, session 43, same run).
+4260.9, 1K chunks 4217.4 -> 4132.7 (H200, session 43, same run). A warp-specialized form (a
+one-warp TMA loader, two consumer warpgroups of 64 rows on shared K/V tiles) was not kept: against
+this kernel (both with the fold, session 43) −1.9% at 1x16K and −1.1% on the chunks but +4.7% at
+1x4K, +2.5% at 8x2K and +97% at 32 x 4 speculative queries (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -64,19 +67,21 @@ class GluonConfig(NamedTuple):
 
 
 def gluon_config(head_dim: int) -> Optional[GluonConfig]:
-    """The tiles for ``head_dim`` (None: the kernel does not serve it). 64 x 128 with one warpgroup
-    at head_dim 64 and 128 (the fastest of four tilings measured at D128, module docstring; D64
-    takes it untimed). Head_dim 256 stays on the Triton kernel until timed: its float32
-    accumulator takes 128 of a thread's registers; offline (Triton 3.6, sm_90) 64 x 64 compiles
-    to 243 registers without spills, 64 x 128 spills."""
+    """The tiles for ``head_dim`` (None: the kernel does not serve it). 64 x 128 at head_dim 64 and
+    128 (the fastest of the tilings measured at D128, module docstring; D64 takes it untimed).
+    64 x 64 at head_dim 256, where the float32 accumulator takes 128 of a thread's registers (243
+    without spills offline; 64 x 128 spills): H200, session 43, 1x8K Hq16/Hkv8 bf16, the kernel
+    alone 932.8 µs against the Triton kernel's 972.9 and SDPA bf16's 961.8 (64 x 32: 1130.9)."""
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
         raise ValueError(f"head_dim must be an int >= 1, got {head_dim!r}")
-    return GluonConfig(64, 128, 4) if head_dim in (64, 128) else None
+    if head_dim in (64, 128):
+        return GluonConfig(64, 128, 4)
+    return GluonConfig(64, 64, 4) if head_dim == 256 else None
 
 
 def gluon_eligible(head_dim: int, *, window: bool, softcap: bool, lq: int, lk: int) -> bool:
     """Whether the kernel serves this call's shape and options (the host checks the device, the
-    tensors' layout and alignment): Gluon importable, head_dim 64 or 128, no window, no soft-cap,
+    tensors' layout and alignment): Gluon importable, head_dim 64, 128 or 256, no window, no soft-cap,
     at least one key and no more queries than keys (every causal row then sees a key)."""
     for name, flag in (("window", window), ("softcap", softcap)):
         if not isinstance(flag, bool):
@@ -112,6 +117,33 @@ if GLUON:
         p = gl.exp2(x * gl.expand_dims(qs, 1) - gl.expand_dims(m_safe * qs, 1))  # one FFMA a score
         l_i = l_i * alpha + gl.sum(p, axis=1)
         return gl.convert_layout(p.to(P_DTYPE), p_layout), alpha, m_new, l_i
+
+    @gluon.jit
+    def _zero_rows_past(v_tile, row0, Lk, ROWS: gl.constexpr, v_regs: gl.constexpr):
+        """Zero the rows of a ``[ROWS, D]`` value tile in shared memory whose key position
+        (``row0`` + the row) is ``≥ Lk``, then fence them for the tensor cores' reads."""
+        rows_v = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, v_regs))
+        v_t = v_tile.load(v_regs)
+        v_tile.store(gl.where(gl.expand_dims(rows_v < Lk, 1), v_t, gl.zeros_like(v_t)))
+        fence_async_shared()
+
+    @gluon.jit
+    def _finish(acc, m_i, l_i, qs, poison, o_ptr, lse_ptr, b, h, m0, Lq, HQ: gl.constexpr, D: gl.constexpr,
+                BM: gl.constexpr, row_s: gl.constexpr, row_o: gl.constexpr, col_o: gl.constexpr,
+                V_DTYPE: gl.constexpr):
+        """Rows ``m0 .. m0+BM−1`` of sequence ``b``, head ``h``: ``o = acc / l`` in v's dtype and
+        the natural-log ``lse`` (``m`` is in units of the row's scale ``qs``); a row whose query
+        scale was non-finite gets NaN through ``poison``; rows ``≥ Lq`` are not written."""
+        inv = gl.where(l_i > 0, 1.0 / gl.where(l_i > 0, l_i, 1.0), 0.0)
+        o = acc * gl.expand_dims(gl.convert_layout(inv, row_o), 1) + gl.expand_dims(gl.convert_layout(poison, row_o), 1)
+        rows_o = m0 + gl.arange(0, BM, layout=row_o)
+        cols_o = gl.arange(0, D, layout=col_o)
+        o_off = gl.expand_dims((b * Lq + rows_o).to(gl.int64) * (HQ * D) + h * D, 1) + gl.expand_dims(cols_o, 0)
+        gl.store(o_ptr + o_off, o.to(V_DTYPE), mask=gl.expand_dims(rows_o < Lq, 1))
+        m_i = m_i * qs
+        lse = gl.where(l_i > 0, (m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        rows_s = m0 + gl.arange(0, BM, layout=row_s)
+        gl.store(lse_ptr + (b * Lq + rows_s).to(gl.int64) * HQ + h, lse + poison, mask=rows_s < Lq)
 
     @gluon.jit
     def _gluon_attend_kernel(q_desc, k_desc, v_desc, qs_ptr, ks_ptr, o_ptr, lse_ptr, Lq, Lk, stride_qst,
@@ -210,23 +242,11 @@ if GLUON:
         v_last = v_smem.index(last % 2)
         mbarrier.wait(vbar.index(last % 2), (last // 2) & 1)
         if last * BN + BN > Lk:  # the tile runs past the sequence: zero those rows' values
-            rows_v = last * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, v_regs))
-            v_t = v_last.load(v_regs)
-            v_last.store(gl.where(gl.expand_dims(rows_v < Lk, 1), v_t, gl.zeros_like(v_t)))
-            fence_async_shared()
+            _zero_rows_past(v_last, last * BN, Lk, BN, v_regs)
             _cta_barrier()
         acc = warpgroup_mma(p, v_last, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-
-        inv = gl.where(l_i > 0, 1.0 / gl.where(l_i > 0, l_i, 1.0), 0.0)
-        o = acc * gl.expand_dims(gl.convert_layout(inv, row_o), 1) + gl.expand_dims(gl.convert_layout(poison, row_o), 1)
-        rows_o = m0 + gl.arange(0, BM, layout=row_o)
-        cols_o = gl.arange(0, D, layout=col_o)
-        o_off = gl.expand_dims((b * Lq + rows_o).to(gl.int64) * (HQ * D) + h * D, 1) + gl.expand_dims(cols_o, 0)
-        gl.store(o_ptr + o_off, o.to(V_DTYPE), mask=gl.expand_dims(rows_o < Lq, 1))
-        m_i = m_i * qs
-        lse = gl.where(l_i > 0, (m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-        gl.store(lse_ptr + (b * Lq + rows_s).to(gl.int64) * HQ + h, lse + poison, mask=rows_s < Lq)
+        _finish(acc, m_i, l_i, qs, poison, o_ptr, lse_ptr, b, h, m0, Lq, HQ, D, BM, row_s, row_o, col_o, V_DTYPE)
         mbarrier.invalidate(qbar)
         for i in gl.static_range(2):
             mbarrier.invalidate(kbar.index(i))

@@ -106,7 +106,7 @@ def compile_gluon_attend(layout, hq: int, out_dtype: str = "fp16"):
     d = layout.head_dim
     cfg = gluon_config(d)
     if cfg is None:
-        raise ValueError(f"the Gluon attention kernel takes head_dim 64 or 128, got {d}")
+        raise ValueError(f"the Gluon attention kernel takes head_dim 64, 128 or 256, got {d}")
 
     def desc(tag, dtype, rows):
         return f"tensordesc<{tag}[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], dtype)}>"
