@@ -143,11 +143,12 @@ def _tie_free(x, s, codes, expect):
 
 
 @needs_kernels
-@pytest.mark.parametrize("d, rotation", [(64, "sylvester"), (128, "sylvester"), (64, "haar"), (256, "haar"),
-                                         (64, None)])
+@pytest.mark.parametrize("d, rotation", [(64, "sylvester"), (128, "sylvester"), (256, "sylvester"), (64, "haar"),
+                                         (256, "haar"), (64, None)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_query_codes_match_oracle(d, rotation, dtype):
-    """``quantize_q`` (each rotation method: exact ±1 products, split parts, float32 chunks, none):
+    """``quantize_q`` (each rotation method: the Walsh–Hadamard transform for a signed Sylvester Π,
+    split parts, float32 chunks, none):
     the oracle's codes of ``q @ Π`` away from ties, its scales to float32 rounding, NaN scales for
     rows holding a NaN or inf."""
     from tqkern.ops.int8_prefill.reference import quantize_int8

@@ -69,9 +69,11 @@ BUDGETS = {
     "turboquant_4bit_nc:slot:64:2:8:bf16:attend+gluon": (0, 2544),
     "turboquant_4bit_nc:slot:256:8:16:bf16:attend+gluon": (0, 2456),
     "tq4:slot:128:8:32:bf16:quantize": (0, 1992),
-    # (S33: 4 warps × 4 tiles a program, 2360 -> 3384 instructions; H200 197 -> 137 us at 16K x 32 heads)
-    "turboquant_4bit_nc:slot:128:8:32:fp16:quantize": (0, 3384),
-    "turboquant_4bit_nc:slot:256:8:32:bf16:quantize": (504, 6432),
+    # (S33: 4 warps × 4 tiles a program, 2360 -> 3384 instructions; H200 197 -> 137 us at 16K x 32 heads;
+    # S43: a signed Sylvester Π by the Walsh–Hadamard transform, 32 rows x 4 warps: 3384 -> 1480, H200
+    # 136.3 -> 118.4 us; at D256 it replaces the float32 chunks: 504 -> 0 stack bytes, 6432 -> 3736)
+    "turboquant_4bit_nc:slot:128:8:32:fp16:quantize": (0, 1480),
+    "turboquant_4bit_nc:slot:256:8:32:bf16:quantize": (0, 3736),
     "turboquant_k8v4:slot:128:8:32:fp16:quantize": (0, 488),
     # the q rotation with the block-table scan (the decode's and the prefill's first launch): tq4's
     # tf32x3 product by Π in 64-column programs; a signed Sylvester Π by the Walsh-Hadamard

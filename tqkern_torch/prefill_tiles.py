@@ -136,7 +136,9 @@ def _math_one(q, k, v, causal: bool, scale: float, window_left: Optional[int]):
 def quantize_q(q: torch.Tensor, rotation: torch.Tensor, rotate: bool, signed_sylvester: bool = False,
                config: Optional[QuantizeConfig] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``int8_prefill``'s query codes: int8 ``[T, Hq, D]`` and float32 scales ``[T, Hq]`` of ``q``
-    (fp16/bf16; ``@ Π`` first when ``rotate``, exactly on the tensor cores when ``signed_sylvester``;
+    (fp16/bf16; ``@ Π`` first when ``rotate``, by the Walsh–Hadamard transform when
+    ``signed_sylvester`` at a power-of-two head_dim; ``config`` defaults to
+    :func:`~tqkern.ops.int8_prefill.triton.quantize_config`;
     :func:`tqkern.ops.int8_prefill.triton._quantize_q_kernel`)."""
     check_tensor(q, "q", shape=(None, None, None), dtypes=(torch.float16, torch.bfloat16),
                  last_contiguous=q.numel() > 0)  # (an empty q may come with zero strides)
@@ -150,7 +152,8 @@ def quantize_q(q: torch.Tensor, rotation: torch.Tensor, rotate: bool, signed_syl
         _quantize_q_kernel[(triton.cdiv(n, cfg.ROWS * cfg.TILES),)](
             q, rotation, q8, qs, n, q.stride(0), q.stride(1), HQ=hq, D=d, DP=max(16, triton.next_power_of_2(d)),
             ROWS=cfg.ROWS, TILES=cfg.TILES, ROT=cfg.ROT, KC=cfg.KC, IN_BF16=q.dtype == torch.bfloat16,
-            DOT_PRECISION=cfg.DOT_PRECISION, num_warps=cfg.num_warps)
+            DOT_PRECISION=cfg.DOT_PRECISION, FWHT=cfg.FWHT, LOG2D=d.bit_length() - 1 if cfg.FWHT else 0,
+            num_warps=cfg.num_warps)
     return q8, qs
 
 

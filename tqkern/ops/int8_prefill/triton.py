@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from tqkern.ops.codecs import NC_DECODE
+from tqkern.ops.common import _fwht_tile, transform_applies
 from tqkern.ops.fields import load_tile, token_factors
 from tqkern.ops.store.kernel import _rotate, _rotation_operand
 from tqkern.ops.store.plan import HOIST_MAX_DP, ROT_NONE, ROTATIONS
@@ -24,7 +25,8 @@ __all__ = ["image_codes", "int8_codes", "int8_codes_with", "_quantize_q_kernel",
 class QuantizeConfig(NamedTuple):
     """:func:`_quantize_q_kernel`'s launch: rotation method (``ROT``, an index of
     :data:`tqkern.ops.store.plan.ROTATIONS`), ``KC`` (chunk of the ``chunked`` method), ``ROWS`` ×
-    ``TILES`` rows a program, ``DOT_PRECISION`` (``chunked``), ``num_warps``."""
+    ``TILES`` rows a program, ``DOT_PRECISION`` (``chunked``), ``num_warps``; ``FWHT``: the
+    rotation by the in-register Walsh–Hadamard transform instead (``ROT`` then ``none``)."""
 
     ROT: int
     KC: int
@@ -32,19 +34,28 @@ class QuantizeConfig(NamedTuple):
     TILES: int
     DOT_PRECISION: str
     num_warps: int
+    FWHT: bool = False
 
 
 def quantize_config(rotated: bool, signed_sylvester: bool, head_dim: int, interpret: bool) -> QuantizeConfig:
-    """The query quantization for a key codec (``rotated``) with this rotation: the store's methods
-    (exact ±1 products for a signed Sylvester Π up to head_dim 128, split half-precision parts for
+    """The query quantization for a key codec (``rotated``) with this rotation: a signed Sylvester
+    Π at a power-of-two head_dim by the Walsh–Hadamard transform (``q @ Π = (H·(q ⊙ sign s))·|Π₀₀|``,
+    float32 butterflies: :func:`~tqkern.ops.common._fwht_tile`), else the store's methods (exact ±1
+    products for a signed Sylvester Π up to head_dim 128 — ``pm1`` —, split half-precision parts for
     another Π, float32 chunks past 128) and its tiles (``pm1``: 64 rows × 4 warps, ``split``: 64 ×
     8 warps — at 4 warps its bf16 form spills —, 4 tiles a program; ``chunked``: 32 rows × 8
     warps, 32-column chunks, the fewest spills of the sm_90 compiles tried, 504 stack bytes; no
     rotation: 16 rows × 4 warps). Measured on an H200 at 16K tokens × 32 heads × 128 (fp16, ten
     launches swept, codes equal): ``pm1`` 137 µs (64 × 8 warps × 2 tiles before: 197), ``split``
     183 (the best tried, 16 tiles a program, 168; 4 warps 174), no rotation 72 (16 × 4 warps × 1
-    the best)."""
+    the best). The transform (session 43, H200, same shape, one run, µs fp16 / bf16; ``pm1`` 136.3
+    / 138.6 in it): 32 rows × 4 warps × 1 tile 118.4 / 121.5 (kept), 16 × 1 120.0 / 121.2, 32 × 4
+    tiles 129.5 / 133.6, 64 × 1 133.6 / 136.0, 64 × 4 166.4 / 169.4, 32 × 4 × 8 warps 159.5 /
+    159.8; codes equal to ``pm1``'s but for 18 / 6 of 67M (float ties). Predicted ~60-80 (the HBM
+    floor ~42): the butterflies' shuffles bound it, not memory."""
     dp = max(16, triton.next_power_of_2(head_dim))
+    if rotated and head_dim >= 16 and transform_applies(signed_sylvester, head_dim):
+        return QuantizeConfig(ROTATIONS.index("none"), dp, 32, 1, "ieee", 4, FWHT=True)
     method = "none" if not rotated else "chunked" if dp > HOIST_MAX_DP else "pm1" if signed_sylvester else "split"
     rows, tiles, kc, warps = {"pm1": (64, 4, 64, 4), "split": (64, 4, 64, 8), "chunked": (32, 1, 32, 8)}.get(
         method, (16, 1, 64, 4))
@@ -96,13 +107,15 @@ def image_codes(row, h, tmask, tab_ptr, D: tl.constexpr, DP: tl.constexpr, NIBBL
 @triton.jit
 def _quantize_q_kernel(q_ptr, rot_ptr, q8_ptr, qs_ptr, n_rows, stride_qs, stride_qh, HQ: tl.constexpr,
                        D: tl.constexpr, DP: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
-                       ROT: tl.constexpr, KC: tl.constexpr, IN_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       ROT: tl.constexpr, KC: tl.constexpr, IN_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       FWHT: tl.constexpr = False, LOG2D: tl.constexpr = 0):
     """Query rows ``r = t·HQ + h`` of ``q`` (fp16/bf16, last dimension contiguous), rotated into the
     key codec's space by the store's rotation method ``ROT`` (:mod:`tqkern.ops.store.plan`:
     ``none``, ``pm1`` — exact ±1 products —, ``split``, ``chunked``; float32 sums), as int8 codes
     ``q8 [n_rows, D]`` and float32 scales ``qs [n_rows]`` (NaN for a row holding a NaN or ±inf:
     the attention kernel then writes a NaN row). ``TILES`` tiles of ``ROWS`` rows a program, the
-    rotation operand built once."""
+    rotation operand built once. With ``FWHT`` (a signed Sylvester ``Π = diag(s)·H/√D``, ``D = DP
+    = 2^LOG2D``, ``ROT`` none) the rotation is ``(H·(q ⊙ sign s))·|Π₀₀|`` in float32 butterflies."""
     DOT: tl.constexpr = tl.bfloat16 if IN_BF16 else tl.float16
     b0, b1, b2, c = _rotation_operand(rot_ptr, D, DP, ROT, DOT)
     cols = tl.arange(0, DP)
@@ -114,7 +127,10 @@ def _quantize_q_kernel(q_ptr, rot_ptr, q8_ptr, qs_ptr, n_rows, stride_qs, stride
         x = tl.load(src + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
         xf = x.to(tl.float32)
         bad = tl.sum(((xf - xf) != 0).to(tl.int32), axis=1) > 0  # a NaN or ±inf in the row (max ignores NaN)
-        if ROT == ROT_NONE:
+        if FWHT:  # ±q exact, then float32 butterflies, then the one scale (as ``pm1``'s product)
+            sgn = tl.load(rot_ptr + cols * D)
+            y = _fwht_tile(tl.where(sgn[None, :] > 0, xf, -xf), ROWS, DP, LOG2D) * tl.abs(tl.load(rot_ptr))
+        elif ROT == ROT_NONE:
             y = xf
         else:
             y = _rotate(x, src, rm, src, rot_ptr, b0, b1, b2, c, False, IN_BF16, ROT, D, DP, KC, DOT_PRECISION)

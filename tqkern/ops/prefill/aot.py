@@ -133,7 +133,8 @@ def compile_quantize_q(layout, in_dtype: str = "fp16"):
     d = layout.head_dim
     cfg = quantize_config(layout.format.key.rotated, default_signed_sylvester(layout), d, interpret=False)
     cx = dict(HQ=8, D=d, DP=max(16, triton.next_power_of_2(d)), ROWS=cfg.ROWS, TILES=cfg.TILES, ROT=cfg.ROT, KC=cfg.KC,
-              IN_BF16=in_dtype == "bf16", DOT_PRECISION=cfg.DOT_PRECISION)
+              IN_BF16=in_dtype == "bf16", DOT_PRECISION=cfg.DOT_PRECISION, FWHT=cfg.FWHT,
+              LOG2D=d.bit_length() - 1 if cfg.FWHT else 0)
     types = dict(q_ptr=f"*{in_dtype}", rot_ptr="*fp32", q8_ptr="*i8", qs_ptr="*fp32")
     return _compile(_quantize_q_kernel, cx, types, dict(num_warps=cfg.num_warps)), cfg
 
