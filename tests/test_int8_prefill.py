@@ -233,6 +233,14 @@ def test_tile_kernels_name_bad_arguments():
         quantize_q(q, torch.eye(32), True)
     with pytest.raises(TypeError, match="rotation must be float32, got float64"):
         quantize_q(q, rot.double(), True)
+    from tqkern.ops.int8_prefill.triton import quantize_config
+    fwht = quantize_config(True, True, 64, interpret=True)
+    assert fwht.FWHT
+    with pytest.raises(ValueError, match="config.FWHT needs rotate and signed_sylvester at a power-of-two head_dim "
+                                         ">= 16, got rotate=True, signed_sylvester=False, head_dim 64"):
+        quantize_q(q, rot, True, False, config=fwht)
+    with pytest.raises(ValueError, match="signed_sylvester=True, head_dim 48"):
+        quantize_q(torch.zeros(4, 2, 48, dtype=torch.float16), torch.eye(48), True, True, config=fwht)
     k = torch.zeros(6, 1, 64, dtype=torch.float16)
     codes, scales = torch.zeros(4, 2, 64, dtype=torch.int8), torch.zeros(4, 2)
     kw = dict(causal=True, scale=0.1, window_left=None)

@@ -148,6 +148,9 @@ def quantize_q(q: torch.Tensor, rotation: torch.Tensor, rotate: bool, signed_syl
     qs = torch.empty((t, hq), dtype=torch.float32, device=q.device)
     n = t * hq
     cfg = config or quantize_config(rotate, signed_sylvester, d, interpreting())
+    if cfg.FWHT and not (rotate and signed_sylvester and d >= 16 and d & (d - 1) == 0):
+        raise ValueError("config.FWHT needs rotate and signed_sylvester at a power-of-two head_dim >= 16, got "
+                         f"rotate={rotate}, signed_sylvester={signed_sylvester}, head_dim {d}")
     if n:
         _quantize_q_kernel[(triton.cdiv(n, cfg.ROWS * cfg.TILES),)](
             q, rotation, q8, qs, n, q.stride(0), q.stride(1), HQ=hq, D=d, DP=max(16, triton.next_power_of_2(d)),

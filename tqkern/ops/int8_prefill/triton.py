@@ -41,7 +41,7 @@ def quantize_config(rotated: bool, signed_sylvester: bool, head_dim: int, interp
     """The query quantization for a key codec (``rotated``) with this rotation: a signed Sylvester
     Π at a power-of-two head_dim by the Walsh–Hadamard transform (``q @ Π = (H·(q ⊙ sign s))·|Π₀₀|``,
     float32 butterflies: :func:`~tqkern.ops.common._fwht_tile`), else the store's methods (exact ±1
-    products for a signed Sylvester Π up to head_dim 128 — ``pm1`` —, split half-precision parts for
+    products for a signed Sylvester Π the transform does not take — ``pm1`` —, split half-precision parts for
     another Π, float32 chunks past 128) and its tiles (``pm1``: 64 rows × 4 warps, ``split``: 64 ×
     8 warps — at 4 warps its bf16 form spills —, 4 tiles a program; ``chunked``: 32 rows × 8
     warps, 32-column chunks, the fewest spills of the sm_90 compiles tried, 504 stack bytes; no
