@@ -59,13 +59,16 @@ def _tiles(layout, params, batch, q, cache, *, budget_rows, window_left=None, si
 
 @st.composite
 def _equal_batch(draw, n: int, max_len: int):
-    """``n`` sequences of one length and one ``q_len`` over shuffled blocks (and a spare one)."""
+    """``n`` sequences of one length and one ``q_len`` over shuffled blocks (and a spare one); some
+    drawn ones a full prefill instead (``q_len = length``: no prefix piece, so the equal chunks
+    around it have prefix pieces adjacent in their round but queries that are not)."""
     length = draw(st.integers(1, max_len))
     q_len = draw(st.integers(0, length))
+    full = draw(st.lists(st.booleans(), min_size=n, max_size=n), label="full_prefills")
     per = -(-length // 16)
     blocks = np.random.default_rng(draw(st.integers(0, 2**16))).permutation(n * per + 1)[: n * per]
     return T.VarlenBatch(blocks.reshape(n, per).astype(np.int32), np.full(n, length, np.int32), n * per + 1, 16,
-                         [q_len] * n)
+                         [length if f else q_len for f in full])
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))

@@ -105,6 +105,38 @@ def test_equal_pieces_share_a_dense_call():
     plan = plan_tiles(q_lens, seq_lens, budget_rows=1 << 20)
     assert [[pc.seq for pc in g] for g in _groups(plan.rounds[0], q_lens)] == [[0, 2, 3], [4]]
     assert [[pc.seq for pc in g] for g in _groups(plan.rounds[1], q_lens)] == [[0, 2], [3], [4]]
+    # a sequence with queries but no piece in this round (no prefix) sits between equal pieces:
+    # their queries are not adjacent, so they take separate calls (one call overwrote its rows)
+    q_lens, seq_lens = [9, 32, 9], [64, 32, 64]
+    plan = plan_tiles(q_lens, seq_lens, budget_rows=1 << 20)
+    assert [[pc.seq for pc in g] for g in _groups(plan.rounds[1], q_lens)] == [[0], [2]]
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_batch_equals_its_sequences_one_at_a_time(int8, monkeypatch):
+    """A full prefill between two chunks of equal shape (found on the H200 by the int8 tiles'
+    property test, session 44): the chunks' prefix pieces used to share one dense call whose query
+    rows spanned the full prefill's, and its merge overwrote them. Each sequence's rows equal
+    those of a call holding that sequence alone."""
+    import tqkern_torch.prefill_tiles as pt
+    from tqkern_torch.errors import error_word
+    from tqkern_torch.ops import _device_params
+
+    q_lens, seq_lens = [12, 20, 12], [30, 20, 30]
+    layout, params, cache, bt, sl, qsl, q, _ = _tq4_batch(q_lens, seq_lens, 3, monkeypatch)
+    p = _device_params(params, layout, q.device)
+
+    def run(rows, lens, block_table, seq_dev, starts):
+        return pt.tile_prefill(rows, cache, block_table, seq_dev, starts, layout, p, q_lens=lens,
+                               seq_lens=[int(x) for x in seq_dev], num_blocks=bt.numel(), errors=error_word(q.device),
+                               scale=0.125, out=None, lse=None, window_left=None, sinks=None, int8=int8,
+                               attend=None if int8 else pt.attend_math)
+
+    whole = run(q, q_lens, bt, sl, qsl)
+    for s in range(3):
+        a, b = int(qsl[s]), int(qsl[s + 1])
+        alone = run(q[a:b], [q_lens[s]], bt[s:s + 1], sl[s:s + 1], torch.tensor([0, b - a], dtype=torch.int32))
+        torch.testing.assert_close(whole[a:b], alone, atol=2e-3, rtol=0, msg=lambda m: f"sequence {s}: {m}")
 
 
 def test_int8_prefill_takes_the_host_lengths():
