@@ -103,13 +103,16 @@ def test_short_rows_under_a_broken_bound_give_zero_rows():
 def test_mixed_batches_split_by_length_match_oracle(case, data):
     """A checked call without a bound on a batch mixing every kind of row: the short sequences run
     the short-row path and the others the long-row path (the prefill kernel, or the tiled path on
-    a GPU; both spied on when both kinds are present), the rows as the oracle says."""
+    a GPU; both spied on when both kinds are present), the rows as the oracle says. Off the GPU
+    the long rows are drawn onto the tiled path too (its float32 dense attention), the GPU's
+    routing: a mixed batch's long rows as one tiled call."""
     import sys
 
     layout, params, group, batch, qdtype = case
     mod = sys.modules["tqkern_torch.prefill"]
     calls = {"short": 0, "kernel": 0}
-    short_fn, kernel_fn = mod.short_rows, mod._long_rows
+    short_fn, kernel_fn, tiles_fn = mod.short_rows, mod._long_rows, mod.tiles_supported
+    tiled = DEV.type != "cuda" and data.draw(st.booleans(), label="tiled_path")
 
     def short_spy(*a, **k):
         calls["short"] += 1
@@ -122,10 +125,12 @@ def test_mixed_batches_split_by_length_match_oracle(case, data):
     cache = _fill_cache(layout, params, batch, data)
     q, q64 = _draw_q(layout, group, batch, qdtype, data)
     mod.short_rows, mod._long_rows = short_spy, kernel_spy
+    if tiled:
+        mod.tiles_supported = lambda *a, **k: True
     try:
         got, _ = _run(layout, params, batch, q, cache, max_query_len=None)
     finally:
-        mod.short_rows, mod._long_rows = short_fn, kernel_fn
+        mod.short_rows, mod._long_rows, mod.tiles_supported = short_fn, kernel_fn, tiles_fn
     q_lens = np.asarray(batch.q_lens)
     has_short = bool(((q_lens > 0) & (q_lens <= SHORT_QUERY_MAX)).any())
     has_long = bool((q_lens > SHORT_QUERY_MAX).any())
