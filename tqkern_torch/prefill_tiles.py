@@ -11,10 +11,11 @@ returns the log-sum-exp) or, with a window, FlashAttention-2 as torch builds it 
 window masks); :func:`attend_math` is the same contract in float32
 torch ops, for the CPU tests of the plan and the merges. cuDNN's varlen entry was measured at
 ~45 ms a call (H200, S20), so each dense call takes one sequence, or a run of consecutive
-sequences whose pieces have one shape and whose queries are adjacent (a batched call; :func:`_groups`). ``int8_prefill`` (``int8=True``) takes
-the same plan with int8 keys (codes and scales written by the gather, in the key codec's space)
-and its own dense kernel, :func:`attend_tiles` with int8 operands (:mod:`tqkern.ops.prefill.attend`,
-on a GPU and in the interpreter alike; on sm_90 at head_dim 64, 128 and 256 the Gluon kernel of
+sequences whose pieces have one shape and whose queries are adjacent (a batched call;
+:func:`_groups`). ``int8_prefill`` (``int8=True``) takes the same plan with int8 keys (codes and
+scales written by the gather, in the key codec's space) and its own dense kernel,
+:func:`attend_tiles` with int8 operands (:mod:`tqkern.ops.prefill.attend`, on a GPU and in the
+interpreter alike; on sm_90 at head_dim 64, 128 and 256 the Gluon kernel of
 :mod:`tqkern.ops.int8_prefill.gluon`); ``prefill`` with a logit soft-cap (which cuDNN's and
 FlashAttention-2's kernels lack) takes the same kernel with half-precision operands.
 
