@@ -1,5 +1,10 @@
-"""Shared by the offline sm_90 compile tests (store, prefill): compile every case in two
-subprocesses and hold each report to its budget (registers, shared memory, spills, SASS)."""
+"""Shared by the offline sm_90 compile tests (decode, store, prefill): compile every case in two
+subprocesses and hold each report to its budget (registers, shared memory, spills, SASS).
+
+Budgets are ptxas-specific: each test file's ``BUDGETS`` hold Triton 3.9's numbers (CI's), its
+``TRITON36`` Triton 3.6's where they exceed those (the GPU machines' compiler: its ptxas spills
+more in some kernels, less in others, and emits up to 29% more instructions in one);
+:func:`budget_of` picks by the running Triton."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import triton
 
 from tqkern.ops.paged_decode.aot import tool_path
 
@@ -25,13 +31,23 @@ def compile_reports(report_in_subprocess, cases) -> dict:
     return {r["name"]: r for r in got}
 
 
+def budget_of(name: str, budgets: dict, triton36: dict) -> tuple[int, int]:
+    """``name``'s (stack bytes, SASS instructions) under the running Triton: ``triton36``'s entry
+    under Triton 3.6, else ``budgets``' (Triton 3.9's)."""
+    if triton.__version__.startswith("3.6.") and name in triton36:
+        return triton36[name]
+    return budgets[name]
+
+
 def check_budget(reports: dict, name: str, budget: tuple[int, int]) -> None:
-    """255 registers at most, the H100's shared memory (where reported), at most ``budget[0]``
-    stack bytes and ``budget[1]`` SASS instructions plus 3%."""
+    """The launcher's register cap (``maxnreg`` where the report has one, else 255), the H100's
+    shared memory (where reported), at most ``budget[0]`` stack bytes and ``budget[1]`` SASS
+    instructions plus 3%."""
     r = reports.get(name)
     assert r is not None, f"{name} was not compiled"
     stack_budget, instrs_today = budget
-    assert 0 < r["regs"] <= 255, f"{name}: {r['regs']} registers"
+    cap = r.get("maxnreg") or 255
+    assert 0 < r["regs"] <= cap, f"{name}: {r['regs']} registers, the launcher's cap is {cap}"
     if "shared" in r:
         assert r["shared"] <= SM90_SHARED, f"{name}: {r['shared']} bytes of shared memory, the H100 has {SM90_SHARED}"
     assert r["stack"] <= stack_budget, f"{name}: {r['stack']} stack bytes (spills), budget {stack_budget}"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.sm90_budgets import check_budget, compile_reports
+from tests.sm90_budgets import budget_of, check_budget, compile_reports
 from tqkern.ops.prefill.aot import report_in_subprocess
 
 # case -> (stack bytes, SASS instructions) today (Triton 3.9). Stack > 0: spills, pinned as budgets.
@@ -86,6 +86,24 @@ BUDGETS = {
     "turboquant_4bit_nc:slot:256:8:16:bf16:attend+half+softcap+window": (2424, 11664),
 }
 
+# Triton 3.6 (the GPU machines' compiler) where its ptxas exceeds the budgets above (session 44, offline)
+TRITON36 = {
+    "fp16:slot:256:2:8:bf16": (192, 2832),
+    "tq4:row:128:8:32:fp16": (224, 7192),
+    "tq4:row:128:8:32:fp16:int8": (288, 9824),
+    "tq4:slot:128:8:32:bf16:quantize": (0, 2112),
+    "tq4:slot:128:8:32:fp16:attend": (2056, 11752),
+    "tq4:slot:128:8:32:fp16:rotate": (0, 1864),
+    "tqkern_k5v3:row:256:2:8:bf16:gather+int8+fwht": (0, 3192),
+    "tqkern_k5v3:row:256:2:8:fp16:gather+fwht": (0, 4472),
+    "tqkern_k5v3:slot:128:8:32:bf16": (320, 9736),
+    "tqkern_k5v3:slot:256:1:3:bf16": (3696, 18080),
+    "tqkern_k5v3:slot:256:8:16:bf16:rotate+fwht": (0, 1464),
+    "turboquant_4bit_nc:slot:128:1:3:fp16": (224, 8600),
+    "turboquant_4bit_nc:slot:128:8:32:fp16:gather+fwht": (0, 3256),
+    "turboquant_4bit_nc:slot:64:2:8:bf16:attend+window+softcap": (328, 6240),
+}
+
 
 @pytest.fixture(scope="module")
 def reports() -> dict:
@@ -94,4 +112,4 @@ def reports() -> dict:
 
 @pytest.mark.parametrize("name", sorted(BUDGETS))
 def test_prefill_sm90_registers_spills_and_instructions(reports, name):
-    check_budget(reports, name, BUDGETS[name])
+    check_budget(reports, name, budget_of(name, BUDGETS, TRITON36))

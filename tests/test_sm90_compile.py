@@ -8,8 +8,9 @@ within the budgets recorded below, so that a refactor which adds spills or instr
 inner loop fails here before any device time is spent. The kernels compile in a fresh process
 without ``TRITON_INTERPRET`` (the interpreter replaces them), two processes at a time.
 
-Budgets: today's values from Triton 3.9's ptxas (the GPU machines run Triton 3.6, whose numbers
-may differ a little); instruction budgets today's count + 3%. A change that lowers a number
+Budgets: today's values from Triton 3.9's ptxas (CI's), and ``TRITON36``'s where the GPU
+machines' Triton 3.6 exceeds them (:func:`tests.sm90_budgets.budget_of`); instruction budgets
+today's count + 3%. A change that lowers a number
 should lower its budget too. Shapes and presets: ``tqkern_torch/bench/shapes.py`` (B32x16K's
 Hq32/Hkv8/D128, SmolLM2's Hq9/Hkv3/D64, GQA 3, and Llama-3-405B's Hq16/Hkv1/D128, GQA 16 = two
 query column tiles per warp, ``QT = 2``; the last two have no cooperative plan: 3 and 1 KV heads;
@@ -21,12 +22,12 @@ Phi-3-mini-TP2's Hq16/Hkv16).
 
 from __future__ import annotations
 
-import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.sm90_budgets import budget_of, check_budget
 from tqkern_torch.bench.shapes import DECODE_PRESETS, decode_shape
 from tqkern.ops.paged_decode.aot import report_in_subprocess, tool_path
 
@@ -103,7 +104,11 @@ BUDGETS = {
     # a window and a soft-cap (paged_decode(window_left=, logit_softcap=)): 132 registers, 105 without
     "general:fp16:slot:128:8:32:window+softcap": (0, 1096),
 }
-INSTR_SLACK = 1.03
+# Triton 3.6 (the GPU machines' compiler) where its ptxas exceeds the budgets above (session 44, offline)
+TRITON36 = {
+    "mma:k5v4h:slot:128:8:32:coop": (8, 2000),
+    "mma:k5v4h:slot:128:8:32:coop2": (8, 1896),
+}
 
 
 def _cases() -> list[str]:
@@ -139,11 +144,4 @@ def test_every_launcher_plan_has_a_budget(reports):
 
 @pytest.mark.parametrize("name", sorted(BUDGETS))
 def test_sm90_registers_spills_and_instructions(reports, name):
-    r = reports.get(name)
-    assert r is not None, f"{name} was not compiled"
-    stack_budget, instrs_today = BUDGETS[name]
-    cap = r["maxnreg"] or 255
-    assert 0 < r["regs"] <= cap, f"{name}: {r['regs']} registers, the launcher's cap is {cap}"
-    assert r["stack"] <= stack_budget, f"{name}: {r['stack']} stack bytes (spills), budget {stack_budget}"
-    limit = math.ceil(instrs_today * INSTR_SLACK)
-    assert r["instrs"] <= limit, f"{name}: {r['instrs']} SASS instructions, budget {limit} (today {instrs_today})"
+    check_budget(reports, name, budget_of(name, BUDGETS, TRITON36))

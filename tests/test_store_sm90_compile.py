@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.sm90_budgets import check_budget, compile_reports
+from tests.sm90_budgets import budget_of, check_budget, compile_reports
 from tqkern.ops.store.aot import report_in_subprocess
 
 # case -> (stack bytes, SASS instructions) today (Triton 3.9). Stack > 0: spills, pinned as budgets.
@@ -72,6 +72,17 @@ BUDGETS = {
     "turboquant_k8v4:slot:128:8:decompress+rotate": (0, 1856),
 }
 
+# Triton 3.6 (the GPU machines' compiler) where its ptxas exceeds the budgets above (session 44, offline)
+TRITON36 = {
+    "fp16:slot:128:8": (0, 760),
+    "fp16:slot:128:8:decompress": (0, 384),
+    "k5v4h:slot:128:8:warp+bf16": (16, 2736),
+    "tq4:slot:128:8:mu": (392, 5880),
+    "turboquant_4bit_nc:row:128:8:warp+bf16": (8, 2232),
+    "turboquant_4bit_nc:slot:128:8": (0, 6688),
+    "turboquant_k8v4:slot:128:8": (0, 1912),
+}
+
 
 @pytest.fixture(scope="module")
 def reports() -> dict:
@@ -80,4 +91,4 @@ def reports() -> dict:
 
 @pytest.mark.parametrize("name", sorted(BUDGETS))
 def test_store_sm90_registers_spills_and_instructions(reports, name):
-    check_budget(reports, name, BUDGETS[name])
+    check_budget(reports, name, budget_of(name, BUDGETS, TRITON36))
