@@ -332,16 +332,17 @@ def _combine(a, a_lse, b, b_lse, dst, lse_out, sinks) -> None:
 
 def _groups(rnd, q_lens: list[int]) -> list[list]:
     """A round's pieces in runs of consecutive sequences with equal ``(q_len, length, causal,
-    last)``: one dense call each. A run's queries and workspace rows must be adjacent: a sequence
-    between two of its pieces may have no piece in the round (no prefix) but then no queries
-    either, else the run breaks there (its rows would fall inside the call's and be overwritten
-    by the merge)."""
+    last)``: one dense call each. A run's queries and workspace rows must be adjacent. The rows are
+    by construction (:func:`~tqkern.ops.prefill.tiles.plan_tiles` packs a round in sequence
+    order); the queries only where every sequence between two pieces of the run has none: one
+    with queries but no piece in this round (no prefix, or a shorter one done) breaks the run,
+    else its rows would fall inside the call's and be overwritten by the merge."""
     out: list[list] = []
     for pc in rnd:
         key = (q_lens[pc.seq], pc.length, pc.causal, pc.last)
         prev = out[-1][-1] if out else None
         if (prev is not None and (q_lens[prev.seq], prev.length, prev.causal, prev.last) == key
-                and not any(q_lens[prev.seq + 1:pc.seq]) and pc.row == prev.row + prev.length):
+                and not any(q_lens[prev.seq + 1:pc.seq])):
             out[-1].append(pc)
         else:
             out.append([pc])
