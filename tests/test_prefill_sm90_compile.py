@@ -64,10 +64,11 @@ BUDGETS = {
     "turboquant_4bit_nc:slot:256:8:32:bf16:attend": (1344, 9080),
     # int8_prefill's Gluon attention kernel (the default on sm_90 at head_dim 64 and 128 since S42, 256
     # since S43; Q·K_jᵀ issued while P_{j-1}·V_{j-1} is in flight, one `WARPGROUP.DEPBAR.LE gsb0, 0x1`
-    # in the loop; S43 the query scale folded into exp2's argument: 3032 -> 2920, 2672 -> 2544)
-    "turboquant_4bit_nc:slot:128:8:32:fp16:attend+gluon": (0, 2920),
-    "turboquant_4bit_nc:slot:64:2:8:bf16:attend+gluon": (0, 2544),
-    "turboquant_4bit_nc:slot:256:8:16:bf16:attend+gluon": (0, 2456),
+    # in the loop; S43 the query scale folded into exp2's argument: 3032 -> 2920, 2672 -> 2544;
+    # S45 the key scales loaded a tile ahead: 2920 -> 2800, 2544 -> 2432, 2456 -> 2416)
+    "turboquant_4bit_nc:slot:128:8:32:fp16:attend+gluon": (0, 2800),
+    "turboquant_4bit_nc:slot:64:2:8:bf16:attend+gluon": (0, 2432),
+    "turboquant_4bit_nc:slot:256:8:16:bf16:attend+gluon": (0, 2416),
     "tq4:slot:128:8:32:bf16:quantize": (0, 1992),
     # (S33: 4 warps × 4 tiles a program, 2360 -> 3384 instructions; H200 197 -> 137 us at 16K x 32 heads;
     # S43: a signed Sylvester Π by the Walsh–Hadamard transform, 32 rows x 4 warps: 3384 -> 1480, H200

@@ -98,13 +98,21 @@ if GLUON:
     _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
     @gluon.jit
-    def _softmax(s, m_i, l_i, qs, ks_base, Lk, pos_q, first, j, BN: gl.constexpr, CAUSAL: gl.constexpr,
+    def _load_ks(ks_base, j, Lk, BN: gl.constexpr, ks_regs: gl.constexpr):
+        """Tile j's key scales (0 past ``Lk``), one a thread: issued an iteration before
+        :func:`_softmax` needs them, so the load's latency hides behind tile j−1's products."""
+        keys = j * BN + gl.arange(0, BN, layout=ks_regs)
+        return gl.load(ks_base + keys, mask=keys < Lk, other=0.0)
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i, qs, ks_j, Lk, pos_q, first, j, BN: gl.constexpr, CAUSAL: gl.constexpr,
                  col_s: gl.constexpr, p_layout: gl.constexpr, P_DTYPE: gl.constexpr):
-        """Tile j's int32 products ``s`` → ``(P in the P·V operand layout, α, m, l)``, base 2.
-        ``pos_q``: each row's key position; ``first``: the block's first row's. Masks only on the
-        tail tile and the causal diagonal's tiles."""
+        """Tile j's int32 products ``s`` and key scales ``ks_j`` (from :func:`_load_ks`) →
+        ``(P in the P·V operand layout, α, m, l)``, base 2. ``pos_q``: each row's key position;
+        ``first``: the block's first row's. Masks only on the tail tile and the causal diagonal's
+        tiles."""
         keys = j * BN + gl.arange(0, BN, layout=col_s)
-        ks = gl.load(ks_base + keys, mask=keys < Lk, other=0.0)
+        ks = gl.convert_layout(ks_j, col_s)
         x = s.to(gl.float32) * gl.expand_dims(ks, 0)  # in units of the row's scale qs (> 0)
         if (j * BN + BN > Lk) or (CAUSAL and j * BN + BN > first + 1):
             vis = gl.expand_dims(keys < Lk, 0)
@@ -170,6 +178,8 @@ if GLUON:
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+        ks_regs: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
+                                                 warps_per_cta=[num_warps], order=[0])
 
         b = gl.program_id(1) // HQ
         h = gl.program_id(1) % HQ
@@ -215,13 +225,17 @@ if GLUON:
         acc = gl.zeros([BM, D], gl.float32, layout=o_layout)
         zero_s = gl.zeros([BM, BN], gl.int32, layout=s_layout)
 
+        ks_j = _load_ks(ks_base, 0, Lk, BN, ks_regs)
+        ks_next = _load_ks(ks_base, 1, Lk, BN, ks_regs)
         mbarrier.wait(qbar, 0)
         mbarrier.wait(kbar.index(0), 0)
         s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qs, ks_base, Lk, pos_q, first, 0, BN, CAUSAL, col_s, p_layout,
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qs, ks_j, Lk, pos_q, first, 0, BN, CAUSAL, col_s, p_layout,
                                       V_DTYPE)
         for j in range(1, n_tiles):
+            ks_j = ks_next
+            ks_next = _load_ks(ks_base, j + 1, Lk, BN, ks_regs)  # in flight over this tile's products
             # K_{j+1} into the slot Q·K_{j−1}ᵀ read, V_j into the one P_{j−2}·V_{j−2} read (both waited)
             if j + 1 < n_tiles:
                 mbarrier.expect(kbar.index((j + 1) % 2), k_desc.block_type.nbytes)
@@ -234,7 +248,7 @@ if GLUON:
             mbarrier.wait(vbar.index((j - 1) % 2), ((j - 1) // 2) & 1)
             acc = warpgroup_mma(p, v_smem.index((j - 1) % 2), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qs, ks_base, Lk, pos_q, first, j, BN, CAUSAL, col_s,
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qs, ks_j, Lk, pos_q, first, j, BN, CAUSAL, col_s,
                                           p_layout, V_DTYPE)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
