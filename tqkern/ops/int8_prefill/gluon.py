@@ -36,7 +36,11 @@ Of the tiles tried, 64 x 64 x 4 warps 312.6 / 4402.6 / 4223.1; 128 x 64 x 8 warp
 4857.1 µs at 1x16K against 4220.5 and 353.5 against 312.2 at 1x4K (H200, session 42, same run).
 The query scale is folded into exp2's argument (one FFMA a score where the scores took two FMULs
 and an FADD; ``m`` runs in units of the row's scale): 1x4K 312.9 -> 308.7 µs, 1x16K 4317.0 ->
-4260.9, 1K chunks 4217.4 -> 4132.7 (H200, session 43, same run). A warp-specialized form (a
+4260.9, 1K chunks 4217.4 -> 4132.7 (H200, session 43, same run). Tile j+1's key scales load while
+tile j's products run (``_load_ks``; an Nsight profile had 10.9% of the stall samples on the first
+multiply by scales loaded after the products' wait): ``int8_prefill`` end to end 1x16K 4264.8 ->
+3961.7 µs, 1x4K 340.0 -> 319.9, 8x2K 796.8 -> 755.2 (turboquant_4bit_nc; H200, session 45, same
+run; outputs bit-identical). A warp-specialized form (a
 one-warp TMA loader, two consumer warpgroups of 64 rows on shared K/V tiles) was not kept: against
 this kernel (both with the fold, session 43) −1.9% at 1x16K and −1.1% on the chunks but +4.7% at
 1x4K, +2.5% at 8x2K and +97% at 32 x 4 speculative queries (docs/performance.md).
