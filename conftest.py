@@ -1,4 +1,9 @@
-"""Repository-wide pytest hooks: say why ``pytest --benchmark-only`` timed nothing.
+"""Repository-wide pytest hooks: the interpreter's bounds check, and why ``pytest
+--benchmark-only`` timed nothing.
+
+Under Triton's interpreter (``TRITON_INTERPRET=1``) every test runs inside
+:func:`tqkern_torch.bounds.interpreter_bounds_checked`: a kernel launch that reads or writes
+memory outside its tensor arguments fails the test (or the Hypothesis example) that made it.
 
 ``--benchmark-only`` (pytest-benchmark) skips every test that does not use the ``benchmark``
 fixture, and the benchmarks themselves (``benchmarks/test_bench.py``, outside ``testpaths``)
@@ -11,6 +16,26 @@ from __future__ import annotations
 import pytest
 
 _BENCHMARK_IDS = pytest.StashKey[frozenset]()
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_bounds_checked(request):
+    """Every test under the interpreter's bounds check (module docstring); elsewhere, and for a
+    test marked ``bounds_unchecked`` (the checker's own tests), a no-op."""
+    if request.node.get_closest_marker("bounds_unchecked"):
+        yield
+        return
+    try:
+        from tqkern_torch._validate import interpreting
+        from tqkern_torch.bounds import interpreter_bounds_checked
+    except ImportError:  # (no torch: the NumPy-only tests run unchecked, as they launch nothing)
+        yield
+        return
+    if not interpreting():
+        yield
+        return
+    with interpreter_bounds_checked():
+        yield
 
 
 def _benchmark_only(config: pytest.Config) -> bool:
