@@ -312,6 +312,20 @@ def test_plan_is_pure_typed_and_checked():
         plan_prefill(layout, 32, "sm90")
 
 
+@pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_k3v4_nc", "tq4"])
+@pytest.mark.parametrize("int8", [False, True])
+def test_plan_keeps_head_dim_32_off_the_miscompiled_tiles(preset, int8):
+    """At head_dim 32 Triton 3.6 miscompiles the 128 x 64 tiles for 3-bit keys (a P·V ``wgmma``
+    reading shared memory past the allocation: an illegal memory access on the GPU) and 32-key
+    steps for every compressed codec (wrong outputs); the plan module's docstring. head_dim 32
+    takes 64 x 64, every codec; 64 keeps 128 x 64."""
+    for d, tiles in ((32, (64, 64)), (64, (128, 64))):
+        layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset(preset, d), num_kv_heads=2, block_size=16)
+        plan = plan_prefill(layout, 8, DeviceCaps.sm90(), int8=int8)
+        assert (plan.block_m, plan.block_n) == tiles
+        assert (dict(plan.constexprs)["BM"], dict(plan.constexprs)["BN"]) == tiles
+
+
 @pytest.mark.parametrize("hkv, word_reads", [(1, (0, 0)), (2, (2, 2)), (8, (2, 2))])
 def test_plan_avoids_the_16_bit_word_read(hkv, word_reads):
     """turboquant_4bit_nc with one KV head would read its 4-bit words as 16-bit halves (read plan

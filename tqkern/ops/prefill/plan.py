@@ -14,6 +14,15 @@ compile (``tests/test_prefill_sm90_compile.py``: fewest spills among 64/128 rows
 4/8 warps, Triton 3.9): head_dim ≤ 128: ``BM = 128`` query rows (query positions × the GQA
 group, padded to a power of two) by ``BN = 64`` keys, 8 warps, 2 stages; head_dim 256: 64 × 32,
 8 warps, 1 stage. The interpreter takes 32 × 32 tiles (fewer, larger NumPy steps).
+
+head_dim 32 takes 64 × 64 tiles. Triton 3.6 miscompiles both neighbours there (session 46,
+H200): at 128 × 64, for 3-bit keys (turboquant_3bit_nc, turboquant_k3v4_nc), the key tile's shared
+buffer gets a 128-byte swizzle, the value tile's a 64-byte one, and the P·V ``wgmma`` reads shared
+memory far past the kernel's 22.5 KB (compute-sanitizer: "Invalid __shared__ read of size 1024
+bytes" at offsets 0x1f000 / 0x22400), an illegal memory access on 11 of 12 fuzzed batches (one
+stage: 9 of 12, four warps: 12 of 12); at 32 keys a step (128 × 32 or 64 × 32) every
+compressed preset's output is wrong (max error ≈ max|output| against the oracle; raw fp16 right).
+64 × 64 ran the 12 batches cleanly and matched the oracle for every preset tried, both kernels.
 """
 
 from __future__ import annotations
@@ -122,8 +131,8 @@ def _plan(layout, hq, caps, window, softcap, sinks, lse, int8, block_m, block_n,
     g = hq // layout.num_kv_heads
     gp = 1 << max(0, (g - 1).bit_length())
     big = dp > 128
-    if block_m is None:
-        block_m = 32 if caps.interpret else 64 if big else 128
+    if block_m is None:  # (dp 32: 64 x 64, the module docstring's miscompiles)
+        block_m = 32 if caps.interpret else 64 if big or dp <= 32 else 128
     if block_n is None:
         block_n = 32 if caps.interpret or big else 64
     if num_warps is None:
