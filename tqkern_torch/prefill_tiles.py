@@ -361,7 +361,9 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
     sinks) returns that call's own output when it is contiguous (no copy), else a new tensor.
     ``workspace_bytes`` bounds a prefix round's K and V in q's dtype; a rotated side the gather
     does not rotate back (tq4's dense rotation, a head_dim not a power of two) adds as much again
-    for its rotated-back copy.
+    for its rotated-back copy. A batch in which some sequence has several pieces also holds the
+    running results in float32 (``[num_tokens, Hq, D]``): merged in q's dtype, a result was
+    rounded once per piece.
 
     ``int8`` (``int8_prefill``): the queries' int8 codes are made once (:func:`quantize_q`, in the
     key codec's space), the keys' by the gather (int8 codes and scales, in the key codec's space:
@@ -400,6 +402,10 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
                 and sum(q_lens[pc.seq] for pc in plan.rounds[0]) == q.shape[0])
     out = torch.empty_like(q) if out is None and not one_call else out
     lse_acc = lse if lse is not None else torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    # a sequence's running result between its pieces, in float32 (merged in q's dtype it would be
+    # rounded once per piece); its last piece's merge writes ``out``
+    acc = (torch.empty(q.shape, dtype=torch.float32, device=q.device)
+           if any(not pc.last for rnd in plan.rounds for pc in rnd) else None)
     # each side in its codec's space; a rotated side also rotated back (the copy attention reads)
     rows = max(1, plan.workspace_rows)
     ws = [torch.empty((rows, h, d), dtype=torch.int8 if int8 and side == 0 else q.dtype, device=q.device)
@@ -441,6 +447,6 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
                 if lse is not None:
                     lse.copy_(lp)
                 return o if o.is_contiguous() else o.contiguous()
-            _combine(None if pc.first else out[a:b], lse_acc[a:b], o, lp, out[a:b], lse_acc[a:b],
-                     sinks if pc.last else None)
+            _combine(None if pc.first else acc[a:b], lse_acc[a:b], o, lp, out[a:b] if pc.last else acc[a:b],
+                     lse_acc[a:b], sinks if pc.last else None)
     return out
