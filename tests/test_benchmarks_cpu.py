@@ -26,7 +26,8 @@ MODULES = ("__init__.py", "test_bench.py")
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    # (an xdist worker's PYTEST_XDIST_* would make the inner pytest-benchmark think xdist is on)
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS" and not k.startswith("PYTEST_XDIST_")}
     env["CUDA_VISIBLE_DEVICES"] = ""
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return env
