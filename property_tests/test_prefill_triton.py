@@ -128,6 +128,16 @@ def _bounds(layout, params, batch, cache, q64, s, group):
     return float((2 * u / np.sqrt(layout.head_dim)) * pair), vmax
 
 
+def sequence_error(got, expect, layout, params, batch, cache, q64, group, s, bounds=_bounds):
+    """(max error over sequence s's finite query rows, its tolerance ``(4e-3 + 2δ)·max|V̂|``, δ,
+    max|V̂|): the budget of the module docstring (``bounds`` gives δ and max|V̂|)."""
+    a, b = int(batch.query_start_loc[s]), int(batch.query_start_loc[s + 1])
+    good = np.all(np.isfinite(q64[a:b]), axis=-1)
+    delta, vmax = bounds(layout, params, batch, cache, q64, s, group)
+    err = float(np.abs(got[a:b][good] - expect[a:b][good]).max()) if good.any() else 0.0
+    return err, (4e-3 + 2 * delta) * vmax + 1e-6, delta, vmax
+
+
 def _compare(got, expect, layout, params, batch, cache, q64, group, what="oracle", got_lse=None, expect_lse=None,
              bounds=_bounds):
     """Every finite query row of every sequence within the budget (``bounds`` gives a sequence's
@@ -141,10 +151,8 @@ def _compare(got, expect, layout, params, batch, cache, q64, group, what="oracle
         a, b = int(batch.query_start_loc[s]), int(batch.query_start_loc[s + 1])
         if a == b:
             continue
-        delta, vmax = bounds(layout, params, batch, cache, q64, s, group)
+        err, tol, delta, vmax = sequence_error(got, expect, layout, params, batch, cache, q64, group, s, bounds)
         good = ~bad_rows[a:b]
-        err = float(np.abs(got[a:b][good] - expect[a:b][good]).max()) if good.any() else 0.0
-        tol = (4e-3 + 2 * delta) * vmax + 1e-6
         note(f"seq {s}: len {batch.seq_lens[s]}, q_len {b - a}, max err vs {what} {err:.3g}, tol {tol:.3g}")
         assert err <= tol, f"seq {s}: error vs {what} {err:.3g} > tolerance {tol:.3g} (max|V| {vmax:.3g}, δ {delta:.3g})"
         if got_lse is not None and good.any():

@@ -30,7 +30,7 @@ def check_fused(preset: str, fn: str, lens, q_lens, *, head_dim: int = 32, devic
     heads (GQA 2, shuffled blocks, K/V stored by ``store``) equals its oracle within the property
     tests' per-sequence budget ``(4e-3 + 2δ)·max|V̂|``."""
     from property_tests.test_int8_prefill_triton import _int8_bounds
-    from property_tests.test_prefill_triton import _bounds
+    from property_tests.test_prefill_triton import _bounds, sequence_error
 
     hkv, group, bs = 2, 2, 16
     layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset(preset, head_dim), num_kv_heads=hkv, block_size=bs,
@@ -53,10 +53,7 @@ def check_fused(preset: str, fn: str, lens, q_lens, *, head_dim: int = 32, devic
     oracle, bounds = (int8_oracle, _int8_bounds) if fn == "int8_prefill" else (ref.prefill, _bounds)
     expect = oracle(q64, cache_np, table, batch.seq_lens, batch.query_start_loc, layout, params)
     for s in range(len(lens)):
-        a, b = int(batch.query_start_loc[s]), int(batch.query_start_loc[s + 1])
-        delta, vmax = bounds(layout, params, batch, cache_np, q64, s, group)
-        err = float(np.abs(got[a:b] - expect[a:b]).max())
-        tol = (4e-3 + 2 * delta) * vmax + 1e-6
+        err, tol, _, _ = sequence_error(got, expect, layout, params, batch, cache_np, q64, group, s, bounds)
         assert err <= tol, f"{preset} {fn} seq {s} (len {lens[s]}, q_len {q_lens[s]}): error {err:.3g} > {tol:.3g}"
 
 
