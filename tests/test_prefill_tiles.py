@@ -213,6 +213,31 @@ def test_one_dense_call_returns_its_output(q_lens, seq_lens, sinks, one_call, mo
     assert torch.equal(fresh, given) and torch.equal(lse_fresh, lse_given)
 
 
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("given_out", [False, True])
+def test_non_finite_query_row_gets_a_nan_lse_on_every_route(value, given_out, monkeypatch):
+    """A query row holding one ±inf or NaN element gets a NaN output row and a NaN ``lse`` whether
+    the call is one dense call (its output returned as is) or merged: with one +inf element the
+    dense kernel's scores are ±inf, its lse +inf (the one-call route returned that, found on an
+    H200 by the tiled property test)."""
+    import tqkern_torch.prefill_tiles as pt
+    from tqkern_torch.errors import error_word
+    from tqkern_torch.ops import _device_params
+
+    layout, params, cache, bt, sl, qsl, q, merged = _tq4_batch([16], [16], 3, monkeypatch)
+    q[3, 1, 5] = value
+    kw = dict(layout=layout, p=_device_params(params, layout, q.device), q_lens=[16], seq_lens=[16],
+              num_blocks=bt.numel(), errors=error_word(q.device), scale=0.125, window_left=None, sinks=None,
+              attend=pt.attend_math)
+    lse = torch.zeros(q.shape[:2])
+    out = pt.tile_prefill(q, cache, bt, sl, qsl, out=torch.zeros_like(q) if given_out else None, lse=lse, **kw)
+    assert bool(merged) == given_out
+    bad = torch.zeros(q.shape[:2], dtype=torch.bool)
+    bad[3, 1] = True
+    assert torch.isnan(out[bad]).all() and torch.isnan(lse[bad]).all()
+    assert torch.isfinite(out[~bad]).all() and torch.isfinite(lse[~bad]).all()
+
+
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("q_lens, seq_lens, one_call", [([16], [16], True), ([16, 0], [16, 5], True),
                                                         ([16, 4], [16, 20], False)])

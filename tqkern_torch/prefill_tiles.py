@@ -444,8 +444,8 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
             ka = (back[0][span], k_scales[:, span].t()) if int8 else back[0][span]
             o, lp = attend(qa, ka, back[1][span], len(grp), causal=pc.causal, scale=scale, window_left=window_left)
             if one_call:  # the dense call's output is the result (NaN rows stay NaN: no merge)
-                if lse is not None:
-                    lse.copy_(lp)
+                if lse is not None:  # a ±inf query element makes the scores ±inf, the lse +inf: NaN
+                    lse.copy_(lp).masked_fill_(lse == float("inf"), float("nan"))
                 return o if o.is_contiguous() else o.contiguous()
             _combine(None if pc.first else acc[a:b], lse_acc[a:b], o, lp, out[a:b] if pc.last else acc[a:b],
                      lse_acc[a:b], sinks if pc.last else None)
