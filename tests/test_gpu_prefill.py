@@ -25,10 +25,11 @@ PRESETS = ["turboquant_3bit_nc", "turboquant_k3v4_nc", "turboquant_4bit_nc", "tu
            "tqkern_k5v3", "tqkern_k4v4", "fp16"]
 
 
-def check_fused(preset: str, fn: str, lens, q_lens, *, head_dim: int = 32, device: str = "cuda") -> None:
+def check_fused(preset: str, fn: str, lens, q_lens, *, head_dim: int = 32, dtype=torch.float16,
+                device: str = "cuda") -> None:
     """``fn`` (``prefill`` / ``int8_prefill``) on the fused kernel over a row-arranged cache of two KV
-    heads (GQA 2, shuffled blocks, K/V stored by ``store``) equals its oracle within the property
-    tests' per-sequence budget ``(4e-3 + 2δ)·max|V̂|``."""
+    heads (GQA 2, shuffled blocks, K/V stored by ``store``), queries in ``dtype``, equals its oracle
+    within the property tests' per-sequence budget ``(4e-3 + 2δ)·max|V̂|``."""
     from property_tests.test_int8_prefill_triton import _int8_bounds
     from property_tests.test_prefill_triton import _bounds, sequence_error
 
@@ -45,7 +46,7 @@ def check_fused(preset: str, fn: str, lens, q_lens, *, head_dim: int = 32, devic
     for s, n in enumerate(lens):
         k, v = (torch.randn(n, hkv, head_dim, device=device, generator=g).half() for _ in range(2))
         tqt.store(cache, k, v, torch.from_numpy(batch.slot_ids(s)).to(device), layout, params)
-    q = torch.randn(batch.num_tokens, hkv * group, head_dim, device=device, generator=g).half()
+    q = torch.randn(batch.num_tokens, hkv * group, head_dim, device=device, generator=g).to(dtype)
     args = [torch.from_numpy(x).to(device) for x in (table, batch.seq_lens, batch.query_start_loc)]
     got = getattr(tqt, fn)(q, cache, *args, layout, params, check_inputs=False, max_query_len=1 << 20)
     got = got.float().cpu().numpy()
@@ -57,7 +58,8 @@ def check_fused(preset: str, fn: str, lens, q_lens, *, head_dim: int = 32, devic
         assert err <= tol, f"{preset} {fn} seq {s} (len {lens[s]}, q_len {q_lens[s]}): error {err:.3g} > {tol:.3g}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("fn", ["prefill", "int8_prefill"])
 @pytest.mark.parametrize("preset", PRESETS)
-def test_head_dim_32_long_batches_match_the_oracle(preset, fn):
-    check_fused(preset, fn, [248, 1616, 700, 2048], [248, 1616, 100, 8])
+def test_head_dim_32_long_batches_match_the_oracle(preset, fn, dtype):
+    check_fused(preset, fn, [248, 1616, 700, 2048], [248, 1616, 100, 8], dtype=dtype)
