@@ -156,6 +156,31 @@ def test_per_layer_formats_and_block_growth(model):
     assert sorted(layer.block_table.flatten().tolist()) == list(range(6))
 
 
+def test_caches_share_one_device_copy_of_each_layers_params(model, monkeypatch):
+    """Every cache over an installed model reads its layers' params from one device copy (a new
+    cache per ``generate`` used to copy every layer's tables again: host-to-device copies, each a
+    stream synchronisation on CUDA, in each prefill); a μ estimated from a cache's own first
+    prefill stays that cache's."""
+    import tqkern_torch.ops as ops
+
+    tqt.install(model, "tqkern_k5v3", key_offset=None)
+    copies = []
+    real = ops.to_device
+    monkeypatch.setattr(ops, "to_device", lambda *a: copies.append(a[0]) or real(*a))
+    caches = [tqt.TQCache(model) for _ in range(2)]
+    for cache in caches:
+        _generate(model, _ids(1, 5), cache=cache)
+    assert all(a.device_params is b.device_params for a, b in zip(caches[0].layers, caches[1].layers))
+    assert len(copies) <= len(caches[0].layers)  # (none where an earlier test copied these params)
+    tqt.install(model, "tqkern_k5v3", key_offset="prefill")
+    own = [tqt.TQCache(model) for _ in range(2)]
+    for seed, cache in enumerate(own):
+        _generate(model, _ids(1, 5, seed=seed), cache=cache)
+    for a, b in zip(own[0].layers, own[1].layers):
+        assert a.device_params is not b.device_params
+        assert not np.array_equal(a.params.key_offset, b.params.key_offset)
+
+
 def _oracle_attention(params_by_layer):
     """Dense attention over K/V round-tripped through the NumPy oracles (compress, then
     decompress with rotate_back), from float16: what a TQCache of these params must attend."""

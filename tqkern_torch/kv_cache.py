@@ -17,7 +17,7 @@ from tqkern_torch._params import to_device
 from tqkern_torch._validate import check_flag
 from tqkern_torch.calibration import soft_capped, warn_key_mean
 from tqkern_torch.exact_prefix import ExactPrefix
-from tqkern_torch.ops import allocate_cache, decompress_sequences, store
+from tqkern_torch.ops import _device_copy, allocate_cache, decompress_sequences, store
 
 __all__ = ["ATTN_IMPLEMENTATION", "TQCache", "TQCacheLayer"]
 
@@ -96,7 +96,9 @@ class TQCacheLayer(CacheLayerMixin):
         if self.estimate_key_offset:  # μ = mean key of the first prefill (every row and position), fixed
             mu = key_states.to(torch.float32).mean(dim=(0, 2))  # [H, D]
             self.params = self.params.with_key_offset(mu.cpu().numpy())
-        self.device_params = to_device(self.params, self.device)
+            self.device_params = to_device(self.params, self.device)  # (this cache's own params)
+        else:  # the model's params: one device copy for every cache (each layer used to copy per cache)
+            self.device_params = _device_copy(self.params, self.device)
         mu = self.device_params.key_offset
         self.mu = None if mu is None else mu[None, :, None, :]  # [1, H, 1, D]
         self.pool = allocate_cache(self.layout, 0, self.device)
