@@ -213,6 +213,62 @@ def test_one_dense_call_returns_its_output(q_lens, seq_lens, sinks, one_call, mo
     assert torch.equal(fresh, given) and torch.equal(lse_fresh, lse_given)
 
 
+@pytest.mark.parametrize("q_lens, seq_lens, merges", [([16, 16], [32, 32], 1), ([16, 0, 16], [32, 5, 20], 2),
+                                                       ([16, 16], [16, 32], 2), ([16, 16, 16], [16, 32, 32], 2)])
+def test_first_pieces_are_held_not_copied(q_lens, seq_lens, merges, monkeypatch):
+    """A sequence's first piece (its new tokens) is merged straight from the dense call's output
+    by its next piece's merge: two-piece sequences take one merge per dense call of their
+    prefix, not a copy first and a merge after; the rows equal the oracle's."""
+    import tqkern.testing as T
+    import tqkern_torch.prefill_tiles as pt
+    from property_tests.test_prefill_triton import _bounds, sequence_error
+    from tqkern import reference as ref
+    from tqkern_torch.errors import error_word
+    from tqkern_torch.ops import _device_params
+
+    layout, params, cache, bt, sl, qsl, q, merged = _tq4_batch(q_lens, seq_lens, 4, monkeypatch)
+    kw = dict(layout=layout, p=_device_params(params, layout, q.device), q_lens=q_lens, seq_lens=seq_lens,
+              num_blocks=bt.numel(), errors=error_word(q.device), scale=0.125, window_left=None, sinks=None,
+              attend=pt.attend_math)
+    got = pt.tile_prefill(q, cache, bt, sl, qsl, out=torch.full_like(q, float("nan")), lse=None, **kw)
+    assert len(merged) == merges
+    batch = T.VarlenBatch(bt.numpy(), sl.numpy(), bt.numel(), 16, q_lens)
+    q64, cache_np = q.double().numpy(), cache.numpy()
+    expect = ref.prefill(q64, cache_np, bt.numpy(), sl.numpy(), qsl.numpy(), layout, params, scale=0.125)
+    for s in range(len(q_lens)):
+        if q_lens[s]:
+            err, tol, _, _ = sequence_error(got.float().numpy(), expect, layout, params, batch, cache_np, q64, 2, s,
+                                            _bounds)
+            assert err <= tol, (s, err, tol)
+
+
+def test_held_rows_from_different_calls_move_to_float32_first():
+    """Where a merge's sequences were held in different dense outputs (no plan makes this today:
+    the fall-back), their rows are copied into the float32 running result first, then merged from
+    it."""
+    import tqkern_torch.prefill_tiles as pt
+    from tqkern.ops.prefill.tiles import Piece
+    from tqkern_torch._validate import use_triton
+
+    if not use_triton(torch.device("cpu")):
+        pytest.skip("needs TRITON_INTERPRET=1 on a CPU")
+    g = torch.Generator().manual_seed(5)
+    q = torch.zeros(6, 2, 16, dtype=torch.float16)
+    lse_acc = torch.zeros(6, 2)
+    run = pt._Running(q, lse_acc, [0, 2, 6])
+    o1, o2 = (torch.randn(n, 2, 16, generator=g).half() for n in (2, 4))
+    l1, l2 = torch.randn(2, 2, generator=g), torch.randn(4, 2, generator=g)
+    pieces = [Piece(seq=s, start=0, length=4, row=0, causal=False, first=True, last=False) for s in (0, 1)]
+    run.hold(pieces[:1], o1, l1, 0)
+    run.hold(pieces[1:], o2, l2, 2)
+    rows, rows_lse = run.source(pieces, 0, 6)
+    assert rows.dtype == torch.float32 and not run.held
+    assert torch.equal(rows, torch.cat([o1, o2]).float()) and torch.allclose(rows_lse, torch.cat([l1, l2]))
+    run.hold(pieces, o2, l2, 0)  # both in one output: its rows, no copy
+    rows, _ = run.source(pieces, 0, 4)
+    assert rows.data_ptr() == o2.data_ptr()
+
+
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
 @pytest.mark.parametrize("given_out", [False, True])
 def test_non_finite_query_row_gets_a_nan_lse_on_every_route(value, given_out, monkeypatch):

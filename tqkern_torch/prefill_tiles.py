@@ -349,6 +349,44 @@ def _groups(rnd, q_lens: list[int]) -> list[list]:
     return out
 
 
+class _Running:
+    """Each sequence's result between its pieces. A first piece's dense output is held as the dense
+    call returned it (no copy) and read by the sequence's next merge; a merge that is not the
+    sequence's last writes float32 rows of ``acc`` (allocated on first need): merged in q's dtype, a
+    result was rounded once per piece (bf16: 2^-9 each)."""
+
+    def __init__(self, q: torch.Tensor, lse_acc: torch.Tensor, starts: list[int]):
+        self.q, self.lse_acc, self.starts = q, lse_acc, starts
+        self.held: dict[int, tuple] = {}  # sequence -> (dense output, its lse, row of its first row)
+        self.acc: Optional[torch.Tensor] = None
+
+    def hold(self, grp, o: torch.Tensor, lse: torch.Tensor, row: int) -> None:
+        for pc in grp:
+            self.held[pc.seq] = (o, lse, row)
+
+    def acc_rows(self, a: int, b: int) -> torch.Tensor:
+        if self.acc is None:
+            self.acc = torch.empty(self.q.shape, dtype=torch.float32, device=self.q.device)
+        return self.acc[a:b]
+
+    def source(self, grp, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The running result (rows, lse) of the group's query rows ``a:b``: the rows of one held
+        output where every sequence of the group was held in it (their rows are adjacent there as
+        here: sequences between them have no queries), else ``acc``'s, held rows copied there first."""
+        held = [self.held.pop(pc.seq, None) for pc in grp]
+        if all(e is not None and e[0] is held[0][0] for e in held):
+            o, lse, row = held[0]
+            return o[a - row:b - row], lse[a - row:b - row]
+        self.acc_rows(a, b)
+        for pc, e in zip(grp, held):
+            if e is not None:
+                o, lse, row = e
+                s0, s1 = self.starts[pc.seq], self.starts[pc.seq + 1]
+                _combine(None, None, o[s0 - row:s1 - row], lse[s0 - row:s1 - row], self.acc[s0:s1],
+                         self.lse_acc[s0:s1], None)
+        return self.acc[a:b], self.lse_acc[a:b]
+
+
 def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: PagedLayout, p, *, q_lens: list[int],
                  seq_lens: list[int], num_blocks: int, errors: torch.Tensor, scale: float,
                  out: Optional[torch.Tensor], lse: Optional[torch.Tensor], window_left: Optional[int],
@@ -361,9 +399,9 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
     sinks) returns that call's own output when it is contiguous (no copy), else a new tensor.
     ``workspace_bytes`` bounds a prefix round's K and V in q's dtype; a rotated side the gather
     does not rotate back (tq4's dense rotation, a head_dim not a power of two) adds as much again
-    for its rotated-back copy. A batch in which some sequence has several pieces also holds the
-    running results in float32 (``[num_tokens, Hq, D]``): merged in q's dtype, a result was
-    rounded once per piece.
+    for its rotated-back copy. A batch in which some sequence has several pieces also holds its
+    first pieces' dense outputs until their next merge and, where a sequence has three or more,
+    its running result in float32 (:class:`_Running`).
 
     ``int8`` (``int8_prefill``): the queries' int8 codes are made once (:func:`quantize_q`, in the
     key codec's space), the keys' by the gather (int8 codes and scales, in the key codec's space:
@@ -402,10 +440,6 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
                 and sum(q_lens[pc.seq] for pc in plan.rounds[0]) == q.shape[0])
     out = torch.empty_like(q) if out is None and not one_call else out
     lse_acc = lse if lse is not None else torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    # a sequence's running result between its pieces, in float32 (merged in q's dtype it would be
-    # rounded once per piece); its last piece's merge writes ``out``
-    acc = (torch.empty(q.shape, dtype=torch.float32, device=q.device)
-           if any(not pc.last for rnd in plan.rounds for pc in rnd) else None)
     # each side in its codec's space; a rotated side also rotated back (the copy attention reads)
     rows = max(1, plan.workspace_rows)
     ws = [torch.empty((rows, h, d), dtype=torch.int8 if int8 and side == 0 else q.dtype, device=q.device)
@@ -423,6 +457,7 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
     _runs_kernel[(len(plan.rounds),)](seq_lens_dev, query_start_loc, runs, n_seq, max(plan.piece_rows, 1),
                                       window_left or 0, cap, HAS_WINDOW=window_left is not None)
     k_table = _key_table(p, int8)
+    running = _Running(q, lse_acc, starts)
     for r, rnd in enumerate(plan.rounds):
         longest = max(pc.length for pc in rnd)
         used = sum(pc.length for pc in rnd)
@@ -447,6 +482,11 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
                 if lse is not None:  # a ±inf query element makes the scores ±inf, the lse +inf: NaN
                     lse.copy_(lp).masked_fill_(lse == float("inf"), float("nan"))
                 return o if o.is_contiguous() else o.contiguous()
-            _combine(None if pc.first else acc[a:b], lse_acc[a:b], o, lp, out[a:b] if pc.last else acc[a:b],
-                     lse_acc[a:b], sinks if pc.last else None)
+            if pc.first and not pc.last:  # held as returned: the sequences' next merge reads it
+                running.hold(grp, o, lp, a)
+                continue
+            src, src_lse = (None, None) if pc.first else running.source(grp, a, b)
+            _combine(src, src_lse, o, lp, out[a:b] if pc.last else running.acc_rows(a, b), lse_acc[a:b],
+                     sinks if pc.last else None)
+    assert not running.held, "a held piece without a later piece"
     return out
