@@ -161,17 +161,19 @@ def test_caches_share_one_device_copy_of_each_layers_params(model, monkeypatch):
     cache per ``generate`` used to copy every layer's tables again: host-to-device copies, each a
     stream synchronisation on CUDA, in each prefill); a μ estimated from a cache's own first
     prefill stays that cache's."""
-    import tqkern_torch.ops as ops
+    import tqkern_torch.kv_cache as kv_cache
 
-    tqt.install(model, "tqkern_k5v3", key_offset=None)
+    spec = tqt.install(model, "tqkern_k5v3", key_offset=None)
     copies = []
-    real = ops.to_device
-    monkeypatch.setattr(ops, "to_device", lambda *a: copies.append(a[0]) or real(*a))
+    real = kv_cache.to_device
+    monkeypatch.setattr(kv_cache, "to_device", lambda *a: copies.append(a[0]) or real(*a))
     caches = [tqt.TQCache(model) for _ in range(2)]
     for cache in caches:
         _generate(model, _ids(1, 5), cache=cache)
     assert all(a.device_params is b.device_params for a, b in zip(caches[0].layers, caches[1].layers))
-    assert len(copies) <= len(caches[0].layers)  # (none where an earlier test copied these params)
+    assert all(layer.device_params is spec.device_copies[p, layer.device]
+               for p, layer in zip(spec.params, caches[0].layers))
+    assert copies == list(dict.fromkeys(spec.params))  # one copy per params object, made by the first cache
     tqt.install(model, "tqkern_k5v3", key_offset="prefill")
     own = [tqt.TQCache(model) for _ in range(2)]
     for seed, cache in enumerate(own):

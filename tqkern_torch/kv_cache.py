@@ -55,6 +55,16 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
 
 
+def _shared_copy(store: Optional[dict], params: TQParams, device: torch.device):
+    """``params``' device copy from ``store`` (an install's :attr:`TQInstall.device_copies`, kept as
+    long as the install) or, without one, the functional API's (:func:`tqkern_torch.ops._device_copy`)."""
+    if store is None:
+        return _device_copy(params, device)
+    if (params, device) not in store:
+        store[params, device] = to_device(params, device)
+    return store[params, device]
+
+
 class TQCacheLayer(CacheLayerMixin):
     """One decoder layer's K/V, compressed in a paged cache of ``params.format``.
 
@@ -88,6 +98,7 @@ class TQCacheLayer(CacheLayerMixin):
         self.estimate_key_offset = check_flag(estimate_key_offset, "estimate_key_offset") and params.key_offset is None
         self.layout = PagedLayout(format=params.format, num_kv_heads=num_kv_heads, block_size=block_size)
         self.seq_len = 0
+        self.shared: Optional[dict] = None  # an install's device copies (TQInstall.device_copies; TQCache sets it)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -97,8 +108,8 @@ class TQCacheLayer(CacheLayerMixin):
             mu = key_states.to(torch.float32).mean(dim=(0, 2))  # [H, D]
             self.params = self.params.with_key_offset(mu.cpu().numpy())
             self.device_params = to_device(self.params, self.device)  # (this cache's own params)
-        else:  # the model's params: one device copy for every cache (each layer used to copy per cache)
-            self.device_params = _device_copy(self.params, self.device)
+        else:  # one device copy of these params for every cache (each layer used to copy per cache)
+            self.device_params = _shared_copy(self.shared, self.params, self.device)
         mu = self.device_params.key_offset
         self.mu = None if mu is None else mu[None, :, None, :]  # [1, H, 1, D]
         self.pool = allocate_cache(self.layout, 0, self.device)
@@ -309,7 +320,8 @@ class TQCache(Cache):
                                  f"{block_size!r} without params")
             if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
                 raise ValueError(f"block_size must be None or a positive int, got {block_size!r}")
-        if params is None:
+        from_install = params is None
+        if from_install:
             if installed is None:
                 raise ValueError("model must have tqkern installed (tqkern_torch.transformers.install), "
                                  "or pass params=")
@@ -344,6 +356,9 @@ class TQCache(Cache):
 
             layers = [TQStaticCacheLayer(p, kv_heads, max_cache_len, block_size or 16, estimate_key_offset=e,
                                          prefill=prefill, exact_prefix=exact_prefix) for p, e in zip(params, estimate)]
+        if from_install:  # the install's device copies of its params, shared by its caches
+            for layer in layers:
+                layer.shared = installed.device_copies
         super().__init__(layers=layers)
         self._config = config
         self._warned = False

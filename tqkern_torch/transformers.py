@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional, Union
 
 import numpy as np
@@ -115,12 +115,16 @@ class TQInstall:
             ``"off (fp8 keys)"`` / ``"off (raw keys)"`` (``key_offset="auto"`` gives this key codec
             no μ: :func:`~tqkern_torch.calibration.key_offset_by_default`), ``"off (soft-capping)"``
             (``"auto"`` on a model that soft-caps its logits).
+        device_copies: ``(params, device) → DeviceParams``, filled by the model's caches at their
+            first update: every :class:`TQCache` of this install reads one device copy of each
+            layer's tables (made once, kept as long as the install).
     """
 
     params: tuple[TQParams, ...]
     block_size: int
     previous: Optional[str]
     key_offset_sources: tuple[str, ...] = ()
+    device_copies: dict = field(default_factory=dict, repr=False, compare=False)
 
     def save(self, path: Union[str, os.PathLike]) -> None:
         """Write :attr:`params` (formats, rotations, codebooks, μ) to ``path``; reinstall with
