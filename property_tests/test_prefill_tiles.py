@@ -184,3 +184,89 @@ def test_device_lengths_that_disagree_stay_in_bounds():
                            num_blocks=3, errors=error_word(DEV), scale=0.1, out=None, lse=None, window_left=None,
                            sinks=None, workspace_bytes=64 * 2 * 32 * 2, attend=attend_math if not ON_GPU else None)
         assert out.shape == q.shape
+
+
+@st.composite
+def _schedules(draw):
+    """Host lengths of a batch (sometimes of equal sequences, whose pieces share dense calls), a
+    workspace budget in rows, a window, sinks, whether ``lse`` and ``out`` are given."""
+    n = draw(st.integers(1, 6), label="num_seqs")
+    if draw(st.booleans(), label="equal"):
+        length, q = draw(st.integers(1, 200)), draw(st.integers(0, 200))
+        seq_lens = [length] * n
+        q_lens = [length if draw(st.booleans()) else min(q, length) for _ in range(n)]
+    else:
+        seq_lens = draw(st.lists(st.integers(0, 200), min_size=n, max_size=n), label="seq_lens")
+        q_lens = [draw(st.integers(0, s)) for s in seq_lens]
+    budget = draw(st.one_of(st.integers(1, 300), st.just(1 << 20)), label="budget_rows")
+    window = draw(st.one_of(st.none(), st.integers(0, 40)), label="window_left")
+    sinks = draw(st.one_of(st.none(), st.lists(st.floats(-3, 3), min_size=2, max_size=2)), label="sinks")
+    return seq_lens, q_lens, budget, window, sinks, draw(st.booleans(), label="lse"), draw(st.booleans(), label="fresh")
+
+
+class _NoLaunch:
+    """A kernel whose launches do nothing (the schedule test reads no workspace)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@pytest.mark.skipif(ON_GPU, reason="host-side schedule (no kernel runs): the CPU run covers it")
+@settings(max_examples=T.scale(60, 400))
+@given(_schedules())
+def test_merge_schedule_equals_the_direct_merge(case):
+    """The tiled path's host side — the plan, the dense calls' groups, first pieces held until their
+    next merge, float32 running results, sinks, the one-call route — with each dense call's rows
+    and lse drawn at random: every query row's output and lse are the direct log-sum-exp merge of
+    its pieces' partial results (and the sink), to the output dtype's rounding. The gather kernels
+    are not launched."""
+    from unittest import mock
+
+    import tqkern
+    import tqkern.ops.decompress.gather as gather
+    import tqkern_torch.prefill_tiles as pt
+    from tqkern.ops.prefill.tiles import plan_tiles
+
+    seq_lens, q_lens, budget, window, sinks, with_lse, fresh = case
+    layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset("fp16", 32), num_kv_heads=1, block_size=16)
+    params = _device_params(tqkern.TQParams.default(layout.format), layout, torch.device("cpu"))
+    t, hq = sum(q_lens), 2
+    q = torch.zeros((t, hq, 32), dtype=torch.float16)
+    starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    calls = []
+
+    def attend(qa, k, v, batch, *, causal, scale, window_left):
+        a = (qa.data_ptr() - q.data_ptr()) // (q.stride(0) * q.element_size())
+        g = torch.Generator().manual_seed(len(calls))
+        o = torch.randn(qa.shape, generator=g).half()
+        lp = torch.randn(qa.shape[:2], generator=g) * 4
+        calls.append((a, o, lp))
+        return o, lp
+
+    blocks = max(1, -(-max(seq_lens) // 16))
+    lse = torch.full((t, hq), float("nan")) if with_lse else None
+    with mock.patch.object(gather, "_gather_kernel", _NoLaunch()), mock.patch.object(pt, "_runs_kernel", _NoLaunch()):
+        out = tile_prefill(q, torch.zeros(layout.cache_shape(blocks), dtype=torch.uint8),
+                           torch.zeros((len(seq_lens), blocks), dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
+                           torch.from_numpy(starts), layout, params, q_lens=q_lens, seq_lens=seq_lens, num_blocks=blocks,
+                           errors=error_word(torch.device("cpu")), scale=1.0,
+                           out=None if fresh else torch.full_like(q, float("nan")), lse=lse, window_left=window,
+                           sinks=None if sinks is None else torch.tensor(sinks, dtype=torch.float32),
+                           workspace_bytes=budget * 2 * 32 * 2, attend=attend)
+    plan = plan_tiles(q_lens, seq_lens, budget_rows=budget, window_left=window)
+    assert len(calls) == sum(len(pt._groups(rnd, q_lens)) for rnd in plan.rounds)
+    # the direct merge: every call's partial results of a row, and the sink, in float64
+    parts = [[] for _ in range(t)]
+    for a, o, lp in calls:
+        for i in range(o.shape[0]):
+            parts[a + i].append((o[i].double(), lp[i].double()))
+    for row in range(t):
+        ls = torch.stack([lp for _, lp in parts[row]])  # [pieces, hq]
+        total = torch.cat([ls, torch.tensor(sinks, dtype=torch.float64)[None]]) if sinks is not None else ls
+        want_lse = torch.logsumexp(total, dim=0)
+        want = sum(torch.exp(lp - want_lse)[:, None] * o for o, lp in parts[row])
+        seq = int(np.searchsorted(starts, row, side="right")) - 1
+        assert len(parts[row]) == sum(pc.seq == seq for rnd in plan.rounds for pc in rnd)
+        assert torch.allclose(out[row].double(), want, rtol=2.0**-10, atol=2.0**-10 * float(want.abs().max())), row
+        if lse is not None:
+            assert torch.allclose(lse[row].double(), want_lse, rtol=1e-5, atol=1e-5), row
