@@ -247,9 +247,10 @@ def test_merge_schedule_equals_the_direct_merge(case):
     lse = torch.full((t, hq), float("nan")) if with_lse else None
     with mock.patch.object(gather, "_gather_kernel", _NoLaunch()), mock.patch.object(pt, "_runs_kernel", _NoLaunch()):
         out = tile_prefill(q, torch.zeros(layout.cache_shape(blocks), dtype=torch.uint8),
-                           torch.zeros((len(seq_lens), blocks), dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
-                           torch.from_numpy(starts), layout, params, q_lens=q_lens, seq_lens=seq_lens, num_blocks=blocks,
-                           errors=error_word(torch.device("cpu")), scale=1.0,
+                           torch.zeros((len(seq_lens), blocks), dtype=torch.int32),
+                           torch.tensor(seq_lens, dtype=torch.int32), torch.from_numpy(starts), layout, params,
+                           q_lens=q_lens, seq_lens=seq_lens, num_blocks=blocks, errors=error_word(torch.device("cpu")),
+                           scale=1.0,
                            out=None if fresh else torch.full_like(q, float("nan")), lse=lse, window_left=window,
                            sinks=None if sinks is None else torch.tensor(sinks, dtype=torch.float32),
                            workspace_bytes=budget * 2 * 32 * 2, attend=attend)
