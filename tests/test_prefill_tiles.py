@@ -269,13 +269,25 @@ def test_held_rows_from_different_calls_move_to_float32_first():
     assert rows.data_ptr() == o2.data_ptr()
 
 
+def _guarded_attend(q, k, v, batch, **kw):
+    """``attend_math`` as FlashAttention-style kernels treat a row whose scores are all −inf or
+    NaN: output zeros, lse −inf (no NaN left to propagate)."""
+    import tqkern_torch.prefill_tiles as pt
+
+    o, lse = pt.attend_math(q, k, v, batch, **kw)
+    bad = ~torch.isfinite(lse)
+    return o.masked_fill(bad[..., None], 0.0), lse.masked_fill(bad, float("-inf"))
+
+
+@pytest.mark.parametrize("dense", ["math", "guarded"])
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
 @pytest.mark.parametrize("given_out", [False, True])
-def test_non_finite_query_row_gets_a_nan_lse_on_every_route(value, given_out, monkeypatch):
+def test_non_finite_query_row_gets_nan_output_and_lse_on_every_route(value, given_out, dense, monkeypatch):
     """A query row holding one ±inf or NaN element gets a NaN output row and a NaN ``lse`` whether
-    the call is one dense call (its output returned as is) or merged: with one +inf element the
-    dense kernel's scores are ±inf, its lse +inf (the one-call route returned that, found on an
-    H200 by the tiled property test)."""
+    the call is one dense call (its output returned as is) or merged, whatever the dense kernel
+    gave that row: with one +inf element the scores are ±inf and the lse +inf (the one-call route
+    returned that, found on an H200 by the tiled property test); a guarded kernel gives zeros and
+    −inf."""
     import tqkern_torch.prefill_tiles as pt
     from tqkern_torch.errors import error_word
     from tqkern_torch.ops import _device_params
@@ -284,7 +296,7 @@ def test_non_finite_query_row_gets_a_nan_lse_on_every_route(value, given_out, mo
     q[3, 1, 5] = value
     kw = dict(layout=layout, p=_device_params(params, layout, q.device), q_lens=[16], seq_lens=[16],
               num_blocks=bt.numel(), errors=error_word(q.device), scale=0.125, window_left=None, sinks=None,
-              attend=pt.attend_math)
+              attend=pt.attend_math if dense == "math" else _guarded_attend)
     lse = torch.zeros(q.shape[:2])
     out = pt.tile_prefill(q, cache, bt, sl, qsl, out=torch.zeros_like(q) if given_out else None, lse=lse, **kw)
     assert bool(merged) == given_out

@@ -39,7 +39,7 @@ from tqkern.ops.int8_prefill.gluon import _gluon_attend_kernel, gluon_config, gl
 from tqkern.ops.int8_prefill.reference import EXACT_QUERY_MAX
 from tqkern.ops.int8_prefill.triton import QuantizeConfig, _quantize_q_kernel, quantize_config
 from tqkern.ops.prefill.attend import AttendConfig, _tile_attend_kernel, attend_config, attend_tma
-from tqkern.ops.prefill.tiles import _combine_kernel, _runs_kernel, plan_tiles
+from tqkern.ops.prefill.tiles import _combine_kernel, _poison_rows_kernel, _runs_kernel, plan_tiles
 from tqkern_torch._validate import check_tensor, interpreting
 
 __all__ = ["tiles_supported", "tile_prefill", "pick_attend", "attend_cudnn", "attend_flash", "attend_math",
@@ -478,9 +478,13 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
             qa = (queries[0][a:b], queries[1][a:b]) if int8 else q[a:b]
             ka = (back[0][span], k_scales[:, span].t()) if int8 else back[0][span]
             o, lp = attend(qa, ka, back[1][span], len(grp), causal=pc.causal, scale=scale, window_left=window_left)
-            if one_call:  # the dense call's output is the result (NaN rows stay NaN: no merge)
-                if lse is not None:  # a ±inf query element makes the scores ±inf, the lse +inf: NaN
-                    lse.copy_(lp).masked_fill_(lse == float("inf"), float("nan"))
+            if one_call:  # the dense call's result, no merge: its rows of a non-finite query NaN here
+                t, hq = lp.shape
+                _poison_rows_kernel[(triton.cdiv(t * hq, _COMBINE_ROWS),)](
+                    o, lp, t * hq, o.stride(0), o.stride(1), lp.stride(0), lp.stride(1), HQ=hq, D=d,
+                    DP=max(16, triton.next_power_of_2(d)), BR=_COMBINE_ROWS, num_warps=4)
+                if lse is not None:
+                    lse.copy_(lp)
                 return o if o.is_contiguous() else o.contiguous()
             if pc.first and not pc.last:  # held as returned: the sequences' next merge reads it
                 running.hold(grp, o, lp, a)

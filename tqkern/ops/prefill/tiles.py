@@ -44,7 +44,8 @@ from typing import Optional
 import triton
 import triton.language as tl
 
-__all__ = ["Piece", "TilePlan", "plan_tiles", "_combine_kernel", "_runs_kernel", "PIECE_ALIGN"]
+__all__ = ["Piece", "TilePlan", "plan_tiles", "_combine_kernel", "_poison_rows_kernel", "_runs_kernel",
+           "PIECE_ALIGN"]
 
 PIECE_ALIGN = 64  # prefix pieces are a multiple of this many keys (a gather tile)
 
@@ -234,3 +235,23 @@ def _combine_kernel(a_ptr, a_lse, b_ptr, b_lse, sink_ptr, dst_ptr, lse_out, n_ro
     tl.store(dst_ptr + (t * stride_dt + h * stride_dh)[:, None] + cols[None, :],
              (o * inv[:, None]).to(dst_ptr.dtype.element_ty), mask=m2)
     tl.store(lse_out + t * lo_st + h * lo_sh, lse, mask=live)
+
+
+@triton.jit
+def _poison_rows_kernel(o_ptr, lse_ptr, n_rows, stride_ot, stride_oh, stride_lt, stride_lh, HQ: tl.constexpr,
+                        D: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr):
+    """The combine's rule for a dense call's own result (a call that is the whole prefill, no
+    merge): rows ``r = t·HQ + h`` with a non-finite ``lse[t, h]`` (the query held a NaN or inf; a
+    dense kernel may give such a row zeros and −inf) become NaN, output and lse, in place. Reads
+    the lse; writes only those rows."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    live = r < n_rows
+    t = (r // HQ).to(tl.int64)
+    h = r % HQ
+    lp = lse_ptr + t * stride_lt + h * stride_lh
+    lv = tl.load(lp, mask=live, other=0.0)
+    bad = live & ((lv != lv) | (tl.abs(lv) == float("inf")))
+    tl.store(lp, tl.full([BR], float("nan"), tl.float32), mask=bad)
+    cols = tl.arange(0, DP)
+    tl.store(o_ptr + (t * stride_ot + h * stride_oh)[:, None] + cols[None, :],
+             tl.full([BR, DP], float("nan"), o_ptr.dtype.element_ty), mask=bad[:, None] & (cols < D)[None, :])
