@@ -310,32 +310,6 @@ def test_device_params_are_row_major_whatever_the_input_order():
     assert np.array_equal(dp.rotation.numpy(), rot.astype(np.float32))
 
 
-def test_tq_params_are_copied_to_the_device_once(monkeypatch):
-    """A call given a TQParams reuses one device copy per (params object, device): the second
-    store, decompress and rotate make none (each copy costs host-to-device transfers); another
-    TQParams object with the same values gets its own copy."""
-    import tqkern_torch.ops as ops
-
-    fmt = tqkern.KVFormat.preset("turboquant_4bit_nc", 64)
-    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=2, block_size=16)
-    params, twin = tqkern.TQParams.default(fmt), tqkern.TQParams.default(fmt)
-    copies = []
-    real = ops.to_device
-    monkeypatch.setattr(ops, "to_device", lambda *a: copies.append(a[0]) or real(*a))
-    cache = tqt.allocate_cache(layout, num_blocks=2, device=DEV)
-    k, v = _kv(5)
-    slots = torch.arange(5, device=DEV)
-    for _ in range(2):
-        tqt.store(cache, k, v, slots, layout, params)
-        tqt.decompress(cache, slots, layout, params)
-        tqt.rotate(k.float(), params)
-    assert copies == [params]
-    dev = k.device
-    assert ops._device_params(params, layout, dev) is ops._device_params(params, layout, dev)
-    assert ops._device_params(twin, layout, dev) is not ops._device_params(params, layout, dev)
-    assert copies == [params, twin]
-
-
 def test_sequence_slot_ids_and_its_checks():
     bt = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)
     sl = torch.tensor([5, 0], dtype=torch.int32)

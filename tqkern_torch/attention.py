@@ -48,8 +48,8 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
         cache: uint8 ``layout.cache_shape(num_blocks)``.
         block_table: ``[num_seqs, max_blocks]`` int32. seq_lens: ``[num_seqs]`` int32 in
             ``[0, max_blocks·block_size]``; a length of 0 gives a zero output.
-        layout, params: the cache's layout and its parameters (TQParams, copied to the device once
-            and cached, or DeviceParams).
+        layout, params: the cache's layout and its parameters: DeviceParams (``to_device``, once)
+            or TQParams (copied to the device at every call, each copy a stream synchronisation).
         scale: softmax scale, default ``1/sqrt(head_dim)``.
         out: optional output of q's shape and dtype (written, and returned).
         workspace: optional float32 scratch of at least

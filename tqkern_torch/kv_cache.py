@@ -17,7 +17,7 @@ from tqkern_torch._params import to_device
 from tqkern_torch._validate import check_flag
 from tqkern_torch.calibration import soft_capped, warn_key_mean
 from tqkern_torch.exact_prefix import ExactPrefix
-from tqkern_torch.ops import _device_copy, allocate_cache, decompress_sequences, store
+from tqkern_torch.ops import allocate_cache, decompress_sequences, store
 
 __all__ = ["ATTN_IMPLEMENTATION", "TQCache", "TQCacheLayer"]
 
@@ -57,9 +57,9 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor:
 
 def _shared_copy(store: Optional[dict], params: TQParams, device: torch.device):
     """``params``' device copy from ``store`` (an install's :attr:`TQInstall.device_copies`, kept as
-    long as the install) or, without one, the functional API's (:func:`tqkern_torch.ops._device_copy`)."""
+    long as the install), made there once; without a store (``TQCache(params=...)``) a new one."""
     if store is None:
-        return _device_copy(params, device)
+        return to_device(params, device)
     if (params, device) not in store:
         store[params, device] = to_device(params, device)
     return store[params, device]

@@ -46,19 +46,10 @@ def _check_layout(layout) -> PagedLayout:
     return layout
 
 
-@functools.lru_cache(maxsize=32)
-def _device_copy(params: TQParams, device: torch.device) -> DeviceParams:
-    """``to_device(params, device)``, made once per ``TQParams`` object and device (TQParams hash
-    by identity and hold read-only arrays, so a copy cannot go stale). Without it, every call given
-    a TQParams made ~10 host-to-device copies (each from pageable memory: a stream synchronisation)
-    and the codebooks' NumPy work again: ~0.55 ms of host time a call on a CPU."""
-    return to_device(params, device)
-
-
 def _device_params(params, layout_or_format, device: torch.device) -> DeviceParams:
     fmt = layout_or_format.format if isinstance(layout_or_format, PagedLayout) else layout_or_format
     if isinstance(params, TQParams):
-        params = _device_copy(params, device)
+        params = to_device(params, device)
     if not isinstance(params, DeviceParams):
         raise TypeError(f"params must be a TQParams or DeviceParams, got {type(params).__name__}")
     if params.params.format is not fmt and params.params.format != fmt:
@@ -99,8 +90,7 @@ def allocate_cache(layout: PagedLayout, num_blocks: int, device="cpu", *, fill: 
 def rotate(x: torch.Tensor, params, *, inverse: bool = False) -> torch.Tensor:
     """``x @ Π`` (or ``x @ Πᵀ``) in float32; ``x [..., D]`` float16/bfloat16/float32."""
     check_tensor(x, "x", dtypes=(torch.float16, torch.bfloat16, torch.float32))
-    p = params if isinstance(params, DeviceParams) else (
-        _device_copy(params, x.device) if isinstance(params, TQParams) else to_device(params, x.device))
+    p = params if isinstance(params, DeviceParams) else to_device(params, x.device)
     d = p.params.format.head_dim
     if x.shape[-1] != d:
         raise ValueError(f"x.shape[-1] must be head_dim = {d}, got {x.shape[-1]}")
@@ -177,8 +167,9 @@ def store(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapp
         slot_mapping: ``[num_tokens]`` int32/int64 physical slots (negative = skip), each
             < num_blocks·block_size and not repeated.
         layout: the cache's :class:`PagedLayout`.
-        params: :class:`TQParams` (copied to the device once, then cached) or :class:`DeviceParams`
-            of ``layout.format``.
+        params: :class:`DeviceParams` (:func:`~tqkern_torch.to_device`, once) or :class:`TQParams`
+            of ``layout.format`` (copied to the device at every call: ~10 small host-to-device
+            copies, each a stream synchronisation on CUDA).
     """
     layout = _check_layout(layout)
     _check_kv(key, value, layout)

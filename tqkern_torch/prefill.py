@@ -90,8 +90,8 @@ def prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq
         block_table: ``[num_seqs, max_blocks]`` int32. seq_lens: ``[num_seqs]`` int32, lengths
             including the new tokens.
         query_start_loc: ``[num_seqs + 1]`` int32: ``0 = qsl[0] ≤ … ≤ qsl[-1] = num_tokens``.
-        layout, params: the cache's layout and its parameters (TQParams, copied to the device once
-            and cached, or DeviceParams).
+        layout, params: the cache's layout and its parameters: DeviceParams (``to_device``, once)
+            or TQParams (copied to the device at every call, each copy a stream synchronisation).
         scale: softmax scale, default ``1/sqrt(head_dim)``.
         out: optional output of q's shape and dtype (written, and returned).
         window_left: keys more than this many positions left of a query are masked (int ≥ 0).
