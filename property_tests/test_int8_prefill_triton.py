@@ -14,7 +14,8 @@ sequence is therefore
 over its query rows i and keys j, with T the coordinates whose ``|x| / s`` lies within 2e-4 of a
 half-integer (float32's error there is below 1e-4 at ``|x| / s ≤ 127``), plus float32's rounding
 of the scores (3·2^-24 of the largest). The rest of the budget is the prefill test's: P·V in fp16
-with float32 accumulation, ``atol = (4e-3 + 2·δ) · max|V̂|``. A sequence of at most
+with float32 accumulation, ``atol = (4e-3 + 2·δ) · max|V̂|``, more for roundings in bf16
+(:class:`tqkern.testing.Rounding`). A sequence of at most
 ``EXACT_QUERY_MAX`` queries takes ``prefill``'s scores (the oracle's rule, session 36) and the
 prefill test's δ. Batches, poisoning and options are those of ``test_prefill_triton.py``; the
 unchecked calls run the fused kernel (twice: int8 for the long sequences, without for the short
@@ -23,8 +24,8 @@ ones), the checked ones of the options test split a batch that holds short seque
 The tiled path (:func:`~tqkern_torch.prefill_tiles.tile_prefill` with ``int8=True``: keys' codes
 made once by the gather, the queries' by their own kernel, the int8 attention kernel per piece,
 log-sum-exp merges) is held to the same budget: its codes are the oracle's away from ties as the
-fused kernel's are, and its values are rounded to q's dtype once as the fused kernel's products
-round them. Its batches have no sequence of 1..EXACT_QUERY_MAX queries (raised past it, or to 0):
+fused kernel's are; its values and probabilities are rounded to q's dtype (for bf16 queries the
+tiled path's roundings, ``workspace=True``). Its batches have no sequence of 1..EXACT_QUERY_MAX queries (raised past it, or to 0):
 those never reach it.
 """
 
@@ -36,6 +37,7 @@ from hypothesis import strategies as st
 import tqkern.testing as T
 import tqkern_torch as tqt
 from property_tests.test_prefill_triton import _bounds as _prefill_bounds
+from property_tests.test_prefill_triton import rounding
 from property_tests.test_prefill_triton import (_compare, _draw_q, _fill_cache, check_options, prefill_cases,
                                                 sequence_operands)
 from property_tests.test_prefill_triton import _run as _run_prefill
@@ -58,11 +60,11 @@ def _near_tie(x, s):
     return np.abs(t - np.floor(t) - 0.5) <= _TIE
 
 
-def _int8_bounds(layout, params, batch, cache, q64, s, group):
+def _int8_bounds(layout, params, batch, cache, q64, s, group, rnd):
     """(logit bound δ of the module docstring, max|V̂|) of sequence s for its finite query rows; a
     sequence of at most EXACT_QUERY_MAX queries takes ``prefill``'s scores, and its bound."""
     if int(batch.q_lens[s]) <= EXACT_QUERY_MAX:
-        return _prefill_bounds(layout, params, batch, cache, q64, s, group)
+        return _prefill_bounds(layout, params, batch, cache, q64, s, group, rnd)
     khat, vmax, q_k = sequence_operands(layout, params, batch, cache, q64, s)
     if not khat.size or not q_k.size:
         return 0.0, vmax
@@ -108,7 +110,8 @@ def test_int8_prefill_matches_oracle(preset, data):
     q, q64 = _draw_q(layout, group, batch, qdtype, data)
     got, _ = _run(layout, params, batch, q, cache)
     expect = int8_prefill(q64, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, layout, params)
-    _compare(got, expect, layout, params, batch, cache, q64, group, what="int8 oracle", bounds=_int8_bounds)
+    _compare(got, expect, layout, params, batch, cache, q64, group, what="int8 oracle", bounds=_int8_bounds,
+             rnd=rounding(layout, q, workspace=False))
 
 
 @given(prefill_cases(presets=("tq4", "turboquant_k8v4", "turboquant_4bit_nc", "fp16")), st.data())
@@ -143,4 +146,4 @@ def test_int8_tiles_match_oracle(preset, data):
     res = int8_prefill(q64, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, layout, params,
                        window_left=window, logit_softcap=cap, sinks=sinks, return_lse=True)
     _compare(got, res[0], layout, params, batch, cache, q64, group, what="int8 oracle", got_lse=got_lse,
-             expect_lse=res[1], bounds=_int8_bounds)
+             expect_lse=res[1], bounds=_int8_bounds, rnd=rounding(layout, q, workspace=True))

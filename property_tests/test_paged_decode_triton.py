@@ -5,7 +5,9 @@ Probabilities are rounded to fp16 before P·V (a few 2^-11 relative), and each l
 most δ = 2u · scale · Σ_d |q_d|·|k̂_d| (u = 2^-11 for fp16, 2^-8 for bf16: q and the decoded key
 are each rounded once). Softmax moves by at most 2·max|Δlogit| in L1, so the output is compared
 with ``atol = (4e-3 + 2·δ_max) · max|V̂|`` of the sequence: length-independent, and growing only
-for inputs whose logits are large enough that fp16 itself cannot resolve them. Unused cache bytes
+for inputs whose logits are large enough that fp16 itself cannot resolve them; plus
+``(2^-8 − 2^-11)·max|V̂|`` for each rounding done in bf16 instead (P and V̂ of a raw bf16 codec, the
+output of bf16 queries: :class:`tqkern.testing.Rounding`). Unused cache bytes
 hold random poison; the output starts as NaN. Up to two query elements are NaN or ±inf: their
 rows must come out NaN (``docs/layout.md``), and every other row as above.
 """
@@ -224,8 +226,8 @@ def _check_against_oracle(layout, params, group, batch, qdtype, num_splits, data
     assert np.all(np.isnan(expect[bad_rows]))
     assert np.all(np.isfinite(got[~bad_rows])), "output has NaN/inf (unwritten or overflow)"
     fmt = layout.format
-    bf16_dot = "bfloat16" in (getattr(fmt.key, "dtype", ""), getattr(fmt.value, "dtype", ""))
-    u = 2.0**-8 if bf16_dot else 2.0**-11
+    rnd = T.Rounding.of(fmt, str(qdtype).removeprefix("torch."), workspace=False)
+    u = rnd.dot_u
     q_ok = np.where(bad_rows[..., None], 0.0, q64)
     q_k = q_ok @ params.rotation if fmt.key.rotated else q_ok
     for s, slots in enumerate(ref.gather_sequences(cache_np, layout, batch.block_table, batch.seq_lens)):
@@ -236,6 +238,6 @@ def _check_against_oracle(layout, params, group, batch, qdtype, num_splits, data
         delta = float((2 * u / np.sqrt(d)) * np.max(np.einsum("hd,nhd->nh", np.abs(q_k[s]), kv))) if kv.size else 0.0
         good = ~bad_rows[s]
         err = float(np.abs(got[s][good] - expect[s][good]).max()) if good.any() else 0.0
-        tol = (4e-3 + 2 * delta) * vmax + 1e-6
+        tol = rnd.atol(delta, vmax)
         note(f"seq {s}: len {batch.seq_lens[s]}, max err {err:.3g}, max|V| {vmax:.3g}, logit bound {delta:.3g}")
         assert err <= tol, f"seq {s}: error {err:.3g} > tolerance {tol:.3g} (max|V| {vmax:.3g}, δ {delta:.3g})"

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 import tqkern
 import tqkern.testing as T
-from property_tests.test_prefill_triton import (DEV, KERNEL_PATH, _compare, _draw_q, _fill_cache, _run,
-                                                prefill_cases)
+from property_tests.test_prefill_triton import (DEV, KERNEL_PATH, ON_GPU, _compare, _draw_q, _fill_cache, _run,
+                                                prefill_cases, rounding)
 from tqkern import reference as ref
 from tqkern.layouts import PRESETS
 from tqkern_torch.short_rows import SHORT_QUERY_MAX
@@ -63,7 +63,7 @@ def test_short_rows_match_oracle(preset, data):
     res = ref.prefill(q64, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, layout, params,
                       logit_softcap=cap, sinks=sinks, return_lse=True)
     _compare(got, res[0], layout, params, batch, cache, q64, group, got_lse=got_lse if lse else None,
-             expect_lse=res[1])
+             expect_lse=res[1], rnd=rounding(layout, q, workspace=False))
 
 
 @settings(max_examples=T.scale(8, settings.default.max_examples))  # CI: 8 (slowest interpreted)
@@ -75,7 +75,8 @@ def test_short_rows_equal_the_prefill_kernel(case, data):
     q, q64 = _draw_q(layout, group, batch, qdtype, data)
     short, _ = _run(layout, params, batch, q, cache, max_query_len=_bound(data, batch))
     kernel, _ = _run(layout, params, batch, q, cache, max_query_len=KERNEL_PATH)
-    _compare(short, kernel, layout, params, batch, cache, q64, group, what="prefill kernel")
+    _compare(short, kernel, layout, params, batch, cache, q64, group, what="prefill kernel",
+             rnd=rounding(layout, q, workspace=ON_GPU))
 
 
 def test_short_rows_under_a_broken_bound_give_zero_rows():
@@ -136,5 +137,5 @@ def test_mixed_batches_split_by_length_match_oracle(case, data):
     has_long = bool((q_lens > SHORT_QUERY_MAX).any())
     assert calls == {"short": int(has_short), "kernel": int(has_long)}
     expect = ref.prefill(q64, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, layout, params)
-    _compare(got, expect, layout, params, batch, cache, q64, group)
+    _compare(got, expect, layout, params, batch, cache, q64, group, rnd=rounding(layout, q, workspace=ON_GPU))
 

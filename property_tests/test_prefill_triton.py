@@ -1,12 +1,15 @@
 """The Triton prefill kernel equals its NumPy oracle (``tqkern.ops.prefill.reference``) on the same
 compressed cache.
 
-Error budget, as for the decode (``test_paged_decode_triton.py``): the kernel multiplies in fp16
-(bf16 for raw bf16 caches) with float32 accumulation. Each logit moves by at most
-δ = 2u · scale · Σ_d |q_d|·|k̂_d| (u = 2^-11 for fp16, 2^-8 for bf16: q and the decoded key are
-each rounded once), probabilities are rounded to fp16 before P·V; so a row is compared with
-``atol = (4e-3 + 2·δ_max) · max|V̂|`` of its sequence (length-independent), and ``lse`` (natural
-log) with ``2·δ_max + 2e-3``. Every batch mixes decode rows (q_len 1), speculative rows (2..8),
+Error budget, as for the decode (``test_paged_decode_triton.py``), by the roundings of the route
+the rows may take (:class:`tqkern.testing.Rounding`): each logit moves by at most
+δ = 2u · scale · Σ_d |q_d|·|k̂_d| (u the products' unit roundoff: q and the decoded key are each
+rounded once), V̂, the probabilities and the output are each rounded once more; so a row is compared
+with ``atol = (4e-3 + 2·δ_max) · max|V̂|`` of its sequence (length-independent) on an all-fp16
+route, plus ``(2^-8 − 2^-11)·max|V̂|`` for each of those roundings in bf16 (bf16 queries: the
+fused kernel writes a bf16 output; the tiled path also rounds V̂ and P to bf16), and ``lse``
+(natural log) with ``2·δ_max + 2e-3``. A checked call on a GPU may take the tiled path: its rows
+get the tiled path's budget. Every batch mixes decode rows (q_len 1), speculative rows (2..8),
 whole sequences (no cached prefix), chunks and sequences without new tokens (q_len 0), over
 blocks shuffled across sequences. The cache is random bytes where nothing was stored, the output
 starts as NaN (an unwritten row fails), and up to two query elements are NaN or ±inf: those rows
@@ -114,10 +117,15 @@ def sequence_operands(layout, params, batch, cache, q64, s):
     return khat, vmax, qs @ params.rotation if layout.format.key.rotated else qs
 
 
-def _bounds(layout, params, batch, cache, q64, s, group):
-    """(logit bound δ, max|V̂|) of sequence s for its finite query rows."""
-    fmt = layout.format
-    u = 2.0**-8 if "bfloat16" in (getattr(fmt.key, "dtype", ""), getattr(fmt.value, "dtype", "")) else 2.0**-11
+def rounding(layout, q, *, workspace):
+    """:class:`~tqkern.testing.Rounding` of a route for ``q`` (torch) over ``layout``'s cache."""
+    return T.Rounding.of(layout.format, str(q.dtype).removeprefix("torch."), workspace=workspace)
+
+
+def _bounds(layout, params, batch, cache, q64, s, group, rnd):
+    """(logit bound δ, max|V̂|) of sequence s for its finite query rows, products rounded as ``rnd``
+    (:class:`~tqkern.testing.Rounding`) says."""
+    u = rnd.dot_u
     khat, vmax, q_k = sequence_operands(layout, params, batch, cache, q64, s)
     kv = np.repeat(np.abs(khat), group, axis=1)  # [n, Hq, D]
     if not kv.size or not q_k.size:
@@ -128,20 +136,21 @@ def _bounds(layout, params, batch, cache, q64, s, group):
     return float((2 * u / np.sqrt(layout.head_dim)) * pair), vmax
 
 
-def sequence_error(got, expect, layout, params, batch, cache, q64, group, s, bounds=_bounds):
-    """(max error over sequence s's finite query rows, its tolerance ``(4e-3 + 2δ)·max|V̂|``, δ,
-    max|V̂|): the budget of the module docstring (``bounds`` gives δ and max|V̂|)."""
+def sequence_error(got, expect, layout, params, batch, cache, q64, group, s, bounds, rnd):
+    """(max error over sequence s's finite query rows, its tolerance ``rnd.atol(δ, max|V̂|)``, δ,
+    max|V̂|): the budget of the module docstring (``bounds`` gives δ and max|V̂| for the products'
+    rounding ``rnd``, a :class:`~tqkern.testing.Rounding`)."""
     a, b = int(batch.query_start_loc[s]), int(batch.query_start_loc[s + 1])
     good = np.all(np.isfinite(q64[a:b]), axis=-1)
-    delta, vmax = bounds(layout, params, batch, cache, q64, s, group)
+    delta, vmax = bounds(layout, params, batch, cache, q64, s, group, rnd)
     err = float(np.abs(got[a:b][good] - expect[a:b][good]).max()) if good.any() else 0.0
-    return err, (4e-3 + 2 * delta) * vmax + 1e-6, delta, vmax
+    return err, rnd.atol(delta, vmax), delta, vmax
 
 
-def _compare(got, expect, layout, params, batch, cache, q64, group, what="oracle", got_lse=None, expect_lse=None,
-             bounds=_bounds):
-    """Every finite query row of every sequence within the budget (``bounds`` gives a sequence's
-    logit bound δ and max|V̂|); non-finite rows NaN."""
+def _compare(got, expect, layout, params, batch, cache, q64, group, *, rnd, what="oracle", got_lse=None,
+             expect_lse=None, bounds=_bounds):
+    """Every finite query row of every sequence within the budget of the roundings ``rnd``
+    (``bounds`` gives a sequence's logit bound δ and max|V̂|); non-finite rows NaN."""
     bad_rows = ~np.all(np.isfinite(q64), axis=-1)  # [T, Hq]
     assert np.all(np.isnan(got[bad_rows])), "a query row with NaN/inf must give a NaN output row"
     assert np.all(np.isfinite(got[~bad_rows])), "output has NaN/inf (unwritten or overflow)"
@@ -151,16 +160,17 @@ def _compare(got, expect, layout, params, batch, cache, q64, group, what="oracle
         a, b = int(batch.query_start_loc[s]), int(batch.query_start_loc[s + 1])
         if a == b:
             continue
-        err, tol, delta, vmax = sequence_error(got, expect, layout, params, batch, cache, q64, group, s, bounds)
+        err, tol, delta, vmax = sequence_error(got, expect, layout, params, batch, cache, q64, group, s, bounds, rnd)
         good = ~bad_rows[a:b]
         note(f"seq {s}: len {batch.seq_lens[s]}, q_len {b - a}, max err vs {what} {err:.3g}, tol {tol:.3g}")
-        assert err <= tol, f"seq {s}: error vs {what} {err:.3g} > tolerance {tol:.3g} (max|V| {vmax:.3g}, δ {delta:.3g})"
+        assert err <= tol, (f"seq {s}: error vs {what} {err:.3g} > tolerance {tol:.3g} (max|V| {vmax:.3g}, "
+                            f"δ {delta:.3g}, {rnd})")
         if got_lse is not None and good.any():
             gl, el = got_lse[a:b][good], expect_lse[a:b][good]
             assert np.array_equal(np.isneginf(gl), np.isneginf(el)), f"seq {s}: lse -inf rows differ"
             fin = np.isfinite(el)
             lerr = float(np.abs(gl[fin] - el[fin]).max()) if fin.any() else 0.0
-            assert lerr <= 2 * delta + 2e-3, f"seq {s}: lse error {lerr:.3g} > {2 * delta + 2e-3:.3g}"
+            assert lerr <= 2 * delta + 2e-3, f"seq {s}: lse error {lerr:.3g} > {2 * delta + 2e-3:.3g} ({rnd})"
 
 
 def draw_options(data, hq: int):
@@ -182,9 +192,10 @@ def test_prefill_matches_oracle(preset, data):
     layout, params, group, batch, qdtype = data.draw(prefill_cases(presets=(preset,)), label="case")
     cache = _fill_cache(layout, params, batch, data)
     q, q64 = _draw_q(layout, group, batch, qdtype, data)
-    got, _ = _run(layout, params, batch, q, cache, check_inputs=data.draw(st.booleans(), label="check_inputs"))
+    checked = data.draw(st.booleans(), label="check_inputs")
+    got, _ = _run(layout, params, batch, q, cache, check_inputs=checked)
     expect = ref.prefill(q64, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, layout, params)
-    _compare(got, expect, layout, params, batch, cache, q64, group)
+    _compare(got, expect, layout, params, batch, cache, q64, group, rnd=rounding(layout, q, workspace=ON_GPU and checked))
 
 
 def check_options(case, data, fn=None, oracle=ref.prefill, bounds=_bounds, what="oracle"):
@@ -194,13 +205,14 @@ def check_options(case, data, fn=None, oracle=ref.prefill, bounds=_bounds, what=
     window, cap, sinks, lse = draw_options(data, layout.num_kv_heads * group)
     cache = _fill_cache(layout, params, batch, data)
     q, q64 = _draw_q(layout, group, batch, qdtype, data)
+    checked = data.draw(st.booleans(), label="check_inputs")
     got, got_lse = _run(layout, params, batch, q, cache, fn=fn, window_left=window, logit_softcap=cap,
                         return_lse=lse, sinks=None if sinks is None else torch.from_numpy(sinks).to(DEV),
-                        check_inputs=data.draw(st.booleans(), label="check_inputs"))
+                        check_inputs=checked)
     res = oracle(q64, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, layout, params,
                  window_left=window, logit_softcap=cap, sinks=sinks, return_lse=True)
     _compare(got, res[0], layout, params, batch, cache, q64, group, what=what, got_lse=got_lse, expect_lse=res[1],
-             bounds=bounds)
+             bounds=bounds, rnd=rounding(layout, q, workspace=ON_GPU and checked))
 
 
 @given(prefill_cases(presets=("tq4", "turboquant_k8v4", "turboquant_4bit_nc", "fp16")), st.data())
@@ -233,8 +245,9 @@ def test_chunked_prefill_equals_one_call(case, data):
     for rows, got in parts:
         chunked[rows] = got
     expect = ref.prefill(q64, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, layout, params)
-    _compare(chunked, expect, layout, params, batch, cache, q64, group, what="oracle (chunked)")
-    _compare(chunked, whole, layout, params, batch, cache, q64, group, what="one call")
+    rnd = rounding(layout, q, workspace=ON_GPU)  # (checked calls)
+    _compare(chunked, expect, layout, params, batch, cache, q64, group, what="oracle (chunked)", rnd=rnd)
+    _compare(chunked, whole, layout, params, batch, cache, q64, group, what="one call", rnd=rnd)
 
 
 @settings(max_examples=T.scale(8, settings.default.max_examples))  # CI: 8 (slowest interpreted)
@@ -252,4 +265,5 @@ def test_no_prefix_equals_causal_attention(case, data):
         a, b = int(whole.query_start_loc[s]), int(whole.query_start_loc[s + 1])
         k, v = ref.decompress(slots, params, rotate_back=True)
         expect[a:b] = ref.attention(q64[a:b], k, v, causal=True)
-    _compare(got, expect, layout, params, whole, cache, q64, group, what="causal attention")
+    _compare(got, expect, layout, params, whole, cache, q64, group, what="causal attention",
+             rnd=rounding(layout, q, workspace=ON_GPU))

@@ -221,7 +221,7 @@ def test_first_pieces_are_held_not_copied(q_lens, seq_lens, merges, monkeypatch)
     prefix, not a copy first and a merge after; the rows equal the oracle's."""
     import tqkern.testing as T
     import tqkern_torch.prefill_tiles as pt
-    from property_tests.test_prefill_triton import _bounds, sequence_error
+    from property_tests.test_prefill_triton import _bounds, rounding, sequence_error
     from tqkern import reference as ref
     from tqkern_torch.errors import error_word
     from tqkern_torch.ops import _device_params
@@ -238,7 +238,7 @@ def test_first_pieces_are_held_not_copied(q_lens, seq_lens, merges, monkeypatch)
     for s in range(len(q_lens)):
         if q_lens[s]:
             err, tol, _, _ = sequence_error(got.float().numpy(), expect, layout, params, batch, cache_np, q64, 2, s,
-                                            _bounds)
+                                            _bounds, rounding(layout, q, workspace=True))
             assert err <= tol, (s, err, tol)
 
 

@@ -10,6 +10,7 @@ Profiles (``settings.load_profile``): ``ci`` (CPU interpreter, small shapes, few
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -35,6 +36,7 @@ __all__ = [
     "VarlenBatch",
     "scale",
     "is_thorough",
+    "Rounding",
 ]
 
 settings.register_profile(
@@ -49,6 +51,46 @@ settings.register_profile(
 )
 
 HEAD_DIMS = (64, 96, 128, 256)
+
+U_FP16, U_BF16 = 2.0**-11, 2.0**-8  # unit roundoffs (round to nearest: 11 and 8 significant bits)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rounding:
+    """The half-precision roundings of an attention route over the cache, which set the attention
+    property tests' budget: each logit moves by at most ``δ = 2·dot_u·scale·Σ_d |q_d|·|k̂_d|`` (q
+    and the decoded key each rounded once to the products' dtype); softmax then moves by at most
+    ``2δ`` in L1; V̂, the probabilities P and the output are each rounded once more. An all-fp16
+    route is held to ``(4e-3 + 2δ)·max|V̂|``; each of those three roundings done in bf16 instead
+    adds ``(2^-8 − 2^-11)·max|V̂|``, its worst case.
+
+    Attributes:
+        dot_u: the unit roundoff of the logit products' operands, :data:`U_FP16` or :data:`U_BF16`.
+        bf16_steps: how many of V̂, P and the output are rounded to bf16 (0..3).
+    """
+
+    dot_u: float
+    bf16_steps: int
+
+    @classmethod
+    def of(cls, fmt: KVFormat, q_dtype: str, *, workspace: bool) -> "Rounding":
+        """The roundings of a route for queries of ``q_dtype`` (``"float16"``/``"bfloat16"``) over a
+        ``fmt`` cache. The fused kernels (decode, prefill, short rows) multiply in fp16, or in bf16
+        for a raw bf16 codec (q, k̂, V̂ and P in bf16), and write the output in q's dtype. A
+        ``workspace`` route (the tiled prefill, the decompress path) rounds k̂ and V̂ to q's dtype,
+        and its dense kernel multiplies and rounds P in q's dtype (a raw bf16 codec's values keep
+        bf16's ``dot_u``: fp16 holds them within its range)."""
+        if q_dtype not in ("float16", "bfloat16"):
+            raise ValueError(f"q_dtype must be 'float16' or 'bfloat16', got {q_dtype!r}")
+        raw_bf16 = "bfloat16" in (getattr(fmt.key, "dtype", ""), getattr(fmt.value, "dtype", ""))
+        q_bf16 = q_dtype == "bfloat16"
+        if workspace:
+            return cls(U_BF16 if q_bf16 or raw_bf16 else U_FP16, 3 if q_bf16 else 0)
+        return cls(U_BF16 if raw_bf16 else U_FP16, 2 * raw_bf16 + q_bf16)
+
+    def atol(self, delta: float, vmax: float) -> float:
+        """The budget of an output row: ``(4e-3 + bf16_steps·(2^-8 − 2^-11) + 2δ)·max|V̂| + 1e-6``."""
+        return (4e-3 + self.bf16_steps * (U_BF16 - U_FP16) + 2 * delta) * vmax + 1e-6
 
 
 def is_thorough() -> bool:
