@@ -100,10 +100,12 @@ class CausalMask:
     ndim = 4
 
     def __init__(self, kwargs: dict, window: Optional[int], padding: Optional[torch.Tensor]):
-        self._kwargs = kwargs
         self.shape = torch.Size((int(kwargs["batch_size"]), 1, int(kwargs["q_length"]), int(kwargs["kv_length"])))
         self.q_length, self.kv_length = int(kwargs["q_length"]), int(kwargs["kv_length"])
         self.q_offset, self.kv_offset = int(kwargs["q_offset"]), int(kwargs["kv_offset"])
+        # the offsets as they are now: a cache's live length tensor (a compileable cache's
+        # get_seq_length) grows in place at the layers' updates, before dense() builds the mask
+        self._kwargs = dict(kwargs, q_offset=self.q_offset, kv_offset=self.kv_offset)
         self.window = window
         self.padding = padding
         self._dense: Optional[tuple] = None
