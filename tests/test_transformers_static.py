@@ -173,6 +173,72 @@ def test_static_capacity(model):
         tqt.TQCache(model, max_cache_len=0)
 
 
+def test_reset_cache_and_later_chunks_attend_causally(model):
+    """A reset cache generates as a fresh one (what ``bench generate`` times), and a second chunk
+    after a first one attends as one prefill. The model's offsets come from the cache's live
+    length tensor, which the layers' updates advance in place before the mask is built: the mask
+    must use the offsets as they were (session 48: a reset cache's prefill attended non-causally)."""
+    ids = _ids(1, 10, seed=4)
+    ref = _generate(model, ids)
+    with torch.no_grad():
+        logits = model(ids).logits
+    tqt.install(model, "fp16", block_size=4, key_offset=None)
+    cache = tqt.TQCache(model, max_cache_len=20)
+    _generate(model, _ids(1, 6, seed=5), cache=cache)
+    cache.reset()
+    assert _generate(model, ids, cache=cache).tolist() == ref.tolist()
+    cache = tqt.TQCache(model, max_cache_len=20)
+    with torch.no_grad():
+        model(ids[:, :6], past_key_values=cache, use_cache=True)
+        second = model(ids[:, 6:], past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(second, logits[:, 6:], atol=2e-3, rtol=0)
+
+
+def test_prefill_reads_the_device_length_only_after_decode_steps(model, monkeypatch):
+    """A fresh or reset cache's prefill takes each layer's length (0) from the host: no device
+    read, no sync per layer (the model's own ``get_seq_length`` is one per forward). After decode
+    steps (replayed as CUDA graphs, unseen by Python) a prefill chunk reads it, and continues
+    where they left off."""
+    reads, updating = [], [False]
+    real_int, real_update = torch.Tensor.__int__, tqt.TQStaticCacheLayer.update
+
+    def counting_int(t):
+        if updating[0] and t.dim() == 0:
+            reads.append(t)
+        return real_int(t)
+
+    def update(layer, *a, **k):
+        updating[0] = True
+        try:
+            return real_update(layer, *a, **k)
+        finally:
+            updating[0] = False
+
+    monkeypatch.setattr(torch.Tensor, "__int__", counting_int)
+    monkeypatch.setattr(tqt.TQStaticCacheLayer, "update", update)
+    tqt.install(model, "fp16", block_size=4, key_offset=None)  # (μ from each cache's first prompt: no pool equality)
+    ids = _ids(1, 9, seed=2)
+    ref = tqt.TQCache(model, max_cache_len=16)
+    with torch.no_grad():
+        model(ids, past_key_values=ref, use_cache=True)
+    assert reads == []
+    cache = tqt.TQCache(model, max_cache_len=16)
+    with torch.no_grad():
+        model(_ids(1, 5, seed=3), past_key_values=cache, use_cache=True)
+        cache.reset()
+        model(ids, past_key_values=cache, use_cache=True)
+    assert reads == []
+    for layer, want in zip(cache.layers, ref.layers):
+        assert layer.seq_len == 9 and torch.equal(layer.pool, want.pool)
+    with torch.no_grad():  # a decode step, then a chunk of 2: read from the device, stored after the step
+        model(torch.tensor([[5]]), position_ids=torch.tensor([[9]]), past_key_values=cache, use_cache=True)
+        for layer in cache.layers:
+            layer.seq_len = -1  # (what a replayed step leaves: Python's length stale)
+        model(torch.tensor([[6, 7]]), position_ids=torch.tensor([[10, 11]]), past_key_values=cache, use_cache=True)
+    assert len(reads) == len(cache.layers)
+    assert all(layer.seq_len == 12 and int(layer.cumulative_length) == 12 for layer in cache.layers)
+
+
 def test_drop_padding_rejects_masks_it_cannot_serve(model):
     """drop_padding: a last query row that is not one run up to the last position, a later
     chunk masking another prefix, and a row of padding only are refused (the decode steps read no

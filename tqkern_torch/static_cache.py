@@ -37,7 +37,11 @@ class TQStaticCacheLayer(TQCacheLayer):
     first attended position (an exact copy of slot bytes inside the row). Decode steps then run
     ``paged_decode`` on every step, whatever the mask (a sliding window as ``window_left``,
     soft-capping as ``logit_softcap``), so the mask transformers builds is not read. Prefill (more
-    than one new token) runs eagerly as in :class:`TQCacheLayer`. With ``exact_prefix`` the first
+    than one new token) runs eagerly as in :class:`TQCacheLayer`; it reads the stored length from
+    the device (a sync per layer) unless nothing was stored since the allocation or :meth:`reset`
+    (:attr:`empty`): a fresh cache's prefill syncs on nothing. (Decode steps replayed as CUDA graphs
+    advance the length without running Python, so the first update after a reset must run it, as
+    ``generate``'s eager first forward does.) With ``exact_prefix`` the first
     prefill ends with :meth:`~tqkern_torch.exact_prefix.ExactPrefix.freeze` (the prefix's paged
     positions and reconstruction, static addresses); each decode step then corrects
     ``paged_decode``'s output through its log-sum-exp, window and soft-cap included."""
@@ -55,6 +59,7 @@ class TQStaticCacheLayer(TQCacheLayer):
         self.max_cache_len = max_cache_len
         self.width = -(-max_cache_len // block_size)  # blocks per row
         self.dropped = False
+        self.empty = True  # nothing stored since the allocation or reset(): the length is 0, no read
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -79,11 +84,15 @@ class TQStaticCacheLayer(TQCacheLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if key_states.shape[2] > 1:  # prefill or a chunk (eager): the Python length catches up with the tensors
-            self.seq_len = int(self.cumulative_length) if self.is_initialized else 0
+            # (read from the device, a sync, unless nothing was stored since reset(): decode steps
+            # replayed as CUDA graphs advance the length without running this code)
+            self.seq_len = 0 if self.empty or not self.is_initialized else int(self.cumulative_length)
+            self.empty = False
             key, value = super().update(key_states, value_states, *args, **kwargs)
             self.cumulative_length.fill_(self.seq_len)
             return key, value
         self._begin(key_states, value_states)
+        self.empty = False
         cap = self.width * self.layout.block_size
         pos = self.seq_lens  # each row's paged position of the new token
         slots = torch.where(pos < cap, self.row_base + pos, -1)
@@ -162,3 +171,4 @@ class TQStaticCacheLayer(TQCacheLayer):
             self.start_min = self.start_max = 0
         self.seq_len = 0
         self.dropped = False
+        self.empty = True
