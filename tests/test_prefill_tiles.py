@@ -306,6 +306,38 @@ def test_non_finite_query_row_gets_nan_output_and_lse_on_every_route(value, give
     assert torch.isfinite(out[~bad]).all() and torch.isfinite(lse[~bad]).all()
 
 
+def test_poison_rows_kernel_writes_exactly_the_non_finite_rows():
+    """The one-call route's check over many programs of 1024 lse rows (and the sub-chunks a
+    program writes): rows with a NaN or ±inf lse, wherever they fall (first and last row, a
+    program's last row, rows past a partial last program), become NaN in the output and the lse;
+    every other byte is untouched, including the output's padding columns and a strided lse."""
+    import triton
+
+    import tqkern_torch.prefill_tiles as pt
+
+    t, hq, d = 700, 4, 24  # 2800 rows: three programs, the last partial
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn((t, hq, 32), generator=g).half()
+    o = base[:, :, :d]  # row stride 128, 24 columns of 32
+    lse_full = torch.randn((t, 2 * hq), generator=g)
+    lse = lse_full[:, ::2]  # strided
+    rows = [0, 15, 16, 1023, 1024, 1500, 2047, 2799]
+    values = [float("nan"), float("inf"), -float("inf")]
+    for i, r in enumerate(rows):
+        lse[r // hq, r % hq] = values[i % 3]
+    base_before, lse_before = base.clone(), lse_full.clone()
+    pt._poison_rows_kernel[(triton.cdiv(t * hq, pt._POISON_ROWS),)](
+        o, lse, t * hq, o.stride(0), o.stride(1), lse.stride(0), lse.stride(1), HQ=hq, D=d, DP=32,
+        BR=pt._POISON_ROWS, SUB=pt._COMBINE_ROWS)
+    bad = torch.zeros((t, hq), dtype=torch.bool)
+    for r in rows:
+        bad[r // hq, r % hq] = True
+    assert torch.isnan(o[bad]).all() and torch.isnan(lse[bad]).all()
+    assert torch.equal(o[~bad], base_before[:, :, :d][~bad]) and torch.equal(lse[~bad], lse_before[:, ::2][~bad])
+    assert torch.equal(lse_full[:, 1::2], lse_before[:, 1::2])
+    assert torch.equal(base[..., d:], base_before[..., d:])  # the padding columns: not written
+
+
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("q_lens, seq_lens, one_call", [([16], [16], True), ([16, 0], [16, 5], True),
                                                         ([16, 4], [16, 20], False)])

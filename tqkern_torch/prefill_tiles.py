@@ -47,6 +47,7 @@ __all__ = ["tiles_supported", "tile_prefill", "pick_attend", "attend_cudnn", "at
 
 WORKSPACE_BYTES = 256 << 20  # K + V bytes a prefix round may take (rotated-back copies: up to as much again)
 _COMBINE_ROWS = 16
+_POISON_ROWS = 1024  # lse rows a program of the one-call route's non-finite check reads
 _LOG2E = 1.4426950408889634
 
 
@@ -480,9 +481,9 @@ def tile_prefill(q, cache, block_table, seq_lens_dev, query_start_loc, layout: P
             o, lp = attend(qa, ka, back[1][span], len(grp), causal=pc.causal, scale=scale, window_left=window_left)
             if one_call:  # the dense call's result, no merge: its rows of a non-finite query NaN here
                 t, hq = lp.shape
-                _poison_rows_kernel[(triton.cdiv(t * hq, _COMBINE_ROWS),)](
+                _poison_rows_kernel[(triton.cdiv(t * hq, _POISON_ROWS),)](
                     o, lp, t * hq, o.stride(0), o.stride(1), lp.stride(0), lp.stride(1), HQ=hq, D=d,
-                    DP=max(16, triton.next_power_of_2(d)), BR=_COMBINE_ROWS, num_warps=4)
+                    DP=max(16, triton.next_power_of_2(d)), BR=_POISON_ROWS, SUB=_COMBINE_ROWS, num_warps=4)
                 if lse is not None:
                     lse.copy_(lp)
                 return o if o.is_contiguous() else o.contiguous()
