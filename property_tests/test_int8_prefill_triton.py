@@ -25,8 +25,8 @@ The tiled path (:func:`~tqkern_torch.prefill_tiles.tile_prefill` with ``int8=Tru
 made once by the gather, the queries' by their own kernel, the int8 attention kernel per piece,
 log-sum-exp merges) is held to the same budget: its codes are the oracle's away from ties as the
 fused kernel's are; its values and probabilities are rounded to q's dtype (for bf16 queries the
-tiled path's roundings, ``workspace=True``). Its batches have no sequence of 1..EXACT_QUERY_MAX queries (raised past it, or to 0):
-those never reach it.
+tiled path's roundings, ``workspace=True``). Its batches have no sequence of 1..EXACT_QUERY_MAX
+queries (raised past it, or to 0): those never reach it.
 """
 
 import numpy as np

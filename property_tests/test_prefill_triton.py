@@ -195,7 +195,8 @@ def test_prefill_matches_oracle(preset, data):
     checked = data.draw(st.booleans(), label="check_inputs")
     got, _ = _run(layout, params, batch, q, cache, check_inputs=checked)
     expect = ref.prefill(q64, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, layout, params)
-    _compare(got, expect, layout, params, batch, cache, q64, group, rnd=rounding(layout, q, workspace=ON_GPU and checked))
+    _compare(got, expect, layout, params, batch, cache, q64, group,
+             rnd=rounding(layout, q, workspace=ON_GPU and checked))
 
 
 def check_options(case, data, fn=None, oracle=ref.prefill, bounds=_bounds, what="oracle"):

@@ -32,7 +32,8 @@ def test_routes_roundings(preset, q, workspace, dot_u, steps):
 
 def test_raw_bf16_codec_rounds_products_and_probabilities_in_bf16():
     fmt = KVFormat.preset("fp16", 64)
-    bf = fmt.__class__(head_dim=64, key=fmt.key.__class__(dtype="bfloat16"), value=fmt.value.__class__(dtype="bfloat16"))
+    raw = fmt.key.__class__(dtype="bfloat16")
+    bf = fmt.__class__(head_dim=64, key=raw, value=raw)
     assert Rounding.of(bf, "float16", workspace=False) == Rounding(U_BF16, 2)
     assert Rounding.of(bf, "bfloat16", workspace=False) == Rounding(U_BF16, 3)
     assert Rounding.of(bf, "float16", workspace=True) == Rounding(U_BF16, 0)
