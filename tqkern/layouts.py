@@ -14,6 +14,7 @@ either ``"slot"`` (vLLM: ``[num_blocks, block_size, num_kv_heads, slot_bytes]``)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -42,6 +43,14 @@ __all__ = [
 
 BIT_ORDERS = ("lsb", "nibble_high_even")
 ROTATIONS = ("hadamard", "hadamard_signed", "haar")
+
+
+@functools.lru_cache(maxsize=1024)
+def _codec_fields(codec: Codec, head_dim: int) -> tuple[Field, ...]:
+    """``codec.fields(head_dim)``, derived once per (frozen) codec and head_dim: every size of a
+    format and layout (``slot_bytes``, ``row_bytes``, ``cache_shape``) sums them, and frontends read
+    those at every call (building and validating the fields took ~2 µs a side)."""
+    return codec.fields(head_dim)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,11 +110,11 @@ class KVFormat:
     # -- derived sizes ---------------------------------------------------------------------
     @property
     def key_fields(self) -> tuple[Field, ...]:
-        return self.key.fields(self.head_dim)
+        return _codec_fields(self.key, self.head_dim)
 
     @property
     def value_fields(self) -> tuple[Field, ...]:
-        return self.value.fields(self.head_dim)
+        return _codec_fields(self.value, self.head_dim)
 
     @property
     def key_bytes(self) -> int:

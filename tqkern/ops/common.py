@@ -9,8 +9,6 @@ is one correct rounding (no double rounding through f32). The rules are those of
 
 from __future__ import annotations
 
-import functools
-
 import triton
 import triton.language as tl
 
@@ -44,16 +42,9 @@ __all__ = [
 
 
 def halfword_aligned(layout: PagedLayout, side: str) -> bool:
-    """Whether every head's data field of ``side`` starts at an even byte (16-bit access); cached
-    per layout like :func:`side_consts` (``row_bytes`` derives the format's fields: ~10 µs a call,
-    twice in every tiled prefill)."""
-    c = side_consts(layout, side)  # (validates side)
-    return _halfword_aligned(layout, c.A_OFF, c.A_STRIDE)
-
-
-@functools.lru_cache(maxsize=512)
-def _halfword_aligned(layout: PagedLayout, offset: int, stride: int) -> bool:
-    return offset % 2 == 0 and stride % 2 == 0 and layout.row_bytes % 2 == 0
+    """Whether every head's data field of ``side`` starts at an even byte (16-bit access)."""
+    c = side_consts(layout, side)
+    return c.A_OFF % 2 == 0 and c.A_STRIDE % 2 == 0 and layout.row_bytes % 2 == 0
 
 
 # -- the Walsh–Hadamard transform (a signed Sylvester rotation Π = diag(s)·H/√D) ------------------
