@@ -306,20 +306,28 @@ def test_non_finite_query_row_gets_nan_output_and_lse_on_every_route(value, give
     assert torch.isfinite(out[~bad]).all() and torch.isfinite(lse[~bad]).all()
 
 
-def test_poison_rows_kernel_writes_exactly_the_non_finite_rows():
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_poison_rows_kernel_writes_exactly_the_non_finite_rows(dtype):
     """The one-call route's check over many programs of 1024 lse rows (and the sub-chunks a
     program writes): rows with a NaN or ±inf lse, wherever they fall (first and last row, a
     program's last row, rows past a partial last program), become NaN in the output and the lse;
-    every other byte is untouched, including the output's padding columns and a strided lse."""
+    every other byte is untouched, including the output's padding columns and a strided lse.
+    Runs where the kernels run: the interpreter on a CPU (fp16 only), else the GPU."""
     import triton
 
     import tqkern_torch.prefill_tiles as pt
+    from tqkern_torch.testing import device_under_test, kernels_available
 
+    dev = device_under_test()
+    if not kernels_available():
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    if dev.type == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("the interpreter has no bf16")
     t, hq, d = 700, 4, 24  # 2800 rows: three programs, the last partial
     g = torch.Generator().manual_seed(5)
-    base = torch.randn((t, hq, 32), generator=g).half()
+    base = torch.randn((t, hq, 32), generator=g).to(device=dev, dtype=dtype)
     o = base[:, :, :d]  # row stride 128, 24 columns of 32
-    lse_full = torch.randn((t, 2 * hq), generator=g)
+    lse_full = torch.randn((t, 2 * hq), generator=g).to(dev)
     lse = lse_full[:, ::2]  # strided
     rows = [0, 15, 16, 1023, 1024, 1500, 2047, 2799]
     values = [float("nan"), float("inf"), -float("inf")]
@@ -329,7 +337,7 @@ def test_poison_rows_kernel_writes_exactly_the_non_finite_rows():
     pt._poison_rows_kernel[(triton.cdiv(t * hq, pt._POISON_ROWS),)](
         o, lse, t * hq, o.stride(0), o.stride(1), lse.stride(0), lse.stride(1), HQ=hq, D=d, DP=32,
         BR=pt._POISON_ROWS, SUB=pt._COMBINE_ROWS)
-    bad = torch.zeros((t, hq), dtype=torch.bool)
+    bad = torch.zeros((t, hq), dtype=torch.bool, device=dev)
     for r in rows:
         bad[r // hq, r % hq] = True
     assert torch.isnan(o[bad]).all() and torch.isnan(lse[bad]).all()
