@@ -261,3 +261,57 @@ def test_sinks_on_another_device_are_rejected():
     c = Case("tq4")
     with pytest.raises(ValueError, match="sinks must be on"):
         paged_decode(c.q.to(DEV), c.cache, c.bt.to(DEV), c.sl.to(DEV), c.layout, c.dp, sinks=c.sinks.cpu())
+
+
+@pytest.mark.parametrize("fits, fixed, want", [
+    ({(128, 2)}, {}, (128, 2)),  # the measured default fits: kept
+    ({(128, 1), (64, 2)}, {}, (128, 1)),  # one stage first
+    ({(64, 2), (32, 2)}, {}, (64, 2)),  # then half the tokens
+    ({(32, 2)}, {}, (32, 2)),
+    (set(), {}, (32, 2)),  # none fits: the last (its launch raises the device's error)
+    ({(64, 2)}, {"num_stages": 2}, (64, 2)),  # a fixed stage count stays
+    ({(128, 1)}, {"block_n": 128}, (128, 1)),  # a fixed tile stays
+    ({(64, 2)}, {"block_n": 128, "num_stages": 2}, (128, 2)),
+])
+def test_general_tiles_give_way_where_the_device_cannot_hold_them(fits, fixed, want):
+    """A general-kernel tile whose shared memory the device cannot give a CTA (occupancy 0: on the
+    H200, head_dim 256 row-arranged 3-bit keys at BN 128 with 2 stages needed 238 KB, before
+    head_dim 256 took one stage by default) gives way to one stage, then to 64 and 32 tokens; tile
+    options the caller fixed stay as given. (head_dim 128 here: its default tile is BN 128 with
+    2 stages, every step of the fallback.)"""
+    fmt = tqkern.KVFormat.preset("turboquant_k3v4_nc", 128)
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=8, block_size=16, arrangement="row")
+    asked = []
+
+    def occupancy(kernel):
+        tile = (kernel.constexpr("BN"), kernel.num_stages)
+        asked.append(tile)
+        return 2 if tile in fits else 0
+
+    plan = plan_decode(layout, 8, 16, 512, DeviceCaps.sm90(), same_codebooks=False, occupancy=occupancy,
+                       options=DecodeOptions(softcap=True), **fixed)
+    assert plan.decode.kernel == "general"
+    assert (plan.decode.constexpr("BN"), plan.decode.num_stages) == want
+    assert asked[-1] == want and asked[0] == (fixed.get("block_n", 128), fixed.get("num_stages", 2))
+
+
+# (preset, arrangement, head_dim 256's tile, head_dim 128's): 128 and 2 stages there for the word
+# path, 1 stage for funnel-shifted words (4bit_nc and k3v4_nc's slot rows), 64 and 2 for the rest
+@pytest.mark.parametrize("preset, arrangement, want, want128", [
+    ("tq4", "row", (128, 1), (128, 2)), ("turboquant_4bit_nc", "slot", (128, 1), (128, 1)),
+    ("turboquant_k3v4_nc", "slot", (64, 1), (128, 1)), ("k5v4h", "row", (64, 1), (128, 2)),
+    ("turboquant_3bit_nc", "slot", (64, 1), (64, 2)), ("tqkern_k5v3", "row", (64, 1), (64, 2)),
+    ("fp16", "slot", (64, 1), (64, 2))])
+def test_general_tiles_at_head_dim_256(preset, arrangement, want, want128):
+    """head_dim 256 (measured, H200, docs/performance.md): one stage; BN 128 only where keys and
+    values both take the word path, else 64. head_dim 128 keeps its measured defaults."""
+    fmt = tqkern.KVFormat.preset(preset, 256)
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=8, block_size=16, arrangement=arrangement)
+    plan = plan_decode(layout, 8, 16, 512, DeviceCaps.sm90(), same_codebooks=False,
+                       options=DecodeOptions(softcap=True))
+    assert (plan.decode.constexpr("BN"), plan.decode.num_stages) == want
+    layout128 = tqkern.PagedLayout(format=tqkern.KVFormat.preset(preset, 128), num_kv_heads=8, block_size=16,
+                                   arrangement=arrangement)
+    plan = plan_decode(layout128, 8, 16, 512, DeviceCaps.sm90(), same_codebooks=False,
+                       options=DecodeOptions(softcap=True))
+    assert (plan.decode.constexpr("BN"), plan.decode.num_stages) == want128

@@ -357,3 +357,42 @@ def _mma_matches_oracle(fmt, heads, block_size, group, expect, dtype=torch.float
     vmax = _vmax(cache, bt, seq_lens, layout, p)
     assert torch.isfinite(out).all()
     assert np.abs(out.float().cpu().numpy() - expect_out).max() <= 4e-3 * vmax
+
+
+@pytest.mark.parametrize("arrangement", ["slot", "row"])
+@pytest.mark.parametrize("preset", ["fp16"] + _D256_PRESETS)
+def test_general_kernel_head_dim_256_with_gemma2_options_matches_oracle(preset, arrangement):
+    """Gemma-2-9B's decode (head_dim 256, 8 KV heads, GQA 2, logit soft-cap 50, a 4096-token window
+    on its local layers) takes the general kernel: every preset and arrangement compiles into a
+    tile the device holds (session 49: row-arranged turboquant_k3v4_nc asked 238 KB of shared
+    memory at BN 128 with 2 stages and failed to load) and matches the oracle with the options.
+    Tolerance ``(4e-3 + 2δ)·max|V̂|`` (δ: the fp16 dot's logit error bound,
+    ``property_tests/test_paged_decode_options.py``)."""
+    fmt = tqkern.KVFormat.preset(preset, 256)
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=8, block_size=16, arrangement=arrangement)
+    params = tqkern.TQParams.default(fmt)
+    p = tqt.to_device(params, "cuda")
+    seq_lens = torch.tensor([1, 37, 300, 513], dtype=torch.int32, device="cuda")
+    max_blocks = -(-600 // 16)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    bt = torch.randperm(4 * max_blocks + 3, device="cuda", generator=g)[: 4 * max_blocks].reshape(4, max_blocks).int()
+    cache = _fill(layout, p, 4 * max_blocks + 3, seq_lens, bt, seed=3)
+    q = torch.randn(4, 16, 256, device="cuda", dtype=torch.float16, generator=g)
+    opts = dict(logit_softcap=50.0, window_left=200)
+    plan = tqt.plan_decode(q, cache, bt, layout, p, **opts)
+    assert plan.decode.kernel == "general"
+    out = paged_decode(q, cache, bt, seq_lens, layout, p, **opts)
+    q64, cache_np, bt_np, sl_np = q.double().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(), seq_lens.cpu().numpy()
+    want = ref.paged_decode(q64, cache_np, bt_np, sl_np, layout, params, **opts)
+    got = out.float().cpu().numpy()
+    assert np.all(np.isfinite(got))
+    q_k = q64 @ params.rotation if fmt.key.rotated else q64
+    for s, slots in enumerate(ref.gather_sequences(cache_np, layout, bt_np, sl_np)):
+        lo = max(0, int(sl_np[s]) - 1 - opts["window_left"])
+        khat, _ = ref.decompress(slots, params)
+        _, vhat = ref.decompress(slots, params, rotate_back=True)
+        kv = np.repeat(np.abs(khat[lo:]), 2, axis=1)
+        delta = float((2 * 2.0**-11 / 16) * np.max(np.einsum("hd,nhd->nh", np.abs(q_k[s]), kv))) + 50.0 * 2.0**-21
+        tol = (4e-3 + 2 * delta) * float(np.abs(vhat[lo:]).max()) + 1e-6
+        err = float(np.abs(got[s] - want[s]).max())
+        assert err <= tol, f"seq {s}: error {err:.3g} > {tol:.3g} (δ {delta:.3g})"

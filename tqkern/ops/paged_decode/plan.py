@@ -275,6 +275,8 @@ def workspace_numel(num_seqs: int, num_q_heads: int, num_splits: int, dp: int) -
 
 
 # -- the plan -------------------------------------------------------------------------------------
+# CTAs of a compiled kernel plan that one SM holds; None where unknown, 0 where the kernel does not
+# fit on the device at all (its shared memory past the per-CTA opt-in).
 Occupancy = Callable[[KernelPlan], Optional[int]]
 
 
@@ -446,15 +448,39 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy):
 
 def _general_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, block_n, num_warps, num_stages, maxnreg,
                     options):
+    fast = fast_path_plan(layout)
+    # measured (H100, B32x16K, head_dim 128): BN 128 best for the word path, 64 for the rest;
+    # funnel-shifted words with 2 stages ran 2.5x slower than with 1. head_dim 256 (H200, S49,
+    # Gemma-2-9B B8x8K with a soft-cap, µs): 2 stages lost everywhere but at parity (row-arranged
+    # turboquant_k3v4_nc BN 128: 1294 vs 404 with 1; turboquant_3bit_nc BN 64: 1838 vs 550;
+    # tqkern_k5v3 BN 64: 3195 vs 678); BN 64 won unless both sides take the word path (slot
+    # turboquant_k3v4_nc 411 vs 686 at 128, k5v4h 449 vs 550; tq4 row 276 vs 219 at 128)
+    wide = layout.head_dim >= 256
+    words = fast["K_FAST"] and fast["V_FAST"] if wide else fast["K_FAST"] or fast["V_FAST"]
+    bn0 = block_n if block_n is not None else 128 if words else 64
+    st0 = num_stages if num_stages is not None else 1 if wide or 2 in (fast["K_FAST"], fast["V_FAST"]) else 2
+    # A tile the device cannot hold (occupancy 0: e.g. head_dim 256 row-arranged 3-bit keys at BN
+    # 128 with 2 stages, 238 KB on an H200) gives way, in order, to one stage, then to half the
+    # tokens; options the caller fixed stay fixed.
+    tiles = [(bn0, st0)]
+    if num_stages is None and st0 > 1:
+        tiles.append((bn0, 1))
+    if block_n is None:
+        tiles += [(bn, st0) for bn in (64, 32) if bn < bn0]
+    for bn, st in tiles:
+        kernel, n = _general_tiles(layout, s, hq, max_blocks, caps, num_splits, occupancy, bn, num_warps, st,
+                                   maxnreg, options, fast)
+        if caps.interpret or occupancy(kernel) != 0:
+            break
+    return kernel, n  # (where none fits, the last: its launch raises the device's error)
+
+
+def _general_tiles(layout, s, hq, max_blocks, caps, num_splits, occupancy, block_n, num_warps, num_stages, maxnreg,
+                   options, fast):
     c = layout_consts(layout)
     d, dp = layout.head_dim, c["DP"]
     hkv = layout.num_kv_heads
     g = hq // hkv
-    fast = fast_path_plan(layout)
-    if block_n is None:  # measured (H100, B32x16K): 128 best for the word path, 64 for the rest
-        block_n = 128 if fast["K_FAST"] or fast["V_FAST"] else 64
-    if num_stages is None:  # measured (H100): funnel-shifted words with 2 stages ran 2.5x slower
-        num_stages = 1 if 2 in (fast["K_FAST"], fast["V_FAST"]) else 2
     raw_bf16 = _raw_bf16(c)
 
     def halves(side, p) -> bool:

@@ -15,6 +15,7 @@ import types
 
 import torch
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from tqkern.layouts import PagedLayout
 from tqkern.ops.launch import BoundedCache, KernelLauncher, current_stream
@@ -171,10 +172,10 @@ def prepare(layout: PagedLayout, q_rot, cache, block_table, seq_lens, tables, *,
                 shared_memory_per_multiprocessor=caps.smem_per_sm))
         except DynamicSmemUnsupported:
             raise
-        except Exception:  # noqa: BLE001  (an uninspectable kernel costs speed, never correctness)
+        except Exception as e:  # noqa: BLE001  (an uninspectable kernel costs speed, never correctness)
             if kernel.kernel == "coop":
                 raise DynamicSmemUnsupported("the cooperative kernel could not be compiled and sized")
-            return None
+            return 0 if isinstance(e, OutOfResources) else None  # 0: does not fit; the plan gives way
 
     plan = plan_decode(layout, s, hq, block_table.shape[1], caps, same_codebooks=same_codebooks,
                        cache_aligned=cache.data_ptr() % 16 == 0, num_splits=num_splits, path=path,
