@@ -159,7 +159,7 @@ def _check_options_against_oracle(layout, params, group, batch, num_splits, opts
     assert np.all(np.isfinite(got[~bad])), "output has NaN/inf (unwritten or overflow)"
 
     fmt = layout.format
-    u = 2.0**-8 if "bfloat16" in (getattr(fmt.key, "dtype", ""), getattr(fmt.value, "dtype", "")) else 2.0**-11
+    rnd = T.Rounding.of(fmt, "float16", workspace=False)  # (its dot_u: 2^-8 for a raw bf16 side, as before)
     cap = opts.get("logit_softcap")
     cap_err = 0.0 if cap is None else cap * 2.0**-21
     q_ok = np.where(bad[..., None], 0.0, q64)
@@ -171,10 +171,7 @@ def _check_options_against_oracle(layout, params, group, batch, num_splits, opts
         _, vhat = ref.decompress(slots, params, rotate_back=True)
         khat, vhat = khat[lo:], vhat[lo:]
         vmax = float(np.abs(vhat).max()) if vhat.size else 0.0
-        kv = np.repeat(np.abs(khat), group, axis=1)
-        delta = float((2 * u / np.sqrt(d)) * np.max(np.einsum("hd,nhd->nh", np.abs(q_k[s]), kv))) \
-            if kv.size else 0.0
-        delta += cap_err
+        delta = rnd.logit_bound(q_k[s], khat, group) + cap_err
         good = ~bad[s]
         if n == 0:
             assert np.all(got[s][good] == 0), "an empty sequence gives a zero output"

@@ -227,15 +227,13 @@ def _check_against_oracle(layout, params, group, batch, qdtype, num_splits, data
     assert np.all(np.isfinite(got[~bad_rows])), "output has NaN/inf (unwritten or overflow)"
     fmt = layout.format
     rnd = T.Rounding.of(fmt, str(qdtype).removeprefix("torch."), workspace=False)
-    u = rnd.dot_u
     q_ok = np.where(bad_rows[..., None], 0.0, q64)
     q_k = q_ok @ params.rotation if fmt.key.rotated else q_ok
     for s, slots in enumerate(ref.gather_sequences(cache_np, layout, batch.block_table, batch.seq_lens)):
         khat, _ = ref.decompress(slots, params)
         _, vhat = ref.decompress(slots, params, rotate_back=True)
         vmax = float(np.abs(vhat).max()) if vhat.size else 0.0
-        kv = np.repeat(np.abs(khat), group, axis=1)  # [n, Hq, D]
-        delta = float((2 * u / np.sqrt(d)) * np.max(np.einsum("hd,nhd->nh", np.abs(q_k[s]), kv))) if kv.size else 0.0
+        delta = rnd.logit_bound(q_k[s], khat, group)
         good = ~bad_rows[s]
         err = float(np.abs(got[s][good] - expect[s][good]).max()) if good.any() else 0.0
         tol = rnd.atol(delta, vmax)

@@ -125,15 +125,8 @@ def rounding(layout, q, *, workspace):
 def _bounds(layout, params, batch, cache, q64, s, group, rnd):
     """(logit bound δ, max|V̂|) of sequence s for its finite query rows, products rounded as ``rnd``
     (:class:`~tqkern.testing.Rounding`) says."""
-    u = rnd.dot_u
     khat, vmax, q_k = sequence_operands(layout, params, batch, cache, q64, s)
-    kv = np.repeat(np.abs(khat), group, axis=1)  # [n, Hq, D]
-    if not kv.size or not q_k.size:
-        return 0.0, vmax
-    # the largest Σ_d |q_d|·|k̂_d| over (query row, key) pairs, 64 query rows at a time ([64, Hq, n])
-    qa = np.abs(q_k)
-    pair = max(float(np.einsum("thd,nhd->thn", qa[i:i + 64], kv).max()) for i in range(0, len(qa), 64))
-    return float((2 * u / np.sqrt(layout.head_dim)) * pair), vmax
+    return rnd.logit_bound(q_k, khat, group), vmax
 
 
 def sequence_error(got, expect, layout, params, batch, cache, q64, group, s, bounds, rnd):

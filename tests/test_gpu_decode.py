@@ -9,6 +9,7 @@ import torch
 import tqkern
 import tqkern_torch as tqt
 from tqkern import reference as ref
+from tqkern.testing import Rounding
 from tqkern.ops.paged_decode.triton import decode_path
 from tqkern_torch.attention import paged_decode
 
@@ -387,12 +388,12 @@ def test_general_kernel_head_dim_256_with_gemma2_options_matches_oracle(preset, 
     got = out.float().cpu().numpy()
     assert np.all(np.isfinite(got))
     q_k = q64 @ params.rotation if fmt.key.rotated else q64
+    rnd = Rounding.of(fmt, "float16", workspace=False)
     for s, slots in enumerate(ref.gather_sequences(cache_np, layout, bt_np, sl_np)):
         lo = max(0, int(sl_np[s]) - 1 - opts["window_left"])
         khat, _ = ref.decompress(slots, params)
         _, vhat = ref.decompress(slots, params, rotate_back=True)
-        kv = np.repeat(np.abs(khat[lo:]), 2, axis=1)
-        delta = float((2 * 2.0**-11 / 16) * np.max(np.einsum("hd,nhd->nh", np.abs(q_k[s]), kv))) + 50.0 * 2.0**-21
-        tol = (4e-3 + 2 * delta) * float(np.abs(vhat[lo:]).max()) + 1e-6
+        delta = rnd.logit_bound(q_k[s], khat[lo:], 2) + 50.0 * 2.0**-21
+        tol = rnd.atol(delta, float(np.abs(vhat[lo:]).max()))
         err = float(np.abs(got[s] - want[s]).max())
         assert err <= tol, f"seq {s}: error {err:.3g} > {tol:.3g} (δ {delta:.3g})"

@@ -5,6 +5,7 @@ Expected values from the definitions: fp16 keeps 11 significant bits, bf16 8 (un
 and the workspace path perform them.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -47,3 +48,17 @@ def test_atol_adds_each_bf16_rounding_to_the_fp16_budget():
 def test_unknown_query_dtype_is_refused_by_name():
     with pytest.raises(ValueError, match=r"q_dtype must be 'float16' or 'bfloat16', got 'float32'"):
         Rounding.of(KVFormat.preset("tq4", 64), "float32", workspace=False)
+
+
+def test_logit_bound_is_the_largest_pair_over_rows_heads_and_keys():
+    """δ = 2u/√D · max Σ|q||k̂| by hand: D = 4 (√D = 2), u = 2^-11. Keys [1,1,1,1] and [0,0,3,0]
+    of one KV head, read by both query heads (group 2); a query row past the first 64 holds the
+    largest pair (|q|·[0,0,3,0] = 3·5 = 15), so the chunked scan must reach it."""
+    rnd = Rounding(dot_u=2.0**-11, bf16_steps=0)
+    khat = np.array([[[1.0, 1.0, 1.0, 1.0]], [[0.0, 0.0, 3.0, 0.0]]])  # [n = 2, Hkv = 1, D = 4]
+    q = np.zeros((70, 2, 4))
+    q[3, 0] = [1.0, -1.0, 0.0, 2.0]  # pairs 4 and 0
+    q[66, 1] = [0.0, 0.0, -5.0, 0.0]  # pairs 5 and 15
+    assert rnd.logit_bound(q, khat, 2) == 2 * 2.0**-11 / 2 * 15
+    assert rnd.logit_bound(q[3], khat, 2) == 2 * 2.0**-11 / 2 * 4  # one row [Hq, D]
+    assert rnd.logit_bound(q, khat[:0], 2) == 0.0 and rnd.logit_bound(q[:0], khat, 2) == 0.0

@@ -88,6 +88,19 @@ class Rounding:
             return cls(U_BF16 if q_bf16 or raw_bf16 else U_FP16, 3 if q_bf16 else 0)
         return cls(U_BF16 if raw_bf16 else U_FP16, 2 * raw_bf16 + q_bf16)
 
+    def logit_bound(self, q: np.ndarray, khat: np.ndarray, group: int) -> float:
+        """δ = ``2·dot_u/√D · max Σ_d |q_d|·|k̂_d|`` over every (query row, key) pair of one
+        sequence: ``q`` ``[Hq, D]`` or ``[T, Hq, D]`` in the keys' space (rotated where they are),
+        ``khat`` the decoded keys ``[n, Hkv, D]``, query head ``h`` reading KV head ``h // group``;
+        0 where either is empty."""
+        if not q.size or not khat.size:
+            return 0.0
+        qa = np.abs(q).reshape(-1, *q.shape[-2:])  # [T, Hq, D]
+        kv = np.repeat(np.abs(khat), group, axis=1)  # [n, Hq, D]
+        # 64 query rows at a time ([64, Hq, n])
+        pair = max(float(np.einsum("thd,nhd->thn", qa[i:i + 64], kv).max()) for i in range(0, len(qa), 64))
+        return float(2 * self.dot_u / np.sqrt(q.shape[-1]) * pair)
+
     def atol(self, delta: float, vmax: float) -> float:
         """The budget of an output row: ``(4e-3 + bf16_steps·(2^-8 − 2^-11) + 2δ)·max|V̂| + 1e-6``."""
         return (4e-3 + self.bf16_steps * (U_BF16 - U_FP16) + 2 * delta) * vmax + 1e-6
