@@ -6,7 +6,7 @@ A plan has three launches: the q rotation with the block-table scan (:class:`Rot
 :mod:`.rotate`), the decode kernel (:class:`KernelPlan`: the warp-MMA kernel of
 :mod:`.mma_kernel`, per warp or CTA-cooperative, or the general kernel of :mod:`.general`) and
 the merge of the splits (:class:`MergePlan`, :mod:`.merge`), with the attention options it
-applies (:class:`DecodeOptions`). Nothing here compiles or launches;
+applies (:class:`DecodeOptions`; these typed values live in :mod:`.plan_types`). Nothing here compiles or launches;
 the split count of a long launch depends on how many programs of the compiled kernel the GPU holds
 at once, which the caller supplies through ``occupancy`` (the torch launcher compiles the kernel
 for it; :mod:`.aot` compiles offline for sm_90). ``tqkern_torch.plan_decode`` returns the plan a
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional
 
 from tqkern.layouts import PagedLayout
 from tqkern.ops.codecs import DT_BF16, Kind, layout_args, layout_consts
@@ -25,6 +24,7 @@ from tqkern.ops.common import halfword_aligned
 from tqkern.ops.paged_decode.mma_plans import (DynamicSmemUnsupported, MmaPlan, _lut_bytes,
                                                coop_smem_bytes, mma_plan, num_splits_mma, per_warp_plan,
                                                two_cta_plan)
+from tqkern.ops.paged_decode.plan_types import DecodeOptions, DeviceCaps, KernelPlan, Occupancy
 from tqkern.ops.paged_decode.side_plans import (MergePlan, RotatePlan, _merge_plan, _rotate_plan, merge_chunks,
                                                 scan_split)
 
@@ -45,93 +45,6 @@ MMA_FP8_MIN_CAPABILITY = (8, 9)
 # was not profiled.
 PER_WARP_WAVE = 0.5
 _COOP_MIN_TOKENS = 1024  # tokens per split below which one-step cooperative plans may give way
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceCaps:
-    """What planning needs to know of a device. ``interpret``: Triton's CPU interpreter (no
-    inline PTX: the general kernel; one SM). ``dynamic_smem``: whether this Triton's compiled
-    kernels can be given dynamic shared memory past their own (the cooperative plans need it;
-    the launcher finds out when it first sizes one)."""
-
-    capability: tuple[int, int]
-    num_sms: int
-    smem_per_block_optin: int
-    smem_per_sm: int
-    interpret: bool = False
-    dynamic_smem: bool = True
-
-    def __post_init__(self):
-        cap = self.capability
-        if not isinstance(cap, tuple) or len(cap) != 2 or not all(isinstance(x, int) for x in cap):
-            raise TypeError(f"capability must be a (major, minor) pair of ints, got {cap!r}")
-        for name in ("num_sms", "smem_per_block_optin", "smem_per_sm"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
-
-    @classmethod
-    def sm90(cls, num_sms: int = 132) -> "DeviceCaps":
-        """An H100 SXM (sm_90, 132 SMs, 227 KB of shared memory per CTA, 228 KB per SM)."""
-        return cls(capability=(9, 0), num_sms=num_sms, smem_per_block_optin=232448, smem_per_sm=233472)
-
-    @classmethod
-    def interpreter(cls) -> "DeviceCaps":
-        """Triton's CPU interpreter."""
-        return cls(capability=(0, 0), num_sms=1, smem_per_block_optin=0, smem_per_sm=0, interpret=True,
-                   dynamic_smem=False)
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeOptions:
-    """Which attention options a launch applies (spec: :mod:`tqkern.ops.paged_decode.reference`;
-    the values are runtime arguments, so one plan serves every window, cap and sink vector):
-    ``window`` and ``softcap`` take the general kernel (the warp-MMA kernel does not apply them);
-    ``sinks`` (denominator) and ``lse`` (written normaliser) are the merge's and follow either
-    kernel, as both write the same partials (unnormalised acc, base-2 max, sum per split)."""
-
-    window: bool = False
-    softcap: bool = False
-    sinks: bool = False
-    lse: bool = False
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if not isinstance(v, bool):
-                raise TypeError(f"DecodeOptions.{f.name} must be a bool, got {type(v).__name__}")
-
-    @property
-    def general_only(self) -> bool:
-        """Whether only the general kernel applies these options (a window or a soft-cap)."""
-        return self.window or self.softcap
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelPlan:
-    """One kernel launch: ``kernel`` (``"mma"``, ``"coop"`` or ``"general"``), its grid, its
-    constexprs (name, value pairs in a fixed order) and compile options."""
-
-    kernel: str
-    grid: tuple[int, ...]
-    constexprs: tuple[tuple[str, object], ...]
-    num_warps: int
-    num_stages: int
-    maxnreg: int = 0
-
-    def constexpr(self, name: str):
-        """The value of one constexpr (``KeyError`` naming it if the plan has none)."""
-        for k, v in self.constexprs:
-            if k == name:
-                return v
-        raise KeyError(f"{self.kernel} plan has no constexpr {name!r}")
-
-    def kwargs(self) -> dict:
-        """Constexprs plus options, as Triton's launch takes them."""
-        out = dict(self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
-        if self.maxnreg:
-            out["maxnreg"] = self.maxnreg
-        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,9 +188,6 @@ def workspace_numel(num_seqs: int, num_q_heads: int, num_splits: int, dp: int) -
 
 
 # -- the plan -------------------------------------------------------------------------------------
-# CTAs of a compiled kernel plan that one SM holds; None where unknown, 0 where the kernel does not
-# fit on the device at all (its shared memory past the per-CTA opt-in).
-Occupancy = Callable[[KernelPlan], Optional[int]]
 
 
 def check_num_splits(num_splits) -> None:
