@@ -62,3 +62,11 @@ def test_logit_bound_is_the_largest_pair_over_rows_heads_and_keys():
     assert rnd.logit_bound(q, khat, 2) == 2 * 2.0**-11 / 2 * 15
     assert rnd.logit_bound(q[3], khat, 2) == 2 * 2.0**-11 / 2 * 4  # one row [Hq, D]
     assert rnd.logit_bound(q, khat[:0], 2) == 0.0 and rnd.logit_bound(q[:0], khat, 2) == 0.0
+
+
+@pytest.mark.parametrize("q_shape, k_shape, group", [((2, 4), (3, 1, 4), 1), ((2, 4), (3, 1, 5), 2),
+                                                     ((4,), (3, 1, 4), 1), ((2, 4), (3, 4), 2),
+                                                     ((2, 4), (3, 1, 4), 0)])
+def test_logit_bound_rejects_mismatched_shapes(q_shape, k_shape, group):
+    with pytest.raises(ValueError, match="group must be|q must be"):
+        Rounding(dot_u=U_FP16, bf16_steps=0).logit_bound(np.zeros(q_shape), np.zeros(k_shape), group)

@@ -93,6 +93,13 @@ class Rounding:
         sequence: ``q`` ``[Hq, D]`` or ``[T, Hq, D]`` in the keys' space (rotated where they are),
         ``khat`` the decoded keys ``[n, Hkv, D]``, query head ``h`` reading KV head ``h // group``;
         0 where either is empty."""
+        if not isinstance(group, int) or isinstance(group, bool) or group < 1:
+            raise ValueError(f"group must be a positive int, got {group!r}")
+        if q.ndim not in (2, 3) or khat.ndim != 3 or q.shape[-1] != khat.shape[-1] \
+                or q.shape[-2] != khat.shape[1] * group:
+            raise ValueError(f"q must be [Hq, D] or [T, Hq, D] and khat [n, Hkv, D] with Hq = Hkv·group = "
+                             f"{khat.shape[1] if khat.ndim == 3 else '?'}·{group}, got q {list(q.shape)}, "
+                             f"khat {list(khat.shape)}")
         if not q.size or not khat.size:
             return 0.0
         qa = np.abs(q).reshape(-1, *q.shape[-2:])  # [T, Hq, D]
