@@ -105,15 +105,36 @@ def test_options_match_oracle(kind, data):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="the warp-MMA kernel is inline PTX: GPU only")
 @given(mma_path_cases(), st.data())
-def test_sinks_and_lse_after_the_mma_kernel(case, data):
-    """Sinks and the lse are the merge's: the warp-MMA kernel keeps running with them."""
+def test_options_on_the_mma_kernel(case, data):
+    """The warp-MMA kernel applies the window and the soft-cap itself (constexprs ``WINDOW``,
+    ``SOFTCAP``); sinks and the lse are the merge's. Every option, alone or together, on the
+    layouts that take that kernel."""
     layout, params, group, batch, _, num_splits = case
-    assert not DecodeOptions(sinks=True, lse=True).general_only
     assert decode_path(layout, group, same_codebooks=tqt.to_device(params, DEV).same_codebooks) == "mma"
     hq = layout.num_kv_heads * group
-    sinks = np.array(data.draw(st.lists(st.floats(-8.0, 8.0, width=32), min_size=hq, max_size=hq), label="sinks"),
-                     np.float32)
-    opts = {"sinks": sinks} if data.draw(st.booleans(), label="with_sinks") else {}
+    opts = {}
+    n0 = int(batch.seq_lens[0])
+    if data.draw(st.booleans(), label="with_window"):
+        opts["window_left"] = data.draw(st.one_of(st.integers(0, 20), st.sampled_from([max(0, n0 - 1), n0]),
+                                                  st.integers(0, max(1, int(batch.seq_lens.max())) + 5)),
+                                        label="window_left")
+    if data.draw(st.booleans(), label="with_softcap"):
+        opts["logit_softcap"] = data.draw(st.sampled_from([0.5, 2.0, 30.0, 50.0]), label="logit_softcap")
+    if data.draw(st.booleans(), label="with_sinks"):
+        opts["sinks"] = np.array(data.draw(st.lists(st.floats(-8.0, 8.0, width=32), min_size=hq, max_size=hq),
+                                           label="sinks"), np.float32)
+    options = DecodeOptions(window="window_left" in opts, softcap="logit_softcap" in opts, sinks="sinks" in opts,
+                            lse=True)
+    plan = tqt.plan_decode(torch.zeros(len(batch.seq_lens), hq, layout.head_dim, dtype=torch.float16, device=DEV),
+                           tqt.allocate_cache(layout, batch.num_blocks, DEV),
+                           torch.from_numpy(batch.block_table).to(DEV), layout, params,
+                           num_splits=num_splits, window_left=opts.get("window_left"),
+                           logit_softcap=opts.get("logit_softcap"),
+                           sinks=None if "sinks" not in opts else torch.from_numpy(opts["sinks"]).to(DEV),
+                           return_lse=True)
+    assert plan.path == "mma" and plan.options == options
+    assert dict(plan.decode.constexprs).get("WINDOW", False) == options.window
+    assert dict(plan.decode.constexprs).get("SOFTCAP", False) == options.softcap
     _check_options_against_oracle(layout, params, group, batch, num_splits, opts, True, data)
 
 

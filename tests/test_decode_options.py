@@ -173,23 +173,27 @@ MMA_LAYOUT = tqkern.PagedLayout(format=tqkern.KVFormat.preset("tq4", 128), num_k
                                 arrangement="row")
 
 
-@pytest.mark.parametrize("opts, kernel", [
-    (DecodeOptions(), "mma"), (DecodeOptions(lse=True), "mma"), (DecodeOptions(sinks=True, lse=True), "mma"),
-    (DecodeOptions(window=True), "general"), (DecodeOptions(softcap=True), "general"),
-    (DecodeOptions(window=True, softcap=True, sinks=True, lse=True), "general")])
-def test_plan_takes_the_general_kernel_for_a_window_or_a_softcap(opts, kernel):
+@pytest.mark.parametrize("opts", [
+    DecodeOptions(), DecodeOptions(lse=True), DecodeOptions(sinks=True, lse=True), DecodeOptions(window=True),
+    DecodeOptions(softcap=True), DecodeOptions(window=True, softcap=True, sinks=True, lse=True)])
+def test_plan_keeps_the_warp_mma_kernel_with_every_option(opts):
+    """Both decode kernels apply every option (the window and the soft-cap as constexprs, which a
+    plain plan does not carry: its kernel is the one compiled before the options existed)."""
     plan = plan_decode(MMA_LAYOUT, 32, 32, 1024, DeviceCaps.sm90(), same_codebooks=True, options=opts)
-    assert plan.path == kernel and plan.options == opts
+    assert plan.path == "mma" and plan.options == opts
     assert (plan.merge.sinks, plan.merge.lse) == (opts.sinks, opts.lse)
-    if kernel == "general":
-        assert plan.decode.constexpr("WINDOW") == opts.window and plan.decode.constexpr("SOFTCAP") == opts.softcap
+    cx = dict(plan.decode.constexprs)
+    assert cx.get("WINDOW", False) == opts.window and cx.get("SOFTCAP", False) == opts.softcap
+    assert ("WINDOW" in cx) == opts.window and ("SOFTCAP" in cx) == opts.softcap
+    plain = plan_decode(MMA_LAYOUT, 32, 32, 1024, DeviceCaps.sm90(), same_codebooks=True)
+    assert {k: v for k, v in cx.items() if k not in ("WINDOW", "SOFTCAP")} == dict(plain.decode.constexprs)
+    general = plan_decode(MMA_LAYOUT, 32, 32, 1024, DeviceCaps.sm90(), same_codebooks=True, options=opts,
+                          path="general")
+    assert general.decode.constexpr("WINDOW") == opts.window and general.decode.constexpr("SOFTCAP") == opts.softcap
     assert "options" in plan.describe()
 
 
-def test_plan_rejects_mma_with_a_window_and_bad_options():
-    with pytest.raises(ValueError, match="window or a soft-cap"):
-        plan_decode(MMA_LAYOUT, 1, 32, 4, DeviceCaps.sm90(), same_codebooks=True, path="mma",
-                    options=DecodeOptions(window=True))
+def test_plan_rejects_bad_options():
     with pytest.raises(TypeError, match="options must be a DecodeOptions"):
         plan_decode(MMA_LAYOUT, 1, 32, 4, DeviceCaps.sm90(), same_codebooks=True, options={"window": True})
     with pytest.raises(TypeError, match="DecodeOptions.lse must be a bool, got int"):
@@ -198,9 +202,12 @@ def test_plan_rejects_mma_with_a_window_and_bad_options():
 
 @needs_kernels
 def test_frontend_plan_decode_reports_the_options():
+    """The options ride on the plan the call would run without them (the warp-MMA kernel on a GPU)."""
     c = Case("tq4")
     plan = tqt.plan_decode(c.q.to(DEV), c.cache, c.bt.to(DEV), c.layout, c.dp, window_left=3, return_lse=True)
-    assert plan.options == DecodeOptions(window=True, lse=True) and plan.path == "general"
+    plain = tqt.plan_decode(c.q.to(DEV), c.cache, c.bt.to(DEV), c.layout, c.dp)
+    assert plan.options == DecodeOptions(window=True, lse=True) and plan.path == plain.path
+    assert plan.path == ("mma" if DEV.type == "cuda" else "general")
 
 
 # -- the op -----------------------------------------------------------------------------------------
@@ -289,7 +296,7 @@ def test_general_tiles_give_way_where_the_device_cannot_hold_them(fits, fixed, w
         return 2 if tile in fits else 0
 
     plan = plan_decode(layout, 8, 16, 512, DeviceCaps.sm90(), same_codebooks=False, occupancy=occupancy,
-                       options=DecodeOptions(softcap=True), **fixed)
+                       options=DecodeOptions(softcap=True), path="general", **fixed)
     assert plan.decode.kernel == "general"
     assert (plan.decode.constexpr("BN"), plan.decode.num_stages) == want
     assert asked[-1] == want and asked[0] == (fixed.get("block_n", 128), fixed.get("num_stages", 2))
@@ -308,10 +315,10 @@ def test_general_tiles_at_head_dim_256(preset, arrangement, want, want128):
     fmt = tqkern.KVFormat.preset(preset, 256)
     layout = tqkern.PagedLayout(format=fmt, num_kv_heads=8, block_size=16, arrangement=arrangement)
     plan = plan_decode(layout, 8, 16, 512, DeviceCaps.sm90(), same_codebooks=False,
-                       options=DecodeOptions(softcap=True))
+                       options=DecodeOptions(softcap=True), path="general")
     assert (plan.decode.constexpr("BN"), plan.decode.num_stages) == want
     layout128 = tqkern.PagedLayout(format=tqkern.KVFormat.preset(preset, 128), num_kv_heads=8, block_size=16,
                                    arrangement=arrangement)
     plan = plan_decode(layout128, 8, 16, 512, DeviceCaps.sm90(), same_codebooks=False,
-                       options=DecodeOptions(softcap=True))
+                       options=DecodeOptions(softcap=True), path="general")
     assert (plan.decode.constexpr("BN"), plan.decode.num_stages) == want128

@@ -360,15 +360,19 @@ def _mma_matches_oracle(fmt, heads, block_size, group, expect, dtype=torch.float
     assert np.abs(out.float().cpu().numpy() - expect_out).max() <= 4e-3 * vmax
 
 
+@pytest.mark.parametrize("path", ["auto", "general"])
 @pytest.mark.parametrize("arrangement", ["slot", "row"])
 @pytest.mark.parametrize("preset", ["fp16"] + _D256_PRESETS)
-def test_general_kernel_head_dim_256_with_gemma2_options_matches_oracle(preset, arrangement):
-    """Gemma-2-9B's decode (head_dim 256, 8 KV heads, GQA 2, logit soft-cap 50, a 4096-token window
-    on its local layers) takes the general kernel: every preset and arrangement compiles into a
-    tile the device holds (session 49: row-arranged turboquant_k3v4_nc asked 238 KB of shared
-    memory at BN 128 with 2 stages and failed to load) and matches the oracle with the options.
-    Tolerance ``(4e-3 + 2δ)·max|V̂|`` (δ: the fp16 dot's logit error bound,
-    ``property_tests/test_paged_decode_options.py``)."""
+def test_head_dim_256_with_gemma2_options_matches_oracle(preset, arrangement, path):
+    """Gemma-2-9B's decode (head_dim 256, 8 KV heads, GQA 2, logit soft-cap 50, a 200-token window
+    as on its local layers) on the plan's kernel (``"auto"``: the warp-MMA kernel where it takes the
+    layout, which applies both options since session 49) and on the general kernel: every preset and
+    arrangement compiles into a tile the device holds (session 49: row-arranged turboquant_k3v4_nc
+    asked 238 KB of shared memory at BN 128 with 2 stages and failed to load) and matches the
+    oracle with the options. Tolerance ``(4e-3 + 2δ)·max|V̂|`` (δ: the fp16 dot's logit error
+    bound, ``property_tests/test_paged_decode_options.py``)."""
+    from tqkern.ops.paged_decode.triton import _launch_paged_decode
+
     fmt = tqkern.KVFormat.preset(preset, 256)
     layout = tqkern.PagedLayout(format=fmt, num_kv_heads=8, block_size=16, arrangement=arrangement)
     params = tqkern.TQParams.default(fmt)
@@ -380,9 +384,18 @@ def test_general_kernel_head_dim_256_with_gemma2_options_matches_oracle(preset, 
     cache = _fill(layout, p, 4 * max_blocks + 3, seq_lens, bt, seed=3)
     q = torch.randn(4, 16, 256, device="cuda", dtype=torch.float16, generator=g)
     opts = dict(logit_softcap=50.0, window_left=200)
-    plan = tqt.plan_decode(q, cache, bt, layout, p, **opts)
-    assert plan.decode.kernel == "general"
-    out = paged_decode(q, cache, bt, seq_lens, layout, p, **opts)
+    if path == "auto":
+        plan = tqt.plan_decode(q, cache, bt, layout, p, **opts)
+        plain = tqt.plan_decode(q, cache, bt, layout, p)
+        assert plan.path == plain.path and plan.path == ("general" if preset == "fp16" else "mma")
+        out = paged_decode(q, cache, bt, seq_lens, layout, p, **opts)
+    else:
+        q_rot = q.float() @ p.rotation if fmt.key.rotated else q.float()
+        tables = {"rotation": p.rotation, "key_centroids_f32": p.key_centroids_f32,
+                  "value_centroids_f32": p.value_centroids_f32}
+        out = torch.full_like(q_rot, float("nan"))
+        _launch_paged_decode(out, q_rot.contiguous(), cache, bt, seq_lens, layout, tables, sm_scale=256**-0.5,
+                             same_codebooks=p.same_codebooks, path="general", **opts)
     q64, cache_np, bt_np, sl_np = q.double().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(), seq_lens.cpu().numpy()
     want = ref.paged_decode(q64, cache_np, bt_np, sl_np, layout, params, **opts)
     got = out.float().cpu().numpy()

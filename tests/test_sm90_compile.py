@@ -1,5 +1,5 @@
 """CI sees the GPU kernels: every warp-MMA decode plan the launcher can emit for the benchmark
-presets, and the general kernel for fp16 (with and without a window and a soft-cap), compiled
+presets (two with a window and a soft-cap), and the general kernel for fp16 (with and without them), compiled
 for sm_90 (H100) with Triton's bundled ptxas, on a machine without a GPU.
 
 For each compiled kernel: it compiles; its registers stay within the cap the launcher sets
@@ -100,6 +100,14 @@ BUDGETS = {
     # (S30) a 232-register cap for 3-bit values, none for k5v4h's 4-bit values (254 registers)
     "mma:tqkern_k5v3:slot:256:8:16:per_warp": (0, 2072),
     "mma:k5v4h:slot:256:8:16:per_warp": (0, 2136),
+    # (S49) the window and the soft-cap on the warp-MMA kernel: Gemma-2-9B's both (234 / 231 registers,
+    # uncapped at D256, as without them), a Mistral-style window on the default k5v4h (the cooperative
+    # plan spills 24 bytes at its 128-register cap under Triton 3.9, 8 under 3.6 as without the window)
+    "mma:turboquant_4bit_nc:slot:256:8:16:window+softcap:per_warp": (0, 1696),
+    "mma:turboquant_4bit_nc:slot:256:8:16:window+softcap:coop": (0, 2240),
+    "mma:k5v4h:slot:128:8:32:window:per_warp": (0, 2056),
+    "mma:k5v4h:slot:128:8:32:window:coop": (24, 1984),
+    "mma:k5v4h:slot:128:8:32:window:coop2": (0, 1888),
     "general:fp16:slot:128:8:32": (0, 952),
     # a window and a soft-cap (paged_decode(window_left=, logit_softcap=)): 132 registers, 105 without
     "general:fp16:slot:128:8:32:window+softcap": (0, 1096),
@@ -122,6 +130,7 @@ def _cases() -> list[str]:
     cases += ["mma:tq4:row:96:16:16"] + [f"mma:{p}:slot:96:16:16" for p in ("turboquant_4bit_nc", "turboquant_k8v4",
                                                                           "turboquant_k3v4_nc")]
     cases += ["mma:tq4:row:96:3:3", "mma:tqkern_k5v3:slot:256:8:16", "mma:k5v4h:slot:256:8:16"]
+    cases += ["mma:turboquant_4bit_nc:slot:256:8:16:window+softcap", "mma:k5v4h:slot:128:8:32:window"]
     cases += ["general:fp16:slot:128:8:32", "general:fp16:slot:128:8:32:window+softcap"]
     return cases
 

@@ -79,10 +79,10 @@ def _compile(fn, constexprs: dict, options: dict, specialize: bool):
 
 def mma_launch(layout, hq: int, plan, **launch) -> tuple[dict, dict]:
     """(constexprs, compile options) of a warp-MMA launch of ``plan`` (``launch``: the
-    launcher's optional ``warps``, ``prefetch``, ``hint``, ``maxnreg``), from the decode plan's
-    :func:`~tqkern.ops.paged_decode.plan.mma_kernel_plan`."""
+    launcher's optional ``warps``, ``prefetch``, ``hint``, ``maxnreg``, ``options``), from the
+    decode plan's :func:`~tqkern.ops.paged_decode.plan.mma_kernel_plan`."""
     k = mma_kernel_plan(layout, plan, 1, hq, 1, warps=launch.get("warps", 4), prefetch=launch.get("prefetch"),
-                        hint=launch.get("hint", 1), maxnreg=launch.get("maxnreg"))
+                        hint=launch.get("hint", 1), maxnreg=launch.get("maxnreg"), options=launch.get("options"))
     kw = k.kwargs()
     opts = {k: kw.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kw}
     return kw, opts
@@ -189,10 +189,10 @@ def histogram(sass: str) -> collections.Counter:
 
 
 def report(case: str) -> list[dict]:
-    """Compile one case and report each kernel: ``case`` is ``"mma:PRESET:ARRANGEMENT:D:HKV:HQ"``
+    """Compile one case and report each kernel: ``case`` is ``"mma:PRESET:ARRANGEMENT:D:HKV:HQ[:OPTIONS]"``
     (every plan of :func:`launcher_plans`) or ``"general:PRESET:ARRANGEMENT:D:HKV:HQ[:OPTIONS]"``
-    (the general kernel; ``OPTIONS``: :class:`~.plan.DecodeOptions` fields joined by ``+``, e.g.
-    ``window+softcap``). Each report: ``name``, ``regs``, ``stack`` (bytes), ``instrs`` (SASS
+    (the general kernel); ``OPTIONS``: :class:`~.plan.DecodeOptions` fields joined by ``+``, e.g.
+    ``window+softcap``. Each report: ``name``, ``regs``, ``stack`` (bytes), ``instrs`` (SASS
     instructions), ``maxnreg`` (the launcher's register cap, 0 for none)."""
     import tqkern
 
@@ -200,8 +200,8 @@ def report(case: str) -> list[dict]:
     d, hkv, hq = int(d), int(hkv), int(hq)
     launch = {}
     if opts:
-        if kind != "general" or len(opts) != 1:
-            raise ValueError(f"only a general case takes options (one field, names joined by '+'), got {case!r}")
+        if len(opts) != 1:
+            raise ValueError(f"a case takes one options field (names joined by '+'), got {case!r}")
         from tqkern.ops.paged_decode.plan import DecodeOptions
 
         launch["options"] = DecodeOptions(**{name: True for name in opts[0].split("+")})
@@ -220,7 +220,7 @@ def report(case: str) -> list[dict]:
         if plan is None:
             compiled, (_, opts) = compile_general(layout, hq, **launch), general_launch(layout, hq, **launch)
         else:
-            compiled, (_, opts) = compile_mma(layout, hq, plan), mma_launch(layout, hq, plan)
+            compiled, (_, opts) = compile_mma(layout, hq, plan, **launch), mma_launch(layout, hq, plan, **launch)
         regs, stack = resources(compiled)
         out.append(dict(name=name, regs=regs, stack=stack, instrs=sum(histogram(sass_of(compiled)).values()),
                         maxnreg=int(opts.get("maxnreg", 0))))

@@ -355,16 +355,38 @@ def _values(o, o2, v0, v1, v2, v3, pb0, pb1, pc0, pc1, lb, v_sh_e, v_sh_o, NVW: 
 
 
 @triton.jit
-def _scaled_scores(sv, cn, fac, ok0, ok1, sm_scale_log2, K_NC: tl.constexpr):
+def _scaled_scores(sv, cn, fac, ok0, ok1, sm_scale_log2, K_NC: tl.constexpr, SOFTCAP: tl.constexpr, softcap_scale,
+                   softcap_cap):
     """Base-2 scores of tokens r (``ok0``) and r + 8 (``ok1``), heads 2c / 2c+1: the key factors
-    (and the decode-time norm correction) applied, −inf past the range."""
-    f0 = fac[0] * sm_scale_log2
-    f1 = fac[1] * sm_scale_log2
+    (and the decode-time norm correction) applied, −inf outside the range. ``SOFTCAP``: the
+    logit a becomes c·tanh(a/c), in base 2 ``softcap_cap·tanh`` with ``softcap_cap = c·log2(e)``
+    and y = ``softcap_scale``·(the dot) = 2·log2(e)·a/c, as the general kernel computes it."""
+    mul = softcap_scale if SOFTCAP else sm_scale_log2
+    f0 = fac[0] * mul
+    f1 = fac[1] * mul
     if K_NC:
         f0 = f0 * tl.rsqrt(tl.maximum(cn[0], 1e-30))
         f1 = f1 * tl.rsqrt(tl.maximum(cn[2], 1e-30))
-    return (tl.where(ok0, sv[0] * f0, float("-inf")), tl.where(ok0, sv[1] * f0, float("-inf")),
-            tl.where(ok1, sv[2] * f1, float("-inf")), tl.where(ok1, sv[3] * f1, float("-inf")))
+    a0 = sv[0] * f0
+    a1 = sv[1] * f0
+    a2 = sv[2] * f1
+    a3 = sv[3] * f1
+    if SOFTCAP:
+        a0 = _softcap(a0, softcap_cap)
+        a1 = _softcap(a1, softcap_cap)
+        a2 = _softcap(a2, softcap_cap)
+        a3 = _softcap(a3, softcap_cap)
+    return (tl.where(ok0, a0, float("-inf")), tl.where(ok0, a1, float("-inf")),
+            tl.where(ok1, a2, float("-inf")), tl.where(ok1, a3, float("-inf")))
+
+
+@triton.jit
+def _softcap(y, cap):
+    """``cap·tanh(a/c)`` of ``y = 2·log2(e)·a/c``: with t = 2^−|y| = e^(−2|a|/c), tanh(|a|/c) =
+    (1 − t)/(1 + t), signed (no overflow for any y; the general kernel's form)."""
+    t = tl.exp2(-tl.abs(y))
+    th = (1.0 - t) / (1.0 + t)
+    return tl.where(y < 0, -th, th) * cap
 
 
 @triton.jit

@@ -80,10 +80,10 @@ from tqkern.ops.paged_decode.mma_loads import (LaneGeometry, _byte_masks, _coop_
 __all__ = ["_paged_decode_mma_kernel", "_paged_decode_coop_kernel"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window_left"])
 def _paged_decode_mma_kernel(
     q_ptr, cache_ptr, bt_ptr, sl_ptr, cen_ptr, vcen_ptr, acc_ptr, ml_ptr,
-    num_seqs, max_blocks, sm_scale_log2, NUM_SPLITS,
+    num_seqs, max_blocks, sm_scale_log2, NUM_SPLITS, window_left, softcap_scale, softcap_cap,
     G: tl.constexpr, HKV: tl.constexpr, HQ: tl.constexpr, WARPS: tl.constexpr,
     BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr,
     K_A_OFF: tl.constexpr, K_A_STRIDE: tl.constexpr, K_B_OFF: tl.constexpr, K_B_STRIDE: tl.constexpr,
@@ -95,7 +95,7 @@ def _paged_decode_mma_kernel(
     PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0, SUB: tl.constexpr = 1,
     COOP: tl.constexpr = 0, RS: tl.constexpr = 0, SMEM_OFF: tl.constexpr = 0, LUT_AT: tl.constexpr = 0,
     NLOW: tl.constexpr = 0, LATE_V: tl.constexpr = 0, GS: tl.constexpr = 1, QT: tl.constexpr = 1,
-    K_AT: tl.constexpr = 0,
+    K_AT: tl.constexpr = 0, WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     NT: tl.constexpr = 32 * WARPS
     K3: tl.constexpr = K_BITS == 3
@@ -134,8 +134,16 @@ def _paged_decode_mma_kernel(
     split = (item // HKV) % NUM_SPLITS
     s = item // (HKV * NUM_SPLITS)
     seq_len = tl.minimum(tl.load(sl_ptr + s), max_blocks * BS)
-    per = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), 16) * 16
-    start = split * per
+    if WINDOW:  # keys first .. seq_len − 1 (the query at seq_len − 1; window_left < 2^30), split from
+        # the step holding the first (steps start at multiples of 16); the keys before it masked
+        first = tl.maximum(seq_len - 1 - window_left, 0)
+        base = first - first % 16
+        per = tl.cdiv(tl.cdiv(seq_len - base, NUM_SPLITS), 16) * 16
+        start = base + split * per
+    else:
+        first = seq_len * 0
+        per = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), 16) * 16
+        start = split * per
     end = tl.where(live, tl.minimum(start + per, seq_len), start)
     n_steps = tl.max(tl.maximum(tl.cdiv(end - start, 16), 0), axis=0)  # the CTA's longest range
     bt_row = bt_ptr + s.to(tl.int64) * max_blocks
@@ -332,10 +340,15 @@ def _paged_decode_mma_kernel(
                 blk = _step_block(bt_row, tn + 16, end, BS)
             ok0 = (t0 + 16 * u + r) < end
             ok1 = (t0 + 16 * u + r + 8) < end
+            if WINDOW:
+                ok0 = ok0 & (t0 + 16 * u + r >= first)
+                ok1 = ok1 & (t0 + 16 * u + r + 8 >= first)
             sv, sv2, cn = _scores(k0, k1, qf, lbk, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN, LUT_AT > 0,
                                   NQ, QT)
-            s0, s1, s2, s3 = _scaled_scores(sv, cn, fac, ok0, ok1, sm_scale_log2, K_NC)
-            e0, e1, e2, e3 = _scaled_scores(sv2, cn, fac, ok0, ok1, sm_scale_log2, K_NC)  # (QT = 2: tile 1)
+            s0, s1, s2, s3 = _scaled_scores(sv, cn, fac, ok0, ok1, sm_scale_log2, K_NC, SOFTCAP, softcap_scale,
+                                            softcap_cap)
+            e0, e1, e2, e3 = _scaled_scores(sv2, cn, fac, ok0, ok1, sm_scale_log2, K_NC, SOFTCAP, softcap_scale,
+                                            softcap_cap)  # (QT = 2: tile 1)
             vf0 = tl.where(ok0, fac[2], 0.0)
             vf1 = tl.where(ok1, fac[3], 0.0)
             if u == 0:
@@ -486,4 +499,4 @@ def _store_partials(acc_ptr, ml_ptr, o, m_e, m_o, l_e, l_o, z_e, z_o, vmax, head
 _paged_decode_coop_kernel = triton.jit(
     _paged_decode_mma_kernel.fn,
     do_not_specialize=["q_ptr", "cache_ptr", "bt_ptr", "sl_ptr", "cen_ptr", "vcen_ptr", "acc_ptr", "ml_ptr", "num_seqs",
-                       "max_blocks", "sm_scale_log2", "NUM_SPLITS"])
+                       "max_blocks", "sm_scale_log2", "NUM_SPLITS", "window_left", "softcap_scale", "softcap_cap"])

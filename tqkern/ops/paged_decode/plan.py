@@ -16,6 +16,7 @@ call would run; ``tqkern plan`` prints one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from tqkern.layouts import PagedLayout
@@ -210,8 +211,8 @@ def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks
     ``None`` if unknown — it may raise :class:`.mma_plans.DynamicSmemUnsupported` for a cooperative
     plan, which then gives way to the per-warp kernel). ``block_n``, ``num_warps``,
     ``num_stages``, ``maxnreg``: the general kernel's tile options (defaults measured).
-    ``options``: the attention options (:class:`DecodeOptions`, default none); a window or a
-    soft-cap takes the general kernel (``path="mma"`` then raises ``ValueError``).
+    ``options``: the attention options (:class:`DecodeOptions`, default none), applied by
+    either kernel.
     ``signed_sylvester``: the rotation is ``diag(s)·H/√D`` (``DeviceParams.signed_sylvester``):
     the q rotation and the merge's rotate-back may run as the Walsh–Hadamard transform
     (:func:`.side_plans.q_transform`, :func:`.side_plans.merge_transform`)."""
@@ -234,11 +235,6 @@ def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks
         options = DecodeOptions()
     if not isinstance(options, DecodeOptions):
         raise TypeError(f"options must be a DecodeOptions or None, got {type(options).__name__}")
-    if path == "mma" and options.general_only:
-        raise ValueError("the warp-MMA decode kernel does not apply a window or a soft-cap: path must be "
-                         f"'auto' or 'general' with {options}")
-    if options.general_only:
-        path = "general"
     g = num_q_heads // hkv
     occupancy = occupancy or (lambda kernel: None)
     decode = None
@@ -248,7 +244,8 @@ def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks
         if path == "mma" and not mma:
             raise ValueError("the warp-MMA decode kernel does not apply to this layout/group/device")
         if mma:
-            decode, num_splits = _mma_decode(layout, num_seqs, num_q_heads, max_blocks, caps, num_splits, occupancy)
+            decode, num_splits = _mma_decode(layout, num_seqs, num_q_heads, max_blocks, caps, num_splits, occupancy,
+                                             options)
     if decode is None:
         decode, num_splits = _general_decode(layout, num_seqs, num_q_heads, max_blocks, caps, num_splits, occupancy,
                                              block_n, num_warps, num_stages, maxnreg, options)
@@ -262,10 +259,12 @@ def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks
 
 
 def mma_kernel_plan(layout, plan: MmaPlan, num_seqs: int, num_q_heads: int, num_splits: int, *, warps: int = 4,
-                    prefetch: int | None = None, hint: int = 1, maxnreg: int | None = None) -> KernelPlan:
+                    prefetch: int | None = None, hint: int = 1, maxnreg: int | None = None,
+                    options: DecodeOptions | None = None) -> KernelPlan:
     """The launch of the warp-MMA kernel for an :func:`.mma_plans.mma_plan` ``plan``: a
     cooperative plan runs one CTA per (sequence, split) with a warp per KV head, the per-warp
-    kernel one warp per (sequence, KV head, split)."""
+    kernel one warp per (sequence, KV head, split). ``options``: the window and soft-cap
+    constexprs (:meth:`DecodeOptions.constexprs`)."""
     hkv = layout.num_kv_heads
     coop = bool(plan.COOP)
     if coop:  # one warp per KV head of a (sequence, split)
@@ -297,24 +296,25 @@ def mma_kernel_plan(layout, plan: MmaPlan, num_seqs: int, num_q_heads: int, num_
             maxnreg = 0
     heads = hkv * plan.GS  # the kernel's work items per (sequence, split): (KV head, query-head group) pairs
     cx = dict(G=num_q_heads // (heads * plan.QT), HKV=heads, HQ=num_q_heads, WARPS=warps, BS=layout.block_size,
-              PREFETCH=prefetch, HINT=hint, **plan.constexprs())
+              PREFETCH=prefetch, HINT=hint, **plan.constexprs(), **(options or DecodeOptions()).constexprs())
     total = num_seqs * heads * num_splits
     grid = (num_seqs * num_splits,) if coop else (-(-total // warps),)
     return KernelPlan(kernel="coop" if coop else "mma", grid=grid, constexprs=tuple(cx.items()), num_warps=warps,
                       num_stages=1, maxnreg=maxnreg or 0)
 
 
-def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy):
+def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options):
     g = hq // layout.num_kv_heads
+    kernel_plan = functools.partial(mma_kernel_plan, options=options)
     plan = mma_plan(layout, g)
     if plan.COOP and (not caps.dynamic_smem or coop_smem_bytes(plan) > caps.smem_per_block_optin):
         plan = per_warp_plan(plan)
     if num_splits is not None:
-        return mma_kernel_plan(layout, plan, s, hq, num_splits), num_splits
+        return kernel_plan(layout, plan, s, hq, num_splits), num_splits
     max_len = max_blocks * layout.block_size
 
     def splits_for(p):
-        k = mma_kernel_plan(layout, p, s, hq, 1)
+        k = kernel_plan(layout, p, s, hq, 1)
         ctas = occupancy(k)
         if ctas is None:  # unknown: a conservative 8 warps per SM (speed, never correctness)
             ctas = max(1, 8 // k.num_warps)
@@ -347,13 +347,13 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy):
     two = two_cta_plan(plan, layout) if plan.COOP else None
     if two is not None:
         try:
-            fits = (occupancy(mma_kernel_plan(layout, two, s, hq, 1)) or 1) >= 2
+            fits = (occupancy(kernel_plan(layout, two, s, hq, 1)) or 1) >= 2
             m = splits_for(two) if fits else 0
         except DynamicSmemUnsupported:
             m = 0
         if m and s * m > caps.num_sms and max_len >= _COOP_MIN_TOKENS * m:
             plan, n = two, m
-    return mma_kernel_plan(layout, plan, s, hq, n), n
+    return kernel_plan(layout, plan, s, hq, n), n
 
 
 def _general_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, block_n, num_warps, num_stages, maxnreg,

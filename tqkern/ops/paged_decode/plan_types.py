@@ -50,7 +50,8 @@ class DeviceCaps:
 class DecodeOptions:
     """Which attention options a launch applies (spec: :mod:`tqkern.ops.paged_decode.reference`;
     the values are runtime arguments, so one plan serves every window, cap and sink vector):
-    ``window`` and ``softcap`` take the general kernel (the warp-MMA kernel does not apply them);
+    ``window`` and ``softcap`` are constexprs of both decode kernels (their plain kernels are
+    compiled without them);
     ``sinks`` (denominator) and ``lse`` (written normaliser) are the merge's and follow either
     kernel, as both write the same partials (unnormalised acc, base-2 max, sum per split)."""
 
@@ -65,10 +66,10 @@ class DecodeOptions:
             if not isinstance(v, bool):
                 raise TypeError(f"DecodeOptions.{f.name} must be a bool, got {type(v).__name__}")
 
-    @property
-    def general_only(self) -> bool:
-        """Whether only the general kernel applies these options (a window or a soft-cap)."""
-        return self.window or self.softcap
+    def constexprs(self) -> dict:
+        """The warp-MMA kernel's constexprs of these options: ``WINDOW`` and ``SOFTCAP`` where on
+        (none when off, so that a plain plan and its kernel are the ones before the options)."""
+        return {k: True for k, on in (("WINDOW", self.window), ("SOFTCAP", self.softcap)) if on}
 
 
 @dataclasses.dataclass(frozen=True)

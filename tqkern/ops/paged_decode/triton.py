@@ -129,7 +129,7 @@ def decode_options(window_left=None, logit_softcap=None, sinks=None, lse=None) -
 
 
 def _option_args(window_left, logit_softcap, sm_scale: float) -> tuple:
-    """The general kernel's option arguments ``(window_left, softcap_scale, softcap_cap)``: the
+    """The decode kernels' option arguments ``(window_left, softcap_scale, softcap_cap)``: the
     window clamped to 2^30 (no sequence is longer), ``2·scale·log2(e)/c`` and ``c·log2(e)``."""
     if logit_softcap is None:
         scale_c, cap = 0.0, 0.0
@@ -186,7 +186,7 @@ def prepare(layout: PagedLayout, q_rot, cache, block_table, seq_lens, tables, *,
 
 
 def _decode_args(kernel, q_rot, cache, block_table, seq_lens, tables, acc, ml, sm_scale, num_splits):
-    """Runtime arguments of a decode kernel, in its order (the general kernel's options off)."""
+    """Runtime arguments of a decode kernel, in its order (the options off)."""
     scale = sm_scale * 1.4426950408889634
     if kernel.kernel == "general":
         return (q_rot, cache, block_table, seq_lens, tables["key_centroids_f32"], tables["value_centroids_f32"],
@@ -194,7 +194,7 @@ def _decode_args(kernel, q_rot, cache, block_table, seq_lens, tables, acc, ml, s
     two = dict(kernel.constexprs)
     vcen = tables["value_centroids_f32"] if two.get("K_AT") and not two["V_UNIFORM"] else tables["key_centroids_f32"]
     return (q_rot, cache, block_table, seq_lens, tables["key_centroids_f32"], vcen, acc, ml, q_rot.shape[0],
-            block_table.shape[1], scale, num_splits)
+            block_table.shape[1], scale, num_splits, 0, 0.0, 0.0)
 
 
 def _decode_and_merge(prep: Prepared, out, q_rot, cache, safe_table, seq_lens, tables, sm_scale, workspace, poison,
@@ -212,7 +212,8 @@ def _decode_and_merge(prep: Prepared, out, q_rot, cache, safe_table, seq_lens, t
                            safe_table.shape[1], scale, 0, *_option_args(window_left, logit_softcap, sm_scale))
     else:
         prep.decode.launch(stream, q_rot, cache, safe_table, seq_lens, tables["key_centroids_f32"], vcen, acc, ml, s,
-                           safe_table.shape[1], scale, plan.num_splits)
+                           safe_table.shape[1], scale, plan.num_splits,
+                           *_option_args(window_left, logit_softcap, sm_scale))
     rot = tables["rotation"]
     sink_arg, lse_arg = ml if sinks is None else sinks, ml if lse is None else lse  # (unread when off)
     if plan.merge.impl == "row":
@@ -284,14 +285,16 @@ def _launch_paged_decode(out, q_rot, cache, block_table, seq_lens, layout, table
 
 
 def launch_mma_plan(q_rot, cache, block_table, seq_lens, layout, plan: dict, tables, acc, ml, *, num_splits: int,
-                    sm_scale: float) -> None:
+                    sm_scale: float, window_left: int | None = None, logit_softcap: float | None = None) -> None:
     """Launch the warp-MMA kernel for any :func:`.mma_plans.mma_plan`-style ``plan`` (per-warp or
-    cooperative), partials only, through a fresh launcher (tests comparing plans bit for bit)."""
+    cooperative), partials only, through a fresh launcher (tests comparing plans bit for bit),
+    with the window and soft-cap where given."""
     from tqkern.ops.paged_decode.plan import mma_kernel_plan
 
-    kernel = mma_kernel_plan(layout, plan, q_rot.shape[0], q_rot.shape[1], num_splits)
-    _launcher(kernel)(*_decode_args(kernel, q_rot, cache, block_table, seq_lens, tables, acc, ml, sm_scale,
-                                    num_splits))
+    kernel = mma_kernel_plan(layout, plan, q_rot.shape[0], q_rot.shape[1], num_splits,
+                             options=decode_options(window_left, logit_softcap))
+    args = _decode_args(kernel, q_rot, cache, block_table, seq_lens, tables, acc, ml, sm_scale, num_splits)
+    _launcher(kernel)(*args[:-3], *_option_args(window_left, logit_softcap, sm_scale))
 
 
 def check_workspace(workspace, s: int, hq: int, num_splits: int, dp: int) -> int:
