@@ -2,7 +2,8 @@
 thread (``[32·WARPS]``), mostly inline PTX: the code decoders (4-, 3- and 5-bit Lloyd-Max pairs
 through the pair table of :mod:`.mma_table`, 2- and 3-bit value pairs, uniform codes as subnormal
 fp16, FP8 pairs) that turn a lane's words into fp16 MMA fragments, ``mma.sync`` and the warp
-reductions, and the per-step math (scores, values, their scaling, the rescale)."""
+reductions, the per-step math (scores, values, their scaling and soft-cap, the rescale), and the
+store of a split's partials."""
 
 from __future__ import annotations
 
@@ -415,3 +416,55 @@ def _dim_of(f, e, NIBBLE: tl.constexpr):
     if NIBBLE:
         return 2 * f + 1 - e
     return 2 * f + e
+
+
+@triton.jit
+def _store_partials(acc_ptr, ml_ptr, o, m_e, m_o, l_e, l_o, z_e, z_o, vmax, head_e, split, live, r, c, v_mis,
+                    NUM_SPLITS, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, NIBBLE: tl.constexpr,
+                    V_UNIFORM: tl.constexpr, V_BITS: tl.constexpr, V_FUN: tl.constexpr, CV: tl.constexpr,
+                    NMT: tl.constexpr):
+    """One query column tile's partials: O^T (heads ``head_e`` = query head of column 2c, and the
+    next), its running max and sum (reduced over the warp here) for this split."""
+    l_e = _warp_sum_r(l_e)
+    l_o = _warp_sum_r(l_o)
+    if V_UNIFORM:
+        z_e = _warp_sum_r(z_e)
+        z_o = _warp_sum_r(z_o)
+    if V_UNIFORM:
+        sc_lo = vmax * 16777216.0  # 2^24: the low nibbles were subnormals j·2^-24
+        sc_hi = vmax * 1048576.0  # 2^20: the high nibbles 16j·2^-24
+    else:
+        sc_lo = vmax
+        sc_hi = vmax
+    part_e = head_e.to(tl.int64) * NUM_SPLITS + split
+    part_o = part_e + NUM_SPLITS
+    ok_e = live & (2 * c < G)
+    ok_o = live & (2 * c + 1 < G)
+    for i in tl.static_range(NMT):
+        if V_BITS != 4:  # codes 2i, 2i + 1 of the lane's chunk; uniform code k was code·2^(3k mod 8 - 24)
+            d_lo = r * (D // 8) + 2 * i
+            d_hi = d_lo + 1
+            if V_UNIFORM:
+                s_lo = vmax * (16777216.0 / (1 << ((6 * i) % 8)))
+                s_hi = vmax * (16777216.0 / (1 << ((6 * i + 3) % 8)))
+            else:
+                s_lo = sc_lo
+                s_hi = sc_hi
+        else:
+            if V_FUN:
+                f = CV * r + i
+            else:
+                f = (CV * (r + 1) + i - v_mis) % (8 * CV)
+            d_lo = _dim_of(f, 0, NIBBLE)
+            d_hi = _dim_of(f, 1, NIBBLE)
+            s_lo = sc_lo
+            s_hi = sc_hi
+        tl.store(acc_ptr + part_e * DP + d_lo, o[4 * i] * s_lo + z_e, mask=ok_e)
+        tl.store(acc_ptr + part_o * DP + d_lo, o[4 * i + 1] * s_lo + z_o, mask=ok_o)
+        tl.store(acc_ptr + part_e * DP + d_hi, o[4 * i + 2] * s_hi + z_e, mask=ok_e)
+        tl.store(acc_ptr + part_o * DP + d_hi, o[4 * i + 3] * s_hi + z_o, mask=ok_o)
+    first = r == 0
+    tl.store(ml_ptr + part_e * 2, tl.where(l_e > 0, m_e, float("-inf")), mask=ok_e & first)
+    tl.store(ml_ptr + part_e * 2 + 1, l_e, mask=ok_e & first)
+    tl.store(ml_ptr + part_o * 2, tl.where(l_o > 0, m_o, float("-inf")), mask=ok_o & first)
+    tl.store(ml_ptr + part_o * 2 + 1, l_o, mask=ok_o & first)

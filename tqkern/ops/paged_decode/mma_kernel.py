@@ -62,7 +62,7 @@ Partials (unnormalised acc, base-2 max, sum) go to the workspace of
 GPU only (inline PTX); the CPU interpreter runs the general kernel instead.
 
 This module holds the kernel only. Its pieces: :mod:`.mma_table` (the pair table),
-:mod:`.mma_fragments` (the code decoders, the MMA and the per-step math) and :mod:`.mma_loads` (a
+:mod:`.mma_fragments` (the code decoders, the MMA, the per-step math and the partials' store) and :mod:`.mma_loads` (a
 step's reads, the cooperative stages); its plans (the constexprs): :mod:`.mma_plans`; its launcher: :mod:`.mma_launch`.
 """
 
@@ -72,7 +72,7 @@ import triton
 import triton.language as tl
 
 from tqkern.ops.paged_decode.mma_fragments import (_accumulate, _dim_of, _p_fragments, _pack2, _rescale,
-                                                   _scaled_scores, _scores, _values, _warp_max_r, _warp_sum_r)
+                                                   _scaled_scores, _scores, _store_partials, _values, _warp_max_r)
 from tqkern.ops.paged_decode.mma_table import _lut_barrier, _lut_declare, _lut_fill, _lut_fill_at, _lut_fill_k5
 from tqkern.ops.paged_decode.mma_loads import (LaneGeometry, _byte_masks, _coop_issue, _coop_wait, _load_step,
                                                _smem_base, _stage, _step_block, _step_blocks)
@@ -439,58 +439,6 @@ def _paged_decode_mma_kernel(
             _store_partials(acc_ptr, ml_ptr, o2, m_e2, m_o2, l_e2, l_o2, z_e2, z_o2, vmax,
                             (s * HQ + (h * QT + 1) * G + 2 * c), split, live, r, c, v_mis, NUM_SPLITS, G, D, DP,
                             NIBBLE, V_UNIFORM, V_BITS, V_FUN, CV, NMT)
-
-
-@triton.jit
-def _store_partials(acc_ptr, ml_ptr, o, m_e, m_o, l_e, l_o, z_e, z_o, vmax, head_e, split, live, r, c, v_mis,
-                    NUM_SPLITS, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, NIBBLE: tl.constexpr,
-                    V_UNIFORM: tl.constexpr, V_BITS: tl.constexpr, V_FUN: tl.constexpr, CV: tl.constexpr,
-                    NMT: tl.constexpr):
-    """One query column tile's partials: O^T (heads ``head_e`` = query head of column 2c, and the
-    next), its running max and sum (reduced over the warp here) for this split."""
-    l_e = _warp_sum_r(l_e)
-    l_o = _warp_sum_r(l_o)
-    if V_UNIFORM:
-        z_e = _warp_sum_r(z_e)
-        z_o = _warp_sum_r(z_o)
-    if V_UNIFORM:
-        sc_lo = vmax * 16777216.0  # 2^24: the low nibbles were subnormals j·2^-24
-        sc_hi = vmax * 1048576.0  # 2^20: the high nibbles 16j·2^-24
-    else:
-        sc_lo = vmax
-        sc_hi = vmax
-    part_e = head_e.to(tl.int64) * NUM_SPLITS + split
-    part_o = part_e + NUM_SPLITS
-    ok_e = live & (2 * c < G)
-    ok_o = live & (2 * c + 1 < G)
-    for i in tl.static_range(NMT):
-        if V_BITS != 4:  # codes 2i, 2i + 1 of the lane's chunk; uniform code k was code·2^(3k mod 8 - 24)
-            d_lo = r * (D // 8) + 2 * i
-            d_hi = d_lo + 1
-            if V_UNIFORM:
-                s_lo = vmax * (16777216.0 / (1 << ((6 * i) % 8)))
-                s_hi = vmax * (16777216.0 / (1 << ((6 * i + 3) % 8)))
-            else:
-                s_lo = sc_lo
-                s_hi = sc_hi
-        else:
-            if V_FUN:
-                f = CV * r + i
-            else:
-                f = (CV * (r + 1) + i - v_mis) % (8 * CV)
-            d_lo = _dim_of(f, 0, NIBBLE)
-            d_hi = _dim_of(f, 1, NIBBLE)
-            s_lo = sc_lo
-            s_hi = sc_hi
-        tl.store(acc_ptr + part_e * DP + d_lo, o[4 * i] * s_lo + z_e, mask=ok_e)
-        tl.store(acc_ptr + part_o * DP + d_lo, o[4 * i + 1] * s_lo + z_o, mask=ok_o)
-        tl.store(acc_ptr + part_e * DP + d_hi, o[4 * i + 2] * s_hi + z_e, mask=ok_e)
-        tl.store(acc_ptr + part_o * DP + d_hi, o[4 * i + 3] * s_hi + z_o, mask=ok_o)
-    first = r == 0
-    tl.store(ml_ptr + part_e * 2, tl.where(l_e > 0, m_e, float("-inf")), mask=ok_e & first)
-    tl.store(ml_ptr + part_e * 2 + 1, l_e, mask=ok_e & first)
-    tl.store(ml_ptr + part_o * 2, tl.where(l_o > 0, m_o, float("-inf")), mask=ok_o & first)
-    tl.store(ml_ptr + part_o * 2 + 1, l_o, mask=ok_o & first)
 
 
 # The cooperative plans launch through a second wrapper of the same function that specializes no
