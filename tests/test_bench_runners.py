@@ -68,6 +68,51 @@ def test_decode_gate_passes_on_the_cpu():
 
 
 @interpreter
+def test_decode_gate_applies_a_shapes_options():
+    """A case with options is gated with them: a soft-cap of 2 and a 15-key window on 40-token
+    sequences change the output far beyond the tolerance, so the gate passes only if the kernel
+    and the oracle both apply them."""
+    shape = DecodeShape("opts", 2, 40, 4, 2, 64, logit_softcap=2.0, window_left=15)
+    head = decode.gate_head(shape)
+    assert head == (4, 2, 64, 2.0, 15) and decode.case_name(head) == "Hq4/Hkv2/D64 cap2 win15"
+    gates = decode.gate(["tq4"], device="cpu", lengths=(1, 40), heads=(head,))
+    assert [(g["case"], g["ok"]) for g in gates] == [("Hq4/Hkv2/D64 cap2 win15", True)]
+
+
+def test_decode_gate_head_of_a_shape():
+    """The gate's window is the shape's, at most GATE_WINDOW keys; a plain shape's case is its heads."""
+    assert decode.gate_head(DecodeShape("p", 1, 64, 8, 2, 128)) == (8, 2, 128)
+    assert decode.case_name((8, 2, 128)) == "Hq8/Hkv2/D128"
+    wide = DecodeShape("w", 1, 64, 8, 2, 128, window_left=4095)
+    assert decode.gate_head(wide) == (8, 2, 128, None, decode.GATE_WINDOW)
+    assert decode.case_name(decode.gate_head(wide)) == f"Hq8/Hkv2/D128 win{decode.GATE_WINDOW}"
+    assert decode.gate_head(DecodeShape("c", 1, 64, 8, 2, 128, logit_softcap=50.0)) == (8, 2, 128, 50.0, None)
+    assert DecodeShape("c", 1, 64, 8, 2, 128, logit_softcap=50.0).options == {"logit_softcap": 50.0}
+    assert wide.options == {"window_left": 4095} and wide.keys_read == 64
+    assert DecodeShape("s", 1, 64, 8, 2, 128, window_left=9).keys_read == 10
+
+
+@interpreter
+def test_decode_run_shape_with_options(monkeypatch):
+    """A windowed, soft-capped shape: the preset's call gets both options, and both records count
+    the window's keys (SDPA's baseline reads only those)."""
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append({k: kwargs.get(k) for k in ("logit_softcap", "window_left")})
+        return paged_decode(*args, **kwargs)
+
+    from tqkern_torch.attention import paged_decode
+    monkeypatch.setattr(decode, "paged_decode", spy)
+    shape = DecodeShape("tiny_opts", 2, 32, 4, 2, 64, logit_softcap=2.0, window_left=7)
+    rows = decode.run_shape(shape, ["tq4"], lambda _: None, device="cpu", timer=FakeTimer(30.0, 20.0))
+    assert calls == [{"logit_softcap": 2.0, "window_left": 7}]
+    sdpa, tq4 = rows
+    assert sdpa["bytes"] == 2 * 2 * 2 * 8 * 64 * 2
+    assert tq4["bytes"] == 2 * 8 * 2 * KVFormat.preset("tq4", 64).slot_bytes
+
+
+@interpreter
 def test_decode_run_shape_records():
     shape = DecodeShape("tiny", 2, 32, 4, 2, 64)
     steps, timer = [], FakeTimer(30.0, 20.0)
@@ -177,7 +222,7 @@ def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
     def fake_gate(op, bad, bad_at=None):
         """``bad`` fails everywhere; ``(preset, case)`` = ``bad_at`` fails at that decode case only."""
         def gate(presets, heads=None):
-            cases = ["c"] if heads is None else [f"Hq{hq}/Hkv{hkv}/D{d}" for hq, hkv, d in heads]
+            cases = ["c"] if heads is None else [decode.case_name(h) for h in heads]
             return [{"op": op, "preset": p, "case": c, "ok": p != bad and (p, c) != bad_at}
                     for p in presets for c in cases]
         return gate
@@ -237,4 +282,14 @@ def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
     report = runner.run(sel, quick=True, progress=bar)
     assert {g["case"] for g in report["gate"]} == {"Hq32/Hkv8/D128", "Hq9/Hkv3/D64", "Hq16/Hkv16/D96"}
     assert timed == [("decode", "B32x4K", ("tq4", "fp16")), ("decode", "Phi3-mini-TP2_B16x4K", ("fp16",))]
+    assert bar.done == bar.total
+    # a shape with options is gated at its own case (soft-cap, the gate's window): wrong there only
+    timed.clear()
+    here = "Hq16/Hkv8/D256 cap50 win255"
+    monkeypatch.setattr(decode, "gate", fake_gate("decode", None, ("tq4", here)))
+    sel = runner.select("decode", ["tq4", "fp16"], ["Gemma2-9B_B8x8K", "Gemma2-9B-local_B8x8K"])
+    bar = Progress(runner.count_steps(sel), io.StringIO())
+    report = runner.run(sel, quick=True, progress=bar)
+    assert {g["case"] for g in report["gate"]} == {"Hq32/Hkv8/D128", "Hq9/Hkv3/D64", "Hq16/Hkv8/D256", here}
+    assert timed == [("decode", "Gemma2-9B_B8x8K", ("tq4", "fp16")), ("decode", "Gemma2-9B-local_B8x8K", ("fp16",))]
     assert bar.done == bar.total

@@ -7,6 +7,13 @@ geometry: not timed at that shape). Then, per shape: SDPA fp16 on contiguous K/V
 run), and the public ``paged_decode`` on a full cache with a shuffled block table, both by
 CUDA-graph replay. ``bytes`` counts what each reads: K and V in fp16 for SDPA, the cache rows of
 every token for a preset.
+
+A shape with attention options (:attr:`DecodeShape.options`: Gemma-2's soft-cap, a sliding
+window) times ``paged_decode`` with them and is gated with them (a window of at most
+:data:`GATE_WINDOW` keys, so the gate's lengths cross it). SDPA has no soft-cap: its baseline stays
+SDPA fp16 without one. A window's baseline is SDPA fp16 over the window's keys only, what a
+windowed fp16 kernel (or a cache that keeps only the window) reads; ``bytes`` of both count the
+window's keys.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ from tqkern_torch.bench.report import record
 from tqkern_torch.bench.shapes import BLOCK_SIZE, DECODE_PRESETS, DecodeShape
 from tqkern_torch.bench.timing import eager_us, graph_us
 
-__all__ = ["BASELINE", "EAGER_SHAPES", "make_layout", "fill_cache", "gate", "run_shape", "run_eager"]
+__all__ = ["BASELINE", "EAGER_SHAPES", "GATE_WINDOW", "make_layout", "fill_cache", "gate_head", "case_name", "gate",
+           "run_shape", "run_eager"]
 
 BASELINE = "sdpa_fp16"
 EAGER_SHAPES = ("B1x4K", "B32x4K", "B32x16K")
@@ -57,10 +65,30 @@ def fill_cache(layout, params, num_blocks: int, g: torch.Generator) -> torch.Ten
 
 GATE_LENGTHS = (1, 77, 600, 1000)
 GATE_HEADS = ((32, 8, 128), (9, 3, 64))  # (Hq, Hkv, D)
+GATE_WINDOW = 255  # the gate's longest window: shorter than most of GATE_LENGTHS
+
+
+def gate_head(shape: DecodeShape) -> tuple:
+    """The gate's case of ``shape``: ``(Hq, Hkv, D)``, and with attention options
+    ``(Hq, Hkv, D, logit_softcap, window_left)``, the window at most :data:`GATE_WINDOW`."""
+    head = (shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
+    if not shape.options:
+        return head
+    w = None if shape.window_left is None else min(shape.window_left, GATE_WINDOW)
+    return head + (shape.logit_softcap, w)
+
+
+def case_name(head: tuple) -> str:
+    """A gate case's name: ``Hq32/Hkv8/D128``, with ``cap50`` / ``win255`` for options."""
+    hq, hkv, d, cap, win = (*head, None, None)[:5]
+    return f"Hq{hq}/Hkv{hkv}/D{d}" + (f" cap{cap:g}" if cap is not None else "") + \
+        (f" win{win}" if win is not None else "")
 
 
 def gate(presets, *, device: str = "cuda", lengths=GATE_LENGTHS, heads=GATE_HEADS) -> list[dict]:
-    """Every preset against the NumPy oracle; one gate entry per (preset, head layout).
+    """Every preset against the NumPy oracle; one gate entry per (preset, head case): ``heads``
+    holds ``(Hq, Hkv, D)`` or, with attention options, ``(Hq, Hkv, D, logit_softcap, window_left)``
+    (:func:`gate_head`).
 
     Tolerance: 4e-3 of the largest decompressed value (fp16 q and output, float32 softmax).
     """
@@ -68,32 +96,35 @@ def gate(presets, *, device: str = "cuda", lengths=GATE_LENGTHS, heads=GATE_HEAD
     out = []
     mb = -(-max(lengths) // BLOCK_SIZE)
     for preset in presets:
-        for hq, hkv, d in heads:
+        for head in heads:
+            hq, hkv, d, cap, win = (*head, None, None)[:5]
+            opts = {k: v for k, v in (("logit_softcap", cap), ("window_left", win)) if v is not None}
             layout, params = make_layout(preset, hkv, d, device)
             lens = torch.tensor(lengths, dtype=torch.int32, device=device)
             bt = torch.randperm(len(lengths) * mb, device=device, generator=g).int().reshape(len(lengths), mb)
             cache = fill_cache(layout, params, len(lengths) * mb, g)
             q = torch.randn(len(lengths), hq, d, device=device, dtype=torch.float16, generator=g)
             exp = ref.paged_decode(q.float().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(),
-                                   lens.cpu().numpy(), layout, params.params)
+                                   lens.cpu().numpy(), layout, params.params, **opts)
             _, v = tqt.decompress_sequences(cache, bt, lens, layout, params, rotate_back=True)
             tol = 4e-3 * float(v.abs().max())
-            got = paged_decode(q, cache, bt, lens, layout, params)
+            got = paged_decode(q, cache, bt, lens, layout, params, **opts)
             err = float(np.abs(got.float().cpu().numpy() - exp).max())
-            out.append(dict(op="decode", preset=preset, case=f"Hq{hq}/Hkv{hkv}/D{d}",
+            out.append(dict(op="decode", preset=preset, case=case_name(head),
                             path=decode_path(layout, hq // hkv, same_codebooks=params.same_codebooks),
                             max_err=err, tol=tol, ok=bool(np.isfinite(err) and err <= tol)))
     return out
 
 
 def _inputs(shape: DecodeShape, g: torch.Generator, timer):
-    """q (fp16), the SDPA fp16 time (µs, by ``timer``) on contiguous K/V of the shape, a shuffled
-    block table and full lengths, on ``g``'s device."""
+    """q (fp16), the SDPA fp16 time (µs, by ``timer``) on contiguous K/V of the keys the shape's
+    query attends to (:attr:`DecodeShape.keys_read`), a shuffled block table and full lengths, on
+    ``g``'s device."""
     b, L, hq, hkv, d = shape.batch, shape.seq_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim
     dev = g.device
     q = torch.randn(b, hq, d, device=dev, dtype=torch.float16, generator=g)
-    k = torch.randn(b, hkv, L, d, device=dev, dtype=torch.float16, generator=g)
-    v = torch.randn(b, hkv, L, d, device=dev, dtype=torch.float16, generator=g)
+    k = torch.randn(b, hkv, shape.keys_read, d, device=dev, dtype=torch.float16, generator=g)
+    v = torch.randn(b, hkv, shape.keys_read, d, device=dev, dtype=torch.float16, generator=g)
     sdpa = timer(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True))
     k = v = None  # freed before the caches are filled
     bt = torch.randperm(b * L // BLOCK_SIZE, device=dev, generator=g).int().reshape(b, L // BLOCK_SIZE)
@@ -109,14 +140,16 @@ def run_shape(shape: DecodeShape, presets, step, *, rep_ms: int = 100, device: s
     g = torch.Generator(device=device).manual_seed(0)
     b, L, hkv, d = shape.batch, shape.seq_len, shape.num_kv_heads, shape.head_dim
     q, sdpa_us, bt, sl = _inputs(shape, g, timer)
-    rows = [record("decode", shape.name, BASELINE, BASELINE, sdpa_us, sdpa_us, nbytes=2 * b * hkv * L * d * 2)]
+    n = shape.keys_read
+    rows = [record("decode", shape.name, BASELINE, BASELINE, sdpa_us, sdpa_us, nbytes=2 * b * hkv * n * d * 2)]
     step(f"decode {shape.name} {BASELINE}")
     for preset in presets:
         layout, params = make_layout(preset, hkv, d, device)
         cache = fill_cache(layout, params, b * L // BLOCK_SIZE, g)
         out = torch.empty_like(q)
-        us = timer(lambda: paged_decode(q, cache, bt, sl, layout, params, out=out, check_lengths=False))
-        rows.append(record("decode", shape.name, preset, BASELINE, us, sdpa_us, nbytes=b * L * layout.row_bytes))
+        us = timer(lambda: paged_decode(q, cache, bt, sl, layout, params, out=out, check_lengths=False,
+                                        **shape.options))
+        rows.append(record("decode", shape.name, preset, BASELINE, us, sdpa_us, nbytes=b * n * layout.row_bytes))
         step(f"decode {shape.name} {preset}")
         cache = None
         torch.cuda.empty_cache()
@@ -132,7 +165,7 @@ def run_eager(shape: DecodeShape, presets, step) -> list[dict]:
     for preset in presets:
         layout, params = make_layout(preset, shape.num_kv_heads, shape.head_dim)
         cache = fill_cache(layout, params, shape.batch * shape.seq_len // BLOCK_SIZE, g)
-        us = eager_us(lambda: paged_decode(q, cache, bt, sl, layout, params))
+        us = eager_us(lambda: paged_decode(q, cache, bt, sl, layout, params, **shape.options))
         rows.append(record("decode", shape.name, preset, BASELINE, us, sdpa_us, mode="eager"))
         step(f"eager {shape.name} {preset}")
         cache = None

@@ -98,24 +98,25 @@ def count_steps(selection: dict, eager_shapes: Sequence = ()) -> int:
     return n
 
 
-def _case_of(hq: int, hkv: int, d: int) -> str:
-    """The decode gate's case name of a head geometry."""
-    return f"Hq{hq}/Hkv{hkv}/D{d}"
-
-
 def _passed_at(gates, passed, shape) -> list:
-    """The presets of ``passed`` whose decode gate at ``shape``'s own head geometry did not fail."""
-    here = _case_of(shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
+    """The presets of ``passed`` whose decode gate at ``shape``'s own case (head geometry and
+    attention options) did not fail."""
+    from tqkern_torch.bench.decode import case_name, gate_head
+
+    here = case_name(gate_head(shape))
     bad = {g["preset"] for g in gates if not g["ok"] and g["case"] == here}
     return [p for p in passed if p not in bad]
 
 
 def _decode_gate_heads(shapes, base) -> tuple:
-    """The decode gate's head geometries ``(Hq, Hkv, D)``: ``base`` (``decode.GATE_HEADS``) and each
-    timed shape's own (a kernel right at head_dim 128 may not be at 96), in order, without repeats."""
+    """The decode gate's cases (:func:`~tqkern_torch.bench.decode.gate_head`): ``base``
+    (``decode.GATE_HEADS``) and each timed shape's own (a kernel right at head_dim 128 may not be
+    at 96, or with a soft-cap), in order, without repeats."""
+    from tqkern_torch.bench.decode import gate_head
+
     out = list(base)
     for s in shapes:
-        g = (s.num_q_heads, s.num_kv_heads, s.head_dim)
+        g = gate_head(s)
         if g not in out:
             out.append(g)
     return tuple(out)
@@ -140,7 +141,7 @@ def run(selection: dict, *, eager_shapes: Sequence[str] = (), quick: bool = Fals
             mod = {"decode": decode, "store": store, "decompress": decompress, "prefill": prefill}[o]
             gates = []
             kw = {"heads": _decode_gate_heads(list(shapes) + eager, decode.GATE_HEADS)} if o == "decode" else {}
-            base = {_case_of(*h) for h in decode.GATE_HEADS} if o == "decode" else None
+            base = {decode.case_name(h) for h in decode.GATE_HEADS} if o == "decode" else None
             for p in presets:
                 gates += mod.gate([p], **kw)
                 bar.step(f"{o} gate {p}")

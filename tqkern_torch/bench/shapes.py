@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Optional
 
 __all__ = ["DecodeShape", "StoreShape", "PrefillShape", "GenerateShape", "DECODE_SHAPES", "MODEL_SHAPES",
            "STORE_SHAPES", "PREFILL_SHAPES", "GENERATE_SHAPES", "DECODE_PRESETS", "QUICK_SHAPES", "decode_shape", "store_shape",
@@ -21,12 +22,29 @@ BLOCK_SIZE = 16
 
 @dataclass(frozen=True)
 class DecodeShape:
+    """``batch`` sequences of ``seq_len`` cached tokens, one query each. ``logit_softcap`` and
+    ``window_left`` are the model layer's attention options (Gemma-2: a soft-cap of 50, and on its
+    local layers a window of 4096 keys, ``window_left = 4095``); ``None``: not used."""
+
     name: str
     batch: int
     seq_len: int
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
+    logit_softcap: Optional[float] = None
+    window_left: Optional[int] = None
+
+    @property
+    def options(self) -> dict:
+        """The layer's options as ``paged_decode`` keyword arguments (only those it uses)."""
+        opts = {"logit_softcap": self.logit_softcap, "window_left": self.window_left}
+        return {k: v for k, v in opts.items() if v is not None}
+
+    @property
+    def keys_read(self) -> int:
+        """Keys each query attends to: the window's ``window_left + 1`` or the whole context."""
+        return self.seq_len if self.window_left is None else min(self.seq_len, self.window_left + 1)
 
 
 @dataclass(frozen=True)
@@ -78,7 +96,8 @@ DECODE_SHAPES = (
 # The model-shape table (``tqkern bench decode --shapes models``): one attention layer of a real
 # model as one GPU sees it (tensor-parallel slices where a model that size is served that way),
 # at a batch and context that model is served at. Together with DECODE_SHAPES it spans head_dim
-# 64, 96, 128, 256; KV heads 1-16; GQA 1-16; batch 1-256; contexts 1K-128K.
+# 64, 96, 128, 256; KV heads 1-16; GQA 1-16; batch 1-256; contexts 1K-128K; and the attention
+# options of Gemma-2 (soft-cap, sliding window) and Mistral (sliding window).
 MODEL_SHAPES = DECODE_SHAPES + (
     DecodeShape("Llama3-8B_B1x128K", 1, 131072, 32, 8, 128),  # one long document (Llama 3.1: 128K)
     DecodeShape("Llama3-8B_B256x1K", 256, 1024, 32, 8, 128),  # many short chats
@@ -87,6 +106,10 @@ MODEL_SHAPES = DECODE_SHAPES + (
     DecodeShape("Qwen2.5-7B_B16x32K", 16, 32768, 28, 4, 128),  # GQA 7
     DecodeShape("Qwen2.5-7B_B1x64K", 1, 65536, 28, 4, 128),  # batch 1, 4 KV heads
     DecodeShape("Gemma2-9B_B8x8K", 8, 8192, 16, 8, 256),  # head_dim 256, GQA 2
+    # Gemma-2's layers as the model runs them: soft-cap 50 everywhere, every other layer a 4096-key window
+    DecodeShape("Gemma2-9B-global_B8x8K", 8, 8192, 16, 8, 256, logit_softcap=50.0),
+    DecodeShape("Gemma2-9B-local_B8x8K", 8, 8192, 16, 8, 256, logit_softcap=50.0, window_left=4095),
+    DecodeShape("Mistral-7B_B32x16K", 32, 16384, 32, 8, 128, window_left=4095),  # v0.1: a 4096-key window
     DecodeShape("Gemma-7B_B4x8K", 4, 8192, 16, 16, 256),  # head_dim 256, multi-head (GQA 1)
     DecodeShape("Phi3-mini-TP2_B16x4K", 16, 4096, 16, 16, 96),  # head_dim 96, multi-head (32 heads / 2)
     DecodeShape("Llama3.2-1B_B64x8K", 64, 8192, 32, 8, 64),  # head_dim 64, GQA 4
