@@ -290,7 +290,7 @@ def test_calibrate_is_the_mean_stored_key(model):
         torch.testing.assert_close(a.dense()[0], b.dense()[0], rtol=0, atol=2e-3 * float(a.dense()[0].abs().max()))
 
 
-def test_sliding_window_layers_fall_back_to_masked_dense(monkeypatch):
+def test_sliding_window_layers_decode_paged(monkeypatch):
     model = _qwen2(use_sliding_window=True, sliding_window=6, max_window_layers=1)
     ids = _ids(1, 9, seed=5)
     ref = _generate(model, ids)
@@ -298,7 +298,41 @@ def test_sliding_window_layers_fall_back_to_masked_dense(monkeypatch):
     counter = _Counter(monkeypatch)
     out = _generate(model, ids, cache=tqt.TQCache(model))
     assert out.tolist() == ref.tolist()
-    assert counter.calls == 7  # layer 0 (full attention) only; layer 1's window is always active
+    assert counter.calls == 7 * 2  # layer 1's active window too: paged_decode(window_left=5)
+
+
+@pytest.mark.parametrize("pads", [(0, 5), (3, 8), (2, 0)])
+def test_sliding_window_left_padding_decode_paged(pads, monkeypatch):
+    """A 6-key window over left-padded rows of 11: padding reaching into the window (8 at the first
+    step, whose window starts at position 6) is re-paged away, padding wholly before it (3, 5)
+    stays, masked by the window; both give transformers' tokens, every step on paged_decode."""
+    model = _qwen2(use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    ids, mask = _left_padded(pads, 11, seed=4)
+    ref = _generate(model, ids, mask)
+    tqt.install(model, "fp16", block_size=4)
+    counter = _Counter(monkeypatch)
+    cache = tqt.TQCache(model)
+    out = _generate(model, ids, mask, cache=cache)
+    assert out.tolist() == ref.tolist()
+    assert counter.calls == 7 * 2
+    assert cache.layers[0].starts.tolist() == list(pads)  # full attention: every pad re-paged
+    assert cache.layers[1].starts.tolist() == [p if p > 6 else 0 for p in pads]
+
+
+def test_sliding_window_mask_that_attends_before_the_window_is_not_paged():
+    """paged_rows(mask, window) accepts a mask only if it masks every key before the window."""
+    model = _qwen2(use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    tqt.install(model, "fp16", block_size=4)
+    cache = tqt.TQCache(model)
+    with torch.no_grad():
+        model(_ids(1, 9, seed=3), past_key_values=cache, use_cache=True)
+    layer = cache.layers[1]
+    full = torch.zeros(1, 1, 1, 9)  # additive: attends all 9 keys
+    assert not layer.paged_rows(full, 6)
+    windowed = full.clone()
+    windowed[..., :3] = torch.finfo(torch.float32).min  # keys 0-2 masked: the window of the query at 8
+    assert layer.paged_rows(windowed, 6) and layer.starts.tolist() == [0]
+    assert not layer.paged_rows(windowed, 5)  # a 5-key window would mask key 3 too
 
 
 def test_bad_arguments(model):
@@ -345,7 +379,7 @@ def test_bad_arguments(model):
 
 def test_gemma2_softcap_scaling_alternating_windows(monkeypatch):
     """Gemma2: soft-capped logits, query_pre_attn_scalar scaling, sliding and full layers
-    alternating. Soft-capping has no paged_decode: every step takes the dense path."""
+    alternating: every decode step runs paged_decode with the soft-cap (and the window)."""
     model = _gemma2()
     ids = _ids(1, 9, seed=6)
     ref = _generate(model, ids)  # transformers' eager attention (soft-capping)
@@ -353,9 +387,46 @@ def test_gemma2_softcap_scaling_alternating_windows(monkeypatch):
     counter = _Counter(monkeypatch)
     out = _generate(model, ids, cache=tqt.TQCache(model))
     assert out.tolist() == ref.tolist()
-    assert counter.calls == 0
+    assert counter.calls == 7 * 2
+    # with a key offset μ the kernel would cap q·(k − μ): the soft-capped steps stay dense
+    tqt.install(model, "fp16", key_offset=tqt.calibrate(model, _ids(1, 12, seed=3)))
+    calls = counter.calls
+    assert _generate(model, ids, cache=tqt.TQCache(model)).tolist() == ref.tolist()
+    assert counter.calls == calls
     tqt.uninstall(model)
     assert model.config._attn_implementation == "eager"
+
+
+def test_gemma2_paged_decode_equals_the_dense_path(monkeypatch):
+    """Compressed (tq4) Gemma-2 with logits the soft-cap bends, left padding crossing the window:
+    the decode steps' logits through paged_decode (soft-cap, window) equal those of the dense path
+    over the same cache (paged_rows refused, so each step attends the decompressed K/V under
+    transformers' mask and the soft-cap): the bound of test_compressed_logits, 1e-2·std."""
+    from tqkern_torch.kv_cache import TQCacheLayer
+
+    model = _gemma2_capped()
+    ids, mask = _left_padded((0, 4), 10, seed=8)
+    steps = [[5, 9], [17, 3], [40, 41]]
+
+    def logits():
+        cache, m, out = tqt.TQCache(model), mask, []
+        with torch.no_grad():
+            out.append(model(ids, attention_mask=m, past_key_values=cache, use_cache=True).logits[:, -1])
+            for t in steps:
+                m = torch.cat([m, torch.ones(2, 1, dtype=m.dtype)], dim=1)
+                out.append(model(torch.tensor(t)[:, None], attention_mask=m, past_key_values=cache,
+                                 use_cache=True).logits[:, -1])
+        return torch.stack(out).float()
+
+    tqt.install(model, "tq4")
+    counter = _Counter(monkeypatch)
+    paged = logits()
+    assert counter.calls == len(steps) * 2
+    monkeypatch.setattr(TQCacheLayer, "paged_rows", lambda self, mask, window=None: False)
+    dense = logits()
+    assert counter.calls == len(steps) * 2  # none more
+    assert torch.isfinite(paged).all()
+    assert float((paged - dense).abs().max() / dense.std()) < 1e-2
 
 
 def test_key_offset_through_paged_decode(model, monkeypatch):

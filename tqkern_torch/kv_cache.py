@@ -224,10 +224,17 @@ class TQCacheLayer(CacheLayerMixin):
     def _set_starts(self, starts: torch.Tensor) -> None:
         self.start_min, self.start_max = int(starts.min()), int(starts.max())
 
-    def paged_rows(self, attention_mask: torch.Tensor) -> bool:
+    def paged_rows(self, attention_mask: torch.Tensor, window: Optional[int] = None) -> bool:
         """Whether a decode step's 4D ``attention_mask`` masks exactly each row's dropped (or
         droppable) prefix, so that ``paged_decode`` over the re-paged rows is exact. Re-pages at
-        the first such mask with any padding. Raises if the mask attends a dropped position."""
+        the first such mask with any padding. Raises if the mask attends a dropped position.
+
+        ``window``: a sliding-window layer's window in keys (transformers' ``sliding_window``; the
+        query at position ``seq_len − 1`` sees positions ``≥ seq_len − window``). The mask must
+        then also mask every key before the window, which ``paged_decode(window_left=window − 1)``
+        masks itself; left padding shows only where it reaches into the window, and only such rows
+        are re-paged (padding wholly before the window stays, masked by the window from then on:
+        re-paging keeps each key's distance to the query)."""
         allowed = _allowed(attention_mask)[..., : self.seq_len].any(dim=(1, 2))  # [b, seq_len]
         positions = torch.arange(self.seq_len, device=self.device)[None, :]
         if self.start_max and bool((allowed & (positions < self.starts[:, None])).any()):
@@ -237,6 +244,13 @@ class TQCacheLayer(CacheLayerMixin):
         starts = prefix_starts(allowed)  # leading masked positions per row
         if starts is None or int(starts.max()) >= self.seq_len:
             return False  # not a pure prefix (e.g. a sliding window inside a row), or a row all masked
+        if window is not None:
+            first = self.seq_len - window  # the window's first position (negative: before the row)
+            if int(starts.min()) < first:
+                return False  # attends keys before the window: not this window's mask
+            if self.start_max:
+                return torch.equal(starts, self.starts.clamp(min=first))
+            starts = torch.where(starts > first, starts, 0)  # padding known only inside the window
         if not self.start_max and int(starts.max()):
             self._drop_prefixes(starts)
         return torch.equal(starts, self.starts)

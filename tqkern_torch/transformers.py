@@ -27,10 +27,11 @@ Pieces:
   first, an exact byte copy); otherwise (CPU, soft-capping with μ, other masks) the whole
   sequence is read back with :func:`tqkern_torch.decompress_sequences` (``rotate_back=True``) and
   attended with torch SDPA and the dense mask. Decode (one new token):
-  :func:`tqkern_torch.paged_decode` when there is no logit soft-capping, no ``sliding_window``
-  argument, and the model's mask is ``None`` (no padding, no active window) or masks exactly a
-  prefix of each row (left padding); otherwise the decompress + dense path with the mask
-  (``paged_decode`` has no mask and no window). ``paged_decode`` has no per-row start either: at
+  :func:`tqkern_torch.paged_decode`, with the layer's ``sliding_window`` (``window_left``) and
+  logit soft-cap, when the model's mask is ``None`` or masks exactly a prefix of each row (left
+  padding, and a sliding window's keys before it); otherwise (soft-capping with μ, a window with
+  an exact prefix, other masks) the decompress + dense path with the mask (``paged_decode`` has
+  no mask). ``paged_decode`` has no per-row start either: at
   the first padded decode step (or the prefill, on the kernel path) the cache re-pages each row
   from its first real token (an exact byte copy, once per layer), so the padded positions are
   then gone.
@@ -231,10 +232,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     ``([B, Tq, Hq, D], None)``. Over a :class:`TQCache`: a prefill runs ``prefill``
     (:func:`~tqkern_torch.hf_prefill.prefill_attention`) where the layer's
     :meth:`~TQCacheLayer.prefill_kernels` allow it and the mask is causal with left padding only;
-    a decode step runs ``paged_decode`` when there is no soft-capping and no ``sliding_window``
-    argument and the mask is ``None`` or left padding only (:meth:`TQCacheLayer.paged_rows`);
-    everything else the dense path over the decompressed cache with the mask (which carries any
-    window). Inference only (``dropout`` must be 0)."""
+    a decode step runs ``paged_decode`` (with the layer's ``sliding_window`` and soft-cap) when
+    the mask is ``None`` or left padding plus that window (:meth:`TQCacheLayer.paged_rows`), unless
+    the layer soft-caps with a key offset μ or has both a window and an exact prefix; everything
+    else the dense path over the decompressed cache with the mask (which carries any window).
+    Inference only (``dropout`` must be 0)."""
     if dropout:
         raise NotImplementedError("tqkern attention is inference-only: dropout must be 0")
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
@@ -266,13 +268,15 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if attention_mask is None and layer.start_max:
             raise RuntimeError("attention_mask is None but TQCache dropped left padding: pass the padded mask")
         exact = layer.exact
-        if softcap is None and (exact is None or window is None) and (
-                attention_mask is None or (window is None and layer.paged_rows(attention_mask))):
+        if (softcap is None or layer.mu is None) and (exact is None or window is None) and (
+                attention_mask is None or layer.paged_rows(attention_mask, window)):
             q = query[:, :, 0, :].to(layer.store_dtype).contiguous()
             out = paged_decode(q, layer.pool, layer.block_table, layer.seq_lens, layer.layout,
-                               layer.device_params, scale=scale, return_lse=exact is not None)
+                               layer.device_params, scale=scale, window_left=None if window is None else window - 1,
+                               logit_softcap=softcap, return_lse=exact is not None)
             if exact is not None:
-                out = exact.correct(layer, q[:, :, None], out[0][:, None], out[1][:, None], scale)[:, 0]
+                out = exact.correct(layer, q[:, :, None], out[0][:, None], out[1][:, None], scale,
+                                    logit_softcap=softcap)[:, 0]
             return out.to(query.dtype).reshape(b, 1, hq, d), None
         key, value = layer.dense()
         if exact is not None:
