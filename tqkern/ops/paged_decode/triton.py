@@ -185,16 +185,18 @@ def prepare(layout: PagedLayout, q_rot, cache, block_table, seq_lens, tables, *,
     return _PREPARED.put(key, prepared)
 
 
-def _decode_args(kernel, q_rot, cache, block_table, seq_lens, tables, acc, ml, sm_scale, num_splits):
-    """Runtime arguments of a decode kernel, in its order (the options off)."""
+def _decode_args(kernel, q_rot, cache, block_table, seq_lens, tables, acc, ml, sm_scale, num_splits,
+                 window_left=None, logit_softcap=None):
+    """Runtime arguments of a decode kernel, in its order (the options off unless given)."""
     scale = sm_scale * 1.4426950408889634
+    opts = _option_args(window_left, logit_softcap, sm_scale)
     if kernel.kernel == "general":
         return (q_rot, cache, block_table, seq_lens, tables["key_centroids_f32"], tables["value_centroids_f32"],
-                acc, ml, block_table.shape[1], scale, 0, 0, 0.0, 0.0)
+                acc, ml, block_table.shape[1], scale, 0, *opts)
     two = dict(kernel.constexprs)
     vcen = tables["value_centroids_f32"] if two.get("K_AT") and not two["V_UNIFORM"] else tables["key_centroids_f32"]
     return (q_rot, cache, block_table, seq_lens, tables["key_centroids_f32"], vcen, acc, ml, q_rot.shape[0],
-            block_table.shape[1], scale, num_splits, 0, 0.0, 0.0)
+            block_table.shape[1], scale, num_splits, *opts)
 
 
 def _decode_and_merge(prep: Prepared, out, q_rot, cache, safe_table, seq_lens, tables, sm_scale, workspace, poison,
@@ -293,8 +295,8 @@ def launch_mma_plan(q_rot, cache, block_table, seq_lens, layout, plan: dict, tab
 
     kernel = mma_kernel_plan(layout, plan, q_rot.shape[0], q_rot.shape[1], num_splits,
                              options=decode_options(window_left, logit_softcap))
-    args = _decode_args(kernel, q_rot, cache, block_table, seq_lens, tables, acc, ml, sm_scale, num_splits)
-    _launcher(kernel)(*args[:-3], *_option_args(window_left, logit_softcap, sm_scale))
+    _launcher(kernel)(*_decode_args(kernel, q_rot, cache, block_table, seq_lens, tables, acc, ml, sm_scale,
+                                    num_splits, window_left, logit_softcap))
 
 
 def check_workspace(workspace, s: int, hq: int, num_splits: int, dp: int) -> int:
