@@ -109,7 +109,7 @@ def test_options_on_the_mma_kernel(case, data):
     """The warp-MMA kernel applies the window and the soft-cap itself (constexprs ``WINDOW``,
     ``SOFTCAP``); sinks and the lse are the merge's. Every option, alone or together, on the
     layouts that take that kernel."""
-    layout, params, group, batch, _, num_splits = case
+    layout, params, group, batch, qdtype, num_splits = case  # qdtype: float16 or (GPU) bfloat16
     assert decode_path(layout, group, same_codebooks=tqt.to_device(params, DEV).same_codebooks) == "mma"
     hq = layout.num_kv_heads * group
     opts = {}
@@ -135,12 +135,12 @@ def test_options_on_the_mma_kernel(case, data):
     assert plan.path == "mma" and plan.options == options
     assert dict(plan.decode.constexprs).get("WINDOW", False) == options.window
     assert dict(plan.decode.constexprs).get("SOFTCAP", False) == options.softcap
-    _check_options_against_oracle(layout, params, group, batch, num_splits, opts, True, data)
+    _check_options_against_oracle(layout, params, group, batch, num_splits, opts, True, data, qdtype)
 
 
-def _check_options_against_oracle(layout, params, group, batch, num_splits, opts, return_lse, data):
+def _check_options_against_oracle(layout, params, group, batch, num_splits, opts, return_lse, data,
+                                  qdtype=torch.float16):
     h, d = layout.num_kv_heads, layout.head_dim
-    qdtype = torch.float16
     cache = poisoned_like(layout.cache_shape(batch.num_blocks), torch.uint8, DEV, seed=batch.num_blocks)
     for s in range(len(batch.seq_lens)):
         if batch.seq_lens[s] == 0:
@@ -180,7 +180,7 @@ def _check_options_against_oracle(layout, params, group, batch, num_splits, opts
     assert np.all(np.isfinite(got[~bad])), "output has NaN/inf (unwritten or overflow)"
 
     fmt = layout.format
-    rnd = T.Rounding.of(fmt, "float16", workspace=False)  # (its dot_u: 2^-8 for a raw bf16 side, as before)
+    rnd = T.Rounding.of(fmt, str(qdtype).removeprefix("torch."), workspace=False)  # (dot_u 2^-8 for a raw bf16 side)
     cap = opts.get("logit_softcap")
     cap_err = 0.0 if cap is None else cap * 2.0**-21
     q_ok = np.where(bad[..., None], 0.0, q64)
@@ -197,7 +197,7 @@ def _check_options_against_oracle(layout, params, group, batch, num_splits, opts
         if n == 0:
             assert np.all(got[s][good] == 0), "an empty sequence gives a zero output"
         err = float(np.abs(got[s][good] - expect[s][good]).max()) if good.any() else 0.0
-        tol = (4e-3 + 2 * delta) * vmax + 1e-6
+        tol = rnd.atol(delta, vmax)
         note(f"seq {s}: len {n}, visible {n - lo}, max err {err:.3g}, tol {tol:.3g}, δ {delta:.3g}")
         assert err <= tol, f"seq {s}: error {err:.3g} > tolerance {tol:.3g} (max|V| {vmax:.3g}, δ {delta:.3g})"
         if not return_lse:
