@@ -353,6 +353,37 @@ def test_per_warp_splits_fill_half_the_gpu_where_every_mma_column_is_a_query_hea
         assert want < num_splits_mma(32, pairs, 1024 * 16, wave)
 
 
+def test_whole_rounds_fills_the_last_round_of_ctas():
+    """A launch ending in a partial round of CTAs over the SMs takes the most splits whose CTAs
+    still end in that round (at most ``max_splits``); a launch of whole rounds keeps its count."""
+    from tqkern.ops.paged_decode.plan import whole_rounds
+
+    def ctas(n):  # 32 sequences, one work item each, 4 warps a CTA
+        return -(-32 * n // 4)
+    assert whole_rounds(24, ctas, 132, 64) == 33  # 192 CTAs -> 264 = two rounds of 132
+    assert whole_rounds(33, ctas, 132, 64) == 33  # 264: whole rounds already
+    assert whole_rounds(16, ctas, 132, 64) == 16  # 128 CTAs: 16.5 splits would end the round
+    assert whole_rounds(24, ctas, 132, 30) == 30  # capped: 240 CTAs, the most below the cap
+    assert whole_rounds(24, ctas, 132, 20) == 24  # a cap below the count never lowers it
+    assert whole_rounds(5, lambda n: 3 * n, 132, 64) == 44  # 15 CTAs -> 132
+
+
+def test_per_warp_plan_at_g8_takes_whole_rounds_of_ctas():
+    """Llama-3-70B on 8 GPUs (Hq 8, one KV head, B32×16K) with the H200's residency of tq4's
+    per-warp kernel (three 4-warp CTAs an SM): the half wave gives 24 splits = 192 CTAs, which
+    leaves 72 of 132 SMs one CTA short; the plan takes 33 splits (264 CTAs)."""
+    from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode
+
+    layout = _layout("tq4", 128, 1, "row")
+    plan = plan_decode(layout, 32, 8, 1024, DeviceCaps.sm90(), same_codebooks=True, occupancy=lambda k: 3)
+    assert plan.decode.kernel == "mma" and dict(plan.decode.constexprs)["G"] == 8
+    assert (plan.num_splits, plan.decode.grid) == (33, (264,))
+    # 4 CTAs an SM (turboquant_4bit_nc's 128-register cap): 33 splits by the half wave already
+    plan = plan_decode(_layout("turboquant_4bit_nc", 128, 1, "slot"), 32, 8, 1024, DeviceCaps.sm90(),
+                       same_codebooks=True, occupancy=lambda k: 4)
+    assert (plan.num_splits, plan.decode.grid) == (33, (264,))
+
+
 @pytest.mark.parametrize("preset,arr", [("tq4", "row"), ("k4v3h", "slot"), ("turboquant_4bit_nc", "slot")])
 def test_offline_occupancy_sizes_the_cooperative_kernels(monkeypatch, preset, arr):
     """``tqkern plan --compile``'s occupancy (``aot.occupancy_sm90``) of a cooperative plan: its

@@ -30,7 +30,7 @@ from tqkern.ops.paged_decode.side_plans import (MergePlan, RotatePlan, _merge_pl
                                                 scan_split)
 
 __all__ = ["DeviceCaps", "DecodeOptions", "KernelPlan", "RotatePlan", "scan_split", "MergePlan", "DecodePlan",
-           "plan_decode", "decode_path", "check_num_splits", "fast_path_plan", "num_splits_for", "merge_chunks",
+           "plan_decode", "decode_path", "check_num_splits", "whole_rounds", "fast_path_plan", "num_splits_for", "merge_chunks",
            "workspace_numel", "MMA_MIN_CAPABILITY", "MMA_FP8_MIN_CAPABILITY"]
 
 # The warp-MMA kernel's PTX: mma.sync m16n8k16 with fp16 operands, ld.global.nc.L2::256B
@@ -118,6 +118,23 @@ def decode_path(layout, group: int, *, same_codebooks: bool, interpret: bool = F
     if plan.V_BITS == 4 and not plan.V_UNIFORM and plan.K_AT == 0 and not same_codebooks:  # K and V share pairs
         return "general"
     return "mma"
+
+
+def whole_rounds(num_splits: int, ctas, num_sms: int, max_splits: int) -> int:
+    """``num_splits``, or where its launch ends in a partial round of CTAs over the SMs
+    (``ctas(n)``: the grid of ``n`` splits) the most splits up to ``max_splits`` whose CTAs still
+    end in that round: every SM then runs as many CTAs as the others, give or take one in the
+    last round only where ``max_splits`` stops short.
+
+    Measured (H200, session 51, the per-warp kernel at G 8, 4-warp CTAs, µs): Llama-3-70B-TP8
+    B32×16K, whose half-wave rule gave 24 splits (192 CTAs on 132 SMs: 60 SMs run two, 72 one):
+    tq4 61.2 at 24 splits, 57.5 at 32 (256 CTAs), 60.4 at 16; k5v4h 81.4 / 69.1 / 76.7;
+    turboquant_4bit_nc, 33 splits by the rule (264 CTAs), 57.0 (56.2 at 32); SDPA fp16 66.6."""
+    c = ctas(num_splits)
+    if c % num_sms == 0:
+        return num_splits
+    end = -(-c // num_sms) * num_sms
+    return next((m for m in range(max(max_splits, num_splits), num_splits, -1) if ctas(m) <= end), num_splits)
 
 
 def num_splits_for(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int, block_n: int,
@@ -319,9 +336,13 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options)
         if ctas is None:  # unknown: a conservative 8 warps per SM (speed, never correctness)
             ctas = max(1, 8 // k.num_warps)
         wave = ctas * k.num_warps * caps.num_sms
-        if not p.COOP and dict(k.constexprs)["G"] >= 8:  # every MMA column a query head: PER_WARP_WAVE
-            wave = int(wave * PER_WARP_WAVE)
-        return num_splits_mma(s, layout.num_kv_heads * p.GS, max_len, wave)
+        pairs = layout.num_kv_heads * p.GS
+        if p.COOP or dict(k.constexprs)["G"] < 8:
+            return num_splits_mma(s, pairs, max_len, wave)
+        # every MMA column a query head: PER_WARP_WAVE, then whole rounds of CTAs over the SMs
+        n = num_splits_mma(s, pairs, max_len, int(wave * PER_WARP_WAVE))
+        return whole_rounds(n, lambda m: kernel_plan(layout, p, s, hq, m).grid[0], caps.num_sms,
+                            num_splits_mma(s, pairs, max_len, 1 << 30))
 
     try:
         n = splits_for(plan)
