@@ -316,6 +316,11 @@ def test_bench_without_cuda_exits_2_and_writes_nothing(tmp_path):
     (["bench", "decode", "--shapes", "decode_B32"], "bench: shapes must be among"),
     (["bench", "store", "--eager"], "bench: --eager times decode only, got op 'store'"),
     (["bench", "decode", "--eager", "B1x4"], "bench: shape must be one of"),
+    (["bench", "generate", "--jobs", "2"], "bench: --jobs and --compile-only are for the kernel ops"),
+    (["bench", "generate", "--compile-only"], "bench: --jobs and --compile-only are for the kernel ops"),
+    (["bench", "decode", "--compile-only", "--out", "r.json"], "bench: --compile-only writes nothing"),
+    (["bench", "decode", "--compile-only", "--jobs", "2"], "bench: --compile-only writes nothing"),
+    (["bench", "decode", "--jobs", "0"], "argument --jobs"),
 ])
 def test_bench_bad_arguments_exit_2(argv, match, capsys):
     with pytest.raises(SystemExit) as e:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 
+import numpy as np
 import pytest
 
 from tqkern import KVFormat
@@ -293,3 +294,86 @@ def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
     assert {g["case"] for g in report["gate"]} == {"Hq32/Hkv8/D128", "Hq9/Hkv3/D64", "Hq16/Hkv8/D256", here}
     assert timed == [("decode", "Gemma2-9B_B8x8K", ("tq4", "fp16")), ("decode", "Gemma2-9B-local_B8x8K", ("fp16",))]
     assert bar.done == bar.total
+
+
+def test_run_passes_its_timer_to_every_runner(monkeypatch):
+    """``runner.run(timer=...)`` (``--compile-only``'s :func:`~tqkern_torch.bench.timing.call_once`)
+    replaces the timer of each op's runs and of the eager decode runs; without it none is passed."""
+    import tqkern_torch.bench.timing as timing
+
+    seen = []
+
+    def run_shape(shape, presets, step, **kw):
+        seen.append(("graph", shape.name, kw.get("timer")))
+        return []
+
+    def run_eager(shape, presets, step, **kw):
+        seen.append(("eager", shape.name, kw.get("timer")))
+        return []
+
+    for mod in (decode, store, decompress, prefill):
+        monkeypatch.setattr(mod, "gate", lambda presets, heads=None, _m=mod: [])
+        monkeypatch.setattr(mod, "run_shape", run_shape)
+    monkeypatch.setattr(decode, "run_eager", run_eager)
+    monkeypatch.setattr(timing, "environment", lambda: {"gpu": "fake"})
+    sel = runner.select("all", ["tq4"], quick=True)
+    runner.run(sel, eager_shapes=["B1x4K"], quick=True, progress=Progress(runner.count_steps(sel), io.StringIO()),
+               timer=timing.call_once)
+    assert len(seen) == 9 and all(t is timing.call_once for *_, t in seen)
+    assert seen[2] == ("eager", "B1x4K", timing.call_once)
+    seen.clear()
+    runner.run(sel, quick=True, progress=Progress(runner.count_steps(sel), io.StringIO()))
+    assert len(seen) == 8 and all(t is None for *_, t in seen)
+
+
+def test_call_once_runs_and_times_nothing():
+    from tqkern_torch.bench.timing import call_once
+
+    calls = []
+    assert np.isnan(call_once(lambda: calls.append(1))) and calls == [1]
+
+
+def test_jobs_compile_commands_deal_the_presets_and_name_the_shapes():
+    """``--jobs``: per op, the presets dealt round-robin into at most N shares, each command naming
+    the op's shapes (which select the same shapes again) and, for decode, the eager shapes."""
+    import sys
+
+    from tqkern_torch.bench import jobs
+
+    sel = runner.select("all", ["tq4", "k5v4h", "turboquant_4bit_nc"], ["B32x16K", "models", "prefill_1x4096",
+                                                                        "full_1x4K"])
+    cmds = jobs.compile_commands(sel, 2, eager_shapes=["B1x4K"])
+    assert [c[:5] for c in cmds] == [[sys.executable, "-m", "tqkern.cli", "bench", op]
+                                     for op in ("decode", "decode", "store", "store", "decompress", "decompress",
+                                                "prefill", "prefill")]
+    for cmd in cmds:
+        op, i, j = cmd[4], cmd.index("--presets"), cmd.index("--shapes")
+        share = cmd[i + 1:j]
+        assert share in (["tq4", "turboquant_4bit_nc"], ["k5v4h"])
+        assert cmd[-3:] == ["--compile-only", "--eager", "B1x4K"] if op == "decode" else cmd[-1] == "--compile-only"
+        names = cmd[j + 1:cmd.index("--compile-only")]
+        assert runner.select(op, share, names)[op][1] == sel[op][1]  # the same shapes, in order
+    assert len(jobs.compile_commands(sel, 8)) == 4 * 3  # never more shares than presets
+    assert jobs.compile_commands(runner.select("decode", ["tq4"], quick=True), 1, quick=True)[0][-1] == "--quick"
+    with pytest.raises(ValueError, match="jobs must be a positive int, got 0"):
+        jobs.compile_commands(sel, 0)
+
+
+def test_jobs_run_at_most_n_at_once_and_report_failures(tmp_path):
+    """:func:`compile_in_processes`: every command runs, never more than ``jobs`` at once (each
+    writes a start and an end mark), and a failing one is named with its exit status."""
+    import sys
+
+    from tqkern_torch.bench import jobs
+
+    def cmd(i, code=0):
+        return [sys.executable, "-c", f"import pathlib, sys, time; d = pathlib.Path({str(tmp_path)!r}); "
+                                      f"(d / 's{i}').write_text(str(time.time())); time.sleep(0.3); "
+                                      f"(d / 'e{i}').write_text(str(time.time())); sys.exit({code})"]
+    failed = jobs.compile_in_processes([cmd(0), cmd(1, 3), cmd(2), cmd(3)], 2, poll_s=0.05)
+    assert len(failed) == 1 and failed[0].startswith("exit 3: -c ") and "'s1'" in failed[0]
+    marks = sorted((float((tmp_path / f"{k}{i}").read_text()), k) for i in range(4) for k in "se")
+    live = 0
+    for _, k in marks:
+        live += 1 if k == "s" else -1
+        assert live <= 2

@@ -24,6 +24,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -161,6 +162,12 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode: also time eager calls (no CUDA graph) at these shapes (default B1x4K B32x4K B32x16K)")
     p.add_argument("--from", dest="from_json", default=None, metavar="FILE.json",
                    help="time nothing: print the table (and --plot) of a report written before (no GPU needed)")
+    p.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
+                   help="first compile the run's kernels in N processes (--compile-only over shares of the "
+                        "presets), then time alone (default 1: compile as the run goes; not for generate)")
+    p.add_argument("--compile-only", action="store_true",
+                   help="run the gates and call every variant once, untimed, writing no report: fills Triton's "
+                        "kernel cache (what --jobs runs in each process)")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -187,6 +194,11 @@ def _bench(args: argparse.Namespace) -> int:
                 selection = runner.select(args.op, args.presets, args.shapes, args.quick)
             if args.eager is not None and args.op in ("store", "decompress", "generate"):
                 raise ValueError(f"--eager times decode only, got op {args.op!r}")
+            if args.op == "generate" and (args.jobs > 1 or args.compile_only):
+                raise ValueError("--jobs and --compile-only are for the kernel ops, not generate")
+            if args.compile_only and (args.jobs > 1 or args.plot is not None or args.out is not None):
+                raise ValueError("--compile-only writes nothing and runs in one process: "
+                                 "no --jobs, --out or --plot with it")
             from tqkern_torch.bench.decode import EAGER_SHAPES
             from tqkern_torch.bench.shapes import decode_shape
             eager = [] if args.eager is None else (args.eager or list(EAGER_SHAPES))
@@ -205,7 +217,22 @@ def _bench(args: argparse.Namespace) -> int:
             return NO_CUDA_EXIT
         if args.op == "generate":
             report = generate.run(*selection, layers=args.layers or generate.FULL_LAYERS)
+        elif args.compile_only:
+            from tqkern_torch.bench.timing import call_once
+            report = runner.run(selection, eager_shapes=eager, quick=args.quick, timer=call_once)
+            bad = [f"{g['op']} {g['preset']} {g.get('case', '')}" for g in report["gate"] if not g["ok"]]
+            print(f"compiled {len(report['records'])} variants; gates failed: {', '.join(bad) or 'none'}")
+            return 1 if bad else 0
         else:
+            if args.jobs > 1:
+                from tqkern_torch.bench import jobs
+                t0 = time.perf_counter()
+                failed = jobs.compile_in_processes(
+                    jobs.compile_commands(selection, args.jobs, eager_shapes=eager, quick=args.quick), args.jobs)
+                print(f"compiled in up to {args.jobs} processes in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+                for line in failed:
+                    print(f"warning: a compile process failed ({line}); its kernels compile in the timed run",
+                          file=sys.stderr)
             report = runner.run(selection, eager_shapes=eager, quick=args.quick)
     print(rep.render_table(report))
     if args.from_json is None:

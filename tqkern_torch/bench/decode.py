@@ -156,16 +156,18 @@ def run_shape(shape: DecodeShape, presets, step, *, rep_ms: int = 100, device: s
     return rows
 
 
-def run_eager(shape: DecodeShape, presets, step) -> list[dict]:
-    """Eager (no CUDA graph) ``paged_decode`` with default arguments against eager SDPA fp16."""
+def run_eager(shape: DecodeShape, presets, step, *, timer=None) -> list[dict]:
+    """Eager (no CUDA graph) ``paged_decode`` with default arguments against eager SDPA fp16
+    (``timer(fn) -> µs``, default :func:`~tqkern_torch.bench.timing.eager_us`)."""
+    timer = timer or eager_us
     g = torch.Generator(device="cuda").manual_seed(3)
-    q, sdpa_us, bt, sl = _inputs(shape, g, eager_us)
+    q, sdpa_us, bt, sl = _inputs(shape, g, timer)
     rows = [record("decode", shape.name, BASELINE, BASELINE, sdpa_us, sdpa_us, mode="eager")]
     step(f"eager {shape.name} {BASELINE}")
     for preset in presets:
         layout, params = make_layout(preset, shape.num_kv_heads, shape.head_dim)
         cache = fill_cache(layout, params, shape.batch * shape.seq_len // BLOCK_SIZE, g)
-        us = eager_us(lambda: paged_decode(q, cache, bt, sl, layout, params, **shape.options))
+        us = timer(lambda: paged_decode(q, cache, bt, sl, layout, params, **shape.options))
         rows.append(record("decode", shape.name, preset, BASELINE, us, sdpa_us, mode="eager"))
         step(f"eager {shape.name} {preset}")
         cache = None

@@ -123,11 +123,12 @@ def _decode_gate_heads(shapes, base) -> tuple:
 
 
 def run(selection: dict, *, eager_shapes: Sequence[str] = (), quick: bool = False,
-        progress: Optional[Progress] = None) -> dict:
+        progress: Optional[Progress] = None, timer=None) -> dict:
     """Gate, then time, every (op, preset, shape) of ``selection`` on the GPU; returns the report.
 
     A preset that fails its op's gate is not timed there. ``quick`` replays each graph for about
-    25 ms instead of 100.
+    25 ms instead of 100. ``timer(fn) -> µs`` replaces every runner's own (CUDA-graph replay,
+    eager calls): :func:`~tqkern_torch.bench.timing.call_once` compiles without timing.
     """
     from tqkern_torch.bench import decode, decompress, prefill, store
     from tqkern_torch.bench.timing import TIMING, environment
@@ -136,6 +137,7 @@ def run(selection: dict, *, eager_shapes: Sequence[str] = (), quick: bool = Fals
     bar = progress or Progress(count_steps(selection, eager))
     rep_ms = 25 if quick else 100
     report = {"schema": SCHEMA, "environment": environment(), "timing": TIMING, "gate": [], "records": []}
+    timed = {} if timer is None else {"timer": timer}
     try:
         for o, (presets, shapes) in selection.items():
             mod = {"decode": decode, "store": store, "decompress": decompress, "prefill": prefill}[o]
@@ -153,12 +155,12 @@ def run(selection: dict, *, eager_shapes: Sequence[str] = (), quick: bool = Fals
             for shape in shapes:
                 ok = _passed_at(gates, passed, shape) if o == "decode" else passed
                 bar.total -= sum(_per_preset(o, shape, p) for p in passed if p not in ok)
-                report["records"] += mod.run_shape(shape, ok, bar.step, rep_ms=rep_ms)
+                report["records"] += mod.run_shape(shape, ok, bar.step, rep_ms=rep_ms, **timed)
             if o == "decode":
                 for shape in eager:
                     ok = _passed_at(gates, passed, shape)
                     bar.total -= len(passed) - len(ok)
-                    report["records"] += decode.run_eager(shape, ok, bar.step)
+                    report["records"] += decode.run_eager(shape, ok, bar.step, **timed)
     finally:
         bar.close()
     return report

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-__all__ = ["NO_CUDA_EXIT", "TIMING", "cuda_missing", "graph_us", "eager_us", "environment"]
+__all__ = ["NO_CUDA_EXIT", "TIMING", "cuda_missing", "graph_us", "eager_us", "call_once", "environment"]
 
 # Exit status of a benchmark run where no CUDA device is found. 2, not 0: nothing was measured,
 # so a caller that chains the run (`tqkern bench --out f.json && publish f.json`, a CI step)
@@ -51,6 +51,15 @@ def eager_us(fn, iters: int = 200) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / iters * 1e6
+
+
+def call_once(fn) -> float:
+    """Run ``fn()`` once (compiling what it launches) and time nothing: NaN. The timer of
+    ``tqkern bench --compile-only``, whose records are never written."""
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return float("nan")
 
 
 def environment() -> dict:
