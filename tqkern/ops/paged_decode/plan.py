@@ -30,8 +30,8 @@ from tqkern.ops.paged_decode.side_plans import (MergePlan, RotatePlan, _merge_pl
                                                 scan_split)
 
 __all__ = ["DeviceCaps", "DecodeOptions", "KernelPlan", "RotatePlan", "scan_split", "MergePlan", "DecodePlan",
-           "plan_decode", "decode_path", "check_num_splits", "whole_rounds", "fast_path_plan", "num_splits_for", "merge_chunks",
-           "workspace_numel", "MMA_MIN_CAPABILITY", "MMA_FP8_MIN_CAPABILITY"]
+           "plan_decode", "decode_path", "check_num_splits", "whole_rounds", "fast_path_plan", "num_splits_for",
+           "merge_chunks", "workspace_numel", "MMA_MIN_CAPABILITY", "MMA_FP8_MIN_CAPABILITY"]
 
 # The warp-MMA kernel's PTX: mma.sync m16n8k16 with fp16 operands, ld.global.nc.L2::256B
 # (sm_80); cvt.rn.f16x2.e4m3x2 for FP8 keys (sm_89).
@@ -121,10 +121,11 @@ def decode_path(layout, group: int, *, same_codebooks: bool, interpret: bool = F
 
 
 def whole_rounds(num_splits: int, ctas, num_sms: int, max_splits: int) -> int:
-    """``num_splits``, or where its launch ends in a partial round of CTAs over the SMs
-    (``ctas(n)``: the grid of ``n`` splits) the most splits up to ``max_splits`` whose CTAs still
-    end in that round: every SM then runs as many CTAs as the others, give or take one in the
-    last round only where ``max_splits`` stops short.
+    """``num_splits``, or, where its launch ends in a partial round of CTAs over the SMs
+    (``ctas(n)``: the grid of ``n`` splits; round ``r`` = CTAs ``r·num_sms`` onwards), the most
+    splits up to ``max_splits`` whose CTAs end in that same round: the round is then full (or as
+    full as ``max_splits`` allows) and every SM runs as many CTAs as the others. Never fewer
+    splits than ``num_splits``.
 
     Measured (H200, session 51, the per-warp kernel at G 8, 4-warp CTAs, µs): Llama-3-70B-TP8
     B32×16K, whose half-wave rule gave 24 splits (192 CTAs on 132 SMs: 60 SMs run two, 72 one):
