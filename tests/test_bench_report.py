@@ -321,6 +321,8 @@ def test_bench_without_cuda_exits_2_and_writes_nothing(tmp_path):
     (["bench", "decode", "--compile-only", "--out", "r.json"], "bench: --compile-only writes nothing"),
     (["bench", "decode", "--compile-only", "--jobs", "2"], "bench: --compile-only writes nothing"),
     (["bench", "decode", "--jobs", "0"], "argument --jobs"),
+    (["bench", "--from", "r.json", "--jobs", "2"], "bench: --from times nothing: no --jobs or --compile-only"),
+    (["bench", "--from", "r.json", "--compile-only"], "bench: --from times nothing"),
 ])
 def test_bench_bad_arguments_exit_2(argv, match, capsys):
     with pytest.raises(SystemExit) as e:

@@ -370,6 +370,8 @@ def test_jobs_run_at_most_n_at_once_and_report_failures(tmp_path):
         return [sys.executable, "-c", f"import pathlib, sys, time; d = pathlib.Path({str(tmp_path)!r}); "
                                       f"(d / 's{i}').write_text(str(time.time())); time.sleep(0.3); "
                                       f"(d / 'e{i}').write_text(str(time.time())); sys.exit({code})"]
+    with pytest.raises(ValueError, match="jobs must be a positive int, got 0"):
+        jobs.compile_in_processes([cmd(0)], 0)
     failed = jobs.compile_in_processes([cmd(0), cmd(1, 3), cmd(2), cmd(3)], 2, poll_s=0.05)
     assert len(failed) == 1 and failed[0].startswith("exit 3: -c ") and "'s1'" in failed[0]
     marks = sorted((float((tmp_path / f"{k}{i}").read_text()), k) for i in range(4) for k in "se")

@@ -366,6 +366,13 @@ def test_whole_rounds_fills_the_last_round_of_ctas():
     assert whole_rounds(24, ctas, 132, 30) == 30  # capped: 240 CTAs, the most below the cap
     assert whole_rounds(24, ctas, 132, 20) == 24  # a cap below the count never lowers it
     assert whole_rounds(5, lambda n: 3 * n, 132, 64) == 44  # 15 CTAs -> 132
+    for args, match in (((0, ctas, 132, 64), "num_splits must be a positive int, got 0"),
+                        ((24, ctas, True, 64), "num_sms must be a positive int, got True"),
+                        ((24, ctas, 132, 2.0), "max_splits must be a positive int, got 2.0")):
+        with pytest.raises(ValueError, match=match):
+            whole_rounds(*args)
+    with pytest.raises(TypeError, match="ctas must be a callable"):
+        whole_rounds(24, 192, 132, 64)
 
 
 def test_per_warp_plan_at_g8_takes_whole_rounds_of_ctas():

@@ -176,6 +176,8 @@ def _bench(args: argparse.Namespace) -> int:
     from tqkern_torch.bench import runner
 
     if args.from_json is not None:
+        if args.jobs > 1 or args.compile_only:
+            raise UsageError("--from times nothing: no --jobs or --compile-only with it")
         try:
             report = rep.read_json(args.from_json)
         except (OSError, ValueError, TypeError) as e:

@@ -44,6 +44,8 @@ def compile_commands(selection: dict, jobs: int, *, eager_shapes: Sequence[str] 
 def compile_in_processes(commands: list[list[str]], jobs: int, *, poll_s: float = 0.5) -> list[str]:
     """Run ``commands`` with at most ``jobs`` at once; the failed ones, as lines naming their
     command and exit status (their output is discarded: the timed run gates and reports again)."""
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+        raise ValueError(f"jobs must be a positive int, got {jobs!r}")
     waiting, running, failed = list(commands), [], []
     while waiting or running:
         while waiting and len(running) < jobs:

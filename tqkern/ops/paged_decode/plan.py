@@ -131,6 +131,11 @@ def whole_rounds(num_splits: int, ctas, num_sms: int, max_splits: int) -> int:
     B32×16K, whose half-wave rule gave 24 splits (192 CTAs on 132 SMs: 60 SMs run two, 72 one):
     tq4 61.2 at 24 splits, 57.5 at 32 (256 CTAs), 60.4 at 16; k5v4h 81.4 / 69.1 / 76.7;
     turboquant_4bit_nc, 33 splits by the rule (264 CTAs), 57.0 (56.2 at 32); SDPA fp16 66.6."""
+    for name, v in (("num_splits", num_splits), ("num_sms", num_sms), ("max_splits", max_splits)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if not callable(ctas):
+        raise TypeError(f"ctas must be a callable (splits -> CTAs), got {type(ctas).__name__}")
     c = ctas(num_splits)
     if c % num_sms == 0:
         return num_splits
