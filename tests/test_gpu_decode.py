@@ -182,6 +182,80 @@ def test_cooperative_stages_match_the_per_warp_kernel_bit_for_bit(preset, arrang
                 assert torch.equal(acc, got[0][1]) and torch.equal(ml, got[0][2]), (splits, variant)
 
 
+_SHARED_CASES = [(p, h, g, b) for p, h, g, b in (
+    ("turboquant_4bit_nc", 1, 8, 16), ("turboquant_4bit_nc", 1, 16, 32), ("turboquant_4bit_nc", 2, 8, 16),
+    ("tq4", 1, 8, 16), ("tq4", 2, 16, 16), ("k5v4h", 1, 8, 32), ("k5v4h", 2, 8, 16), ("tqkern_k5v3", 1, 8, 16),
+    ("turboquant_3bit_nc", 1, 8, 16), ("turboquant_k3v4_nc", 2, 4, 16), ("turboquant_k8v4", 1, 8, 16),
+    ("k4v2h", 1, 8, 16))]
+
+
+@pytest.mark.parametrize("preset,heads,group,block_size", _SHARED_CASES)
+def test_shared_head_plans_match_oracle(monkeypatch, preset, heads, group, block_size):
+    """One or two KV heads (Llama-3-70B on 8 or 4 GPUs): the shared-head plan (CTAs of 8 warps,
+    each a split taking its steps of every stage) through ``paged_decode`` at 1 and 2 CTA splits and
+    the planner's own count, against the NumPy oracle, with lengths that end mid-step, mid-stage and
+    before the CTA's last warp has a step (1, 15, 17, 77), shuffled blocks, poisoned outputs (every
+    case takes the plan here; by default the planner takes it for 5-bit keys at two KV heads); then
+    the ring's other depths and tables give the same partials bit for bit (only where a warp reads
+    changes)."""
+    import triton
+
+    import tqkern.ops.paged_decode.plan as plan_mod
+    import tqkern.ops.paged_decode.triton as launch_mod
+    from tqkern.ops.launch import BoundedCache
+    from tqkern.ops.paged_decode.mma_plans import coop_plan, coop_smem_bytes, mma_plan, shared_head_plan, table256_plan
+    from tqkern.ops.paged_decode.triton import _workspace, launch_mma_plan
+
+    fmt = tqkern.KVFormat.preset(preset, 128)
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=heads, block_size=block_size, arrangement="slot")
+    default = plan_mod.shared_heads(mma_plan(layout, group), layout)
+    assert (default is not None) == (heads == 2 and preset in ("k5v4h", "tqkern_k5v3") and group <= 8)
+    monkeypatch.setattr(plan_mod, "shared_heads", lambda p, lay: shared_head_plan(p, lay, 8 // lay.num_kv_heads))
+    monkeypatch.setattr(launch_mod, "_PREPARED", BoundedCache(64))
+    params = tqkern.TQParams.default(fmt)
+    p = tqt.to_device(params, "cuda")
+    plan = shared_head_plan(mma_plan(layout, group), layout, 8 // heads)
+    assert plan is not None and plan.WS == 8 // heads
+    sl = torch.tensor([1, 15, 16, 17, 77, 300, 513, 1000], dtype=torch.int32, device="cuda")
+    max_blocks = -(-1000 // block_size)
+    num_blocks = len(sl) * max_blocks + 3
+    g = torch.Generator(device="cuda").manual_seed(5)
+    bt = torch.randperm(num_blocks, device="cuda", generator=g)[: len(sl) * max_blocks].reshape(len(sl), -1).int()
+    cache = _fill(layout, p, num_blocks, sl, bt, seed=heads + group)
+    q = torch.randn(len(sl), heads * group, 128, device="cuda", dtype=torch.float16, generator=g)
+    expect = ref.paged_decode(q.double().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(), sl.cpu().numpy(),
+                              layout, params)
+    vmax = _vmax(cache, bt, sl, layout, p)
+    for splits in (plan.WS, 2 * plan.WS, None):
+        dp = tqt.plan_decode(q, cache, bt, layout, p, num_splits=splits)
+        if splits is not None:  # (the planner's own count: FP8 keys' short splits may take the per-warp kernel)
+            assert dp.decode.kernel == "coop" and dp.decode.constexpr("WS") == plan.WS, dp.describe()
+        out = torch.full_like(q, float("nan"))
+        paged_decode(q, cache, bt, sl, layout, p, out=out, num_splits=splits)
+        assert torch.isfinite(out).all()
+        assert np.abs(out.float().cpu().numpy() - expect).max() <= 4e-3 * vmax, splits
+    q_rot = ((q.float() @ p.rotation) if fmt.key.rotated else q.float()).contiguous()
+    variants = [plan] + [v for n in (2, 3, 4) if n != plan.COOP
+                         for v in [coop_plan(dataclasses.replace(plan, LUT_AT=None, NLOW=None), layout, n)]
+                         if v is not None and coop_smem_bytes(v) <= 232448]
+    if plan.LUT_AT:
+        variants.append(dataclasses.replace(plan, LUT_AT=None, NLOW=None))
+    elif plan.K_BITS == 4 and not plan.K_AT:
+        variants += [t for t in [table256_plan(plan)] if t is not None]
+    assert len(variants) >= 2
+    got = []
+    for v in variants:
+        acc, ml = _workspace(None, len(sl), q.shape[1], 2 * plan.WS, max(16, triton.next_power_of_2(128)), q.device)
+        acc.fill_(float("nan"))
+        ml.fill_(float("nan"))
+        tables = {"key_centroids_f32": p.key_centroids_f32, "value_centroids_f32": p.value_centroids_f32}
+        launch_mma_plan(q_rot, cache, bt, sl, layout, v, tables, acc, ml, num_splits=2 * plan.WS,
+                        sm_scale=128 ** -0.5)
+        got.append((v, acc.nan_to_num(7.0), ml.nan_to_num(7.0)))
+    for v, acc, ml in got[1:]:
+        assert torch.equal(acc, got[0][1]) and torch.equal(ml, got[0][2]), (v.COOP, v.LUT_AT, v.NLOW)
+
+
 @pytest.mark.parametrize("preset", ["k5v4h", "tqkern_k5v3"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_two_cta_plan_and_transform_merge_match_dense_attention(preset, dtype):

@@ -17,7 +17,8 @@ query column tiles per warp, ``QT = 2``; the last two have no cooperative plan: 
 and Gemma-2-9B's Hq16/Hkv8/D256 for D256's key and value chunks (FP8, 3-bit and 4-bit keys, 3- and
 4-bit values); the ``kXvYh`` formats of
 ``docs/quality.md`` whose values have their own table entries at B32x16K's shape; head_dim 96 at
-Phi-3-mini-TP2's Hq16/Hkv16).
+Phi-3-mini-TP2's Hq16/Hkv16; 5-bit keys at Llama-3-70B-TP4's Hq16/Hkv2, whose shared-head plan
+the launcher takes).
 """
 
 from __future__ import annotations
@@ -108,6 +109,12 @@ BUDGETS = {
     "mma:k5v4h:slot:128:8:32:window:per_warp": (0, 2056),
     "mma:k5v4h:slot:128:8:32:window:coop": (24, 1984),
     "mma:k5v4h:slot:128:8:32:window:coop2": (0, 1888),
+    # (S52) Llama-3-70B on 4 GPUs (Hq16/Hkv2/D128): 5-bit keys take 8-warp CTAs of 4 warps per KV
+    # head (plan.shared_heads; the cooperative kernel at its 128-register cap)
+    "mma:k5v4h:slot:128:2:16:per_warp": (0, 2064),
+    "mma:k5v4h:slot:128:2:16:shared": (32, 2512),
+    "mma:tqkern_k5v3:slot:128:2:16:per_warp": (8, 2072),
+    "mma:tqkern_k5v3:slot:128:2:16:shared": (0, 2536),
     "general:fp16:slot:128:8:32": (0, 952),
     # a window and a soft-cap (paged_decode(window_left=, logit_softcap=)): 132 registers, 105 without
     "general:fp16:slot:128:8:32:window+softcap": (0, 1096),
@@ -131,6 +138,7 @@ def _cases() -> list[str]:
                                                                           "turboquant_k3v4_nc")]
     cases += ["mma:tq4:row:96:3:3", "mma:tqkern_k5v3:slot:256:8:16", "mma:k5v4h:slot:256:8:16"]
     cases += ["mma:turboquant_4bit_nc:slot:256:8:16:window+softcap", "mma:k5v4h:slot:128:8:32:window"]
+    cases += ["mma:k5v4h:slot:128:2:16", "mma:tqkern_k5v3:slot:128:2:16"]
     cases += ["general:fp16:slot:128:8:32", "general:fp16:slot:128:8:32:window+softcap"]
     return cases
 

@@ -33,7 +33,7 @@ from triton.compiler import ASTSource
 from tqkern.ops.paged_decode.general import _paged_decode_kernel
 from tqkern.ops.paged_decode.mma_kernel import _paged_decode_mma_kernel
 from tqkern.ops.paged_decode.mma_plans import mma_plan, per_warp_plan, two_cta_plan
-from tqkern.ops.paged_decode.plan import DeviceCaps, mma_kernel_plan, plan_decode
+from tqkern.ops.paged_decode.plan import DeviceCaps, mma_kernel_plan, plan_decode, shared_heads
 
 __all__ = ["SM90", "compile_general", "compile_mma", "general_launch", "histogram", "launcher_plans",
            "mma_launch", "occupancy_sm90", "report", "report_in_subprocess", "resources", "sass_of", "tool_path"]
@@ -81,7 +81,8 @@ def mma_launch(layout, hq: int, plan, **launch) -> tuple[dict, dict]:
     """(constexprs, compile options) of a warp-MMA launch of ``plan`` (``launch``: the
     launcher's optional ``warps``, ``prefetch``, ``hint``, ``maxnreg``, ``options``), from the
     decode plan's :func:`~tqkern.ops.paged_decode.plan.mma_kernel_plan`."""
-    k = mma_kernel_plan(layout, plan, 1, hq, 1, warps=launch.get("warps", 4), prefetch=launch.get("prefetch"),
+    k = mma_kernel_plan(layout, plan, 1, hq, plan.WS or 1, warps=launch.get("warps", 4),
+                        prefetch=launch.get("prefetch"),
                         hint=launch.get("hint", 1), maxnreg=launch.get("maxnreg"), options=launch.get("options"))
     kw = k.kwargs()
     opts = {k: kw.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kw}
@@ -141,7 +142,8 @@ def launcher_plans(layout, group: int) -> dict:
     (no cooperative stages: a device with too little shared memory, the short-split rule, or
     after a sizing failure) and, where :func:`~.mma_plans.mma_plan` takes them, ``"coop"`` (with
     the PRMT-addressed table where :func:`~.mma_plans.table256_plan` fits) and ``"coop2"`` (two
-    CTAs per SM: :func:`~.mma_plans.two_cta_plan`). Empty where the warp-MMA kernel does not apply."""
+    CTAs per SM: :func:`~.mma_plans.two_cta_plan`), or ``"shared"`` where the planner takes a
+    shared-head plan (:func:`~.plan.shared_heads`). Empty where the warp-MMA kernel does not apply."""
     plan = mma_plan(layout, group)
     if plan is None:
         return {}
@@ -151,6 +153,10 @@ def launcher_plans(layout, group: int) -> dict:
         two = two_cta_plan(plan, layout)
         if two is not None:
             out["coop2"] = two
+    else:
+        shared = shared_heads(plan, layout)
+        if shared is not None:
+            out["shared"] = shared
     return out
 
 

@@ -56,6 +56,11 @@ Cooperative stages (``COOP`` stages, :func:`.mma_plans.coop_plan`): one CTA per 
 one warp per KV head; the CTA copies each step's 16 whole rows (one contiguous range of a block) into a
 ring of shared-memory stages with ``cp.async`` and the head-warps issue the same reads against the
 stage (``_load_step(..., SMEM=True)``), so the partials are bit-identical to the per-warp kernel's.
+With one or two KV heads (``WS > 1``, :func:`.mma_plans.shared_head_plan`) the CTA's ``HKV·WS`` warps
+share each head: a stage holds ``SUB·WS`` steps, and warp ``sub`` of a head takes steps
+``sub·SUB ..`` of every stage, its partial stored as split ``CTA split · WS + sub`` (the merge
+combines them like any splits). The CTA then keeps ``(COOP - 1)·WS`` times a per-warp step's bytes
+in flight, where the per-warp kernel keeps one step a warp.
 
 Partials (unnormalised acc, base-2 max, sum) go to the workspace of
 :func:`tqkern.ops.paged_decode.merge._merge_kernel`, which merges splits and rotates back.
@@ -95,7 +100,7 @@ def _paged_decode_mma_kernel(
     PREFETCH: tl.constexpr = 1, HINT: tl.constexpr = 0, SUB: tl.constexpr = 1,
     COOP: tl.constexpr = 0, RS: tl.constexpr = 0, SMEM_OFF: tl.constexpr = 0, LUT_AT: tl.constexpr = 0,
     NLOW: tl.constexpr = 0, LATE_V: tl.constexpr = 0, GS: tl.constexpr = 1, QT: tl.constexpr = 1,
-    K_AT: tl.constexpr = 0, WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    K_AT: tl.constexpr = 0, WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, WS: tl.constexpr = 1,
 ):
     NT: tl.constexpr = 32 * WARPS
     K3: tl.constexpr = K_BITS == 3
@@ -120,6 +125,7 @@ def _paged_decode_mma_kernel(
     NVW: tl.constexpr = (CV + 3) // 4 if V_BITS == 4 else (CV // 4 if CV >= 4 else 1)  # (D96: 6-byte chunks)
     NMT: tl.constexpr = D // 16
     LV: tl.constexpr = LATE_V * (COOP > 0)  # values read after the update: cooperative stages only
+    CS: tl.constexpr = SUB * WS  # 16-token steps per iteration (and per cooperative stage) of the CTA
     t = tl.arange(0, NT)
     lane = t % 32
     r = lane // 4
@@ -134,16 +140,25 @@ def _paged_decode_mma_kernel(
     split = (item // HKV) % NUM_SPLITS
     s = item // (HKV * NUM_SPLITS)
     seq_len = tl.minimum(tl.load(sl_ptr + s), max_blocks * BS)
+    if WS > 1:  # WS warps share each KV head of the CTA's range: split = CTA split · WS + sub; warp
+        # sub takes steps sub·SUB .. of every stage (its partial: those tokens)
+        nsp = NUM_SPLITS // WS
+        csplit = split // WS
+        wo = (split % WS) * (16 * SUB)
+    else:
+        nsp = NUM_SPLITS
+        csplit = split
+        wo = 0
     if WINDOW:  # keys first .. seq_len − 1 (the query at seq_len − 1; window_left < 2^30), split from
         # the step holding the first (steps start at multiples of 16); the keys before it masked
         first = tl.maximum(seq_len - 1 - window_left, 0)
         base = first - first % 16
-        per = tl.cdiv(tl.cdiv(seq_len - base, NUM_SPLITS), 16) * 16
-        start = base + split * per
+        per = tl.cdiv(tl.cdiv(seq_len - base, nsp), 16) * 16
+        start = base + csplit * per
     else:
         first = seq_len * 0
-        per = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), 16) * 16
-        start = split * per
+        per = tl.cdiv(tl.cdiv(seq_len, nsp), 16) * 16
+        start = csplit * per
     end = tl.where(live, tl.minimum(start + per, seq_len), start)
     n_steps = tl.max(tl.maximum(tl.cdiv(end - start, 16), 0), axis=0)  # the CTA's longest range
     bt_row = bt_ptr + s.to(tl.int64) * max_blocks
@@ -165,7 +180,7 @@ def _paged_decode_mma_kernel(
         # each step's 16 contiguous rows (to row i // (ROW_BYTES / 16) of the stage, RS bytes apart).
         # The first COOP - 1 stages are issued before the table is filled (their DRAM latency
         # overlaps the fill).
-        STG: tl.constexpr = 16 * SUB * RS
+        STG: tl.constexpr = 16 * CS * RS
         NCP: tl.constexpr = (ROW_BYTES + NT - 1) // NT
         # (LUT_AT: stages 0 .. NLOW - 1 below the table, the others right above its 64 KB)
         stages = _smem_base(t) + (SMEM_OFF + LUTB * NEED_LUT * (LUT_AT == 0))
@@ -178,8 +193,8 @@ def _paged_decode_mma_kernel(
             else:
                 cp_s = cp_s + ((ci // (ROW_BYTES // 16)) * RS + (ci % (ROW_BYTES // 16)) * 16,)
         for j in tl.static_range(COOP - 1):
-            _coop_issue(cache_ptr, _step_blocks(bt_row, start + 16 * SUB * j, end, BS, SUB), start + 16 * SUB * j,
-                        end, _stage(stages, lut, j, STG, NBELOW), cp_s, t, NT, BS, ROW_BYTES, RS, SUB)
+            _coop_issue(cache_ptr, _step_blocks(bt_row, start + 16 * CS * j, end, BS, CS), start + 16 * CS * j,
+                        end, _stage(stages, lut, j, STG, NBELOW), cp_s, t, NT, BS, ROW_BYTES, RS, CS)
     if NEED_LUT:
         if K5 and K_AT == 64 and V_BITS != 2:  # 3-bit value pairs (or none) at 0, key codes at 64
             lut = _lut_fill_k5(lut, t, cen_ptr, vcen_ptr, NT, not V_UNIFORM)
@@ -299,7 +314,7 @@ def _paged_decode_mma_kernel(
     # earlier still, so that the loads never wait on the table. PREFETCH = 1 measured fastest on
     # the H100: ptxas sinks a deeper ring's loads to the end of the iteration anyway.
     if COOP:  # (the first COOP - 1 stages were issued before the pair table was filled)
-        nxt = _step_blocks(bt_row, start + 16 * SUB * (COOP - 1), end, BS, SUB)
+        nxt = _step_blocks(bt_row, start + 16 * CS * (COOP - 1), end, BS, CS)
     else:
         blk = _step_block(bt_row, start, end, BS)
         ring = ()
@@ -308,17 +323,19 @@ def _paged_decode_mma_kernel(
                                       K_MERGE, V_MERGE, K_DT, V_DT, V_UNIFORM, HINT, K_FP8, K_NW, K_BITS, K_FUN,
                                       V_FUN),)
             blk = _step_block(bt_row, start + 16 * (j + 1), end, BS)
-    for it in range(0, tl.cdiv(n_steps, SUB)):
+    for it in range(0, tl.cdiv(n_steps, CS)):
         # SUB 16-token steps under one softmax update: their scores first, then one running
         # max (scores and value factors), one rescale of the output, then their values.
-        t0 = start + it * (16 * SUB)
+        t0 = start + it * (16 * CS) + wo  # (this warp's first step of the iteration)
         if COOP:  # this iteration's stage has landed; refill the one read last iteration
             sb = _coop_wait(_stage(stages, lut, it % COOP, STG, NBELOW), COOP - 2)
-            tc = t0 + 16 * SUB * (COOP - 1)
+            tc = t0 - wo + 16 * CS * (COOP - 1)
             _coop_issue(cache_ptr, nxt, tc, end,
                         _stage(stages, lut, (it + COOP - 1) % COOP, STG, NBELOW), cp_s, t, NT, BS,
-                        ROW_BYTES, RS, SUB)
-            nxt = _step_blocks(bt_row, tc + 16 * SUB, end, BS, SUB)
+                        ROW_BYTES, RS, CS)
+            nxt = _step_blocks(bt_row, tc + 16 * CS, end, BS, CS)
+            if WS > 1:
+                sb = sb + wo * RS  # this warp's steps in the stage
         steps = ()
         mx_e = zf
         mx_o = zf

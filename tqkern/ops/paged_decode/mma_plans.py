@@ -1,8 +1,9 @@
 """Host-side plans of the warp-MMA decode kernel: the constexprs (a :class:`MmaPlan`) that a
 layout and GQA group get (:func:`mma_plan`; ``None`` where the kernel does not apply), their
-CTA-cooperative variants and shared-memory sizing (:func:`coop_plan`, :func:`table256_plan`,
-:func:`coop_smem_bytes`, :func:`coop_row_stride`), the per-warp variant (:func:`per_warp_plan`), and the arithmetic of splits and residency
-(:func:`num_splits_mma`, :func:`ctas_per_sm`). Nothing here compiles or launches: the decode plan
+CTA-cooperative variants and shared-memory sizing (:func:`coop_plan`, :func:`shared_head_plan`,
+:func:`table256_plan`, :func:`coop_smem_bytes`, :func:`coop_row_stride`), the per-warp variant
+(:func:`per_warp_plan`), and the arithmetic of splits and residency (:func:`num_splits_mma`,
+:func:`ctas_per_sm`). Nothing here compiles or launches: the decode plan
 (:mod:`.plan`) chooses among these for a device."""
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ from tqkern.layouts import FP8, LloydMax, PagedLayout, Uniform
 from tqkern.ops.common import layout_consts
 
 __all__ = ["DynamicSmemUnsupported", "MmaPlan", "coop_plan", "coop_row_stride", "coop_smem_bytes", "ctas_per_sm",
-           "mma_plan", "num_splits_mma", "per_warp_plan", "table256_plan", "two_cta_plan"]
+           "mma_plan", "num_splits_mma", "per_warp_plan", "shared_head_plan", "table256_plan", "two_cta_plan"]
 
 
 _DT = {"float16": 0, "float32": 1, "bfloat16": 2}
 _NBYTES = {0: 2, 1: 4, 2: 2}
 
 
-_COOP_FIELDS = ("COOP", "RS", "SMEM_OFF", "LATE_V", "LUT_AT", "NLOW")
+_COOP_FIELDS = ("COOP", "RS", "SMEM_OFF", "LATE_V", "LUT_AT", "NLOW", "WS")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +39,8 @@ class MmaPlan:
     two aligned words), ``K_FUN`` / ``V_FUN`` (funnel-shifted words). ``SUB``: 16-token steps per
     softmax update. Cooperative stages (``None``: the per-warp kernel): ``COOP`` stages, ``RS``
     row stride, ``SMEM_OFF``, ``LATE_V``; the PRMT-addressed table ``LUT_AT`` / ``NLOW``
-    (:func:`table256_plan`). A GQA group of more than 8 heads (:func:`head_tiles`): ``GS`` work
+    (:func:`table256_plan`); ``WS`` warps per KV head, each a split of the CTA's range
+    (:func:`shared_head_plan`; ``None``: one). A GQA group of more than 8 heads (:func:`head_tiles`): ``GS`` work
     items (warps) per KV head, each with ``QT`` query column tiles of ``group / (GS·QT) <= 8``
     heads (``QT = 2``: every decoded K and V fragment feeds two MMAs). The pair table
     (:attr:`lut_bytes`): the keys' entries start at entry ``K_AT`` (0: key pairs, which 4-bit
@@ -82,6 +84,7 @@ class MmaPlan:
     LATE_V: Optional[int] = None
     LUT_AT: Optional[int] = None
     NLOW: Optional[int] = None
+    WS: Optional[int] = None
 
     def constexprs(self) -> dict:
         """The kernel's constexprs (fields that are ``None`` left at the kernel's defaults)."""
@@ -221,7 +224,7 @@ def _mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
     # drops them where the device's shared memory is smaller.
     coop = None
     if layout.num_kv_heads >= 4 and gs == 1:  # (a cooperative CTA's warps are its KV heads)
-        sub, stages = (2, 4) if not v_uniform else (1, 3) if k_fp8 else (2, 2)
+        sub, stages = _coop_shape(v_uniform, k_fp8)
         coop = coop_plan(dataclasses.replace(plan, SUB=sub), layout, stages)
     return coop or plan
 
@@ -308,6 +311,37 @@ def coop_plan(plan: MmaPlan, layout: PagedLayout, stages: int = 2) -> MmaPlan | 
     return out
 
 
+def shared_head_plan(plan: MmaPlan, layout: PagedLayout, ws: int, stages: int | None = None) -> MmaPlan | None:
+    """The cooperative ``plan`` (or the per-warp ``plan`` made cooperative with the stage shape
+    :func:`mma_plan` gives 4–16 KV heads) for a layout of one or two KV heads, whose CTA would
+    otherwise be one or two warps: ``ws`` warps per KV head (``WS``), each a split of the CTA's
+    range taking ``SUB`` steps of every stage of ``SUB·ws`` steps (the split count of a launch is
+    then a multiple of ``ws``). ``None`` where no such plan applies: more than two KV heads, query
+    heads in more than one warp per KV head (``GS > 1``), blocks not a multiple of 16 tokens, a CTA
+    of more than 16 warps, or stages beyond one CTA's shared memory. ``stages``: the ring's depth
+    (default: the 4–16-head plan's)."""
+    if not isinstance(plan, MmaPlan):
+        raise TypeError(f"plan must be an MmaPlan from mma_plan, got {type(plan).__name__}")
+    if not isinstance(layout, PagedLayout):
+        raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
+    if not isinstance(ws, int) or isinstance(ws, bool) or ws not in (2, 4, 8, 16):
+        raise ValueError(f"ws must be 2, 4, 8 or 16, got {ws!r}")
+    hkv = layout.num_kv_heads
+    if hkv > 2 or plan.GS != 1 or hkv * ws > 16:
+        return None
+    sub, default_stages = _coop_shape(bool(plan.V_UNIFORM), bool(plan.K_FP8))
+    if plan.COOP:
+        sub, default_stages = plan.SUB, plan.COOP
+    base = dataclasses.replace(per_warp_plan(plan), SUB=sub, WS=ws)
+    return coop_plan(base, layout, default_stages if stages is None else stages)
+
+
+def _coop_shape(v_uniform: bool, k_fp8: bool) -> tuple[int, int]:
+    """``(SUB, stages)`` of the cooperative plans: Lloyd-Max values 4 stages of two steps, FP8 keys
+    with uniform values 3 of one, other uniform values 2 of two (measured: :func:`_mma_plan`)."""
+    return (2, 4) if not v_uniform else (1, 3) if k_fp8 else (2, 2)
+
+
 def two_cta_plan(plan: MmaPlan, layout: PagedLayout) -> MmaPlan | None:
     """The cooperative ``plan`` of 5-bit keys and Lloyd-Max values (4 stages of two steps beside
     a 36–40 KB pair table: one 8-warp CTA per SM) with a ring of 2 such stages, small enough for
@@ -340,7 +374,7 @@ def table256_plan(plan: MmaPlan) -> MmaPlan | None:
         raise TypeError(f"plan must be a cooperative plan (an MmaPlan from coop_plan), got {plan!r:.80}")
     if plan.K_BITS != 4 or plan.K_AT:
         return None
-    stg = 16 * plan.SUB * plan.RS
+    stg = _stage_bytes(plan)
     for at in (0x10000, 0x20000, 0x30000):
         nlow = min(plan.COOP, max(0, (at - _SMEM_BASE - plan.SMEM_OFF) // stg))
         out = dataclasses.replace(plan, LUT_AT=at, NLOW=nlow)
@@ -355,10 +389,15 @@ def coop_smem_bytes(plan: MmaPlan) -> int:
     beside a dynamic region under 48 KB, no opt-in for more than 48 KB in all would be set.)"""
     if not isinstance(plan, MmaPlan) or not plan.COOP:
         raise TypeError(f"plan must be a cooperative plan (an MmaPlan from coop_plan), got {plan!r:.80}")
-    stg = 16 * plan.SUB * plan.RS
+    stg = _stage_bytes(plan)
     if plan.LUT_AT:  # up to the last stage above the table, counted from shared address 0
         return plan.LUT_AT + 65536 + (plan.COOP - plan.NLOW) * stg + _COOP_PAD
     return plan.SMEM_OFF + plan.lut_bytes + plan.COOP * stg + _COOP_PAD
+
+
+def _stage_bytes(plan: MmaPlan) -> int:
+    """Bytes of one cooperative stage: ``SUB·WS`` steps of 16 rows ``RS`` bytes apart."""
+    return 16 * plan.SUB * (plan.WS or 1) * plan.RS
 
 
 class DynamicSmemUnsupported(RuntimeError):

@@ -24,14 +24,14 @@ from tqkern.ops.codecs import DT_BF16, Kind, layout_args, layout_consts
 from tqkern.ops.common import halfword_aligned
 from tqkern.ops.paged_decode.mma_plans import (DynamicSmemUnsupported, MmaPlan, _lut_bytes,
                                                coop_smem_bytes, mma_plan, num_splits_mma, per_warp_plan,
-                                               two_cta_plan)
+                                               shared_head_plan, two_cta_plan)
 from tqkern.ops.paged_decode.plan_types import DecodeOptions, DeviceCaps, KernelPlan, Occupancy
 from tqkern.ops.paged_decode.side_plans import (MergePlan, RotatePlan, _merge_plan, _rotate_plan, merge_chunks,
                                                 scan_split)
 
 __all__ = ["DeviceCaps", "DecodeOptions", "KernelPlan", "RotatePlan", "scan_split", "MergePlan", "DecodePlan",
            "plan_decode", "decode_path", "check_num_splits", "whole_rounds", "fast_path_plan", "num_splits_for",
-           "merge_chunks", "workspace_numel", "MMA_MIN_CAPABILITY", "MMA_FP8_MIN_CAPABILITY"]
+           "merge_chunks", "workspace_numel", "shared_heads", "MMA_MIN_CAPABILITY", "MMA_FP8_MIN_CAPABILITY"]
 
 # The warp-MMA kernel's PTX: mma.sync m16n8k16 with fp16 operands, ld.global.nc.L2::256B
 # (sm_80); cvt.rn.f16x2.e4m3x2 for FP8 keys (sm_89).
@@ -45,6 +45,7 @@ MMA_FP8_MIN_CAPABILITY = (8, 9)
 # 84.3 -> 99.0, B32x4K (G 4) 89.0 -> 108.7. Why the full-column warps prefer fewer, longer splits
 # was not profiled.
 PER_WARP_WAVE = 0.5
+_SHARED_CTA_WARPS = 8  # the CTA of a shared-head plan (one or two KV heads)
 _COOP_MIN_TOKENS = 1024  # tokens per split below which one-step cooperative plans may give way
 
 
@@ -290,8 +291,11 @@ def mma_kernel_plan(layout, plan: MmaPlan, num_seqs: int, num_q_heads: int, num_
     constexprs (:meth:`DecodeOptions.constexprs`)."""
     hkv = layout.num_kv_heads
     coop = bool(plan.COOP)
-    if coop:  # one warp per KV head of a (sequence, split)
-        warps = hkv
+    ws = plan.WS or 1
+    if num_splits % ws:
+        raise ValueError(f"num_splits must be a multiple of the plan's {ws} warps per KV head, got {num_splits}")
+    if coop:  # one warp per KV head of a (sequence, split), or WS of them (shared_head_plan)
+        warps = hkv * ws
     if prefetch is None:  # the ring holds the steps of one iteration (measured: SUB = 2 with 1 step slower)
         prefetch = plan.SUB
     if maxnreg is None and plan.D == 256 and not plan.K_FP8:
@@ -321,28 +325,56 @@ def mma_kernel_plan(layout, plan: MmaPlan, num_seqs: int, num_q_heads: int, num_
     cx = dict(G=num_q_heads // (heads * plan.QT), HKV=heads, HQ=num_q_heads, WARPS=warps, BS=layout.block_size,
               PREFETCH=prefetch, HINT=hint, **plan.constexprs(), **(options or DecodeOptions()).constexprs())
     total = num_seqs * heads * num_splits
-    grid = (num_seqs * num_splits,) if coop else (-(-total // warps),)
+    grid = (num_seqs * num_splits // ws,) if coop else (-(-total // warps),)
     return KernelPlan(kernel="coop" if coop else "mma", grid=grid, constexprs=tuple(cx.items()), num_warps=warps,
                       num_stages=1, maxnreg=maxnreg or 0)
+
+
+def shared_heads(plan: MmaPlan, layout: PagedLayout) -> MmaPlan | None:
+    """The shared-head plan (:func:`.mma_plans.shared_head_plan`, CTAs of 8 warps) the decode
+    planner takes instead of the per-warp ``plan``, or ``None``: two KV heads with 5-bit keys and
+    GQA groups of at most 8 (one query column tile; two were not timed).
+
+    Measured (H200, session 52 probe, CUDA graphs, µs, per-warp → shared, SDPA fp16 in the same
+    run): two KV heads, k5v4h: Llama-3-8B-TP4 B64×8K (Hq 8) 105.0 → 92.4, Qwen2.5-7B-TP2 B32×16K
+    (Hq 14) 112.6 → 100.5, Llama-3-70B-TP4 B32×16K 162.7 → 102.8, B16×64K 309.5 → 171.5, B128×2K
+    90.5 → 65.0 (SDPA 123.3 / 126.9 / 127.1 / 243.9 / 64.9): the per-warp kernel's 254 registers
+    hold two 4-warp CTAs an SM and its half-wave split rule gave these launches about one. At the
+    same shapes 4- and 3-bit keys (tq4, turboquant_4bit_nc, turboquant_3bit_nc) moved −12% to +9%
+    (slower at B128×2K and B64×8K), and at one KV head (Llama-3-70B-TP8 B32×16K and B128×4K,
+    Llama-3-405B-TP8 B16×32K) shared CTAs were slower for every preset but turboquant_4bit_nc at
+    405B (84.2 → 79.0; 70B B32×16K 56.9 → 71.3): those keep the per-warp kernel."""
+    if not isinstance(plan, MmaPlan):
+        raise TypeError(f"plan must be an MmaPlan from mma_plan, got {type(plan).__name__}")
+    if not isinstance(layout, PagedLayout):
+        raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
+    if plan.COOP or layout.num_kv_heads != 2 or plan.K_BITS != 5 or plan.QT != 1:
+        return None
+    return shared_head_plan(plan, layout, _SHARED_CTA_WARPS // 2)
 
 
 def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options):
     g = hq // layout.num_kv_heads
     kernel_plan = functools.partial(mma_kernel_plan, options=options)
     plan = mma_plan(layout, g)
+    plan = shared_heads(plan, layout) or plan
     if plan.COOP and (not caps.dynamic_smem or coop_smem_bytes(plan) > caps.smem_per_block_optin):
         plan = per_warp_plan(plan)
     if num_splits is not None:
+        if plan.WS and num_splits % plan.WS:  # (a shared-head plan's splits come in multiples of WS)
+            plan = per_warp_plan(plan)
         return kernel_plan(layout, plan, s, hq, num_splits), num_splits
     max_len = max_blocks * layout.block_size
 
     def splits_for(p):
-        k = kernel_plan(layout, p, s, hq, 1)
+        k = kernel_plan(layout, p, s, hq, p.WS or 1)
         ctas = occupancy(k)
         if ctas is None:  # unknown: a conservative 8 warps per SM (speed, never correctness)
             ctas = max(1, 8 // k.num_warps)
         wave = ctas * k.num_warps * caps.num_sms
         pairs = layout.num_kv_heads * p.GS
+        if p.WS:  # every warp a split: the one-wave count, in whole CTAs
+            return max(1, num_splits_mma(s, pairs, max_len, wave) // p.WS) * p.WS
         if p.COOP or dict(k.constexprs)["G"] < 8:
             return num_splits_mma(s, pairs, max_len, wave)
         # every MMA column a query head: PER_WARP_WAVE, then whole rounds of CTAs over the SMs
