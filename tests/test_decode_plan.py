@@ -509,7 +509,7 @@ def test_planner_takes_shared_heads_for_five_bit_keys_at_two_kv_heads():
     take 8-warp CTAs of 4 warps per KV head (measured 1.12–1.80x faster on an H200, S52); the
     split count is a multiple of 4 (a one-wave count rounded down), the grid one CTA per
     (sequence, 4 splits); an explicit count that is not a multiple of 4 takes the per-warp kernel.
-    One KV head, 4-bit keys and GQA 16 (two column tiles) keep the per-warp kernel."""
+    One KV head, 4-bit keys, GQA 16 (two column tiles) and head_dim 64 keep the per-warp kernel."""
     from tqkern.ops.paged_decode.plan import DeviceCaps, mma_kernel_plan, plan_decode, shared_heads
 
     lay = _layout("k5v4h", 128, 2)
@@ -522,7 +522,8 @@ def test_planner_takes_shared_heads_for_five_bit_keys_at_two_kv_heads():
         assert plan_decode(lay, 16, 16, 4096, DeviceCaps.sm90(), same_codebooks=True,
                            num_splits=n).decode.kernel == kernel
     for lay1, hq in ((_layout("k5v4h", 128, 1), 8), (_layout("tq4", 128, 2, "row"), 16),
-                     (_layout("turboquant_4bit_nc", 128, 2), 16), (_layout("k5v4h", 128, 2), 32)):
+                     (_layout("turboquant_4bit_nc", 128, 2), 16), (_layout("k5v4h", 128, 2), 32),
+                     (_layout("k5v4h", 64, 2), 14)):
         assert plan_decode(lay1, 16, hq, 4096, DeviceCaps.sm90(), same_codebooks=True).decode.kernel == "mma"
     with pytest.raises(ValueError, match="num_splits must be a multiple of the plan's 4 warps per KV head, got 6"):
         mma_kernel_plan(lay, shared_heads(mma_plan(lay, 8), lay), 16, 16, 6)

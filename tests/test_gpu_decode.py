@@ -209,7 +209,7 @@ def test_shared_head_plans_match_oracle(monkeypatch, preset, heads, group, block
     fmt = tqkern.KVFormat.preset(preset, 128)
     layout = tqkern.PagedLayout(format=fmt, num_kv_heads=heads, block_size=block_size, arrangement="slot")
     default = plan_mod.shared_heads(mma_plan(layout, group), layout)
-    assert (default is not None) == (heads == 2 and preset in ("k5v4h", "tqkern_k5v3") and group <= 8)
+    assert (default is not None) == (heads == 2 and preset in ("k5v4h", "tqkern_k5v3") and group <= 8)  # (D128)
     monkeypatch.setattr(plan_mod, "shared_heads", lambda p, lay: shared_head_plan(p, lay, 8 // lay.num_kv_heads))
     monkeypatch.setattr(launch_mod, "_PREPARED", BoundedCache(64))
     params = tqkern.TQParams.default(fmt)

@@ -103,6 +103,7 @@ MODEL_SHAPES = DECODE_SHAPES + (
     DecodeShape("Llama3-8B_B256x1K", 256, 1024, 32, 8, 128),  # many short chats
     DecodeShape("Llama3-70B-TP8_B32x16K", 32, 16384, 8, 1, 128),  # 64 / 8 heads per GPU: 1 KV head, GQA 8
     DecodeShape("Llama3-405B-TP8_B16x32K", 16, 32768, 16, 1, 128),  # 128 / 8 per GPU: GQA 16
+    DecodeShape("Llama3-70B-TP4_B32x16K", 32, 16384, 16, 2, 128),  # 64 / 4 per GPU: 2 KV heads, GQA 8
     DecodeShape("Qwen2.5-7B_B16x32K", 16, 32768, 28, 4, 128),  # GQA 7
     DecodeShape("Qwen2.5-7B_B1x64K", 1, 65536, 28, 4, 128),  # batch 1, 4 KV heads
     DecodeShape("Gemma2-9B_B8x8K", 8, 8192, 16, 8, 256),  # head_dim 256, GQA 2

@@ -332,8 +332,9 @@ def mma_kernel_plan(layout, plan: MmaPlan, num_seqs: int, num_q_heads: int, num_
 
 def shared_heads(plan: MmaPlan, layout: PagedLayout) -> MmaPlan | None:
     """The shared-head plan (:func:`.mma_plans.shared_head_plan`, CTAs of 8 warps) the decode
-    planner takes instead of the per-warp ``plan``, or ``None``: two KV heads with 5-bit keys and
-    GQA groups of at most 8 (one query column tile; two were not timed).
+    planner takes instead of the per-warp ``plan``, or ``None``: two KV heads with 5-bit keys at
+    head_dim 128 and GQA groups of at most 8 (one query column tile). Other head_dims and two column
+    tiles were neither timed nor checked on a GPU with it.
 
     Measured (H200, session 52 probe, CUDA graphs, µs, per-warp → shared, SDPA fp16 in the same
     run): two KV heads, k5v4h: Llama-3-8B-TP4 B64×8K (Hq 8) 105.0 → 92.4, Qwen2.5-7B-TP2 B32×16K
@@ -348,7 +349,7 @@ def shared_heads(plan: MmaPlan, layout: PagedLayout) -> MmaPlan | None:
         raise TypeError(f"plan must be an MmaPlan from mma_plan, got {type(plan).__name__}")
     if not isinstance(layout, PagedLayout):
         raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
-    if plan.COOP or layout.num_kv_heads != 2 or plan.K_BITS != 5 or plan.QT != 1:
+    if plan.COOP or layout.num_kv_heads != 2 or plan.K_BITS != 5 or plan.QT != 1 or plan.D != 128:
         return None
     return shared_head_plan(plan, layout, _SHARED_CTA_WARPS // 2)
 
