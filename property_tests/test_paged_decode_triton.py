@@ -26,6 +26,7 @@ import tqkern_torch as tqt
 from tqkern import reference as ref
 from tqkern.ops.paged_decode.triton import decode_path, fast_path_plan
 from tqkern.ops.paged_decode.mma_plans import mma_plan
+from tqkern.ops.paged_decode.plan import shared_heads
 from tqkern_torch.attention import paged_decode
 from tqkern_torch.testing import device_under_test, kernels_available, poisoned_like, to_torch_kv
 
@@ -115,17 +116,22 @@ def mma_path_cases(draw):
     misaligned against the lanes' chunks and rows of 2 mod 4 bytes included), block sizes 1..128
     (blocks shorter than the kernel's 16-token step included), with and without cooperative
     stages (4, 8 or 16 KV heads in blocks of 16..128 tokens: the launcher's plan then copies whole
-    rows through shared memory; 16: CTAs of 512 threads)."""
+    rows through shared memory; 16: CTAs of 512 threads), and with the shared-head plan (two KV
+    heads, 5-bit keys, head_dim 128: 8-warp CTAs whose warps are splits; explicit split counts
+    multiples of 4 keep it, others take the per-warp kernel)."""
     # Four fifths of the examples steer toward the main formats' 4-bit keys (joined, shifted or
     # aligned by the slot geometry), toward read schemes that free draws rarely reach (session
     # 7's statistics: 5-bit keys ~5%, rows of 2 mod 4 bytes 0-6%, FP8 keys half of all examples),
     # or toward the cooperative stages, the launcher's plan for 4-16 KV heads. That focus comes
     # first: Hypothesis leans to the first choices, and with it last the stages were drawn in only
     # 2 of 24 examples (session 12).
-    focus = draw(st.sampled_from(["cooperative stages", "free", "4-bit keys", "3- or 5-bit keys", "rows 2 mod 4"]),
-                 label="focus")
-    d = draw(st.sampled_from([64, 128, 96, 256]), label="head_dim")
-    if focus == "4-bit keys":
+    focus = draw(st.sampled_from(["cooperative stages", "free", "4-bit keys", "3- or 5-bit keys", "rows 2 mod 4",
+                                  "shared heads"]), label="focus")
+    shared = focus == "shared heads"
+    d = 128 if shared else draw(st.sampled_from([64, 128, 96, 256]), label="head_dim")
+    if shared:
+        key_st = T.lloyd_max_codecs(st.just(5))
+    elif focus == "4-bit keys":
         key_st = T.lloyd_max_codecs(st.just(4))
     elif focus == "3- or 5-bit keys":
         key_st = T.lloyd_max_codecs(st.sampled_from([3, 5]))
@@ -160,10 +166,11 @@ def mma_path_cases(draw):
                           slot_alignment=draw(st.sampled_from([1, 2] if rows2 else [1, 2, 4, 16]),
                                               label="slot_alignment"))
     layout = tqkern.PagedLayout(format=fmt,
-                                num_kv_heads=draw(st.sampled_from([1, 3] if rows2 else [4, 8, 16] if coop
-                                                                  else [1, 2, 3, 4, 8]), label="num_kv_heads"),
-                                block_size=draw(st.sampled_from([4, 16, 32, 128] if rows2 else [16, 32, 128] if coop
-                                                                else [1, 4, 16, 32, 128]), label="block_size"),
+                                num_kv_heads=2 if shared else draw(st.sampled_from(
+                                    [1, 3] if rows2 else [4, 8, 16] if coop else [1, 2, 3, 4, 8]), label="num_kv_heads"),
+                                block_size=draw(st.sampled_from([4, 16, 32, 128] if rows2 else [16, 32, 128]
+                                                                if coop or shared else [1, 4, 16, 32, 128]),
+                                                label="block_size"),
                                 arrangement=draw(st.sampled_from(["slot", "row"]), label="arrangement"))
     if rows2:
         assume(layout.row_bytes % 4 == 2)
@@ -172,9 +179,12 @@ def mma_path_cases(draw):
     assume(decode_path(layout, group, same_codebooks=True) == "mma")
     if coop:  # (more stages than one CTA's shared memory holds: the per-warp plan)
         assume(mma_plan(layout, group).COOP is not None)
+    if shared:
+        assume(shared_heads(mma_plan(layout, group), layout) is not None)
     params = draw(T.tq_params(fmt, layout.num_kv_heads), label="params")
     batch = draw(T.paged_batches(layout.block_size, max_seqs=8, max_len=T.scale(300, 3000)), label="batch")
-    num_splits = draw(st.one_of(st.none(), st.integers(1, 9)), label="num_splits")
+    num_splits = draw(st.one_of(st.none(), st.sampled_from([4, 8, 12]) if shared else st.integers(1, 9)),
+                      label="num_splits")
     qdtype = draw(st.sampled_from([torch.float16, torch.bfloat16]), label="q_dtype")
     return layout, params, group, batch, qdtype, num_splits
 
@@ -194,6 +204,7 @@ def test_mma_path_matches_oracle(case, data):
     event(f"values {plan.V_BITS}-bit {'shifted' if plan.V_FUN else 'joined' if plan.V_MERGE else 'aligned'}")
     event(f"rows {layout.row_bytes % 4} mod 4")
     event(f"cooperative stages {plan.COOP or 0}")
+    event(f"shared heads {shared_heads(plan, layout) is not None}")
     event(f"head_dim {layout.head_dim}, key entries at {plan.K_AT}")
     _check_against_oracle(*case, data)
 
