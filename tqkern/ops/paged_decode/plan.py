@@ -339,9 +339,9 @@ def shared_heads(plan: MmaPlan, layout: PagedLayout) -> MmaPlan | None:
     Measured (H200, session 52 probe, CUDA graphs, µs, per-warp → shared, SDPA fp16 in the same
     run): two KV heads, k5v4h: Llama-3-8B-TP4 B64×8K (Hq 8) 105.0 → 92.4, Qwen2.5-7B-TP2 B32×16K
     (Hq 14) 112.6 → 100.5, Llama-3-70B-TP4 B32×16K 162.7 → 102.8, B16×64K 309.5 → 171.5, B128×2K
-    90.5 → 65.0 (SDPA 123.3 / 126.9 / 127.1 / 243.9 / 64.9): the per-warp kernel's 254 registers
-    hold two 4-warp CTAs an SM and its half-wave split rule gave these launches about one. At the
-    same shapes 4- and 3-bit keys (tq4, turboquant_4bit_nc, turboquant_3bit_nc) moved −12% to +9%
+    90.5 → 65.0 (SDPA 123.3 / 126.9 / 127.1 / 243.9 / 64.9); the per-warp launches there were
+    128–256 CTAs of 4 warps (one or two an SM; 168 registers, sm_90, Triton 3.6). At the same
+    shapes 4- and 3-bit keys (tq4, turboquant_4bit_nc, turboquant_3bit_nc) took −9% to +17% time
     (slower at B128×2K and B64×8K), and at one KV head (Llama-3-70B-TP8 B32×16K and B128×4K,
     Llama-3-405B-TP8 B16×32K) shared CTAs were slower for every preset but turboquant_4bit_nc at
     405B (84.2 → 79.0; 70B B32×16K 56.9 → 71.3): those keep the per-warp kernel."""
