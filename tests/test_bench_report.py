@@ -52,6 +52,9 @@ def test_record_speedup_and_bandwidth():
     assert r["speedup"] == 2.5  # 200 µs / 80 µs
     assert r["gbps"] == 2000.0  # 160 MB in 80 µs
     assert rep.record("decode", "B1x4K", "tq4", "sdpa_fp16", 90.0, 45.0, mode="eager")["gbps"] is None
+    assert "plan" not in r
+    assert rep.record("decode", "B1x4K", "tq4", "sdpa_fp16", 90.0, 45.0, plan="mma kernel, 8 splits")["plan"] == \
+        "mma kernel, 8 splits"
 
 
 def test_fake_report_is_valid_and_round_trips(tmp_path):
@@ -77,6 +80,7 @@ def test_fake_report_is_valid_and_round_trips(tmp_path):
     (lambda r: r["records"][1].update(us=math.nan), ValueError, r"\['us'\] must be a positive finite time, got nan"),
     (lambda r: r["records"][1].update(us=0.0), ValueError, r"\['us'\] must be a positive finite time, got 0.0"),
     (lambda r: r["records"][0].update(speedup=1.1), ValueError, "the baseline's own speedup must be 1.0, got 1.1"),
+    (lambda r: r["records"][1].update(plan=3), TypeError, r"\[1\]\['plan'\] must be a str, got int"),
 ])
 def test_invalid_reports_are_rejected(mutate, exc, match):
     report = fake_report()

@@ -122,6 +122,8 @@ def test_decode_run_shape_records():
     sdpa, tq4 = rows
     assert (sdpa["variant"], sdpa["speedup"], sdpa["bytes"]) == ("sdpa_fp16", 1.0, 2 * 2 * 2 * 32 * 64 * 2)
     assert (tq4["variant"], tq4["speedup"], tq4["bytes"]) == ("tq4", 1.5, 2 * 32 * 2 * KVFormat.preset("tq4", 64).slot_bytes)
+    # the plan that ran (the interpreter's: the general kernel), and none on the baseline
+    assert "plan" not in sdpa and tq4["plan"].startswith("general kernel, ") and " splits, grid (" in tq4["plan"]
 
 
 def test_prefill_causal_flops():

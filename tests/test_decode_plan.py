@@ -531,3 +531,19 @@ def test_planner_takes_shared_heads_for_five_bit_keys_at_two_kv_heads():
         shared_heads(None, lay)
     with pytest.raises(TypeError, match="layout must be a tqkern.PagedLayout"):
         shared_heads(mma_plan(lay, 8), None)
+
+
+def test_plan_summary_names_the_launch():
+    """``DecodePlan.summary()`` (what ``tqkern bench`` records with each decode time): the kernel,
+    splits, grid and warps, and for cooperative plans their stages and warps per KV head."""
+    from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode
+
+    coop = plan_decode(_layout("turboquant_4bit_nc", 128, 8), 32, 32, 1024, DeviceCaps.sm90(), same_codebooks=True,
+                       num_splits=4)
+    assert coop.summary() == "coop kernel, 4 splits, grid (128,), 8 warps, 2 stages of 2 steps"
+    shared = plan_decode(_layout("k5v4h", 128, 2), 16, 16, 4096, DeviceCaps.sm90(), same_codebooks=True,
+                         num_splits=8)
+    assert shared.summary() == "coop kernel, 8 splits, grid (32,), 8 warps, 4 stages of 8 steps, 4 warps per KV head"
+    per_warp = plan_decode(_layout("tq4", 128, 1, "row"), 32, 8, 1024, DeviceCaps.sm90(), same_codebooks=True,
+                           num_splits=33)
+    assert per_warp.summary() == "mma kernel, 33 splits, grid (264,), 4 warps"

@@ -26,7 +26,7 @@ import tqkern
 import tqkern_torch as tqt
 from tqkern import reference as ref
 from tqkern.ops.paged_decode.triton import decode_path
-from tqkern_torch.attention import paged_decode
+from tqkern_torch.attention import paged_decode, plan_decode
 from tqkern_torch.bench.report import record
 from tqkern_torch.bench.shapes import BLOCK_SIZE, DECODE_PRESETS, DecodeShape
 from tqkern_torch.bench.timing import eager_us, graph_us
@@ -149,7 +149,9 @@ def run_shape(shape: DecodeShape, presets, step, *, rep_ms: int = 100, device: s
         out = torch.empty_like(q)
         us = timer(lambda: paged_decode(q, cache, bt, sl, layout, params, out=out, check_lengths=False,
                                         **shape.options))
-        rows.append(record("decode", shape.name, preset, BASELINE, us, sdpa_us, nbytes=b * n * layout.row_bytes))
+        plan = plan_decode(q, cache, bt, layout, params, **shape.options).summary()
+        rows.append(record("decode", shape.name, preset, BASELINE, us, sdpa_us, nbytes=b * n * layout.row_bytes,
+                           plan=plan))
         step(f"decode {shape.name} {preset}")
         cache = None
         torch.cuda.empty_cache()

@@ -10,7 +10,8 @@ a dict (written as JSON by ``tqkern bench --out``)::
      "records": [{"op": "decode" | "store" | "decompress" | "prefill" | "generate", "mode": "graph" | "eager", "shape": str,
                   "variant": str, "baseline": str, "us": float, "bytes": int | None,
                   "gbps": float | None, "speedup": float,
-                  "flops": int, "tflops": float}]}   # (flops, tflops: prefill records only)
+                  "flops": int, "tflops": float,     # (flops, tflops: prefill records only)
+                  "plan": str}]}                     # (decode records since session 52: the plan that ran)
 
 Each record is one timed variant (a preset, or the baseline itself) at one shape. ``baseline``
 names the variant it is compared with in the same run (``sdpa_fp16`` for decode,
@@ -48,15 +49,19 @@ _RECORD_TYPES = {"op": (str, "str"), "mode": (str, "str"), "shape": (str, "str")
 
 
 def record(op: str, shape: str, variant: str, baseline: str, us: float, baseline_us: float, *,
-           nbytes: Optional[int] = None, mode: str = "graph", flops: Optional[int] = None) -> dict:
+           nbytes: Optional[int] = None, mode: str = "graph", flops: Optional[int] = None,
+           plan: Optional[str] = None) -> dict:
     """One record of the schema (``speedup = baseline_us / us``; ``gbps`` from ``nbytes``;
-    ``tflops`` from ``flops``, which only prefill records carry)."""
+    ``tflops`` from ``flops``, which only prefill records carry; ``plan``: the decode plan that
+    ran, in one line)."""
     out = {"op": op, "mode": mode, "shape": shape, "variant": variant, "baseline": baseline, "us": float(us),
            "bytes": None if nbytes is None else int(nbytes),
            "gbps": None if nbytes is None else nbytes / us / 1e3, "speedup": float(baseline_us) / float(us)}
     if flops is not None:
         out["flops"] = int(flops)
         out["tflops"] = flops / us / 1e6
+    if plan is not None:
+        out["plan"] = plan
     return out
 
 
@@ -96,6 +101,8 @@ def validate_report(report) -> dict:
                                                                    or isinstance(r["flops"], bool) or r["flops"] < 0)):
             raise ValueError(f"{where}: 'flops' (a non-negative int) and 'tflops' come together, got "
                              f"{r.get('flops')!r}, {r.get('tflops')!r}")
+        if "plan" in r and not isinstance(r["plan"], str):
+            raise TypeError(f"{where}['plan'] must be a str, got {type(r['plan']).__name__}")
         if r["variant"] == r["baseline"] and r["speedup"] != 1.0:
             raise ValueError(f"{where}: the baseline's own speedup must be 1.0, got {r['speedup']!r}")
     return report

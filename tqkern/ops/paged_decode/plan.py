@@ -71,6 +71,18 @@ class DecodePlan:
     def group(self) -> int:
         return self.num_q_heads // self.layout.num_kv_heads
 
+    def summary(self) -> str:
+        """The decode kernel's launch in one line (what ``tqkern bench`` records with each decode
+        time): kernel, splits, grid, warps, and a cooperative plan's stages and warps per KV head."""
+        d = self.decode
+        cx = dict(d.constexprs)
+        out = f"{d.kernel} kernel, {self.num_splits} splits, grid {d.grid}, {d.num_warps} warps"
+        if cx.get("COOP"):
+            out += f", {cx['COOP']} stages of {cx['SUB'] * cx.get('WS', 1)} steps"
+        if cx.get("WS"):
+            out += f", {cx['WS']} warps per KV head"
+        return out
+
     def describe(self) -> str:
         """A readable multi-line summary (what ``tqkern plan`` prints)."""
         d, r = self.decode, self.rotate
