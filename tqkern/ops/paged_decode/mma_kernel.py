@@ -326,10 +326,11 @@ def _paged_decode_mma_kernel(
     for it in range(0, tl.cdiv(n_steps, CS)):
         # SUB 16-token steps under one softmax update: their scores first, then one running
         # max (scores and value factors), one rescale of the output, then their values.
-        t0 = start + it * (16 * CS) + wo  # (this warp's first step of the iteration)
+        tb = start + it * (16 * CS)  # the iteration's (the stage's) first token
+        t0 = tb + wo  # this warp's first step of it
         if COOP:  # this iteration's stage has landed; refill the one read last iteration
             sb = _coop_wait(_stage(stages, lut, it % COOP, STG, NBELOW), COOP - 2)
-            tc = t0 - wo + 16 * CS * (COOP - 1)
+            tc = tb + 16 * CS * (COOP - 1)
             _coop_issue(cache_ptr, nxt, tc, end,
                         _stage(stages, lut, (it + COOP - 1) % COOP, STG, NBELOW), cp_s, t, NT, BS,
                         ROW_BYTES, RS, CS)

@@ -312,9 +312,8 @@ def coop_plan(plan: MmaPlan, layout: PagedLayout, stages: int = 2) -> MmaPlan | 
 
 
 def shared_head_plan(plan: MmaPlan, layout: PagedLayout, ws: int, stages: int | None = None) -> MmaPlan | None:
-    """The cooperative ``plan`` (or the per-warp ``plan`` made cooperative with the stage shape
-    :func:`mma_plan` gives 4–16 KV heads) for a layout of one or two KV heads, whose CTA would
-    otherwise be one or two warps: ``ws`` warps per KV head (``WS``), each a split of the CTA's
+    """``plan`` made cooperative, with the stage shape :func:`mma_plan` gives 4–16 KV heads, for a
+    layout of one or two KV heads, whose CTA would otherwise be one or two warps: ``ws`` warps per KV head (``WS``), each a split of the CTA's
     range taking ``SUB`` steps of every stage of ``SUB·ws`` steps (the split count of a launch is
     then a multiple of ``ws``). ``None`` where no such plan applies: more than two KV heads, query
     heads in more than one warp per KV head (``GS > 1``), blocks not a multiple of 16 tokens, a CTA
@@ -330,8 +329,6 @@ def shared_head_plan(plan: MmaPlan, layout: PagedLayout, ws: int, stages: int | 
     if hkv > 2 or plan.GS != 1 or hkv * ws > 16:
         return None
     sub, default_stages = _coop_shape(bool(plan.V_UNIFORM), bool(plan.K_FP8))
-    if plan.COOP:
-        sub, default_stages = plan.SUB, plan.COOP
     base = dataclasses.replace(per_warp_plan(plan), SUB=sub, WS=ws)
     return coop_plan(base, layout, default_stages if stages is None else stages)
 
