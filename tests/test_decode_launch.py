@@ -275,6 +275,9 @@ def test_num_splits_whole_waves():
     assert num_splits_for(32, 8, 16384, 132, 64) == num_splits_for(32, 8, 16384, 132, 64, resident_ctas=396) == 3
     # short splits (SmolLM2 B32x4K: 683 tokens each) ignore waves
     assert num_splits_for(32, 3, 4096, 132, 64, resident_ctas=396) == num_splits_for(32, 3, 4096, 132, 64) == 6
+    # ... unless min_tokens says otherwise (fp16 caches: whole rounds at any length; 2 rounds of 264 at 6)
+    assert num_splits_for(32, 3, 4096, 132, 64, resident_ctas=264, min_tokens=0) == 5  # 480 of 528
+    assert num_splits_for(8, 8, 8192, 132, 64, resident_ctas=264, min_tokens=0) == 4  # Gemma-2-9B B8x8K
     for bad in (0, -3, 2.5, "396"):
         with pytest.raises(ValueError, match="resident_ctas"):
             num_splits_for(8, 8, 65536, 132, 64, resident_ctas=bad)

@@ -308,10 +308,11 @@ def test_general_tiles_give_way_where_the_device_cannot_hold_them(fits, fixed, w
     ("tq4", "row", (128, 1), (128, 2)), ("turboquant_4bit_nc", "slot", (128, 1), (128, 1)),
     ("turboquant_k3v4_nc", "slot", (64, 1), (128, 1)), ("k5v4h", "row", (64, 1), (128, 2)),
     ("turboquant_3bit_nc", "slot", (64, 1), (64, 2)), ("tqkern_k5v3", "row", (64, 1), (64, 2)),
-    ("fp16", "slot", (64, 1), (64, 2))])
+    ("fp16", "slot", (64, 2), (128, 3))])
 def test_general_tiles_at_head_dim_256(preset, arrangement, want, want128):
-    """head_dim 256 (measured, H200, docs/performance.md): one stage; BN 128 only where keys and
-    values both take the word path, else 64. head_dim 128 keeps its measured defaults."""
+    """head_dim 256 (measured, H200, docs/performance.md): one stage (fp16 caches: two); BN 128
+    only where keys and values both take the word path, else 64. head_dim 128 keeps its measured
+    defaults (fp16 caches: BN 128 with 3 stages)."""
     fmt = tqkern.KVFormat.preset(preset, 256)
     layout = tqkern.PagedLayout(format=fmt, num_kv_heads=8, block_size=16, arrangement=arrangement)
     plan = plan_decode(layout, 8, 16, 512, DeviceCaps.sm90(), same_codebooks=False,
@@ -322,3 +323,44 @@ def test_general_tiles_at_head_dim_256(preset, arrangement, want, want128):
     plan = plan_decode(layout128, 8, 16, 512, DeviceCaps.sm90(), same_codebooks=False,
                        options=DecodeOptions(softcap=True), path="general")
     assert (plan.decode.constexpr("BN"), plan.decode.num_stages) == want128
+
+
+@pytest.mark.parametrize("head_dim, dtype, fits, want", [
+    (128, "float16", None, (128, 3)), (96, "float16", None, (128, 3)),
+    (64, "float16", None, (64, 2)),  # (measured slower at head_dim 64)
+    (128, "bfloat16", None, (64, 2)),  # (not timed: the old default)
+    (128, "float16", {(128, 2), (64, 3)}, (128, 2)),  # fewer stages first,
+    (128, "float16", {(128, 1), (64, 3)}, (128, 1)),
+    (128, "float16", {(64, 3), (32, 3)}, (64, 3)),  # then half the tokens
+])
+def test_general_tiles_of_fp16_caches(head_dim, dtype, fits, want):
+    """fp16 caches at head_dim 96-128 take BN 128 with 3 stages (measured, H200: docs/performance.md
+    "The fp16 path"); where the device cannot hold a tile, 2 stages, then 1, then BN 64 and 32."""
+    fmt = tqkern.KVFormat(head_dim=head_dim, key=tqkern.Raw(dtype=dtype), value=tqkern.Raw(dtype=dtype))
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=8, block_size=16, arrangement="slot")
+    asked = []
+
+    def occupancy(kernel):
+        asked.append((kernel.constexpr("BN"), kernel.num_stages))
+        return 1 if fits is None or asked[-1] in fits else 0
+
+    plan = plan_decode(layout, 8, 32, 512, DeviceCaps.sm90(), same_codebooks=True, occupancy=occupancy)
+    assert plan.decode.kernel == "general"
+    assert (plan.decode.constexpr("BN"), plan.decode.num_stages) == want
+    if fits is not None:
+        order = [(128, 3), (128, 2), (128, 1), (64, 3), (32, 3)]
+        assert asked[-1] == want and list(dict.fromkeys(asked)) == order[:order.index(want) + 1]  # (in order)
+
+
+@pytest.mark.parametrize("preset, head_dim, want", [
+    ("fp16", 256, 4), ("fp16", 128, 4),  # 256 CTAs in one round of 2 x 132
+    ("turboquant_3bit_nc", 256, 9), ("turboquant_3bit_nc", 128, 9)])  # (splits of 910 tokens: no rounds)
+def test_fp16_caches_split_in_whole_rounds(preset, head_dim, want):
+    """fp16 caches take the whole-round split count at any split length (measured, H200, S53:
+    Gemma-2-9B B8x8K 4 splits 136.0 µs against 152.4 at the plain rule's 9); other formats only
+    for splits of >= 2048 tokens."""
+    layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset(preset, head_dim), num_kv_heads=8, block_size=16,
+                                arrangement="slot")
+    plan = plan_decode(layout, 8, 16, 8192 // 16, DeviceCaps.sm90(), same_codebooks=True, occupancy=lambda k: 2,
+                       path="general")
+    assert plan.num_splits == want

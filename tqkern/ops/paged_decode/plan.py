@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 from tqkern.layouts import PagedLayout
-from tqkern.ops.codecs import DT_BF16, Kind, layout_args, layout_consts
-from tqkern.ops.common import halfword_aligned
+from tqkern.ops.codecs import layout_consts
+from tqkern.ops.paged_decode.general_plan import fast_path_plan, general_decode, num_splits_for
 from tqkern.ops.paged_decode.mma_plans import (DynamicSmemUnsupported, MmaPlan, _lut_bytes,
                                                coop_smem_bytes, mma_plan, num_splits_mma, per_warp_plan,
                                                shared_head_plan, two_cta_plan)
@@ -156,69 +155,6 @@ def whole_rounds(num_splits: int, ctas, num_sms: int, max_splits: int) -> int:
     return next((m for m in range(max(max_splits, num_splits), num_splits, -1) if ctas(m) <= end), num_splits)
 
 
-def num_splits_for(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int, block_n: int,
-                   resident_ctas: int | None = None) -> int:
-    """The general kernel's splits: ~4 programs per SM, never fewer than 4·BN tokens per split.
-
-    With ``resident_ctas`` (programs the GPU holds at once) and long splits (≥ 2048 tokens of
-    ``max_len`` each), the count ``k`` up to that one with the fewest waves per unit of work
-    (``ceil(programs·k / resident_ctas) / k``; the smallest such ``k``), so that the last wave is
-    not a fraction of the GPU. Measured on the H100 (fp16 path, B8×64K: 64 programs per split,
-    396 resident): 9 splits (1.45 waves) 770 µs, 6 splits (0.97 waves) 712 µs; shorter splits
-    gain nothing from it (SmolLM2 B32×4K: 4 splits, one wave, 45.7 µs; 6 splits 43.2 µs).
-
-    Depends only on shapes (never on ``seq_lens`` values), so a CUDA graph captured for a batch
-    shape stays valid whatever lengths it replays with."""
-    if resident_ctas is not None and (not isinstance(resident_ctas, int) or resident_ctas < 1):
-        raise ValueError(f"resident_ctas must be None or a positive int, got {resident_ctas!r}")
-    programs = max(1, num_seqs * num_kv_heads)
-    want = max(1, math.ceil(4 * num_sms / programs))
-    cap = max(1, max_len // (4 * block_n))
-    n = int(min(want, cap, 64))
-    if resident_ctas and max_len // n >= 2048:
-        n = min(range(1, n + 1), key=lambda k: (math.ceil(programs * k / resident_ctas) / k, k))
-    return n
-
-
-def fast_path_plan(layout) -> dict:
-    """The general kernel's read plan: which sides take the 4-bit word path and how their words
-    are read (``K_FAST``/``V_FAST``: 4 aligned words, 2 funnel-shifted words, 1 16-bit halves, 0
-    the general path), and whether their per-token float fields allow one typed load
-    (``*_PAR_ALIGNED``)."""
-    if not isinstance(layout, PagedLayout):
-        raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
-    c = layout_consts(layout)
-    d, dp, rb = layout.head_dim, c["DP"], layout.row_bytes
-    raw_bf16 = _raw_bf16(c)
-    plan = {}
-    for p in ("K", "V"):
-        a_off, a_stride = c[f"{p}_A_OFF"], c[f"{p}_A_STRIDE"]
-        unit = 0
-        if _four_bit_codes(c, p) and dp == d and not raw_bf16:
-            if a_off % 4 == 0 and a_stride % 4 == 0 and rb % 4 == 0:
-                unit = 4
-            elif a_off % 2 == 0 and a_stride % 2 == 0 and rb % 4 == 0 and d % 8 == 0:
-                unit = 2
-            elif a_off % 2 == 0 and a_stride % 2 == 0 and rb % 2 == 0:
-                unit = 1
-        nb = 4 if c[f"{p}_PARAM_DTYPE"] == 1 else 2
-        plan[f"{p}_FAST"] = unit
-        plan[f"{p}_PAR_ALIGNED"] = all(v % nb == 0 for v in (c[f"{p}_B_OFF"], c[f"{p}_B_STRIDE"], c[f"{p}_C_OFF"],
-                                                              c[f"{p}_C_STRIDE"], rb))
-    return plan
-
-
-def _four_bit_codes(c: dict, p: str) -> bool:
-    """Whether side ``p`` (``"K"``/``"V"``) of layout constants ``c`` holds 4-bit codes (Lloyd-Max
-    or uniform): the sides the word and half-tile paths read."""
-    return c[f"{p}_KIND"] in (Kind.LLOYD_MAX, Kind.UNIFORM) and c[f"{p}_BITS"] == 4
-
-
-def _raw_bf16(c: dict) -> bool:
-    """Whether a side of layout constants ``c`` is raw bf16 (the dots then run in bf16)."""
-    return any(c[f"{p}_KIND"] == Kind.RAW and c[f"{p}_PARAM_DTYPE"] == DT_BF16.value for p in "KV")
-
-
 def workspace_numel(num_seqs: int, num_q_heads: int, num_splits: int, dp: int) -> int:
     """float32 elements of the decode workspace: partial outputs plus (max, sum) per split."""
     return num_seqs * num_q_heads * num_splits * (dp + 2)
@@ -283,8 +219,8 @@ def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks
             decode, num_splits = _mma_decode(layout, num_seqs, num_q_heads, max_blocks, caps, num_splits, occupancy,
                                              options)
     if decode is None:
-        decode, num_splits = _general_decode(layout, num_seqs, num_q_heads, max_blocks, caps, num_splits, occupancy,
-                                             block_n, num_warps, num_stages, maxnreg, options)
+        decode, num_splits = general_decode(layout, num_seqs, num_q_heads, max_blocks, caps, num_splits, occupancy,
+                                            block_n, num_warps, num_stages, maxnreg, options)
     dp = layout_consts(layout)["DP"]
     return DecodePlan(layout=layout, num_seqs=num_seqs, num_q_heads=num_q_heads, max_blocks=max_blocks, caps=caps,
                       path="general" if decode.kernel == "general" else "mma", num_splits=num_splits, decode=decode,
@@ -426,67 +362,6 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options)
         if m and s * m > caps.num_sms and max_len >= _COOP_MIN_TOKENS * m:
             plan, n = two, m
     return kernel_plan(layout, plan, s, hq, n), n
-
-
-def _general_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, block_n, num_warps, num_stages, maxnreg,
-                    options):
-    fast = fast_path_plan(layout)
-    # measured (H100, B32x16K, head_dim 128): BN 128 best for the word path, 64 for the rest;
-    # funnel-shifted words with 2 stages ran 2.5x slower than with 1. head_dim 256 (H200, S49,
-    # Gemma-2-9B B8x8K with a soft-cap, µs): 2 stages lost everywhere but at parity (row-arranged
-    # turboquant_k3v4_nc BN 128: 1294 vs 404 with 1; turboquant_3bit_nc BN 64: 1838 vs 550;
-    # tqkern_k5v3 BN 64: 3195 vs 678); BN 64 won unless both sides take the word path (slot
-    # turboquant_k3v4_nc 411 vs 686 at 128, k5v4h 449 vs 550; tq4 row 276 vs 219 at 128)
-    wide = layout.head_dim >= 256
-    words = fast["K_FAST"] and fast["V_FAST"] if wide else fast["K_FAST"] or fast["V_FAST"]
-    bn0 = block_n if block_n is not None else 128 if words else 64
-    st0 = num_stages if num_stages is not None else 1 if wide or 2 in (fast["K_FAST"], fast["V_FAST"]) else 2
-    # A tile the device cannot hold (occupancy 0: e.g. head_dim 256 row-arranged 3-bit keys at BN
-    # 128 with 2 stages, 238 KB on an H200) gives way, in order, to one stage, then to half the
-    # tokens; options the caller fixed stay fixed.
-    tiles = [(bn0, st0)]
-    if num_stages is None and st0 > 1:
-        tiles.append((bn0, 1))
-    if block_n is None:
-        tiles += [(bn, st0) for bn in (64, 32) if bn < bn0]
-    for bn, st in tiles:
-        kernel, n = _general_tiles(layout, s, hq, max_blocks, caps, num_splits, occupancy, bn, num_warps, st,
-                                   maxnreg, options, fast)
-        if caps.interpret or occupancy(kernel) != 0:
-            break
-    return kernel, n  # (where none fits, the last: its launch raises the device's error)
-
-
-def _general_tiles(layout, s, hq, max_blocks, caps, num_splits, occupancy, block_n, num_warps, num_stages, maxnreg,
-                   options, fast):
-    c = layout_consts(layout)
-    d, dp = layout.head_dim, c["DP"]
-    hkv = layout.num_kv_heads
-    g = hq // hkv
-    raw_bf16 = _raw_bf16(c)
-
-    def halves(side, p) -> bool:
-        return _four_bit_codes(c, p) and dp == d and d >= 32 and not fast[f"{p}_FAST"]
-
-    consts = {k: v for k, v in layout_args(layout).items() if not k.startswith("PAD")}
-    head = dict(G=g, GP=max(16, 1 << max(0, (g - 1).bit_length())), HQ=hq, BN=block_n, BS=layout.block_size,
-                K_HALVES=halves("key", "K"), V_HALVES=halves("value", "V"), DOT="bf16" if raw_bf16 else "fp16",
-                K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
-                USE_ASM=not caps.interpret, WINDOW=options.window, SOFTCAP=options.softcap, **fast)
-
-    def kernel(n):
-        cx = dict(head, NUM_SPLITS=n, **consts)
-        return KernelPlan(kernel="general", grid=(s, hkv, n), constexprs=tuple(cx.items()), num_warps=num_warps,
-                          num_stages=num_stages, maxnreg=maxnreg or 0)
-
-    max_len = max_blocks * layout.block_size
-    if num_splits is None:
-        num_splits = num_splits_for(s, hkv, max_len, caps.num_sms, block_n)
-        if not caps.interpret and max_len // num_splits >= 2048:
-            ctas = occupancy(kernel(num_splits))
-            if ctas:
-                num_splits = num_splits_for(s, hkv, max_len, caps.num_sms, block_n, resident_ctas=ctas * caps.num_sms)
-    return kernel(num_splits), num_splits
 
 
 def needs_lut_bytes(kernel: KernelPlan) -> int:
