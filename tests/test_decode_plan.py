@@ -269,6 +269,16 @@ def test_planner_rejects_bad_input():
         DeviceCaps(capability=(9, 0), num_sms=-1, smem_per_block_optin=0, smem_per_sm=0)
 
 
+def test_mma_plans_take_one_or_two_steps_per_update():
+    """``MmaPlan.SUB`` is 1 or 2, the counts the planner emits and the GPU tests cover (4 gave
+    wrong outputs for uniform values on the H200)."""
+    plan = mma_plan(_layout("turboquant_4bit_nc", 128, 1, "slot"), 8)
+    assert plan.SUB == 1 and dataclasses.replace(plan, SUB=2).SUB == 2
+    for bad in (0, 3, 4, 2.0, True):
+        with pytest.raises(ValueError, match=rf"SUB \(16-token steps per softmax update\) must be 1 or 2, got {bad!r}"):
+            dataclasses.replace(plan, SUB=bad)
+
+
 def test_frontend_plan_decode_and_its_bad_input():
     """tqkern_torch.plan_decode: the plan of these tensors on this device (named fields), and a
     ValueError/TypeError naming each bad argument."""

@@ -86,6 +86,12 @@ class MmaPlan:
     NLOW: Optional[int] = None
     WS: Optional[int] = None
 
+    def __post_init__(self):
+        # (S53 probe, H200: SUB = 4 gave turboquant_4bit_nc's per-warp kernel wrong outputs, max
+        # error 8.6e-2 against 3e-5; the planner emits 1 or 2 only, the kernel is tested at those)
+        if type(self.SUB) is not int or self.SUB not in (1, 2):
+            raise ValueError(f"SUB (16-token steps per softmax update) must be 1 or 2, got {self.SUB!r}")
+
     def constexprs(self) -> dict:
         """The kernel's constexprs (fields that are ``None`` left at the kernel's defaults)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
