@@ -281,6 +281,9 @@ def test_num_splits_whole_waves():
     for bad in (0, -3, 2.5, "396"):
         with pytest.raises(ValueError, match="resident_ctas"):
             num_splits_for(8, 8, 65536, 132, 64, resident_ctas=bad)
+    for bad in (-1, 2.0, True, None):
+        with pytest.raises(ValueError, match=f"min_tokens must be a non-negative int, got {bad!r}"):
+            num_splits_for(8, 8, 65536, 132, 64, resident_ctas=264, min_tokens=bad)
     for seqs in (1, 2, 5, 8, 33, 64):
         for ctas in (None, 1, 7, 132, 396, 1000):
             plain = num_splits_for(seqs, 8, 65536, 132, 64)

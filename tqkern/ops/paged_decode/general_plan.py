@@ -32,6 +32,8 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int,
     shape stays valid whatever lengths it replays with."""
     if resident_ctas is not None and (not isinstance(resident_ctas, int) or resident_ctas < 1):
         raise ValueError(f"resident_ctas must be None or a positive int, got {resident_ctas!r}")
+    if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0:
+        raise ValueError(f"min_tokens must be a non-negative int, got {min_tokens!r}")
     programs = max(1, num_seqs * num_kv_heads)
     want = max(1, math.ceil(4 * num_sms / programs))
     cap = max(1, max_len // (4 * block_n))
@@ -80,6 +82,11 @@ def _raw_bf16(c: dict) -> bool:
     return any(c[f"{p}_KIND"] == Kind.RAW and c[f"{p}_PARAM_DTYPE"] == DT_BF16.value for p in "KV")
 
 
+def _raw_f16(c: dict) -> bool:
+    """Whether both sides of layout constants ``c`` are raw float16 (an uncompressed fp16 cache)."""
+    return all(c[f"{p}_KIND"] == Kind.RAW and c[f"{p}_PARAM_DTYPE"] == DT_F16.value for p in "KV")
+
+
 def general_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, block_n, num_warps, num_stages, maxnreg,
                    options) -> tuple[KernelPlan, int]:
     """The general kernel's launch and split count (arguments: :func:`.plan.plan_decode`'s)."""
@@ -94,9 +101,7 @@ def general_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, block
     words = fast["K_FAST"] and fast["V_FAST"] if wide else fast["K_FAST"] or fast["V_FAST"]
     # fp16 caches (H200, S53, docs/performance.md "The fp16 path"): BN 128 with 3 stages at head_dim
     # 96-128 (B32x16K 504.8 -> 484.9 µs; D64 lost), 2 stages at 256 (Gemma-2-9B 197.6 -> 152.4)
-    c = layout_consts(layout)
-    raw16 = layout.head_dim >= 96 and all(c[f"{p}_KIND"] == Kind.RAW and c[f"{p}_PARAM_DTYPE"] == DT_F16.value
-                                          for p in "KV")
+    raw16 = layout.head_dim >= 96 and _raw_f16(layout_consts(layout))
     bn0 = block_n if block_n is not None else 128 if words or (raw16 and not wide) else 64
     st0 = num_stages if num_stages is not None else (2 if wide else 3) if raw16 else \
         1 if wide or 2 in (fast["K_FAST"], fast["V_FAST"]) else 2
