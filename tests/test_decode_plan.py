@@ -352,15 +352,17 @@ def test_per_warp_splits_fill_half_the_gpu_where_every_mma_column_is_a_query_hea
     from tqkern.ops.paged_decode.plan import PER_WARP_WAVE, DeviceCaps, plan_decode
 
     layout = _layout(preset, d, hkv, "slot")
-    plan = plan_decode(layout, 32, hq, 1024, DeviceCaps.sm90(), same_codebooks=True)
+    # (1023 blocks: one token short of the 16K at which one KV head with uniform values takes
+    # plan.one_head_plan instead of the per-warp kernel)
+    plan = plan_decode(layout, 32, hq, 1023, DeviceCaps.sm90(), same_codebooks=True)
     cx = dict(plan.decode.constexprs)
     assert plan.decode.kernel == "mma" and (cx["G"] == 8) == half
     wave = 2 * 4 * 132  # occupancy unknown: 2 CTAs of 4 warps per SM
     pairs = cx["HKV"]
-    want = num_splits_mma(32, pairs, 1024 * 16, int(wave * PER_WARP_WAVE) if half else wave)
+    want = num_splits_mma(32, pairs, 1023 * 16, int(wave * PER_WARP_WAVE) if half else wave)
     assert plan.num_splits == want
     if half:
-        assert want < num_splits_mma(32, pairs, 1024 * 16, wave)
+        assert want < num_splits_mma(32, pairs, 1023 * 16, wave)
 
 
 def test_whole_rounds_fills_the_last_round_of_ctas():
@@ -396,7 +398,8 @@ def test_per_warp_plan_at_g8_takes_whole_rounds_of_ctas():
     assert plan.decode.kernel == "mma" and dict(plan.decode.constexprs)["G"] == 8
     assert (plan.num_splits, plan.decode.grid) == (33, (264,))
     # 4 CTAs an SM (turboquant_4bit_nc's 128-register cap): 33 splits by the half wave already
-    plan = plan_decode(_layout("turboquant_4bit_nc", 128, 1, "slot"), 32, 8, 1024, DeviceCaps.sm90(),
+    # (1023 blocks: at 16K tokens it takes plan.one_head_plan instead)
+    plan = plan_decode(_layout("turboquant_4bit_nc", 128, 1, "slot"), 32, 8, 1023, DeviceCaps.sm90(),
                        same_codebooks=True, occupancy=lambda k: 4)
     assert (plan.num_splits, plan.decode.grid) == (33, (264,))
 

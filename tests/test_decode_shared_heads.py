@@ -77,3 +77,54 @@ def test_planner_takes_shared_heads_for_five_bit_keys_at_two_kv_heads():
         shared_heads(None, lay)
     with pytest.raises(TypeError, match="layout must be a tqkern.PagedLayout"):
         shared_heads(mma_plan(lay, 8), None)
+
+
+def test_planner_takes_the_one_head_plan_for_uniform_values_at_16k():
+    """One KV head with 3- or 4-bit keys and uniform values (Llama-3-70B / 405B on 8 GPUs) at
+    contexts of 16K tokens or more takes CTAs of 4 warps over 4 stages of one step, with 32 splits
+    (measured faster than the per-warp kernel on an H200, S54); Lloyd-Max values, FP8 keys, 5-bit
+    keys, two KV heads, head_dim 64, shorter contexts and grids past two CTAs an SM keep their plans;
+    an explicit count that is not a multiple of 4 takes the per-warp kernel."""
+    from tqkern.ops.paged_decode.plan import DeviceCaps, one_head_plan, plan_decode
+
+    caps = DeviceCaps.sm90()  # (plan_decode takes the block table's width: 1024 blocks of 16 = 16K tokens)
+    for preset, hq in (("turboquant_4bit_nc", 8), ("turboquant_3bit_nc", 16), ("turboquant_k3v4_nc", 8)):
+        lay = _layout(preset, 128, 1)
+        plan = plan_decode(lay, 32, hq, 1024, caps, same_codebooks=True, occupancy=lambda k: 1)
+        cx = dict(plan.decode.constexprs)
+        assert (plan.decode.kernel, cx["WS"], cx["SUB"], cx["COOP"], plan.decode.num_warps) == ("coop", 4, 1, 4, 4)
+        assert (plan.num_splits, plan.decode.grid) == (32, (32 * 32 // 4,))
+        assert plan_decode(lay, 16, hq, 2048, caps, same_codebooks=True).num_splits == 32
+        assert plan_decode(lay, 32, hq, 1023, caps, same_codebooks=True).decode.kernel == "mma"
+        n_sms = caps.num_sms
+        assert plan_decode(lay, n_sms // 4 + 1, hq, 1024, caps, same_codebooks=True).decode.kernel == "mma"
+        assert plan_decode(lay, n_sms // 4, hq, 1024, caps, same_codebooks=True).decode.kernel == "coop"
+        for n, kernel in ((6, "mma"), (8, "coop")):
+            assert plan_decode(lay, 32, hq, 1024, caps, same_codebooks=True, num_splits=n).decode.kernel == kernel
+    for lay in (_layout("tq4", 128, 1), _layout("k5v4h", 128, 1), _layout("turboquant_k8v4", 128, 1),
+                _layout("turboquant_4bit_nc", 64, 1)):
+        assert plan_decode(lay, 32, 8, 1024, caps, same_codebooks=True).decode.kernel == "mma"
+        assert one_head_plan(mma_plan(lay, 8), lay, 16384) is None
+    two = _layout("turboquant_4bit_nc", 128, 2)
+    assert one_head_plan(mma_plan(two, 8), two, 16384) is None
+    assert plan_decode(two, 32, 16, 1024, caps, same_codebooks=True).decode.kernel == "mma"
+    one = _layout("turboquant_4bit_nc", 128, 1)
+    with pytest.raises(TypeError, match="plan must be an MmaPlan"):
+        one_head_plan(None, one, 16384)
+    with pytest.raises(TypeError, match="layout must be a tqkern.PagedLayout"):
+        one_head_plan(mma_plan(one, 8), "one", 16384)
+
+
+def test_shared_head_plan_sub_argument():
+    """``shared_head_plan(sub=)``: one or two steps per warp in a stage (stage bytes follow); other
+    values refused by name."""
+    from tqkern.ops.paged_decode.mma_plans import _stage_bytes, shared_head_plan
+
+    one = _layout("turboquant_4bit_nc", 128, 1)
+    plan = mma_plan(one, 8)
+    p1, p2 = (shared_head_plan(plan, one, 4, stages=4, sub=s) for s in (1, 2))
+    assert (p1.SUB, p2.SUB, p1.COOP) == (1, 2, 4)
+    assert 2 * _stage_bytes(p1) == _stage_bytes(p2)
+    for bad in (0, 3, 4, True, 1.0):
+        with pytest.raises(ValueError, match=f"sub must be 1 or 2, got {bad!r}"):
+            shared_head_plan(plan, one, 4, sub=bad)

@@ -13,7 +13,8 @@ machines' Triton 3.6 exceeds them (:func:`tests.sm90_budgets.budget_of`); instru
 today's count + 3%. A change that lowers a number
 should lower its budget too. Shapes and presets: ``tqkern_torch/bench/shapes.py`` (B32x16K's
 Hq32/Hkv8/D128, SmolLM2's Hq9/Hkv3/D64, GQA 3, and Llama-3-405B's Hq16/Hkv1/D128, GQA 16 = two
-query column tiles per warp, ``QT = 2``; the last two have no cooperative plan: 3 and 1 KV heads;
+query column tiles per warp, ``QT = 2``; the last two have no cooperative plan of the 4–16-head
+kind: 3 and 1 KV heads; one KV head with uniform values has ``plan.one_head_plan``'s 4-warp CTAs;
 and Gemma-2-9B's Hq16/Hkv8/D256 for D256's key and value chunks (FP8, 3-bit and 4-bit keys, 3- and
 4-bit values); the ``kXvYh`` formats of
 ``docs/quality.md`` whose values have their own table entries at B32x16K's shape; head_dim 96 at
@@ -62,6 +63,11 @@ BUDGETS = {
     "mma:turboquant_k3v4_nc:slot:128:1:16:per_warp": (0, 1344),
     "mma:turboquant_3bit_nc:slot:128:1:16:per_warp": (0, 1360),
     "mma:tqkern_k5v3:slot:128:1:16:per_warp": (0, 2424),
+    # (S54) one KV head with uniform values at 16K+ tokens: 4-warp CTAs (plan.one_head_plan), 188-195
+    # registers (uncapped)
+    "mma:turboquant_4bit_nc:slot:128:1:16:one_head": (0, 1600),
+    "mma:turboquant_k3v4_nc:slot:128:1:16:one_head": (0, 1520),
+    "mma:turboquant_3bit_nc:slot:128:1:16:one_head": (0, 1544),
     # head_dim 256 (Gemma-2-9B: Hkv 8, GQA 2), FP8 and 3-bit keys with 4-bit uniform values (S21)
     "mma:turboquant_k8v4:slot:256:8:16:per_warp": (16, 1320),
     "mma:turboquant_k8v4:slot:256:8:16:coop": (216, 1424),
@@ -124,6 +130,9 @@ BUDGETS = {
 TRITON36 = {
     "mma:k5v4h:slot:128:8:32:coop": (8, 2000),
     "mma:k5v4h:slot:128:8:32:coop2": (8, 1896),
+    "mma:turboquant_4bit_nc:slot:128:1:16:one_head": (0, 1632),  # (S54, offline)
+    "mma:turboquant_k3v4_nc:slot:128:1:16:one_head": (0, 1528),
+    "mma:turboquant_3bit_nc:slot:128:1:16:one_head": (0, 1552),
     "general:fp16:slot:128:8:32": (0, 1536),  # (S53, offline: 203 registers)
     "general:fp16:slot:128:8:32:window+softcap": (0, 1712),
 }

@@ -33,7 +33,7 @@ from triton.compiler import ASTSource
 from tqkern.ops.paged_decode.general import _paged_decode_kernel
 from tqkern.ops.paged_decode.mma_kernel import _paged_decode_mma_kernel
 from tqkern.ops.paged_decode.mma_plans import mma_plan, per_warp_plan, two_cta_plan
-from tqkern.ops.paged_decode.plan import DeviceCaps, mma_kernel_plan, plan_decode, shared_heads
+from tqkern.ops.paged_decode.plan import DeviceCaps, mma_kernel_plan, one_head_plan, plan_decode, shared_heads
 
 __all__ = ["SM90", "compile_general", "compile_mma", "general_launch", "histogram", "launcher_plans",
            "mma_launch", "occupancy_sm90", "report", "report_in_subprocess", "resources", "sass_of", "tool_path"]
@@ -143,7 +143,8 @@ def launcher_plans(layout, group: int) -> dict:
     after a sizing failure) and, where :func:`~.mma_plans.mma_plan` takes them, ``"coop"`` (with
     the PRMT-addressed table where :func:`~.mma_plans.table256_plan` fits) and ``"coop2"`` (two
     CTAs per SM: :func:`~.mma_plans.two_cta_plan`), or ``"shared"`` where the planner takes a
-    shared-head plan (:func:`~.plan.shared_heads`). Empty where the warp-MMA kernel does not apply."""
+    shared-head plan (:func:`~.plan.shared_heads`), ``"one_head"`` where it takes
+    :func:`~.plan.one_head_plan` at long contexts. Empty where the warp-MMA kernel does not apply."""
     plan = mma_plan(layout, group)
     if plan is None:
         return {}
@@ -157,6 +158,9 @@ def launcher_plans(layout, group: int) -> dict:
         shared = shared_heads(plan, layout)
         if shared is not None:
             out["shared"] = shared
+        one = one_head_plan(plan, layout, 1 << 30)  # (at contexts the rule takes: any long one)
+        if one is not None:
+            out["one_head"] = one
     return out
 
 

@@ -317,25 +317,29 @@ def coop_plan(plan: MmaPlan, layout: PagedLayout, stages: int = 2) -> MmaPlan | 
     return out
 
 
-def shared_head_plan(plan: MmaPlan, layout: PagedLayout, ws: int, stages: int | None = None) -> MmaPlan | None:
+def shared_head_plan(plan: MmaPlan, layout: PagedLayout, ws: int, stages: int | None = None,
+                     sub: int | None = None) -> MmaPlan | None:
     """``plan`` made cooperative, with the stage shape :func:`mma_plan` gives 4–16 KV heads, for a
     layout of one or two KV heads, whose CTA would otherwise be one or two warps: ``ws`` warps per KV head (``WS``), each a split of the CTA's
     range taking ``SUB`` steps of every stage of ``SUB·ws`` steps (the split count of a launch is
     then a multiple of ``ws``). ``None`` where no such plan applies: more than two KV heads, query
     heads in more than one warp per KV head (``GS > 1``), blocks not a multiple of 16 tokens, a CTA
     of more than 16 warps, or stages beyond one CTA's shared memory. ``stages``: the ring's depth
-    (default: the 4–16-head plan's)."""
+    (default: the 4–16-head plan's); ``sub``: steps per warp in a stage (``SUB``, 1 or 2; default:
+    the 4–16-head plan's)."""
     if not isinstance(plan, MmaPlan):
         raise TypeError(f"plan must be an MmaPlan from mma_plan, got {type(plan).__name__}")
     if not isinstance(layout, PagedLayout):
         raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
     if not isinstance(ws, int) or isinstance(ws, bool) or ws not in (2, 4, 8, 16):
         raise ValueError(f"ws must be 2, 4, 8 or 16, got {ws!r}")
+    if sub is not None and (not isinstance(sub, int) or isinstance(sub, bool) or sub not in (1, 2)):
+        raise ValueError(f"sub must be 1 or 2, got {sub!r}")
     hkv = layout.num_kv_heads
     if hkv > 2 or plan.GS != 1 or hkv * ws > 16:
         return None
-    sub, default_stages = _coop_shape(bool(plan.V_UNIFORM), bool(plan.K_FP8))
-    base = dataclasses.replace(per_warp_plan(plan), SUB=sub, WS=ws)
+    default_sub, default_stages = _coop_shape(bool(plan.V_UNIFORM), bool(plan.K_FP8))
+    base = dataclasses.replace(per_warp_plan(plan), SUB=default_sub if sub is None else sub, WS=ws)
     return coop_plan(base, layout, default_stages if stages is None else stages)
 
 

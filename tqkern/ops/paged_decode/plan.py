@@ -30,7 +30,7 @@ from tqkern.ops.paged_decode.side_plans import (MergePlan, RotatePlan, _merge_pl
 
 __all__ = ["DeviceCaps", "DecodeOptions", "KernelPlan", "RotatePlan", "scan_split", "MergePlan", "DecodePlan",
            "plan_decode", "decode_path", "check_num_splits", "whole_rounds", "fast_path_plan", "num_splits_for",
-           "merge_chunks", "workspace_numel", "shared_heads", "MMA_MIN_CAPABILITY", "MMA_FP8_MIN_CAPABILITY"]
+           "merge_chunks", "workspace_numel", "shared_heads", "one_head_plan", "MMA_MIN_CAPABILITY", "MMA_FP8_MIN_CAPABILITY"]
 
 # The warp-MMA kernel's PTX: mma.sync m16n8k16 with fp16 operands, ld.global.nc.L2::256B
 # (sm_80); cvt.rn.f16x2.e4m3x2 for FP8 keys (sm_89).
@@ -46,6 +46,8 @@ MMA_FP8_MIN_CAPABILITY = (8, 9)
 PER_WARP_WAVE = 0.5
 _SHARED_CTA_WARPS = 8  # the CTA of a shared-head plan (one or two KV heads)
 _COOP_MIN_TOKENS = 1024  # tokens per split below which one-step cooperative plans may give way
+_ONE_HEAD_SPLITS = 32  # one KV head's shared-head plan (one_head_plan): 8 CTAs of 4 warps a sequence
+_ONE_HEAD_MIN_TOKENS = 16384  # ... at contexts of at least this many tokens (shorter: not measured)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,8 +293,9 @@ def shared_heads(plan: MmaPlan, layout: PagedLayout) -> MmaPlan | None:
     128–256 CTAs of 4 warps (one or two an SM; 168 registers, sm_90, Triton 3.6). At the same
     shapes 4- and 3-bit keys (tq4, turboquant_4bit_nc, turboquant_3bit_nc) took −9% to +17% time
     (slower at B128×2K and B64×8K), and at one KV head (Llama-3-70B-TP8 B32×16K and B128×4K,
-    Llama-3-405B-TP8 B16×32K) shared CTAs were slower for every preset but turboquant_4bit_nc at
-    405B (84.2 → 79.0; 70B B32×16K 56.9 → 71.3): those keep the per-warp kernel."""
+    Llama-3-405B-TP8 B16×32K) shared CTAs of 8 warps were slower for every preset but
+    turboquant_4bit_nc at 405B (84.2 → 79.0; 70B B32×16K 56.9 → 71.3); one KV head takes
+    :func:`one_head_plan` instead."""
     if not isinstance(plan, MmaPlan):
         raise TypeError(f"plan must be an MmaPlan from mma_plan, got {type(plan).__name__}")
     if not isinstance(layout, PagedLayout):
@@ -302,18 +305,47 @@ def shared_heads(plan: MmaPlan, layout: PagedLayout) -> MmaPlan | None:
     return shared_head_plan(plan, layout, _SHARED_CTA_WARPS // 2)
 
 
+def one_head_plan(plan: MmaPlan, layout: PagedLayout, max_len: int) -> MmaPlan | None:
+    """The shared-head plan the decode planner takes for one KV head with 3- or 4-bit keys and
+    uniform values (``turboquant_4bit_nc``, ``turboquant_3bit_nc``, ``turboquant_k3v4_nc``) at
+    head_dim 128 and contexts of at least 16K tokens (``max_len``), launched with 32 splits (the
+    planner also keeps the grid within two CTAs an SM), or ``None``: CTAs of 4 warps, each warp a
+    split taking one step of every stage of a 4-stage ring.
+
+    Measured (H200, session 54 probe, CUDA graphs, µs, per-warp (33 splits) → this plan, SDPA fp16
+    in the same run): Llama-3-70B-TP8 B32×16K (Hq 8, SDPA 67.7) turboquant_4bit_nc 56.5 → 54.1 and
+    56.8 → 54.4, turboquant_3bit_nc 55.8 → 56.1; Llama-3-405B-TP8 B16×32K (Hq 16, SDPA 68.4)
+    turboquant_4bit_nc 84.1 → 71.9 and 84.3 → 72.5, turboquant_3bit_nc 80.8 → 71.3. Lloyd-Max
+    values lost or tied there (tq4 56.9 → 57.9 and 73.7 → 76.7; k5v4h 69.1 → 66.9 and 83.3 → 87.7),
+    as did 8-warp CTAs (405B turboquant_4bit_nc 110.9) and 64 splits (70B 70.0, 405B 75.6);
+    turboquant_k3v4_nc was not timed."""
+    if not isinstance(plan, MmaPlan):
+        raise TypeError(f"plan must be an MmaPlan from mma_plan, got {type(plan).__name__}")
+    if not isinstance(layout, PagedLayout):
+        raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
+    if (plan.COOP or layout.num_kv_heads != 1 or plan.K_FP8 or not plan.V_UNIFORM or plan.K_BITS not in (3, 4)
+            or plan.D != 128 or max_len < _ONE_HEAD_MIN_TOKENS):
+        return None
+    return shared_head_plan(plan, layout, 4, stages=4, sub=1)
+
+
 def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options):
     g = hq // layout.num_kv_heads
     kernel_plan = functools.partial(mma_kernel_plan, options=options)
     plan = mma_plan(layout, g)
-    plan = shared_heads(plan, layout) or plan
+    max_len = max_blocks * layout.block_size
+    one = one_head_plan(plan, layout, max_len)
+    if one is not None and s * _ONE_HEAD_SPLITS // one.WS > 2 * caps.num_sms:
+        one = None  # (measured at up to 2 CTAs an SM)
+    plan = shared_heads(plan, layout) or one or plan
     if plan.COOP and (not caps.dynamic_smem or coop_smem_bytes(plan) > caps.smem_per_block_optin):
         plan = per_warp_plan(plan)
     if num_splits is not None:
         if plan.WS and num_splits % plan.WS:  # (a shared-head plan's splits come in multiples of WS)
             plan = per_warp_plan(plan)
         return kernel_plan(layout, plan, s, hq, num_splits), num_splits
-    max_len = max_blocks * layout.block_size
+    if plan is one:
+        return kernel_plan(layout, plan, s, hq, _ONE_HEAD_SPLITS), _ONE_HEAD_SPLITS
 
     def splits_for(p):
         k = kernel_plan(layout, p, s, hq, p.WS or 1)
