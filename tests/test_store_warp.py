@@ -334,3 +334,53 @@ def test_non_finite_vectors_store_the_zero_vector(preset, dtype):
         t = k if i % 2 else v
         t[i, rng.integers(h), rng.integers(d)] = [float("nan"), float("inf"), -float("inf")][i % 3]
     assert _stores_the_oracle_bytes_and_flags(layout, params, k, v) & ErrorFlag.NONFINITE_INPUT
+
+
+def _near_tie_vectors(layout, params, side, dtype, seed, n_draw=20000):
+    """Vectors (of ``n_draw`` random ones, exact in ``dtype``) whose stored norm over the centroid
+    norm ``‖x‖ / ‖c‖`` (float64, the oracle's, codes certain) lies near a float16 rounding tie: the
+    64 nearest outside the float64 fall-back's window of ``2^-18`` (relative; float32 decides
+    them), then the 32 nearest inside it; and their relative distances. Whole groups of 4 (one
+    warp iteration at 8 lanes per vector) stay on one side of the window."""
+    from tqkern.ops.quantize.reference import quantize
+
+    d = layout.head_dim
+    x = torch.randn(n_draw, d, generator=torch.Generator().manual_seed(seed)).to(dtype).double().numpy()
+    codec = getattr(layout.format, side)
+    cb = getattr(params, f"{side}_codebook")
+    q = quantize(x, codec, rotation=params.rotation, codebook=cb)
+    raw = np.sqrt(np.sum(x * x, axis=-1)) / np.sqrt(np.sum(cb.centroids[q.codes] ** 2, axis=-1))
+    f16 = raw.astype(np.float16)
+    up = np.nextafter(f16, np.float16(np.inf)).astype(np.float64)
+    down = np.nextafter(f16, np.float16(0)).astype(np.float64)
+    f16 = f16.astype(np.float64)
+    tie = np.where(raw >= f16, (f16 + up) / 2, (f16 + down) / 2)  # the nearest midpoint
+    dist = np.abs(raw - tie) / raw
+    dist[q.uncertain_params["norm"]] = np.inf  # (an uncertain code makes the norm uncertain)
+    order = np.argsort(dist)
+    outside = order[dist[order] > 2.0**-18 * 1.01][:64]
+    inside = order[:32]
+    pick = np.concatenate([outside, inside])
+    return x[pick], dist[pick]
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("preset", ["k5v4h", "k4v2h"])
+def test_stored_corrections_near_float16_ties_write_the_oracle_bytes(preset, dtype):
+    """float16 norms with a stored correction (``‖x‖ / ‖c‖``, the kXvYh formats, install's default
+    k5v4h): the warp kernel's float32 quotient decides the float16 bytes of the vectors of 20,000
+    nearest a float16 rounding tie outside the float64 fall-back's window, and the fall-back those
+    inside it, on both sides, with the oracle's bytes and flags."""
+    d = 128
+    layout = _layout(preset, d, h=1)
+    params = tqkern.TQParams.default(layout.format, seed=4)
+    assert plan_store(layout, "bf16" if dtype == torch.bfloat16 else "fp16", signed_sylvester=True,
+                      vector_aligned=True, symmetric_codebooks=True).kernel == "warp"
+    kx, kd = _near_tie_vectors(layout, params, "key", dtype, seed=5)
+    vx, vd = _near_tie_vectors(layout, params, "value", dtype, seed=6)
+    for dist in (kd, vd):  # 64 just outside the window (within 2^-16), 32 inside
+        assert np.all(dist[:64] > 2.0**-18) and np.all(dist[:64] < 2.0**-16) and np.all(dist[64:] < 2.0**-18)
+    k = torch.from_numpy(kx).to(dtype)[:, None, :]
+    v = torch.from_numpy(vx).to(dtype)[:, None, :]
+    _stores_the_oracle_bytes_and_flags(layout, params, k, v)
