@@ -113,6 +113,9 @@ def test_planner_takes_the_one_head_plan_for_uniform_values_at_16k():
         one_head_plan(None, one, 16384)
     with pytest.raises(TypeError, match="layout must be a tqkern.PagedLayout"):
         one_head_plan(mma_plan(one, 8), "one", 16384)
+    for bad in (-1, 16384.0, True, None):
+        with pytest.raises(ValueError, match=f"max_len must be a non-negative int \\(tokens\\), got {bad!r}"):
+            one_head_plan(mma_plan(one, 8), one, bad)
 
 
 def test_shared_head_plan_sub_argument():

@@ -316,9 +316,12 @@ def one_head_plan(plan: MmaPlan, layout: PagedLayout, max_len: int) -> MmaPlan |
     in the same run): Llama-3-70B-TP8 B32×16K (Hq 8, SDPA 67.7) turboquant_4bit_nc 56.5 → 54.1 and
     56.8 → 54.4, turboquant_3bit_nc 55.8 → 56.1; Llama-3-405B-TP8 B16×32K (Hq 16, SDPA 68.4)
     turboquant_4bit_nc 84.1 → 71.9 and 84.3 → 72.5, turboquant_3bit_nc 80.8 → 71.3. Lloyd-Max
-    values lost or tied there (tq4 56.9 → 57.9 and 73.7 → 76.7; k5v4h 69.1 → 66.9 and 83.3 → 87.7),
-    as did 8-warp CTAs (405B turboquant_4bit_nc 110.9) and 64 splits (70B 70.0, 405B 75.6);
-    turboquant_k3v4_nc was not timed."""
+    values keep the per-warp kernel: tq4 lost at both (56.9 → 57.9, 73.7 → 76.7), k5v4h gained at
+    70B and lost at 405B (69.1 → 66.9, 83.3 → 87.7); 8-warp CTAs (405B turboquant_4bit_nc 110.9)
+    and 64 splits (70B 70.0, 405B 75.6) lost. turboquant_k3v4_nc was first timed with it by the
+    bench (70B 53.5, 405B 70.4 µs; ``docs/benchmarks.md``)."""
+    if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 0:
+        raise ValueError(f"max_len must be a non-negative int (tokens), got {max_len!r}")
     if not isinstance(plan, MmaPlan):
         raise TypeError(f"plan must be an MmaPlan from mma_plan, got {type(plan).__name__}")
     if not isinstance(layout, PagedLayout):
