@@ -14,9 +14,11 @@ from tqkern.ops.paged_decode.plan_types import KernelPlan
 
 __all__ = ["num_splits_for", "fast_path_plan", "general_decode"]
 
+_LONG_SPLIT_TOKENS = 2048  # num_splits_for's default: splits this long fill whole rounds of resident CTAs
+
 
 def num_splits_for(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int, block_n: int,
-                   resident_ctas: int | None = None, min_tokens: int = 2048) -> int:
+                   resident_ctas: int | None = None, min_tokens: int = _LONG_SPLIT_TOKENS) -> int:
     """The general kernel's splits: ~4 programs per SM, never fewer than 4·BN tokens per split.
 
     With ``resident_ctas`` (programs the GPU holds at once) and long splits (≥ ``min_tokens`` of
@@ -146,7 +148,8 @@ def _general_tiles(layout, s, hq, max_blocks, caps, num_splits, occupancy, block
     max_len = max_blocks * layout.block_size
     if num_splits is None:
         num_splits = num_splits_for(s, hkv, max_len, caps.num_sms, block_n)
-        long = 0 if rounds else 2048  # (fp16 caches: whole rounds at any length; Gemma-2-9B 152.4 -> 136.0 µs)
+        # (fp16 caches: whole rounds at any length; Gemma-2-9B 152.4 -> 136.0 µs)
+        long = 0 if rounds else _LONG_SPLIT_TOKENS
         if not caps.interpret and max_len // num_splits >= long:
             ctas = occupancy(kernel(num_splits))
             if ctas:

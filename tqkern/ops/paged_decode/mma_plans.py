@@ -320,13 +320,13 @@ def coop_plan(plan: MmaPlan, layout: PagedLayout, stages: int = 2) -> MmaPlan | 
 def shared_head_plan(plan: MmaPlan, layout: PagedLayout, ws: int, stages: int | None = None,
                      sub: int | None = None) -> MmaPlan | None:
     """``plan`` made cooperative, with the stage shape :func:`mma_plan` gives 4–16 KV heads, for a
-    layout of one or two KV heads, whose CTA would otherwise be one or two warps: ``ws`` warps per KV head (``WS``), each a split of the CTA's
-    range taking ``SUB`` steps of every stage of ``SUB·ws`` steps (the split count of a launch is
-    then a multiple of ``ws``). ``None`` where no such plan applies: more than two KV heads, query
-    heads in more than one warp per KV head (``GS > 1``), blocks not a multiple of 16 tokens, a CTA
-    of more than 16 warps, or stages beyond one CTA's shared memory. ``stages``: the ring's depth
-    (default: the 4–16-head plan's); ``sub``: steps per warp in a stage (``SUB``, 1 or 2; default:
-    the 4–16-head plan's)."""
+    layout of one or two KV heads, whose CTA would otherwise be one or two warps: ``ws`` warps per
+    KV head (``WS``), each a split of the CTA's range taking ``SUB`` steps of every stage of
+    ``SUB·ws`` steps (the split count of a launch is then a multiple of ``ws``). ``None`` where no
+    such plan applies: more than two KV heads, query heads in more than one warp per KV head
+    (``GS > 1``), blocks not a multiple of 16 tokens, a CTA of more than 16 warps, or stages beyond
+    one CTA's shared memory. ``stages``: the ring's depth (default: the 4–16-head plan's); ``sub``:
+    steps per warp in a stage (``SUB``, 1 or 2; default: the 4–16-head plan's)."""
     if not isinstance(plan, MmaPlan):
         raise TypeError(f"plan must be an MmaPlan from mma_plan, got {type(plan).__name__}")
     if not isinstance(layout, PagedLayout):

@@ -30,7 +30,8 @@ from tqkern.ops.paged_decode.side_plans import (MergePlan, RotatePlan, _merge_pl
 
 __all__ = ["DeviceCaps", "DecodeOptions", "KernelPlan", "RotatePlan", "scan_split", "MergePlan", "DecodePlan",
            "plan_decode", "decode_path", "check_num_splits", "whole_rounds", "fast_path_plan", "num_splits_for",
-           "merge_chunks", "workspace_numel", "shared_heads", "one_head_plan", "MMA_MIN_CAPABILITY", "MMA_FP8_MIN_CAPABILITY"]
+           "merge_chunks", "workspace_numel", "shared_heads", "one_head_plan", "MMA_MIN_CAPABILITY",
+           "MMA_FP8_MIN_CAPABILITY"]
 
 # The warp-MMA kernel's PTX: mma.sync m16n8k16 with fp16 operands, ld.global.nc.L2::256B
 # (sm_80); cvt.rn.f16x2.e4m3x2 for FP8 keys (sm_89).
