@@ -13,7 +13,7 @@ import tqkern_torch as tqt
 from tqkern import reference as ref
 from tqkern.errors import ErrorFlag
 from tqkern_torch.errors import read_errors
-from tqkern_torch.testing import device_under_test
+from tqkern_torch.testing import device_under_test, poisoned_like
 
 DEV = device_under_test()
 
@@ -37,11 +37,12 @@ def test_every_finite_bf16_value_stores_the_oracles_fp16_bytes():
     assert np.array_equal(k.float().numpy(), x)
     blocks = -(-n // 16)
     slots = torch.randperm(blocks * 16, generator=torch.Generator().manual_seed(0))[:n]
-    cache = tqt.allocate_cache(layout, blocks, DEV)
+    # random bytes before the store (a byte the kernel leaves alone cannot match a zeroed cache by chance)
+    cache = poisoned_like(tuple(layout.cache_shape(blocks)), torch.uint8, DEV, seed=1)
+    before = cache.cpu().numpy()
     read_errors(DEV)  # (clear)
     tqt.store(cache, k.to(DEV), v.to(DEV), slots.to(DEV), layout, params)
     assert read_errors(DEV) == ErrorFlag.SATURATED  # (values beyond ±65504 saturate, flagged)
-    want = ref.store(np.zeros(layout.cache_shape(blocks), np.uint8), k.double().numpy(), v.double().numpy(),
-                     slots.numpy(), layout, params)
+    want = ref.store(before, k.double().numpy(), v.double().numpy(), slots.numpy(), layout, params)
     got = cache.cpu().numpy()
     assert np.array_equal(got, want), np.argwhere(got != want)[:8]
