@@ -369,9 +369,10 @@ def _near_tie_vectors(layout, params, side, dtype, seed, n_draw=20000):
 @pytest.mark.parametrize("preset", ["k5v4h", "k4v2h"])
 def test_stored_corrections_near_float16_ties_write_the_oracle_bytes(preset, dtype):
     """float16 norms with a stored correction (``‖x‖ / ‖c‖``, the kXvYh formats, install's default
-    k5v4h): the warp kernel's float32 quotient decides the float16 bytes of the vectors of 20,000
-    nearest a float16 rounding tie outside the float64 fall-back's window, and the fall-back those
-    inside it, on both sides, with the oracle's bytes and flags."""
+    k5v4h): the warp kernel's float32 quotient (its centroid norm summed across lanes in float32,
+    ``warp._centroid_norm_f32``) decides the float16 bytes of the vectors of 20,000 nearest a float16
+    rounding tie outside the float64 fall-back's window, and the fall-back those inside it, on
+    both sides, with the oracle's bytes and flags."""
     d = 128
     layout = _layout(preset, d, h=1)
     params = tqkern.TQParams.default(layout.format, seed=4)

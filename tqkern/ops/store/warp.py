@@ -147,6 +147,22 @@ def _sum_sq_f32(xs, lane, E: tl.constexpr, LB: tl.constexpr):
 
 
 @triton.jit
+def _centroid_norm_f32(cs, lane, LB: tl.constexpr):
+    """‖c‖ for float16 norms with a stored correction, from each lane's float64 sum ``cs`` of its
+    codes' squared centroids (E ≤ 32 float64 products and sums: relative error under 2^-47): that
+    sum rounded to float32 (u = 2^-24), a butterfly of ``LB ≤ 5`` float32 additions (every lane
+    gets the same bits; ``γ_LB`` relative), the correctly rounded square root: within
+    ``(1 + LB)u/2 + u ≤ 4u = 2^-22`` of the float64 ``‖c‖``. The caller's ``n / ‖c‖`` (n within
+    ``2^-21 + 2^-24`` of ``‖x‖``, :func:`_sum_sq_f32`; a division within 2 ulp) then lies within
+    ``2^-21 + 2^-24 + 2^-22 + 2^-23 < 2^-19.9`` of the oracle's float64 quotient: inside the
+    ``2^-19`` that :func:`_f16_unsure` assumes. 1.0 where the sum is 0 (as the oracle)."""
+    c = cs.to(tl.float32)
+    for j in tl.static_range(LB):
+        c = c + _bfly(c, lane * 0 + (1 << j))
+    return tl.where(c > 0, tl.sqrt_rn(c), 1.0)
+
+
+@triton.jit
 def _f16_unsure(r):
     """Whether a float32 ``r`` within ``2^-19`` (relative) of a float64 value ``ρ`` may not
     decide ``ρ``'s float16 bytes (nearest-even, clamped at 65504) or ``ρ > 65504``: the ends of
@@ -231,19 +247,27 @@ def _encode(xs, mus, fin, zchunk, c, row, h, ok, lane, p, bnd, bnd_ptr, cen_ptr,
         chunk = _where_chunk(fin, _chunk(codes, BITS, E), zchunk, BITS * E)
         _write_chunks(field, chunk, lane, p, ok, BITS * E, S.A_BYTES, L, ALIGNED)
         cn = 1.0
-        if STORED:  # the stored norm is ‖x‖ / ‖centroids of the codes‖ (float64)
+        cs = 0.0
+        if STORED:  # the stored norm is ‖x‖ / ‖centroids of the codes‖: the lane's sum in float64
             cs = lane.to(tl.float64) * 0.0
             for e in tl.static_range(E):
                 ce = tl.load(cen_ptr + codes[e])
                 cs += ce * ce
-            cn = tl.sqrt(_group_sum64(cs, lane, LB))
-            cn = tl.where(cn > 0, cn, 1.0)
+            if NORM32:  # then float32 across the lanes (_centroid_norm_f32's bound)
+                cn = _centroid_norm_f32(cs, lane, LB)
+            else:
+                cn = tl.sqrt(_group_sum64(cs, lane, LB))
+                cn = tl.where(cn > 0, cn, 1.0)
         if NORM32:
-            r = (n.to(tl.float64) / cn).to(tl.float32) if STORED else n  # within 2^-19 of the oracle's
+            r = n / cn if STORED else n  # within 2^-19 of the oracle's (_centroid_norm_f32)
             nbits = tl.minimum(r, 65504.0).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
             sat = r > 65504.0
             if tl.max((_f16_unsure(r) & fin).to(tl.int32), axis=0) > 0:  # rare: float64
-                r64 = tl.where(fin, _norm_f64(xs, mus, lane, HAS_MU, E, LB), 0.0) / cn
+                cn64 = 1.0
+                if STORED:
+                    cn64 = tl.sqrt(_group_sum64(cs, lane, LB))
+                    cn64 = tl.where(cn64 > 0, cn64, 1.0)
+                r64 = tl.where(fin, _norm_f64(xs, mus, lane, HAS_MU, E, LB), 0.0) / cn64
                 nbits = f64_to_bits(r64, S.PARAM_DTYPE)
                 sat = _saturates(r64, S.PARAM_DTYPE)
         else:
