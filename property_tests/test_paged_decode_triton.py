@@ -26,7 +26,7 @@ import tqkern_torch as tqt
 from tqkern import reference as ref
 from tqkern.ops.paged_decode.triton import decode_path, fast_path_plan
 from tqkern.ops.paged_decode.mma_plans import mma_plan
-from tqkern.ops.paged_decode.plan import shared_heads
+from tqkern.ops.paged_decode.plan import DeviceCaps, one_head_plan, plan_decode, shared_heads
 from tqkern_torch.attention import paged_decode
 from tqkern_torch.testing import device_under_test, kernels_available, poisoned_like, to_torch_kv
 
@@ -206,6 +206,69 @@ def test_mma_path_matches_oracle(case, data):
     event(f"cooperative stages {plan.COOP or 0}")
     event(f"shared heads {shared_heads(plan, layout) is not None}")
     event(f"head_dim {layout.head_dim}, key entries at {plan.K_AT}")
+    _check_against_oracle(*case, data)
+
+
+@st.composite
+def one_head_cases(draw):
+    """What the planner gives :func:`~tqkern.ops.paged_decode.plan.one_head_plan` (Llama-3-70B /
+    405B on 8 GPUs): one KV head, 4- or 3-bit Lloyd-Max keys (every norm dtype and correction),
+    4- or 3-bit uniform values, head_dim 128, GQA groups 1..16, both bit orders (4-bit sides) and
+    arrangements, every rotation and slot alignment, blocks of 16..128 tokens. The rule reads the
+    block table's width (at least 16K tokens), not the lengths: each table is widened to that with
+    valid block ids the kernel must not read, so its 32 splits (or an explicit multiple of the
+    CTA's 4) meet empty splits, splits ending mid-stage and whole sequences in one split."""
+    key = draw(T.lloyd_max_codecs(st.sampled_from([4, 3])), label="key")
+    value = draw(T.uniform_codecs(st.sampled_from([4, 3])), label="value")
+    orders = ["lsb"] if 3 in (key.bits, value.bits) else ["lsb", "nibble_high_even"]
+    fmt = tqkern.KVFormat(head_dim=128, key=key, value=value,
+                          bit_order=draw(st.sampled_from(orders), label="bit_order"),
+                          rotation=draw(st.sampled_from(["hadamard", "hadamard_signed", "haar"]), label="rotation"),
+                          slot_alignment=draw(st.sampled_from([1, 2, 4, 16]), label="slot_alignment"))
+    bs = draw(st.sampled_from([16, 32, 128]), label="block_size")
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=1, block_size=bs,
+                                arrangement=draw(st.sampled_from(["slot", "row"]), label="arrangement"))
+    group = draw(st.sampled_from([8, 16, 1, 4, 12]), label="gqa_group")
+    assume(decode_path(layout, group, same_codebooks=True) == "mma")
+    params = draw(T.tq_params(fmt, 1), label="params")
+    b = draw(T.paged_batches(bs, max_seqs=8, max_len=T.scale(600, 3000)), label="batch")
+    width = -(-16384 // bs) + draw(st.integers(0, 2), label="extra_columns")
+    fill = draw(st.integers(0, b.num_blocks - 1), label="filler_block")
+    table = np.full((len(b.seq_lens), width), fill, np.int32)
+    table[:, : b.block_table.shape[1]] = b.block_table
+    batch = T.PagedBatch(table, b.seq_lens, b.num_blocks, bs)
+    num_splits = draw(st.sampled_from([None, 4, 8, 32, 12]), label="num_splits")
+    qdtype = draw(st.sampled_from([torch.float16, torch.bfloat16]), label="q_dtype")
+    return layout, params, group, batch, qdtype, num_splits
+
+
+@settings(max_examples=25)
+@given(one_head_cases())
+def test_one_head_cases_take_the_plan_on_sm90(case):
+    """The pure planner for an H100-class device (132 SMs) gives every drawn case the one-head plan
+    at the drawn split count: the GPU test below tests that plan, not another (CPU too)."""
+    layout, _, group, batch, _, num_splits = case
+    dp = plan_decode(layout, len(batch.seq_lens), group, batch.block_table.shape[1], DeviceCaps.sm90(),
+                     same_codebooks=True, num_splits=num_splits)
+    assert dp.decode.kernel == "coop" and dp.decode.constexpr("WS") == 4, dp.describe()
+    assert dp.num_splits == (32 if num_splits is None else num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="the warp-MMA kernel is inline PTX: GPU only")
+@given(one_head_cases(), st.data())
+def test_one_head_plan_matches_oracle(case, data):
+    """The one-KV-head plan (4-warp CTAs over a 4-stage ring, 32 splits by default) against the
+    oracle; the planner must take it for every drawn case."""
+    layout, params, group, batch, _, num_splits = case
+    assert one_head_plan(mma_plan(layout, group), layout, batch.block_table.shape[1] * layout.block_size) is not None
+    q = torch.empty(len(batch.seq_lens), group, 128, device=DEV, dtype=torch.float16)
+    cache = torch.empty(layout.cache_shape(batch.num_blocks), dtype=torch.uint8, device=DEV)
+    dp = tqt.plan_decode(q, cache, torch.from_numpy(batch.block_table).to(DEV), layout,
+                         tqt.to_device(params, DEV), num_splits=num_splits)
+    assert dp.decode.kernel == "coop" and dp.decode.constexpr("WS") == 4, dp.describe()
+    assert dp.num_splits == (32 if num_splits is None else num_splits)
+    event(f"group {group}, splits {dp.num_splits}, block {layout.block_size}")
     _check_against_oracle(*case, data)
 
 
