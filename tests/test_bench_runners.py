@@ -6,13 +6,15 @@ with fake runners. What stays GPU-only: CUDA-graph timing, the real shapes, ``en
 from __future__ import annotations
 
 import io
+import os
+import time
 
 import numpy as np
 import pytest
 
 from tqkern import KVFormat
 from tqkern_torch.bench import decode, decompress, prefill, runner, store
-from tqkern_torch.bench.report import Progress, validate_report
+from tqkern_torch.bench.report import Progress, render_table, validate_report
 from tqkern_torch.bench.shapes import DecodeShape, PrefillShape, StoreShape
 from tqkern_torch.testing import kernels_available
 
@@ -328,6 +330,36 @@ def test_run_passes_its_timer_to_every_runner(monkeypatch):
     assert len(seen) == 8 and all(t is None for *_, t in seen)
 
 
+def test_an_interrupted_run_keeps_the_shapes_before_it(monkeypatch):
+    """``timeout -s INT`` mid-run: :func:`runner.run` returns the gates and the records of the
+    shapes finished before the interrupt, ``interrupted`` names where it stopped, the report
+    validates and its table says it is incomplete."""
+    import tqkern_torch.bench.timing as timing
+
+    def run_shape(shape, presets, step, **kw):
+        if shape.name == "B32x16K":
+            raise KeyboardInterrupt
+        return [{"op": "decode", "mode": "graph", "shape": shape.name, "variant": v, "baseline": "sdpa_fp16",
+                 "us": 2.0, "bytes": None, "gbps": None, "speedup": 1.0} for v in ("sdpa_fp16", *presets)]
+
+    monkeypatch.setattr(decode, "gate", lambda presets, heads=None: [{"op": "decode", "preset": p, "case": "c",
+                                                                      "ok": True} for p in presets])
+    monkeypatch.setattr(decode, "run_shape", run_shape)
+    monkeypatch.setattr(timing, "environment", lambda: {"gpu": "fake"})
+    sel = runner.select("decode", ["tq4"], ["B32x4K", "B32x16K", "B128x1K"])
+    report = runner.run(sel, progress=Progress(runner.count_steps(sel), io.StringIO()))
+    validate_report(report)
+    assert [(r["shape"], r["variant"]) for r in report["records"]] == [("B32x4K", "sdpa_fp16"), ("B32x4K", "tq4")]
+    assert report["interrupted"] == "interrupted in decode at B32x16K; records of the shapes before it kept"
+    assert len(report["gate"]) == 1
+    assert render_table(report).splitlines()[-1] == f"INCOMPLETE: {report['interrupted']}"
+    done = runner.run(runner.select("decode", ["tq4"], ["B32x4K"]), progress=Progress(3, io.StringIO()))
+    assert "interrupted" not in done and "INCOMPLETE" not in render_table(done)
+    bad = dict(report, interrupted=3)
+    with pytest.raises(TypeError, match=r"report\['interrupted'\] must be a str, got int"):
+        validate_report(bad)
+
+
 def test_call_once_runs_and_times_nothing():
     from tqkern_torch.bench.timing import call_once
 
@@ -355,7 +387,17 @@ def test_jobs_compile_commands_deal_the_presets_and_name_the_shapes():
         assert cmd[-3:] == ["--compile-only", "--eager", "B1x4K"] if op == "decode" else cmd[-1] == "--compile-only"
         names = cmd[j + 1:cmd.index("--compile-only")]
         assert runner.select(op, share, names)[op][1] == sel[op][1]  # the same shapes, in order
-    assert len(jobs.compile_commands(sel, 8)) == 4 * 3  # never more shares than presets
+    assert len(jobs.compile_commands(sel, 3)) == 4 * 3  # as many shares as presets
+    # fewer presets than jobs: each preset's shapes dealt into jobs // presets shares (never more
+    # commands than jobs), which together name every shape; the eager shapes once per preset
+    cmds = jobs.compile_commands(runner.select("decode", ["tq4", "k5v4h"], ["models"]), 7, eager_shapes=["B1x4K"])
+    assert len(cmds) == 2 * 3
+    for preset in ("tq4", "k5v4h"):
+        mine = [c for c in cmds if c[c.index("--presets") + 1:c.index("--shapes")] == [preset]]
+        names = [n for c in mine for n in c[c.index("--shapes") + 1:c.index("--compile-only")]]
+        assert sorted(names) == sorted(s.name for s in runner.select("decode", None, ["models"])["decode"][1])
+        assert [c[-2:] == ["--eager", "B1x4K"] for c in mine] == [True, False, False]
+    assert len(jobs.compile_commands(runner.select("decode", ["tq4"], ["B32x4K", "B32x16K"]), 8)) == 2
     assert jobs.compile_commands(runner.select("decode", ["tq4"], quick=True), 1, quick=True)[0][-1] == "--quick"
     with pytest.raises(ValueError, match="jobs must be a positive int, got 0"):
         jobs.compile_commands(sel, 0)
@@ -381,3 +423,35 @@ def test_jobs_run_at_most_n_at_once_and_report_failures(tmp_path):
     for _, k in marks:
         live += 1 if k == "s" else -1
         assert live <= 2
+    # each end is logged: which command, its status, its time, how many are done
+    log = io.StringIO()
+    jobs.compile_in_processes([cmd(4), cmd(5, 2)], 1, poll_s=0.05, log=log)
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("compile 1/2 (") and lines[0].endswith(" s")
+    assert " done in " in lines[0] and " exit 2 in " in lines[1] and lines[1].startswith("compile 2/2 (")
+
+
+def test_jobs_interrupted_kill_their_processes(tmp_path, monkeypatch):
+    """A ``KeyboardInterrupt`` in the compile phase kills the running commands (no orphan keeps
+    the GPU) and propagates."""
+    import sys
+
+    from tqkern_torch.bench import jobs
+
+    def cmd(i):
+        return [sys.executable, "-c", f"import os, pathlib, time; pathlib.Path({str(tmp_path)!r}, 'p{i}')"
+                                      f".write_text(str(os.getpid())); time.sleep(60)"]
+    real_sleep = time.sleep
+
+    def sleep(_):
+        if all((tmp_path / f"p{i}").exists() for i in range(2)):
+            raise KeyboardInterrupt
+        real_sleep(0.05)
+    monkeypatch.setattr(jobs.time, "sleep", sleep)
+    t0 = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        jobs.compile_in_processes([cmd(0), cmd(1), cmd(2)], 2)
+    assert time.perf_counter() - t0 < 30 and not (tmp_path / "p2").exists()
+    for i in range(2):
+        with pytest.raises(ProcessLookupError):
+            os.kill(int((tmp_path / f"p{i}").read_text()), 0)

@@ -230,7 +230,8 @@ def _bench(args: argparse.Namespace) -> int:
                 from tqkern_torch.bench import jobs
                 t0 = time.perf_counter()
                 failed = jobs.compile_in_processes(
-                    jobs.compile_commands(selection, args.jobs, eager_shapes=eager, quick=args.quick), args.jobs)
+                    jobs.compile_commands(selection, args.jobs, eager_shapes=eager, quick=args.quick), args.jobs,
+                    log=sys.stderr)
                 print(f"compiled in up to {args.jobs} processes in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
                 for line in failed:
                     print(f"warning: a compile process failed ({line}); its kernels compile in the timed run",
@@ -244,6 +245,8 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"wrote {out}")
     if args.plot is not None:
         print(f"wrote {rep.plot_report(report, args.plot)}")
+    if report.get("interrupted"):
+        return 130  # (the conventional status of a run ended by SIGINT; the partial report is written)
     return 0 if all(g["ok"] for g in report["gate"]) and not report.get("errors") else 1
 
 

@@ -11,7 +11,8 @@ a dict (written as JSON by ``tqkern bench --out``)::
                   "variant": str, "baseline": str, "us": float, "bytes": int | None,
                   "gbps": float | None, "speedup": float,
                   "flops": int, "tflops": float,     # (flops, tflops: prefill records only)
-                  "plan": str}]}                     # (decode records since session 52: the plan that ran)
+                  "plan": str}],                     # (decode records since session 52: the plan that ran)
+     "interrupted": str}                 # (only in a run cut short: where it stopped)
 
 Each record is one timed variant (a preset, or the baseline itself) at one shape. ``baseline``
 names the variant it is compared with in the same run (``sdpa_fp16`` for decode,
@@ -82,6 +83,8 @@ def validate_report(report) -> dict:
             raise ValueError(f"report must have a {key!r} field")
         if not isinstance(report[key], typ):
             raise TypeError(f"report[{key!r}] must be a {typ.__name__}, got {type(report[key]).__name__}")
+    if "interrupted" in report and not isinstance(report["interrupted"], str):
+        raise TypeError(f"report['interrupted'] must be a str, got {type(report['interrupted']).__name__}")
     for i, r in enumerate(report["records"]):
         where = f"report['records'][{i}]"
         if not isinstance(r, dict):
@@ -170,6 +173,8 @@ def render_table(report: dict) -> str:
         lines.append("")
     for g in failed:
         lines.append(f"gate FAILED: {g['op']} {g['preset']} {g.get('case', '')} (not timed)")
+    if report.get("interrupted"):
+        lines += ["", f"INCOMPLETE: {report['interrupted']}"]
     return "\n".join(lines)
 
 

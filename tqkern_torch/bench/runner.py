@@ -129,6 +129,8 @@ def run(selection: dict, *, eager_shapes: Sequence[str] = (), quick: bool = Fals
     A preset that fails its op's gate is not timed there. ``quick`` replays each graph for about
     25 ms instead of 100. ``timer(fn) -> µs`` replaces every runner's own (CUDA-graph replay,
     eager calls): :func:`~tqkern_torch.bench.timing.call_once` compiles without timing.
+    A ``KeyboardInterrupt`` (``timeout -s INT``) ends the run early: the report then holds the
+    gates and records of the shapes finished before it, and ``interrupted`` says where it stopped.
     """
     from tqkern_torch.bench import decode, decompress, prefill, store
     from tqkern_torch.bench.timing import TIMING, environment
@@ -138,8 +140,10 @@ def run(selection: dict, *, eager_shapes: Sequence[str] = (), quick: bool = Fals
     rep_ms = 25 if quick else 100
     report = {"schema": SCHEMA, "environment": environment(), "timing": TIMING, "gate": [], "records": []}
     timed = {} if timer is None else {"timer": timer}
+    where = "setup"
     try:
         for o, (presets, shapes) in selection.items():
+            where = f"{o}'s gates"
             mod = {"decode": decode, "store": store, "decompress": decompress, "prefill": prefill}[o]
             gates = []
             kw = {"heads": _decode_gate_heads(list(shapes) + eager, decode.GATE_HEADS)} if o == "decode" else {}
@@ -155,12 +159,16 @@ def run(selection: dict, *, eager_shapes: Sequence[str] = (), quick: bool = Fals
             for shape in shapes:
                 ok = _passed_at(gates, passed, shape) if o == "decode" else passed
                 bar.total -= sum(_per_preset(o, shape, p) for p in passed if p not in ok)
+                where = f"{o} at {shape.name}"
                 report["records"] += mod.run_shape(shape, ok, bar.step, rep_ms=rep_ms, **timed)
             if o == "decode":
                 for shape in eager:
                     ok = _passed_at(gates, passed, shape)
                     bar.total -= len(passed) - len(ok)
+                    where = f"decode (eager) at {shape.name}"
                     report["records"] += decode.run_eager(shape, ok, bar.step, **timed)
+    except KeyboardInterrupt:
+        report["interrupted"] = f"interrupted in {where}; records of the shapes before it kept"
     finally:
         bar.close()
     return report
