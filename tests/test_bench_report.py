@@ -375,6 +375,74 @@ def test_bench_from_a_file_that_is_not_a_report(tmp_path, capsys):
     assert "bench: --from: report['schema'] must be 'tqkern.bench/1', got None" in capsys.readouterr().err
 
 
+def test_merge_reports_replaces_by_key_and_records_history():
+    """A newer run merged into a GPU's baseline file: records replaced by (op, mode, shape, variant)
+    or added, gates by (op, case, preset, path); a replaced baseline leaves the other variants at
+    that shape named as speedups against an earlier baseline; one history entry; inputs untouched."""
+    base = fake_report()
+    r = rep.record
+    new = {"schema": rep.SCHEMA, "environment": dict(ENV, time="2026-02-02 00:00:00"), "timing": "fake",
+           "gate": [{"op": "decode", "preset": "turboquant_k8v4", "case": "Hq32/Hkv8/D128", "ok": True},
+                    {"op": "decode", "preset": "k5v4h", "case": "Hq32/Hkv8/D128", "ok": True}],
+           "records": [r("decode", "B32x4K", "sdpa_fp16", "sdpa_fp16", 190.0, 190.0, nbytes=536870912),
+                       r("decode", "B32x4K", "k5v4h", "sdpa_fp16", 100.0, 190.0, nbytes=150000000)]}
+    before = json.dumps(base)
+    merged, lines = rep.merge_reports(base, new, "session 9: k5v4h at B32x4K")
+    assert json.dumps(base) == before and "history" not in ENV
+    keys = [(x["op"], x["mode"], x["shape"], x["variant"]) for x in merged["records"]]
+    assert len(keys) == len(set(keys)) == len(base["records"]) + 1
+    sdpa = next(x for x in merged["records"] if x["shape"] == "B32x4K" and x["variant"] == "sdpa_fp16")
+    assert sdpa["us"] == 190.0
+    assert merged["records"][-1]["variant"] == "k5v4h"
+    tq4 = next(x for x in merged["records"] if x["shape"] == "B32x4K" and x["variant"] == "tq4")
+    assert tq4["speedup"] == 2.5  # (still against its own run's 200 µs: named below)
+    assert [g["ok"] for g in merged["gate"]] == [True, True, True] and len(merged["gate"]) == 3
+    (h,) = merged["environment"]["history"]
+    assert h["note"] == "session 9: k5v4h at B32x4K" and h["environment"]["time"] == "2026-02-02 00:00:00"
+    assert h["replaced"] == [["decode", "graph", "B32x4K", "sdpa_fp16"]]
+    assert h["added"] == [["decode", "graph", "B32x4K", "k5v4h"]]
+    assert h["speedups_against_earlier_baselines"] == [["decode", "graph", "B32x4K", "tq4"]]
+    assert lines[0] == "replaced 1 records, added 1; 2 gates merged"
+    assert lines[1:] == ["kept an earlier run's speedup (its baseline replaced): decode graph B32x4K tq4"]
+    again, _ = rep.merge_reports(merged, dict(new, interrupted="interrupted in decode at B32x16K"), "again")
+    assert len(again["environment"]["history"]) == 2 and again["records"] == merged["records"]
+    assert again["environment"]["history"][1]["interrupted"] == "interrupted in decode at B32x16K"
+    with pytest.raises(ValueError, match="the reports must be of one GPU: base is 'Fake GPU', new is 'H100'"):
+        rep.merge_reports(base, dict(new, environment=dict(ENV, gpu="H100")), "x")
+    with pytest.raises(ValueError, match="note must be a non-empty str"):
+        rep.merge_reports(base, new, " ")
+    with pytest.raises(ValueError, match="report must have a 'records' field"):
+        rep.merge_reports(base, {k: v for k, v in new.items() if k != "records"}, "x")
+
+
+def test_bench_from_merge_into(tmp_path, capsys):
+    """``tqkern bench --from NEW --merge-into BASE``: BASE rewritten with NEW merged in, the
+    command line as the default note; bad uses exit 2 naming the option."""
+    base, new = tmp_path / "h.json", tmp_path / "new.json"
+    rep.write_json(dict(fake_report(), gate=[]), str(base))
+    run = dict(fake_report(), gate=[], records=fake_report()["records"][4:6])
+    rep.write_json(run, str(new))
+    assert main(["bench", "--from", str(new), "--merge-into", str(base)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-3:] == ["replaced 2 records, added 0; 0 gates merged",
+                        "kept an earlier run's speedup (its baseline replaced): store graph decode_B32 turboquant_k8v4",
+                        f"merged into {base}"]
+    (h,) = rep.read_json(str(base))["environment"]["history"]
+    assert h["note"] == f"tqkern bench --from {new} --merge-into {base}"
+    assert main(["bench", "--from", str(new), "--merge-into", str(base), "--note", "S9"]) == 0
+    assert rep.read_json(str(base))["environment"]["history"][-1]["note"] == "S9"
+    for argv, match in ((["--note", "x"], "bench: --note goes with --merge-into"),
+                        (["--merge-into", str(tmp_path / "none.json")], "bench: --merge-into: .*No such file")):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "--from", str(new), *argv])
+        assert e.value.code == 2 and re.search(match, capsys.readouterr().err)
+    other = dict(run, environment=dict(ENV, gpu="Other GPU"))
+    rep.write_json(other, str(new))
+    with pytest.raises(SystemExit):
+        main(["bench", "--from", str(new), "--merge-into", str(base)])
+    assert "bench: --merge-into: the reports must be of one GPU" in capsys.readouterr().err
+
+
 def test_bench_needs_torch(tmp_path):
     (tmp_path / "torch").mkdir()
     (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('torch blocked by the test')\n")

@@ -162,6 +162,11 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode: also time eager calls (no CUDA graph) at these shapes (default B1x4K B32x4K B32x16K)")
     p.add_argument("--from", dest="from_json", default=None, metavar="FILE.json",
                    help="time nothing: print the table (and --plot) of a report written before (no GPU needed)")
+    p.add_argument("--merge-into", default=None, metavar="FILE.json",
+                   help="also merge the report (this run's, or --from's) into a GPU's baseline file: records and "
+                        "gates replaced by key or added, a history entry appended (benchmarks/results/<gpu>.json)")
+    p.add_argument("--note", default=None, metavar="TEXT",
+                   help="with --merge-into: what the merged run was (default: this command line)")
     p.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
                    help="first compile the run's kernels in N processes (--compile-only over shares of the "
                         "presets), then time alone (default 1: compile as the run goes; not for generate)")
@@ -208,6 +213,15 @@ def _bench(args: argparse.Namespace) -> int:
                 decode_shape(name)
         except ValueError as e:
             raise UsageError(str(e)) from None
+    if args.note is not None and args.merge_into is None:
+        raise UsageError("--note goes with --merge-into")
+    if args.merge_into is not None:
+        if args.compile_only or args.op == "generate" and args.from_json is None:
+            raise UsageError("--merge-into merges a kernel op's timed report (or --from's)")
+        try:
+            base = rep.read_json(args.merge_into)
+        except (OSError, ValueError, TypeError) as e:
+            raise UsageError(f"--merge-into: {e}") from None
     if args.plot is not None:
         if importlib.util.find_spec("matplotlib") is None:
             raise MissingDependency(f"--plot needs matplotlib, which is not installed: {rep.PLOT_EXTRA}")
@@ -245,6 +259,13 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"wrote {out}")
     if args.plot is not None:
         print(f"wrote {rep.plot_report(report, args.plot)}")
+    if args.merge_into is not None:
+        try:
+            merged, lines = rep.merge_reports(base, report, args.note or " ".join(["tqkern", *args.argv]))
+        except ValueError as e:
+            raise UsageError(f"--merge-into: {e}") from None
+        rep.write_json(merged, args.merge_into)
+        print("\n".join(lines + [f"merged into {args.merge_into}"]))
     if report.get("interrupted"):
         return 130  # (the conventional status of a run ended by SIGINT; the partial report is written)
     return 0 if all(g["ok"] for g in report["gate"]) and not report.get("errors") else 1
@@ -388,6 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = [_DEFAULT, *argv]
     parser = _parser()
     args = parser.parse_args(argv)
+    args.argv = argv  # (what ran: a merged benchmark report's default note)
     try:
         return int(args._command.run(args) or 0)
     except UsageError as e:

@@ -35,7 +35,7 @@ import sys
 from typing import IO, Optional
 
 __all__ = ["SCHEMA", "OPS", "MODES", "record", "validate_report", "render_table", "speedup_series",
-           "write_json", "read_json", "plot_report", "Progress", "PLOT_EXTRA"]
+           "write_json", "read_json", "merge_reports", "plot_report", "Progress", "PLOT_EXTRA"]
 
 SCHEMA = "tqkern.bench/1"
 OPS = ("decode", "store", "decompress", "prefill", "generate")
@@ -255,6 +255,70 @@ def read_json(path: str) -> dict:
     """A report written by :func:`write_json`, validated."""
     with open(path) as f:
         return validate_report(json.load(f))
+
+
+def _record_key(r: dict) -> tuple:
+    return (r["op"], r["mode"], r["shape"], r["variant"])
+
+
+def _gate_key(g: dict) -> tuple:
+    return (g.get("op"), g.get("case"), g.get("preset"), g.get("path"))
+
+
+def merge_reports(base: dict, new: dict, note: str) -> tuple[dict, list[str]]:
+    """``base`` (a GPU's baseline file, ``benchmarks/results/<gpu>.json``) with ``new``'s records
+    and gates merged in, and a line per thing that changed.
+
+    A record of ``new`` replaces ``base``'s of the same (op, mode, shape, variant), else is
+    appended; a gate the same by (op, case, preset, path). Where ``new`` replaces a baseline's
+    record (e.g. ``sdpa_fp16`` at a shape), ``base``'s other variants at that shape keep the
+    speedups of their own runs: the lines and the history entry name them. ``base``'s
+    environment gains one ``history`` entry: ``note``, ``new``'s environment, and the records
+    replaced and added (and ``new``'s ``interrupted``, if any). Both reports must validate and
+    name the same GPU (one baseline file per GPU); neither is modified.
+    """
+    validate_report(base)
+    validate_report(new)
+    if not isinstance(note, str) or not note.strip():
+        raise ValueError(f"note must be a non-empty str saying what the merged run was, got {note!r}")
+    gpu, new_gpu = base["environment"].get("gpu"), new["environment"].get("gpu")
+    if gpu != new_gpu:
+        raise ValueError(f"the reports must be of one GPU: base is {gpu!r}, new is {new_gpu!r}")
+    out = json.loads(json.dumps(base))
+    where = {_record_key(r): i for i, r in enumerate(out["records"])}
+    replaced, added, stale = [], [], []
+    for r in new["records"]:
+        k = _record_key(r)
+        if k in where:
+            out["records"][where[k]] = r
+            replaced.append(k)
+        else:
+            where[k] = len(out["records"])
+            out["records"].append(r)
+            added.append(k)
+    new_by_key = {_record_key(r): r for r in new["records"]}
+    for key in replaced:
+        if key[3] != new_by_key[key]["baseline"]:
+            continue  # (not a baseline's record)
+        stale += [_record_key(r) for r in out["records"] if _record_key(r)[:3] == key[:3] and
+                  r["baseline"] == key[3] and r["variant"] != key[3] and _record_key(r) not in new_by_key]
+    gates = {_gate_key(g): i for i, g in enumerate(out["gate"])}
+    for g in new["gate"]:
+        k = _gate_key(g)
+        if k in gates:
+            out["gate"][gates[k]] = g
+        else:
+            gates[k] = len(out["gate"])
+            out["gate"].append(g)
+    entry = {"note": note, "environment": new["environment"], "replaced": [list(k) for k in replaced],
+             "added": [list(k) for k in added], "speedups_against_earlier_baselines": [list(k) for k in stale]}
+    if new.get("interrupted"):
+        entry["interrupted"] = new["interrupted"]
+    out["environment"].setdefault("history", []).append(entry)
+    validate_report(out)
+    lines = [f"replaced {len(replaced)} records, added {len(added)}; {len(new['gate'])} gates merged"]
+    lines += [f"kept an earlier run's speedup (its baseline replaced): {' '.join(k)}" for k in stale]
+    return out, lines
 
 
 def plot_report(report: dict, path: str) -> str:
