@@ -443,6 +443,24 @@ def test_bench_from_merge_into(tmp_path, capsys):
     assert "bench: --merge-into: the reports must be of one GPU" in capsys.readouterr().err
 
 
+def test_bench_interrupted_writes_its_partial_report_and_exits_130(tmp_path, monkeypatch, capsys):
+    """A run that SIGINT cut short (runner.run's ``interrupted``): the table says INCOMPLETE, the
+    JSON is written, the exit status is 130, for a timed run and for --compile-only alike."""
+    from tqkern_torch.bench import timing
+
+    partial = dict(fake_report(), gate=[], interrupted="interrupted in decode at B32x16K; records of the shapes "
+                                                        "before it kept")
+    monkeypatch.setattr(timing, "cuda_missing", lambda: "")
+    monkeypatch.setattr(runner, "run", lambda *a, **k: partial)
+    out = tmp_path / "r.json"
+    assert main(["bench", "decode", "--out", str(out)]) == 130
+    assert capsys.readouterr().out.splitlines()[-2] == f"INCOMPLETE: {partial['interrupted']}"
+    assert rep.read_json(str(out))["interrupted"] == partial["interrupted"]
+    assert main(["bench", "decode", "--compile-only"]) == 130
+    monkeypatch.setattr(runner, "run", lambda *a, **k: {k_: v for k_, v in partial.items() if k_ != "interrupted"})
+    assert main(["bench", "decode", "--compile-only"]) == 0
+
+
 def test_bench_needs_torch(tmp_path):
     (tmp_path / "torch").mkdir()
     (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('torch blocked by the test')\n")

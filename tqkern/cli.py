@@ -238,6 +238,8 @@ def _bench(args: argparse.Namespace) -> int:
             report = runner.run(selection, eager_shapes=eager, quick=args.quick, timer=call_once)
             bad = [f"{g['op']} {g['preset']} {g.get('case', '')}" for g in report["gate"] if not g["ok"]]
             print(f"compiled {len(report['records'])} variants; gates failed: {', '.join(bad) or 'none'}")
+            if report.get("interrupted"):
+                return 130
             return 1 if bad else 0
         else:
             if args.jobs > 1:
