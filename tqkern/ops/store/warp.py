@@ -163,6 +163,14 @@ def _centroid_norm_f32(cs, lane, LB: tl.constexpr):
 
 
 @triton.jit
+def _centroid_norm_f64(cs, lane, LB: tl.constexpr):
+    """‖c‖ in float64 from each lane's float64 sum ``cs`` (a butterfly over the group, every lane
+    the same bits; the oracle's value); 1.0 where the sum is 0."""
+    cn = tl.sqrt(_group_sum64(cs, lane, LB))
+    return tl.where(cn > 0, cn, 1.0)
+
+
+@triton.jit
 def _f16_unsure(r):
     """Whether a float32 ``r`` within ``2^-19`` (relative) of a float64 value ``ρ`` may not
     decide ``ρ``'s float16 bytes (nearest-even, clamped at 65504) or ``ρ > 65504``: the ends of
@@ -256,17 +264,13 @@ def _encode(xs, mus, fin, zchunk, c, row, h, ok, lane, p, bnd, bnd_ptr, cen_ptr,
             if NORM32:  # then float32 across the lanes (_centroid_norm_f32's bound)
                 cn = _centroid_norm_f32(cs, lane, LB)
             else:
-                cn = tl.sqrt(_group_sum64(cs, lane, LB))
-                cn = tl.where(cn > 0, cn, 1.0)
+                cn = _centroid_norm_f64(cs, lane, LB)
         if NORM32:
             r = n / cn if STORED else n  # within 2^-19 of the oracle's (_centroid_norm_f32)
             nbits = tl.minimum(r, 65504.0).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
             sat = r > 65504.0
             if tl.max((_f16_unsure(r) & fin).to(tl.int32), axis=0) > 0:  # rare: float64
-                cn64 = 1.0
-                if STORED:
-                    cn64 = tl.sqrt(_group_sum64(cs, lane, LB))
-                    cn64 = tl.where(cn64 > 0, cn64, 1.0)
+                cn64 = _centroid_norm_f64(cs, lane, LB) if STORED else 1.0
                 r64 = tl.where(fin, _norm_f64(xs, mus, lane, HAS_MU, E, LB), 0.0) / cn64
                 nbits = f64_to_bits(r64, S.PARAM_DTYPE)
                 sat = _saturates(r64, S.PARAM_DTYPE)
