@@ -399,9 +399,9 @@ def test_merge_reports_replaces_by_key_and_records_history():
     assert [g["ok"] for g in merged["gate"]] == [True, True, True] and len(merged["gate"]) == 3
     (h,) = merged["environment"]["history"]
     assert h["note"] == "session 9: k5v4h at B32x4K" and h["environment"]["time"] == "2026-02-02 00:00:00"
-    assert h["replaced"] == [["decode", "graph", "B32x4K", "sdpa_fp16"]]
-    assert h["added"] == [["decode", "graph", "B32x4K", "k5v4h"]]
-    assert h["speedups_against_earlier_baselines"] == [["decode", "graph", "B32x4K", "tq4"]]
+    assert h["replaced"] == ["decode graph B32x4K sdpa_fp16"]
+    assert h["added"] == ["decode graph B32x4K k5v4h"]
+    assert h["speedups_against_earlier_baselines"] == ["decode graph B32x4K tq4"]
     assert lines[0] == "replaced 1 records, added 1; 2 gates merged"
     assert lines[1:] == ["kept an earlier run's speedup (its baseline replaced): decode graph B32x4K tq4"]
     again, _ = rep.merge_reports(merged, dict(new, interrupted="interrupted in decode at B32x16K"), "again")

@@ -274,8 +274,9 @@ def merge_reports(base: dict, new: dict, note: str) -> tuple[dict, list[str]]:
     record (e.g. ``sdpa_fp16`` at a shape), ``base``'s other variants at that shape keep the
     speedups of their own runs: the lines and the history entry name them. ``base``'s
     environment gains one ``history`` entry: ``note``, ``new``'s environment, and the records
-    replaced and added (and ``new``'s ``interrupted``, if any). Both reports must validate and
-    name the same GPU (one baseline file per GPU); neither is modified.
+    replaced and added, each key one string ``"op mode shape variant"`` (and ``new``'s
+    ``interrupted``, if any). Both reports must validate and name the same GPU (one baseline file
+    per GPU); neither is modified.
     """
     validate_report(base)
     validate_report(new)
@@ -310,8 +311,8 @@ def merge_reports(base: dict, new: dict, note: str) -> tuple[dict, list[str]]:
         else:
             gates[k] = len(out["gate"])
             out["gate"].append(g)
-    entry = {"note": note, "environment": new["environment"], "replaced": [list(k) for k in replaced],
-             "added": [list(k) for k in added], "speedups_against_earlier_baselines": [list(k) for k in stale]}
+    entry = {"note": note, "environment": new["environment"], "replaced": [" ".join(k) for k in replaced],
+             "added": [" ".join(k) for k in added], "speedups_against_earlier_baselines": [" ".join(k) for k in stale]}
     if new.get("interrupted"):
         entry["interrupted"] = new["interrupted"]
     out["environment"].setdefault("history", []).append(entry)
