@@ -132,10 +132,30 @@ def test_warp_kernel_caps_registers_for_bf16_inputs_without_a_key_offset(preset,
     bf16 = plan_store(layout, "bf16", signed_sylvester=True, vector_aligned=True)
     assert bf16.kernel == "warp" and bf16.maxnreg == WARP_STORE_MAXNREG_BF16 == 128
     assert bf16.kwargs()["maxnreg"] == 128 and "<= 128 registers" in bf16.describe()
-    for plan in (plan_store(layout, "fp16", signed_sylvester=True, vector_aligned=True),
-                 plan_store(layout, "bf16", has_mu=True, signed_sylvester=True, vector_aligned=True),
+    for plan in (plan_store(layout, "bf16", has_mu=True, signed_sylvester=True, vector_aligned=True),
                  plan_store(layout, "bf16", signed_sylvester=True)):  # (inputs not aligned: the tile kernel)
         assert plan.maxnreg is None and "maxnreg" not in plan.kwargs() and "registers" not in plan.describe()
+
+
+@pytest.mark.parametrize("preset, d, cap", [("k5v4h", 128, 112), ("k4v2h", 128, 112), ("tqkern_k5v3", 128, 112),
+                                           ("k4v3h", 128, 112), ("k5v4h", 64, None), ("k5v4h", 256, None),
+                                           ("tqkern_k5v3", 256, None), ("turboquant_4bit_nc", 128, None),
+                                           ("turboquant_3bit_nc", 128, None), ("turboquant_k8v4", 128, None)])
+def test_warp_kernel_caps_fp16_inputs_of_stored_correction_formats_at_head_dim_128(preset, d, cap):
+    """fp16 inputs without a key offset: ``WARP_STORE_MAXNREG_STORED`` (112) registers where both
+    sides are Lloyd-Max with a stored norm correction at head_dim 128 (measured faster on the H200,
+    session 56), Triton's choice elsewhere (the uncorrected presets measured slower capped; other
+    head_dims untimed); a key offset keeps Triton's choice."""
+    from tqkern.ops.store.plan import WARP_STORE_MAXNREG_STORED
+
+    assert WARP_STORE_MAXNREG_STORED == 112
+    layout = _layout(preset, d)
+    fp16 = plan_store(layout, "fp16", signed_sylvester=True, vector_aligned=True)
+    assert fp16.kernel == "warp" and fp16.maxnreg == cap
+    assert ("maxnreg" in fp16.kwargs()) == (cap is not None)
+    assert ("<= 112 registers" in fp16.describe()) == (cap is not None)
+    mu = plan_store(layout, "fp16", has_mu=True, signed_sylvester=True, vector_aligned=True)
+    assert mu.maxnreg is None and "maxnreg" not in mu.kwargs()
 
 
 def test_plan_rejects_bad_input():

@@ -56,6 +56,14 @@ programs per SM; capped at 128, sixteen. H200, 16K × 8 × 128, bf16 in, µs, by
 111.67 → 97.19, turboquant_4bit_nc 72.40 → 69.39, k4v3h 77.63 → 73.75; 96 registers: k5v4h 111.97.
 fp16 inputs lose or stay (k5v4h 92.41 → 96.03, turboquant_4bit_nc 56.84 → 56.91), so they keep
 Triton's choice; a key offset's bf16 form spills 168 bytes under the cap (untimed), so it does too).
+fp16 inputs without a key offset at head_dim 128 whose two sides are Lloyd-Max with a stored norm
+correction (the kXvYh formats, tqkern_k5v3) compile under ``WARP_STORE_MAXNREG_STORED`` registers
+(session 56, H200, 16K × 8 × 128, µs, uncapped → 112, two alternations each, bytes equal: k4v2h 69.1 →
+65.3 (139 registers uncapped under Triton 3.6, after session 55's float32 centroid norm), tqkern_k5v3
+85.7 → 83.4 (142), k5v4h 90.2 → 89.2 (151), k4v3h 68.3 → 68.4 (110 uncapped, 112 capped); a cap of
+128: k4v2h 66.2, k5v4h 92.4, k4v3h 69.1. The others lose under 112: turboquant_4bit_nc 56.7 → 58.2
+(136), turboquant_3bit_nc 49.6 → 51.0 (149), turboquant_k8v4 43.4 → 43.9 (86). Other head_dims
+untimed, so uncapped).
 ``block_vectors`` is then the vectors of one iteration (``WARP_STORE_WARPS·32/L``) and ``tiles`` the
 iterations. Measured on the H100 (session 24, 16K tokens ×
 8 heads × 128, fp16 in, slot arrangement, µs, tile kernel / warp kernel at L = 8 / 16 / 32, copy_
@@ -85,13 +93,14 @@ import types
 import triton
 import triton.language as tl
 
-from tqkern.layouts import PagedLayout, Raw
+from tqkern.layouts import LloydMax, PagedLayout, Raw
 from tqkern.ops.codecs import KIND_FP8, KIND_LLOYD_MAX, KIND_UNIFORM, layout_args
 from tqkern.ops.common import halfword_aligned
 
 __all__ = ["StorePlan", "plan_store", "rotation_method", "warp_store_eligible", "default_signed_sylvester",
            "ROTATIONS", "ROT_NONE", "ROT_PM1", "ROT_SPLIT", "ROT_CHUNKED", "SMALL_STORE_VECTORS", "WARP_STORE_WARPS",
-           "WARP_STORE_ITERS", "WARP_STORE_PROGRAMS", "WARP_STORE_LANES", "WARP_STORE_MAXNREG_BF16"]
+           "WARP_STORE_ITERS", "WARP_STORE_PROGRAMS", "WARP_STORE_LANES", "WARP_STORE_MAXNREG_BF16",
+           "WARP_STORE_MAXNREG_STORED"]
 
 ROTATIONS = ("none", "pm1", "split", "chunked")
 # The kernel's ROT constexpr (the index in ROTATIONS); kernels compare with these names.
@@ -103,6 +112,7 @@ WARP_STORE_ITERS = 8  # the warp kernel: iterations per program at most (a long 
 WARP_STORE_MAX_CHUNK = 128  # the warp kernel: most code bits per lane and side (docstring)
 WARP_STORE_PROGRAMS = 4096  # ... fewer while the grid would have fewer programs (one-warp programs)
 WARP_STORE_MAXNREG_BF16 = 128  # the warp kernel's register cap for bf16 inputs (docstring)
+WARP_STORE_MAXNREG_STORED = 112  # ... for fp16 inputs of stored-correction formats at head_dim 128 (docstring)
 # the warp kernel's lanes per vector by head_dim (docstring)
 WARP_STORE_LANES = types.MappingProxyType({64: 8, 128: 8, 256: 16})
 
@@ -291,7 +301,19 @@ def _plan_warp(layout: PagedLayout, in_dtype: str, has_mu: bool, iters: int, sym
     return StorePlan(layout=layout, in_dtype=in_dtype, has_mu=has_mu, rotation="fwht" if rotate else "none",
                      block_vectors=WARP_STORE_WARPS * 32 // lanes, tiles=iters, num_warps=WARP_STORE_WARPS,
                      num_stages=None, dot_precision="none", constexprs=tuple(cx.items()), kernel="warp",
-                     maxnreg=WARP_STORE_MAXNREG_BF16 if in_dtype == "bf16" and not has_mu else None)
+                     maxnreg=_warp_maxnreg(layout, in_dtype, has_mu))
+
+
+def _warp_maxnreg(layout: PagedLayout, in_dtype: str, has_mu: bool) -> int | None:
+    """The warp kernel's register cap (module docstring: each rule's measurement), None: Triton's choice."""
+    if has_mu:
+        return None
+    if in_dtype == "bf16":
+        return WARP_STORE_MAXNREG_BF16
+    sides = (layout.format.key, layout.format.value)
+    if layout.head_dim == 128 and all(isinstance(c, LloydMax) and c.norm_correction == "stored" for c in sides):
+        return WARP_STORE_MAXNREG_STORED
+    return None
 
 
 def rotation_method(layout: PagedLayout, has_mu: bool, signed_sylvester: bool, interpret: bool) -> str:
