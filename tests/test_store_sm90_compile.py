@@ -42,9 +42,9 @@ BUDGETS = {
     "turboquant_4bit_nc:row:128:8:warp+bf16": (0, 2240),
     "k5v4h:slot:128:8:warp+bf16": (8, 2648),  # (2632 before session 55's float32 centroid norm)
     "turboquant_3bit_nc:slot:128:8:warp": (0, 1968),
-    # fp16 inputs of stored-correction formats at head_dim 128 under a 112-register cap (session 56; timed
-    # faster on an H200; Triton 3.6: no stack, k5v3 2176 instructions, k5v4h 2512, k4v2h 1976 (110 registers
-    # here)): uncapped tqkern_k5v3 had no stack and 2072 instructions here, k5v4h 2416 / k4v2h 1968 under 3.6
+    # fp16 inputs of stored-correction formats at head_dim 128 under a 112-register cap (session 56, timed
+    # faster on an H200). Capped, Triton 3.6: no stack; instructions k5v3 2176, k5v4h 2512, k4v2h 1976.
+    # Uncapped: tqkern_k5v3 no stack and 2072 instructions here (3.9); k5v4h 2416, k4v2h 1968 under 3.6
     "tqkern_k5v3:slot:128:8:warp": (16, 2264),  # 8 lanes per vector: 80-bit chunks (16 before session 26)
     "k5v4h:slot:128:8:warp": (0, 2496),  # install's default format
     # (S33: float16 norms with a key offset from the float32 sum of fl(x - mu)^2: 2200 -> 2312)
