@@ -11,6 +11,7 @@ See ``docs/layout.md`` for the byte layouts and ``docs/algorithms.md`` for the m
 from tqkern import reference
 from tqkern.codebooks import Codebook, lloyd_max
 from tqkern.layouts import (
+    E8,
     FP8,
     PRESETS,
     Field,
@@ -33,6 +34,7 @@ __all__ = [
     "Uniform",
     "FP8",
     "Raw",
+    "E8",
     "Field",
     "FieldAddress",
     "PRESETS",
