@@ -29,12 +29,12 @@ def test_family_fields(name, head_dim, key, value):
     fmt = KVFormat.preset(name, head_dim)
     assert is_format_name(name)
     for fields, want in ((fmt.key_fields, key), (fmt.value_fields, value)):
-        names = ["codes", "block_scale", "norm"] if want[1] is not None else ["codes", "norm"]
+        names = ["codes", "norm", "block_scale"] if want[1] is not None else ["codes", "norm"]
         assert [f.name for f in fields] == names
-        assert [f.nbytes for f in fields] == [w for w in want if w is not None]
+        assert [f.nbytes for f in fields] == [w for w in (want[0], want[2], want[1]) if w is not None]
     assert fmt.key.norm_correction == "stored" and fmt.value.norm_correction == "none"
-    assert fmt.slot_bytes == sum(w for w in key + value if w is not None) + (-sum(
-        w for w in key + value if w is not None) % 2)
+    used = sum(w for w in key + value if w is not None)
+    assert fmt.slot_bytes == used + used % 2
 
 
 def test_layout_round_trips_through_a_dict():
@@ -98,9 +98,9 @@ def test_decompress_of_hand_packed_slots(name):
         codes = c.copy()
         codes[..., 7] = (c[..., 7] >> 1) + s * (q // 2)
         parts.append(pack(codes.reshape(n, d).astype(np.uint8), codec.bits, "lsb"))
+        parts.append(norm.view(np.uint8).reshape(n, 2))
         if m > 1:
             parts.append(pack(t.astype(np.uint8), codec.scale_bits, "lsb"))
-        parts.append(norm.view(np.uint8).reshape(n, 2))
         betas = np.asarray(lattice.cube_scales(q, m))
         want[side] = (norm.astype(np.float64)[:, None, None] * betas[t][..., None]
                       * (c - q // 2 + 0.5 * s[..., None]) / np.sqrt(d)).reshape(n, d)

@@ -206,8 +206,9 @@ class E8:
 
     A block takes ``8·log2(levels) + log2(scales)`` bits: 8 codes of ``bits = log2(levels)`` bits in
     the ``codes`` field (code 7 holds ``c_7 >> 1`` and the coset bit ``s`` on top: ``c_7``'s lowest
-    bit is the parity of the other seven) and one ``log2(scales)``-bit scale index in the
-    ``block_scale`` field (absent for one scale). ``head_dim`` must be a multiple of 8.
+    bit is the parity of the other seven), then the ``norm`` field, then one ``log2(scales)``-bit
+    scale index per block in the ``block_scale`` field (absent for one scale). ``head_dim`` must be
+    a multiple of 8.
 
     Attributes:
         levels: values per coordinate, q in (8, 16, 32, 64): 3 to 6 bits per coordinate.
@@ -256,11 +257,11 @@ class E8:
     def fields(self, head_dim: int) -> tuple[Field, ...]:
         if head_dim % 8:
             raise _bad("head_dim of an E8 codec", "a multiple of 8", head_dim)
-        out = [Field("codes", _packed_bytes(head_dim, self.bits), "codes")]
-        if self.scales > 1:
-            out.append(Field("block_scale", _packed_bytes(head_dim // 8, self.scale_bits), "codes"))
-        out.append(Field("norm", _FLOAT_BYTES[self.norm_dtype], self.norm_dtype))
-        return tuple(out)
+        out = (Field("codes", _packed_bytes(head_dim, self.bits), "codes"),
+               Field("norm", _FLOAT_BYTES[self.norm_dtype], self.norm_dtype))
+        if self.scales > 1:  # last, so that the norm is the second field as Lloyd-Max's is
+            out += (Field("block_scale", _packed_bytes(head_dim // 8, self.scale_bits), "codes"),)
+        return out
 
 
 Codec = Union[LloydMax, Uniform, FP8, Raw, E8]
