@@ -86,13 +86,17 @@ def test_plan_falls_back_to_the_per_warp_kernel_when_sizing_fails():
     ("turboquant_k8v4", "slot", 32, 4096, 3, False, 2),  # coop: 8 splits of 512; per-warp: 6 splits
     ("turboquant_k8v4", "slot", 128, 1024, 3, True, 2),  # per-warp would have 1 split
     ("turboquant_k8v4", "slot", 32, 16384, 3, True, 1),  # splits of 2048 tokens
+    ("turboquant_k8v4", "slot", 1, 16384, 3, False, 2),  # 64 splits of 256 tokens either way
+    ("turboquant_k8v4", "slot", 1, 32768, 3, True, 2),  # 64 splits of 512 either way: no longer splits
+    ("turboquant_k8v4", "slot", 1, 65536, 3, True, 2),  # 128 splits of 512 either way
     ("tq4", "row", 32, 4096, 3, True, 1),  # two-step stages: always cooperative
     ("turboquant_4bit_nc", "slot", 32, 4096, 3, True, 1),
 ])
 def test_short_splits_give_way_to_the_per_warp_kernel(preset, arr, batch, max_len, per_warp_ctas, want_coop, asks):
     """One-step cooperative plans with fewer than 1024 tokens per split run the per-warp kernel
-    instead when it has at least 2 splits of its own (measured at B32x4K / B128x1K); the choice
-    depends on shapes only."""
+    instead when it has at least 2 splits of its own and either longer splits or splits under 512
+    tokens (measured at B32x4K / B128x1K, and at batch 1 on an H200); the choice depends on shapes
+    only."""
     import tqkern.ops.paged_decode.mma_plans as plans
 
     layout = _layout(preset, 128, 8, arr)

@@ -47,6 +47,7 @@ MMA_FP8_MIN_CAPABILITY = (8, 9)
 PER_WARP_WAVE = 0.5
 _SHARED_CTA_WARPS = 8  # the CTA of a shared-head plan (one or two KV heads)
 _COOP_MIN_TOKENS = 1024  # tokens per split below which one-step cooperative plans may give way
+_COOP_SHORT_TOKENS = 512  # ... and below which they give way even where the per-warp splits are no longer
 _ONE_HEAD_SPLITS = 32  # one KV head's shared-head plan (one_head_plan): 8 CTAs of 4 warps a sequence
 _ONE_HEAD_MIN_TOKENS = 16384  # ... at contexts of at least this many tokens (shorter: not measured)
 
@@ -377,11 +378,15 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options)
     # it has at least 2 splits of its own (measured, H100: B32x4K turboquant_k8v4 90.1 vs 95.3
     # µs; docs/performance.md "Cooperative stages"). The two-step stages of 3- and 4-bit keys
     # keep their plan (B32x4K turboquant_4bit_nc 75.4 vs per-warp 75.0 µs, k3v4_nc 73.0 vs
-    # 77.2, 3bit_nc 72.2 vs 73.1; at B128x1K 79.0 vs 92.2, 76.1 vs 80.2, 74.6 vs 76.3).
+    # 77.2, 3bit_nc 72.2 vs 73.1; at B128x1K 79.0 vs 92.2, 76.1 vs 80.2, 74.6 vs 76.3). Where the
+    # per-warp kernel would get no longer splits (batch 1-2: both at 64-128), it gives way only below
+    # 512 tokens a split (H200, S57, turboquant_k8v4 at D128, µs, cooperative / per-warp: Hkv 8
+    # B1x16K 24.0 / 17.6 (256 tokens a split), B1x32K 38.3 / 40.5, B1x64K 43.8 / 49.0; Hkv 4
+    # B1x64K 30.2 / 44.2, B2x32K 29.0 / 43.6).
     if plan.COOP and plan.SUB == 1 and max_len < _COOP_MIN_TOKENS * n:
         per_warp = per_warp_plan(plan)
         m = splits_for(per_warp)
-        if m >= 2:
+        if m >= 2 and (m < n or max_len < _COOP_SHORT_TOKENS * n):
             plan, n = per_warp, m
     # 5-bit keys with Lloyd-Max values: two CTAs per SM (a 2-stage ring) where the launch then holds
     # more CTAs than SMs and its splits keep >= 1024 tokens. Measured (H200, S40 probe, µs, one CTA →
