@@ -22,7 +22,7 @@ def _layout(preset, d=128, arrangement="slot"):
 # -- the registry -------------------------------------------------------------------------------
 def test_kind_ids_are_stable():
     """The ids are part of compiled kernels' cache keys and of the warp-MMA plans: never renumber."""
-    assert {k.name: int(k) for k in Kind} == {"LLOYD_MAX": 0, "UNIFORM": 1, "FP8": 2, "RAW": 3, "E8": 4}
+    assert {k.name: int(k) for k in Kind} == {"LLOYD_MAX": 0, "UNIFORM": 1, "FP8": 2, "RAW": 3}
     for k in Kind:
         assert getattr(codecs, f"KIND_{k.name}").value == int(k)
 
@@ -34,13 +34,13 @@ def test_every_codec_class_is_registered():
 
 @pytest.mark.parametrize("codec, kind", [
     (tqkern.LloydMax(bits=3), Kind.LLOYD_MAX), (tqkern.Uniform(bits=2), Kind.UNIFORM),
-    (tqkern.FP8(), Kind.FP8), (tqkern.Raw(dtype="bfloat16"), Kind.RAW), (tqkern.E8(levels=16), Kind.E8)])
+    (tqkern.FP8(), Kind.FP8), (tqkern.Raw(dtype="bfloat16"), Kind.RAW)])
 def test_codec_kind(codec, kind):
     assert codec_kind(codec) is kind
 
 
 def test_codec_kind_rejects_a_non_codec():
-    with pytest.raises(TypeError, match=r"codec must be one of \['LloydMax', 'Uniform', 'FP8', 'Raw', 'E8'\], got dict"):
+    with pytest.raises(TypeError, match=r"codec must be one of \['LloydMax', 'Uniform', 'FP8', 'Raw'\], got dict"):
         codec_kind({"kind": "uniform", "bits": 2})
 
 
@@ -93,8 +93,7 @@ def _table(title: str) -> list[list[str]]:
 def test_doc_lists_every_kind():
     rows = _table("Kind ids")
     assert [(r[0].strip("`"), int(r[1])) for r in rows] == [(k.name, int(k)) for k in Kind]
-    examples = [tqkern.LloydMax(bits=4), tqkern.Uniform(bits=4), tqkern.FP8(), tqkern.Raw(),
-                tqkern.E8(levels=16, scales=2)]
+    examples = [tqkern.LloydMax(bits=4), tqkern.Uniform(bits=4), tqkern.FP8(), tqkern.Raw()]
     by_kind = {codec_kind(c): c for c in examples}
     for r in rows:
         assert r[2] == ", ".join(f.name for f in by_kind[Kind[r[0].strip("`")]].fields(64)), r[0]

@@ -11,7 +11,6 @@ See ``docs/layout.md`` for the byte layouts and ``docs/algorithms.md`` for the m
 from tqkern import reference
 from tqkern.codebooks import Codebook, lloyd_max
 from tqkern.layouts import (
-    E8,
     FP8,
     PRESETS,
     Field,
@@ -34,7 +33,6 @@ __all__ = [
     "Uniform",
     "FP8",
     "Raw",
-    "E8",
     "Field",
     "FieldAddress",
     "PRESETS",

@@ -81,8 +81,7 @@ def _eval_arguments(p: argparse.ArgumentParser) -> None:
                         "local transformers directory; never downloads (default smollm2)")
     p.add_argument("--formats", nargs="*", default=None, metavar="PRESET",
                    help=f"preset formats to score, or kXvYh formats (X-bit keys, Y-bit values: Lloyd-Max, "
-                        f"float16 norms) or e8kQxMvRxN formats (E8 lattice codes, Q/R levels at M/N scales; "
-                        f"oracle only); default: all of {', '.join(PRESETS)}")
+                        f"float16 norms; default: all of {', '.join(PRESETS)})")
     p.add_argument("--format-spec", default=None, metavar="JSON",
                    help="one more format, as the JSON of layout_to_dict(...)['format'] (head_dim optional)")
     p.add_argument("--layer-formats", action="append", default=[], metavar="[LABEL=]JSON",
@@ -129,8 +128,7 @@ def _eval(args: argparse.Namespace) -> int:
     formats = list(PRESETS) if args.formats is None else args.formats
     unknown = [f for f in formats if not is_format_name(f)]
     if unknown:
-        raise UsageError(f"--formats must name presets ({', '.join(PRESETS)}), 'kXvYh' or 'e8kQxMvRxN' formats, "
-                         f"got {unknown}")
+        raise UsageError(f"--formats must name presets ({', '.join(PRESETS)}) or 'kXvYh' formats, got {unknown}")
     if args.window < 2:
         raise UsageError(f"--window must be >= 2, got {args.window}")
     try:

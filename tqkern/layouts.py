@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from tqkern.vector_codecs import (_CODECS, E8, FIELD_DTYPES, FP8, Codec, Field, LloydMax, Raw, Uniform, _bad,
+from tqkern.vector_codecs import (_CODECS, FIELD_DTYPES, FP8, Codec, Field, LloydMax, Raw, Uniform, _bad,
                                   _check_choice, _check_int)
 
 __all__ = [
@@ -28,7 +28,6 @@ __all__ = [
     "Uniform",
     "FP8",
     "Raw",
-    "E8",
     "Codec",
     "Field",
     "FieldAddress",
@@ -90,7 +89,7 @@ class KVFormat:
             codec = getattr(self, name)
             if not isinstance(codec, _CODECS):
                 raise TypeError(
-                    f"KVFormat.{name} must be one of LloydMax, Uniform, FP8, Raw, E8, "
+                    f"KVFormat.{name} must be one of LloydMax, Uniform, FP8, Raw, "
                     f"got {type(codec).__name__}"
                 )
         _check_choice("KVFormat.bit_order", self.bit_order, BIT_ORDERS)
@@ -98,12 +97,6 @@ class KVFormat:
         _check_int("KVFormat.slot_alignment", self.slot_alignment, 1, 256)
         if self.slot_alignment & (self.slot_alignment - 1):
             raise _bad("KVFormat.slot_alignment", "a power of two", self.slot_alignment)
-        for name in ("key", "value"):
-            if isinstance(getattr(self, name), E8):
-                if self.bit_order != "lsb":
-                    raise _bad(f"KVFormat.bit_order with an E8 {name}", "'lsb'", self.bit_order)
-                if self.head_dim % 8:
-                    raise _bad(f"KVFormat.head_dim with an E8 {name}", "a multiple of 8", self.head_dim)
         if self.bit_order == "nibble_high_even":
             for name in ("key", "value"):
                 codec = getattr(self, name)
@@ -184,23 +177,12 @@ class KVFormat:
         Also ``"kXvYh"`` (X, Y in 1..8): X-bit keys and Y-bit values, both Lloyd-Max codes of
         the Beta codebook with float16 norms and the stored norm correction, signed-Hadamard
         rotation, LSB bit order, 2-byte slot alignment — the family ``docs/quality.md`` builds
-        per-layer allocations from (``k5v3h`` is ``tqkern_k5v3`` with float16 norms).
-
-        And ``"e8kQxMvRxN"``: :class:`E8` keys of Q levels at M scales (norm correction stored: the
-        key's norm is kept) and E8 values of R levels at N scales (no correction), float16 norms,
-        signed-Hadamard rotation, LSB bit order, 2-byte slot alignment (``docs/quality.md``, "E8
-        lattice codes"; Q, R in 8, 16, 32, 64; M, N in 1, 2, 4)."""
+        per-layer allocations from (``k5v3h`` is ``tqkern_k5v3`` with float16 norms)."""
         if isinstance(name, str) and name in PRESETS:
             return cls(head_dim=head_dim, **PRESETS[name])
-        e8 = _E8_FAMILY.fullmatch(name) if isinstance(name, str) else None
-        if e8 is not None:
-            q, m, r, n = (int(g) for g in e8.groups())
-            return cls(head_dim=head_dim, key=E8(levels=q, scales=m, norm_correction="stored"),
-                       value=E8(levels=r, scales=n, norm_correction="none"), bit_order="lsb",
-                       rotation="hadamard_signed", slot_alignment=2)
         bits = _FAMILY.fullmatch(name) if isinstance(name, str) else None
         if bits is None:
-            raise _bad("name", f"one of {sorted(PRESETS)}, 'kXvYh' (X, Y in 1..8) or 'e8kQxMvRxN'", name)
+            raise _bad("name", f"one of {sorted(PRESETS)} or 'kXvYh' (X, Y in 1..8)", name)
         key, value = (LloydMax(bits=int(b), distribution="beta", norm_dtype="float16", norm_correction="stored")
                       for b in bits.groups())
         return cls(head_dim=head_dim, key=key, value=value, bit_order="lsb", rotation="hadamard_signed",
@@ -216,14 +198,11 @@ def _vllm_mse_key(bits: int) -> LloydMax:
 
 
 _FAMILY = re.compile(r"k([1-8])v([1-8])h")
-_E8_FAMILY = re.compile(r"e8k(8|16|32|64)x([124])v(8|16|32|64)x([124])")
 
 
 def is_format_name(name) -> bool:
-    """Whether :meth:`KVFormat.preset` knows ``name``: a key of :data:`PRESETS`, ``"kXvYh"`` or
-    ``"e8kQxMvRxN"``."""
-    return isinstance(name, str) and (name in PRESETS or _FAMILY.fullmatch(name) is not None
-                                      or _E8_FAMILY.fullmatch(name) is not None)
+    """Whether :meth:`KVFormat.preset` knows ``name``: a key of :data:`PRESETS` or ``"kXvYh"``."""
+    return isinstance(name, str) and (name in PRESETS or _FAMILY.fullmatch(name) is not None)
 
 
 PRESETS: dict[str, dict] = {

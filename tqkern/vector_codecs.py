@@ -1,5 +1,5 @@
 """Codec descriptors: how one vector (a key or a value of one token and one KV head, ``head_dim``
-numbers) becomes bytes (:class:`LloydMax`, :class:`Uniform`, :class:`FP8`, :class:`Raw`, :class:`E8`), and the
+numbers) becomes bytes (:class:`LloydMax`, :class:`Uniform`, :class:`FP8`, :class:`Raw`), and the
 :class:`Field` list each gives. Frozen, slotted dataclasses validated in ``__post_init__``;
 :mod:`tqkern.layouts` pairs them into formats and places them in a paged cache (and re-exports
 every name here)."""
@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Union
 
-__all__ = ["LloydMax", "Uniform", "FP8", "Raw", "E8", "Codec", "Field", "FIELD_NAMES", "FIELD_DTYPES"]
+__all__ = ["LloydMax", "Uniform", "FP8", "Raw", "Codec", "Field", "FIELD_NAMES", "FIELD_DTYPES"]
 
 _FLOAT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
-FIELD_NAMES = ("codes", "norm", "data", "scale", "zero", "block_scale")
+FIELD_NAMES = ("codes", "norm", "data", "scale", "zero")
 FIELD_DTYPES = ("codes", "uint8", "float8_e4m3fn", "float16", "bfloat16", "float32")
 
 
@@ -37,8 +37,7 @@ class Field:
     """One named field of a codec's bytes.
 
     Attributes:
-        name: ``"codes"``, ``"norm"``, ``"data"``, ``"scale"``, ``"zero"`` or ``"block_scale"``
-            (:class:`E8`'s per-block scale indices).
+        name: ``"codes"``, ``"norm"``, ``"data"``, ``"scale"`` or ``"zero"``.
         nbytes: size of the field for one vector.
         dtype: how the bytes are read: ``"codes"`` (packed integer codes, see ``bit_order``),
             ``"uint8"`` (one byte per element), ``"float8_e4m3fn"``, ``"float16"``,
@@ -193,76 +192,5 @@ class Raw:
         return (Field("data", 2 * head_dim, self.dtype),)
 
 
-E8_LEVELS = (8, 16, 32, 64)
-E8_SCALES = (1, 2, 4)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class E8:
-    """E8 in a cube (:mod:`tqkern.lattice`): store ``‖x‖``, rotate the unit vector, scale it to unit
-    variance per coordinate (``w = √D · u @ Π``) and code each block of 8 consecutive coordinates as
-    the point of the Gosset lattice E8 inside a cube of ``levels`` values per coordinate nearest to
-    it, at the best of ``scales`` fitted scales (:func:`tqkern.lattice.cube_scales`).
-
-    A block takes ``8·log2(levels) + log2(scales)`` bits: 8 codes of ``bits = log2(levels)`` bits in
-    the ``codes`` field (code 7 holds ``c_7 >> 1`` and the coset bit ``s`` on top: ``c_7``'s lowest
-    bit is the parity of the other seven), then the ``norm`` field, then one ``log2(scales)``-bit
-    scale index per block in the ``block_scale`` field (absent for one scale). ``head_dim`` must be
-    a multiple of 8.
-
-    Attributes:
-        levels: values per coordinate, q in (8, 16, 32, 64): 3 to 6 bits per coordinate.
-        scales: scales per block, m in (1, 2, 4): 0 to 2 bits per block.
-        norm_dtype: ``"float16"`` or ``"float32"`` for the stored norm field.
-        norm_correction: ``"none"`` (norm field = ‖x‖, reconstruction ‖x‖·ŷ) or ``"stored"`` (norm
-            field = ‖x‖/‖ŷ‖, reconstruction field·ŷ: the reconstruction keeps the norm), with ŷ the
-            decoded unit-space vector.
-    """
-
-    levels: int
-    scales: int = 1
-    norm_dtype: Literal["float16", "float32"] = "float16"
-    norm_correction: Literal["none", "stored"] = "stored"
-
-    kind: ClassVar[str] = "e8"
-
-    def __post_init__(self) -> None:
-        if isinstance(self.levels, bool) or not isinstance(self.levels, int):
-            raise TypeError(f"E8.levels must be an int, got {type(self.levels).__name__}")
-        _check_choice("E8.levels", self.levels, E8_LEVELS)
-        if isinstance(self.scales, bool) or not isinstance(self.scales, int):
-            raise TypeError(f"E8.scales must be an int, got {type(self.scales).__name__}")
-        _check_choice("E8.scales", self.scales, E8_SCALES)
-        _check_choice("E8.norm_dtype", self.norm_dtype, ("float16", "float32"))
-        _check_choice("E8.norm_correction", self.norm_correction, ("none", "stored"))
-
-    @property
-    def bits(self) -> int:
-        """Bits per coordinate in the ``codes`` field: log2(levels)."""
-        return self.levels.bit_length() - 1
-
-    @property
-    def scale_bits(self) -> int:
-        """Bits per block in the ``block_scale`` field: log2(scales)."""
-        return self.scales.bit_length() - 1
-
-    @property
-    def rotated(self) -> bool:
-        return True
-
-    @property
-    def packed(self) -> bool:
-        return True
-
-    def fields(self, head_dim: int) -> tuple[Field, ...]:
-        if head_dim % 8:
-            raise _bad("head_dim of an E8 codec", "a multiple of 8", head_dim)
-        out = (Field("codes", _packed_bytes(head_dim, self.bits), "codes"),
-               Field("norm", _FLOAT_BYTES[self.norm_dtype], self.norm_dtype))
-        if self.scales > 1:  # last, so that the norm is the second field as Lloyd-Max's is
-            out += (Field("block_scale", _packed_bytes(head_dim // 8, self.scale_bits), "codes"),)
-        return out
-
-
-Codec = Union[LloydMax, Uniform, FP8, Raw, E8]
-_CODECS = (LloydMax, Uniform, FP8, Raw, E8)
+Codec = Union[LloydMax, Uniform, FP8, Raw]
+_CODECS = (LloydMax, Uniform, FP8, Raw)

@@ -56,7 +56,7 @@ random Qwen2 whose key biases sit in the slowly rotating RoPE pairs has r ≈ 1.
 for FP8 keys too (their rounding error is relative to each element of k), so FP8 layers that
 ``key_offset="auto"`` leaves without μ are checked like any other."""
 
-KEY_OFFSET_KINDS = ("lloyd_max", "uniform", "e8")
+KEY_OFFSET_KINDS = ("lloyd_max", "uniform")
 """Key codec kinds that ``install(key_offset="auto")`` gives μ: :func:`key_offset_by_default`."""
 
 KEY_MEAN_MIN_TOKENS = 32
@@ -70,7 +70,7 @@ class KeyOffsetWarning(UserWarning):
 
 def key_offset_by_default(fmt: KVFormat) -> bool:
     """Whether ``install(key_offset="auto")`` gives a layer of format ``fmt`` the key offset μ:
-    yes where its key codec's kind is in :data:`KEY_OFFSET_KINDS` (Lloyd-Max, uniform, E8), no for
+    yes where its key codec's kind is in :data:`KEY_OFFSET_KINDS` (Lloyd-Max, uniform), no for
     FP8 and raw keys. An explicit ``key_offset`` (arrays, ``"prefill"``, ``None``) overrides it.
 
     The rule and what it rests on (SmolLM2-135M, 24 windows × 256 tokens, ``docs/quality.md``;
@@ -85,8 +85,6 @@ def key_offset_by_default(fmt: KVFormat) -> bool:
       per-dimension offset widens): 4-bit unrotated keys with 4-bit values, 8 windows only: mean
       KL 0.142 → 0.076 and ΔPPL +15.1% → +7.2% with μ (paired −1.41 [−1.94, −1.05] PPL; lower
       NLL in all 8 windows).
-    * E8 keys (a norm times a rotated direction, as Lloyd-Max's): μ by the same argument; every
-      E8 row of ``docs/quality.md`` was measured with it, none without.
     * FP8 keys (``turboquant_k8v4``): μ leaves the mean KL as it was (0.0180 → 0.0178, lower in
       11 of 24 windows) and raises ΔPPL +0.65% → +1.33% (paired +0.11 [+0.02, +0.22] PPL; at 8
       windows: +1.10% → +1.09%, KL 0.0180 → 0.0173): no gain, so off.

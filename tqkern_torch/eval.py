@@ -143,8 +143,7 @@ def parse_layer_formats(text: str) -> tuple[Optional[str], dict]:
             except ValueError:
                 raise ValueError(f"--layer-formats keys must be layer indices or \"*\", got {key!r}") from None
         if isinstance(spec, str) and not is_format_name(spec):
-            raise ValueError(f"--layer-formats[{key!r}] must be a preset ({', '.join(PRESETS)}), a 'kXvYh' or "
-                             f"'e8kQxMvRxN' name "
+            raise ValueError(f"--layer-formats[{key!r}] must be a preset ({', '.join(PRESETS)}), a 'kXvYh' name "
                              f"or a format object, got {spec!r}")
         if not isinstance(spec, (str, dict)):
             raise ValueError(f"--layer-formats[{key!r}] must be a preset name or a format object, "

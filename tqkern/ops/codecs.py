@@ -24,11 +24,11 @@ from typing import Callable, NamedTuple
 import triton
 import triton.language as tl
 
-from tqkern.layouts import E8, FP8, Codec, LloydMax, PagedLayout, Raw, Uniform
+from tqkern.layouts import FP8, Codec, LloydMax, PagedLayout, Raw, Uniform
 
 __all__ = ["Kind", "CodecSpec", "CODECS", "SideConsts", "codec_spec", "codec_kind", "side_consts",
-           "layout_args", "layout_consts", "KIND_LLOYD_MAX", "KIND_UNIFORM", "KIND_FP8", "KIND_RAW", "KIND_E8",
-           "NC_NONE", "NC_DECODE", "NC_STORED", "DT_F16", "DT_F32", "DT_BF16", "ORACLE_ONLY_KINDS"]
+           "layout_args", "layout_consts", "KIND_LLOYD_MAX", "KIND_UNIFORM", "KIND_FP8", "KIND_RAW",
+           "NC_NONE", "NC_DECODE", "NC_STORED", "DT_F16", "DT_F32", "DT_BF16"]
 
 
 class Kind(enum.IntEnum):
@@ -38,7 +38,6 @@ class Kind(enum.IntEnum):
     UNIFORM = 1  # packed codes q → q·scale + zero
     FP8 = 2  # one float8_e4m3fn byte per element
     RAW = 3  # one fp16 / bf16 per element
-    E8 = 4  # blocks of 8 packed codes + a scale index → β_t·(c − q/2 + s/2), times the norm field (no kernel yet)
 
 
 # The names kernels compare with (``if K.KIND == KIND_UNIFORM:``).
@@ -46,7 +45,6 @@ KIND_LLOYD_MAX = tl.constexpr(int(Kind.LLOYD_MAX))
 KIND_UNIFORM = tl.constexpr(int(Kind.UNIFORM))
 KIND_FP8 = tl.constexpr(int(Kind.FP8))
 KIND_RAW = tl.constexpr(int(Kind.RAW))
-KIND_E8 = tl.constexpr(int(Kind.E8))
 # NORM_CORRECTION: Lloyd-Max's ``norm_correction`` ("none", "decode", "stored").
 NC_NONE, NC_DECODE, NC_STORED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # PARAM_DTYPE: dtype of the per-token float fields (norm, scale, zero) or of raw elements.
@@ -75,11 +73,7 @@ CODECS: dict[type, CodecSpec] = {
     Uniform: CodecSpec(Kind.UNIFORM, lambda c: (c.param_dtype, "none")),
     FP8: CodecSpec(Kind.FP8, lambda c: ("float32", "none")),
     Raw: CodecSpec(Kind.RAW, lambda c: (c.dtype, "none")),
-    E8: CodecSpec(Kind.E8, lambda c: (c.norm_dtype, c.norm_correction)),
 }
-
-# Kinds that no Triton kernel decodes yet: the NumPy oracles (and tqkern_torch's CPU path) run them.
-ORACLE_ONLY_KINDS = frozenset({Kind.E8})
 
 
 def codec_spec(codec: Codec) -> CodecSpec:
@@ -153,10 +147,6 @@ def layout_consts(layout: PagedLayout) -> dict:
 @functools.lru_cache(maxsize=256)
 def _layout_args(layout: PagedLayout) -> tuple:
     fmt = layout.format
-    for side in ("key", "value"):
-        if codec_kind(getattr(fmt, side)) in ORACLE_ONLY_KINDS:
-            raise NotImplementedError(f"layout.format.{side} is {getattr(fmt, side)!r}: no Triton kernel decodes "
-                                      f"this codec yet (the NumPy oracles and tqkern_torch's CPU path do)")
     pad = layout.pad_address()
     d = fmt.head_dim
     return tuple(dict(

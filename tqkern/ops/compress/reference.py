@@ -66,20 +66,10 @@ def codec_inputs(key, value, params: TQParams) -> tuple[np.ndarray, np.ndarray]:
         return tuple(np.where(finite_vectors(x)[..., None], x, 0.0) for x in (k, v))
 
 
-def _side_bytes(q: Quantized, codec, head_dim: int, bit_order: str) -> tuple[list, list]:
-    fields, bits = codec.fields(head_dim), codec.bits
+def _side_bytes(q: Quantized, fields, bits: int, bit_order: str) -> tuple[list, list]:
     chunks, unsure = [], []
     for f in fields:
-        if f.name == "block_scale":  # E8: one LSB-first index of log2(scales) bits per block of 8
-            sb = codec.scale_bits
-            chunks.append(pack(q.block_scales, sb, "lsb"))
-            blocks = q.uncertain_codes[..., ::8]  # a block's 8 codes share its certainty
-            m = np.zeros((*blocks.shape[:-1], f.nbytes), bool)
-            for j in range(blocks.shape[-1]):
-                for b in {j * sb // 8, (j * sb + sb - 1) // 8}:
-                    m[..., b] |= blocks[..., j]
-            unsure.append(m)
-        elif f.dtype == "codes":
+        if f.dtype == "codes":
             chunks.append(pack(q.codes, bits, bit_order))
             # A byte is uncertain if any code with a bit in it is uncertain.
             n = q.codes.shape[-1]
@@ -127,7 +117,7 @@ def compress(key, value, params: TQParams, *, return_uncertain: bool = False, re
         q = quantize(x, codec, rotation=params.rotation, codebook=cb)
         if np.any(q.saturated):
             flags |= ErrorFlag.SATURATED
-        c, u = _side_bytes(q, codec, fmt.head_dim, fmt.bit_order)
+        c, u = _side_bytes(q, codec.fields(fmt.head_dim), codec.bits, fmt.bit_order)
         chunks += c
         unsure += u
     n, h = key.shape[:2]

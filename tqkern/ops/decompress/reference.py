@@ -40,9 +40,7 @@ def _parse_side(slots: np.ndarray, fmt, side: str) -> Quantized:
         if not qual.startswith(side + "."):
             continue
         raw = slots[..., off: off + f.nbytes]
-        if f.name == "block_scale":  # E8's per-block scale indices (LSB-first)
-            q.block_scales = unpack(raw, codec.scale_bits, fmt.head_dim // 8, "lsb")
-        elif f.dtype == "codes":
+        if f.dtype == "codes":
             q.codes = unpack(raw, codec.bits, fmt.head_dim, fmt.bit_order)
         elif f.name == "data":
             nb = f.nbytes // fmt.head_dim

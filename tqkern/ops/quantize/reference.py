@@ -25,16 +25,6 @@ rotation Π:
     scale and lo (vLLM's order). dequantize: q·scale' + zero' with the rounded values.
 ``FP8(rotated)``: y = x (or x @ Π); stored E4M3FN(y) (nearest-even, saturating at ±448).
 ``Raw(dtype)``: stored round(x, dtype) (see :mod:`tqkern.numerics`).
-``E8(levels q, scales m, norm_dtype, norm_correction)`` (:mod:`tqkern.lattice`, β = its fitted scales):
-    n = ‖x‖₂; u = x / n (0 when n = 0); w = √D · u @ Π, split into blocks of 8 coordinates
-    (c, s, t) per block = encode_blocks(w_block, q, β)   (the nearest point of E8 in the cube at the
-          nearest of the m scales; ties as that function states)
-    codes_{8j+i} = c_i (i < 7), codes_{8j+7} = (c_7 >> 1) + s·q/2;  block_scale_j = t
-    ŷ = β_t·(c − q/2 + s/2) / √D per block (the decoded unit vector, rotated space)
-    norm field = n ("none"), or n / ‖ŷ‖₂ ("stored"; n if ‖ŷ‖ = 0), rounded to norm_dtype.
-    dequantize: f·ŷ with f the stored field. A block is uncertain (all its codes and its scale
-    index) when ``uncertain_blocks`` finds that moving each coordinate of w by √D·EPS (u's EPS) may
-    change its indices.
 
 Out-of-range and non-finite values: every stored float saturates at its dtype's largest finite
 value (:mod:`tqkern.numerics`), and :attr:`Quantized.saturated` marks the vectors where that
@@ -49,9 +39,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tqkern import lattice
 from tqkern.codebooks import Codebook
-from tqkern.layouts import E8, FP8, Codec, LloydMax, Raw, Uniform
+from tqkern.layouts import FP8, Codec, LloydMax, Raw, Uniform
 from tqkern.numerics import exceeds, fp8_e4m3fn_decode, fp8_e4m3fn_encode, round_float, ties_within
 
 __all__ = ["Quantized", "quantize", "dequantize", "EPS", "SCALE_FLOOR"]
@@ -76,8 +65,6 @@ class Quantized:
         uncertain_codes: bool ``[..., D]``: this code (or element) may differ in a kernel.
         uncertain_params: name → bool ``[...]``: this stored float may differ in a kernel.
         saturated: bool ``[...]``: some stored float of this vector was saturated.
-        block_scales: uint8 ``[..., D/8]`` per-block scale indices (E8), else ``None``; their
-            uncertainty is the blocks' (``uncertain_codes`` of any of the block's 8 codes).
     """
 
     codes: np.ndarray | None
@@ -86,7 +73,6 @@ class Quantized:
     uncertain_codes: np.ndarray | None = None
     uncertain_params: dict[str, np.ndarray] = field(default_factory=dict)
     saturated: np.ndarray | None = None
-    block_scales: np.ndarray | None = None
 
 
 def _codebook_for(codec: LloydMax, codebook: Codebook | None) -> Codebook:
@@ -190,45 +176,7 @@ def quantize(x: np.ndarray, codec: Codec, *, rotation=None, codebook: Codebook |
     if isinstance(codec, Raw):
         return Quantized(codes=None, data=round_float(x, codec.dtype), uncertain_codes=np.zeros(x.shape, bool),
                          saturated=np.any(exceeds(x, codec.dtype), axis=-1))
-    if isinstance(codec, E8):
-        return _quantize_e8(x, codec, rot)
-    raise TypeError(f"codec must be LloydMax, Uniform, FP8, Raw or E8, got {type(codec).__name__}")
-
-
-def _e8_unit(codes: np.ndarray, t: np.ndarray, codec: E8) -> np.ndarray:
-    """ŷ (float64 ``[..., D]``) from E8 codes ``[..., D]`` and block scale indices ``[..., D/8]``."""
-    q, d = codec.levels, codes.shape[-1]
-    c = codes.astype(np.int64).reshape(*codes.shape[:-1], d // 8, 8)
-    s = c[..., 7] >> (codec.bits - 1)
-    c7 = 2 * (c[..., 7] & (q // 2 - 1)) + c[..., :7].sum(-1) % 2
-    c = np.concatenate([c[..., :7], c7[..., None]], axis=-1)
-    y = lattice.decode_blocks(c, s, t.astype(np.int64), q, lattice.cube_scales(q, codec.scales))
-    return y.reshape(*codes.shape) / np.sqrt(d)
-
-
-def _quantize_e8(x: np.ndarray, codec: E8, rot: np.ndarray) -> Quantized:
-    q, d = codec.levels, x.shape[-1]
-    betas = lattice.cube_scales(q, codec.scales)
-    n = np.sqrt(np.sum(x * x, axis=-1))
-    u = np.divide(x, n[..., None], out=np.zeros_like(x), where=n[..., None] > 0)
-    w = (np.sqrt(d) * (u @ rot)).reshape(*x.shape[:-1], d // 8, 8)
-    c, s, t = lattice.encode_blocks(w, q, betas)
-    codes = np.concatenate([c[..., :7], ((c[..., 7] >> 1) + s * (q // 2))[..., None]], axis=-1)
-    codes = codes.reshape(x.shape).astype(np.uint8)
-    blocks = t.astype(np.uint8)
-    # A zero vector gives w = 0 exactly in any arithmetic: its indices are certain.
-    unsure_b = lattice.uncertain_blocks(w, q, betas, np.sqrt(d) * EPS) & (n[..., None] > 0)
-    unsure = np.repeat(unsure_b, 8, axis=-1)
-    if codec.norm_correction == "stored":
-        yn = np.sqrt(np.sum(_e8_unit(codes, blocks, codec) ** 2, axis=-1))
-        raw = n / np.where(yn > 0, yn, 1.0)
-        unsure_p = np.any(unsure_b, axis=-1)
-    else:
-        raw = n
-        unsure_p = np.zeros(n.shape, bool)
-    return Quantized(codes=codes, data=None, params={"norm": round_float(raw, codec.norm_dtype)},
-                     uncertain_codes=unsure, uncertain_params={"norm": unsure_p},
-                     saturated=exceeds(raw, codec.norm_dtype), block_scales=blocks)
+    raise TypeError(f"codec must be LloydMax, Uniform, FP8 or Raw, got {type(codec).__name__}")
 
 
 def dequantize(q: Quantized, codec: Codec, *, rotation=None, codebook: Codebook | None = None,
@@ -250,11 +198,8 @@ def dequantize(q: Quantized, codec: Codec, *, rotation=None, codebook: Codebook 
         y = q.codes * q.params["scale"][..., None] + q.params["zero"][..., None]
     elif isinstance(codec, (FP8, Raw)):
         y = np.asarray(q.data, dtype=np.float64)
-    elif isinstance(codec, E8):
-        t = q.block_scales if q.block_scales is not None else np.zeros((*q.codes.shape[:-1], q.codes.shape[-1] // 8))
-        y = q.params["norm"][..., None] * _e8_unit(q.codes, t, codec)
     else:
-        raise TypeError(f"codec must be LloydMax, Uniform, FP8, Raw or E8, got {type(codec).__name__}")
+        raise TypeError(f"codec must be LloydMax, Uniform, FP8 or Raw, got {type(codec).__name__}")
     if rotate_back and codec.rotated:
         y = y @ _rotation_for(codec, rotation, y.shape[-1]).T
     return y
