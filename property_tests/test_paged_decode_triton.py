@@ -272,6 +272,73 @@ def test_one_head_plan_matches_oracle(case, data):
     _check_against_oracle(*case, data)
 
 
+@st.composite
+def short_split_cases(draw):
+    """What the planner's short-split rule (session 57) keeps on the cooperative kernel: FP8 keys
+    (one-step stages) with 4- or 3-bit uniform values, head_dim 64 or 128, and (KV heads, batch,
+    table tokens) where the splits hold 512-1023 tokens each and the per-warp kernel would get no
+    longer ones (at GQA 8 it gets longer splits with 8 or 16 KV heads but at Hkv 8 B1x32K). As in :func:`one_head_cases`, each table is widened with valid
+    block ids the kernel must not read, so the data stay short: most splits are empty, and one split
+    holds a whole sequence."""
+    key = tqkern.FP8(rotated=draw(st.booleans(), label="rotated_keys"))
+    value = draw(T.uniform_codecs(st.sampled_from([4, 3])), label="value")
+    fmt = tqkern.KVFormat(head_dim=draw(st.sampled_from([128, 64]), label="head_dim"), key=key, value=value,
+                          bit_order="lsb",
+                          rotation=draw(st.sampled_from(["hadamard", "hadamard_signed", "haar"]), label="rotation"),
+                          slot_alignment=draw(st.sampled_from([1, 2, 4, 16]), label="slot_alignment"))
+    bs = draw(st.sampled_from([16, 32, 128]), label="block_size")
+    group = draw(st.sampled_from([4, 1, 7, 8]), label="gqa_group")
+    shapes = [(4, 1, 65536), (4, 2, 32768), (4, 1, 32768), (8, 1, 32768)] + \
+        ([] if group == 8 else [(8, 1, 65536), (16, 1, 32768)])
+    hkv, seqs, tokens = draw(st.sampled_from(shapes), label="kv_heads_batch_tokens")
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=hkv, block_size=bs,
+                                arrangement=draw(st.sampled_from(["slot", "row"]), label="arrangement"))
+    assume(decode_path(layout, group, same_codebooks=True) == "mma")
+    params = draw(T.tq_params(fmt, layout.num_kv_heads), label="params")
+    b = draw(T.paged_batches(bs, max_seqs=seqs, max_len=T.scale(600, 2000)), label="batch")  # (1 of 2: in range too)
+    width = tokens // bs
+    fill = draw(st.integers(0, b.num_blocks - 1), label="filler_block")
+    table = np.full((len(b.seq_lens), width), fill, np.int32)
+    table[:, : b.block_table.shape[1]] = b.block_table
+    batch = T.PagedBatch(table, b.seq_lens, b.num_blocks, bs)
+    qdtype = draw(st.sampled_from([torch.float16, torch.bfloat16]), label="q_dtype")
+    return layout, params, group, batch, qdtype, None
+
+
+def _short_split_plan(plan, layout, width):
+    """The drawn case's plan is the cooperative kernel with one-step stages at 512-1023 tokens a split."""
+    tokens = width * layout.block_size
+    assert plan.decode.kernel == "coop" and plan.decode.constexpr("SUB") == 1, plan.describe()
+    assert 512 <= tokens // plan.num_splits < 1024, plan.describe()
+
+
+@settings(max_examples=25)
+@given(short_split_cases())
+def test_short_split_cases_take_the_cooperative_plan_on_sm90(case):
+    """The pure planner for an H100-class device (132 SMs) keeps every drawn case on the cooperative
+    kernel: the GPU test below tests that plan, not the per-warp fallback (CPU too)."""
+    layout, _, group, batch = case[:4]
+    dp = plan_decode(layout, len(batch.seq_lens), group * layout.num_kv_heads, batch.block_table.shape[1],
+                     DeviceCaps.sm90(), same_codebooks=True)
+    _short_split_plan(dp, layout, batch.block_table.shape[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="the warp-MMA kernel is inline PTX: GPU only")
+@given(short_split_cases(), st.data())
+def test_short_split_plan_matches_oracle(case, data):
+    """The cooperative plan kept at batch 1-2 with 512-1023-token splits (session 57's rule)
+    against the oracle; the planner must take it for every drawn case."""
+    layout, params, group, batch = case[:4]
+    q = torch.empty(len(batch.seq_lens), group * layout.num_kv_heads, layout.head_dim, device=DEV,
+                    dtype=torch.float16)
+    cache = torch.empty(layout.cache_shape(batch.num_blocks), dtype=torch.uint8, device=DEV)
+    dp = tqt.plan_decode(q, cache, torch.from_numpy(batch.block_table).to(DEV), layout, tqt.to_device(params, DEV))
+    _short_split_plan(dp, layout, batch.block_table.shape[1])
+    event(f"Hkv {layout.num_kv_heads}, group {group}, splits {dp.num_splits}, D {layout.head_dim}")
+    _check_against_oracle(*case, data)
+
+
 def _check_against_oracle(layout, params, group, batch, qdtype, num_splits, data):
     h, d = layout.num_kv_heads, layout.head_dim
     cache = poisoned_like(layout.cache_shape(batch.num_blocks), torch.uint8, DEV, seed=batch.num_blocks)
