@@ -197,8 +197,13 @@ def _merge_row_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, sink_ptr, l
     writes columns ``j·CC .. j·CC + CC − 1``; with the rotate-back it merges all DP columns and
     forms ``out[c] = Σ_j Π[c, j]·o[j]`` for its chunk in float32 FMAs (a 1-row ``tl.dot`` would
     pad to 16 rows; the Walsh–Hadamard transform of a ``[1, DP]`` row lost to it, session 39:
-    :func:`.side_plans.merge_transform`). Same workspace layout and result as :func:`_merge_kernel`
-    (to rounding)."""
+    :func:`.side_plans.merge_transform`). The weighted partials accumulate as an ``[SB, columns]``
+    tile, summed over its splits once after the loop (not once per load: a cross-warp reduction),
+    and the rotate-back's first slice of Π is loaded before the loop. Measured (H200, session 58
+    probe, CUDA graphs, ``paged_decode`` before → after, µs): Qwen2.5-7B 1×64K (128 splits) k5v4h
+    40.2 / 40.5 → 38.5, tqkern_k5v3 43.7 → 41.7, tq4 37.7 → 35.7, turboquant_4bit_nc (no rotate-back,
+    one load) 34.1 → 34.1; Llama-3-8B 1×128K k5v4h 94.9 / 96.3 → 94.1, tq4 72.8 → 70.8. Same
+    workspace layout and result as :func:`_merge_kernel` (to rounding)."""
     r = tl.program_id(0)
     c0 = tl.program_id(1) * CC
     part0 = r.to(tl.int64) * num_splits
@@ -217,9 +222,13 @@ def _merge_row_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, sink_ptr, l
     inv = tl.where(l_all > 0, 1.0 / tl.where(l_all > 0, l_all, 1.0), 0.0)
     if ROTATE_BACK:
         cols = tl.arange(0, DP)
+        SUB: tl.constexpr = CC if CC * DP <= 4096 else 4096 // DP
+        cs0 = c0 + tl.arange(0, SUB)
+        rt0 = tl.load(rot_ptr + cs0[:, None] * D + cols[None, :], mask=(cs0 < D)[:, None] & (cols < D)[None, :],
+                      other=0.0)  # Π[cs0, :], the first (at DP <= 128 the only) slice: in flight over the loop
     else:
         cols = c0 + tl.arange(0, CC)
-    o = tl.zeros([cols.shape[0]], tl.float32)
+    o2 = tl.zeros([SB, cols.shape[0]], tl.float32)
     for i0 in range(0, num_splits, SB):
         si = i0 + tl.arange(0, SB)
         ok = si < num_splits
@@ -227,8 +236,8 @@ def _merge_row_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, sink_ptr, l
         wi = tl.where(mi > float("-inf"), tl.exp2(mi - m_safe), 0.0)
         a = tl.load(acc_ptr + (part0 + si)[:, None] * DP + cols[None, :], mask=ok[:, None] & (cols < D)[None, :],
                     other=0.0)  # pad columns never read; an empty split's partial selected away below
-        o += tl.sum(tl.where((wi > 0)[:, None], a * wi[:, None], 0.0), axis=0)
-    o = o * inv
+        o2 += tl.where((wi > 0)[:, None], a * wi[:, None], 0.0)
+    o = tl.sum(o2, axis=0) * inv
     if POISON:  # NaN for a query row holding a NaN or inf (docs/layout.md)
         poison = tl.load(poison_ptr + r)
         o += poison
@@ -240,8 +249,8 @@ def _merge_row_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, sink_ptr, l
             tl.store(lse_ptr + r, lse)
     o_row = out_ptr + (r // HQ).to(tl.int64) * stride_os + (r % HQ).to(tl.int64) * stride_oh
     if ROTATE_BACK:
-        SUB: tl.constexpr = CC if CC * DP <= 4096 else 4096 // DP
-        for c1 in tl.static_range(0, CC, SUB):
+        tl.store(o_row + cs0, tl.sum(rt0 * o[None, :], axis=1).to(o_row.dtype.element_ty), mask=cs0 < D)
+        for c1 in tl.static_range(SUB, CC, SUB):
             cs = c0 + c1 + tl.arange(0, SUB)
             rt = tl.load(rot_ptr + cs[:, None] * D + cols[None, :], mask=(cs < D)[:, None] & (cols < D)[None, :],
                          other=0.0)  # Π[cs, :]
