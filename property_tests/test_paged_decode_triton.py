@@ -277,9 +277,10 @@ def short_split_cases(draw):
     """What the planner's short-split rule (session 57) keeps on the cooperative kernel: FP8 keys
     (one-step stages) with 4- or 3-bit uniform values, head_dim 64 or 128, and (KV heads, batch,
     table tokens) where the splits hold 512-1023 tokens each and the per-warp kernel would get no
-    longer ones (at GQA 8 it gets longer splits with 8 or 16 KV heads but at Hkv 8 B1x32K). As in :func:`one_head_cases`, each table is widened with valid
-    block ids the kernel must not read, so the data stay short: most splits are empty, and one split
-    holds a whole sequence."""
+    longer ones (GQA 8 is drawn with 4 KV heads or at Hkv 8 B1x32K only: at the other shapes its
+    per-warp splits are longer). As in :func:`one_head_cases`, each table is widened with valid
+    block ids the kernel must not read, so the data stay short: most splits are empty, and one
+    split holds a whole sequence."""
     key = tqkern.FP8(rotated=draw(st.booleans(), label="rotated_keys"))
     value = draw(T.uniform_codecs(st.sampled_from([4, 3])), label="value")
     fmt = tqkern.KVFormat(head_dim=draw(st.sampled_from([128, 64]), label="head_dim"), key=key, value=value,
@@ -295,7 +296,7 @@ def short_split_cases(draw):
                                 arrangement=draw(st.sampled_from(["slot", "row"]), label="arrangement"))
     assume(decode_path(layout, group, same_codebooks=True) == "mma")
     params = draw(T.tq_params(fmt, layout.num_kv_heads), label="params")
-    b = draw(T.paged_batches(bs, max_seqs=seqs, max_len=T.scale(600, 2000)), label="batch")  # (1 of 2: in range too)
+    b = draw(T.paged_batches(bs, max_seqs=seqs, max_len=T.scale(600, 2000)), label="batch")  # (1 where 2: in range too)
     width = tokens // bs
     fill = draw(st.integers(0, b.num_blocks - 1), label="filler_block")
     table = np.full((len(b.seq_lens), width), fill, np.int32)
