@@ -44,53 +44,53 @@ BUDGETS = {
     "mma:turboquant_4bit_nc:slot:128:8:32:coop": (48, 1520),
     "mma:turboquant_k8v4:slot:128:8:32:per_warp": (0, 864),
     "mma:turboquant_k8v4:slot:128:8:32:coop": (0, 880),
-    "mma:turboquant_k3v4_nc:slot:128:8:32:per_warp": (16, 1088),
-    "mma:turboquant_k3v4_nc:slot:128:8:32:coop": (24, 1408),
-    "mma:turboquant_3bit_nc:slot:128:8:32:per_warp": (8, 1056),
-    "mma:turboquant_3bit_nc:slot:128:8:32:coop": (24, 1400),
-    "mma:tqkern_k5v3:slot:128:8:32:per_warp": (8, 2040),
-    "mma:tqkern_k5v3:slot:128:8:32:coop": (0, 1992),
-    "mma:tqkern_k5v3:slot:128:8:32:coop2": (0, 1904),  # two CTAs per SM (S40: a 2-stage ring)
+    "mma:turboquant_k3v4_nc:slot:128:8:32:per_warp": (16, 1056),
+    "mma:turboquant_k3v4_nc:slot:128:8:32:coop": (24, 1352),
+    "mma:turboquant_3bit_nc:slot:128:8:32:per_warp": (8, 1032),
+    "mma:turboquant_3bit_nc:slot:128:8:32:coop": (24, 1344),
+    "mma:tqkern_k5v3:slot:128:8:32:per_warp": (8, 1856),
+    "mma:tqkern_k5v3:slot:128:8:32:coop": (0, 1800),
+    "mma:tqkern_k5v3:slot:128:8:32:coop2": (0, 1712),  # two CTAs per SM (S40: a 2-stage ring)
     "mma:tq4:row:64:3:9:per_warp": (0, 1016),
     "mma:turboquant_4bit_nc:slot:64:3:9:per_warp": (0, 848),
     "mma:turboquant_k8v4:slot:64:3:9:per_warp": (0, 592),
-    "mma:turboquant_k3v4_nc:slot:64:3:9:per_warp": (0, 840),
-    "mma:turboquant_3bit_nc:slot:64:3:9:per_warp": (0, 840),
-    "mma:tqkern_k5v3:slot:64:3:9:per_warp": (0, 1368),
+    "mma:turboquant_k3v4_nc:slot:64:3:9:per_warp": (0, 824),
+    "mma:turboquant_3bit_nc:slot:64:3:9:per_warp": (0, 824),
+    "mma:tqkern_k5v3:slot:64:3:9:per_warp": (0, 1272),
     "mma:tq4:row:128:1:16:per_warp": (0, 1840),  # QT = 2 (GQA 16: two column tiles), uncapped
     "mma:turboquant_4bit_nc:slot:128:1:16:per_warp": (0, 1344),
     "mma:turboquant_k8v4:slot:128:1:16:per_warp": (0, 1072),
-    "mma:turboquant_k3v4_nc:slot:128:1:16:per_warp": (0, 1344),
-    "mma:turboquant_3bit_nc:slot:128:1:16:per_warp": (0, 1360),
-    "mma:tqkern_k5v3:slot:128:1:16:per_warp": (0, 2424),
+    "mma:turboquant_k3v4_nc:slot:128:1:16:per_warp": (0, 1320),
+    "mma:turboquant_3bit_nc:slot:128:1:16:per_warp": (0, 1336),
+    "mma:tqkern_k5v3:slot:128:1:16:per_warp": (0, 2232),
     # (S54) one KV head with uniform values at 16K+ tokens: 4-warp CTAs (plan.one_head_plan), 188-195
     # registers (uncapped)
     "mma:turboquant_4bit_nc:slot:128:1:16:one_head": (0, 1600),
-    "mma:turboquant_k3v4_nc:slot:128:1:16:one_head": (0, 1520),
-    "mma:turboquant_3bit_nc:slot:128:1:16:one_head": (0, 1544),
+    "mma:turboquant_k3v4_nc:slot:128:1:16:one_head": (0, 1488),
+    "mma:turboquant_3bit_nc:slot:128:1:16:one_head": (0, 1504),
     # head_dim 256 (Gemma-2-9B: Hkv 8, GQA 2), FP8 and 3-bit keys with 4-bit uniform values (S21)
     "mma:turboquant_k8v4:slot:256:8:16:per_warp": (16, 1320),
     "mma:turboquant_k8v4:slot:256:8:16:coop": (216, 1424),
-    "mma:turboquant_k3v4_nc:slot:256:8:16:per_warp": (0, 1568),
-    "mma:turboquant_k3v4_nc:slot:256:8:16:coop": (0, 2144),
+    "mma:turboquant_k3v4_nc:slot:256:8:16:per_warp": (0, 1504),
+    "mma:turboquant_k3v4_nc:slot:256:8:16:coop": (0, 2032),
     # (S27) 12-byte 3-bit value chunks, 32-byte 4-bit key chunks (two 16-byte loads); 36-bit chunks at D96;
     # D256 plans but FP8 keys' run uncapped (175-254 registers, no spill)
-    "mma:turboquant_3bit_nc:slot:256:8:16:per_warp": (0, 1544),
-    "mma:turboquant_3bit_nc:slot:256:8:16:coop": (0, 2128),
+    "mma:turboquant_3bit_nc:slot:256:8:16:per_warp": (0, 1496),
+    "mma:turboquant_3bit_nc:slot:256:8:16:coop": (0, 2016),
     "mma:tq4:row:256:8:16:per_warp": (0, 2096),
-    "mma:turboquant_3bit_nc:slot:96:16:16:per_warp": (0, 888),
-    "mma:turboquant_3bit_nc:slot:96:16:16:coop": (0, 1152),
+    "mma:turboquant_3bit_nc:slot:96:16:16:per_warp": (0, 864),
+    "mma:turboquant_3bit_nc:slot:96:16:16:coop": (0, 1104),
     # Lloyd-Max values of their own codebook below the keys' table entries (docs/quality.md's
     # per-layer formats; session 23)
     "mma:k4v3h:slot:128:8:32:per_warp": (0, 1808),
     "mma:k4v3h:slot:128:8:32:coop": (48, 1768),
-    "mma:k4v2h:slot:128:8:32:per_warp": (0, 1672),
-    "mma:k4v2h:slot:128:8:32:coop": (80, 1648),
-    "mma:k3v2h:slot:128:8:32:per_warp": (0, 1488),
-    "mma:k3v2h:slot:128:8:32:coop": (0, 1520),
-    "mma:k5v4h:slot:128:8:32:per_warp": (0, 2040),
-    "mma:k5v4h:slot:128:8:32:coop": (0, 1976),
-    "mma:k5v4h:slot:128:8:32:coop2": (0, 1880),  # two CTAs per SM (S40: a 2-stage ring)
+    "mma:k4v2h:slot:128:8:32:per_warp": (0, 1632),
+    "mma:k4v2h:slot:128:8:32:coop": (48, 1584),
+    "mma:k3v2h:slot:128:8:32:per_warp": (0, 1384),
+    "mma:k3v2h:slot:128:8:32:coop": (0, 1416),
+    "mma:k5v4h:slot:128:8:32:per_warp": (0, 1864),
+    "mma:k5v4h:slot:128:8:32:coop": (0, 1792),
+    "mma:k5v4h:slot:128:8:32:coop2": (0, 1696),  # two CTAs per SM (S40: a 2-stage ring)
     # head_dim 96 (Phi-3 on 2 GPUs: Hkv 16, GQA 1; session 23); 3-bit values stay on the general kernel
     "mma:tq4:row:96:16:16:per_warp": (0, 1192),
     "mma:turboquant_4bit_nc:slot:96:16:16:per_warp": (0, 880),
@@ -98,29 +98,29 @@ BUDGETS = {
     "mma:turboquant_4bit_nc:slot:96:16:16:coop": (8, 1080),
     "mma:turboquant_k8v4:slot:96:16:16:per_warp": (0, 640),
     "mma:turboquant_k8v4:slot:96:16:16:coop": (0, 656),
-    "mma:turboquant_k3v4_nc:slot:96:16:16:per_warp": (0, 872),
-    "mma:turboquant_k3v4_nc:slot:96:16:16:coop": (0, 1136),
+    "mma:turboquant_k3v4_nc:slot:96:16:16:per_warp": (0, 856),
+    "mma:turboquant_k3v4_nc:slot:96:16:16:coop": (0, 1088),
     # (S28) a head_dim 96 row whose 12-byte 4-bit key chunks sit at aligned offsets: three single-word
     # loads (before: a compile error, found by the GPU fuzz test)
     "mma:tq4:row:96:3:3:per_warp": (0, 1240),
     # (S28) 5-bit keys at head_dim 256: one step per update (two steps: 255 registers + 40 B stack);
     # (S30) a 232-register cap for 3-bit values, none for k5v4h's 4-bit values (254 registers)
-    "mma:tqkern_k5v3:slot:256:8:16:per_warp": (0, 2072),
-    "mma:k5v4h:slot:256:8:16:per_warp": (0, 2136),
+    "mma:tqkern_k5v3:slot:256:8:16:per_warp": (0, 1888),
+    "mma:k5v4h:slot:256:8:16:per_warp": (0, 1952),
     # (S49) the window and the soft-cap on the warp-MMA kernel: Gemma-2-9B's both (234 / 231 registers,
     # uncapped at D256, as without them), a Mistral-style window on the default k5v4h (the cooperative
-    # plan spills 24 bytes at its 128-register cap under Triton 3.9, 8 under 3.6 as without the window)
+    # plan spills 40 bytes at its 128-register cap under Triton 3.9 since S59's key lookups, none under 3.6)
     "mma:turboquant_4bit_nc:slot:256:8:16:window+softcap:per_warp": (0, 1696),
     "mma:turboquant_4bit_nc:slot:256:8:16:window+softcap:coop": (0, 2240),
-    "mma:k5v4h:slot:128:8:32:window:per_warp": (0, 2056),
-    "mma:k5v4h:slot:128:8:32:window:coop": (24, 1984),
-    "mma:k5v4h:slot:128:8:32:window:coop2": (0, 1888),
+    "mma:k5v4h:slot:128:8:32:window:per_warp": (0, 1872),
+    "mma:k5v4h:slot:128:8:32:window:coop": (40, 1816),
+    "mma:k5v4h:slot:128:8:32:window:coop2": (0, 1704),
     # (S52) Llama-3-70B on 4 GPUs (Hq16/Hkv2/D128): 5-bit keys take 8-warp CTAs of 4 warps per KV
     # head (plan.shared_heads; the cooperative kernel at its 128-register cap)
-    "mma:k5v4h:slot:128:2:16:per_warp": (0, 2064),
-    "mma:k5v4h:slot:128:2:16:shared": (32, 2512),
-    "mma:tqkern_k5v3:slot:128:2:16:per_warp": (8, 2072),
-    "mma:tqkern_k5v3:slot:128:2:16:shared": (0, 2536),
+    "mma:k5v4h:slot:128:2:16:per_warp": (0, 1888),
+    "mma:k5v4h:slot:128:2:16:shared": (32, 2328),
+    "mma:tqkern_k5v3:slot:128:2:16:per_warp": (8, 1888),
+    "mma:tqkern_k5v3:slot:128:2:16:shared": (0, 2352),
     # (S53) fp16 caches at head_dim 128: BN 128 with 3 stages (was 64 with 2: 952 / 1096
     # instructions); 191 registers, 197 with a window and a soft-cap
     "general:fp16:slot:128:8:32": (0, 1256),
@@ -128,11 +128,10 @@ BUDGETS = {
 }
 # Triton 3.6 (the GPU machines' compiler) where its ptxas exceeds the budgets above (session 44, offline)
 TRITON36 = {
-    "mma:k5v4h:slot:128:8:32:coop": (8, 2000),
-    "mma:k5v4h:slot:128:8:32:coop2": (8, 1896),
+    "mma:k5v4h:slot:128:8:32:window:per_warp": (8, 1872),  # (S59, on the H200)
+    "mma:k5v4h:slot:128:8:32:coop": (8, 1808),
+    "mma:k5v4h:slot:128:8:32:coop2": (8, 1712),
     "mma:turboquant_4bit_nc:slot:128:1:16:one_head": (0, 1632),  # (S54, offline)
-    "mma:turboquant_k3v4_nc:slot:128:1:16:one_head": (0, 1528),
-    "mma:turboquant_3bit_nc:slot:128:1:16:one_head": (0, 1552),
     "general:fp16:slot:128:8:32": (0, 1536),  # (S53, offline: 203 registers)
     "general:fp16:slot:128:8:32:window+softcap": (0, 1712),
 }

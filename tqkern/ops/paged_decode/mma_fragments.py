@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tqkern.ops.paged_decode.mma_table import _lut1, _lut4
+from tqkern.ops.paged_decode.mma_table import _entry_offset, _funnel, _lut1, _lut4, _lut_at, _lut_pair_at
 
 
 # -- inline PTX helpers (each call is one value per thread) -----------------------------------
@@ -24,38 +24,19 @@ _UNI_ASM = tl.constexpr(
 
 
 @triton.jit
-def _funnel(lo, hi, sh):
-    """Bits ``sh .. sh + 31`` of the 64-bit ``hi:lo`` (``sh`` in 0..31)."""
-    return tl.inline_asm_elementwise("shf.r.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r", [lo, hi, sh], dtype=tl.int32,
-                                     is_pure=True, pack=1)
-
-
-@triton.jit
-def _bits_at(y, POS: tl.constexpr, NB: tl.constexpr):
-    """Bits ``POS .. POS + NB - 1`` of the chunk words ``y`` (``NB`` ≤ 8), as an integer."""
-    W: tl.constexpr = POS // 32
-    OFF: tl.constexpr = POS % 32
-    if OFF <= 32 - NB:
-        v = y[W] >> OFF
-    else:
-        v = _funnel(y[W], y[W + 1], tl.zeros_like(y[W]) + OFF)
-    return v & ((1 << NB) - 1)
-
-
-@triton.jit
-def _k5_pair(y, p: tl.constexpr, lbk):
+def _k5_pair(y, p: tl.constexpr, lane4, kb):
     """fp16 pair of key codes ``2p``, ``2p + 1`` (5 bits each, chunk bits ``10p ..``): one lookup
-    each in the key entries (``lbk``: this lane's base of the first) and one LOP3."""
-    e0 = _lut1(_bits_at(y, 10 * p, 5), lbk)
-    e1 = _lut1(_bits_at(y, 10 * p + 5, 5), lbk)
-    return (e0 & 0xFFFF) | (e1 & -65536)
+    each in the key entries (``kb``: their base; ``lane4``: 4·lane) and one PRMT."""
+    return _lut_pair_at(_entry_offset(y, 10 * p, 5, lane4), _entry_offset(y, 10 * p + 5, 5, lane4), kb)
 
 
 @triton.jit
 def _v3_index(xa, xb, k: tl.constexpr):
     """Pair-table index ``code_a | code_b << 3`` of 3-bit code ``k`` of two tokens (``xa``, ``xb``
     from :func:`_v3_words`: the chunk's 32-bit windows at bytes 0, 2, 4, ...): the first window
-    that holds the code's bits ``3k .. 3k + 2``."""
+    that holds the code's bits ``3k .. 3k + 2``. (Shifting each code straight to its bits of the
+    entry's byte offset, as :func:`~.mma_table._entry_offset` does, compiled to 8–16 more SASS
+    instructions here: S59, offline.)"""
     S: tl.constexpr = ((3 * k - 14) // 16) * ((3 * k + 2) > 31)
     OFF: tl.constexpr = 3 * k - 16 * S
     return ((xa[S] >> OFF) & 7) | (((xb[S] >> OFF) & 7) << 3)
@@ -211,7 +192,7 @@ def _mma2(s, s2, a0, a1, a2, a3, qf, i: tl.constexpr, j: tl.constexpr, NQ: tl.co
 
 
 @triton.jit
-def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K_FP8: tl.constexpr,
+def _scores(k0, k1, qf, lb, kb, lane4, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K_FP8: tl.constexpr,
             K_BITS: tl.constexpr, NKT: tl.constexpr, K_FUN: tl.constexpr, E256: tl.constexpr = False,
             NQ: tl.constexpr = 0, QT: tl.constexpr = 1):
     """S^T (tokens r, r+8 × heads 2c, 2c+1) of each query column tile (``QT`` of them: the second's
@@ -221,7 +202,9 @@ def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K
     columns 2c+8, 2c+9). 3-bit keys: the chunk words shifted by ``k_sh`` bits, code pair ``p``
     (bits ``6p ..``) one table entry; k-tile ``i`` takes pairs ``2i`` (columns 2c, 2c+1) and
     ``2i + 1`` (2c+8, 2c+9). ``lb``: this lane's base of the table's key entries (entry ``K_AT``
-    of the plan; 5-bit keys: their 32 single-code entries)."""
+    of the plan; 5-bit keys: their 32 single-code entries); ``kb``: the entries' base without the
+    lane's bytes, ``lane4``: those bytes (3- and 5-bit fields are looked up by
+    :func:`~.mma_table._entry_offset`)."""
     z = tl.zeros_like(lb.to(tl.float32))
     s = (z, z, z, z)  # two independent accumulation chains (even / odd k-tiles)
     t = (z, z, z, z)
@@ -241,15 +224,15 @@ def _scores(k0, k1, qf, lb, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K
         y = _shifted(k1, k_sh, NKW - (K_BITS == 3))
         for i in tl.static_range(NKT):
             if K_BITS == 5:  # two single-code lookups per pair
-                a0 = _k5_pair(x, 2 * i, lb)
-                a1 = _k5_pair(y, 2 * i, lb)
-                a2 = _k5_pair(x, 2 * i + 1, lb)
-                a3 = _k5_pair(y, 2 * i + 1, lb)
+                a0 = _k5_pair(x, 2 * i, lane4, kb)
+                a1 = _k5_pair(y, 2 * i, lane4, kb)
+                a2 = _k5_pair(x, 2 * i + 1, lane4, kb)
+                a3 = _k5_pair(y, 2 * i + 1, lane4, kb)
             else:  # one pair lookup (6-bit field)
-                a0 = _lut1(_bits_at(x, 12 * i, 6), lb)
-                a1 = _lut1(_bits_at(y, 12 * i, 6), lb)
-                a2 = _lut1(_bits_at(x, 12 * i + 6, 6), lb)
-                a3 = _lut1(_bits_at(y, 12 * i + 6, 6), lb)
+                a0 = _lut_at(_entry_offset(x, 12 * i, 6, lane4), kb)
+                a1 = _lut_at(_entry_offset(y, 12 * i, 6, lane4), kb)
+                a2 = _lut_at(_entry_offset(x, 12 * i + 6, 6, lane4), kb)
+                a3 = _lut_at(_entry_offset(y, 12 * i + 6, 6, lane4), kb)
             if i % 2 == 0:
                 s, s2 = _mma2(s, s2, a0, a1, a2, a3, qf, 2 * i, 2 * i + 1, NQ, QT)
             else:
@@ -286,14 +269,16 @@ def _acc2(o, o2, res, res2, b: tl.constexpr, a0, a1, a2, a3, pb0, pb1, pc0, pc1,
 
 
 @triton.jit
-def _values(o, o2, v0, v1, v2, v3, pb0, pb1, pc0, pc1, lb, v_sh_e, v_sh_o, NVW: tl.constexpr, CV: tl.constexpr,
-            V_UNIFORM: tl.constexpr, V_FUN: tl.constexpr, V_BITS: tl.constexpr, NMT: tl.constexpr,
+def _values(o, o2, v0, v1, v2, v3, pb0, pb1, pc0, pc1, lb, vb, lane4, v_sh_e, v_sh_o, NVW: tl.constexpr,
+            CV: tl.constexpr, V_UNIFORM: tl.constexpr, V_FUN: tl.constexpr, V_BITS: tl.constexpr, NMT: tl.constexpr,
             E256: tl.constexpr = False, QT: tl.constexpr = 1):
     """O^T += V^T·P^T over the lane's chunk (4-bit: M tile i ← chunk byte i; 3- and 2-bit: M tile
     i ← codes 2i (row r) and 2i + 1 (row r + 8) of the chunk), for each query column tile (``QT = 2``:
     ``o2 += V^T·(pc0, pc1)`` with the same decoded fragments; else ``o2``/``pc*`` are not read).
     Shifted chunks (``V_FUN``) are aligned first (even tokens by ``v_sh_e`` bits, odd ones by
-    ``v_sh_o``). Returns ``(o, o2)``."""
+    ``v_sh_o``). ``lb``: this lane's base of the table (value pairs at entry 0); ``vb``: the
+    table's base, ``lane4``: 4·lane (2-bit pairs are looked up by :func:`~.mma_table._entry_offset`).
+    Returns ``(o, o2)``."""
     TPW: tl.constexpr = 4 if CV >= 4 else CV  # M tiles per 32-bit word of the chunk
     res = ()
     res2 = ()
@@ -308,10 +293,10 @@ def _values(o, o2, v0, v1, v2, v3, pb0, pb1, pc0, pc1, lb, v_sh_e, v_sh_o, NVW: 
             ev_cd, od_cd = _v2_merge(v2[w], v3[w])
             for i in tl.static_range(8):
                 if 8 * w + i < NMT:
-                    a0 = _lut1((ev_ab >> (4 * i)) & 15, lb)
-                    a1 = _lut1((od_ab >> (4 * i)) & 15, lb)
-                    a2 = _lut1((ev_cd >> (4 * i)) & 15, lb)
-                    a3 = _lut1((od_cd >> (4 * i)) & 15, lb)
+                    a0 = _lut_at(_entry_offset((ev_ab,), 4 * i, 4, lane4), vb)
+                    a1 = _lut_at(_entry_offset((od_ab,), 4 * i, 4, lane4), vb)
+                    a2 = _lut_at(_entry_offset((ev_cd,), 4 * i, 4, lane4), vb)
+                    a3 = _lut_at(_entry_offset((od_cd,), 4 * i, 4, lane4), vb)
                     res, res2 = _acc2(o, o2, res, res2, 4 * (8 * w + i), a0, a1, a2, a3, pb0, pb1, pc0, pc1, QT)
     elif V_BITS == 3:
         xa = _v3_words(v0, 2 * NMT)

@@ -208,6 +208,7 @@ def _paged_decode_mma_kernel(
     else:
         lb = lane * 4
     lbk = lb + K_AT * 128  # this lane's base of the key entries
+    kbase = lut + K_AT * 128  # (and the key entries' own)
 
     # -- field geometry (aligned spans, byte masks for the joining lane) ---------------------------
     kvh = h // GS  # this warp's KV head (h: a (KV head, query-head group) pair)
@@ -361,8 +362,8 @@ def _paged_decode_mma_kernel(
             if WINDOW:
                 ok0 = ok0 & (t0 + 16 * u + r >= first)
                 ok1 = ok1 & (t0 + 16 * u + r + 8 >= first)
-            sv, sv2, cn = _scores(k0, k1, qf, lbk, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16, K_FUN, LUT_AT > 0,
-                                  NQ, QT)
+            sv, sv2, cn = _scores(k0, k1, qf, lbk, kbase, lane * 4, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16,
+                                  K_FUN, LUT_AT > 0, NQ, QT)
             s0, s1, s2, s3 = _scaled_scores(sv, cn, fac, ok0, ok1, sm_scale_log2, K_NC, SOFTCAP, softcap_scale,
                                             softcap_cap)
             e0, e1, e2, e3 = _scaled_scores(sv2, cn, fac, ok0, ok1, sm_scale_log2, K_NC, SOFTCAP, softcap_scale,
@@ -441,8 +442,8 @@ def _paged_decode_mma_kernel(
             pc = pb
             if QT == 2:
                 pc = _p_fragments(pe0 * w0, pe1 * w0, pe2 * w1, pe3 * w1)
-            o, o2 = _values(o, o2, v0, v1, v2, v3, pb[0], pb[1], pc[0], pc[1], lb, v_sh_e, v_sh_o, NVW, CV,
-                            V_UNIFORM, V_FUN, V_BITS, NMT, LUT_AT > 0, QT)
+            o, o2 = _values(o, o2, v0, v1, v2, v3, pb[0], pb[1], pc[0], pc[1], lb, lut, lane * 4, v_sh_e, v_sh_o,
+                            NVW, CV, V_UNIFORM, V_FUN, V_BITS, NMT, LUT_AT > 0, QT)
         m_e = mn_e
         m_o = mn_o
         m_e2 = mn_e2

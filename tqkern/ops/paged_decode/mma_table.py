@@ -1,6 +1,7 @@
 """The warp-MMA decode kernel's pair table in shared memory (:mod:`.mma_kernel`): its declaration,
 its fills (pairs of a codebook's fp16 centroids, or single codes, each entry replicated for the 32
-lanes so that no two lanes share a bank) and its lookups (a word's 4 bytes, or one index). Where
+lanes so that no two lanes share a bank) and its lookups (a word's 4 bytes, one index, or one
+field of a lane's chunk shifted straight into an entry's byte offset). Where
 the entries sit (the keys' from ``MmaPlan.K_AT``, value pairs of their own codebook below them):
 :mod:`.mma_plans`."""
 
@@ -148,6 +149,60 @@ def _lut4(w, lb, E256: tl.constexpr = False):
     the PRMT-addressed table)."""
     return tl.inline_asm_elementwise(_LUT4_256_ASM if E256 else _LUT4_ASM, "=r,=r,=r,=r,r,r", [w, lb],
                                      dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+
+
+@triton.jit
+def _funnel(lo, hi, sh):
+    """Bits ``sh .. sh + 31`` of the 64-bit ``hi:lo`` (``sh`` in 0..31)."""
+    return tl.inline_asm_elementwise("shf.r.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r", [lo, hi, sh], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _shift_to(x, FROM: tl.constexpr, TO: tl.constexpr):
+    """``x`` shifted so that its bit ``FROM`` lands at bit ``TO`` (the bits shifted in, copies of
+    the sign or zeros, lie outside the masks callers apply)."""
+    if FROM > TO:
+        v = x >> (FROM - TO)
+    elif FROM < TO:
+        v = x << (TO - FROM)
+    else:
+        v = x
+    return v
+
+
+@triton.jit
+def _entry_offset(y, POS: tl.constexpr, NB: tl.constexpr, lane4):
+    """``f·128 + 4·lane`` for the field ``f`` at bits ``POS .. POS + NB − 1`` of the chunk words
+    ``y`` (``NB`` ≤ 8; ``lane4``: ``4·lane``): this lane's byte offset of table entry ``f`` from
+    the entries' base. The field is shifted straight to bit 7 (a funnel shift where it straddles
+    two words), then masked and ORed with the lane's bytes in one LOP3, so a lookup is SHF + LOP3 +
+    LDS where an index and an entry address were SHF + SGXT + IMAD + LDS."""
+    W: tl.constexpr = POS // 32
+    OFF: tl.constexpr = POS % 32
+    if OFF > 32 - NB:
+        v = _funnel(y[W], y[W + 1], tl.zeros_like(y[W]) + (OFF - 7))
+    else:
+        v = _shift_to(y[W], OFF, 7)
+    return (v & (((1 << NB) - 1) << 7)) | lane4
+
+
+@triton.jit
+def _lut_at(off, base):
+    """The table entry at byte offset ``off`` (:func:`_entry_offset`) from the entries' base
+    ``base`` (a shared address ptxas knows: it becomes the load's immediate)."""
+    return tl.inline_asm_elementwise("{\n.reg .b32 a;\nadd.u32 a, $1, $2;\nld.shared.b32 $0, [a];\n}",
+                                     "=r,r,r", [off, base], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _lut_pair_at(off0, off1, base):
+    """The fp16 pair (low half of entry ``off0``, high half of entry ``off1``) of two single-code
+    entries (:func:`_lut_at`): two loads and one PRMT."""
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b32 a, b, x, y;\nadd.u32 a, $1, $3;\nadd.u32 b, $2, $3;\n"
+        "ld.shared.b32 x, [a];\nld.shared.b32 y, [b];\nprmt.b32 $0, x, y, 0x7610;\n}",
+        "=r,r,r,r", [off0, off1, base], dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
