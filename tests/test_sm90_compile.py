@@ -19,7 +19,7 @@ and Gemma-2-9B's Hq16/Hkv8/D256 for D256's key and value chunks (FP8, 3-bit and 
 4-bit values); the ``kXvYh`` formats of
 ``docs/quality.md`` whose values have their own table entries at B32x16K's shape; head_dim 96 at
 Phi-3-mini-TP2's Hq16/Hkv16; 5-bit keys at Llama-3-70B-TP4's Hq16/Hkv2, whose shared-head plan
-the launcher takes).
+the launcher takes, and at Qwen2.5-7B's Hq28/Hkv4, whose cooperative plan takes the code-pair table).
 """
 
 from __future__ import annotations
@@ -121,6 +121,15 @@ BUDGETS = {
     "mma:k5v4h:slot:128:2:16:shared": (32, 2328),
     "mma:tqkern_k5v3:slot:128:2:16:per_warp": (8, 1888),
     "mma:tqkern_k5v3:slot:128:2:16:shared": (0, 2352),
+    # (S59) Qwen2.5-7B (Hq28/Hkv4/D128): 5-bit keys' cooperative plan and its code-pair table
+    # (mma_plans.code_pair_plan: 1024 key pairs, 128 KB more table; its loop 1035 -> 788 instructions
+    # for k5v4h, the unrolled fill of 1024 entries +136 outside it)
+    "mma:k5v4h:slot:128:4:28:per_warp": (0, 1872),
+    "mma:k5v4h:slot:128:4:28:coop": (0, 1864),
+    "mma:k5v4h:slot:128:4:28:pairs": (0, 2000),
+    "mma:tqkern_k5v3:slot:128:4:28:per_warp": (8, 1856),
+    "mma:tqkern_k5v3:slot:128:4:28:coop": (0, 1880),
+    "mma:tqkern_k5v3:slot:128:4:28:pairs": (0, 2080),
     # (S53) fp16 caches at head_dim 128: BN 128 with 3 stages (was 64 with 2: 952 / 1096
     # instructions); 191 registers, 197 with a window and a soft-cap
     "general:fp16:slot:128:8:32": (0, 1256),
@@ -150,6 +159,7 @@ def _cases() -> list[str]:
     cases += ["mma:tq4:row:96:3:3", "mma:tqkern_k5v3:slot:256:8:16", "mma:k5v4h:slot:256:8:16"]
     cases += ["mma:turboquant_4bit_nc:slot:256:8:16:window+softcap", "mma:k5v4h:slot:128:8:32:window"]
     cases += ["mma:k5v4h:slot:128:2:16", "mma:tqkern_k5v3:slot:128:2:16"]
+    cases += ["mma:k5v4h:slot:128:4:28", "mma:tqkern_k5v3:slot:128:4:28"]
     cases += ["general:fp16:slot:128:8:32", "general:fp16:slot:128:8:32:window+softcap"]
     return cases
 

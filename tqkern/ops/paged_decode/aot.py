@@ -32,7 +32,7 @@ from triton.compiler import ASTSource
 
 from tqkern.ops.paged_decode.general import _paged_decode_kernel
 from tqkern.ops.paged_decode.mma_kernel import _paged_decode_mma_kernel
-from tqkern.ops.paged_decode.mma_plans import mma_plan, per_warp_plan, two_cta_plan
+from tqkern.ops.paged_decode.mma_plans import code_pair_plan, mma_plan, per_warp_plan, two_cta_plan
 from tqkern.ops.paged_decode.plan import DeviceCaps, mma_kernel_plan, one_head_plan, plan_decode, shared_heads
 
 __all__ = ["SM90", "compile_general", "compile_mma", "general_launch", "histogram", "launcher_plans",
@@ -142,7 +142,8 @@ def launcher_plans(layout, group: int) -> dict:
     (no cooperative stages: a device with too little shared memory, the short-split rule, or
     after a sizing failure) and, where :func:`~.mma_plans.mma_plan` takes them, ``"coop"`` (with
     the PRMT-addressed table where :func:`~.mma_plans.table256_plan` fits) and ``"coop2"`` (two
-    CTAs per SM: :func:`~.mma_plans.two_cta_plan`), or ``"shared"`` where the planner takes a
+    CTAs per SM: :func:`~.mma_plans.two_cta_plan`) and ``"pairs"`` (the 5-bit code-pair table:
+    :func:`~.mma_plans.code_pair_plan`), or ``"shared"`` where the planner takes a
     shared-head plan (:func:`~.plan.shared_heads`), ``"one_head"`` where it takes
     :func:`~.plan.one_head_plan` at long contexts. Empty where the warp-MMA kernel does not apply."""
     plan = mma_plan(layout, group)
@@ -154,6 +155,9 @@ def launcher_plans(layout, group: int) -> dict:
         two = two_cta_plan(plan, layout)
         if two is not None:
             out["coop2"] = two
+        pairs = code_pair_plan(plan, layout)
+        if pairs is not None:
+            out["pairs"] = pairs
     else:
         shared = shared_heads(plan, layout)
         if shared is not None:

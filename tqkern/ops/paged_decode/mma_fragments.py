@@ -194,7 +194,7 @@ def _mma2(s, s2, a0, a1, a2, a3, qf, i: tl.constexpr, j: tl.constexpr, NQ: tl.co
 @triton.jit
 def _scores(k0, k1, qf, lb, kb, lane4, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K_FP8: tl.constexpr,
             K_BITS: tl.constexpr, NKT: tl.constexpr, K_FUN: tl.constexpr, E256: tl.constexpr = False,
-            NQ: tl.constexpr = 0, QT: tl.constexpr = 1):
+            NQ: tl.constexpr = 0, QT: tl.constexpr = 1, KP: tl.constexpr = 0):
     """S^T (tokens r, r+8 × heads 2c, 2c+1) of each query column tile (``QT`` of them: the second's
     B fragments are ``qf[NQ ..]``; for ``QT = 1`` the second result repeats the first) and, for
     decode-time norm correction, ‖c‖² of the same tokens (all columns equal). FP8 keys: word
@@ -223,7 +223,12 @@ def _scores(k0, k1, qf, lb, kb, lane4, ones, k_sh, NKW: tl.constexpr, K_NC: tl.c
         x = _shifted(k0, k_sh, NKW - (K_BITS == 3))  # 3-bit: one word loaded beyond the chunk
         y = _shifted(k1, k_sh, NKW - (K_BITS == 3))
         for i in tl.static_range(NKT):
-            if K_BITS == 5:  # two single-code lookups per pair
+            if K_BITS == 5 and KP:  # one lookup per pair of codes (the table's 1024 code pairs)
+                a0 = _lut_at(_entry_offset(x, 20 * i, 10, lane4), kb)
+                a1 = _lut_at(_entry_offset(y, 20 * i, 10, lane4), kb)
+                a2 = _lut_at(_entry_offset(x, 20 * i + 10, 10, lane4), kb)
+                a3 = _lut_at(_entry_offset(y, 20 * i + 10, 10, lane4), kb)
+            elif K_BITS == 5:  # two single-code lookups per pair
                 a0 = _k5_pair(x, 2 * i, lane4, kb)
                 a1 = _k5_pair(y, 2 * i, lane4, kb)
                 a2 = _k5_pair(x, 2 * i + 1, lane4, kb)

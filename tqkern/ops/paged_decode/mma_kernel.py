@@ -35,7 +35,10 @@ One warp owns one (sequence, KV head, split) and walks its tokens 16 at a time:
 * 3-bit keys (LSB bitstream): two consecutive codes are a 6-bit field, looked up in a 64-entry
   pair table; lane ``c`` owns codes ``c·D/4 ..``, loaded as whole words from the word boundary
   below its chunk and funnel-shifted into place (no joining lanes). 5-bit keys: the same order,
-  one lookup per code in 32 single entries (table entries 64..95), two joined by one LOP3.
+  one lookup per code in 32 single entries (from ``K_AT``), two joined by one PRMT; or, with the
+  code-pair table (``KP``, :func:`.mma_plans.code_pair_plan`: 1024 entries from ``K_AT``, in a
+  cooperative plan's dynamic shared memory), one lookup per 10-bit pair. A 3- or 5-bit field is
+  shifted straight into its entry's byte offset (:func:`.mma_table._entry_offset`).
 * 3-bit values: lane ``r`` owns codes ``r·D/8 ..``; M tile ``i`` takes codes ``2i``, ``2i + 1``.
   Uniform: PRMT + AND per token pair into subnormals ``code·2^(3k mod 8 - 24)``; Lloyd-Max:
   token-pair entries 0..63 of the value codebook. 2-bit Lloyd-Max values the same way, two LOP3s
@@ -101,6 +104,7 @@ def _paged_decode_mma_kernel(
     COOP: tl.constexpr = 0, RS: tl.constexpr = 0, SMEM_OFF: tl.constexpr = 0, LUT_AT: tl.constexpr = 0,
     NLOW: tl.constexpr = 0, LATE_V: tl.constexpr = 0, GS: tl.constexpr = 1, QT: tl.constexpr = 1,
     K_AT: tl.constexpr = 0, WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, WS: tl.constexpr = 1,
+    KP: tl.constexpr = 0,
 ):
     NT: tl.constexpr = 32 * WARPS
     K3: tl.constexpr = K_BITS == 3
@@ -113,7 +117,7 @@ def _paged_decode_mma_kernel(
     NEED_LUT: tl.constexpr = not (K_FP8 and V_UNIFORM)  # FP8 keys and uniform values need no table
     # The table's key entries start at K_AT (MmaPlan.K_AT): 256 4-bit pairs, 64 3-bit pairs or 32
     # 5-bit codes; below them, Lloyd-Max value pairs of the value codebook (if any).
-    KN: tl.constexpr = 256 if K_BITS == 4 else (64 if K_BITS == 3 else (32 if K5 else 0))
+    KN: tl.constexpr = 256 if K_BITS == 4 else (64 if K_BITS == 3 else ((1024 if KP else 32) if K5 else 0))
     LUTB: tl.constexpr = 128 * (K_AT + KN if K_AT + KN > 256 else 256)
     # value chunk per lane and token: D/8 codes (4-bit: 1 byte per M tile, 3- and 2-bit: 2 codes per
     # M tile), CVB bits; CV bytes hold them (3-bit codes at head_dim 96: 36 bits, half of the lanes'
@@ -196,13 +200,14 @@ def _paged_decode_mma_kernel(
             _coop_issue(cache_ptr, _step_blocks(bt_row, start + 16 * CS * j, end, BS, CS), start + 16 * CS * j,
                         end, _stage(stages, lut, j, STG, NBELOW), cp_s, t, NT, BS, ROW_BYTES, RS, CS)
     if NEED_LUT:
-        if K5 and K_AT == 64 and V_BITS != 2:  # 3-bit value pairs (or none) at 0, key codes at 64
+        if K5 and K_AT == 64 and V_BITS != 2 and not KP:  # 3-bit value pairs (or none) at 0, key codes at 64
             lut = _lut_fill_k5(lut, t, cen_ptr, vcen_ptr, NT, not V_UNIFORM)
         elif K_AT == 0:  # key pairs (4-bit Lloyd-Max values: the same pairs)
             lut = _lut_fill(lut, t, cen_ptr, NT, K_BITS, LUT_AT > 0)
         else:  # value pairs of the value codebook at 0, the keys' entries at K_AT
-            lut = _lut_fill_at(lut, t, vcen_ptr, NT, V_BITS, 0, 1 << (2 * V_BITS))
-            lut = _lut_fill_at(lut, t, cen_ptr, NT, K_BITS, K_AT, KN, K5)
+            if not V_UNIFORM:
+                lut = _lut_fill_at(lut, t, vcen_ptr, NT, V_BITS, 0, 1 << (2 * V_BITS))
+            lut = _lut_fill_at(lut, t, cen_ptr, NT, K_BITS, K_AT, KN, K5 and not KP)  # (KP: 5-bit code pairs)
             lut = _lut_barrier(lut)
         lb = lut + lane * 4
     else:
@@ -363,7 +368,7 @@ def _paged_decode_mma_kernel(
                 ok0 = ok0 & (t0 + 16 * u + r >= first)
                 ok1 = ok1 & (t0 + 16 * u + r + 8 >= first)
             sv, sv2, cn = _scores(k0, k1, qf, lbk, kbase, lane * 4, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16,
-                                  K_FUN, LUT_AT > 0, NQ, QT)
+                                  K_FUN, LUT_AT > 0, NQ, QT, KP)
             s0, s1, s2, s3 = _scaled_scores(sv, cn, fac, ok0, ok1, sm_scale_log2, K_NC, SOFTCAP, softcap_scale,
                                             softcap_cap)
             e0, e1, e2, e3 = _scaled_scores(sv2, cn, fac, ok0, ok1, sm_scale_log2, K_NC, SOFTCAP, softcap_scale,

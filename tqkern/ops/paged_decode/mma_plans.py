@@ -23,7 +23,7 @@ _DT = {"float16": 0, "float32": 1, "bfloat16": 2}
 _NBYTES = {0: 2, 1: 4, 2: 2}
 
 
-_COOP_FIELDS = ("COOP", "RS", "SMEM_OFF", "LATE_V", "LUT_AT", "NLOW", "WS")
+_COOP_FIELDS = ("COOP", "RS", "SMEM_OFF", "LATE_V", "LUT_AT", "NLOW", "WS", "KP")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,12 +85,17 @@ class MmaPlan:
     LUT_AT: Optional[int] = None
     NLOW: Optional[int] = None
     WS: Optional[int] = None
+    KP: Optional[int] = None
 
     def __post_init__(self):
         # (S53 probe, H200: SUB = 4 gave turboquant_4bit_nc's per-warp kernel wrong outputs, max
         # error 8.6e-2 against 3e-5; the planner emits 1 or 2 only, the kernel is tested at those)
         if type(self.SUB) is not int or self.SUB not in (1, 2):
             raise ValueError(f"SUB (16-token steps per softmax update) must be 1 or 2, got {self.SUB!r}")
+        # (the code-pair table lives in the cooperative kernel's dynamic shared memory)
+        if self.KP and (self.K_BITS != 5 or not self.COOP or self.LUT_AT):
+            raise ValueError(f"KP (the 5-bit code-pair table) needs a cooperative plan of 5-bit keys without LUT_AT, "
+                             f"got K_BITS={self.K_BITS}, COOP={self.COOP}, LUT_AT={self.LUT_AT}")
 
     def constexprs(self) -> dict:
         """The kernel's constexprs (fields that are ``None`` left at the kernel's defaults)."""
@@ -110,7 +115,7 @@ class MmaPlan:
     def lut_bytes(self) -> int:
         """Shared memory of the pair table (mirrors ``LUTB`` in the kernel; 0 without a table):
         128 bytes per entry (32 lane replicas), at least 256 entries; the PRMT-addressed table 64 KB."""
-        return _lut_bytes(self.K_FP8, self.V_UNIFORM, self.K_BITS, self.K_AT, bool(self.LUT_AT))
+        return _lut_bytes(self.K_FP8, self.V_UNIFORM, self.K_BITS, self.K_AT, bool(self.LUT_AT), bool(self.KP))
 
 
 # -- host side ------------------------------------------------------------------------------------
@@ -369,6 +374,30 @@ def two_cta_plan(plan: MmaPlan, layout: PagedLayout) -> MmaPlan | None:
     return out
 
 
+def code_pair_plan(plan: MmaPlan, layout: PagedLayout, smem_optin: int = _SMEM_OPTIN) -> MmaPlan | None:
+    """The cooperative ``plan`` of 5-bit keys at 4 KV heads (4-warp CTAs) with the code-pair table
+    (``KP``): entries ``K_AT + j`` hold ``(c[j & 31], c[j >> 5])`` for all 1024 pairs ``j`` of two
+    adjacent codes (the 10-bit field of a lane's chunk), so a pair of keys is one lookup instead of
+    two and a PRMT; 128 KB more table than the 32 single-code entries, in the deepest ring of 3 to
+    ``plan.COOP`` stages that fits ``smem_optin`` bytes (k5v4h at head_dim 128: 3 stages,
+    tqkern_k5v3: 4). ``None`` where it does not apply (other key codes or KV-head counts, shared-head
+    or PRMT-addressed plans) or fit. Measured (H200, S59, CUDA graphs, µs, the plan without → with
+    it): Qwen2.5-7B B1×64K k5v4h 35.7 → 33.0, tqkern_k5v3 39.8 → 36.7 (outputs bit-equal); B16×32K
+    142.7 → 132.2 and 172.4 → 157.8 (16 → 8 splits: one CTA an SM where two fitted before). At 8 KV
+    heads k5v4h does not fit and tqkern_k5v3 would lose its two CTAs an SM (not measured)."""
+    if not isinstance(plan, MmaPlan) or not plan.COOP:
+        raise TypeError(f"plan must be a cooperative plan (an MmaPlan from coop_plan), got {plan!r:.80}")
+    if not isinstance(layout, PagedLayout):
+        raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
+    if plan.K_BITS != 5 or plan.WS or plan.LUT_AT or layout.num_kv_heads != 4:
+        return None
+    for stages in range(plan.COOP, 2, -1):
+        out = dataclasses.replace(plan, KP=1, COOP=stages)
+        if coop_smem_bytes(out) <= smem_optin:
+            return out
+    return None
+
+
 def table256_plan(plan: MmaPlan) -> MmaPlan | None:
     """A cooperative ``plan`` with the PRMT-addressed pair table (``LUT_AT``: entries 256 bytes
     apart from a shared address whose low 16 bits are 0, so that a byte's entry address is one
@@ -444,13 +473,14 @@ def coop_row_stride(row_bytes: int) -> int:
 _SMEM_RESERVED = 1024  # the per-CTA reservation
 
 
-def _lut_bytes(k_fp8: bool, v_uniform: bool, k_bits: int, k_at: int, prmt: bool = False) -> int:
+def _lut_bytes(k_fp8: bool, v_uniform: bool, k_bits: int, k_at: int, prmt: bool = False,
+               k_pairs: bool = False) -> int:
     """Bytes of the pair table a plan's kernel declares (:attr:`MmaPlan.lut_bytes`)."""
     if not _needs_lut(k_fp8, v_uniform):
         return 0
     if prmt:
         return 65536
-    return 128 * max(256, k_at + {4: 256, 3: 64, 5: 32}.get(k_bits, 0))
+    return 128 * max(256, k_at + {4: 256, 3: 64, 5: 1024 if k_pairs else 32}.get(k_bits, 0))
 
 
 def _needs_lut(k_fp8: bool, v_uniform: bool) -> bool:

@@ -174,7 +174,7 @@ def _shift_to(x, FROM: tl.constexpr, TO: tl.constexpr):
 @triton.jit
 def _entry_offset(y, POS: tl.constexpr, NB: tl.constexpr, lane4):
     """``f·128 + 4·lane`` for the field ``f`` at bits ``POS .. POS + NB − 1`` of the chunk words
-    ``y`` (``NB`` ≤ 8; ``lane4``: ``4·lane``): this lane's byte offset of table entry ``f`` from
+    ``y`` (``NB`` ≤ 10; ``lane4``: ``4·lane``): this lane's byte offset of table entry ``f`` from
     the entries' base. The field is shifted straight to bit 7 (a funnel shift where it straddles
     two words), then masked and ORed with the lane's bytes in one LOP3, so a lookup is SHF + LOP3 +
     LDS where an index and an entry address were SHF + SGXT + IMAD + LDS."""

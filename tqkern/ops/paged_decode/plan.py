@@ -21,7 +21,7 @@ import functools
 from tqkern.layouts import PagedLayout
 from tqkern.ops.codecs import layout_consts
 from tqkern.ops.paged_decode.general_plan import fast_path_plan, general_decode, num_splits_for
-from tqkern.ops.paged_decode.mma_plans import (DynamicSmemUnsupported, MmaPlan, _lut_bytes,
+from tqkern.ops.paged_decode.mma_plans import (DynamicSmemUnsupported, MmaPlan, _lut_bytes, code_pair_plan,
                                                coop_smem_bytes, mma_plan, num_splits_mma, per_warp_plan,
                                                shared_head_plan, two_cta_plan)
 from tqkern.ops.paged_decode.plan_types import DecodeOptions, DeviceCaps, KernelPlan, Occupancy
@@ -84,6 +84,8 @@ class DecodePlan:
             out += f", {cx['COOP']} stages of {cx['SUB'] * cx.get('WS', 1)} steps"
         if cx.get("WS"):
             out += f", {cx['WS']} warps per KV head"
+        if cx.get("KP"):
+            out += ", code-pair table"
         return out
 
     def describe(self) -> str:
@@ -343,6 +345,8 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options)
     if one is not None and s * _ONE_HEAD_SPLITS // one.WS > 2 * caps.num_sms:
         one = None  # (measured at up to 2 CTAs an SM)
     plan = shared_heads(plan, layout) or one or plan
+    if plan.COOP and caps.dynamic_smem:  # 5-bit keys at 4 KV heads: the code-pair table where it fits
+        plan = code_pair_plan(plan, layout, caps.smem_per_block_optin) or plan
     if plan.COOP and (not caps.dynamic_smem or coop_smem_bytes(plan) > caps.smem_per_block_optin):
         plan = per_warp_plan(plan)
     if num_splits is not None:
@@ -410,4 +414,5 @@ def needs_lut_bytes(kernel: KernelPlan) -> int:
     if kernel.kernel != "mma":
         return 0
     cx = dict(kernel.constexprs)
-    return _lut_bytes(cx.get("K_FP8", False), cx["V_UNIFORM"], cx.get("K_BITS", 4), cx.get("K_AT", 0))
+    return _lut_bytes(cx.get("K_FP8", False), cx["V_UNIFORM"], cx.get("K_BITS", 4), cx.get("K_AT", 0), False,
+                      bool(cx.get("KP", 0)))

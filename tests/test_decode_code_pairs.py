@@ -1,0 +1,97 @@
+"""The 5-bit code-pair table's plan (``mma_plans.code_pair_plan``, ``MmaPlan.KP``): where the
+planner takes it, its shared memory, and bad input. No kernel runs here (GPU:
+``tests/test_gpu_decode_code_pairs.py``)."""
+
+import dataclasses
+
+import pytest
+
+import tqkern
+from tqkern.ops.paged_decode.mma_plans import (_lut_bytes, code_pair_plan, coop_smem_bytes, mma_plan,
+                                               per_warp_plan)
+from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode
+
+SM90_OPTIN = 232448
+A100 = DeviceCaps(capability=(8, 0), num_sms=108, smem_per_block_optin=166912, smem_per_sm=167936)
+
+
+def _layout(preset, heads, d=128, block_size=16):
+    return tqkern.PagedLayout(format=tqkern.KVFormat.preset(preset, d), num_kv_heads=heads, block_size=block_size,
+                              arrangement="slot")
+
+
+@pytest.mark.parametrize("preset,stages", [("k5v4h", 3), ("tqkern_k5v3", 4)])
+def test_code_pair_plan_at_4_kv_heads_takes_the_deepest_ring_that_fits(preset, stages):
+    """k5v4h's 4-bit value pairs (256 entries) beside 1024 key pairs leave room for 3 of its 4
+    stages; tqkern_k5v3's 64 value pairs for all 4. Only ``KP`` and the ring's depth change."""
+    layout = _layout(preset, 4)
+    plan = mma_plan(layout, 7)
+    assert plan.COOP == 4 and plan.K_BITS == 5
+    pairs = code_pair_plan(plan, layout)
+    assert (pairs.KP, pairs.COOP) == (1, stages)
+    assert dataclasses.replace(pairs, KP=None, COOP=4) == plan
+    assert pairs.lut_bytes == 128 * (plan.K_AT + 1024) == plan.lut_bytes + 128 * (1024 - 32 if preset == "k5v4h"
+                                                                                  else 1088 - 256)
+    assert coop_smem_bytes(pairs) <= SM90_OPTIN
+    assert coop_smem_bytes(dataclasses.replace(pairs, COOP=stages + 1)) > SM90_OPTIN or stages == plan.COOP
+
+
+def test_code_pair_plan_applies_only_where_measured_and_fitting():
+    """None for 5-bit keys at 8 KV heads (k5v4h does not fit, tqkern_k5v3 would lose its two CTAs
+    an SM: not measured), for other key codes, for the shared-head plans of 1-2 KV heads, and
+    where the device's shared memory per CTA (an A100's 163 KB) holds no ring of 3 stages."""
+    k5 = _layout("k5v4h", 4)
+    assert code_pair_plan(mma_plan(k5, 7), k5, A100.smem_per_block_optin) is None
+    two_stages = coop_smem_bytes(dataclasses.replace(code_pair_plan(mma_plan(k5, 7), k5), COOP=2))
+    assert code_pair_plan(mma_plan(k5, 7), k5, two_stages) is None  # (a ring of 2 was not measured)
+    for preset, heads, d in (("k5v4h", 8, 128), ("tqkern_k5v3", 8, 128), ("tq4", 4, 128),
+                             ("turboquant_3bit_nc", 4, 128), ("turboquant_k8v4", 4, 128),
+                             ("k5v4h", 8, 64)):  # (D64 at 8 KV heads would fit: not measured)
+        layout = _layout(preset, heads, d)
+        plan = mma_plan(layout, 32 // heads)
+        assert plan.COOP and code_pair_plan(plan, layout) is None, (preset, heads, d)
+    from tqkern.ops.paged_decode.mma_plans import shared_head_plan
+
+    two = _layout("k5v4h", 2)
+    shared = shared_head_plan(mma_plan(two, 8), two, 4)
+    assert shared.WS == 4 and code_pair_plan(shared, two) is None
+
+
+def test_code_pair_plan_bad_input():
+    layout = _layout("k5v4h", 4)
+    plan = mma_plan(layout, 7)
+    with pytest.raises(TypeError, match="cooperative plan"):
+        code_pair_plan(per_warp_plan(plan), layout)
+    with pytest.raises(TypeError, match="layout must be a tqkern.PagedLayout, got str"):
+        code_pair_plan(plan, "k5v4h")
+    with pytest.raises(ValueError, match="KP .* needs a cooperative plan of 5-bit keys"):
+        dataclasses.replace(per_warp_plan(plan), KP=1)  # the per-warp kernel declares a 36-40 KB table
+    tq4 = _layout("tq4", 4)
+    with pytest.raises(ValueError, match="got K_BITS=4"):
+        dataclasses.replace(mma_plan(tq4, 7), KP=1)
+    assert per_warp_plan(code_pair_plan(plan, layout)) == per_warp_plan(plan)  # (KP goes with the stages)
+
+
+def test_lut_bytes_of_the_code_pair_table():
+    assert _lut_bytes(False, False, 5, 256, False, True) == 128 * 1280
+    assert _lut_bytes(False, False, 5, 64, False, True) == 128 * 1088
+    assert _lut_bytes(False, False, 5, 64) == 128 * 256  # (single codes: the table's 256-entry minimum)
+
+
+@pytest.mark.parametrize("preset", ["k5v4h", "tqkern_k5v3"])
+def test_planner_takes_the_code_pair_table_at_4_kv_heads_on_sm90_only(preset):
+    """Qwen2.5-7B's decode (Hq 28, Hkv 4) at batch 1 × 64K and 16 × 32K: the code-pair table on an
+    sm_90 device (the summary says so); the single-code cooperative plan on an A100, where it does
+    not fit, and where Triton cannot size dynamic shared memory the per-warp kernel as before."""
+    layout = _layout(preset, 4)
+    for batch, tokens in ((1, 65536), (16, 32768)):
+        plan = plan_decode(layout, batch, 28, tokens // 16, DeviceCaps.sm90(), same_codebooks=True,
+                           occupancy=lambda k: 1)
+        assert plan.decode.kernel == "coop" and plan.decode.constexpr("KP") == 1
+        assert plan.summary().endswith(", code-pair table")
+        a100 = plan_decode(layout, batch, 28, tokens // 16, A100, same_codebooks=True, occupancy=lambda k: 1)
+        assert a100.decode.kernel == "coop" and "KP" not in dict(a100.decode.constexprs)
+        assert a100.decode.constexpr("COOP") == 4 and "code-pair" not in a100.summary()
+    static = dataclasses.replace(DeviceCaps.sm90(), dynamic_smem=False)
+    plan = plan_decode(layout, 1, 28, 4096, static, same_codebooks=True, occupancy=lambda k: 1)
+    assert plan.decode.kernel == "mma" and "KP" not in dict(plan.decode.constexprs)
