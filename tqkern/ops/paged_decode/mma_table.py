@@ -159,19 +159,6 @@ def _funnel(lo, hi, sh):
 
 
 @triton.jit
-def _shift_to(x, FROM: tl.constexpr, TO: tl.constexpr):
-    """``x`` shifted so that its bit ``FROM`` lands at bit ``TO`` (the bits shifted in, copies of
-    the sign or zeros, lie outside the masks callers apply)."""
-    if FROM > TO:
-        v = x >> (FROM - TO)
-    elif FROM < TO:
-        v = x << (TO - FROM)
-    else:
-        v = x
-    return v
-
-
-@triton.jit
 def _entry_offset(y, POS: tl.constexpr, NB: tl.constexpr, lane4):
     """``f·128 + 4·lane`` for the field ``f`` at bits ``POS .. POS + NB − 1`` of the chunk words
     ``y`` (``NB`` ≤ 10; ``lane4``: ``4·lane``): this lane's byte offset of table entry ``f`` from
@@ -182,8 +169,10 @@ def _entry_offset(y, POS: tl.constexpr, NB: tl.constexpr, lane4):
     OFF: tl.constexpr = POS % 32
     if OFF > 32 - NB:
         v = _funnel(y[W], y[W + 1], tl.zeros_like(y[W]) + (OFF - 7))
+    elif OFF >= 7:
+        v = y[W] >> (OFF - 7)  # (arithmetic: the sign's copies land above the mask)
     else:
-        v = _shift_to(y[W], OFF, 7)
+        v = y[W] << (7 - OFF)
     return (v & (((1 << NB) - 1) << 7)) | lane4
 
 
