@@ -1,4 +1,4 @@
-"""The 5-bit code-pair table's plan (``mma_plans.code_pair_plan``, ``MmaPlan.KP``): where the
+"""The 5-bit code-pair table's plan (``coop_variants.code_pair_plan``, ``MmaPlan.KP``): where the
 planner takes it, its shared memory, and bad input. No kernel runs here (GPU:
 ``tests/test_gpu_decode_code_pairs.py``)."""
 
@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 import tqkern
-from tqkern.ops.paged_decode.mma_plans import (_lut_bytes, code_pair_plan, coop_smem_bytes, mma_plan,
-                                               per_warp_plan)
+from tqkern.ops.paged_decode.coop_variants import code_pair_plan
+from tqkern.ops.paged_decode.mma_plans import _lut_bytes, coop_smem_bytes, mma_plan, per_warp_plan
 from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode
 
 SM90_OPTIN = 232448
@@ -50,7 +50,7 @@ def test_code_pair_plan_applies_only_where_measured_and_fitting():
         layout = _layout(preset, heads, d)
         plan = mma_plan(layout, 32 // heads)
         assert plan.COOP and code_pair_plan(plan, layout) is None, (preset, heads, d)
-    from tqkern.ops.paged_decode.mma_plans import shared_head_plan
+    from tqkern.ops.paged_decode.coop_variants import shared_head_plan
 
     two = _layout("k5v4h", 2)
     shared = shared_head_plan(mma_plan(two, 8), two, 4)

@@ -136,16 +136,18 @@ def test_two_ctas_per_sm_for_5_bit_keys_where_splits_stay_long(preset, batch, ma
     resident = (2 if two else 1) * 8 * 132
     assert plan.num_splits == plans.num_splits_mma(batch, 8, max_len, resident)
     if two:
+        from tqkern.ops.paged_decode.coop_variants import two_cta_plan
         from tqkern.ops.paged_decode.plan import mma_kernel_plan
 
-        want = mma_kernel_plan(layout, plans.two_cta_plan(mma_plan(layout, 4), layout), batch, 32, plan.num_splits)
+        want = mma_kernel_plan(layout, two_cta_plan(mma_plan(layout, 4), layout), batch, 32, plan.num_splits)
         assert plan.decode.constexprs == want.constexprs
 
 
 def test_two_cta_plan_only_for_5_bit_keys_on_8_kv_heads_and_known_residency():
     """Unknown residency keeps the 4-stage ring; 4-bit keys, uniform values and 4 KV heads have
     no two-CTA plan; the plan is the same kernel with a 2-stage ring that fits two CTAs an SM."""
-    from tqkern.ops.paged_decode.mma_plans import coop_smem_bytes, two_cta_plan
+    from tqkern.ops.paged_decode.coop_variants import two_cta_plan
+    from tqkern.ops.paged_decode.mma_plans import coop_smem_bytes
 
     layout = _layout("k5v4h", 128, 8)
     plan, _ = _plan_with(layout, 256, 1024, lambda k: None)
@@ -434,7 +436,7 @@ def test_offline_occupancy_of_the_two_cta_plan(monkeypatch):
     import types
 
     from tqkern.ops.paged_decode import aot
-    from tqkern.ops.paged_decode.mma_plans import two_cta_plan
+    from tqkern.ops.paged_decode.coop_variants import two_cta_plan
     from tqkern.ops.paged_decode.plan import DeviceCaps, mma_kernel_plan, plan_decode
 
     monkeypatch.setattr(aot, "_compile", lambda fn, cx, opts, specialize: types.SimpleNamespace(

@@ -19,7 +19,8 @@ def test_shared_head_plan_shapes_and_refusals():
     3 of one), stage bytes (and so shared memory) growing with ``ws``; ``None`` past two KV heads,
     for several warps per KV head (``GS > 1``), for a CTA of more than 16 warps, for blocks not a
     multiple of 16 tokens; bad arguments refused by name."""
-    from tqkern.ops.paged_decode.mma_plans import _stage_bytes, coop_smem_bytes, shared_head_plan
+    from tqkern.ops.paged_decode.coop_variants import shared_head_plan
+    from tqkern.ops.paged_decode.mma_plans import _stage_bytes, coop_smem_bytes
 
     one = _layout("turboquant_4bit_nc", 128, 1)
     plan = mma_plan(one, 8)
@@ -121,7 +122,8 @@ def test_planner_takes_the_one_head_plan_for_uniform_values_at_16k():
 def test_shared_head_plan_sub_argument():
     """``shared_head_plan(sub=)``: one or two steps per warp in a stage (stage bytes follow); other
     values refused by name."""
-    from tqkern.ops.paged_decode.mma_plans import _stage_bytes, shared_head_plan
+    from tqkern.ops.paged_decode.coop_variants import shared_head_plan
+    from tqkern.ops.paged_decode.mma_plans import _stage_bytes
 
     one = _layout("turboquant_4bit_nc", 128, 1)
     plan = mma_plan(one, 8)

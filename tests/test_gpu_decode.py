@@ -123,8 +123,8 @@ def test_cooperative_stages_match_the_per_warp_kernel_bit_for_bit(preset, arrang
     ring) at the per-warp kernel's."""
     import triton
 
-    from tqkern.ops.paged_decode.mma_plans import (coop_plan, coop_smem_bytes, mma_plan, per_warp_plan, table256_plan,
-                                                   two_cta_plan)
+    from tqkern.ops.paged_decode.coop_variants import two_cta_plan
+    from tqkern.ops.paged_decode.mma_plans import coop_plan, coop_smem_bytes, mma_plan, per_warp_plan, table256_plan
     from tqkern.ops.paged_decode.triton import _workspace, device_caps, launch_mma_plan
 
     fmt = tqkern.KVFormat.preset(preset, head_dim)
@@ -203,7 +203,8 @@ def test_shared_head_plans_match_oracle(monkeypatch, preset, heads, group, block
     import tqkern.ops.paged_decode.plan as plan_mod
     import tqkern.ops.paged_decode.triton as launch_mod
     from tqkern.ops.launch import BoundedCache
-    from tqkern.ops.paged_decode.mma_plans import coop_plan, coop_smem_bytes, mma_plan, shared_head_plan, table256_plan
+    from tqkern.ops.paged_decode.coop_variants import shared_head_plan
+    from tqkern.ops.paged_decode.mma_plans import coop_plan, coop_smem_bytes, mma_plan, table256_plan
     from tqkern.ops.paged_decode.triton import _workspace, launch_mma_plan
 
     fmt = tqkern.KVFormat.preset(preset, 128)

@@ -1,4 +1,4 @@
-"""GPU-only: 5-bit keys through the code-pair table (``mma_plans.code_pair_plan``, ``KP``)."""
+"""GPU-only: 5-bit keys through the code-pair table (``coop_variants.code_pair_plan``, ``KP``)."""
 
 import dataclasses
 
@@ -22,7 +22,8 @@ def test_code_pair_table_matches_single_code_lookups_bit_for_bit(preset, block_s
     mid-block, shuffled blocks and random bytes in the unused slots (4 KV heads, GQA 7)."""
     import triton
 
-    from tqkern.ops.paged_decode.mma_plans import code_pair_plan, coop_plan, mma_plan, per_warp_plan
+    from tqkern.ops.paged_decode.coop_variants import code_pair_plan
+    from tqkern.ops.paged_decode.mma_plans import coop_plan, mma_plan, per_warp_plan
     from tqkern.ops.paged_decode.triton import _workspace, device_caps, launch_mma_plan
 
     fmt = tqkern.KVFormat.preset(preset, 128)

@@ -126,7 +126,7 @@ BUDGETS = {
     "mma:tqkern_k5v3:slot:128:2:16:per_warp": (8, 1888),
     "mma:tqkern_k5v3:slot:128:2:16:shared": (0, 2352),
     # (S59) Qwen2.5-7B (Hq28/Hkv4/D128): 5-bit keys' cooperative plan and its code-pair table
-    # (mma_plans.code_pair_plan: 1024 key pairs, 128 KB more table; its loop 1035 -> 788 instructions
+    # (coop_variants.code_pair_plan: 1024 key pairs, 128 KB more table; its loop 1035 -> 788 instructions
     # for k5v4h, the unrolled fill of 1024 entries +136 outside it)
     "mma:k5v4h:slot:128:4:28:per_warp": (0, 1872),
     "mma:k5v4h:slot:128:4:28:coop": (0, 1864),

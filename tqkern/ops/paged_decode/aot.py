@@ -32,7 +32,8 @@ from triton.compiler import ASTSource
 
 from tqkern.ops.paged_decode.general import _paged_decode_kernel
 from tqkern.ops.paged_decode.mma_kernel import _paged_decode_mma_kernel
-from tqkern.ops.paged_decode.mma_plans import code_pair_plan, mma_plan, per_warp_plan, two_cta_plan
+from tqkern.ops.paged_decode.coop_variants import code_pair_plan, two_cta_plan
+from tqkern.ops.paged_decode.mma_plans import mma_plan, per_warp_plan
 from tqkern.ops.paged_decode.plan import DeviceCaps, mma_kernel_plan, one_head_plan, plan_decode, shared_heads
 
 __all__ = ["SM90", "compile_general", "compile_mma", "general_launch", "histogram", "launcher_plans",
@@ -142,8 +143,8 @@ def launcher_plans(layout, group: int) -> dict:
     (no cooperative stages: a device with too little shared memory, the short-split rule, or
     after a sizing failure) and, where :func:`~.mma_plans.mma_plan` takes them, ``"coop"`` (with
     the PRMT-addressed table where :func:`~.mma_plans.table256_plan` fits) and ``"coop2"`` (two
-    CTAs per SM: :func:`~.mma_plans.two_cta_plan`) and ``"pairs"`` (the 5-bit code-pair table:
-    :func:`~.mma_plans.code_pair_plan`), or ``"shared"`` where the planner takes a
+    CTAs per SM: :func:`~.coop_variants.two_cta_plan`) and ``"pairs"`` (the 5-bit code-pair table:
+    :func:`~.coop_variants.code_pair_plan`), or ``"shared"`` where the planner takes a
     shared-head plan (:func:`~.plan.shared_heads`), ``"one_head"`` where it takes
     :func:`~.plan.one_head_plan` at long contexts. Empty where the warp-MMA kernel does not apply."""
     plan = mma_plan(layout, group)

@@ -36,7 +36,7 @@ One warp owns one (sequence, KV head, split) and walks its tokens 16 at a time:
   pair table; lane ``c`` owns codes ``c·D/4 ..``, loaded as whole words from the word boundary
   below its chunk and funnel-shifted into place (no joining lanes). 5-bit keys: the same order,
   one lookup per code in 32 single entries (from ``K_AT``), two joined by one PRMT; or, with the
-  code-pair table (``KP``, :func:`.mma_plans.code_pair_plan`: 1024 entries from ``K_AT``, in a
+  code-pair table (``KP``, :func:`.coop_variants.code_pair_plan`: 1024 entries from ``K_AT``, in a
   cooperative plan's dynamic shared memory), one lookup per 10-bit pair. A 3- or 5-bit field is
   shifted straight into its entry's byte offset (:func:`.mma_table._entry_offset`).
 * 3-bit values: lane ``r`` owns codes ``r·D/8 ..``; M tile ``i`` takes codes ``2i``, ``2i + 1``.
@@ -59,7 +59,7 @@ Cooperative stages (``COOP`` stages, :func:`.mma_plans.coop_plan`): one CTA per 
 one warp per KV head; the CTA copies each step's 16 whole rows (one contiguous range of a block) into a
 ring of shared-memory stages with ``cp.async`` and the head-warps issue the same reads against the
 stage (``_load_step(..., SMEM=True)``), so the partials are bit-identical to the per-warp kernel's.
-With one or two KV heads (``WS > 1``, :func:`.mma_plans.shared_head_plan`) the CTA's ``HKV·WS`` warps
+With one or two KV heads (``WS > 1``, :func:`.coop_variants.shared_head_plan`) the CTA's ``HKV·WS`` warps
 share each head: a stage holds ``SUB·WS`` steps, and warp ``sub`` of a head takes steps
 ``sub·SUB ..`` of every stage, its partial stored as split ``CTA split · WS + sub`` (the merge
 combines them like any splits). The CTA then keeps ``(COOP - 1)·WS`` times a per-warp step's bytes

@@ -1,7 +1,8 @@
 """Host-side plans of the warp-MMA decode kernel: the constexprs (a :class:`MmaPlan`) that a
 layout and GQA group get (:func:`mma_plan`; ``None`` where the kernel does not apply), their
-CTA-cooperative variants and shared-memory sizing (:func:`coop_plan`, :func:`shared_head_plan`,
-:func:`table256_plan`, :func:`coop_smem_bytes`, :func:`coop_row_stride`), the per-warp variant
+CTA-cooperative form and shared-memory sizing (:func:`coop_plan`, :func:`table256_plan`,
+:func:`coop_smem_bytes`, :func:`coop_row_stride`; the variants the planner weighs per device and
+launch are in :mod:`.coop_variants`), the per-warp variant
 (:func:`per_warp_plan`), and the arithmetic of splits and residency (:func:`num_splits_mma`,
 :func:`ctas_per_sm`). Nothing here compiles or launches: the decode plan
 (:mod:`.plan`) chooses among these for a device."""
@@ -16,7 +17,7 @@ from tqkern.layouts import FP8, LloydMax, PagedLayout, Uniform
 from tqkern.ops.common import layout_consts
 
 __all__ = ["DynamicSmemUnsupported", "MmaPlan", "coop_plan", "coop_row_stride", "coop_smem_bytes", "ctas_per_sm",
-           "mma_plan", "num_splits_mma", "per_warp_plan", "shared_head_plan", "table256_plan", "two_cta_plan"]
+           "mma_plan", "num_splits_mma", "per_warp_plan", "table256_plan"]
 
 
 _DT = {"float16": 0, "float32": 1, "bfloat16": 2}
@@ -322,80 +323,10 @@ def coop_plan(plan: MmaPlan, layout: PagedLayout, stages: int = 2) -> MmaPlan | 
     return out
 
 
-def shared_head_plan(plan: MmaPlan, layout: PagedLayout, ws: int, stages: int | None = None,
-                     sub: int | None = None) -> MmaPlan | None:
-    """``plan`` made cooperative, with the stage shape :func:`mma_plan` gives 4–16 KV heads, for a
-    layout of one or two KV heads, whose CTA would otherwise be one or two warps: ``ws`` warps per
-    KV head (``WS``), each a split of the CTA's range taking ``SUB`` steps of every stage of
-    ``SUB·ws`` steps (the split count of a launch is then a multiple of ``ws``). ``None`` where no
-    such plan applies: more than two KV heads, query heads in more than one warp per KV head
-    (``GS > 1``), blocks not a multiple of 16 tokens, a CTA of more than 16 warps, or stages beyond
-    one CTA's shared memory. ``stages``: the ring's depth (default: the 4–16-head plan's); ``sub``:
-    steps per warp in a stage (``SUB``, 1 or 2; default: the 4–16-head plan's)."""
-    if not isinstance(plan, MmaPlan):
-        raise TypeError(f"plan must be an MmaPlan from mma_plan, got {type(plan).__name__}")
-    if not isinstance(layout, PagedLayout):
-        raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
-    if not isinstance(ws, int) or isinstance(ws, bool) or ws not in (2, 4, 8, 16):
-        raise ValueError(f"ws must be 2, 4, 8 or 16, got {ws!r}")
-    if sub is not None and (not isinstance(sub, int) or isinstance(sub, bool) or sub not in (1, 2)):
-        raise ValueError(f"sub must be 1 or 2, got {sub!r}")
-    hkv = layout.num_kv_heads
-    if hkv > 2 or plan.GS != 1 or hkv * ws > 16:
-        return None
-    default_sub, default_stages = _coop_shape(bool(plan.V_UNIFORM), bool(plan.K_FP8))
-    base = dataclasses.replace(per_warp_plan(plan), SUB=default_sub if sub is None else sub, WS=ws)
-    return coop_plan(base, layout, default_stages if stages is None else stages)
-
-
 def _coop_shape(v_uniform: bool, k_fp8: bool) -> tuple[int, int]:
     """``(SUB, stages)`` of the cooperative plans: Lloyd-Max values 4 stages of two steps, FP8 keys
     with uniform values 3 of one, other uniform values 2 of two (measured: :func:`_mma_plan`)."""
     return (2, 4) if not v_uniform else (1, 3) if k_fp8 else (2, 2)
-
-
-def two_cta_plan(plan: MmaPlan, layout: PagedLayout) -> MmaPlan | None:
-    """The cooperative ``plan`` of 5-bit keys and Lloyd-Max values (4 stages of two steps beside
-    a 36–40 KB pair table: one 8-warp CTA per SM) with a ring of 2 such stages, small enough for
-    two CTAs per SM (their 128 registers allow two). ``None`` where ``plan`` is not such a plan, its
-    CTA is not 8 warps (the only geometry measured), or two CTAs do not fit one SM's shared memory.
-    The decode planner takes it where the launch then fills more than one CTA per SM with splits
-    of ≥ 1024 tokens (:func:`.plan.plan_decode`; measured in ``docs/performance.md``, "S40: two
-    CTAs per SM for 5-bit keys")."""
-    if not isinstance(plan, MmaPlan) or not plan.COOP:
-        raise TypeError(f"plan must be a cooperative plan (an MmaPlan from coop_plan), got {plan!r:.80}")
-    if not isinstance(layout, PagedLayout):
-        raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
-    if plan.K_BITS != 5 or plan.V_UNIFORM or plan.COOP <= 2 or layout.num_kv_heads != 8:
-        return None
-    out = coop_plan(dataclasses.replace(per_warp_plan(plan), SUB=2), layout, 2)
-    if out is None or 2 * (coop_smem_bytes(out) + _SMEM_RESERVED) > _SMEM_PER_SM:
-        return None
-    return out
-
-
-def code_pair_plan(plan: MmaPlan, layout: PagedLayout, smem_optin: int = _SMEM_OPTIN) -> MmaPlan | None:
-    """The cooperative ``plan`` of 5-bit keys at 4 KV heads (4-warp CTAs) with the code-pair table
-    (``KP``): entries ``K_AT + j`` hold ``(c[j & 31], c[j >> 5])`` for all 1024 pairs ``j`` of two
-    adjacent codes (the 10-bit field of a lane's chunk), so a pair of keys is one lookup instead of
-    two and a PRMT; 128 KB more table than the 32 single-code entries, in the deepest ring of 3 to
-    ``plan.COOP`` stages that fits ``smem_optin`` bytes (k5v4h at head_dim 128: 3 stages,
-    tqkern_k5v3: 4). ``None`` where it does not apply (other key codes or KV-head counts, shared-head
-    or PRMT-addressed plans) or fit. Measured (H200, S59, CUDA graphs, µs, the plan without → with
-    it): Qwen2.5-7B B1×64K k5v4h 35.7 → 33.0, tqkern_k5v3 39.8 → 36.7 (outputs bit-equal); B16×32K
-    142.7 → 132.2 and 172.4 → 157.8 (16 → 8 splits: one CTA an SM where two fitted before). At 8 KV
-    heads k5v4h does not fit and tqkern_k5v3 would lose its two CTAs an SM (not measured)."""
-    if not isinstance(plan, MmaPlan) or not plan.COOP:
-        raise TypeError(f"plan must be a cooperative plan (an MmaPlan from coop_plan), got {plan!r:.80}")
-    if not isinstance(layout, PagedLayout):
-        raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
-    if plan.K_BITS != 5 or plan.WS or plan.LUT_AT or layout.num_kv_heads != 4:
-        return None
-    for stages in range(plan.COOP, 2, -1):
-        out = dataclasses.replace(plan, KP=1, COOP=stages)
-        if coop_smem_bytes(out) <= smem_optin:
-            return out
-    return None
 
 
 def table256_plan(plan: MmaPlan) -> MmaPlan | None:

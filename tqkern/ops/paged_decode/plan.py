@@ -21,9 +21,9 @@ import functools
 from tqkern.layouts import PagedLayout
 from tqkern.ops.codecs import layout_consts
 from tqkern.ops.paged_decode.general_plan import fast_path_plan, general_decode, num_splits_for
-from tqkern.ops.paged_decode.mma_plans import (DynamicSmemUnsupported, MmaPlan, _lut_bytes, code_pair_plan,
-                                               coop_smem_bytes, mma_plan, num_splits_mma, per_warp_plan,
-                                               shared_head_plan, two_cta_plan)
+from tqkern.ops.paged_decode.coop_variants import code_pair_plan, shared_head_plan, two_cta_plan
+from tqkern.ops.paged_decode.mma_plans import (DynamicSmemUnsupported, MmaPlan, _lut_bytes, coop_smem_bytes, mma_plan,
+                                               num_splits_mma, per_warp_plan)
 from tqkern.ops.paged_decode.plan_types import DecodeOptions, DeviceCaps, KernelPlan, Occupancy
 from tqkern.ops.paged_decode.side_plans import (MergePlan, RotatePlan, _merge_plan, _rotate_plan, merge_chunks,
                                                 scan_split)
@@ -285,7 +285,7 @@ def mma_kernel_plan(layout, plan: MmaPlan, num_seqs: int, num_q_heads: int, num_
 
 
 def shared_heads(plan: MmaPlan, layout: PagedLayout) -> MmaPlan | None:
-    """The shared-head plan (:func:`.mma_plans.shared_head_plan`, CTAs of 8 warps) the decode
+    """The shared-head plan (:func:`.coop_variants.shared_head_plan`, CTAs of 8 warps) the decode
     planner takes instead of the per-warp ``plan``, or ``None``: two KV heads with 5-bit keys at
     head_dim 128 and GQA groups of at most 8 (one query column tile). Other head_dims and two column
     tiles were neither timed nor checked on a GPU with it.
