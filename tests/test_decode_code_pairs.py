@@ -8,7 +8,7 @@ import pytest
 
 import tqkern
 from tqkern.ops.paged_decode.coop_variants import code_pair_plan
-from tqkern.ops.paged_decode.mma_plans import _lut_bytes, coop_smem_bytes, mma_plan, per_warp_plan
+from tqkern.ops.paged_decode.mma_plans import _lut_bytes, coop_plan, coop_smem_bytes, mma_plan, per_warp_plan
 from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode
 
 SM90_OPTIN = 232448
@@ -36,20 +36,73 @@ def test_code_pair_plan_at_4_kv_heads_takes_the_deepest_ring_that_fits(preset, s
     assert coop_smem_bytes(dataclasses.replace(pairs, COOP=stages + 1)) > SM90_OPTIN or stages == plan.COOP
 
 
+@pytest.mark.parametrize("preset,d,sub,stages", [("k5v4h", 128, 1, 3), ("tqkern_k5v3", 128, 2, 2),
+                                                 ("k5v4h", 64, 2, 3), ("tqkern_k5v3", 64, 2, 4)])
+def test_code_pair_plan_at_8_kv_heads_takes_the_measured_ring_that_fits(preset, d, sub, stages):
+    """At 8 KV heads (8-warp CTAs) and head_dim 128 tqkern_k5v3's table fits beside 2 stages of
+    two steps; k5v4h's (256 value pairs below the keys) beside no ring of two-step stages, so 3
+    stages of one step. At head_dim 64 (half the stage bytes) 3 and 4 stages of two. The next
+    deeper ring of each shape does not fit (or is the plan's own 4); only ``KP``, ``SUB`` and the
+    ring change."""
+    layout = _layout(preset, 8, d)
+    plan = mma_plan(layout, 4)
+    assert (plan.COOP, plan.SUB, plan.K_BITS) == (4, 2, 5)
+    pairs = code_pair_plan(plan, layout)
+    assert (pairs.KP, pairs.SUB, pairs.COOP) == (1, sub, stages)
+    assert dataclasses.replace(pairs, KP=None, SUB=2, COOP=4) == plan
+    assert coop_smem_bytes(pairs) <= SM90_OPTIN
+    assert coop_smem_bytes(dataclasses.replace(pairs, COOP=stages + 1)) > SM90_OPTIN or stages == plan.COOP
+    assert coop_smem_bytes(dataclasses.replace(pairs, SUB=2, COOP=2)) > SM90_OPTIN or sub == 2
+    assert code_pair_plan(plan, layout, A100.smem_per_block_optin) is None
+
+
+def _residency(kernel):
+    """CTAs an SM as on an H200: two for the 2-stage ring without the table, else one."""
+    if kernel.kernel != "coop":
+        return 3
+    return 2 if kernel.constexpr("COOP") == 2 and not dict(kernel.constexprs).get("KP") else 1
+
+
+@pytest.mark.parametrize("preset", ["k5v4h", "tqkern_k5v3"])
+@pytest.mark.parametrize("batch,tokens", [(1, 131072), (32, 16384), (8, 65536), (32, 4096), (128, 1024),
+                                          (256, 1024)])
+def test_planner_takes_the_code_pair_table_at_8_kv_heads(preset, batch, tokens):
+    """The sm_90 plan of 5-bit keys at 8 KV heads (Hq 32) is the code-pair table's at every shape
+    measured, except k5v4h at 256 × 1K, whose table plan would run two rounds of CTAs (256
+    sequences of one split on 132 SMs) where the two-CTA plan runs one; tqkern_k5v3's table plan is
+    a 2-stage ring already. On an A100 no table."""
+    layout = _layout(preset, 8)
+    plan = plan_decode(layout, batch, 32, tokens // 16, DeviceCaps.sm90(), same_codebooks=True,
+                       occupancy=_residency)
+    assert plan.decode.kernel == "coop"
+    if preset == "k5v4h" and batch == 256:
+        assert "KP" not in dict(plan.decode.constexprs) and plan.decode.constexpr("COOP") == 2
+        assert plan.num_splits == 1
+    else:
+        want = code_pair_plan(mma_plan(layout, 4), layout)
+        assert plan.decode.constexpr("KP") == 1 and plan.summary().endswith(", code-pair table")
+        assert (plan.decode.constexpr("SUB"), plan.decode.constexpr("COOP")) == (want.SUB, want.COOP)
+    a100 = plan_decode(layout, batch, 32, tokens // 16, A100, same_codebooks=True, occupancy=_residency)
+    assert "KP" not in dict(a100.decode.constexprs)
+
+
 def test_code_pair_plan_applies_only_where_measured_and_fitting():
-    """None for 5-bit keys at 8 KV heads (k5v4h does not fit, tqkern_k5v3 would lose its two CTAs
-    an SM: not measured), for other key codes, for the shared-head plans of 1-2 KV heads, and
-    where the device's shared memory per CTA (an A100's 163 KB) holds no ring of 3 stages."""
+    """None for other key codes, head_dims other than 128 (but 64 at 8 KV heads; 64 at 4 KV heads
+    would fit: not measured), 16 KV heads, the shared-head plans of 1-2 KV heads, and where the device's shared
+    memory per CTA (an A100's 163 KB) holds no ring of 3 stages (at 4 KV heads: a ring of 2 was not
+    measured there)."""
     k5 = _layout("k5v4h", 4)
     assert code_pair_plan(mma_plan(k5, 7), k5, A100.smem_per_block_optin) is None
     two_stages = coop_smem_bytes(dataclasses.replace(code_pair_plan(mma_plan(k5, 7), k5), COOP=2))
     assert code_pair_plan(mma_plan(k5, 7), k5, two_stages) is None  # (a ring of 2 was not measured)
-    for preset, heads, d in (("k5v4h", 8, 128), ("tqkern_k5v3", 8, 128), ("tq4", 4, 128),
-                             ("turboquant_3bit_nc", 4, 128), ("turboquant_k8v4", 4, 128),
-                             ("k5v4h", 8, 64)):  # (D64 at 8 KV heads would fit: not measured)
+    for preset, heads, d in (("tq4", 4, 128), ("turboquant_3bit_nc", 4, 128), ("turboquant_k8v4", 4, 128),
+                             ("turboquant_3bit_nc", 8, 128), ("k5v4h", 4, 64), ("tqkern_k5v3", 4, 64)):
         layout = _layout(preset, heads, d)
         plan = mma_plan(layout, 32 // heads)
         assert plan.COOP and code_pair_plan(plan, layout) is None, (preset, heads, d)
+    for preset, heads, d in (("k5v4h", 16, 128), ("tqkern_k5v3", 16, 128), ("tqkern_k5v3", 8, 256)):
+        layout = _layout(preset, heads, d)  # (cooperative plans the planner does not make: 16-warp CTAs, D256)
+        assert code_pair_plan(coop_plan(per_warp_plan(mma_plan(layout, 32 // heads)), layout, 2), layout) is None
     from tqkern.ops.paged_decode.coop_variants import shared_head_plan
 
     two = _layout("k5v4h", 2)

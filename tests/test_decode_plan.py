@@ -11,6 +11,7 @@ import tqkern
 import tqkern_torch as tqt
 from tqkern.ops.launch import BoundedCache
 from tqkern.ops.paged_decode.mma_plans import mma_plan, per_warp_plan
+from tqkern.ops.paged_decode.plan import DeviceCaps
 from tqkern.ops.paged_decode.triton import workspace_numel
 from tqkern_torch.testing import device_under_test, kernels_available
 
@@ -53,10 +54,10 @@ def test_plan_drops_stages_without_the_shared_memory():
     assert plan_decode(_layout("fp16", 128, 8), 1, 32, 4, h100, same_codebooks=True).decode.kernel == "general"
 
 
-def _plan_with(layout, batch, max_len, ctas_per_sm):
-    """The plan on an H100 (132 SMs) with the compiled kernels' residency given by
+def _plan_with(layout, batch, max_len, ctas_per_sm, caps=None):
+    """The plan on an H100 (132 SMs; or ``caps``) with the compiled kernels' residency given by
     ``ctas_per_sm(kernel plan)``; returns (plan, asked: the kernels whose residency was asked)."""
-    from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode
+    from tqkern.ops.paged_decode.plan import plan_decode
 
     asked = []
 
@@ -64,7 +65,8 @@ def _plan_with(layout, batch, max_len, ctas_per_sm):
         asked.append(kernel.kernel)
         return ctas_per_sm(kernel)
 
-    plan = plan_decode(layout, batch, 32, max_len // 16, DeviceCaps.sm90(), same_codebooks=True, occupancy=occupancy)
+    plan = plan_decode(layout, batch, 32, max_len // 16, caps or DeviceCaps.sm90(), same_codebooks=True,
+                       occupancy=occupancy)
     return plan, asked
 
 
@@ -110,10 +112,16 @@ def test_short_splits_give_way_to_the_per_warp_kernel(preset, arr, batch, max_le
 
 def _coop_ctas(kernel):
     """Residency of the compiled kernels as on an H200 (S40 Nsight): the 4-stage cooperative ring of
-    5-bit keys one CTA per SM, a 2-stage ring two, the per-warp kernel three of 4 warps."""
+    5-bit keys one CTA per SM, a 2-stage ring two (but beside the code-pair table: one), the
+    per-warp kernel three of 4 warps."""
     if kernel.kernel != "coop":
         return 3
-    return 2 if kernel.constexpr("COOP") == 2 else 1
+    return 2 if kernel.constexpr("COOP") == 2 and not dict(kernel.constexprs).get("KP") else 1
+
+
+# An sm_90 device whose CTAs could hold 192,000 bytes: the 4-stage ring of 5-bit keys at 8 KV heads
+# fits (k5v4h 191,552), no ring beside the code-pair table does (tqkern_k5v3's smallest: 193,344)
+NO_PAIRS = dataclasses.replace(DeviceCaps.sm90(), smem_per_block_optin=192000)
 
 
 @pytest.mark.parametrize("preset", ["k5v4h", "tqkern_k5v3"])
@@ -125,12 +133,13 @@ def _coop_ctas(kernel):
     (1, 131072, False),  # 128 splits either way: one CTA per SM
 ])
 def test_two_ctas_per_sm_for_5_bit_keys_where_splits_stay_long(preset, batch, max_len, two):
-    """5-bit keys with Lloyd-Max values take the 2-stage ring (two CTAs per SM) where the launch
-    then holds more CTAs than SMs and its splits keep >= 1024 tokens; elsewhere the 4-stage ring."""
+    """5-bit keys with Lloyd-Max values, where the code-pair table does not fit, take the 2-stage
+    ring (two CTAs per SM) where the launch then holds more CTAs than SMs and its splits keep >=
+    1024 tokens; elsewhere the 4-stage ring."""
     import tqkern.ops.paged_decode.mma_plans as plans
 
     layout = _layout(preset, 128, 8)
-    plan, _ = _plan_with(layout, batch, max_len, _coop_ctas)
+    plan, _ = _plan_with(layout, batch, max_len, _coop_ctas, NO_PAIRS)
     assert plan.decode.kernel == "coop"
     assert plan.decode.constexpr("COOP") == (2 if two else 4) and plan.decode.constexpr("SUB") == 2
     resident = (2 if two else 1) * 8 * 132
@@ -150,7 +159,7 @@ def test_two_cta_plan_only_for_5_bit_keys_on_8_kv_heads_and_known_residency():
     from tqkern.ops.paged_decode.mma_plans import coop_smem_bytes
 
     layout = _layout("k5v4h", 128, 8)
-    plan, _ = _plan_with(layout, 256, 1024, lambda k: None)
+    plan, _ = _plan_with(layout, 256, 1024, lambda k: None, NO_PAIRS)
     assert plan.decode.constexpr("COOP") == 4
     two = two_cta_plan(mma_plan(layout, 4), layout)
     assert (two.COOP, two.SUB) == (2, 2) and 2 * (coop_smem_bytes(two) + 1024) <= 233472

@@ -19,7 +19,8 @@ and Gemma-2-9B's Hq16/Hkv8/D256 for D256's key and value chunks (FP8, 3-bit and 
 4-bit values); the ``kXvYh`` formats of
 ``docs/quality.md`` whose values have their own table entries at B32x16K's shape; head_dim 96 at
 Phi-3-mini-TP2's Hq16/Hkv16; 5-bit keys at Llama-3-70B-TP4's Hq16/Hkv2, whose shared-head plan
-the launcher takes, and at Qwen2.5-7B's Hq28/Hkv4, whose cooperative plan takes the code-pair table).
+the launcher takes, and at Qwen2.5-7B's Hq28/Hkv4, whose cooperative plan takes the code-pair table, as
+B32x16K's 5-bit plans do since session 60).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ BUDGETS = {
     "mma:tqkern_k5v3:slot:128:8:32:per_warp": (8, 1856),
     "mma:tqkern_k5v3:slot:128:8:32:coop": (0, 1800),
     "mma:tqkern_k5v3:slot:128:8:32:coop2": (0, 1712),  # two CTAs per SM (S40: a 2-stage ring)
+    "mma:tqkern_k5v3:slot:128:8:32:pairs": (0, 1712),  # the code-pair table, 2 stages of two steps (S60)
     "mma:tq4:row:64:3:9:per_warp": (0, 1016),
     "mma:turboquant_4bit_nc:slot:64:3:9:per_warp": (0, 848),
     "mma:turboquant_k8v4:slot:64:3:9:per_warp": (0, 592),
@@ -95,6 +97,7 @@ BUDGETS = {
     "mma:k5v4h:slot:128:8:32:per_warp": (0, 1864),
     "mma:k5v4h:slot:128:8:32:coop": (0, 1792),
     "mma:k5v4h:slot:128:8:32:coop2": (0, 1696),  # two CTAs per SM (S40: a 2-stage ring)
+    "mma:k5v4h:slot:128:8:32:pairs": (0, 1288),  # the code-pair table, 3 stages of one step (S60)
     # head_dim 96 (Phi-3 on 2 GPUs: Hkv 16, GQA 1; session 23); 3-bit values stay on the general kernel
     "mma:tq4:row:96:16:16:per_warp": (0, 1192),
     "mma:turboquant_4bit_nc:slot:96:16:16:per_warp": (0, 880),
@@ -119,6 +122,7 @@ BUDGETS = {
     "mma:k5v4h:slot:128:8:32:window:per_warp": (0, 1872),
     "mma:k5v4h:slot:128:8:32:window:coop": (40, 1816),
     "mma:k5v4h:slot:128:8:32:window:coop2": (0, 1704),
+    "mma:k5v4h:slot:128:8:32:window:pairs": (0, 1296),
     # (S52) Llama-3-70B on 4 GPUs (Hq16/Hkv2/D128): 5-bit keys take 8-warp CTAs of 4 warps per KV
     # head (plan.shared_heads; the cooperative kernel at its 128-register cap)
     "mma:k5v4h:slot:128:2:16:per_warp": (0, 1888),

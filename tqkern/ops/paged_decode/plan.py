@@ -345,7 +345,7 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options)
     if one is not None and s * _ONE_HEAD_SPLITS // one.WS > 2 * caps.num_sms:
         one = None  # (measured at up to 2 CTAs an SM)
     plan = shared_heads(plan, layout) or one or plan
-    if plan.COOP and caps.dynamic_smem:  # 5-bit keys at 4 KV heads: the code-pair table where it fits
+    if plan.COOP and caps.dynamic_smem:  # 5-bit keys at 4 or 8 KV heads: the code-pair table where it fits
         plan = code_pair_plan(plan, layout, caps.smem_per_block_optin) or plan
     if plan.COOP and (not caps.dynamic_smem or coop_smem_bytes(plan) > caps.smem_per_block_optin):
         plan = per_warp_plan(plan)
@@ -378,7 +378,8 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options)
         plan = per_warp_plan(plan)
         n = splits_for(plan)
     # Short splits with one-step stages (two CTAs per SM; since session 13 only FP8 keys'
-    # plans): the cooperative prologue is not paid back; the per-warp kernel runs instead where
+    # plans; the code-pair table's one-step ring, one CTA an SM, is not one of them: it was
+    # measured at splits of 1024 tokens and more only): the cooperative prologue is not paid back; the per-warp kernel runs instead where
     # it has at least 2 splits of its own (measured, H100: B32x4K turboquant_k8v4 90.1 vs 95.3
     # µs; docs/performance.md "Cooperative stages"). The two-step stages of 3- and 4-bit keys
     # keep their plan (B32x4K turboquant_4bit_nc 75.4 vs per-warp 75.0 µs, k3v4_nc 73.0 vs
@@ -387,7 +388,7 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options)
     # 512 tokens a split (H200, S57, turboquant_k8v4 at D128, µs, cooperative / per-warp: Hkv 8
     # B1x16K 24.0 / 17.6 (256 tokens a split), B1x32K 38.3 / 40.5, B1x64K 43.8 / 49.0; Hkv 4
     # B1x64K 30.2 / 44.2, B2x32K 29.0 / 43.6).
-    if plan.COOP and plan.SUB == 1 and max_len < _COOP_MIN_TOKENS * n:
+    if plan.COOP and plan.SUB == 1 and not plan.KP and max_len < _COOP_MIN_TOKENS * n:
         per_warp = per_warp_plan(plan)
         m = splits_for(per_warp)
         if m >= 2 and (m < n or max_len < _COOP_SHORT_TOKENS * n):
@@ -397,6 +398,10 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options)
     # two): k5v4h Llama-3-8B B256x1K 174.1 → 159.2 (1 split), B32x16K 301.1 → 291.0 (4 → 8 splits);
     # tqkern_k5v3 191.5 → 176.1 and 336.1 → 323.7; where the splits would fall to 512 tokens it lost
     # (B128x1K 1 → 2 splits: k5v4h 92.0 → 92.5; B32x4K 4 → 8: 92.3 → 94.7), so those keep one CTA.
+    # Against the code-pair table (one CTA an SM; H200, S60, k5v4h at 8 KV heads, µs, pairs / two
+    # CTAs) two CTAs win only where the table's launch needs a second round of CTAs (more sequences
+    # than SMs, one split each): B256x1K 152.2 / 146.7; B32x16K 260.2 / 271.6, B8x64K 263.5 / 270.3.
+    # (tqkern_k5v3's table plan is a 2-stage ring already: no two-CTA plan.)
     two = two_cta_plan(plan, layout) if plan.COOP else None
     if two is not None:
         try:
@@ -404,7 +409,7 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options)
             m = splits_for(two) if fits else 0
         except DynamicSmemUnsupported:
             m = 0
-        if m and s * m > caps.num_sms and max_len >= _COOP_MIN_TOKENS * m:
+        if m and s * m > caps.num_sms and max_len >= _COOP_MIN_TOKENS * m and (not plan.KP or s * n > caps.num_sms):
             plan, n = two, m
     return kernel_plan(layout, plan, s, hq, n), n
 
