@@ -34,10 +34,6 @@ from tests.sm90_budgets import budget_of, check_budget
 from tqkern_torch.bench.shapes import DECODE_PRESETS, decode_shape
 from tqkern.ops.paged_decode.aot import report_in_subprocess, tool_path
 
-# One worker compiles this module's kernels once (the README's `--dist loadgroup`): spread over both
-# workers, each ran the module fixture itself, the same compiles twice on CI's two cores.
-pytestmark = pytest.mark.xdist_group("sm90_decode")
-
 SHAPES = ("B32x16K", "SmolLM2_B32x4K", "Llama3-405B-TP8_B16x32K")
 
 # name -> (stack bytes, SASS instructions) today (Triton 3.9). Stack > 0: the kernel spills at the

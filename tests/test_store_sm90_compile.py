@@ -16,10 +16,6 @@ import pytest
 from tests.sm90_budgets import budget_of, check_budget, compile_reports
 from tqkern.ops.store.aot import report_in_subprocess
 
-# One worker compiles this module's kernels once (the README's `--dist loadgroup`): spread over both
-# workers, each ran the module fixture itself, the same compiles twice on CI's two cores.
-pytestmark = pytest.mark.xdist_group("sm90_store")
-
 # case -> (stack bytes, SASS instructions) today (Triton 3.9). Stack > 0: spills, pinned as budgets.
 BUDGETS = {
     "tq4:row:128:8": (48, 4904),

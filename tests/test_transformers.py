@@ -95,9 +95,9 @@ class _Counter:
         monkeypatch.setattr(tqt, "paged_decode", counted)
 
 
-def _generate(model, ids, mask=None, cache=None):
+def _generate(model, ids, mask=None, cache=None, new_tokens=8):
     return model.generate(ids, attention_mask=mask if mask is not None else torch.ones_like(ids),
-                          max_new_tokens=8, do_sample=False, past_key_values=cache)
+                          max_new_tokens=new_tokens, do_sample=False, past_key_values=cache)
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -168,8 +168,8 @@ def test_caches_share_one_device_copy_of_each_layers_params(model, monkeypatch):
     real = kv_cache.to_device
     monkeypatch.setattr(kv_cache, "to_device", lambda *a: copies.append(a[0]) or real(*a))
     caches = [tqt.TQCache(model) for _ in range(2)]
-    for cache in caches:
-        _generate(model, _ids(1, 5), cache=cache)
+    for cache in caches:  # (a prefill and one decode step each: what reads the params)
+        _generate(model, _ids(1, 5), cache=cache, new_tokens=2)
     assert all(a.device_params is b.device_params for a, b in zip(caches[0].layers, caches[1].layers))
     assert all(layer.device_params is spec.device_copies[p, layer.device]
                for p, layer in zip(spec.params, caches[0].layers))
@@ -177,7 +177,7 @@ def test_caches_share_one_device_copy_of_each_layers_params(model, monkeypatch):
     tqt.install(model, "tqkern_k5v3", key_offset="prefill")
     own = [tqt.TQCache(model) for _ in range(2)]
     for seed, cache in enumerate(own):
-        _generate(model, _ids(1, 5, seed=seed), cache=cache)
+        _generate(model, _ids(1, 5, seed=seed), cache=cache, new_tokens=2)
     for a, b in zip(own[0].layers, own[1].layers):
         assert a.device_params is not b.device_params
         assert not np.array_equal(a.params.key_offset, b.params.key_offset)
