@@ -50,23 +50,8 @@ def _cuda_device() -> bool:
     return torch.cuda.is_available()
 
 
-# The slowest files first: the sm_90 compile modules (minutes of ptxas each on a cold cache), then the
-# interpreted property tests. The README's test command runs one file a worker (`--dist loadfile`) in
-# this order (`--no-loadscope-reorder`; xdist's own order puts files of many tests first, which left
-# the property tests' few long tests to the end of the run), so short files fill the run's end.
-_FIRST = ("tests/test_sm90_compile.py", "tests/test_store_sm90_compile.py", "tests/test_prefill_sm90_compile.py")
-
-
-def _slow_first(item: pytest.Item) -> int:
-    path = item.nodeid.split("::")[0]
-    if path in _FIRST:
-        return _FIRST.index(path)
-    return len(_FIRST) + (not path.startswith("property_tests/"))
-
-
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=_slow_first)  # (stable: collection order within each rank)
     if _benchmark_only(config):
         config.stash[_BENCHMARK_IDS] = frozenset(
             item.nodeid for item in items if "benchmark" in getattr(item, "fixturenames", ()))
