@@ -242,7 +242,7 @@ def report(case: str) -> list[dict]:
     return out
 
 
-def report_in_subprocess(cases: list[str], timeout: float = 600) -> list[dict]:
+def report_in_subprocess(cases: list[str], timeout: float = 900) -> list[dict]:
     """:func:`report` of every case, run in a fresh Python without ``TRITON_INTERPRET``."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
