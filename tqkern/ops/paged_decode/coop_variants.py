@@ -62,26 +62,27 @@ def two_cta_plan(plan: MmaPlan, layout: PagedLayout) -> MmaPlan | None:
 
 def code_pair_plan(plan: MmaPlan, layout: PagedLayout, smem_optin: int = _SMEM_OPTIN) -> MmaPlan | None:
     """The cooperative ``plan`` of 5-bit keys at 4 KV heads and head_dim 128, or 8 KV heads and
-    head_dim 64 or 128 (4- or 8-warp CTAs), with the code-pair table (``KP``): entries ``K_AT + j`` hold ``(c[j & 31], c[j >> 5])``
-    for all 1024 pairs ``j`` of two adjacent codes (the 10-bit field of a lane's chunk), so a pair
-    of keys is one lookup instead of two and a PRMT. It takes 128 KB more table than the 32
-    single-code entries, so the ring gets shallower: at 4 KV heads the deepest ring of 3 to
-    ``plan.COOP`` stages that fits ``smem_optin`` bytes (k5v4h 3, tqkern_k5v3 4); at 8 KV heads the
-    deepest of 2 to ``plan.COOP`` stages of the plan's two steps (head_dim 128: tqkern_k5v3 2;
-    head_dim 64: k5v4h 3, tqkern_k5v3 4), else 3 stages of one step (``SUB = 1``; k5v4h at head_dim
-    128, whose 256 value pairs leave no room for two of two). ``None`` where it does not apply
-    (other key codes, head_dims or KV-head counts, shared-head or PRMT-addressed plans) or fit:
-    only these shapes were measured.
+    head_dim 64 or 128 (4- or 8-warp CTAs), with the code-pair table (``KP``): entries ``K_AT + j``
+    hold ``(c[j & 31], c[j >> 5])`` for all 1024 pairs ``j`` of two adjacent codes (the 10-bit field
+    of a lane's chunk), so a pair of keys is one lookup instead of two and a PRMT. It takes 128 KB
+    more table than the 32 single-code entries, so the ring gets shallower: at 4 KV heads the
+    deepest ring of 3 to ``plan.COOP`` stages that fits ``smem_optin`` bytes (k5v4h 3, tqkern_k5v3
+    4); at 8 KV heads the deepest of 2 to ``plan.COOP`` stages of the plan's two steps (head_dim 128:
+    tqkern_k5v3 2; head_dim 64: k5v4h 3, tqkern_k5v3 4), else 3 stages of one step (``SUB = 1``;
+    k5v4h at head_dim 128, whose 256 value pairs leave no room for two of two). ``None`` where it
+    does not apply (other key codes, head_dims or KV-head counts, shared-head or PRMT-addressed
+    plans) or fit: only these shapes were measured.
 
-    Measured (H200, CUDA graphs, µs, the planner's plan without → with it, SDPA fp16 in brackets).
-    S59, 4 KV heads: Qwen2.5-7B B1×64K k5v4h 35.7 → 33.0, tqkern_k5v3 39.8 → 36.7 (outputs
-    bit-equal); B16×32K 142.7 → 132.2 and 172.4 → 157.8 (16 → 8 splits: one CTA an SM where two
-    fitted before). S60, 8 KV heads (k5v4h / tqkern_k5v3): Llama-3-8B B1×128K 88.7 → 82.5 / 94.7 →
-    83.6; B32×16K 271.6 → 260.2 / 297.7 → 264.0; B8×64K 270.3 → 263.5 / 292.6 → 266.8; B32×4K 86.0
-    → 80.0 / 92.3 → 80.9; B128×1K 85.6 → 79.6 / 92.1 → 80.9; Llama-3-8B B256×1K 146.7 → 152.2 (256
-    CTAs, two rounds of one an SM, where the two-CTA plan runs one round of two: the planner keeps
-    that plan where the table's launch needs more than one round) / 161.7 → 153.8; head_dim 64, Llama-3.2-1B B64×8K: 153.9 → 139.8 / 167.5 → 162.1 (4 → 2 splits).
-    k5v4h's one-step stages alone (no table) lost 3.5% at B1×128K (88.7 → 91.7)."""
+    Measured (H200, CUDA graphs, µs, the planner's plan without → with it). S59, 4 KV heads:
+    Qwen2.5-7B B1×64K k5v4h 35.7 → 33.0, tqkern_k5v3 39.8 → 36.7 (outputs bit-equal); B16×32K 142.7
+    → 132.2 and 172.4 → 157.8 (16 → 8 splits: one CTA an SM where two fitted before). S60, 8 KV
+    heads (k5v4h / tqkern_k5v3): Llama-3-8B B1×128K 88.7 → 82.5 / 94.7 → 83.6; B32×16K 271.6 →
+    260.2 / 297.7 → 264.0; B8×64K 270.3 → 263.5 / 292.6 → 266.8; B32×4K 86.0 → 80.0 / 92.3 → 80.9;
+    B128×1K 85.6 → 79.6 / 92.1 → 80.9; Llama-3-8B B256×1K 146.7 → 152.2 (256 CTAs, two rounds of
+    one an SM, where the two-CTA plan runs one round of two: the planner keeps that plan where the
+    table's launch needs more than one round) / 161.7 → 153.8; head_dim 64, Llama-3.2-1B B64×8K
+    153.9 → 139.8 / 167.5 → 162.1 (4 → 2 splits). k5v4h's one-step stages alone (no table) lost
+    3.4% at B1×128K (88.7 → 91.7)."""
     if not isinstance(plan, MmaPlan) or not plan.COOP:
         raise TypeError(f"plan must be a cooperative plan (an MmaPlan from coop_plan), got {plan!r:.80}")
     if not isinstance(layout, PagedLayout):

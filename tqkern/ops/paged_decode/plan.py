@@ -377,9 +377,9 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options)
     except DynamicSmemUnsupported:  # nothing launched yet: the per-warp kernel
         plan = per_warp_plan(plan)
         n = splits_for(plan)
-    # Short splits with one-step stages (two CTAs per SM; since session 13 only FP8 keys'
-    # plans; the code-pair table's one-step ring, one CTA an SM, is not one of them: it was
-    # measured at splits of 1024 tokens and more only): the cooperative prologue is not paid back; the per-warp kernel runs instead where
+    # Short splits with one-step stages (two CTAs per SM; since session 13 only FP8 keys' plans;
+    # not the code-pair table's one-step ring, one CTA an SM, measured at splits of >= 1024 tokens
+    # only): the cooperative prologue is not paid back; the per-warp kernel runs instead where
     # it has at least 2 splits of its own (measured, H100: B32x4K turboquant_k8v4 90.1 vs 95.3
     # µs; docs/performance.md "Cooperative stages"). The two-step stages of 3- and 4-bit keys
     # keep their plan (B32x4K turboquant_4bit_nc 75.4 vs per-warp 75.0 µs, k3v4_nc 73.0 vs
@@ -409,7 +409,8 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options)
             m = splits_for(two) if fits else 0
         except DynamicSmemUnsupported:
             m = 0
-        if m and s * m > caps.num_sms and max_len >= _COOP_MIN_TOKENS * m and (not plan.KP or s * n > caps.num_sms):
+        two_rounds = s * n > caps.num_sms  # (the code-pair plan's launch: one CTA an SM)
+        if m and s * m > caps.num_sms and max_len >= _COOP_MIN_TOKENS * m and (not plan.KP or two_rounds):
             plan, n = two, m
     return kernel_plan(layout, plan, s, hq, n), n
 
