@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 
 import tqkern
-from tqkern.ops.paged_decode.coop_variants import code_pair_plan
+from tqkern.ops.paged_decode.coop_variants import code_pair_plan, shared_head_plan
 from tqkern.ops.paged_decode.mma_plans import _lut_bytes, coop_plan, coop_smem_bytes, mma_plan, per_warp_plan
-from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode
+from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode, shared_heads
 
 SM90_OPTIN = 232448
 A100 = DeviceCaps(capability=(8, 0), num_sms=108, smem_per_block_optin=166912, smem_per_sm=167936)
@@ -88,7 +88,8 @@ def test_planner_takes_the_code_pair_table_at_8_kv_heads(preset, batch, tokens):
 
 def test_code_pair_plan_applies_only_where_measured_and_fitting():
     """None for other key codes, head_dims other than 128 (but 64 at 8 KV heads; 64 at 4 KV heads
-    would fit: not measured), 16 KV heads, the shared-head plans of 1-2 KV heads, and where the device's shared
+    would fit: not measured), 16 KV heads, shared-head plans but 2 KV heads × 4 warps at head_dim
+    128, and where the device's shared
     memory per CTA (an A100's 163 KB) holds no ring of 3 stages (at 4 KV heads: a ring of 2 was not
     measured there)."""
     k5 = _layout("k5v4h", 4)
@@ -103,11 +104,45 @@ def test_code_pair_plan_applies_only_where_measured_and_fitting():
     for preset, heads, d in (("k5v4h", 16, 128), ("tqkern_k5v3", 16, 128), ("tqkern_k5v3", 8, 256)):
         layout = _layout(preset, heads, d)  # (cooperative plans the planner does not make: 16-warp CTAs, D256)
         assert code_pair_plan(coop_plan(per_warp_plan(mma_plan(layout, 32 // heads)), layout, 2), layout) is None
-    from tqkern.ops.paged_decode.coop_variants import shared_head_plan
+    for preset, heads, ws, d in (("k5v4h", 1, 4, 128), ("tqkern_k5v3", 1, 8, 128), ("k5v4h", 2, 2, 128),
+                                 ("tqkern_k5v3", 2, 4, 64), ("tq4", 2, 4, 128)):
+        layout = _layout(preset, heads, d)  # (one KV head: measured and lost at 3 of 4 shapes, S61)
+        shared = shared_head_plan(mma_plan(layout, 8), layout, ws)
+        assert shared.WS == ws and code_pair_plan(shared, layout) is None, (preset, heads, ws, d)
 
-    two = _layout("k5v4h", 2)
-    shared = shared_head_plan(mma_plan(two, 8), two, 4)
-    assert shared.WS == 4 and code_pair_plan(shared, two) is None
+
+@pytest.mark.parametrize("preset,sub,stages", [("k5v4h", 1, 3), ("tqkern_k5v3", 2, 2)])
+def test_code_pair_plan_in_shared_head_ctas_at_2_kv_heads(preset, sub, stages):
+    """Two KV heads in an 8-warp CTA (the planner's shared-head plan, 4 warps a KV head) take the
+    8-KV-head rule: tqkern_k5v3 2 stages of two steps, k5v4h 3 of one; only ``KP``, ``SUB`` and the
+    ring change, ``WS`` stays 4."""
+    layout = _layout(preset, 2)
+    shared = shared_heads(mma_plan(layout, 8), layout)
+    assert (shared.WS, shared.SUB, shared.COOP) == (4, 2, 4)
+    pairs = code_pair_plan(shared, layout)
+    assert (pairs.KP, pairs.SUB, pairs.COOP, pairs.WS) == (1, sub, stages, 4)
+    assert dataclasses.replace(pairs, KP=None, SUB=2, COOP=4) == shared
+    assert coop_smem_bytes(pairs) <= SM90_OPTIN < coop_smem_bytes(dataclasses.replace(pairs, COOP=stages + 1))
+    assert code_pair_plan(shared, layout, A100.smem_per_block_optin) is None
+
+
+@pytest.mark.parametrize("preset", ["k5v4h", "tqkern_k5v3"])
+@pytest.mark.parametrize("hq,batch,tokens", [(16, 32, 16384), (16, 16, 65536), (16, 128, 2048), (8, 64, 8192),
+                                             (14, 32, 16384)])
+def test_planner_takes_the_code_pair_table_at_2_kv_heads(preset, hq, batch, tokens):
+    """At the five two-KV-head shapes measured (Llama-3-70B-TP4, Llama-3-8B-TP4, Qwen2.5-7B-TP2) the
+    sm_90 plan is the shared-head plan with the code-pair table, its splits whole CTAs of 4; on an
+    A100 (163 KB a CTA: neither the table nor the shared-head ring fits) the per-warp kernel."""
+    layout = _layout(preset, 2)
+    plan = plan_decode(layout, batch, hq, tokens // 16, DeviceCaps.sm90(), same_codebooks=True,
+                       occupancy=_residency)
+    want = code_pair_plan(shared_heads(mma_plan(layout, hq // 2), layout), layout)
+    assert plan.decode.kernel == "coop" and plan.summary().endswith("4 warps per KV head, code-pair table")
+    cx = dict(plan.decode.constexprs)
+    assert (cx["KP"], cx["SUB"], cx["COOP"], cx["WS"]) == (1, want.SUB, want.COOP, 4)
+    assert plan.num_splits % 4 == 0
+    a100 = plan_decode(layout, batch, hq, tokens // 16, A100, same_codebooks=True, occupancy=_residency)
+    assert a100.decode.kernel == "mma" and "KP" not in dict(a100.decode.constexprs)
 
 
 def test_code_pair_plan_bad_input():

@@ -505,7 +505,8 @@ def test_plan_summary_names_the_launch():
     assert coop.summary() == "coop kernel, 4 splits, grid (128,), 8 warps, 2 stages of 2 steps"
     shared = plan_decode(_layout("k5v4h", 128, 2), 16, 16, 4096, DeviceCaps.sm90(), same_codebooks=True,
                          num_splits=8)
-    assert shared.summary() == "coop kernel, 8 splits, grid (32,), 8 warps, 4 stages of 8 steps, 4 warps per KV head"
+    assert shared.summary() == ("coop kernel, 8 splits, grid (32,), 8 warps, 3 stages of 4 steps, 4 warps per KV head, "
+                                "code-pair table")
     per_warp = plan_decode(_layout("tq4", 128, 1, "row"), 32, 8, 1024, DeviceCaps.sm90(), same_codebooks=True,
                            num_splits=33)
     assert per_warp.summary() == "mma kernel, 33 splits, grid (264,), 4 warps"

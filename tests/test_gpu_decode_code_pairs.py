@@ -15,24 +15,27 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.mark.parametrize("preset", ["k5v4h", "tqkern_k5v3"])
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("heads,hq,d", [(4, 28, 128), (8, 32, 128), (8, 32, 64)])
+@pytest.mark.parametrize("heads,hq,d", [(4, 28, 128), (8, 32, 128), (8, 32, 64), (2, 16, 128)])
 def test_code_pair_table_matches_single_code_lookups_bit_for_bit(preset, block_size, heads, hq, d):
     """One lookup per pair of 5-bit codes (1024 entries) feeds the MMAs the same fp16 pairs as two
     single-code lookups and a PRMT: every partial (acc, max, sum) equals the single-code plan's bit
-    for bit, at 1 and 3 splits and every stage count that fits, with lengths ending mid-step and
-    mid-block, shuffled blocks and random bytes in the unused slots (4 KV heads, GQA 7; 8 KV heads,
-    GQA 4, head_dim 128 and 64: the single-code plan with the table plan's ring, one-step stages
-    for k5v4h at 128)."""
+    for bit, at 1 and 3 splits (shared-head plans: CTAs) and every stage count that fits, with
+    lengths ending mid-step and mid-block, shuffled blocks and random bytes in the unused slots (4 KV
+    heads, GQA 7; 8 KV heads,
+    GQA 4, head_dim 128 and 64; 2 KV heads, GQA 8, in shared-head CTAs of 4 warps each: the
+    single-code plan with the table plan's ring, one-step stages for k5v4h at 128)."""
     import triton
 
     from tqkern.ops.paged_decode.coop_variants import code_pair_plan
     from tqkern.ops.paged_decode.mma_plans import coop_plan, mma_plan, per_warp_plan
+    from tqkern.ops.paged_decode.plan import shared_heads
     from tqkern.ops.paged_decode.triton import _workspace, device_caps, launch_mma_plan
 
     fmt = tqkern.KVFormat.preset(preset, d)
     layout = tqkern.PagedLayout(format=fmt, num_kv_heads=heads, block_size=block_size, arrangement="slot")
     params = tqt.to_device(tqkern.TQParams.default(fmt), "cuda")
     plan = mma_plan(layout, hq // heads)
+    plan = shared_heads(plan, layout) or plan  # (two KV heads: the shared-head plan, WS = 4)
     pairs = code_pair_plan(plan, layout, device_caps(torch.device("cuda")).smem_per_block_optin)
     assert pairs is not None and pairs.KP == 1
     sl = torch.tensor([1, 15, 16, 17, 77, 600, 999, 1000], dtype=torch.int32, device="cuda")
@@ -47,7 +50,7 @@ def test_code_pair_table_matches_single_code_lookups_bit_for_bit(preset, block_s
     for n in range(3, pairs.COOP):
         single = coop_plan(per_warp_plan(plan), layout, n)
         cases.append((single, dataclasses.replace(single, KP=1)))
-    for splits in (1, 3):
+    for splits in ((1, 3) if not plan.WS else (plan.WS, 3 * plan.WS)):
         for single, kp in cases:
             got = []
             for p in (single, kp):
@@ -61,10 +64,11 @@ def test_code_pair_table_matches_single_code_lookups_bit_for_bit(preset, block_s
 
 
 @pytest.mark.parametrize("preset", ["k5v4h", "tqkern_k5v3"])
-@pytest.mark.parametrize("heads,hq,d", [(4, 28, 128), (8, 32, 128), (8, 32, 64)])
+@pytest.mark.parametrize("heads,hq,d", [(4, 28, 128), (8, 32, 128), (8, 32, 64), (2, 16, 128)])
 def test_launcher_takes_the_code_pair_table(preset, heads, hq, d):
     """The planner's own plan at batch 1 × 16K tokens, 4 KV heads (Qwen2.5-7B's GQA 7) and 8
-    (Llama-3-8B's GQA 4; head_dim 64: Llama-3.2-1B's): the code-pair table, against float32
+    (Llama-3-8B's GQA 4; head_dim 64: Llama-3.2-1B's) and 2 (Llama-3-70B-TP4's GQA 8, shared-head
+    CTAs): the code-pair table, against float32
     attention over the decompressed K/V (output poisoned first)."""
     fmt = tqkern.KVFormat.preset(preset, d)
     layout = tqkern.PagedLayout(format=fmt, num_kv_heads=heads, block_size=16, arrangement="slot")

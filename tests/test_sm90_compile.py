@@ -19,7 +19,7 @@ and Gemma-2-9B's Hq16/Hkv8/D256 for D256's key and value chunks (FP8, 3-bit and 
 4-bit values); the ``kXvYh`` formats of
 ``docs/quality.md`` whose values have their own table entries at B32x16K's shape; head_dim 96 at
 Phi-3-mini-TP2's Hq16/Hkv16; 5-bit keys at Llama-3-70B-TP4's Hq16/Hkv2, whose shared-head plan
-the launcher takes, and at Qwen2.5-7B's Hq28/Hkv4, whose cooperative plan takes the code-pair table, as
+the launcher takes (with the code-pair table since session 61), and at Qwen2.5-7B's Hq28/Hkv4, whose cooperative plan takes the code-pair table, as
 B32x16K's 5-bit plans do since session 60).
 """
 
@@ -125,6 +125,9 @@ BUDGETS = {
     "mma:k5v4h:slot:128:2:16:shared": (32, 2328),
     "mma:tqkern_k5v3:slot:128:2:16:per_warp": (8, 1888),
     "mma:tqkern_k5v3:slot:128:2:16:shared": (0, 2352),
+    # (S61) and their code-pair table (k5v4h 3 stages of one step a warp, tqkern_k5v3 2 of two)
+    "mma:k5v4h:slot:128:2:16:pairs": (0, 1496),
+    "mma:tqkern_k5v3:slot:128:2:16:pairs": (0, 2056),
     # (S59) Qwen2.5-7B (Hq28/Hkv4/D128): 5-bit keys' cooperative plan and its code-pair table
     # (coop_variants.code_pair_plan: 1024 key pairs, 128 KB more table; its loop 1035 -> 788 instructions
     # for k5v4h, the unrolled fill of 1024 entries +136 outside it)
@@ -145,6 +148,7 @@ TRITON36 = {
     "mma:k5v4h:slot:128:8:32:coop": (8, 1808),
     "mma:k5v4h:slot:128:8:32:coop2": (8, 1712),
     "mma:turboquant_4bit_nc:slot:128:1:16:one_head": (0, 1632),  # (S54, offline)
+    "mma:k5v4h:slot:128:2:16:pairs": (0, 1504),  # (S61, on the H200)
     "general:fp16:slot:128:8:32": (0, 1536),  # (S53, offline: 203 registers)
     "general:fp16:slot:128:8:32:window+softcap": (0, 1712),
 }

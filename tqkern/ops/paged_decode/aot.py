@@ -145,7 +145,7 @@ def launcher_plans(layout, group: int) -> dict:
     the PRMT-addressed table where :func:`~.mma_plans.table256_plan` fits) and ``"coop2"`` (two
     CTAs per SM: :func:`~.coop_variants.two_cta_plan`) and ``"pairs"`` (the 5-bit code-pair table:
     :func:`~.coop_variants.code_pair_plan`), or ``"shared"`` where the planner takes a
-    shared-head plan (:func:`~.plan.shared_heads`), ``"one_head"`` where it takes
+    shared-head plan (:func:`~.plan.shared_heads`; with its ``"pairs"``), ``"one_head"`` where it takes
     :func:`~.plan.one_head_plan` at long contexts. Empty where the warp-MMA kernel does not apply."""
     plan = mma_plan(layout, group)
     if plan is None:
@@ -163,6 +163,9 @@ def launcher_plans(layout, group: int) -> dict:
         shared = shared_heads(plan, layout)
         if shared is not None:
             out["shared"] = shared
+            pairs = code_pair_plan(shared, layout)
+            if pairs is not None:
+                out["pairs"] = pairs
         one = one_head_plan(plan, layout, 1 << 30)  # (at contexts the rule takes: any long one)
         if one is not None:
             out["one_head"] = one

@@ -61,16 +61,17 @@ def two_cta_plan(plan: MmaPlan, layout: PagedLayout) -> MmaPlan | None:
 
 
 def code_pair_plan(plan: MmaPlan, layout: PagedLayout, smem_optin: int = _SMEM_OPTIN) -> MmaPlan | None:
-    """The cooperative ``plan`` of 5-bit keys at 4 KV heads and head_dim 128, or 8 KV heads and
-    head_dim 64 or 128 (4- or 8-warp CTAs), with the code-pair table (``KP``): entries ``K_AT + j``
+    """The cooperative ``plan`` of 5-bit keys at 4 KV heads and head_dim 128, 8 KV heads and
+    head_dim 64 or 128, or two KV heads at head_dim 128 in shared-head CTAs of 4 warps each
+    (:func:`shared_head_plan`, ``WS = 4``) — 4- or 8-warp CTAs — with the code-pair table (``KP``): entries ``K_AT + j``
     hold ``(c[j & 31], c[j >> 5])`` for all 1024 pairs ``j`` of two adjacent codes (the 10-bit field
     of a lane's chunk), so a pair of keys is one lookup instead of two and a PRMT. It takes 128 KB
     more table than the 32 single-code entries, so the ring gets shallower: at 4 KV heads the
     deepest ring of 3 to ``plan.COOP`` stages that fits ``smem_optin`` bytes (k5v4h 3, tqkern_k5v3
-    4); at 8 KV heads the deepest of 2 to ``plan.COOP`` stages of the plan's two steps (head_dim 128:
-    tqkern_k5v3 2; head_dim 64: k5v4h 3, tqkern_k5v3 4), else 3 stages of one step (``SUB = 1``;
+    4); in 8-warp CTAs the deepest of 2 to ``plan.COOP`` stages of the plan's two steps (head_dim
+    128: tqkern_k5v3 2; head_dim 64: k5v4h 3, tqkern_k5v3 4), else 3 stages of one step (``SUB = 1``;
     k5v4h at head_dim 128, whose 256 value pairs leave no room for two of two). ``None`` where it
-    does not apply (other key codes, head_dims or KV-head counts, shared-head or PRMT-addressed
+    does not apply (other key codes, head_dims or KV-head counts, one KV head, PRMT-addressed
     plans) or fit: only these shapes were measured.
 
     Measured (H200, CUDA graphs, µs, the planner's plan without → with it). S59, 4 KV heads:
@@ -82,16 +83,24 @@ def code_pair_plan(plan: MmaPlan, layout: PagedLayout, smem_optin: int = _SMEM_O
     one an SM, where the two-CTA plan runs one round of two: the planner keeps that plan where the
     table's launch needs more than one round) / 161.7 → 153.8; head_dim 64, Llama-3.2-1B B64×8K
     153.9 → 139.8 / 167.5 → 162.1 (4 → 2 splits). k5v4h's one-step stages alone (no table) lost
-    3.4% at B1×128K (88.7 → 91.7)."""
+    3.4% at B1×128K (88.7 → 91.7). S61, two KV heads (shared-head CTAs, k5v4h / tqkern_k5v3):
+    Llama-3-70B-TP4 B32×16K 96.4 → 89.6 / 101.8 → 91.9; B16×64K 156.7 → 144.3 / 167.2 → 148.7;
+    B128×2K 62.1 → 58.1 / 64.3 → 58.6; Llama-3-8B-TP4 B64×8K (Hq 8) 85.5 → 78.6 / 91.4 → 81.1;
+    Qwen2.5-7B-TP2 B32×16K (Hq 14) 94.8 → 87.9 / 100.3 → 89.5 (k5v4h's two-step ring does not fit;
+    tqkern_k5v3's one-step ring of 3: 94.3 / 153.4 / 60.0 / 83.5 / 92.2). One KV head (4-warp CTAs)
+    gained only at Llama-3-405B-TP8 B16×32K (k5v4h 81.4 → 70.9) and lost at B32×16K (82.9 → 90.3),
+    B4×128K, and Llama-3-70B-TP8 B8×64K (68.5 → 88.7): not taken."""
     if not isinstance(plan, MmaPlan) or not plan.COOP:
         raise TypeError(f"plan must be a cooperative plan (an MmaPlan from coop_plan), got {plan!r:.80}")
     if not isinstance(layout, PagedLayout):
         raise TypeError(f"layout must be a tqkern.PagedLayout, got {type(layout).__name__}")
     heads = layout.num_kv_heads
-    if plan.K_BITS != 5 or plan.WS or plan.LUT_AT or (heads, plan.D) not in ((4, 128), (8, 64), (8, 128)):
+    shapes = ((4, 0, 128), (8, 0, 64), (8, 0, 128), (2, 4, 128))  # (KV heads, WS, head_dim)
+    if plan.K_BITS != 5 or plan.LUT_AT or (heads, plan.WS or 0, plan.D) not in shapes:
         return None
-    rings = [(plan.SUB, n) for n in range(plan.COOP, 2 if heads == 4 else 1, -1)]
-    for sub, stages in rings + ([(1, 3)] if heads == 8 else []):
+    eight_warps = heads * (plan.WS or 1) == 8
+    rings = [(plan.SUB, n) for n in range(plan.COOP, 1 if eight_warps else 2, -1)]
+    for sub, stages in rings + ([(1, 3)] if eight_warps else []):
         out = dataclasses.replace(plan, KP=1, SUB=sub, COOP=stages)
         if coop_smem_bytes(out) <= smem_optin:
             return out

@@ -288,7 +288,9 @@ def shared_heads(plan: MmaPlan, layout: PagedLayout) -> MmaPlan | None:
     """The shared-head plan (:func:`.coop_variants.shared_head_plan`, CTAs of 8 warps) the decode
     planner takes instead of the per-warp ``plan``, or ``None``: two KV heads with 5-bit keys at
     head_dim 128 and GQA groups of at most 8 (one query column tile). Other head_dims and two column
-    tiles were neither timed nor checked on a GPU with it.
+    tiles were neither timed nor checked on a GPU with it. Where a CTA can hold about 221 KB (sm_90)
+    the planner then adds the code-pair table (:func:`.coop_variants.code_pair_plan`, S61: 6–11%
+    less time at the five two-KV-head shapes measured).
 
     Measured (H200, session 52 probe, CUDA graphs, µs, per-warp → shared, SDPA fp16 in the same
     run): two KV heads, k5v4h: Llama-3-8B-TP4 B64×8K (Hq 8) 105.0 → 92.4, Qwen2.5-7B-TP2 B32×16K
@@ -345,7 +347,7 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options)
     if one is not None and s * _ONE_HEAD_SPLITS // one.WS > 2 * caps.num_sms:
         one = None  # (measured at up to 2 CTAs an SM)
     plan = shared_heads(plan, layout) or one or plan
-    if plan.COOP and caps.dynamic_smem:  # 5-bit keys at 4 or 8 KV heads: the code-pair table where it fits
+    if plan.COOP and caps.dynamic_smem:  # 5-bit keys at 2 (shared), 4 or 8 KV heads: the code-pair table
         plan = code_pair_plan(plan, layout, caps.smem_per_block_optin) or plan
     if plan.COOP and (not caps.dynamic_smem or coop_smem_bytes(plan) > caps.smem_per_block_optin):
         plan = per_warp_plan(plan)
