@@ -192,7 +192,7 @@ def _mma2(s, s2, a0, a1, a2, a3, qf, i: tl.constexpr, j: tl.constexpr, NQ: tl.co
 
 
 @triton.jit
-def _scores(k0, k1, qf, lb, kb, lane4, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K_FP8: tl.constexpr,
+def _scores(k0, k1, qf, kb, lane4, ones, k_sh, NKW: tl.constexpr, K_NC: tl.constexpr, K_FP8: tl.constexpr,
             K_BITS: tl.constexpr, NKT: tl.constexpr, K_FUN: tl.constexpr, E256: tl.constexpr = False,
             NQ: tl.constexpr = 0, QT: tl.constexpr = 1, KP: tl.constexpr = 0):
     """S^T (tokens r, r+8 × heads 2c, 2c+1) of each query column tile (``QT`` of them: the second's
@@ -201,11 +201,11 @@ def _scores(k0, k1, qf, lb, kb, lane4, ones, k_sh, NKW: tl.constexpr, K_NC: tl.c
     ``i`` of the chunk is k-tile ``i`` (its bytes 0, 1 the MMA columns 2c, 2c+1; bytes 2, 3 the
     columns 2c+8, 2c+9). 3-bit keys: the chunk words shifted by ``k_sh`` bits, code pair ``p``
     (bits ``6p ..``) one table entry; k-tile ``i`` takes pairs ``2i`` (columns 2c, 2c+1) and
-    ``2i + 1`` (2c+8, 2c+9). ``lb``: this lane's base of the table's key entries (entry ``K_AT``
-    of the plan; 5-bit keys: their 32 single-code entries); ``kb``: the entries' base without the
-    lane's bytes, ``lane4``: those bytes (3- and 5-bit fields are looked up by
+    ``2i + 1`` (2c+8, 2c+9). ``kb``: the base of the table's key entries (entry ``K_AT`` of the
+    plan; 5-bit keys: their 32 single-code entries, or the 1024 code pairs); ``lane4``: this lane's
+    bytes within an entry (4-bit keys read ``kb + lane4``; 3- and 5-bit fields are looked up by
     :func:`~.mma_table._entry_offset`)."""
-    z = tl.zeros_like(lb.to(tl.float32))
+    z = tl.zeros_like(lane4.to(tl.float32))
     s = (z, z, z, z)  # two independent accumulation chains (even / odd k-tiles)
     t = (z, z, z, z)
     s2 = (z, z, z, z)  # (the second column tile's)
@@ -248,6 +248,7 @@ def _scores(k0, k1, qf, lb, kb, lane4, ones, k_sh, NKW: tl.constexpr, K_NC: tl.c
         if K_FUN:  # the chunk's words from the words that hold it
             k0 = _shifted(k0, k_sh, NKW)
             k1 = _shifted(k1, k_sh, NKW)
+        lb = kb + lane4  # this lane's base of the key entries
         for i in tl.static_range(NKW):
             pw = _lut4(k0[i], lb, E256)  # chunk bytes 4i..4i+3 of token r
             px = _lut4(k1[i], lb, E256)  # ... of token r + 8

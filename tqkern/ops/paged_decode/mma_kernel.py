@@ -212,8 +212,7 @@ def _paged_decode_mma_kernel(
         lb = lut + lane * 4
     else:
         lb = lane * 4
-    lbk = lb + K_AT * 128  # this lane's base of the key entries
-    kbase = lut + K_AT * 128  # (and the key entries' own)
+    kbase = lut + K_AT * 128  # the key entries' base (a lane's: + lane * 4)
 
     # -- field geometry (aligned spans, byte masks for the joining lane) ---------------------------
     kvh = h // GS  # this warp's KV head (h: a (KV head, query-head group) pair)
@@ -367,7 +366,7 @@ def _paged_decode_mma_kernel(
             if WINDOW:
                 ok0 = ok0 & (t0 + 16 * u + r >= first)
                 ok1 = ok1 & (t0 + 16 * u + r + 8 >= first)
-            sv, sv2, cn = _scores(k0, k1, qf, lbk, kbase, lane * 4, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16,
+            sv, sv2, cn = _scores(k0, k1, qf, kbase, lane * 4, ones, k_sh, NKW, K_NC, K_FP8, K_BITS, D // 16,
                                   K_FUN, LUT_AT > 0, NQ, QT, KP)
             s0, s1, s2, s3 = _scaled_scores(sv, cn, fac, ok0, ok1, sm_scale_log2, K_NC, SOFTCAP, softcap_scale,
                                             softcap_cap)
