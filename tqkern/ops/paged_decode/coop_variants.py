@@ -63,10 +63,11 @@ def two_cta_plan(plan: MmaPlan, layout: PagedLayout) -> MmaPlan | None:
 def code_pair_plan(plan: MmaPlan, layout: PagedLayout, smem_optin: int = _SMEM_OPTIN) -> MmaPlan | None:
     """The cooperative ``plan`` of 5-bit keys at 4 KV heads and head_dim 128, 8 KV heads and
     head_dim 64 or 128, or two KV heads at head_dim 128 in shared-head CTAs of 4 warps each
-    (:func:`shared_head_plan`, ``WS = 4``) — 4- or 8-warp CTAs — with the code-pair table (``KP``): entries ``K_AT + j``
-    hold ``(c[j & 31], c[j >> 5])`` for all 1024 pairs ``j`` of two adjacent codes (the 10-bit field
-    of a lane's chunk), so a pair of keys is one lookup instead of two and a PRMT. It takes 128 KB
-    more table than the 32 single-code entries, so the ring gets shallower: at 4 KV heads the
+    (:func:`shared_head_plan`, ``WS = 4``) — CTAs of 4 or 8 warps — with the code-pair table
+    (``KP``): entries ``K_AT + j`` hold ``(c[j & 31], c[j >> 5])`` for all 1024 pairs ``j`` of two
+    adjacent codes (the 10-bit field of a lane's chunk), so a pair of keys is one lookup instead of
+    two and a PRMT. It takes 128 KB more table than the 32 single-code entries, so the ring gets
+    shallower: at 4 KV heads the
     deepest ring of 3 to ``plan.COOP`` stages that fits ``smem_optin`` bytes (k5v4h 3, tqkern_k5v3
     4); in 8-warp CTAs the deepest of 2 to ``plan.COOP`` stages of the plan's two steps (head_dim
     128: tqkern_k5v3 2; head_dim 64: k5v4h 3, tqkern_k5v3 4), else 3 stages of one step (``SUB = 1``;
