@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import tqkern
 import tqkern.testing as T
 import tqkern_torch as tqt
-from property_tests.test_paged_decode_triton import mma_path_cases
+from property_tests.test_paged_decode_triton import mma_path_cases, store_slots
 from tqkern import reference as ref
 from tqkern.ops.paged_decode.plan import DecodeOptions
 from tqkern.ops.paged_decode.triton import decode_path
@@ -146,9 +146,7 @@ def _check_options_against_oracle(layout, params, group, batch, num_splits, opts
         if batch.seq_lens[s] == 0:
             continue
         k, v = data.draw(T.kv_arrays(int(batch.seq_lens[s]), h, d, dtype=np.float32), label=f"kv{s}")
-        kt, _ = to_torch_kv(k, qdtype, DEV)
-        vt, _ = to_torch_kv(v, qdtype, DEV)
-        tqt.store(cache, kt, vt, torch.from_numpy(batch.slot_ids(s)).to(DEV), layout, params)
+        store_slots(cache, k, v, batch.slot_ids(s), layout, params, qdtype)  # (the oracle off the GPU)
     num_seqs = len(batch.seq_lens)
     q_np = data.draw(T.float_arrays((num_seqs, h * group, d), dtype=np.float32), label="q")
     nonfinite = data.draw(st.lists(st.tuples(st.integers(0, num_seqs - 1), st.integers(0, h * group - 1),

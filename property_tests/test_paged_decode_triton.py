@@ -340,15 +340,27 @@ def test_short_split_plan_matches_oracle(case, data):
     _check_against_oracle(*case, data)
 
 
+def store_slots(cache, k, v, slots, layout, params, qdtype):
+    """Write float32 ``k, v [T, H, D]`` (rounded to ``qdtype`` first) at ``slots`` of ``cache``: by
+    the store kernel on a GPU, by the NumPy oracle elsewhere. The interpreter takes seconds a call
+    for the store kernel (two thirds of this file's time in session 61's profile) and the oracle
+    writes the same bytes (``test_store_triton.py`` checks that); the prefill property tests fill
+    their caches by the oracle too. What these tests check is the decode of the bytes."""
+    kt, k64 = to_torch_kv(k, qdtype, DEV)
+    vt, v64 = to_torch_kv(v, qdtype, DEV)
+    if DEV.type == "cuda":
+        tqt.store(cache, kt, vt, torch.from_numpy(slots).to(DEV), layout, params)
+    else:
+        cache.copy_(torch.from_numpy(ref.store(cache.numpy(), k64, v64, slots, layout, params)))
+
+
 def _check_against_oracle(layout, params, group, batch, qdtype, num_splits, data):
     h, d = layout.num_kv_heads, layout.head_dim
     cache = poisoned_like(layout.cache_shape(batch.num_blocks), torch.uint8, DEV, seed=batch.num_blocks)
     for s in range(len(batch.seq_lens)):
         n = int(batch.seq_lens[s])
         k, v = data.draw(T.kv_arrays(n, h, d, dtype=np.float32), label=f"kv{s}")
-        kt, _ = to_torch_kv(k, qdtype, DEV)
-        vt, _ = to_torch_kv(v, qdtype, DEV)
-        tqt.store(cache, kt, vt, torch.from_numpy(batch.slot_ids(s)).to(DEV), layout, params)
+        store_slots(cache, k, v, batch.slot_ids(s), layout, params, qdtype)
     q_np = data.draw(T.float_arrays((len(batch.seq_lens), h * group, d), dtype=np.float32), label="q")
     nonfinite = data.draw(st.lists(st.tuples(st.integers(0, len(batch.seq_lens) - 1), st.integers(0, h * group - 1),
                                              st.integers(0, d - 1), st.sampled_from([np.nan, np.inf, -np.inf])),
