@@ -101,17 +101,22 @@ def test_decompress_past_the_cache_reads_zeros():
 
 @functools.lru_cache(maxsize=None)
 def _stored_bytes(case, num_blocks):
-    """The bytes of ``num_blocks`` blocks of random K/V stored in ``case``'s layout, once per module
-    (the interpreter stores tqkern_k5v3's 384 tokens in ~10 s)."""
+    """The bytes of ``num_blocks`` blocks of random K/V stored in ``case``'s layout, once per module:
+    by the store kernel on a GPU, by the NumPy oracle elsewhere (the same bytes; the interpreter
+    stores tqkern_k5v3's 384 tokens in ~10 s). The store's own guards are tested above."""
     preset, arrangement, d, hkv, _ = case
     layout, params = _setup(preset, arrangement, d, hkv)
     rng = np.random.default_rng(2)
     _, cache = _guarded_cache(layout, num_blocks)
     n = num_blocks * layout.block_size
-    k, _ = to_torch_kv(rng.standard_normal((n, hkv, d)), torch.float16, DEV)
-    v, _ = to_torch_kv(rng.standard_normal((n, hkv, d)), torch.float16, DEV)
-    tqt.store(cache, k, v, torch.arange(n, device=DEV), layout, params)
-    assert tqt.read_errors(DEV) == ErrorFlag(0)
+    k, k64 = to_torch_kv(rng.standard_normal((n, hkv, d)), torch.float16, DEV)
+    v, v64 = to_torch_kv(rng.standard_normal((n, hkv, d)), torch.float16, DEV)
+    if ON_GPU:
+        tqt.store(cache, k, v, torch.arange(n, device=DEV), layout, params)
+        assert tqt.read_errors(DEV) == ErrorFlag(0)
+    else:
+        host = tqkern.TQParams.default(layout.format, seed=0)  # (_setup's params, on the host)
+        cache.copy_(torch.from_numpy(ref.store(cache.cpu().numpy(), k64, v64, np.arange(n), layout, host)))
     return cache.clone()
 
 
