@@ -149,7 +149,11 @@ def test_decompress_equals_oracle(case, rotate_back, tiles):
     """Through ``tqt.decompress`` (``tiles`` None), or its launcher at drawn program tiles: every
     tiling the config may choose reads the oracle's values."""
     layout, params, num_blocks, slots, dtype, k, v, _ = case
-    got, _, _, _ = _run_store(*case)
+    if DEV.type == "cuda":
+        got, _, _, _ = _run_store(*case)
+    else:  # the interpreter's store takes seconds; the oracle writes the same bytes (tested above)
+        poisoned = poisoned_like(layout.cache_shape(num_blocks), torch.uint8, DEV, seed=num_blocks).numpy()
+        got = ref.store(poisoned, to_torch_kv(k, dtype, DEV)[1], to_torch_kv(v, dtype, DEV)[1], slots, layout, params)
     cache = torch.from_numpy(got).to(DEV)
     ids = torch.from_numpy(slots).to(DEV)
     tqt.read_errors(DEV)
