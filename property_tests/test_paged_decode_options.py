@@ -22,12 +22,12 @@ from hypothesis import strategies as st
 import tqkern
 import tqkern.testing as T
 import tqkern_torch as tqt
-from property_tests.test_paged_decode_triton import mma_path_cases, store_slots
+from property_tests.test_paged_decode_triton import mma_path_cases
 from tqkern import reference as ref
 from tqkern.ops.paged_decode.plan import DecodeOptions
 from tqkern.ops.paged_decode.triton import decode_path
 from tqkern_torch.attention import paged_decode
-from tqkern_torch.testing import device_under_test, kernels_available, poisoned_like, to_torch_kv
+from tqkern_torch.testing import device_under_test, kernels_available, poisoned_like, store_for_tests, to_torch_kv
 
 pytestmark = [pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1"),
               pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:All-NaN:RuntimeWarning")]
@@ -146,7 +146,7 @@ def _check_options_against_oracle(layout, params, group, batch, num_splits, opts
         if batch.seq_lens[s] == 0:
             continue
         k, v = data.draw(T.kv_arrays(int(batch.seq_lens[s]), h, d, dtype=np.float32), label=f"kv{s}")
-        store_slots(cache, k, v, batch.slot_ids(s), layout, params, qdtype)  # (the oracle off the GPU)
+        store_for_tests(cache, k, v, batch.slot_ids(s), layout, params, qdtype)  # (the oracle off the GPU)
     num_seqs = len(batch.seq_lens)
     q_np = data.draw(T.float_arrays((num_seqs, h * group, d), dtype=np.float32), label="q")
     nonfinite = data.draw(st.lists(st.tuples(st.integers(0, num_seqs - 1), st.integers(0, h * group - 1),

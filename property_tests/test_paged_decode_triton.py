@@ -28,7 +28,7 @@ from tqkern.ops.paged_decode.triton import decode_path, fast_path_plan
 from tqkern.ops.paged_decode.mma_plans import mma_plan
 from tqkern.ops.paged_decode.plan import DeviceCaps, one_head_plan, plan_decode, shared_heads
 from tqkern_torch.attention import paged_decode
-from tqkern_torch.testing import device_under_test, kernels_available, poisoned_like, to_torch_kv
+from tqkern_torch.testing import device_under_test, kernels_available, poisoned_like, store_for_tests, to_torch_kv
 
 pytestmark = [pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1"),
               # NaN queries are injected on purpose: NumPy's and the interpreter's warnings about them are expected
@@ -340,27 +340,13 @@ def test_short_split_plan_matches_oracle(case, data):
     _check_against_oracle(*case, data)
 
 
-def store_slots(cache, k, v, slots, layout, params, qdtype):
-    """Write float32 ``k, v [T, H, D]`` (rounded to ``qdtype`` first) at ``slots`` of ``cache``: by
-    the store kernel on a GPU, by the NumPy oracle elsewhere. The interpreter takes seconds a call
-    for the store kernel (two thirds of this file's time in session 61's profile) and the oracle
-    writes the same bytes (``test_store_triton.py`` checks that); the prefill property tests fill
-    their caches by the oracle too. What these tests check is the decode of the bytes."""
-    kt, k64 = to_torch_kv(k, qdtype, DEV)
-    vt, v64 = to_torch_kv(v, qdtype, DEV)
-    if DEV.type == "cuda":
-        tqt.store(cache, kt, vt, torch.from_numpy(slots).to(DEV), layout, params)
-    else:
-        cache.copy_(torch.from_numpy(ref.store(cache.numpy(), k64, v64, slots, layout, params)))
-
-
 def _check_against_oracle(layout, params, group, batch, qdtype, num_splits, data):
     h, d = layout.num_kv_heads, layout.head_dim
     cache = poisoned_like(layout.cache_shape(batch.num_blocks), torch.uint8, DEV, seed=batch.num_blocks)
     for s in range(len(batch.seq_lens)):
         n = int(batch.seq_lens[s])
         k, v = data.draw(T.kv_arrays(n, h, d, dtype=np.float32), label=f"kv{s}")
-        store_slots(cache, k, v, batch.slot_ids(s), layout, params, qdtype)
+        store_for_tests(cache, k, v, batch.slot_ids(s), layout, params, qdtype)  # (the oracle off the GPU)
     q_np = data.draw(T.float_arrays((len(batch.seq_lens), h * group, d), dtype=np.float32), label="q")
     nonfinite = data.draw(st.lists(st.tuples(st.integers(0, len(batch.seq_lens) - 1), st.integers(0, h * group - 1),
                                              st.integers(0, d - 1), st.sampled_from([np.nan, np.inf, -np.inf])),

@@ -25,7 +25,7 @@ import tqkern.testing as T
 import tqkern_torch as tqt
 from tqkern import reference as ref
 from tqkern.errors import ErrorFlag
-from tqkern_torch.testing import device_under_test, kernels_available, poisoned_like, to_torch_kv
+from tqkern_torch.testing import device_under_test, kernels_available, poisoned_like, store_for_tests, to_torch_kv
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1")
 
@@ -149,12 +149,9 @@ def test_decompress_equals_oracle(case, rotate_back, tiles):
     """Through ``tqt.decompress`` (``tiles`` None), or its launcher at drawn program tiles: every
     tiling the config may choose reads the oracle's values."""
     layout, params, num_blocks, slots, dtype, k, v, _ = case
-    if DEV.type == "cuda":
-        got, _, _, _ = _run_store(*case)
-    else:  # the interpreter's store takes seconds; the oracle writes the same bytes (tested above)
-        poisoned = poisoned_like(layout.cache_shape(num_blocks), torch.uint8, DEV, seed=num_blocks).numpy()
-        got = ref.store(poisoned, to_torch_kv(k, dtype, DEV)[1], to_torch_kv(v, dtype, DEV)[1], slots, layout, params)
-    cache = torch.from_numpy(got).to(DEV)
+    cache = poisoned_like(layout.cache_shape(num_blocks), torch.uint8, DEV, seed=num_blocks)
+    store_for_tests(cache, k, v, slots, layout, params, dtype)  # (the store's own checks: above)
+    got = cache.cpu().numpy()
     ids = torch.from_numpy(slots).to(DEV)
     tqt.read_errors(DEV)
     if tiles is None:

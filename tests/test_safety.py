@@ -7,8 +7,6 @@ guard is 0xFF, which every float field decodes as NaN). Runs on the GPU (the war
 included) and on the CPU (Triton interpreter, or the NumPy fallback).
 """
 
-import functools
-
 import numpy as np
 import pytest
 import torch
@@ -17,7 +15,7 @@ import tqkern
 import tqkern_torch as tqt
 from tqkern import reference as ref
 from tqkern.errors import ErrorFlag
-from tqkern_torch.testing import device_under_test, to_torch_kv
+from tqkern_torch.testing import device_under_test, store_for_tests, to_torch_kv
 
 # NaN inputs are the point of some tests: the interpreter's and NumPy's warnings about them are expected.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:All-NaN:RuntimeWarning")
@@ -99,35 +97,19 @@ def test_decompress_past_the_cache_reads_zeros():
         assert torch.all(x[1:4] == 0) and torch.all(x[[0, 4]].abs().sum(-1) > 0)
 
 
-@functools.lru_cache(maxsize=None)
-def _stored_bytes(case, num_blocks):
-    """The bytes of ``num_blocks`` blocks of random K/V stored in ``case``'s layout, once per module:
-    by the store kernel on a GPU, by the NumPy oracle elsewhere (the same bytes; the interpreter
-    stores tqkern_k5v3's 384 tokens in ~10 s). The store's own guards are tested above."""
-    preset, arrangement, d, hkv, _ = case
-    layout, params = _setup(preset, arrangement, d, hkv)
-    rng = np.random.default_rng(2)
-    _, cache = _guarded_cache(layout, num_blocks)
-    n = num_blocks * layout.block_size
-    k, k64 = to_torch_kv(rng.standard_normal((n, hkv, d)), torch.float16, DEV)
-    v, v64 = to_torch_kv(rng.standard_normal((n, hkv, d)), torch.float16, DEV)
-    if ON_GPU:
-        tqt.store(cache, k, v, torch.arange(n, device=DEV), layout, params)
-        assert tqt.read_errors(DEV) == ErrorFlag(0)
-    else:
-        host = tqkern.TQParams.default(layout.format, seed=0)  # (_setup's params, on the host)
-        cache.copy_(torch.from_numpy(ref.store(cache.cpu().numpy(), k64, v64, np.arange(n), layout, host)))
-    return cache.clone()
-
-
 def _decode_setup(case, num_seqs=3, seq_len=100, num_blocks=24):
-    """A fresh guarded cache holding :func:`_stored_bytes`, a shuffled block table of ``num_seqs``
-    sequences of ``seq_len`` tokens (8 blocks a row), lengths and fp16 queries."""
+    """A guarded cache of ``num_blocks`` blocks of random K/V (the store kernel on a GPU, the store
+    oracle elsewhere: the same bytes; the store's own guards are tested above), a shuffled block
+    table of ``num_seqs`` sequences of ``seq_len`` tokens (8 blocks a row), lengths and fp16 queries."""
     preset, arrangement, d, hkv, g = case
     layout, params = _setup(preset, arrangement, d, hkv)
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(2)
     buf, cache = _guarded_cache(layout, num_blocks)
-    cache.copy_(_stored_bytes(case, num_blocks))
+    n = num_blocks * layout.block_size
+    host = tqkern.TQParams.default(layout.format, seed=0)  # (_setup's params, on the host)
+    store_for_tests(cache, rng.standard_normal((n, hkv, d)), rng.standard_normal((n, hkv, d)), np.arange(n), layout,
+                    host, torch.float16)
+    assert tqt.read_errors(DEV) == ErrorFlag(0)
     max_blocks = 8
     bt = torch.from_numpy(rng.permutation(num_blocks)[: num_seqs * max_blocks].reshape(num_seqs, max_blocks)
                           .astype(np.int32)).to(DEV)
