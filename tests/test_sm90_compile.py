@@ -19,8 +19,8 @@ and Gemma-2-9B's Hq16/Hkv8/D256 for D256's key and value chunks (FP8, 3-bit and 
 4-bit values); the ``kXvYh`` formats of
 ``docs/quality.md`` whose values have their own table entries at B32x16K's shape; head_dim 96 at
 Phi-3-mini-TP2's Hq16/Hkv16; 5-bit keys at Llama-3-70B-TP4's Hq16/Hkv2, whose shared-head plan
-the launcher takes (with the code-pair table since session 61), and at Qwen2.5-7B's Hq28/Hkv4, whose cooperative plan takes the code-pair table, as
-B32x16K's 5-bit plans do since session 60).
+the launcher takes (with the code-pair table since session 61), and at Qwen2.5-7B's Hq28/Hkv4,
+whose cooperative plan takes the code-pair table, as B32x16K's 5-bit plans do since session 60).
 """
 
 from __future__ import annotations
