@@ -63,12 +63,13 @@ def test_code_pair_table_matches_single_code_lookups_bit_for_bit(preset, block_s
             assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), (splits, kp.COOP)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("preset", ["k5v4h", "tqkern_k5v3"])
 @pytest.mark.parametrize("heads,hq,d", [(4, 28, 128), (8, 32, 128), (8, 32, 64), (2, 16, 128)])
-def test_launcher_takes_the_code_pair_table(preset, heads, hq, d):
+def test_launcher_takes_the_code_pair_table(preset, heads, hq, d, dtype):
     """The planner's own plan at batch 1 × 16K tokens, 4 KV heads (Qwen2.5-7B's GQA 7) and 8
     (Llama-3-8B's GQA 4; head_dim 64: Llama-3.2-1B's) and 2 (Llama-3-70B-TP4's GQA 8, shared-head
-    CTAs): the code-pair table, against float32
+    CTAs): the code-pair table, with fp16 and bf16 queries (the output then bf16), against float32
     attention over the decompressed K/V (output poisoned first)."""
     fmt = tqkern.KVFormat.preset(preset, d)
     layout = tqkern.PagedLayout(format=fmt, num_kv_heads=heads, block_size=16, arrangement="slot")
@@ -78,7 +79,7 @@ def test_launcher_takes_the_code_pair_table(preset, heads, hq, d):
     sl = torch.tensor([n - 5], dtype=torch.int32, device="cuda")
     bt = torch.randperm(n // 16 + 3, device="cuda", generator=g)[: n // 16].reshape(1, -1).int()
     cache = _fill(layout, params, n // 16 + 3, sl, bt, seed=9)
-    q = torch.randn(1, hq, d, device="cuda", dtype=torch.float16, generator=g)
+    q = torch.randn(1, hq, d, device="cuda", dtype=getattr(torch, dtype), generator=g)
     plan = tqt.plan_decode(q, cache, bt, layout, params)
     assert plan.decode.kernel == "coop" and plan.decode.constexpr("KP") == 1, plan.describe()
     out = torch.full_like(q, float("nan"))
