@@ -184,10 +184,30 @@ def test_num_splits_whole_waves():
         for ctas in (None, 1, 7, 132, 396, 1000):
             plain = num_splits_for(seqs, 8, 65536, 132, 64)
             n = num_splits_for(seqs, 8, 65536, 132, 64, resident_ctas=ctas)
-            assert 1 <= n <= plain
             if ctas and 65536 // plain >= 2048:  # no count up to the plain one has fewer waves per work
                 waves = [-(-seqs * 8 * k // ctas) / k for k in range(1, plain + 1)]
-                assert waves[n - 1] == min(waves) and min(waves) not in waves[:n - 1]
+                best = waves.index(min(waves)) + 1
+                # ... then fewer programs than SMs: ~2 per SM, splits of >= BN tokens, at most 64
+                fill = min(-(-264 // (seqs * 8)), 65536 // 64, 64)
+                assert n == (max(best, fill) if seqs * 8 * best < 132 else best), (seqs, ctas)
+            else:
+                assert 1 <= n <= plain
+
+
+def test_num_splits_fill_the_sms_at_batch_1():
+    """Launches of fewer programs than SMs (batch 1-2 at short contexts; fp16 caches: BN 128 and
+    whole rounds at any length, as the planner asks): ~2 programs per SM, splits of >= BN tokens,
+    at most 64 (session 62's H200 shapes)."""
+    def splits(seqs, heads, max_len):
+        return num_splits_for(seqs, heads, max_len, 132, 128, resident_ctas=264, min_tokens=0)
+
+    assert splits(1, 8, 4096) == 32  # Llama-3-8B 1x4K: was 8 (4 BN a split)
+    assert splits(1, 4, 4096) == 32  # Qwen2.5-7B 1x4K: 4K / 128
+    assert splits(1, 4, 16384) == 64  # 1x16K: was 32
+    assert splits(1, 2, 16384) == 64  # Llama-3-70B-TP4 1x16K: at most 64
+    assert splits(1, 8, 8192) == 33  # ceil(264 / 8)
+    assert splits(1, 8, 16384) == 32  # 256 programs already: kept
+    assert splits(2, 8, 16384) == 16  # kept (one round of 264)
 
 
 def test_ctas_per_sm():

@@ -3,6 +3,7 @@ device gets (DeviceCaps, occupancy), the fallbacks, bad input, and ``tqkern_torc
 No kernel runs here except the frontend's interpreter path."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -84,29 +85,30 @@ def test_plan_falls_back_to_the_per_warp_kernel_when_sizing_fails():
     assert asked == ["coop", "mma"] and plan.decode.kernel == "mma" and plan.decode.constexpr("SUB") == 2
 
 
-@pytest.mark.parametrize("preset,arr,batch,max_len,per_warp_ctas,want_coop,asks", [
-    ("turboquant_k8v4", "slot", 32, 4096, 3, False, 2),  # coop: 8 splits of 512; per-warp: 6 splits
-    ("turboquant_k8v4", "slot", 128, 1024, 3, True, 2),  # per-warp would have 1 split
-    ("turboquant_k8v4", "slot", 32, 16384, 3, True, 1),  # splits of 2048 tokens
-    ("turboquant_k8v4", "slot", 1, 16384, 3, False, 2),  # 64 splits of 256 tokens either way
-    ("turboquant_k8v4", "slot", 1, 32768, 3, True, 2),  # 64 splits of 512 either way: no longer splits
-    ("turboquant_k8v4", "slot", 1, 65536, 3, True, 2),  # 128 splits of 512 either way
-    ("tq4", "row", 32, 4096, 3, True, 1),  # two-step stages: always cooperative
-    ("turboquant_4bit_nc", "slot", 32, 4096, 3, True, 1),
+@pytest.mark.parametrize("preset,arr,batch,max_len,per_warp_ctas,want_coop,asks,splits", [
+    ("turboquant_k8v4", "slot", 32, 4096, 3, False, 2, 6),  # coop: 8 splits of 512; per-warp: 6 splits
+    ("turboquant_k8v4", "slot", 128, 1024, 3, True, 2, 2),  # per-warp would have 1 split
+    ("turboquant_k8v4", "slot", 32, 16384, 3, True, 1, 8),  # splits of 2048 tokens
+    # 64 splits of 256 tokens either way: the per-warp kernel, then 66 splits (fill_sms: 2 CTAs a split)
+    ("turboquant_k8v4", "slot", 1, 16384, 3, False, 2, 66),
+    ("turboquant_k8v4", "slot", 1, 32768, 3, True, 2, 64),  # 64 splits of 512 either way (not filled)
+    ("turboquant_k8v4", "slot", 1, 65536, 3, True, 2, 128),  # 128 splits of 512 either way
+    ("tq4", "row", 32, 4096, 3, True, 1, 8),  # two-step stages: always cooperative
+    ("turboquant_4bit_nc", "slot", 32, 4096, 3, True, 1, 8),
 ])
-def test_short_splits_give_way_to_the_per_warp_kernel(preset, arr, batch, max_len, per_warp_ctas, want_coop, asks):
+def test_short_splits_give_way_to_the_per_warp_kernel(preset, arr, batch, max_len, per_warp_ctas, want_coop, asks,
+                                                       splits):
     """One-step cooperative plans with fewer than 1024 tokens per split run the per-warp kernel
     instead when it has at least 2 splits of its own and either longer splits or splits under 512
     tokens (measured at B32x4K / B128x1K, and at batch 1 on an H200); the choice depends on shapes
-    only."""
-    import tqkern.ops.paged_decode.mma_plans as plans
-
+    only. Split counts by hand: ``num_splits_mma`` of the kernel's resident warps (coop: 2 CTAs of
+    8 warps an SM; per-warp: ``per_warp_ctas`` of 4), then the per-warp kernel's raised by
+    ``fill_sms`` at batch 1 (one-step cooperative plans keep theirs)."""
     layout = _layout(preset, 128, 8, arr)
     plan, asked = _plan_with(layout, batch, max_len, lambda k: 2 if k.kernel == "coop" else per_warp_ctas)
     assert asked == ["coop", "mma"][:asks]  # the cooperative plan's residency, then (maybe) the per-warp one
     assert (plan.decode.kernel == "coop") == want_coop
-    resident = 2 * 8 * 132 if want_coop else per_warp_ctas * 4 * 132
-    assert plan.num_splits == plans.num_splits_mma(batch, 8, max_len, resident)
+    assert plan.num_splits == splits
     assert plan.decode.grid == ((batch * plan.num_splits,) if want_coop else (batch * 8 * plan.num_splits // 4,))
 
 
@@ -186,6 +188,43 @@ def test_warp_mma_split_counts(batch, max_len, resident, want):
     import tqkern.ops.paged_decode.mma_plans as plans
 
     assert plans.num_splits_mma(batch, 8, max_len, resident) == want
+
+
+@pytest.mark.parametrize("n,pairs,max_len,resident,per_split,step,want", [
+    (16, 8, 4096, 1056, 1, 1, 64),  # Llama-3-8B 1x4K, coop CTAs of 8 heads: 64 tokens a split at least
+    (64, 8, 16384, 1056, 1, 1, 128),  # 1x16K: 128 splits at most
+    (64, 8, 16384, 1584, 2, 1, 66),  # the per-warp kernel (2 CTAs a split): one CTA an SM, 132
+    (64, 8, 32768, 1584, 2, 1, 66),  # ... at 32K too
+    (32, 16, 8192, 1584, 4, 1, 33),  # batch 2 (4 CTAs a split), 16 pairs: at most 64, then one CTA an SM
+    (64, 16, 16384, 1056, 1, 1, 64),  # half the resident warps already (1024 of 1056): kept
+    (8, 256, 16384, 2112, 1, 1, 8),  # B32x16K (two 8-warp CTAs an SM): kept
+    (64, 2, 16384, 1056, 0.25, 4, 128),  # Llama-3-70B-TP4's shared-head plan (WS 4): multiples of 4
+    (16, 2, 2048, 1056, 0.25, 4, 32),  # 2K tokens: 64 a split
+    (8, 8, 4096, 1056, 8, 1, 16),  # 8 CTAs a split: 16 splits fill the SMs (128 CTAs)
+    (20, 8, 4096, 1056, 8, 1, 20),  # never fewer splits than given
+])
+def test_fill_sms_raises_splits_of_few_pairs(n, pairs, max_len, resident, per_split, step, want):
+    """``fill_sms``: at most half the resident warps in use → the most splits up to one warp per
+    resident warp, ≥ 64 tokens each, 128 (64 above 8 pairs), one CTA per SM (132); in multiples
+    of ``step``. Counts worked by hand."""
+    from tqkern.ops.paged_decode.mma_plans import fill_sms
+
+    asked = []
+
+    def ctas(m):
+        asked.append(m)
+        return math.ceil(m * per_split)
+
+    assert fill_sms(n, pairs, max_len, resident, ctas, 132, step) == want
+    assert ctas(want) <= 132 or want == n
+
+
+def test_fill_sms_checks_the_grid_it_picks():
+    """A grid not proportional to the splits (here m²/8 CTAs): the count whose grid fits, not
+    the proportional estimate (64 splits would be 512 CTAs)."""
+    from tqkern.ops.paged_decode.mma_plans import fill_sms
+
+    assert fill_sms(8, 1, 4096, 1056, lambda m: m * m // 8, 132) == 32
 
 
 @pytest.mark.parametrize("group,want", [(1, 1), (8, 1), (9, 3), (10, 2), (12, 2), (16, 2), (24, 3), (32, 4),

@@ -30,6 +30,12 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int,
     fp16 caches at head_dim ≥ 96 on the H200 (``min_tokens=0``; S53, Gemma-2-9B B8×8K: 4 splits
     136.0 µs, 9 152.4).
 
+    Where that launch has fewer programs than SMs (batch 1–2 at short contexts), ~2 programs per
+    SM instead, with splits of ≥ BN tokens, at most 64. Measured (H200, session 62, fp16 cache,
+    head_dim 128, µs, SDPA fp16 in brackets): Llama-3-8B 1×4K 8 → 32 splits 15.5 → 11.0 (9.2), 1×8K
+    16 → 33 16.8 → 14.7 (11.2); Qwen2.5-7B 1×4K 8 → 32 15.7 → 9.2 (7.7), 1×16K 32 → 64 17.5 → 14.3
+    (12.2); Llama-3-70B-TP4 1×16K 32 → 64 15.2 → 12.0 (9.9).
+
     Depends only on shapes (never on ``seq_lens`` values), so a CUDA graph captured for a batch
     shape stays valid whatever lengths it replays with."""
     if resident_ctas is not None and (not isinstance(resident_ctas, int) or resident_ctas < 1):
@@ -42,6 +48,8 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int,
     n = int(min(want, cap, 64))
     if resident_ctas and max_len // n >= min_tokens:
         n = min(range(1, n + 1), key=lambda k: (math.ceil(programs * k / resident_ctas) / k, k))
+    if programs * n < num_sms:  # fewer programs than SMs: ~2 per SM, splits of >= BN tokens (S62)
+        n = max(n, min(math.ceil(2 * num_sms / programs), max_len // block_n, 64))
     return n
 
 

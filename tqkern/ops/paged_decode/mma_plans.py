@@ -17,7 +17,7 @@ from tqkern.layouts import FP8, LloydMax, PagedLayout, Uniform
 from tqkern.ops.common import layout_consts
 
 __all__ = ["DynamicSmemUnsupported", "MmaPlan", "coop_plan", "coop_row_stride", "coop_smem_bytes", "ctas_per_sm",
-           "mma_plan", "num_splits_mma", "per_warp_plan", "table256_plan"]
+           "fill_sms", "mma_plan", "num_splits_mma", "per_warp_plan", "table256_plan"]
 
 
 _DT = {"float16": 0, "float32": 1, "bfloat16": 2}
@@ -388,6 +388,35 @@ def num_splits_mma(num_seqs: int, num_kv_heads: int, max_len: int, resident_warp
     pairs = max(1, num_seqs * num_kv_heads)
     cap = max(64, min(128, max_len // 512, 1024 // pairs))
     return int(max(1, min(resident_warps // pairs, max_len // 256, cap)))
+
+
+_FILL_MIN_TOKENS = 64  # fill_sms: tokens per split it keeps at least
+
+
+def fill_sms(num_splits: int, pairs: int, max_len: int, resident_warps: int, ctas, num_sms: int,
+             step: int = 1) -> int:
+    """The split count for a launch of few (sequence, KV head) ``pairs`` at short contexts. Where
+    ``num_splits`` (:func:`num_splits_mma`'s) holds at most half the ``resident_warps``: the most
+    splits, in multiples of ``step``, up to one warp per resident warp, 128 splits (64 above 8
+    pairs) and ≥ 64 tokens a split, whose launch stays within one CTA per SM (``ctas(n)``: the
+    grid's CTAs at ``n`` splits). Never fewer than ``num_splits``. Depends only on shapes.
+
+    Measured (H200, session 62, CUDA graphs, µs, the planner's count before → these): Llama-3-8B (8
+    KV heads) 1×4K 16 → 64 splits, turboquant_4bit_nc 26.8 → 18.0, k5v4h 32.9 → 20.1, tq4 29.5 →
+    19.0, turboquant_k8v4 (the per-warp kernel) 16.6 → 11.5; 1×8K 32 → 128 splits 9–22% less;
+    1×32K 64 → 128, 17–24% less; Llama-3-70B-TP4 1×16K 12–22% less, Llama-3-405B-TP8 1×32K 19–24%,
+    Gemma-2-9B 1×8K (head_dim 256) 11–32%. The CTA limit is what lost past it: turboquant_k8v4's
+    per-warp kernel at 8 KV heads, 1×8K 128 splits (256 CTAs) 16.4 µs, 66 (132 CTAs) 13.2; 1×16K
+    128 splits 19.0, 64 17.7; Gemma-2-9B 1×8K's per-warp plans at 256 CTAs 1–14% slower than at 64.
+    Slower with it: Qwen2.5-7B 1×16K's 4-warp cooperative CTAs 64 → 128 (turboquant_4bit_nc
+    20.3–20.5 → 21.1, k5v4h +0.9%) and Llama-3.2-1B 1×16K turboquant_k8v4 64 → 66 (12.2 → 12.5)."""
+    if 2 * pairs * num_splits > resident_warps:
+        return num_splits
+    most = min(resident_warps // pairs, max_len // _FILL_MIN_TOKENS, 128 if pairs <= 8 else 64)
+    m = min(most, int(num_sms * num_splits / ctas(num_splits))) // step * step
+    while m > num_splits and ctas(m) > num_sms:
+        m -= step
+    return max(num_splits, m)
 
 
 def coop_row_stride(row_bytes: int) -> int:

@@ -22,8 +22,8 @@ from tqkern.layouts import PagedLayout
 from tqkern.ops.codecs import layout_consts
 from tqkern.ops.paged_decode.general_plan import fast_path_plan, general_decode, num_splits_for
 from tqkern.ops.paged_decode.coop_variants import code_pair_plan, shared_head_plan, two_cta_plan
-from tqkern.ops.paged_decode.mma_plans import (DynamicSmemUnsupported, MmaPlan, _lut_bytes, coop_smem_bytes, mma_plan,
-                                               num_splits_mma, per_warp_plan)
+from tqkern.ops.paged_decode.mma_plans import (DynamicSmemUnsupported, MmaPlan, _lut_bytes, coop_smem_bytes, fill_sms,
+                                               mma_plan, num_splits_mma, per_warp_plan)
 from tqkern.ops.paged_decode.plan_types import DecodeOptions, DeviceCaps, KernelPlan, Occupancy
 from tqkern.ops.paged_decode.side_plans import (MergePlan, RotatePlan, _merge_plan, _rotate_plan, merge_chunks,
                                                 scan_split)
@@ -358,20 +358,27 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options)
     if plan is one:
         return kernel_plan(layout, plan, s, hq, _ONE_HEAD_SPLITS), _ONE_HEAD_SPLITS
 
-    def splits_for(p):
+    resident = {}  # (each kernel's residency asked once)
+
+    def splits_for(p, fill=False):
         k = kernel_plan(layout, p, s, hq, p.WS or 1)
-        ctas = occupancy(k)
+        ctas = resident[k] if k in resident else resident.setdefault(k, occupancy(k))
         if ctas is None:  # unknown: a conservative 8 warps per SM (speed, never correctness)
             ctas = max(1, 8 // k.num_warps)
         wave = ctas * k.num_warps * caps.num_sms
         pairs = layout.num_kv_heads * p.GS
+        grid = lambda m: kernel_plan(layout, p, s, hq, m).grid[0]  # noqa: E731 (CTAs at m splits)
+
+        def filled(n, warps):  # few pairs at short contexts: more splits, up to one CTA per SM
+            return fill_sms(n, s * pairs, max_len, warps, grid, caps.num_sms, p.WS or 1) if fill else n
+
         if p.WS:  # every warp a split: the one-wave count, in whole CTAs
-            return max(1, num_splits_mma(s, pairs, max_len, wave) // p.WS) * p.WS
+            return filled(max(1, num_splits_mma(s, pairs, max_len, wave) // p.WS) * p.WS, wave)
         if p.COOP or dict(k.constexprs)["G"] < 8:
-            return num_splits_mma(s, pairs, max_len, wave)
+            return filled(num_splits_mma(s, pairs, max_len, wave), wave)
         # every MMA column a query head: PER_WARP_WAVE, then whole rounds of CTAs over the SMs
-        n = num_splits_mma(s, pairs, max_len, int(wave * PER_WARP_WAVE))
-        return whole_rounds(n, lambda m: kernel_plan(layout, p, s, hq, m).grid[0], caps.num_sms,
+        half = int(wave * PER_WARP_WAVE)
+        return whole_rounds(filled(num_splits_mma(s, pairs, max_len, half), half), grid, caps.num_sms,
                             num_splits_mma(s, pairs, max_len, 1 << 30))
 
     try:
@@ -414,6 +421,12 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options)
         two_rounds = s * n > caps.num_sms  # (the code-pair plan's launch: one CTA an SM)
         if m and s * m > caps.num_sms and max_len >= _COOP_MIN_TOKENS * m and (not plan.KP or two_rounds):
             plan, n = two, m
+    # The kernel chosen on the counts above, few (sequence, KV head) pairs at short contexts then take
+    # more splits (fill_sms; H200, S62: batch 1 at 4-32K up to 41% less time). Not one-step rings (FP8
+    # keys), whose choice above rests on their split length: raised, it would hand batch 1-2 at 32K
+    # to the per-warp kernel at 4 KV heads, where it lost by 45-50% (S57).
+    if not (plan.COOP and plan.SUB == 1 and not plan.KP):
+        n = splits_for(plan, fill=True)
     return kernel_plan(layout, plan, s, hq, n), n
 
 
