@@ -106,6 +106,9 @@ MODEL_SHAPES = DECODE_SHAPES + (
     DecodeShape("Llama3-70B-TP4_B32x16K", 32, 16384, 16, 2, 128),  # 64 / 4 per GPU: 2 KV heads, GQA 8
     DecodeShape("Qwen2.5-7B_B16x32K", 16, 32768, 28, 4, 128),  # GQA 7
     DecodeShape("Qwen2.5-7B_B1x64K", 1, 65536, 28, 4, 128),  # batch 1, 4 KV heads
+    # (S62) batch 1 at short contexts: few CTAs, the split count's case (below SDPA fp16 there)
+    DecodeShape("Llama3-8B_B1x4K", 1, 4096, 32, 8, 128),  # one short chat
+    DecodeShape("Qwen2.5-7B_B1x16K", 1, 16384, 28, 4, 128),
     DecodeShape("Gemma2-9B_B8x8K", 8, 8192, 16, 8, 256),  # head_dim 256, GQA 2
     # Gemma-2's layers as the model runs them: soft-cap 50 everywhere, every other layer a 4096-key window
     DecodeShape("Gemma2-9B-global_B8x8K", 8, 8192, 16, 8, 256, logit_softcap=50.0),
