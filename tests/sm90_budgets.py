@@ -1,5 +1,6 @@
-"""Shared by the offline sm_90 compile tests (decode, store, prefill): compile every case in two
-subprocesses and hold each report to its budget (registers, shared memory, spills, SASS).
+"""Shared by the offline sm_90 compile tests (decode, store, prefill): compile the cases in two
+subprocesses and hold each report to its budget (registers, shared memory, spills, SASS); which
+cases: :func:`compiled_names`.
 
 Budgets are ptxas-specific: each test file's ``BUDGETS`` hold Triton 3.9's numbers (CI's), its
 ``TRITON36`` Triton 3.6's where they exceed those (the GPU machines' compiler: its ptxas spills
@@ -19,6 +20,20 @@ from tqkern.ops.paged_decode.aot import tool_path
 
 SM90_SHARED = 232448  # bytes of shared memory one program may use on an H100 (opt-in maximum)
 INSTR_SLACK = 1.03
+ALL_ENV = "TQKERN_SM90_ALL"  # =1: compile every budgeted kernel, not only each file's CI set
+
+
+def compiled_names(budgets: dict, ci: tuple) -> list[str]:
+    """The budgeted kernels this run compiles and checks: every one of ``budgets`` where
+    ``TQKERN_SM90_ALL=1`` (before a change to a kernel's inner loop, and in the sessions that
+    record budgets), else the file's CI set ``ci``: each kernel source and GPU-only feature at
+    least once (bf16, FP8 conversion, inline PTX, every plan kind and head_dim), so that the
+    README's test command stays within CI's time (the full set: ~170 kernels, several CPU-seconds
+    each)."""
+    unknown = sorted(set(ci) - set(budgets))
+    if unknown:
+        raise ValueError(f"CI cases without a budget: {unknown}")
+    return sorted(budgets) if os.environ.get(ALL_ENV) == "1" else sorted(ci)
 
 
 def compile_reports(report_in_subprocess, cases) -> dict:

@@ -206,15 +206,16 @@ def histogram(sass: str) -> collections.Counter:
     return ops
 
 
-def report(case: str) -> list[dict]:
-    """Compile one case and report each kernel: ``case`` is ``"mma:PRESET:ARRANGEMENT:D:HKV:HQ[:OPTIONS]"``
-    (every plan of :func:`launcher_plans`) or ``"general:PRESET:ARRANGEMENT:D:HKV:HQ[:OPTIONS]"``
-    (the general kernel); ``OPTIONS``: :class:`~.plan.DecodeOptions` fields joined by ``+``, e.g.
-    ``window+softcap``. Each report: ``name``, ``regs``, ``stack`` (bytes), ``instrs`` (SASS
-    instructions), ``maxnreg`` (the launcher's register cap, 0 for none)."""
+PLAN_NAMES = ("per_warp", "coop", "coop2", "pairs", "shared", "one_head")  # :func:`launcher_plans`' keys
+
+
+def _case_todo(case: str):
+    """``(layout, hq, launch options, [(report name, plan or None)])`` of a case (see :func:`report`)."""
     import tqkern
 
     kind, preset, arr, d, hkv, hq, *opts = case.split(":")
+    only = opts.pop() if kind == "mma" and opts and opts[-1] in PLAN_NAMES else None
+    base = case if only is None else case[: -len(only) - 1]
     d, hkv, hq = int(d), int(hkv), int(hq)
     launch = {}
     if opts:
@@ -226,13 +227,33 @@ def report(case: str) -> list[dict]:
     layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset(preset, d), num_kv_heads=hkv, block_size=16,
                                 arrangement=arr)
     if kind == "mma":
-        todo = [(f"{case}:{name}", plan) for name, plan in launcher_plans(layout, hq // hkv).items()]
-        if not todo:
+        plans = launcher_plans(layout, hq // hkv)
+        if not plans:
             raise ValueError(f"the warp-MMA kernel does not apply to {case}")
+        if only is not None and only not in plans:
+            raise ValueError(f"the launcher emits no {only!r} plan for {base} (it emits {sorted(plans)})")
+        todo = [(f"{base}:{name}", plan) for name, plan in plans.items() if only in (None, name)]
     elif kind == "general":
         todo = [(case, None)]
     else:
         raise ValueError(f"case kind must be 'mma' or 'general', got {kind!r}")
+    return layout, hq, launch, todo
+
+
+def plan_names(case: str) -> list[str]:
+    """The report names :func:`report` gives ``case`` (one per plan the launcher emits), without
+    compiling anything."""
+    return [name for name, _ in _case_todo(case)[3]]
+
+
+def report(case: str) -> list[dict]:
+    """Compile one case and report each kernel: ``case`` is ``"mma:PRESET:ARRANGEMENT:D:HKV:HQ[:OPTIONS][:PLAN]"``
+    (every plan of :func:`launcher_plans`, or the one named ``PLAN``, a key of it) or
+    ``"general:PRESET:ARRANGEMENT:D:HKV:HQ[:OPTIONS]"`` (the general kernel); ``OPTIONS``:
+    :class:`~.plan.DecodeOptions` fields joined by ``+``, e.g. ``window+softcap``. Each report:
+    ``name`` (the case with its plan's name), ``regs``, ``stack`` (bytes), ``instrs`` (SASS
+    instructions), ``maxnreg`` (the launcher's register cap, 0 for none)."""
+    layout, hq, launch, todo = _case_todo(case)
     out = []
     for name, plan in todo:
         if plan is None:
