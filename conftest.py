@@ -1,5 +1,5 @@
-"""Repository-wide pytest hooks: the interpreter's bounds check, and why ``pytest
---benchmark-only`` timed nothing.
+"""Repository-wide pytest hooks: the interpreter's bounds check, a faster interpreter for the
+tests, and why ``pytest --benchmark-only`` timed nothing.
 
 Under Triton's interpreter (``TRITON_INTERPRET=1``) every test runs inside
 :func:`tqkern_torch.bounds.interpreter_bounds_checked`: a kernel launch that reads or writes
@@ -13,9 +13,63 @@ summary ends with one line per reason.
 
 from __future__ import annotations
 
+import inspect
+import os
+
 import pytest
 
 _BENCHMARK_IDS = pytest.StashKey[frozenset]()
+
+
+def _skip_nested_language_patches() -> bool:
+    """Triton's interpreter (3.9) re-patches ``triton.language`` on every ``@triton.jit`` device
+    function call (``_patch_lang``: a scan of every member of the language modules), though the
+    launch has patched those modules already and the nested patch is never undone; in the
+    interpreted tests that scan took ~40% of the time (a profile of one transformers test). Within
+    a launch, a device function whose language modules the launch has patched skips the repeat
+    (the same attributes, the same semantics); anything else takes Triton's path. No-op where the
+    interpreter's internals differ (another Triton) or ``TQKERN_FAST_INTERPRETER=0``. Returns
+    whether it was installed."""
+    if os.environ.get("TQKERN_FAST_INTERPRETER", "1") == "0" or not os.environ.get("TRITON_INTERPRET"):
+        return False
+    try:
+        from triton.runtime import interpreter as interp
+    except ImportError:
+        return False
+    if not all(hasattr(interp, n) for n in ("_patch_lang", "GridExecutor", "_LangPatchScope", "tl")):
+        return False
+    if getattr(interp, "_tqkern_nested_patches_skipped", False):
+        return True
+    patch0, call0 = interp._patch_lang, interp.GridExecutor.__call__
+    tl = interp.tl
+    state = {"depth": 0, "patched": frozenset()}
+
+    def patch_lang(fn):
+        langs = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+        if state["depth"] and langs <= state["patched"]:
+            return interp._LangPatchScope()  # (an empty scope: nothing to undo)
+        scope = patch0(fn)
+        if state["depth"]:
+            state["patched"] |= langs
+        return scope
+
+    def call(self, *args, **kwargs):
+        outer = state["patched"]
+        state["depth"] += 1
+        state["patched"] = frozenset()
+        try:
+            return call0(self, *args, **kwargs)
+        finally:
+            state["depth"] -= 1
+            state["patched"] = outer
+
+    interp._patch_lang, interp.GridExecutor.__call__ = patch_lang, call
+    interp._tqkern_nested_patches_skipped = True
+    return True
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _skip_nested_language_patches()
 
 
 @pytest.fixture(autouse=True)
