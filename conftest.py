@@ -43,9 +43,13 @@ def _skip_nested_language_patches() -> bool:
     patch0, call0 = interp._patch_lang, interp.GridExecutor.__call__
     tl = interp.tl
     state = {"depth": 0, "patched": frozenset()}
+    modules = {}  # function -> ids of the language modules its globals hold (found once)
 
     def patch_lang(fn):
-        langs = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+        langs = modules.get(fn)
+        if langs is None:
+            langs = modules[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                            if inspect.ismodule(v) and v in (tl, tl.core))
         if state["depth"] and langs <= state["patched"]:
             return interp._LangPatchScope()  # (an empty scope: nothing to undo)
         scope = patch0(fn)

@@ -209,10 +209,7 @@ def test_fill_sms_raises_splits_of_few_pairs(n, pairs, max_len, resident, per_sp
     of ``step``. Counts worked by hand."""
     from tqkern.ops.paged_decode.mma_plans import fill_sms
 
-    asked = []
-
     def ctas(m):
-        asked.append(m)
         return math.ceil(m * per_split)
 
     assert fill_sms(n, pairs, max_len, resident, ctas, 132, step) == want

@@ -220,8 +220,6 @@ def test_sm90_registers_spills_and_instructions(reports, name):
 def test_a_case_names_one_plan_or_all():
     """``report``'s case may end in one plan's name (what the CI set compiles); a plan the launcher
     does not emit there is a ValueError naming it; an unbudgeted CI case is one too."""
-    from tests.sm90_budgets import compiled_names
-
     base = "mma:k5v4h:slot:128:2:16"
     assert plan_names(base) == [f"{base}:per_warp", f"{base}:shared", f"{base}:pairs"]
     assert plan_names(f"{base}:pairs") == [f"{base}:pairs"]

@@ -397,7 +397,10 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options)
     # 512 tokens a split (H200, S57, turboquant_k8v4 at D128, µs, cooperative / per-warp: Hkv 8
     # B1x16K 24.0 / 17.6 (256 tokens a split), B1x32K 38.3 / 40.5, B1x64K 43.8 / 49.0; Hkv 4
     # B1x64K 30.2 / 44.2, B2x32K 29.0 / 43.6).
-    if plan.COOP and plan.SUB == 1 and not plan.KP and max_len < _COOP_MIN_TOKENS * n:
+    def one_step(p):  # a cooperative ring of one step a stage, without the code-pair table
+        return bool(p.COOP and p.SUB == 1 and not p.KP)
+
+    if one_step(plan) and max_len < _COOP_MIN_TOKENS * n:
         per_warp = per_warp_plan(plan)
         m = splits_for(per_warp)
         if m >= 2 and (m < n or max_len < _COOP_SHORT_TOKENS * n):
@@ -425,7 +428,7 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options)
     # more splits (fill_sms; H200, S62: batch 1 at 4-32K up to 41% less time). Not one-step rings (FP8
     # keys), whose choice above rests on their split length: raised, it would hand batch 1-2 at 32K
     # to the per-warp kernel at 4 KV heads, where it lost by 45-50% (S57).
-    if not (plan.COOP and plan.SUB == 1 and not plan.KP):
+    if not one_step(plan):
         n = splits_for(plan, fill=True)
     return kernel_plan(layout, plan, s, hq, n), n
 
