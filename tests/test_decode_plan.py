@@ -224,6 +224,18 @@ def test_fill_sms_checks_the_grid_it_picks():
     assert fill_sms(8, 1, 4096, 1056, lambda m: m * m // 8, 132) == 32
 
 
+@pytest.mark.parametrize("name,bad", [("num_splits", 0), ("pairs", -1), ("max_len", 2.0), ("resident_warps", True),
+                                      ("num_sms", "132"), ("step", 0)])
+def test_fill_sms_rejects_bad_arguments(name, bad):
+    from tqkern.ops.paged_decode.mma_plans import fill_sms
+
+    args = dict(num_splits=16, pairs=8, max_len=4096, resident_warps=1056, ctas=lambda m: m, num_sms=132, step=1)
+    with pytest.raises(ValueError, match=f"{name} must be a positive int, got {bad!r}"):
+        fill_sms(**{**args, name: bad})
+    with pytest.raises(TypeError, match="ctas must be a callable"):
+        fill_sms(**{**args, "ctas": 132})
+
+
 @pytest.mark.parametrize("group,want", [(1, 1), (8, 1), (9, 3), (10, 2), (12, 2), (16, 2), (24, 3), (32, 4),
                                         (11, None), (13, None), (40, None), (64, None)])
 def test_head_groups_split_large_gqa_groups(group, want):

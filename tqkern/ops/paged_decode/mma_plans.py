@@ -410,6 +410,12 @@ def fill_sms(num_splits: int, pairs: int, max_len: int, resident_warps: int, cta
     128 splits 19.0, 64 17.7; Gemma-2-9B 1×8K's per-warp plans at 256 CTAs 1–14% slower than at 64.
     Slower with it: Qwen2.5-7B 1×16K's 4-warp cooperative CTAs 64 → 128 (turboquant_4bit_nc
     20.3–20.5 → 21.1, k5v4h +0.9%) and Llama-3.2-1B 1×16K turboquant_k8v4 64 → 66 (12.2 → 12.5)."""
+    for name, v in (("num_splits", num_splits), ("pairs", pairs), ("max_len", max_len),
+                    ("resident_warps", resident_warps), ("num_sms", num_sms), ("step", step)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if not callable(ctas):
+        raise TypeError(f"ctas must be a callable (splits -> CTAs), got {type(ctas).__name__}")
     if 2 * pairs * num_splits > resident_warps:
         return num_splits
     most = min(resident_warps // pairs, max_len // _FILL_MIN_TOKENS, 128 if pairs <= 8 else 64)
