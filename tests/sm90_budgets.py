@@ -28,7 +28,7 @@ def compiled_names(budgets: dict, ci: tuple) -> list[str]:
     ``TQKERN_SM90_ALL=1`` (before a change to a kernel's inner loop, and in the sessions that
     record budgets), else the file's CI set ``ci``: each kernel source and GPU-only feature at
     least once (bf16, FP8 conversion, inline PTX, every plan kind and head_dim), so that the
-    README's test command stays within CI's time (the full set: 149 kernels, 1–27 CPU-seconds
+    README's test command stays within CI's time (the full set: 152 kernels, 1–27 CPU-seconds
     each here)."""
     unknown = sorted(set(ci) - set(budgets))
     if unknown:

@@ -484,7 +484,8 @@ def test_head_dim_256_five_bit_keys_take_one_step_per_update(heads):
 
 def test_plan_summary_names_the_launch():
     """``DecodePlan.summary()`` (what ``tqkern bench`` records with each decode time): the kernel,
-    splits, grid and warps, and for cooperative plans their stages and warps per KV head."""
+    splits, grid and warps, the early launch (grids of ≤ half the SMs), and for cooperative plans their
+    stages and warps per KV head."""
     from tqkern.ops.paged_decode.plan import DeviceCaps, plan_decode
 
     coop = plan_decode(_layout("turboquant_4bit_nc", 128, 8), 32, 32, 1024, DeviceCaps.sm90(), same_codebooks=True,
@@ -492,8 +493,8 @@ def test_plan_summary_names_the_launch():
     assert coop.summary() == "coop kernel, 4 splits, grid (128,), 8 warps, 2 stages of 2 steps"
     shared = plan_decode(_layout("k5v4h", 128, 2), 16, 16, 4096, DeviceCaps.sm90(), same_codebooks=True,
                          num_splits=8)
-    assert shared.summary() == ("coop kernel, 8 splits, grid (32,), 8 warps, 3 stages of 4 steps, 4 warps per KV head, "
-                                "code-pair table")
+    assert shared.summary() == ("coop kernel, 8 splits, grid (32,), 8 warps, early launch, 3 stages of 4 steps, "
+                                "4 warps per KV head, code-pair table")
     per_warp = plan_decode(_layout("tq4", 128, 1, "row"), 32, 8, 1024, DeviceCaps.sm90(), same_codebooks=True,
                            num_splits=33)
     assert per_warp.summary() == "mma kernel, 33 splits, grid (264,), 4 warps"

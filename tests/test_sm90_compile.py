@@ -141,6 +141,11 @@ BUDGETS = {
     # instructions); 191 registers, 197 with a window and a soft-cap
     "general:fp16:slot:128:8:32": (0, 1256),
     "general:fp16:slot:128:8:32:window+softcap": (0, 1408),
+    # (S63) launched early (DecodePlan.pdl: programmatic dependent launch at batch 1): the prologue's
+    # wait for the q rotation and the merge's early start (+8 instructions in the cooperative kernel)
+    "mma:turboquant_4bit_nc:slot:128:8:32:pdl:per_warp": (0, 1256),
+    "mma:turboquant_4bit_nc:slot:128:8:32:pdl:coop": (48, 1528),
+    "general:fp16:slot:128:8:32:pdl": (0, 1256),
 }
 # Triton 3.6 (the GPU machines' compiler) where its ptxas exceeds the budgets above (session 44, offline)
 TRITON36 = {
@@ -169,13 +174,14 @@ def _cases() -> list[str]:
     cases += ["mma:k5v4h:slot:128:2:16", "mma:tqkern_k5v3:slot:128:2:16"]
     cases += ["mma:k5v4h:slot:128:4:28", "mma:tqkern_k5v3:slot:128:4:28"]
     cases += ["general:fp16:slot:128:8:32", "general:fp16:slot:128:8:32:window+softcap"]
+    cases += ["mma:turboquant_4bit_nc:slot:128:8:32:pdl", "general:fp16:slot:128:8:32:pdl"]
     return cases
 
 
 # What the README's test command compiles: each plan kind (per_warp, coop, coop2, pairs at 2 and 8
 # KV heads, shared, one_head), key scheme (4-bit uniform and Lloyd-Max with the PRMT table, FP8, 3-
 # and 5-bit), value scheme (4-, 3- and 2-bit uniform and Lloyd-Max), head_dim 64 / 96 / 128 / 256,
-# QT = 2, the window and the soft-cap, and the general kernel, at least once
+# QT = 2, the window and the soft-cap, the early launch, and the general kernel, at least once
 CI = (
     "mma:tq4:row:128:8:32:coop",
     "mma:turboquant_4bit_nc:slot:128:8:32:per_warp",
@@ -199,6 +205,7 @@ CI = (
     "mma:tqkern_k5v3:slot:128:2:16:pairs",
     "mma:k5v4h:slot:128:8:32:window:pairs",
     "general:fp16:slot:128:8:32:window+softcap",
+    "mma:turboquant_4bit_nc:slot:128:8:32:pdl:coop",
 )
 
 

@@ -80,13 +80,22 @@ def _compile(fn, constexprs: dict, options: dict, specialize: bool):
 
 def mma_launch(layout, hq: int, plan, **launch) -> tuple[dict, dict]:
     """(constexprs, compile options) of a warp-MMA launch of ``plan`` (``launch``: the
-    launcher's optional ``warps``, ``prefetch``, ``hint``, ``maxnreg``, ``options``), from the
+    launcher's optional ``warps``, ``prefetch``, ``hint``, ``maxnreg``, ``options``, ``pdl``), from the
     decode plan's :func:`~tqkern.ops.paged_decode.plan.mma_kernel_plan`."""
     k = mma_kernel_plan(layout, plan, 1, hq, plan.WS or 1, warps=launch.get("warps", 4),
                         prefetch=launch.get("prefetch"),
                         hint=launch.get("hint", 1), maxnreg=launch.get("maxnreg"), options=launch.get("options"))
     kw = k.kwargs()
     opts = {k: kw.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kw}
+    return _early(kw, opts, launch)
+
+
+def _early(kw: dict, opts: dict, launch: dict) -> tuple[dict, dict]:
+    """``launch["pdl"]``: the kernel as a plan with ``DecodePlan.pdl`` launches it (programmatic
+    dependent launch: the ``PDL`` constexpr and Triton's ``launch_pdl``)."""
+    if launch.get("pdl"):
+        kw["PDL"] = True
+        opts["launch_pdl"] = True
     return kw, opts
 
 
@@ -102,11 +111,11 @@ def general_launch(layout, hq: int, *, num_splits: int = 4, **launch) -> tuple[d
     on an sm_90 device (``launch``: its optional ``block_n``, ``num_warps``, ``num_stages``,
     ``maxnreg``)."""
     plan = plan_decode(layout, 1, hq, 4, DeviceCaps.sm90(), same_codebooks=False, num_splits=num_splits,
-                       path="general", **launch)
+                       path="general", **{k: v for k, v in launch.items() if k != "pdl"})
     kw = plan.decode.kwargs()
     kw["DOT"] = triton.language.bfloat16 if kw["DOT"] == "bf16" else triton.language.float16
     opts = {k: kw.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kw}
-    return kw, opts
+    return _early(kw, opts, launch)
 
 
 def compile_general(layout, hq: int, **launch):
@@ -223,7 +232,12 @@ def _case_todo(case: str):
             raise ValueError(f"a case takes one options field (names joined by '+'), got {case!r}")
         from tqkern.ops.paged_decode.plan import DecodeOptions
 
-        launch["options"] = DecodeOptions(**{name: True for name in opts[0].split("+")})
+        names = opts[0].split("+")
+        if "pdl" in names:  # (not an attention option: the plan's early launch)
+            names.remove("pdl")
+            launch["pdl"] = True
+        if names:
+            launch["options"] = DecodeOptions(**{name: True for name in names})
     layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset(preset, d), num_kv_heads=hkv, block_size=16,
                                 arrangement=arr)
     if kind == "mma":
@@ -250,7 +264,8 @@ def report(case: str) -> list[dict]:
     """Compile one case and report each kernel: ``case`` is ``"mma:PRESET:ARRANGEMENT:D:HKV:HQ[:OPTIONS][:PLAN]"``
     (every plan of :func:`launcher_plans`, or the one named ``PLAN``, a key of it) or
     ``"general:PRESET:ARRANGEMENT:D:HKV:HQ[:OPTIONS]"`` (the general kernel); ``OPTIONS``:
-    :class:`~.plan.DecodeOptions` fields joined by ``+``, e.g. ``window+softcap``. Each report:
+    :class:`~.plan.DecodeOptions` fields joined by ``+``, e.g. ``window+softcap``, and ``pdl``
+    (the kernel as an early-launched plan runs it, :func:`.plan.use_pdl`). Each report:
     ``name`` (the case with its plan's name), ``regs``, ``stack`` (bytes), ``instrs`` (SASS
     instructions), ``maxnreg`` (the launcher's register cap, 0 for none)."""
     layout, hq, launch, todo = _case_todo(case)

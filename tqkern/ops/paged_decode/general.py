@@ -145,12 +145,15 @@ def _paged_decode_kernel(
     K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, K_FAST: tl.constexpr, V_FAST: tl.constexpr, USE_ASM: tl.constexpr,
     K_PAR_ALIGNED: tl.constexpr, V_PAR_ALIGNED: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr, NIBBLE: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """``WINDOW``: only the last ``window_left + 1`` keys, shared by the splits (a split past
     them writes an empty partial: max −inf, sum 0, which the merge skips). ``SOFTCAP``: the
     scaled logit a becomes ``c·tanh(a/c)``; ``softcap_scale = 2·scale·log2(e)/c`` and
     ``softcap_cap = c·log2(e)`` (logits are base 2 here). Off, both compile to the plain kernel."""
+    if PDL:  # launched early (programmatic dependent launch): q and the clamped table once the rotation completes
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     s = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)

@@ -79,10 +79,12 @@ def _merge_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, sink_ptr, lse_p
                   SP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CC: tl.constexpr,
                   ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr, POISON: tl.constexpr,
                   SINKS: tl.constexpr = False, LSE: tl.constexpr = False, FWHT: tl.constexpr = False,
-                  LOG2D: tl.constexpr = 0):
+                  LOG2D: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Merge the splits of one (sequence, KV head) by log-sum-exp; out = acc/l (@ Πᵀ). Program
     ``(s, h, j)`` writes output columns ``j·CC .. j·CC + CC − 1`` (with the rotation it merges all
     columns and rotates into its chunk: the chunks spread the rotate-back over more programs)."""
+    if PDL:  # launched early (programmatic dependent launch): the partials once the decode completes
+        tl.extra.cuda.gdc_wait()
     s = tl.program_id(0)
     h = tl.program_id(1)
     c0 = tl.program_id(2) * CC
@@ -134,7 +136,7 @@ def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, sink_ptr, 
                        HQ: tl.constexpr, ROWS: tl.constexpr, SP: tl.constexpr, UNROLL: tl.constexpr, D: tl.constexpr,
                        DP: tl.constexpr, CC: tl.constexpr, ROTATE_BACK: tl.constexpr, DOT_PRECISION: tl.constexpr,
                        POISON: tl.constexpr, SINKS: tl.constexpr = False, LSE: tl.constexpr = False,
-                       FWHT: tl.constexpr = False, LOG2D: tl.constexpr = 0):
+                       FWHT: tl.constexpr = False, LOG2D: tl.constexpr = 0, PDL: tl.constexpr = False):
     """The merge by blocks of ``ROWS`` query rows (``row = s·HQ + head``, any heads and
     sequences): the rotate-back is a full ``[ROWS, DP] @ [DP, CC]`` tile and Π is read once per
     ROWS rows, instead of once per GQA group padded to 16. Program ``(b, j)`` writes columns
@@ -142,6 +144,8 @@ def _merge_rows_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, sink_ptr, 
     :func:`_merge_kernel`. The maxima of all splits are one ``[ROWS, SP]`` load; then splits are
     read ``UNROLL`` at a time, the partials by loads that do not wait for the weights (an empty
     split's weight 0 selects 0, whatever its partial holds)."""
+    if PDL:  # launched early (programmatic dependent launch): the partials once the decode completes
+        tl.extra.cuda.gdc_wait()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rm = rows < n_rows
     c0 = tl.program_id(1) * CC
@@ -190,7 +194,7 @@ def _merge_row_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, sink_ptr, l
                       stride_os, stride_oh,
                       HQ: tl.constexpr, SP: tl.constexpr, SB: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                       CC: tl.constexpr, ROTATE_BACK: tl.constexpr, POISON: tl.constexpr,
-                      SINKS: tl.constexpr = False, LSE: tl.constexpr = False):
+                      SINKS: tl.constexpr = False, LSE: tl.constexpr = False, PDL: tl.constexpr = False):
     """The merge of one query row (``row = s·HQ + head``) per program, for few rows of many splits
     (batch 1): the splits are read ``SB`` at a time as one ``[SB, columns]`` load, so one row's
     partials stream through many SMs instead of a 16-row block's through one. Program ``(row, j)``
@@ -204,6 +208,8 @@ def _merge_row_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, sink_ptr, l
     40.2 / 40.5 → 38.5, tqkern_k5v3 43.7 → 41.7, tq4 37.7 → 35.7, turboquant_4bit_nc (no rotate-back,
     one load) 34.1 → 34.1; Llama-3-8B 1×128K k5v4h 94.9 / 96.3 → 94.1, tq4 72.8 → 70.8. Same
     workspace layout and result as :func:`_merge_kernel` (to rounding)."""
+    if PDL:  # launched early (programmatic dependent launch): the partials once the decode completes
+        tl.extra.cuda.gdc_wait()
     r = tl.program_id(0)
     c0 = tl.program_id(1) * CC
     part0 = r.to(tl.int64) * num_splits

@@ -65,6 +65,11 @@ share each head: a stage holds ``SUB·WS`` steps, and warp ``sub`` of a head tak
 combines them like any splits). The CTA then keeps ``(COOP - 1)·WS`` times a per-warp step's bytes
 in flight, where the per-warp kernel keeps one step a warp.
 
+Early launch (``PDL``, :func:`.plan.use_pdl`: programmatic dependent launch at grids of few CTAs):
+the kernel starts while the q rotation runs, fills its pair table, then waits for the rotation
+(``griddepcontrol.wait``) before it reads q or the clamped block table (so a cooperative plan's first
+stages are issued after the fill, not before it), and lets the merge launch.
+
 Partials (unnormalised acc, base-2 max, sum) go to the workspace of
 :func:`tqkern.ops.paged_decode.merge._merge_kernel`, which merges splits and rotates back.
 GPU only (inline PTX); the CPU interpreter runs the general kernel instead.
@@ -104,7 +109,7 @@ def _paged_decode_mma_kernel(
     COOP: tl.constexpr = 0, RS: tl.constexpr = 0, SMEM_OFF: tl.constexpr = 0, LUT_AT: tl.constexpr = 0,
     NLOW: tl.constexpr = 0, LATE_V: tl.constexpr = 0, GS: tl.constexpr = 1, QT: tl.constexpr = 1,
     K_AT: tl.constexpr = 0, WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, WS: tl.constexpr = 1,
-    KP: tl.constexpr = 0,
+    KP: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     NT: tl.constexpr = 32 * WARPS
     K3: tl.constexpr = K_BITS == 3
@@ -196,9 +201,10 @@ def _paged_decode_mma_kernel(
                 cp_s = cp_s + (16 * ci,)
             else:
                 cp_s = cp_s + ((ci // (ROW_BYTES // 16)) * RS + (ci % (ROW_BYTES // 16)) * 16,)
-        for j in tl.static_range(COOP - 1):
-            _coop_issue(cache_ptr, _step_blocks(bt_row, start + 16 * CS * j, end, BS, CS), start + 16 * CS * j,
-                        end, _stage(stages, lut, j, STG, NBELOW), cp_s, t, NT, BS, ROW_BYTES, RS, CS)
+        if not PDL:
+            for j in tl.static_range(COOP - 1):
+                _coop_issue(cache_ptr, _step_blocks(bt_row, start + 16 * CS * j, end, BS, CS), start + 16 * CS * j,
+                            end, _stage(stages, lut, j, STG, NBELOW), cp_s, t, NT, BS, ROW_BYTES, RS, CS)
     if NEED_LUT:
         if K5 and K_AT == 64 and V_BITS != 2 and not KP:  # 3-bit value pairs (or none) at 0, key codes at 64
             lut = _lut_fill_k5(lut, t, cen_ptr, vcen_ptr, NT, not V_UNIFORM)
@@ -212,6 +218,14 @@ def _paged_decode_mma_kernel(
         lb = lut + lane * 4
     else:
         lb = lane * 4
+    if PDL:  # launched early (programmatic dependent launch): the table was filled while the q
+        # rotation ran; its outputs (q, the clamped block table) are read only after it completes
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        if COOP:
+            for j in tl.static_range(COOP - 1):
+                _coop_issue(cache_ptr, _step_blocks(bt_row, start + 16 * CS * j, end, BS, CS), start + 16 * CS * j,
+                            end, _stage(stages, lut, j, STG, NBELOW), cp_s, t, NT, BS, ROW_BYTES, RS, CS)
     kbase = lut + K_AT * 128  # the key entries' base (a lane's: + lane * 4)
 
     # -- field geometry (aligned spans, byte masks for the joining lane) ---------------------------

@@ -56,7 +56,7 @@ def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, poison_ptr, bt_ptr, sl_ptr, err_pt
                      num_seqs, max_blocks, num_blocks, rot_programs, HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                      ROWS: tl.constexpr, CC: tl.constexpr, ROTATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                      POISON: tl.constexpr, SCAN: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr,
-                     FWHT: tl.constexpr = False, LOG2D: tl.constexpr = 0):
+                     FWHT: tl.constexpr = False, LOG2D: tl.constexpr = 0, PDL: tl.constexpr = False):
     """``out[r] = float32(q[r]) @ Π`` (or the plain cast) for ROWS query rows ``r = s·HQ + h``: one
     launch instead of a cast and a GEMM. Program ``(b, j)`` writes output columns ``j·CC ..
     j·CC + CC − 1`` of rows ``b·ROWS ..`` (64 columns at a time: a whole ``[DP, DP]`` tile of Π
@@ -66,6 +66,8 @@ def _rotate_q_kernel(q_ptr, rot_ptr, out_ptr, poison_ptr, bt_ptr, sl_ptr, err_pt
     contiguous. With ``SCAN``, the programs from ``rot_programs`` on in the grid's first dimension
     scan the block table instead (:func:`_scan_indices`), beside the rotation rather than before it
     in the same program (which cost tq4 up to 1.3% at B32×4K, measured)."""
+    if PDL:  # the decode (launched with programmatic dependent launch) may start its prologue now
+        tl.extra.cuda.gdc_launch_dependents()
     if tl.program_id(0) >= rot_programs:
         if SCAN:
             _scan_indices(bt_ptr, sl_ptr, err_ptr, safe_ptr, num_seqs, max_blocks, num_blocks,

@@ -66,37 +66,44 @@ class Prepared:
         d = lay.head_dim
         dp = max(16, 1 << (d - 1).bit_length())
         precision = "ieee" if plan.caps.interpret else "tf32x3"
+        # programmatic dependent launch (plan.pdl): the rotation lets the decode start, which waits
+        # for it; the merge starts early and waits for the decode
+        pdl, early = (dict(PDL=True), dict(launch_pdl=True)) if plan.pdl else ({}, {})
         self.rotate = KernelLauncher(_rotate_q_kernel, r.grid,
-                                     r.constexprs(plan.num_q_heads, d, lay.block_size, plan.caps.interpret), num_warps=4)
+                                     dict(r.constexprs(plan.num_q_heads, d, lay.block_size, plan.caps.interpret),
+                                          **pdl), num_warps=4)
         common = dict(D=d, DP=dp, CC=dp // m.chunks, ROTATE_BACK=m.rotate_back, DOT_PRECISION=precision, POISON=True,
-                      SINKS=m.sinks, LSE=m.lse, **m.constexprs(d))
+                      SINKS=m.sinks, LSE=m.lse, **m.constexprs(d), **pdl)
         sp = max(2, 1 << (plan.num_splits - 1).bit_length())
         if m.impl == "row":
             for k in ("DOT_PRECISION", "FWHT", "LOG2D"):
                 common.pop(k)
             self.merge = KernelLauncher(_merge_row_kernel, m.grid, dict(HQ=plan.num_q_heads, SP=sp, SB=m.unroll,
-                                                                        **common), num_warps=4)
+                                                                        **common), num_warps=4, **early)
         elif m.impl == "rows":
             self.merge = KernelLauncher(_merge_rows_kernel, m.grid, dict(HQ=plan.num_q_heads, ROWS=m.rows, SP=sp,
-                                                                         UNROLL=m.unroll, **common), num_warps=4)
+                                                                         UNROLL=m.unroll, **common), num_warps=4, **early)
         else:
             g = plan.group
             self.merge = KernelLauncher(_merge_kernel, m.grid, dict(G=g, GP=max(16, 1 << (g - 1).bit_length()),
                                                                     HQ=plan.num_q_heads, NUM_SPLITS=plan.num_splits,
-                                                                    SP=sp, **common), num_warps=4)
+                                                                    SP=sp, **common), num_warps=4, **early)
         k = plan.decode
         self.value_table = "value"
         if k.kernel != "general" and not (k.constexpr("K_AT") and not k.constexpr("V_UNIFORM")):
             self.value_table = "key"  # (the value codebook is read only for value pairs below the keys' entries)
 
 
-def _launcher(kernel) -> KernelLauncher:
+def _launcher(kernel, pdl: bool = False) -> KernelLauncher:
     """The launcher of a decode :class:`~.plan.KernelPlan` (cooperative kernels: their dynamic
     shared memory sized before the binary loads)."""
     cx = dict(kernel.constexprs)
     if "DOT" in cx:
         cx["DOT"] = tl.bfloat16 if cx["DOT"] == "bf16" else tl.float16
     options = dict(num_warps=kernel.num_warps, num_stages=kernel.num_stages)
+    if pdl:  # (launched early: the kernel waits for the q rotation before reading its outputs)
+        cx["PDL"] = True
+        options["launch_pdl"] = True
     if kernel.maxnreg:
         options["maxnreg"] = kernel.maxnreg
     prepare = None
@@ -181,7 +188,8 @@ def prepare(layout: PagedLayout, q_rot, cache, block_table, seq_lens, tables, *,
                        cache_aligned=cache.data_ptr() % 16 == 0, num_splits=num_splits, path=path,
                        occupancy=None if caps.interpret else occupancy, options=options,
                        signed_sylvester=signed_sylvester, **general)
-    prepared = Prepared(plan, launchers.get(plan.decode) or _launcher(plan.decode))
+    prepared = Prepared(plan, _launcher(plan.decode, True) if plan.pdl else
+                        launchers.get(plan.decode) or _launcher(plan.decode))
     return _PREPARED.put(key, prepared)
 
 
