@@ -244,12 +244,13 @@ def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks
         decode, num_splits = general_decode(layout, num_seqs, num_q_heads, max_blocks, caps, num_splits, occupancy,
                                             block_n, num_warps, num_stages, maxnreg, options)
     dp = layout_consts(layout)["DP"]
-    return DecodePlan(pdl=use_pdl(caps, decode),layout=layout, num_seqs=num_seqs, num_q_heads=num_q_heads, max_blocks=max_blocks, caps=caps,
+    return DecodePlan(layout=layout, num_seqs=num_seqs, num_q_heads=num_q_heads, max_blocks=max_blocks, caps=caps,
                       path="general" if decode.kernel == "general" else "mma", num_splits=num_splits, decode=decode,
                       rotate=_rotate_plan(layout, num_seqs, num_q_heads, max_blocks, signed_sylvester=signed_sylvester),
                       merge=_merge_plan(layout, num_seqs, num_q_heads, num_splits, caps, options,
                                         signed_sylvester=signed_sylvester),
-                      workspace_numel=workspace_numel(num_seqs, num_q_heads, num_splits, dp), options=options)
+                      workspace_numel=workspace_numel(num_seqs, num_q_heads, num_splits, dp), options=options,
+                      pdl=use_pdl(caps, decode))
 
 
 def mma_kernel_plan(layout, plan: MmaPlan, num_seqs: int, num_q_heads: int, num_splits: int, *, warps: int = 4,

@@ -82,7 +82,8 @@ class Prepared:
                                                                         **common), num_warps=4, **early)
         elif m.impl == "rows":
             self.merge = KernelLauncher(_merge_rows_kernel, m.grid, dict(HQ=plan.num_q_heads, ROWS=m.rows, SP=sp,
-                                                                         UNROLL=m.unroll, **common), num_warps=4, **early)
+                                                                         UNROLL=m.unroll, **common),
+                                        num_warps=4, **early)
         else:
             g = plan.group
             self.merge = KernelLauncher(_merge_kernel, m.grid, dict(G=g, GP=max(16, 1 << (g - 1).bit_length()),
@@ -96,7 +97,8 @@ class Prepared:
 
 def _launcher(kernel, pdl: bool = False) -> KernelLauncher:
     """The launcher of a decode :class:`~.plan.KernelPlan` (cooperative kernels: their dynamic
-    shared memory sized before the binary loads)."""
+    shared memory sized before the binary loads); ``pdl``: as a plan with ``DecodePlan.pdl``
+    launches it (the ``PDL`` constexpr and Triton's ``launch_pdl``)."""
     cx = dict(kernel.constexprs)
     if "DOT" in cx:
         cx["DOT"] = tl.bfloat16 if cx["DOT"] == "bf16" else tl.float16
