@@ -38,6 +38,13 @@ def test_use_pdl_takes_grids_of_at_most_half_the_sms(grid, sms, want):
     assert use_pdl(DeviceCaps.sm90(num_sms=sms), _kernel(grid)) is want
 
 
+def test_use_pdl_names_a_wrong_argument():
+    with pytest.raises(TypeError, match="caps must be a DeviceCaps, got dict"):
+        use_pdl({}, _kernel((8,)))
+    with pytest.raises(TypeError, match="decode must be a KernelPlan, got tuple"):
+        use_pdl(DeviceCaps.sm90(), (8,))
+
+
 def test_use_pdl_needs_sm90_and_a_gpu():
     a100 = DeviceCaps(capability=(8, 0), num_sms=108, smem_per_block_optin=166912, smem_per_sm=167936)
     assert not use_pdl(a100, _kernel((8,)))

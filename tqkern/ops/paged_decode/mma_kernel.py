@@ -87,7 +87,8 @@ import triton.language as tl
 from tqkern.ops.paged_decode.mma_fragments import (_accumulate, _dim_of, _p_fragments, _pack2, _rescale,
                                                    _scaled_scores, _scores, _store_partials, _values, _warp_max_r)
 from tqkern.ops.paged_decode.mma_table import _lut_barrier, _lut_declare, _lut_fill, _lut_fill_at, _lut_fill_k5
-from tqkern.ops.paged_decode.mma_loads import (LaneGeometry, _byte_masks, _coop_issue, _coop_wait, _load_step,
+from tqkern.ops.paged_decode.mma_loads import (LaneGeometry, _byte_masks, _coop_first_stages, _coop_issue, _coop_wait,
+                                               _load_step,
                                                _smem_base, _stage, _step_block, _step_blocks)
 
 __all__ = ["_paged_decode_mma_kernel", "_paged_decode_coop_kernel"]
@@ -202,9 +203,8 @@ def _paged_decode_mma_kernel(
             else:
                 cp_s = cp_s + ((ci // (ROW_BYTES // 16)) * RS + (ci % (ROW_BYTES // 16)) * 16,)
         if not PDL:
-            for j in tl.static_range(COOP - 1):
-                _coop_issue(cache_ptr, _step_blocks(bt_row, start + 16 * CS * j, end, BS, CS), start + 16 * CS * j,
-                            end, _stage(stages, lut, j, STG, NBELOW), cp_s, t, NT, BS, ROW_BYTES, RS, CS)
+            _coop_first_stages(cache_ptr, bt_row, start, end, stages, lut, cp_s, t, NT, BS, ROW_BYTES, RS, CS, STG,
+                               NBELOW, COOP)
     if NEED_LUT:
         if K5 and K_AT == 64 and V_BITS != 2 and not KP:  # 3-bit value pairs (or none) at 0, key codes at 64
             lut = _lut_fill_k5(lut, t, cen_ptr, vcen_ptr, NT, not V_UNIFORM)
@@ -223,9 +223,8 @@ def _paged_decode_mma_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
         if COOP:
-            for j in tl.static_range(COOP - 1):
-                _coop_issue(cache_ptr, _step_blocks(bt_row, start + 16 * CS * j, end, BS, CS), start + 16 * CS * j,
-                            end, _stage(stages, lut, j, STG, NBELOW), cp_s, t, NT, BS, ROW_BYTES, RS, CS)
+            _coop_first_stages(cache_ptr, bt_row, start, end, stages, lut, cp_s, t, NT, BS, ROW_BYTES, RS, CS, STG,
+                               NBELOW, COOP)
     kbase = lut + K_AT * 128  # the key entries' base (a lane's: + lane * 4)
 
     # -- field geometry (aligned spans, byte masks for the joining lane) ---------------------------

@@ -228,6 +228,17 @@ def _coop_issue(cache_ptr, blks, t0, end, dst, cp_s, t, NT: tl.constexpr, BS: tl
 
 
 @triton.jit
+def _coop_first_stages(cache_ptr, bt_row, start, end, stages, lut, cp_s, t, NT: tl.constexpr, BS: tl.constexpr,
+                       ROW_BYTES: tl.constexpr, RS: tl.constexpr, CS: tl.constexpr, STG: tl.constexpr,
+                       NBELOW: tl.constexpr, COOP: tl.constexpr):
+    """Issue the ring's first ``COOP - 1`` stages (steps ``CS`` at a time from ``start``) before the
+    loop: :func:`_coop_issue` of each into its :func:`_stage`."""
+    for j in tl.static_range(COOP - 1):
+        _coop_issue(cache_ptr, _step_blocks(bt_row, start + 16 * CS * j, end, BS, CS), start + 16 * CS * j, end,
+                    _stage(stages, lut, j, STG, NBELOW), cp_s, t, NT, BS, ROW_BYTES, RS, CS)
+
+
+@triton.jit
 def _coop_wait(stage, N: tl.constexpr):
     """Wait until at most ``N`` of this thread's copy groups are pending, then a CTA barrier (every
     thread's copies of the stage have landed; every warp is done with the stage it read before);

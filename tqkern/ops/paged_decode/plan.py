@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 from tqkern.layouts import PagedLayout
 from tqkern.ops.codecs import layout_consts
@@ -30,7 +31,7 @@ from tqkern.ops.paged_decode.side_plans import (MergePlan, RotatePlan, _merge_pl
 
 __all__ = ["DeviceCaps", "DecodeOptions", "KernelPlan", "RotatePlan", "scan_split", "MergePlan", "DecodePlan",
            "plan_decode", "decode_path", "check_num_splits", "whole_rounds", "fast_path_plan", "num_splits_for",
-           "merge_chunks", "workspace_numel", "shared_heads", "one_head_plan", "MMA_MIN_CAPABILITY",
+           "merge_chunks", "workspace_numel", "shared_heads", "one_head_plan", "use_pdl", "MMA_MIN_CAPABILITY",
            "MMA_FP8_MIN_CAPABILITY"]
 
 # The warp-MMA kernel's PTX: mma.sync m16n8k16 with fp16 operands, ld.global.nc.L2::256B
@@ -186,10 +187,11 @@ def use_pdl(caps: DeviceCaps, decode: KernelPlan) -> bool:
     where the decode's grid holds at most half as many CTAs as the device has SMs (batch 1,
     short contexts, few KV heads). Measured (H200, session 63): −3 to −12.5% there at every
     shape and preset timed; at 128–132 CTAs from −10% to +52% (Llama-3-8B 1×128K)."""
-    ctas = 1
-    for g in decode.grid:
-        ctas *= g
-    return not caps.interpret and caps.capability >= (9, 0) and 2 * ctas <= caps.num_sms
+    if not isinstance(caps, DeviceCaps):
+        raise TypeError(f"caps must be a DeviceCaps, got {type(caps).__name__}")
+    if not isinstance(decode, KernelPlan):
+        raise TypeError(f"decode must be a KernelPlan, got {type(decode).__name__}")
+    return not caps.interpret and caps.capability >= (9, 0) and 2 * math.prod(decode.grid) <= caps.num_sms
 
 
 def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks: int, caps: DeviceCaps, *,
