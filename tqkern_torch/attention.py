@@ -54,8 +54,9 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
         out: optional output of q's shape and dtype (written, and returned).
         workspace: optional float32 scratch of at least
             ``tqkern.ops.paged_decode.triton.workspace_numel(num_seqs, Hq, num_splits, DP)``
-            elements (DP: head_dim rounded up to a power of two, at least 16), for CUDA-graph
-            capture; pass ``num_splits`` with it (the default split count depends on the GPU).
+            elements (DP: head_dim rounded up to a power of two, at least 16) from a 16-byte
+            aligned address, for CUDA-graph capture; pass ``num_splits`` with it (the default
+            split count depends on the GPU).
         num_splits: split-KV count; default from the shapes (never from ``seq_lens`` values).
         check_lengths: debug mode: check ``seq_lens`` and the used ``block_table`` entries on
             the host before the launch and raise ``ValueError`` naming them (a device sync and

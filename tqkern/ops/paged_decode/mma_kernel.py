@@ -467,6 +467,9 @@ def _paged_decode_mma_kernel(
         m_o2 = mn_o2
 
     # -- partial results: acc [S, HQ, NUM_SPLITS, DP], (m, l) [S, HQ, NUM_SPLITS, 2] --------------
+    # (16-byte stores of runs from multiples of 4, _store_partials: 4-bit value chunks read in place
+    # rotate by an even v_mis in every KV head, mma_plans.mma_plan)
+    tl.static_assert(V_BITS != 4 or V_FUN or (V_A_OFF % 2 == 0 and V_A_STRIDE % 2 == 0))
     for qt in tl.static_range(QT):
         if qt == 0:
             _store_partials(acc_ptr, ml_ptr, o, m_e, m_o, l_e, l_o, z_e, z_o, vmax, (s * HQ + h * QT * G + 2 * c),

@@ -195,9 +195,12 @@ def _mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
         return None  # D256: two column tiles would hold 128 more accumulators (not compiled, not checked)
     # 2- and 3-bit values: always shifted (D/32- and 3D/64-byte chunks). With 3-bit keys, values
     # that would be joined are shifted too (measured 4-5% faster on the H100: docs/performance.md §25).
-    # (D96: 4-bit values' 6-byte chunks are not whole words: shifted)
+    # (D96: 4-bit values' 6-byte chunks are not whole words: shifted.) 4-bit value fields at odd
+    # offsets (no built-in codec has them) are shifted too: read in place, their lanes' chunks would
+    # rotate by an odd count, and the partials' 16-byte stores need runs from multiples of 4
+    # (mma_fragments._store_partials).
     v_fun = (value.bits in (2, 3) or cv % 4 != 0 or rb % cv != 0
-             or (k3 and bool(c["V_A_OFF"] % cv or c["V_A_STRIDE"] % cv)))
+             or (k3 and bool(c["V_A_OFF"] % cv or c["V_A_STRIDE"] % cv)) or bool((c["V_A_OFF"] | c["V_A_STRIDE"]) % 2))
     last_key = c["K_A_OFF"] + (layout.num_kv_heads - 1) * c["K_A_STRIDE"]
     if k3 and last_key + 3 * (3 * d // 32) + 4 * ((3 * d + 127) // 128 + 1) > rb:
         return None  # 3-bit keys: a lane's whole words (one beyond its chunk) must stay in the row

@@ -311,7 +311,11 @@ def launch_mma_plan(q_rot, cache, block_table, seq_lens, layout, plan: dict, tab
 
 def check_workspace(workspace, s: int, hq: int, num_splits: int, dp: int) -> int:
     """ValueError unless ``workspace`` holds ``workspace_numel(s, hq, num_splits, dp)`` float32
-    elements; returns that count."""
+    elements from a 16-byte aligned address (the warp-MMA kernel writes its partials by 16-byte
+    stores); returns that count."""
+    if workspace.data_ptr() % 16:
+        raise ValueError(f"workspace must start at a 16-byte aligned address, got one {workspace.data_ptr() % 16} "
+                         f"bytes past it (a view at an offset: pass the start of an allocation)")
     need = workspace_numel(s, hq, num_splits, dp)
     if workspace.numel() < need:
         raise ValueError(f"workspace must have at least workspace_numel({s}, {hq}, num_splits={num_splits}, {dp}) = "
