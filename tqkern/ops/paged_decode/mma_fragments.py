@@ -489,7 +489,10 @@ def _store_partials(acc_ptr, ml_ptr, o, m_e, m_o, l_e, l_o, z_e, z_o, vmax, head
             d_run = tl.minimum(d_lo, d_hi)
     tl.static_assert(D % 32 == 0)
     for k in tl.static_range(D // 32):
-        dk = (d_run + 4 * k) % D
+        if V_BITS == 4 and not V_FUN:  # (runs of chunks read in place wrap at D; the others end below it)
+            dk = (d_run + 4 * k) % D
+        else:
+            dk = d_run + 4 * k
         _store4(acc_ptr + part_e * DP + dk, run_e[4 * k], run_e[4 * k + 1], run_e[4 * k + 2], run_e[4 * k + 3], ok_e)
         _store4(acc_ptr + part_o * DP + dk, run_o[4 * k], run_o[4 * k + 1], run_o[4 * k + 2], run_o[4 * k + 3], ok_o)
     first = r == 0
