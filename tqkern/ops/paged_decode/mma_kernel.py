@@ -75,8 +75,9 @@ Partials (unnormalised acc, base-2 max, sum) go to the workspace of
 GPU only (inline PTX); the CPU interpreter runs the general kernel instead.
 
 This module holds the kernel only. Its pieces: :mod:`.mma_table` (the pair table),
-:mod:`.mma_fragments` (the code decoders, the MMA, the per-step math and the partials' store) and :mod:`.mma_loads` (a
-step's reads, the cooperative stages); its plans (the constexprs): :mod:`.mma_plans`; its launcher: :mod:`.mma_launch`.
+:mod:`.mma_fragments` (the code decoders, the MMA, the per-step math), :mod:`.mma_io` (the partials'
+16-byte stores) and :mod:`.mma_loads` (a step's reads, the cooperative stages); its plans (the
+constexprs): :mod:`.mma_plans`; its launcher: :mod:`.mma_launch`.
 """
 
 from __future__ import annotations
@@ -84,8 +85,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tqkern.ops.paged_decode.mma_fragments import (_accumulate, _dim_of, _p_fragments, _pack2, _rescale,
-                                                   _scaled_scores, _scores, _store_partials, _values, _warp_max_r)
+from tqkern.ops.paged_decode.mma_fragments import (_accumulate, _p_fragments, _pack2, _rescale, _scaled_scores,
+                                                   _scores, _values, _warp_max_r)
+from tqkern.ops.paged_decode.mma_io import _dim_of, _store_partials
 from tqkern.ops.paged_decode.mma_table import _lut_barrier, _lut_declare, _lut_fill, _lut_fill_at, _lut_fill_k5
 from tqkern.ops.paged_decode.mma_loads import (LaneGeometry, _byte_masks, _coop_first_stages, _coop_issue, _coop_wait,
                                                _load_step,

@@ -198,7 +198,7 @@ def _mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
     # (D96: 4-bit values' 6-byte chunks are not whole words: shifted.) 4-bit value fields at odd
     # offsets (no built-in codec has them) are shifted too: read in place, their lanes' chunks would
     # rotate by an odd count, and the partials' 16-byte stores need runs from multiples of 4
-    # (mma_fragments._store_partials).
+    # (mma_io._store_partials).
     v_fun = (value.bits in (2, 3) or cv % 4 != 0 or rb % cv != 0
              or (k3 and bool(c["V_A_OFF"] % cv or c["V_A_STRIDE"] % cv)) or bool((c["V_A_OFF"] | c["V_A_STRIDE"]) % 2))
     last_key = c["K_A_OFF"] + (layout.num_kv_heads - 1) * c["K_A_STRIDE"]
