@@ -1,6 +1,6 @@
 """The decode launcher's merge of split partials (every kernel and column-chunk count, with and
-without the rotate-back, sinks, lse and poisoned rows) and the q rotation, against NumPy; and the
-rules that plan them. Run in Triton's interpreter on CPU (TRITON_INTERPRET=1) or on a GPU."""
+without the rotate-back, sinks, lse and poisoned rows) and the q rotation, against NumPy; the
+rules that plan them; and the workspace they write (its size and alignment). Run in Triton's interpreter on CPU (TRITON_INTERPRET=1) or on a GPU."""
 
 import numpy as np
 
@@ -315,3 +315,28 @@ def test_q_transform_rule():
     assert plan.rotate.fwht and "rotate      Walsh-Hadamard, grid" in plan.describe()
     with pytest.raises(TypeError, match="signed_sylvester must be a bool, got int"):
         plan_decode(_layout("tq4", 128, 8), 8, 32, 64, DeviceCaps.sm90(), same_codebooks=True, signed_sylvester=1)
+
+
+def test_workspace_needs_its_size_and_a_16_byte_aligned_start():
+    """paged_decode's ``workspace``: a ValueError before any launch when it holds too few elements,
+    or starts past a 16-byte boundary (the warp-MMA kernel stores its partials 16 bytes at a time)."""
+    from tqkern.ops.paged_decode.triton import _workspace
+
+    layout = _layout("turboquant_4bit_nc", 64, 2)
+    params = tqt.to_device(tqkern.TQParams.default(layout.format, seed=0), DEV)
+    q = torch.zeros(3, 4, 64, dtype=torch.float16, device=DEV)
+    cache = torch.zeros(layout.cache_shape(8), dtype=torch.uint8, device=DEV)
+    bt = torch.zeros(3, 5, dtype=torch.int32, device=DEV)
+    sl = torch.zeros(3, dtype=torch.int32, device=DEV)
+    need = workspace_numel(3, 4, 2, 64)
+    ws = torch.zeros(need + 4, dtype=torch.float32, device=DEV)
+    for off in (1, 2, 3):
+        with pytest.raises(ValueError, match=f"workspace must start at a 16-byte aligned address, got one {4 * off} "):
+            tqt.paged_decode(q, cache, bt, sl, layout, params, workspace=ws[off:], num_splits=2)
+        with pytest.raises(ValueError, match="workspace must start at a 16-byte aligned address"):
+            _workspace(ws[off:], 3, 4, 2, 64, DEV)
+    with pytest.raises(ValueError, match=rf"workspace must have at least workspace_numel\(3, 4, num_splits=2, 64\) = "
+                                         rf"{need} float32 elements, got {need - 1}"):
+        tqt.paged_decode(q, cache, bt, sl, layout, params, workspace=ws[4:need + 3], num_splits=2)
+    acc, ml = _workspace(ws[4:], 3, 4, 2, 64, DEV)  # an aligned view is taken as it is
+    assert acc.data_ptr() == ws[4:].data_ptr() and acc.numel() == 3 * 4 * 2 * 64

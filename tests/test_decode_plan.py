@@ -304,30 +304,6 @@ def test_frontend_plan_decode_and_its_bad_input():
         tqt.plan_decode(q, cache, bt[:, :0], layout, params)
 
 
-def test_workspace_needs_its_size_and_a_16_byte_aligned_start():
-    """paged_decode's ``workspace``: a ValueError before any launch when it holds too few elements,
-    or starts past a 16-byte boundary (the warp-MMA kernel stores its partials 16 bytes at a time)."""
-    from tqkern.ops.paged_decode.triton import _workspace
-
-    layout = _layout("turboquant_4bit_nc", 64, 2)
-    params = tqt.to_device(tqkern.TQParams.default(layout.format, seed=0), DEV)
-    q = torch.zeros(3, 4, 64, dtype=torch.float16, device=DEV)
-    cache = torch.zeros(layout.cache_shape(8), dtype=torch.uint8, device=DEV)
-    bt = torch.zeros(3, 5, dtype=torch.int32, device=DEV)
-    sl = torch.zeros(3, dtype=torch.int32, device=DEV)
-    need = workspace_numel(3, 4, 2, 64)
-    ws = torch.zeros(need + 4, dtype=torch.float32, device=DEV)
-    for off in (1, 2, 3):
-        with pytest.raises(ValueError, match=f"workspace must start at a 16-byte aligned address, got one {4 * off} "):
-            tqt.paged_decode(q, cache, bt, sl, layout, params, workspace=ws[off:], num_splits=2)
-        with pytest.raises(ValueError, match="workspace must start at a 16-byte aligned address"):
-            _workspace(ws[off:], 3, 4, 2, 64, DEV)
-    with pytest.raises(ValueError, match=rf"workspace must have at least workspace_numel\(3, 4, num_splits=2, 64\) = "
-                                         rf"{need} float32 elements, got {need - 1}"):
-        tqt.paged_decode(q, cache, bt, sl, layout, params, workspace=ws[4:need + 3], num_splits=2)
-    acc, ml = _workspace(ws[4:], 3, 4, 2, 64, DEV)  # an aligned view is taken as it is
-    assert acc.data_ptr() == ws[4:].data_ptr() and acc.numel() == 3 * 4 * 2 * 64
-
 
 @pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1")
 def test_a_repeated_call_finds_its_plan_without_planning(monkeypatch):
