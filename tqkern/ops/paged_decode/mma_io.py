@@ -1,13 +1,40 @@
 """The warp-MMA decode kernel's (:mod:`.mma_kernel`) traffic outside the cache, one value per
-thread: a lane's coordinates (:func:`_dim_of`) and the store of a split's partials as 16-byte
-runs (:func:`_store_partials`)."""
+thread: q's fragments read 16 bytes at a time (:func:`_q_pairs`), a lane's coordinates
+(:func:`_dim_of`) and the store of a split's partials as 16-byte runs (:func:`_store_partials`)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from tqkern.ops.paged_decode.mma_fragments import _warp_sum_r
+from tqkern.ops.paged_decode.mma_fragments import _pack2, _warp_sum_r
+from tqkern.ops.paged_decode.mma_loads import _ld_words
+
+
+@triton.jit
+def _q_pairs(ptr, ok, SWAP: tl.constexpr):
+    """The q fragments of coordinates (0, 1) and (2, 3) at ``ptr`` (four float32, 16-byte
+    aligned): two fp16x2 registers, the first coordinate low (``SWAP``: high, nibble order);
+    zeros where ``ok`` is false. One 16-byte load (not four 4-byte ones)."""
+    w = _ld_words(ptr, ok, 4, 0)
+    x0 = w[0].to(tl.float32, bitcast=True)
+    x1 = w[1].to(tl.float32, bitcast=True)
+    x2 = w[2].to(tl.float32, bitcast=True)
+    x3 = w[3].to(tl.float32, bitcast=True)
+    if SWAP:
+        return _pack2(x1, x0), _pack2(x3, x2)
+    return _pack2(x0, x1), _pack2(x2, x3)
+
+
+@triton.jit
+def _q_pair(ptr, ok, SWAP: tl.constexpr):
+    """:func:`_q_pairs` for coordinates (0, 1) alone (8-byte aligned), as a 1-tuple."""
+    w = _ld_words(ptr, ok, 2, 0)
+    x0 = w[0].to(tl.float32, bitcast=True)
+    x1 = w[1].to(tl.float32, bitcast=True)
+    if SWAP:
+        return (_pack2(x1, x0),)
+    return (_pack2(x0, x1),)
 
 
 @triton.jit
