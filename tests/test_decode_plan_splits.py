@@ -33,3 +33,17 @@ def test_short_splits_give_way_to_the_per_warp_kernel(preset, arr, batch, max_le
     assert plan.num_splits == splits
     assert plan.decode.grid == ((batch * plan.num_splits,) if want_coop else (batch * 8 * plan.num_splits // 4,))
 
+
+@pytest.mark.parametrize("d,want_coop", [(128, True), (256, False)])
+def test_short_splits_above_head_dim_128_give_way_at_any_length(d, want_coop):
+    """Gemma-2-9B's layer (8 KV heads, 16 query heads) at B8x8K, the same residency at both
+    head_dims (coop: one CTA of 8 warps an SM, per-warp: two of 4): 16 splits of 512 tokens either
+    way. At head_dim 128 the cooperative plan stays (no longer per-warp splits, not under 512
+    tokens); at 256 the per-warp kernel takes them (the rule below 512 tokens was measured at
+    head_dim 128 only)."""
+    layout = _layout("turboquant_k8v4", d, 8)
+    plan, asked = _plan_with(layout, 8, 8192, lambda k: 1 if k.kernel == "coop" else 2, hq=16)
+    assert asked == ["coop", "mma"]
+    assert (plan.decode.kernel == "coop") == want_coop
+    assert plan.num_splits == 16
+    assert plan.decode.grid == ((8 * 16,) if want_coop else (8 * 8 * 16 // 4,))

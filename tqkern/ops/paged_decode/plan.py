@@ -49,6 +49,7 @@ PER_WARP_WAVE = 0.5
 _SHARED_CTA_WARPS = 8  # the CTA of a shared-head plan (one or two KV heads)
 _COOP_MIN_TOKENS = 1024  # tokens per split below which one-step cooperative plans may give way
 _COOP_SHORT_TOKENS = 512  # ... and below which they give way even where the per-warp splits are no longer
+_COOP_SHORT_MAX_DIM = 128  # ... a rule for head_dim up to this (above: they give way at any length under 1024)
 _ONE_HEAD_SPLITS = 32  # one KV head's shared-head plan (one_head_plan): 8 CTAs of 4 warps a sequence
 _ONE_HEAD_MIN_TOKENS = 16384  # ... at contexts of at least this many tokens (shorter: not measured)
 
@@ -415,14 +416,18 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options)
     # per-warp kernel would get no longer splits (batch 1-2: both at 64-128), it gives way only below
     # 512 tokens a split (H200, S57, turboquant_k8v4 at D128, µs, cooperative / per-warp: Hkv 8
     # B1x16K 24.0 / 17.6 (256 tokens a split), B1x32K 38.3 / 40.5, B1x64K 43.8 / 49.0; Hkv 4
-    # B1x64K 30.2 / 44.2, B2x32K 29.0 / 43.6).
+    # B1x64K 30.2 / 44.2, B2x32K 29.0 / 43.6). That was measured at head_dim 128; above 128 the
+    # older rule holds: at head_dim 256 the cooperative kernel spills (208 stack bytes at 8 warps,
+    # offline sm_90) and lost in the H200 bench (turboquant_k8v4, Gemma-2-9B B8x8K local / global,
+    # 16 splits of 512 tokens: S56's per-warp 42.5 / 67.7 µs, S65's cooperative 53.4 / 75.4; not
+    # an A/B in one run).
     def one_step(p):  # a cooperative ring of one step a stage, without the code-pair table
         return bool(p.COOP and p.SUB == 1 and not p.KP)
 
     if one_step(plan) and max_len < _COOP_MIN_TOKENS * n:
         per_warp = per_warp_plan(plan)
         m = splits_for(per_warp)
-        if m >= 2 and (m < n or max_len < _COOP_SHORT_TOKENS * n):
+        if m >= 2 and (m < n or max_len < _COOP_SHORT_TOKENS * n or layout.head_dim > _COOP_SHORT_MAX_DIM):
             plan, n = per_warp, m
     # 5-bit keys with Lloyd-Max values: two CTAs per SM (a 2-stage ring) where the launch then holds
     # more CTAs than SMs and its splits keep >= 1024 tokens. Measured (H200, S40 probe, µs, one CTA →
