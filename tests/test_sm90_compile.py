@@ -39,112 +39,112 @@ SHAPES = ("B32x16K", "SmolLM2_B32x4K", "Llama3-405B-TP8_B16x32K")
 # name -> (stack bytes, SASS instructions) today (Triton 3.9). Stack > 0: the kernel spills at the
 # launcher's 128-register cap (cooperative plans: two CTAs of 8 warps per SM); pinned as budgets.
 BUDGETS = {
-    "mma:tq4:row:128:8:32:per_warp": (0, 1336),
-    "mma:tq4:row:128:8:32:coop": (24, 1224),  # PRMT-addressed table (table256_plan)
-    "mma:turboquant_4bit_nc:slot:128:8:32:per_warp": (0, 1208),
-    "mma:turboquant_4bit_nc:slot:128:8:32:coop": (48, 1480),
-    "mma:turboquant_k8v4:slot:128:8:32:per_warp": (0, 824),
-    "mma:turboquant_k8v4:slot:128:8:32:coop": (0, 840),
-    "mma:turboquant_k3v4_nc:slot:128:8:32:per_warp": (16, 1032),
-    "mma:turboquant_k3v4_nc:slot:128:8:32:coop": (24, 1328),
-    "mma:turboquant_3bit_nc:slot:128:8:32:per_warp": (8, 1008),
-    "mma:turboquant_3bit_nc:slot:128:8:32:coop": (24, 1320),
-    "mma:tqkern_k5v3:slot:128:8:32:per_warp": (8, 1832),
-    "mma:tqkern_k5v3:slot:128:8:32:coop": (0, 1768),
-    "mma:tqkern_k5v3:slot:128:8:32:coop2": (0, 1680),  # two CTAs per SM (S40: a 2-stage ring)
-    "mma:tqkern_k5v3:slot:128:8:32:pairs": (0, 1688),  # the code-pair table, 2 stages of two steps (S60)
-    "mma:tq4:row:64:3:9:per_warp": (0, 1008),
-    "mma:turboquant_4bit_nc:slot:64:3:9:per_warp": (0, 832),
-    "mma:turboquant_k8v4:slot:64:3:9:per_warp": (0, 584),
-    "mma:turboquant_k3v4_nc:slot:64:3:9:per_warp": (0, 816),
-    "mma:turboquant_3bit_nc:slot:64:3:9:per_warp": (0, 808),
+    "mma:tq4:row:128:8:32:per_warp": (0, 1312),
+    "mma:tq4:row:128:8:32:coop": (24, 1200),  # PRMT-addressed table (table256_plan)
+    "mma:turboquant_4bit_nc:slot:128:8:32:per_warp": (0, 1160),
+    "mma:turboquant_4bit_nc:slot:128:8:32:coop": (48, 1416),
+    "mma:turboquant_k8v4:slot:128:8:32:per_warp": (0, 792),
+    "mma:turboquant_k8v4:slot:128:8:32:coop": (0, 808),
+    "mma:turboquant_k3v4_nc:slot:128:8:32:per_warp": (16, 1016),
+    "mma:turboquant_k3v4_nc:slot:128:8:32:coop": (24, 1288),
+    "mma:turboquant_3bit_nc:slot:128:8:32:per_warp": (8, 992),
+    "mma:turboquant_3bit_nc:slot:128:8:32:coop": (24, 1288),
+    "mma:tqkern_k5v3:slot:128:8:32:per_warp": (8, 1808),
+    "mma:tqkern_k5v3:slot:128:8:32:coop": (0, 1744),
+    "mma:tqkern_k5v3:slot:128:8:32:coop2": (0, 1656),  # two CTAs per SM (S40: a 2-stage ring)
+    "mma:tqkern_k5v3:slot:128:8:32:pairs": (0, 1656),  # the code-pair table, 2 stages of two steps (S60)
+    "mma:tq4:row:64:3:9:per_warp": (0, 976),
+    "mma:turboquant_4bit_nc:slot:64:3:9:per_warp": (0, 824),
+    "mma:turboquant_k8v4:slot:64:3:9:per_warp": (0, 568),
+    "mma:turboquant_k3v4_nc:slot:64:3:9:per_warp": (0, 800),
+    "mma:turboquant_3bit_nc:slot:64:3:9:per_warp": (0, 800),
     "mma:tqkern_k5v3:slot:64:3:9:per_warp": (0, 1248),
-    "mma:tq4:row:128:1:16:per_warp": (0, 1728),  # QT = 2 (GQA 16: two column tiles), uncapped
-    "mma:turboquant_4bit_nc:slot:128:1:16:per_warp": (0, 1320),
-    "mma:turboquant_k8v4:slot:128:1:16:per_warp": (0, 1056),
-    "mma:turboquant_k3v4_nc:slot:128:1:16:per_warp": (0, 1288),
-    "mma:turboquant_3bit_nc:slot:128:1:16:per_warp": (0, 1304),
-    "mma:tqkern_k5v3:slot:128:1:16:per_warp": (0, 2128),
+    "mma:tq4:row:128:1:16:per_warp": (0, 1680),  # QT = 2 (GQA 16: two column tiles), uncapped
+    "mma:turboquant_4bit_nc:slot:128:1:16:per_warp": (0, 1272),
+    "mma:turboquant_k8v4:slot:128:1:16:per_warp": (0, 1000),
+    "mma:turboquant_k3v4_nc:slot:128:1:16:per_warp": (0, 1240),
+    "mma:turboquant_3bit_nc:slot:128:1:16:per_warp": (0, 1248),
+    "mma:tqkern_k5v3:slot:128:1:16:per_warp": (0, 2088),
     # (S54) one KV head with uniform values at 16K+ tokens: 4-warp CTAs (plan.one_head_plan), 188-195
     # registers (uncapped)
-    "mma:turboquant_4bit_nc:slot:128:1:16:one_head": (0, 1584),
-    "mma:turboquant_k3v4_nc:slot:128:1:16:one_head": (0, 1472),
-    "mma:turboquant_3bit_nc:slot:128:1:16:one_head": (0, 1488),
+    "mma:turboquant_4bit_nc:slot:128:1:16:one_head": (0, 1536),
+    "mma:turboquant_k3v4_nc:slot:128:1:16:one_head": (0, 1416),
+    "mma:turboquant_3bit_nc:slot:128:1:16:one_head": (0, 1440),
     # head_dim 256 (Gemma-2-9B: Hkv 8, GQA 2), FP8 and 3-bit keys with 4-bit uniform values (S21)
-    "mma:turboquant_k8v4:slot:256:8:16:per_warp": (16, 1240),
-    "mma:turboquant_k8v4:slot:256:8:16:coop": (216, 1344),
-    "mma:turboquant_k3v4_nc:slot:256:8:16:per_warp": (0, 1456),
-    "mma:turboquant_k3v4_nc:slot:256:8:16:coop": (0, 1984),
+    "mma:turboquant_k8v4:slot:256:8:16:per_warp": (16, 1192),
+    "mma:turboquant_k8v4:slot:256:8:16:coop": (208, 1296),
+    "mma:turboquant_k3v4_nc:slot:256:8:16:per_warp": (0, 1400),
+    "mma:turboquant_k3v4_nc:slot:256:8:16:coop": (0, 1928),
     # (S27) 12-byte 3-bit value chunks, 32-byte 4-bit key chunks (two 16-byte loads); 36-bit chunks at D96;
     # D256 plans but FP8 keys' run uncapped (175-254 registers, no spill)
-    "mma:turboquant_3bit_nc:slot:256:8:16:per_warp": (0, 1448),
-    "mma:turboquant_3bit_nc:slot:256:8:16:coop": (0, 1968),
-    "mma:tq4:row:256:8:16:per_warp": (0, 2032),
-    "mma:turboquant_3bit_nc:slot:96:16:16:per_warp": (0, 856),
-    "mma:turboquant_3bit_nc:slot:96:16:16:coop": (0, 1096),
+    "mma:turboquant_3bit_nc:slot:256:8:16:per_warp": (0, 1392),
+    "mma:turboquant_3bit_nc:slot:256:8:16:coop": (0, 1912),
+    "mma:tq4:row:256:8:16:per_warp": (0, 1992),
+    "mma:turboquant_3bit_nc:slot:96:16:16:per_warp": (0, 840),
+    "mma:turboquant_3bit_nc:slot:96:16:16:coop": (0, 1064),
     # Lloyd-Max values of their own codebook below the keys' table entries (docs/quality.md's
     # per-layer formats; session 23)
-    "mma:k4v3h:slot:128:8:32:per_warp": (0, 1784),
-    "mma:k4v3h:slot:128:8:32:coop": (48, 1744),
-    "mma:k4v2h:slot:128:8:32:per_warp": (0, 1600),
-    "mma:k4v2h:slot:128:8:32:coop": (48, 1552),
-    "mma:k3v2h:slot:128:8:32:per_warp": (0, 1360),
-    "mma:k3v2h:slot:128:8:32:coop": (0, 1384),
-    "mma:k5v4h:slot:128:8:32:per_warp": (0, 1840),
-    "mma:k5v4h:slot:128:8:32:coop": (0, 1744),
-    "mma:k5v4h:slot:128:8:32:coop2": (0, 1648),  # two CTAs per SM (S40: a 2-stage ring)
-    "mma:k5v4h:slot:128:8:32:pairs": (0, 1248),  # the code-pair table, 3 stages of one step (S60)
+    "mma:k4v3h:slot:128:8:32:per_warp": (0, 1720),
+    "mma:k4v3h:slot:128:8:32:coop": (48, 1672),
+    "mma:k4v2h:slot:128:8:32:per_warp": (0, 1552),
+    "mma:k4v2h:slot:128:8:32:coop": (48, 1496),
+    "mma:k3v2h:slot:128:8:32:per_warp": (0, 1328),
+    "mma:k3v2h:slot:128:8:32:coop": (0, 1360),
+    "mma:k5v4h:slot:128:8:32:per_warp": (0, 1808),
+    "mma:k5v4h:slot:128:8:32:coop": (0, 1720),
+    "mma:k5v4h:slot:128:8:32:coop2": (0, 1632),  # two CTAs per SM (S40: a 2-stage ring)
+    "mma:k5v4h:slot:128:8:32:pairs": (0, 1224),  # the code-pair table, 3 stages of one step (S60)
     # head_dim 96 (Phi-3 on 2 GPUs: Hkv 16, GQA 1; session 23); 3-bit values stay on the general kernel
-    "mma:tq4:row:96:16:16:per_warp": (0, 1184),
-    "mma:turboquant_4bit_nc:slot:96:16:16:per_warp": (0, 864),
+    "mma:tq4:row:96:16:16:per_warp": (0, 1160),
+    "mma:turboquant_4bit_nc:slot:96:16:16:per_warp": (0, 848),
     # (16-warp CTAs: the pair table's fill, which they skipped before S27, +72 / +80 instructions)
-    "mma:turboquant_4bit_nc:slot:96:16:16:coop": (8, 1072),
-    "mma:turboquant_k8v4:slot:96:16:16:per_warp": (0, 632),
-    "mma:turboquant_k8v4:slot:96:16:16:coop": (0, 648),
-    "mma:turboquant_k3v4_nc:slot:96:16:16:per_warp": (0, 848),
-    "mma:turboquant_k3v4_nc:slot:96:16:16:coop": (0, 1080),
+    "mma:turboquant_4bit_nc:slot:96:16:16:coop": (8, 1048),
+    "mma:turboquant_k8v4:slot:96:16:16:per_warp": (0, 608),
+    "mma:turboquant_k8v4:slot:96:16:16:coop": (0, 632),
+    "mma:turboquant_k3v4_nc:slot:96:16:16:per_warp": (0, 824),
+    "mma:turboquant_k3v4_nc:slot:96:16:16:coop": (0, 1056),
     # (S28) a head_dim 96 row whose 12-byte 4-bit key chunks sit at aligned offsets: three single-word
     # loads (before: a compile error, found by the GPU fuzz test)
-    "mma:tq4:row:96:3:3:per_warp": (0, 1232),
+    "mma:tq4:row:96:3:3:per_warp": (0, 1184),
     # (S28) 5-bit keys at head_dim 256: one step per update (two steps: 255 registers + 40 B stack);
     # (S30) a 232-register cap for 3-bit values, none for k5v4h's 4-bit values (254 registers)
-    "mma:tqkern_k5v3:slot:256:8:16:per_warp": (0, 1832),
-    "mma:k5v4h:slot:256:8:16:per_warp": (0, 1888),
+    "mma:tqkern_k5v3:slot:256:8:16:per_warp": (0, 1792),
+    "mma:k5v4h:slot:256:8:16:per_warp": (0, 1856),
     # (S49) the window and the soft-cap on the warp-MMA kernel: Gemma-2-9B's both (234 / 231 registers,
     # uncapped at D256, as without them), a Mistral-style window on the default k5v4h (the cooperative
     # plan spills 40 bytes at its 128-register cap under Triton 3.9 since S59's key lookups, none under 3.6)
-    "mma:turboquant_4bit_nc:slot:256:8:16:window+softcap:per_warp": (0, 1616),
-    "mma:turboquant_4bit_nc:slot:256:8:16:window+softcap:coop": (0, 2160),
-    "mma:k5v4h:slot:128:8:32:window:per_warp": (0, 1840),
-    "mma:k5v4h:slot:128:8:32:window:coop": (40, 1752),
-    "mma:k5v4h:slot:128:8:32:window:coop2": (0, 1656),
-    "mma:k5v4h:slot:128:8:32:window:pairs": (0, 1256),
+    "mma:turboquant_4bit_nc:slot:256:8:16:window+softcap:per_warp": (0, 1560),
+    "mma:turboquant_4bit_nc:slot:256:8:16:window+softcap:coop": (0, 2104),
+    "mma:k5v4h:slot:128:8:32:window:per_warp": (0, 1816),
+    "mma:k5v4h:slot:128:8:32:window:coop": (0, 1728),
+    "mma:k5v4h:slot:128:8:32:window:coop2": (0, 1640),
+    "mma:k5v4h:slot:128:8:32:window:pairs": (0, 1232),
     # (S52) Llama-3-70B on 4 GPUs (Hq16/Hkv2/D128): 5-bit keys take 8-warp CTAs of 4 warps per KV
     # head (plan.shared_heads; the cooperative kernel at its 128-register cap)
-    "mma:k5v4h:slot:128:2:16:per_warp": (0, 1832),
-    "mma:k5v4h:slot:128:2:16:shared": (32, 2264),
-    "mma:tqkern_k5v3:slot:128:2:16:per_warp": (8, 1840),
-    "mma:tqkern_k5v3:slot:128:2:16:shared": (0, 2296),
+    "mma:k5v4h:slot:128:2:16:per_warp": (0, 1808),
+    "mma:k5v4h:slot:128:2:16:shared": (32, 2232),
+    "mma:tqkern_k5v3:slot:128:2:16:per_warp": (8, 1816),
+    "mma:tqkern_k5v3:slot:128:2:16:shared": (0, 2264),
     # (S61) and their code-pair table (k5v4h 3 stages of one step a warp, tqkern_k5v3 2 of two)
-    "mma:k5v4h:slot:128:2:16:pairs": (0, 1424),
-    "mma:tqkern_k5v3:slot:128:2:16:pairs": (0, 2000),
+    "mma:k5v4h:slot:128:2:16:pairs": (0, 1400),
+    "mma:tqkern_k5v3:slot:128:2:16:pairs": (0, 1976),
     # (S59) Qwen2.5-7B (Hq28/Hkv4/D128): 5-bit keys' cooperative plan and its code-pair table
     # (coop_variants.code_pair_plan: 1024 key pairs, 128 KB more table; its loop 1035 -> 788 instructions
     # for k5v4h, the unrolled fill of 1024 entries +136 outside it)
-    "mma:k5v4h:slot:128:4:28:per_warp": (0, 1840),
-    "mma:k5v4h:slot:128:4:28:coop": (0, 1816),
-    "mma:k5v4h:slot:128:4:28:pairs": (0, 1952),
-    "mma:tqkern_k5v3:slot:128:4:28:per_warp": (8, 1832),
-    "mma:tqkern_k5v3:slot:128:4:28:coop": (0, 1848),
-    "mma:tqkern_k5v3:slot:128:4:28:pairs": (0, 2048),
+    "mma:k5v4h:slot:128:4:28:per_warp": (0, 1808),
+    "mma:k5v4h:slot:128:4:28:coop": (0, 1784),
+    "mma:k5v4h:slot:128:4:28:pairs": (0, 1920),
+    "mma:tqkern_k5v3:slot:128:4:28:per_warp": (8, 1808),
+    "mma:tqkern_k5v3:slot:128:4:28:coop": (0, 1824),
+    "mma:tqkern_k5v3:slot:128:4:28:pairs": (0, 2024),
     # (S53) fp16 caches at head_dim 128: BN 128 with 3 stages (was 64 with 2: 952 / 1096
     # instructions); 191 registers, 197 with a window and a soft-cap
     "general:fp16:slot:128:8:32": (0, 1256),
     "general:fp16:slot:128:8:32:window+softcap": (0, 1408),
     # (S63) launched early (DecodePlan.pdl: programmatic dependent launch at batch 1): the prologue's
     # wait for the q rotation and the merge's early start (+8 instructions in the cooperative kernel)
-    "mma:turboquant_4bit_nc:slot:128:8:32:pdl:per_warp": (0, 1224),
-    "mma:turboquant_4bit_nc:slot:128:8:32:pdl:coop": (48, 1488),
+    "mma:turboquant_4bit_nc:slot:128:8:32:pdl:per_warp": (0, 1160),
+    "mma:turboquant_4bit_nc:slot:128:8:32:pdl:coop": (48, 1432),
     "general:fp16:slot:128:8:32:pdl": (0, 1256),
 }
 # Triton 3.6 (the GPU machines' compiler) where its ptxas exceeds the budgets above (session 44, offline)
