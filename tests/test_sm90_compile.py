@@ -59,12 +59,14 @@ BUDGETS = {
     "mma:turboquant_k3v4_nc:slot:64:3:9:per_warp": (0, 800),
     "mma:turboquant_3bit_nc:slot:64:3:9:per_warp": (0, 800),
     "mma:tqkern_k5v3:slot:64:3:9:per_warp": (0, 1248),
+    "mma:k5v4h:slot:64:3:9:per_warp": (0, 1320),
     "mma:tq4:row:128:1:16:per_warp": (0, 1680),  # QT = 2 (GQA 16: two column tiles), uncapped
     "mma:turboquant_4bit_nc:slot:128:1:16:per_warp": (0, 1272),
     "mma:turboquant_k8v4:slot:128:1:16:per_warp": (0, 1000),
     "mma:turboquant_k3v4_nc:slot:128:1:16:per_warp": (0, 1240),
     "mma:turboquant_3bit_nc:slot:128:1:16:per_warp": (0, 1248),
     "mma:tqkern_k5v3:slot:128:1:16:per_warp": (0, 2088),
+    "mma:k5v4h:slot:128:1:16:per_warp": (0, 2032),  # QT = 2, uncapped (255 registers)
     # (S54) one KV head with uniform values at 16K+ tokens: 4-warp CTAs (plan.one_head_plan), 188-195
     # registers (uncapped)
     "mma:turboquant_4bit_nc:slot:128:1:16:one_head": (0, 1536),
@@ -166,7 +168,7 @@ def _cases() -> list[str]:
         cases += [f"mma:{preset}:{arr}:{dims}" for preset, arr in DECODE_PRESETS if preset != "fp16"]
     cases += ["mma:turboquant_k8v4:slot:256:8:16", "mma:turboquant_k3v4_nc:slot:256:8:16",
               "mma:turboquant_3bit_nc:slot:256:8:16", "mma:tq4:row:256:8:16", "mma:turboquant_3bit_nc:slot:96:16:16"]
-    cases += [f"mma:{name}:slot:128:8:32" for name in ("k4v3h", "k4v2h", "k3v2h", "k5v4h")]
+    cases += [f"mma:{name}:slot:128:8:32" for name in ("k4v3h", "k4v2h", "k3v2h")]
     cases += ["mma:tq4:row:96:16:16"] + [f"mma:{p}:slot:96:16:16" for p in ("turboquant_4bit_nc", "turboquant_k8v4",
                                                                           "turboquant_k3v4_nc")]
     cases += ["mma:tq4:row:96:3:3", "mma:tqkern_k5v3:slot:256:8:16", "mma:k5v4h:slot:256:8:16"]

@@ -159,6 +159,7 @@ DECODE_PRESETS = (
     ("turboquant_k3v4_nc", "slot"),
     ("turboquant_3bit_nc", "slot"),
     ("tqkern_k5v3", "slot"),
+    ("k5v4h", "slot"),  # install's default format
     ("fp16", "slot"),
 )
 
