@@ -366,3 +366,40 @@ def test_cooperative_helpers_reject_bad_input():
 
     with pytest.raises(TypeError, match="caps must be a DeviceCaps, got str"):
         plan_decode(_layout("tq4", 128, 8, "row"), 1, 32, 1, "cuda", same_codebooks=True)
+
+
+@pytest.mark.parametrize("side", ["K", "V"])
+def test_four_bit_fields_at_odd_bytes_are_shifted(monkeypatch, side):
+    """The warp-MMA kernel reads a lane's q pairs and writes its partials 16 bytes at a time, from
+    runs that start at an even field byte; a 4-bit key or value field at an odd offset (no built-in
+    codec has one: the layout's offsets are moved by a byte here) is read as shifted words instead."""
+    import tqkern.ops.paged_decode.mma_plans as plans
+
+    layout = _layout("turboquant_4bit_nc", 128, 8) if side == "K" else _layout("tq4", 128, 8, "row")
+    base = plans._mma_plan.__wrapped__(layout, 4)
+    assert not getattr(base, f"{side}_FUN")
+    consts = plans.layout_consts
+    monkeypatch.setattr(plans, "layout_consts",
+                        lambda lay: {**consts(lay), f"{side}_A_OFF": consts(lay)[f"{side}_A_OFF"] + 1})
+    assert getattr(plans._mma_plan.__wrapped__(layout, 4), f"{side}_FUN")
+
+
+def test_every_plan_meets_the_kernels_even_field_asserts():
+    """What the kernel's ``tl.static_assert``s require of every plan ``mma_plan`` emits (checked
+    here, on the CPU, for the presets and kXvYh formats at every head_dim, KV-head count and
+    arrangement): 4-bit key and value chunks read in place start at even field bytes."""
+    formats = ["tq4", "turboquant_4bit_nc", "turboquant_k8v4", "turboquant_k3v4_nc", "turboquant_3bit_nc",
+               "tqkern_k5v3", "tqkern_k4v4", "k5v4h", "k4v3h", "k4v2h", "k3v2h", "k5v3h"]
+    checked = 0
+    for name in formats:
+        for d in (64, 96, 128, 256):
+            for heads in (1, 2, 3, 4, 8, 16):
+                for arr in ("slot", "row"):
+                    p = mma_plan(_layout(name, d, heads, arr), 4)
+                    if p is None:
+                        continue
+                    checked += 1
+                    four_bit_keys = p.K_BITS == 4 and not p.K_FUN
+                    assert not four_bit_keys or (p.K_A_OFF % 2 == 0 and p.K_A_STRIDE % 2 == 0), (name, d, heads, arr)
+                    assert p.V_BITS != 4 or p.V_FUN or (p.V_A_OFF % 2 == 0 and p.V_A_STRIDE % 2 == 0), (name, d, heads)
+    assert checked > 100

@@ -27,17 +27,6 @@ def _q_pairs(ptr, ok, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _q_pair(ptr, ok, SWAP: tl.constexpr):
-    """:func:`_q_pairs` for coordinates (0, 1) alone (8-byte aligned), as a 1-tuple."""
-    w = _ld_words(ptr, ok, 2, 0)
-    x0 = w[0].to(tl.float32, bitcast=True)
-    x1 = w[1].to(tl.float32, bitcast=True)
-    if SWAP:
-        return (_pack2(x1, x0),)
-    return (_pack2(x0, x1),)
-
-
-@triton.jit
 def _dim_of(f, e, NIBBLE: tl.constexpr):
     """Coordinate of nibble ``e`` (0 low, 1 high) of field byte ``f``."""
     if NIBBLE:

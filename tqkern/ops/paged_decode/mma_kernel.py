@@ -87,7 +87,7 @@ import triton.language as tl
 
 from tqkern.ops.paged_decode.mma_fragments import (_accumulate, _p_fragments, _rescale, _scaled_scores, _scores,
                                                    _values, _warp_max_r)
-from tqkern.ops.paged_decode.mma_io import _q_pair, _q_pairs, _store_partials
+from tqkern.ops.paged_decode.mma_io import _q_pairs, _store_partials
 from tqkern.ops.paged_decode.mma_table import _lut_barrier, _lut_declare, _lut_fill, _lut_fill_at, _lut_fill_k5
 from tqkern.ops.paged_decode.mma_loads import (LaneGeometry, _byte_masks, _coop_first_stages, _coop_issue, _coop_wait,
                                                _load_step,
@@ -282,10 +282,10 @@ def _paged_decode_mma_kernel(
     # -- q as the B operand of S^T = K·Q^T: head r of each query column tile (QT of them: heads
     # (h·QT + j)·G + r), the coordinates of this lane's key chunk; tile j's fragments at qf[NQ·j ..]
     NQ: tl.constexpr = D // 8 if (K3 or K5) else (2 * NKW if K_FP8 else CK)
-    # (q_rot is float32, rows 16-byte aligned: a lane's pairs are read 16 bytes at a time where its
-    # run of them starts at an even pair; 4-bit key chunks read in place start at pair
-    # (CK·(c + 1) − k_mis) mod 4·CK, even where every KV head's field is at an even byte)
-    Q16: tl.constexpr = K3 or K5 or K_FP8 or K_FUN or (K_A_OFF % 2 == 0 and K_A_STRIDE % 2 == 0)
+    # (q_rot is float32, rows 16-byte aligned: a lane's pairs are read 16 bytes at a time from an
+    # even pair; 4-bit key chunks read in place start at pair (CK·(c + 1) − k_mis) mod 4·CK, even
+    # as every KV head's field is at an even byte: mma_plans.mma_plan shifts the others)
+    tl.static_assert(K3 or K5 or K_FP8 or K_FUN or (K_A_OFF % 2 == 0 and K_A_STRIDE % 2 == 0))
     q_ok = live & (r < G)
     qf = ()
     for qt in tl.static_range(QT):
@@ -297,17 +297,13 @@ def _paged_decode_mma_kernel(
             for i in tl.static_range(NKW):
                 fw = K_NW * (4 * (i // K_NW) + c) + i % K_NW
                 qf = qf + _q_pairs(q_row + 4 * fw, q_ok, False)
-        elif Q16:  # pairs j, j + 1 of the chunk: field bytes f, f + 1 (f even)
+        else:  # pairs j, j + 1 of the chunk: field bytes f, f + 1 (f even)
             for j in tl.static_range(0, CK, 2):
                 if K_FUN:
                     f = CK * c + j
                 else:
                     f = (CK * (c + 1) + j - k_mis) % (4 * CK)
                 qf = qf + _q_pairs(q_row + 2 * f, q_ok, NIBBLE)
-        else:  # (4-bit key fields at odd bytes: none built in) pair j: field byte f, 8 bytes
-            for j in tl.static_range(CK):
-                f = (CK * (c + 1) + j - k_mis) % (4 * CK)
-                qf = qf + _q_pair(q_row + 2 * f, q_ok, NIBBLE)
     ones = tl.full([NT], 0x3C003C00, tl.int32)
 
     # -- state -----------------------------------------------------------------------------------

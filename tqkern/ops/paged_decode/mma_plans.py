@@ -188,9 +188,12 @@ def _mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
     ck, cv = d // 8, d // 16
     c = layout_consts(layout)
     # 4-bit key chunks not at fixed offsets from aligned blocks, and 5-bit keys: shifted words
-    # (the joining lane's byte masks take power-of-two chunks: D96's 12 bytes are shifted instead)
+    # (the joining lane's byte masks take power-of-two chunks: D96's 12 bytes are shifted instead).
+    # 4-bit key fields at odd offsets (no built-in codec has them) are shifted too: the kernel reads
+    # a lane's q pairs 16 bytes at a time from an even pair.
     k_joined = bool(c["K_A_OFF"] % ck or c["K_A_STRIDE"] % ck)
-    k_fun = k5 or (not (k_fp8 or k3) and (rb % ck != 0 or (k_joined and bool(ck & (ck - 1)))))
+    k_odd = bool((c["K_A_OFF"] | c["K_A_STRIDE"]) % 2)
+    k_fun = k5 or (not (k_fp8 or k3) and (rb % ck != 0 or (k_joined and bool(ck & (ck - 1))) or k_odd))
     if d == 256 and qt > 1:
         return None  # D256: two column tiles would hold 128 more accumulators (not compiled, not checked)
     # 2- and 3-bit values: always shifted (D/32- and 3D/64-byte chunks). With 3-bit keys, values
