@@ -1,18 +1,21 @@
 """The decode plan's choice between the cooperative and the per-warp warp-MMA kernels where splits
-are short (tqkern/ops/paged_decode/plan.py, ``_mma_decode``): shapes and residency in, kernel and
-split count out. No kernel runs here."""
+are short, and the per-warp kernel's register cap at head_dim 128 (tqkern/ops/paged_decode/plan.py,
+``_mma_decode``, ``mma_kernel_plan``): shapes and residency in, kernel, split count and cap out. No
+kernel runs here."""
 
 import pytest
 
 from tests.test_decode_plan import _layout, _plan_with
+from tqkern.ops.paged_decode.mma_plans import mma_plan, per_warp_plan
+from tqkern.ops.paged_decode.plan import DeviceCaps, mma_kernel_plan, plan_decode
 
 
 @pytest.mark.parametrize("preset,arr,batch,max_len,per_warp_ctas,want_coop,asks,splits", [
-    ("turboquant_k8v4", "slot", 32, 4096, 3, False, 2, 6),  # coop: 8 splits of 512; per-warp: 6 splits
+    ("turboquant_k8v4", "slot", 32, 4096, 3, False, 3, 6),  # coop: 8 splits of 512; per-warp: 6 splits
     ("turboquant_k8v4", "slot", 128, 1024, 3, True, 2, 2),  # per-warp would have 1 split
     ("turboquant_k8v4", "slot", 32, 16384, 3, True, 1, 8),  # splits of 2048 tokens
     # 64 splits of 256 tokens either way: the per-warp kernel, then 66 splits (fill_sms: 2 CTAs a split)
-    ("turboquant_k8v4", "slot", 1, 16384, 3, False, 2, 66),
+    ("turboquant_k8v4", "slot", 1, 16384, 3, False, 3, 66),
     ("turboquant_k8v4", "slot", 1, 32768, 3, True, 2, 64),  # 64 splits of 512 either way (not filled)
     ("turboquant_k8v4", "slot", 1, 65536, 3, True, 2, 128),  # 128 splits of 512 either way
     ("tq4", "row", 32, 4096, 3, True, 1, 8),  # two-step stages: always cooperative
@@ -28,8 +31,11 @@ def test_short_splits_give_way_to_the_per_warp_kernel(preset, arr, batch, max_le
     ``fill_sms`` at batch 1 (one-step cooperative plans keep theirs)."""
     layout = _layout(preset, 128, 8, arr)
     plan, asked = _plan_with(layout, batch, max_len, lambda k: 2 if k.kernel == "coop" else per_warp_ctas)
-    assert asked == ["coop", "mma"][:asks]  # the cooperative plan's residency, then (maybe) the per-warp one
+    # the cooperative plan's residency, then (maybe) the per-warp one's, and for a per-warp plan at 168
+    # registers (test_head_dim_128_per_warp_plans_with_one_step_take_168_registers) the older cap's
+    assert asked == ["coop"] + ["mma"] * (asks - 1)
     assert (plan.decode.kernel == "coop") == want_coop
+    assert want_coop or plan.decode.maxnreg == 168  # (the same residency at either cap here)
     assert plan.num_splits == splits
     assert plan.decode.grid == ((batch * plan.num_splits,) if want_coop else (batch * 8 * plan.num_splits // 4,))
 
@@ -47,3 +53,33 @@ def test_short_splits_above_head_dim_128_give_way_at_any_length(d, want_coop):
     assert (plan.decode.kernel == "coop") == want_coop
     assert plan.num_splits == 16
     assert plan.decode.grid == ((8 * 16,) if want_coop else (8 * 8 * 16 // 4,))
+
+
+def test_head_dim_128_per_warp_plans_with_one_step_take_168_registers():
+    """The per-warp kernel at head_dim 128 with one step per update and fields not joined (FP8
+    keys: joined values too) is capped at 168 registers (measured faster than 128 on an H200 at two
+    KV heads, S66); head_dim 64 keeps 128, and 4-bit keys next to joined values stay uncapped."""
+    def cap(preset, d, heads):
+        plan = per_warp_plan(mma_plan(_layout(preset, d, heads), 8))
+        return plan, mma_kernel_plan(_layout(preset, d, heads), plan, 4, 8 * heads, 16).maxnreg
+
+    for preset in ("turboquant_4bit_nc", "turboquant_3bit_nc", "turboquant_k3v4_nc", "turboquant_k8v4"):
+        plan, n = cap(preset, 128, 2)
+        assert plan.SUB == 1 and not plan.K_MERGE and n == 168, preset
+    plan, n = cap("turboquant_k8v4", 128, 2)
+    assert plan.V_MERGE and n == 168  # FP8 keys with joined values
+    plan, n = cap("turboquant_3bit_nc", 64, 3)
+    assert plan.SUB == 1 and n == 128
+    plan, n = cap("turboquant_4bit_nc", 128, 8)
+    assert plan.V_MERGE and not plan.K_FP8 and n == 0
+    # the planner keeps 168 only where the split count is the older cap's (an SM holds 4 CTAs of
+    # the kernel at 128 registers, 3 at 168; 132 SMs)
+    def occupancy(k):
+        return {128: 4, 168: 3}.get(k.maxnreg, 4)
+
+    for preset, older in (("turboquant_4bit_nc", 128), ("turboquant_k8v4", 0)):
+        lay = _layout(preset, 128, 2)
+        few = plan_decode(lay, 32, 16, 1024, DeviceCaps.sm90(), same_codebooks=True, occupancy=occupancy)
+        assert (few.decode.kernel, few.num_splits, few.decode.maxnreg) == ("mma", 16, 168)  # 256 CTAs
+        many = plan_decode(lay, 64, 8, 512, DeviceCaps.sm90(), same_codebooks=True, occupancy=occupancy)
+        assert (many.decode.kernel, many.num_splits, many.decode.maxnreg) == ("mma", 16, older)  # 168: 12

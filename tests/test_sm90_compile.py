@@ -43,11 +43,11 @@ BUDGETS = {
     "mma:tq4:row:128:8:32:coop": (24, 1200),  # PRMT-addressed table (table256_plan)
     "mma:turboquant_4bit_nc:slot:128:8:32:per_warp": (0, 1160),
     "mma:turboquant_4bit_nc:slot:128:8:32:coop": (48, 1416),
-    "mma:turboquant_k8v4:slot:128:8:32:per_warp": (0, 792),
+    "mma:turboquant_k8v4:slot:128:8:32:per_warp": (0, 784),  # 168 cap at D128 one-step (S66), 150 regs
     "mma:turboquant_k8v4:slot:128:8:32:coop": (0, 808),
-    "mma:turboquant_k3v4_nc:slot:128:8:32:per_warp": (16, 1016),
+    "mma:turboquant_k3v4_nc:slot:128:8:32:per_warp": (0, 984),  # (168: 151 regs, no spill)
     "mma:turboquant_k3v4_nc:slot:128:8:32:coop": (24, 1288),
-    "mma:turboquant_3bit_nc:slot:128:8:32:per_warp": (8, 992),
+    "mma:turboquant_3bit_nc:slot:128:8:32:per_warp": (0, 976),  # (168: 146 regs)
     "mma:turboquant_3bit_nc:slot:128:8:32:coop": (24, 1288),
     "mma:tqkern_k5v3:slot:128:8:32:per_warp": (8, 1808),
     "mma:tqkern_k5v3:slot:128:8:32:coop": (0, 1744),

@@ -52,6 +52,15 @@ _COOP_SHORT_TOKENS = 512  # ... and below which they give way even where the per
 _COOP_SHORT_MAX_DIM = 128  # ... a rule for head_dim up to this (above: they give way at any length under 1024)
 _ONE_HEAD_SPLITS = 32  # one KV head's shared-head plan (one_head_plan): 8 CTAs of 4 warps a sequence
 _ONE_HEAD_MIN_TOKENS = 16384  # ... at contexts of at least this many tokens (shorter: not measured)
+# The per-warp kernel at head_dim 128, one step per update, fields not joined (FP8 keys: joined values
+# too): 168 registers, not 128. Measured (H200, S66, CUDA graphs, µs, 128 → 168, output sums equal):
+# Llama-3-70B-TP4 B32×16K (Hq16/Hkv2) turboquant_4bit_nc 89.6 → 78.1, turboquant_3bit_nc 75.9 → 74.1,
+# turboquant_k3v4_nc 76.7 → 73.5, turboquant_k8v4 (joined values: uncapped → 168) 85.4 → 78.3;
+# Llama-3-70B-TP8 B32×16K turboquant_k8v4 43.6 → 43.2 (splits and grids unchanged). Offline (sm_90,
+# Triton 3.9) the 128 cap spills 8–32 bytes there; at 168 they fit in 131–150 registers, no stack.
+# Not taken: head_dim 64 (SmolLM2 B32×4K, Hkv3: turboquant_3bit_nc 19.3 → 20.4), uncapped (3-bit
+# keys 76 → 84), 4-bit keys with joined values (168 spills 24 bytes offline).
+_PER_WARP_D128_MAXNREG = 168
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +265,14 @@ def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks
                       pdl=use_pdl(caps, decode))
 
 
+def per_warp_d128_cap(plan: MmaPlan) -> bool:
+    """Whether the per-warp kernel of ``plan`` takes ``_PER_WARP_D128_MAXNREG`` registers: head_dim
+    128, one step per update, one query column tile, fields not joined (FP8 keys: joined values
+    too). :func:`plan_decode` keeps it only where the split count is the one 128 registers give."""
+    return (not plan.COOP and plan.D == 128 and plan.SUB == 1 and plan.QT == 1 and not plan.K_MERGE
+            and (plan.K_FP8 or not plan.V_MERGE))
+
+
 def mma_kernel_plan(layout, plan: MmaPlan, num_seqs: int, num_q_heads: int, num_splits: int, *, warps: int = 4,
                     prefetch: int | None = None, hint: int = 1, maxnreg: int | None = None,
                     options: DecodeOptions | None = None) -> KernelPlan:
@@ -291,8 +308,11 @@ def mma_kernel_plan(layout, plan: MmaPlan, num_seqs: int, num_q_heads: int, num_
         maxnreg = 0 if plan.QT == 2 else 128
     if maxnreg is None:  # measured (H100): capped at 128 registers ~2% faster for aligned fields (no spill
         # inside the loop); with joined fields the kernel needs ~168 and a cap spills in the loop;
-        # two steps per iteration (SUB = 2) hold a two-step ring: 168 (12 warps/SM) measured fastest
+        # two steps per iteration (SUB = 2) hold a two-step ring: 168 (12 warps/SM) measured fastest;
+        # head_dim 128 with one step: 168 too (_PER_WARP_D128_MAXNREG)
         maxnreg = 0 if plan.K_MERGE or plan.V_MERGE else 168 if plan.SUB == 2 else 128
+        if per_warp_d128_cap(plan):
+            maxnreg = _PER_WARP_D128_MAXNREG
         if plan.QT == 2:  # two query column tiles: the second's accumulators spill under either cap
             maxnreg = 0
     heads = hkv * plan.GS  # the kernel's work items per (sequence, split): (KV head, query-head group) pairs
@@ -380,7 +400,7 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options)
 
     resident = {}  # (each kernel's residency asked once)
 
-    def splits_for(p, fill=False):
+    def splits_for(p, fill=False, kernel_plan=kernel_plan):
         k = kernel_plan(layout, p, s, hq, p.WS or 1)
         ctas = resident[k] if k in resident else resident.setdefault(k, occupancy(k))
         if ctas is None:  # unknown: a conservative 8 warps per SM (speed, never correctness)
@@ -454,6 +474,13 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options)
     # to the per-warp kernel at 4 KV heads, where it lost by 45-50% (S57).
     if not one_step(plan):
         n = splits_for(plan, fill=True)
+    if per_warp_d128_cap(plan):  # 168 registers were measured at the split counts of the older caps
+        # (S66): where the smaller occupancy would move the count (e.g. Llama-3-8B-TP4 B64x8K, 16 -> 12
+        # splits), the older cap stays (128; FP8 keys with joined values uncapped). Untimed there.
+        older = functools.partial(kernel_plan, maxnreg=0 if plan.V_MERGE else 128)
+        m = splits_for(plan, fill=not one_step(plan), kernel_plan=older)
+        if m != n:
+            return older(layout, plan, s, hq, m), m
     return kernel_plan(layout, plan, s, hq, n), n
 
 
