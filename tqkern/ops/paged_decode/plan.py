@@ -265,7 +265,7 @@ def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks
                       pdl=use_pdl(caps, decode))
 
 
-def per_warp_d128_cap(plan: MmaPlan) -> bool:
+def _per_warp_d128_cap(plan: MmaPlan) -> bool:
     """Whether the per-warp kernel of ``plan`` takes ``_PER_WARP_D128_MAXNREG`` registers: head_dim
     128, one step per update, one query column tile, fields not joined (FP8 keys: joined values
     too). :func:`plan_decode` keeps it only where the split count is the one 128 registers give."""
@@ -311,7 +311,7 @@ def mma_kernel_plan(layout, plan: MmaPlan, num_seqs: int, num_q_heads: int, num_
         # two steps per iteration (SUB = 2) hold a two-step ring: 168 (12 warps/SM) measured fastest;
         # head_dim 128 with one step: 168 too (_PER_WARP_D128_MAXNREG)
         maxnreg = 0 if plan.K_MERGE or plan.V_MERGE else 168 if plan.SUB == 2 else 128
-        if per_warp_d128_cap(plan):
+        if _per_warp_d128_cap(plan):
             maxnreg = _PER_WARP_D128_MAXNREG
         if plan.QT == 2:  # two query column tiles: the second's accumulators spill under either cap
             maxnreg = 0
@@ -474,7 +474,7 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options)
     # to the per-warp kernel at 4 KV heads, where it lost by 45-50% (S57).
     if not one_step(plan):
         n = splits_for(plan, fill=True)
-    if per_warp_d128_cap(plan):  # 168 registers were measured at the split counts of the older caps
+    if _per_warp_d128_cap(plan):  # 168 registers were measured at the split counts of the older caps
         # (S66): where the smaller occupancy would move the count (e.g. Llama-3-8B-TP4 B64x8K, 16 -> 12
         # splits), the older cap stays (128; FP8 keys with joined values uncapped). Untimed there.
         older = functools.partial(kernel_plan, maxnreg=0 if plan.V_MERGE else 128)
