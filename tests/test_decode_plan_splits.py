@@ -12,12 +12,12 @@ from tqkern.ops.paged_decode.plan import DeviceCaps, mma_kernel_plan, plan_decod
 
 @pytest.mark.parametrize("preset,arr,batch,max_len,per_warp_ctas,want_coop,asks,splits", [
     ("turboquant_k8v4", "slot", 32, 4096, 3, False, 3, 6),  # coop: 8 splits of 512; per-warp: 6 splits
-    ("turboquant_k8v4", "slot", 128, 1024, 3, True, 2, 2),  # per-warp would have 1 split
+    ("turboquant_k8v4", "slot", 128, 1024, 3, True, 3, 2),  # per-warp would have 1 split
     ("turboquant_k8v4", "slot", 32, 16384, 3, True, 1, 8),  # splits of 2048 tokens
     # 64 splits of 256 tokens either way: the per-warp kernel, then 66 splits (fill_sms: 2 CTAs a split)
     ("turboquant_k8v4", "slot", 1, 16384, 3, False, 3, 66),
-    ("turboquant_k8v4", "slot", 1, 32768, 3, True, 2, 64),  # 64 splits of 512 either way (not filled)
-    ("turboquant_k8v4", "slot", 1, 65536, 3, True, 2, 128),  # 128 splits of 512 either way
+    ("turboquant_k8v4", "slot", 1, 32768, 3, True, 3, 64),  # 64 splits of 512 either way (not filled)
+    ("turboquant_k8v4", "slot", 1, 65536, 3, True, 3, 128),  # 128 splits of 512 either way
     ("tq4", "row", 32, 4096, 3, True, 1, 8),  # two-step stages: always cooperative
     ("turboquant_4bit_nc", "slot", 32, 4096, 3, True, 1, 8),
 ])
@@ -31,8 +31,8 @@ def test_short_splits_give_way_to_the_per_warp_kernel(preset, arr, batch, max_le
     ``fill_sms`` at batch 1 (one-step cooperative plans keep theirs)."""
     layout = _layout(preset, 128, 8, arr)
     plan, asked = _plan_with(layout, batch, max_len, lambda k: 2 if k.kernel == "coop" else per_warp_ctas)
-    # the cooperative plan's residency, then (maybe) the per-warp one's, and for a per-warp plan at 168
-    # registers (test_head_dim_128_per_warp_plans_with_one_step_take_168_registers) the older cap's
+    # the cooperative plan's residency, then (maybe) the per-warp one's: without and with head_dim 128's
+    # 168-register cap (test_head_dim_128_per_warp_plans_with_one_step_take_168_registers)
     assert asked == ["coop"] + ["mma"] * (asks - 1)
     assert (plan.decode.kernel == "coop") == want_coop
     assert want_coop or plan.decode.maxnreg == 168  # (the same residency at either cap here)
@@ -49,7 +49,7 @@ def test_short_splits_above_head_dim_128_give_way_at_any_length(d, want_coop):
     head_dim 128 only)."""
     layout = _layout("turboquant_k8v4", d, 8)
     plan, asked = _plan_with(layout, 8, 8192, lambda k: 1 if k.kernel == "coop" else 2, hq=16)
-    assert asked == ["coop", "mma"]
+    assert asked == ["coop", "mma"] + ["mma"] * (d == 128)  # (head_dim 128: with and without the 168 cap)
     assert (plan.decode.kernel == "coop") == want_coop
     assert plan.num_splits == 16
     assert plan.decode.grid == ((8 * 16,) if want_coop else (8 * 8 * 16 // 4,))
@@ -72,8 +72,8 @@ def test_head_dim_128_per_warp_plans_with_one_step_take_168_registers():
     assert plan.SUB == 1 and n == 128
     plan, n = cap("turboquant_4bit_nc", 128, 8)
     assert plan.V_MERGE and not plan.K_FP8 and n == 0
-    # the planner keeps 168 only where the split count is the older cap's (an SM holds 4 CTAs of
-    # the kernel at 128 registers, 3 at 168; 132 SMs)
+    # the planner keeps 168 only where the plan is otherwise the older cap's: not where it moves the split
+    # count (an SM holds 4 CTAs of the kernel at 128 registers, 3 at 168; 132 SMs) ...
     def occupancy(k):
         return {128: 4, 168: 3}.get(k.maxnreg, 4)
 
@@ -83,3 +83,9 @@ def test_head_dim_128_per_warp_plans_with_one_step_take_168_registers():
         assert (few.decode.kernel, few.num_splits, few.decode.maxnreg) == ("mma", 16, 168)  # 256 CTAs
         many = plan_decode(lay, 64, 8, 512, DeviceCaps.sm90(), same_codebooks=True, occupancy=occupancy)
         assert (many.decode.kernel, many.num_splits, many.decode.maxnreg) == ("mma", 16, older)  # 168: 12
+    # ... nor the choice between the cooperative and the per-warp kernel (B32x4K, 8 KV heads: with the
+    # 168 cap's residency the per-warp kernel would take 6 splits instead of the cooperative 8)
+    lay = _layout("turboquant_k8v4", 128, 8)
+    plan = plan_decode(lay, 32, 32, 256, DeviceCaps.sm90(), same_codebooks=True,
+                       occupancy=lambda k: 2 if k.kernel == "coop" else {0: 4, 168: 3}[k.maxnreg])
+    assert (plan.decode.kernel, plan.num_splits) == ("coop", 8)

@@ -53,13 +53,9 @@ _COOP_SHORT_MAX_DIM = 128  # ... a rule for head_dim up to this (above: they giv
 _ONE_HEAD_SPLITS = 32  # one KV head's shared-head plan (one_head_plan): 8 CTAs of 4 warps a sequence
 _ONE_HEAD_MIN_TOKENS = 16384  # ... at contexts of at least this many tokens (shorter: not measured)
 # The per-warp kernel at head_dim 128, one step per update, fields not joined (FP8 keys: joined values
-# too): 168 registers, not 128. Measured (H200, S66, CUDA graphs, µs, 128 → 168, output sums equal):
-# Llama-3-70B-TP4 B32×16K (Hq16/Hkv2) turboquant_4bit_nc 89.6 → 78.1, turboquant_3bit_nc 75.9 → 74.1,
-# turboquant_k3v4_nc 76.7 → 73.5, turboquant_k8v4 (joined values: uncapped → 168) 85.4 → 78.3;
-# Llama-3-70B-TP8 B32×16K turboquant_k8v4 43.6 → 43.2 (splits and grids unchanged). Offline (sm_90,
-# Triton 3.9) the 128 cap spills 8–32 bytes there; at 168 they fit in 131–150 registers, no stack.
-# Not taken: head_dim 64 (SmolLM2 B32×4K, Hkv3: turboquant_3bit_nc 19.3 → 20.4), uncapped (3-bit
-# keys 76 → 84), 4-bit keys with joined values (168 spills 24 bytes offline).
+# too): 168 registers, not 128 (H200, S66, µs: Llama-3-70B-TP4 B32×16K turboquant_4bit_nc 89.6 → 78.1,
+# turboquant_k8v4 (uncapped before) 85.4 → 78.3, 3-bit keys −2 to −4%; the 128 cap spilled 8–32 bytes
+# offline). Not at head_dim 64 (SmolLM2 B32×4K turboquant_3bit_nc +5.7%); docs/performance.md "S66".
 _PER_WARP_D128_MAXNREG = 168
 
 
@@ -268,18 +264,20 @@ def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks
 def _per_warp_d128_cap(plan: MmaPlan) -> bool:
     """Whether the per-warp kernel of ``plan`` takes ``_PER_WARP_D128_MAXNREG`` registers: head_dim
     128, one step per update, one query column tile, fields not joined (FP8 keys: joined values
-    too). :func:`plan_decode` keeps it only where the split count is the one 128 registers give."""
+    too). :func:`plan_decode` keeps it only where the plan is otherwise the one without it."""
     return (not plan.COOP and plan.D == 128 and plan.SUB == 1 and plan.QT == 1 and not plan.K_MERGE
             and (plan.K_FP8 or not plan.V_MERGE))
 
 
 def mma_kernel_plan(layout, plan: MmaPlan, num_seqs: int, num_q_heads: int, num_splits: int, *, warps: int = 4,
                     prefetch: int | None = None, hint: int = 1, maxnreg: int | None = None,
-                    options: DecodeOptions | None = None) -> KernelPlan:
+                    options: DecodeOptions | None = None, d128_cap: bool = True) -> KernelPlan:
     """The launch of the warp-MMA kernel for an :func:`.mma_plans.mma_plan` ``plan``: a
     cooperative plan runs one CTA per (sequence, split) with a warp per KV head, the per-warp
     kernel one warp per (sequence, KV head, split). ``options``: the window and soft-cap
-    constexprs (:meth:`DecodeOptions.constexprs`)."""
+    constexprs (:meth:`DecodeOptions.constexprs`). ``d128_cap``: the head_dim-128 per-warp cap
+    (``_PER_WARP_D128_MAXNREG``) where ``maxnreg`` is not given; the planner compares plans
+    without it."""
     hkv = layout.num_kv_heads
     coop = bool(plan.COOP)
     ws = plan.WS or 1
@@ -311,7 +309,7 @@ def mma_kernel_plan(layout, plan: MmaPlan, num_seqs: int, num_q_heads: int, num_
         # two steps per iteration (SUB = 2) hold a two-step ring: 168 (12 warps/SM) measured fastest;
         # head_dim 128 with one step: 168 too (_PER_WARP_D128_MAXNREG)
         maxnreg = 0 if plan.K_MERGE or plan.V_MERGE else 168 if plan.SUB == 2 else 128
-        if _per_warp_d128_cap(plan):
+        if d128_cap and _per_warp_d128_cap(plan):
             maxnreg = _PER_WARP_D128_MAXNREG
         if plan.QT == 2:  # two query column tiles: the second's accumulators spill under either cap
             maxnreg = 0
@@ -379,8 +377,22 @@ def one_head_plan(plan: MmaPlan, layout: PagedLayout, max_len: int) -> MmaPlan |
 
 
 def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options):
+    # The head_dim-128 per-warp cap (_PER_WARP_D128_MAXNREG), measured at the older caps' plans, only
+    # changes the cap of the plan those give: where its residency moves the choice (splits, or coop vs
+    # per-warp; Llama-3-8B-TP4 B64x8K 16 -> 12 splits offline) the older plan stays (untimed there).
+    resident = {}  # (each kernel's residency asked once)
+    older = _mma_decode_with(layout, s, hq, max_blocks, caps, num_splits, occupancy, options, resident, False)
+    base = mma_plan(layout, hq // layout.num_kv_heads)
+    if not _per_warp_d128_cap(per_warp_plan(base) if base.COOP else base):
+        return older
+    new = _mma_decode_with(layout, s, hq, max_blocks, caps, num_splits, occupancy, options, resident, True)
+    same = dataclasses.replace(new[0], maxnreg=older[0].maxnreg) == older[0] and new[1] == older[1]
+    return new if same else older
+
+
+def _mma_decode_with(layout, s, hq, max_blocks, caps, num_splits, occupancy, options, resident, d128_cap):
     g = hq // layout.num_kv_heads
-    kernel_plan = functools.partial(mma_kernel_plan, options=options)
+    kernel_plan = functools.partial(mma_kernel_plan, options=options, d128_cap=d128_cap)
     plan = mma_plan(layout, g)
     max_len = max_blocks * layout.block_size
     one = one_head_plan(plan, layout, max_len)
@@ -398,11 +410,15 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options)
     if plan is one:
         return kernel_plan(layout, plan, s, hq, _ONE_HEAD_SPLITS), _ONE_HEAD_SPLITS
 
-    resident = {}  # (each kernel's residency asked once)
-
-    def splits_for(p, fill=False, kernel_plan=kernel_plan):
+    def splits_for(p, fill=False):
         k = kernel_plan(layout, p, s, hq, p.WS or 1)
-        ctas = resident[k] if k in resident else resident.setdefault(k, occupancy(k))
+        if k not in resident:  # (a failed sizing too: the second pass raises it again)
+            try:
+                resident[k] = occupancy(k)
+            except DynamicSmemUnsupported as e:
+                resident[k] = e
+        if isinstance(ctas := resident[k], DynamicSmemUnsupported):
+            raise ctas
         if ctas is None:  # unknown: a conservative 8 warps per SM (speed, never correctness)
             ctas = max(1, 8 // k.num_warps)
         wave = ctas * k.num_warps * caps.num_sms
@@ -474,13 +490,6 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options)
     # to the per-warp kernel at 4 KV heads, where it lost by 45-50% (S57).
     if not one_step(plan):
         n = splits_for(plan, fill=True)
-    if _per_warp_d128_cap(plan):  # 168 registers were measured at the split counts of the older caps
-        # (S66): where the smaller occupancy would move the count (e.g. Llama-3-8B-TP4 B64x8K, 16 -> 12
-        # splits), the older cap stays (128; FP8 keys with joined values uncapped). Untimed there.
-        older = functools.partial(kernel_plan, maxnreg=0 if plan.V_MERGE else 128)
-        m = splits_for(plan, fill=not one_step(plan), kernel_plan=older)
-        if m != n:
-            return older(layout, plan, s, hq, m), m
     return kernel_plan(layout, plan, s, hq, n), n
 
 
