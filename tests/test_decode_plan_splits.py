@@ -72,6 +72,10 @@ def test_head_dim_128_per_warp_plans_with_one_step_take_168_registers():
     assert plan.SUB == 1 and n == 128
     plan, n = cap("turboquant_4bit_nc", 128, 8)
     assert plan.V_MERGE and not plan.K_FP8 and n == 0
+    plan = per_warp_plan(mma_plan(_layout("turboquant_4bit_nc", 128, 2), 8))
+    assert mma_kernel_plan(_layout("turboquant_4bit_nc", 128, 2), plan, 4, 16, 16, d128_cap=False).maxnreg == 128
+    with pytest.raises(TypeError, match="d128_cap must be a bool, got int"):
+        mma_kernel_plan(_layout("turboquant_4bit_nc", 128, 2), plan, 4, 16, 16, d128_cap=1)
     # the planner keeps 168 only where the plan is otherwise the older cap's: not where it moves the split
     # count (an SM holds 4 CTAs of the kernel at 128 registers, 3 at 168; 132 SMs) ...
     def occupancy(k):

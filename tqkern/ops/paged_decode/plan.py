@@ -262,9 +262,8 @@ def plan_decode(layout: PagedLayout, num_seqs: int, num_q_heads: int, max_blocks
 
 
 def _per_warp_d128_cap(plan: MmaPlan) -> bool:
-    """Whether the per-warp kernel of ``plan`` takes ``_PER_WARP_D128_MAXNREG`` registers: head_dim
-    128, one step per update, one query column tile, fields not joined (FP8 keys: joined values
-    too). :func:`plan_decode` keeps it only where the plan is otherwise the one without it."""
+    """Whether ``plan``'s per-warp kernel takes ``_PER_WARP_D128_MAXNREG`` registers (where the plan is
+    otherwise the one without them: :func:`_mma_decode`)."""
     return (not plan.COOP and plan.D == 128 and plan.SUB == 1 and plan.QT == 1 and not plan.K_MERGE
             and (plan.K_FP8 or not plan.V_MERGE))
 
@@ -276,11 +275,12 @@ def mma_kernel_plan(layout, plan: MmaPlan, num_seqs: int, num_q_heads: int, num_
     cooperative plan runs one CTA per (sequence, split) with a warp per KV head, the per-warp
     kernel one warp per (sequence, KV head, split). ``options``: the window and soft-cap
     constexprs (:meth:`DecodeOptions.constexprs`). ``d128_cap``: the head_dim-128 per-warp cap
-    (``_PER_WARP_D128_MAXNREG``) where ``maxnreg`` is not given; the planner compares plans
-    without it."""
+    (``_PER_WARP_D128_MAXNREG``) where ``maxnreg`` is not given (the planner compares without)."""
     hkv = layout.num_kv_heads
     coop = bool(plan.COOP)
     ws = plan.WS or 1
+    if not isinstance(d128_cap, bool):
+        raise TypeError(f"d128_cap must be a bool, got {type(d128_cap).__name__}")
     if num_splits % ws:
         raise ValueError(f"num_splits must be a multiple of the plan's {ws} warps per KV head, got {num_splits}")
     if coop:  # one warp per KV head of a (sequence, split), or WS of them (shared_head_plan)
@@ -380,7 +380,7 @@ def _mma_decode(layout, s, hq, max_blocks, caps, num_splits, occupancy, options)
     # The head_dim-128 per-warp cap (_PER_WARP_D128_MAXNREG), measured at the older caps' plans, only
     # changes the cap of the plan those give: where its residency moves the choice (splits, or coop vs
     # per-warp; Llama-3-8B-TP4 B64x8K 16 -> 12 splits offline) the older plan stays (untimed there).
-    resident = {}  # (each kernel's residency asked once)
+    resident = {}  # (each kernel's residency asked once; plans are cached by the launcher)
     older = _mma_decode_with(layout, s, hq, max_blocks, caps, num_splits, occupancy, options, resident, False)
     base = mma_plan(layout, hq // layout.num_kv_heads)
     if not _per_warp_d128_cap(per_warp_plan(base) if base.COOP else base):
@@ -452,11 +452,9 @@ def _mma_decode_with(layout, s, hq, max_blocks, caps, num_splits, occupancy, opt
     # per-warp kernel would get no longer splits (batch 1-2: both at 64-128), it gives way only below
     # 512 tokens a split (H200, S57, turboquant_k8v4 at D128, µs, cooperative / per-warp: Hkv 8
     # B1x16K 24.0 / 17.6 (256 tokens a split), B1x32K 38.3 / 40.5, B1x64K 43.8 / 49.0; Hkv 4
-    # B1x64K 30.2 / 44.2, B2x32K 29.0 / 43.6). That was measured at head_dim 128; above 128 the
-    # older rule holds: at head_dim 256 the cooperative kernel spills (208 stack bytes at 8 warps,
-    # offline sm_90) and lost in the H200 bench (turboquant_k8v4, Gemma-2-9B B8x8K local / global,
-    # 16 splits of 512 tokens: S56's per-warp 42.5 / 67.7 µs, S65's cooperative 53.4 / 75.4; not
-    # an A/B in one run).
+    # B1x64K 30.2 / 44.2, B2x32K 29.0 / 43.6), at head_dim 128 only. At 256 the cooperative kernel
+    # spills (208 bytes offline): the older rule (H200, S66, Gemma-2-9B B8x8K, 16 splits of 512 tokens,
+    # cooperative → per-warp: 74.8 → 63.8 µs, global 75.7 → 64.4, local 53.5 → 38.6).
     def one_step(p):  # a cooperative ring of one step a stage, without the code-pair table
         return bool(p.COOP and p.SUB == 1 and not p.KP)
 
