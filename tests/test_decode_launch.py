@@ -234,7 +234,8 @@ def test_ctas_per_sm():
 def test_cooperative_plan_rules():
     """Cooperative stages (one CTA per sequence and split, a warp per KV head, whole rows through
     shared memory) are in the launcher's plan for 4-16 KV heads (a power of two) in blocks of a
-    multiple of 16 tokens: 4 stages of two steps with Lloyd-Max values, 2 of two steps with
+    multiple of 16 tokens: 4 stages of two steps with Lloyd-Max values (2 where 4 do not fit one
+    CTA: 16 KV heads at head_dim 96-128), 2 of two steps with
     uniform values next to table-decoded keys, 3 of one step with FP8 keys; values read after the
     softmax update; rows of a multiple of 16 bytes padded to 16 mod 32 in the stage."""
     from tqkern.ops.paged_decode.mma_plans import coop_plan, coop_row_stride, coop_smem_bytes
@@ -268,6 +269,14 @@ def test_cooperative_plan_rules():
     assert coop_plan(per_warp_plan(tq4), _layout("tq4", 128, 2, "row"), 2).COOP == 2  # opt-in
     assert coop_plan(per_warp_plan(tq4), _layout("tq4", 128, 8, "row"), 8) is None  # 8 × 35 KB: too big
     assert per_warp_plan(tq4).COOP is None and per_warp_plan(tq4).SUB == 2
+    # Lloyd-Max values at 16 KV heads: 2 stages where 4 do not fit one CTA; head_dim 256 stays per-warp
+    for name, arr, d, stages in (("tq4", "row", 96, 2), ("k5v4h", "slot", 96, 2), ("k5v4h", "slot", 128, 2),
+                                 ("tqkern_k5v3", "slot", 128, 2), ("k4v3h", "slot", 96, 4)):
+        p = mma_plan(_layout(name, d, 16, arr), 1)
+        assert (p.COOP, p.SUB) == (stages, 2), name
+        assert (coop_plan(dataclasses.replace(per_warp_plan(p), SUB=2), _layout(name, d, 16, arr), 4) is None) == (
+            stages == 2), name
+    assert mma_plan(_layout("k5v4h", 256, 16), 1).COOP is None and mma_plan(_layout("k5v4h", 256, 8), 2).COOP is None
     for bad in (1, 9, 2.0):
         with pytest.raises(ValueError, match="stages must be an int in 2..8"):
             coop_plan(per_warp_plan(tq4), _layout("tq4", 128, 8, "row"), bad)

@@ -110,6 +110,9 @@ _COOP_CASES += [(p, "slot", 16, 256, 8) for p in ("turboquant_4bit_nc", "turboqu
 _COOP_CASES += [(p, "slot", 16, d, 16) for p, d in (("turboquant_4bit_nc", 128), ("turboquant_3bit_nc", 128),
                                                      ("k3v2h", 128), ("turboquant_4bit_nc", 96),
                                                      ("turboquant_k3v4_nc", 96), ("k4v3h", 96))]
+# ... Lloyd-Max values whose 4 stages do not fit one CTA there: 2 stages of two steps
+_COOP_CASES += [("tq4", "row", 16, 96, 16), ("k5v4h", "slot", 16, 96, 16), ("tqkern_k5v3", "slot", 16, 128, 16),
+                ("k5v4h", "slot", 16, 128, 16)]
 
 
 @pytest.mark.parametrize("preset,arrangement,block_size,head_dim,heads", _COOP_CASES)

@@ -108,6 +108,15 @@ BUDGETS = {
     # (S28) a head_dim 96 row whose 12-byte 4-bit key chunks sit at aligned offsets: three single-word
     # loads (before: a compile error, found by the GPU fuzz test)
     "mma:tq4:row:96:3:3:per_warp": (0, 1184),
+    # (S67) Lloyd-Max values at 16 KV heads: a cooperative ring of 2 stages of two steps (4 do not fit
+    # one CTA; 16 warps: 128 registers at most)
+    "mma:tq4:row:96:16:16:coop": (0, 976),
+    "mma:k5v4h:slot:96:16:16:per_warp": (0, 1480),
+    "mma:k5v4h:slot:96:16:16:coop": (0, 1360),
+    "mma:tqkern_k5v3:slot:96:16:16:per_warp": (0, 1504),
+    "mma:tqkern_k5v3:slot:96:16:16:coop": (0, 1400),
+    "mma:k5v4h:slot:128:16:16:per_warp": (0, 1736),
+    "mma:k5v4h:slot:128:16:16:coop": (8, 1584),
     # (S28) 5-bit keys at head_dim 256: one step per update (two steps: 255 registers + 40 B stack);
     # (S30) a 232-register cap for 3-bit values, none for k5v4h's 4-bit values (254 registers)
     "mma:tqkern_k5v3:slot:256:8:16:per_warp": (0, 1792),
@@ -172,6 +181,7 @@ def _cases() -> list[str]:
     cases += ["mma:tq4:row:96:16:16"] + [f"mma:{p}:slot:96:16:16" for p in ("turboquant_4bit_nc", "turboquant_k8v4",
                                                                           "turboquant_k3v4_nc")]
     cases += ["mma:tq4:row:96:3:3", "mma:tqkern_k5v3:slot:256:8:16", "mma:k5v4h:slot:256:8:16"]
+    cases += ["mma:k5v4h:slot:96:16:16", "mma:tqkern_k5v3:slot:96:16:16", "mma:k5v4h:slot:128:16:16"]
     cases += ["mma:turboquant_4bit_nc:slot:256:8:16:window+softcap", "mma:k5v4h:slot:128:8:32:window"]
     cases += ["mma:k5v4h:slot:128:2:16", "mma:tqkern_k5v3:slot:128:2:16"]
     cases += ["mma:k5v4h:slot:128:4:28", "mma:tqkern_k5v3:slot:128:4:28"]

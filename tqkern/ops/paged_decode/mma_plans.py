@@ -244,6 +244,16 @@ def _mma_plan(layout: PagedLayout, group: int) -> MmaPlan | None:
     if layout.num_kv_heads >= 4 and gs == 1:  # (a cooperative CTA's warps are its KV heads)
         sub, stages = _coop_shape(v_uniform, k_fp8)
         coop = coop_plan(dataclasses.replace(plan, SUB=sub), layout, stages)
+        # Lloyd-Max values at 16 KV heads (head_dim 96-128): 4 stages of two steps beside the pair
+        # table exceed one CTA's shared memory; 2 stages of two steps instead of the per-warp kernel.
+        # Measured (H200, S67, µs, per-warp / 3 stages / 2 stages): Phi-3-mini-TP2 (D96) B16x4K tq4
+        # 68.5 / 54.3 / 52.5, k5v4h 88.0 / 68.3 / 68.8, tqkern_k5v3 90.4 / 74.5 / 72.5; B16x16K 230.8 /
+        # 174.5 / 170.1, 305.0 / 224.6 / 228.7, 312.3 / 248.9 / 243.4; Llama-2-7B-TP2 (D128, 3 stages
+        # do not fit) B16x4K 66.9 / - / 63.3, 135.7 / - / 76.2, 106.7 / - / 81.2. Head_dim 256 keeps
+        # the per-warp kernel; where the launch is too small for the SMs, so does the decode plan
+        # (:func:`.plan.plan_decode`).
+        if coop is None and not v_uniform and d <= 128:
+            coop = coop_plan(dataclasses.replace(plan, SUB=sub), layout, 2)
     return coop or plan
 
 
