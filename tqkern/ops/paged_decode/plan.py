@@ -330,15 +330,10 @@ def shared_heads(plan: MmaPlan, layout: PagedLayout) -> MmaPlan | None:
     the planner then adds the code-pair table (:func:`.coop_variants.code_pair_plan`, S61: 6–11%
     less time at the five two-KV-head shapes measured).
 
-    Measured (H200, session 52 probe, CUDA graphs, µs, per-warp → shared, SDPA fp16 in the same
-    run): two KV heads, k5v4h: Llama-3-8B-TP4 B64×8K (Hq 8) 105.0 → 92.4, Qwen2.5-7B-TP2 B32×16K
-    (Hq 14) 112.6 → 100.5, Llama-3-70B-TP4 B32×16K 162.7 → 102.8, B16×64K 309.5 → 171.5, B128×2K
-    90.5 → 65.0 (SDPA 123.3 / 126.9 / 127.1 / 243.9 / 64.9); the per-warp launches there were
-    128–256 CTAs of 4 warps (one or two an SM; 168 registers, sm_90, Triton 3.6). At the same
-    shapes 4- and 3-bit keys (tq4, turboquant_4bit_nc, turboquant_3bit_nc) took −9% to +17% time
-    (slower at B128×2K and B64×8K), and at one KV head (Llama-3-70B-TP8 B32×16K and B128×4K,
-    Llama-3-405B-TP8 B16×32K) shared CTAs of 8 warps were slower for every preset but
-    turboquant_4bit_nc at 405B (84.2 → 79.0; 70B B32×16K 56.9 → 71.3); one KV head takes
+    Measured (H200, session 52 probe; docs/performance.md "S52: shared-head CTAs"): k5v4h at
+    Llama-3-8B-TP4 B64×8K, Qwen2.5-7B-TP2 B32×16K and Llama-3-70B-TP4 B32×16K / B16×64K / B128×2K
+    took 11–45% less time than the per-warp kernel; 4- and 3-bit keys −9% to +17%; at one KV head
+    shared 8-warp CTAs lost for every preset but turboquant_4bit_nc at 405B, so one KV head takes
     :func:`one_head_plan` instead."""
     if not isinstance(plan, MmaPlan):
         raise TypeError(f"plan must be an MmaPlan from mma_plan, got {type(plan).__name__}")
@@ -356,14 +351,10 @@ def one_head_plan(plan: MmaPlan, layout: PagedLayout, max_len: int) -> MmaPlan |
     planner also keeps the grid within two CTAs an SM), or ``None``: CTAs of 4 warps, each warp a
     split taking one step of every stage of a 4-stage ring.
 
-    Measured (H200, session 54 probe, CUDA graphs, µs, per-warp (33 splits) → this plan, SDPA fp16
-    in the same run): Llama-3-70B-TP8 B32×16K (Hq 8, SDPA 67.7) turboquant_4bit_nc 56.5 → 54.1 and
-    56.8 → 54.4, turboquant_3bit_nc 55.8 → 56.1; Llama-3-405B-TP8 B16×32K (Hq 16, SDPA 68.4)
-    turboquant_4bit_nc 84.1 → 71.9 and 84.3 → 72.5, turboquant_3bit_nc 80.8 → 71.3. Lloyd-Max
-    values keep the per-warp kernel: tq4 lost at both (56.9 → 57.9, 73.7 → 76.7), k5v4h gained at
-    70B and lost at 405B (69.1 → 66.9, 83.3 → 87.7); 8-warp CTAs (405B turboquant_4bit_nc 110.9)
-    and 64 splits (70B 70.0, 405B 75.6) lost. turboquant_k3v4_nc was first timed with it by the
-    bench (70B 53.5, 405B 70.4 µs; ``docs/benchmarks.md``)."""
+    Measured (H200, session 54 probe; docs/performance.md "S54"): at Llama-3-70B-TP8 B32×16K and
+    405B-TP8 B16×32K turboquant_4bit_nc 56.5 → 54.1 and 84.1 → 71.9 µs, turboquant_3bit_nc 55.8 →
+    56.1 and 80.8 → 71.3; Lloyd-Max values lost or tied (per-warp kernel); 8-warp CTAs and 64 splits
+    lost. turboquant_k3v4_nc: first timed by the bench (70B 53.5, 405B 70.4 µs)."""
     if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 0:
         raise ValueError(f"max_len must be a non-negative int (tokens), got {max_len!r}")
     if not isinstance(plan, MmaPlan):
@@ -464,14 +455,10 @@ def _mma_decode_with(layout, s, hq, max_blocks, caps, num_splits, occupancy, opt
         if m >= 2 and (m < n or max_len < _COOP_SHORT_TOKENS * n or layout.head_dim > _COOP_SHORT_MAX_DIM):
             plan, n = per_warp, m
     # 5-bit keys with Lloyd-Max values: two CTAs per SM (a 2-stage ring) where the launch then holds
-    # more CTAs than SMs and its splits keep >= 1024 tokens. Measured (H200, S40 probe, µs, one CTA →
-    # two): k5v4h Llama-3-8B B256x1K 174.1 → 159.2 (1 split), B32x16K 301.1 → 291.0 (4 → 8 splits);
-    # tqkern_k5v3 191.5 → 176.1 and 336.1 → 323.7; where the splits would fall to 512 tokens it lost
-    # (B128x1K 1 → 2 splits: k5v4h 92.0 → 92.5; B32x4K 4 → 8: 92.3 → 94.7), so those keep one CTA.
-    # Against the code-pair table (one CTA an SM; H200, S60, k5v4h at 8 KV heads, µs, pairs / two
-    # CTAs) two CTAs win only where the table's launch needs a second round of CTAs (more sequences
-    # than SMs, one split each): B256x1K 152.2 / 146.7; B32x16K 260.2 / 271.6, B8x64K 263.5 / 270.3.
-    # (tqkern_k5v3's table plan is a 2-stage ring already: no two-CTA plan.)
+    # more CTAs than SMs with splits of >= 1024 tokens (H200, S40, µs: k5v4h B256x1K 174.1 -> 159.2,
+    # B32x16K 301.1 -> 291.0; at 512-token splits it lost: B32x4K 92.3 -> 94.7). Against the code-pair
+    # table (one CTA an SM; S60) two CTAs win only where that launch needs a second round of CTAs
+    # (pairs / two CTAs: B256x1K 152.2 / 146.7; B32x16K 260.2 / 271.6). (tqkern_k5v3's table plan: 2 stages.)
     two = two_cta_plan(plan, layout) if plan.COOP else None
     if two is not None:
         try:
