@@ -93,3 +93,25 @@ def test_head_dim_128_per_warp_plans_with_one_step_take_168_registers():
     plan = plan_decode(lay, 32, 32, 256, DeviceCaps.sm90(), same_codebooks=True,
                        occupancy=lambda k: 2 if k.kernel == "coop" else {0: 4, 168: 3}[k.maxnreg])
     assert (plan.decode.kernel, plan.num_splits) == ("coop", 8)
+
+
+@pytest.mark.parametrize("preset,arr,d,batch,max_len,want_coop,splits", [
+    ("tq4", "row", 96, 1, 32768, False, 64),  # the ring: 64 CTAs of 16 warps (<= 66): per-warp, 256 CTAs
+    ("k5v4h", "slot", 128, 1, 16384, False, 64),
+    ("turboquant_4bit_nc", "slot", 128, 1, 16384, False, 64),
+    ("tq4", "row", 96, 2, 16384, True, 64),  # 128 CTAs: the ring stays
+    ("tqkern_k5v3", "slot", 96, 16, 4096, True, 8),
+])
+def test_two_step_rings_at_16_kv_heads_give_way_where_they_fill_half_the_sms(preset, arr, d, batch, max_len,
+                                                                              want_coop, splits):
+    """At 16 KV heads (one 16-warp CTA an SM) a two-step cooperative ring whose launch holds at
+    most half the SMs' CTAs (batch 1) runs the per-warp kernel instead (measured on an H200 in S67).
+    Counts by hand, 132 SMs: the ring's ``num_splits_mma`` of 2112 warps, 16 pairs a sequence: 64
+    (batch 1-2: its cap), 8 at B16x4K (``max_len`` // 512); per-warp (3 CTAs of 4 warps an SM, one
+    query column: the full wave of 1584 warps): 64 splits of 16 warps, 256 CTAs."""
+    layout = _layout(preset, d, 16, arr)
+    plan, _ = _plan_with(layout, batch, max_len, lambda k: 1 if k.kernel == "coop" else 3, hq=16)
+    assert plan.decode.kernel == ("coop" if want_coop else "mma")
+    assert plan.num_splits == splits
+    assert plan.decode.grid == ((batch * splits,) if want_coop else (batch * 16 * splits // 4,))
+

@@ -475,6 +475,14 @@ def _mma_decode_with(layout, s, hq, max_blocks, caps, num_splits, occupancy, opt
     # to the per-warp kernel at 4 KV heads, where it lost by 45-50% (S57).
     if not one_step(plan):
         n = splits_for(plan, fill=True)
+    # Two-step rings at 16 KV heads whose launch fills at most half the SMs (batch 1: <= 64 CTAs of
+    # 16 warps): the per-warp kernel, whose CTAs reach every SM. H200, S67, µs, per-warp / ring:
+    # Phi-3-mini-TP2 1x32K tq4 40.5 / 48.3, k5v4h 49.4 / 65.5, tqkern_k5v3 51.6 / 69.4; 1x8K 17.1 /
+    # 18.6, 20.1 / 22.6, 20.6 / 23.6, turboquant_4bit_nc 16.0 / 16.8; Llama-2-7B-TP2 1x16K
+    # turboquant_4bit_nc 21.7 / 33.3. At batch 2-16 (128 CTAs) the rings won or tied.
+    if plan.COOP and plan.SUB == 2 and layout.num_kv_heads == 16 and 2 * s * n <= caps.num_sms:
+        plan = per_warp_plan(plan)
+        n = splits_for(plan, fill=True)
     return kernel_plan(layout, plan, s, hq, n), n
 
 
