@@ -188,8 +188,9 @@ def test_gqa_groups_above_8_take_the_per_warp_mma_kernel(hq, hkv, gs, qt):
     cx = dict(plan.decode.constexprs)
     assert plan.decode.kernel == "mma" and (cx["GS"], cx["QT"]) == (gs, qt)
     assert (cx["G"], cx["HKV"], cx["HQ"]) == (hq // hkv // gs // qt, hkv * gs, hq)
-    wave = 2 * 4 * 132  # (occupancy unknown: 2 CTAs per SM), half of it where G = 8 (PER_WARP_WAVE)
-    assert plan.num_splits == num_splits_mma(16, hkv * gs, 2048 * 16, wave // 2 if cx["G"] == 8 else wave)
+    wave = 2 * 4 * 132  # (occupancy unknown: 2 CTAs per SM), half of it where G = 8 (PER_WARP_WAVE), a
+    # warp of two tiles counting twice
+    assert plan.num_splits == num_splits_mma(16, hkv * gs, 2048 * 16, wave * qt // 2 if cx["G"] == 8 else wave)
     assert plan.decode.grid == (-(-16 * hkv * gs * plan.num_splits // 4),)
     if qt == 2:
         assert plan.decode.maxnreg == 0
@@ -319,12 +320,13 @@ def test_head_dim_256_takes_the_warp_mma_kernel_up_to_8_query_heads_per_warp():
 
 @pytest.mark.parametrize("preset,hq,hkv,d,half", [
     ("turboquant_4bit_nc", 8, 1, 128, True),    # Llama-3-70B on 8 GPUs: G 8, measured faster at half
-    ("turboquant_k8v4", 16, 1, 128, True),      # Llama-3-405B on 8 GPUs: two column tiles of 8
+    ("turboquant_k8v4", 16, 1, 128, True),      # Llama-3-405B on 8 GPUs: two column tiles of 8 (counting twice)
     ("turboquant_k8v4", 16, 16, 256, False),    # Gemma-7B: G 1, measured slower at half
 ])
 def test_per_warp_splits_fill_half_the_gpu_where_every_mma_column_is_a_query_head(preset, hq, hkv, d, half):
     """The per-warp kernel's split count: a full wave of the warps the GPU holds, or half of it
-    (PER_WARP_WAVE) where each warp's MMA has 8 query-head columns (plan.py's measurements)."""
+    (PER_WARP_WAVE) where each warp's MMA has 8 query-head columns, a warp of two column tiles
+    counting twice (plan.py's measurements)."""
     from tqkern.ops.paged_decode.mma_plans import num_splits_mma
     from tqkern.ops.paged_decode.plan import PER_WARP_WAVE, DeviceCaps, plan_decode
 
@@ -336,9 +338,9 @@ def test_per_warp_splits_fill_half_the_gpu_where_every_mma_column_is_a_query_hea
     assert plan.decode.kernel == "mma" and (cx["G"] == 8) == half
     wave = 2 * 4 * 132  # occupancy unknown: 2 CTAs of 4 warps per SM
     pairs = cx["HKV"]
-    want = num_splits_mma(32, pairs, 1023 * 16, int(wave * PER_WARP_WAVE) if half else wave)
+    want = num_splits_mma(32, pairs, 1023 * 16, int(wave * PER_WARP_WAVE * cx["QT"]) if half else wave)
     assert plan.num_splits == want
-    if half:
+    if half and cx["QT"] == 1:
         assert want < num_splits_mma(32, pairs, 1023 * 16, wave)
 
 

@@ -115,3 +115,15 @@ def test_two_step_rings_at_16_kv_heads_give_way_where_they_fill_half_the_sms(pre
     assert plan.num_splits == splits
     assert plan.decode.grid == ((batch * splits,) if want_coop else (batch * 16 * splits // 4,))
 
+
+@pytest.mark.parametrize("hq,splits", [(16, 64), (8, 33)])
+def test_two_column_tiles_count_as_two_warps_in_the_per_warp_wave(hq, splits):
+    """The per-warp kernel's half wave (``PER_WARP_WAVE``) counts a warp of two query column tiles
+    (GQA 16: Llama-3-405B-TP8) twice, as the two warps it replaced: 16 sequences at one KV head, 2
+    CTAs of 4 warps an SM (1056 warps): 1056 / 16 = 66, capped at 64 splits (256 CTAs, in the round
+    of 264 the count ends in), where one tile (GQA 8) takes the half wave's 33 (132 CTAs)."""
+    layout = _layout("tq4", 128, 1, "row")
+    plan, _ = _plan_with(layout, 16, 32768, lambda k: 2, hq=hq)
+    assert plan.decode.kernel == "mma" and dict(plan.decode.constexprs)["QT"] == (2 if hq == 16 else 1)
+    assert plan.num_splits == splits
+    assert plan.decode.grid == (16 * splits // 4,)

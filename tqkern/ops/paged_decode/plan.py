@@ -44,7 +44,10 @@ MMA_FP8_MIN_CAPABILITY = (8, 9)
 # 69.9, turboquant_k8v4 93.6 -> 69.7; Llama3-405B-TP8_B16x32K (G 8, two warps per KV head) 106.0 ->
 # 95.2. Not for fewer columns, where the half wave lost: Gemma-7B_B4x8K (G 1) turboquant_k8v4
 # 84.3 -> 99.0, B32x4K (G 4) 89.0 -> 108.7. Why the full-column warps prefer fewer, longer splits
-# was not profiled.
+# was not profiled. A warp of two column tiles (QT = 2: GQA 16 in one warp since session 19) counts
+# as the two warps it replaced: H200, S67, Llama3-405B-TP8_B16x32K, µs, 33 splits (the half wave
+# of such warps) -> 64: turboquant_k8v4 61.5 -> 47.7, tq4 61.0 -> 50.9, k5v4h 69.2 -> 61.1,
+# tqkern_k5v3 67.0 -> 57.6 (48 and 66 splits slower than 64).
 PER_WARP_WAVE = 0.5
 _SHARED_CTA_WARPS = 8  # the CTA of a shared-head plan (one or two KV heads)
 _COOP_MIN_TOKENS = 1024  # tokens per split below which one-step cooperative plans may give way
@@ -423,8 +426,9 @@ def _mma_decode_with(layout, s, hq, max_blocks, caps, num_splits, occupancy, opt
             return filled(max(1, num_splits_mma(s, pairs, max_len, wave) // p.WS) * p.WS, wave)
         if p.COOP or dict(k.constexprs)["G"] < 8:
             return filled(num_splits_mma(s, pairs, max_len, wave), wave)
-        # every MMA column a query head: PER_WARP_WAVE, then whole rounds of CTAs over the SMs
-        half = int(wave * PER_WARP_WAVE)
+        # every MMA column a query head: PER_WARP_WAVE (a warp of two column tiles counts twice),
+        # then whole rounds of CTAs over the SMs
+        half = int(wave * PER_WARP_WAVE * p.QT)
         return whole_rounds(filled(num_splits_mma(s, pairs, max_len, half), half), grid, caps.num_sms,
                             num_splits_mma(s, pairs, max_len, 1 << 30))
 
