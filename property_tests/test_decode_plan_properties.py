@@ -9,6 +9,8 @@ it returns a plan the kernels can run.
 - A CTA fits an SM: at most 1024 threads, and under a register cap at most 64K registers.
 - The query heads are exactly the kernel's columns: ``G · KV heads · groups · tiles = Hq``, with
   ``G ≤ 8`` (the MMA's 8 columns) for the warp-MMA kernels.
+- A two-step cooperative ring at 16 KV heads whose split count the planner chose launches more
+  CTAs than half the SMs (else the per-warp kernel runs).
 - The workspace holds every split's partials; a given split count is kept; the merge applies the
   options asked; the early launch only on sm_90.
 - The same inputs give the same plan (the residency the planner asks is drawn as a fixed table).
@@ -100,6 +102,7 @@ def _case(preset, hkv, group, s, tokens, num_splits=None):
 @example(_case("k5v4h", 2, 8, 32, 16384))  # shared-head CTAs: 4 warps per KV head (WS = 4)
 @example(_case("k5v4h", 2, 7, 3, 5000, num_splits=6))  # ... a fixed split count not a multiple of WS
 @example(_case("turboquant_4bit_nc", 1, 8, 1, 32768))  # one KV head's 4-warp CTAs (one_head_plan)
+@example(_case("tq4", 16, 1, 1, 16384))  # a two-step ring at 16 KV heads on half the SMs: per-warp
 def test_decode_plans_are_runnable(case):
     layout, group, s, max_blocks, caps, num_splits, _, options, _ = case
     plan = _plan(case)
@@ -128,6 +131,8 @@ def test_decode_plans_are_runnable(case):
             ws = cx.get("WS") or 1
             assert d.kernel == "coop" and cx["COOP"] >= 2 and caps.dynamic_smem
             assert n % ws == 0 and d.grid == (s * n // ws,) and d.num_warps == hkv * ws
+            if num_splits is None and hkv == 16 and cx["SUB"] == 2:  # (a ring on at most half the SMs: per-warp)
+                assert 2 * d.grid[0] > caps.num_sms
     assert plan.workspace_numel == workspace_numel(s, hq, n, layout_consts(layout)["DP"])
     assert plan.merge.lse == options.lse and plan.merge.sinks == options.sinks
     assert all(isinstance(x, int) and x >= 1 for x in plan.merge.grid + plan.rotate.grid)
