@@ -483,8 +483,8 @@ def _mma_decode_with(layout, s, hq, max_blocks, caps, num_splits, occupancy, opt
     # 16 warps): the per-warp kernel, whose CTAs reach every SM. H200, S67, µs, per-warp / ring:
     # Phi-3-mini-TP2 1x32K tq4 40.5 / 48.3, k5v4h 49.4 / 65.5, tqkern_k5v3 51.6 / 69.4; 1x8K 17.1 /
     # 18.6, 20.1 / 22.6, 20.6 / 23.6, turboquant_4bit_nc 16.0 / 16.8; Llama-2-7B-TP2 1x16K
-    # turboquant_4bit_nc 21.7 / 33.3. At batch 2-16 (128 CTAs) the rings won or tied. (8 KV heads:
-    # Llama-3-8B 1x4K's rings are 64 CTAs of 8 warps too, against the per-warp kernel not compared.)
+    # turboquant_4bit_nc 21.7 / 33.3. At batch 2-16 (128 CTAs) the rings won or tied. (8 KV heads, S68:
+    # Llama-3-8B 1x4K / 1x8K, 64 / 128 ring CTAs of 8 warps, per-warp within +-6% both ways: kept.)
     if plan.COOP and plan.SUB == 2 and layout.num_kv_heads == 16 and 2 * s * n <= caps.num_sms:
         plan = per_warp_plan(plan)
         n = splits_for(plan, fill=True)
