@@ -234,9 +234,17 @@ def one_head_cases(draw):
     b = draw(T.paged_batches(bs, max_seqs=8, max_len=T.scale(600, 3000)), label="batch")
     width = -(-16384 // bs) + draw(st.integers(0, 2), label="extra_columns")
     fill = draw(st.integers(0, b.num_blocks - 1), label="filler_block")
-    table = np.full((len(b.seq_lens), width), fill, np.int32)
-    table[:, : b.block_table.shape[1]] = b.block_table
-    batch = T.PagedBatch(table, b.seq_lens, b.num_blocks, bs)
+    # The plan's 8 CTAs a sequence must fill one to two CTAs an SM (under one the planner takes the
+    # per-warp kernel, S68): 17-28 sequences (on 114-132 SMs), the rows past the drawn batch one or
+    # two tokens each in a block of their own
+    rows = draw(st.integers(17, 28), label="num_seqs")
+    pad = rows - len(b.seq_lens)
+    table = np.full((rows, width), fill, np.int32)
+    table[: len(b.seq_lens), : b.block_table.shape[1]] = b.block_table
+    table[len(b.seq_lens):, 0] = b.num_blocks + np.arange(pad)
+    lens = np.concatenate([b.seq_lens, draw(st.lists(st.integers(1, 2), min_size=pad, max_size=pad),
+                                            label="padding_lens")]).astype(np.int32)
+    batch = T.PagedBatch(table, lens, b.num_blocks + pad, bs)
     num_splits = draw(st.sampled_from([None, 4, 8, 32, 12]), label="num_splits")
     qdtype = draw(st.sampled_from([torch.float16, torch.bfloat16]), label="q_dtype")
     return layout, params, group, batch, qdtype, num_splits

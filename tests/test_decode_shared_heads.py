@@ -84,8 +84,8 @@ def test_planner_takes_the_one_head_plan_for_uniform_values_at_16k():
     """One KV head with 3- or 4-bit keys and uniform values (Llama-3-70B / 405B on 8 GPUs) at
     contexts of 16K tokens or more takes CTAs of 4 warps over 4 stages of one step, with 32 splits
     (measured faster than the per-warp kernel on an H200, S54); Lloyd-Max values, FP8 keys, 5-bit
-    keys, two KV heads, head_dim 64, shorter contexts and grids past two CTAs an SM keep their plans;
-    an explicit count that is not a multiple of 4 takes the per-warp kernel."""
+    keys, two KV heads, head_dim 64, shorter contexts and grids past two CTAs an SM or under one keep
+    their plans; an explicit count that is not a multiple of 4 takes the per-warp kernel."""
     from tqkern.ops.paged_decode.plan import DeviceCaps, one_head_plan, plan_decode
 
     caps = DeviceCaps.sm90()  # (plan_decode takes the block table's width: 1024 blocks of 16 = 16K tokens)
@@ -95,11 +95,17 @@ def test_planner_takes_the_one_head_plan_for_uniform_values_at_16k():
         cx = dict(plan.decode.constexprs)
         assert (plan.decode.kernel, cx["WS"], cx["SUB"], cx["COOP"], plan.decode.num_warps) == ("coop", 4, 1, 4, 4)
         assert (plan.num_splits, plan.decode.grid) == (32, (32 * 32 // 4,))
-        assert plan_decode(lay, 16, hq, 2048, caps, same_codebooks=True).num_splits == 32
+        assert plan_decode(lay, 17, hq, 2048, caps, same_codebooks=True).num_splits == 32
         assert plan_decode(lay, 32, hq, 1023, caps, same_codebooks=True).decode.kernel == "mma"
         n_sms = caps.num_sms
         assert plan_decode(lay, n_sms // 4 + 1, hq, 1024, caps, same_codebooks=True).decode.kernel == "mma"
         assert plan_decode(lay, n_sms // 4, hq, 1024, caps, same_codebooks=True).decode.kernel == "coop"
+        # under one CTA an SM (8 CTAs a sequence: at most 16 sequences on 132 SMs) the per-warp kernel
+        # (S68, H200: Llama-3-405B-TP8 B16x32K and B8x64K, Llama-3-70B-TP8 B16x32K, 8-53% less time)
+        assert plan_decode(lay, -(-n_sms // 8), hq, 1024, caps, same_codebooks=True).decode.kernel == "coop"
+        for seqs in (n_sms // 8, 8, 1):
+            plan = plan_decode(lay, seqs, hq, 2048, caps, same_codebooks=True)
+            assert plan.decode.kernel == "mma" and plan.num_splits > 32
         for n, kernel in ((6, "mma"), (8, "coop")):
             assert plan_decode(lay, 32, hq, 1024, caps, same_codebooks=True, num_splits=n).decode.kernel == kernel
     for lay in (_layout("tq4", 128, 1), _layout("k5v4h", 128, 1), _layout("turboquant_k8v4", 128, 1),

@@ -18,18 +18,20 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                           ("turboquant_k3v4_nc", 8)])
 def test_one_head_plan_matches_oracle(preset, group):
     """A 16K-token block table (the plan's threshold) with lengths ending mid-step, mid-stage,
-    in a split's first step and at the table's end; shuffled blocks, poisoned outputs; the
+    in a split's first step and at the table's end, beside 13 short sequences; shuffled blocks, poisoned outputs; the
     planner's own split count (32) and an explicit 8."""
     fmt = tqkern.KVFormat.preset(preset, 128)
     layout = tqkern.PagedLayout(format=fmt, num_kv_heads=1, block_size=16, arrangement="slot")
     params = tqkern.TQParams.default(fmt)
     p = tqt.to_device(params, "cuda")
-    sl = torch.tensor([16384, 9001, 517, 1], dtype=torch.int32, device="cuda")
+    # 17 sequences: the plan's 8 CTAs a sequence fill one to two CTAs an SM on 114-132 SMs (under
+    # one the planner takes the per-warp kernel, S68); the 13 added ones short
+    sl = torch.tensor([16384, 9001, 517, 1] + [33] * 13, dtype=torch.int32, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(5)
-    num_blocks = 4 * 1024 + 7
-    bt = torch.randperm(num_blocks, device="cuda", generator=g)[: 4 * 1024].reshape(4, 1024).int()
+    num_blocks = 17 * 1024 + 7
+    bt = torch.randperm(num_blocks, device="cuda", generator=g)[: 17 * 1024].reshape(17, 1024).int()
     cache = _fill(layout, p, num_blocks, sl, bt, seed=group)
-    q = torch.randn(4, group, 128, device="cuda", dtype=torch.float16, generator=g)
+    q = torch.randn(17, group, 128, device="cuda", dtype=torch.float16, generator=g)
     expect = ref.paged_decode(q.double().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(), sl.cpu().numpy(),
                               layout, params)
     vmax = _vmax(cache, bt, sl, layout, p)

@@ -351,13 +351,13 @@ def one_head_plan(plan: MmaPlan, layout: PagedLayout, max_len: int) -> MmaPlan |
     """The shared-head plan the decode planner takes for one KV head with 3- or 4-bit keys and
     uniform values (``turboquant_4bit_nc``, ``turboquant_3bit_nc``, ``turboquant_k3v4_nc``) at
     head_dim 128 and contexts of at least 16K tokens (``max_len``), launched with 32 splits (the
-    planner also keeps the grid within two CTAs an SM), or ``None``: CTAs of 4 warps, each warp a
-    split taking one step of every stage of a 4-stage ring.
+    planner takes it where that grid holds one to two CTAs an SM), or ``None``: CTAs of 4 warps,
+    each warp a split taking one step of every stage of a 4-stage ring.
 
-    Measured (H200, session 54 probe; docs/performance.md "S54"): at Llama-3-70B-TP8 B32×16K and
-    405B-TP8 B16×32K turboquant_4bit_nc 56.5 → 54.1 and 84.1 → 71.9 µs, turboquant_3bit_nc 55.8 →
-    56.1 and 80.8 → 71.3; Lloyd-Max values lost or tied (per-warp kernel); 8-warp CTAs and 64 splits
-    lost. turboquant_k3v4_nc: first timed by the bench (70B 53.5, 405B 70.4 µs)."""
+    Measured (H200, S54 probe, per-warp → this): Llama-3-70B-TP8 B32×16K and 405B-TP8 B16×32K
+    turboquant_4bit_nc 56.5 → 54.1, 84.1 → 71.9 µs, turboquant_3bit_nc 55.8 → 56.1, 80.8 → 71.3;
+    Lloyd-Max values lost or tied, 8-warp CTAs and 64 splits lost. S68: under one CTA an SM (16 sequences,
+    128 CTAs) the per-warp kernel took 8–22% less time, 46–53% at 8; at 256 CTAs this plan won by 1–8%."""
     if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 0:
         raise ValueError(f"max_len must be a non-negative int (tokens), got {max_len!r}")
     if not isinstance(plan, MmaPlan):
@@ -390,8 +390,8 @@ def _mma_decode_with(layout, s, hq, max_blocks, caps, num_splits, occupancy, opt
     plan = mma_plan(layout, g)
     max_len = max_blocks * layout.block_size
     one = one_head_plan(plan, layout, max_len)
-    if one is not None and s * _ONE_HEAD_SPLITS // one.WS > 2 * caps.num_sms:
-        one = None  # (measured at up to 2 CTAs an SM)
+    if one is not None and not caps.num_sms <= s * _ONE_HEAD_SPLITS // one.WS <= 2 * caps.num_sms:
+        one = None  # (won at 1-2 CTAs an SM; at 128 CTAs, 405B-TP8 B16x32K, per-warp 8-19% faster: S68)
     plan = shared_heads(plan, layout) or one or plan
     if plan.COOP and caps.dynamic_smem:  # 5-bit keys at 2 (shared), 4 or 8 KV heads: the code-pair table
         plan = code_pair_plan(plan, layout, caps.smem_per_block_optin) or plan
