@@ -149,7 +149,8 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--presets", nargs="+", default=None, metavar="PRESET",
                    help="presets to time, or kXvYh formats (default: every benchmark preset)")
     p.add_argument("--shapes", nargs="+", default=None, metavar="SHAPE",
-                   help="named shapes (decode also B<batch>x<tokens>K; default: every named shape of the op)")
+                   help="named shapes (decode also B<batch>x<tokens>K[_Hq<q>_Hkv<k>_D<d>]; default: every named shape "
+                        "of the op)")
     p.add_argument("--out", default=None, metavar="FILE.json", help="the JSON report (default bench_<op>.json)")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="draw the speedup over the baseline per shape (needs the plot extra: matplotlib)")

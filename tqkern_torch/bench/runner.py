@@ -45,7 +45,7 @@ def select(op: str, presets: Optional[Sequence[str]] = None, shapes: Optional[Se
     ``presets`` default to every benchmark preset (any :meth:`tqkern.KVFormat.preset` name, the
     ``kXvYh`` family included, may be given); ``shapes`` to every named shape of each op
     (``quick``: two per op, :data:`~tqkern_torch.bench.shapes.QUICK_SHAPES`). A shape name goes to
-    each op that knows it (decode also takes ad-hoc ``B<batch>x<tokens>K`` names, and ``models``:
+    each op that knows it (decode also takes ad-hoc ``B<batch>x<tokens>K[_Hq<q>_Hkv<k>_D<d>]`` names, and ``models``:
     the model-shape table :data:`~tqkern_torch.bench.shapes.MODEL_SHAPES`).
 
     Raises:
@@ -72,11 +72,13 @@ def select(op: str, presets: Optional[Sequence[str]] = None, shapes: Optional[Se
                 try:
                     chosen[o].append(_SHAPE_OF[o](name))
                     hit = True
-                except ValueError:
+                except ValueError as e:
+                    if str(e).startswith(f"shape {name!r}:"):  # an ad-hoc decode shape's heads: say which
+                        raise
                     pass
             if not hit:
                 known = [s.name for o in ops for s in (MODEL_SHAPES if o == "decode" else _SHAPES[o])]
-                extra = " or B<batch>x<tokens>K or models" if "decode" in ops else ""
+                extra = " or B<batch>x<tokens>K[_Hq<q>_Hkv<k>_D<d>] or models" if "decode" in ops else ""
                 raise ValueError(f"shapes must be among {', '.join(known)}{extra} (for {op}), got {name!r}")
     return {o: (presets, chosen[o]) for o in ops}
 

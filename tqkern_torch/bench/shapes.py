@@ -165,17 +165,22 @@ DECODE_PRESETS = (
 
 
 def decode_shape(name: str) -> DecodeShape:
-    """A named shape of ``MODEL_SHAPES`` (``DECODE_SHAPES`` included), or an ad-hoc
-    ``B<batch>x<tokens>K`` one with the benchmark's Hq 32 / Hkv 8 / D 128 (e.g. ``B33x16K`` for a
-    run that fills 132 SMs)."""
+    """A named shape of ``MODEL_SHAPES`` (``DECODE_SHAPES`` included), or an ad-hoc one:
+    ``B<batch>x<tokens>K`` with the benchmark's Hq 32 / Hkv 8 / D 128 (e.g. ``B33x16K`` for a run
+    that fills 132 SMs), or with a model's heads and head_dim as ``B<batch>x<tokens>K_Hq<q>_Hkv<k>_D<d>``
+    (e.g. ``B16x32K_Hq32_Hkv2_D128``: Llama-3-405B on 4 GPUs); Hq a multiple of Hkv, D even."""
     for shape in MODEL_SHAPES:
         if shape.name == name:
             return shape
-    m = re.fullmatch(r"B(\d+)x(\d+)K", name)
+    m = re.fullmatch(r"B(\d+)x(\d+)K(?:_Hq(\d+)_Hkv(\d+)_D(\d+))?", name)
     if not m or int(m[1]) < 1 or int(m[2]) < 1:
-        raise ValueError(f"shape must be one of {[s.name for s in MODEL_SHAPES]} or B<batch>x<tokens>K, "
-                         f"got {name!r}")
-    return DecodeShape(name, int(m[1]), 1024 * int(m[2]), 32, 8, 128)
+        raise ValueError(f"shape must be one of {[s.name for s in MODEL_SHAPES]} or B<batch>x<tokens>K"
+                         f"[_Hq<q>_Hkv<k>_D<d>], got {name!r}")
+    hq, hkv, d = (32, 8, 128) if m[3] is None else (int(m[3]), int(m[4]), int(m[5]))
+    if hkv < 1 or hq < 1 or hq % hkv or d < 2 or d % 2:
+        raise ValueError(f"shape {name!r}: Hq must be a positive multiple of Hkv >= 1 and D a positive even "
+                         f"head_dim, got Hq {hq}, Hkv {hkv}, D {d}")
+    return DecodeShape(name, int(m[1]), 1024 * int(m[2]), hq, hkv, d)
 
 
 def store_shape(name: str) -> StoreShape:
