@@ -103,6 +103,7 @@ def _case(preset, hkv, group, s, tokens, num_splits=None):
 @example(_case("k5v4h", 2, 7, 3, 5000, num_splits=6))  # ... a fixed split count not a multiple of WS
 @example(_case("turboquant_4bit_nc", 1, 8, 1, 32768))  # one KV head's 4-warp CTAs (one_head_plan)
 @example(_case("tq4", 16, 1, 1, 16384))  # a two-step ring at 16 KV heads on half the SMs: per-warp
+@example(_case("turboquant_3bit_nc", 1, 16, 16, 32768))  # one KV head's CTAs under one an SM: per-warp
 def test_decode_plans_are_runnable(case):
     layout, group, s, max_blocks, caps, num_splits, _, options, _ = case
     plan = _plan(case)
@@ -133,6 +134,8 @@ def test_decode_plans_are_runnable(case):
             assert n % ws == 0 and d.grid == (s * n // ws,) and d.num_warps == hkv * ws
             if num_splits is None and hkv == 16 and cx["SUB"] == 2:  # (a ring on at most half the SMs: per-warp)
                 assert 2 * d.grid[0] > caps.num_sms
+            if num_splits is None and hkv == 1 and ws == 4:  # one KV head's 4-warp CTAs: 1-2 an SM (S68)
+                assert caps.num_sms <= d.grid[0] <= 2 * caps.num_sms
     assert plan.workspace_numel == workspace_numel(s, hq, n, layout_consts(layout)["DP"])
     assert plan.merge.lse == options.lse and plan.merge.sinks == options.sinks
     assert all(isinstance(x, int) and x >= 1 for x in plan.merge.grid + plan.rotate.grid)
