@@ -75,7 +75,6 @@ def select(op: str, presets: Optional[Sequence[str]] = None, shapes: Optional[Se
                 except ValueError as e:
                     if str(e).startswith(f"shape {name!r}:"):  # an ad-hoc decode shape's heads: say which
                         raise
-                    pass
             if not hit:
                 known = [s.name for o in ops for s in (MODEL_SHAPES if o == "decode" else _SHAPES[o])]
                 extra = " or B<batch>x<tokens>K[_Hq<q>_Hkv<k>_D<d>] or models" if "decode" in ops else ""
