@@ -2,7 +2,7 @@
 
 import pytest
 
-from tqkern_torch.bench.shapes import DECODE_SHAPES, decode_shape
+from tqkern_torch.bench.shapes import DECODE_SHAPES, ShapeHeadsError, decode_shape
 
 
 def test_named_and_ad_hoc_decode_shapes():
@@ -28,5 +28,5 @@ def test_unknown_decode_shape_names_are_rejected(bad):
                                       ("B1x4K_Hq0_Hkv8_D128", "Hq 0"), ("B1x4K_Hq32_Hkv8_D127", "D 127"),
                                       ("B1x4K_Hq32_Hkv8_D0", "D 0")])
 def test_ad_hoc_decode_shape_heads_are_checked(bad, what):
-    with pytest.raises(ValueError, match=f"shape '{bad}': Hq must be .*{what}"):
+    with pytest.raises(ShapeHeadsError, match=f"shape '{bad}': Hq must be .*{what}"):
         decode_shape(bad)

@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 from tqkern.layouts import is_format_name
 from tqkern_torch.bench.report import SCHEMA, Progress
 from tqkern_torch.bench.shapes import (DECODE_PRESETS, DECODE_SHAPES, MODEL_SHAPES, PREFILL_SHAPES, QUICK_SHAPES,
-                                      STORE_SHAPES, decode_shape, prefill_shape, store_shape)
+                                      STORE_SHAPES, ShapeHeadsError, decode_shape, prefill_shape, store_shape)
 
 __all__ = ["OPS", "PRESETS", "select", "count_steps", "run"]
 
@@ -72,9 +72,10 @@ def select(op: str, presets: Optional[Sequence[str]] = None, shapes: Optional[Se
                 try:
                     chosen[o].append(_SHAPE_OF[o](name))
                     hit = True
-                except ValueError as e:
-                    if str(e).startswith(f"shape {name!r}:"):  # an ad-hoc decode shape's heads: say which
-                        raise
+                except ShapeHeadsError:  # an ad-hoc decode shape with impossible heads: say which
+                    raise
+                except ValueError:
+                    pass
             if not hit:
                 known = [s.name for o in ops for s in (MODEL_SHAPES if o == "decode" else _SHAPES[o])]
                 extra = " or B<batch>x<tokens>K[_Hq<q>_Hkv<k>_D<d>] or models" if "decode" in ops else ""

@@ -15,7 +15,7 @@ from typing import Optional
 
 __all__ = ["DecodeShape", "StoreShape", "PrefillShape", "GenerateShape", "DECODE_SHAPES", "MODEL_SHAPES",
            "STORE_SHAPES", "PREFILL_SHAPES", "GENERATE_SHAPES", "DECODE_PRESETS", "QUICK_SHAPES", "decode_shape", "store_shape",
-           "prefill_shape", "generate_shape", "BLOCK_SIZE", "STORE_CACHE_TOKENS"]
+           "prefill_shape", "generate_shape", "ShapeHeadsError", "BLOCK_SIZE", "STORE_CACHE_TOKENS"]
 
 BLOCK_SIZE = 16
 
@@ -164,6 +164,11 @@ DECODE_PRESETS = (
 )
 
 
+class ShapeHeadsError(ValueError):
+    """An ad-hoc decode shape whose heads or head_dim cannot be (:func:`decode_shape`): the name
+    was meant as a decode shape, so callers that try it against every op report this one."""
+
+
 def decode_shape(name: str) -> DecodeShape:
     """A named shape of ``MODEL_SHAPES`` (``DECODE_SHAPES`` included), or an ad-hoc one:
     ``B<batch>x<tokens>K`` with the benchmark's Hq 32 / Hkv 8 / D 128 (e.g. ``B33x16K`` for a run
@@ -178,7 +183,7 @@ def decode_shape(name: str) -> DecodeShape:
                          f"[_Hq<q>_Hkv<k>_D<d>], got {name!r}")
     hq, hkv, d = (32, 8, 128) if m[3] is None else (int(m[3]), int(m[4]), int(m[5]))
     if hkv < 1 or hq < 1 or hq % hkv or d < 2 or d % 2:
-        raise ValueError(f"shape {name!r}: Hq must be a positive multiple of Hkv >= 1 and D a positive even "
+        raise ShapeHeadsError(f"shape {name!r}: Hq must be a positive multiple of Hkv >= 1 and D a positive even "
                          f"head_dim, got Hq {hq}, Hkv {hkv}, D {d}")
     return DecodeShape(name, int(m[1]), 1024 * int(m[2]), hq, hkv, d)
 
