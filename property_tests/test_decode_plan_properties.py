@@ -80,7 +80,7 @@ def cases(draw):
     num_seqs = draw(st.one_of(st.integers(1, 4), st.integers(1, 512)), label="num_seqs")
     max_tokens = draw(st.one_of(st.integers(1, 4096), st.integers(1, 131072)), label="max_tokens")
     max_blocks = -(-max_tokens // layout.block_size)
-    num_splits = draw(st.one_of(st.none(), st.integers(1, 256)), label="num_splits")
+    num_splits = draw(st.one_of(st.none(), st.integers(1, 1024)), label="num_splits")
     options = DecodeOptions(**{f.name: draw(st.booleans(), label=f.name) for f in dataclasses.fields(DecodeOptions)})
     return (layout, group, num_seqs, max_blocks, draw(devices()), num_splits, draw(residencies()), options,
             draw(st.booleans(), label="same_codebooks"))
@@ -104,6 +104,7 @@ def _case(preset, hkv, group, s, tokens, num_splits=None):
 @example(_case("turboquant_4bit_nc", 1, 8, 1, 32768))  # one KV head's 4-warp CTAs (one_head_plan)
 @example(_case("tq4", 16, 1, 1, 16384))  # a two-step ring at 16 KV heads on half the SMs: per-warp
 @example(_case("turboquant_3bit_nc", 1, 16, 16, 32768))  # one KV head's CTAs under one an SM: per-warp
+@example(_case("turboquant_4bit_nc", 1, 8, 1, 131072))  # ... at batch 1: 512 splits (fill_sms(long=True))
 def test_decode_plans_are_runnable(case):
     layout, group, s, max_blocks, caps, num_splits, _, options, _ = case
     plan = _plan(case)
@@ -112,7 +113,11 @@ def test_decode_plans_are_runnable(case):
           + (", WS" if dict(plan.decode.constexprs).get("WS") else ""))
     d, hkv, hq, n = plan.decode, layout.num_kv_heads, group * layout.num_kv_heads, plan.num_splits
     cx = dict(d.constexprs)
-    assert 1 <= n <= 256 and (num_splits is None or n == num_splits)  # (the range a caller may fix)
+    assert 1 <= n <= 1024 and (num_splits is None or n == num_splits)  # (the range a caller may fix)
+    if num_splits is None and n > 128:  # the per-warp kernel's long fill only (S69): splits of >= 128
+        # tokens, at head_dim 128, within one CTA an SM
+        assert d.kernel == "mma" and layout.head_dim == 128 and n <= 512, plan.describe()
+        assert max_blocks * layout.block_size >= 128 * n and d.grid[0] <= caps.num_sms, plan.describe()
     assert plan.path == ("general" if d.kernel == "general" else "mma")
     assert d.num_warps * 32 <= 1024 and d.num_stages >= 1
     assert d.maxnreg in (0, 128, 168, 232)

@@ -234,10 +234,10 @@ def test_planner_rejects_bad_input():
         plan_decode(tq4, 1, 12, 4, h100, same_codebooks=True)
     with pytest.raises(ValueError, match="path must be 'auto', 'mma' or 'general', got 'fast'"):
         plan_decode(tq4, 1, 32, 4, h100, same_codebooks=True, path="fast")
-    for bad in (0, -3, 1000, 2.5, True):
-        with pytest.raises(ValueError, match=rf"num_splits must be None or an int in \[1, 256\], got {bad!r}"):
+    for bad in (0, -3, 1025, 2.5, True):
+        with pytest.raises(ValueError, match=rf"num_splits must be None or an int in \[1, 1024\], got {bad!r}"):
             plan_decode(tq4, 1, 32, 4, h100, same_codebooks=True, num_splits=bad)
-    assert plan_decode(tq4, 1, 32, 4, h100, same_codebooks=True, num_splits=256).num_splits == 256
+    assert plan_decode(tq4, 1, 32, 4, h100, same_codebooks=True, num_splits=1024).num_splits == 1024
     with pytest.raises(TypeError, match="layout must be a tqkern.PagedLayout, got KVFormat"):
         plan_decode(tq4.format, 1, 32, 4, h100, same_codebooks=True)
     with pytest.raises(TypeError, match=r"capability must be a \(major, minor\) pair of ints, got \(9,\)"):

@@ -127,3 +127,19 @@ def test_two_column_tiles_count_as_two_warps_in_the_per_warp_wave(hq, splits):
     assert plan.decode.kernel == "mma" and dict(plan.decode.constexprs)["QT"] == (2 if hq == 16 else 1)
     assert plan.num_splits == splits
     assert plan.decode.grid == (16 * splits // 4,)
+
+
+@pytest.mark.parametrize("preset,batch,max_len,hkv,want_kernel,want", [
+    ("turboquant_4bit_nc", 1, 131072, 1, "mma", 512), ("tq4", 1, 65536, 1, "mma", 512),
+    ("k5v4h", 1, 32768, 1, "mma", 256), ("turboquant_k8v4", 1, 16384, 1, "mma", 128),
+    ("turboquant_4bit_nc", 4, 32768, 1, "mma", 128),  # 128 CTAs at 128 splits: not raised
+    ("turboquant_4bit_nc", 1, 131072, 8, "coop", 128),  # cooperative rings keep 128
+])
+def test_per_warp_plans_of_few_pairs_take_up_to_512_splits(preset, batch, max_len, hkv, want_kernel, want):
+    """Batch 1 at one KV head (Llama-3-70B / 405B on 8 GPUs, head_dim 128): the per-warp kernel's
+    split count rises past 128 to one CTA an SM, splits of >= 128 tokens (S69, H200: 1x128K 39.2 ->
+    18.2 µs for turboquant_4bit_nc); offline residency (2 CTAs of 4 warps an SM, half of them)."""
+    layout = _layout(preset, 128, hkv, "row" if preset == "tq4" else "slot")
+    plan = plan_decode(layout, batch, 8 * hkv, max_len // 16, DeviceCaps.sm90(), same_codebooks=True)
+    assert plan.decode.kernel == want_kernel, plan.describe()
+    assert plan.num_splits == want, plan.describe()

@@ -48,6 +48,26 @@ def test_fill_sms_raises_splits_of_few_pairs(n, pairs, max_len, resident, per_sp
     assert ctas(want) <= 132 or want == n
 
 
+@pytest.mark.parametrize("n,pairs,max_len,want", [
+    (128, 1, 131072, 512),  # one KV head, 1x128K: 32 CTAs at 128 -> 512 splits of 256 tokens (128 CTAs)
+    (128, 1, 32768, 256),  # 1x32K: 128 tokens a split at least
+    (128, 1, 16384, 128),  # 1x16K: no longer than 128 splits of 128 tokens
+    (128, 2, 65536, 264),  # 2 pairs: one CTA an SM binds (132 CTAs)
+    (128, 4, 32768, 128),  # 4 pairs: 128 splits already fill more than half the SMs
+])
+def test_fill_sms_long_splits_of_the_per_warp_kernel(n, pairs, max_len, want):
+    """``fill_sms(long=True)``: where 128 splits' CTAs (4 warps, a warp a split) fill at most half
+    the 132 SMs, up to 512 splits of >= 128 tokens within one CTA an SM; elsewhere as without it.
+    Counts worked by hand (528 resident warps)."""
+    from tqkern.ops.paged_decode.mma_plans import fill_sms
+
+    def ctas(m):
+        return math.ceil(m * pairs / 4)
+
+    assert fill_sms(n, pairs, max_len, 528, ctas, 132, 1, long=True) == want
+    assert fill_sms(n, pairs, max_len, 528, ctas, 132, 1) == min(n, want)
+
+
 def test_fill_sms_checks_the_grid_it_picks():
     """A grid not proportional to the splits (here m²/8 CTAs): the count whose grid fits, not
     the proportional estimate (64 splits would be 512 CTAs)."""
@@ -66,3 +86,5 @@ def test_fill_sms_rejects_bad_arguments(name, bad):
         fill_sms(**{**args, name: bad})
     with pytest.raises(TypeError, match="ctas must be a callable"):
         fill_sms(**{**args, "ctas": 132})
+    with pytest.raises(TypeError, match="long must be a bool, got int"):
+        fill_sms(**{**args, "long": 1})

@@ -262,11 +262,11 @@ def test_paged_decode_rejects_bad_arguments(setup):
         paged_decode(q, cache, bt, sl, layout, params, out=torch.empty(2, 4, 32, device=DEV).half())
     with pytest.raises(TypeError, match=r"out must be float16, got bfloat16"):
         paged_decode(q, cache, bt, sl, layout, params, out=torch.empty_like(q).bfloat16())
-    with pytest.raises(ValueError, match=r"num_splits must be None or an int in \[1, 256\], got 0"):
+    with pytest.raises(ValueError, match=r"num_splits must be None or an int in \[1, 1024\], got 0"):
         paged_decode(q, cache, bt, sl, layout, params, num_splits=0)
     with pytest.raises(ValueError, match=r"block_table must have at least one column, got \[2, 0\]"):
         paged_decode(q, cache, bt[:, :0], sl, layout, params)
-    with pytest.raises(ValueError, match=r"num_splits must be None or an int in \[1, 256\], got True"):
+    with pytest.raises(ValueError, match=r"num_splits must be None or an int in \[1, 1024\], got True"):
         paged_decode(q, cache, bt, sl, layout, params, num_splits=True)
     for bad in (float("nan"), float("inf")):
         with pytest.raises(ValueError, match=f"scale must be finite, got {bad}"):

@@ -57,7 +57,7 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
             elements (DP: head_dim rounded up to a power of two, at least 16) from a 16-byte
             aligned address, for CUDA-graph capture; pass ``num_splits`` with it (the default
             split count depends on the GPU).
-        num_splits: split-KV count; default from the shapes (never from ``seq_lens`` values).
+        num_splits: split-KV count in [1, 1024]; default from the shapes (never from ``seq_lens`` values).
         check_lengths: debug mode: check ``seq_lens`` and the used ``block_table`` entries on
             the host before the launch and raise ``ValueError`` naming them (a device sync and
             several small kernels; skipped while ``torch.compile`` traces or a CUDA graph is

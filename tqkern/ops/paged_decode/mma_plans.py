@@ -407,15 +407,27 @@ def num_splits_mma(num_seqs: int, num_kv_heads: int, max_len: int, resident_warp
 
 
 _FILL_MIN_TOKENS = 64  # fill_sms: tokens per split it keeps at least
+_FILL_LONG_SPLITS = 512  # ... with ``long``: splits it may reach where 128 fill at most half the SMs
+_FILL_LONG_TOKENS = 128  # ... each then at least this many tokens
 
 
 def fill_sms(num_splits: int, pairs: int, max_len: int, resident_warps: int, ctas, num_sms: int,
-             step: int = 1) -> int:
+             step: int = 1, long: bool = False) -> int:
     """The split count for a launch of few (sequence, KV head) ``pairs`` at short contexts. Where
     ``num_splits`` (:func:`num_splits_mma`'s) holds at most half the ``resident_warps``: the most
     splits, in multiples of ``step``, up to one warp per resident warp, 128 splits (64 above 8
     pairs) and ≥ 64 tokens a split, whose launch stays within one CTA per SM (``ctas(n)``: the
     grid's CTAs at ``n`` splits). Never fewer than ``num_splits``. Depends only on shapes.
+    ``long`` (the per-warp kernel at head_dim 128): where those 128 splits' CTAs fill at most half
+    the SMs, up to 512 splits of ≥ 128 tokens each (H200, S69, one KV head at batch 1, 128 splits
+    (32 CTAs) → these, µs: Llama-3-70B-TP8 1×128K 512 splits turboquant_4bit_nc 39.2 → 18.2, tq4
+    40.7 → 24.7, k5v4h 52.3 → 27.5 (1024 splits, 256 CTAs: 19.1 / 31.7 / 33.5); Llama-3-405B-TP8
+    1×32K 256 splits 18.3 → 13.7, 20.3 → 17.3, 22.0 → 18.1 (512 splits of 64 tokens: 15.3 / 21.8 /
+    21.6). At 4 sequences (128 CTAs at 128 splits) 256 splits lost 10–14%; the cooperative rings of
+    4–8 KV heads at batch 1, 256 splits: −10% to +23% by preset, so not theirs. Planner A/B, six
+    presets, two runs each: 1×128K −39 to −53%, 1×32K −14 to −25%; 2 KV heads (Llama-3-70B-TP4)
+    1×128K (264 splits) −23 to −34%, 1×32K −3 to −10% but tq4 +3%; one KV head 2×32K −5 to −8%,
+    tq4 ±1%.)
 
     Measured (H200, session 62, CUDA graphs, µs, the planner's count before → these): Llama-3-8B (8
     KV heads) 1×4K 16 → 64 splits, turboquant_4bit_nc 26.8 → 18.0, k5v4h 32.9 → 20.1, tq4 29.5 →
@@ -432,9 +444,13 @@ def fill_sms(num_splits: int, pairs: int, max_len: int, resident_warps: int, cta
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     if not callable(ctas):
         raise TypeError(f"ctas must be a callable (splits -> CTAs), got {type(ctas).__name__}")
+    if not isinstance(long, bool):
+        raise TypeError(f"long must be a bool, got {type(long).__name__}")
     if 2 * pairs * num_splits > resident_warps:
         return num_splits
     most = min(resident_warps // pairs, max_len // _FILL_MIN_TOKENS, 128 if pairs <= 8 else 64)
+    if long and 2 * ctas(most) <= num_sms:
+        most = max(most, min(resident_warps // pairs, max_len // _FILL_LONG_TOKENS, _FILL_LONG_SPLITS))
     m = min(most, int(num_sms * num_splits / ctas(num_splits))) // step * step
     while m > num_splits and ctas(m) > num_sms:
         m -= step

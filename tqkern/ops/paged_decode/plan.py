@@ -185,10 +185,10 @@ def workspace_numel(num_seqs: int, num_q_heads: int, num_splits: int, dp: int) -
 
 
 def check_num_splits(num_splits) -> None:
-    """A split count a caller fixes: ``None`` (the planner's) or an int in [1, 256]."""
+    """A split count a caller fixes: ``None`` (the planner's) or an int in [1, 1024]."""
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                   or not 1 <= num_splits <= 256):
-        raise ValueError(f"num_splits must be None or an int in [1, 256], got {num_splits!r}")
+                                   or not 1 <= num_splits <= 1024):
+        raise ValueError(f"num_splits must be None or an int in [1, 1024], got {num_splits!r}")
 
 
 def use_pdl(caps: DeviceCaps, decode: KernelPlan) -> bool:
@@ -420,7 +420,8 @@ def _mma_decode_with(layout, s, hq, max_blocks, caps, num_splits, occupancy, opt
         grid = lambda m: kernel_plan(layout, p, s, hq, m).grid[0]  # noqa: E731 (CTAs at m splits)
 
         def filled(n, warps):  # few pairs at short contexts: more splits, up to one CTA per SM
-            return fill_sms(n, s * pairs, max_len, warps, grid, caps.num_sms, p.WS or 1) if fill else n
+            long = not (p.COOP or p.WS) and layout.head_dim == 128  # (per-warp: up to 512 splits)
+            return fill_sms(n, s * pairs, max_len, warps, grid, caps.num_sms, p.WS or 1, long) if fill else n
 
         if p.WS:  # every warp a split: the one-wave count, in whole CTAs
             return filled(max(1, num_splits_mma(s, pairs, max_len, wave) // p.WS) * p.WS, wave)
