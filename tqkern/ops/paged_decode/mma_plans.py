@@ -425,7 +425,7 @@ def fill_sms(num_splits: int, pairs: int, max_len: int, resident_warps: int, cta
     1×32K 256 splits 18.3 → 13.7, 20.3 → 17.3, 22.0 → 18.1 (512 splits of 64 tokens: 15.3 / 21.8 /
     21.6). At 4 sequences (128 CTAs at 128 splits) 256 splits lost 10–14%; the cooperative rings of
     4–8 KV heads at batch 1, 256 splits: −10% to +23% by preset, so not theirs. Planner A/B, six
-    presets, two runs each: 1×128K −39 to −53%, 1×32K −14 to −25%; 2 KV heads (Llama-3-70B-TP4)
+    presets, two runs each: 1×128K −39 to −53%, 1×32K −14 to −25%; 2 KV heads (Llama-3-405B-TP4)
     1×128K (264 splits) −23 to −34%, 1×32K −3 to −10% but tq4 +3%; one KV head 2×32K −5 to −8%,
     tq4 ±1%.)
 
