@@ -151,6 +151,14 @@ def test_one_row_merge_many_splits(preset, d, chunks):
 
 
 @needs_kernels
+@pytest.mark.parametrize("preset,chunks", [("tq4", 1), ("turboquant_4bit_nc", 4)])
+def test_one_row_merge_of_512_splits(preset, chunks):
+    """The one-row merge at the per-warp kernel's longest batch-1 plans (512 splits, S69): all
+    maxima in one [512] load, then 16-32 splits a load, an empty split and a row without tokens."""
+    _merge_matches_numpy(preset, 128, chunks, "row", 16, None, s=1, ns=512)
+
+
+@needs_kernels
 @pytest.mark.parametrize("impl,chunks", [("rows", 1), ("rows", 2), ("heads", 1), ("heads", 2)])
 @pytest.mark.parametrize("d", [16, 64, 128, 256])
 def test_merge_rotate_back_by_the_transform(impl, chunks, d):
