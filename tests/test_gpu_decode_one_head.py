@@ -55,7 +55,7 @@ def test_one_head_plan_matches_oracle(preset, group):
 def test_batch_one_long_splits_match_oracle(preset, arrangement, group, max_len, want):
     """One KV head at batch 1 (Llama-3-70B / 405B on 8 GPUs, one long sequence): the per-warp
     kernel at the planner's 256-512 splits of 128 tokens (``fill_sms(long=True)``, S69), and an
-    explicit 1024 (64 tokens a split), merged by the one-row merge; the sequence ends mid-block
+    explicit 1024 (32-64 tokens a split), merged by the one-row merge; the sequence ends mid-block
     and mid-split, shuffled blocks, poisoned output. Then 2 sequences whose second is 300 tokens
     long (most of its splits empty)."""
     fmt = tqkern.KVFormat.preset(preset, 128)
