@@ -106,7 +106,7 @@ MODEL_SHAPES = DECODE_SHAPES + (
     DecodeShape("Llama3-70B-TP4_B32x16K", 32, 16384, 16, 2, 128),  # 64 / 4 per GPU: 2 KV heads, GQA 8
     DecodeShape("Qwen2.5-7B_B16x32K", 16, 32768, 28, 4, 128),  # GQA 7
     DecodeShape("Qwen2.5-7B_B1x64K", 1, 65536, 28, 4, 128),  # batch 1, 4 KV heads
-    DecodeShape("Llama3-70B-TP8_B1x128K", 1, 131072, 8, 1, 128),  # (S69) batch 1 at one KV head: 1 (sequence, head) pair
+    DecodeShape("Llama3-70B-TP8_B1x128K", 1, 131072, 8, 1, 128),  # (S69) batch 1 at one KV head
     # (S62) batch 1 at short contexts: few CTAs, the split count's case (below SDPA fp16 there)
     DecodeShape("Llama3-8B_B1x4K", 1, 4096, 32, 8, 128),  # one short chat
     DecodeShape("Qwen2.5-7B_B1x16K", 1, 16384, 28, 4, 128),
