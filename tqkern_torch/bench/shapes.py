@@ -185,7 +185,7 @@ def decode_shape(name: str) -> DecodeShape:
     hq, hkv, d = (32, 8, 128) if m[3] is None else (int(m[3]), int(m[4]), int(m[5]))
     if hkv < 1 or hq < 1 or hq % hkv or d < 2 or d % 2:
         raise ShapeHeadsError(f"shape {name!r}: Hq must be a positive multiple of Hkv >= 1 and D a positive even "
-                         f"head_dim, got Hq {hq}, Hkv {hkv}, D {d}")
+                              f"head_dim, got Hq {hq}, Hkv {hkv}, D {d}")
     return DecodeShape(name, int(m[1]), 1024 * int(m[2]), hq, hkv, d)
 
 
