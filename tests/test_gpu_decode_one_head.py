@@ -49,15 +49,16 @@ def test_one_head_plan_matches_oracle(preset, group):
         assert np.abs(out.float().cpu().numpy() - expect[:rows]).max() <= 4e-3 * vmax, (rows, splits)
 
 
-@pytest.mark.parametrize("preset,arrangement,group,max_len,want", [
-    ("turboquant_4bit_nc", "slot", 8, 65536, 512), ("tq4", "row", 8, 65536, 512),
-    ("k5v4h", "slot", 16, 32768, 256), ("turboquant_k8v4", "slot", 16, 32768, 256)])
-def test_batch_one_long_splits_match_oracle(preset, arrangement, group, max_len, want):
+@pytest.mark.parametrize("preset,arrangement,group,max_len,want,dtype", [
+    ("turboquant_4bit_nc", "slot", 8, 65536, 512, "float16"), ("tq4", "row", 8, 65536, 512, "float16"),
+    ("k5v4h", "slot", 16, 32768, 256, "float16"), ("turboquant_k8v4", "slot", 16, 32768, 256, "float16"),
+    ("turboquant_4bit_nc", "slot", 8, 65536, 512, "bfloat16"), ("k5v4h", "slot", 16, 32768, 256, "bfloat16")])
+def test_batch_one_long_splits_match_oracle(preset, arrangement, group, max_len, want, dtype):
     """One KV head at batch 1 (Llama-3-70B / 405B on 8 GPUs, one long sequence): the per-warp
     kernel at the planner's 256-512 splits of 128 tokens (``fill_sms(long=True)``, S69), and an
     explicit 1024 (32-64 tokens a split), merged by the one-row merge; the sequence ends mid-block
     and mid-split, shuffled blocks, poisoned output. Then 2 sequences whose second is 300 tokens
-    long (most of its splits empty)."""
+    long (most of its splits empty). fp16 and bf16 queries (the merge then writes bf16)."""
     fmt = tqkern.KVFormat.preset(preset, 128)
     layout = tqkern.PagedLayout(format=fmt, num_kv_heads=1, block_size=16, arrangement=arrangement)
     params = tqkern.TQParams.default(fmt)
@@ -67,7 +68,7 @@ def test_batch_one_long_splits_match_oracle(preset, arrangement, group, max_len,
     g = torch.Generator(device="cuda").manual_seed(9)
     bt = torch.randperm(2 * mb + 5, device="cuda", generator=g)[: 2 * mb].reshape(2, mb).int()
     cache = _fill(layout, p, 2 * mb + 5, sl, bt, seed=group)
-    q = torch.randn(2, group, 128, device="cuda", dtype=torch.float16, generator=g)
+    q = torch.randn(2, group, 128, device="cuda", dtype=getattr(torch, dtype), generator=g)
     expect = ref.paged_decode(q.double().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(), sl.cpu().numpy(),
                               layout, params)
     vmax = _vmax(cache, bt, sl, layout, p)
