@@ -105,6 +105,8 @@ def _case(preset, hkv, group, s, tokens, num_splits=None):
 @example(_case("tq4", 16, 1, 1, 16384))  # a two-step ring at 16 KV heads on half the SMs: per-warp
 @example(_case("turboquant_3bit_nc", 1, 16, 16, 32768))  # one KV head's CTAs under one an SM: per-warp
 @example(_case("turboquant_4bit_nc", 1, 8, 1, 131072))  # ... at batch 1: 512 splits (fill_sms(long=True))
+@example(_case("fp16", 1, 8, 1, 131072))  # the fp16 cache at batch 1: 256 splits (S70)
+@example(_case("fp16", 2, 16, 1, 20000))  # ... 2 KV heads: 132 splits asked, 128 of 256 tokens kept
 def test_decode_plans_are_runnable(case):
     layout, group, s, max_blocks, caps, num_splits, _, options, _ = case
     plan = _plan(case)
@@ -114,10 +116,18 @@ def test_decode_plans_are_runnable(case):
     d, hkv, hq, n = plan.decode, layout.num_kv_heads, group * layout.num_kv_heads, plan.num_splits
     cx = dict(d.constexprs)
     assert 1 <= n <= 1024 and (num_splits is None or n == num_splits)  # (the range a caller may fix)
-    if num_splits is None and n > 128:  # the per-warp kernel's long fill only (S69): splits of >= 128
+    max_len = max_blocks * layout.block_size
+    if num_splits is None and d.kernel == "general" and n > 64:  # fp16 caches' fill only (S70): at
+        # head_dim 96-128, ~2 programs an SM, splits of whole BN tiles, none empty at max_len
+        bn = cx["BN"]
+        raw16 = all(getattr(side, "dtype", None) == "float16" for side in (layout.format.key, layout.format.value))
+        assert raw16 and 96 <= layout.head_dim <= 128 and n <= 256, plan.describe()
+        assert max_len >= bn * n and s * hkv * n < 2 * caps.num_sms + s * hkv, plan.describe()
+        assert -(-(-(-max_len // n)) // bn) * bn * (n - 1) < max_len, plan.describe()
+    elif num_splits is None and n > 128:  # the per-warp kernel's long fill only (S69): splits of >= 128
         # tokens, at head_dim 128, within one CTA an SM
         assert d.kernel == "mma" and layout.head_dim == 128 and n <= 512, plan.describe()
-        assert max_blocks * layout.block_size >= 128 * n and d.grid[0] <= caps.num_sms, plan.describe()
+        assert max_len >= 128 * n and d.grid[0] <= caps.num_sms, plan.describe()
     assert plan.path == ("general" if d.kernel == "general" else "mma")
     assert d.num_warps * 32 <= 1024 and d.num_stages >= 1
     assert d.maxnreg in (0, 128, 168, 232)

@@ -210,6 +210,27 @@ def test_num_splits_fill_the_sms_at_batch_1():
     assert splits(2, 8, 16384) == 16  # kept (one round of 264)
 
 
+def test_num_splits_fill_the_sms_with_up_to_256_splits():
+    """``most`` (the planner's 256 for fp16 caches at head_dim 96-128, S70): one or two KV heads at
+    batch 1-2 take ~2 programs an SM, splits of whole BN tiles (``ceil(ceil(L/n)/BN)·BN`` tokens
+    in the kernel), trimmed where the last would be empty at ``max_len``."""
+    def splits(seqs, heads, max_len, most=256):
+        return num_splits_for(seqs, heads, max_len, 132, 128, resident_ctas=264, min_tokens=0, most=most)
+
+    assert splits(1, 1, 131072) == 256  # Llama-3-70B-TP8 1x128K: 264 asked, 512 tokens a split leave 256
+    assert splits(1, 1, 32768) == 256  # Llama-3-405B-TP8 1x32K: 32K / 128
+    assert splits(1, 2, 131072) == 128  # Llama-3-405B-TP4 1x128K: 132 asked, 1024 tokens a split
+    assert splits(2, 1, 32768) == 128
+    assert splits(1, 2, 20000) == 79  # 132 asked: 152 tokens rounds to 256 a split, so 79
+    assert splits(1, 1, 8192) == 64  # 8K / 128: untouched
+    assert splits(1, 4, 65536) == 64  # four KV heads hold 256 programs at 64: untouched
+    assert splits(1, 1, 131072, most=64) == 64  # (the default: other caches)
+    assert splits(1, 1, 131072, most=1000) == 256  # (never past ~2 an SM)
+    for bad in (0, -1, 2.5, True, None):
+        with pytest.raises(ValueError, match=f"most must be a positive int, got {bad!r}"):
+            splits(1, 1, 131072, most=bad)
+
+
 def test_ctas_per_sm():
     """Residency from a compiled kernel's registers and shared memory (H100: 64K registers,
     228 KB of shared memory, 64 warps and 32 CTAs per SM; registers allocated per warp in units

@@ -1,5 +1,6 @@
-"""GPU-only: the planner's one-KV-head plan (``one_head_plan``: Llama-3-70B / 405B on 8 GPUs, uniform
-values, contexts of 16K tokens or more) through ``paged_decode`` against the NumPy oracle."""
+"""GPU-only: the planner's plans for one and two KV heads (Llama-3-70B / 405B on 4-8 GPUs): the
+one-KV-head plan (``one_head_plan``: uniform values, contexts of 16K tokens or more) and the split
+counts that fill the SMs at batch 1, through ``paged_decode`` against the NumPy oracle."""
 
 import numpy as np
 import pytest
@@ -81,3 +82,31 @@ def test_batch_one_long_splits_match_oracle(preset, arrangement, group, max_len,
         paged_decode(q[:rows], cache, bt[:rows], sl[:rows], layout, p, out=out, num_splits=splits)
         assert torch.isfinite(out).all()
         assert np.abs(out.float().cpu().numpy() - expect[:rows]).max() <= 4e-3 * vmax, (rows, splits)
+
+
+@pytest.mark.parametrize("hkv,group,max_len,want", [(1, 8, 131072, 256), (1, 16, 32768, 256), (2, 16, 32768, 128)])
+def test_fp16_cache_at_batch_one_fills_the_sms(hkv, group, max_len, want):
+    """The fp16 cache's general kernel at one and two KV heads, batch 1 (Llama-3-70B-TP8 1×128K,
+    405B-TP8 1×32K, 405B-TP4 1×32K): the planner's 128-256 splits of whole BN tiles (S70), merged
+    by the one-row merge, against the oracle; the sequence ends mid-block and mid-split, shuffled
+    blocks, poisoned output; then 2 sequences whose second is 300 tokens long."""
+    fmt = tqkern.KVFormat.preset("fp16", 128)
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=hkv, block_size=16)
+    params = tqkern.TQParams.default(fmt)
+    p = tqt.to_device(params, "cuda")
+    mb = max_len // 16
+    sl = torch.tensor([max_len - 77, 300], dtype=torch.int32, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(13)
+    bt = torch.randperm(2 * mb + 5, device="cuda", generator=g)[: 2 * mb].reshape(2, mb).int()
+    cache = _fill(layout, p, 2 * mb + 5, sl, bt, seed=hkv)
+    q = torch.randn(2, hkv * group, 128, device="cuda", dtype=torch.float16, generator=g)
+    expect = ref.paged_decode(q.double().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(), sl.cpu().numpy(),
+                              layout, params)
+    vmax = _vmax(cache, bt, sl, layout, p)
+    for rows in (1, 2):
+        dp = tqt.plan_decode(q[:rows], cache, bt[:rows], layout, p)
+        assert dp.decode.kernel == "general" and dp.num_splits == (want if rows == 1 else want // 2), dp.describe()
+        out = torch.full_like(q[:rows], float("nan"))
+        paged_decode(q[:rows], cache, bt[:rows], sl[:rows], layout, p, out=out)
+        assert torch.isfinite(out).all()
+        assert np.abs(out.float().cpu().numpy() - expect[:rows]).max() <= 4e-3 * vmax, rows

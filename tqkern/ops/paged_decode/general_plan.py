@@ -18,7 +18,8 @@ _LONG_SPLIT_TOKENS = 2048  # num_splits_for's default: splits this long fill who
 
 
 def num_splits_for(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int, block_n: int,
-                   resident_ctas: int | None = None, min_tokens: int = _LONG_SPLIT_TOKENS) -> int:
+                   resident_ctas: int | None = None, min_tokens: int = _LONG_SPLIT_TOKENS,
+                   most: int = 64) -> int:
     """The general kernel's splits: ~4 programs per SM, never fewer than 4·BN tokens per split.
 
     With ``resident_ctas`` (programs the GPU holds at once) and long splits (≥ ``min_tokens`` of
@@ -31,13 +32,22 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int,
     136.0 µs, 9 152.4).
 
     Where that launch has fewer programs than SMs (batch 1–2 at short contexts), ~2 programs per
-    SM instead, with splits of ≥ BN tokens, at most 64. Measured (H200, session 62, fp16 cache,
+    SM instead, with splits of ≥ BN tokens, at most ``most``. Measured (H200, session 62, fp16 cache,
     head_dim 128, µs, SDPA fp16 in brackets): Llama-3-8B 1×4K 8 → 32 splits 15.5 → 11.0 (9.2), 1×8K
     16 → 33 16.8 → 14.7 (11.2); Qwen2.5-7B 1×4K 8 → 32 15.7 → 9.2 (7.7), 1×16K 32 → 64 17.5 → 14.3
-    (12.2); Llama-3-70B-TP4 1×16K 32 → 64 15.2 → 12.0 (9.9).
+    (12.2); Llama-3-70B-TP4 1×16K 32 → 64 15.2 → 12.0 (9.9). Above 64 (``most`` up to 256: the
+    planner's fp16 caches at head_dim 96–128), a count whose splits leave none empty at ``max_len``
+    (a kernel split spans whole BN tiles: 264 splits of 131072 tokens are 256 of 512 and 8 empty).
+    Measured (H200, session 70, fp16 cache, head_dim 128, µs at 64 / 128 / 256 / 264 / 512 splits,
+    SDPA fp16 in brackets): one KV head, Llama-3-70B-TP8 1×128K 46.7 / 33.2 / **27.8** / 29.3 / 29.8
+    (27.9), Llama-3-405B-TP8 1×32K 14.5 / 12.8 / **12.1** / 12.5 / 14.4 (11.8); two KV heads
+    (Llama-3-405B-TP4) 1×128K 55.1 / **43.8** / 47.4 (38.3), 1×32K 18.0 / **14.6** / 18.8 (12.5).
+    Four KV heads already hold 256 programs at 64 (Qwen2.5-7B 1×64K: 42.3 / 45.4 / 49.0).
 
     Depends only on shapes (never on ``seq_lens`` values), so a CUDA graph captured for a batch
     shape stays valid whatever lengths it replays with."""
+    if not isinstance(most, int) or isinstance(most, bool) or most < 1:
+        raise ValueError(f"most must be a positive int, got {most!r}")
     if resident_ctas is not None and (not isinstance(resident_ctas, int) or resident_ctas < 1):
         raise ValueError(f"resident_ctas must be None or a positive int, got {resident_ctas!r}")
     if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0:
@@ -49,7 +59,10 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int,
     if resident_ctas and max_len // n >= min_tokens:
         n = min(range(1, n + 1), key=lambda k: (math.ceil(programs * k / resident_ctas) / k, k))
     if programs * n < num_sms:  # fewer programs than SMs: ~2 per SM, splits of >= BN tokens (S62)
-        n = max(n, min(math.ceil(2 * num_sms / programs), max_len // block_n, 64))
+        n = max(n, min(math.ceil(2 * num_sms / programs), max_len // block_n, most))
+        if n > 64:  # none empty at max_len (S70)
+            per = -(-(-(-max_len // n)) // block_n) * block_n  # the kernel's tokens a split
+            n = -(-max_len // per)
     return n
 
 
@@ -155,12 +168,14 @@ def _general_tiles(layout, s, hq, max_blocks, caps, num_splits, occupancy, block
 
     max_len = max_blocks * layout.block_size
     if num_splits is None:
-        num_splits = num_splits_for(s, hkv, max_len, caps.num_sms, block_n)
+        # fp16 caches at head_dim 96-128 fill the SMs with up to 256 splits at batch 1 (S70)
+        most = 256 if rounds and layout.head_dim <= 128 else 64
+        num_splits = num_splits_for(s, hkv, max_len, caps.num_sms, block_n, most=most)
         # (fp16 caches: whole rounds at any length; Gemma-2-9B 152.4 -> 136.0 µs)
         long = 0 if rounds else _LONG_SPLIT_TOKENS
         if not caps.interpret and max_len // num_splits >= long:
             ctas = occupancy(kernel(num_splits))
             if ctas:
                 num_splits = num_splits_for(s, hkv, max_len, caps.num_sms, block_n, resident_ctas=ctas * caps.num_sms,
-                                            min_tokens=long)
+                                            min_tokens=long, most=most)
     return kernel(num_splits), num_splits
