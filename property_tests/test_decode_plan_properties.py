@@ -151,6 +151,10 @@ def test_decode_plans_are_runnable(case):
                 assert 2 * d.grid[0] > caps.num_sms
             if num_splits is None and hkv == 1 and ws == 4:  # one KV head's 4-warp CTAs: 1-2 an SM (S68)
                 assert caps.num_sms <= d.grid[0] <= 2 * caps.num_sms
+    m = plan.merge
+    if m.rotate_apart:  # the rotate-back's own launch (S70): the one-row merge of many splits, 16 rows a program
+        assert m.impl == "row" and m.rotate_back and n >= 256, plan.describe()
+        assert m.back_grid[0] * 16 >= s * hq > (m.back_grid[0] - 1) * 16 and m.back_grid[1] >= 1, plan.describe()
     assert plan.workspace_numel == workspace_numel(s, hq, n, layout_consts(layout)["DP"])
     assert plan.merge.lse == options.lse and plan.merge.sinks == options.sinks
     assert all(isinstance(x, int) and x >= 1 for x in plan.merge.grid + plan.rotate.grid)

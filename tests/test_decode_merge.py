@@ -159,6 +159,42 @@ def test_one_row_merge_of_512_splits(preset, chunks):
 
 
 @needs_kernels
+@pytest.mark.parametrize("preset,d,chunks,fwht,s,ns", [
+    ("tq4", 128, 8, False, 3, 40), ("tq4", 96, 4, False, 3, 40), ("tq4", 256, 2, False, 1, 20),
+    ("tqkern_k5v3", 128, 8, True, 3, 40), ("tqkern_k5v3", 64, 4, True, 1, 17), ("tqkern_k5v3", 128, 1, False, 2, 20),
+    ("tq4", 128, 8, False, 1, 512)])
+def test_one_row_merge_with_the_rotate_back_apart(preset, d, chunks, fwht, s, ns):
+    """``apart`` (the planner's from 256 splits with the transform, 512 with a product, S70): the
+    one-row merge writes each merged row unrotated over its split 0's partial (each chunk its own
+    columns), then 16-row programs rotate the rows back into ``out`` by the product (64 columns a
+    program) or the transform (all columns): 24 rows (a partial second block), head_dim 96's pad
+    columns poisoned in the workspace (never read), an empty split, a row without tokens."""
+    _merge_matches_numpy(preset, d, chunks, "row", 16, None, s=s, ns=ns, fwht=fwht, apart=True)
+
+
+def test_rotate_apart_rule():
+    """The rotate-back leaves the one-row merge from 256 splits with the transform (a signed
+    Sylvester Π at a power-of-two head_dim), from 512 with a product; never for another merge or
+    unrotated values. The plan gives the merge the unrotated chunk rule and the launch its grid."""
+    from tqkern.ops.paged_decode.plan import DecodeOptions, DeviceCaps, plan_decode
+    from tqkern.ops.paged_decode.side_plans import _merge_plan, rotate_apart
+    assert [rotate_apart(True, True, 128, "row", n) for n in (128, 255, 256, 1024)] == [False, False, True, True]
+    assert [rotate_apart(True, False, 128, "row", n) for n in (256, 511, 512)] == [False, False, True]
+    assert rotate_apart(True, True, 96, "row", 256) is False and rotate_apart(True, True, 96, "row", 512) is True
+    assert rotate_apart(True, True, 128, "rows", 512) is False and rotate_apart(False, False, 128, "row", 512) is False
+    caps, opts = DeviceCaps.sm90(), DecodeOptions()
+    m = _merge_plan(_layout("tq4", 128, 1), 1, 8, 512, caps, opts)
+    assert (m.grid, m.chunks, m.unroll, m.rotate_back, m.fwht, m.back_grid) == ((8, 8), 8, 256, True, False, (1, 2))
+    m = _merge_plan(_layout("tqkern_k5v3", 128, 2), 1, 32, 264, caps, opts, signed_sylvester=True)
+    assert (m.grid, m.chunks, m.fwht, m.back_grid, m.rotate_apart) == ((32, 8), 8, True, (2, 1), True)
+    m = _merge_plan(_layout("tq4", 128, 1), 1, 16, 256, caps, opts)
+    assert (m.chunks, m.back_grid, m.rotate_apart) == (4, (), False)
+    plan = plan_decode(_layout("k5v4h", 128, 1), 1, 16, 2048, caps, same_codebooks=True, signed_sylvester=True)
+    assert plan.num_splits == 256 and plan.merge.rotate_apart, plan.describe()
+    assert "rotate back by Walsh-Hadamard in a launch of its own, grid (1, 1)" in plan.describe()
+
+
+@needs_kernels
 @pytest.mark.parametrize("impl,chunks", [("rows", 1), ("rows", 2), ("heads", 1), ("heads", 2)])
 @pytest.mark.parametrize("d", [16, 64, 128, 256])
 def test_merge_rotate_back_by_the_transform(impl, chunks, d):
@@ -169,14 +205,16 @@ def test_merge_rotate_back_by_the_transform(impl, chunks, d):
 
 
 @needs_kernels
-@pytest.mark.parametrize("impl,chunks", [("row", 1), ("row", 4), ("rows", 2), ("heads", 2)])
+@pytest.mark.parametrize("impl,chunks", [("row", 1), ("row", 4), ("rows", 2), ("heads", 2), ("apart", 8)])
 @pytest.mark.parametrize("preset", ["tq4", "tqkern_k5v3"])
 def test_merge_sinks_lse_and_poison(impl, chunks, preset):
     """The merge's own options on each kernel: sink logits σ join each row's denominator
     (``2^(σ·log2 e − m)``, no value), ``lse`` gets ``(m + log2 l)·ln 2`` of the row (−inf for a row
     without keys), a poisoned query row comes out NaN in every column and in its lse; the
     rotate-back by the product (tq4; tqkern_k5v3 on the one-row merge) and by the transform
-    (tqkern_k5v3's signed Sylvester Π on the others)."""
+    (tqkern_k5v3's signed Sylvester Π on the others, and in the one-row merge's own launch:
+    ``"apart"``)."""
+    apart, impl = impl == "apart", "row" if impl == "apart" else impl
     layout = _layout(preset, 128, 2)
     params = tqt.to_device(tqkern.TQParams.default(layout.format, seed=3), DEV)
     s, hq, ns, dp, g = 2, 8, 20, 128, 4
@@ -193,7 +231,7 @@ def test_merge_sinks_lse_and_poison(impl, chunks, preset):
     lse = torch.full((s, hq), float("nan"), device=DEV)
     _launch_merge(ws[:acc.size], ws[acc.size:], params.rotation, out, layout, g, ns, INTERP, chunks=chunks,
                   impl=impl, q_poison=torch.from_numpy(poison).to(DEV), sinks=torch.from_numpy(sinks).to(DEV),
-                  lse=lse, fwht=params.signed_sylvester and impl != "row")
+                  lse=lse, fwht=params.signed_sylvester and (impl != "row" or apart), apart=apart)
     sig = sinks[None, :] * np.log2(np.e)  # base 2
     m_all = np.maximum(m.max(-1), sig)
     w = np.where(np.isfinite(m), np.exp2(m - m_all[..., None]), 0.0)
@@ -208,7 +246,7 @@ def test_merge_sinks_lse_and_poison(impl, chunks, preset):
     assert np.all(got[hq + 2] == 0)  # no keys: the sink takes all the weight, no value
 
 
-def _merge_matches_numpy(preset, d, chunks, impl, rows, unroll, s=3, ns=5, fwht=False):
+def _merge_matches_numpy(preset, d, chunks, impl, rows, unroll, s=3, ns=5, fwht=False, apart=False):
     layout = _layout(preset, d, 2)
     dp = max(16, 1 << (d - 1).bit_length())
     params = tqt.to_device(tqkern.TQParams.default(layout.format, seed=3), DEV)
@@ -232,7 +270,7 @@ def _merge_matches_numpy(preset, d, chunks, impl, rows, unroll, s=3, ns=5, fwht=
     out = torch.full((s, hq, d), float("nan"), dtype=torch.float32, device=DEV)
     n_acc = acc.size
     _launch_merge(ws_t[:n_acc], ws_t[n_acc:], params.rotation, out, layout, g, ns, INTERP, chunks=chunks,
-                  impl=impl, rows=rows, unroll=unroll, fwht=fwht)
+                  impl=impl, rows=rows, unroll=unroll, fwht=fwht, apart=apart)
     m_max = m.max(-1, keepdims=True)
     w = np.exp2(m - np.where(np.isfinite(m_max), m_max, 0.0))
     w[~np.isfinite(m)] = 0.0
@@ -258,6 +296,12 @@ def test_merge_and_rotation_options_rejected():
         _launch_merge(acc, ml, params.rotation, out, layout, 4, 2, INTERP, impl="cols")
     with pytest.raises(ValueError, match="rows must be a power of two >= 16, got 24"):
         _launch_merge(acc, ml, params.rotation, out, layout, 4, 2, INTERP, rows=24)
+    with pytest.raises(ValueError, match="apart applies to the 'row' merge of a rotated value codec, got impl 'rows' "
+                                         r"\(value codec rotated: True\)"):
+        _launch_merge(acc, ml, params.rotation, out, layout, 4, 2, INTERP, impl="rows", apart=True)
+    plain = _layout("turboquant_4bit_nc", 128, 2)
+    with pytest.raises(ValueError, match=r"got impl 'row' \(value codec rotated: False\)"):
+        _launch_merge(acc, ml, params.rotation, out, plain, 4, 2, INTERP, impl="row", apart=True)
     with pytest.raises(ValueError, match="rows must be a power of two >= 16, got 8"):
         rotate_q(torch.zeros(1, 8, 128, device=DEV), params.rotation, True, INTERP, rows=8)
     with pytest.raises(ValueError, match="cols must be a power of two >= 16, got 48"):

@@ -364,3 +364,31 @@ def test_fp16_caches_split_in_whole_rounds(preset, head_dim, want):
     plan = plan_decode(layout, 8, 16, 8192 // 16, DeviceCaps.sm90(), same_codebooks=True, occupancy=lambda k: 2,
                        path="general")
     assert plan.num_splits == want
+
+
+@needs_kernels
+def test_options_with_the_rotate_back_in_its_own_launch(monkeypatch):
+    """The one-row merge that leaves the rotate-back to a launch of its own (S70; the planner's from
+    256 splits with the transform, 512 with a product: here the rule is patched to take tq4's dense
+    Π at 19 splits, which the interpreter runs in seconds) through the launcher must keep the merge's
+    options: sinks, lse, a window, a soft-cap, a NaN query row, the empty sequence's zeros."""
+    import tqkern.ops.paged_decode.side_plans as side_plans
+
+    monkeypatch.setattr(side_plans, "rotate_apart", lambda rotate_back, ss, d, impl, n: rotate_back and impl == "row")
+    c = Case("tq4")
+    q = c.q.clone()
+    q[3, 2, 7] = float("nan")
+    plan = tqt.plan_decode(q.to(DEV), c.cache, c.bt.to(DEV), c.layout, c.dp, num_splits=19, return_lse=True)
+    assert plan.merge.impl == "row" and plan.merge.rotate_apart and not plan.merge.fwht, plan.describe()
+    kw = dict(window_left=20, logit_softcap=2.0, sinks=c.sinks)
+    out, lse = paged_decode(q.to(DEV), c.cache, c.bt.to(DEV), c.sl.to(DEV), c.layout, c.dp, return_lse=True,
+                            num_splits=19, **dict(kw, sinks=c.sinks.to(DEV)))
+    assert bool(torch.all(torch.isnan(out[3, 2]))) and bool(torch.isnan(lse[3, 2]))
+    ok = torch.ones(len(LENS), HQ, dtype=torch.bool)
+    ok[3, 2] = False
+    want, want_lse = ref.paged_decode(q.double().numpy(), c.cache.cpu().numpy(), c.bt.numpy(), c.sl.numpy(), c.layout,
+                                      c.params, return_lse=True, **dict(kw, sinks=c.sinks.numpy()))
+    got = out.float().cpu().numpy()
+    assert np.all(np.isfinite(got[ok.numpy()])) and np.all(got[1] == 0)
+    assert np.abs(got[ok.numpy()] - want[ok.numpy()]).max() <= OUT_TOL
+    assert np.abs(lse.cpu().numpy()[ok.numpy()] - want_lse[ok.numpy()]).max() <= LSE_TOL

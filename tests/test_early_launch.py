@@ -80,6 +80,14 @@ def test_launchers_pass_the_early_launch_to_triton():
         assert prep.rotate.kwargs.get("PDL", False) is pdl and "launch_pdl" not in prep.rotate.kwargs
         for launcher in (prep.decode, prep.merge):
             assert launcher.kwargs.get("PDL", False) is pdl and launcher.kwargs.get("launch_pdl", False) is pdl
+        assert prep.back is None
+    # the one-row merge's rotate-back in a launch of its own (S70) launches early with it
+    plan = plan_decode(_layout("k5v4h", heads=1), 1, 16, 2048, DeviceCaps.sm90(), same_codebooks=True,
+                       occupancy=_occupancy, signed_sylvester=True)
+    assert plan.pdl and plan.merge.rotate_apart, plan.describe()
+    prep = Prepared(plan, _launcher(plan.decode, True))
+    assert prep.back.kwargs["PDL"] and prep.back.kwargs["launch_pdl"] and prep.back.kwargs["FWHT"]
+    assert prep.merge.kwargs["ROTATE_BACK"] is False
 
 
 _COMPILE = r"""
@@ -87,13 +95,13 @@ import json, sys
 import triton
 from triton.compiler import ASTSource
 from tqkern.ops.paged_decode.aot import SM90
-from tqkern.ops.paged_decode.merge import _merge_row_kernel
+from tqkern.ops.paged_decode.merge import _merge_row_kernel, _rotate_back_kernel
 from tqkern.ops.paged_decode.rotate import _rotate_q_kernel
 
 INT_PTRS = ("bt_ptr", "sl_ptr", "err_ptr", "safe_ptr")
 out = {}
 for name, fn, cx, opts in json.loads(sys.argv[1]):
-    fn = {"merge": _merge_row_kernel, "rotate": _rotate_q_kernel}[fn]
+    fn = {"merge": _merge_row_kernel, "rotate": _rotate_q_kernel, "back": _rotate_back_kernel}[fn]
     sig = {a: ("constexpr" if a in cx else "*i32" if a in INT_PTRS else "*fp32" if a.endswith("_ptr") else "i32")
            for a in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in cx.items()})
@@ -106,7 +114,8 @@ print(json.dumps(out))
 def test_rotation_and_merge_compile_their_early_launch_for_sm90():
     """The interpreter cannot run ``griddepcontrol``: the rotation's and the merge's early-launch
     paths (as an early plan's launchers build them) are compiled for sm_90 here, the rotation with
-    its trigger and no wait, the merge with its wait."""
+    its trigger and no wait, the merge and the rotate-back's own launch (by the transform) with
+    their waits; the rotate-back's product form compiles too (a plain launch)."""
     pytest.importorskip("triton.backends.nvidia")
     from tqkern.ops.paged_decode.triton import Prepared, _launcher
 
@@ -114,10 +123,17 @@ def test_rotation_and_merge_compile_their_early_launch_for_sm90():
     assert plan.pdl and plan.merge.impl == "row"
     prep = Prepared(plan, _launcher(plan.decode, True))
     jobs = []
-    for name, launcher in (("rotate", prep.rotate), ("merge", prep.merge)):
-        kw = dict(launcher.kwargs)
+    # the rotate-back's own launch (S70): k5v4h's by the transform, early; tq4's by the product
+    apart = [(name, plan_decode(_layout(preset, heads=1), 1, 16, 2048 * mult, DeviceCaps.sm90(), same_codebooks=True,
+                                occupancy=_occupancy, signed_sylvester=preset == "k5v4h"))
+             for name, preset, mult in (("back", "k5v4h", 1), ("back_product", "tq4", 2))]
+    assert [(p.pdl, p.merge.rotate_apart) for _, p in apart] == [(True, True), (False, True)]  # (tq4: 128 CTAs)
+    launchers = [("rotate", "rotate", prep.rotate), ("merge", "merge", prep.merge)]
+    launchers += [(name, "back", Prepared(p, _launcher(p.decode, p.pdl)).back) for name, p in apart]
+    for name, fn, launcher in launchers:
+        kw = dict(launcher.kwargs, PDL=launcher.kwargs.get("PDL", False))  # (a constexpr either way)
         opts = {k: kw.pop(k) for k in ("num_warps", "launch_pdl") if k in kw}
-        jobs.append([name, name, kw, opts])
+        jobs.append([name, fn, kw, opts])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
@@ -125,4 +141,4 @@ def test_rotation_and_merge_compile_their_early_launch_for_sm90():
                          timeout=600, env=env, cwd=root)
     assert res.returncode == 0, res.stderr[-3000:]
     counts = json.loads(res.stdout.strip().splitlines()[-1])
-    assert counts == {"rotate": [0, 1], "merge": [1, 0]}
+    assert counts == {"rotate": [0, 1], "merge": [1, 0], "back": [1, 0], "back_product": [0, 0]}

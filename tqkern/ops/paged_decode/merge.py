@@ -1,8 +1,9 @@
 """The merge of a split-KV decode's partials (unnormalised acc, base-2 max, sum per split) by
 log-sum-exp into the output, rotating back (``@ Πᵀ``) when the value codec is rotated:
 :func:`_merge_rows_kernel` (blocks of query rows), :func:`_merge_row_kernel` (one query row, its
-splits as one tile: few rows of many splits) or :func:`_merge_kernel` (one GQA group per
-program), launched by :func:`_launch_merge`. Both decode kernels (:mod:`.general`,
+splits as one tile: few rows of many splits; from 256 splits it may leave the rotate-back to
+:func:`_rotate_back_kernel`) or :func:`_merge_kernel` (one GQA group per program), launched by
+:func:`_launch_merge`. Both decode kernels (:mod:`.general`,
 :mod:`.mma_kernel`) write the workspace these read.
 
 Two attention options are the merge's alone, so they apply after either kernel (constexprs:
@@ -25,7 +26,8 @@ from tqkern.ops.common import _fwht_tile, layout_consts
 from tqkern.ops.paged_decode.side_plans import (fwht_constexprs, merge_chunks, merge_impl, row_chunks,
                                                 row_merge_chunks, row_merge_unroll, row_split_block, transform_fits)
 
-__all__ = ["_merge_kernel", "_merge_rows_kernel", "_merge_row_kernel", "_launch_merge", "merge_chunks"]
+__all__ = ["_merge_kernel", "_merge_rows_kernel", "_merge_row_kernel", "_rotate_back_kernel", "_launch_merge",
+           "merge_chunks"]
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -265,9 +267,31 @@ def _merge_row_kernel(acc_ptr, ml_ptr, rot_ptr, out_ptr, poison_ptr, sink_ptr, l
         tl.store(o_row + cols, o.to(o_row.dtype.element_ty), mask=cols < D)
 
 
+@triton.jit
+def _rotate_back_kernel(o_ptr, rot_ptr, out_ptr, n_rows, stride_or, stride_os, stride_oh, HQ: tl.constexpr,
+                        D: tl.constexpr, DP: tl.constexpr, ROWS: tl.constexpr, CC: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, FWHT: tl.constexpr = False, LOG2D: tl.constexpr = 0,
+                        PDL: tl.constexpr = False):
+    """The rotate-back as a launch of its own, after a one-row merge that wrote each merged row
+    ``o`` unrotated (float32, row ``r`` at ``o_ptr + r·stride_or``; columns from D on never read):
+    ``out[r] = o[r] @ Πᵀ`` for ``ROWS`` rows ``r = s·HQ + head`` per program, program ``(b, j)``
+    storing columns ``j·CC .. j·CC + CC − 1`` (by :func:`_store_merged`: a ``[ROWS, DP] @ [DP, 64]``
+    product, or with ``FWHT`` the Walsh–Hadamard transform of all columns, ``CC = DP``). A NaN row
+    (poisoned by the merge) stays NaN in every column; rows do not mix."""
+    if PDL:  # launched early (programmatic dependent launch): the merged rows once the merge completes
+        tl.extra.cuda.gdc_wait()
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rm = rows < n_rows
+    cols = tl.arange(0, DP)
+    o = tl.load(o_ptr + rows.to(tl.int64)[:, None] * stride_or + cols[None, :], mask=rm[:, None] & (cols < D)[None, :],
+                other=0.0)
+    o_row = out_ptr + (rows // HQ).to(tl.int64)[:, None] * stride_os + (rows % HQ).to(tl.int64)[:, None] * stride_oh
+    _store_merged(o, o_row, rm, rot_ptr, tl.program_id(1) * CC, cols, D, CC, True, DOT_PRECISION, ROWS, FWHT, LOG2D)
+
+
 def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, interpret: bool,
                   chunks: int | None = None, impl: str | None = None, rows: int = 16, unroll: int | None = None,
-                  q_poison=None, sinks=None, lse=None, fwht: bool = False):
+                  q_poison=None, sinks=None, lse=None, fwht: bool = False, apart: bool = False):
     """Merge the splits into ``out`` (rotating back when the value codec is rotated; with ``fwht`` by
     the Walsh–Hadamard transform: ``rotation`` signed Sylvester, a power-of-two head_dim ≥ 16; the
     decode's plan takes it where :func:`.side_plans.merge_transform` says). ``impl``:
@@ -280,7 +304,9 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
     iteration of the row-block kernel (default 8 with the rotate-back, else all of them). ``q_poison``: float32
     ``[S·Hq]`` added to every output row (NaN poisons the row), or ``None``. ``sinks``: float32
     ``[Hq]`` sink logits (natural log), or ``None``; ``lse``: float32 ``[S, Hq]`` written with
-    each row's normaliser, or ``None``."""
+    each row's normaliser, or ``None``. ``apart`` (``"row"`` with a rotated value codec): the merge
+    writes the merged rows unrotated over ``acc`` (row ``r`` over its split 0's partial) and
+    :func:`_rotate_back_kernel` rotates them into ``out`` (by the transform with ``fwht``)."""
     s, hq, d = out.shape
     dp = layout_consts(layout)["DP"]
     rotate_back = bool(layout.format.value.rotated)
@@ -297,20 +323,32 @@ def _launch_merge(acc, ml, rotation, out, layout, g: int, num_splits: int, inter
     if fwht and not transform_fits(rotate_back, True, d):
         raise ValueError(f"fwht needs a rotated value codec at a power-of-two head_dim >= 16, got head_dim {d}"
                          f" (value codec rotated: {rotate_back})")
-    if fwht and impl == "row":
-        raise ValueError("fwht applies to the 'rows' and 'heads' merges, not 'row'")
+    if apart and (impl != "row" or not rotate_back):
+        raise ValueError(f"apart applies to the 'row' merge of a rotated value codec, got impl {impl!r} "
+                         f"(value codec rotated: {rotate_back})")
+    if fwht and impl == "row" and not apart:
+        raise ValueError("fwht applies to the 'rows' and 'heads' merges, not 'row' (but with apart)")
     tx = fwht_constexprs(fwht, d)
     if impl == "row":
+        in_merge = rotate_back and not apart
         if chunks is None:
-            chunks = row_chunks(s * hq, sms, dp, rotate_back)
+            chunks = row_chunks(s * hq, sms, dp, in_merge)
+        # apart: row r merged into acc's row r·splits (its split 0's partial, read only by the program
+        # that overwrites it, after its loop)
+        dst, strides = (acc, (hq * num_splits * dp, num_splits * dp)) if apart else (out, out.stride()[:2])
         if s * hq:
             sp = max(2, triton.next_power_of_2(num_splits))
             _merge_row_kernel[(s * hq, chunks)](
-                acc, ml, rotation, out, ml if q_poison is None else q_poison, ml if sinks is None else sinks,
-                ml if lse is None else lse, num_splits, out.stride(0), out.stride(1),
-                HQ=hq, SP=sp, SB=row_split_block(num_splits, dp, chunks, rotate_back), D=d, DP=dp,
-                CC=dp // chunks, ROTATE_BACK=rotate_back, POISON=q_poison is not None, SINKS=sinks is not None,
+                acc, ml, rotation, dst, ml if q_poison is None else q_poison, ml if sinks is None else sinks,
+                ml if lse is None else lse, num_splits, *strides,
+                HQ=hq, SP=sp, SB=row_split_block(num_splits, dp, chunks, in_merge), D=d, DP=dp,
+                CC=dp // chunks, ROTATE_BACK=in_merge, POISON=q_poison is not None, SINKS=sinks is not None,
                 LSE=lse is not None, num_warps=4)
+            if apart:
+                cc = dp if fwht else min(64, dp)
+                _rotate_back_kernel[(triton.cdiv(s * hq, 16), dp // cc)](
+                    acc, rotation, out, s * hq, num_splits * dp, out.stride(0), out.stride(1), HQ=hq, D=d, DP=dp,
+                    ROWS=16, CC=cc, DOT_PRECISION=precision, num_warps=4, **tx)
         return
     if impl == "rows":
         n = s * hq

@@ -122,7 +122,8 @@ class DecodePlan:
                  f"scan {self.rotate.grid[0] - self.rotate.programs} rows x {self.rotate.scan_block}",
                  f"merge       {self.merge.impl}, grid {self.merge.grid}, {self.merge.chunks} chunks"
                  + (", rotate back by Walsh-Hadamard" if self.merge.fwht else ", rotate back" if self.merge.rotate_back
-                    else ""),
+                    else "") + (f" in a launch of its own, grid {self.merge.back_grid}" if self.merge.rotate_apart
+                                else ""),
                  f"workspace   {self.workspace_numel} float32",
                  "options     " + (" ".join(f.name for f in dataclasses.fields(self.options)
                                             if getattr(self.options, f.name)) or "-")]

@@ -10,7 +10,7 @@ import dataclasses
 from tqkern.ops.common import layout_consts, transform_applies
 
 __all__ = ["MergePlan", "RotatePlan", "fwht_constexprs", "merge_chunks", "merge_impl", "merge_transform", "q_transform",
-           "rotate_cols", "row_chunks", "row_merge_chunks", "row_merge_unroll", "row_split_block", "scan_split",
+           "rotate_apart", "rotate_cols", "row_chunks", "row_merge_chunks", "row_merge_unroll", "row_split_block", "scan_split",
            "transform_fits"]
 
 
@@ -43,7 +43,11 @@ class MergePlan:
     row per program, ``rows`` 1) or ``"heads"`` (one GQA group per program), ``chunks``
     output-column chunks, ``unroll`` splits per iteration (per load for ``"row"``);
     ``sinks``: sink logits join the denominator; ``lse``: the normaliser is written; ``fwht``: the
-    rotate-back by the Walsh–Hadamard transform (:func:`merge_transform`)."""
+    rotate-back by the Walsh–Hadamard transform (:func:`merge_transform`, or for ``back_grid``
+    :func:`transform_fits`). ``back_grid``: the rotate-back as a launch of its own
+    (:func:`.merge._rotate_back_kernel`, 16 rows a program; :func:`rotate_apart`): the merge then
+    writes each merged row unrotated, in place, over its split 0's partial; empty: the merge
+    rotates back itself (or nothing is rotated)."""
 
     impl: str
     grid: tuple[int, ...]
@@ -54,6 +58,12 @@ class MergePlan:
     sinks: bool = False
     lse: bool = False
     fwht: bool = False
+    back_grid: tuple[int, ...] = ()
+
+    @property
+    def rotate_apart(self) -> bool:
+        """Whether the rotate-back is its own launch after the merge."""
+        return bool(self.back_grid)
 
     def constexprs(self, head_dim: int) -> dict:
         """The rotate-back's transform constexprs of every merge kernel."""
@@ -138,6 +148,20 @@ def merge_transform(rotate_back: bool, signed_sylvester: bool, head_dim: int, im
     return impl == "rows" and head_dim == 128 and transform_fits(rotate_back, signed_sylvester, head_dim)
 
 
+def rotate_apart(rotate_back: bool, signed_sylvester: bool, head_dim: int, impl: str, num_splits: int) -> bool:
+    """Whether the one-row merge leaves the rotate-back to a launch of its own: from 256 splits where
+    the rotation is the Walsh–Hadamard transform (:func:`transform_fits`), from 512 for a dense Π.
+    With the rotate-back in the merge every column chunk re-reads all its row's partials (8 chunks:
+    8x the reads); apart, each chunk reads its own columns once and 16-row programs rotate the merged
+    rows. Measured (H200, session 70 probe, merge alone in CUDA graphs, µs, one launch / two with a
+    product / two with the transform): 8 rows × 512 splits 8.2 / 5.6 / 4.5; 16 × 256 5.3 / 5.4 / 4.3;
+    32 × 264 6.2 / 6.1 / 5.0; 32 × 128 4.2 / 5.4 / 4.2; 28 × 128 4.1 / 5.4 / 4.2; 2 × 16 × 256 5.7 /
+    5.8 / 4.6."""
+    if impl != "row" or not rotate_back:
+        return False
+    return num_splits >= (256 if transform_fits(rotate_back, signed_sylvester, head_dim) else 512)
+
+
 def _rotate_plan(layout, s, hq, max_blocks, rows: int = 16, signed_sylvester: bool = False) -> RotatePlan:
     """Measured on the H100 at 1024 rows, D = 128: 16 rows × all columns 4.6 µs, 32 rows 9.5 µs,
     64 rows 9.8 µs (session 4); 16 rows × 64 columns: ``docs/performance.md``; the columns:
@@ -203,10 +227,16 @@ def _merge_plan(layout, s, hq, num_splits, caps, options, signed_sylvester: bool
     impl = merge_impl(rotate_back, num_splits)
     fwht = merge_transform(rotate_back, signed_sylvester, layout.head_dim, impl)
     if impl == "row":
-        chunks = row_chunks(s * hq, sms, dp, rotate_back)
+        apart = rotate_apart(rotate_back, signed_sylvester, layout.head_dim, impl, num_splits)
+        in_merge = rotate_back and not apart  # (the merge kernel's own rotate-back)
+        chunks = row_chunks(s * hq, sms, dp, in_merge)
+        back = ()
+        if apart:
+            fwht = transform_fits(rotate_back, signed_sylvester, layout.head_dim)
+            back = (-(-(s * hq) // 16), 1 if fwht else dp // min(64, dp))
         return MergePlan(impl="row", grid=(s * hq, chunks), rows=1, chunks=chunks,
-                         unroll=row_split_block(num_splits, dp, chunks, rotate_back), rotate_back=rotate_back,
-                         sinks=options.sinks, lse=options.lse, fwht=fwht)
+                         unroll=row_split_block(num_splits, dp, chunks, in_merge), rotate_back=rotate_back,
+                         sinks=options.sinks, lse=options.lse, fwht=fwht, back_grid=back)
     if impl == "rows":
         rows = 16
         blocks = -(-(s * hq) // rows)

@@ -20,7 +20,7 @@ from triton.runtime.errors import OutOfResources
 from tqkern.layouts import PagedLayout
 from tqkern.ops.launch import BoundedCache, KernelLauncher, current_stream
 from tqkern.ops.paged_decode.general import _paged_decode_kernel
-from tqkern.ops.paged_decode.merge import _merge_kernel, _merge_row_kernel, _merge_rows_kernel
+from tqkern.ops.paged_decode.merge import _merge_kernel, _merge_row_kernel, _merge_rows_kernel, _rotate_back_kernel
 from tqkern.ops.paged_decode.mma_kernel import _paged_decode_coop_kernel, _paged_decode_mma_kernel
 from tqkern.ops.paged_decode.mma_launch import _size_dynamic_smem
 from tqkern.ops.paged_decode.mma_plans import DynamicSmemUnsupported, MmaPlan, ctas_per_sm
@@ -58,7 +58,7 @@ class Prepared:
     """A plan with its launches: ``rotate``, ``decode``, ``merge`` (:class:`KernelLauncher`), and
     ``value_table``: which float32 table the decode reads as its second codebook."""
 
-    __slots__ = ("plan", "rotate", "decode", "merge", "value_table")
+    __slots__ = ("plan", "rotate", "decode", "merge", "back", "value_table")
 
     def __init__(self, plan: DecodePlan, decode: KernelLauncher):
         self.plan, self.decode = plan, decode
@@ -75,9 +75,16 @@ class Prepared:
         common = dict(D=d, DP=dp, CC=dp // m.chunks, ROTATE_BACK=m.rotate_back, DOT_PRECISION=precision, POISON=True,
                       SINKS=m.sinks, LSE=m.lse, **m.constexprs(d), **pdl)
         sp = max(2, 1 << (plan.num_splits - 1).bit_length())
+        self.back = None
         if m.impl == "row":
             for k in ("DOT_PRECISION", "FWHT", "LOG2D"):
                 common.pop(k)
+            if m.rotate_apart:  # the merge writes unrotated rows; their own launch rotates them back
+                common["ROTATE_BACK"] = False
+                self.back = KernelLauncher(_rotate_back_kernel, m.back_grid,
+                                           dict(HQ=plan.num_q_heads, D=d, DP=dp, ROWS=16, CC=dp // m.back_grid[1],
+                                                DOT_PRECISION=precision, **m.constexprs(d), **pdl),
+                                           num_warps=4, **early)
             self.merge = KernelLauncher(_merge_row_kernel, m.grid, dict(HQ=plan.num_q_heads, SP=sp, SB=m.unroll,
                                                                         **common), num_warps=4, **early)
         elif m.impl == "rows":
@@ -228,7 +235,11 @@ def _decode_and_merge(prep: Prepared, out, q_rot, cache, safe_table, seq_lens, t
                            *_option_args(window_left, logit_softcap, sm_scale))
     rot = tables["rotation"]
     sink_arg, lse_arg = ml if sinks is None else sinks, ml if lse is None else lse  # (unread when off)
-    if plan.merge.impl == "row":
+    if plan.merge.impl == "row" and prep.back is not None:  # row r merged over acc's row r·splits, then rotated
+        row = plan.num_splits * dp
+        prep.merge.launch(stream, acc, ml, rot, acc, poison, sink_arg, lse_arg, plan.num_splits, hq * row, row)
+        prep.back.launch(stream, acc, rot, out, s * hq, row, out.stride(0), out.stride(1))
+    elif plan.merge.impl == "row":
         prep.merge.launch(stream, acc, ml, rot, out, poison, sink_arg, lse_arg, plan.num_splits, out.stride(0),
                           out.stride(1))
     elif plan.merge.impl == "rows":
