@@ -10,8 +10,8 @@ import dataclasses
 from tqkern.ops.common import layout_consts, transform_applies
 
 __all__ = ["MergePlan", "RotatePlan", "fwht_constexprs", "merge_chunks", "merge_impl", "merge_transform", "q_transform",
-           "rotate_apart", "rotate_cols", "row_chunks", "row_merge_chunks", "row_merge_unroll", "row_split_block", "scan_split",
-           "transform_fits"]
+           "rotate_apart", "rotate_cols", "row_chunks", "row_merge_chunks", "row_merge_unroll", "row_split_block",
+           "scan_split", "transform_fits"]
 
 
 @dataclasses.dataclass(frozen=True)

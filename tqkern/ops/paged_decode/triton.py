@@ -55,7 +55,8 @@ def device_caps(device: torch.device) -> DeviceCaps:
 
 
 class Prepared:
-    """A plan with its launches: ``rotate``, ``decode``, ``merge`` (:class:`KernelLauncher`), and
+    """A plan with its launches: ``rotate``, ``decode``, ``merge`` (:class:`KernelLauncher`), ``back``
+    (the rotate-back's own launch where ``plan.merge.rotate_apart``, else ``None``), and
     ``value_table``: which float32 table the decode reads as its second codebook."""
 
     __slots__ = ("plan", "rotate", "decode", "merge", "back", "value_table")
