@@ -60,19 +60,9 @@ def test_batch_one_long_splits_match_oracle(preset, arrangement, group, max_len,
     explicit 1024 (32-64 tokens a split), merged by the one-row merge; the sequence ends mid-block
     and mid-split, shuffled blocks, poisoned output. Then 2 sequences whose second is 300 tokens
     long (most of its splits empty). fp16 and bf16 queries (the merge then writes bf16)."""
-    fmt = tqkern.KVFormat.preset(preset, 128)
-    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=1, block_size=16, arrangement=arrangement)
-    params = tqkern.TQParams.default(fmt)
-    p = tqt.to_device(params, "cuda")
-    mb = max_len // 16
-    sl = torch.tensor([max_len - 77, 300], dtype=torch.int32, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(9)
-    bt = torch.randperm(2 * mb + 5, device="cuda", generator=g)[: 2 * mb].reshape(2, mb).int()
-    cache = _fill(layout, p, 2 * mb + 5, sl, bt, seed=group)
-    q = torch.randn(2, group, 128, device="cuda", dtype=getattr(torch, dtype), generator=g)
-    expect = ref.paged_decode(q.double().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(), sl.cpu().numpy(),
-                              layout, params)
-    vmax = _vmax(cache, bt, sl, layout, p)
+    layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset(preset, 128), num_kv_heads=1, block_size=16,
+                                arrangement=arrangement)
+    p, q, cache, bt, sl, expect, vmax = _two_sequences(layout, group, max_len, getattr(torch, dtype), 9, group)
     for rows, splits in ((1, None), (1, 1024), (2, None)):
         dp = tqt.plan_decode(q[:rows], cache, bt[:rows], layout, p, num_splits=splits)
         assert dp.decode.kernel == "mma", dp.describe()
@@ -90,19 +80,8 @@ def test_fp16_cache_at_batch_one_fills_the_sms(hkv, group, max_len, want):
     405B-TP8 1×32K, 405B-TP4 1×32K): the planner's 128-256 splits of whole BN tiles (S70), merged
     by the one-row merge, against the oracle; the sequence ends mid-block and mid-split, shuffled
     blocks, poisoned output; then 2 sequences whose second is 300 tokens long."""
-    fmt = tqkern.KVFormat.preset("fp16", 128)
-    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=hkv, block_size=16)
-    params = tqkern.TQParams.default(fmt)
-    p = tqt.to_device(params, "cuda")
-    mb = max_len // 16
-    sl = torch.tensor([max_len - 77, 300], dtype=torch.int32, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(13)
-    bt = torch.randperm(2 * mb + 5, device="cuda", generator=g)[: 2 * mb].reshape(2, mb).int()
-    cache = _fill(layout, p, 2 * mb + 5, sl, bt, seed=hkv)
-    q = torch.randn(2, hkv * group, 128, device="cuda", dtype=torch.float16, generator=g)
-    expect = ref.paged_decode(q.double().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(), sl.cpu().numpy(),
-                              layout, params)
-    vmax = _vmax(cache, bt, sl, layout, p)
+    layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset("fp16", 128), num_kv_heads=hkv, block_size=16)
+    p, q, cache, bt, sl, expect, vmax = _two_sequences(layout, group, max_len, torch.float16, 13, hkv)
     for rows in (1, 2):
         dp = tqt.plan_decode(q[:rows], cache, bt[:rows], layout, p)
         assert dp.decode.kernel == "general" and dp.num_splits == (want if rows == 1 else want // 2), dp.describe()
@@ -110,3 +89,19 @@ def test_fp16_cache_at_batch_one_fills_the_sms(hkv, group, max_len, want):
         paged_decode(q[:rows], cache, bt[:rows], sl[:rows], layout, p, out=out)
         assert torch.isfinite(out).all()
         assert np.abs(out.float().cpu().numpy() - expect[:rows]).max() <= 4e-3 * vmax, rows
+
+
+def _two_sequences(layout, group, max_len, dtype, seed, fill_seed, device="cuda"):
+    """Device params, q ``[2, Hkv·group, 128]``, the filled cache, a shuffled table of ``max_len``
+    tokens a sequence, lengths ``[max_len − 77, 300]``, the oracle's output and ``max|V̂|``."""
+    params = tqkern.TQParams.default(layout.format)
+    p = tqt.to_device(params, device)
+    mb = max_len // 16
+    sl = torch.tensor([max_len - 77, 300], dtype=torch.int32, device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    bt = torch.randperm(2 * mb + 5, device=device, generator=g)[: 2 * mb].reshape(2, mb).int()
+    cache = _fill(layout, p, 2 * mb + 5, sl, bt, seed=fill_seed)
+    q = torch.randn(2, layout.num_kv_heads * group, 128, device=device, dtype=dtype, generator=g)
+    expect = ref.paged_decode(q.double().cpu().numpy(), cache.cpu().numpy(), bt.cpu().numpy(), sl.cpu().numpy(),
+                              layout, params)
+    return p, q, cache, bt, sl, expect, _vmax(cache, bt, sl, layout, p)
