@@ -10,6 +10,7 @@ import torch
 import tqkern
 import tqkern_torch as tqt
 from tqkern.ops.paged_decode.merge import _launch_merge, merge_chunks
+from tqkern.ops.paged_decode.reference import merge_partials
 from tqkern.ops.paged_decode.rotate import rotate_q
 from tqkern.ops.paged_decode.triton import workspace_numel
 from tqkern_torch.testing import device_under_test, kernels_available
@@ -232,12 +233,8 @@ def test_merge_sinks_lse_and_poison(impl, chunks, preset):
     _launch_merge(ws[:acc.size], ws[acc.size:], params.rotation, out, layout, g, ns, INTERP, chunks=chunks,
                   impl=impl, q_poison=torch.from_numpy(poison).to(DEV), sinks=torch.from_numpy(sinks).to(DEV),
                   lse=lse, fwht=params.signed_sylvester and (impl != "row" or apart), apart=apart)
-    sig = sinks[None, :] * np.log2(np.e)  # base 2
-    m_all = np.maximum(m.max(-1), sig)
-    w = np.where(np.isfinite(m), np.exp2(m - m_all[..., None]), 0.0)
-    den = (w * l).sum(-1) + np.exp2(sig - m_all)
-    o = (w[..., None] * acc).sum(2) / den[..., None] @ params.params.rotation.T
-    want_lse = (m_all + np.log2(den)) * np.log(2.0)
+    o, want_lse = merge_partials(acc.reshape(s * hq, ns, dp), m.reshape(s * hq, ns), l.reshape(s * hq, ns),
+                                 rotation=params.params.rotation, sinks=np.tile(sinks, s))
     got, got_lse = out.cpu().numpy().reshape(s * hq, dp), lse.cpu().numpy().ravel()
     assert np.all(np.isnan(got[5])) and np.isnan(got_lse[5])
     keep = np.arange(s * hq) != 5
@@ -271,14 +268,10 @@ def _merge_matches_numpy(preset, d, chunks, impl, rows, unroll, s=3, ns=5, fwht=
     n_acc = acc.size
     _launch_merge(ws_t[:n_acc], ws_t[n_acc:], params.rotation, out, layout, g, ns, INTERP, chunks=chunks,
                   impl=impl, rows=rows, unroll=unroll, fwht=fwht, apart=apart)
-    m_max = m.max(-1, keepdims=True)
-    w = np.exp2(m - np.where(np.isfinite(m_max), m_max, 0.0))
-    w[~np.isfinite(m)] = 0.0
-    den = (w * l).sum(-1)[..., None]
-    o = (w[..., None] * acc_used).sum(2) / np.where(den > 0, den, 1.0)
+    rot = params.params.rotation if layout.format.value.rotated else None
+    o, _ = merge_partials(acc_used.reshape(s * hq, ns, d), m.reshape(s * hq, ns), l.reshape(s * hq, ns), rotation=rot)
+    o = o.reshape(s, hq, d)
     assert np.all(o[s - 1, 3] == 0)
-    if layout.format.value.rotated:
-        o = o @ params.params.rotation.T
     got = out.cpu().numpy()
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, o, rtol=1e-4, atol=1e-4 * np.abs(o).max())
@@ -392,3 +385,26 @@ def test_workspace_needs_its_size_and_a_16_byte_aligned_start():
         tqt.paged_decode(q, cache, bt, sl, layout, params, workspace=ws[4:need + 3], num_splits=2)
     acc, ml = _workspace(ws[4:], 3, 4, 2, 64, DEV)  # an aligned view is taken as it is
     assert acc.data_ptr() == ws[4:].data_ptr() and acc.numel() == 3 * 4 * 2 * 64
+
+
+def test_merge_oracle_hand_values_and_bad_shapes():
+    """``merge_partials`` on values worked by hand: two splits with maxima 1 and 3 (base 2) weigh
+    1/4 and 1; an empty split (NaN partial) is never read; a sink of natural-log σ joins the
+    denominator; a row without keys or sink is zeros with lse −inf. Shapes are checked."""
+    acc = np.array([[[4.0, 8.0], [2.0, 2.0], [np.nan, np.nan]], [[np.nan, np.nan]] * 3])
+    m = np.array([[1.0, 3.0, -np.inf], [-np.inf] * 3])
+    l = np.array([[2.0, 1.0, 0.0], [0.0] * 3])
+    o, lse = merge_partials(acc, m, l)
+    # M = 3, w = (1/4, 1), L = 2/4 + 1 = 1.5, o = (1 + 2, 2 + 2) / 1.5, lse = (3 + log2 1.5)·ln 2
+    np.testing.assert_allclose(o, [[2.0, 8 / 3], [0.0, 0.0]], rtol=1e-15)
+    np.testing.assert_allclose(lse[0], (3 + np.log2(1.5)) * np.log(2), rtol=1e-15)
+    assert lse[1] == -np.inf
+    o, lse = merge_partials(acc, m, l, sinks=[3 * np.log(2), 0.0])  # σ·log2 e = 3: + 2^0 in L
+    np.testing.assert_allclose(o[0], np.array([3.0, 4.0]) / 2.5, rtol=1e-15)
+    np.testing.assert_allclose(lse, [(3 + np.log2(2.5)) * np.log(2), 0.0], rtol=1e-15, atol=1e-15)
+    np.testing.assert_allclose(merge_partials(acc, m, l, rotation=np.array([[0.0, 1.0], [1.0, 0.0]]))[0][0],
+                               [8 / 3, 2.0], rtol=1e-15)
+    with pytest.raises(ValueError, match=r"acc must be \[R, NS, D\] and m, l \[R, NS\], got \(2, 3, 2\), \(2, 2\)"):
+        merge_partials(acc, m[:, :2], l)
+    with pytest.raises(ValueError, match=r"sinks must be \[R\] = \[2\], got \(3,\)"):
+        merge_partials(acc, m, l, sinks=[0.0, 0.0, 0.0])

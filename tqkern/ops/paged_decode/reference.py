@@ -61,7 +61,7 @@ from tqkern.ops.attention.reference import attention, check_options, resolve_sca
 from tqkern.ops.decompress.reference import decompress, gather_sequences
 from tqkern.params import TQParams
 
-__all__ = ["paged_decode"]
+__all__ = ["paged_decode", "merge_partials"]
 
 
 def _int32(name: str, x, ndim: int) -> np.ndarray:
@@ -172,3 +172,43 @@ def poison_nonfinite_rows(out: np.ndarray, q: np.ndarray) -> np.ndarray:
     bad = ~np.all(np.isfinite(q), axis=-1)
     out[bad] = np.nan
     return out
+
+
+def merge_partials(acc, m, l, *, rotation=None, sinks=None):
+    """The split-KV merge the kernels run after the decode (spec of :mod:`.merge`), in float64.
+
+    Each of ``R`` query rows was attended in ``NS`` splits; split ``j`` of row ``r`` left an
+    unnormalised partial ``acc[r, j] = Σ_t 2^(x_t − m[r, j])·v_t`` over its keys (``x`` the
+    base-2 logits), its base-2 maximum ``m[r, j]`` (−inf for a split without keys) and its sum
+    ``l[r, j] = Σ_t 2^(x_t − m[r, j])``. With ``M = max(max_j m[r, j], σ_r·log2 e)`` (σ: the row's
+    sink logit, natural log, only with ``sinks``), ``w_j = 2^(m[r, j] − M)`` (0 for an empty split),
+    ``L = Σ_j w_j·l[r, j] + 2^(σ_r·log2 e − M)``:
+
+        o[r]   = Σ_j w_j·acc[r, j] / L            (0 where L = 0: no keys, no sink)
+        out[r] = o[r] @ Πᵀ  with ``rotation`` Π ``[D, D]`` (the value codec rotated), else o[r]
+        lse[r] = (M + log2 L)·ln 2                (natural log; −inf where L = 0)
+
+    Args:
+        acc: float ``[R, NS, D]``; m, l: float ``[R, NS]``; sinks: float ``[R]`` or ``None``.
+
+    Returns:
+        ``(out, lse)``: float64 ``[R, D]`` and ``[R]``. What an empty split's ``acc`` holds is never
+        read (its weight is 0, not 0·acc: NaN there stays out)."""
+    acc, m, l = (np.asarray(x, np.float64) for x in (acc, m, l))
+    if acc.ndim != 3 or m.shape != acc.shape[:2] or l.shape != m.shape:
+        raise ValueError(f"acc must be [R, NS, D] and m, l [R, NS], got {acc.shape}, {m.shape}, {l.shape}")
+    sig = None if sinks is None else np.asarray(sinks, np.float64) * np.log2(np.e)
+    if sig is not None and sig.shape != m.shape[:1]:
+        raise ValueError(f"sinks must be [R] = [{m.shape[0]}], got {sig.shape}")
+    top = m.max(axis=1) if m.shape[1] else np.full(m.shape[0], -np.inf)
+    big = top if sig is None else np.maximum(top, sig)
+    safe = np.where(np.isfinite(big), big, 0.0)
+    keyed = np.isfinite(m)
+    w = np.where(keyed, np.exp2(np.where(keyed, m, 0.0) - safe[:, None]), 0.0)
+    den = (w * l).sum(axis=1) + (0.0 if sig is None else np.exp2(sig - safe))
+    o = np.einsum("rj,rjd->rd", w, np.where(keyed[..., None], acc, 0.0))
+    o = np.where(den[:, None] > 0, o / np.where(den > 0, den, 1.0)[:, None], 0.0)
+    if rotation is not None:
+        o = o @ np.asarray(rotation, np.float64).T
+    lse = np.where(den > 0, (safe + np.log2(np.where(den > 0, den, 1.0))) * np.log(2.0), -np.inf)
+    return o, lse
