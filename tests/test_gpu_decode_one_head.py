@@ -53,13 +53,15 @@ def test_one_head_plan_matches_oracle(preset, group):
 @pytest.mark.parametrize("preset,arrangement,group,max_len,want,dtype", [
     ("turboquant_4bit_nc", "slot", 8, 65536, 512, "float16"), ("tq4", "row", 8, 65536, 512, "float16"),
     ("k5v4h", "slot", 16, 32768, 256, "float16"), ("turboquant_k8v4", "slot", 16, 32768, 256, "float16"),
-    ("turboquant_4bit_nc", "slot", 8, 65536, 512, "bfloat16"), ("k5v4h", "slot", 16, 32768, 256, "bfloat16")])
+    ("turboquant_4bit_nc", "slot", 8, 65536, 512, "bfloat16"), ("k5v4h", "slot", 16, 32768, 256, "bfloat16"),
+    ("tq4", "row", 8, 65536, 512, "bfloat16")])
 def test_batch_one_long_splits_match_oracle(preset, arrangement, group, max_len, want, dtype):
     """One KV head at batch 1 (Llama-3-70B / 405B on 8 GPUs, one long sequence): the per-warp
     kernel at the planner's 256-512 splits of 128 tokens (``fill_sms(long=True)``, S69), and an
     explicit 1024 (32-64 tokens a split), merged by the one-row merge; the sequence ends mid-block
     and mid-split, shuffled blocks, poisoned output. Then 2 sequences whose second is 300 tokens
-    long (most of its splits empty). fp16 and bf16 queries (the merge then writes bf16)."""
+    long (most of its splits empty). fp16 and bf16 queries (the merge then writes bf16). From 256
+    splits (k5v4h: the transform) or 512 (tq4: a product) the rotate-back is its own launch (S70)."""
     layout = tqkern.PagedLayout(format=tqkern.KVFormat.preset(preset, 128), num_kv_heads=1, block_size=16,
                                 arrangement=arrangement)
     p, q, cache, bt, sl, expect, vmax = _two_sequences(layout, group, max_len, getattr(torch, dtype), 9, group)
