@@ -319,7 +319,7 @@ def test_prefill_rejects_bad_query_start_loc(fn, qsl, exc, match):
 def test_public_api():
     assert attention_mod.__all__ == ["attention", "softmax_attend", "causal_visible", "window_visible", "softcap",
                                      "check_options", "Options", "resolve_scale"]
-    assert decode_mod.__all__ == ["paged_decode"]
+    assert decode_mod.__all__ == ["paged_decode", "merge_partials"]  # (S70: the merge kernels' spec)
     assert prefill_mod.__all__ == ["prefill"]
     assert int8_mod.__all__ == ["int8_prefill", "int8_image", "quantize_int8", "INT8_MAX", "IMAGE_STEPS",
                                 "EXACT_QUERY_MAX"]
