@@ -51,7 +51,10 @@ BUDGETS = {
     # (S33: float16 norms with a key offset from the float32 sum of fl(x - mu)^2: 2200 -> 2312)
     "k4v3h:row:128:8:warp+mu+bf16": (16, 2312),  # (session 55: float32 centroid norm; 0 before)
     "turboquant_k8v4:slot:128:8:warp": (0, 936),
-    "turboquant_3bit_nc:slot:64:3:warp": (0, 1400),
+    # head_dim 64: 4 lanes per vector (16 elements a lane) above 4096 vectors since session 71 (8 lanes: 1400
+    # instructions, 8 elements a lane); a short store keeps 8 lanes
+    "turboquant_3bit_nc:slot:64:3:warp": (0, 1928),
+    "turboquant_3bit_nc:slot:64:3:warp+small": (0, 1288),
     "k4v2h:slot:256:8:warp": (0, 2064),
     "tqkern_k5v3:slot:256:8:warp": (0, 2168),  # 16 lanes per vector (32 before session 26)
     "turboquant_4bit_nc:slot:128:8:warp+small": (0, 1960),

@@ -78,6 +78,7 @@ def test_warp_plan_lanes_grid_and_description(preset, d, lanes):
     assert f"{lanes} lanes per vector" in long.describe()
     short = plan_store(layout, signed_sylvester=True, vector_aligned=True, num_vectors=64)
     assert short.kernel == "warp" and short.tiles == 1
+    assert dict(short.constexprs)["L"] == max(lanes, store_plan.WARP_STORE_SHORT_LANES)  # (64: 4 long, 8 short)
     per = long.block_vectors * store_plan.WARP_STORE_PROGRAMS
     for n, iters in ((per * 8, 8), (per * 8 - 1, 4), (per * 2, 2), (per * 2 - 1, 1), (10**9, 8)):
         assert plan_store(layout, signed_sylvester=True, vector_aligned=True, num_vectors=n).tiles == iters
@@ -162,12 +163,13 @@ def test_every_lane_count_writes_the_oracle_bytes(monkeypatch, preset, d, lanes)
     layout = _layout(preset, d, h=3)
     params = tqkern.TQParams.default(layout.format, seed=2, key_offset=np.full((3, d), 0.25))
     monkeypatch.setattr(store_plan, "WARP_STORE_LANES", {**store_plan.WARP_STORE_LANES, d: lanes})
+    monkeypatch.setattr(store_plan, "WARP_STORE_SHORT_VECTORS", 0)  # these 210 vectors take `lanes` too
     store_plan._plan_warp.cache_clear()
     try:
-        plan = plan_store(layout, has_mu=True, signed_sylvester=True, vector_aligned=True)
+        n = 70
+        plan = plan_store(layout, has_mu=True, signed_sylvester=True, vector_aligned=True, num_vectors=3 * n)
         if plan.kernel != "warp" or dict(plan.constexprs)["L"] != lanes:
             pytest.skip("not a warp plan with this lane count")
-        n = 70
         g = torch.Generator().manual_seed(lanes)
         k, v = (torch.randn(n, 3, d, generator=g).half().to(DEV) for _ in range(2))
         slots = torch.randperm(96, generator=g)[:n].to(DEV)

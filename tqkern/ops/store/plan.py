@@ -45,7 +45,8 @@ long as one program's serial work. Measured on the H100 (session 22, Hkv8/D128, 
 
 **The warp kernel** (``kernel="warp"``, :mod:`tqkern.ops.store.warp`, session 24) takes every GPU
 store whose layout :func:`warp_store_eligible` accepts and whose inputs are vector-aligned (contiguous
-K/V are): ``L`` lanes per vector (``WARP_STORE_LANES``: 8 at head_dim 64 and 128, 16 at 256; doubled
+K/V are): ``L`` lanes per vector (``WARP_STORE_LANES``: 4 at head_dim 64, 8 at 128, 16 at 256; at least
+``WARP_STORE_SHORT_LANES`` = 8 for a store of at most ``WARP_STORE_SHORT_VECTORS`` vectors; doubled
 until a lane's codes fit 64 bits, or since session 26 up to 128 bits of whole 16-bit words but for
 FP8 sides), one warp per program (``WARP_STORE_WARPS``; four before session
 26), 8 iterations per program (fewer where the grid would have fewer than ``WARP_STORE_PROGRAMS``
@@ -82,6 +83,16 @@ Chunks past 64 bits (one H100 run, µs, at most 64 → 128 bits per lane, i.e. 1
 16K × 8 × 128, 32 → 16 at 4K × 8 × 256): tqkern_k5v3 127.7 → 85.8 fp16 / 126.1 → 85.0 bf16 / 62.2 →
 49.2 at head_dim 256, k5v4h 108.2 → 92.5 / 109.4 → 111.2 / 61.5 → 52.1, turboquant_k8v4 44.5 → 55.2 /
 50.6 → 50.7 / 25.5 → 21.5: taken but for FP8 sides.
+Head_dim 64 at 4 lanes (16 elements a lane, as head_dim 128 at 8; session 71, H200, CUDA graphs, the
+public ``store`` with the lane count forced, each count timed twice, the better kept, µs 8 → 4 lanes):
+16K tokens × 3 heads (SmolLM2) turboquant_4bit_nc 14.5 → 13.3, turboquant_3bit_nc 15.4 → 11.8, tqkern_k5v3
+23.9 → 18.0, k5v4h 22.6 → 17.5, k4v2h 16.2 → 13.7; × 8 heads (Llama-3.2-1B) −12 to −25% fp16, × 2
+(Qwen2.5-0.5B) −6 to −23%; bf16 and key-offset inputs −0.2 to −30% but mu:k4v2h at 16K × 8 (+0.5%).
+Short stores lose (512 × 8 heads −1.8 to +20.9%, 32 × 3 +12 to +26%: half the programs); between them
+(4 against 8 lanes at 8,192–24,576 vectors) the 3- and 5-bit presets gain 4–20% and
+turboquant_4bit_nc moves 0 to +3.2%; at 32,768 every one gains (−8 to −25%). Hence 8 lanes up to
+``SMALL_STORE_VECTORS``. At head_dim 128, 4 lanes (32 elements a lane) take 255 registers and lose
+(16K × 8: turboquant_4bit_nc 56.7 → 97.1, turboquant_3bit_nc 49.7 → 62.5; capped at 168: 81.7 / 77.4).
 """
 
 from __future__ import annotations
@@ -99,7 +110,8 @@ from tqkern.ops.common import halfword_aligned
 
 __all__ = ["StorePlan", "plan_store", "rotation_method", "warp_store_eligible", "default_signed_sylvester",
            "ROTATIONS", "ROT_NONE", "ROT_PM1", "ROT_SPLIT", "ROT_CHUNKED", "SMALL_STORE_VECTORS", "WARP_STORE_WARPS",
-           "WARP_STORE_ITERS", "WARP_STORE_PROGRAMS", "WARP_STORE_LANES", "WARP_STORE_MAXNREG_BF16",
+           "WARP_STORE_ITERS", "WARP_STORE_PROGRAMS", "WARP_STORE_LANES", "WARP_STORE_SHORT_LANES",
+           "WARP_STORE_SHORT_VECTORS", "WARP_STORE_MAXNREG_BF16",
            "WARP_STORE_MAXNREG_STORED"]
 
 ROTATIONS = ("none", "pm1", "split", "chunked")
@@ -113,8 +125,11 @@ WARP_STORE_MAX_CHUNK = 128  # the warp kernel: most code bits per lane and side 
 WARP_STORE_PROGRAMS = 4096  # ... fewer while the grid would have fewer programs (one-warp programs)
 WARP_STORE_MAXNREG_BF16 = 128  # the warp kernel's register cap for bf16 inputs (docstring)
 WARP_STORE_MAXNREG_STORED = 112  # ... for fp16 inputs of stored-correction formats at head_dim 128 (docstring)
-# the warp kernel's lanes per vector by head_dim (docstring)
-WARP_STORE_LANES = types.MappingProxyType({64: 8, 128: 8, 256: 16})
+# the warp kernel's lanes per vector by head_dim (docstring); a store of at most WARP_STORE_SHORT_VECTORS
+# vectors takes at least WARP_STORE_SHORT_LANES (more programs for few vectors: session 71)
+WARP_STORE_LANES = types.MappingProxyType({64: 4, 128: 8, 256: 16})
+WARP_STORE_SHORT_LANES = 8
+WARP_STORE_SHORT_VECTORS = SMALL_STORE_VECTORS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +229,8 @@ def plan_store(layout: PagedLayout, in_dtype: str = "fp16", *, has_mu: bool = Fa
     small = num_vectors is not None and num_vectors <= SMALL_STORE_VECTORS
     if vector_aligned and warp_store_eligible(layout, has_mu=has_mu, signed_sylvester=signed_sylvester,
                                               interpret=interpret):
-        return _plan_warp(layout, in_dtype, has_mu, _warp_iters(layout, num_vectors), symmetric_codebooks)
+        lanes = _warp_lanes(layout, num_vectors)
+        return _plan_warp(layout, in_dtype, has_mu, lanes, _warp_iters(layout, num_vectors, lanes), symmetric_codebooks)
     return _plan_store(layout, in_dtype, bool(has_mu), bool(signed_sylvester), bool(interpret), small)
 
 
@@ -263,22 +279,25 @@ def _chunk_fits(side, per_lane: int) -> bool:
     return bits <= 64 or (side.KIND != KIND_FP8.value and bits <= WARP_STORE_MAX_CHUNK and bits % 16 == 0)
 
 
-def _warp_lanes(layout: PagedLayout) -> int:
-    """Lanes per vector: ``WARP_STORE_LANES``, doubled until a lane's codes fit its chunk
-    (:func:`_chunk_fits`, both sides)."""
+def _warp_lanes(layout: PagedLayout, num_vectors: int | None) -> int:
+    """Lanes per vector: ``WARP_STORE_LANES`` (at least ``WARP_STORE_SHORT_LANES`` for a store of
+    at most ``WARP_STORE_SHORT_VECTORS`` vectors; ``None``: a long store), doubled until a lane's
+    codes fit its chunk (:func:`_chunk_fits`, both sides)."""
     c = layout_args(layout)
     lanes = WARP_STORE_LANES[layout.head_dim]
+    if num_vectors is not None and num_vectors <= WARP_STORE_SHORT_VECTORS:
+        lanes = max(lanes, WARP_STORE_SHORT_LANES)
     while lanes < 32 and not all(_chunk_fits(side, layout.head_dim // lanes) for side in (c["K"], c["V"])):
         lanes *= 2
     return lanes
 
 
-def _warp_iters(layout: PagedLayout, num_vectors: int | None) -> int:
+def _warp_iters(layout: PagedLayout, num_vectors: int | None, lanes: int) -> int:
     """Iterations per program: the most (up to ``WARP_STORE_ITERS``, a power of two) that still
     leaves ``WARP_STORE_PROGRAMS`` programs; a long store's (``None``) the most."""
     if num_vectors is None:
         return WARP_STORE_ITERS
-    per_iter = WARP_STORE_WARPS * 32 // _warp_lanes(layout)
+    per_iter = WARP_STORE_WARPS * 32 // lanes
     iters = WARP_STORE_ITERS
     while iters > 1 and num_vectors < WARP_STORE_PROGRAMS * per_iter * iters:
         iters //= 2
@@ -286,10 +305,9 @@ def _warp_iters(layout: PagedLayout, num_vectors: int | None) -> int:
 
 
 @functools.lru_cache(maxsize=512)
-def _plan_warp(layout: PagedLayout, in_dtype: str, has_mu: bool, iters: int, symmetric: bool) -> StorePlan:
+def _plan_warp(layout: PagedLayout, in_dtype: str, has_mu: bool, lanes: int, iters: int, symmetric: bool) -> StorePlan:
     c = layout_args(layout)
     rotate = layout.format.key.rotated or layout.format.value.rotated
-    lanes = _warp_lanes(layout)
     cx = dict(
         HAS_MU=has_mu, IN_BF16=in_dtype == "bf16", H=layout.num_kv_heads, WARPS=WARP_STORE_WARPS, ITERS=iters,
         L=lanes, ROTATE=rotate, K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
