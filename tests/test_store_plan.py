@@ -15,12 +15,14 @@ import tqkern
 import tqkern_torch as tqt
 from tqkern import reference as ref
 from tqkern.ops.launch import BoundedCache
-from tqkern.ops.store.plan import ROTATIONS, SMALL_STORE_VECTORS, StorePlan, plan_store, rotation_method
+from tqkern.ops.store.plan import (ROTATIONS, SMALL_STORE_VECTORS, SPLIT_FEW_VECTORS, StorePlan, plan_store,
+                                   rotation_method)
 from tqkern_torch._params import to_device
 from tqkern_torch.testing import device_under_test, kernels_available
 
 DEV = device_under_test()
 needs_kernels = pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1")
+needs_gpu = pytest.mark.skipif(DEV.type != "cuda", reason="bf16 inputs: the interpreter cannot run bf16")
 
 
 def _layout(preset, d=128, h=8, arrangement="slot"):
@@ -61,10 +63,53 @@ def test_short_stores_take_the_small_tile(preset, sylvester):
         assert short.rotation == long.rotation
         want = (64, 8, 1) if preset == "fp16" else (16, 4, 1)
         assert (short.block_vectors, short.num_warps, short.tiles) == want
-    assert plan_store(_layout(preset), signed_sylvester=sylvester, num_vectors=SMALL_STORE_VECTORS + 1) is long
+    after = plan_store(_layout(preset), signed_sylvester=sylvester, num_vectors=SMALL_STORE_VECTORS + 1)
+    assert after is long or long.rotation == "split"  # (a dense rotation's few vectors: the next test)
     for bad in (-1, 2.0, True, "8"):
         with pytest.raises(ValueError, match="num_vectors must be None or an int >= 0"):
             plan_store(_layout(preset), num_vectors=bad)
+
+
+@pytest.mark.parametrize("d, want", [(64, (16, 4, 1)), (128, (32, 4, 1))])
+def test_dense_rotations_of_few_vectors_take_one_tile_a_program(d, want):
+    """A ``split`` store (tq4's dense Π) of more than SMALL_STORE_VECTORS and fewer than
+    SPLIT_FEW_VECTORS vectors runs one tile a program (plan.py's docstring: 31-64% faster on an
+    H200 at 12K-49K vectors); from SPLIT_FEW_VECTORS, and for long stores, four 64-vector tiles."""
+    layout = _layout("tq4", d, h=3)
+    long = plan_store(layout, vector_aligned=True)
+    assert long.rotation == "split" and (long.block_vectors, long.num_warps, long.tiles) == (64, 8, 4)
+    for n in (SMALL_STORE_VECTORS + 1, SPLIT_FEW_VECTORS - 1):
+        few = plan_store(layout, vector_aligned=True, num_vectors=n)
+        assert few.rotation == "split" and (few.block_vectors, few.num_warps, few.tiles) == want
+        assert dict(few.constexprs)["BV"] == want[0] and dict(few.constexprs)["TILES"] == 1
+    assert plan_store(layout, vector_aligned=True, num_vectors=SPLIT_FEW_VECTORS) is long
+    pm1 = plan_store(_layout("turboquant_4bit_nc", d, h=3), signed_sylvester=True, num_vectors=SPLIT_FEW_VECTORS - 1)
+    assert pm1.rotation == "pm1" and pm1.tiles == 2  # (misaligned inputs of a Hadamard preset: not timed, unchanged)
+
+
+@needs_kernels
+@pytest.mark.parametrize("d, tokens, dtype", [(64, 1366, torch.float16), (128, 520, torch.float16),
+                                              pytest.param(128, 520, torch.bfloat16, marks=needs_gpu),
+                                              pytest.param(64, 1366, torch.bfloat16, marks=needs_gpu)])
+def test_a_dense_rotations_few_vector_tile_writes_the_oracle_bytes(d, tokens, dtype):
+    """tq4 stores of just over SMALL_STORE_VECTORS vectors (one tile a program: 16 x 4 at head_dim
+    64, 32 x 4 at 128) into a poisoned cache at shuffled slots: the oracle's bytes wherever it is
+    certain."""
+    h = 3 if d == 64 else 8
+    layout = _layout("tq4", d, h=h)
+    assert plan_store(layout, "bf16" if dtype == torch.bfloat16 else "fp16", vector_aligned=True,
+                      num_vectors=tokens * h).tiles == 1
+    params = tqkern.TQParams.default(layout.format, seed=3)
+    g = torch.Generator().manual_seed(d)
+    k, v = (torch.randn(tokens, h, d, generator=g).to(dtype) for _ in range(2))
+    nb = (tokens + 15) // 16 + 2
+    slots = torch.randperm(nb * 16, generator=g)[:tokens]
+    cache = torch.randint(0, 256, tuple(layout.cache_shape(nb)), dtype=torch.uint8, generator=g).to(DEV)
+    tqt.store(cache, k.to(DEV), v.to(DEV), slots.to(DEV), layout, to_device(params, DEV))
+    got = ref.gather_slots(cache.cpu().numpy(), layout, slots.numpy())
+    want, unsure = ref.compress(k.float().numpy(), v.float().numpy(), params, return_uncertain=True)
+    assert not np.any((got != want) & ~unsure)
+    assert unsure.mean() < 0.02
 
 
 def test_wide_head_dim_and_key_offset_take_the_chunked_path():

@@ -43,6 +43,15 @@ long as one program's serial work. Measured on the H100 (session 22, Hkv8/D128, 
 2,048 tokens (16,384 vectors) neither wins everywhere (turboquant_4bit_nc 26.0 → 32.8, tq4 48.6 →
 32.2), so the threshold stays at the largest measured size where the small tile won for every preset.
 
+A dense rotation's store (``split``: tq4, Haar rotations) of fewer than :data:`SPLIT_FEW_VECTORS`
+vectors takes one tile a program: 16 vectors × 4 warps up to head_dim 64, else 32 × 4 (four 64-vector
+tiles a program left 48–192 programs at 12K–49K vectors, one CTA an SM). H200, session 71, tq4, µs,
+default → 32 × 4 × 1 / 64 × 8 × 1 / 16 × 4 × 1, same bytes: 2,048 tokens × 8 heads × 128 fp16 50.9 →
+26.8 / 27.8 / 33.4, bf16 56.8 → 39.0 / 33.1 / 46.7; 4,096 × 3 × 64 fp16 27.3 → 11.6 / 12.1 / 9.9, bf16
+28.9 → 12.4 / 16.8 / 11.0; 16,384 × 3 × 64 fp16 53.9 → 37.4 / 34.2 / 31.8, bf16 57.3 → 38.4 / 48.5 /
+37.8; but 16,384 × 8 × 128 (131,072 vectors) fp16 217.0 → 204.8 / 239.6 / 259.3, bf16 239.1 → 291.7 /
+277.9 / 371.7, so long stores keep four tiles. 32,768–65,535 vectors at head_dim 128: untimed.
+
 **The warp kernel** (``kernel="warp"``, :mod:`tqkern.ops.store.warp`, session 24) takes every GPU
 store whose layout :func:`warp_store_eligible` accepts and whose inputs are vector-aligned (contiguous
 K/V are): ``L`` lanes per vector (``WARP_STORE_LANES``: 4 at head_dim 64, 8 at 128, 16 at 256; at least
@@ -110,7 +119,7 @@ from tqkern.ops.common import halfword_aligned
 
 __all__ = ["StorePlan", "plan_store", "rotation_method", "warp_store_eligible", "default_signed_sylvester",
            "ROTATIONS", "ROT_NONE", "ROT_PM1", "ROT_SPLIT", "ROT_CHUNKED", "SMALL_STORE_VECTORS", "WARP_STORE_WARPS",
-           "WARP_STORE_ITERS", "WARP_STORE_PROGRAMS", "WARP_STORE_LANES", "WARP_STORE_SHORT_LANES",
+           "SPLIT_FEW_VECTORS", "WARP_STORE_ITERS", "WARP_STORE_PROGRAMS", "WARP_STORE_LANES", "WARP_STORE_SHORT_LANES",
            "WARP_STORE_SHORT_VECTORS", "WARP_STORE_MAXNREG_BF16",
            "WARP_STORE_MAXNREG_STORED"]
 
@@ -119,6 +128,7 @@ ROTATIONS = ("none", "pm1", "split", "chunked")
 ROT_NONE, ROT_PM1, ROT_SPLIT, ROT_CHUNKED = (tl.constexpr(i) for i in range(4))
 HOIST_MAX_DP = 128  # widest padded head_dim whose [DP, DP] operand is built once per program
 SMALL_STORE_VECTORS = 4096  # (token, head) vectors up to which a store takes the small tile (docstring)
+SPLIT_FEW_VECTORS = 65536  # ... below which a dense rotation's store takes one tile a program (docstring)
 WARP_STORE_WARPS = 1  # the warp kernel: warps per program (docstring)
 WARP_STORE_ITERS = 8  # the warp kernel: iterations per program at most (a long store)
 WARP_STORE_MAX_CHUNK = 128  # the warp kernel: most code bits per lane and side (docstring)
@@ -231,7 +241,9 @@ def plan_store(layout: PagedLayout, in_dtype: str = "fp16", *, has_mu: bool = Fa
                                               interpret=interpret):
         lanes = _warp_lanes(layout, num_vectors)
         return _plan_warp(layout, in_dtype, has_mu, lanes, _warp_iters(layout, num_vectors, lanes), symmetric_codebooks)
-    return _plan_store(layout, in_dtype, bool(has_mu), bool(signed_sylvester), bool(interpret), small)
+    few = (num_vectors is not None and num_vectors < SPLIT_FEW_VECTORS
+           and rotation_method(layout, has_mu, signed_sylvester, interpret) == "split")
+    return _plan_store(layout, in_dtype, bool(has_mu), bool(signed_sylvester), bool(interpret), small, few)
 
 
 def default_signed_sylvester(layout: PagedLayout) -> bool:
@@ -346,7 +358,7 @@ def rotation_method(layout: PagedLayout, has_mu: bool, signed_sylvester: bool, i
 
 @functools.lru_cache(maxsize=512)
 def _plan_store(layout: PagedLayout, in_dtype: str, has_mu: bool, signed_sylvester: bool,
-                interpret: bool, small: bool) -> StorePlan:
+                interpret: bool, small: bool, few: bool) -> StorePlan:
     c = layout_args(layout)
     rot = rotation_method(layout, has_mu, signed_sylvester, interpret)
     bv, warps, stages, kc = (16, 4, 1, min(c["DP"], 64)) if rot == "chunked" else (64, 8, None, c["DP"])
@@ -355,6 +367,8 @@ def _plan_store(layout: PagedLayout, in_dtype: str, has_mu: bool, signed_sylvest
     raw = isinstance(fmt.key, Raw) and isinstance(fmt.value, Raw)
     if (rot == "none" or small) and not raw:
         bv, warps, tiles = 16, 4, 1  # unrotated codes (FP8 keys, uniform values), short stores: docstring
+    elif rot == "split" and few:  # a dense rotation's store of few vectors: one tile a program (docstring)
+        bv, warps, tiles = (16, 4, 1) if c["DP"] <= 64 else (32, 4, 1)
     precision = "ieee" if interpret else "tf32x3"
     cx = dict(
         HAS_MU=has_mu, IN_BF16=in_dtype == "bf16", H=layout.num_kv_heads, BV=bv, TILES=tiles,
