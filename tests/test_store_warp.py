@@ -154,11 +154,14 @@ def test_uniform_codes_at_exact_halves_round_up(bits):
     assert not unsure[..., vc.A_OFF: vc.A_OFF + vc.A_BYTES].any()  # the ties are decided, not uncertain
 
 
+# (128, 4) and (256, 8): 32 elements a lane, which no plan takes. Session 71's probe found turboquant_4bit_nc's
+# cache bytes at 4 lanes (16K x 8 x 128) unequal to 8 lanes' (3-bit keys were equal); whether inside the
+# oracle's uncertain set is what these cases check (not yet run on a GPU when added).
 @needs_gpu
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc", "tqkern_k5v3", "k4v2h",
                                     "turboquant_k8v4"])
-@pytest.mark.parametrize("d, lanes", [(64, 4), (64, 8), (64, 16), (128, 8), (128, 16), (128, 32), (256, 16),
-                                      (256, 32)])
+@pytest.mark.parametrize("d, lanes", [(64, 4), (64, 8), (64, 16), (128, 4), (128, 8), (128, 16), (128, 32),
+                                      (256, 8), (256, 16), (256, 32)])
 def test_every_lane_count_writes_the_oracle_bytes(monkeypatch, preset, d, lanes):
     layout = _layout(preset, d, h=3)
     params = tqkern.TQParams.default(layout.format, seed=2, key_offset=np.full((3, d), 0.25))
