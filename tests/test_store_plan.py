@@ -22,7 +22,8 @@ from tqkern_torch.testing import device_under_test, kernels_available
 
 DEV = device_under_test()
 needs_kernels = pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1")
-needs_gpu = pytest.mark.skipif(DEV.type != "cuda", reason="bf16 inputs: the interpreter cannot run bf16")
+needs_gpu = pytest.mark.skipif(DEV.type != "cuda", reason="GPU only (bf16; or head_dim 64's 16 x 4 x 1 tile, the short "
+                                                           "stores' own, on 257 programs: 13 s in the interpreter)")
 
 
 def _layout(preset, d=128, h=8, arrangement="slot"):
@@ -88,7 +89,8 @@ def test_dense_rotations_of_few_vectors_take_one_tile_a_program(d, want):
 
 
 @needs_kernels
-@pytest.mark.parametrize("d, tokens, dtype", [(64, 1366, torch.float16), (128, 520, torch.float16),
+@pytest.mark.parametrize("d, tokens, dtype", [(128, 520, torch.float16),
+                                              pytest.param(64, 1366, torch.float16, marks=needs_gpu),
                                               pytest.param(128, 520, torch.bfloat16, marks=needs_gpu),
                                               pytest.param(64, 1366, torch.bfloat16, marks=needs_gpu)])
 def test_a_dense_rotations_few_vector_tile_writes_the_oracle_bytes(d, tokens, dtype):
