@@ -71,7 +71,7 @@ def test_short_stores_take_the_small_tile(preset, sylvester):
             plan_store(_layout(preset), num_vectors=bad)
 
 
-@pytest.mark.parametrize("d, want", [(64, (16, 4, 1)), (128, (32, 4, 1))])
+@pytest.mark.parametrize("d, want", [(64, (16, 4, 1)), (128, (64, 8, 1))])
 def test_dense_rotations_of_few_vectors_take_one_tile_a_program(d, want):
     """A ``split`` store (tq4's dense Π) of more than SMALL_STORE_VECTORS and fewer than
     SPLIT_FEW_VECTORS vectors runs one tile a program (plan.py's docstring: 31-64% faster on an
@@ -95,7 +95,7 @@ def test_dense_rotations_of_few_vectors_take_one_tile_a_program(d, want):
                                               pytest.param(64, 1366, torch.bfloat16, marks=needs_gpu)])
 def test_a_dense_rotations_few_vector_tile_writes_the_oracle_bytes(d, tokens, dtype):
     """tq4 stores of just over SMALL_STORE_VECTORS vectors (one tile a program: 16 x 4 at head_dim
-    64, 32 x 4 at 128) into a poisoned cache at shuffled slots: the oracle's bytes wherever it is
+    64, 64 x 8 at 128) into a poisoned cache at shuffled slots: the oracle's bytes wherever it is
     certain."""
     h = 3 if d == 64 else 8
     layout = _layout("tq4", d, h=h)

@@ -44,13 +44,16 @@ long as one program's serial work. Measured on the H100 (session 22, Hkv8/D128, 
 32.2), so the threshold stays at the largest measured size where the small tile won for every preset.
 
 A dense rotation's store (``split``: tq4, Haar rotations) of fewer than :data:`SPLIT_FEW_VECTORS`
-vectors takes one tile a program: 16 vectors × 4 warps up to head_dim 64, else 32 × 4 (four 64-vector
+vectors takes one tile a program: 16 vectors × 4 warps up to head_dim 64, else 64 × 8 (four 64-vector
 tiles a program left 48–192 programs at 12K–49K vectors, one CTA an SM). H200, session 71, tq4, µs,
 default → 32 × 4 × 1 / 64 × 8 × 1 / 16 × 4 × 1, same bytes: 2,048 tokens × 8 heads × 128 fp16 50.9 →
 26.8 / 27.8 / 33.4, bf16 56.8 → 39.0 / 33.1 / 46.7; 4,096 × 3 × 64 fp16 27.3 → 11.6 / 12.1 / 9.9, bf16
 28.9 → 12.4 / 16.8 / 11.0; 16,384 × 3 × 64 fp16 53.9 → 37.4 / 34.2 / 31.8, bf16 57.3 → 38.4 / 48.5 /
 37.8; but 16,384 × 8 × 128 (131,072 vectors) fp16 217.0 → 204.8 / 239.6 / 259.3, bf16 239.1 → 291.7 /
-277.9 / 371.7, so long stores keep four tiles. 32,768–65,535 vectors at head_dim 128: untimed.
+277.9 / 371.7, so long stores keep four tiles. At head_dim 128, 64 × 8 × 1 rather than fp16's best
+(32 × 4 × 1): one rule for both dtypes (bf16 33.1 against 39.0; fp16 27.8 against 26.8), and fewer spills
+offline (sm_90, Triton 3.9: 24 / 160 stack bytes fp16 / bf16 against 208 / 736). 32,768–65,535
+vectors and head_dim 96: untimed.
 
 **The warp kernel** (``kernel="warp"``, :mod:`tqkern.ops.store.warp`, session 24) takes every GPU
 store whose layout :func:`warp_store_eligible` accepts and whose inputs are vector-aligned (contiguous
@@ -368,7 +371,7 @@ def _plan_store(layout: PagedLayout, in_dtype: str, has_mu: bool, signed_sylvest
     if (rot == "none" or small) and not raw:
         bv, warps, tiles = 16, 4, 1  # unrotated codes (FP8 keys, uniform values), short stores: docstring
     elif rot == "split" and few:  # a dense rotation's store of few vectors: one tile a program (docstring)
-        bv, warps, tiles = (16, 4, 1) if c["DP"] <= 64 else (32, 4, 1)
+        bv, warps, tiles = (16, 4, 1) if c["DP"] <= 64 else (64, 8, 1)
     precision = "ieee" if interpret else "tf32x3"
     cx = dict(
         HAS_MU=has_mu, IN_BF16=in_dtype == "bf16", H=layout.num_kv_heads, BV=bv, TILES=tiles,
