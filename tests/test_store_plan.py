@@ -15,8 +15,8 @@ import tqkern
 import tqkern_torch as tqt
 from tqkern import reference as ref
 from tqkern.ops.launch import BoundedCache
-from tqkern.ops.store.plan import (ROTATIONS, SMALL_STORE_VECTORS, SPLIT_FEW_VECTORS, StorePlan, plan_store,
-                                   rotation_method)
+from tqkern.ops.store.plan import (ROTATIONS, SMALL_STORE_VECTORS, SPLIT_MIN_PROGRAMS, SPLIT_TILE, SPLIT_TILE_BF16,
+                                   StorePlan, plan_store, rotation_method, split_tile)
 from tqkern_torch._params import to_device
 from tqkern_torch.testing import device_under_test, kernels_available
 
@@ -71,36 +71,56 @@ def test_short_stores_take_the_small_tile(preset, sylvester):
             plan_store(_layout(preset), num_vectors=bad)
 
 
-@pytest.mark.parametrize("d, want", [(64, (16, 4, 1)), (128, (64, 8, 1))])
-def test_dense_rotations_of_few_vectors_take_one_tile_a_program(d, want):
-    """A ``split`` store (tq4's dense Π) of more than SMALL_STORE_VECTORS and fewer than
-    SPLIT_FEW_VECTORS vectors runs one tile a program (plan.py's docstring: 31-64% faster on an
-    H200 at 12K-49K vectors); from SPLIT_FEW_VECTORS, and for long stores, four 64-vector tiles."""
-    layout = _layout("tq4", d, h=3)
-    long = plan_store(layout, vector_aligned=True)
-    assert long.rotation == "split" and (long.block_vectors, long.num_warps, long.tiles) == (64, 8, 4)
-    for n in (SMALL_STORE_VECTORS + 1, SPLIT_FEW_VECTORS - 1):
-        few = plan_store(layout, vector_aligned=True, num_vectors=n)
-        assert few.rotation == "split" and (few.block_vectors, few.num_warps, few.tiles) == want
-        assert dict(few.constexprs)["BV"] == want[0] and dict(few.constexprs)["TILES"] == 1
-    assert plan_store(layout, vector_aligned=True, num_vectors=SPLIT_FEW_VECTORS) is long
-    pm1 = plan_store(_layout("turboquant_4bit_nc", d, h=3), signed_sylvester=True, num_vectors=SPLIT_FEW_VECTORS - 1)
-    assert pm1.rotation == "pm1" and pm1.tiles == 2  # (misaligned inputs of a Hadamard preset: not timed, unchanged)
+@pytest.mark.parametrize("d, dtype, n, want", [
+    (128, "fp16", None, (32, 4, 8)), (128, "fp16", 131072, (32, 4, 8)), (128, "fp16", 65536, (32, 4, 8)),
+    (128, "fp16", 65535, (32, 4, 8)), (128, "fp16", 65280, (32, 4, 4)), (128, "fp16", 32768, (32, 4, 4)), (128, "fp16", 16384, (32, 4, 2)),
+    (128, "fp16", 8192, (32, 4, 1)), (128, "fp16", SMALL_STORE_VECTORS + 1, (32, 4, 1)),
+    (96, "fp16", 65536, (32, 4, 8)), (64, "fp16", 12288, (32, 4, 1)), (64, "fp16", 49152, (32, 4, 4)),
+    (64, "bf16", 49152, (32, 4, 4)), (64, "bf16", None, (32, 4, 8)),
+    (128, "bf16", None, (16, 4, 4)), (128, "bf16", 16384, (16, 4, 4)), (128, "bf16", 16320, (16, 4, 2)),
+    (96, "bf16", 131072, (16, 4, 4)), (128, "bf16", SMALL_STORE_VECTORS + 1, (16, 4, 1)),
+])
+def test_a_dense_rotations_tile_by_dtype_head_dim_and_length(d, dtype, n, want):
+    """A ``split`` store (tq4's dense Π) of more than SMALL_STORE_VECTORS vectors: 32 vectors x 4
+    warps (16 x 4 for bf16 above head_dim 64), and as many tiles a program (up to 8, or 4) as leave
+    SPLIT_MIN_PROGRAMS programs (plan.py's docstring: the H200 sweeps of session 72); by hand."""
+    assert SPLIT_TILE == (32, 4, 8) and SPLIT_TILE_BF16 == (16, 4, 4) and SPLIT_MIN_PROGRAMS == 256
+    layout = _layout("tq4", d, h=8)
+    plan = plan_store(layout, dtype, vector_aligned=True, num_vectors=n)
+    assert plan.rotation == "split" and (plan.block_vectors, plan.num_warps, plan.tiles) == want
+    assert dict(plan.constexprs)["BV"] == want[0] and dict(plan.constexprs)["TILES"] == want[2]
+    assert split_tile(128 if d == 96 else d, dtype, n) == want
+    if n is not None:
+        assert plan.grid(n // 8)[0] * plan.vectors_per_program >= n - 7
+    small = plan_store(layout, dtype, num_vectors=SMALL_STORE_VECTORS)
+    assert (small.block_vectors, small.num_warps, small.tiles) == (16, 4, 1)
+    pm1 = plan_store(_layout("turboquant_4bit_nc", d if d != 96 else 128, h=8), dtype, signed_sylvester=True,
+                     num_vectors=n)
+    assert pm1.rotation == "pm1" and (pm1.block_vectors, pm1.tiles) == (64, 2)  # misaligned Hadamard inputs
+    with pytest.raises(ValueError, match="in_dtype must be 'fp16' or 'bf16'"):
+        plan_store(layout, "fp32", num_vectors=n)
 
 
 @needs_kernels
-@pytest.mark.parametrize("d, tokens, dtype", [(128, 520, torch.float16),
-                                              pytest.param(64, 1366, torch.float16, marks=needs_gpu),
-                                              pytest.param(128, 520, torch.bfloat16, marks=needs_gpu),
-                                              pytest.param(64, 1366, torch.bfloat16, marks=needs_gpu)])
-def test_a_dense_rotations_few_vector_tile_writes_the_oracle_bytes(d, tokens, dtype):
-    """tq4 stores of just over SMALL_STORE_VECTORS vectors (one tile a program: 16 x 4 at head_dim
-    64, 64 x 8 at 128) into a poisoned cache at shuffled slots: the oracle's bytes wherever it is
-    certain."""
+@pytest.mark.parametrize("d, tokens, dtype, min_programs, tiles", [
+    (128, 522, torch.float16, None, 1), (128, 522, torch.float16, 4, 8), (64, 1366, torch.float16, 20, 4),
+    pytest.param(64, 1366, torch.float16, None, 1, marks=needs_gpu),
+    pytest.param(128, 522, torch.bfloat16, None, 1, marks=needs_gpu),
+    pytest.param(128, 522, torch.bfloat16, 4, 4, marks=needs_gpu),
+    pytest.param(64, 1366, torch.bfloat16, None, 1, marks=needs_gpu)])
+def test_a_dense_rotations_tiles_write_the_oracle_bytes(d, tokens, dtype, min_programs, tiles, monkeypatch):
+    """tq4 stores of just over SMALL_STORE_VECTORS vectors (one tile a program), and the same with
+    SPLIT_MIN_PROGRAMS lowered so that programs take several tiles (the last one partial), into a
+    poisoned cache at shuffled slots: the oracle's bytes wherever it is certain."""
+    import tqkern.ops.store.plan as plan_mod
+
+    if min_programs is not None:
+        monkeypatch.setattr(plan_mod, "SPLIT_MIN_PROGRAMS", min_programs)
     h = 3 if d == 64 else 8
     layout = _layout("tq4", d, h=h)
-    assert plan_store(layout, "bf16" if dtype == torch.bfloat16 else "fp16", vector_aligned=True,
-                      num_vectors=tokens * h).tiles == 1
+    plan = plan_store(layout, "bf16" if dtype == torch.bfloat16 else "fp16", vector_aligned=True,
+                      num_vectors=tokens * h, interpret=DEV.type != "cuda")
+    assert plan.tiles == tiles and (tiles == 1 or (tokens * h) % plan.vectors_per_program)  # a partial last program
     params = tqkern.TQParams.default(layout.format, seed=3)
     g = torch.Generator().manual_seed(d)
     k, v = (torch.randn(tokens, h, d, generator=g).to(dtype) for _ in range(2))
@@ -112,6 +132,62 @@ def test_a_dense_rotations_few_vector_tile_writes_the_oracle_bytes(d, tokens, dt
     want, unsure = ref.compress(k.float().numpy(), v.float().numpy(), params, return_uncertain=True)
     assert not np.any((got != want) & ~unsure)
     assert unsure.mean() < 0.02
+
+
+@pytest.mark.parametrize("preset, d, has_mu, rotation", [("tq4", 128, False, "split"), ("tq4", 128, True, "chunked"),
+                                                        ("tqkern_k5v3", 96, False, "split"),
+                                                        ("turboquant_4bit_nc", 256, True, "chunked")])
+def test_tile_plans_search_half_of_a_symmetric_table(preset, d, has_mu, rotation):
+    """The tile kernel takes the warp kernel's half-table Lloyd-Max search (session 72) wherever the
+    caller vouches for antisymmetric tables: on every Lloyd-Max side of up to 5 bits, never on a
+    uniform side, and never without ``symmetric_codebooks``."""
+    layout = _layout(preset, d)
+    for n in (None, SMALL_STORE_VECTORS, 65535):
+        sym = plan_store(layout, has_mu=has_mu, num_vectors=n, symmetric_codebooks=True)
+        whole = plan_store(layout, has_mu=has_mu, num_vectors=n)
+        assert sym.kernel == whole.kernel == "tile" and sym.rotation == rotation
+        fmt = layout.format
+        assert dict(sym.constexprs)["K_SYM"] == isinstance(fmt.key, tqkern.LloydMax)
+        assert dict(sym.constexprs)["V_SYM"] == isinstance(fmt.value, tqkern.LloydMax)
+        assert not dict(whole.constexprs)["K_SYM"] and not dict(whole.constexprs)["V_SYM"]
+        assert sym.describe().endswith(", half-table search") and "half" not in whole.describe()
+
+
+@needs_kernels
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_the_tile_kernels_lloyd_max_search_writes_the_oracle_bytes(symmetric):
+    """tq4 through the tile kernel (a dense rotation) with the default, antisymmetric tables (the
+    half-table search) and with lopsided ones (the whole table's), into a poisoned cache at
+    shuffled slots, values and keys scaled so that every code is reached: the oracle's bytes
+    wherever it is certain."""
+    layout = _layout("tq4", 64, h=2)
+    base = tqkern.TQParams.default(layout.format, seed=5)
+    params = base
+    if not symmetric:
+        rng = np.random.default_rng(5)
+        params = tqkern.TQParams(format=layout.format, rotation=base.rotation,
+                                 key_codebook=tqkern.Codebook.from_centroids(np.sort(rng.normal(size=16)) / 8, dim=64),
+                                 value_codebook=tqkern.Codebook.from_centroids(
+                                     base.value_codebook.centroids + 0.01, dim=64))
+    dp = to_device(params, DEV)
+    assert dp.symmetric_codebooks == symmetric
+    n = 96
+    plan = plan_store(layout, signed_sylvester=False, vector_aligned=True, num_vectors=n * 2,
+                      interpret=DEV.type != "cuda", symmetric_codebooks=dp.symmetric_codebooks)
+    assert plan.kernel == "tile" and dict(plan.constexprs)["K_SYM"] == symmetric
+    g = torch.Generator().manual_seed(11)
+    k, v = (torch.randn(n, 2, 64, generator=g) * torch.rand(n, 2, 1, generator=g) * 8 for _ in range(2))
+    k, v = k.half(), v.half()
+    slots = torch.randperm(128, generator=g)[:n]
+    cache = torch.randint(0, 256, tuple(layout.cache_shape(8)), dtype=torch.uint8, generator=g).to(DEV)
+    tqt.store(cache, k.to(DEV), v.to(DEV), slots.to(DEV), layout, dp)
+    got = ref.gather_slots(cache.cpu().numpy(), layout, slots.numpy())
+    want, unsure = ref.compress(k.float().numpy(), v.float().numpy(), params, return_uncertain=True)
+    assert not np.any((got != want) & ~unsure)
+    fmt = layout.format
+    for x, codec, cb in ((k, fmt.key, params.key_codebook), (v, fmt.value, params.value_codebook)):
+        codes = ref.quantize(x.float().numpy(), codec, rotation=params.rotation, codebook=cb).codes
+        assert np.unique(codes).size == 16  # every code of the side is written
 
 
 def test_wide_head_dim_and_key_offset_take_the_chunked_path():

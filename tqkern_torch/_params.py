@@ -44,7 +44,7 @@ class DeviceParams:
             an exact ±1 matrix on the tensor cores (:mod:`tqkern.ops.store.plan`).
         symmetric_codebooks: every Lloyd-Max side's float32 boundaries are antisymmetric
             (``b == −b[::-1]``; the default codebooks are): the warp store kernel then searches
-            half the table (:func:`tqkern.ops.store.lanes._sym_codes`).
+            half the table (:func:`tqkern.ops.fields.symmetric_codes`).
     """
 
     params: TQParams

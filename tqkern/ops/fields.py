@@ -29,7 +29,8 @@ from tqkern.ops.common import (
     store_packed,
 )
 
-__all__ = ["load_tile", "token_factors", "encode_side", "finite_rows", "flag", "tree_search"]
+__all__ = ["load_tile", "token_factors", "encode_side", "finite_rows", "flag", "tree_search", "half_bounds",
+           "symmetric_codes"]
 
 _ERR_SATURATED = tl.constexpr(int(ErrorFlag.SATURATED))
 
@@ -293,6 +294,30 @@ def _lloyd_max_codes(y, bnd_ptr, BITS: tl.constexpr):
 
 
 @triton.jit
+def half_bounds(bnd_ptr, BITS: tl.constexpr):
+    """The ``2^(BITS−1) − 1`` positive boundaries of an antisymmetric table (``b[2^(BITS−1) − 1]
+    = 0``), as scalars."""
+    H0: tl.constexpr = 1 << (BITS - 1)
+    b = ()
+    for j in tl.static_range(H0 - 1):
+        b = b + (tl.load(bnd_ptr + H0 + j),)
+    return b
+
+
+@triton.jit
+def symmetric_codes(y, b, BITS: tl.constexpr):
+    """Lloyd-Max codes for an antisymmetric boundary table (positive half ``b``, BITS ≤ 5):
+    ``idx`` = the positive boundaries ≤ |y| (:func:`tree_search`, one level and
+    half the selects fewer than the search of the whole table), then ``2^(BITS−1) + idx`` for
+    y ≥ 0 and ``2^(BITS−1) − 1 − idx`` below (both as ``idx`` XOR a constant). It equals the
+    search over the whole table but where |y| equals a boundary: a tie, inside the oracle's
+    uncertainty window. int32."""
+    H0: tl.constexpr = 1 << (BITS - 1)
+    idx = tree_search(tl.abs(y), b, BITS - 1)
+    return idx ^ tl.where(y >= 0, H0, H0 - 1)
+
+
+@triton.jit
 def _store_halfwords(base, bits, mask, cols, ALIGNED: tl.constexpr):
     """Write 16-bit values ``bits [BV, DP]`` at ``base + 2·col`` (``base [BV]`` byte pointers)."""
     if ALIGNED:
@@ -336,7 +361,7 @@ def flag(cond, BIT: tl.constexpr):
 @triton.jit
 def encode_side(x, mu, y, row, h, tok_mask, bnd_ptr, cen_ptr, HAS_MU: tl.constexpr, IN_BF16: tl.constexpr,
                 D: tl.constexpr, DP: tl.constexpr, NIBBLE: tl.constexpr, ALIGNED: tl.constexpr, HW_FP8: tl.constexpr,
-                S: tl.constexpr):
+                S: tl.constexpr, SYM: tl.constexpr = False):
     """Encode one side (``S``: its :class:`~tqkern.ops.codecs.SideConsts`) of a tile of vectors
     (one per row; row r is head ``h[r]`` of the token whose cache row starts at ``row[r]``) into
     its fields, written where ``tok_mask [BV]``. Returns the error bits (``SATURATED``), int32.
@@ -347,7 +372,9 @@ def encode_side(x, mu, y, row, h, tok_mask, bnd_ptr, cen_ptr, HAS_MU: tl.constex
     when ``S.ROTATED``). Norms, scales and uniform codes are exact (float64 sums, float32
     estimates checked exactly); codes from ``y`` follow the float32 rotation. ``HW_FP8``: FP8
     bytes by the hardware conversion (round to nearest even, after clamping to ±448: the same
-    bytes as :func:`~tqkern.ops.common.f32_to_fp8e4m3_bits`, which the interpreter runs)."""
+    bytes as :func:`~tqkern.ops.common.f32_to_fp8e4m3_bits`, which the interpreter runs). ``SYM``:
+    the side's Lloyd-Max boundary table is antisymmetric (codes of at most 5 bits), searched by
+    :func:`symmetric_codes` over its positive half."""
     KIND: tl.constexpr = S.KIND
     BITS: tl.constexpr = S.BITS
     ROTATED: tl.constexpr = S.ROTATED
@@ -371,7 +398,10 @@ def encode_side(x, mu, y, row, h, tok_mask, bnd_ptr, cen_ptr, HAS_MU: tl.constex
             x64 = x64 - mu.to(tl.float64)
         n = tl.sqrt(tl.sum(x64 * x64, axis=1))  # float64: the norm bytes equal the oracle's
         inv = tl.where(n > 0, 1.0 / tl.where(n > 0, n, 1.0), 0.0).to(tl.float32)
-        idx = _lloyd_max_codes(y * inv[:, None], bnd_ptr, BITS)
+        if SYM:
+            idx = symmetric_codes(y * inv[:, None], half_bounds(bnd_ptr, BITS), BITS)
+        else:
+            idx = _lloyd_max_codes(y * inv[:, None], bnd_ptr, BITS)
         idx = tl.where(dmask[None, :], idx, 0)
         store_packed(row + A_OFF + h * A_STRIDE, idx, tok_mask, BITS, NIBBLE, A_BYTES, BV, DP, ALIGNED)
         if NORM_CORRECTION == NC_STORED:

@@ -8,6 +8,8 @@ One kernel serves every codec and both arrangements: the layout becomes constexp
 once per program, before its tiles. Norms, uniform scales/codes and stored gains equal the
 oracle's bytes (float64 sums; float32 estimates checked exactly); only the rotation runs in float32
 (codes within ``tqkern.ops.quantize.reference.EPS`` of a boundary may differ, as the spec allows).
+``K_SYM`` / ``V_SYM``: that side's Lloyd-Max table is antisymmetric and searched by its positive half
+(:func:`tqkern.ops.fields.symmetric_codes`; a tie |y| = boundary may differ, as above).
 
 Safety (``tqkern.errors``): a slot outside ``[0, num_slots)`` writes nothing (negative: skipped
 silently; too large: ``SLOT_OUT_OF_RANGE``); a key or value vector holding a NaN or ±inf is read
@@ -108,7 +110,7 @@ def _store_kernel(
     V_ALIGNED: tl.constexpr, HW_FP8: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr,
     NIBBLE: tl.constexpr,
     PAD_OFF: tl.constexpr, PAD_STRIDE: tl.constexpr, PAD_BYTES: tl.constexpr, PADP: tl.constexpr,
-    K: tl.constexpr, V: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr,
 ):
     DOT: tl.constexpr = tl.bfloat16 if IN_BF16 else tl.float16
     b0, b1, b2, c = _rotation_operand(rot_ptr, D, DP, ROT, DOT)
@@ -143,13 +145,14 @@ def _store_kernel(
         if K.ROTATED:
             ky = _rotate(kx, k_ptr_2d, ok & k_ok, mu_ptr_2d, rot_ptr, b0, b1, b2, c, HAS_MU, IN_BF16, ROT, D, DP,
                          KC, DOT_PRECISION)
-        err |= encode_side(kx, mu, ky, row, h, ok, kb_ptr, kc_ptr, HAS_MU, IN_BF16, D, DP, NIBBLE, K_ALIGNED, HW_FP8, K)
+        err |= encode_side(kx, mu, ky, row, h, ok, kb_ptr, kc_ptr, HAS_MU, IN_BF16, D, DP, NIBBLE, K_ALIGNED, HW_FP8, K,
+                           K_SYM)
         vy = 0.0
         if V.ROTATED:
             vy = _rotate(vx, v_ptr_2d, ok & v_ok, mu_ptr_2d, rot_ptr, b0, b1, b2, c, False, IN_BF16, ROT, D, DP,
                          KC, DOT_PRECISION)
         err |= encode_side(vx, 0.0, vy, row, h, ok, vb_ptr, vc_ptr, False, IN_BF16, D, DP, NIBBLE, V_ALIGNED, HW_FP8,
-                           V)
+                           V, V_SYM)
         if PAD_BYTES > 0:
             p = tl.arange(0, PADP)
             tl.store((row + PAD_OFF + h * PAD_STRIDE)[:, None] + p[None, :], tl.zeros([BV, PADP], tl.uint8),

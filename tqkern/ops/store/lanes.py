@@ -1,7 +1,7 @@
 """Per-lane building blocks of the warp store kernel (:mod:`tqkern.ops.store.warp`; GPU only):
 inline-PTX lane exchange and group reductions, the reads and finiteness of a lane's 16-bit words,
 the rotation's sign words and in-register Walsh–Hadamard transform, the half-table Lloyd-Max
-search, and the packing and writing of a lane's code chunk. Every tensor holds one value per
+search (from :mod:`tqkern.ops.fields`), and the packing and writing of a lane's code chunk. Every tensor holds one value per
 thread, ``L`` lanes per vector (the kernel's docstring says how lanes map to vectors)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tqkern.ops.fields import tree_search
+from tqkern.ops.fields import half_bounds as _half_bounds, symmetric_codes as _sym_codes
 
 __all__ = [
     "_bfly", "_bfly64", "_lane_of64", "_lane_of", "_group_sum64", "_group_min_max", "_group_all", "_or",
@@ -120,30 +120,6 @@ def _sign_words(rot_ptr, p, E: tl.constexpr, D: tl.constexpr):
             w = w | tl.where(neg, 1 << (16 * k + 15), 0).to(tl.int64)
         words = words + (w,)
     return words
-
-
-@triton.jit
-def _half_bounds(bnd_ptr, BITS: tl.constexpr):
-    """The ``2^(BITS−1) − 1`` positive boundaries of an antisymmetric table (``b[2^(BITS−1) − 1]
-    = 0``), as scalars."""
-    H0: tl.constexpr = 1 << (BITS - 1)
-    b = ()
-    for j in tl.static_range(H0 - 1):
-        b = b + (tl.load(bnd_ptr + H0 + j),)
-    return b
-
-
-@triton.jit
-def _sym_codes(y, b, BITS: tl.constexpr):
-    """Lloyd-Max codes for an antisymmetric boundary table (positive half ``b``, BITS ≤ 5):
-    ``idx`` = the positive boundaries ≤ |y| (:func:`tqkern.ops.fields.tree_search`, one level and
-    half the selects fewer than the search of the whole table), then ``2^(BITS−1) + idx`` for
-    y ≥ 0 and ``2^(BITS−1) − 1 − idx`` below (both as ``idx`` XOR a constant). It equals the
-    search over the whole table but where |y| equals a boundary: a tie, inside the oracle's
-    uncertainty window. int32."""
-    H0: tl.constexpr = 1 << (BITS - 1)
-    idx = tree_search(tl.abs(y), b, BITS - 1)
-    return idx ^ tl.where(y >= 0, H0, H0 - 1)
 
 
 # -- reads ---------------------------------------------------------------------------------------

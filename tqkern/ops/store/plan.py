@@ -25,7 +25,7 @@ Rotation methods (``y = x @ Π`` in float32, for the rotated sides):
 Tile sizes were picked by the offline sm_90 compile (``tests/test_store_sm90_compile.py``): 64
 vectors per tile (the tensor-core M of 4 warps), 8 warps (4 warps spill: 255 registers; 8 warps
 take 160–245 and no stack); tiles per program 2 (``pm1``: its operand costs one column read and
-~D²/128 integer ops per thread) or 4 (``split``: a 64 KB fp32 Π read from L2 per program, against
+~D²/128 integer ops per thread) or 4 (``split``, before session 72: a 64 KB fp32 Π read from L2 per program, against
 256 KB of fp16 K/V read from HBM), 1 otherwise. Measured on the H100 (16K tokens × 8 heads × 128,
 copy_ of the same bytes 45.9 µs; session 17): turboquant_4bit_nc 216 / 209 µs (slot / row) with
 these, 255–348 µs with 16–128 vectors × 4–8 warps × 1–2 tiles; but the unrotated quantized codes
@@ -43,17 +43,19 @@ long as one program's serial work. Measured on the H100 (session 22, Hkv8/D128, 
 2,048 tokens (16,384 vectors) neither wins everywhere (turboquant_4bit_nc 26.0 → 32.8, tq4 48.6 →
 32.2), so the threshold stays at the largest measured size where the small tile won for every preset.
 
-A dense rotation's store (``split``: tq4, Haar rotations) of fewer than :data:`SPLIT_FEW_VECTORS`
-vectors takes one tile a program: 16 vectors × 4 warps up to head_dim 64, else 64 × 8 (four 64-vector
-tiles a program left 48–192 programs at 12K–49K vectors, one CTA an SM). H200, session 71, tq4, µs,
-default → 32 × 4 × 1 / 64 × 8 × 1 / 16 × 4 × 1, same bytes: 2,048 tokens × 8 heads × 128 fp16 50.9 →
-26.8 / 27.8 / 33.4, bf16 56.8 → 39.0 / 33.1 / 46.7; 4,096 × 3 × 64 fp16 27.3 → 11.6 / 12.1 / 9.9, bf16
-28.9 → 12.4 / 16.8 / 11.0; 16,384 × 3 × 64 fp16 53.9 → 37.4 / 34.2 / 31.8, bf16 57.3 → 38.4 / 48.5 /
-37.8; but 16,384 × 8 × 128 (131,072 vectors) fp16 217.0 → 204.8 / 239.6 / 259.3, bf16 239.1 → 291.7 /
-277.9 / 371.7, so long stores keep four tiles. At head_dim 128, 64 × 8 × 1 rather than fp16's best
-(32 × 4 × 1): one rule for both dtypes (bf16 33.1 against 39.0; fp16 27.8 against 26.8), and fewer spills
-offline (sm_90, Triton 3.9: 24 / 160 stack bytes fp16 / bf16 against 208 / 736). 32,768–65,535
-vectors and head_dim 96: untimed.
+A dense rotation's store (``split``: tq4, Haar rotations) of more than ``SMALL_STORE_VECTORS`` vectors
+(:func:`split_tile`) takes 32 vectors x 4 warps (:data:`SPLIT_TILE`; bf16 above head_dim 64: 16 x 4,
+:data:`SPLIT_TILE_BF16`), with up to 8 (4) tiles a program, halved while the grid would have fewer than
+:data:`SPLIT_MIN_PROGRAMS` programs. Session 71's rule (64 x 8 x 4; one tile a program below 65,536
+vectors) left one 254-register CTA an SM. H200, session 72, tq4, µs (CUDA graphs, the public ``store``
+with the tile forced, same bytes in every cell): sweep at 16K tokens x 8 heads x 128, fp16: 64 x 8 x 4
+192.6, 32 x 4 x 2 / 4 / 8 162.4 / 156.7 / 153.8, 16 x 4 x 4 187.1, 32 x 8 x 2 220.8; bf16: 64 x 8 x 4
+214.4, 16 x 4 x 4 204.6, 32 x 4 x 2 286.1 (Triton 3.9 offline: bf16 spills 480 stack bytes in 64 x 8);
+at 4K x 16 x 96 fp16 32 x 4 x 8 64.7 (x 4 67.8), bf16 32 x 4 x 1 89.9, 16 x 4 x 4 95.6 (64 x 8 x 1 102.7);
+at 4K x 8 x 128, 32 x 4 x 8 (128 programs) 59.2 against x 4 40.1. A/B of this rule against session 71's
+(two runs within 0.6 µs, µs before → after): fp16 16K x 8 x 128 193.1 → 153.8, 4K 50.8 → 40.4, 2K 25.8
+→ 20.8; 16K x 16 x 96 384.0 → 259.2; 32K x 3 x 64 75.6 → 46.9, 4K x 3 x 64 8.9 → 8.0; bf16 16K x 8 x 128
+215.1 → 205.0, 8K 106.9 → 103.9, 6K 94.3 → 76.8; 16K x 16 x 96 423.5 → 392.4; 32K x 3 x 64 79.9 → 50.6.
 
 **The warp kernel** (``kernel="warp"``, :mod:`tqkern.ops.store.warp`, session 24) takes every GPU
 store whose layout :func:`warp_store_eligible` accepts and whose inputs are vector-aligned (contiguous
@@ -120,10 +122,10 @@ from tqkern.layouts import LloydMax, PagedLayout, Raw
 from tqkern.ops.codecs import KIND_FP8, KIND_LLOYD_MAX, KIND_UNIFORM, layout_args
 from tqkern.ops.common import halfword_aligned
 
-__all__ = ["StorePlan", "plan_store", "rotation_method", "warp_store_eligible", "default_signed_sylvester",
+__all__ = ["StorePlan", "plan_store", "rotation_method", "split_tile", "warp_store_eligible", "default_signed_sylvester",
            "ROTATIONS", "ROT_NONE", "ROT_PM1", "ROT_SPLIT", "ROT_CHUNKED", "SMALL_STORE_VECTORS", "WARP_STORE_WARPS",
-           "SPLIT_FEW_VECTORS", "WARP_STORE_ITERS", "WARP_STORE_PROGRAMS", "WARP_STORE_LANES", "WARP_STORE_SHORT_LANES",
-           "WARP_STORE_SHORT_VECTORS", "WARP_STORE_MAXNREG_BF16",
+           "SPLIT_TILE", "SPLIT_TILE_BF16", "SPLIT_MIN_PROGRAMS", "WARP_STORE_ITERS", "WARP_STORE_PROGRAMS",
+           "WARP_STORE_LANES", "WARP_STORE_SHORT_LANES", "WARP_STORE_SHORT_VECTORS", "WARP_STORE_MAXNREG_BF16",
            "WARP_STORE_MAXNREG_STORED"]
 
 ROTATIONS = ("none", "pm1", "split", "chunked")
@@ -131,7 +133,11 @@ ROTATIONS = ("none", "pm1", "split", "chunked")
 ROT_NONE, ROT_PM1, ROT_SPLIT, ROT_CHUNKED = (tl.constexpr(i) for i in range(4))
 HOIST_MAX_DP = 128  # widest padded head_dim whose [DP, DP] operand is built once per program
 SMALL_STORE_VECTORS = 4096  # (token, head) vectors up to which a store takes the small tile (docstring)
-SPLIT_FEW_VECTORS = 65536  # ... below which a dense rotation's store takes one tile a program (docstring)
+# a dense rotation's store (``split``): (vectors a tile, warps, most tiles a program) for fp16 inputs and bf16
+# at head_dim <= 64, and for bf16 at 65-128; tiles halve until the grid has SPLIT_MIN_PROGRAMS (docstring)
+SPLIT_TILE = (32, 4, 8)
+SPLIT_TILE_BF16 = (16, 4, 4)
+SPLIT_MIN_PROGRAMS = 256
 WARP_STORE_WARPS = 1  # the warp kernel: warps per program (docstring)
 WARP_STORE_ITERS = 8  # the warp kernel: iterations per program at most (a long store)
 WARP_STORE_MAX_CHUNK = 128  # the warp kernel: most code bits per lane and side (docstring)
@@ -196,16 +202,16 @@ class StorePlan:
 
     def describe(self) -> str:
         """One line: kernel, rotation, tile, tiles per program, warps."""
+        cx = dict(self.constexprs)
+        half = ", half-table search" if cx["K_SYM"] or cx["V_SYM"] else ""
         if self.kernel == "warp":
-            cx = dict(self.constexprs)
-            half = ", half-table search" if cx["K_SYM"] or cx["V_SYM"] else ""
             warps = f"{self.num_warps} warp{'s' if self.num_warps > 1 else ''}"
             iters = f"{self.tiles} iteration{'s' if self.tiles > 1 else ''}"
             cap = f", <= {self.maxnreg} registers" if self.maxnreg is not None else ""
             return (f"store {self.in_dtype}{' mu' if self.has_mu else ''}: warp kernel, rotation {self.rotation}, "
                     f"{cx['L']} lanes per vector{half}, {warps} x {iters}{cap}")
         return (f"store {self.in_dtype}{' mu' if self.has_mu else ''}: rotation {self.rotation}, "
-                f"{self.block_vectors} vectors x {self.tiles} tiles per program, {self.num_warps} warps")
+                f"{self.block_vectors} vectors x {self.tiles} tiles per program, {self.num_warps} warps{half}")
 
 
 def plan_store(layout: PagedLayout, in_dtype: str = "fp16", *, has_mu: bool = False, signed_sylvester: bool = False,
@@ -225,8 +231,9 @@ def plan_store(layout: PagedLayout, in_dtype: str = "fp16", *, has_mu: bool = Fa
         vector_aligned: every key and value vector starts at a multiple of 8 bytes (the warp
             kernel's per-lane int64 loads; contiguous inputs do).
         symmetric_codebooks: every Lloyd-Max boundary table is antisymmetric (``b == −b[::-1]``
-            in float32, as :attr:`tqkern_torch.DeviceParams.symmetric_codebooks` checks): the warp
-            kernel then searches the positive half (codes of up to 5 bits).
+            in float32, as :attr:`tqkern_torch.DeviceParams.symmetric_codebooks` checks): both
+            kernels then search the positive half (codes of up to 5 bits; the tile kernel since
+            session 72).
     """
     if not isinstance(layout, PagedLayout):
         raise TypeError(f"layout must be a PagedLayout, got {type(layout).__name__}")
@@ -244,9 +251,22 @@ def plan_store(layout: PagedLayout, in_dtype: str = "fp16", *, has_mu: bool = Fa
                                               interpret=interpret):
         lanes = _warp_lanes(layout, num_vectors)
         return _plan_warp(layout, in_dtype, has_mu, lanes, _warp_iters(layout, num_vectors, lanes), symmetric_codebooks)
-    few = (num_vectors is not None and num_vectors < SPLIT_FEW_VECTORS
-           and rotation_method(layout, has_mu, signed_sylvester, interpret) == "split")
-    return _plan_store(layout, in_dtype, bool(has_mu), bool(signed_sylvester), bool(interpret), small, few)
+    split = None
+    if not small and rotation_method(layout, has_mu, signed_sylvester, interpret) == "split":
+        split = split_tile(layout_args(layout)["DP"], in_dtype, num_vectors)
+    return _plan_store(layout, in_dtype, bool(has_mu), bool(signed_sylvester), bool(interpret), small, split,
+                       symmetric_codebooks)
+
+
+def split_tile(dp: int, in_dtype: str, num_vectors: int | None) -> tuple[int, int, int]:
+    """``(block_vectors, num_warps, tiles)`` of a dense rotation's store of ``num_vectors`` vectors
+    (``None``: a long store) at padded head_dim ``dp`` (module docstring): :data:`SPLIT_TILE`, or
+    :data:`SPLIT_TILE_BF16` for bf16 inputs above head_dim 64, with the tiles a program halved
+    while the grid would have fewer than :data:`SPLIT_MIN_PROGRAMS` programs."""
+    bv, warps, tiles = SPLIT_TILE_BF16 if in_dtype == "bf16" and dp > 64 else SPLIT_TILE
+    while num_vectors is not None and tiles > 1 and triton.cdiv(num_vectors, bv * tiles) < SPLIT_MIN_PROGRAMS:
+        tiles //= 2
+    return bv, warps, tiles
 
 
 def default_signed_sylvester(layout: PagedLayout) -> bool:
@@ -328,13 +348,17 @@ def _plan_warp(layout: PagedLayout, in_dtype: str, has_mu: bool, lanes: int, ite
         L=lanes, ROTATE=rotate, K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"),
         HW_FP8=True, D=c["D"], ROW_BYTES=c["ROW_BYTES"], PAD_OFF=c["PAD_OFF"], PAD_STRIDE=c["PAD_STRIDE"],
         PAD_BYTES=c["PAD_BYTES"], K=c["K"], V=c["V"],
-        K_SYM=symmetric and c["K"].KIND == KIND_LLOYD_MAX.value and c["K"].BITS <= 5,
-        V_SYM=symmetric and c["V"].KIND == KIND_LLOYD_MAX.value and c["V"].BITS <= 5,
+        **_symmetric_sides(c, symmetric),
     )
     return StorePlan(layout=layout, in_dtype=in_dtype, has_mu=has_mu, rotation="fwht" if rotate else "none",
                      block_vectors=WARP_STORE_WARPS * 32 // lanes, tiles=iters, num_warps=WARP_STORE_WARPS,
                      num_stages=None, dot_precision="none", constexprs=tuple(cx.items()), kernel="warp",
                      maxnreg=_warp_maxnreg(layout, in_dtype, has_mu))
+
+
+def _symmetric_sides(c: dict, symmetric: bool) -> dict:
+    """``K_SYM`` / ``V_SYM``: that side's Lloyd-Max codes (of at most 5 bits) take the half-table search."""
+    return {f"{s}_SYM": symmetric and c[s].KIND == KIND_LLOYD_MAX.value and c[s].BITS <= 5 for s in ("K", "V")}
 
 
 def _warp_maxnreg(layout: PagedLayout, in_dtype: str, has_mu: bool) -> int | None:
@@ -361,23 +385,23 @@ def rotation_method(layout: PagedLayout, has_mu: bool, signed_sylvester: bool, i
 
 @functools.lru_cache(maxsize=512)
 def _plan_store(layout: PagedLayout, in_dtype: str, has_mu: bool, signed_sylvester: bool,
-                interpret: bool, small: bool, few: bool) -> StorePlan:
+                interpret: bool, small: bool, split: tuple[int, int, int] | None, symmetric: bool) -> StorePlan:
     c = layout_args(layout)
     rot = rotation_method(layout, has_mu, signed_sylvester, interpret)
     bv, warps, stages, kc = (16, 4, 1, min(c["DP"], 64)) if rot == "chunked" else (64, 8, None, c["DP"])
-    tiles = {"pm1": 2, "split": 4}.get(rot, 1)
+    tiles = 2 if rot == "pm1" else 1
     fmt = layout.format
     raw = isinstance(fmt.key, Raw) and isinstance(fmt.value, Raw)
     if (rot == "none" or small) and not raw:
         bv, warps, tiles = 16, 4, 1  # unrotated codes (FP8 keys, uniform values), short stores: docstring
-    elif rot == "split" and few:  # a dense rotation's store of few vectors: one tile a program (docstring)
-        bv, warps, tiles = (16, 4, 1) if c["DP"] <= 64 else (64, 8, 1)
+    elif rot == "split":  # a dense rotation's tile by dtype, head_dim and length (docstring)
+        bv, warps, tiles = split
     precision = "ieee" if interpret else "tf32x3"
     cx = dict(
         HAS_MU=has_mu, IN_BF16=in_dtype == "bf16", H=layout.num_kv_heads, BV=bv, TILES=tiles,
         ROT=ROTATIONS.index(rot), KC=kc, DOT_PRECISION=precision,
         K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"), HW_FP8=not interpret,
-        **c,
+        **c, **_symmetric_sides(c, symmetric),
     )
     return StorePlan(layout=layout, in_dtype=in_dtype, has_mu=has_mu, rotation=rot, block_vectors=bv, tiles=tiles,
                      num_warps=warps, num_stages=stages, dot_precision=precision, constexprs=tuple(cx.items()))

@@ -33,7 +33,7 @@ tile:
   in float32, well inside the oracle's ``EPS = 2^-16·‖x‖`` of uncertainty; ``|Π[0, 0]|`` and the
   Lloyd-Max ``1/‖x‖`` are one product;
 * Lloyd-Max codes: with an antisymmetric boundary table (``symmetric_codebooks``, codes of up to
-  5 bits) a binary search of ``|y|`` over the positive half held in registers (:func:`~.lanes._sym_codes`:
+  5 bits) a binary search of ``|y|`` over the positive half held in registers (:func:`tqkern.ops.fields.symmetric_codes`:
   one level and half the selects fewer), else the tile kernel's search of the whole table
   (:func:`tqkern.ops.fields._lloyd_max_codes`); uniform codes by its float32 estimate checked
   exactly (a program where the check fails for some element takes the float64 decision for
