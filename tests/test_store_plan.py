@@ -16,7 +16,7 @@ import tqkern_torch as tqt
 from tqkern import reference as ref
 from tqkern.ops.launch import BoundedCache
 from tqkern.ops.store.plan import (ROTATIONS, SMALL_STORE_VECTORS, SPLIT_MIN_PROGRAMS, SPLIT_TILE, SPLIT_TILE_BF16,
-                                   StorePlan, plan_store, rotation_method, split_tile)
+                                   StorePlan, plan_store, rotation_method, _split_tile)
 from tqkern_torch._params import to_device
 from tqkern_torch.testing import device_under_test, kernels_available
 
@@ -73,7 +73,8 @@ def test_short_stores_take_the_small_tile(preset, sylvester):
 
 @pytest.mark.parametrize("d, dtype, n, want", [
     (128, "fp16", None, (32, 4, 8)), (128, "fp16", 131072, (32, 4, 8)), (128, "fp16", 65536, (32, 4, 8)),
-    (128, "fp16", 65535, (32, 4, 8)), (128, "fp16", 65280, (32, 4, 4)), (128, "fp16", 32768, (32, 4, 4)), (128, "fp16", 16384, (32, 4, 2)),
+    (128, "fp16", 65535, (32, 4, 8)), (128, "fp16", 65280, (32, 4, 4)), (128, "fp16", 32768, (32, 4, 4)),
+    (128, "fp16", 16384, (32, 4, 2)),
     (128, "fp16", 8192, (32, 4, 1)), (128, "fp16", SMALL_STORE_VECTORS + 1, (32, 4, 1)),
     (96, "fp16", 65536, (32, 4, 8)), (64, "fp16", 12288, (32, 4, 1)), (64, "fp16", 49152, (32, 4, 4)),
     (64, "bf16", 49152, (32, 4, 4)), (64, "bf16", None, (32, 4, 8)),
@@ -89,7 +90,7 @@ def test_a_dense_rotations_tile_by_dtype_head_dim_and_length(d, dtype, n, want):
     plan = plan_store(layout, dtype, vector_aligned=True, num_vectors=n)
     assert plan.rotation == "split" and (plan.block_vectors, plan.num_warps, plan.tiles) == want
     assert dict(plan.constexprs)["BV"] == want[0] and dict(plan.constexprs)["TILES"] == want[2]
-    assert split_tile(128 if d == 96 else d, dtype, n) == want
+    assert _split_tile(128 if d == 96 else d, dtype, n) == want
     if n is not None:
         assert plan.grid(n // 8)[0] * plan.vectors_per_program >= n - 7
     small = plan_store(layout, dtype, num_vectors=SMALL_STORE_VECTORS)

@@ -1,8 +1,8 @@
 """Per-lane building blocks of the warp store kernel (:mod:`tqkern.ops.store.warp`; GPU only):
 inline-PTX lane exchange and group reductions, the reads and finiteness of a lane's 16-bit words,
 the rotation's sign words and in-register Walsh–Hadamard transform, the half-table Lloyd-Max
-search (from :mod:`tqkern.ops.fields`), and the packing and writing of a lane's code chunk. Every tensor holds one value per
-thread, ``L`` lanes per vector (the kernel's docstring says how lanes map to vectors)."""
+search (from :mod:`tqkern.ops.fields`), and the packing and writing of a lane's code chunk. Every
+tensor holds one value per thread, ``L`` lanes per vector (the kernel's docstring says how lanes map to vectors)."""
 
 from __future__ import annotations
 

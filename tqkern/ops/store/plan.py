@@ -25,8 +25,8 @@ Rotation methods (``y = x @ Π`` in float32, for the rotated sides):
 Tile sizes were picked by the offline sm_90 compile (``tests/test_store_sm90_compile.py``): 64
 vectors per tile (the tensor-core M of 4 warps), 8 warps (4 warps spill: 255 registers; 8 warps
 take 160–245 and no stack); tiles per program 2 (``pm1``: its operand costs one column read and
-~D²/128 integer ops per thread) or 4 (``split``, before session 72: a 64 KB fp32 Π read from L2 per program, against
-256 KB of fp16 K/V read from HBM), 1 otherwise. Measured on the H100 (16K tokens × 8 heads × 128,
+~D²/128 integer ops per thread) or 4 (``split``, before session 72: a 64 KB fp32 Π read from L2 per
+program, against 256 KB of fp16 K/V read from HBM), 1 otherwise. Measured on the H100 (16K tokens × 8 heads × 128,
 copy_ of the same bytes 45.9 µs; session 17): turboquant_4bit_nc 216 / 209 µs (slot / row) with
 these, 255–348 µs with 16–128 vectors × 4–8 warps × 1–2 tiles; but the unrotated quantized codes
 (``turboquant_k8v4``: FP8 keys, uniform values) take 134 / 102 µs with them and 73.3 / 52.4 µs
@@ -44,7 +44,7 @@ long as one program's serial work. Measured on the H100 (session 22, Hkv8/D128, 
 32.2), so the threshold stays at the largest measured size where the small tile won for every preset.
 
 A dense rotation's store (``split``: tq4, Haar rotations) of more than ``SMALL_STORE_VECTORS`` vectors
-(:func:`split_tile`) takes 32 vectors x 4 warps (:data:`SPLIT_TILE`; bf16 above head_dim 64: 16 x 4,
+(:func:`_split_tile`) takes 32 vectors x 4 warps (:data:`SPLIT_TILE`; bf16 above head_dim 64: 16 x 4,
 :data:`SPLIT_TILE_BF16`), with up to 8 (4) tiles a program, halved while the grid would have fewer than
 :data:`SPLIT_MIN_PROGRAMS` programs. Session 71's rule (64 x 8 x 4; one tile a program below 65,536
 vectors) left one 254-register CTA an SM. H200, session 72, tq4, µs (CUDA graphs, the public ``store``
@@ -122,7 +122,7 @@ from tqkern.layouts import LloydMax, PagedLayout, Raw
 from tqkern.ops.codecs import KIND_FP8, KIND_LLOYD_MAX, KIND_UNIFORM, layout_args
 from tqkern.ops.common import halfword_aligned
 
-__all__ = ["StorePlan", "plan_store", "rotation_method", "split_tile", "warp_store_eligible", "default_signed_sylvester",
+__all__ = ["StorePlan", "plan_store", "rotation_method", "warp_store_eligible", "default_signed_sylvester",
            "ROTATIONS", "ROT_NONE", "ROT_PM1", "ROT_SPLIT", "ROT_CHUNKED", "SMALL_STORE_VECTORS", "WARP_STORE_WARPS",
            "SPLIT_TILE", "SPLIT_TILE_BF16", "SPLIT_MIN_PROGRAMS", "WARP_STORE_ITERS", "WARP_STORE_PROGRAMS",
            "WARP_STORE_LANES", "WARP_STORE_SHORT_LANES", "WARP_STORE_SHORT_VECTORS", "WARP_STORE_MAXNREG_BF16",
@@ -253,12 +253,12 @@ def plan_store(layout: PagedLayout, in_dtype: str = "fp16", *, has_mu: bool = Fa
         return _plan_warp(layout, in_dtype, has_mu, lanes, _warp_iters(layout, num_vectors, lanes), symmetric_codebooks)
     split = None
     if not small and rotation_method(layout, has_mu, signed_sylvester, interpret) == "split":
-        split = split_tile(layout_args(layout)["DP"], in_dtype, num_vectors)
+        split = _split_tile(layout_args(layout)["DP"], in_dtype, num_vectors)
     return _plan_store(layout, in_dtype, bool(has_mu), bool(signed_sylvester), bool(interpret), small, split,
                        symmetric_codebooks)
 
 
-def split_tile(dp: int, in_dtype: str, num_vectors: int | None) -> tuple[int, int, int]:
+def _split_tile(dp: int, in_dtype: str, num_vectors: int | None) -> tuple[int, int, int]:
     """``(block_vectors, num_warps, tiles)`` of a dense rotation's store of ``num_vectors`` vectors
     (``None``: a long store) at padded head_dim ``dp`` (module docstring): :data:`SPLIT_TILE`, or
     :data:`SPLIT_TILE_BF16` for bf16 inputs above head_dim 64, with the tiles a program halved
