@@ -177,6 +177,18 @@ def test_key_offset_is_rounded_to_float32_and_read_only():
         p.key_offset[0, 0] = 1.0
 
 
+def test_key_offset_float32_subnormals_are_stored_as_signed_zeros():
+    """The GPU kernels' float32 arithmetic flushes subnormals, so the params do it first: oracle and
+    kernels then subtract the same μ."""
+    tiny = float(np.finfo(np.float32).tiny)
+    mu = np.zeros((2, D))
+    mu[0, :4] = [tiny / 2, -tiny / 2, 2.0**-149, tiny]
+    mu[1, 0] = -1.5
+    p = _params(key_offset=mu)
+    assert p.key_offset[0, :4].tolist() == [0.0, 0.0, 0.0, tiny] and p.key_offset[1, 0] == -1.5
+    assert list(np.signbit(p.key_offset[0, :3])) == [False, True, False]
+
+
 def test_rotation_is_a_read_only_copy():
     r = haar(D, 1)
     p = _params(rotation=r)

@@ -50,8 +50,9 @@ class TQParams:
         key_codebook / value_codebook: the Lloyd-Max codebook of a ``LloydMax`` codec, else
             ``None``.
         key_offset: float64 ``[num_kv_heads, D]`` per-head key offset μ (values exactly
-            representable in float32), subtracted from every key before it is compressed, or
-            ``None``. Attention is unchanged: q·(k − μ) = q·k − q·μ and softmax ignores the
+            representable in float32; float32 subnormals are stored as zeros of their sign, as
+            the GPU kernels' float32 arithmetic flushes them), subtracted from every key before it
+            is compressed, or ``None``. Attention is unchanged: q·(k − μ) = q·k − q·μ and softmax ignores the
             per-query constant.
 
     Build with :meth:`default` (tqkern's exact codebooks), :meth:`vllm` (vLLM's numerically
@@ -107,6 +108,8 @@ class TQParams:
             if not np.all(np.isfinite(mu32)):
                 raise ValueError(f"TQParams.key_offset must lie within float32's range (|μ| ≤ 3.4e38), "
                                  f"got max |μ| = {float(np.max(np.abs(mu))):.3g}")
+            tiny = np.abs(mu32) < np.finfo(np.float32).tiny
+            mu32 = np.where(tiny, np.copysign(np.float32(0.0), mu32), mu32).astype(np.float32)
             object.__setattr__(self, "key_offset", _readonly(mu32))
 
     @classmethod
