@@ -15,7 +15,7 @@ import tqkern
 import tqkern_torch as tqt
 from tqkern import reference as ref
 from tqkern.ops.launch import BoundedCache
-from tqkern.ops.store.plan import (ROTATIONS, SMALL_STORE_VECTORS, SPLIT_MIN_PROGRAMS, SPLIT_TILE, SPLIT_TILE_BF16,
+from tqkern.ops.store.plan import (ROTATIONS, SMALL_STORE_VECTORS, SPLIT_MIN_PROGRAMS, SPLIT_TILE, SPLIT_TILE_MU,
                                    StorePlan, plan_store, rotation_method, _split_tile)
 from tqkern_torch._params import to_device
 from tqkern_torch.testing import device_under_test, kernels_available
@@ -78,26 +78,34 @@ def test_short_stores_take_the_small_tile(preset, sylvester):
     (128, "fp16", 8192, (32, 4, 1)), (128, "fp16", SMALL_STORE_VECTORS + 1, (32, 4, 1)),
     (96, "fp16", 65536, (32, 4, 8)), (64, "fp16", 12288, (32, 4, 1)), (64, "fp16", 49152, (32, 4, 4)),
     (64, "bf16", 49152, (32, 4, 4)), (64, "bf16", None, (32, 4, 8)),
-    (128, "bf16", None, (16, 4, 4)), (128, "bf16", 16384, (16, 4, 4)), (128, "bf16", 16320, (16, 4, 2)),
-    (96, "bf16", 131072, (16, 4, 4)), (128, "bf16", SMALL_STORE_VECTORS + 1, (16, 4, 1)),
+    (128, "bf16", None, (32, 4, 8)), (128, "bf16", 65536, (32, 4, 8)), (128, "bf16", 65280, (32, 4, 4)),
+    (96, "bf16", 131072, (32, 4, 8)), (128, "bf16", SMALL_STORE_VECTORS + 1, (32, 4, 1)),
+    (128, "mu", None, (16, 4, 8)), (128, "mu", 32768, (16, 4, 8)), (128, "mu", 32640, (16, 4, 4)),
+    (64, "mu", 49152, (16, 4, 8)), (128, "mu", SMALL_STORE_VECTORS + 1, (16, 4, 1)),
+    (128, "bf16+mu", 65280, (32, 4, 4)), (64, "bf16+mu", 49152, (16, 4, 8)), (96, "bf16+mu", None, (32, 4, 8)),
 ])
-def test_a_dense_rotations_tile_by_dtype_head_dim_and_length(d, dtype, n, want):
+def test_a_dense_rotations_tile_by_dtype_key_offset_and_length(d, dtype, n, want):
     """A ``split`` store (tq4's dense Π) of more than SMALL_STORE_VECTORS vectors: 32 vectors x 4
-    warps (16 x 4 for bf16 above head_dim 64), and as many tiles a program (up to 8, or 4) as leave
-    SPLIT_MIN_PROGRAMS programs (plan.py's docstring: the H200 sweeps of session 72); by hand."""
-    assert SPLIT_TILE == (32, 4, 8) and SPLIT_TILE_BF16 == (16, 4, 4) and SPLIT_MIN_PROGRAMS == 256
+    warps (16 x 4 for keys minus a key offset but bf16 above head_dim 64), and as many tiles a program (up to 8) as leave
+    SPLIT_MIN_PROGRAMS programs (plan.py's docstring: the H200 sweeps of sessions 72 and 73); bf16
+    inputs and key offsets on fp16 operands; by hand."""
+    assert SPLIT_TILE == (32, 4, 8) and SPLIT_TILE_MU == (16, 4, 8) and SPLIT_MIN_PROGRAMS == 256
+    has_mu = dtype.endswith("mu")
+    in_dtype = "bf16" if dtype.startswith("bf16") else "fp16"
     layout = _layout("tq4", d, h=8)
-    plan = plan_store(layout, dtype, vector_aligned=True, num_vectors=n)
+    plan = plan_store(layout, in_dtype, has_mu=has_mu, vector_aligned=True, num_vectors=n)
     assert plan.rotation == "split" and (plan.block_vectors, plan.num_warps, plan.tiles) == want
     assert dict(plan.constexprs)["BV"] == want[0] and dict(plan.constexprs)["TILES"] == want[2]
-    assert _split_tile(128 if d == 96 else d, dtype, n) == want
+    assert dict(plan.constexprs)["F16_ROT"] == (has_mu or in_dtype == "bf16")
+    assert _split_tile(128 if d == 96 else d, in_dtype, has_mu, n) == want
     if n is not None:
         assert plan.grid(n // 8)[0] * plan.vectors_per_program >= n - 7
-    small = plan_store(layout, dtype, num_vectors=SMALL_STORE_VECTORS)
+    small = plan_store(layout, in_dtype, has_mu=has_mu, num_vectors=SMALL_STORE_VECTORS)
     assert (small.block_vectors, small.num_warps, small.tiles) == (16, 4, 1)
-    pm1 = plan_store(_layout("turboquant_4bit_nc", d if d != 96 else 128, h=8), dtype, signed_sylvester=True,
-                     num_vectors=n)
+    pm1 = plan_store(_layout("turboquant_4bit_nc", d if d != 96 else 128, h=8), in_dtype, has_mu=has_mu,
+                     signed_sylvester=True, num_vectors=n)
     assert pm1.rotation == "pm1" and (pm1.block_vectors, pm1.tiles) == (64, 2)  # misaligned Hadamard inputs
+    assert dict(pm1.constexprs)["F16_ROT"] == has_mu  # (bf16's ±1 operand is exact)
     with pytest.raises(ValueError, match="in_dtype must be 'fp16' or 'bf16'"):
         plan_store(layout, "fp32", num_vectors=n)
 
@@ -107,7 +115,7 @@ def test_a_dense_rotations_tile_by_dtype_head_dim_and_length(d, dtype, n, want):
     (128, 522, torch.float16, None, 1), (128, 522, torch.float16, 4, 8), (64, 1366, torch.float16, 20, 4),
     pytest.param(64, 1366, torch.float16, None, 1, marks=needs_gpu),
     pytest.param(128, 522, torch.bfloat16, None, 1, marks=needs_gpu),
-    pytest.param(128, 522, torch.bfloat16, 4, 4, marks=needs_gpu),
+    pytest.param(128, 522, torch.bfloat16, 4, 8, marks=needs_gpu),
     pytest.param(64, 1366, torch.bfloat16, None, 1, marks=needs_gpu)])
 def test_a_dense_rotations_tiles_write_the_oracle_bytes(d, tokens, dtype, min_programs, tiles, monkeypatch):
     """tq4 stores of just over SMALL_STORE_VECTORS vectors (one tile a program), and the same with
@@ -135,7 +143,8 @@ def test_a_dense_rotations_tiles_write_the_oracle_bytes(d, tokens, dtype, min_pr
     assert unsure.mean() < 0.02
 
 
-@pytest.mark.parametrize("preset, d, has_mu, rotation", [("tq4", 128, False, "split"), ("tq4", 128, True, "chunked"),
+@pytest.mark.parametrize("preset, d, has_mu, rotation", [("tq4", 128, False, "split"), ("tq4", 128, True, "split"),
+                                                        ("tq4", 256, True, "chunked"),
                                                         ("tqkern_k5v3", 96, False, "split"),
                                                         ("turboquant_4bit_nc", 256, True, "chunked")])
 def test_tile_plans_search_half_of_a_symmetric_table(preset, d, has_mu, rotation):
@@ -191,13 +200,71 @@ def test_the_tile_kernels_lloyd_max_search_writes_the_oracle_bytes(symmetric):
         assert np.unique(codes).size == 16  # every code of the side is written
 
 
-def test_wide_head_dim_and_key_offset_take_the_chunked_path():
+def test_wide_head_dim_takes_the_chunked_path_and_a_key_offset_fp16_operands():
     assert rotation_method(_layout("turboquant_4bit_nc", d=256), False, True, False) == "chunked"
-    assert rotation_method(_layout("tq4"), True, False, False) == "chunked"
+    assert rotation_method(_layout("turboquant_4bit_nc", d=256), True, True, False) == "chunked"
+    # Since session 73 a key offset on a rotated key keeps the tile kernel's product, on fp16 operands
+    # (x − μ in two parts) whatever the input dtype; chunked at head_dim 256 as without one.
+    for dtype in ("fp16", "bf16"):
+        for layout, sylvester, rot in ((_layout("tq4"), False, "split"), (_layout("tqkern_k5v3"), True, "pm1"),
+                                       (_layout("tq4", d=96), False, "split")):
+            plan = plan_store(layout, dtype, has_mu=True, signed_sylvester=sylvester)
+            assert plan.rotation == rot and dict(plan.constexprs)["F16_ROT"]
+            assert "fp16 operands" in plan.describe()
+            plain = plan_store(layout, dtype, signed_sylvester=sylvester)  # (bf16 split: fp16 operands too)
+            assert dict(plain.constexprs)["F16_ROT"] == (dtype == "bf16" and rot == "split")
+        assert not dict(plan_store(_layout("tq4", d=256), dtype, has_mu=True).constexprs)["F16_ROT"]
     # A key offset on an unrotated key leaves the value's rotation alone.
     fmt = tqkern.KVFormat(head_dim=64, key=tqkern.Uniform(bits=4), value=tqkern.LloydMax(bits=4))
     lay = tqkern.PagedLayout(format=fmt, num_kv_heads=2, block_size=16)
     assert rotation_method(lay, True, True, False) == "pm1"
+    assert not dict(plan_store(lay, has_mu=True, signed_sylvester=True).constexprs)["F16_ROT"]
+
+
+@needs_kernels
+@pytest.mark.parametrize("preset, d, sylvester, dtype", [
+    ("tq4", 128, False, torch.float16), ("tqkern_k5v3", 64, True, torch.float16),
+    pytest.param("tq4", 128, False, torch.bfloat16, marks=needs_gpu),
+    pytest.param("tqkern_k5v3", 128, True, torch.bfloat16, marks=needs_gpu)])
+def test_a_key_offset_at_every_scale_of_x_minus_mu_writes_the_oracle_bytes(preset, d, sylvester, dtype):
+    """Keys minus μ through the tile kernel's fp16 operands (each row scaled by a power of two, then
+    split in two parts) at the scales the scaling must survive: x − μ beyond fp16's range (keys near
+    ±60000, μ of the opposite sign), around 1, and far below fp16's subnormals (zero keys, μ down to
+    float32's subnormals), rows of each in one store into a poisoned cache at shuffled slots: the
+    oracle's bytes wherever it is certain, and most bytes certain. (Before session 73's fp16 operands,
+    float32 rows of x − μ below ~2^-126 overflowed the reciprocal of their norm: garbage codes.)"""
+    h, n = 2, 48
+    layout = _layout(preset, d, h=h)
+    rng = np.random.default_rng(d)
+    scales = np.array([2.0**-140, 2.0**-120, 2.0**-60, 2.0**-20, 1.0, 2.0**10])
+    mu = (rng.standard_normal((h, d)) * 0.5).astype(np.float32)
+    k = rng.standard_normal((n, h, d)).astype(np.float32)
+    # rows 0-11 huge: k near +-60000 with mu's sign opposite (|x - mu| up to ~1.2e5, beyond fp16)
+    k[:12] = np.sign(k[:12]) * 60000.0
+    mu_big = -np.sign(k[0]) * 60000.0 * (0.5 + rng.random((h, d)))
+    # rows 12-47: zero keys (x − μ = −μ, μ tiny) or ordinary ones, μ scaled per head below
+    k[12:30] = 0.0
+    params = tqkern.TQParams.default(layout.format, seed=2, key_offset=mu)
+    plan = plan_store(layout, "bf16" if dtype == torch.bfloat16 else "fp16", has_mu=True, signed_sylvester=sylvester,
+                      num_vectors=n * h, interpret=DEV.type != "cuda")
+    assert plan.kernel == "tile" and dict(plan.constexprs)["F16_ROT"]
+    for scale in scales:
+        m = (mu * scale).astype(np.float32)
+        if scale == 2.0**10:
+            m = mu_big.astype(np.float32)
+        p = tqkern.TQParams(format=layout.format, rotation=params.rotation, key_codebook=params.key_codebook,
+                            value_codebook=params.value_codebook, key_offset=m)
+        kt = torch.from_numpy(k).to(dtype)
+        vt = torch.from_numpy(rng.standard_normal((n, h, d)).astype(np.float32)).to(dtype)
+        nb = n // 16 + 2
+        slots = torch.from_numpy(rng.permutation(nb * 16)[:n].astype(np.int64))
+        cache = torch.from_numpy(rng.integers(0, 256, size=layout.cache_shape(nb), dtype=np.uint8)).to(DEV)
+        tqt.store(cache, kt.to(DEV), vt.to(DEV), slots.to(DEV), layout, to_device(p, DEV))
+        got = ref.gather_slots(cache.cpu().numpy(), layout, slots.numpy())
+        want, unsure = ref.compress(kt.double().numpy(), vt.double().numpy(), p, return_uncertain=True)
+        bad = (got != want) & ~unsure
+        assert not bad.any(), f"scale 2^{np.log2(scale):.0f}: {int(bad.sum())} certain bytes differ"
+        assert unsure.mean() < 0.1  # (tqkern_k5v3's stored norm is uncertain with any of its 64 codes: ~4%)
 
 
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tqkern_k5v3", "tq4"])

@@ -1,7 +1,7 @@
 """CI sees the store kernel as a GPU compiles it: compiled for sm_90 (H100) with Triton's bundled
 ptxas on a machine without a GPU (``tqkern/ops/store/aot.py``), with the plan's own constexprs,
-for every rotation method (``pm1``, ``split``, ``tf32x3`` with a key offset, ``chunked`` at
-head_dim 256, none) and the warp kernel of aligned inputs (``warp``: the in-register Hadamard), short stores' small tile,
+for every rotation method (``pm1``, ``split`` — with a key offset on fp16 operands since session 73 —,
+``chunked`` at head_dim 256, none) and the warp kernel of aligned inputs (``warp``: the in-register Hadamard), short stores' small tile,
 the ``decompress`` kernel (with the rotate-back in the program: ``decompress+rotate``), both arrangements, bf16 inputs (which the interpreter cannot run) and the
 hardware FP8 conversion. Each kernel must compile within 255 registers, and its stack bytes
 (spills) and SASS instruction count stay within the budgets below (today's values from Triton
@@ -28,14 +28,17 @@ BUDGETS = {
     "turboquant_k8v4:slot:128:8": (0, 1808),  # 16 vectors x 4 warps since session 17 (was 3568)
     "fp16:slot:128:8": (0, 736),
     "turboquant_4bit_nc:row:128:8:bf16": (0, 5800),
-    "tq4:row:128:8:bf16": (248, 3592),  # S72: 16 x 4 x 4 (Triton 3.6: 180 registers, no stack)
-    "tq4:slot:128:8:mu": (248, 5376),
+    # S73: bf16 inputs of a dense rotation and keys minus μ on fp16 operands (rows scaled by powers of two)
+    "tq4:row:128:8:bf16": (176, 5152),  # 32 x 4 x 8 (Triton 3.6: no stack, 5088; S72's 16 x 4 x 4 bf16 parts 248 / 3592)
+    "tq4:slot:128:8:mu": (32, 3448),  # split, 16 x 4 x 8 (Triton 3.6: no stack, 3440; chunked tf32x3 before: 248 / 5376)
     "turboquant_3bit_nc:slot:64:3": (0, 2728),
     # short stores (16 vectors x 4 warps x 1 tile, session 22)
     "turboquant_4bit_nc:slot:128:8:small": (0, 3920),
     "tqkern_k5v3:slot:128:8:small": (0, 4192),
     "tq4:slot:128:8:small": (72, 2800),
-    "tq4:row:128:8:bf16+small": (376, 3368),
+    "tq4:row:128:8:bf16+small": (56, 2816),  # (S73: fp16 operands; bf16 parts 376 / 3368)
+    # a dense rotation at head_dim 256: chunked tf32x3 products, 16 x 4 x 1 (spills; untimed)
+    "tq4:slot:256:8": (3512, 18104),
     # the warp kernel (aligned inputs, session 24; one warp per program, half-table search, float32
     # norms with a float64 fall-back, session 26): 76-184 registers, no stack
     "turboquant_4bit_nc:slot:128:8:warp": (0, 2080),
@@ -83,13 +86,14 @@ BUDGETS = {
 }
 
 # Triton 3.6 (the GPU machines' compiler) where its ptxas exceeds the budgets above (session 44, offline;
-# session 72 on the H200 machine for the tile cases)
+# sessions 72-73 on the H200 machine for the tile cases)
 TRITON36 = {
     "fp16:slot:128:8": (0, 760),
     "fp16:slot:128:8:decompress": (0, 384),
     "k5v4h:slot:128:8:warp+bf16": (16, 2736),
-    "tq4:slot:128:8:mu": (392, 5880),
-    "tq4:row:128:8:bf16+small": (320, 3480),
+    "tq4:row:128:8:bf16+small": (64, 3000),  # S73, on the H200 machine (bf16 parts: 320 / 3480)
+    # 32 registers and 14 KB of stack: tq4 at 4K x 8 x 256 took 7042 us against copy_'s 19.3 (S73, H200)
+    "tq4:slot:256:8": (14368, 37920),
     "turboquant_4bit_nc:row:128:8:bf16": (0, 6280),
     "turboquant_4bit_nc:row:128:8:warp+bf16": (8, 2232),
     "turboquant_4bit_nc:slot:128:8": (0, 6688),
@@ -98,13 +102,13 @@ TRITON36 = {
 
 
 # What the README's test command compiles (TQKERN_SM90_ALL=1: every case above): each rotation
-# method (pm1, split, chunked with μ, none), the tile kernel's short-store plan, bf16 inputs, FP8,
+# method (pm1, split, split with μ, none), the tile kernel's short-store plan, bf16 inputs, FP8,
 # 3- and 5-bit fields, the warp kernel (uniform, Lloyd-Max with μ and bf16, 5-bit at head_dim 256,
 # FP8), decompress with and without the rotate-back (head_dim 96, 128, 256), at least once
 CI = (
     "tq4:slot:128:8", "turboquant_4bit_nc:slot:128:8", "tqkern_k5v3:slot:128:8", "turboquant_k8v4:slot:128:8",
     "fp16:slot:128:8", "tq4:row:128:8:bf16", "tq4:slot:128:8:mu", "turboquant_3bit_nc:slot:64:3",
-    "tq4:slot:128:8:small", "turboquant_4bit_nc:row:128:8:warp+bf16", "k4v3h:row:128:8:warp+mu+bf16",
+    "tq4:slot:128:8:small", "tq4:slot:256:8", "turboquant_4bit_nc:row:128:8:warp+bf16", "k4v3h:row:128:8:warp+mu+bf16",
     "tqkern_k5v3:slot:256:8:warp", "turboquant_k8v4:slot:128:8:warp", "turboquant_3bit_nc:slot:64:3:warp",
     "fp16:slot:128:8:decompress", "tq4:slot:128:8:decompress+rotate", "tqkern_k5v3:slot:256:8:decompress+rotate",
     "tq4:slot:96:8:decompress+rotate",

@@ -361,7 +361,7 @@ def flag(cond, BIT: tl.constexpr):
 @triton.jit
 def encode_side(x, mu, y, row, h, tok_mask, bnd_ptr, cen_ptr, HAS_MU: tl.constexpr, IN_BF16: tl.constexpr,
                 D: tl.constexpr, DP: tl.constexpr, NIBBLE: tl.constexpr, ALIGNED: tl.constexpr, HW_FP8: tl.constexpr,
-                S: tl.constexpr, SYM: tl.constexpr = False):
+                S: tl.constexpr, SYM: tl.constexpr = False, ys=1.0, YS: tl.constexpr = False):
     """Encode one side (``S``: its :class:`~tqkern.ops.codecs.SideConsts`) of a tile of vectors
     (one per row; row r is head ``h[r]`` of the token whose cache row starts at ``row[r]``) into
     its fields, written where ``tok_mask [BV]``. Returns the error bits (``SATURATED``), int32.
@@ -374,7 +374,9 @@ def encode_side(x, mu, y, row, h, tok_mask, bnd_ptr, cen_ptr, HAS_MU: tl.constex
     bytes by the hardware conversion (round to nearest even, after clamping to ±448: the same
     bytes as :func:`~tqkern.ops.common.f32_to_fp8e4m3_bits`, which the interpreter runs). ``SYM``:
     the side's Lloyd-Max boundary table is antisymmetric (codes of at most 5 bits), searched by
-    :func:`symmetric_codes` over its positive half."""
+    :func:`symmetric_codes` over its positive half. ``YS``: ``y`` holds the rotated rows times
+    ``ys`` (float64 ``[BV]``, powers of two; a Lloyd-Max side divides them out with the norm, so rows
+    of any scale, subnormal ones too, find their codes; other kinds divide them out first)."""
     KIND: tl.constexpr = S.KIND
     BITS: tl.constexpr = S.BITS
     ROTATED: tl.constexpr = S.ROTATED
@@ -392,12 +394,18 @@ def encode_side(x, mu, y, row, h, tok_mask, bnd_ptr, cen_ptr, HAS_MU: tl.constex
     dmask = cols < D
     w2 = tok_mask[:, None] & dmask[None, :]
     PB: tl.constexpr = 2 + 2 * PARAM_DTYPE  # bytes of a stored f16 / f32
+    if YS and ROTATED and KIND != KIND_LLOYD_MAX:
+        y = y * (1.0 / ys).to(tl.float32)[:, None]
     if KIND == KIND_LLOYD_MAX:
         x64 = x.to(tl.float64)
         if HAS_MU:
             x64 = x64 - mu.to(tl.float64)
         n = tl.sqrt(tl.sum(x64 * x64, axis=1))  # float64: the norm bytes equal the oracle's
-        inv = tl.where(n > 0, 1.0 / tl.where(n > 0, n, 1.0), 0.0).to(tl.float32)
+        if YS:
+            n_y = n * ys
+        else:
+            n_y = n
+        inv = tl.where(n > 0, 1.0 / tl.where(n > 0, n_y, 1.0), 0.0).to(tl.float32)
         if SYM:
             idx = symmetric_codes(y * inv[:, None], half_bounds(bnd_ptr, BITS), BITS)
         else:

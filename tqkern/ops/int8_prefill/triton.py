@@ -133,7 +133,8 @@ def _quantize_q_kernel(q_ptr, rot_ptr, q8_ptr, qs_ptr, n_rows, stride_qs, stride
         elif ROT == ROT_NONE:
             y = xf
         else:
-            y = _rotate(x, src, rm, src, rot_ptr, b0, b1, b2, c, False, IN_BF16, ROT, D, DP, KC, DOT_PRECISION)
+            y, _ = _rotate(x, src, rm, 0.0, src, rot_ptr, b0, b1, b2, c, False, IN_BF16, False, ROT, D, DP, KC,
+                           DOT_PRECISION)
         codes, s = int8_codes(tl.where(cm[None, :], y, 0.0))
         tl.store(q8_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], codes, mask=rm[:, None] & cm[None, :])
         tl.store(qs_ptr + rows, tl.where(bad, float("nan"), s), mask=rm)

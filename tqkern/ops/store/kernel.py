@@ -10,6 +10,9 @@ oracle's bytes (float64 sums; float32 estimates checked exactly); only the rotat
 (codes within ``tqkern.ops.quantize.reference.EPS`` of a boundary may differ, as the spec allows).
 ``K_SYM`` / ``V_SYM``: that side's Lloyd-Max table is antisymmetric and searched by its positive half
 (:func:`tqkern.ops.fields.symmetric_codes`; a tie |y| = boundary may differ, as above).
+``F16_ROT`` (``pm1`` / ``split`` with a key offset or bf16 inputs): the rotation's operands are fp16
+whatever the input dtype; each row enters scaled by a power of two (:func:`_scaled_parts`): bf16
+rows exactly in one fp16 part, the keys' ``x − μ`` (float32) in two (~22 bits).
 
 Safety (``tqkern.errors``): a slot outside ``[0, num_slots)`` writes nothing (negative: skipped
 silently; too large: ``SLOT_OUT_OF_RANGE``); a key or value vector holding a NaN or ±inf is read
@@ -65,6 +68,32 @@ def _rotation_operand(rot_ptr, D: tl.constexpr, DP: tl.constexpr, ROT: tl.conste
 
 
 @triton.jit
+def _pow2(k):
+    """2^k in float32 for int32 ``k`` in [−126, 127] (exact)."""
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scaled_parts(d, TWO: tl.constexpr):
+    """Row ``r`` of float32 ``d [BV, DP]`` times 2^k_r, max |d_r|·2^k_r in [2^13, 2^14) (k_r = 140 where
+    that max is zero or subnormal; applied as two factors, each a float32), as fp16 parts
+    ``hi (+ lo)`` (``TWO``: lo = the rounding of what hi leaves, so hi + lo holds ~22 of d's bits;
+    otherwise hi alone, exact for bf16 inputs down to 2^-30 of the row's largest element), and 2^k_r
+    in float64 ``[BV]``. No part overflows fp16 or loses bits to its subnormals above 2^-24 of the
+    row's largest element."""
+    e = (tl.max(tl.abs(d), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of the max
+    k = 140 - tl.minimum(e, 254)  # in [-114, 140]
+    a = k >> 1
+    b = k - a
+    ds = d * _pow2(a)[:, None] * _pow2(b)[:, None]  # exact: powers of two, results normal or zero
+    hi = ds.to(tl.float16)
+    lo = hi
+    if TWO:
+        lo = (ds - hi.to(tl.float32)).to(tl.float16)  # ds − hi is exact in float32
+    return hi, lo, _pow2(a).to(tl.float64) * _pow2(b).to(tl.float64)
+
+
+@triton.jit
 def _rotate_chunked(x_ptr_2d, ld_mask, rot_ptr, D: tl.constexpr, DP: tl.constexpr, KC: tl.constexpr,
                     BV: tl.constexpr, DOT_PRECISION: tl.constexpr, mu_ptr_2d, HAS_MU: tl.constexpr):
     """y = (x − μ) @ Π in float32 [BV, DP]; x (and μ) read from global in KC-wide chunks (Π
@@ -84,21 +113,36 @@ def _rotate_chunked(x_ptr_2d, ld_mask, rot_ptr, D: tl.constexpr, DP: tl.constexp
 
 
 @triton.jit
-def _rotate(x, x_ptr_2d, ld_mask, mu_ptr_2d, rot_ptr, b0, b1, b2, c, HAS_MU: tl.constexpr,
-            IN_BF16: tl.constexpr, ROT: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, KC: tl.constexpr,
-            DOT_PRECISION: tl.constexpr):
-    """(x − μ) @ Π in float32 ``[BV, DP]`` by the plan's method, from the tile ``x`` (``chunked``:
-    from memory) and the operands of :func:`_rotation_operand`."""
-    if ROT == ROT_CHUNKED:
-        return _rotate_chunked(x_ptr_2d, ld_mask, rot_ptr, D, DP, KC, x.shape[0], DOT_PRECISION, mu_ptr_2d, HAS_MU)
-    elif ROT == ROT_PM1:
-        return tl.dot(x, b0) * c
-    else:  # ROT_SPLIT
-        acc = tl.dot(x, b0)
-        acc = tl.dot(x, b1, acc)
-        if IN_BF16:
-            acc = tl.dot(x, b2, acc)
-        return acc * c
+def _rotate(x, x_ptr_2d, ld_mask, mu, mu_ptr_2d, rot_ptr, b0, b1, b2, c, HAS_MU: tl.constexpr,
+            IN_BF16: tl.constexpr, F16_ROT: tl.constexpr, ROT: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+            KC: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``(y, ys)``: y = (x − μ) @ Π · ys in float32 ``[BV, DP]`` by the plan's method, from the tile
+    ``x`` (``chunked``: from memory) and the operands of :func:`_rotation_operand`; ``ys`` 1.0, or
+    with ``F16_ROT`` and ``HAS_MU`` or ``IN_BF16`` each row's power of two of :func:`_scaled_parts`
+    (float64 ``[BV]``; two parts of x − μ with μ, one without)."""
+    ys = 1.0
+    if ROT == ROT_CHUNKED:  # (a single return: Triton compiles the code after an early return too)
+        acc = _rotate_chunked(x_ptr_2d, ld_mask, rot_ptr, D, DP, KC, x.shape[0], DOT_PRECISION, mu_ptr_2d, HAS_MU)
+    else:
+        a = x
+        a_lo = x
+        if F16_ROT and (HAS_MU or IN_BF16):
+            d = x.to(tl.float32)
+            if HAS_MU:
+                d = d - mu
+            a, a_lo, ys = _scaled_parts(d, HAS_MU)
+        acc = tl.dot(a, b0)
+        if ROT == ROT_PM1:
+            if F16_ROT and HAS_MU:
+                acc = tl.dot(a_lo, b0, acc)
+        else:  # ROT_SPLIT
+            acc = tl.dot(a, b1, acc)
+            if F16_ROT and HAS_MU:
+                acc = tl.dot(a_lo, b0, acc)  # (a_lo·b1 is ~2^-22 of the product: left out, as tf32x3 does)
+            elif IN_BF16 and not F16_ROT:
+                acc = tl.dot(a, b2, acc)
+        acc = acc * c
+    return acc, ys
 
 
 @triton.jit
@@ -108,11 +152,11 @@ def _store_kernel(
     HAS_MU: tl.constexpr, IN_BF16: tl.constexpr, H: tl.constexpr, BV: tl.constexpr, TILES: tl.constexpr,
     ROT: tl.constexpr, KC: tl.constexpr, DOT_PRECISION: tl.constexpr, K_ALIGNED: tl.constexpr,
     V_ALIGNED: tl.constexpr, HW_FP8: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr,
-    NIBBLE: tl.constexpr,
+    NIBBLE: tl.constexpr, F16_ROT: tl.constexpr,
     PAD_OFF: tl.constexpr, PAD_STRIDE: tl.constexpr, PAD_BYTES: tl.constexpr, PADP: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr,
 ):
-    DOT: tl.constexpr = tl.bfloat16 if IN_BF16 else tl.float16
+    DOT: tl.constexpr = tl.bfloat16 if IN_BF16 and not F16_ROT else tl.float16
     b0, b1, b2, c = _rotation_operand(rot_ptr, D, DP, ROT, DOT)
     cols = tl.arange(0, DP)
     dm = cols < D
@@ -142,17 +186,19 @@ def _store_kernel(
         if HAS_MU:
             mu = tl.load(mu_ptr_2d + cols[None, :], mask=m2 & k_ok[:, None], other=0.0)
         ky = 0.0
+        kys = 1.0
         if K.ROTATED:
-            ky = _rotate(kx, k_ptr_2d, ok & k_ok, mu_ptr_2d, rot_ptr, b0, b1, b2, c, HAS_MU, IN_BF16, ROT, D, DP,
-                         KC, DOT_PRECISION)
+            ky, kys = _rotate(kx, k_ptr_2d, ok & k_ok, mu, mu_ptr_2d, rot_ptr, b0, b1, b2, c, HAS_MU, IN_BF16, F16_ROT,
+                         ROT, D, DP, KC, DOT_PRECISION)
         err |= encode_side(kx, mu, ky, row, h, ok, kb_ptr, kc_ptr, HAS_MU, IN_BF16, D, DP, NIBBLE, K_ALIGNED, HW_FP8, K,
-                           K_SYM)
+                           K_SYM, kys, K.ROTATED and F16_ROT and (HAS_MU or IN_BF16))
         vy = 0.0
+        vys = 1.0
         if V.ROTATED:
-            vy = _rotate(vx, v_ptr_2d, ok & v_ok, mu_ptr_2d, rot_ptr, b0, b1, b2, c, False, IN_BF16, ROT, D, DP,
-                         KC, DOT_PRECISION)
+            vy, vys = _rotate(vx, v_ptr_2d, ok & v_ok, 0.0, mu_ptr_2d, rot_ptr, b0, b1, b2, c, False, IN_BF16, F16_ROT,
+                         ROT, D, DP, KC, DOT_PRECISION)
         err |= encode_side(vx, 0.0, vy, row, h, ok, vb_ptr, vc_ptr, False, IN_BF16, D, DP, NIBBLE, V_ALIGNED, HW_FP8,
-                           V, V_SYM)
+                           V, V_SYM, vys, V.ROTATED and F16_ROT and IN_BF16)
         if PAD_BYTES > 0:
             p = tl.arange(0, PADP)
             tl.store((row + PAD_OFF + h * PAD_STRIDE)[:, None] + p[None, :], tl.zeros([BV, PADP], tl.uint8),

@@ -9,18 +9,30 @@ built once per program and serves all its tiles, both sides.
 Rotation methods (``y = x @ Π`` in float32, for the rotated sides):
 
 - ``"none"``: no codec is rotated.
-- ``"pm1"``: Π = diag(s)·H/√D (:func:`tqkern.rotations.is_signed_sylvester`, D ≤ 128, no key
-  offset): ``y = (x @ B) · |Π[0,0]|`` with B = sign(Π), an exact ±1 matrix in the input's dtype
-  (fp16/bf16), on the tensor cores with float32 accumulation: every product is exact.
-- ``"split"``: any other Π (D ≤ 128, no key offset): ``16·Π ≈ Π_1 + Π_2 (+ Π_3)``, each part
-  the rounding of what the previous ones leave, in the input's dtype (two fp16 parts: ~22 bits,
-  the factor 16 keeping Π_2 out of fp16's subnormals; three bf16 parts: 24 bits), one
-  tensor-core product per part, then ``y = acc / 16`` (exact). The error of y stays near
-  ``√D · 2^-22 · ‖x‖``, far inside the oracle's EPS = 2^-16 of ‖x‖.
-- ``"chunked"``: D > 128, or a key offset μ on a rotated key (``x − μ`` is inexact in fp16/bf16):
-  fp32 Π and x (minus μ) read in ``KC``-wide chunks inside every tile, three-pass tf32 products
-  (the interpreter computes every product in float32), as before issue 23: 16 vectors per tile,
-  4 warps, no software pipelining (the fp32 operands alone take up to 64 KB of shared memory).
+- ``"pm1"``: Π = diag(s)·H/√D (:func:`tqkern.rotations.is_signed_sylvester`, D ≤ 128):
+  ``y = (x @ B) · |Π[0,0]|`` with B = sign(Π), an exact ±1 matrix in the input's dtype (fp16/bf16;
+  fp16 with a key offset, below), on the tensor cores with float32 accumulation: every product is
+  exact.
+- ``"split"``: any other Π (D ≤ 128): ``16·Π ≈ Π_1 + Π_2``, Π_2 the rounding of what Π_1 leaves,
+  in fp16 (~22 bits, the factor 16 keeping Π_2 out of fp16's subnormals), one tensor-core product
+  per part, then ``y = acc / 16`` (exact). The error of y stays near ``√D · 2^-22 · ‖x‖``, far
+  inside the oracle's EPS = 2^-16 of ‖x‖. bf16 inputs enter as fp16 (below; before session 73:
+  three bf16 parts of Π, 24 bits, three products).
+- ``"chunked"``: D > 128: fp32 Π and x (minus μ) read in ``KC``-wide chunks inside every tile,
+  three-pass tf32 products (the interpreter computes every product in float32), as before issue
+  23: 16 vectors per tile, 4 warps, no software pipelining (the fp32 operands alone take up to 64
+  KB of shared memory). Before session 73 a key offset μ on a rotated key took it at every D.
+
+A key offset μ on a rotated key (``pm1`` / ``split``; ``F16_ROT``): ``x − μ`` is inexact in the
+input's dtype, so the rotation takes fp16 operands whatever the input dtype: each row of ``x − μ``
+(float32) scaled by a power of two to a largest element in [2^13, 2^14) and rounded to fp16 in two
+parts hi + lo (~22 bits); ``split`` adds hi·Π_1 + hi·Π_2 + lo·Π_1 (the left-out lo·Π_2 is ~2^-22 of
+the product, as in tf32x3), ``pm1`` hi·B + lo·B; the row's power of two is divided out after. The
+error of y stays near ``√D · 2^-21 · ‖x − μ‖``, inside EPS = 2^-16 as ``split``'s. bf16 rows of
+``split`` (and the values of ``pm1`` with a key offset) scale into one fp16 part exactly (bf16's 8
+significant bits fit fp16's 11; only elements below 2^-30 of their row's largest lose bits to fp16's
+subnormals). The scaling also keeps rows of any magnitude exact: x − μ beyond fp16's range, or
+float32 rows so small that the reciprocal of their norm would overflow float32.
 
 Tile sizes were picked by the offline sm_90 compile (``tests/test_store_sm90_compile.py``): 64
 vectors per tile (the tensor-core M of 4 warps), 8 warps (4 warps spill: 255 registers; 8 warps
@@ -44,18 +56,33 @@ long as one program's serial work. Measured on the H100 (session 22, Hkv8/D128, 
 32.2), so the threshold stays at the largest measured size where the small tile won for every preset.
 
 A dense rotation's store (``split``: tq4, Haar rotations) of more than ``SMALL_STORE_VECTORS`` vectors
-(:func:`_split_tile`) takes 32 vectors x 4 warps (:data:`SPLIT_TILE`; bf16 above head_dim 64: 16 x 4,
-:data:`SPLIT_TILE_BF16`), with up to 8 (4) tiles a program, halved while the grid would have fewer than
+(:func:`_split_tile`) takes 32 vectors x 4 warps (:data:`SPLIT_TILE`; keys minus a key offset: 16 x 4,
+:data:`SPLIT_TILE_MU`, but bf16 above head_dim 64), with up to 8 tiles a program, halved while the grid would have fewer than
 :data:`SPLIT_MIN_PROGRAMS` programs. Session 71's rule (64 x 8 x 4; one tile a program below 65,536
 vectors) left one 254-register CTA an SM. H200, session 72, tq4, µs (CUDA graphs, the public ``store``
 with the tile forced, same bytes in every cell): sweep at 16K tokens x 8 heads x 128, fp16: 64 x 8 x 4
-192.6, 32 x 4 x 2 / 4 / 8 162.4 / 156.7 / 153.8, 16 x 4 x 4 187.1, 32 x 8 x 2 220.8; bf16: 64 x 8 x 4
-214.4, 16 x 4 x 4 204.6, 32 x 4 x 2 286.1 (Triton 3.9 offline: bf16 spills 480 stack bytes in 64 x 8);
-at 4K x 16 x 96 fp16 32 x 4 x 8 64.7 (x 4 67.8), bf16 32 x 4 x 1 89.9, 16 x 4 x 4 95.6 (64 x 8 x 1 102.7);
-at 4K x 8 x 128, 32 x 4 x 8 (128 programs) 59.2 against x 4 40.1. A/B of this rule against session 71's
-(two runs within 0.6 µs, µs before → after): fp16 16K x 8 x 128 193.1 → 153.8, 4K 50.8 → 40.4, 2K 25.8
-→ 20.8; 16K x 16 x 96 384.0 → 259.2; 32K x 3 x 64 75.6 → 46.9, 4K x 3 x 64 8.9 → 8.0; bf16 16K x 8 x 128
-215.1 → 205.0, 8K 106.9 → 103.9, 6K 94.3 → 76.8; 16K x 16 x 96 423.5 → 392.4; 32K x 3 x 64 79.9 → 50.6.
+192.6, 32 x 4 x 2 / 4 / 8 162.4 / 156.7 / 153.8, 16 x 4 x 4 187.1, 32 x 8 x 2 220.8; at 4K x 8 x 128,
+32 x 4 x 8 (128 programs) 59.2 against x 4 40.1. A/B of this rule against session 71's (two runs within
+0.6 µs, µs before → after): fp16 16K x 8 x 128 193.1 → 153.8, 4K 50.8 → 40.4, 2K 25.8 → 20.8; 16K x 16
+x 96 384.0 → 259.2; 32K x 3 x 64 75.6 → 46.9, 4K x 3 x 64 8.9 → 8.0.
+
+Since session 73 the ``split`` and ``pm1`` products take fp16 operands (``F16_ROT``) for keys minus a
+key offset (before: ``chunked``, 16 x 4 x 1) and, ``split`` only, for bf16 inputs (before: three bf16
+parts of Π, 16 x 4 x 4 at head_dim 128, where 32 x 4 spilled): module docstring above. H200, tq4, µs
+(CUDA graphs, the public ``store``, tile forced; best of two; every cell's bytes equal within a column
+group and the oracle's on 256 tokens), 16K x 8 x 128 / 4K x 8 x 128 / 16K x 3 x 64: fp16 with μ,
+``chunked`` 469.8 / 119.8 / 61.4, fp16 operands 32 x 4 x 8 279.1, x 4 293.0 / 72.1 / 54.2, x 2
+309.5 / 75.9 / 40.5, **16 x 4 x 8 201.7 / 49.8 / 43.4**, x 4 213.7 / 53.6 / 44.5, 64 x 8 x 2 263.6 / 66.3
+/ 63.7; bf16 with μ, ``chunked`` 471.2 / 120.3 / 61.6, **32 x 4 x 8 189.1** / 74.1 / 58.0, **x 4** 193.8 /
+**48.8** / **45.8**, 16 x 4 x 8 203.2 / 50.6 / 44.0, 16 x 4 x 4 215.6 / 53.4 / –; bf16 without μ, bf16
+parts (session 72's plan) 203.7 / 49.9 / 26.5, fp16 operands **32 x 4 x 8 158.0** / 62.1 / 37.7, **x 4**
+159.6 / **41.8** / **26.0**, 16 x 4 x 4 203.1 / 49.8 / 27.9 (fp16 in, today's plan: 153.5 / 40.3 / 24.7).
+Head_dim 96 was not swept (it takes head_dim 128's tile). The rule against the plans before it (same
+H200, another run, µs before → after): fp16 with μ 16K x 8 x 128 469.2 → 201.6, 4K 119.4 → 50.0, 4K x 16
+x 96 181.2 → 85.8, 16K x 16 x 96 735.0 → 346.2, 16K x 3 x 64 61.6 → 43.6, 32K x 3 x 64 119.0 → 67.0; bf16
+with μ 470.0 → 188.9, 119.9 → 48.9, 182.2 → 79.1, 737.6 → 316.7, 61.7 → 45.8 (32 x 4 x 4), 119.1 → 105.3
+(32 x 4 x 8: hence 16 x 4 at head_dim 64); bf16 without μ (16 x 4 x 4, bf16 parts) 203.4 → 157.9, 49.9 →
+41.9, 95.7 → 68.0, 388.1 → 265.1, 29.4 → 26.1, 54.0 → 49.9 (fp16 in: 153.4, 40.4, 64.5, 256.7, 24.7, 47.3).
 
 **The warp kernel** (``kernel="warp"``, :mod:`tqkern.ops.store.warp`, session 24) takes every GPU
 store whose layout :func:`warp_store_eligible` accepts and whose inputs are vector-aligned (contiguous
@@ -124,7 +151,7 @@ from tqkern.ops.common import halfword_aligned
 
 __all__ = ["StorePlan", "plan_store", "rotation_method", "warp_store_eligible", "default_signed_sylvester",
            "ROTATIONS", "ROT_NONE", "ROT_PM1", "ROT_SPLIT", "ROT_CHUNKED", "SMALL_STORE_VECTORS", "WARP_STORE_WARPS",
-           "SPLIT_TILE", "SPLIT_TILE_BF16", "SPLIT_MIN_PROGRAMS", "WARP_STORE_ITERS", "WARP_STORE_PROGRAMS",
+           "SPLIT_TILE", "SPLIT_TILE_MU", "SPLIT_MIN_PROGRAMS", "WARP_STORE_ITERS", "WARP_STORE_PROGRAMS",
            "WARP_STORE_LANES", "WARP_STORE_SHORT_LANES", "WARP_STORE_SHORT_VECTORS", "WARP_STORE_MAXNREG_BF16",
            "WARP_STORE_MAXNREG_STORED"]
 
@@ -133,10 +160,10 @@ ROTATIONS = ("none", "pm1", "split", "chunked")
 ROT_NONE, ROT_PM1, ROT_SPLIT, ROT_CHUNKED = (tl.constexpr(i) for i in range(4))
 HOIST_MAX_DP = 128  # widest padded head_dim whose [DP, DP] operand is built once per program
 SMALL_STORE_VECTORS = 4096  # (token, head) vectors up to which a store takes the small tile (docstring)
-# a dense rotation's store (``split``): (vectors a tile, warps, most tiles a program) for fp16 inputs and bf16
-# at head_dim <= 64, and for bf16 at 65-128; tiles halve until the grid has SPLIT_MIN_PROGRAMS (docstring)
+# a dense rotation's store (``split``): (vectors a tile, warps, most tiles a program), and for fp16 keys minus a
+# key offset (two fp16 parts); tiles halve until the grid has SPLIT_MIN_PROGRAMS (docstring)
 SPLIT_TILE = (32, 4, 8)
-SPLIT_TILE_BF16 = (16, 4, 4)
+SPLIT_TILE_MU = (16, 4, 8)
 SPLIT_MIN_PROGRAMS = 256
 WARP_STORE_WARPS = 1  # the warp kernel: warps per program (docstring)
 WARP_STORE_ITERS = 8  # the warp kernel: iterations per program at most (a long store)
@@ -210,7 +237,8 @@ class StorePlan:
             cap = f", <= {self.maxnreg} registers" if self.maxnreg is not None else ""
             return (f"store {self.in_dtype}{' mu' if self.has_mu else ''}: warp kernel, rotation {self.rotation}, "
                     f"{cx['L']} lanes per vector{half}, {warps} x {iters}{cap}")
-        return (f"store {self.in_dtype}{' mu' if self.has_mu else ''}: rotation {self.rotation}, "
+        f16 = ", fp16 operands" if cx.get("F16_ROT") else ""
+        return (f"store {self.in_dtype}{' mu' if self.has_mu else ''}: rotation {self.rotation}{f16}, "
                 f"{self.block_vectors} vectors x {self.tiles} tiles per program, {self.num_warps} warps{half}")
 
 
@@ -253,17 +281,27 @@ def plan_store(layout: PagedLayout, in_dtype: str = "fp16", *, has_mu: bool = Fa
         return _plan_warp(layout, in_dtype, has_mu, lanes, _warp_iters(layout, num_vectors, lanes), symmetric_codebooks)
     split = None
     if not small and rotation_method(layout, has_mu, signed_sylvester, interpret) == "split":
-        split = _split_tile(layout_args(layout)["DP"], in_dtype, num_vectors)
+        split = _split_tile(layout_args(layout)["DP"], in_dtype, has_mu and layout.format.key.rotated, num_vectors)
     return _plan_store(layout, in_dtype, bool(has_mu), bool(signed_sylvester), bool(interpret), small, split,
-                       symmetric_codebooks)
+                       symmetric_codebooks, _f16_rotation(layout, in_dtype, has_mu, signed_sylvester, interpret))
 
 
-def _split_tile(dp: int, in_dtype: str, num_vectors: int | None) -> tuple[int, int, int]:
+def _f16_rotation(layout: PagedLayout, in_dtype: str, has_mu: bool, signed_sylvester: bool, interpret: bool) -> bool:
+    """``F16_ROT``: the tile kernel's ``pm1`` / ``split`` rotation takes fp16 operands from rows scaled by
+    powers of two (module docstring): a key offset on a rotated key (``x − μ`` in two parts), and bf16
+    inputs of ``split`` (one exact part; ``pm1``'s ±1 operand is exact in bf16 already)."""
+    rot = rotation_method(layout, has_mu, signed_sylvester, interpret)
+    return rot in ("pm1", "split") and (has_mu and layout.format.key.rotated or rot == "split" and in_dtype == "bf16")
+
+
+def _split_tile(dp: int, in_dtype: str, key_offset: bool, num_vectors: int | None) -> tuple[int, int, int]:
     """``(block_vectors, num_warps, tiles)`` of a dense rotation's store of ``num_vectors`` vectors
     (``None``: a long store) at padded head_dim ``dp`` (module docstring): :data:`SPLIT_TILE`, or
-    :data:`SPLIT_TILE_BF16` for bf16 inputs above head_dim 64, with the tiles a program halved
-    while the grid would have fewer than :data:`SPLIT_MIN_PROGRAMS` programs."""
-    bv, warps, tiles = SPLIT_TILE_BF16 if in_dtype == "bf16" and dp > 64 else SPLIT_TILE
+    :data:`SPLIT_TILE_MU` where the rotated keys take a key offset (but bf16 inputs above head_dim
+    64), with the tiles a program halved while the grid would have fewer than
+    :data:`SPLIT_MIN_PROGRAMS` programs."""
+    mu_tile = key_offset and (in_dtype == "fp16" or dp <= 64)
+    bv, warps, tiles = SPLIT_TILE_MU if mu_tile else SPLIT_TILE
     while num_vectors is not None and tiles > 1 and triton.cdiv(num_vectors, bv * tiles) < SPLIT_MIN_PROGRAMS:
         tiles //= 2
     return bv, warps, tiles
@@ -378,14 +416,15 @@ def rotation_method(layout: PagedLayout, has_mu: bool, signed_sylvester: bool, i
     fmt = layout.format
     if not (fmt.key.rotated or fmt.value.rotated):
         return "none"
-    if layout_args(layout)["DP"] > HOIST_MAX_DP or (has_mu and fmt.key.rotated):
+    if layout_args(layout)["DP"] > HOIST_MAX_DP:
         return "chunked"
     return "pm1" if signed_sylvester else "split"
 
 
 @functools.lru_cache(maxsize=512)
 def _plan_store(layout: PagedLayout, in_dtype: str, has_mu: bool, signed_sylvester: bool,
-                interpret: bool, small: bool, split: tuple[int, int, int] | None, symmetric: bool) -> StorePlan:
+                interpret: bool, small: bool, split: tuple[int, int, int] | None, symmetric: bool,
+                f16_rot: bool = False) -> StorePlan:
     c = layout_args(layout)
     rot = rotation_method(layout, has_mu, signed_sylvester, interpret)
     bv, warps, stages, kc = (16, 4, 1, min(c["DP"], 64)) if rot == "chunked" else (64, 8, None, c["DP"])
@@ -401,7 +440,7 @@ def _plan_store(layout: PagedLayout, in_dtype: str, has_mu: bool, signed_sylvest
         HAS_MU=has_mu, IN_BF16=in_dtype == "bf16", H=layout.num_kv_heads, BV=bv, TILES=tiles,
         ROT=ROTATIONS.index(rot), KC=kc, DOT_PRECISION=precision,
         K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"), HW_FP8=not interpret,
-        **c, **_symmetric_sides(c, symmetric),
+        **c, F16_ROT=f16_rot, **_symmetric_sides(c, symmetric),
     )
     return StorePlan(layout=layout, in_dtype=in_dtype, has_mu=has_mu, rotation=rot, block_vectors=bv, tiles=tiles,
                      num_warps=warps, num_stages=stages, dot_precision=precision, constexprs=tuple(cx.items()))
