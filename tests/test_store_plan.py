@@ -116,7 +116,8 @@ def test_a_dense_rotations_tile_by_dtype_key_offset_and_length(d, dtype, n, want
     pytest.param(64, 1366, torch.float16, None, 1, marks=needs_gpu),
     pytest.param(128, 522, torch.bfloat16, None, 1, marks=needs_gpu),
     pytest.param(128, 522, torch.bfloat16, 4, 8, marks=needs_gpu),
-    pytest.param(64, 1366, torch.bfloat16, None, 1, marks=needs_gpu)])
+    pytest.param(64, 1366, torch.bfloat16, None, 1, marks=needs_gpu),
+    (256, 40, torch.float16, None, 1), pytest.param(256, 522, torch.bfloat16, None, 1, marks=needs_gpu)])
 def test_a_dense_rotations_tiles_write_the_oracle_bytes(d, tokens, dtype, min_programs, tiles, monkeypatch):
     """tq4 stores of just over SMALL_STORE_VECTORS vectors (one tile a program), and the same with
     SPLIT_MIN_PROGRAMS lowered so that programs take several tiles (the last one partial), into a
@@ -214,6 +215,9 @@ def test_wide_head_dim_takes_the_chunked_path_and_a_key_offset_fp16_operands():
             plain = plan_store(layout, dtype, signed_sylvester=sylvester)  # (bf16 split: fp16 operands too)
             assert dict(plain.constexprs)["F16_ROT"] == (dtype == "bf16" and rot == "split")
         assert not dict(plan_store(_layout("tq4", d=256), dtype, has_mu=True).constexprs)["F16_ROT"]
+        for n in (None, 32, SMALL_STORE_VECTORS + 1):  # 8 warps at KC = 32, short stores too (session 73)
+            wide = plan_store(_layout("tq4", d=256), dtype, has_mu=True, num_vectors=n)
+            assert (wide.block_vectors, wide.num_warps, wide.tiles, dict(wide.constexprs)["KC"]) == (16, 8, 1, 32)
     # A key offset on an unrotated key leaves the value's rotation alone.
     fmt = tqkern.KVFormat(head_dim=64, key=tqkern.Uniform(bits=4), value=tqkern.LloydMax(bits=4))
     lay = tqkern.PagedLayout(format=fmt, num_kv_heads=2, block_size=16)

@@ -37,8 +37,9 @@ BUDGETS = {
     "tqkern_k5v3:slot:128:8:small": (0, 4192),
     "tq4:slot:128:8:small": (72, 2800),
     "tq4:row:128:8:bf16+small": (56, 2816),  # (S73: fp16 operands; bf16 parts 376 / 3368)
-    # a dense rotation at head_dim 256: chunked tf32x3 products, 16 x 4 x 1 (spills; untimed)
-    "tq4:slot:256:8": (3512, 18104),
+    # a dense rotation at head_dim 256: chunked tf32x3 products, 16 vectors x 8 warps, 32-row chunks of Pi
+    # (S73; 4 warps x 64 rows before: 3512 / 18104 here, 14368 / 37920 under Triton 3.6, now no stack / 8776)
+    "tq4:slot:256:8": (0, 9240),
     # the warp kernel (aligned inputs, session 24; one warp per program, half-table search, float32
     # norms with a float64 fall-back, session 26): 76-184 registers, no stack
     "turboquant_4bit_nc:slot:128:8:warp": (0, 2080),
@@ -92,8 +93,6 @@ TRITON36 = {
     "fp16:slot:128:8:decompress": (0, 384),
     "k5v4h:slot:128:8:warp+bf16": (16, 2736),
     "tq4:row:128:8:bf16+small": (64, 3000),  # S73, on the H200 machine (bf16 parts: 320 / 3480)
-    # 32 registers and 14 KB of stack: tq4 at 4K x 8 x 256 took 7042 us against copy_'s 19.3 (S73, H200)
-    "tq4:slot:256:8": (14368, 37920),
     "turboquant_4bit_nc:row:128:8:bf16": (0, 6280),
     "turboquant_4bit_nc:row:128:8:warp+bf16": (8, 2232),
     "turboquant_4bit_nc:slot:128:8": (0, 6688),

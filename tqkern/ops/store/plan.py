@@ -19,9 +19,14 @@ Rotation methods (``y = x @ Π`` in float32, for the rotated sides):
   inside the oracle's EPS = 2^-16 of ‖x‖. bf16 inputs enter as fp16 (below; before session 73:
   three bf16 parts of Π, 24 bits, three products).
 - ``"chunked"``: D > 128: fp32 Π and x (minus μ) read in ``KC``-wide chunks inside every tile,
-  three-pass tf32 products (the interpreter computes every product in float32), as before issue
-  23: 16 vectors per tile, 4 warps, no software pipelining (the fp32 operands alone take up to 64
-  KB of shared memory). Before session 73 a key offset μ on a rotated key took it at every D.
+  three-pass tf32 products (the interpreter computes every product in float32): 16 vectors per
+  tile, 8 warps, ``KC`` = 32 (:data:`CHUNKED_KC`), no software pipelining. Before session 73: 4 warps
+  and ``KC`` = 64, which Triton 3.6 compiled for head_dim 256 to 32 registers and 14,368 stack bytes
+  (37,920 SASS instructions; 3.9: 3,512 bytes); 8 warps at ``KC`` = 32 take 212 registers and no
+  stack under both (8 x 64: 400 bytes; 4 x 32: 1,048; 32 vectors x 8 x 32: 1,096). H200, tq4, 4K
+  tokens x 8 heads x 256, fp16: 7160.9 → 515.6 µs (bf16 527.0, with μ 513.6; 16K: 2048.2 / 2095.5 /
+  2026.0; ``copy_`` 19.5 / 66.8: still 2–3% of its bandwidth). A key offset μ on a rotated key took it
+  at every D before session 73.
 
 A key offset μ on a rotated key (``pm1`` / ``split``; ``F16_ROT``): ``x − μ`` is inexact in the
 input's dtype, so the rotation takes fp16 operands whatever the input dtype: each row of ``x − μ``
@@ -47,7 +52,7 @@ with 16 vectors × 4 warps × 1 tile (32: 104.5 / 65.7; 64 × 4 warps: 146.3 / 1
 keeps 64 × 8.
 
 A short store (at most :data:`SMALL_STORE_VECTORS` vectors: a decode step's batch, a short chunk)
-takes 16 vectors × 4 warps × 1 tile whatever its rotation: the large tiles leave most SMs idle
+takes 16 vectors × 4 warps × 1 tile whatever its rotation (but ``chunked``'s 8 warps, session 73): the large tiles leave most SMs idle
 there (512 tokens × 8 heads is 64 tiles of 64, 32 programs of 2 tiles) and the launch lasts as
 long as one program's serial work. Measured on the H100 (session 22, Hkv8/D128, µs, default →
 16 × 4 × 1, same bytes): 32 tokens turboquant_4bit_nc 25.8 → 7.8, tq4 48.4 → 6.7, turboquant_3bit_nc
@@ -159,6 +164,7 @@ ROTATIONS = ("none", "pm1", "split", "chunked")
 # The kernel's ROT constexpr (the index in ROTATIONS); kernels compare with these names.
 ROT_NONE, ROT_PM1, ROT_SPLIT, ROT_CHUNKED = (tl.constexpr(i) for i in range(4))
 HOIST_MAX_DP = 128  # widest padded head_dim whose [DP, DP] operand is built once per program
+CHUNKED_KC = 32  # the ``chunked`` method's chunk of Π's rows (16 vectors x 8 warps; docstring)
 SMALL_STORE_VECTORS = 4096  # (token, head) vectors up to which a store takes the small tile (docstring)
 # a dense rotation's store (``split``): (vectors a tile, warps, most tiles a program), and for fp16 keys minus a
 # key offset (two fp16 parts); tiles halve until the grid has SPLIT_MIN_PROGRAMS (docstring)
@@ -427,11 +433,11 @@ def _plan_store(layout: PagedLayout, in_dtype: str, has_mu: bool, signed_sylvest
                 f16_rot: bool = False) -> StorePlan:
     c = layout_args(layout)
     rot = rotation_method(layout, has_mu, signed_sylvester, interpret)
-    bv, warps, stages, kc = (16, 4, 1, min(c["DP"], 64)) if rot == "chunked" else (64, 8, None, c["DP"])
+    bv, warps, stages, kc = (16, 8, 1, CHUNKED_KC) if rot == "chunked" else (64, 8, None, c["DP"])
     tiles = 2 if rot == "pm1" else 1
     fmt = layout.format
     raw = isinstance(fmt.key, Raw) and isinstance(fmt.value, Raw)
-    if (rot == "none" or small) and not raw:
+    if (rot == "none" or small) and not raw and rot != "chunked":
         bv, warps, tiles = 16, 4, 1  # unrotated codes (FP8 keys, uniform values), short stores: docstring
     elif rot == "split":  # a dense rotation's tile by dtype, head_dim and length (docstring)
         bv, warps, tiles = split
