@@ -178,8 +178,8 @@ def test_key_offset_is_rounded_to_float32_and_read_only():
 
 
 def test_key_offset_float32_subnormals_are_stored_as_signed_zeros():
-    """The GPU kernels' float32 arithmetic flushes subnormals, so the params do it first: oracle and
-    kernels then subtract the same μ."""
+    """Keys minus subnormal offsets got other codes than the oracle's on the GPU (session 73), so the
+    params flush them first: oracle and kernels then subtract the same μ."""
     tiny = float(np.finfo(np.float32).tiny)
     mu = np.zeros((2, D))
     mu[0, :4] = [tiny / 2, -tiny / 2, 2.0**-149, tiny]

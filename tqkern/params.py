@@ -50,8 +50,8 @@ class TQParams:
         key_codebook / value_codebook: the Lloyd-Max codebook of a ``LloydMax`` codec, else
             ``None``.
         key_offset: float64 ``[num_kv_heads, D]`` per-head key offset μ (values exactly
-            representable in float32; float32 subnormals are stored as zeros of their sign, as
-            the GPU kernels' float32 arithmetic flushes them), subtracted from every key before it
+            representable in float32; float32 subnormals are stored as zeros of their sign: with
+            them the GPU kernels' codes differed from the oracle's, session 73), subtracted from every key before it
             is compressed, or ``None``. Attention is unchanged: q·(k − μ) = q·k − q·μ and softmax ignores the
             per-query constant.
 
