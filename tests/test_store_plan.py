@@ -86,7 +86,8 @@ def test_short_stores_take_the_small_tile(preset, sylvester):
 ])
 def test_a_dense_rotations_tile_by_dtype_key_offset_and_length(d, dtype, n, want):
     """A ``split`` store (tq4's dense Π) of more than SMALL_STORE_VECTORS vectors: 32 vectors x 4
-    warps (16 x 4 for keys minus a key offset but bf16 above head_dim 64), and as many tiles a program (up to 8) as leave
+    warps (16 x 4 for keys minus a key offset but bf16 above head_dim 64), and as many tiles a program
+    (up to 8) as leave
     SPLIT_MIN_PROGRAMS programs (plan.py's docstring: the H200 sweeps of sessions 72 and 73); bf16
     inputs and key offsets on fp16 operands; by hand."""
     assert SPLIT_TILE == (32, 4, 8) and SPLIT_TILE_MU == (16, 4, 8) and SPLIT_MIN_PROGRAMS == 256

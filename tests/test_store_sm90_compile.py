@@ -1,9 +1,10 @@
 """CI sees the store kernel as a GPU compiles it: compiled for sm_90 (H100) with Triton's bundled
 ptxas on a machine without a GPU (``tqkern/ops/store/aot.py``), with the plan's own constexprs,
-for every rotation method (``pm1``, ``split`` — with a key offset on fp16 operands since session 73 —,
-``chunked`` at head_dim 256, none) and the warp kernel of aligned inputs (``warp``: the in-register Hadamard), short stores' small tile,
-the ``decompress`` kernel (with the rotate-back in the program: ``decompress+rotate``), both arrangements, bf16 inputs (which the interpreter cannot run) and the
-hardware FP8 conversion. Each kernel must compile within 255 registers, and its stack bytes
+for every rotation method (``pm1``, ``split`` — with a key offset on fp16 operands since session
+73 —, ``chunked`` at head_dim 256, none) and the warp kernel of aligned inputs (``warp``: the
+in-register Hadamard), short stores' small tile, the ``decompress`` kernel (with the rotate-back in
+the program: ``decompress+rotate``), both arrangements, bf16 inputs (which the interpreter cannot
+run) and the hardware FP8 conversion. Each kernel must compile within 255 registers, and its stack bytes
 (spills) and SASS instruction count stay within the budgets below (today's values from Triton
 3.9's ptxas, instructions + 3%), so that a change adding spills or instructions fails here before
 any device time is spent. These are compile facts only, not timings. The README's test command
@@ -29,8 +30,10 @@ BUDGETS = {
     "fp16:slot:128:8": (0, 736),
     "turboquant_4bit_nc:row:128:8:bf16": (0, 5800),
     # S73: bf16 inputs of a dense rotation and keys minus μ on fp16 operands (rows scaled by powers of two)
-    "tq4:row:128:8:bf16": (176, 5152),  # 32 x 4 x 8 (Triton 3.6: no stack, 5088; S72's 16 x 4 x 4 bf16 parts 248 / 3592)
-    "tq4:slot:128:8:mu": (32, 3448),  # split, 16 x 4 x 8 (Triton 3.6: no stack, 3440; chunked tf32x3 before: 248 / 5376)
+    # 32 x 4 x 8 (Triton 3.6: no stack, 5088; S72's 16 x 4 x 4 on bf16 parts: 248 / 3592)
+    "tq4:row:128:8:bf16": (176, 5152),
+    # split, 16 x 4 x 8 (Triton 3.6: no stack, 3440; chunked tf32x3 before: 248 / 5376)
+    "tq4:slot:128:8:mu": (32, 3448),
     "turboquant_3bit_nc:slot:64:3": (0, 2728),
     # short stores (16 vectors x 4 warps x 1 tile, session 22)
     "turboquant_4bit_nc:slot:128:8:small": (0, 3920),

@@ -52,7 +52,8 @@ with 16 vectors × 4 warps × 1 tile (32: 104.5 / 65.7; 64 × 4 warps: 146.3 / 1
 keeps 64 × 8.
 
 A short store (at most :data:`SMALL_STORE_VECTORS` vectors: a decode step's batch, a short chunk)
-takes 16 vectors × 4 warps × 1 tile whatever its rotation (but ``chunked``'s 8 warps, session 73): the large tiles leave most SMs idle
+takes 16 vectors × 4 warps × 1 tile whatever its rotation (but ``chunked``'s 8 warps, session 73): the
+large tiles leave most SMs idle
 there (512 tokens × 8 heads is 64 tiles of 64, 32 programs of 2 tiles) and the launch lasts as
 long as one program's serial work. Measured on the H100 (session 22, Hkv8/D128, µs, default →
 16 × 4 × 1, same bytes): 32 tokens turboquant_4bit_nc 25.8 → 7.8, tq4 48.4 → 6.7, turboquant_3bit_nc
@@ -62,7 +63,8 @@ long as one program's serial work. Measured on the H100 (session 22, Hkv8/D128, 
 
 A dense rotation's store (``split``: tq4, Haar rotations) of more than ``SMALL_STORE_VECTORS`` vectors
 (:func:`_split_tile`) takes 32 vectors x 4 warps (:data:`SPLIT_TILE`; keys minus a key offset: 16 x 4,
-:data:`SPLIT_TILE_MU`, but bf16 above head_dim 64), with up to 8 tiles a program, halved while the grid would have fewer than
+:data:`SPLIT_TILE_MU`, but bf16 above head_dim 64), with up to 8 tiles a program, halved while the grid
+would have fewer than
 :data:`SPLIT_MIN_PROGRAMS` programs. Session 71's rule (64 x 8 x 4; one tile a program below 65,536
 vectors) left one 254-register CTA an SM. H200, session 72, tq4, µs (CUDA graphs, the public ``store``
 with the tile forced, same bytes in every cell): sweep at 16K tokens x 8 heads x 128, fp16: 64 x 8 x 4
