@@ -189,14 +189,14 @@ def _store_kernel(
         kys = 1.0
         if K.ROTATED:
             ky, kys = _rotate(kx, k_ptr_2d, ok & k_ok, mu, mu_ptr_2d, rot_ptr, b0, b1, b2, c, HAS_MU, IN_BF16, F16_ROT,
-                         ROT, D, DP, KC, DOT_PRECISION)
+                              ROT, D, DP, KC, DOT_PRECISION)
         err |= encode_side(kx, mu, ky, row, h, ok, kb_ptr, kc_ptr, HAS_MU, IN_BF16, D, DP, NIBBLE, K_ALIGNED, HW_FP8, K,
-                           K_SYM, kys, K.ROTATED and F16_ROT and (HAS_MU or IN_BF16))
+                           K_SYM, kys, K.ROTATED and F16_ROT)  # (F16_ROT: μ or bf16, so the keys are scaled)
         vy = 0.0
         vys = 1.0
         if V.ROTATED:
             vy, vys = _rotate(vx, v_ptr_2d, ok & v_ok, 0.0, mu_ptr_2d, rot_ptr, b0, b1, b2, c, False, IN_BF16, F16_ROT,
-                         ROT, D, DP, KC, DOT_PRECISION)
+                              ROT, D, DP, KC, DOT_PRECISION)
         err |= encode_side(vx, 0.0, vy, row, h, ok, vb_ptr, vc_ptr, False, IN_BF16, D, DP, NIBBLE, V_ALIGNED, HW_FP8,
                            V, V_SYM, vys, V.ROTATED and F16_ROT and IN_BF16)
         if PAD_BYTES > 0:

@@ -291,15 +291,7 @@ def plan_store(layout: PagedLayout, in_dtype: str = "fp16", *, has_mu: bool = Fa
     if not small and rotation_method(layout, has_mu, signed_sylvester, interpret) == "split":
         split = _split_tile(layout_args(layout)["DP"], in_dtype, has_mu and layout.format.key.rotated, num_vectors)
     return _plan_store(layout, in_dtype, bool(has_mu), bool(signed_sylvester), bool(interpret), small, split,
-                       symmetric_codebooks, _f16_rotation(layout, in_dtype, has_mu, signed_sylvester, interpret))
-
-
-def _f16_rotation(layout: PagedLayout, in_dtype: str, has_mu: bool, signed_sylvester: bool, interpret: bool) -> bool:
-    """``F16_ROT``: the tile kernel's ``pm1`` / ``split`` rotation takes fp16 operands from rows scaled by
-    powers of two (module docstring): a key offset on a rotated key (``x − μ`` in two parts), and bf16
-    inputs of ``split`` (one exact part; ``pm1``'s ±1 operand is exact in bf16 already)."""
-    rot = rotation_method(layout, has_mu, signed_sylvester, interpret)
-    return rot in ("pm1", "split") and (has_mu and layout.format.key.rotated or rot == "split" and in_dtype == "bf16")
+                       symmetric_codebooks)
 
 
 def _split_tile(dp: int, in_dtype: str, key_offset: bool, num_vectors: int | None) -> tuple[int, int, int]:
@@ -431,8 +423,7 @@ def rotation_method(layout: PagedLayout, has_mu: bool, signed_sylvester: bool, i
 
 @functools.lru_cache(maxsize=512)
 def _plan_store(layout: PagedLayout, in_dtype: str, has_mu: bool, signed_sylvester: bool,
-                interpret: bool, small: bool, split: tuple[int, int, int] | None, symmetric: bool,
-                f16_rot: bool = False) -> StorePlan:
+                interpret: bool, small: bool, split: tuple[int, int, int] | None, symmetric: bool) -> StorePlan:
     c = layout_args(layout)
     rot = rotation_method(layout, has_mu, signed_sylvester, interpret)
     bv, warps, stages, kc = (16, 8, 1, CHUNKED_KC) if rot == "chunked" else (64, 8, None, c["DP"])
@@ -444,6 +435,9 @@ def _plan_store(layout: PagedLayout, in_dtype: str, has_mu: bool, signed_sylvest
     elif rot == "split":  # a dense rotation's tile by dtype, head_dim and length (docstring)
         bv, warps, tiles = split
     precision = "ieee" if interpret else "tf32x3"
+    # F16_ROT (module docstring): fp16 operands for a key offset on a rotated key (x − μ in two parts) and
+    # for bf16 inputs of ``split`` (one exact part; ``pm1``'s ±1 operand is exact in bf16 already)
+    f16_rot = rot in ("pm1", "split") and (has_mu and fmt.key.rotated or rot == "split" and in_dtype == "bf16")
     cx = dict(
         HAS_MU=has_mu, IN_BF16=in_dtype == "bf16", H=layout.num_kv_heads, BV=bv, TILES=tiles,
         ROT=ROTATIONS.index(rot), KC=kc, DOT_PRECISION=precision,
