@@ -16,7 +16,7 @@ import tqkern_torch as tqt
 from tqkern import reference as ref
 from tqkern.ops.launch import BoundedCache
 from tqkern.ops.store.plan import (ROTATIONS, SMALL_STORE_VECTORS, SPLIT_MIN_PROGRAMS, SPLIT_TILE, SPLIT_TILE_MU,
-                                   StorePlan, plan_store, rotation_method, _split_tile)
+                                   WIDE_FP16_VECTORS, StorePlan, plan_store, rotation_method, _split_tile)
 from tqkern_torch._params import to_device
 from tqkern_torch.testing import device_under_test, kernels_available
 
@@ -145,6 +145,34 @@ def test_a_dense_rotations_tiles_write_the_oracle_bytes(d, tokens, dtype, min_pr
     assert unsure.mean() < 0.02
 
 
+@needs_kernels
+@pytest.mark.parametrize("has_mu", [False, True])
+def test_the_column_chunked_stores_large_tile_writes_the_oracle_bytes(has_mu, monkeypatch):
+    """tq4 at head_dim 256 through the column-chunked store's 128-vector tile (fp16; the thresholds
+    lowered so that 40 tokens x 8 heads take it: two whole tiles and a half one) into a poisoned cache
+    at shuffled slots, keys with and without μ: the oracle's bytes wherever it is certain."""
+    import tqkern.ops.store.plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "SMALL_STORE_VECTORS", 64)
+    monkeypatch.setattr(plan_mod, "WIDE_FP16_VECTORS", 100)
+    h, d, tokens = 8, 256, 40
+    layout = _layout("tq4", d, h=h)
+    plan = plan_store(layout, has_mu=has_mu, vector_aligned=True, num_vectors=tokens * h,
+                      interpret=DEV.type != "cuda")
+    assert (plan.block_vectors, dict(plan.constexprs)["COLS"], plan.grid(tokens)) == (128, 64, (3,))
+    mu = (np.random.default_rng(4).standard_normal((h, d)) * 0.5).astype(np.float32) if has_mu else None
+    params = tqkern.TQParams.default(layout.format, seed=4, key_offset=mu)
+    g = torch.Generator().manual_seed(4)
+    k, v = (torch.randn(tokens, h, d, generator=g).half() for _ in range(2))
+    slots = torch.randperm(64, generator=g)[:tokens]
+    cache = torch.randint(0, 256, tuple(layout.cache_shape(4)), dtype=torch.uint8, generator=g).to(DEV)
+    tqt.store(cache, k.to(DEV), v.to(DEV), slots.to(DEV), layout, to_device(params, DEV))
+    got = ref.gather_slots(cache.cpu().numpy(), layout, slots.numpy())
+    want, unsure = ref.compress(k.double().numpy(), v.double().numpy(), params, return_uncertain=True)
+    assert not np.any((got != want) & ~unsure)
+    assert unsure.mean() < 0.02
+
+
 @pytest.mark.parametrize("preset, d, has_mu, rotation", [("tq4", 128, False, "split"), ("tq4", 128, True, "split"),
                                                         ("tq4", 256, True, "chunked"),
                                                         ("tqkern_k5v3", 96, False, "split"),
@@ -216,9 +244,24 @@ def test_wide_head_dim_takes_the_chunked_path_and_a_key_offset_fp16_operands():
             plain = plan_store(layout, dtype, signed_sylvester=sylvester)  # (bf16 split: fp16 operands too)
             assert dict(plain.constexprs)["F16_ROT"] == (dtype == "bf16" and rot == "split")
         assert not dict(plan_store(_layout("tq4", d=256), dtype, has_mu=True).constexprs)["F16_ROT"]
-        for n in (None, 32, SMALL_STORE_VECTORS + 1):  # 8 warps at KC = 32, short stores too (session 73)
+        for n in (None, 32, SMALL_STORE_VECTORS + 1):  # short stores too
+            # Lloyd-Max sides take Π's columns 64 at a time over 64-row blocks, 64 vectors x 8 warps (a short
+            # store: 32 vectors; fp16 from WIDE_FP16_VECTORS vectors: 128) (session 74)
             wide = plan_store(_layout("tq4", d=256), dtype, has_mu=True, num_vectors=n)
-            assert (wide.block_vectors, wide.num_warps, wide.tiles, dict(wide.constexprs)["KC"]) == (16, 8, 1, 32)
+            cx = dict(wide.constexprs)
+            bv = 32 if n == 32 else 128 if dtype == "fp16" and n is None else 64
+            assert (wide.block_vectors, wide.num_warps, wide.tiles, cx["KC"], cx["COLS"]) == (bv, 8, 1, 64, 64)
+            assert plan_store(_layout("tq4", d=256), dtype, num_vectors=WIDE_FP16_VECTORS).block_vectors == (
+                128 if dtype == "fp16" else 64)
+            assert plan_store(_layout("tq4", d=256), dtype, num_vectors=WIDE_FP16_VECTORS - 1).block_vectors == 64
+            assert "columns 64 at a time" in wide.describe()
+            # a rotated side of another kind needs the whole row of y: 16 vectors x 8 warps at KC = 32 (session 73)
+            fmt = tqkern.KVFormat(head_dim=256, key=tqkern.LloydMax(bits=4), value=tqkern.Uniform(bits=4, rotated=True))
+            lay = tqkern.PagedLayout(format=fmt, num_kv_heads=2, block_size=16)
+            row = plan_store(lay, dtype, has_mu=True, num_vectors=n)
+            cx = dict(row.constexprs)
+            assert (row.block_vectors, row.num_warps, row.tiles, cx["KC"], cx["COLS"]) == (16, 8, 1, 32, 0)
+            assert row.rotation == "chunked" and "columns" not in row.describe()
     # A key offset on an unrotated key leaves the value's rotation alone.
     fmt = tqkern.KVFormat(head_dim=64, key=tqkern.Uniform(bits=4), value=tqkern.LloydMax(bits=4))
     lay = tqkern.PagedLayout(format=fmt, num_kv_heads=2, block_size=16)
@@ -230,7 +273,9 @@ def test_wide_head_dim_takes_the_chunked_path_and_a_key_offset_fp16_operands():
 @pytest.mark.parametrize("preset, d, sylvester, dtype", [
     ("tq4", 128, False, torch.float16), ("tqkern_k5v3", 64, True, torch.float16),
     pytest.param("tq4", 128, False, torch.bfloat16, marks=needs_gpu),
-    pytest.param("tqkern_k5v3", 128, True, torch.bfloat16, marks=needs_gpu)])
+    pytest.param("tqkern_k5v3", 128, True, torch.bfloat16, marks=needs_gpu),
+    ("tq4", 256, False, torch.float16), ("tqkern_k5v3", 256, True, torch.float16),
+    pytest.param("tq4", 256, False, torch.bfloat16, marks=needs_gpu)])
 def test_a_key_offset_at_every_scale_of_x_minus_mu_writes_the_oracle_bytes(preset, d, sylvester, dtype):
     """Keys minus μ through the tile kernel's fp16 operands (each row scaled by a power of two, then
     split in two parts) at the scales the scaling must survive: x − μ beyond fp16's range (keys near
@@ -252,7 +297,8 @@ def test_a_key_offset_at_every_scale_of_x_minus_mu_writes_the_oracle_bytes(prese
     params = tqkern.TQParams.default(layout.format, seed=2, key_offset=mu)
     plan = plan_store(layout, "bf16" if dtype == torch.bfloat16 else "fp16", has_mu=True, signed_sylvester=sylvester,
                       num_vectors=n * h, interpret=DEV.type != "cuda")
-    assert plan.kernel == "tile" and dict(plan.constexprs)["F16_ROT"]
+    cx = dict(plan.constexprs)
+    assert plan.kernel == "tile" and (cx["F16_ROT"] if d <= 128 else cx["COLS"] == 64)  # (256: Π's columns)
     for scale in scales:
         m = (mu * scale).astype(np.float32)
         if scale == 2.0**10:

@@ -1,14 +1,15 @@
 """CI sees the store kernel as a GPU compiles it: compiled for sm_90 (H100) with Triton's bundled
 ptxas on a machine without a GPU (``tqkern/ops/store/aot.py``), with the plan's own constexprs,
 for every rotation method (``pm1``, ``split`` — with a key offset on fp16 operands since session
-73 —, ``chunked`` at head_dim 256, none) and the warp kernel of aligned inputs (``warp``: the
-in-register Hadamard), short stores' small tile, the ``decompress`` kernel (with the rotate-back in
-the program: ``decompress+rotate``), both arrangements, bf16 inputs (which the interpreter cannot
-run) and the hardware FP8 conversion. Each kernel must compile within 255 registers, and its stack bytes
-(spills) and SASS instruction count stay within the budgets below (today's values from Triton
-3.9's ptxas, instructions + 3%), so that a change adding spills or instructions fails here before
-any device time is spent. These are compile facts only, not timings. The README's test command
-compiles the CI set below; ``TQKERN_SM90_ALL=1`` every case (``tests/sm90_budgets.py``).
+73 —, ``chunked`` at head_dim 256 — Π's columns a chunk at a time since session 74 —, none) and
+the warp kernel of aligned inputs (``warp``: the in-register Hadamard), short stores' small tile,
+the ``decompress`` kernel (with the rotate-back in the program: ``decompress+rotate``), both
+arrangements, bf16 inputs (which the interpreter cannot run) and the hardware FP8 conversion. Each
+kernel must compile within 255 registers, and its stack bytes (spills) and SASS instruction count
+stay within the budgets below (today's values from Triton 3.9's ptxas, instructions + 3%), so that
+a change adding spills or instructions fails here before any device time is spent. These are
+compile facts only, not timings. The README's test command compiles the CI set below;
+``TQKERN_SM90_ALL=1`` every case (``tests/sm90_budgets.py``).
 """
 
 from __future__ import annotations
@@ -40,9 +41,15 @@ BUDGETS = {
     "tqkern_k5v3:slot:128:8:small": (0, 4192),
     "tq4:slot:128:8:small": (72, 2800),
     "tq4:row:128:8:bf16+small": (56, 2816),  # (S73: fp16 operands; bf16 parts 376 / 3368)
-    # a dense rotation at head_dim 256: chunked tf32x3 products, 16 vectors x 8 warps, 32-row chunks of Pi
-    # (S73; 4 warps x 64 rows before: 3512 / 18104 here, 14368 / 37920 under Triton 3.6, now no stack / 8776)
-    "tq4:slot:256:8": (0, 9240),
+    # a dense rotation at head_dim 256 (S74): Pi's columns 64 at a time over 64-row blocks on fp16 operands,
+    # 128 vectors x 8 warps for fp16 inputs, 64 x 8 for bf16, 32 x 8 for short stores. Triton 3.6: 229 / 255 /
+    # 244 / 250 registers, stack 0 / 88 / 0 / 0, 14200 / 17936 / 12848 / 6800 instructions (fp16 at 64 x 8:
+    # no stack, 10160 / 12680, timed 25% / 6% slower). (S73's chunked tf32x3 products, 16 vectors x 8 warps,
+    # 32-row chunks of Pi: 0 / 9240 here; 4 warps x 64 rows before: 3512 / 18104, 14368 / 37920 under 3.6)
+    "tq4:slot:256:8": (0, 15425),
+    "tq4:row:256:8:mu": (104, 19414),
+    "tq4:row:256:8:bf16+mu": (48, 14404),
+    "tq4:slot:256:8:small": (0, 6864),
     # the warp kernel (aligned inputs, session 24; one warp per program, half-table search, float32
     # norms with a float64 fall-back, session 26): 76-184 registers, no stack
     "turboquant_4bit_nc:slot:128:8:warp": (0, 2080),

@@ -35,8 +35,8 @@ __all__ = [
     "DT_BF16", "DT_F16", "DT_F32", "KIND_FP8", "KIND_LLOYD_MAX", "KIND_RAW", "KIND_UNIFORM",
     "NC_DECODE", "NC_NONE", "NC_STORED", "SideConsts", "layout_args", "layout_consts", "side_consts",
     # building blocks
-    "halfword_aligned", "transform_applies", "_fwht_tile", "f64_to_f16_bits", "f32_to_bf16_bits",
-    "f32_to_fp8e4m3_bits", "f64_to_bits", "store_bytes", "load_bytes", "bits_to_f32", "fp8e4m3_bits_to_f32",
+    "halfword_aligned", "transform_applies", "_fwht_tile", "pow2_f32", "row_scales", "f64_to_f16_bits",
+    "f32_to_bf16_bits", "f32_to_fp8e4m3_bits", "f64_to_bits", "store_bytes", "load_bytes", "bits_to_f32", "fp8e4m3_bits_to_f32",
     "store_packed", "load_packed", "load_param",
 ]
 
@@ -67,6 +67,24 @@ def _fwht_tile(y, BT: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr):
         y = tl.permute(y, [0, 1, 3, 2])
         y = tl.reshape(y, [BT, D])
     return y
+
+
+# -- powers of two -------------------------------------------------------------------------------
+@triton.jit
+def pow2_f32(k):
+    """2^k in float32 for int32 ``k`` in [−126, 127] (exact)."""
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def row_scales(mx):
+    """``(sa, sb)``, float32 powers of two whose product 2^k_r takes a row's largest magnitude ``mx``
+    (float32 ``[BV]``) into [2^13, 2^14) (k_r = 140 where it is zero or subnormal), in two factors so
+    that each is a normal float32 (k_r in [−114, 140])."""
+    e = (mx.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent
+    k = 140 - tl.minimum(e, 254)
+    a = k >> 1
+    return pow2_f32(a), pow2_f32(k - a)
 
 
 # -- float → bits -------------------------------------------------------------------------------

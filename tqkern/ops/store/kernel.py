@@ -28,8 +28,10 @@ import triton
 import triton.language as tl
 
 from tqkern.errors import ErrorFlag
+from tqkern.ops.common import row_scales
 from tqkern.ops.fields import encode_side, finite_rows, flag
 from tqkern.ops.store.plan import ROT_CHUNKED, ROT_PM1, ROT_SPLIT
+from tqkern.ops.store.wide import store_columns
 
 __all__ = ["_store_kernel"]
 
@@ -68,12 +70,6 @@ def _rotation_operand(rot_ptr, D: tl.constexpr, DP: tl.constexpr, ROT: tl.conste
 
 
 @triton.jit
-def _pow2(k):
-    """2^k in float32 for int32 ``k`` in [−126, 127] (exact)."""
-    return ((k + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _scaled_parts(d, TWO: tl.constexpr):
     """Row ``r`` of float32 ``d [BV, DP]`` times 2^k_r, max |d_r|·2^k_r in [2^13, 2^14) (k_r = 140 where
     that max is zero or subnormal; applied as two factors, each a float32), as fp16 parts
@@ -81,16 +77,13 @@ def _scaled_parts(d, TWO: tl.constexpr):
     otherwise hi alone, exact for bf16 inputs down to 2^-30 of the row's largest element), and 2^k_r
     in float64 ``[BV]``. No part overflows fp16 or loses bits to its subnormals above 2^-24 of the
     row's largest element."""
-    e = (tl.max(tl.abs(d), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of the max
-    k = 140 - tl.minimum(e, 254)  # in [-114, 140]
-    a = k >> 1
-    b = k - a
-    ds = d * _pow2(a)[:, None] * _pow2(b)[:, None]  # exact: powers of two, results normal or zero
+    sa, sb = row_scales(tl.max(tl.abs(d), axis=1))
+    ds = d * sa[:, None] * sb[:, None]  # exact: powers of two, results normal or zero
     hi = ds.to(tl.float16)
     lo = hi
     if TWO:
         lo = (ds - hi.to(tl.float32)).to(tl.float16)  # ds − hi is exact in float32
-    return hi, lo, _pow2(a).to(tl.float64) * _pow2(b).to(tl.float64)
+    return hi, lo, sa.to(tl.float64) * sb.to(tl.float64)
 
 
 @triton.jit
@@ -152,7 +145,7 @@ def _store_kernel(
     HAS_MU: tl.constexpr, IN_BF16: tl.constexpr, H: tl.constexpr, BV: tl.constexpr, TILES: tl.constexpr,
     ROT: tl.constexpr, KC: tl.constexpr, DOT_PRECISION: tl.constexpr, K_ALIGNED: tl.constexpr,
     V_ALIGNED: tl.constexpr, HW_FP8: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr,
-    NIBBLE: tl.constexpr, F16_ROT: tl.constexpr,
+    NIBBLE: tl.constexpr, F16_ROT: tl.constexpr, COLS: tl.constexpr,
     PAD_OFF: tl.constexpr, PAD_STRIDE: tl.constexpr, PAD_BYTES: tl.constexpr, PADP: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr,
 ):
@@ -183,22 +176,30 @@ def _store_kernel(
         vx = tl.where(v_ok[:, None], vx, 0.0)
         mu_ptr_2d = mu_ptr + (h * D)[:, None]
         mu = 0.0
-        if HAS_MU:
+        if HAS_MU and not (COLS > 0 and K.ROTATED):  # (Π's columns: μ read a chunk at a time)
             mu = tl.load(mu_ptr_2d + cols[None, :], mask=m2 & k_ok[:, None], other=0.0)
-        ky = 0.0
-        kys = 1.0
-        if K.ROTATED:
-            ky, kys = _rotate(kx, k_ptr_2d, ok & k_ok, mu, mu_ptr_2d, rot_ptr, b0, b1, b2, c, HAS_MU, IN_BF16, F16_ROT,
-                              ROT, D, DP, KC, DOT_PRECISION)
-        err |= encode_side(kx, mu, ky, row, h, ok, kb_ptr, kc_ptr, HAS_MU, IN_BF16, D, DP, NIBBLE, K_ALIGNED, HW_FP8, K,
-                           K_SYM, kys, K.ROTATED and F16_ROT)  # (F16_ROT: μ or bf16, so the keys are scaled)
-        vy = 0.0
-        vys = 1.0
-        if V.ROTATED:
-            vy, vys = _rotate(vx, v_ptr_2d, ok & v_ok, 0.0, mu_ptr_2d, rot_ptr, b0, b1, b2, c, False, IN_BF16, F16_ROT,
-                              ROT, D, DP, KC, DOT_PRECISION)
-        err |= encode_side(vx, 0.0, vy, row, h, ok, vb_ptr, vc_ptr, False, IN_BF16, D, DP, NIBBLE, V_ALIGNED, HW_FP8,
-                           V, V_SYM, vys, V.ROTATED and F16_ROT and IN_BF16)
+        if COLS > 0 and K.ROTATED:  # (the plan takes COLS where every rotated side is Lloyd-Max)
+            err |= store_columns(k_ptr_2d, mu_ptr_2d, ok & k_ok, row, h, ok, rot_ptr, kb_ptr, kc_ptr, HAS_MU,
+                                 IN_BF16, D, COLS, KC, NIBBLE, K_ALIGNED, K, K_SYM)
+        else:
+            ky = 0.0
+            kys = 1.0
+            if K.ROTATED:
+                ky, kys = _rotate(kx, k_ptr_2d, ok & k_ok, mu, mu_ptr_2d, rot_ptr, b0, b1, b2, c, HAS_MU, IN_BF16,
+                                  F16_ROT, ROT, D, DP, KC, DOT_PRECISION)
+            err |= encode_side(kx, mu, ky, row, h, ok, kb_ptr, kc_ptr, HAS_MU, IN_BF16, D, DP, NIBBLE, K_ALIGNED,
+                               HW_FP8, K, K_SYM, kys, K.ROTATED and F16_ROT)  # (F16_ROT: μ or bf16: keys scaled)
+        if COLS > 0 and V.ROTATED:
+            err |= store_columns(v_ptr_2d, mu_ptr_2d, ok & v_ok, row, h, ok, rot_ptr, vb_ptr, vc_ptr, False,
+                                 IN_BF16, D, COLS, KC, NIBBLE, V_ALIGNED, V, V_SYM)
+        else:
+            vy = 0.0
+            vys = 1.0
+            if V.ROTATED:
+                vy, vys = _rotate(vx, v_ptr_2d, ok & v_ok, 0.0, mu_ptr_2d, rot_ptr, b0, b1, b2, c, False, IN_BF16,
+                                  F16_ROT, ROT, D, DP, KC, DOT_PRECISION)
+            err |= encode_side(vx, 0.0, vy, row, h, ok, vb_ptr, vc_ptr, False, IN_BF16, D, DP, NIBBLE, V_ALIGNED,
+                               HW_FP8, V, V_SYM, vys, V.ROTATED and F16_ROT and IN_BF16)
         if PAD_BYTES > 0:
             p = tl.arange(0, PADP)
             tl.store((row + PAD_OFF + h * PAD_STRIDE)[:, None] + p[None, :], tl.zeros([BV, PADP], tl.uint8),

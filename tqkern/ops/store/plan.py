@@ -26,7 +26,18 @@ Rotation methods (``y = x @ Π`` in float32, for the rotated sides):
   stack under both (8 x 64: 400 bytes; 4 x 32: 1,048; 32 vectors x 8 x 32: 1,096). H200, tq4, 4K
   tokens x 8 heads x 256, fp16: 7160.9 → 515.6 µs (bf16 527.0, with μ 513.6; 16K: 2048.2 / 2095.5 /
   2026.0; ``copy_`` 19.5 / 66.8: still 2–3% of its bandwidth). A key offset μ on a rotated key took it
-  at every D before session 73.
+  at every D before session 73. Since session 74 a ``chunked`` store whose rotated sides are all
+  Lloyd-Max (every preset's; head_dim a multiple of 64) takes Π's columns :data:`WIDE_COLS` at a
+  time (``COLS``; :mod:`tqkern.ops.store.wide`): the norm first, from x, then per column chunk
+  ``y[:, c]`` over :data:`WIDE_KC`-row blocks on fp16 operands (Π in two parts, x exact or scaled as
+  ``F16_ROT``'s), searched and packed at once. 64 vectors × 8 warps (:data:`WIDE_TILE`; a short
+  store 32 × 8, :data:`WIDE_TILE_SMALL`; fp16 inputs from :data:`WIDE_FP16_VECTORS` vectors 128 × 8,
+  :data:`WIDE_TILE_FP16`). H200, tq4 16K × 8 × 256 (the public store, plan forced, best of two): fp16
+  1913.9 → 947.0 µs at 32 × 8, 830.4 at 64 × 8 (16 × 8: 1027.8), 626.9 at 128 × 8 (another run: 64 × 8
+  833.4); with μ 2056.1 → 1118.9 / 933.7, 128 × 8 876.7 (64 × 8 930.2); bf16 2000.1 → 950.8 / 803.7
+  (128 × 8 untimed: bf16 keeps 64 × 8); bf16 with μ 2146.2 → 1162.7 / 934.7; 512 tokens (4096 vectors):
+  32 × 8 30.1 µs, 64 × 8 48.1, 16 × 8 35.3 (μ 35.3 / 53.9 / 50.3). Sizes between 4096 and 131,072
+  vectors are untimed on these tiles.
 
 A key offset μ on a rotated key (``pm1`` / ``split``; ``F16_ROT``): ``x − μ`` is inexact in the
 input's dtype, so the rotation takes fp16 operands whatever the input dtype: each row of ``x − μ``
@@ -159,6 +170,7 @@ from tqkern.ops.common import halfword_aligned
 __all__ = ["StorePlan", "plan_store", "rotation_method", "warp_store_eligible", "default_signed_sylvester",
            "ROTATIONS", "ROT_NONE", "ROT_PM1", "ROT_SPLIT", "ROT_CHUNKED", "SMALL_STORE_VECTORS", "WARP_STORE_WARPS",
            "SPLIT_TILE", "SPLIT_TILE_MU", "SPLIT_MIN_PROGRAMS", "WARP_STORE_ITERS", "WARP_STORE_PROGRAMS",
+           "WIDE_COLS", "WIDE_KC", "WIDE_TILE", "WIDE_TILE_SMALL", "WIDE_TILE_FP16", "WIDE_FP16_VECTORS",
            "WARP_STORE_LANES", "WARP_STORE_SHORT_LANES", "WARP_STORE_SHORT_VECTORS", "WARP_STORE_MAXNREG_BF16",
            "WARP_STORE_MAXNREG_STORED"]
 
@@ -167,6 +179,15 @@ ROTATIONS = ("none", "pm1", "split", "chunked")
 ROT_NONE, ROT_PM1, ROT_SPLIT, ROT_CHUNKED = (tl.constexpr(i) for i in range(4))
 HOIST_MAX_DP = 128  # widest padded head_dim whose [DP, DP] operand is built once per program
 CHUNKED_KC = 32  # the ``chunked`` method's chunk of Π's rows (16 vectors x 8 warps; docstring)
+# ``chunked`` where every rotated side is Lloyd-Max: Π's columns WIDE_COLS at a time over WIDE_KC-row blocks,
+# (vectors a tile, warps) WIDE_TILE, WIDE_TILE_SMALL for a short store, WIDE_TILE_FP16 for fp16 stores of at
+# least WIDE_FP16_VECTORS vectors (tqkern.ops.store.wide; docstring)
+WIDE_COLS = 64
+WIDE_KC = 64
+WIDE_TILE = (64, 8)
+WIDE_TILE_SMALL = (32, 8)
+WIDE_TILE_FP16 = (128, 8)
+WIDE_FP16_VECTORS = 65536
 SMALL_STORE_VECTORS = 4096  # (token, head) vectors up to which a store takes the small tile (docstring)
 # a dense rotation's store (``split``): (vectors a tile, warps, most tiles a program), and for fp16 keys minus a
 # key offset (two fp16 parts); tiles halve until the grid has SPLIT_MIN_PROGRAMS (docstring)
@@ -246,6 +267,8 @@ class StorePlan:
             return (f"store {self.in_dtype}{' mu' if self.has_mu else ''}: warp kernel, rotation {self.rotation}, "
                     f"{cx['L']} lanes per vector{half}, {warps} x {iters}{cap}")
         f16 = ", fp16 operands" if cx.get("F16_ROT") else ""
+        if cx.get("COLS"):
+            f16 = f", fp16 operands, Π's columns {cx['COLS']} at a time"
         return (f"store {self.in_dtype}{' mu' if self.has_mu else ''}: rotation {self.rotation}{f16}, "
                 f"{self.block_vectors} vectors x {self.tiles} tiles per program, {self.num_warps} warps{half}")
 
@@ -288,10 +311,12 @@ def plan_store(layout: PagedLayout, in_dtype: str = "fp16", *, has_mu: bool = Fa
         lanes = _warp_lanes(layout, num_vectors)
         return _plan_warp(layout, in_dtype, has_mu, lanes, _warp_iters(layout, num_vectors, lanes), symmetric_codebooks)
     split = None
-    if not small and rotation_method(layout, has_mu, signed_sylvester, interpret) == "split":
+    rot = rotation_method(layout, has_mu, signed_sylvester, interpret)
+    if not small and rot == "split":
         split = _split_tile(layout_args(layout)["DP"], in_dtype, has_mu and layout.format.key.rotated, num_vectors)
+    wide_fp16 = (rot == "chunked" and in_dtype == "fp16" and (num_vectors is None or num_vectors >= WIDE_FP16_VECTORS))
     return _plan_store(layout, in_dtype, bool(has_mu), bool(signed_sylvester), bool(interpret), small, split,
-                       symmetric_codebooks)
+                       symmetric_codebooks, wide_fp16)
 
 
 def _split_tile(dp: int, in_dtype: str, key_offset: bool, num_vectors: int | None) -> tuple[int, int, int]:
@@ -421,14 +446,29 @@ def rotation_method(layout: PagedLayout, has_mu: bool, signed_sylvester: bool, i
     return "pm1" if signed_sylvester else "split"
 
 
+def _columns_apply(layout: PagedLayout) -> bool:
+    """Whether a ``chunked`` store takes Π's columns :data:`WIDE_COLS` at a time
+    (:mod:`tqkern.ops.store.wide`): every rotated side is Lloyd-Max (its codes need ``y`` a column
+    chunk at a time; other kinds need the whole row) and head_dim is a multiple of the chunks."""
+    fmt = layout.format
+    sides = [s for s in (fmt.key, fmt.value) if s.rotated]
+    d = fmt.head_dim
+    return bool(sides) and all(isinstance(s, LloydMax) for s in sides) and d % WIDE_COLS == 0 and d % WIDE_KC == 0
+
+
 @functools.lru_cache(maxsize=512)
 def _plan_store(layout: PagedLayout, in_dtype: str, has_mu: bool, signed_sylvester: bool,
-                interpret: bool, small: bool, split: tuple[int, int, int] | None, symmetric: bool) -> StorePlan:
+                interpret: bool, small: bool, split: tuple[int, int, int] | None, symmetric: bool,
+                wide_fp16: bool = False) -> StorePlan:
     c = layout_args(layout)
     rot = rotation_method(layout, has_mu, signed_sylvester, interpret)
     bv, warps, stages, kc = (16, 8, 1, CHUNKED_KC) if rot == "chunked" else (64, 8, None, c["DP"])
     tiles = 2 if rot == "pm1" else 1
     fmt = layout.format
+    cols = 0
+    if rot == "chunked" and _columns_apply(layout):
+        cols, kc = WIDE_COLS, WIDE_KC
+        bv, warps = WIDE_TILE_SMALL if small else WIDE_TILE_FP16 if wide_fp16 else WIDE_TILE
     raw = isinstance(fmt.key, Raw) and isinstance(fmt.value, Raw)
     if (rot == "none" or small) and not raw and rot != "chunked":
         bv, warps, tiles = 16, 4, 1  # unrotated codes (FP8 keys, uniform values), short stores: docstring
@@ -442,7 +482,7 @@ def _plan_store(layout: PagedLayout, in_dtype: str, has_mu: bool, signed_sylvest
         HAS_MU=has_mu, IN_BF16=in_dtype == "bf16", H=layout.num_kv_heads, BV=bv, TILES=tiles,
         ROT=ROTATIONS.index(rot), KC=kc, DOT_PRECISION=precision,
         K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"), HW_FP8=not interpret,
-        **c, F16_ROT=f16_rot, **_symmetric_sides(c, symmetric),
+        **c, F16_ROT=f16_rot, COLS=cols, **_symmetric_sides(c, symmetric),
     )
     return StorePlan(layout=layout, in_dtype=in_dtype, has_mu=has_mu, rotation=rot, block_vectors=bv, tiles=tiles,
                      num_warps=warps, num_stages=stages, dot_precision=precision, constexprs=tuple(cx.items()))

@@ -1,0 +1,108 @@
+"""The store's column-chunked Lloyd-Max side (plan constexpr ``COLS``, head_dim above 128).
+
+A ``[DP, DP]`` rotation does not fit on chip beside a tile of vectors at head_dim 256, and the
+``chunked`` method's float32 ``y [BV, DP]`` with tf32x3 products over 32-row chunks of Π is slow
+(2–3% of ``copy_``: ``docs/performance.md``). A rotated Lloyd-Max side needs ``y`` only column by
+column: code ``j`` is the search of ``y_j / ‖x − μ‖``, so the norm comes first, from ``x``, and
+then Π's columns are taken ``COLS`` at a time: ``y[:, c] = Σ_k x[:, k] @ Π[k, c]`` over ``KC``-row
+blocks, on fp16 operands as the ``split`` method's (``16·Π ≈ Π_1 + Π_2``, each rounded to fp16 when
+loaded; x exact in fp16, or scaled by a power of two per row into one fp16 part (bf16) or two
+(``x − μ``), :func:`tqkern.ops.store.kernel._scaled_parts`), then that chunk's codes are searched
+and packed at their own bytes (a chunk of a multiple of 32 codes starts at a whole byte and a whole
+32-code word). ``x`` chunks are read again from memory (L1/L2) for each column chunk.
+
+Exact where the oracle is certain: norms and stored gains in float64 as
+:func:`tqkern.ops.fields.encode_side`; y's error near ``√D · 2^-21 · ‖x − μ‖`` (two fp16 parts of
+Π; two of ``x − μ``), inside ``EPS`` = 2^-16 as the ``split`` method's.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tqkern.ops.common import NC_STORED, f64_to_bits, row_scales, store_bytes, store_packed
+from tqkern.ops.fields import _ERR_SATURATED, _lloyd_max_codes, _saturates, flag, half_bounds, symmetric_codes
+
+__all__ = ["store_columns"]
+
+_SCALE = tl.constexpr(16.0)  # parts of 16·Π, as the split method's (keeps Π_2 normal in fp16)
+
+
+@triton.jit
+def store_columns(x_ptr_2d, mu_ptr_2d, ld_mask, row, h, tok_mask, rot_ptr, bnd_ptr, cen_ptr, HAS_MU: tl.constexpr,
+                  IN_BF16: tl.constexpr, D: tl.constexpr, COLS: tl.constexpr, KC: tl.constexpr,
+                  NIBBLE: tl.constexpr, ALIGNED: tl.constexpr, S: tl.constexpr, SYM: tl.constexpr):
+    """Encode one rotated Lloyd-Max side (``S``) of a tile of ``BV = ld_mask.shape[0]`` vectors into
+    its fields; returns the error bits.
+
+    ``x_ptr_2d`` / ``mu_ptr_2d`` ``[BV, 1]``: pointers to each row's first element of x (fp16/bf16)
+    and of its key offset (float32; ``HAS_MU``), read ``KC`` columns at a time, as zeros outside
+    ``ld_mask`` (rows not read, or not finite); ``row`` / ``h`` / ``tok_mask`` as
+    :func:`tqkern.ops.fields.encode_side`. ``D`` is a multiple of ``COLS`` and ``KC``. A first pass
+    over the row takes the norm (float64) and the largest |x − μ| (its power of two); nothing of the
+    row stays in registers across the passes."""
+    BITS: tl.constexpr = S.BITS
+    BV: tl.constexpr = ld_mask.shape[0]
+    SCALED: tl.constexpr = HAS_MU or IN_BF16  # x (− μ) not exact in fp16 as it is: scaled per row
+    kk = tl.arange(0, KC)
+    ss = tl.zeros([BV], tl.float64)
+    mx = tl.zeros([BV], tl.float32)
+    for k0 in tl.static_range(0, D, KC):
+        m = ld_mask[:, None] & (k0 + kk < D)[None, :]
+        xk = tl.load(x_ptr_2d + (k0 + kk)[None, :], mask=m, other=0.0)
+        x64 = xk.to(tl.float64)
+        if HAS_MU:
+            muk = tl.load(mu_ptr_2d + (k0 + kk)[None, :], mask=m, other=0.0)
+            x64 = x64 - muk.to(tl.float64)
+            mx = tl.maximum(mx, tl.max(tl.abs(xk.to(tl.float32) - muk), axis=1))
+        elif IN_BF16:
+            mx = tl.maximum(mx, tl.max(tl.abs(xk.to(tl.float32)), axis=1))
+        ss += tl.sum(x64 * x64, axis=1)
+    n = tl.sqrt(ss)  # float64: the norm bytes equal the oracle's
+    sa = tl.full([BV], 1.0, tl.float32)
+    sb = sa
+    if SCALED:  # the row's power of two, as _scaled_parts: max |d_r|·2^k_r in [2^13, 2^14)
+        sa, sb = row_scales(mx)
+    ys = sa.to(tl.float64) * sb.to(tl.float64)
+    inv = tl.where(n > 0, 1.0 / tl.where(n > 0, n * ys, 1.0), 0.0).to(tl.float32)
+    hb = half_bounds(bnd_ptr, BITS) if SYM else 0.0
+    cc = tl.arange(0, COLS)
+    cn2 = tl.zeros([BV], tl.float64)
+    codes_at = row + S.A_OFF + h * S.A_STRIDE
+    for c0 in tl.static_range(0, D, COLS):
+        acc = tl.zeros([BV, COLS], tl.float32)
+        for k0 in tl.static_range(0, D, KC):
+            m = ld_mask[:, None] & (k0 + kk < D)[None, :]
+            xk = tl.load(x_ptr_2d + (k0 + kk)[None, :], mask=m, other=0.0)
+            r = tl.load(rot_ptr + (k0 + kk)[:, None] * D + (c0 + cc)[None, :]) * _SCALE
+            p1 = r.to(tl.float16)
+            p2 = (r - p1.to(tl.float32)).to(tl.float16)
+            if SCALED:
+                dk = xk.to(tl.float32)
+                if HAS_MU:
+                    dk = dk - tl.load(mu_ptr_2d + (k0 + kk)[None, :], mask=m, other=0.0)
+                dk = dk * sa[:, None] * sb[:, None]  # exact: powers of two
+                hi = dk.to(tl.float16)
+                acc = tl.dot(hi, p1, acc)
+                acc = tl.dot(hi, p2, acc)
+                if HAS_MU:
+                    acc = tl.dot((dk - hi.to(tl.float32)).to(tl.float16), p1, acc)  # lo·Π_2 left out
+            else:  # fp16 x: exact as it is
+                acc = tl.dot(xk, p1, acc)
+                acc = tl.dot(xk, p2, acc)
+        y = acc * (inv / _SCALE)[:, None]
+        if SYM:
+            idx = symmetric_codes(y, hb, BITS)
+        else:
+            idx = _lloyd_max_codes(y, bnd_ptr, BITS)
+        store_packed(codes_at + (c0 * BITS) // 8, idx, tok_mask, BITS, NIBBLE, (COLS * BITS) // 8, BV, COLS, ALIGNED)
+        if S.NORM_CORRECTION == NC_STORED:
+            c = tl.load(cen_ptr + idx).to(tl.float64)
+            cn2 += tl.sum(c * c, axis=1)
+    if S.NORM_CORRECTION == NC_STORED:
+        cn = tl.sqrt(cn2)
+        n = n / tl.where(cn > 0, cn, 1.0)
+    PB: tl.constexpr = 2 + 2 * S.PARAM_DTYPE
+    store_bytes(row + S.B_OFF + h * S.B_STRIDE, f64_to_bits(n, S.PARAM_DTYPE), PB, tok_mask)
+    return flag(tok_mask & _saturates(n, S.PARAM_DTYPE), _ERR_SATURATED)
