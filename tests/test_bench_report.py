@@ -261,7 +261,7 @@ def test_model_shapes_table_spans_what_issue_22_asks():
     (("decode", None, ["decode_B32"]), "shapes must be among B32x4K, .*Qwen2.5-0.5B_B256x2K or B<batch>x<tokens>K"
                                         r"\[_Hq<q>_Hkv<k>_D<d>\] or models .for decode., got 'decode_B32'"),
     (("all", None, ["B1x4K_Hq30_Hkv8_D128"]), "shape 'B1x4K_Hq30_Hkv8_D128': Hq must be a positive multiple of Hkv"),
-    (("store", None, ["B32x4K"]), "shapes must be among prefill_1x4096, .*SmolLM2_decode_B32 .for store., "
+    (("store", None, ["B32x4K"]), "shapes must be among prefill_1x4096, .*Gemma2-9B_prefill_1x16384 .for store., "
                                   "got 'B32x4K'"),
 ])
 def test_select_rejects_unknown_names(args, match):

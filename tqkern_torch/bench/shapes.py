@@ -129,6 +129,7 @@ STORE_SHAPES = (
     StoreShape("decode_B512", 512, 1, 8, 128),  # issue 23's 512 tokens: a decode step of a large batch
     StoreShape("SmolLM2_prefill_1x4096", 1, 4096, 3, 64),
     StoreShape("SmolLM2_decode_B32", 32, 1, 3, 64),
+    StoreShape("Gemma2-9B_prefill_1x16384", 1, 16384, 8, 256),  # head_dim 256 (the column-chunked store)
 )
 
 # Issue 21's prefill shapes (Hq32/Hkv8/D128): full prefills, a varlen-sized batch, a chunk on a
