@@ -139,6 +139,30 @@ def _rotate(x, x_ptr_2d, ld_mask, mu, mu_ptr_2d, rot_ptr, b0, b1, b2, c, HAS_MU:
 
 
 @triton.jit
+def _encode(x, x_ptr_2d, ld_mask, mu, mu_ptr_2d, row, h, ok, rot_ptr, b0, b1, b2, c, bnd_ptr, cen_ptr,
+            HAS_MU: tl.constexpr, IN_BF16: tl.constexpr, F16_ROT: tl.constexpr, ROT: tl.constexpr, D: tl.constexpr,
+            DP: tl.constexpr, KC: tl.constexpr, DOT_PRECISION: tl.constexpr, NIBBLE: tl.constexpr,
+            ALIGNED: tl.constexpr, HW_FP8: tl.constexpr, COLS: tl.constexpr, S: tl.constexpr, SYM: tl.constexpr,
+            YS: tl.constexpr):
+    """Encode one side (``S``) of the tile ``x`` (rows outside ``ld_mask`` zero; ``mu`` its key
+    offset) into its fields; the error bits. A rotated side of a ``COLS`` plan (Lloyd-Max, the
+    plan says) goes through :func:`~tqkern.ops.store.wide.store_columns`; others are rotated by
+    :func:`_rotate` (``YS``: the rows come back scaled) and encoded by ``encode_side``."""
+    if COLS > 0 and S.ROTATED:
+        err = store_columns(x_ptr_2d, mu_ptr_2d, ld_mask, row, h, ok, rot_ptr, bnd_ptr, cen_ptr, HAS_MU, IN_BF16, D,
+                            COLS, KC, NIBBLE, ALIGNED, S, SYM)
+    else:
+        y = 0.0
+        ys = 1.0
+        if S.ROTATED:
+            y, ys = _rotate(x, x_ptr_2d, ld_mask, mu, mu_ptr_2d, rot_ptr, b0, b1, b2, c, HAS_MU, IN_BF16, F16_ROT, ROT,
+                            D, DP, KC, DOT_PRECISION)
+        err = encode_side(x, mu, y, row, h, ok, bnd_ptr, cen_ptr, HAS_MU, IN_BF16, D, DP, NIBBLE, ALIGNED, HW_FP8, S,
+                          SYM, ys, YS)
+    return err
+
+
+@triton.jit
 def _store_kernel(
     key_ptr, value_ptr, slot_ptr, cache_ptr, rot_ptr, kb_ptr, kc_ptr, vb_ptr, vc_ptr, mu_ptr, err_ptr,
     num_tokens, num_slots, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -178,28 +202,12 @@ def _store_kernel(
         mu = 0.0
         if HAS_MU and not (COLS > 0 and K.ROTATED):  # (Π's columns: μ read a chunk at a time)
             mu = tl.load(mu_ptr_2d + cols[None, :], mask=m2 & k_ok[:, None], other=0.0)
-        if COLS > 0 and K.ROTATED:  # (the plan takes COLS where every rotated side is Lloyd-Max)
-            err |= store_columns(k_ptr_2d, mu_ptr_2d, ok & k_ok, row, h, ok, rot_ptr, kb_ptr, kc_ptr, HAS_MU,
-                                 IN_BF16, D, COLS, KC, NIBBLE, K_ALIGNED, K, K_SYM)
-        else:
-            ky = 0.0
-            kys = 1.0
-            if K.ROTATED:
-                ky, kys = _rotate(kx, k_ptr_2d, ok & k_ok, mu, mu_ptr_2d, rot_ptr, b0, b1, b2, c, HAS_MU, IN_BF16,
-                                  F16_ROT, ROT, D, DP, KC, DOT_PRECISION)
-            err |= encode_side(kx, mu, ky, row, h, ok, kb_ptr, kc_ptr, HAS_MU, IN_BF16, D, DP, NIBBLE, K_ALIGNED,
-                               HW_FP8, K, K_SYM, kys, K.ROTATED and F16_ROT)  # (F16_ROT: μ or bf16: keys scaled)
-        if COLS > 0 and V.ROTATED:
-            err |= store_columns(v_ptr_2d, mu_ptr_2d, ok & v_ok, row, h, ok, rot_ptr, vb_ptr, vc_ptr, False,
-                                 IN_BF16, D, COLS, KC, NIBBLE, V_ALIGNED, V, V_SYM)
-        else:
-            vy = 0.0
-            vys = 1.0
-            if V.ROTATED:
-                vy, vys = _rotate(vx, v_ptr_2d, ok & v_ok, 0.0, mu_ptr_2d, rot_ptr, b0, b1, b2, c, False, IN_BF16,
-                                  F16_ROT, ROT, D, DP, KC, DOT_PRECISION)
-            err |= encode_side(vx, 0.0, vy, row, h, ok, vb_ptr, vc_ptr, False, IN_BF16, D, DP, NIBBLE, V_ALIGNED,
-                               HW_FP8, V, V_SYM, vys, V.ROTATED and F16_ROT and IN_BF16)
+        err |= _encode(kx, k_ptr_2d, ok & k_ok, mu, mu_ptr_2d, row, h, ok, rot_ptr, b0, b1, b2, c, kb_ptr, kc_ptr,
+                       HAS_MU, IN_BF16, F16_ROT, ROT, D, DP, KC, DOT_PRECISION, NIBBLE, K_ALIGNED, HW_FP8, COLS, K,
+                       K_SYM, K.ROTATED and F16_ROT)  # (F16_ROT: μ or bf16, so the keys are scaled)
+        err |= _encode(vx, v_ptr_2d, ok & v_ok, 0.0, mu_ptr_2d, row, h, ok, rot_ptr, b0, b1, b2, c, vb_ptr, vc_ptr,
+                       False, IN_BF16, F16_ROT, ROT, D, DP, KC, DOT_PRECISION, NIBBLE, V_ALIGNED, HW_FP8, COLS, V,
+                       V_SYM, V.ROTATED and F16_ROT and IN_BF16)
         if PAD_BYTES > 0:
             p = tl.arange(0, PADP)
             tl.store((row + PAD_OFF + h * PAD_STRIDE)[:, None] + p[None, :], tl.zeros([BV, PADP], tl.uint8),
