@@ -173,6 +173,29 @@ def test_the_column_chunked_stores_large_tile_writes_the_oracle_bytes(has_mu, mo
     assert unsure.mean() < 0.02
 
 
+@needs_kernels
+@pytest.mark.parametrize("d, cols", [(192, 64), (160, 0)])
+def test_chunked_head_dims_below_their_padding_write_the_oracle_bytes(d, cols):
+    """tq4 at head_dims that pad to 256: 192 (a multiple of the 64-column chunks: the column-chunked
+    store, masked beyond head_dim) and 160 (not: S73's whole-row ``chunked`` product), keys minus μ,
+    into a poisoned cache at shuffled slots: the oracle's bytes wherever it is certain."""
+    h, tokens = 2, 24
+    layout = _layout("tq4", d, h=h)
+    plan = plan_store(layout, has_mu=True, vector_aligned=True, num_vectors=tokens * h, interpret=DEV.type != "cuda")
+    assert plan.rotation == "chunked" and dict(plan.constexprs)["COLS"] == cols
+    mu = (np.random.default_rng(d).standard_normal((h, d)) * 0.5).astype(np.float32)
+    params = tqkern.TQParams.default(layout.format, seed=6, key_offset=mu)
+    g = torch.Generator().manual_seed(d)
+    k, v = (torch.randn(tokens, h, d, generator=g).half() for _ in range(2))
+    slots = torch.randperm(48, generator=g)[:tokens]
+    cache = torch.randint(0, 256, tuple(layout.cache_shape(3)), dtype=torch.uint8, generator=g).to(DEV)
+    tqt.store(cache, k.to(DEV), v.to(DEV), slots.to(DEV), layout, to_device(params, DEV))
+    got = ref.gather_slots(cache.cpu().numpy(), layout, slots.numpy())
+    want, unsure = ref.compress(k.double().numpy(), v.double().numpy(), params, return_uncertain=True)
+    assert not np.any((got != want) & ~unsure)
+    assert unsure.mean() < 0.02
+
+
 @pytest.mark.parametrize("preset, d, has_mu, rotation", [("tq4", 128, False, "split"), ("tq4", 128, True, "split"),
                                                         ("tq4", 256, True, "chunked"),
                                                         ("tqkern_k5v3", 96, False, "split"),
