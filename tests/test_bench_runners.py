@@ -225,9 +225,11 @@ def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
     timed = []
 
     def fake_gate(op, bad, bad_at=None):
-        """``bad`` fails everywhere; ``(preset, case)`` = ``bad_at`` fails at that decode case only."""
+        """``bad`` fails everywhere; ``(preset, case)`` = ``bad_at`` fails at that case only (decode:
+        gate_head tuples; store / decompress: (Hkv, D))."""
         def gate(presets, heads=None):
-            cases = ["c"] if heads is None else [decode.case_name(h) for h in heads]
+            cases = ["c"] if heads is None else [f"Hkv{h[0]}/D{h[1]}" if len(h) == 2 else decode.case_name(h)
+                                                 for h in heads]
             return [{"op": op, "preset": p, "case": c, "ok": p != bad and (p, c) != bad_at}
                     for p in presets for c in cases]
         return gate
@@ -244,7 +246,8 @@ def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
             if op == "prefill" and shape.q_len > 8:  # soft-capped prefill
                 extra += tuple(f"cap:{p}" for p in presets)
             if op == "store":
-                extra = ("copy_", *(f"bf16:{p}" for p in presets))
+                extra = ("copy_", *(f"bf16:{p}" for p in presets),
+                         *(f"mu:{p}" for p in presets if store.has_mu_variant(p, shape.head_dim)))
             if op == "decompress":  # rotated back: tq4's sides are rotated, fp16's are not
                 extra = tuple(f"rot:{p}" for p in presets if p != "fp16")
             rows = [{"op": op, "mode": "graph", "shape": shape.name, "variant": v, "baseline": base, "us": 1.0,
@@ -272,8 +275,9 @@ def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
                      ("store", "prefill_1x4096", ("fp16",)), ("store", "decode_B32", ("fp16",)),
                      ("decompress", "prefill_1x4096", ("tq4",)), ("decompress", "SmolLM2_prefill_1x4096", ("tq4",)),
                      ("prefill", "full_1x4K", ("fp16",)), ("prefill", "spec4_on16K_x32", ("fp16",))]
-    # decode gates per preset: the two base geometries (the quick shapes' own are the same)
-    assert [g["ok"] for g in report["gate"]] == [True, True, False, False, False, True, True, False, False, True]
+    # decode, store and decompress gates per preset: the two base geometries (the quick shapes' own are the same)
+    assert [g["ok"] for g in report["gate"]] == [True, True, False, False, False, False, True, True, True, True,
+                                                 False, False, False, True]
     # gates, then baseline + the passing preset (store: + copy_ + its bf16 input; prefill: +
     # int8_prefill + decompress-then-SDPA + out: + the fused kernel or SDPA's one-token decode, and
     # the soft-capped prefill at the long shape; decompress: copy_ + the preset + it rotated back)
@@ -297,6 +301,15 @@ def test_run_times_only_presets_that_pass_the_gate(monkeypatch):
     report = runner.run(sel, quick=True, progress=bar)
     assert {g["case"] for g in report["gate"]} == {"Hq32/Hkv8/D128", "Hq9/Hkv3/D64", "Hq16/Hkv8/D256", here}
     assert timed == [("decode", "Gemma2-9B_B8x8K", ("tq4", "fp16")), ("decode", "Gemma2-9B-local_B8x8K", ("fp16",))]
+    assert bar.done == bar.total
+    # a store wrong only at a timed shape's own heads and head_dim (8 x 256): gated there, not timed there
+    timed.clear()
+    monkeypatch.setattr(store, "gate", fake_gate("store", None, ("tq4", "Hkv8/D256")))
+    sel = runner.select("store", ["tq4", "fp16"], ["prefill_1x4096", "Gemma2-9B_prefill_1x16384"])
+    bar = Progress(runner.count_steps(sel), io.StringIO())
+    report = runner.run(sel, quick=True, progress=bar)
+    assert [g["case"] for g in report["gate"]][:3] == ["Hkv8/D128", "Hkv3/D64", "Hkv8/D256"]
+    assert timed == [("store", "prefill_1x4096", ("tq4", "fp16")), ("store", "Gemma2-9B_prefill_1x16384", ("fp16",))]
     assert bar.done == bar.total
 
 

@@ -25,7 +25,7 @@ from tqkern import reference as ref
 from tqkern_torch.bench.decode import make_layout
 from tqkern_torch.bench.report import record
 from tqkern_torch.bench.shapes import BLOCK_SIZE, STORE_CACHE_TOKENS, StoreShape
-from tqkern_torch.bench.store import shape_inputs, stored_sample
+from tqkern_torch.bench.store import GATE_HEADS, shape_inputs, stored_sample
 from tqkern_torch.bench.timing import graph_us
 
 __all__ = ["BASELINE", "ROT", "has_rotated_side", "gate", "run_shape"]
@@ -49,7 +49,7 @@ def _error_ok(got: np.ndarray, exp: np.ndarray, rotate_back: bool, d: int) -> tu
     return float(err.max()), bool(np.all(err <= tol))
 
 
-def gate(presets, *, device: str = "cuda", heads=((8, 128), (3, 64))) -> list[dict]:
+def gate(presets, *, device: str = "cuda", heads=GATE_HEADS) -> list[dict]:
     """Every preset's ``decompress`` (both ways) of 64 stored tokens against the oracle, at each
     ``(Hkv, D)`` of ``heads``."""
     g = torch.Generator(device=device).manual_seed(6)

@@ -110,6 +110,24 @@ def _passed_at(gates, passed, shape) -> list:
     return [p for p in passed if p not in bad]
 
 
+def _slot_gate_heads(shapes, base) -> tuple:
+    """The store / decompress gate's ``(Hkv, D)`` cases: ``base`` (``store.GATE_HEADS``) and each
+    timed shape's own (a plan at head_dim 256 is not the one at 128), in order, without repeats."""
+    out = list(base)
+    for s in shapes:
+        if (s.num_kv_heads, s.head_dim) not in out:
+            out.append((s.num_kv_heads, s.head_dim))
+    return tuple(out)
+
+
+def _slot_gate_passed(gates, passed, shape) -> list:
+    """The presets of ``passed`` whose store / decompress gate at ``shape``'s own heads and
+    head_dim did not fail (any variant of that case: with μ, rotated back)."""
+    here = f"Hkv{shape.num_kv_heads}/D{shape.head_dim}"
+    bad = {g["preset"] for g in gates if not g["ok"] and g["case"].split(" ")[0] == here}
+    return [p for p in passed if p not in bad]
+
+
 def _decode_gate_heads(shapes, base) -> tuple:
     """The decode gate's cases (:func:`~tqkern_torch.bench.decode.gate_head`): ``base``
     (``decode.GATE_HEADS``) and each timed shape's own (a kernel right at head_dim 128 may not be
@@ -128,7 +146,8 @@ def run(selection: dict, *, eager_shapes: Sequence[str] = (), quick: bool = Fals
         progress: Optional[Progress] = None, timer=None) -> dict:
     """Gate, then time, every (op, preset, shape) of ``selection`` on the GPU; returns the report.
 
-    A preset that fails its op's gate is not timed there. ``quick`` replays each graph for about
+    A preset that fails its op's gate is not timed there (a decode, store or decompress gate at a
+    timed shape's own case only: not at that shape). ``quick`` replays each graph for about
     25 ms instead of 100. ``timer(fn) -> µs`` replaces every runner's own (CUDA-graph replay,
     eager calls): :func:`~tqkern_torch.bench.timing.call_once` compiles without timing.
     A ``KeyboardInterrupt`` (``timeout -s INT``) ends the run early: the report then holds the
@@ -148,8 +167,14 @@ def run(selection: dict, *, eager_shapes: Sequence[str] = (), quick: bool = Fals
             where = f"{o}'s gates"
             mod = {"decode": decode, "store": store, "decompress": decompress, "prefill": prefill}[o]
             gates = []
-            kw = {"heads": _decode_gate_heads(list(shapes) + eager, decode.GATE_HEADS)} if o == "decode" else {}
-            base = {decode.case_name(h) for h in decode.GATE_HEADS} if o == "decode" else None
+            if o == "decode":
+                kw = {"heads": _decode_gate_heads(list(shapes) + eager, decode.GATE_HEADS)}
+                base = {decode.case_name(h) for h in decode.GATE_HEADS}
+            elif o in ("store", "decompress"):  # (their cases: "Hkv8/D128", "Hkv8/D128 mu", "... rotate_back")
+                kw = {"heads": _slot_gate_heads(shapes, store.GATE_HEADS)}
+                base = {f"Hkv{h}/D{d}" + x for h, d in store.GATE_HEADS for x in ("", " mu", " rotate_back")}
+            else:
+                kw, base = {}, None
             for p in presets:
                 gates += mod.gate([p], **kw)
                 bar.step(f"{o} gate {p}")
@@ -159,7 +184,8 @@ def run(selection: dict, *, eager_shapes: Sequence[str] = (), quick: bool = Fals
             bar.total -= sum(_per_preset(o, s, p) for s in shapes for p in failed) + \
                 len(failed) * (len(eager) if o == "decode" else 0)
             for shape in shapes:
-                ok = _passed_at(gates, passed, shape) if o == "decode" else passed
+                ok = (_passed_at(gates, passed, shape) if o == "decode" else
+                      _slot_gate_passed(gates, passed, shape) if o in ("store", "decompress") else passed)
                 bar.total -= sum(_per_preset(o, shape, p) for p in passed if p not in ok)
                 where = f"{o} at {shape.name}"
                 report["records"] += mod.run_shape(shape, ok, bar.step, rep_ms=rep_ms, **timed)

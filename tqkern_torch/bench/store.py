@@ -1,8 +1,10 @@
 """The store benchmark (GPU): ``store`` of every preset against a plain torch fp16 paged-cache write.
 
-Correctness first: each preset stores 64 random tokens (Hkv8/D128 and Hkv3/D64) and the written
+Correctness first: each preset stores 64 random tokens (Hkv8/D128 and Hkv3/D64, :data:`GATE_HEADS`,
+and each timed shape's own heads and head_dim: :func:`tqkern_torch.bench.runner.run`) and the written
 slots must equal the NumPy oracle's bytes, except bytes the oracle marks uncertain (a code within
-rounding of a decision point); a preset that fails is not timed.
+rounding of a decision point); a preset that fails is not timed (at a shape's own case: not at that
+shape).
 
 Then, per shape (:data:`~tqkern_torch.bench.shapes.STORE_SHAPES`), into a cache of
 :data:`~tqkern_torch.bench.shapes.STORE_CACHE_TOKENS` tokens: a prefill chunk writes whole
@@ -86,7 +88,10 @@ def stored_sample(layout, params, g: torch.Generator, n: int = 64, num_blocks: i
     return k, v, slots, cache
 
 
-def gate(presets, *, device: str = "cuda", heads=((8, 128), (3, 64))) -> list[dict]:
+GATE_HEADS = ((8, 128), (3, 64))  # (Hkv, D) of the gate's fixed cases; the first also with a key offset
+
+
+def gate(presets, *, device: str = "cuda", heads=GATE_HEADS) -> list[dict]:
     """Every preset's written slots against the oracle's bytes (uncertain bytes excepted), for
     64 tokens at each ``(Hkv, D)`` of ``heads``, and with a key offset (:func:`mu_params`) at the
     first where the preset has a ``mu:`` variant."""
