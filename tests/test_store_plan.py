@@ -111,6 +111,24 @@ def test_a_dense_rotations_tile_by_dtype_key_offset_and_length(d, dtype, n, want
         plan_store(layout, "fp32", num_vectors=n)
 
 
+def _stores_oracle_bytes(layout, tokens: int, has_mu: bool, seed: int, dtype=torch.float16):
+    """Store ``tokens`` random tokens (``dtype``) into ``layout``'s cache (a key offset μ if ``has_mu``),
+    poisoned, at shuffled slots; assert the oracle's bytes wherever it is certain, and most certain."""
+    h, d = layout.num_kv_heads, layout.head_dim
+    mu = (np.random.default_rng(seed).standard_normal((h, d)) * 0.5).astype(np.float32) if has_mu else None
+    params = tqkern.TQParams.default(layout.format, seed=seed, key_offset=mu)
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(tokens, h, d, generator=g).to(dtype) for _ in range(2))
+    nb = (tokens + 15) // 16 + 2
+    slots = torch.randperm(nb * 16, generator=g)[:tokens]
+    cache = torch.randint(0, 256, tuple(layout.cache_shape(nb)), dtype=torch.uint8, generator=g).to(DEV)
+    tqt.store(cache, k.to(DEV), v.to(DEV), slots.to(DEV), layout, to_device(params, DEV))
+    got = ref.gather_slots(cache.cpu().numpy(), layout, slots.numpy())
+    want, unsure = ref.compress(k.double().numpy(), v.double().numpy(), params, return_uncertain=True)
+    assert not np.any((got != want) & ~unsure)
+    assert unsure.mean() < 0.02
+
+
 @needs_kernels
 @pytest.mark.parametrize("d, tokens, dtype, min_programs, tiles", [
     (128, 522, torch.float16, None, 1), (128, 522, torch.float16, 4, 8), (64, 1366, torch.float16, 20, 4),
@@ -132,17 +150,7 @@ def test_a_dense_rotations_tiles_write_the_oracle_bytes(d, tokens, dtype, min_pr
     plan = plan_store(layout, "bf16" if dtype == torch.bfloat16 else "fp16", vector_aligned=True,
                       num_vectors=tokens * h, interpret=DEV.type != "cuda")
     assert plan.tiles == tiles and (tiles == 1 or (tokens * h) % plan.vectors_per_program)  # a partial last program
-    params = tqkern.TQParams.default(layout.format, seed=3)
-    g = torch.Generator().manual_seed(d)
-    k, v = (torch.randn(tokens, h, d, generator=g).to(dtype) for _ in range(2))
-    nb = (tokens + 15) // 16 + 2
-    slots = torch.randperm(nb * 16, generator=g)[:tokens]
-    cache = torch.randint(0, 256, tuple(layout.cache_shape(nb)), dtype=torch.uint8, generator=g).to(DEV)
-    tqt.store(cache, k.to(DEV), v.to(DEV), slots.to(DEV), layout, to_device(params, DEV))
-    got = ref.gather_slots(cache.cpu().numpy(), layout, slots.numpy())
-    want, unsure = ref.compress(k.float().numpy(), v.float().numpy(), params, return_uncertain=True)
-    assert not np.any((got != want) & ~unsure)
-    assert unsure.mean() < 0.02
+    _stores_oracle_bytes(layout, tokens, False, seed=d, dtype=dtype)
 
 
 @needs_kernels
@@ -155,22 +163,10 @@ def test_the_column_chunked_stores_large_tile_writes_the_oracle_bytes(has_mu, mo
 
     monkeypatch.setattr(plan_mod, "SMALL_STORE_VECTORS", 64)
     monkeypatch.setattr(plan_mod, "WIDE_FP16_VECTORS", 100)
-    h, d, tokens = 8, 256, 40
-    layout = _layout("tq4", d, h=h)
-    plan = plan_store(layout, has_mu=has_mu, vector_aligned=True, num_vectors=tokens * h,
-                      interpret=DEV.type != "cuda")
-    assert (plan.block_vectors, dict(plan.constexprs)["COLS"], plan.grid(tokens)) == (128, 64, (3,))
-    mu = (np.random.default_rng(4).standard_normal((h, d)) * 0.5).astype(np.float32) if has_mu else None
-    params = tqkern.TQParams.default(layout.format, seed=4, key_offset=mu)
-    g = torch.Generator().manual_seed(4)
-    k, v = (torch.randn(tokens, h, d, generator=g).half() for _ in range(2))
-    slots = torch.randperm(64, generator=g)[:tokens]
-    cache = torch.randint(0, 256, tuple(layout.cache_shape(4)), dtype=torch.uint8, generator=g).to(DEV)
-    tqt.store(cache, k.to(DEV), v.to(DEV), slots.to(DEV), layout, to_device(params, DEV))
-    got = ref.gather_slots(cache.cpu().numpy(), layout, slots.numpy())
-    want, unsure = ref.compress(k.double().numpy(), v.double().numpy(), params, return_uncertain=True)
-    assert not np.any((got != want) & ~unsure)
-    assert unsure.mean() < 0.02
+    layout = _layout("tq4", 256, h=8)
+    plan = plan_store(layout, has_mu=has_mu, vector_aligned=True, num_vectors=40 * 8, interpret=DEV.type != "cuda")
+    assert (plan.block_vectors, dict(plan.constexprs)["COLS"], plan.grid(40)) == (128, 64, (3,))
+    _stores_oracle_bytes(layout, 40, has_mu, seed=4)
 
 
 @needs_kernels
@@ -179,21 +175,10 @@ def test_chunked_head_dims_below_their_padding_write_the_oracle_bytes(d, cols):
     """tq4 at head_dims that pad to 256: 192 (a multiple of the 64-column chunks: the column-chunked
     store, masked beyond head_dim) and 160 (not: S73's whole-row ``chunked`` product), keys minus μ,
     into a poisoned cache at shuffled slots: the oracle's bytes wherever it is certain."""
-    h, tokens = 2, 24
-    layout = _layout("tq4", d, h=h)
-    plan = plan_store(layout, has_mu=True, vector_aligned=True, num_vectors=tokens * h, interpret=DEV.type != "cuda")
+    layout = _layout("tq4", d, h=2)
+    plan = plan_store(layout, has_mu=True, vector_aligned=True, num_vectors=24 * 2, interpret=DEV.type != "cuda")
     assert plan.rotation == "chunked" and dict(plan.constexprs)["COLS"] == cols
-    mu = (np.random.default_rng(d).standard_normal((h, d)) * 0.5).astype(np.float32)
-    params = tqkern.TQParams.default(layout.format, seed=6, key_offset=mu)
-    g = torch.Generator().manual_seed(d)
-    k, v = (torch.randn(tokens, h, d, generator=g).half() for _ in range(2))
-    slots = torch.randperm(48, generator=g)[:tokens]
-    cache = torch.randint(0, 256, tuple(layout.cache_shape(3)), dtype=torch.uint8, generator=g).to(DEV)
-    tqt.store(cache, k.to(DEV), v.to(DEV), slots.to(DEV), layout, to_device(params, DEV))
-    got = ref.gather_slots(cache.cpu().numpy(), layout, slots.numpy())
-    want, unsure = ref.compress(k.double().numpy(), v.double().numpy(), params, return_uncertain=True)
-    assert not np.any((got != want) & ~unsure)
-    assert unsure.mean() < 0.02
+    _stores_oracle_bytes(layout, 24, True, seed=d)
 
 
 @pytest.mark.parametrize("preset, d, has_mu, rotation", [("tq4", 128, False, "split"), ("tq4", 128, True, "split"),
