@@ -36,7 +36,8 @@ __all__ = [
     "NC_DECODE", "NC_NONE", "NC_STORED", "SideConsts", "layout_args", "layout_consts", "side_consts",
     # building blocks
     "halfword_aligned", "transform_applies", "_fwht_tile", "pow2_f32", "row_scales", "f64_to_f16_bits",
-    "f32_to_bf16_bits", "f32_to_fp8e4m3_bits", "f64_to_bits", "store_bytes", "load_bytes", "bits_to_f32", "fp8e4m3_bits_to_f32",
+    "f32_to_bf16_bits", "f32_to_fp8e4m3_bits", "f64_to_bits", "store_bytes", "load_bytes", "bits_to_f32",
+    "fp8e4m3_bits_to_f32",
     "store_packed", "load_packed", "load_param",
 ]
 

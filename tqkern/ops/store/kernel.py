@@ -31,13 +31,12 @@ from tqkern.errors import ErrorFlag
 from tqkern.ops.common import row_scales
 from tqkern.ops.fields import encode_side, finite_rows, flag
 from tqkern.ops.store.plan import ROT_CHUNKED, ROT_PM1, ROT_SPLIT
-from tqkern.ops.store.wide import store_columns
+from tqkern.ops.store.wide import SPLIT_SCALE, store_columns
 
 __all__ = ["_store_kernel"]
 
 _ERR_NONFINITE = tl.constexpr(int(ErrorFlag.NONFINITE_INPUT))
 _ERR_SLOT = tl.constexpr(int(ErrorFlag.SLOT_OUT_OF_RANGE))
-_SPLIT_SCALE = tl.constexpr(16.0)  # "split": parts of 16·Π (exact power of two; keeps Π_2 normal in fp16)
 
 
 @triton.jit
@@ -59,12 +58,12 @@ def _rotation_operand(rot_ptr, D: tl.constexpr, DP: tl.constexpr, ROT: tl.conste
         b = tl.where(m2, b, 0.0).to(DOT)
         return b, b, b, tl.abs(tl.load(rot_ptr))
     elif ROT == ROT_SPLIT:
-        r = tl.load(rot_ptr + i[:, None] * D + i[None, :], mask=m2, other=0.0) * _SPLIT_SCALE
+        r = tl.load(rot_ptr + i[:, None] * D + i[None, :], mask=m2, other=0.0) * SPLIT_SCALE
         b0 = r.to(DOT)
         r = r - b0.to(tl.float32)
         b1 = r.to(DOT)
         b2 = (r - b1.to(tl.float32)).to(DOT)
-        return b0, b1, b2, 1.0 / _SPLIT_SCALE
+        return b0, b1, b2, 1.0 / SPLIT_SCALE
     else:
         return 0.0, 0.0, 0.0, 1.0
 

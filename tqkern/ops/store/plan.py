@@ -314,9 +314,9 @@ def plan_store(layout: PagedLayout, in_dtype: str = "fp16", *, has_mu: bool = Fa
     rot = rotation_method(layout, has_mu, signed_sylvester, interpret)
     if not small and rot == "split":
         split = _split_tile(layout_args(layout)["DP"], in_dtype, has_mu and layout.format.key.rotated, num_vectors)
-    wide_fp16 = (rot == "chunked" and in_dtype == "fp16" and (num_vectors is None or num_vectors >= WIDE_FP16_VECTORS))
+    wide = _wide_tile(in_dtype, small, num_vectors) if rot == "chunked" and _columns_apply(layout) else None
     return _plan_store(layout, in_dtype, bool(has_mu), bool(signed_sylvester), bool(interpret), small, split,
-                       symmetric_codebooks, wide_fp16)
+                       symmetric_codebooks, wide)
 
 
 def _split_tile(dp: int, in_dtype: str, key_offset: bool, num_vectors: int | None) -> tuple[int, int, int]:
@@ -330,6 +330,17 @@ def _split_tile(dp: int, in_dtype: str, key_offset: bool, num_vectors: int | Non
     while num_vectors is not None and tiles > 1 and triton.cdiv(num_vectors, bv * tiles) < SPLIT_MIN_PROGRAMS:
         tiles //= 2
     return bv, warps, tiles
+
+
+def _wide_tile(in_dtype: str, small: bool, num_vectors: int | None) -> tuple[int, int]:
+    """``(block_vectors, num_warps)`` of the column-chunked store (module docstring):
+    :data:`WIDE_TILE_SMALL` for a short store, :data:`WIDE_TILE_FP16` for fp16 stores of at least
+    :data:`WIDE_FP16_VECTORS` vectors (``None``: a long store), :data:`WIDE_TILE` otherwise."""
+    if small:
+        return WIDE_TILE_SMALL
+    if in_dtype == "fp16" and (num_vectors is None or num_vectors >= WIDE_FP16_VECTORS):
+        return WIDE_TILE_FP16
+    return WIDE_TILE
 
 
 def default_signed_sylvester(layout: PagedLayout) -> bool:
@@ -459,16 +470,16 @@ def _columns_apply(layout: PagedLayout) -> bool:
 @functools.lru_cache(maxsize=512)
 def _plan_store(layout: PagedLayout, in_dtype: str, has_mu: bool, signed_sylvester: bool,
                 interpret: bool, small: bool, split: tuple[int, int, int] | None, symmetric: bool,
-                wide_fp16: bool = False) -> StorePlan:
+                wide: tuple[int, int] | None) -> StorePlan:
     c = layout_args(layout)
     rot = rotation_method(layout, has_mu, signed_sylvester, interpret)
     bv, warps, stages, kc = (16, 8, 1, CHUNKED_KC) if rot == "chunked" else (64, 8, None, c["DP"])
     tiles = 2 if rot == "pm1" else 1
     fmt = layout.format
     cols = 0
-    if rot == "chunked" and _columns_apply(layout):
+    if wide is not None:  # Π's columns a chunk at a time (plan_store: chunked, every rotated side Lloyd-Max)
         cols, kc = WIDE_COLS, WIDE_KC
-        bv, warps = WIDE_TILE_SMALL if small else WIDE_TILE_FP16 if wide_fp16 else WIDE_TILE
+        bv, warps = wide
     raw = isinstance(fmt.key, Raw) and isinstance(fmt.value, Raw)
     if (rot == "none" or small) and not raw and rot != "chunked":
         bv, warps, tiles = 16, 4, 1  # unrotated codes (FP8 keys, uniform values), short stores: docstring

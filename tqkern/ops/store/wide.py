@@ -24,9 +24,9 @@ import triton.language as tl
 from tqkern.ops.common import NC_STORED, f64_to_bits, row_scales, store_bytes, store_packed
 from tqkern.ops.fields import _ERR_SATURATED, _lloyd_max_codes, _saturates, flag, half_bounds, symmetric_codes
 
-__all__ = ["store_columns"]
+__all__ = ["store_columns", "SPLIT_SCALE"]
 
-_SCALE = tl.constexpr(16.0)  # parts of 16·Π, as the split method's (keeps Π_2 normal in fp16)
+SPLIT_SCALE = tl.constexpr(16.0)  # fp16 parts of 16·Π (an exact power of two; keeps Π_2 normal in fp16)
 
 
 @triton.jit
@@ -75,7 +75,7 @@ def store_columns(x_ptr_2d, mu_ptr_2d, ld_mask, row, h, tok_mask, rot_ptr, bnd_p
         for k0 in tl.static_range(0, D, KC):
             m = ld_mask[:, None] & (k0 + kk < D)[None, :]
             xk = tl.load(x_ptr_2d + (k0 + kk)[None, :], mask=m, other=0.0)
-            r = tl.load(rot_ptr + (k0 + kk)[:, None] * D + (c0 + cc)[None, :]) * _SCALE
+            r = tl.load(rot_ptr + (k0 + kk)[:, None] * D + (c0 + cc)[None, :]) * SPLIT_SCALE
             p1 = r.to(tl.float16)
             p2 = (r - p1.to(tl.float32)).to(tl.float16)
             if SCALED:
@@ -91,7 +91,7 @@ def store_columns(x_ptr_2d, mu_ptr_2d, ld_mask, row, h, tok_mask, rot_ptr, bnd_p
             else:  # fp16 x: exact as it is
                 acc = tl.dot(xk, p1, acc)
                 acc = tl.dot(xk, p2, acc)
-        y = acc * (inv / _SCALE)[:, None]
+        y = acc * (inv / SPLIT_SCALE)[:, None]
         if SYM:
             idx = symmetric_codes(y, hb, BITS)
         else:
