@@ -266,3 +266,7 @@ def test_device_params_tables_must_fit_the_format():
     with pytest.raises(ValueError, match="DeviceParams.key_offset_signed must be None when params.key_offset is None"):
         dataclasses.replace(plain, key_offset_signed=dp.key_offset_signed)
     assert dataclasses.replace(dp).key_centroids.shape == (32,)
+    wide = tqt.to_device(tqkern.TQParams.default(tqkern.KVFormat.preset("tq4", 256)), DEV)
+    with pytest.raises(ValueError, match=r"DeviceParams.rotation_parts must be a contiguous torch.float16 tensor of "
+                                         r"shape \(2, 256, 256\) .*, got torch.float32 \(256, 256\)"):
+        dataclasses.replace(wide, rotation_parts=wide.rotation)

@@ -16,7 +16,7 @@ import tqkern_torch as tqt
 from tqkern import reference as ref
 from tqkern.ops.launch import BoundedCache
 from tqkern.ops.store.plan import (ROTATIONS, SMALL_STORE_VECTORS, SPLIT_MIN_PROGRAMS, SPLIT_TILE, SPLIT_TILE_MU,
-                                   WIDE_FP16_VECTORS, StorePlan, plan_store, rotation_method, _split_tile)
+                                   WIDE_LARGE_VECTORS, WIDE_STAGES, StorePlan, plan_store, rotation_method, _split_tile)
 from tqkern_torch._params import to_device
 from tqkern_torch.testing import device_under_test, kernels_available
 
@@ -162,7 +162,7 @@ def test_the_column_chunked_stores_large_tile_writes_the_oracle_bytes(has_mu, mo
     import tqkern.ops.store.plan as plan_mod
 
     monkeypatch.setattr(plan_mod, "SMALL_STORE_VECTORS", 64)
-    monkeypatch.setattr(plan_mod, "WIDE_FP16_VECTORS", 100)
+    monkeypatch.setattr(plan_mod, "WIDE_LARGE_VECTORS", 100)
     layout = _layout("tq4", 256, h=8)
     plan = plan_store(layout, has_mu=has_mu, vector_aligned=True, num_vectors=40 * 8, interpret=DEV.type != "cuda")
     assert (plan.block_vectors, dict(plan.constexprs)["COLS"], plan.grid(40)) == (128, 64, (3,))
@@ -254,14 +254,13 @@ def test_wide_head_dim_takes_the_chunked_path_and_a_key_offset_fp16_operands():
         assert not dict(plan_store(_layout("tq4", d=256), dtype, has_mu=True).constexprs)["F16_ROT"]
         for n in (None, 32, SMALL_STORE_VECTORS + 1):  # short stores too
             # Lloyd-Max sides take Π's columns 64 at a time over 64-row blocks, 64 vectors x 8 warps (a short
-            # store: 32 vectors; fp16 from WIDE_FP16_VECTORS vectors: 128) (session 74)
+            # store: 32 vectors; from WIDE_LARGE_VECTORS vectors: 128) (sessions 74, 75)
             wide = plan_store(_layout("tq4", d=256), dtype, has_mu=True, num_vectors=n)
             cx = dict(wide.constexprs)
-            bv = 32 if n == 32 else 128 if dtype == "fp16" and n is None else 64
+            bv = 32 if n == 32 else 128 if n is None else 64
             assert (wide.block_vectors, wide.num_warps, wide.tiles, cx["KC"], cx["COLS"]) == (bv, 8, 1, 64, 64)
-            assert plan_store(_layout("tq4", d=256), dtype, num_vectors=WIDE_FP16_VECTORS).block_vectors == (
-                128 if dtype == "fp16" else 64)
-            assert plan_store(_layout("tq4", d=256), dtype, num_vectors=WIDE_FP16_VECTORS - 1).block_vectors == 64
+            assert plan_store(_layout("tq4", d=256), dtype, num_vectors=WIDE_LARGE_VECTORS).block_vectors == 128
+            assert plan_store(_layout("tq4", d=256), dtype, num_vectors=WIDE_LARGE_VECTORS - 1).block_vectors == 64
             assert "columns 64 at a time" in wide.describe()
             # a rotated side of another kind needs the whole row of y: 16 vectors x 8 warps at KC = 32 (session 73)
             fmt = tqkern.KVFormat(head_dim=256, key=tqkern.LloydMax(bits=4), value=tqkern.Uniform(bits=4, rotated=True))
@@ -352,6 +351,65 @@ def test_device_params_sign_the_key_offset_for_the_warp_kernel(preset):
     assert np.array_equal(p.key_offset.numpy(), params.key_offset.astype(np.float32))
     assert torch.equal(signed_key_offset(p.key_offset, p.rotation), p.key_offset_signed)
     assert to_device(tqkern.TQParams.default(fmt, seed=3), "cpu").key_offset_signed is None
+
+
+def test_device_params_split_the_rotation_for_the_column_chunked_store():
+    """``DeviceParams.rotation_parts`` (head_dim above 128, rotated formats): 16·Π in float32 rounded
+    to fp16 (nearest, ties to even) and the rounding of what that leaves, computed here in NumPy;
+    together within 2^-22 of 16·Π's largest element; none at head_dim 128 or for unrotated formats."""
+    from tqkern.ops.store.triton import rotation_parts
+
+    fmt = tqkern.KVFormat.preset("tq4", 256)
+    params = tqkern.TQParams.default(fmt, seed=5)
+    p = to_device(params, "cpu")
+    r = np.asarray(params.rotation, np.float32) * np.float32(16.0)
+    hi = r.astype(np.float16)
+    lo = (r - hi.astype(np.float32)).astype(np.float16)
+    assert p.rotation_parts.dtype == torch.float16 and p.rotation_parts.shape == (2, 256, 256)
+    assert p.rotation_parts.is_contiguous()
+    assert np.array_equal(p.rotation_parts[0].numpy(), hi) and np.array_equal(p.rotation_parts[1].numpy(), lo)
+    assert np.count_nonzero(lo) > 0.9 * lo.size  # the second part carries bits nearly everywhere
+    err = np.abs(hi.astype(np.float64) + lo.astype(np.float64) - np.asarray(params.rotation) * 16.0)
+    assert err.max() <= 2.0**-22 * np.abs(r).max() + 2.0**-24  # (+ fp16's subnormal spacing of lo)
+    assert torch.equal(rotation_parts(p.rotation), p.rotation_parts)
+    assert to_device(tqkern.TQParams.default(tqkern.KVFormat.preset("tq4", 128), seed=5), "cpu").rotation_parts is None
+    assert to_device(tqkern.TQParams.default(tqkern.KVFormat.preset("fp16", 256)), "cpu").rotation_parts is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("has_mu", [False, True])
+def test_the_column_chunked_store_makes_the_rotations_parts_when_the_params_lack_them(has_mu):
+    """A ``DeviceParams`` without ``rotation_parts`` (a caller's own): the store makes them per call
+    and writes the same bytes as with them, through both loop forms (unrolled with μ, pipelined
+    without)."""
+    layout = _layout("tq4", 256, h=2)
+    mu = (np.random.default_rng(2).standard_normal((2, 256)) * 0.5).astype(np.float32) if has_mu else None
+    p = to_device(tqkern.TQParams.default(layout.format, seed=2, key_offset=mu), DEV)
+    plan = plan_store(layout, has_mu=has_mu, vector_aligned=True, num_vectors=40, interpret=DEV.type != "cuda")
+    assert dict(plan.constexprs)["COL_STAGES"] == (0 if has_mu else WIDE_STAGES) and WIDE_STAGES > 0
+    g = torch.Generator().manual_seed(2)
+    k, v = (torch.randn(20, 2, 256, generator=g).half().to(DEV) for _ in range(2))
+    slots = torch.randperm(48, generator=g)[:20].to(DEV)
+    caches = []
+    for params in (p, dataclasses.replace(p, rotation_parts=None)):
+        cache = torch.full(tuple(layout.cache_shape(3)), 0xA5, dtype=torch.uint8, device=DEV)
+        tqt.store(cache, k, v, slots, layout, params)
+        caches.append(cache.cpu())
+    assert torch.equal(caches[0], caches[1])
+    assert not torch.equal(caches[0], torch.full_like(caches[0], 0xA5))
+
+
+def test_the_column_chunked_loop_is_pipelined_for_fp16_inputs_without_a_key_offset():
+    """Session 75 (H200): 3 pipelined stages of the row-block loop won for fp16 inputs without μ on
+    the 128- and 32-vector tiles (16K x 8 x 256 588.1 -> 518.7 us) and lost for bf16, μ and fp16 on
+    the 64-vector tile, which keep the unrolled loop; plans of other methods carry 0."""
+    lay = _layout("tq4", d=256)
+    for dtype, has_mu, want in (("fp16", False, WIDE_STAGES), ("fp16", True, 0), ("bf16", False, 0),
+                                ("bf16", True, 0)):
+        for n in (None, 32, WIDE_LARGE_VECTORS - 1):
+            plan = plan_store(lay, dtype, has_mu=has_mu, num_vectors=n)
+            assert dict(plan.constexprs)["COL_STAGES"] == (0 if plan.block_vectors == 64 else want)
+    assert dict(plan_store(_layout("tq4")).constexprs)["COL_STAGES"] == 0
 
 
 def test_plan_grid_constexprs_and_description():

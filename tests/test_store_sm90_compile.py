@@ -42,14 +42,16 @@ BUDGETS = {
     "tq4:slot:128:8:small": (72, 2800),
     "tq4:row:128:8:bf16+small": (56, 2816),  # (S73: fp16 operands; bf16 parts 376 / 3368)
     # a dense rotation at head_dim 256 (S74): Pi's columns 64 at a time over 64-row blocks on fp16 operands,
-    # 128 vectors x 8 warps for fp16 inputs, 64 x 8 for bf16, 32 x 8 for short stores. Triton 3.6: 229 / 255 /
-    # 244 / 250 registers, stack 0 / 88 / 0 / 0, 14200 / 17936 / 12848 / 6800 instructions (fp16 at 64 x 8:
-    # no stack, 10160 / 12680, timed 25% / 6% slower). (S73's chunked tf32x3 products, 16 vectors x 8 warps,
-    # 32-row chunks of Pi: 0 / 9240 here; 4 warps x 64 rows before: 3512 / 18104, 14368 / 37920 under 3.6)
-    "tq4:slot:256:8": (0, 15425),
-    "tq4:row:256:8:mu": (104, 19414),
-    "tq4:row:256:8:bf16+mu": (48, 14404),
-    "tq4:slot:256:8:small": (0, 6864),
+    # 128 vectors x 8 warps from 32768 vectors (S75; fp16 only, from 65536, before), 32 x 8 for short stores.
+    # S75: Pi's fp16 parts read from DeviceParams.rotation_parts (split in registers per tile before: S74 0 / 15425,
+    # 104 / 19414, bf16+mu at 64 x 8 48 / 14404, 0 / 6864) and fp16 without mu a 3-stage pipelined loop, whose
+    # 288 stack bytes here are 8 under Triton 3.6 (the GPU's: 255 / 255 / 255 / 154 registers, stack 8 / 64 / 96 /
+    # 0, 12024 / 15400 / 17856 / 4696 instructions), where it was timed 12% faster than the unrolled loop
+    # (no stack, 12448 here)
+    "tq4:slot:256:8": (288, 15112),
+    "tq4:row:256:8:mu": (96, 16447),
+    "tq4:row:256:8:bf16+mu": (112, 18713),
+    "tq4:slot:256:8:small": (0, 5002),
     # the warp kernel (aligned inputs, session 24; one warp per program, half-table search, float32
     # norms with a float64 fall-back, session 26): 76-184 registers, no stack
     "turboquant_4bit_nc:slot:128:8:warp": (0, 2080),

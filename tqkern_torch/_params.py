@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from tqkern.ops.int8_prefill.reference import int8_image
-from tqkern.ops.store.triton import signed_key_offset
+from tqkern.ops.store.triton import rotation_parts, signed_key_offset
 from tqkern.params import TQParams
 from tqkern.rotations import is_signed_sylvester
 from tqkern_torch._validate import check_device
@@ -42,6 +42,10 @@ class DeviceParams:
         signed_sylvester: the rotation is ``diag(s) · H / √D``
             (:func:`tqkern.rotations.is_signed_sylvester`): the store kernel then rotates with
             an exact ±1 matrix on the tensor cores (:mod:`tqkern.ops.store.plan`).
+        rotation_parts: fp16 ``[2, D, D]``, ``16·Π`` as two fp16 parts
+            (:func:`tqkern.ops.store.triton.rotation_parts`), the operands of the column-chunked
+            store (:mod:`tqkern.ops.store.wide`), for rotated formats of head_dim above 128; or
+            ``None`` (that store then makes them per call).
         symmetric_codebooks: every Lloyd-Max side's float32 boundaries are antisymmetric
             (``b == −b[::-1]``; the default codebooks are): the warp store kernel then searches
             half the table (:func:`tqkern.ops.fields.symmetric_codes`).
@@ -61,6 +65,7 @@ class DeviceParams:
     symmetric_codebooks: bool = False
     key_offset_signed: torch.Tensor | None = None
     key_int8_table: torch.Tensor | None = None
+    rotation_parts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         """The tables' shapes and dtypes against ``params`` (shapes only: no device sync). The
@@ -80,6 +85,8 @@ class DeviceParams:
         if self.key_int8_table is not None:
             kcb = self.params.key_codebook
             want["key_int8_table"] = ((2 * 2**kcb.bits + 1 if kcb is not None else 1,), torch.float32)
+        if self.rotation_parts is not None:
+            want["rotation_parts"] = ((2, d, d), torch.float16)
         mu = self.params.key_offset
         if mu is not None:
             want["key_offset"] = (tuple(mu.shape), torch.float32)
@@ -114,6 +121,7 @@ class DeviceParams:
             "key_offset": self.key_offset,
             "key_offset_signed": self.key_offset_signed,
             "key_int8_table": self.key_int8_table,
+            "rotation_parts": self.rotation_parts,
         }
 
 
@@ -157,5 +165,6 @@ def to_device(params: TQParams, device) -> DeviceParams:
     mu = params.key_offset
     t["key_offset"] = None if mu is None else torch.tensor(np.ascontiguousarray(mu, np.float32), device=device).contiguous()
     t["key_offset_signed"] = None if mu is None else signed_key_offset(t["key_offset"], t["rotation"])
+    t["rotation_parts"] = rotation_parts(t["rotation"]) if params.format.rotated and d > 128 else None
     error_word(device)  # allocated now, so that no op allocates it later, e.g. under CUDA-graph capture
     return DeviceParams(params=params, **t)

@@ -57,9 +57,9 @@ def _host_params(layout: PagedLayout, rotation, kc, vc, mu, kb=None, vb=None) ->
     return TQParams(format=fmt, rotation=rot, key_offset=None if mu is None else mu.cpu().numpy(), **cbs)
 
 
-def _tables(rotation, kb, kc, vb, vc, mu, mu_signed=None) -> dict:
+def _tables(rotation, kb, kc, vb, vc, mu, mu_signed=None, parts=None) -> dict:
     return {"rotation": rotation, "key_boundaries": kb, "key_centroids": kc, "value_boundaries": vb,
-            "value_centroids": vc, "key_offset": mu, "key_offset_signed": mu_signed}
+            "value_centroids": vc, "key_offset": mu, "key_offset_signed": mu_signed, "rotation_parts": parts}
 
 
 @torch.library.custom_op("tqkern::store", mutates_args=("cache",))
@@ -67,21 +67,24 @@ def store_op(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_m
              rotation: torch.Tensor, key_boundaries: torch.Tensor, key_centroids: torch.Tensor,
              value_boundaries: torch.Tensor, value_centroids: torch.Tensor, key_offset: Optional[torch.Tensor],
              layout: str, signed_sylvester: bool = False, symmetric_codebooks: bool = False,
-             key_offset_signed: Optional[torch.Tensor] = None) -> None:
+             key_offset_signed: Optional[torch.Tensor] = None, rotation_parts: Optional[torch.Tensor] = None) -> None:
     store_impl(cache, key, value, slot_mapping, rotation, key_boundaries, key_centroids, value_boundaries,
-               value_centroids, key_offset, layout, signed_sylvester, symmetric_codebooks, key_offset_signed)
+               value_centroids, key_offset, layout, signed_sylvester, symmetric_codebooks, key_offset_signed,
+               rotation_parts)
 
 
 def store_impl(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
                rotation: torch.Tensor, key_boundaries: torch.Tensor, key_centroids: torch.Tensor,
                value_boundaries: torch.Tensor, value_centroids: torch.Tensor, key_offset: Optional[torch.Tensor],
                layout: str, signed_sylvester: bool = False, symmetric_codebooks: bool = False,
-               key_offset_signed: Optional[torch.Tensor] = None) -> None:
+               key_offset_signed: Optional[torch.Tensor] = None,
+               rotation_parts: Optional[torch.Tensor] = None) -> None:
     """The body of ``torch.ops.tqkern.store`` (eager calls run it without the dispatcher's layers).
     ``signed_sylvester``: ``rotation`` is ``diag(s)·H/√D`` (``DeviceParams.signed_sylvester``):
     the kernel may rotate with an exact ±1 matrix; ``symmetric_codebooks``: the boundary tables
     are antisymmetric (``DeviceParams.symmetric_codebooks``); ``key_offset_signed``:
-    ``DeviceParams.key_offset_signed`` (made per call from ``key_offset`` when ``None``). These are
+    ``DeviceParams.key_offset_signed`` (made per call from ``key_offset`` when ``None``);
+    ``rotation_parts``: ``DeviceParams.rotation_parts`` (likewise from ``rotation``). These are
     claims about the values, made on the host with the parameters, not checked here."""
     lay = layout_of(layout)
     if key.shape[0] == 0:
@@ -90,7 +93,7 @@ def store_impl(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot
         from tqkern.ops.store.triton import _launch_store
 
         tables = _tables(rotation, key_boundaries, key_centroids, value_boundaries, value_centroids, key_offset,
-                         key_offset_signed)
+                         key_offset_signed, rotation_parts)
         _launch_store(cache, key, value, slot_mapping, lay, tables, error_word(key.device),
                       interpret=key.device.type == "cpu", signed_sylvester=signed_sylvester,
                       symmetric_codebooks=symmetric_codebooks)
@@ -106,7 +109,7 @@ def store_impl(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot
 @store_op.register_fake
 def _(cache, key, value, slot_mapping, rotation, key_boundaries, key_centroids, value_boundaries,
       value_centroids, key_offset, layout, signed_sylvester=False, symmetric_codebooks=False,
-      key_offset_signed=None) -> None:
+      key_offset_signed=None, rotation_parts=None) -> None:
     return None
 
 

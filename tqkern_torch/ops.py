@@ -180,7 +180,7 @@ def store(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapp
     p = _device_params(params, layout, dev)
     args = (cache, key, value, slot_mapping, p.rotation, p.key_boundaries, p.key_centroids, p.value_boundaries,
             p.value_centroids, p.key_offset, layout_key(layout), p.signed_sylvester, p.symmetric_codebooks,
-            p.key_offset_signed)
+            p.key_offset_signed, p.rotation_parts)
     if type(key) is torch.Tensor and not torch.compiler.is_compiling():
         store_impl(*args)  # eager: the op's body without the dispatcher's layers (host time)
     else:

@@ -61,7 +61,10 @@ def compile_store(layout, in_dtype: str = "fp16", *, has_mu: bool = False, signe
                       vector_aligned=vector_aligned, symmetric_codebooks=symmetric_codebooks)
     fn = _store_warp_kernel if plan.kernel == "warp" else _store_kernel
     ints = [n for n in fn.arg_names if n.startswith(("num_", "stride_"))]
-    return _compile(fn, _ptr_types(in_dtype), ints, dict(plan.constexprs), plan.num_warps, plan.maxnreg), plan
+    ptrs = _ptr_types(in_dtype)
+    if dict(plan.constexprs).get("COLS"):
+        ptrs["rot_ptr"] = "*fp16"  # Π's fp16 parts (tqkern.ops.store.triton.rotation_parts)
+    return _compile(fn, ptrs, ints, dict(plan.constexprs), plan.num_warps, plan.maxnreg), plan
 
 
 def _compile(fn, ptrs: dict, ints: list, constexprs: dict, num_warps: int, maxnreg: int | None = None):

@@ -141,15 +141,15 @@ def _rotate(x, x_ptr_2d, ld_mask, mu, mu_ptr_2d, rot_ptr, b0, b1, b2, c, HAS_MU:
 def _encode(x, x_ptr_2d, ld_mask, mu, mu_ptr_2d, row, h, ok, rot_ptr, b0, b1, b2, c, bnd_ptr, cen_ptr,
             HAS_MU: tl.constexpr, IN_BF16: tl.constexpr, F16_ROT: tl.constexpr, ROT: tl.constexpr, D: tl.constexpr,
             DP: tl.constexpr, KC: tl.constexpr, DOT_PRECISION: tl.constexpr, NIBBLE: tl.constexpr,
-            ALIGNED: tl.constexpr, HW_FP8: tl.constexpr, COLS: tl.constexpr, S: tl.constexpr, SYM: tl.constexpr,
-            YS: tl.constexpr):
+            ALIGNED: tl.constexpr, HW_FP8: tl.constexpr, COLS: tl.constexpr, COL_STAGES: tl.constexpr, S: tl.constexpr,
+            SYM: tl.constexpr, YS: tl.constexpr):
     """Encode one side (``S``) of the tile ``x`` (rows outside ``ld_mask`` zero; ``mu`` its key
     offset) into its fields; the error bits. A rotated side of a ``COLS`` plan (Lloyd-Max, the
     plan says) goes through :func:`~tqkern.ops.store.wide.store_columns`; others are rotated by
     :func:`_rotate` (``YS``: the rows come back scaled) and encoded by ``encode_side``."""
     if COLS > 0 and S.ROTATED:
         err = store_columns(x_ptr_2d, mu_ptr_2d, ld_mask, row, h, ok, rot_ptr, bnd_ptr, cen_ptr, HAS_MU, IN_BF16, D,
-                            COLS, KC, NIBBLE, ALIGNED, S, SYM)
+                            COLS, KC, NIBBLE, ALIGNED, S, SYM, COL_STAGES)
     else:
         y = 0.0
         ys = 1.0
@@ -168,7 +168,7 @@ def _store_kernel(
     HAS_MU: tl.constexpr, IN_BF16: tl.constexpr, H: tl.constexpr, BV: tl.constexpr, TILES: tl.constexpr,
     ROT: tl.constexpr, KC: tl.constexpr, DOT_PRECISION: tl.constexpr, K_ALIGNED: tl.constexpr,
     V_ALIGNED: tl.constexpr, HW_FP8: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, ROW_BYTES: tl.constexpr,
-    NIBBLE: tl.constexpr, F16_ROT: tl.constexpr, COLS: tl.constexpr,
+    NIBBLE: tl.constexpr, F16_ROT: tl.constexpr, COLS: tl.constexpr, COL_STAGES: tl.constexpr,
     PAD_OFF: tl.constexpr, PAD_STRIDE: tl.constexpr, PAD_BYTES: tl.constexpr, PADP: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr,
 ):
@@ -202,11 +202,11 @@ def _store_kernel(
         if HAS_MU and not (COLS > 0 and K.ROTATED):  # (Π's columns: μ read a chunk at a time)
             mu = tl.load(mu_ptr_2d + cols[None, :], mask=m2 & k_ok[:, None], other=0.0)
         err |= _encode(kx, k_ptr_2d, ok & k_ok, mu, mu_ptr_2d, row, h, ok, rot_ptr, b0, b1, b2, c, kb_ptr, kc_ptr,
-                       HAS_MU, IN_BF16, F16_ROT, ROT, D, DP, KC, DOT_PRECISION, NIBBLE, K_ALIGNED, HW_FP8, COLS, K,
-                       K_SYM, K.ROTATED and F16_ROT)  # (F16_ROT: μ or bf16, so the keys are scaled)
+                       HAS_MU, IN_BF16, F16_ROT, ROT, D, DP, KC, DOT_PRECISION, NIBBLE, K_ALIGNED, HW_FP8, COLS,
+                       COL_STAGES, K, K_SYM, K.ROTATED and F16_ROT)  # (F16_ROT: μ or bf16, so the keys are scaled)
         err |= _encode(vx, v_ptr_2d, ok & v_ok, 0.0, mu_ptr_2d, row, h, ok, rot_ptr, b0, b1, b2, c, vb_ptr, vc_ptr,
-                       False, IN_BF16, F16_ROT, ROT, D, DP, KC, DOT_PRECISION, NIBBLE, V_ALIGNED, HW_FP8, COLS, V,
-                       V_SYM, V.ROTATED and F16_ROT and IN_BF16)
+                       False, IN_BF16, F16_ROT, ROT, D, DP, KC, DOT_PRECISION, NIBBLE, V_ALIGNED, HW_FP8, COLS,
+                       COL_STAGES, V, V_SYM, V.ROTATED and F16_ROT and IN_BF16)
         if PAD_BYTES > 0:
             p = tl.arange(0, PADP)
             tl.store((row + PAD_OFF + h * PAD_STRIDE)[:, None] + p[None, :], tl.zeros([BV, PADP], tl.uint8),

@@ -31,13 +31,20 @@ Rotation methods (``y = x @ Π`` in float32, for the rotated sides):
   time (``COLS``; :mod:`tqkern.ops.store.wide`): the norm first, from x, then per column chunk
   ``y[:, c]`` over :data:`WIDE_KC`-row blocks on fp16 operands (Π in two parts, x exact or scaled as
   ``F16_ROT``'s), searched and packed at once. 64 vectors × 8 warps (:data:`WIDE_TILE`; a short
-  store 32 × 8, :data:`WIDE_TILE_SMALL`; fp16 inputs from :data:`WIDE_FP16_VECTORS` vectors 128 × 8,
-  :data:`WIDE_TILE_FP16`). H200, tq4 16K × 8 × 256 (the public store, plan forced, best of two): fp16
-  1913.9 → 947.0 µs at 32 × 8, 830.4 at 64 × 8 (16 × 8: 1027.8), 626.9 at 128 × 8 (another run: 64 × 8
-  833.4); with μ 2056.1 → 1118.9 / 933.7, 128 × 8 876.7 (64 × 8 930.2); bf16 2000.1 → 950.8 / 803.7
-  (128 × 8 untimed: bf16 keeps 64 × 8); bf16 with μ 2146.2 → 1162.7 / 934.7; 512 tokens (4096 vectors):
-  32 × 8 30.1 µs, 64 × 8 48.1, 16 × 8 35.3 (μ 35.3 / 53.9 / 50.3). Sizes between 4096 and 131,072
-  vectors are untimed on these tiles.
+  store 32 × 8, :data:`WIDE_TILE_SMALL`; from :data:`WIDE_LARGE_VECTORS` vectors 128 × 8,
+  :data:`WIDE_TILE_LARGE`), and for fp16 inputs without μ on those two tiles a row-block loop of
+  :data:`WIDE_STAGES` software-pipelined stages (others unrolled). H200, tq4 16K × 8 × 256 (the public store, plan
+  forced, best of two): fp16 1913.9 → 947.0 µs at 32 × 8, 830.4 at 64 × 8 (16 × 8: 1027.8), 626.9
+  at 128 × 8 (another run: 64 × 8 833.4); with μ 2056.1 → 1118.9 / 933.7, 128 × 8 876.7 (64 × 8
+  930.2); bf16 2000.1 → 950.8 / 803.7; bf16 with μ 2146.2 → 1162.7 / 934.7; 512 tokens (4096
+  vectors): 32 × 8 30.1 µs, 64 × 8 48.1, 16 × 8 35.3 (μ 35.3 / 53.9 / 50.3). Session 75 (another
+  H200; 64 × 8 → 128 × 8 on session 74's kernel): 16K bf16 803.6 → 713.2, bf16 with μ 924.6 →
+  861.2; 4K × 8 × 256 fp16 199.7 → 128.3, bf16 193.5 → 150.8; then Π's parts made once per rotation
+  (``DeviceParams.rotation_parts``) and the loop unrolled / in 3 stages (same run): 16K fp16 588.1 /
+  518.7 (session 74's kernel 606.4 in the run before), 4K fp16 124.2 / 116.9, 512 tokens 30.0 / 23.2
+  (30.5); bf16 16K 616.4, 4K 151.8; fp16 with μ 16K 772.0 (856.9). 3 stages lost for bf16 and μ
+  (16K bf16 at 64 × 8 752.8 → 1078.0, μ 765.4 → 848.0; 2 stages between).
+  Sizes between 4096 and 32,768 vectors are untimed on these tiles.
 
 A key offset μ on a rotated key (``pm1`` / ``split``; ``F16_ROT``): ``x − μ`` is inexact in the
 input's dtype, so the rotation takes fp16 operands whatever the input dtype: each row of ``x − μ``
@@ -170,7 +177,8 @@ from tqkern.ops.common import halfword_aligned
 __all__ = ["StorePlan", "plan_store", "rotation_method", "warp_store_eligible", "default_signed_sylvester",
            "ROTATIONS", "ROT_NONE", "ROT_PM1", "ROT_SPLIT", "ROT_CHUNKED", "SMALL_STORE_VECTORS", "WARP_STORE_WARPS",
            "SPLIT_TILE", "SPLIT_TILE_MU", "SPLIT_MIN_PROGRAMS", "WARP_STORE_ITERS", "WARP_STORE_PROGRAMS",
-           "WIDE_COLS", "WIDE_KC", "WIDE_TILE", "WIDE_TILE_SMALL", "WIDE_TILE_FP16", "WIDE_FP16_VECTORS",
+           "WIDE_COLS", "WIDE_KC", "WIDE_TILE", "WIDE_TILE_SMALL", "WIDE_TILE_LARGE", "WIDE_LARGE_VECTORS",
+           "WIDE_STAGES",
            "WARP_STORE_LANES", "WARP_STORE_SHORT_LANES", "WARP_STORE_SHORT_VECTORS", "WARP_STORE_MAXNREG_BF16",
            "WARP_STORE_MAXNREG_STORED"]
 
@@ -180,14 +188,15 @@ ROT_NONE, ROT_PM1, ROT_SPLIT, ROT_CHUNKED = (tl.constexpr(i) for i in range(4))
 HOIST_MAX_DP = 128  # widest padded head_dim whose [DP, DP] operand is built once per program
 CHUNKED_KC = 32  # the ``chunked`` method's chunk of Π's rows (16 vectors x 8 warps; docstring)
 # ``chunked`` where every rotated side is Lloyd-Max: Π's columns WIDE_COLS at a time over WIDE_KC-row blocks,
-# (vectors a tile, warps) WIDE_TILE, WIDE_TILE_SMALL for a short store, WIDE_TILE_FP16 for fp16 stores of at
-# least WIDE_FP16_VECTORS vectors (tqkern.ops.store.wide; docstring)
+# (vectors a tile, warps) WIDE_TILE, WIDE_TILE_SMALL for a short store, WIDE_TILE_LARGE for stores of at least
+# WIDE_LARGE_VECTORS vectors (tqkern.ops.store.wide; docstring)
 WIDE_COLS = 64
 WIDE_KC = 64
 WIDE_TILE = (64, 8)
 WIDE_TILE_SMALL = (32, 8)
-WIDE_TILE_FP16 = (128, 8)
-WIDE_FP16_VECTORS = 65536
+WIDE_TILE_LARGE = (128, 8)
+WIDE_LARGE_VECTORS = 32768
+WIDE_STAGES = 3  # pipelined stages of the row-block loop: fp16 without μ, but the 64-vector tile (docstring)
 SMALL_STORE_VECTORS = 4096  # (token, head) vectors up to which a store takes the small tile (docstring)
 # a dense rotation's store (``split``): (vectors a tile, warps, most tiles a program), and for fp16 keys minus a
 # key offset (two fp16 parts); tiles halve until the grid has SPLIT_MIN_PROGRAMS (docstring)
@@ -334,12 +343,12 @@ def _split_tile(dp: int, in_dtype: str, key_offset: bool, num_vectors: int | Non
 
 def _wide_tile(in_dtype: str, small: bool, num_vectors: int | None) -> tuple[int, int]:
     """``(block_vectors, num_warps)`` of the column-chunked store (module docstring):
-    :data:`WIDE_TILE_SMALL` for a short store, :data:`WIDE_TILE_FP16` for fp16 stores of at least
-    :data:`WIDE_FP16_VECTORS` vectors (``None``: a long store), :data:`WIDE_TILE` otherwise."""
+    :data:`WIDE_TILE_SMALL` for a short store, :data:`WIDE_TILE_LARGE` for stores of at least
+    :data:`WIDE_LARGE_VECTORS` vectors (``None``: a long store), :data:`WIDE_TILE` otherwise."""
     if small:
         return WIDE_TILE_SMALL
-    if in_dtype == "fp16" and (num_vectors is None or num_vectors >= WIDE_FP16_VECTORS):
-        return WIDE_TILE_FP16
+    if num_vectors is None or num_vectors >= WIDE_LARGE_VECTORS:
+        return WIDE_TILE_LARGE
     return WIDE_TILE
 
 
@@ -457,6 +466,14 @@ def rotation_method(layout: PagedLayout, has_mu: bool, signed_sylvester: bool, i
     return "pm1" if signed_sylvester else "split"
 
 
+def _column_stages(in_dtype: str, has_mu: bool, wide: tuple[int, int] | None) -> int:
+    """``COL_STAGES``: :data:`WIDE_STAGES` for fp16 inputs without μ on the large and short tiles
+    (session 75: −6 to −23%), 0 (unrolled) for bf16, μ and the 64-vector tile (+11 to +43% there)."""
+    if wide is None or in_dtype != "fp16" or has_mu or wide == WIDE_TILE:
+        return 0
+    return WIDE_STAGES
+
+
 def _columns_apply(layout: PagedLayout) -> bool:
     """Whether a ``chunked`` store takes Π's columns :data:`WIDE_COLS` at a time
     (:mod:`tqkern.ops.store.wide`): every rotated side is Lloyd-Max (its codes need ``y`` a column
@@ -493,7 +510,8 @@ def _plan_store(layout: PagedLayout, in_dtype: str, has_mu: bool, signed_sylvest
         HAS_MU=has_mu, IN_BF16=in_dtype == "bf16", H=layout.num_kv_heads, BV=bv, TILES=tiles,
         ROT=ROTATIONS.index(rot), KC=kc, DOT_PRECISION=precision,
         K_ALIGNED=halfword_aligned(layout, "key"), V_ALIGNED=halfword_aligned(layout, "value"), HW_FP8=not interpret,
-        **c, F16_ROT=f16_rot, COLS=cols, **_symmetric_sides(c, symmetric),
+        **c, F16_ROT=f16_rot, COLS=cols, COL_STAGES=_column_stages(in_dtype, has_mu, wide),
+        **_symmetric_sides(c, symmetric),
     )
     return StorePlan(layout=layout, in_dtype=in_dtype, has_mu=has_mu, rotation=rot, block_vectors=bv, tiles=tiles,
                      num_warps=warps, num_stages=stages, dot_precision=precision, constexprs=tuple(cx.items()))

@@ -10,8 +10,9 @@ from tqkern.ops.launch import BoundedCache, KernelLauncher
 from tqkern.ops.store.kernel import _store_kernel
 from tqkern.ops.store.plan import StorePlan, plan_store
 from tqkern.ops.store.warp import _store_warp_kernel
+from tqkern.ops.store.wide import SPLIT_SCALE
 
-__all__ = ["_store_kernel", "_store_warp_kernel", "_launch_store", "signed_key_offset", "store_plan",
+__all__ = ["_store_kernel", "_store_warp_kernel", "_launch_store", "rotation_parts", "signed_key_offset", "store_plan",
            "vectors_aligned"]
 
 
@@ -46,6 +47,16 @@ def signed_key_offset(mu: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return (mu * torch.where(rotation[:, 0] > 0, 1.0, -1.0).to(mu.dtype)).contiguous()
 
 
+def rotation_parts(rotation: torch.Tensor) -> torch.Tensor:
+    """fp16 ``[2, D, D]``: ``16·Π`` (float32 ``rotation``) as ``Π_1 + Π_2``, ``Π_1`` its rounding to
+    fp16 and ``Π_2`` the rounding of what ``Π_1`` leaves (each to nearest, ties to even; 16 is a
+    power of two, so the product is exact): the operands the column-chunked store reads
+    (:mod:`tqkern.ops.store.wide`)."""
+    r = rotation.float() * float(SPLIT_SCALE.value)
+    hi = r.half()
+    return torch.stack([hi, (r - hi.float()).half()]).contiguous()
+
+
 # Launches of the store kernel by (plan, grid): a repeated store of the same shape calls the
 # compiled kernel directly (:class:`tqkern.ops.launch.KernelLauncher`: no per-call binding of the
 # plan's constexprs; the decode's host-time lesson).
@@ -60,8 +71,9 @@ def _launch_store(cache, key, value, slot_mapping, layout, tables, errors, *, in
     ``tables`` holds device tensors: ``rotation`` fp32 [D, D], ``key_boundaries`` / ``value_boundaries``
     fp32, ``key_centroids`` / ``value_centroids`` fp64, ``key_offset`` fp32 [H, D] or None (any
     1-element tensor stands in for an unused table), and optionally ``key_offset_signed``
-    (:func:`signed_key_offset`, the table the warp kernel reads for rotated keys; made here, per
-    call, when absent or None). ``signed_sylvester``: the rotation is
+    (:func:`signed_key_offset`, the table the warp kernel reads for rotated keys) and
+    ``rotation_parts`` (:func:`rotation_parts`, the column-chunked store's operands), each made
+    here, per call, when absent or None. ``signed_sylvester``: the rotation is
     ``diag(s)·H/√D`` (:func:`tqkern.rotations.is_signed_sylvester`; the ``pm1`` method).
     ``symmetric_codebooks``: every Lloyd-Max boundary table is antisymmetric (the warp kernel's
     half-table search).
@@ -73,7 +85,11 @@ def _launch_store(cache, key, value, slot_mapping, layout, tables, errors, *, in
     if mu is not None and plan.kernel == "warp" and layout.format.key.rotated:
         signed = tables.get("key_offset_signed")
         mu = signed_key_offset(mu, tables["rotation"]) if signed is None else signed
-    args = (key, value, slot_mapping, cache, tables["rotation"], tables["key_boundaries"], tables["key_centroids"],
+    rot = tables["rotation"]
+    if dict(plan.constexprs).get("COLS"):
+        parts = tables.get("rotation_parts")
+        rot = rotation_parts(rot) if parts is None else parts
+    args = (key, value, slot_mapping, cache, rot, tables["key_boundaries"], tables["key_centroids"],
             tables["value_boundaries"], tables["value_centroids"], mu if mu is not None else tables["rotation"],
             errors, num_tokens, cache.shape[0] * layout.block_size, key.stride(0), key.stride(1), value.stride(0),
             value.stride(1))
