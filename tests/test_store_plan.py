@@ -397,6 +397,15 @@ def test_the_column_chunked_store_makes_the_rotations_parts_when_the_params_lack
         caches.append(cache.cpu())
     assert torch.equal(caches[0], caches[1])
     assert not torch.equal(caches[0], torch.full_like(caches[0], 0xA5))
+    # the op itself (no DeviceParams to check them) refuses parts that its kernel would read past
+    from tqkern_torch.library import layout_key
+
+    for bad in (p.rotation_parts[:1].contiguous(), p.rotation_parts.float()):
+        with pytest.raises(ValueError, match=r"rotation_parts must be a contiguous torch.float16 tensor of shape "
+                                             r"\(2, 256, 256\), got"):
+            torch.ops.tqkern.store(cache, k, v, slots, p.rotation, p.key_boundaries, p.key_centroids,
+                                   p.value_boundaries, p.value_centroids, p.key_offset, layout_key(layout), False, True,
+                                   p.key_offset_signed, bad)
 
 
 def test_the_column_chunked_loop_is_pipelined_for_fp16_inputs_without_a_key_offset():

@@ -88,6 +88,11 @@ def _launch_store(cache, key, value, slot_mapping, layout, tables, errors, *, in
     rot = tables["rotation"]
     if dict(plan.constexprs).get("COLS"):
         parts = tables.get("rotation_parts")
+        d = layout.head_dim
+        if parts is not None and (tuple(parts.shape) != (2, d, d) or parts.dtype != torch.float16
+                                  or not parts.is_contiguous()):
+            raise ValueError(f"rotation_parts must be a contiguous torch.float16 tensor of shape (2, {d}, {d}), "
+                             f"got {parts.dtype} {tuple(parts.shape)}")
         rot = rotation_parts(rot) if parts is None else parts
     args = (key, value, slot_mapping, cache, rot, tables["key_boundaries"], tables["key_centroids"],
             tables["value_boundaries"], tables["value_centroids"], mu if mu is not None else tables["rotation"],
