@@ -1,0 +1,74 @@
+"""Key and value rows at the ends of their dtype's range store the oracle's bytes.
+
+The store kernels sum squares in float32 where a float16 norm allows it (the warp kernel's
+``_sum_sq_f32``) and scale rows by powers of two before fp16 products (the tile kernel's
+``F16_ROT``, the column-chunked store): rows whose squares underflow or overflow float32 — bf16
+elements below ~2^-63 (2^-133 at the subnormal end) or above ~2^64 — and float16 subnormal rows
+are the inputs where those shortcuts could differ from the oracle's float64 arithmetic. Each row
+here is a standard normal vector times one power of two from the dtype's range (subnormals
+included), keys and values at different scales, into a poisoned cache at shuffled slots: the
+oracle's bytes wherever it is certain, and its error flags. bf16 runs on the GPU only (the interpreter has no bf16).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import tqkern
+import tqkern_torch as tqt
+from tqkern import reference as ref
+from tqkern.errors import ErrorFlag
+from tqkern_torch.errors import read_errors
+from tqkern_torch.testing import device_under_test, kernels_available
+
+DEV = device_under_test()
+pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1")
+
+# powers of two whose rows stay finite in the dtype (a standard normal element reaches ~4.5 here)
+SCALES = {
+    torch.float16: [-24, -20, -14, -8, 0, 8, 13],
+    torch.bfloat16: [-133, -128, -120, -100, -70, -64, -40, 0, 40, 64, 70, 100, 120],
+}
+
+
+def _rows(n: int, h: int, d: int, exps: list, rng) -> np.ndarray:
+    """``[n, h, d]`` float32: row (t, hh) is a standard normal vector times 2^exps[(t·h + hh) % len]."""
+    x = rng.standard_normal((n, h, d))
+    e = np.array([exps[i % len(exps)] for i in range(n * h)], np.float64).reshape(n, h, 1)
+    return (x * np.exp2(e)).astype(np.float32)
+
+
+@pytest.mark.parametrize("preset, d", [("turboquant_4bit_nc", 128), ("tqkern_k5v3", 128), ("k5v4h", 64),
+                                       ("turboquant_k8v4", 64), ("tq4", 128), ("tq4", 256)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rows_at_every_scale_of_the_input_dtype_store_the_oracles_bytes(preset, d, dtype):
+    if dtype == torch.bfloat16 and DEV.type != "cuda":
+        pytest.skip("the interpreter has no bf16")
+    h = 2
+    exps = SCALES[dtype]
+    n = 2 * len(exps)
+    rng = np.random.default_rng(d)
+    fmt = tqkern.KVFormat.preset(preset, d)
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=h, block_size=16)
+    params = tqkern.TQParams.default(fmt, seed=3)
+    k = torch.from_numpy(_rows(n, h, d, exps, rng)).to(dtype)
+    v = torch.from_numpy(_rows(n, h, d, exps[::-1], rng)).to(dtype)
+    assert torch.isfinite(k.float()).all() and torch.isfinite(v.float()).all()
+    assert (k.float().abs().amax(-1) > 0).all()  # every row holds a nonzero element
+    nb = n // 16 + 2
+    slots = torch.from_numpy(rng.permutation(nb * 16)[:n].astype(np.int64))
+    cache = torch.from_numpy(rng.integers(0, 256, size=layout.cache_shape(nb), dtype=np.uint8)).to(DEV)
+    dp = tqt.to_device(params, DEV)
+    read_errors(DEV)  # (clears the device's error word)
+    tqt.store(cache, k.to(DEV), v.to(DEV), slots.to(DEV), layout, dp)
+    flags = read_errors(DEV)
+    _, want_flags = ref.store(np.zeros(layout.cache_shape(nb), np.uint8), k.double().numpy(), v.double().numpy(),
+                              slots.numpy(), layout, params, return_flags=True)
+    assert flags == ErrorFlag(int(want_flags))  # (SATURATED where a float16 norm overflows)
+    got = ref.gather_slots(cache.cpu().numpy(), layout, slots.numpy())
+    want, unsure = ref.compress(k.double().numpy(), v.double().numpy(), params, return_uncertain=True)
+    bad = (got != want) & ~unsure
+    rows = sorted({(int(t), int(hh)) for t, hh in zip(*np.nonzero(bad.any(-1)))})
+    assert not rows, (f"{preset} {dtype}: certain bytes differ at (token, head) {rows[:6]}, key exponents "
+                      f"{[exps[(t * h + hh) % len(exps)] for t, hh in rows[:6]]}")
+    assert unsure.mean() < 0.1
