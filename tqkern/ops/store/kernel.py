@@ -5,7 +5,8 @@ One kernel serves every codec and both arrangements: the layout becomes constexp
 :class:`~tqkern.ops.store.plan.StorePlan`, each side's encoding
 :func:`tqkern.ops.fields.encode_side`. A program takes ``TILES`` tiles of ``BV`` vectors, vector
 ``v`` being head ``v % H`` of token ``v // H``; the rotation operand (the plan's method) is built
-once per program, before its tiles. Norms, uniform scales/codes and stored gains equal the
+once per program, before its tiles (a ``COLS`` plan reads ``rot_ptr`` as Π's fp16 parts ``[2, D, D]``,
+:func:`tqkern.ops.store.triton.rotation_parts`, instead of float32 Π). Norms, uniform scales/codes and stored gains equal the
 oracle's bytes (float64 sums; float32 estimates checked exactly); only the rotation runs in float32
 (codes within ``tqkern.ops.quantize.reference.EPS`` of a boundary may differ, as the spec allows).
 ``K_SYM`` / ``V_SYM``: that side's Lloyd-Max table is antisymmetric and searched by its positive half
