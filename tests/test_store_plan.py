@@ -165,7 +165,7 @@ def test_the_column_chunked_stores_large_tile_writes_the_oracle_bytes(has_mu, mo
     monkeypatch.setattr(plan_mod, "WIDE_LARGE_VECTORS", 100)
     layout = _layout("tq4", 256, h=8)
     plan = plan_store(layout, has_mu=has_mu, vector_aligned=True, num_vectors=40 * 8, interpret=DEV.type != "cuda")
-    assert (plan.block_vectors, dict(plan.constexprs)["COLS"], plan.grid(40)) == (128, 64, (3,))
+    assert (plan.block_vectors, dict(plan.constexprs)["COLS"], plan.columns, plan.grid(40)) == (128, 64, 64, (3,))
     _stores_oracle_bytes(layout, 40, has_mu, seed=4)
 
 
@@ -177,7 +177,7 @@ def test_chunked_head_dims_below_their_padding_write_the_oracle_bytes(d, cols):
     into a poisoned cache at shuffled slots: the oracle's bytes wherever it is certain."""
     layout = _layout("tq4", d, h=2)
     plan = plan_store(layout, has_mu=True, vector_aligned=True, num_vectors=24 * 2, interpret=DEV.type != "cuda")
-    assert plan.rotation == "chunked" and dict(plan.constexprs)["COLS"] == cols
+    assert plan.rotation == "chunked" and dict(plan.constexprs)["COLS"] == plan.columns == cols
     _stores_oracle_bytes(layout, 24, True, seed=d)
 
 
@@ -372,6 +372,11 @@ def test_device_params_split_the_rotation_for_the_column_chunked_store():
     err = np.abs(hi.astype(np.float64) + lo.astype(np.float64) - np.asarray(params.rotation) * 16.0)
     assert err.max() <= 2.0**-22 * np.abs(r).max() + 2.0**-24  # (+ fp16's subnormal spacing of lo)
     assert torch.equal(rotation_parts(p.rotation), p.rotation_parts)
+    with pytest.raises(TypeError, match="rotation must be a torch.Tensor, got ndarray"):
+        rotation_parts(r)
+    with pytest.raises(ValueError, match=r"rotation must be a square floating-point \[D, D\] tensor, got "
+                                         r"torch.float32 \(256, 128\)"):
+        rotation_parts(p.rotation[:, :128])
     assert to_device(tqkern.TQParams.default(tqkern.KVFormat.preset("tq4", 128), seed=5), "cpu").rotation_parts is None
     assert to_device(tqkern.TQParams.default(tqkern.KVFormat.preset("fp16", 256)), "cpu").rotation_parts is None
 

@@ -62,7 +62,7 @@ def compile_store(layout, in_dtype: str = "fp16", *, has_mu: bool = False, signe
     fn = _store_warp_kernel if plan.kernel == "warp" else _store_kernel
     ints = [n for n in fn.arg_names if n.startswith(("num_", "stride_"))]
     ptrs = _ptr_types(in_dtype)
-    if dict(plan.constexprs).get("COLS"):
+    if plan.columns:
         ptrs["rot_ptr"] = "*fp16"  # Π's fp16 parts (tqkern.ops.store.triton.rotation_parts)
     return _compile(fn, ptrs, ints, dict(plan.constexprs), plan.num_warps, plan.maxnreg), plan
 

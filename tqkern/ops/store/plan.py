@@ -20,31 +20,21 @@ Rotation methods (``y = x @ Π`` in float32, for the rotated sides):
   three bf16 parts of Π, 24 bits, three products).
 - ``"chunked"``: D > 128: fp32 Π and x (minus μ) read in ``KC``-wide chunks inside every tile,
   three-pass tf32 products (the interpreter computes every product in float32): 16 vectors per
-  tile, 8 warps, ``KC`` = 32 (:data:`CHUNKED_KC`), no software pipelining. Before session 73: 4 warps
-  and ``KC`` = 64, which Triton 3.6 compiled for head_dim 256 to 32 registers and 14,368 stack bytes
-  (37,920 SASS instructions; 3.9: 3,512 bytes); 8 warps at ``KC`` = 32 take 212 registers and no
-  stack under both (8 x 64: 400 bytes; 4 x 32: 1,048; 32 vectors x 8 x 32: 1,096). H200, tq4, 4K
-  tokens x 8 heads x 256, fp16: 7160.9 → 515.6 µs (bf16 527.0, with μ 513.6; 16K: 2048.2 / 2095.5 /
-  2026.0; ``copy_`` 19.5 / 66.8: still 2–3% of its bandwidth). A key offset μ on a rotated key took it
-  at every D before session 73. Since session 74 a ``chunked`` store whose rotated sides are all
-  Lloyd-Max (every preset's; head_dim a multiple of 64) takes Π's columns :data:`WIDE_COLS` at a
+  tile, 8 warps, ``KC`` = 32 (:data:`CHUNKED_KC`), no software pipelining (session 73; its 4-warp,
+  64-row form spilled 14 KB under Triton 3.6: ``docs/performance.md`` "S73"). A key offset μ on a
+  rotated key took it at every D before session 73. Since session 74 a ``chunked`` store whose
+  rotated sides are all Lloyd-Max (every preset's; head_dim a multiple of 64) takes Π's columns :data:`WIDE_COLS` at a
   time (``COLS``; :mod:`tqkern.ops.store.wide`): the norm first, from x, then per column chunk
   ``y[:, c]`` over :data:`WIDE_KC`-row blocks on fp16 operands (Π in two parts, x exact or scaled as
   ``F16_ROT``'s), searched and packed at once. 64 vectors × 8 warps (:data:`WIDE_TILE`; a short
   store 32 × 8, :data:`WIDE_TILE_SMALL`; from :data:`WIDE_LARGE_VECTORS` vectors 128 × 8,
   :data:`WIDE_TILE_LARGE`), and for fp16 inputs without μ on those two tiles a row-block loop of
-  :data:`WIDE_STAGES` software-pipelined stages (others unrolled). H200, tq4 16K × 8 × 256 (the public store, plan
-  forced, best of two): fp16 1913.9 → 947.0 µs at 32 × 8, 830.4 at 64 × 8 (16 × 8: 1027.8), 626.9
-  at 128 × 8 (another run: 64 × 8 833.4); with μ 2056.1 → 1118.9 / 933.7, 128 × 8 876.7 (64 × 8
-  930.2); bf16 2000.1 → 950.8 / 803.7; bf16 with μ 2146.2 → 1162.7 / 934.7; 512 tokens (4096
-  vectors): 32 × 8 30.1 µs, 64 × 8 48.1, 16 × 8 35.3 (μ 35.3 / 53.9 / 50.3). Session 75 (another
-  H200; 64 × 8 → 128 × 8 on session 74's kernel): 16K bf16 803.6 → 713.2, bf16 with μ 924.6 →
-  861.2; 4K × 8 × 256 fp16 199.7 → 128.3, bf16 193.5 → 150.8; then Π's parts made once per rotation
-  (``DeviceParams.rotation_parts``) and the loop unrolled / in 3 stages (same run): 16K fp16 588.1 /
-  518.7 (session 74's kernel 606.4 in the run before), 4K fp16 124.2 / 116.9, 512 tokens 30.0 / 23.2
-  (30.5); bf16 16K 616.4, 4K 151.8; fp16 with μ 16K 772.0 (856.9). 3 stages lost for bf16 and μ
-  (16K bf16 at 64 × 8 752.8 → 1078.0, μ 765.4 → 848.0; 2 stages between).
-  Sizes between 4096 and 32,768 vectors are untimed on these tiles.
+  :data:`WIDE_STAGES` software-pipelined stages (others unrolled). H200, tq4 16K × 8 × 256, fp16
+  / bf16 / with μ: S73's path 1913.9 / 2000.1 / 2056.1 µs → 64 × 8 830.4 / 803.7 / 933.7 (S74) →
+  518.7 / 616.4 / 772.0 after 128 × 8 for every input, Π's parts made once per rotation and the
+  3-stage loop (S75; 3 stages lost 11–43% for bf16 and μ); 512 tokens 23.2 at 32 × 8. Every sweep:
+  ``docs/performance.md`` "S74" and "S75" under "Store". Sizes between 4096 and 32,768 vectors are
+  untimed on these tiles.
 
 A key offset μ on a rotated key (``pm1`` / ``split``; ``F16_ROT``): ``x − μ`` is inexact in the
 input's dtype, so the rotation takes fp16 operands whatever the input dtype: each row of ``x − μ``
@@ -132,23 +122,10 @@ correction (the kXvYh formats, tqkern_k5v3) compile under ``WARP_STORE_MAXNREG_S
 (136), turboquant_3bit_nc 49.6 → 51.0 (149), turboquant_k8v4 43.4 → 43.9 (86). Other head_dims
 untimed, so uncapped).
 ``block_vectors`` is then the vectors of one iteration (``WARP_STORE_WARPS·32/L``) and ``tiles`` the
-iterations. Measured on the H100 (session 24, 16K tokens ×
-8 heads × 128, fp16 in, slot arrangement, µs, tile kernel / warp kernel at L = 8 / 16 / 32, copy_
-47.8): turboquant_4bit_nc 218.3 / 97.7 / 94.6 / 117.2, turboquant_3bit_nc 237.9 / 79.2 / 92.1 / 121.9,
-k4v3h 256.3 / 87.1 / 112.2 / 151.7, tqkern_k5v3 343.5 / 149.1 (5-bit codes take L = 16) / 149.0 /
-187.1, turboquant_k8v4 73.6 / 55.3 / 55.3 / 73.7 (at 16 elements per lane those probes ran one in-lane
-Hadamard stage short, fixed after: the bench's 97.6 µs for turboquant_4bit_nc at L = 8 is the fixed
-kernel's); at 16K × 3 × 64 L = 8 was fastest for every rotated
-preset (turboquant_4bit_nc 40.8 → 22.9) but turboquant_k8v4 lost (13.5 → 15.1), hence no warp
-kernel for unrotated formats below head_dim 128; at 4K × 8 × 256 the tile kernel's ``chunked``
-path took 998–8383 µs and the warp kernel 52–64 at L = 32 (51–61 at L = 16, a stage short).
-Session 26 (H100, one run, CUDA graphs, µs, session 24's kernel at 4 warps → today's at 1 warp, copy_
-48.2): 16K × 8 × 128 fp16 turboquant_4bit_nc 96.2 → 63.8, turboquant_3bit_nc 80.0 → 56.1,
-tqkern_k5v3 148.0 → 127.0, turboquant_k8v4 55.9 → 45.0, k4v3h 87.1 → 76.6 (``docs/performance.md``).
-Chunks past 64 bits (one H100 run, µs, at most 64 → 128 bits per lane, i.e. 16 → 8 lanes at
-16K × 8 × 128, 32 → 16 at 4K × 8 × 256): tqkern_k5v3 127.7 → 85.8 fp16 / 126.1 → 85.0 bf16 / 62.2 →
-49.2 at head_dim 256, k5v4h 108.2 → 92.5 / 109.4 → 111.2 / 61.5 → 52.1, turboquant_k8v4 44.5 → 55.2 /
-50.6 → 50.7 / 25.5 → 21.5: taken but for FP8 sides.
+iterations. Session 24's lane sweep on the H100 (tile kernel against 8 / 16 / 32 lanes, and no warp
+kernel for unrotated formats below head_dim 128): ``docs/performance.md`` "The warp store kernel".
+One warp per program (session 26) and chunks past 64 bits (taken but for FP8 sides): the same
+section of ``docs/performance.md``.
 Head_dim 64 at 4 lanes (16 elements a lane, as head_dim 128 at 8; session 71, H200, CUDA graphs, the
 public ``store`` with the lane count forced, each count timed twice, the better kept, µs 8 → 4 lanes):
 16K tokens × 3 heads (SmolLM2) turboquant_4bit_nc 14.5 → 13.3, turboquant_3bit_nc 15.4 → 11.8, tqkern_k5v3
@@ -233,6 +210,8 @@ class StorePlan:
         constexprs: the store kernel's constexprs (name, value pairs in a fixed order).
         kernel: ``"tile"`` or ``"warp"``.
         maxnreg: the compile's register cap per thread (None: Triton's choice).
+        columns: Π's columns a chunk (``COLS``: the column-chunked store, which reads Π's fp16
+            parts instead of Π), or 0.
     """
 
     layout: PagedLayout
@@ -247,6 +226,7 @@ class StorePlan:
     constexprs: tuple[tuple[str, object], ...]
     kernel: str = "tile"
     maxnreg: int | None = None
+    columns: int = 0
 
     @property
     def vectors_per_program(self) -> int:
@@ -276,8 +256,8 @@ class StorePlan:
             return (f"store {self.in_dtype}{' mu' if self.has_mu else ''}: warp kernel, rotation {self.rotation}, "
                     f"{cx['L']} lanes per vector{half}, {warps} x {iters}{cap}")
         f16 = ", fp16 operands" if cx.get("F16_ROT") else ""
-        if cx.get("COLS"):
-            f16 = f", fp16 operands, Π's columns {cx['COLS']} at a time"
+        if self.columns:
+            f16 = f", fp16 operands, Π's columns {self.columns} at a time"
         return (f"store {self.in_dtype}{' mu' if self.has_mu else ''}: rotation {self.rotation}{f16}, "
                 f"{self.block_vectors} vectors x {self.tiles} tiles per program, {self.num_warps} warps{half}")
 
@@ -514,4 +494,5 @@ def _plan_store(layout: PagedLayout, in_dtype: str, has_mu: bool, signed_sylvest
         **_symmetric_sides(c, symmetric),
     )
     return StorePlan(layout=layout, in_dtype=in_dtype, has_mu=has_mu, rotation=rot, block_vectors=bv, tiles=tiles,
-                     num_warps=warps, num_stages=stages, dot_precision=precision, constexprs=tuple(cx.items()))
+                     num_warps=warps, num_stages=stages, dot_precision=precision, constexprs=tuple(cx.items()),
+                     columns=cols)

@@ -52,6 +52,11 @@ def rotation_parts(rotation: torch.Tensor) -> torch.Tensor:
     fp16 and ``Π_2`` the rounding of what ``Π_1`` leaves (each to nearest, ties to even; 16 is a
     power of two, so the product is exact): the operands the column-chunked store reads
     (:mod:`tqkern.ops.store.wide`)."""
+    if not isinstance(rotation, torch.Tensor):
+        raise TypeError(f"rotation must be a torch.Tensor, got {type(rotation).__name__}")
+    if rotation.dim() != 2 or rotation.shape[0] != rotation.shape[1] or not rotation.dtype.is_floating_point:
+        raise ValueError(f"rotation must be a square floating-point [D, D] tensor, got {rotation.dtype} "
+                         f"{tuple(rotation.shape)}")
     r = rotation.float() * float(SPLIT_SCALE.value)
     hi = r.half()
     return torch.stack([hi, (r - hi.float()).half()]).contiguous()
@@ -86,7 +91,7 @@ def _launch_store(cache, key, value, slot_mapping, layout, tables, errors, *, in
         signed = tables.get("key_offset_signed")
         mu = signed_key_offset(mu, tables["rotation"]) if signed is None else signed
     rot = tables["rotation"]
-    if dict(plan.constexprs).get("COLS"):
+    if plan.columns:
         parts = tables.get("rotation_parts")
         d = layout.head_dim
         if parts is not None and (tuple(parts.shape) != (2, d, d) or parts.dtype != torch.float16
