@@ -170,6 +170,51 @@ def test_the_column_chunked_stores_large_tile_writes_the_oracle_bytes(has_mu, mo
 
 
 @needs_kernels
+@pytest.mark.parametrize("has_mu, dtype", [(False, torch.float16), (True, torch.float16),
+                                           pytest.param(False, torch.bfloat16, marks=needs_gpu),
+                                           pytest.param(True, torch.bfloat16, marks=needs_gpu)])
+def test_the_column_chunked_store_reads_non_finite_vectors_as_zeros(has_mu, dtype):
+    """tq4 at head_dim 256 (both sides by Π's columns: no whole row is loaded to check it) with a NaN
+    or ±inf in some keys only, some values only, and both of one vector: the oracle's bytes (the zero
+    vector's where it reads zeros) and error flags."""
+    from tqkern.errors import ErrorFlag
+
+    h, d, n = 4, 256, 24
+    layout = _layout("tq4", d, h=h)
+    plan = plan_store(layout, "bf16" if dtype == torch.bfloat16 else "fp16", has_mu=has_mu, vector_aligned=True,
+                      num_vectors=n * h, interpret=DEV.type != "cuda")
+    assert plan.columns == 64
+    mu = (np.random.default_rng(6).standard_normal((h, d)) * 0.5).astype(np.float32) if has_mu else None
+    params = tqkern.TQParams.default(layout.format, seed=6, key_offset=mu)
+    g = torch.Generator().manual_seed(6)
+    k, v = (torch.randn(n, h, d, generator=g).to(dtype) for _ in range(2))
+    bad = [float("nan"), float("inf"), -float("inf")]
+    for i in range(0, n, 2):  # keys only, values only, both; the element anywhere in the row
+        for t in ((k,), (v,), (k, v))[i % 3]:
+            t[i, (i // 2) % h, (37 * i) % d] = bad[i % 3]
+    tqt.read_errors(DEV)
+    nb = -(-n // 16)
+    cache = torch.zeros(tuple(layout.cache_shape(nb)), dtype=torch.uint8, device=DEV)
+    slots = torch.arange(n)
+    tqt.store(cache, k.to(DEV), v.to(DEV), slots.to(DEV), layout, to_device(params, DEV))
+    flags = tqt.read_errors(DEV)
+    got = ref.gather_slots(cache.cpu().numpy(), layout, slots.numpy())
+    want, unsure, want_flags = ref.compress(k.double().numpy(), v.double().numpy(), params, return_uncertain=True,
+                                            return_flags=True)
+    assert not np.any((got != want) & ~unsure)
+    assert int(flags) == int(want_flags) and want_flags & ErrorFlag.NONFINITE_INPUT
+
+
+@pytest.mark.parametrize("d, want", [(64, 64), (128, 64), (256, 32)])
+def test_raw_stores_tile_holds_a_fixed_number_of_elements(d, want):
+    """Raw K/V (the ``fp16`` preset) take RAW_TILE_ELEMENTS / padded head_dim vectors a tile, at most 64."""
+    for dtype in ("fp16", "bf16"):
+        for n in (None, 8, SMALL_STORE_VECTORS, 10**6):
+            plan = plan_store(_layout("fp16", d), dtype, vector_aligned=True, num_vectors=n)
+            assert (plan.rotation, plan.block_vectors, plan.num_warps, plan.tiles) == ("none", want, 8, 1)
+
+
+@needs_kernels
 @pytest.mark.parametrize("d, cols", [(192, 64), (160, 0)])
 def test_chunked_head_dims_below_their_padding_write_the_oracle_bytes(d, cols):
     """tq4 at head_dims that pad to 256: 192 (a multiple of the 64-column chunks: the column-chunked

@@ -191,13 +191,19 @@ def _store_kernel(
         k_ptr_2d = key_ptr + (t64 * stride_kt + h * stride_kh)[:, None]
         v_ptr_2d = value_ptr + (t64 * stride_vt + h * stride_vh)[:, None]
         m2 = ok[:, None] & dm[None, :]
-        kx = tl.load(k_ptr_2d + cols[None, :], mask=m2, other=0.0)
-        vx = tl.load(v_ptr_2d + cols[None, :], mask=m2, other=0.0)
-        k_ok = finite_rows(kx)
-        v_ok = finite_rows(vx)
-        err |= flag(ok & ~(k_ok & v_ok), _ERR_NONFINITE)
-        kx = tl.where(k_ok[:, None], kx, 0.0)
-        vx = tl.where(v_ok[:, None], vx, 0.0)
+        if COLS > 0 and K.ROTATED and V.ROTATED:  # both sides by Π's columns: they read x and check it themselves
+            kx = 0.0
+            vx = 0.0
+            k_ok = ok
+            v_ok = ok
+        else:
+            kx = tl.load(k_ptr_2d + cols[None, :], mask=m2, other=0.0)
+            vx = tl.load(v_ptr_2d + cols[None, :], mask=m2, other=0.0)
+            k_ok = finite_rows(kx)
+            v_ok = finite_rows(vx)
+            err |= flag(ok & ~(k_ok & v_ok), _ERR_NONFINITE)
+            kx = tl.where(k_ok[:, None], kx, 0.0)
+            vx = tl.where(v_ok[:, None], vx, 0.0)
         mu_ptr_2d = mu_ptr + (h * D)[:, None]
         mu = 0.0
         if HAS_MU and not (COLS > 0 and K.ROTATED):  # (Π's columns: μ read a chunk at a time)

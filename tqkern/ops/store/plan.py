@@ -32,9 +32,11 @@ Rotation methods (``y = x @ Π`` in float32, for the rotated sides):
   :data:`WIDE_STAGES` software-pipelined stages (others unrolled). H200, tq4 16K × 8 × 256, fp16
   / bf16 / with μ: S73's path 1913.9 / 2000.1 / 2056.1 µs → 64 × 8 830.4 / 803.7 / 933.7 (S74) →
   518.7 / 616.4 / 772.0 after 128 × 8 for every input, Π's parts made once per rotation and the
-  3-stage loop (S75; 3 stages lost 11–43% for bf16 and μ); 512 tokens 23.2 at 32 × 8. Every sweep:
-  ``docs/performance.md`` "S74" and "S75" under "Store". Sizes between 4096 and 32,768 vectors are
-  untimed on these tiles.
+  3-stage loop (S75; 3 stages lost 11–43% for bf16 and μ); 512 tokens 23.2 at 32 × 8; S76 (no whole
+  rows loaded: each side checks its rows' finiteness in its norm pass) 489.2 / 603.1 / 694.0 →
+  411.1 / 495.8 / 563.1. 128 × 8 from 16,384 vectors (S76, 2K tokens: fp16 / bf16 81.5 / 79.5 →
+  44.7 / 56.9; at 8,192 vectors 41.9 / 39.8 → 41.7 / 55.4, so 64 × 8 below). Every sweep:
+  ``docs/performance.md`` "S74"–"S76" under "Store".
 
 A key offset μ on a rotated key (``pm1`` / ``split``; ``F16_ROT``): ``x − μ`` is inexact in the
 input's dtype, so the rotation takes fp16 operands whatever the input dtype: each row of ``x − μ``
@@ -57,7 +59,8 @@ these, 255–348 µs with 16–128 vectors × 4–8 warps × 1–2 tiles; but th
 (``turboquant_k8v4``: FP8 keys, uniform values) take 134 / 102 µs with them and 73.3 / 52.4 µs
 with 16 vectors × 4 warps × 1 tile (32: 104.5 / 65.7; 64 × 4 warps: 146.3 / 100.0), so every
 ``"none"`` plan that quantizes takes the small tile; raw fp16/bf16 (``fp16``: 91.6% of copy_)
-keeps 64 × 8.
+keeps 64 × 8 up to head_dim 128, :data:`RAW_TILE_ELEMENTS` elements a tile above (S76, H200, 16K × 8 ×
+256: 64 × 8 117.8 / 138.4 µs fp16 / bf16 → 32 × 8 87.6 / 79.7; ``copy_`` 66.9).
 
 A short store (at most :data:`SMALL_STORE_VECTORS` vectors: a decode step's batch, a short chunk)
 takes 16 vectors × 4 warps × 1 tile whatever its rotation (but ``chunked``'s 8 warps, session 73): the
@@ -155,7 +158,7 @@ __all__ = ["StorePlan", "plan_store", "rotation_method", "warp_store_eligible", 
            "ROTATIONS", "ROT_NONE", "ROT_PM1", "ROT_SPLIT", "ROT_CHUNKED", "SMALL_STORE_VECTORS", "WARP_STORE_WARPS",
            "SPLIT_TILE", "SPLIT_TILE_MU", "SPLIT_MIN_PROGRAMS", "WARP_STORE_ITERS", "WARP_STORE_PROGRAMS",
            "WIDE_COLS", "WIDE_KC", "WIDE_TILE", "WIDE_TILE_SMALL", "WIDE_TILE_LARGE", "WIDE_LARGE_VECTORS",
-           "WIDE_STAGES",
+           "WIDE_STAGES", "RAW_TILE_ELEMENTS",
            "WARP_STORE_LANES", "WARP_STORE_SHORT_LANES", "WARP_STORE_SHORT_VECTORS", "WARP_STORE_MAXNREG_BF16",
            "WARP_STORE_MAXNREG_STORED"]
 
@@ -172,8 +175,9 @@ WIDE_KC = 64
 WIDE_TILE = (64, 8)
 WIDE_TILE_SMALL = (32, 8)
 WIDE_TILE_LARGE = (128, 8)
-WIDE_LARGE_VECTORS = 32768
+WIDE_LARGE_VECTORS = 16384
 WIDE_STAGES = 3  # pipelined stages of the row-block loop: fp16 without μ, but the 64-vector tile (docstring)
+RAW_TILE_ELEMENTS = 64 * 128  # raw K/V (both sides Raw): vectors a tile = this / padded head_dim, at most 64
 SMALL_STORE_VECTORS = 4096  # (token, head) vectors up to which a store takes the small tile (docstring)
 # a dense rotation's store (``split``): (vectors a tile, warps, most tiles a program), and for fp16 keys minus a
 # key offset (two fp16 parts); tiles halve until the grid has SPLIT_MIN_PROGRAMS (docstring)
@@ -480,6 +484,8 @@ def _plan_store(layout: PagedLayout, in_dtype: str, has_mu: bool, signed_sylvest
     raw = isinstance(fmt.key, Raw) and isinstance(fmt.value, Raw)
     if (rot == "none" or small) and not raw and rot != "chunked":
         bv, warps, tiles = 16, 4, 1  # unrotated codes (FP8 keys, uniform values), short stores: docstring
+    elif raw:  # (8 warps)
+        bv = min(64, RAW_TILE_ELEMENTS // c["DP"])
     elif rot == "split":  # a dense rotation's tile by dtype, head_dim and length (docstring)
         bv, warps, tiles = split
     precision = "ieee" if interpret else "tf32x3"

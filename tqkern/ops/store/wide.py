@@ -25,11 +25,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tqkern.errors import ErrorFlag
 from tqkern.ops.common import NC_STORED, f64_to_bits, row_scales, store_bytes, store_packed
 from tqkern.ops.fields import _ERR_SATURATED, _lloyd_max_codes, _saturates, flag, half_bounds, symmetric_codes
 
 __all__ = ["store_columns", "SPLIT_SCALE"]
 
+_ERR_NONFINITE = tl.constexpr(int(ErrorFlag.NONFINITE_INPUT))
 SPLIT_SCALE = tl.constexpr(16.0)  # fp16 parts of 16·Π (an exact power of two; keeps Π_2 normal in fp16)
 
 
@@ -72,10 +74,12 @@ def store_columns(x_ptr_2d, mu_ptr_2d, ld_mask, row, h, tok_mask, rot_ptr, bnd_p
 
     ``x_ptr_2d`` / ``mu_ptr_2d`` ``[BV, 1]``: pointers to each row's first element of x (fp16/bf16)
     and of its key offset (float32; ``HAS_MU``), read ``KC`` columns at a time, as zeros outside
-    ``ld_mask`` (rows not read, or not finite); ``row`` / ``h`` / ``tok_mask`` as
+    ``ld_mask`` (rows not read); ``row`` / ``h`` / ``tok_mask`` as
     :func:`tqkern.ops.fields.encode_side`. ``D`` is a multiple of ``COLS`` and ``KC``. A first pass
-    over the row takes the norm (float64) and the largest |x − μ| (its power of two); nothing of the
-    row stays in registers across the passes."""
+    over the row takes the norm (float64) and the largest |x − μ| (its power of two); a row whose
+    sum of squares is not finite (it holds a NaN or ±inf) is then read as zeros and flagged
+    ``NONFINITE_INPUT``, so the kernel need not load whole rows to check them. Nothing of the row
+    stays in registers across the passes."""
     BITS: tl.constexpr = S.BITS
     BV: tl.constexpr = ld_mask.shape[0]
     SCALED: tl.constexpr = HAS_MU or IN_BF16  # x (− μ) not exact in fp16 as it is: scaled per row
@@ -93,6 +97,12 @@ def store_columns(x_ptr_2d, mu_ptr_2d, ld_mask, row, h, tok_mask, rot_ptr, bnd_p
         elif IN_BF16:
             mx = tl.maximum(mx, tl.max(tl.abs(xk.to(tl.float32)), axis=1))
         ss += tl.sum(x64 * x64, axis=1)
+    # a row holding a NaN or ±inf has a sum of squares NaN or inf (a finite row's is finite in float64,
+    # whatever its dtype): read as zeros from here on, as the whole-row path reads it
+    fin = ss < float("inf")
+    ld_mask &= fin
+    ss = tl.where(fin, ss, 0.0)
+    mx = tl.where(fin, mx, 0.0)
     n = tl.sqrt(ss)  # float64: the norm bytes equal the oracle's
     sa = tl.full([BV], 1.0, tl.float32)
     sb = sa
@@ -127,4 +137,4 @@ def store_columns(x_ptr_2d, mu_ptr_2d, ld_mask, row, h, tok_mask, rot_ptr, bnd_p
         n = n / tl.where(cn > 0, cn, 1.0)
     PB: tl.constexpr = 2 + 2 * S.PARAM_DTYPE
     store_bytes(row + S.B_OFF + h * S.B_STRIDE, f64_to_bits(n, S.PARAM_DTYPE), PB, tok_mask)
-    return flag(tok_mask & _saturates(n, S.PARAM_DTYPE), _ERR_SATURATED)
+    return flag(tok_mask & _saturates(n, S.PARAM_DTYPE), _ERR_SATURATED) | flag(tok_mask & ~fin, _ERR_NONFINITE)
