@@ -42,24 +42,29 @@ BUDGETS = {
     "tq4:slot:128:8:small": (72, 2800),
     "tq4:row:128:8:bf16+small": (56, 2816),  # (S73: fp16 operands; bf16 parts 376 / 3368)
     # a dense rotation at head_dim 256 (S74): Pi's columns 64 at a time over 64-row blocks on fp16 operands,
-    # 128 vectors x 8 warps from 32768 vectors (S75; fp16 only, from 65536, before), 32 x 8 for short stores.
+    # 128 vectors x 8 warps from 32768 vectors (S75; fp16 only, from 65536, before; S76 16384), 32 x 8 for short
+    # stores.
     # S75: Pi's fp16 parts read from DeviceParams.rotation_parts (split in registers per tile before: S74 0 / 15425,
     # 104 / 19414, bf16+mu at 64 x 8 48 / 14404, 0 / 6864) and fp16 without mu a 3-stage pipelined loop, whose
     # 288 stack bytes here are 8 under Triton 3.6 (the GPU's: 255 / 255 / 255 / 154 registers, stack 8 / 64 / 96 /
     # 0, 12024 / 15400 / 17856 / 4696 instructions), where it was timed 12% faster than the unrolled loop
-    # (no stack, 12448 here)
-    "tq4:slot:256:8": (288, 15112),
-    "tq4:row:256:8:mu": (96, 16447),
-    "tq4:row:256:8:bf16+mu": (112, 18713),
-    "tq4:slot:256:8:small": (0, 5002),
+    # (no stack, 12448 here). S76: no whole K/V rows loaded (each side finds its non-finite rows in its norm
+    # pass): 288 / 15112, 96 / 16447, 112 / 18713, 0 / 5002 before here; Triton 3.6 now 255 registers, stack
+    # 32 / 0 / 0 / 0, 10576 / 14248 / 16848 / 4224 instructions
+    "tq4:slot:256:8": (48, 10800),
+    "tq4:row:256:8:mu": (0, 14048),
+    "tq4:row:256:8:bf16+mu": (0, 16776),
+    "tq4:slot:256:8:small": (0, 4136),
     # the warp kernel (aligned inputs, session 24; one warp per program, half-table search, float32
     # norms with a float64 fall-back, session 26): 76-184 registers, no stack
     "turboquant_4bit_nc:slot:128:8:warp": (0, 2080),
     "turboquant_4bit_nc:slot:128:8:warp+asym": (0, 2264),  # codebooks not claimed antisymmetric
     # bf16 inputs without a key offset under a 128-register cap (session 41; uncapped 134 registers,
-    # 2176 instructions here, 147 under Triton 3.6's ptxas; k5v4h 138 here, 188 there: timed faster capped)
-    "turboquant_4bit_nc:row:128:8:warp+bf16": (0, 2240),
-    "k5v4h:slot:128:8:warp+bf16": (8, 2648),  # (2632 before session 55's float32 centroid norm)
+    # 2176 instructions here, 147 under Triton 3.6's ptxas; k5v4h 138 here, 188 there: timed faster capped).
+    # S76: the rare branch of rows with norms outside [2^-50, 2^50] recodes them rescaled (0 / 2240 and 8 / 2648
+    # before; Triton 3.6 0 / 2448, 8 / 3288; timed within 1% of before for 4bit_nc, k5v4h 10% faster)
+    "turboquant_4bit_nc:row:128:8:warp+bf16": (0, 2472),
+    "k5v4h:slot:128:8:warp+bf16": (16, 3344),  # (2632 before session 55's float32 centroid norm)
     "turboquant_3bit_nc:slot:128:8:warp": (0, 1968),
     # fp16 inputs of stored-correction formats at head_dim 128 under a 112-register cap (session 56, timed
     # faster on an H200). Capped, Triton 3.6: no stack; instructions k5v3 2176, k5v4h 2512, k4v2h 1976.
@@ -67,7 +72,7 @@ BUDGETS = {
     "tqkern_k5v3:slot:128:8:warp": (16, 2264),  # 8 lanes per vector: 80-bit chunks (16 before session 26)
     "k5v4h:slot:128:8:warp": (0, 2496),  # install's default format
     # (S33: float16 norms with a key offset from the float32 sum of fl(x - mu)^2: 2200 -> 2312)
-    "k4v3h:row:128:8:warp+mu+bf16": (16, 2312),  # (session 55: float32 centroid norm; 0 before)
+    "k4v3h:row:128:8:warp+mu+bf16": (0, 2840),  # (S55 float32 centroid norm 16 / 2312; S76 0 / 2840, 3.6 2776)
     "turboquant_k8v4:slot:128:8:warp": (0, 936),
     # head_dim 64: 4 lanes per vector (16 elements a lane) above 4096 vectors since session 71 (8 lanes: 1400
     # instructions, 8 elements a lane); a short store keeps 8 lanes
@@ -103,12 +108,12 @@ BUDGETS = {
 TRITON36 = {
     "fp16:slot:128:8": (0, 760),
     "fp16:slot:128:8:decompress": (0, 384),
-    "k5v4h:slot:128:8:warp+bf16": (16, 2736),
     "tq4:row:128:8:bf16+small": (64, 3000),  # S73, on the H200 machine (bf16 parts: 320 / 3480)
     "turboquant_4bit_nc:row:128:8:bf16": (0, 6280),
-    "turboquant_4bit_nc:row:128:8:warp+bf16": (8, 2232),
     "turboquant_4bit_nc:slot:128:8": (0, 6688),
     "turboquant_k8v4:slot:128:8": (0, 1912),
+    "tq4:row:256:8:mu": (0, 14248),
+    "tq4:slot:256:8:small": (0, 4224),
 }
 
 

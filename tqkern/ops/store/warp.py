@@ -25,7 +25,12 @@ tile:
   value lies within ``2^-18`` of a rounding tie or of 65504 (:func:`_f16_unsure`); a warp with
   such a vector recomputes them in float64 (a rare branch). Other Lloyd-Max sides take the
   float64 sum (each lane's ``E`` squares, then a butterfly over the group: every lane gets the
-  same bits), so the stored norm bytes equal the oracle's as the tile kernel's do;
+  same bits), so the stored norm bytes equal the oracle's as the tile kernel's do. ``c/‖x − μ‖``
+  (the codes' scale) stays in float32's normal range for fp16 rows (``‖x − μ‖`` is 0 or in
+  [2^-126, 2^121] when μ's elements are 0 or normal float32 below 2^120 in magnitude: ``TQParams``
+  stores subnormal μ elements as zeros); a warp of bf16 rows with a norm outside
+  [2^-50, 2^50] (subnormal rows reach 2^-133) codes them again from ``y·2^∓64`` (exact) and a float64
+  scale (:func:`_rescaled_codes`, a rare branch: session 76 found the codes of such rows wrong);
 * ``y = (x − μ) @ Π`` for ``Π = diag(s)·H/√D`` as ``FWHT(s ⊙ x − s ⊙ μ) · |Π[0, 0]|`` in float32
   (``s ⊙ μ`` from the host, read as int64 words: no sign floats held in registers):
   ``log2 E`` butterfly stages inside the lane, then ``log2 L`` across lanes (``shfl.bfly``; the
@@ -209,6 +214,33 @@ def _norm_f64(xs, mus, lane, HAS_MU: tl.constexpr, E: tl.constexpr, LB: tl.const
 
 
 @triton.jit
+def _lm_codes(ys, scale, bnd, bnd_ptr, BITS: tl.constexpr, E: tl.constexpr, SYM: tl.constexpr):
+    """Lloyd-Max codes of ``ys[e] · scale`` for the lane's E elements (a tuple)."""
+    codes = ()
+    for e in tl.static_range(E):
+        if SYM:
+            codes = codes + (_sym_codes(ys[e] * scale, bnd, BITS),)
+        else:
+            codes = codes + (_lloyd_max_codes(ys[e] * scale, bnd_ptr, BITS),)
+    return codes
+
+
+@triton.jit
+def _rescaled_codes(ys, n64, c, bnd, bnd_ptr, BITS: tl.constexpr, E: tl.constexpr, SYM: tl.constexpr,
+                    ROTATED: tl.constexpr):
+    """:func:`_lm_codes` of ``ys`` over the float64 norm ``n64`` (times ``c`` where ``ROTATED``) for norms
+    outside [2^-50, 2^50] too: such a vector's ``ys`` take 2^64 (norm below) or 2^-64 (above), exact,
+    and the scale ``c / (n64 · 2^±64)`` stays inside float32's normal range."""
+    ysc = tl.where(n64 < 2.0**-50, 2.0**64, tl.where(n64 > 2.0**50, 2.0**-64, 1.0))
+    cs = c.to(tl.float64) if ROTATED else 1.0
+    scale = tl.where(n64 > 0, cs / tl.where(n64 > 0, n64 * ysc, 1.0), 0.0).to(tl.float32)
+    zs = ()
+    for e in tl.static_range(E):
+        zs = zs + (ys[e] * ysc.to(tl.float32),)
+    return _lm_codes(zs, scale, bnd, bnd_ptr, BITS, E, SYM)
+
+
+@triton.jit
 def _encode(xs, mus, fin, zchunk, c, row, h, ok, lane, p, bnd, bnd_ptr, cen_ptr, HAS_MU: tl.constexpr,
             IN_BF16: tl.constexpr, E: tl.constexpr, L: tl.constexpr, LB: tl.constexpr, HW_FP8: tl.constexpr,
             ALIGNED: tl.constexpr, SYM: tl.constexpr, S: tl.constexpr):
@@ -235,23 +267,26 @@ def _encode(xs, mus, fin, zchunk, c, row, h, ok, lane, p, bnd, bnd_ptr, cen_ptr,
         # need the float64 sum (docstring)
         NORM32: tl.constexpr = S.PARAM_DTYPE == DT_F16
         STORED: tl.constexpr = S.NORM_CORRECTION == NC_STORED
+        # bf16 rows with ‖x − μ‖ outside [2^-50, 2^50] (rare): the warp's norms from float64 and, as c/‖x − μ‖
+        # may leave float32's range there (subnormal rows: down to 2^-133), codes of y·2^∓64 (_rescaled_codes).
+        # fp16 rows: ‖x − μ‖ is 0 or in [2^-126, 2^121] (docstring)
         if NORM32:
             ss = _sum_sq_f32(d32, lane, E, LB)
             n = tl.where(fin, tl.sqrt_rn(ss), 0.0)
-            if IN_BF16:  # squares beyond float32's range: the warp's norms from float64 (rare)
-                if tl.max((((ss < 2.0**-100) | (ss > 2.0**100)) & fin).to(tl.int32), axis=0) > 0:
-                    n = tl.where(fin, _norm_f64(xs, mus, lane, HAS_MU, E, LB), 0.0).to(tl.float32)
             inv = tl.where(n > 0, 1.0 / tl.where(n > 0, n, 1.0), 0.0)
+            codes = _lm_codes(ys, inv * c if S.ROTATED else inv, bnd, bnd_ptr, BITS, E, SYM)
+            if IN_BF16:  # (squares beyond float32's range)
+                if tl.max((((ss < 2.0**-100) | (ss > 2.0**100)) & fin).to(tl.int32), axis=0) > 0:
+                    n64 = tl.where(fin, _norm_f64(xs, mus, lane, HAS_MU, E, LB), 0.0)
+                    n = n64.to(tl.float32)
+                    codes = _rescaled_codes(ys, n64, c, bnd, bnd_ptr, BITS, E, SYM, S.ROTATED)
         else:
             n = tl.where(fin, _norm_f64(xs, mus, lane, HAS_MU, E, LB), 0.0)  # the norm bytes equal the oracle's
             inv = tl.where(n > 0, 1.0 / tl.where(n > 0, n, 1.0), 0.0).to(tl.float32)
-        scale = inv * c if S.ROTATED else inv
-        codes = ()
-        for e in tl.static_range(E):
-            if SYM:
-                codes = codes + (_sym_codes(ys[e] * scale, bnd, BITS),)
-            else:
-                codes = codes + (_lloyd_max_codes(ys[e] * scale, bnd_ptr, BITS),)
+            codes = _lm_codes(ys, inv * c if S.ROTATED else inv, bnd, bnd_ptr, BITS, E, SYM)
+            if IN_BF16:
+                if tl.max((((n < 2.0**-50) | (n > 2.0**50)) & fin).to(tl.int32), axis=0) > 0:
+                    codes = _rescaled_codes(ys, n, c, bnd, bnd_ptr, BITS, E, SYM, S.ROTATED)
         chunk = _where_chunk(fin, _chunk(codes, BITS, E), zchunk, BITS * E)
         _write_chunks(field, chunk, lane, p, ok, BITS * E, S.A_BYTES, L, ALIGNED)
         cn = 1.0
