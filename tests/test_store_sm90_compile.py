@@ -28,7 +28,7 @@ BUDGETS = {
     "turboquant_4bit_nc:slot:128:8": (0, 6024),
     "tqkern_k5v3:slot:128:8": (48, 6368),  # word packing (S21): 7424 instructions, no stack before; faster on the H100
     "turboquant_k8v4:slot:128:8": (0, 1808),  # 16 vectors x 4 warps since session 17 (was 3568)
-    "fp16:slot:128:8": (0, 736),
+    "fp16:slot:128:8": (0, 400),  # S76: 32 vectors a tile (64 before: 736)
     "turboquant_4bit_nc:row:128:8:bf16": (0, 5800),
     # S73: bf16 inputs of a dense rotation and keys minus μ on fp16 operands (rows scaled by powers of two)
     # 32 x 4 x 8 (Triton 3.6: no stack, 5088; S72's 16 x 4 x 4 on bf16 parts: 248 / 3592)
@@ -106,7 +106,7 @@ BUDGETS = {
 # Triton 3.6 (the GPU machines' compiler) where its ptxas exceeds the budgets above (session 44, offline;
 # sessions 72-73 on the H200 machine for the tile cases)
 TRITON36 = {
-    "fp16:slot:128:8": (0, 760),
+    "fp16:slot:128:8": (0, 448),
     "fp16:slot:128:8:decompress": (0, 384),
     "tq4:row:128:8:bf16+small": (64, 3000),  # S73, on the H200 machine (bf16 parts: 320 / 3480)
     "turboquant_4bit_nc:row:128:8:bf16": (0, 6280),

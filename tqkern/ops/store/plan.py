@@ -59,8 +59,10 @@ these, 255–348 µs with 16–128 vectors × 4–8 warps × 1–2 tiles; but th
 (``turboquant_k8v4``: FP8 keys, uniform values) take 134 / 102 µs with them and 73.3 / 52.4 µs
 with 16 vectors × 4 warps × 1 tile (32: 104.5 / 65.7; 64 × 4 warps: 146.3 / 100.0), so every
 ``"none"`` plan that quantizes takes the small tile; raw fp16/bf16 (``fp16``: 91.6% of copy_)
-keeps 64 × 8 up to head_dim 128, :data:`RAW_TILE_ELEMENTS` elements a tile above (S76, H200, 16K × 8 ×
-256: 64 × 8 117.8 / 138.4 µs fp16 / bf16 → 32 × 8 87.6 / 79.7; ``copy_`` 66.9).
+took 64 × 8 until S76; since, :data:`RAW_TILE_ELEMENTS` elements a tile, 8 warps (H200, 16K × 8 heads, fp16 /
+bf16 µs, ``copy_`` 35.6 / 66.8 at head_dim 128 / 256: D128 64 vectors 40.2 / 51.8, 32 36.6 / 37.2, 16 36.5 /
+40.7; D256 64 117.8 / 138.4, 32 87.4 / 79.3, 16 74.4 / 71.2, 8 70.2 / 76.5; D64 (64 vectors) 20.4 / 20.6, 32
+19.8 / 22.3).
 
 A short store (at most :data:`SMALL_STORE_VECTORS` vectors: a decode step's batch, a short chunk)
 takes 16 vectors × 4 warps × 1 tile whatever its rotation (but ``chunked``'s 8 warps, session 73): the
@@ -86,21 +88,9 @@ x 96 384.0 → 259.2; 32K x 3 x 64 75.6 → 46.9, 4K x 3 x 64 8.9 → 8.0.
 
 Since session 73 the ``split`` and ``pm1`` products take fp16 operands (``F16_ROT``) for keys minus a
 key offset (before: ``chunked``, 16 x 4 x 1) and, ``split`` only, for bf16 inputs (before: three bf16
-parts of Π, 16 x 4 x 4 at head_dim 128, where 32 x 4 spilled): module docstring above. H200, tq4, µs
-(CUDA graphs, the public ``store``, tile forced; best of two; every cell's bytes equal within a column
-group and the oracle's on 256 tokens), 16K x 8 x 128 / 4K x 8 x 128 / 16K x 3 x 64: fp16 with μ,
-``chunked`` 469.8 / 119.8 / 61.4, fp16 operands 32 x 4 x 8 279.1, x 4 293.0 / 72.1 / 54.2, x 2
-309.5 / 75.9 / 40.5, **16 x 4 x 8 201.7 / 49.8 / 43.4**, x 4 213.7 / 53.6 / 44.5, 64 x 8 x 2 263.6 / 66.3
-/ 63.7; bf16 with μ, ``chunked`` 471.2 / 120.3 / 61.6, **32 x 4 x 8 189.1** / 74.1 / 58.0, **x 4** 193.8 /
-**48.8** / **45.8**, 16 x 4 x 8 203.2 / 50.6 / 44.0, 16 x 4 x 4 215.6 / 53.4 / –; bf16 without μ, bf16
-parts (session 72's plan) 203.7 / 49.9 / 26.5, fp16 operands **32 x 4 x 8 158.0** / 62.1 / 37.7, **x 4**
-159.6 / **41.8** / **26.0**, 16 x 4 x 4 203.1 / 49.8 / 27.9 (fp16 in, today's plan: 153.5 / 40.3 / 24.7).
-Head_dim 96 was not swept (it takes head_dim 128's tile). The rule against the plans before it (same
-H200, another run, µs before → after): fp16 with μ 16K x 8 x 128 469.2 → 201.6, 4K 119.4 → 50.0, 4K x 16
-x 96 181.2 → 85.8, 16K x 16 x 96 735.0 → 346.2, 16K x 3 x 64 61.6 → 43.6, 32K x 3 x 64 119.0 → 67.0; bf16
-with μ 470.0 → 188.9, 119.9 → 48.9, 182.2 → 79.1, 737.6 → 316.7, 61.7 → 45.8 (32 x 4 x 4), 119.1 → 105.3
-(32 x 4 x 8: hence 16 x 4 at head_dim 64); bf16 without μ (16 x 4 x 4, bf16 parts) 203.4 → 157.9, 49.9 →
-41.9, 95.7 → 68.0, 388.1 → 265.1, 29.4 → 26.1, 54.0 → 49.9 (fp16 in: 153.4, 40.4, 64.5, 256.7, 24.7, 47.3).
+parts of Π): module docstring above. The tile sweeps behind :data:`SPLIT_TILE_MU` and the bf16 rule
+(H200, tq4; e.g. fp16 with μ at 16K x 8 x 128 469.8 µs ``chunked`` → 201.7 at 16 x 4 x 8):
+``docs/performance.md`` "S73" under "Store".
 
 **The warp kernel** (``kernel="warp"``, :mod:`tqkern.ops.store.warp`, session 24) takes every GPU
 store whose layout :func:`warp_store_eligible` accepts and whose inputs are vector-aligned (contiguous
@@ -177,7 +167,7 @@ WIDE_TILE_SMALL = (32, 8)
 WIDE_TILE_LARGE = (128, 8)
 WIDE_LARGE_VECTORS = 16384
 WIDE_STAGES = 3  # pipelined stages of the row-block loop: fp16 without μ, but the 64-vector tile (docstring)
-RAW_TILE_ELEMENTS = 64 * 128  # raw K/V (both sides Raw): vectors a tile = this / padded head_dim, at most 64
+RAW_TILE_ELEMENTS = 32 * 128  # raw K/V (both sides Raw): vectors a tile = this / padded head_dim, at most 64
 SMALL_STORE_VECTORS = 4096  # (token, head) vectors up to which a store takes the small tile (docstring)
 # a dense rotation's store (``split``): (vectors a tile, warps, most tiles a program), and for fp16 keys minus a
 # key offset (two fp16 parts); tiles halve until the grid has SPLIT_MIN_PROGRAMS (docstring)
