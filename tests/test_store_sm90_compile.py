@@ -42,7 +42,7 @@ BUDGETS = {
     "tq4:slot:128:8:small": (72, 2800),
     "tq4:row:128:8:bf16+small": (56, 2816),  # (S73: fp16 operands; bf16 parts 376 / 3368)
     # a dense rotation at head_dim 256 (S74): Pi's columns 64 at a time over 64-row blocks on fp16 operands,
-    # 128 vectors x 8 warps from 32768 vectors (S75; fp16 only, from 65536, before; S76 16384), 32 x 8 for short
+    # 128 vectors x 8 warps from 32768 vectors (S75; fp16 only, from 65536, before; S76 12288), 32 x 8 for short
     # stores.
     # S75: Pi's fp16 parts read from DeviceParams.rotation_parts (split in registers per tile before: S74 0 / 15425,
     # 104 / 19414, bf16+mu at 64 x 8 48 / 14404, 0 / 6864) and fp16 without mu a 3-stage pipelined loop, whose

@@ -34,8 +34,9 @@ Rotation methods (``y = x @ Π`` in float32, for the rotated sides):
   518.7 / 616.4 / 772.0 after 128 × 8 for every input, Π's parts made once per rotation and the
   3-stage loop (S75; 3 stages lost 11–43% for bf16 and μ); 512 tokens 23.2 at 32 × 8; S76 (no whole
   rows loaded: each side checks its rows' finiteness in its norm pass) 489.2 / 603.1 / 694.0 →
-  411.1 / 495.8 / 563.1. 128 × 8 from 16,384 vectors (S76, 2K tokens: fp16 / bf16 81.5 / 79.5 →
-  44.7 / 56.9; at 8,192 vectors 41.9 / 39.8 → 41.7 / 55.4, so 64 × 8 below). Every sweep:
+  411.1 / 495.8 / 563.1. 128 × 8 from 12,288 vectors (S76, fp16 / bf16: 2K tokens 81.5 / 79.5 → 44.7 /
+  56.9, 1,536 tokens 80.7 / 78.9 → 42.8 / 55.9; at 8,192 vectors 41.9 / 39.8 → 41.7 / 55.4, so 64 × 8 below;
+  8,193–12,287 untimed). Every sweep:
   ``docs/performance.md`` "S74"–"S76" under "Store".
 
 A key offset μ on a rotated key (``pm1`` / ``split``; ``F16_ROT``): ``x − μ`` is inexact in the
@@ -165,7 +166,7 @@ WIDE_KC = 64
 WIDE_TILE = (64, 8)
 WIDE_TILE_SMALL = (32, 8)
 WIDE_TILE_LARGE = (128, 8)
-WIDE_LARGE_VECTORS = 16384
+WIDE_LARGE_VECTORS = 12288
 WIDE_STAGES = 3  # pipelined stages of the row-block loop: fp16 without μ, but the 64-vector tile (docstring)
 RAW_TILE_ELEMENTS = 32 * 128  # raw K/V (both sides Raw): vectors a tile = this / padded head_dim, at most 64
 SMALL_STORE_VECTORS = 4096  # (token, head) vectors up to which a store takes the small tile (docstring)
