@@ -36,20 +36,26 @@ def test_the_column_chunked_stores_large_tile_writes_the_oracle_bytes(has_mu, mo
 
 
 @needs_kernels
+@pytest.mark.parametrize("large", [False, True])
 @pytest.mark.parametrize("has_mu, dtype", [(False, torch.float16), (True, torch.float16),
                                            pytest.param(False, torch.bfloat16, marks=needs_gpu),
                                            pytest.param(True, torch.bfloat16, marks=needs_gpu)])
-def test_the_column_chunked_store_reads_non_finite_vectors_as_zeros(has_mu, dtype):
+def test_the_column_chunked_store_reads_non_finite_vectors_as_zeros(has_mu, dtype, large, monkeypatch):
     """tq4 at head_dim 256 (both sides by Π's columns: no whole row is loaded to check it) with a NaN
-    or ±inf in some keys only, some values only, and both of one vector: the oracle's bytes (the zero
-    vector's where it reads zeros) and error flags."""
+    or ±inf in some keys only, some values only, and both of one vector, on the short store's tile and
+    (thresholds lowered) the 128-vector one, into a poisoned cache at shuffled slots: the oracle's bytes
+    (the zero vector's where it reads zeros) and error flags."""
+    import tqkern.ops.store.plan as plan_mod
     from tqkern.errors import ErrorFlag
 
     h, d, n = 4, 256, 24
+    if large:
+        monkeypatch.setattr(plan_mod, "SMALL_STORE_VECTORS", 64)
+        monkeypatch.setattr(plan_mod, "WIDE_LARGE_VECTORS", 90)
     layout = _layout("tq4", d, h=h)
     plan = plan_store(layout, "bf16" if dtype == torch.bfloat16 else "fp16", has_mu=has_mu, vector_aligned=True,
                       num_vectors=n * h, interpret=DEV.type != "cuda")
-    assert plan.columns == 64
+    assert plan.columns == 64 and plan.block_vectors == (128 if large else 32)
     mu = (np.random.default_rng(6).standard_normal((h, d)) * 0.5).astype(np.float32) if has_mu else None
     params = tqkern.TQParams.default(layout.format, seed=6, key_offset=mu)
     g = torch.Generator().manual_seed(6)
@@ -59,9 +65,9 @@ def test_the_column_chunked_store_reads_non_finite_vectors_as_zeros(has_mu, dtyp
         for t in ((k,), (v,), (k, v))[i % 3]:
             t[i, (i // 2) % h, (37 * i) % d] = bad[i % 3]
     tqt.read_errors(DEV)
-    nb = -(-n // 16)
-    cache = torch.zeros(tuple(layout.cache_shape(nb)), dtype=torch.uint8, device=DEV)
-    slots = torch.arange(n)
+    nb = -(-n // 16) + 2
+    cache = torch.randint(0, 256, tuple(layout.cache_shape(nb)), dtype=torch.uint8, generator=g).to(DEV)
+    slots = torch.randperm(nb * 16, generator=g)[:n]
     tqt.store(cache, k.to(DEV), v.to(DEV), slots.to(DEV), layout, to_device(params, DEV))
     flags = tqt.read_errors(DEV)
     got = ref.gather_slots(cache.cpu().numpy(), layout, slots.numpy())

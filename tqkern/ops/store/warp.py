@@ -234,9 +234,10 @@ def _rescaled_codes(ys, n64, c, bnd, bnd_ptr, BITS: tl.constexpr, E: tl.constexp
     ysc = tl.where(n64 < 2.0**-50, 2.0**64, tl.where(n64 > 2.0**50, 2.0**-64, 1.0))
     cs = c.to(tl.float64) if ROTATED else 1.0
     scale = tl.where(n64 > 0, cs / tl.where(n64 > 0, n64 * ysc, 1.0), 0.0).to(tl.float32)
+    ysc32 = ysc.to(tl.float32)
     zs = ()
     for e in tl.static_range(E):
-        zs = zs + (ys[e] * ysc.to(tl.float32),)
+        zs = zs + (ys[e] * ysc32,)
     return _lm_codes(zs, scale, bnd, bnd_ptr, BITS, E, SYM)
 
 
