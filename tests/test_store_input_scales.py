@@ -18,6 +18,7 @@ import tqkern
 import tqkern_torch as tqt
 from tqkern import reference as ref
 from tqkern.errors import ErrorFlag
+from tqkern.ops.store.triton import vectors_aligned
 from tqkern_torch.errors import read_errors
 from tqkern_torch.testing import device_under_test, kernels_available
 
@@ -38,12 +39,10 @@ def _rows(n: int, h: int, d: int, exps: list, rng) -> np.ndarray:
     return (x * np.exp2(e)).astype(np.float32)
 
 
-@pytest.mark.parametrize("preset, d", [("turboquant_4bit_nc", 128), ("tqkern_k5v3", 128), ("k5v4h", 64),
-                                       ("turboquant_k8v4", 64), ("tq4", 128), ("tq4", 256)])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_rows_at_every_scale_of_the_input_dtype_store_the_oracles_bytes(preset, d, dtype):
-    if dtype == torch.bfloat16 and DEV.type != "cuda":
-        pytest.skip("the interpreter has no bf16")
+def _store_rows_at_every_scale(preset: str, d: int, dtype: torch.dtype, misaligned: bool):
+    """Rows at every scale of ``dtype`` stored into a poisoned cache at shuffled slots: the oracle's
+    certain bytes and its flags. ``misaligned``: K/V views starting 2 bytes into their storage (the
+    tile kernel; vector-aligned inputs of a Hadamard preset take the warp kernel)."""
     h = 2
     exps = SCALES[dtype]
     n = 2 * len(exps)
@@ -59,8 +58,13 @@ def test_rows_at_every_scale_of_the_input_dtype_store_the_oracles_bytes(preset, 
     slots = torch.from_numpy(rng.permutation(nb * 16)[:n].astype(np.int64))
     cache = torch.from_numpy(rng.integers(0, 256, size=layout.cache_shape(nb), dtype=np.uint8)).to(DEV)
     dp = tqt.to_device(params, DEV)
+    kd, vd = k.to(DEV), v.to(DEV)
+    if misaligned:
+        kd = torch.cat([torch.zeros_like(kd[..., :1]), kd], -1)[..., 1:]
+        vd = torch.cat([torch.zeros_like(vd[..., :1]), vd], -1)[..., 1:]
+        assert not vectors_aligned(kd) and not vectors_aligned(vd) and torch.equal(kd.cpu(), k)
     read_errors(DEV)  # (clears the device's error word)
-    tqt.store(cache, k.to(DEV), v.to(DEV), slots.to(DEV), layout, dp)
+    tqt.store(cache, kd, vd, slots.to(DEV), layout, dp)
     flags = read_errors(DEV)
     _, want_flags = ref.store(np.zeros(layout.cache_shape(nb), np.uint8), k.double().numpy(), v.double().numpy(),
                               slots.numpy(), layout, params, return_flags=True)
@@ -72,3 +76,23 @@ def test_rows_at_every_scale_of_the_input_dtype_store_the_oracles_bytes(preset, 
     assert not rows, (f"{preset} {dtype}: certain bytes differ at (token, head) {rows[:6]}, key exponents "
                       f"{[exps[(t * h + hh) % len(exps)] for t, hh in rows[:6]]}")
     assert unsure.mean() < 0.1
+
+
+@pytest.mark.parametrize("preset, d", [("turboquant_4bit_nc", 128), ("tqkern_k5v3", 128), ("k5v4h", 64),
+                                       ("turboquant_k8v4", 64), ("tq4", 128), ("tq4", 256)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_rows_at_every_scale_of_the_input_dtype_store_the_oracles_bytes(preset, d, dtype):
+    if dtype == torch.bfloat16 and DEV.type != "cuda":
+        pytest.skip("the interpreter has no bf16")
+    _store_rows_at_every_scale(preset, d, dtype, misaligned=False)
+
+
+# the tile kernel's other rotations: a signed Hadamard's ±1 operand (pm1: misaligned inputs of a
+# Hadamard preset), whole-row chunks at a head_dim above 128 that is not a multiple of 64 (chunked)
+@pytest.mark.parametrize("preset, d", [("turboquant_4bit_nc", 128), ("tqkern_k5v3", 128), ("k5v4h", 64),
+                                       ("tq4", 160), ("turboquant_3bit_nc", 160)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_misaligned_rows_at_every_scale_store_the_oracles_bytes(preset, d, dtype):
+    if dtype == torch.bfloat16 and DEV.type != "cuda":
+        pytest.skip("the interpreter has no bf16")
+    _store_rows_at_every_scale(preset, d, dtype, misaligned=True)

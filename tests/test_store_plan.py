@@ -106,7 +106,7 @@ def test_a_dense_rotations_tile_by_dtype_key_offset_and_length(d, dtype, n, want
     pm1 = plan_store(_layout("turboquant_4bit_nc", d if d != 96 else 128, h=8), in_dtype, has_mu=has_mu,
                      signed_sylvester=True, num_vectors=n)
     assert pm1.rotation == "pm1" and (pm1.block_vectors, pm1.tiles) == (64, 2)  # misaligned Hadamard inputs
-    assert dict(pm1.constexprs)["F16_ROT"] == has_mu  # (bf16's ±1 operand is exact)
+    assert dict(pm1.constexprs)["F16_ROT"] == (has_mu or in_dtype == "bf16")  # (bf16 rows scaled since S77)
     with pytest.raises(ValueError, match="in_dtype must be 'fp16' or 'bf16'"):
         plan_store(layout, "fp32", num_vectors=n)
 
@@ -230,8 +230,8 @@ def test_wide_head_dim_takes_the_chunked_path_and_a_key_offset_fp16_operands():
             plan = plan_store(layout, dtype, has_mu=True, signed_sylvester=sylvester)
             assert plan.rotation == rot and dict(plan.constexprs)["F16_ROT"]
             assert "fp16 operands" in plan.describe()
-            plain = plan_store(layout, dtype, signed_sylvester=sylvester)  # (bf16 split: fp16 operands too)
-            assert dict(plain.constexprs)["F16_ROT"] == (dtype == "bf16" and rot == "split")
+            plain = plan_store(layout, dtype, signed_sylvester=sylvester)  # (bf16: fp16 operands too, pm1 since S77)
+            assert dict(plain.constexprs)["F16_ROT"] == (dtype == "bf16")
         assert not dict(plan_store(_layout("tq4", d=256), dtype, has_mu=True).constexprs)["F16_ROT"]
         for n in (None, 32, SMALL_STORE_VECTORS + 1):  # short stores too
             # Lloyd-Max sides take Π's columns 64 at a time over 64-row blocks, 64 vectors x 8 warps (a short

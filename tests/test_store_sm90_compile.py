@@ -29,7 +29,10 @@ BUDGETS = {
     "tqkern_k5v3:slot:128:8": (48, 6368),  # word packing (S21): 7424 instructions, no stack before; faster on the H100
     "turboquant_k8v4:slot:128:8": (0, 1808),  # 16 vectors x 4 warps since session 17 (was 3568)
     "fp16:slot:128:8": (0, 400),  # S76: 32 vectors a tile (64 before: 736)
-    "turboquant_4bit_nc:row:128:8:bf16": (0, 5800),
+    # pm1 on bf16 inputs: fp16 operands of rows scaled by powers of two since S77 (bf16 operands: 0 / 5800)
+    "turboquant_4bit_nc:row:128:8:bf16": (0, 6008),
+    # chunked at a head_dim that is not a multiple of 64: bf16 rows scaled in float32 since S77 (0 / 7584)
+    "tq4:slot:160:8:bf16": (0, 8048),
     # S73: bf16 inputs of a dense rotation and keys minus μ on fp16 operands (rows scaled by powers of two)
     # 32 x 4 x 8 (Triton 3.6: no stack, 5088; S72's 16 x 4 x 4 on bf16 parts: 248 / 3592)
     "tq4:row:128:8:bf16": (176, 5152),
@@ -109,7 +112,8 @@ TRITON36 = {
     "fp16:slot:128:8": (0, 448),
     "fp16:slot:128:8:decompress": (0, 384),
     "tq4:row:128:8:bf16+small": (64, 3000),  # S73, on the H200 machine (bf16 parts: 320 / 3480)
-    "turboquant_4bit_nc:row:128:8:bf16": (0, 6280),
+    "turboquant_4bit_nc:row:128:8:bf16": (0, 6480),  # S77, on the H200 machine (S76: 0 / 6280)
+    "tq4:slot:160:8:bf16": (0, 8240),  # S77, on the H200 machine
     "turboquant_4bit_nc:slot:128:8": (0, 6688),
     "turboquant_k8v4:slot:128:8": (0, 1912),
     "tq4:row:256:8:mu": (0, 14248),

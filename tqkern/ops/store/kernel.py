@@ -13,7 +13,9 @@ oracle's bytes (float64 sums; float32 estimates checked exactly); only the rotat
 (:func:`tqkern.ops.fields.symmetric_codes`; a tie |y| = boundary may differ, as above).
 ``F16_ROT`` (``pm1`` / ``split`` with a key offset or bf16 inputs): the rotation's operands are fp16
 whatever the input dtype; each row enters scaled by a power of two (:func:`_scaled_parts`): bf16
-rows exactly in one fp16 part, the keys' ``x − μ`` (float32) in two (~22 bits).
+rows exactly in one fp16 part, the keys' ``x − μ`` (float32) in two (~22 bits). ``chunked`` scales
+bf16 rows by the same powers of two in float32. Scaled rows come back as ``y · 2^k`` (``YS``): a
+bf16 row's norm may be ~2^-133, whose float32 reciprocal overflows.
 
 Safety (``tqkern.errors``): a slot outside ``[0, num_slots)`` writes nothing (negative: skipped
 silently; too large: ``SLOT_OUT_OF_RANGE``); a key or value vector holding a NaN or ±inf is read
@@ -88,9 +90,11 @@ def _scaled_parts(d, TWO: tl.constexpr):
 
 @triton.jit
 def _rotate_chunked(x_ptr_2d, ld_mask, rot_ptr, D: tl.constexpr, DP: tl.constexpr, KC: tl.constexpr,
-                    BV: tl.constexpr, DOT_PRECISION: tl.constexpr, mu_ptr_2d, HAS_MU: tl.constexpr):
-    """y = (x − μ) @ Π in float32 [BV, DP]; x (and μ) read from global in KC-wide chunks (Π
-    stays on chip one [KC, DP] chunk at a time, so D = 256 fits); rows outside ``ld_mask`` read 0."""
+                    BV: tl.constexpr, DOT_PRECISION: tl.constexpr, mu_ptr_2d, HAS_MU: tl.constexpr, sa, sb,
+                    SCALED: tl.constexpr):
+    """y = (x − μ) @ Π in float32 [BV, DP] (``SCALED``: row r times ``sa[r]·sb[r]``, exact powers
+    of two); x (and μ) read from global in KC-wide chunks (Π stays on chip one [KC, DP] chunk at a
+    time, so D = 256 fits); rows outside ``ld_mask`` read 0."""
     acc = tl.zeros([BV, DP], tl.float32)
     cols = tl.arange(0, DP)
     for k0 in tl.static_range(0, DP, KC):
@@ -99,6 +103,8 @@ def _rotate_chunked(x_ptr_2d, ld_mask, rot_ptr, D: tl.constexpr, DP: tl.constexp
         xk = tl.load(x_ptr_2d + kk[None, :], mask=km, other=0.0).to(tl.float32)
         if HAS_MU:
             xk = xk - tl.load(mu_ptr_2d + kk[None, :], mask=km, other=0.0)
+        if SCALED:
+            xk = xk * sa[:, None] * sb[:, None]
         r = tl.load(rot_ptr + kk[:, None] * D + cols[None, :], mask=(kk < D)[:, None] & (cols < D)[None, :],
                     other=0.0)
         acc += tl.dot(xk, r, input_precision=DOT_PRECISION)
@@ -112,10 +118,21 @@ def _rotate(x, x_ptr_2d, ld_mask, mu, mu_ptr_2d, rot_ptr, b0, b1, b2, c, HAS_MU:
     """``(y, ys)``: y = (x − μ) @ Π · ys in float32 ``[BV, DP]`` by the plan's method, from the tile
     ``x`` (``chunked``: from memory) and the operands of :func:`_rotation_operand`; ``ys`` 1.0, or
     with ``F16_ROT`` and ``HAS_MU`` or ``IN_BF16`` each row's power of two of :func:`_scaled_parts`
-    (float64 ``[BV]``; two parts of x − μ with μ, one without)."""
+    (float64 ``[BV]``; two parts of x − μ with μ, one without), or ``chunked`` with ``IN_BF16`` the
+    same power of two, applied to the float32 chunks (bf16 rows whose norm's reciprocal would
+    overflow float32, or whose elements are float32 subnormals that tf32 products flush)."""
     ys = 1.0
     if ROT == ROT_CHUNKED:  # (a single return: Triton compiles the code after an early return too)
-        acc = _rotate_chunked(x_ptr_2d, ld_mask, rot_ptr, D, DP, KC, x.shape[0], DOT_PRECISION, mu_ptr_2d, HAS_MU)
+        sa = 1.0
+        sb = 1.0
+        if IN_BF16:
+            d = x.to(tl.float32)
+            if HAS_MU:
+                d = d - mu
+            sa, sb = row_scales(tl.max(tl.abs(d), axis=1))
+            ys = sa.to(tl.float64) * sb.to(tl.float64)
+        acc = _rotate_chunked(x_ptr_2d, ld_mask, rot_ptr, D, DP, KC, x.shape[0], DOT_PRECISION, mu_ptr_2d, HAS_MU,
+                              sa, sb, IN_BF16)
     else:
         a = x
         a_lo = x
@@ -210,10 +227,10 @@ def _store_kernel(
             mu = tl.load(mu_ptr_2d + cols[None, :], mask=m2 & k_ok[:, None], other=0.0)
         err |= _encode(kx, k_ptr_2d, ok & k_ok, mu, mu_ptr_2d, row, h, ok, rot_ptr, b0, b1, b2, c, kb_ptr, kc_ptr,
                        HAS_MU, IN_BF16, F16_ROT, ROT, D, DP, KC, DOT_PRECISION, NIBBLE, K_ALIGNED, HW_FP8, COLS,
-                       COL_STAGES, K, K_SYM, K.ROTATED and F16_ROT)  # (F16_ROT: μ or bf16, so the keys are scaled)
+                       COL_STAGES, K, K_SYM, K.ROTATED and (F16_ROT or ROT == ROT_CHUNKED and IN_BF16))
         err |= _encode(vx, v_ptr_2d, ok & v_ok, 0.0, mu_ptr_2d, row, h, ok, rot_ptr, b0, b1, b2, c, vb_ptr, vc_ptr,
                        False, IN_BF16, F16_ROT, ROT, D, DP, KC, DOT_PRECISION, NIBBLE, V_ALIGNED, HW_FP8, COLS,
-                       COL_STAGES, V, V_SYM, V.ROTATED and F16_ROT and IN_BF16)
+                       COL_STAGES, V, V_SYM, V.ROTATED and IN_BF16 and (F16_ROT or ROT == ROT_CHUNKED))
         if PAD_BYTES > 0:
             p = tl.arange(0, PADP)
             tl.store((row + PAD_OFF + h * PAD_STRIDE)[:, None] + p[None, :], tl.zeros([BV, PADP], tl.uint8),

@@ -45,7 +45,9 @@ input's dtype, so the rotation takes fp16 operands whatever the input dtype: eac
 parts hi + lo (~22 bits); ``split`` adds hi·Π_1 + hi·Π_2 + lo·Π_1 (the left-out lo·Π_2 is ~2^-22 of
 the product, as in tf32x3), ``pm1`` hi·B + lo·B; the row's power of two is divided out after. The
 error of y stays near ``√D · 2^-21 · ‖x − μ‖``, inside EPS = 2^-16 as ``split``'s. bf16 rows of
-``split`` (and the values of ``pm1`` with a key offset) scale into one fp16 part exactly (bf16's 8
+``split`` and ``pm1`` (``pm1`` since session 77: its ±1 operand was exact in bf16, but rows with
+norms near bf16's smallest overflowed the float32 reciprocal of their norm, as the warp kernel's
+did; ``chunked`` scales bf16 rows in float32 since then too) scale into one fp16 part exactly (bf16's 8
 significant bits fit fp16's 11; only elements below 2^-30 of their row's largest lose bits to fp16's
 subnormals). The scaling also keeps rows of any magnitude exact: x − μ beyond fp16's range, or
 float32 rows so small that the reciprocal of their norm would overflow float32.
@@ -88,7 +90,7 @@ with the tile forced, same bytes in every cell): sweep at 16K tokens x 8 heads x
 x 96 384.0 → 259.2; 32K x 3 x 64 75.6 → 46.9, 4K x 3 x 64 8.9 → 8.0.
 
 Since session 73 the ``split`` and ``pm1`` products take fp16 operands (``F16_ROT``) for keys minus a
-key offset (before: ``chunked``, 16 x 4 x 1) and, ``split`` only, for bf16 inputs (before: three bf16
+key offset (before: ``chunked``, 16 x 4 x 1) and for bf16 inputs (``split``; ``pm1`` since session 77; before: three bf16
 parts of Π): module docstring above. The tile sweeps behind :data:`SPLIT_TILE_MU` and the bf16 rule
 (H200, tq4; e.g. fp16 with μ at 16K x 8 x 128 469.8 µs ``chunked`` → 201.7 at 16 x 4 x 8):
 ``docs/performance.md`` "S73" under "Store".
@@ -481,8 +483,8 @@ def _plan_store(layout: PagedLayout, in_dtype: str, has_mu: bool, signed_sylvest
         bv, warps, tiles = split
     precision = "ieee" if interpret else "tf32x3"
     # F16_ROT (module docstring): fp16 operands for a key offset on a rotated key (x − μ in two parts) and
-    # for bf16 inputs of ``split`` (one exact part; ``pm1``'s ±1 operand is exact in bf16 already)
-    f16_rot = rot in ("pm1", "split") and (has_mu and fmt.key.rotated or rot == "split" and in_dtype == "bf16")
+    # for bf16 inputs (one exact part, scaled so that rows of any magnitude find their codes)
+    f16_rot = rot in ("pm1", "split") and (has_mu and fmt.key.rotated or in_dtype == "bf16")
     cx = dict(
         HAS_MU=has_mu, IN_BF16=in_dtype == "bf16", H=layout.num_kv_heads, BV=bv, TILES=tiles,
         ROT=ROTATIONS.index(rot), KC=kc, DOT_PRECISION=precision,
