@@ -1,7 +1,7 @@
 """Per-lane building blocks of the warp store kernel (:mod:`tqkern.ops.store.warp`; GPU only):
 inline-PTX lane exchange and group reductions, the reads and finiteness of a lane's 16-bit words,
 the rotation's sign words and in-register Walsh–Hadamard transform, the half-table Lloyd-Max
-search (from :mod:`tqkern.ops.fields`), and the packing and writing of a lane's code chunk. Every
+search (from :mod:`tqkern.ops.fields`), uniform codes (a float32 estimate, checked), and the packing and writing of a lane's code chunk. Every
 tensor holds one value per thread, ``L`` lanes per vector (the kernel's docstring says how lanes map to vectors)."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ __all__ = [
     "_bfly", "_bfly64", "_lane_of64", "_lane_of", "_group_sum64", "_group_min_max", "_group_all", "_or",
     "_finite", "_sign_words", "_half_bounds", "_sym_codes", "_read", "_unpack",
     "_vector", "_fwht", "_xor", "_chunk", "_zero_chunk", "_where_chunk", "_store16", "_write_chunks",
+    "_uniform_codes",
 ]
 
 
@@ -179,6 +180,58 @@ def _fwht(xs, lane, E: tl.constexpr, LB: tl.constexpr):
             ys = ys + (_bfly(xs[e], m) + sgn * xs[e],)
         xs = ys
     return xs
+
+
+@triton.jit
+def _uniform_codes(ys, lo, hi, BITS: tl.constexpr, E: tl.constexpr, F32: tl.constexpr, F32_FLOOR: tl.constexpr):
+    """⌊(y − lo)·(2^b − 1)/(hi − lo) + 1/2⌋ per element (÷1e-8 where the scale is floored): the
+    tile kernel's float32 estimate and proof (:func:`tqkern.ops.fields._uniform_codes_f32`);
+    if the proof fails for any element of the warp, every element's estimate q (within one of the
+    answer) is moved by the oracle's two exact float64 comparisons
+    ``(q − 1/2)·den > num`` and ``(q + 1/2)·den ≤ num`` (:func:`tqkern.ops.quantize.reference._uniform_codes`:
+    it starts from another estimate within one, and both end at the same integer), then clamped.
+    The scale is floored where ``hi − lo < fl(1e-8·(2^b − 1))``, exactly the oracle's
+    ``fl(span/(2^b − 1)) < 1e-8`` (a correctly rounded quotient is monotone in ``span``, and that
+    product is the least float64 span it floors for b ≤ 8: ``tests/test_store_warp_float32.py``).
+    ``F32`` (fp16 rows without a key offset: ``hi − lo`` below 2^18): the ratio r is
+    ``div.full.f32(2^b − 1, fl32(hi − lo))`` (within 5u of the quotient, u = 2^-24) instead of a
+    float64 division rounded to float32; t = fl(fl(y − lo)·r) then lies within 7u·(2^b − 1)
+    < (2^b − 1)·2^-20 of the exact quotient, inside the proof's margin. ``F32_FLOOR`` (``F32`` on an
+    unrotated side: hi and lo are float16 values, so hi − lo is a multiple of 2^-24, none of which
+    lies within 0.16·2^-24 of the threshold T for b ≤ 8): the floor from ``fl32(hi − lo) < fl32(T)``,
+    the same decision (rounding is monotone, and T's float32 neighbours are nearer to it than
+    that). int32 codes."""
+    levels: tl.constexpr = (1 << BITS) - 1
+    tol: tl.constexpr = 0.5 - levels * 2.0**-20
+    magic: tl.constexpr = 12582912.0
+    if F32_FLOOR:
+        floored = hi - lo < 1e-8 * levels
+    else:
+        floored = hi.to(tl.float64) - lo.to(tl.float64) < 1e-8 * levels  # (the span is exact in float64)
+    if F32:
+        r = tl.where(floored, 1e8, levels / tl.where(floored, 1.0, hi - lo))
+    else:
+        r = tl.where(floored, 1e8, levels / tl.where(floored, 1.0, hi.to(tl.float64) - lo.to(tl.float64)))
+        r = r.to(tl.float32)
+    codes = ()
+    worst = lo * 0.0
+    for e in tl.static_range(E):
+        t = (ys[e] - lo) * r
+        s = t + magic
+        worst = tl.maximum(worst, tl.abs(t - (s - magic)))
+        codes = codes + (s.to(tl.int32, bitcast=True) - 0x4B400000,)
+    if tl.max(worst, axis=0) >= tol:  # exact ties (frequent for bf16 inputs) or near them
+        lo64 = lo.to(tl.float64)
+        den = tl.where(floored, 1e-8, hi.to(tl.float64) - lo64)
+        exact = ()
+        for e in tl.static_range(E):
+            d = ys[e].to(tl.float64) - lo64
+            num = tl.where(floored, d, d * levels)
+            q = codes[e].to(tl.float64)
+            q = q - ((q - 0.5) * den > num).to(tl.float64) + ((q + 0.5) * den <= num).to(tl.float64)
+            exact = exact + (tl.minimum(tl.maximum(q, 0.0), levels).to(tl.int32),)
+        codes = exact
+    return codes
 
 
 @triton.jit

@@ -42,7 +42,10 @@ tile:
   one level and half the selects fewer), else the tile kernel's search of the whole table
   (:func:`tqkern.ops.fields._lloyd_max_codes`); uniform codes by its float32 estimate checked
   exactly (a program where the check fails for some element takes the float64 decision for
-  all), FP8 by the hardware conversion;
+  all), and for fp16 rows without a key offset the estimate's ratio, the floor of the scale
+  and the stored scale and zero from float32 values, each decided exactly (session 77:
+  :func:`~.lanes._uniform_codes` and the uniform branch of :func:`_encode`); FP8 by the hardware's
+  saturating conversion;
 * packing: a lane's ``E`` codes are one ``BITS·E``-bit chunk of the LSB-first stream (at most 64
   bits, or up to 128 bits of whole 16-bit words held as 32-bit words: the planner's condition).
   Chunks of whole bytes are written by their own lane; other
@@ -73,7 +76,7 @@ from tqkern.ops.common import f32_to_fp8e4m3_bits, f64_to_bits, store_bytes
 from tqkern.ops.fields import _lloyd_max_codes, _saturates
 from tqkern.ops.store.lanes import (
     _bfly, _group_sum64, _group_min_max, _or, _finite, _sign_words, _half_bounds, _sym_codes, _read, _unpack,
-    _vector, _fwht, _xor, _chunk, _zero_chunk, _where_chunk, _write_chunks,
+    _vector, _fwht, _xor, _chunk, _zero_chunk, _where_chunk, _write_chunks, _uniform_codes,
 )
 
 __all__ = ["_store_warp_kernel"]
@@ -81,42 +84,6 @@ __all__ = ["_store_warp_kernel"]
 _ERR_NONFINITE = tl.constexpr(int(ErrorFlag.NONFINITE_INPUT))
 _ERR_SLOT = tl.constexpr(int(ErrorFlag.SLOT_OUT_OF_RANGE))
 _ERR_SATURATED = tl.constexpr(int(ErrorFlag.SATURATED))
-
-
-@triton.jit
-def _uniform_codes(ys, lo, hi, BITS: tl.constexpr, E: tl.constexpr):
-    """⌊(y − lo)·(2^b − 1)/(hi − lo) + 1/2⌋ per element (÷1e-8 where the scale is floored): the
-    tile kernel's float32 estimate and proof (:func:`tqkern.ops.fields._uniform_codes_f32`);
-    if the proof fails for any element of the warp, every element's estimate q (within one of the
-    answer) is moved by the oracle's two exact float64 comparisons
-    ``(q − 1/2)·den > num`` and ``(q + 1/2)·den ≤ num`` (:func:`tqkern.ops.quantize.reference._uniform_codes`:
-    it starts from another estimate within one, and both end at the same integer), then clamped.
-    int32 codes."""
-    levels: tl.constexpr = (1 << BITS) - 1
-    tol: tl.constexpr = 0.5 - levels * 2.0**-20
-    magic: tl.constexpr = 12582912.0
-    lo64 = lo.to(tl.float64)
-    span = hi.to(tl.float64) - lo64
-    floored = span / levels < 1e-8
-    r = tl.where(floored, 1e8, levels / tl.where(floored, 1.0, span)).to(tl.float32)
-    codes = ()
-    worst = lo * 0.0
-    for e in tl.static_range(E):
-        t = (ys[e] - lo) * r
-        s = t + magic
-        worst = tl.maximum(worst, tl.abs(t - (s - magic)))
-        codes = codes + (s.to(tl.int32, bitcast=True) - 0x4B400000,)
-    if tl.max(worst, axis=0) >= tol:  # exact ties (frequent for bf16 inputs) or near them
-        den = tl.where(floored, 1e-8, span)
-        exact = ()
-        for e in tl.static_range(E):
-            d = ys[e].to(tl.float64) - lo64
-            num = tl.where(floored, d, d * levels)
-            q = codes[e].to(tl.float64)
-            q = q - ((q - 0.5) * den > num).to(tl.float64) + ((q + 0.5) * den <= num).to(tl.float64)
-            exact = exact + (tl.minimum(tl.maximum(q, 0.0), levels).to(tl.int32),)
-        codes = exact
-    return codes
 
 
 @triton.jit
@@ -326,8 +293,8 @@ def _encode(xs, mus, fin, zchunk, c, row, h, ok, lane, p, bnd, bnd_ptr, cen_ptr,
         big = lane < 0
         for e in tl.static_range(E):
             big = big | (tl.abs(ys[e]) > 448.0)
-            if HW_FP8:
-                q = tl.minimum(tl.maximum(ys[e], -448.0), 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+            if HW_FP8:  # cvt.rn.satfinite: beyond ±448 the largest finite value, as clamping first gives
+                q = ys[e].to(tl.float8e4nv, fp_downcast_rounding="rtne")
                 codes = codes + (q.to(tl.uint8, bitcast=True),)
             else:
                 codes = codes + (f32_to_fp8e4m3_bits(ys[e]).to(tl.uint8),)
@@ -348,14 +315,34 @@ def _encode(xs, mus, fin, zchunk, c, row, h, ok, lane, p, bnd, bnd_ptr, cen_ptr,
         lo, hi = _group_min_max(lo, hi, lane, LB)
         lo = tl.where(fin, lo, 0.0)  # the zero vector's bounds; its codes are zchunk's
         hi = tl.where(fin, hi, 0.0)
-        codes = _uniform_codes(ys, lo, hi, BITS, E)
+        F32: tl.constexpr = not IN_BF16 and not HAS_MU  # (|y| ≤ 2^16·√D: hi − lo stays far inside float32)
+        codes = _uniform_codes(ys, lo, hi, BITS, E, F32, F32 and not S.ROTATED)
         _write_chunks(field, _where_chunk(fin, _chunk(codes, BITS, E), zchunk, BITS * E), lane, p, ok, BITS * E,
                       S.A_BYTES, L, ALIGNED)
-        lo64 = lo.to(tl.float64)
-        scale = tl.maximum((hi.to(tl.float64) - lo64) / ((1 << BITS) - 1), 1e-8)
-        store_bytes(row + S.B_OFF + h * S.B_STRIDE, f64_to_bits(scale, S.PARAM_DTYPE), PB, first)
-        store_bytes(row + S.C_OFF + h * S.C_STRIDE, f64_to_bits(lo64, S.PARAM_DTYPE), PB, first)
-        err = tl.where(ok & (_saturates(scale, S.PARAM_DTYPE) | _saturates(lo64, S.PARAM_DTYPE)), _ERR_SATURATED, 0)
+        if F32 and S.PARAM_DTYPE == DT_F16:
+            # the scale's float16 bytes from a float32 quotient within 5u of the oracle's float64
+            # (fl32(hi − lo), div.full's 2 ulp), decided by _f16_unsure (the floor's 1e-8 and its
+            # float32 neighbour both round to float16 0); the zero is lo (a float32 value) rounded
+            # once by the hardware after clamping to ±65504, as f64_to_bits rounds it
+            sc = tl.maximum((hi - lo) / ((1 << BITS) - 1), 1e-8)
+            sbits = tl.minimum(sc, 65504.0).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
+            sat = sc > 65504.0
+            if tl.max((_f16_unsure(sc) & ok).to(tl.int32), axis=0) > 0:  # rare: float64
+                scale = tl.maximum((hi.to(tl.float64) - lo.to(tl.float64)) / ((1 << BITS) - 1), 1e-8)
+                sbits = f64_to_bits(scale, DT_F16)
+                sat = _saturates(scale, DT_F16)
+            zc = tl.minimum(tl.maximum(lo, -65504.0), 65504.0)
+            zbits = zc.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
+            sat = sat | (tl.abs(lo) > 65504.0)
+        else:
+            lo64 = lo.to(tl.float64)
+            scale = tl.maximum((hi.to(tl.float64) - lo64) / ((1 << BITS) - 1), 1e-8)
+            sbits = f64_to_bits(scale, S.PARAM_DTYPE)
+            zbits = f64_to_bits(lo64, S.PARAM_DTYPE)
+            sat = _saturates(scale, S.PARAM_DTYPE) | _saturates(lo64, S.PARAM_DTYPE)
+        store_bytes(row + S.B_OFF + h * S.B_STRIDE, sbits, PB, first)
+        store_bytes(row + S.C_OFF + h * S.C_STRIDE, zbits, PB, first)
+        err = tl.where(ok & sat, _ERR_SATURATED, 0)
     return err
 
 
