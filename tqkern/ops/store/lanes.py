@@ -1,8 +1,9 @@
 """Per-lane building blocks of the warp store kernel (:mod:`tqkern.ops.store.warp`; GPU only):
 inline-PTX lane exchange and group reductions, the reads and finiteness of a lane's 16-bit words,
 the rotation's sign words and in-register Walsh–Hadamard transform, the half-table Lloyd-Max
-search (from :mod:`tqkern.ops.fields`), uniform codes (a float32 estimate, checked), and the packing and writing of a lane's code chunk. Every
-tensor holds one value per thread, ``L`` lanes per vector (the kernel's docstring says how lanes map to vectors)."""
+search (from :mod:`tqkern.ops.fields`), uniform codes (a float32 estimate, checked), and the
+packing and writing of a lane's code chunk. Every tensor holds one value per thread, ``L`` lanes
+per vector (the kernel's docstring says how lanes map to vectors)."""
 
 from __future__ import annotations
 
@@ -193,7 +194,7 @@ def _uniform_codes(ys, lo, hi, BITS: tl.constexpr, E: tl.constexpr, F32: tl.cons
     The scale is floored where ``hi − lo < fl(1e-8·(2^b − 1))``, exactly the oracle's
     ``fl(span/(2^b − 1)) < 1e-8`` (a correctly rounded quotient is monotone in ``span``, and that
     product is the least float64 span it floors for b ≤ 8: ``tests/test_store_warp_float32.py``).
-    ``F32`` (fp16 rows without a key offset: ``hi − lo`` below 2^18): the ratio r is
+    ``F32`` (fp16 rows without a key offset: ``hi − lo`` below 2^22): the ratio r is
     ``div.full.f32(2^b − 1, fl32(hi − lo))`` (within 5u of the quotient, u = 2^-24) instead of a
     float64 division rounded to float32; t = fl(fl(y − lo)·r) then lies within 7u·(2^b − 1)
     < (2^b − 1)·2^-20 of the exact quotient, inside the proof's margin. ``F32_FLOOR`` (``F32`` on an

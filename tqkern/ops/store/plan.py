@@ -90,9 +90,9 @@ with the tile forced, same bytes in every cell): sweep at 16K tokens x 8 heads x
 x 96 384.0 → 259.2; 32K x 3 x 64 75.6 → 46.9, 4K x 3 x 64 8.9 → 8.0.
 
 Since session 73 the ``split`` and ``pm1`` products take fp16 operands (``F16_ROT``) for keys minus a
-key offset (before: ``chunked``, 16 x 4 x 1) and for bf16 inputs (``split``; ``pm1`` since session 77; before: three bf16
-parts of Π): module docstring above. The tile sweeps behind :data:`SPLIT_TILE_MU` and the bf16 rule
-(H200, tq4; e.g. fp16 with μ at 16K x 8 x 128 469.8 µs ``chunked`` → 201.7 at 16 x 4 x 8):
+key offset (before: ``chunked``, 16 x 4 x 1) and for bf16 inputs (``split``; ``pm1`` since session
+77; before: three bf16 parts of Π): module docstring above. The tile sweeps behind
+:data:`SPLIT_TILE_MU` and the bf16 rule (H200, tq4; e.g. fp16 with μ at 16K x 8 x 128 469.8 µs ``chunked`` → 201.7 at 16 x 4 x 8):
 ``docs/performance.md`` "S73" under "Store".
 
 **The warp kernel** (``kernel="warp"``, :mod:`tqkern.ops.store.warp`, session 24) takes every GPU
