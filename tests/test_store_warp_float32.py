@@ -89,6 +89,20 @@ def _values_on_ties(levels: int, d: int, rows: int, rng) -> np.ndarray:
     return out
 
 
+def _store_poisoned(layout, params, k: np.ndarray, v: np.ndarray, rng):
+    """Store float16 ``k``, ``v`` ``[n, H, D]`` into a cache of random bytes at shuffled slots (n // 16 + 2
+    blocks): the written slots ``[n, H, slot_bytes]``, the error flags and the slots."""
+    n = k.shape[0]
+    nb = n // 16 + 2
+    slots = rng.permutation(nb * 16)[:n].astype(np.int64)
+    cache = torch.from_numpy(rng.integers(0, 256, size=layout.cache_shape(nb), dtype=np.uint8)).to(DEV)
+    read_errors(DEV)
+    tqt.store(cache, torch.from_numpy(k).to(DEV), torch.from_numpy(v).to(DEV), torch.from_numpy(slots).to(DEV),
+              layout, tqt.to_device(params, DEV))
+    flags = read_errors(DEV)
+    return ref.gather_slots(cache.cpu().numpy(), layout, slots), flags, slots
+
+
 @needs_gpu
 @pytest.mark.parametrize("preset, d", [("turboquant_k8v4", 128), ("turboquant_4bit_nc", 128),
                                        ("turboquant_3bit_nc", 64), ("turboquant_k3v4_nc", 256)])
@@ -102,14 +116,8 @@ def test_scales_on_float16_ties_write_the_oracle_bytes(preset, d):
     rng = np.random.default_rng(levels * d)
     v = _values_on_ties(levels, d, n * h, rng).reshape(n, h, d)
     k = rng.standard_normal((n, h, d)).astype(np.float16)
-    nb = n // 16 + 2
-    slots = rng.permutation(nb * 16)[:n].astype(np.int64)
-    cache = torch.from_numpy(rng.integers(0, 256, size=layout.cache_shape(nb), dtype=np.uint8)).to(DEV)
-    read_errors(DEV)
-    tqt.store(cache, torch.from_numpy(k).to(DEV), torch.from_numpy(v).to(DEV), torch.from_numpy(slots).to(DEV),
-              layout, tqt.to_device(params, DEV))
-    assert read_errors(DEV) == ErrorFlag(0)
-    got = ref.gather_slots(cache.cpu().numpy(), layout, slots)
+    got, flags, _ = _store_poisoned(layout, params, k, v, rng)
+    assert flags == ErrorFlag(0)
     want, unsure = ref.compress(k.astype(np.float64), v.astype(np.float64), params, return_uncertain=True)
     bad = (got != want) & ~unsure
     assert not bad.any(), f"{preset}: certain bytes differ in {int(bad.any(-1).sum())} of {n * h} vectors"
@@ -131,16 +139,9 @@ def test_fp8_keys_beyond_448_saturate_to_the_oracles_bytes(d):
     k[: n // 2] = np.clip(k[: n // 2], -440.0, 440.0)  # half the vectors inside FP8's range
     k = k.astype(np.float16)
     v = rng.standard_normal((n, h, d)).astype(np.float16)
-    nb = n // 16 + 2
-    slots = rng.permutation(nb * 16)[:n].astype(np.int64)
-    cache = torch.from_numpy(rng.integers(0, 256, size=layout.cache_shape(nb), dtype=np.uint8)).to(DEV)
-    read_errors(DEV)
-    tqt.store(cache, torch.from_numpy(k).to(DEV), torch.from_numpy(v).to(DEV), torch.from_numpy(slots).to(DEV),
-              layout, tqt.to_device(params, DEV))
-    flags = read_errors(DEV)
-    _, want_flags = ref.store(np.zeros(layout.cache_shape(nb), np.uint8), k.astype(np.float64),
+    got, flags, slots = _store_poisoned(layout, params, k, v, rng)
+    _, want_flags = ref.store(np.zeros(layout.cache_shape(n // 16 + 2), np.uint8), k.astype(np.float64),
                               v.astype(np.float64), slots, layout, params, return_flags=True)
     assert want_flags & ErrorFlag.SATURATED and flags == ErrorFlag(int(want_flags))
-    got = ref.gather_slots(cache.cpu().numpy(), layout, slots)
     want = ref.compress(k.astype(np.float64), v.astype(np.float64), params)
     assert np.array_equal(got, want)
