@@ -116,6 +116,9 @@ TRITON36 = {
     "tq4:row:128:8:bf16+small": (64, 3000),  # S73, on the H200 machine (bf16 parts: 320 / 3480)
     "turboquant_4bit_nc:row:128:8:bf16": (0, 6480),  # S77, on the H200 machine (S76: 0 / 6280)
     "tq4:slot:160:8:bf16": (0, 8240),  # S77, on the H200 machine
+    # S77 (offline, Triton 3.6 wheel): 24 spilled bytes under the 128-register cap since the uniform sides' float32
+    # path (e35571c; 0 / 2448 before); that session's H200 probe read bf16 69.3 -> 69.8 us at 16K x 8 x 128
+    "turboquant_4bit_nc:row:128:8:warp+bf16": (24, 2448),
     "turboquant_4bit_nc:slot:128:8": (0, 6688),
     "turboquant_k8v4:slot:128:8": (0, 1912),
     "tq4:row:256:8:mu": (0, 14248),
