@@ -106,6 +106,16 @@ def f64_to_f16_bits(v):
 
 
 @triton.jit
+def f32_to_f16_sat(v, SIGNED: tl.constexpr = True):
+    """float32 → float16 by the hardware's nearest-even rounding after clamping to ±65504 (to 65504
+    only where not ``SIGNED``: v ≥ 0): of a float32 value, the bytes :func:`f64_to_f16_bits` gives
+    it (one rounding, subnormals kept, the sign of −0.0 kept)."""
+    if SIGNED:
+        v = tl.maximum(v, -65504.0)
+    return tl.minimum(v, 65504.0).to(tl.float16, fp_downcast_rounding="rtne")
+
+
+@triton.jit
 def f32_to_bf16_bits(v):
     """float32 → bfloat16 bits (int32, low 16 bits): nearest-even, saturating at ±(2 − 2^-7)·2^127."""
     c = tl.minimum(tl.maximum(v, -3.3895313892515355e38), 3.3895313892515355e38)

@@ -19,6 +19,7 @@ from tqkern.ops.codecs import DT_BF16, DT_F16, KIND_FP8, KIND_LLOYD_MAX, KIND_RA
 from tqkern.ops.common import (
     bits_to_f32,
     f32_to_bf16_bits,
+    f32_to_f16_sat,
     f32_to_fp8e4m3_bits,
     f64_to_bits,
     f64_to_f16_bits,
@@ -465,8 +466,7 @@ def encode_side(x, mu, y, row, h, tok_mask, bnd_ptr, cen_ptr, HAS_MU: tl.constex
             else:  # bf16 in, fp16 stored: bf16 is exact in float32, so one hardware rounding to fp16
                 # (nearest even, subnormals kept) after the clamp gives f64_to_f16_bits's bits
                 xf = x.to(tl.float32)
-                bits = tl.minimum(tl.maximum(xf, -65504.0), 65504.0).to(tl.float16, fp_downcast_rounding="rtne")
-                bits = bits.to(tl.int16, bitcast=True).to(tl.int32)
+                bits = f32_to_f16_sat(xf).to(tl.int16, bitcast=True).to(tl.int32)
                 big = tl.abs(xf) > 65504.0
         _store_halfwords(row + A_OFF + h * A_STRIDE, bits, w2, cols, ALIGNED)
         err = flag(_any_col(w2 & big), _ERR_SATURATED)

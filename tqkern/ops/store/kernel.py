@@ -160,11 +160,15 @@ def _encode(x, x_ptr_2d, ld_mask, mu, mu_ptr_2d, row, h, ok, rot_ptr, b0, b1, b2
             HAS_MU: tl.constexpr, IN_BF16: tl.constexpr, F16_ROT: tl.constexpr, ROT: tl.constexpr, D: tl.constexpr,
             DP: tl.constexpr, KC: tl.constexpr, DOT_PRECISION: tl.constexpr, NIBBLE: tl.constexpr,
             ALIGNED: tl.constexpr, HW_FP8: tl.constexpr, COLS: tl.constexpr, COL_STAGES: tl.constexpr, S: tl.constexpr,
-            SYM: tl.constexpr, YS: tl.constexpr):
+            SYM: tl.constexpr):
     """Encode one side (``S``) of the tile ``x`` (rows outside ``ld_mask`` zero; ``mu`` its key
-    offset) into its fields; the error bits. A rotated side of a ``COLS`` plan (Lloyd-Max, the
-    plan says) goes through :func:`~tqkern.ops.store.wide.store_columns`; others are rotated by
-    :func:`_rotate` (``YS``: the rows come back scaled) and encoded by ``encode_side``."""
+    offset, ``HAS_MU`` false for values) into its fields; the error bits. A rotated side of a
+    ``COLS`` plan (Lloyd-Max, the plan says) goes through
+    :func:`~tqkern.ops.store.wide.store_columns`; others are rotated by :func:`_rotate` and encoded
+    by ``encode_side``, told whether the rows came back scaled (``YS``: :func:`_rotate`'s own
+    condition)."""
+    YS: tl.constexpr = S.ROTATED and (ROT == ROT_CHUNKED and IN_BF16
+                                      or ROT != ROT_CHUNKED and F16_ROT and (HAS_MU or IN_BF16))
     if COLS > 0 and S.ROTATED:
         err = store_columns(x_ptr_2d, mu_ptr_2d, ld_mask, row, h, ok, rot_ptr, bnd_ptr, cen_ptr, HAS_MU, IN_BF16, D,
                             COLS, KC, NIBBLE, ALIGNED, S, SYM, COL_STAGES)
@@ -227,10 +231,10 @@ def _store_kernel(
             mu = tl.load(mu_ptr_2d + cols[None, :], mask=m2 & k_ok[:, None], other=0.0)
         err |= _encode(kx, k_ptr_2d, ok & k_ok, mu, mu_ptr_2d, row, h, ok, rot_ptr, b0, b1, b2, c, kb_ptr, kc_ptr,
                        HAS_MU, IN_BF16, F16_ROT, ROT, D, DP, KC, DOT_PRECISION, NIBBLE, K_ALIGNED, HW_FP8, COLS,
-                       COL_STAGES, K, K_SYM, K.ROTATED and (F16_ROT or ROT == ROT_CHUNKED and IN_BF16))
+                       COL_STAGES, K, K_SYM)
         err |= _encode(vx, v_ptr_2d, ok & v_ok, 0.0, mu_ptr_2d, row, h, ok, rot_ptr, b0, b1, b2, c, vb_ptr, vc_ptr,
                        False, IN_BF16, F16_ROT, ROT, D, DP, KC, DOT_PRECISION, NIBBLE, V_ALIGNED, HW_FP8, COLS,
-                       COL_STAGES, V, V_SYM, V.ROTATED and IN_BF16 and (F16_ROT or ROT == ROT_CHUNKED))
+                       COL_STAGES, V, V_SYM)
         if PAD_BYTES > 0:
             p = tl.arange(0, PADP)
             tl.store((row + PAD_OFF + h * PAD_STRIDE)[:, None] + p[None, :], tl.zeros([BV, PADP], tl.uint8),

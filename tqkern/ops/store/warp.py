@@ -72,7 +72,7 @@ import triton.language as tl
 
 from tqkern.errors import ErrorFlag
 from tqkern.ops.codecs import DT_F16, KIND_FP8, KIND_LLOYD_MAX, NC_STORED
-from tqkern.ops.common import f32_to_fp8e4m3_bits, f64_to_bits, store_bytes
+from tqkern.ops.common import f32_to_f16_sat, f32_to_fp8e4m3_bits, f64_to_bits, store_bytes
 from tqkern.ops.fields import _lloyd_max_codes, _saturates
 from tqkern.ops.store.lanes import (
     _bfly, _group_sum64, _group_min_max, _or, _finite, _sign_words, _half_bounds, _sym_codes, _read, _unpack,
@@ -150,9 +150,15 @@ def _f16_unsure(r):
     slack) round to different float16 values, or straddle 65504."""
     lo = r * (1.0 - 2.0**-18)
     hi = r * (1.0 + 2.0**-18)
-    lo_b = tl.minimum(lo, 65504.0).to(tl.float16).to(tl.int16, bitcast=True)
-    hi_b = tl.minimum(hi, 65504.0).to(tl.float16).to(tl.int16, bitcast=True)
+    lo_b = f32_to_f16_sat(lo, False).to(tl.int16, bitcast=True)
+    hi_b = f32_to_f16_sat(hi, False).to(tl.int16, bitcast=True)
     return (lo_b != hi_b) | ((lo <= 65504.0) & (hi > 65504.0))
+
+
+@triton.jit
+def _f16_bits(v, SIGNED: tl.constexpr):
+    """The stored bytes (int64, low 16 bits) of a float32 ``v`` as a float16 field: ``f32_to_f16_sat``."""
+    return f32_to_f16_sat(v, SIGNED).to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
 
 
 @triton.jit
@@ -270,7 +276,7 @@ def _encode(xs, mus, fin, zchunk, c, row, h, ok, lane, p, bnd, bnd_ptr, cen_ptr,
                 cn = _centroid_norm_f64(cs, lane, LB)
         if NORM32:
             r = n / cn if STORED else n  # within 2^-19 of the oracle's (_centroid_norm_f32)
-            nbits = tl.minimum(r, 65504.0).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
+            nbits = _f16_bits(r, False)
             sat = r > 65504.0
             if tl.max((_f16_unsure(r) & fin).to(tl.int32), axis=0) > 0:  # rare: float64
                 cn64 = _centroid_norm_f64(cs, lane, LB) if STORED else 1.0
@@ -325,14 +331,13 @@ def _encode(xs, mus, fin, zchunk, c, row, h, ok, lane, p, bnd, bnd_ptr, cen_ptr,
             # float32 neighbour both round to float16 0); the zero is lo (a float32 value) rounded
             # once by the hardware after clamping to ±65504, as f64_to_bits rounds it
             sc = tl.maximum((hi - lo) / ((1 << BITS) - 1), 1e-8)
-            sbits = tl.minimum(sc, 65504.0).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
+            sbits = _f16_bits(sc, False)
             sat = sc > 65504.0
             if tl.max((_f16_unsure(sc) & ok).to(tl.int32), axis=0) > 0:  # rare: float64
                 scale = tl.maximum((hi.to(tl.float64) - lo.to(tl.float64)) / ((1 << BITS) - 1), 1e-8)
                 sbits = f64_to_bits(scale, DT_F16)
                 sat = _saturates(scale, DT_F16)
-            zc = tl.minimum(tl.maximum(lo, -65504.0), 65504.0)
-            zbits = zc.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
+            zbits = _f16_bits(lo, True)
             sat = sat | (tl.abs(lo) > 65504.0)
         else:
             lo64 = lo.to(tl.float64)
