@@ -145,3 +145,45 @@ def test_fp8_keys_beyond_448_saturate_to_the_oracles_bytes(d):
     assert want_flags & ErrorFlag.SATURATED and flags == ErrorFlag(int(want_flags))
     want = ref.compress(k.astype(np.float64), v.astype(np.float64), params)
     assert np.array_equal(got, want)
+
+
+def _nearer_boundary_codes(y32: np.ndarray, bits: int, fused: bool) -> np.ndarray:
+    """NumPy replay of the warp kernel's uniform codes for rows ``y32 [N, D]`` (float32 values of the
+    input): the float32 estimate (``fused``: t from the exact product, as an FMA gives it) and, for every
+    element, the float64 decision at the boundary nearer t (``lanes._uniform_codes``'s fall-back)."""
+    levels = (1 << bits) - 1
+    lo, hi = y32.min(1, keepdims=True), y32.max(1, keepdims=True)
+    span = hi.astype(np.float64) - lo
+    floored = span < 1e-8 * levels
+    r = np.where(floored, 1e8, levels / np.where(floored, 1.0, span)).astype(np.float32)
+    d32 = (y32 - lo).astype(np.float32)
+    t = d32.astype(np.float64) * r if fused else (d32 * r).astype(np.float64)
+    q = np.rint(t)
+    d = y32.astype(np.float64) - lo
+    num, den = np.where(floored, d, d * levels), np.where(floored, 1e-8, span)
+    up = t >= q
+    q = q + np.where(up, ((q + 0.5) * den <= num).astype(np.int64), -((q - 0.5) * den > num).astype(np.int64))
+    return q.astype(np.int64)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_the_nearer_boundary_alone_decides_the_oracles_uniform_codes(dtype, bits):
+    # the oracle moves its estimate by both comparisons; the kernel's fall-back by the nearer one only
+    from tqkern.ops.quantize.reference import _uniform_codes
+    rng = np.random.default_rng(bits)
+    levels = (1 << bits) - 1
+    rows = [rng.standard_normal((4000, 64))]
+    halves = rng.integers(0, levels, size=(4000, 64)) + 0.5  # every code a tie
+    halves[:, 0], halves[:, 1] = 0, levels
+    rows.append(halves * 2.0 ** rng.integers(-6, 3, size=(4000, 1)))
+    rows.append(rng.standard_normal((500, 64)) * 1e-7)  # floored scales
+    # elements across 12 binades: y − lo inexact in float32, estimates too high as well as too low
+    rows.append(rng.standard_normal((60000, 64)) * 2.0 ** rng.integers(-12, 1, size=(60000, 64)))
+    x = np.concatenate(rows)
+    y32 = torch.from_numpy(x).to(getattr(torch, dtype)).float().numpy()
+    y = y32.astype(np.float64)
+    want = _uniform_codes(y, y.min(1), y.max(1), bits).astype(np.int64)
+    for fused in (False, True):
+        got = _nearer_boundary_codes(y32, bits, fused)
+        assert np.array_equal(got, want), f"{int((got != want).sum())} codes differ (fused={fused})"

@@ -187,10 +187,13 @@ def _fwht(xs, lane, E: tl.constexpr, LB: tl.constexpr):
 def _uniform_codes(ys, lo, hi, BITS: tl.constexpr, E: tl.constexpr, F32: tl.constexpr, F32_FLOOR: tl.constexpr):
     """⌊(y − lo)·(2^b − 1)/(hi − lo) + 1/2⌋ per element (÷1e-8 where the scale is floored): the
     tile kernel's float32 estimate and proof (:func:`tqkern.ops.fields._uniform_codes_f32`);
-    if the proof fails for any element of the warp, every element's estimate q (within one of the
-    answer) is moved by the oracle's two exact float64 comparisons
-    ``(q − 1/2)·den > num`` and ``(q + 1/2)·den ≤ num`` (:func:`tqkern.ops.quantize.reference._uniform_codes`:
-    it starts from another estimate within one, and both end at the same integer), then clamped.
+    if the proof fails for any element of the warp, every element's estimate q is decided by one of
+    the oracle's two exact float64 comparisons (:func:`tqkern.ops.quantize.reference._uniform_codes`),
+    the one at the boundary nearer t: q + 1 where t ≥ q and ``(q + 1/2)·den ≤ num``, q − 1 where t < q
+    and ``(q − 1/2)·den > num`` (since session 77; both before). The farther comparison cannot hold:
+    t lies within 7u·(2^b − 1) of the quotient τ, so t ≥ q puts τ above q − 1/2, and t < q below
+    q + 1/2; where τ lies near q itself neither holds, whichever side t says. The codes stay in
+    [0, 2^b − 1] (τ does), as the oracle's clamp leaves them.
     The scale is floored where ``hi − lo < fl(1e-8·(2^b − 1))``, exactly the oracle's
     ``fl(span/(2^b − 1)) < 1e-8`` (a correctly rounded quotient is monotone in ``span``, and that
     product is the least float64 span it floors for b ≤ 8: ``tests/test_store_warp_float32.py``).
@@ -228,9 +231,11 @@ def _uniform_codes(ys, lo, hi, BITS: tl.constexpr, E: tl.constexpr, F32: tl.cons
         for e in tl.static_range(E):
             d = ys[e].to(tl.float64) - lo64
             num = tl.where(floored, d, d * levels)
-            q = codes[e].to(tl.float64)
-            q = q - ((q - 0.5) * den > num).to(tl.float64) + ((q + 0.5) * den <= num).to(tl.float64)
-            exact = exact + (tl.minimum(tl.maximum(q, 0.0), levels).to(tl.int32),)
+            q = codes[e]
+            up = (ys[e] - lo) * r >= q.to(tl.float32)
+            x = (q.to(tl.float64) + tl.where(up, 0.5, -0.5)) * den - num
+            q = q + tl.where(up, (x <= 0).to(tl.int32), -((x > 0).to(tl.int32)))
+            exact = exact + (q,)
         codes = exact
     return codes
 
