@@ -79,7 +79,8 @@ def _store_rows_at_every_scale(preset: str, d: int, dtype: torch.dtype, misalign
 
 
 @pytest.mark.parametrize("preset, d", [("turboquant_4bit_nc", 128), ("tqkern_k5v3", 128), ("k5v4h", 64),
-                                       ("turboquant_k8v4", 64), ("tq4", 128), ("tq4", 256)])
+                                       ("turboquant_k8v4", 64), ("turboquant_k8v4", 128), ("tq4", 128),
+                                       ("tq4", 256)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_rows_at_every_scale_of_the_input_dtype_store_the_oracles_bytes(preset, d, dtype):
     if dtype == torch.bfloat16 and DEV.type != "cuda":

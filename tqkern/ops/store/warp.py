@@ -325,10 +325,11 @@ def _encode(xs, mus, fin, zchunk, c, row, h, ok, lane, p, bnd, bnd_ptr, cen_ptr,
         codes = _uniform_codes(ys, lo, hi, BITS, E, F32, F32 and not S.ROTATED)
         _write_chunks(field, _where_chunk(fin, _chunk(codes, BITS, E), zchunk, BITS * E), lane, p, ok, BITS * E,
                       S.A_BYTES, L, ALIGNED)
-        if F32 and S.PARAM_DTYPE == DT_F16:
+        if not HAS_MU and S.PARAM_DTYPE == DT_F16:
             # the scale's float16 bytes from a float32 quotient within 5u of the oracle's float64
             # (fl32(hi − lo), div.full's 2 ulp), decided by _f16_unsure (the floor's 1e-8 and its
-            # float32 neighbour both round to float16 0); the zero is lo (a float32 value) rounded
+            # float32 neighbour both round to float16 0; a bf16 span beyond float32's range gives
+            # inf: 65504 and SATURATED, as the oracle's); the zero is lo (a float32 value) rounded
             # once by the hardware after clamping to ±65504, as f64_to_bits rounds it
             sc = tl.maximum((hi - lo) / ((1 << BITS) - 1), 1e-8)
             sbits = _f16_bits(sc, False)
