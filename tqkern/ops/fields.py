@@ -181,16 +181,18 @@ def token_factors(row, h, tmask, S: tl.constexpr, DOT: tl.constexpr, PAR_ALIGNED
 @triton.jit
 def _uniform_codes(y, lo, hi, BITS: tl.constexpr):
     """⌊(y − lo)·(2^b − 1)/(hi − lo) + 1/2⌋ exactly (÷1e-8 instead when the scale is floored),
-    float64 ``y`` and ``lo``, ``hi`` broadcastable to it (a tile's ``[BV, 1]``, or per element): a
-    float32 estimate, then two exact float64 comparisons move it to the right integer. int64,
-    clamped to [0, 2^b − 1]."""
+    float64 ``y`` and ``lo``, ``hi`` broadcastable to it (a tile's ``[BV, 1]``, or per element): an
+    estimate (d times the row's float64 ratio: within one of the answer), then two exact float64
+    comparisons move it to the right integer. int64, clamped to [0, 2^b − 1]. (Until session 78 the
+    estimate was a float32 quotient of num and den, and num = (y − lo)·(2^b − 1) overflows float32
+    for bf16 rows from ~2^124: every such code came out 2^b − 1.)"""
     levels: tl.constexpr = (1 << BITS) - 1
     span = hi - lo
     floored = span / levels < 1e-8
     d = y - lo
     num = tl.where(floored, d, d * levels)
     den = tl.where(floored, 1e-8, span)
-    q = tl.floor(num.to(tl.float32) / den.to(tl.float32) + 0.5).to(tl.float64)
+    q = tl.floor(d * tl.where(floored, 1e8, levels / tl.where(floored, 1.0, span)) + 0.5)
     q = q - ((q - 0.5) * den > num).to(tl.float64) + ((q + 0.5) * den <= num).to(tl.float64)
     return tl.minimum(tl.maximum(q, 0.0), levels).to(tl.int64)
 
