@@ -187,3 +187,38 @@ def test_the_nearer_boundary_alone_decides_the_oracles_uniform_codes(dtype, bits
     for fused in (False, True):
         got = _nearer_boundary_codes(y32, bits, fused)
         assert np.array_equal(got, want), f"{int((got != want).sum())} codes differ (fused={fused})"
+
+
+def _fwht_f32(x: np.ndarray) -> np.ndarray:
+    """The unnormalised Walsh–Hadamard transform of float32 rows, each butterfly rounded to float32."""
+    y = x.astype(np.float32).copy()
+    d = y.shape[-1]
+    hlen = 1
+    while hlen < d:
+        y = y.reshape(*y.shape[:-1], d // (2 * hlen), 2, hlen)
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = np.stack([a + b, a - b], axis=-2).reshape(*x.shape)
+        hlen *= 2
+    return y
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_the_warp_kernels_bf16_transform_at_2_to_the_minus_16_is_the_transform_scaled(d):
+    # warp._encode scales bf16 rows (no key offset) by 2^-16 before the unnormalised transform, so
+    # that rows near bf16's top (2^128) do not overflow float32, and c by 2^16 after: exact only if
+    # every butterfly of the scaled rows is the unscaled one times 2^-16, subnormal results included
+    # (bf16 values are multiples of 2^-133). Rows from bf16's subnormals up to where the unscaled
+    # transform still stays finite, and rows with cancelling pairs.
+    rng = np.random.default_rng(d)
+    e = rng.integers(-133, 118, size=(4096, 1))
+    x = rng.standard_normal((4096, d)) * np.exp2(e) * np.exp2(rng.integers(-30, 1, size=(4096, d)))
+    x[::7, 1::2] = -x[::7, ::2]  # exact cancellations
+    xb = torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16).float().numpy()
+    assert (np.abs(xb[xb != 0]) < 2.0**-126).any()  # float32 subnormal inputs among them
+    with np.errstate(over="raise"):
+        full = _fwht_f32(xb)
+        scaled = _fwht_f32(xb * np.float32(2.0**-16))
+    assert (np.abs(scaled[scaled != 0]) < 2.0**-126).any()  # subnormal partial results too
+    assert np.array_equal(scaled.astype(np.float64) * 2.0**16, full.astype(np.float64))
+    top = xb[:8] * np.float32(2.0**(127 - 118 - 1))  # rows near bf16's top: the scaled transform stays finite
+    assert np.isfinite(_fwht_f32(top * np.float32(2.0**-16))).all()

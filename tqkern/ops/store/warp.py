@@ -234,7 +234,19 @@ def _encode(xs, mus, fin, zchunk, c, row, h, ok, lane, p, bnd, bnd_ptr, cen_ptr,
             ys = ys + (xs[e] - mus[e],)
     d32 = ys  # fl(x − μ) before the rotation: the float32 norm's terms (_sum_sq_f32's 17u bound)
     if S.ROTATED:
-        ys = _fwht(ys, lane, E, LB)  # c = |Π[0, 0]| applied below
+        if IN_BF16 and not HAS_MU:
+            # bf16 elements reach 2^128, so the unnormalised transform's sums of D of them overflow
+            # float32: the elements are scaled by 2^-16 first and c by 2^16. Exact: bf16 values are
+            # multiples of 2^-133, and so is every partial sum (below 2^-110 it needs at most 23
+            # bits, and above it rounds alike at either scale), so each scaled sum is the sum times
+            # 2^-16 (session 78; with a key offset fl(x − μ) has no such grain: not scaled)
+            zs = ()
+            for e in tl.static_range(E):
+                zs = zs + (ys[e] * 2.0**-16,)
+            ys = _fwht(zs, lane, E, LB)
+            c = c * 65536.0
+        else:
+            ys = _fwht(ys, lane, E, LB)  # c = |Π[0, 0]| applied below
     if KIND == KIND_LLOYD_MAX:
         # float16 norms from a float32 sum of squares (of fl(x − μ) with a key offset: 17u),
         # decided by its error bound or recomputed in float64 for the warp (rare); float32 norms
