@@ -97,3 +97,46 @@ def test_misaligned_rows_at_every_scale_store_the_oracles_bytes(preset, d, dtype
     if dtype == torch.bfloat16 and DEV.type != "cuda":
         pytest.skip("the interpreter has no bf16")
     _store_rows_at_every_scale(preset, d, dtype, misaligned=True)
+
+
+@pytest.mark.parametrize("preset, d, misaligned", [("turboquant_k8v4", 128, False), ("turboquant_k8v4", 64, False),
+                                                   ("turboquant_4bit_nc", 128, False),
+                                                   ("turboquant_4bit_nc", 128, True)])
+def test_bf16_values_spanning_beyond_float32s_range_store_the_oracles_bytes(preset, d, misaligned):
+    # A uniform side's span hi − lo of bf16 rows reaches 2^129: beyond float32 (so y − lo may
+    # overflow), and (y − lo)·(2^b − 1) beyond it from ~2^124 (session 78: the tile kernel's
+    # float64 fall-back took a float32 estimate of it, and every code came out 2^b − 1). Values
+    # with elements near ±2^127, the warp kernel (aligned, head_dim 128), the tile kernel (64,
+    # misaligned); each row's value scale saturates (SATURATED).
+    if DEV.type != "cuda":
+        pytest.skip("the interpreter has no bf16")
+    h, n = 2, 40
+    rng = np.random.default_rng(d + misaligned)
+    fmt = tqkern.KVFormat.preset(preset, d)
+    layout = tqkern.PagedLayout(format=fmt, num_kv_heads=h, block_size=16)
+    params = tqkern.TQParams.default(fmt, seed=5)
+    k = torch.from_numpy(rng.standard_normal((n, h, d)).astype(np.float32)).to(torch.bfloat16)
+    top = rng.uniform(1.0, 1.99, size=(n, h, d)) * np.exp2(127) * rng.choice([-1.0, 1.0], size=(n, h, d))
+    small = rng.standard_normal((n, h, d)) * np.exp2(rng.integers(100, 126, size=(n, h, 1)))
+    v64 = np.where(rng.random((n, h, d)) < 0.25, top, small)
+    v = torch.from_numpy(v64.astype(np.float32)).to(torch.bfloat16)
+    assert torch.isfinite(v.float()).all()
+    vf = v.double()
+    assert (vf.amax(-1) - vf.amin(-1) > 2.0**128).float().mean() > 0.5  # most spans beyond float32
+    nb = n // 16 + 2
+    slots = torch.from_numpy(rng.permutation(nb * 16)[:n].astype(np.int64))
+    cache = torch.from_numpy(rng.integers(0, 256, size=layout.cache_shape(nb), dtype=np.uint8)).to(DEV)
+    kd, vd = k.to(DEV), v.to(DEV)
+    if misaligned:
+        kd = torch.cat([torch.zeros_like(kd[..., :1]), kd], -1)[..., 1:]
+        vd = torch.cat([torch.zeros_like(vd[..., :1]), vd], -1)[..., 1:]
+        assert not vectors_aligned(kd) and not vectors_aligned(vd)
+    read_errors(DEV)
+    tqt.store(cache, kd, vd, slots.to(DEV), layout, tqt.to_device(params, DEV))
+    flags = read_errors(DEV)
+    assert flags == ErrorFlag.SATURATED
+    got = ref.gather_slots(cache.cpu().numpy(), layout, slots.numpy())
+    want, unsure = ref.compress(k.double().numpy(), v.double().numpy(), params, return_uncertain=True)
+    bad = (got != want) & ~unsure
+    assert not bad.any(), f"certain bytes differ at (token, head) {np.argwhere(bad.any(-1))[:6].tolist()}"
+    assert unsure.mean() < 0.1

@@ -201,7 +201,8 @@ def _uniform_codes(y, lo, hi, BITS: tl.constexpr):
 def _uniform_codes_f32(y, lo, hi, D: tl.constexpr, BITS: tl.constexpr):
     """:func:`_uniform_codes` for float32 ``y [BV, DP]``, ``lo``, ``hi [BV]`` (values exactly
     representable in float32), in float32 and checked. With t = (y − lo)·r, r = fl32((2^b − 1)/(hi − lo))
-    (or 1e8 when the scale is floored), q = rint(t) by the magic number 1.5·2^23 and g = t − q:
+    (or 1e8 when the scale is floored; from spans of 2^120, t = (y·2^-8 − lo·2^-8)·2^8·r, as
+    y − lo may overflow), q = rint(t) by the magic number 1.5·2^23 and g = t − q:
     t is within (2^b − 1)·2^-22 of the exact quotient τ (three float32 roundings), so
     |g| < 1/2 − (2^b − 1)·2^-20 proves ⌊τ + 1/2⌋ = q (and 0 ≤ q ≤ 2^b − 1). A tile where some
     column below D fails the test takes the float64 path (rows that are not written hold zeros:
@@ -213,8 +214,12 @@ def _uniform_codes_f32(y, lo, hi, D: tl.constexpr, BITS: tl.constexpr):
     hi64 = hi.to(tl.float64)
     span = hi64 - lo64  # exact: both are float32 values
     floored = span / levels < 1e-8
-    r = tl.where(floored, 1e8, levels / tl.where(floored, 1.0, span)).to(tl.float32)
-    t = (y - lo[:, None]) * r[:, None]
+    # spans from 2^120 (bf16 or float32 rows only): y − lo may overflow float32, so both are scaled
+    # by h = 2^-8 first (y·h exactly in the fma; lo·h loses at most 2^-150, far inside the margin)
+    big = span >= 2.0**120
+    r = (tl.where(floored, 1e8, levels / tl.where(floored, 1.0, span)) * tl.where(big, 256.0, 1.0)).to(tl.float32)
+    h = tl.where(big, 2.0**-8, 1.0).to(tl.float32)
+    t = tl.fma(y, h[:, None], -(lo * h)[:, None]) * r[:, None]
     s = t + magic
     g = tl.abs(t - (s - magic))
     if y.shape[1] != D:

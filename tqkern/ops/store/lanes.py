@@ -184,6 +184,15 @@ def _fwht(xs, lane, E: tl.constexpr, LB: tl.constexpr):
 
 
 @triton.jit
+def _scaled_diff(y, h, lo_h, F32: tl.constexpr):
+    """fl32(y·h − lo_h) for lo_h = fl32(lo·h): y − lo itself where ``F32`` (h = 1)."""
+    if F32:
+        return y - lo_h
+    else:
+        return tl.fma(y, h, -lo_h)
+
+
+@triton.jit
 def _uniform_codes(ys, lo, hi, BITS: tl.constexpr, E: tl.constexpr, F32: tl.constexpr, F32_FLOOR: tl.constexpr):
     """⌊(y − lo)·(2^b − 1)/(hi − lo) + 1/2⌋ per element (÷1e-8 where the scale is floored): the
     tile kernel's float32 estimate and proof (:func:`tqkern.ops.fields._uniform_codes_f32`);
@@ -200,7 +209,9 @@ def _uniform_codes(ys, lo, hi, BITS: tl.constexpr, E: tl.constexpr, F32: tl.cons
     ``F32`` (fp16 rows without a key offset: ``hi − lo`` below 2^22): the ratio r is
     ``div.full.f32(2^b − 1, fl32(hi − lo))`` (within 5u of the quotient, u = 2^-24) instead of a
     float64 division rounded to float32; t = fl(fl(y − lo)·r) then lies within 7u·(2^b − 1)
-    < (2^b − 1)·2^-20 of the exact quotient, inside the proof's margin. ``F32_FLOOR`` (``F32`` on an
+    < (2^b − 1)·2^-20 of the exact quotient, inside the proof's margin. Otherwise (bf16 rows) spans
+    from 2^120 take t = fl(y·2^-8 − lo·2^-8)·fl32(2^8·r), as y − lo may overflow float32 (lo·2^-8
+    loses at most 2^-150, far inside the margin). ``F32_FLOOR`` (``F32`` on an
     unrotated side: hi and lo are float16 values, so hi − lo is a multiple of 2^-24, none of which
     lies within 0.16·2^-24 of the threshold T for b ≤ 8): the floor from ``fl32(hi − lo) < fl32(T)``,
     the same decision (rounding is monotone, and T's float32 neighbours are nearer to it than
@@ -214,13 +225,17 @@ def _uniform_codes(ys, lo, hi, BITS: tl.constexpr, E: tl.constexpr, F32: tl.cons
         floored = hi.to(tl.float64) - lo.to(tl.float64) < 1e-8 * levels  # (the span is exact in float64)
     if F32:
         r = tl.where(floored, 1e8, levels / tl.where(floored, 1.0, hi - lo))
-    else:
-        r = tl.where(floored, 1e8, levels / tl.where(floored, 1.0, hi.to(tl.float64) - lo.to(tl.float64)))
-        r = r.to(tl.float32)
+        h = 1.0
+    else:  # from spans of 2^120 (bf16 rows) y − lo may overflow float32: both scaled by h = 2^-8 first
+        span = hi.to(tl.float64) - lo.to(tl.float64)
+        big = span >= 2.0**120
+        r = (tl.where(floored, 1e8, levels / tl.where(floored, 1.0, span)) * tl.where(big, 256.0, 1.0)).to(tl.float32)
+        h = tl.where(big, 2.0**-8, 1.0).to(tl.float32)
+    lo_h = lo * h
     codes = ()
     worst = lo * 0.0
     for e in tl.static_range(E):
-        t = (ys[e] - lo) * r
+        t = _scaled_diff(ys[e], h, lo_h, F32) * r
         s = t + magic
         worst = tl.maximum(worst, tl.abs(t - (s - magic)))
         codes = codes + (s.to(tl.int32, bitcast=True) - 0x4B400000,)
@@ -232,7 +247,7 @@ def _uniform_codes(ys, lo, hi, BITS: tl.constexpr, E: tl.constexpr, F32: tl.cons
             d = ys[e].to(tl.float64) - lo64
             num = tl.where(floored, d, d * levels)
             q = codes[e]
-            up = (ys[e] - lo) * r >= q.to(tl.float32)
+            up = _scaled_diff(ys[e], h, lo_h, F32) * r >= q.to(tl.float32)
             x = (q.to(tl.float64) + tl.where(up, 0.5, -0.5)) * den - num
             q = q + tl.where(up, (x <= 0).to(tl.int32), -((x > 0).to(tl.int32)))
             exact = exact + (q,)
