@@ -199,7 +199,7 @@ def _uniform_codes(ys, lo, hi, BITS: tl.constexpr, E: tl.constexpr, F32: tl.cons
     if the proof fails for any element of the warp, every element's estimate q is decided by one of
     the oracle's two exact float64 comparisons (:func:`tqkern.ops.quantize.reference._uniform_codes`),
     the one at the boundary nearer t: q + 1 where t ≥ q and ``(q + 1/2)·den ≤ num``, q − 1 where t < q
-    and ``(q − 1/2)·den > num`` (since session 77; both before). The farther comparison cannot hold:
+    and ``(q − 1/2)·den > num`` (since session 78; both before). The farther comparison cannot hold:
     t lies within 7u·(2^b − 1) of the quotient τ, so t ≥ q puts τ above q − 1/2, and t < q below
     q + 1/2; where τ lies near q itself neither holds, whichever side t says. The codes stay in
     [0, 2^b − 1] (τ does), as the oracle's clamp leaves them.
