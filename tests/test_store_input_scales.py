@@ -39,17 +39,18 @@ def _rows(n: int, h: int, d: int, exps: list, rng) -> np.ndarray:
     return (x * np.exp2(e)).astype(np.float32)
 
 
-def _store_rows_at_every_scale(preset: str, d: int, dtype: torch.dtype, misaligned: bool):
+def _store_rows_at_every_scale(preset: str, d: int, dtype: torch.dtype, misaligned: bool, mu: bool = False):
     """Rows at every scale of ``dtype`` stored into a poisoned cache at shuffled slots: the oracle's
     certain bytes and its flags. ``misaligned``: K/V views starting 2 bytes into their storage (the
-    tile kernel; vector-aligned inputs of a Hadamard preset take the warp kernel)."""
+    tile kernel; vector-aligned inputs of a Hadamard preset take the warp kernel). ``mu``: with a key
+    offset μ ~ N(0, 0.5²)."""
     h = 2
     exps = SCALES[dtype]
     n = 2 * len(exps)
     rng = np.random.default_rng(d)
     fmt = tqkern.KVFormat.preset(preset, d)
     layout = tqkern.PagedLayout(format=fmt, num_kv_heads=h, block_size=16)
-    params = tqkern.TQParams.default(fmt, seed=3)
+    params = tqkern.TQParams.default(fmt, seed=3, key_offset=rng.normal(0.0, 0.5, (h, d)) if mu else None)
     k = torch.from_numpy(_rows(n, h, d, exps, rng)).to(dtype)
     v = torch.from_numpy(_rows(n, h, d, exps[::-1], rng)).to(dtype)
     assert torch.isfinite(k.float()).all() and torch.isfinite(v.float()).all()
@@ -86,6 +87,16 @@ def test_rows_at_every_scale_of_the_input_dtype_store_the_oracles_bytes(preset, 
     if dtype == torch.bfloat16 and DEV.type != "cuda":
         pytest.skip("the interpreter has no bf16")
     _store_rows_at_every_scale(preset, d, dtype, misaligned=False)
+
+
+@pytest.mark.parametrize("preset, d", [("turboquant_4bit_nc", 128), ("tqkern_k5v3", 128), ("k5v4h", 64)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_rows_at_every_scale_with_a_key_offset_store_the_oracles_bytes(preset, d, dtype):
+    # x − μ (session 78: the warp kernel scales bf16 vectors of ‖x − μ‖ above 2^50 before its
+    # transform, float16 and float32 norms deciding alike)
+    if dtype == torch.bfloat16 and DEV.type != "cuda":
+        pytest.skip("the interpreter has no bf16")
+    _store_rows_at_every_scale(preset, d, dtype, misaligned=False, mu=True)
 
 
 # the tile kernel's other rotations: a signed Hadamard's ±1 operand (pm1: misaligned inputs of a

@@ -233,31 +233,55 @@ def _encode(xs, mus, fin, zchunk, c, row, h, ok, lane, p, bnd, bnd_ptr, cen_ptr,
         for e in tl.static_range(E):
             ys = ys + (xs[e] - mus[e],)
     d32 = ys  # fl(x − μ) before the rotation: the float32 norm's terms (_sum_sq_f32's 17u bound)
+    NORM32: tl.constexpr = S.PARAM_DTYPE == DT_F16
+    if KIND == KIND_LLOYD_MAX:  # the norm's sum first: with a key offset it decides the scale below
+        if NORM32:
+            ss = _sum_sq_f32(d32, lane, E, LB)
+        else:
+            n = tl.where(fin, _norm_f64(xs, mus, lane, HAS_MU, E, LB), 0.0)  # the norm bytes equal the oracle's
     if S.ROTATED:
-        if IN_BF16 and not HAS_MU:
+        if IN_BF16:
             # bf16 elements reach 2^128, so the unnormalised transform's sums of D of them overflow
-            # float32: the elements are scaled by 2^-16 first and c by 2^16. Exact: bf16 values are
-            # multiples of 2^-133, and so is every partial sum (below 2^-110 it needs at most 23
-            # bits, and above it rounds alike at either scale), so each scaled sum is the sum times
-            # 2^-16 (session 78; with a key offset fl(x − μ) has no such grain: not scaled)
+            # float32: the elements are scaled by 2^-16 first and c by 2^16 (session 78). Exact
+            # without a key offset: bf16 values are multiples of 2^-133, and so is every partial sum
+            # (below 2^-110 it needs at most 23 bits, and above it rounds alike at either scale), so
+            # each scaled sum is the sum times 2^-16. fl(x − μ) has no such grain: with a key offset
+            # only vectors of ‖x − μ‖ above 2^50 are scaled (a Lloyd-Max side's own norm sum decides;
+            # other sides, custom formats only, a butterfly max of |x − μ| from 2^50), where an
+            # element's rounding at 2^-149 is below 2^-183 of the norm
+            sc = 2.0**-16
+            cm = 65536.0
+            if HAS_MU:
+                if KIND == KIND_LLOYD_MAX:
+                    if NORM32:
+                        big = ss > 2.0**100  # (inf too)
+                    else:
+                        big = n > 2.0**50
+                else:
+                    m = tl.abs(ys[0])
+                    for e in tl.static_range(1, E):
+                        m = tl.maximum(m, tl.abs(ys[e]))
+                    for j in tl.static_range(LB):
+                        m = tl.maximum(m, _bfly(m, lane * 0 + (1 << j)))
+                    big = m >= 2.0**50
+                sc = tl.where(big, 2.0**-16, 1.0)
+                cm = tl.where(big, 65536.0, 1.0)
             zs = ()
             for e in tl.static_range(E):
-                zs = zs + (ys[e] * 2.0**-16,)
+                zs = zs + (ys[e] * sc,)
             ys = _fwht(zs, lane, E, LB)
-            c = c * 65536.0
+            c = c * cm
         else:
             ys = _fwht(ys, lane, E, LB)  # c = |Π[0, 0]| applied below
     if KIND == KIND_LLOYD_MAX:
         # float16 norms from a float32 sum of squares (of fl(x − μ) with a key offset: 17u),
         # decided by its error bound or recomputed in float64 for the warp (rare); float32 norms
         # need the float64 sum (docstring)
-        NORM32: tl.constexpr = S.PARAM_DTYPE == DT_F16
         STORED: tl.constexpr = S.NORM_CORRECTION == NC_STORED
         # bf16 rows with ‖x − μ‖ outside [2^-50, 2^50] (rare): the warp's norms from float64 and, as c/‖x − μ‖
         # may leave float32's range there (subnormal rows: down to 2^-133), codes of y·2^∓64 (_rescaled_codes).
         # fp16 rows: ‖x − μ‖ is 0 or in [2^-126, 2^121] (docstring)
         if NORM32:
-            ss = _sum_sq_f32(d32, lane, E, LB)
             n = tl.where(fin, tl.sqrt_rn(ss), 0.0)
             inv = tl.where(n > 0, 1.0 / tl.where(n > 0, n, 1.0), 0.0)
             codes = _lm_codes(ys, inv * c if S.ROTATED else inv, bnd, bnd_ptr, BITS, E, SYM)
@@ -267,7 +291,6 @@ def _encode(xs, mus, fin, zchunk, c, row, h, ok, lane, p, bnd, bnd_ptr, cen_ptr,
                     n = n64.to(tl.float32)
                     codes = _rescaled_codes(ys, n64, c, bnd, bnd_ptr, BITS, E, SYM, S.ROTATED)
         else:
-            n = tl.where(fin, _norm_f64(xs, mus, lane, HAS_MU, E, LB), 0.0)  # the norm bytes equal the oracle's
             inv = tl.where(n > 0, 1.0 / tl.where(n > 0, n, 1.0), 0.0).to(tl.float32)
             codes = _lm_codes(ys, inv * c if S.ROTATED else inv, bnd, bnd_ptr, BITS, E, SYM)
             if IN_BF16:
