@@ -13,11 +13,14 @@ oracle's bytes wherever it is certain, and its error flags. bf16 runs on the GPU
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import tqkern
 import tqkern_torch as tqt
 from tqkern import reference as ref
 from tqkern.errors import ErrorFlag
+from tqkern.ops import fields
 from tqkern.ops.store.triton import vectors_aligned
 from tqkern_torch.errors import read_errors
 from tqkern_torch.testing import device_under_test, kernels_available
@@ -151,3 +154,39 @@ def test_bf16_values_spanning_beyond_float32s_range_store_the_oracles_bytes(pres
     bad = (got != want) & ~unsure
     assert not bad.any(), f"certain bytes differ at (token, head) {np.argwhere(bad.any(-1))[:6].tolist()}"
     assert unsure.mean() < 0.1
+
+
+@triton.jit
+def _tile_uniform_codes_kernel(y_ptr, q_ptr, DP: tl.constexpr, BITS: tl.constexpr):
+    """Row r of float64 ``y [R, DP]``: its codes by fields._uniform_codes over the row's bounds."""
+    r = tl.program_id(0)
+    y = tl.load(y_ptr + r * DP + tl.arange(0, DP))[None, :]
+    lo = tl.min(y, axis=1)[:, None]
+    hi = tl.max(y, axis=1)[:, None]
+    tl.store(q_ptr + r * DP + tl.arange(0, DP)[None, :], fields._uniform_codes(y, lo, hi, BITS))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_the_tile_kernels_exact_uniform_codes_at_spans_near_float32s_range(bits):
+    # fields._uniform_codes (the tile kernel's float64 fall-back) against the oracle's, on rows
+    # whose (y − lo)·(2^b − 1) and even span leave float32 (bf16 rows reach 2^128; session 78: a
+    # float32 estimate of that product made every such code 2^b − 1), with exact halves among them.
+    from tqkern.ops.quantize.reference import _uniform_codes as oracle
+
+    levels = (1 << bits) - 1
+    rng = np.random.default_rng(bits)
+    rows, dp = 24, 32
+    e = rng.integers(124, 128, size=(rows, 1)).astype(np.float64)
+    y = rng.uniform(-1.0, 1.0, size=(rows, dp)) * np.exp2(e)
+    y[:8] = np.round(rng.uniform(0, levels, size=(8, dp)) * 2) / 2  # halves of the grid...
+    y[:8, 0], y[:8, 1] = 0, levels
+    y[:8] *= np.exp2(127 - bits)  # ...times 2^(127 − b): span below 2^127, product above 2^128 (exact)
+    y = y.astype(np.float32).astype(np.float64)  # float32 values, as the kernel's inputs are
+    y[8, 0], y[8, 1] = -3.3e38, 3.3e38  # a span of ~2^129
+    y[8] = y[8].astype(np.float32)
+    assert ((y.max(1) - y.min(1)) * levels > 3.4028234663852886e38).mean() > 0.5
+    q = torch.zeros((rows, dp), dtype=torch.int64, device=DEV)
+    _tile_uniform_codes_kernel[(rows,)](torch.from_numpy(y).to(DEV), q, dp, bits)
+    want = oracle(y, y.min(1), y.max(1), bits).astype(np.int64)
+    assert np.array_equal(q.cpu().numpy(), want)
+    assert (want == levels).mean() < 0.5
