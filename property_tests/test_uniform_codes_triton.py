@@ -1,5 +1,6 @@
-"""The tile store kernel's uniform codes (``tqkern.ops.fields``) equal the oracle's on float32 rows of
-any binade, bf16's whole range included.
+"""The store kernels' uniform codes (the tile kernel's ``tqkern.ops.fields``, the warp kernel's
+``tqkern.ops.store.lanes``) equal the oracle's on float32 rows of any binade, bf16's whole range
+included.
 
 ``_uniform_codes_f32`` (the float32 estimate and its proof, h = 2^-8 from spans of 2^120) and
 ``_uniform_codes`` (the exact float64 fall-back it takes where the proof fails) each against
@@ -7,7 +8,10 @@ any binade, bf16's whole range included.
 float64 comparisons, so no tie is uncertain. Rows mix Gaussian elements of a drawn binade,
 elements on the grid's exact halves and elements near ±2^127 (spans up to 2^129, where
 (y − lo)·(2^b − 1) and y − lo leave float32: session 78 found the fall-back's estimate overflowing
-there); columns from the head_dim D to the tile's DP are padding the functions must ignore.
+there); columns from the head_dim D to the tile's DP are padding the functions must ignore. The
+warp kernel's function runs on one vector of L lanes × E elements (its bounds reduced here over the
+lanes, as the kernel's butterflies do), on float16 rows with its float32 ratio and floor (``F32``,
+``F32_FLOOR``: fp16 inputs without a key offset) and on any float32 rows without them.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from hypothesis import strategies as st
 
 from tqkern.ops import fields
 from tqkern.ops.quantize.reference import _uniform_codes as oracle
+from tqkern.ops.store import lanes
 from tqkern_torch.testing import device_under_test, kernels_available
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs CUDA or TRITON_INTERPRET=1")
@@ -79,3 +84,38 @@ def test_tile_uniform_codes_equal_the_oracles(case):
     want = oracle(y, y.min(1), y.max(1), bits).astype(np.int64)
     assert np.array_equal(q64.cpu().numpy()[:, :d], want)
     assert np.array_equal(q32.cpu().numpy()[:, :d].astype(np.int64), want)
+
+
+@triton.jit
+def _lane_codes_kernel(y_ptr, q_ptr, L: tl.constexpr, E: tl.constexpr, BITS: tl.constexpr, F32: tl.constexpr):
+    """One vector of float32 ``y [L·E]`` (element E·p + e in lane p): lanes._uniform_codes' codes."""
+    lane = tl.arange(0, L)
+    ys = ()
+    for e in tl.static_range(E):
+        ys = ys + (tl.load(y_ptr + lane * E + e),)
+    lo = ys[0]
+    hi = ys[0]
+    for e in tl.static_range(1, E):
+        lo = tl.minimum(lo, ys[e])
+        hi = tl.maximum(hi, ys[e])
+    lo = tl.min(lo, axis=0) + lane * 0.0
+    hi = tl.max(hi, axis=0) + lane * 0.0
+    codes = lanes._uniform_codes(ys, lo, hi, BITS, E, F32, F32)
+    for e in tl.static_range(E):
+        tl.store(q_ptr + lane * E + e, codes[e])
+
+
+@given(rows(), st.booleans(), st.sampled_from([(8, 4), (4, 8), (16, 2)]))
+def test_warp_uniform_codes_equal_the_oracles(case, f32, shape):
+    bits, _, y32 = case
+    lanes_, e = shape
+    x = y32.reshape(-1)[: lanes_ * e]
+    if f32:  # fp16 rows: the kernel's float32 ratio and floor assume float16 values
+        with np.errstate(over="ignore"):
+            x = x.astype(np.float16).astype(np.float32)
+        x = np.where(np.isfinite(x), x, np.sign(x) * np.float32(65504.0)).astype(np.float32)
+    q = torch.full((x.size,), -1, dtype=torch.int32, device=DEV)
+    _lane_codes_kernel[(1,)](torch.from_numpy(x.copy()).to(DEV), q, lanes_, e, bits, f32)
+    y = x.astype(np.float64)[None, :]
+    want = oracle(y, y.min(1), y.max(1), bits).astype(np.int64)[0]
+    assert np.array_equal(q.cpu().numpy().astype(np.int64), want)
