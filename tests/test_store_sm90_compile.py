@@ -66,7 +66,9 @@ BUDGETS = {
     # 2176 instructions here, 147 under Triton 3.6's ptxas; k5v4h 138 here, 188 there: timed faster capped).
     # S76: the rare branch of rows with norms outside [2^-50, 2^50] recodes them rescaled (0 / 2240 and 8 / 2648
     # before; Triton 3.6 0 / 2448, 8 / 3288; timed within 1% of before for 4bit_nc, k5v4h 10% faster)
-    "turboquant_4bit_nc:row:128:8:warp+bf16": (0, 2472),
+    # S78: the uniform fall-back at the nearer boundary, bf16 scale and zero from float32, bf16 transform scaled
+    # (2472 before; Triton 3.6: 0 / 2184, its S77 spill of 24 bytes gone)
+    "turboquant_4bit_nc:row:128:8:warp+bf16": (0, 2208),
     "k5v4h:slot:128:8:warp+bf16": (16, 3344),  # (2632 before session 55's float32 centroid norm)
     "turboquant_3bit_nc:slot:128:8:warp": (0, 1968),
     # fp16 inputs of stored-correction formats at head_dim 128 under a 112-register cap (session 56, timed
@@ -116,9 +118,6 @@ TRITON36 = {
     "tq4:row:128:8:bf16+small": (64, 3000),  # S73, on the H200 machine (bf16 parts: 320 / 3480)
     "turboquant_4bit_nc:row:128:8:bf16": (0, 6480),  # S77, on the H200 machine (S76: 0 / 6280)
     "tq4:slot:160:8:bf16": (0, 8240),  # S77, on the H200 machine
-    # S77 (offline, Triton 3.6 wheel): 24 spilled bytes under the 128-register cap since the uniform sides' float32
-    # path (e35571c; 0 / 2448 before); that session's H200 probe read bf16 69.3 -> 69.8 us at 16K x 8 x 128
-    "turboquant_4bit_nc:row:128:8:warp+bf16": (24, 2448),
     "turboquant_4bit_nc:slot:128:8": (0, 6688),
     "turboquant_k8v4:slot:128:8": (0, 1912),
     "tq4:row:256:8:mu": (0, 14248),
