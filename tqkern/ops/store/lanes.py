@@ -247,6 +247,8 @@ def _uniform_codes(ys, lo, hi, BITS: tl.constexpr, E: tl.constexpr, F32: tl.cons
             d = ys[e].to(tl.float64) - lo64
             num = tl.where(floored, d, d * levels)
             q = codes[e]
+            # t again (the same operations): kept from the loop above it would hold E more registers
+            # across the hot path for a branch taken by a minority of iterations
             up = _scaled_diff(ys[e], h, lo_h, F32) * r >= q.to(tl.float32)
             x = (q.to(tl.float64) + tl.where(up, 0.5, -0.5)) * den - num
             q = q + tl.where(up, (x <= 0).to(tl.int32), -((x > 0).to(tl.int32)))

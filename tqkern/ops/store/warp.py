@@ -261,8 +261,7 @@ def _encode(xs, mus, fin, zchunk, c, row, h, ok, lane, p, bnd, bnd_ptr, cen_ptr,
                     m = tl.abs(ys[0])
                     for e in tl.static_range(1, E):
                         m = tl.maximum(m, tl.abs(ys[e]))
-                    for j in tl.static_range(LB):
-                        m = tl.maximum(m, _bfly(m, lane * 0 + (1 << j)))
+                    _, m = _group_min_max(m, m, lane, LB)  # (its min unused: pure shuffles, dropped)
                     big = m >= 2.0**50
                 sc = tl.where(big, 2.0**-16, 1.0)
                 cm = tl.where(big, 65536.0, 1.0)
